@@ -1,0 +1,3 @@
+from lengthwise.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,281 @@
+"""The StepPlan: everything a planner decides for one global batch, as plain data.
+
+Vocabulary (used throughout the project):
+
+- *sequence* / *document*: one training example of the global batch, `seq_id` indexes
+  `StepPlan.lengths`.
+- *segment* / *slice*: tokens [start, stop) of one sequence. A segment with start > 0 attends
+  to the K/V of tokens [0, start) of its sequence: its *context*.
+- *chunk*: one packed row of segments (a micro-batch, a MicroPack); the unit a stage runs.
+- *pipeline*: one data-parallel replica with its own (tp, pp, cp); heterogeneous pipelines
+  (Hydraulis) have different degrees.
+- *stage*: one pipeline stage, running a contiguous range of layers.
+- *action*: one step of a stage's schedule, `F`, `B` or `N` (ChunkFlow's forward without grad
+  that keeps only K/V state) of one chunk.
+
+String forms round-trip: an action is `F3`, `B3`, `N3`, with `.r4` when the forward keeps only
+the checkpoints of 4 of the stage's layers (those layers are recomputed before the backward).
+A segment is `7[0:4096]`; a chunk is `7[0:4096]+2[0:100]`.
+
+Backward grouping (SlimPack §4.1.2): a pipeline may carry `backward_chunks`, a separate grouping
+of the same tokens into backward units; `B` actions then index those. When absent, backward unit
+i is forward chunk i.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lengthwise.errors import UserError
+from lengthwise.specs import ClusterSpec, ModelSpec
+
+FORWARD = "F"
+BACKWARD = "B"
+FORWARD_NOGRAD = "N"
+ACTION_KINDS = (FORWARD, BACKWARD, FORWARD_NOGRAD)
+
+SHARDED = -1
+"""`Segment.cp_rank` value: the segment is sharded over the pipeline's whole CP group."""
+
+
+@dataclass(frozen=True, order=True)
+class Segment:
+    """Tokens [start, stop) of sequence `seq_id`; context is [0, start)."""
+
+    seq_id: int
+    start: int
+    stop: int
+    cp_rank: int = SHARDED
+    """Which CP rank holds the segment whole, or SHARDED (-1) to split it over the CP group
+    (Skrull's distributed sequences). With cp = 1 both mean the same."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def context(self) -> int:
+        return self.start
+
+    def __str__(self) -> str:
+        place = "" if self.cp_rank == SHARDED else f"@{self.cp_rank}"
+        return f"{self.seq_id}[{self.start}:{self.stop}]{place}"
+
+    @classmethod
+    def parse(cls, text: str) -> Segment:
+        m = re.fullmatch(r"(\d+)\[(\d+):(\d+)\](?:@(\d+))?", text.strip())
+        if not m:
+            raise UserError(f"bad segment {text!r}: expected SEQ[START:STOP] or SEQ[START:STOP]@RANK")
+        rank = SHARDED if m.group(4) is None else int(m.group(4))
+        return cls(int(m.group(1)), int(m.group(2)), int(m.group(3)), rank)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One packed row: segments laid end to end, attention causal within each segment's
+    sequence only. `pad_to` > num_tokens means the row is padded to that length (padding
+    baseline) and the padding costs compute."""
+
+    segments: tuple[Segment, ...]
+    pad_to: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.segments)
+
+    @property
+    def row_tokens(self) -> int:
+        """Tokens the row occupies, padding included."""
+        return max(self.num_tokens, self.pad_to)
+
+    def __str__(self) -> str:
+        body = "+".join(str(s) for s in self.segments)
+        return f"{body}/pad{self.pad_to}" if self.pad_to else body
+
+    @classmethod
+    def parse(cls, text: str) -> Chunk:
+        body, _, pad = text.partition("/pad")
+        segs = tuple(Segment.parse(t) for t in body.split("+") if t)
+        return cls(segs, int(pad) if pad else 0)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a stage's schedule."""
+
+    kind: str
+    """F (forward keeping activations), B (backward), N (forward without grad, keeps K/V)."""
+    chunk: int
+    """Index into the pipeline's chunks (for B: into backward_chunks when present)."""
+    recompute_layers: int = 0
+    """For F: how many of this stage's layers keep only their input and are recomputed
+    before the backward (InfiniPipe's chunk-level checkpointing). 0 keeps everything."""
+
+    def __str__(self) -> str:
+        suffix = f".r{self.recompute_layers}" if self.recompute_layers else ""
+        return f"{self.kind}{self.chunk}{suffix}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        m = re.fullmatch(r"([FBN])(\d+)(?:\.r(\d+))?", text.strip())
+        if not m:
+            raise UserError(f"bad action {text!r}: expected F3, B3, N3 or F3.r2")
+        return cls(m.group(1), int(m.group(2)), int(m.group(3) or 0))
+
+
+@dataclass
+class PipelinePlan:
+    """One data-parallel replica: its degrees, chunks, and each stage's action list."""
+
+    chunks: list[Chunk]
+    stages: list[list[Action]]
+    tp: int = 1
+    cp: int = 1
+    backward_chunks: list[Chunk] | None = None
+    layers_per_stage: list[int] | None = None
+    """Layers on each stage; None splits the model's layers evenly."""
+    schedule: str = "1f1b"
+    """Name of the schedule that generated `stages` (informational)."""
+    extra_comm_s: float = 0.0
+    """Communication charged to this pipeline outside its stages' actions, seconds
+    (e.g. Hydraulis' parameter pull / gradient push between heterogeneous pipelines)."""
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    @property
+    def bwd_units(self) -> list[Chunk]:
+        return self.backward_chunks if self.backward_chunks is not None else self.chunks
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        if self.layers_per_stage is not None:
+            return list(self.layers_per_stage)
+        base, extra = divmod(num_layers, self.pp)
+        return [base + (1 if s < extra else 0) for s in range(self.pp)]
+
+    def to_dict(self) -> dict:
+        d = {
+            "tp": self.tp, "cp": self.cp, "schedule": self.schedule,
+            "chunks": [str(c) for c in self.chunks],
+            "stages": [" ".join(str(a) for a in acts) for acts in self.stages],
+        }
+        if self.backward_chunks is not None:
+            d["backward_chunks"] = [str(c) for c in self.backward_chunks]
+        if self.layers_per_stage is not None:
+            d["layers_per_stage"] = list(self.layers_per_stage)
+        if self.extra_comm_s:
+            d["extra_comm_s"] = self.extra_comm_s
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PipelinePlan:
+        bwd = d.get("backward_chunks")
+        return cls(
+            chunks=[Chunk.parse(c) for c in d["chunks"]],
+            stages=[[Action.parse(a) for a in s.split()] for s in d["stages"]],
+            tp=d.get("tp", 1), cp=d.get("cp", 1), schedule=d.get("schedule", "1f1b"),
+            backward_chunks=None if bwd is None else [Chunk.parse(c) for c in bwd],
+            layers_per_stage=d.get("layers_per_stage"),
+            extra_comm_s=d.get("extra_comm_s", 0.0),
+        )
+
+
+@dataclass
+class StepPlan:
+    """One global batch's plan: what every pipeline runs, and what the planner predicted."""
+
+    planner: str
+    model: ModelSpec
+    cluster: ClusterSpec
+    lengths: list[int]
+    """Token count of each sequence of the global batch, indexed by seq_id."""
+    pipelines: list[PipelinePlan]
+    zero: int = 1
+    """ZeRO stage across the data-parallel group."""
+    options: dict = field(default_factory=dict)
+    """The planner's options, for the record."""
+    metrics: dict = field(default_factory=dict)
+    """Predictions (FLOPs per pipeline, padding fraction, planning time ...)."""
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(p.num_gpus for p in self.pipelines)
+
+    @property
+    def loss_tokens(self) -> int:
+        """Positions that predict a next token: every token but each sequence's last."""
+        return sum(max(n - 1, 0) for n in self.lengths)
+
+    def to_dict(self) -> dict:
+        return {
+            "format": "lengthwise.stepplan/1",
+            "planner": self.planner,
+            "model": self.model.to_dict(),
+            "cluster": self.cluster.to_dict(),
+            "zero": self.zero,
+            "lengths": list(self.lengths),
+            "loss_tokens": self.loss_tokens,
+            "options": self.options,
+            "metrics": self.metrics,
+            "pipelines": [p.to_dict() for p in self.pipelines],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepPlan:
+        if d.get("format") != "lengthwise.stepplan/1":
+            raise UserError("not a lengthwise plan: the JSON lacks format 'lengthwise.stepplan/1'")
+        return cls(
+            planner=d["planner"],
+            model=ModelSpec.from_dict(d["model"]),
+            cluster=ClusterSpec.from_dict(d["cluster"]),
+            lengths=list(d["lengths"]),
+            pipelines=[PipelinePlan.from_dict(p) for p in d["pipelines"]],
+            zero=d.get("zero", 1),
+            options=d.get("options", {}),
+            metrics=d.get("metrics", {}),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: str | Path) -> None:
+        write_atomic(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepPlan:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except FileNotFoundError:
+            raise UserError(f"no plan file at {path}") from None
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise UserError(f"{path} is not a readable lengthwise plan ({exc})") from None
+
+
+def write_atomic(path: str | Path, text: str | bytes) -> None:
+    """Write a file so that a reader sees the old content or the new, never half of it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode() if isinstance(text, str) else text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def replace(obj, **changes):
+    """dataclasses.replace, re-exported for planners that tweak plans."""
+    return dataclasses.replace(obj, **changes)
