@@ -1,0 +1,72 @@
+"""Arguments every command that reads a workload shares (workload, plan, compare, verify, ...).
+
+    from lengthwise.commands.common import add_workload_args, batch_lengths_from_args
+    def register(parser):
+        add_workload_args(parser)
+    def run(args):
+        lengths = batch_lengths_from_args(args, batch_size=256)   # one global batch
+
+Choose exactly one source: `--profile NAME` (a published distribution), `--lengths FILE` (one
+integer a line, or .npy) or `--data PATH` (stdlib, .jsonl, .parquet, or a folder of text,
+tokenized by `--tokenizer DIR` or byte-level).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lengthwise.errors import UserError
+from lengthwise.workloads.lengths import OVERLONG_POLICIES
+from lengthwise.workloads.profiles import profile_names
+from lengthwise.workloads.sampler import GlobalBatchSampler
+from lengthwise.workloads.source import (LengthSource, corpus_source, lengths_file_source,
+                                         profile_source)
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """Add --profile/--lengths/--data, --tokenizer, --text-field, --context-length, --overlong
+    and --seed to `parser`."""
+    group = parser.add_argument_group("workload (choose one source)")
+    source = group.add_mutually_exclusive_group()
+    source.add_argument("--profile", metavar="NAME",
+                        help=f"published length distribution: {', '.join(profile_names())}")
+    source.add_argument("--lengths", metavar="FILE",
+                        help="sequence lengths, one integer a line, or a 1-D .npy array")
+    source.add_argument("--data", metavar="PATH",
+                        help="documents: 'stdlib' (Python's own sources, no download), "
+                             "a .jsonl or .parquet file, or a folder of .txt/.md/.py files")
+    group.add_argument("--tokenizer", metavar="DIR",
+                       help="local Hugging Face tokenizer folder for --data (default: bytes, "
+                            "vocab 260)")
+    group.add_argument("--text-field", metavar="NAME", default="text",
+                       help="JSONL field / Parquet column holding the text (default: text)")
+    group.add_argument("--context-length", metavar="L", type=int,
+                       help="longest sequence allowed, in tokens (default: no limit)")
+    group.add_argument("--overlong", choices=OVERLONG_POLICIES, default="error",
+                       help="sequences over the context length: error (default), truncate, "
+                            "or drop them")
+    group.add_argument("--seed", metavar="S", type=int, default=0,
+                       help="seed for sampling and shuffling (default: 0)")
+
+
+def lengths_source_from_args(args: argparse.Namespace) -> LengthSource:
+    """The LengthSource the workload arguments name."""
+    if args.seed < 0:
+        raise UserError(f"--seed {args.seed} must be >= 0")
+    if args.tokenizer is not None and args.data is None:
+        raise UserError("--tokenizer applies to --data PATH only")
+    if args.profile is not None:
+        return profile_source(args.profile, args.context_length, args.overlong)
+    if args.lengths is not None:
+        return lengths_file_source(args.lengths, args.context_length, args.overlong)
+    if args.data is not None:
+        return corpus_source(args.data, args.tokenizer, args.context_length, args.overlong,
+                             text_field=args.text_field)
+    raise UserError("choose a workload: --profile NAME, --lengths FILE or --data PATH")
+
+
+def batch_lengths_from_args(args: argparse.Namespace, batch_size: int) -> list[int]:
+    """Lengths of the first global batch of `batch_size` sequences for `args.seed`."""
+    sampler = GlobalBatchSampler(lengths_source_from_args(args), seed=args.seed,
+                                 batch_size=batch_size)
+    return list(sampler.next_batch().lengths)
