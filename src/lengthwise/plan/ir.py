@@ -79,8 +79,8 @@ class Segment:
 @dataclass(frozen=True)
 class Chunk:
     """One packed row: segments laid end to end, attention causal within each segment's
-    sequence only. `pad_to` > num_tokens means the row is padded to that length (padding
-    baseline) and the padding costs compute."""
+    sequence only. `pad_to` > num_tokens means a padded micro-batch (padding baseline): its k
+    segments are each padded to pad_to / k tokens, and the padding costs compute."""
 
     segments: tuple[Segment, ...]
     pad_to: int = 0

@@ -1,0 +1,70 @@
+"""FLOPs of decoder layers on segments and chunks.
+
+A segment [start, stop) of a sequence runs its own `n = stop - start` tokens through the linear
+layers and attends causally to `start` context tokens plus itself:
+
+- linear: 2 FLOPs per multiply-add, so 2 * matmul_params_per_layer * n (skrull.txt A.2; the
+  QKV, output and SwiGLU projections).
+- attention: query position p (0-based in the sequence) sees p + 1 keys; QK^T and PV each cost
+  2 * q_dim FLOPs per (query, key) pair, so 4 * q_dim * keys(start, stop) with
+  keys(start, stop) = sum_{p=start}^{stop-1} (p + 1) = (stop(stop+1) - start(start+1)) / 2
+  (infinipipe.txt eq. 1: a slice's attention cost is the difference of the triangles).
+- LM head (last stage only): 2 * hidden * vocab * n.
+
+Backward costs `bwd_linear_ratio` (2: two GEMMs per forward GEMM) times the linear part and
+`bwd_attn_ratio` (2.5: flash-style attention recomputes the scores, slimpack.txt §2.2.2) times
+the attention part.
+
+A padded chunk (padding baseline) holds k segments each padded to pad_to / k tokens: all of its
+row costs linear FLOPs and each padded row costs full causal attention over its padded length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lengthwise.plan.ir import Chunk
+from lengthwise.specs import ModelSpec
+
+
+def causal_keys(start: int, stop: int) -> int:
+    """(query, key) pairs of causal attention for positions [start, stop) with context [0, start)."""
+    return (stop * (stop + 1) - start * (start + 1)) // 2
+
+
+def matmul_params_per_layer(model: ModelSpec) -> int:
+    """Weights multiplied per token in one decoder layer (norms and biases excluded)."""
+    return model.hidden * (2 * model.q_dim + 2 * model.kv_dim) + 3 * model.hidden * model.ffn
+
+
+@dataclass(frozen=True)
+class ChunkWork:
+    """What a chunk asks of one decoder layer: row tokens (padding included) and attention pairs."""
+
+    tokens: int
+    keys: int
+
+
+def chunk_work(chunk: Chunk) -> ChunkWork:
+    if chunk.pad_to > chunk.num_tokens and chunk.segments:
+        padded = chunk.pad_to // len(chunk.segments)
+        return ChunkWork(chunk.pad_to, len(chunk.segments) * causal_keys(0, padded))
+    keys = sum(causal_keys(s.start, s.stop) for s in chunk.segments)
+    return ChunkWork(chunk.num_tokens, keys)
+
+
+def layer_forward_flops(model: ModelSpec, work: ChunkWork) -> tuple[float, float]:
+    """(linear, attention) forward FLOPs of one decoder layer."""
+    return 2.0 * matmul_params_per_layer(model) * work.tokens, 4.0 * model.q_dim * work.keys
+
+
+def head_forward_flops(model: ModelSpec, tokens: int) -> float:
+    return 2.0 * model.hidden * model.vocab * tokens
+
+
+def sequence_model_flops(model: ModelSpec, length: int, bwd_linear_ratio=2.0, bwd_attn_ratio=2.5) -> float:
+    """Forward plus backward FLOPs of training one whole sequence (for MFU and balancing)."""
+    lin, attn = layer_forward_flops(model, ChunkWork(length, causal_keys(0, length)))
+    head = head_forward_flops(model, length)
+    per_layer = lin * (1 + bwd_linear_ratio) + attn * (1 + bwd_attn_ratio)
+    return model.num_layers * per_layer + head * (1 + bwd_linear_ratio)

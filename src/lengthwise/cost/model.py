@@ -1,0 +1,185 @@
+"""CostModel: FLOPs, seconds and bytes of chunks on stages, for one model on one cluster.
+
+Everything a planner or the simulator asks about cost goes through this one object, so an
+analytic model and a measured profile are interchangeable.
+
+    cm = CostModel(MODEL_PRESETS["qwen2.5-7b"], cluster_preset("h100", 32))
+    cm.forward_time(chunk, layers=7, tp=1)          # seconds on one stage of 7 layers
+    cm.max_seq_len(tp=1, pp=4)                       # longest sequence a pipeline holds
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from lengthwise.cost import memory as mem
+from lengthwise.cost.comm import CommModel
+from lengthwise.cost.flops import ChunkWork, chunk_work, head_forward_flops, layer_forward_flops
+from lengthwise.cost.time import Profile, Throughput
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import SHARDED, Chunk
+from lengthwise.specs import ClusterSpec, ModelSpec
+
+
+@dataclass(kw_only=True)
+class CostModel:
+    model: ModelSpec
+    cluster: ClusterSpec
+    bwd_linear_ratio: float = 2.0
+    """Backward over forward FLOPs of GEMMs (two GEMMs per forward GEMM)."""
+    bwd_attn_ratio: float = 2.5
+    """Backward over forward FLOPs of flash-style attention (slimpack.txt §2.2.2)."""
+    throughput: Throughput = field(default_factory=Throughput)
+    profile: Profile | None = None
+    """Measured coefficients; schemes it lacks fall back to the analytic curve."""
+    memory_reserve_frac: float = 0.08
+    """Share of GPU memory kept free for the allocator's fragmentation and workspaces."""
+
+    def __post_init__(self):
+        self.comm = CommModel(self.cluster)
+
+    # ---- FLOPs (whole chunk, summed over its tp x cp ranks) ----
+    def forward_flops(self, chunk: Chunk, *, layers: int, head: bool = False) -> float:
+        work = chunk_work(chunk)
+        lin, attn = layer_forward_flops(self.model, work)
+        return layers * (lin + attn) + (head_forward_flops(self.model, work.tokens) if head else 0.0)
+
+    def backward_flops(self, chunk: Chunk, *, layers: int, head: bool = False) -> float:
+        work = chunk_work(chunk)
+        lin, attn = layer_forward_flops(self.model, work)
+        body = layers * (lin * self.bwd_linear_ratio + attn * self.bwd_attn_ratio)
+        return body + (head_forward_flops(self.model, work.tokens) * self.bwd_linear_ratio if head else 0.0)
+
+    # ---- seconds on one stage ----
+    def forward_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False) -> float:
+        return self._pass_time(chunk_work(chunk), layers, tp, cp, head, backward=False)
+
+    def backward_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False,
+                      recompute_layers: int = 0) -> float:
+        work = chunk_work(chunk)
+        redo = self._pass_time(work, recompute_layers, tp, cp, False, backward=False) if recompute_layers else 0.0
+        return self._pass_time(work, layers, tp, cp, head, backward=True) + redo
+
+    def _pass_time(self, work: ChunkWork, layers: int, tp: int, cp: int, head: bool, backward: bool) -> float:
+        if work.tokens == 0 or layers == 0 and not head:
+            return 0.0
+        fit = self.profile.fit_for(tp, cp) if self.profile else None
+        if fit is not None:
+            a, b, c = fit.bwd if backward else fit.fwd
+            hb, hc = fit.head_bwd if backward else fit.head_fwd
+            per_gpu_keys, per_gpu_tokens = work.keys / cp, work.tokens / cp
+            body = layers * (a * per_gpu_keys + b * per_gpu_tokens + c)
+            return body + ((hb * per_gpu_tokens + hc) if head else 0.0)
+        return self._analytic_time(work, layers, tp, cp, head, backward)
+
+    def _analytic_time(self, work: ChunkWork, layers: int, tp: int, cp: int, head: bool, backward: bool) -> float:
+        lin, attn = layer_forward_flops(self.model, work)
+        head_flops = head_forward_flops(self.model, work.tokens) if head else 0.0
+        if backward:
+            lin, attn, head_flops = (lin * self.bwd_linear_ratio, attn * self.bwd_attn_ratio,
+                                     head_flops * self.bwd_linear_ratio)
+        peak = self.cluster.peak_tflops * 1e12
+        gpus = tp * cp
+        lin_eff = self.throughput.linear_efficiency(work.tokens / cp, tp)
+        lin_s = (layers * lin + head_flops) / gpus / (peak * lin_eff)
+        attn_s = layers * attn / gpus / (peak * self.throughput.attention_mfu)
+        return lin_s + attn_s + layers * self.throughput.layer_overhead_s
+
+    # ---- bytes per GPU ----
+    @property
+    def capacity_bytes(self) -> float:
+        return self.cluster.gpu_memory_bytes * (1.0 - self.memory_reserve_frac)
+
+    def activation_bytes_per_token(self, *, layers: int, tp: int = 1, recompute_layers: int = 0,
+                                   head: bool = False) -> float:
+        full = mem.activation_bytes_per_token_layer(self.model, tp)
+        if self.profile and self.profile.activation_bytes_per_token_layer:
+            full = self.profile.activation_bytes_per_token_layer / tp
+        kept = recompute_layers * mem.checkpoint_bytes_per_token_layer(self.model, tp)
+        head_b = mem.head_bytes_per_token(self.model, tp) if head else 0.0
+        return (layers - recompute_layers) * full + kept + head_b
+
+    def activation_bytes(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1,
+                         recompute_layers: int = 0, head: bool = False) -> float:
+        per_token = self.activation_bytes_per_token(layers=layers, tp=tp, recompute_layers=recompute_layers,
+                                                    head=head)
+        return per_token * chunk.row_tokens / cp
+
+    def kv_bytes(self, num_tokens: int, *, layers: int, tp: int = 1, cp: int = 1) -> float:
+        per = mem.kv_bytes_per_token_layer(self.model, tp)
+        if self.profile and self.profile.kv_bytes_per_token_layer:
+            per = self.profile.kv_bytes_per_token_layer
+        return per * layers * num_tokens / cp
+
+    def model_state_bytes(self, *, layers: int, tp: int = 1, dp: int = 1, zero: int = 1,
+                          first: bool = False, last: bool = False) -> float:
+        params = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
+        return params * mem.state_bytes_per_param(dp, zero)
+
+    def boundary_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
+        # Hidden states between stages, scattered over tp with sequence parallelism.
+        return chunk.row_tokens / cp * self.model.hidden * mem.BYTES_BF16 / tp
+
+    # ---- communication seconds ----
+    def p2p_time(self, nbytes: float, *, inter_node: bool) -> float:
+        return self.comm.p2p_time(nbytes, inter_node=inter_node)
+
+    def collective_time(self, kind: str, nbytes: float, *, ranks: int, inter_node: bool) -> float:
+        return self.comm.collective_time(kind, nbytes, ranks=ranks, inter_node=inter_node)
+
+    def grad_sync_time(self, *, layers: int, tp: int = 1, dp: int = 1, zero: int = 1, inter_node: bool = True,
+                       first: bool = False, last: bool = False) -> float:
+        """Data-parallel gradient reduction of one stage's bf16 gradients (all-reduce, or
+        reduce-scatter under ZeRO-2/3, whose parameter all-gather is charged too)."""
+        grad_bytes = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.BYTES_BF16
+        if zero >= 2:
+            t = self.collective_time("reduce_scatter", grad_bytes, ranks=dp, inter_node=inter_node)
+            return t + (self.collective_time("all_gather", grad_bytes, ranks=dp, inter_node=inter_node)
+                        if zero == 3 else 0.0)
+        return self.collective_time("all_reduce", grad_bytes, ranks=dp, inter_node=inter_node)
+
+    def cp_comm_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, inter_node: bool = False) -> float:
+        """Forward K/V all-gather of the chunk's sharded segments over the CP group, every layer
+        (skrull.txt eq. 15: volume = tokens * 2 * kv_dim); the backward pays about twice this."""
+        if cp <= 1:
+            return 0.0
+        sharded = sum(s.num_tokens + s.start for s in chunk.segments if s.cp_rank == SHARDED)
+        if sharded == 0:
+            return 0.0
+        kv_bytes = sharded * mem.kv_bytes_per_token_layer(self.model, tp)
+        return layers * self.collective_time("all_gather", kv_bytes, ranks=cp, inter_node=inter_node)
+
+    # ---- limits ----
+    def max_seq_len(self, *, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, zero: int = 1,
+                    inflight: int | None = None) -> int:
+        """Longest sequence one pipeline of the scheme holds when every stage keeps `inflight`
+        micro-batches of that length alive (default pp on the first stage, pp - s on stage s:
+        hydraulis.txt B.1 MaxLen; skrull.txt A.1 BucketSize with pp = 1)."""
+        layers = split_layers(self.model.num_layers, pp)
+        best = math.inf
+        for s, n in enumerate(layers):
+            first, last = s == 0, s == pp - 1
+            free = self.capacity_bytes - self.model_state_bytes(layers=n, tp=tp, dp=dp, zero=zero,
+                                                                first=first, last=last)
+            held = inflight if inflight is not None else pp - s
+            per_token = self.activation_bytes_per_token(layers=n, tp=tp, head=last) * held / cp
+            best = min(best, free / per_token if free > 0 else 0)
+        return int(best)
+
+    def check_states_fit(self, *, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 1) -> None:
+        """UserError when model states alone overflow a GPU of some stage."""
+        for s, n in enumerate(split_layers(self.model.num_layers, pp)):
+            need = self.model_state_bytes(layers=n, tp=tp, dp=dp, zero=zero, first=s == 0, last=s == pp - 1)
+            if need > self.capacity_bytes:
+                raise UserError(
+                    f"{self.model.name} does not fit: stage {s} needs {need / 2**30:.1f} GiB of model states per GPU"
+                    f" (tp={tp}, pp={pp}, dp={dp}, zero={zero}) but a GPU has {self.capacity_bytes / 2**30:.1f} GiB"
+                    " usable; raise --tp/--pp or the ZeRO stage"
+                )
+
+
+def split_layers(num_layers: int, pp: int) -> list[int]:
+    """Even split of layers over pp stages, earlier stages taking the remainder."""
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if s < extra else 0) for s in range(pp)]

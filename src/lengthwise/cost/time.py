@@ -1,0 +1,97 @@
+"""Compute time of a chunk on one stage: analytic throughput curve, or a measured profile.
+
+Analytic (hydraulis.txt appendix C, infinipipe.txt appendix B): small GEMMs under-use the GPU, so
+the achieved fraction of peak rises with the tokens each GPU multiplies at once and falls with
+the TP degree, which shrinks every GEMM: eff(x) = linear_mfu * x / (x + half_tokens * tp), with x
+the chunk's tokens per GPU. Attention runs at `attention_mfu` of peak. Each layer adds a fixed
+kernel-launch overhead. Defaults are round numbers typical of bf16 training on Hopper-class GPUs
+(about 60% of peak for large GEMMs, half of that at 256 tokens); `lengthwise profile` measures
+real ones.
+
+Profiled (hydraulis.txt B.2): T(l) = a*l^2 + b*l + c per parallel scheme. For a packed chunk we
+use its attention pairs in place of l^2/2 (the quadratic term is attention, which does not cross
+documents), so per layer T = a * keys + b * tokens + c, fitted separately for forward and backward.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lengthwise.errors import UserError
+
+
+@dataclass(kw_only=True)
+class Throughput:
+    """The analytic throughput curve."""
+
+    linear_mfu: float = 0.6
+    """Fraction of peak reached by large GEMMs."""
+    half_tokens: float = 256.0
+    """Tokens per GPU (at tp = 1) at which GEMMs reach half of linear_mfu."""
+    attention_mfu: float = 0.45
+    """Fraction of peak reached by flash-style attention."""
+    layer_overhead_s: float = 40e-6
+    """Fixed time per layer per pass (kernel launches), seconds."""
+
+    def linear_efficiency(self, tokens_per_gpu: float, tp: int) -> float:
+        x = max(tokens_per_gpu, 1.0)
+        return self.linear_mfu * x / (x + self.half_tokens * tp)
+
+
+@dataclass(kw_only=True)
+class SchemeFit:
+    """Per-layer seconds = a * keys + b * tokens + c, for forward and backward."""
+
+    fwd: tuple[float, float, float]
+    bwd: tuple[float, float, float]
+    head_fwd: tuple[float, float] = (0.0, 0.0)
+    """LM head seconds = b * tokens + c (last stage)."""
+    head_bwd: tuple[float, float] = (0.0, 0.0)
+
+
+@dataclass(kw_only=True)
+class Profile:
+    """Measured cost coefficients for one model on one device (written by `lengthwise profile`)."""
+
+    device: str = "unknown"
+    model: str = "unknown"
+    schemes: dict[str, SchemeFit] = field(default_factory=dict)
+    """Keyed by scheme_key(tp, cp)."""
+    activation_bytes_per_token_layer: float | None = None
+    kv_bytes_per_token_layer: float | None = None
+    meta: dict = field(default_factory=dict)
+
+    def fit_for(self, tp: int, cp: int) -> SchemeFit | None:
+        return self.schemes.get(scheme_key(tp, cp))
+
+    def to_dict(self) -> dict:
+        return {
+            "format": "lengthwise.profile/1", "device": self.device, "model": self.model,
+            "schemes": {k: vars(v) for k, v in self.schemes.items()},
+            "activation_bytes_per_token_layer": self.activation_bytes_per_token_layer,
+            "kv_bytes_per_token_layer": self.kv_bytes_per_token_layer, "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Profile:
+        if d.get("format") != "lengthwise.profile/1":
+            raise UserError("not a lengthwise profile: the JSON lacks format 'lengthwise.profile/1'")
+        schemes = {k: SchemeFit(**{f: tuple(x) for f, x in v.items()}) for k, v in d["schemes"].items()}
+        return cls(device=d.get("device", "unknown"), model=d.get("model", "unknown"), schemes=schemes,
+                   activation_bytes_per_token_layer=d.get("activation_bytes_per_token_layer"),
+                   kv_bytes_per_token_layer=d.get("kv_bytes_per_token_layer"), meta=d.get("meta", {}))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except FileNotFoundError:
+            raise UserError(f"no profile file at {path}") from None
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise UserError(f"{path} is not a readable lengthwise profile ({exc})") from None
+
+
+def scheme_key(tp: int, cp: int) -> str:
+    return f"tp{tp}-cp{cp}"

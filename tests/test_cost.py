@@ -1,0 +1,143 @@
+"""The cost model: FLOPs formulas, memory terms, alpha-beta fits, limits."""
+
+import pytest
+
+from lengthwise.cost import CostModel, Profile, SchemeFit
+from lengthwise.cost.comm import SKRULL_H100_TABLE_US, SKRULL_SIZES_MB
+from lengthwise.cost.flops import causal_keys
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import SHARDED, Chunk, Segment
+from lengthwise.specs import MODEL_PRESETS, ModelSpec, cluster_preset
+
+
+def cost(name="qwen2.5-7b", gpus=8):
+    return CostModel(model=MODEL_PRESETS[name], cluster=cluster_preset("h100", gpus))
+
+
+def one(seq, start, stop):
+    return Chunk((Segment(seq, start, stop),))
+
+
+def test_slices_attention_sums_to_whole_sequence():
+    cm = cost()
+    whole = cm.forward_flops(one(0, 0, 9000), layers=4)
+    parts = sum(cm.forward_flops(one(0, a, b), layers=4) for a, b in [(0, 3000), (3000, 7000), (7000, 9000)])
+    assert parts == pytest.approx(whole, rel=1e-12)
+
+
+def test_causal_keys_counts_pairs():
+    assert causal_keys(0, 1) == 1
+    assert causal_keys(0, 4) == 1 + 2 + 3 + 4
+    assert causal_keys(2, 4) == 3 + 4
+
+
+def test_linear_flops_match_parameter_count():
+    # With no attention, forward FLOPs are 2 * (layer matmul params) per token (skrull A.2).
+    m = MODEL_PRESETS["llama2-7b"]
+    cm = CostModel(model=m, cluster=cluster_preset("h100"))
+    lin = cm.forward_flops(one(0, 0, 1), layers=1) - 4 * m.q_dim * 1
+    norms = 2 * m.hidden
+    assert lin == pytest.approx(2 * (m.params_per_layer - norms))
+
+
+def test_backward_ratios_apply_per_part():
+    cm = cost()
+    ch = one(0, 0, 4096)
+    f, b = cm.forward_flops(ch, layers=2), cm.backward_flops(ch, layers=2)
+    assert 2.0 * f < b < 2.5 * f
+
+
+def test_packing_is_cheaper_than_one_long_sequence():
+    cm = cost()
+    packed = Chunk(tuple(Segment(i, 0, 1024) for i in range(8)))
+    assert cm.forward_time(packed, layers=28) < cm.forward_time(one(0, 0, 8192), layers=28)
+
+
+def test_padding_costs_the_padded_rows():
+    cm = cost()
+    padded = Chunk((Segment(0, 0, 100), Segment(1, 0, 1000)), pad_to=2000)
+    assert cm.forward_flops(padded, layers=1) == pytest.approx(2 * cm.forward_flops(one(0, 0, 1000), layers=1))
+
+
+def test_time_falls_with_tp_but_efficiency_drops():
+    cm = cost()
+    ch = one(0, 0, 512)
+    t1, t8 = cm.forward_time(ch, layers=4, tp=1), cm.forward_time(ch, layers=4, tp=8)
+    assert t8 < t1 < 8 * t8
+
+
+def test_recompute_trades_memory_for_time():
+    cm = cost()
+    ch = one(0, 0, 4096)
+    assert cm.activation_bytes(ch, layers=7, recompute_layers=7) < cm.activation_bytes(ch, layers=7) / 10
+    assert cm.backward_time(ch, layers=7, recompute_layers=7) > cm.backward_time(ch, layers=7)
+
+
+def test_zero_stages_shrink_model_states():
+    cm = cost()
+    sizes = [cm.model_state_bytes(layers=28, dp=8, zero=z, first=True, last=True) for z in (0, 1, 2, 3)]
+    assert sizes == sorted(sizes, reverse=True)
+    assert sizes[0] == pytest.approx(16 * MODEL_PRESETS["qwen2.5-7b"].num_params)
+
+
+def test_kv_state_replicates_heads_beyond_tp():
+    cm = cost()  # 4 K/V heads
+    assert cm.kv_bytes(1000, layers=1, tp=8) == cm.kv_bytes(1000, layers=1, tp=4)
+    assert cm.kv_bytes(1000, layers=1, tp=2) == 2 * cm.kv_bytes(1000, layers=1, tp=4)
+
+
+def test_max_seq_len_grows_with_parallelism_and_fits_exactly():
+    cm = cost(gpus=32)
+    small, big = cm.max_seq_len(dp=8), cm.max_seq_len(tp=4, pp=2, dp=4)
+    assert big > small > 0
+    seq = one(0, 0, small)
+    used = cm.model_state_bytes(layers=28, dp=8, first=True, last=True) + cm.activation_bytes(seq, layers=28, head=True)
+    assert used <= cm.capacity_bytes
+
+
+def test_states_that_do_not_fit_say_how_much():
+    cm = cost("qwen2.5-72b")
+    with pytest.raises(UserError, match="GiB"):
+        cm.check_states_fit(tp=1, pp=1, dp=1, zero=0)
+
+
+def test_alpha_beta_fit_reproduces_skrull_table():
+    cm = cost()
+    for kind, row in SKRULL_H100_TABLE_US.items():
+        for mb, us in list(zip(SKRULL_SIZES_MB, row))[-4:]:  # large messages, where the fit is linear
+            got = cm.collective_time(kind, mb * 2**20, ranks=8, inter_node=False) * 1e6
+            assert got == pytest.approx(us, rel=0.1)
+
+
+def test_inter_node_is_slower_and_single_rank_free():
+    cm = cost()
+    assert cm.collective_time("all_reduce", 2**28, ranks=8, inter_node=True) > \
+        cm.collective_time("all_reduce", 2**28, ranks=8, inter_node=False)
+    assert cm.collective_time("all_reduce", 2**28, ranks=1, inter_node=True) == 0.0
+    with pytest.raises(UserError, match="unknown collective"):
+        cm.collective_time("broadcast", 1, ranks=2, inter_node=False)
+
+
+def test_cp_comm_only_for_sharded_segments():
+    cm = cost()
+    local = Chunk((Segment(0, 0, 4096, cp_rank=1),))
+    shard = Chunk((Segment(0, 0, 4096, cp_rank=SHARDED),))
+    assert cm.cp_comm_time(local, layers=4, cp=4) == 0.0
+    assert cm.cp_comm_time(shard, layers=4, cp=4) > 0.0
+
+
+def test_profile_overrides_analytic_time_and_round_trips():
+    fit = SchemeFit(fwd=(1e-9, 1e-6, 1e-4), bwd=(2e-9, 2e-6, 2e-4))
+    prof = Profile(device="test", schemes={"tp1-cp1": fit})
+    prof = Profile.from_dict(prof.to_dict())
+    cm = CostModel(model=MODEL_PRESETS["qwen2.5-0.5b"], cluster=cluster_preset("h100"), profile=prof)
+    ch = one(0, 0, 1000)
+    assert cm.forward_time(ch, layers=2) == pytest.approx(2 * (1e-9 * causal_keys(0, 1000) + 1e-6 * 1000 + 1e-4))
+    # A scheme the profile lacks falls back to the analytic model.
+    assert cm.forward_time(ch, layers=2, tp=2) > 0
+
+
+def test_model_spec_validation_shows_arithmetic():
+    bad = ModelSpec(num_layers=2, hidden=64, num_heads=6, num_kv_heads=4, head_dim=8, ffn=64, vocab=10)
+    with pytest.raises(UserError, match=r"num_heads\(6\) % num_kv_heads\(4\)"):
+        bad.validate()
