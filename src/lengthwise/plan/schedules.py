@@ -1,0 +1,295 @@
+"""Pipeline schedules as data: GPipe, 1F1B and ChunkFlow's state-aware 1F1B (chunkflow §4.2-4.3).
+
+    >>> stages = make_schedule("state-aware-1f1b", chunks, pp=4, k=1)
+    >>> print(format_schedule(stages))       # one column per stage
+    >>> check_schedule(stages, chunks)       # UserError with the step-by-rank grid if it deadlocks
+
+A schedule is one list of `Action`s per stage. Chunks of one split sequence form a *group*: a
+segment with start > 0 continues the chunk that holds the sequence's previous slice, so slices
+run forward in order (the K/V state of earlier slices is their context) and backward in reverse
+(the K/V gradients flow back to earlier slices). With ChunkFlow's K, the first N-K chunks of a
+group of N are first forwarded without keeping activations (`N`, only the K/V state stays) and
+forwarded again (`F`) right before their backward, so at most K chunks' activations of one
+sequence are held at a time (chunkflow Algorithm 2).
+
+Every generator here interleaves one list of *forward items* (each chunk's first forward, in the
+order the chunks are given) with one list of *backward units* (a group's chunks in reverse, each
+preceded by its re-forward when it had an `N`), in the order groups complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, Action, Chunk
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "state-aware-1f1b")
+
+FIRST_FORWARD = "1"
+"""Dependency kind: a chunk's first forward on a stage, `N` when it has one, else `F`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dependencies:
+    """Which chunks wait for which, derived from the segments (chunkflow §4.2)."""
+
+    fwd_after: tuple[tuple[int, ...], ...]
+    """Per forward chunk: chunks holding the previous slice of one of its sequences; their first
+    forward must come first on the same stage."""
+    bwd_after: tuple[tuple[int, ...], ...]
+    """Per backward unit: units holding the next slice of one of its sequences; their backward
+    must come first on the same stage."""
+    bwd_needs: tuple[tuple[int, ...], ...]
+    """Per backward unit: forward chunks whose activations it consumes (itself when backward
+    units are the forward chunks)."""
+
+
+def dependencies(chunks: list[Chunk], backward_chunks: list[Chunk] | None = None) -> Dependencies:
+    """Slice-to-slice dependencies of one pipeline's chunks (and backward units, SlimPack §4.1.2)."""
+    fwd_after = _previous_slices(chunks)
+    if backward_chunks is None:
+        nexts: list[list[int]] = [[] for _ in chunks]
+        for c, preds in enumerate(fwd_after):
+            for p in preds:
+                nexts[p].append(c)
+        return Dependencies(fwd_after=fwd_after, bwd_after=tuple(tuple(n) for n in nexts),
+                            bwd_needs=tuple((u,) for u in range(len(chunks))))
+    bwd_prev = _previous_slices(backward_chunks)
+    nexts = [[] for _ in backward_chunks]
+    for u, preds in enumerate(bwd_prev):
+        for p in preds:
+            nexts[p].append(u)
+    return Dependencies(fwd_after=fwd_after, bwd_after=tuple(tuple(n) for n in nexts),
+                        bwd_needs=_overlapping(backward_chunks, chunks))
+
+
+def chunk_dependencies(chunks: list[Chunk]) -> dict[int, int]:
+    """chunk -> the chunk holding its sequence's previous slice, for chunks that continue one."""
+    out = {}
+    for c, preds in enumerate(_previous_slices(chunks)):
+        if len(preds) > 1:
+            raise UserError(f"chunk {c} ({chunks[c]}) continues slices from chunks {list(preds)}: "
+                            "chunk_dependencies supports one predecessor, use dependencies()")
+        if preds:
+            out[c] = preds[0]
+    return out
+
+
+def _previous_slices(chunks: list[Chunk]) -> tuple[tuple[int, ...], ...]:
+    ends = {(seg.seq_id, seg.stop): c for c, ch in enumerate(chunks) for seg in ch.segments}
+    out = []
+    for c, ch in enumerate(chunks):
+        preds = []
+        for seg in ch.segments:
+            if seg.start == 0:
+                continue
+            p = ends.get((seg.seq_id, seg.start))
+            if p is None:
+                raise UserError(f"segment {seg} of chunk {c} continues sequence {seg.seq_id} at token "
+                                f"{seg.start}, but no chunk holds a slice ending there")
+            if p != c and p not in preds:
+                preds.append(p)
+        out.append(tuple(preds))
+    return tuple(out)
+
+
+def _overlapping(units: list[Chunk], chunks: list[Chunk]) -> tuple[tuple[int, ...], ...]:
+    by_seq: dict[int, list[tuple[int, int, int]]] = {}
+    for c, ch in enumerate(chunks):
+        for seg in ch.segments:
+            by_seq.setdefault(seg.seq_id, []).append((seg.start, seg.stop, c))
+    out = []
+    for unit in units:
+        hits = {c for seg in unit.segments for (a, b, c) in by_seq.get(seg.seq_id, ())
+                if a < seg.stop and seg.start < b}
+        out.append(tuple(sorted(hits)))
+    return tuple(out)
+
+
+def chunk_groups(chunks: list[Chunk]) -> list[list[int]]:
+    """Chunks linked by split sequences (connected components), each sorted, by first chunk."""
+    parent = list(range(len(chunks)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for c, preds in enumerate(_previous_slices(chunks)):
+        for p in preds:
+            parent[root(c)] = root(p)
+    groups: dict[int, list[int]] = {}
+    for c in range(len(chunks)):
+        groups.setdefault(root(c), []).append(c)
+    return sorted(groups.values())
+
+
+def make_schedule(name: str, chunks: list[Chunk], pp: int, k: int | None = None) -> list[list[Action]]:
+    """Per-stage action lists for `pp` stages running `chunks` in the order given.
+
+    `k`: ChunkFlow's K, activations kept per group (None keeps all; `state-aware-1f1b` defaults
+    to 1 as the paper does). `1f1b` is state-aware 1F1B with K unbounded unless `k` is given."""
+    if name not in SCHEDULE_NAMES:
+        raise UserError(f"unknown schedule {name!r}: use one of {', '.join(SCHEDULE_NAMES)}")
+    if pp < 1:
+        raise UserError(f"pp must be at least 1, got {pp}")
+    if k is not None and k < 1:
+        raise UserError(f"k must be at least 1 (activations kept per split sequence), got {k}")
+    if name == "state-aware-1f1b" and k is None:
+        k = 1
+    forwards, units, ready = _items(chunks, k)
+    if name == "gpipe":
+        return [forwards + [a for unit in units for a in unit] for _ in range(pp)]
+    return [_one_f_one_b(forwards, units, ready, warmup=pp - s - 1) for s in range(pp)]
+
+
+def _items(chunks: list[Chunk], k: int | None):
+    """Forward items, backward units, and per unit how many forward items must precede it."""
+    groups = chunk_groups(chunks)
+    for c, preds in enumerate(_previous_slices(chunks)):
+        if any(p > c for p in preds):
+            raise UserError(f"chunk {c} continues a slice held by later chunk {max(preds)}: "
+                            "order chunks so that each sequence's slices come in order")
+    nograd = set()
+    for group in groups:
+        if k is not None and len(group) > k:
+            nograd.update(group[: len(group) - k])   # chunkflow Algorithm 2: first N-K re-run
+    forwards = [Action(FORWARD_NOGRAD if c in nograd else FORWARD, c) for c in range(len(chunks))]
+    last_of = {group[-1]: group for group in groups}
+    units, ready = [], []
+    for c in range(len(chunks)):
+        for member in reversed(last_of.get(c, ())):
+            refwd = [Action(FORWARD, member)] if member in nograd else []
+            units.append(refwd + [Action(BACKWARD, member)])
+            ready.append(c + 1)
+    return forwards, units, ready
+
+
+def _one_f_one_b(forwards, units, ready, *, warmup: int) -> list[Action]:
+    """1F1B on one stage: warm-up forwards, then one forward per backward unit, then cool-down.
+
+    Backward unit i comes after forward item max(warmup + i + 1, ready[i]): a group's last slice
+    must have run forward before the group's backwards start."""
+    out: list[Action] = []
+    issued = 0
+    for i, unit in enumerate(units):
+        # warm-up (i == 0: `warmup` forwards, then the first steady forward), steady 1F1B
+        need = min(len(forwards), max(warmup + i + 1, ready[i]))
+        out += forwards[issued:need]
+        issued = need
+        out += unit
+    out += forwards[issued:]  # cool-down has no forwards left; kept for an empty unit list
+    return out
+
+
+def format_schedule(stages: list[list[Action]]) -> str:
+    """Position-by-stage table of a schedule, one column per stage."""
+    rows = max((len(s) for s in stages), default=0)
+    head = "pos  " + "".join(f"stage{s:<4d}" for s in range(len(stages)))
+    lines = [head]
+    for i in range(rows):
+        cells = "".join(f"{str(st[i]) if i < len(st) else '':<9s}" for st in stages)
+        lines.append(f"{i:3d}  {cells}".rstrip())
+    return "\n".join(lines)
+
+
+def action_needs(action: Action, stage: int, deps: Dependencies, pp: int) -> list[tuple[int, str, int]]:
+    """Tasks `(stage, kind, index)` that must finish before `action` may start on `stage`.
+
+    Kind FIRST_FORWARD names a chunk's first forward (N or F). Forward-type actions follow the
+    same kind on the stage before; backwards follow the stage after (pipeline data edges)."""
+    c = action.chunk
+    if action.kind == BACKWARD:
+        needs = [(stage, FORWARD, f) for f in deps.bwd_needs[c]]
+        needs += [(stage, BACKWARD, later) for later in deps.bwd_after[c]]  # K/V grads flow back
+        if stage + 1 < pp:
+            needs.append((stage + 1, BACKWARD, c))
+        return needs
+    needs = [(stage, FIRST_FORWARD, p) for p in deps.fwd_after[c]]  # K/V state of earlier slices
+    if stage > 0:
+        needs.append((stage - 1, action.kind, c))
+    return needs
+
+
+def check_schedule(stages: list[list[Action]], chunks: list[Chunk],
+                   backward_chunks: list[Chunk] | None = None) -> None:
+    """Prove a schedule runs to the end: replay it in lock-step (each stage issues its next action
+    once the action's dependencies finished in an earlier step). On failure raise UserError with
+    the step-by-rank grid, the failing actions marked `<-- ERROR HERE`."""
+    deps = dependencies(chunks, backward_chunks)
+    sizes = {FORWARD: len(chunks), FORWARD_NOGRAD: len(chunks),
+             BACKWARD: len(chunks if backward_chunks is None else backward_chunks)}
+    pp, done, pos, grid = len(stages), set(), [0] * len(stages), []
+    while any(pos[s] < len(stages[s]) for s in range(pp)):
+        row = [""] * pp
+        for s in range(pp):
+            if pos[s] == len(stages[s]):
+                continue
+            action = stages[s][pos[s]]
+            problem = _static_problem(action, s, done, sizes)
+            if problem:
+                _fail(grid, {s: action}, f"stage {s} {action}: {problem}")
+            if all(n in done for n in action_needs(action, s, deps, pp)):
+                row[s] = str(action)
+        if not any(row):
+            _fail(grid, {s: stages[s][pos[s]] for s in range(pp) if pos[s] < len(stages[s])},
+                  "deadlock: " + "; ".join(_waits(stages, pos, done, deps)))
+        for s in range(pp):
+            if row[s]:
+                a = stages[s][pos[s]]
+                done.update({(s, a.kind, a.chunk), (s, FIRST_FORWARD, a.chunk)} if a.kind != BACKWARD
+                            else {(s, a.kind, a.chunk)})
+                pos[s] += 1
+        grid.append(row)
+    _check_complete(grid, done, pp, sizes)
+
+
+def _static_problem(action: Action, s: int, done: set, sizes: dict[str, int]) -> str | None:
+    if not 0 <= action.chunk < sizes[action.kind]:
+        return f"index {action.chunk} out of range (0..{sizes[action.kind] - 1})"
+    if (s, action.kind, action.chunk) in done:
+        return "runs twice on this stage"
+    if action.kind == FORWARD_NOGRAD and (s, FORWARD, action.chunk) in done:
+        return f"N{action.chunk} after F{action.chunk}: the no-grad forward must come first"
+    return None
+
+
+def _waits(stages, pos, done, deps) -> list[str]:
+    pp, out = len(stages), []
+    for s in range(pp):
+        if pos[s] == len(stages[s]):
+            continue
+        action = stages[s][pos[s]]
+        ns, kind, idx = next(n for n in action_needs(action, s, deps, pp) if n not in done)
+        runs = any(a.chunk == idx and (a.kind == kind or (kind == FIRST_FORWARD and a.kind != BACKWARD))
+                   for a in stages[ns][pos[ns]:])
+        name = f"{'F/N' if kind == FIRST_FORWARD else kind}{idx} on stage {ns}"
+        note = ("" if not runs else ", which comes later in its own list" if ns == s
+                else f", which stage {ns} has not reached")
+        out.append(f"stage {s} {action} waits for {name}"
+                   + (note if runs else f", which stage {ns} never runs after this point"))
+    return out
+
+
+def _check_complete(grid, done, pp, sizes) -> None:
+    for s in range(pp):
+        for kind in (FORWARD, BACKWARD):
+            missing = [i for i in range(sizes[kind]) if (s, kind, i) not in done]
+            if missing:
+                _fail(grid, {}, f"stage {s} never runs {', '.join(f'{kind}{i}' for i in missing[:8])}")
+
+
+def _fail(grid: list[list[str]], failing: dict[int, Action], reason: str, *, tail: int = 40) -> None:
+    pp = len(grid[0]) if grid else max(failing, default=0) + 1
+    width = max([9] + [len(c) + 2 for row in grid for c in row])
+    lines = [f"schedule cannot run: {reason}",
+             "step  " + "".join(f"{'stage' + str(s):<{width}s}" for s in range(pp))]
+    if len(grid) > tail:
+        lines.append(f" ...  ({len(grid) - tail} earlier steps)")
+    for i in range(max(0, len(grid) - tail), len(grid)):
+        lines.append(f"{i:4d}  " + "".join(f"{c:<{width}s}" for c in grid[i]).rstrip())
+    last = [str(failing[s]) if s in failing else "" for s in range(pp)]
+    lines.append(f"{len(grid):4d}  " + "".join(f"{c:<{width}s}" for c in last).rstrip() + "  <-- ERROR HERE")
+    raise UserError("\n".join(lines))
