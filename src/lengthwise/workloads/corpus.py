@@ -86,16 +86,16 @@ class Corpus:
 
 def load_corpus(spec: str, tokenizer_dir: str | None = None, *, text_field: str = "text") -> Corpus:
     """Documents from `spec`: "stdlib", a .jsonl/.parquet file, a text file or a folder."""
-    texts = _read_texts(spec, text_field)
-    texts = [t for t in texts if t.strip()]
+    hf_tokenizer = None if tokenizer_dir is None else load_hf_tokenizer(tokenizer_dir)
+    texts = [t for t in _read_texts(spec, text_field) if t.strip()]
     if not texts:
         raise UserError(f"--data {spec} holds no non-empty documents")
-    if tokenizer_dir is None:
-        tokenizer = ByteTokenizer()
-        lengths = np.array([len(t) + 2 for t in texts], dtype=np.int64)  # BOS + bytes + EOS
-        return Corpus(name=spec, documents=_ByteDocuments(texts, tokenizer), lengths=lengths,
-                      vocab_size=tokenizer.vocab_size)
-    return _hf_corpus(spec, texts, tokenizer_dir)
+    if hf_tokenizer is not None:
+        return _hf_corpus(spec, texts, hf_tokenizer)
+    tokenizer = ByteTokenizer()
+    lengths = np.array([len(t) + 2 for t in texts], dtype=np.int64)  # BOS + bytes + EOS
+    return Corpus(name=spec, documents=_ByteDocuments(texts, tokenizer), lengths=lengths,
+                  vocab_size=tokenizer.vocab_size)
 
 
 def _read_texts(spec: str, text_field: str) -> list[bytes]:
@@ -163,8 +163,7 @@ def _read_parquet(path: Path, text_field: str) -> list[bytes]:
     return [(t or "").encode("utf-8") for t in column]
 
 
-def _hf_corpus(spec: str, texts: list[bytes], tokenizer_dir: str) -> Corpus:
-    tokenizer = load_hf_tokenizer(tokenizer_dir)
+def _hf_corpus(spec: str, texts: list[bytes], tokenizer) -> Corpus:
     eos = tokenizer.eos_token_id
     documents = []
     for text in texts:

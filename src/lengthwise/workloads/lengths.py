@@ -108,18 +108,17 @@ def length_stats(lengths) -> dict:
     lengths = np.asarray(lengths, dtype=np.int64)
     assert lengths.size > 0
     as_float = lengths.astype(np.float64)
-    tokens, attention = as_float.sum(), (as_float * as_float).sum()
     return {
         "count": int(lengths.size),
         "mean": float(as_float.mean()),
         "percentiles": {f"p{q}": float(np.percentile(as_float, q)) for q in (50, 90, 99)}
                        | {"max": int(lengths.max()), "min": int(lengths.min())},
         "share_below": _shares(as_float, np.ones_like(as_float)),
-        "token_share_below": _shares(as_float, as_float / tokens),
-        "attention_share_below": _shares(as_float, as_float * as_float / attention),
+        "token_share_below": _shares(as_float, as_float),
+        "attention_share_below": _shares(as_float, as_float * as_float),
     }
 
 
 def _shares(lengths: np.ndarray, weights: np.ndarray) -> dict[str, float]:
-    weights = weights / weights.sum()
-    return {str(t): float(weights[lengths < t].sum()) for t in THRESHOLDS}
+    total = weights.sum()  # divide after summing so that "all below" is exactly 1.0
+    return {str(t): float(weights[lengths < t].sum() / total) for t in THRESHOLDS}
