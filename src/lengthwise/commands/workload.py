@@ -8,8 +8,9 @@
 
 Prints count, mean, percentiles and, under 1K/4K/8K/32K/128K tokens, the share of sequences,
 of tokens (memory, linear FLOPs) and of attention FLOPs (~ sum of L^2). On the papers'
-long-tail sets these disagree wildly: in chunkflow-eval 98% of sequences are under 1K, yet
-they hold a small share of the attention work, which the rare 32K+ sequences dominate.
+long-tail sets these disagree wildly: `--profile chunkflow-eval --samples 100000` (seed 0) puts
+98.2% of sequences, 67.9% of tokens but only 1.3% of attention work under 1K; the 0.08% of
+sequences over 32K carry 95% of the attention.
 `--json` keys: count, mean, percentiles, share_below, token_share_below,
 attention_share_below (each mapping "1024".."131072" to a fraction), source.
 """
@@ -64,7 +65,7 @@ def format_table(stats: dict) -> str:
 
 
 def histogram_png(lengths: np.ndarray, *, title: str) -> bytes:
-    """PNG bytes of a log-x histogram of `lengths`, sequences and tokens side by side."""
+    """PNG bytes of log-log histograms of `lengths`, by sequences and by tokens."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: only --plot needs it
     from matplotlib.figure import Figure
 
@@ -74,6 +75,7 @@ def histogram_png(lengths: np.ndarray, *, title: str) -> bytes:
     for ax, weights, label in zip(fig.subplots(1, 2), (None, lengths), ("sequences", "tokens")):
         ax.hist(lengths, bins=bins, weights=weights)
         ax.set_xscale("log")
+        ax.set_yscale("log")  # the tail is 1e-4 of the sequences; keep it visible
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel(label)
     fig.suptitle(f"{title}: {lengths.size:,} sequences")
