@@ -48,8 +48,11 @@ class GlobalBatchSampler:
                  token_budget: int | None = None):
         if (batch_size is None) == (token_budget is None):
             raise UserError("give exactly one of a batch size (sequences) or a token budget")
-        if (batch_size or token_budget) < 1:
-            raise UserError(f"batch size / token budget {batch_size or token_budget} must be >= 1")
+        size = batch_size if batch_size is not None else token_budget
+        if size < 1:
+            raise UserError(f"batch size / token budget {size} must be at least 1")
+        if seed < 0:
+            raise UserError(f"seed {seed} must be >= 0")
         self.source, self.seed = source, seed
         self.batch_size, self.token_budget = batch_size, token_budget
         self._cursor, self._num_batches = 0, 0
@@ -59,8 +62,10 @@ class GlobalBatchSampler:
     def _check_budget_fits(self):
         if self.token_budget is None:
             return
-        longest = (int(self.source.lengths.max()) if self.source.is_finite
-                   else self.source.context_length or self.source.profile.max_length)
+        if self.source.is_finite:
+            longest = int(self.source.lengths.max())
+        else:
+            longest = min(self.source.profile.max_length, self.source.context_length or 1 << 62)
         if longest > self.token_budget:
             raise UserError(f"token budget {self.token_budget} is below the longest sequence "
                             f"({longest} tokens); raise the budget or lower --context-length")
