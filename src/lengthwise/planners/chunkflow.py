@@ -1,0 +1,296 @@
+"""ChunkFlow (chunkflow.txt §4-§5): uniform chunks, state-aware 1F1B, a grid over ChunkSize and K.
+
+    from lengthwise.planners import get_planner
+    plan = get_planner("chunkflow")(request)                                   # default ChunkSize, K = 1
+    plan = get_planner("chunkflow")(replace(request, options={"chunk_size": 8192, "k": 4}))
+    plan = get_planner("chunkflow")(replace(request, options={"chunk_size": "auto"}))  # §5 grid search
+
+Steps, each a function below:
+
+1. Chunk construction (§4.1, Algorithm 1, `construct_chunks`). A sequence longer than ChunkSize
+   is cut into ChunkSize pieces, the last piece holding the remainder; all its pieces form one
+   *group* of dependent chunks. Our reading of the paper: Algorithm 1 appends every piece of a
+   long sequence, remainder included, to the result as a chunk of its own (figure 4: sequence 6
+   becomes chunks 4-7), and bin-packs only the sequences that are not longer than ChunkSize.
+   So a remainder piece is never topped up with short sequences, and every standalone chunk
+   holds whole sequences. The paper raises the bin count from 1 until a packing succeeds; we
+   pack best-fit-decreasing (packing_utils) and record how close it came in plan.metrics:
+   `packed_chunks` against `packed_chunks_lower_bound` = ceil(short tokens / ChunkSize), below
+   which no packing exists. On long-tail batches the two are equal or one apart.
+2. Placement over data parallelism (our addition; the paper runs one pipeline). Each group and
+   each standalone chunk is one unit whose cost is its predicted forward + backward seconds on
+   the whole model, plus the re-run forwards of the first N - K chunks of an N-chunk group
+   (§4.2). Units go to the dp pipelines by Karmarkar-Karp and by LPT, whichever leaves the
+   heaviest pipeline lighter; a group is never split across pipelines.
+3. State-aware scheduling (§4.2 Algorithm 2, §4.3): each pipeline runs
+   make_schedule("state-aware-1f1b", chunks, pp, k=K); with pp = 1 that is plain gradient
+   accumulation: forwards of a group in order, backwards in reverse, the first N - K
+   forwards run once without grad (keeping only K/V) and again before their backward.
+4. ChunkSize and K (§5, chunkflow_search.py): with chunk_size="auto" every (ChunkSize, K) of a
+   grid is planned and simulated, and the fastest one whose simulated peak memory fits wins.
+
+Options (request.options):
+
+- `chunk_size`: tokens per chunk (int), or "auto" for the §5 grid search. Default: the largest
+  power of two (at least 256) whose K in-flight chunks per stage, plus the K/V state (and its
+  gradient) of the batch's longest sequence, fit beside the model states; capped at the context
+  length rounded up to a power of two (§5: without pipelining, ChunkSize as large as memory
+  allows).
+- `k`: chunks of a group whose activations are kept at once (int >= 1, §4.2). Default 1; with
+  chunk_size="auto" and no k, K is searched too.
+
+Metrics added to plan.metrics: chunk_size, k, dependent_groups, dependent_chunks,
+packed_chunks, packed_chunks_lower_bound, predicted_pipeline_s (per pipeline, the balancing
+cost), and for the grid search `grid` (every candidate's simulated step time, or why it was
+dropped).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from lengthwise.cost.model import split_layers
+from lengthwise.cost.flops import causal_keys
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
+from lengthwise.planners.base import PlanRequest, finish_plan, positive_int_option, take_options, whole
+from lengthwise.planners.packing_utils import best_fit_decreasing, greedy_balance, karmarkar_karp
+
+SCHEDULE = "state-aware-1f1b"
+MIN_CHUNK_SIZE = 256
+"""Smallest default ChunkSize, tokens: below it GEMMs run at under half their peak rate
+(cost/time.py half_tokens), so a model that leaves less memory is better served by more tp/pp."""
+GIB = 2**30
+
+
+@dataclass(kw_only=True)
+class ChunkSet:
+    """What Algorithm 1 builds from one global batch."""
+
+    groups: list[list[Chunk]]
+    """Dependent chunks: the pieces of each sequence longer than ChunkSize, in sequence order."""
+    standalone: list[Chunk]
+    """Packed chunks of whole sequences of at most ChunkSize tokens."""
+    packed_lower_bound: int
+    """ceil(tokens of the short sequences / ChunkSize): no packing needs fewer standalone chunks."""
+
+
+# ---- step 1: chunk construction (chunkflow §4.1, Algorithm 1) ----
+
+def split_sequence(seq_id: int, length: int, chunk_size: int) -> list[Chunk]:
+    """Pieces [0, C), [C, 2C), ... of one long sequence; the last one holds the remainder."""
+    return [Chunk((Segment(seq_id, start, min(start + chunk_size, length)),))
+            for start in range(0, length, chunk_size)]
+
+
+def pack_short_sequences(seq_ids: list[int], lengths: list[int], chunk_size: int) -> list[Chunk]:
+    """Whole sequences into as few chunks of at most chunk_size tokens as best-fit-decreasing finds."""
+    bins = best_fit_decreasing([lengths[i] for i in seq_ids], chunk_size)
+    return [Chunk(whole(sorted(seq_ids[j] for j in b), lengths)) for b in bins]
+
+
+def construct_chunks(seq_ids: list[int], lengths: list[int], chunk_size: int) -> ChunkSet:
+    """Algorithm 1 on some sequences of the batch: split those longer than chunk_size, pack the rest."""
+    long_ids = [i for i in seq_ids if lengths[i] > chunk_size]
+    short_ids = [i for i in seq_ids if lengths[i] <= chunk_size]
+    short_tokens = sum(lengths[i] for i in short_ids)
+    return ChunkSet(groups=[split_sequence(i, lengths[i], chunk_size) for i in long_ids],
+                    standalone=pack_short_sequences(short_ids, lengths, chunk_size),
+                    packed_lower_bound=-(-short_tokens // chunk_size))
+
+
+# ---- step 2: the predicted seconds that placement balances ----
+
+def pass_seconds(chunk: Chunk, request: PlanRequest) -> tuple[float, float]:
+    """(forward, backward) seconds of a chunk through the whole model, LM head included."""
+    s, layers, cost = request.scheme, request.model.num_layers, request.cost
+    return (cost.forward_time(chunk, layers=layers, tp=s.tp, cp=s.cp, head=True),
+            cost.backward_time(chunk, layers=layers, tp=s.tp, cp=s.cp, head=True))
+
+
+def group_seconds(group: list[Chunk], k: int, request: PlanRequest) -> float:
+    """Forward + backward seconds of a long sequence's chunks, re-run forwards included."""
+    times = [pass_seconds(c, request) for c in group]
+    # chunkflow §4.2: the first N - K chunks of a group run forward twice.
+    return sum(f + b for f, b in times) + sum(f for f, _ in times[:max(len(times) - k, 0)])
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackedRate:
+    """Seconds a short sequence adds to a full packed chunk: per token and per attention pair."""
+
+    per_token: float
+    """Seconds per token (GEMMs at a full chunk's efficiency, fixed costs spread over the chunk)."""
+    per_key: float
+    """Seconds per causal (query, key) pair."""
+
+    def seconds(self, length: int) -> float:
+        return self.per_token * length + self.per_key * causal_keys(0, length)
+
+
+def packed_rate(request: PlanRequest, chunk_size: int) -> PackedRate:
+    """Two probes of chunk_size tokens, one sequence vs two halves, separate the two rates.
+
+    Exact when a chunk's time is f(tokens) + g * attention pairs, which holds for the analytic
+    model (efficiency depends on the chunk's tokens) and for profiled a*keys + b*tokens + c."""
+    half = chunk_size // 2
+    one = sum(pass_seconds(Chunk((Segment(0, 0, 2 * half),)), request))
+    two = sum(pass_seconds(Chunk((Segment(0, 0, half), Segment(1, 0, half))), request))
+    keys_diff = causal_keys(0, 2 * half) - 2 * causal_keys(0, half)
+    per_key = max(one - two, 0.0) / keys_diff if keys_diff else 0.0
+    per_token = (one - per_key * causal_keys(0, 2 * half)) / (2 * half)
+    return PackedRate(per_token=per_token, per_key=per_key)
+
+
+# ---- step 3: placement over data-parallel pipelines ----
+
+def balance_units(seconds: list[float], dp: int) -> list[list[int]]:
+    """Units onto dp pipelines: Karmarkar-Karp or LPT, whichever has the lighter heaviest pipeline."""
+    if dp == 1:
+        return [list(range(len(seconds)))]
+
+    def heaviest(parts: list[list[int]]) -> float:
+        return max(sum(seconds[i] for i in p) for p in parts)
+
+    return min(karmarkar_karp(seconds, dp), greedy_balance(seconds, dp), key=heaviest)
+
+
+def place_sequences(request: PlanRequest, chunk_size: int, k: int) -> list[list[int]]:
+    """Sequence ids per pipeline, balancing predicted seconds; a long sequence is one unit."""
+    lengths = request.lengths
+    rate = packed_rate(request, chunk_size)
+    seconds = [group_seconds(split_sequence(i, n, chunk_size), k, request) if n > chunk_size
+               else rate.seconds(n) for i, n in enumerate(lengths)]
+    return [sorted(share) for share in balance_units(seconds, request.scheme.dp)]
+
+
+# ---- memory: the default ChunkSize ----
+
+def stage_memory_bytes(request: PlanRequest, chunk_size: int, k: int, longest: int) -> list[tuple[float, ...]]:
+    """Per stage: (model states, K/V state + its gradient, activations of the chunks in flight).
+
+    A stage keeps at most max(k, pp - stage) chunks' activations (state-aware 1F1B: K of a group,
+    or the 1F1B warm-up of standalone chunks), and the K/V of the longest split sequence with a
+    gradient buffer of the same size (chunkflow §6.3.1: "we directly save all key/value tensors").
+    """
+    s, cost = request.scheme, request.cost
+    chunk = Chunk((Segment(0, 0, chunk_size),))
+    layers = split_layers(request.model.num_layers, s.pp)
+    rows = []
+    for stage, n in enumerate(layers):
+        first, last = stage == 0, stage == s.pp - 1
+        states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp, zero=s.zero, first=first, last=last)
+        kv = 2 * cost.kv_bytes(longest, layers=n, tp=s.tp, cp=s.cp) if longest > chunk_size else 0.0
+        act = max(k, s.pp - stage) * cost.activation_bytes(chunk, layers=n, tp=s.tp, cp=s.cp, head=last)
+        rows.append((states, kv, act))
+    return rows
+
+
+def fits(request: PlanRequest, chunk_size: int, k: int) -> bool:
+    longest = max(request.lengths)
+    return all(sum(row) <= request.cost.capacity_bytes
+               for row in stage_memory_bytes(request, chunk_size, k, longest))
+
+
+def default_chunk_size(request: PlanRequest, k: int) -> int:
+    """Largest power of two that fits memory, capped at the context length's power of two."""
+    cap = 1 << max(math.ceil(math.log2(request.context_length)), 0)
+    size = cap
+    while size > MIN_CHUNK_SIZE and not fits(request, size, k):
+        size //= 2
+    return size
+
+
+def check_chunk_size_fits(request: PlanRequest, chunk_size: int, k: int) -> None:
+    """UserError with the arithmetic when chunk_size and k overflow some stage's memory."""
+    rows = stage_memory_bytes(request, chunk_size, k, max(request.lengths))
+    for stage, (states, kv, act) in enumerate(rows):
+        if states + kv + act > request.cost.capacity_bytes:
+            raise UserError(
+                f"chunkflow chunk_size {chunk_size} with k={k} overflows stage {stage}: model states "
+                f"{states / GIB:.1f} + K/V state {kv / GIB:.1f} + activations {act / GIB:.1f} GiB > "
+                f"{request.cost.capacity_bytes / GIB:.1f} GiB capacity: lower chunk_size or k, or raise --tp/--pp"
+            )
+
+
+# ---- options and checks ----
+
+def check_lengths(request: PlanRequest) -> None:
+    """Model states fit; every length positive and within the context length (long sequences
+    are split, so unlike base.check_request one pipeline need not hold them whole)."""
+    s = request.scheme
+    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
+    for seq_id, n in enumerate(request.lengths):
+        if n < 1:
+            raise UserError(f"sequence {seq_id} has length {n}: lengths must be at least 1 token")
+        if n > request.context_length:
+            raise UserError(
+                f"sequence {seq_id} has {n} tokens > context length {request.context_length}: "
+                f"raise --context-length or use --overlong truncate|drop"
+            )
+    if not request.lengths:
+        raise UserError("the global batch is empty: give at least one sequence")
+
+
+def read_chunk_size(value) -> int | str | None:
+    if value is None or value == "auto":
+        return value
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"chunkflow option chunk_size must be a positive number of tokens or 'auto', got {value!r}")
+    return value
+
+
+# ---- the planner ----
+
+def build_pipeline(request: PlanRequest, chunk_set: ChunkSet, k: int) -> PipelinePlan:
+    """One pipeline's chunks, its long sequences' groups first, under state-aware 1F1B (§4.3)."""
+    from lengthwise.plan.schedules import make_schedule
+
+    s = request.scheme
+    chunks = [c for group in chunk_set.groups for c in group] + chunk_set.standalone
+    return PipelinePlan(chunks=chunks, stages=make_schedule(SCHEDULE, chunks, s.pp, k=k),
+                        tp=s.tp, cp=s.cp, schedule=SCHEDULE)
+
+
+def build_plan(request: PlanRequest, chunk_size: int, k: int, started: float) -> StepPlan:
+    """Placement, Algorithm 1 per pipeline and state-aware 1F1B for one (ChunkSize, K)."""
+    shares = place_sequences(request, chunk_size, k)
+    chunk_sets = [construct_chunks(share, request.lengths, chunk_size) for share in shares]
+    pipelines = [build_pipeline(request, cs, k) for cs in chunk_sets]
+    plan = finish_plan(request, pipelines, planner="chunkflow", started=started,
+                       options={"chunk_size": chunk_size, "k": k})
+    plan.metrics.update(chunk_metrics(request, chunk_sets, chunk_size, k))
+    return plan
+
+
+def chunk_metrics(request: PlanRequest, chunk_sets: list[ChunkSet], chunk_size: int, k: int) -> dict:
+    short_tokens = sum(n for n in request.lengths if n <= chunk_size)
+    return {
+        "chunk_size": chunk_size, "k": k,
+        "dependent_groups": sum(len(cs.groups) for cs in chunk_sets),
+        "dependent_chunks": sum(len(g) for cs in chunk_sets for g in cs.groups),
+        "packed_chunks": sum(len(cs.standalone) for cs in chunk_sets),
+        "packed_chunks_lower_bound": sum(cs.packed_lower_bound for cs in chunk_sets),
+        "packed_chunks_global_lower_bound": -(-short_tokens // chunk_size),
+        "predicted_pipeline_s": [
+            sum(group_seconds(g, k, request) for g in cs.groups + [[c] for c in cs.standalone])
+            for cs in chunk_sets],
+    }
+
+
+def plan_chunkflow(request: PlanRequest) -> StepPlan:
+    """ChunkFlow for one global batch (chunkflow §4-§5); options in the module docstring."""
+    started = time.perf_counter()
+    opts = take_options(request, "chunkflow", {"chunk_size": None, "k": None})
+    chunk_size, k = read_chunk_size(opts["chunk_size"]), positive_int_option(opts, "k")
+    check_lengths(request)
+    if chunk_size == "auto":
+        from lengthwise.planners.chunkflow_search import grid_search
+
+        return grid_search(request, k, started)
+    k = k or 1
+    chunk_size = chunk_size or default_chunk_size(request, k)
+    check_chunk_size_fits(request, chunk_size, k)
+    return build_plan(request, chunk_size, k, started)
