@@ -1,0 +1,219 @@
+"""The invariants every StepPlan must satisfy, checked before a plan is simulated or executed.
+
+    validate_plan(plan)          # structure, token coverage, schedules
+    validate_plan(plan, cost)    # ... and every chunk fits its stage's memory
+
+1. Degrees: pp, tp, cp >= 1; tp divides the heads; stage layers sum to the model's layers.
+2. Segments: 0 <= start < stop <= length; cp_rank is SHARDED or in [0, cp); no empty chunk.
+3. Each token of each sequence appears exactly once over all pipelines' forward chunks, and
+   once again over the backward units when a pipeline groups its backward separately.
+4. All slices of a sequence live in one pipeline (their K/V context never crosses pipelines).
+5. Each pipeline's schedule forwards every chunk and backwards every unit once on every stage,
+   slices forward in order and backward in reverse, and runs to the end without deadlock
+   (`schedules.check_schedule`, which replays it in lock-step).
+6. Loss normalisation: the positions that predict a next token, counted over the chunks, equal
+   the batch's loss tokens sum(max(L - 1, 0)) (and the count recorded in the metrics, if any).
+7. With a cost model: model states plus one chunk's activations plus the K/V state of its
+   context fit every stage's GPU. This is the bound of that chunk alone in the pipeline, so a
+   plan a 1F1B pipeline could run is never rejected; the simulator checks the peak over time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import FORWARD, SHARDED, Chunk, PipelinePlan, Segment, StepPlan
+from lengthwise.plan.schedules import check_schedule
+
+if TYPE_CHECKING:
+    from lengthwise.cost import CostModel
+
+GIB = 2**30
+
+
+def validate_plan(plan: StepPlan, cost: CostModel | None = None) -> None:
+    """Raise UserError naming the pipeline, stage, action or chunk that breaks an invariant."""
+    _check_lengths(plan)
+    if plan.num_gpus > plan.cluster.num_gpus:
+        raise UserError(f"plan uses {plan.num_gpus} GPUs but cluster {plan.cluster.name} has "
+                        f"{plan.cluster.num_gpus}")
+    for p, pipe in enumerate(plan.pipelines):
+        _check_degrees(plan, p, pipe)
+        for unit_name, units in _unit_lists(pipe):
+            _check_segments(plan, p, unit_name, units, pipe.cp)
+    _check_one_pipeline_per_sequence(plan)
+    _check_coverage(plan, backward=False)
+    if any(pipe.backward_chunks is not None for pipe in plan.pipelines):
+        _check_coverage(plan, backward=True)
+    for p, pipe in enumerate(plan.pipelines):
+        try:
+            check_schedule(pipe.stages, pipe.chunks, pipe.backward_chunks)
+        except UserError as exc:
+            raise UserError(f"pipeline {p}: {exc}") from None
+    _check_loss_tokens(plan)
+    if cost is not None:
+        _check_memory(plan, cost)
+
+
+def _check_lengths(plan: StepPlan) -> None:
+    for seq_id, n in enumerate(plan.lengths):
+        if n < 1:
+            raise UserError(f"sequence {seq_id} has length {n}: lengths must be at least 1 token")
+
+
+def _check_degrees(plan: StepPlan, p: int, pipe: PipelinePlan) -> None:
+    if pipe.pp < 1 or pipe.tp < 1 or pipe.cp < 1:
+        raise UserError(f"pipeline {p}: degrees must be >= 1, got pp={pipe.pp} tp={pipe.tp} cp={pipe.cp}")
+    if plan.model.num_heads % pipe.tp:
+        raise UserError(f"pipeline {p}: tp({pipe.tp}) does not divide the heads: "
+                        f"{plan.model.name} has {plan.model.num_heads}")
+    layers = pipe.stage_layers(plan.model.num_layers)
+    if len(layers) != pipe.pp or sum(layers) != plan.model.num_layers or min(layers) < 0:
+        raise UserError(f"pipeline {p}: layers_per_stage {layers} must give each of its {pipe.pp} "
+                        f"stages >= 0 layers summing to {plan.model.num_layers}")
+
+
+def _unit_lists(pipe: PipelinePlan) -> list[tuple[str, list[Chunk]]]:
+    out = [("chunk", pipe.chunks)]
+    if pipe.backward_chunks is not None:
+        out.append(("backward unit", pipe.backward_chunks))
+    return out
+
+
+def _check_segments(plan: StepPlan, p: int, unit_name: str, units: list[Chunk], cp: int) -> None:
+    for c, chunk in enumerate(units):
+        where = f"pipeline {p} {unit_name} {c}"
+        if not chunk.segments:
+            raise UserError(f"{where} has no segments")
+        if chunk.pad_to < 0:
+            raise UserError(f"{where} has pad_to {chunk.pad_to} < 0")
+        for seg in chunk.segments:
+            _check_segment(plan, where, seg, cp)
+
+
+def _check_segment(plan: StepPlan, where: str, seg: Segment, cp: int) -> None:
+    if not 0 <= seg.seq_id < len(plan.lengths):
+        raise UserError(f"{where}: segment {seg} names sequence {seg.seq_id}, but the batch has "
+                        f"{len(plan.lengths)} (0..{len(plan.lengths) - 1})")
+    length = plan.lengths[seg.seq_id]
+    if not 0 <= seg.start < seg.stop <= length:
+        raise UserError(f"{where}: segment {seg} needs 0 <= start < stop <= {length} "
+                        f"(the length of sequence {seg.seq_id})")
+    if seg.cp_rank != SHARDED and not 0 <= seg.cp_rank < cp:
+        raise UserError(f"{where}: segment {seg} is placed on CP rank {seg.cp_rank}, but the "
+                        f"pipeline has cp={cp} (ranks 0..{cp - 1}, or sharded)")
+
+
+def _check_one_pipeline_per_sequence(plan: StepPlan) -> None:
+    owner: dict[int, int] = {}
+    for p, pipe in enumerate(plan.pipelines):
+        for _, units in _unit_lists(pipe):
+            for chunk in units:
+                for seg in chunk.segments:
+                    first = owner.setdefault(seg.seq_id, p)
+                    if first != p:
+                        raise UserError(f"sequence {seg.seq_id} has slices in pipelines {first} and {p}: "
+                                        "all slices of a sequence must run in one pipeline")
+
+
+def _check_coverage(plan: StepPlan, *, backward: bool) -> None:
+    """Each token of each sequence exactly once: sort each sequence's slices, walk 0..length."""
+    label = "backward" if backward else "forward"
+    spans: dict[int, list[tuple[int, int, str]]] = {i: [] for i in range(len(plan.lengths))}
+    for p, pipe in enumerate(plan.pipelines):
+        units, name = (pipe.bwd_units, "backward unit") if backward else (pipe.chunks, "chunk")
+        for c, chunk in enumerate(units):
+            for seg in chunk.segments:
+                spans[seg.seq_id].append((seg.start, seg.stop, f"pipeline {p} {name} {c}"))
+    for seq_id, slices in spans.items():
+        _walk_slices(seq_id, plan.lengths[seq_id], sorted(slices), label)
+
+
+def _walk_slices(seq_id: int, length: int, slices: list[tuple[int, int, str]], label: str) -> None:
+    covered, last_where = 0, ""
+    for start, stop, where in slices:
+        if start < covered:
+            raise UserError(f"sequence {seq_id}: tokens [{start}:{min(stop, covered)}) appear twice in "
+                            f"{label} ({last_where} and {where})")
+        if start > covered:
+            raise UserError(f"sequence {seq_id}: tokens [{covered}:{start}) are missing from {label}")
+        covered, last_where = stop, where
+    if covered < length:
+        raise UserError(f"sequence {seq_id}: tokens [{covered}:{length}) are missing from {label}")
+
+
+def _check_loss_tokens(plan: StepPlan) -> None:
+    """Positions predicting a next token over all chunks == the batch's loss tokens."""
+    counted = sum(
+        max(0, min(seg.stop, plan.lengths[seg.seq_id] - 1) - seg.start)
+        for pipe in plan.pipelines for chunk in pipe.chunks for seg in chunk.segments
+    )
+    expected = plan.loss_tokens
+    if counted != expected:
+        raise UserError(f"loss normalisation: the chunks hold {counted} loss tokens but the batch has "
+                        f"sum(max(L - 1, 0)) = {expected}")
+    recorded = plan.metrics.get("loss_tokens")
+    if recorded is not None and recorded != expected:
+        raise UserError(f"loss normalisation: metrics record {recorded} loss tokens but the batch has "
+                        f"sum(max(L - 1, 0)) = {expected}")
+
+
+def _check_memory(plan: StepPlan, cost: CostModel) -> None:
+    dp = len(plan.pipelines)
+    for p, pipe in enumerate(plan.pipelines):
+        layers = pipe.stage_layers(plan.model.num_layers)
+        for s, actions in enumerate(pipe.stages):
+            first, last = s == 0, s == pipe.pp - 1
+            states = cost.model_state_bytes(layers=layers[s], tp=pipe.tp, dp=dp, zero=plan.zero,
+                                            first=first, last=last)
+            recompute = {a.chunk: a.recompute_layers for a in actions if a.kind == FORWARD}
+            for c, chunk in enumerate(pipe.chunks):
+                _check_chunk_fits(cost, pipe, p, s, c, chunk, layers[s], states, recompute.get(c, 0), last)
+
+
+def _check_chunk_fits(cost: CostModel, pipe: PipelinePlan, p: int, s: int, c: int, chunk: Chunk,
+                      layers: int, states: float, recompute: int, last: bool) -> None:
+    if recompute > layers:
+        raise UserError(f"pipeline {p} stage {s} F{c}.r{recompute}: recomputes {recompute} layers "
+                        f"but the stage has {layers}")
+    _, act, kv = max(_chunk_bytes(cost, tokens, context, layers, pipe.tp, recompute, last)
+                     for tokens, context in _cp_rank_loads(chunk, pipe.cp))
+    need = states + act + kv
+    if need > cost.capacity_bytes:
+        raise UserError(
+            f"pipeline {p} stage {s} chunk {c} ({_short(chunk)}) needs {need / GIB:.1f} GiB = activations "
+            f"{act / GIB:.1f} + K/V context {kv / GIB:.1f} + model states {states / GIB:.1f} > "
+            f"{cost.capacity_bytes / GIB:.1f} GiB capacity: split or shrink the chunk"
+        )
+
+
+def _chunk_bytes(cost: CostModel, tokens: float, context: float, layers: int, tp: int,
+                 recompute: int, last: bool) -> tuple[float, float, float]:
+    """(total, activation, K/V-context) bytes of one CP rank's share of a chunk, held alone."""
+    # A one-segment probe row of the rank's token count: activations grow with row tokens.
+    probe = Chunk((Segment(0, 0, max(1, math.ceil(tokens))),))
+    act = cost.activation_bytes(probe, layers=layers, tp=tp, cp=1, recompute_layers=recompute, head=last)
+    # infinipipe eq. 9: earlier slices' K/V stay resident while this slice runs.
+    kv = cost.kv_bytes(math.ceil(context), layers=layers, tp=tp, cp=1) if context else 0.0
+    return act + kv, act, kv
+
+
+def _cp_rank_loads(chunk: Chunk, cp: int) -> list[tuple[float, float]]:
+    """(row tokens, context tokens) per CP rank: sharded segments and padding split evenly,
+    whole segments on their rank."""
+    tokens, context = [0.0] * cp, [0.0] * cp
+    for seg in chunk.segments:
+        share = [seg.cp_rank] if seg.cp_rank != SHARDED and cp > 1 else range(cp)
+        for r in share:
+            tokens[r] += seg.num_tokens / len(share)
+            context[r] += seg.start / len(share)
+    pad = chunk.row_tokens - chunk.num_tokens
+    return [(t + pad / cp, x) for t, x in zip(tokens, context)]
+
+
+def _short(chunk: Chunk, limit: int = 3) -> str:
+    segs = [str(s) for s in chunk.segments[:limit]]
+    more = f"+...{len(chunk.segments) - limit} more" if len(chunk.segments) > limit else ""
+    return "+".join(segs) + more + (f"/pad{chunk.pad_to}" if chunk.pad_to else "")

@@ -1,0 +1,144 @@
+"""What every planner takes (`PlanRequest`) and the steps every planner shares.
+
+A planner is a function `PlanRequest -> StepPlan`, deterministic for a given seed. The shared
+steps here check that a batch can be planned at all (`check_request`), turn per-pipeline chunk
+lists into 1F1B pipelines (`pipelines_from_chunks`), read planner options strictly
+(`take_options`) and fill the plan's predicted metrics (`finish_plan`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
+from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
+
+if TYPE_CHECKING:
+    from lengthwise.cost import CostModel
+
+@dataclass(kw_only=True)
+class PlanRequest:
+    """One global batch to plan, with everything a planner may consult."""
+
+    lengths: list[int]
+    """Token count of each sequence of the global batch; seq_id is the index."""
+    model: ModelSpec
+    """The model being trained."""
+    cluster: ClusterSpec
+    """The GPUs; num_gpus equals scheme.num_gpus."""
+    scheme: ParallelScheme
+    """dp x tp x pp x cp (a planner may choose other degrees per pipeline, e.g. hydraulis)."""
+    cost: CostModel
+    """Cost model of `model` on `cluster`."""
+    context_length: int
+    """Longest sequence allowed, tokens; also the bin size of packing planners."""
+    seed: int = 0
+    """Seed for any random choice the planner makes."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Planner-specific options (chunk_size, k, micro_batch_size ...)."""
+
+
+Planner = Callable[[PlanRequest], StepPlan]
+
+
+def take_options(request: PlanRequest, planner: str, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The planner's options with defaults filled in; an unknown option is a UserError."""
+    unknown = sorted(set(request.options) - set(defaults))
+    if unknown:
+        valid = ", ".join(defaults) or "none"
+        raise UserError(f"planner {planner} has no option {', '.join(unknown)}: its options are {valid}")
+    return {**defaults, **request.options}
+
+
+def positive_int_option(options: dict[str, Any], name: str) -> int | None:
+    """An integer option that must be >= 1 when given (None means: choose automatically)."""
+    value = options.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"option {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def seq_len_limit(request: PlanRequest) -> int:
+    """Longest sequence (and largest packed chunk) one pipeline of the scheme can hold, tokens."""
+    s = request.scheme
+    return int(request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp, zero=s.zero))
+
+
+def check_request(request: PlanRequest) -> int:
+    """Model states fit; every length positive, within the context length and within one
+    pipeline's memory under 1F1B (cost.max_seq_len).
+
+    Returns that per-pipeline sequence limit (tokens) so planners can size chunks by it.
+    """
+    s = request.scheme
+    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
+    for seq_id, n in enumerate(request.lengths):
+        if n < 1:
+            raise UserError(f"sequence {seq_id} has length {n}: lengths must be at least 1 token")
+        if n > request.context_length:
+            raise UserError(
+                f"sequence {seq_id} has {n} tokens > context length {request.context_length}: "
+                f"raise --context-length or use --overlong truncate|drop"
+            )
+    limit = seq_len_limit(request)
+    longest = max(range(len(request.lengths)), key=lambda i: request.lengths[i], default=None)
+    if longest is not None and request.lengths[longest] > limit:
+        raise UserError(
+            f"sequence {longest} has {request.lengths[longest]} tokens > {limit}, the longest one "
+            f"pipeline of {request.scheme} can hold: raise --tp, --pp or --cp, or use a splitting planner"
+        )
+    return limit
+
+
+def whole(seq_ids: list[int], lengths: list[int]) -> tuple[Segment, ...]:
+    """Whole sequences as segments, in the given order."""
+    return tuple(Segment(i, 0, lengths[i]) for i in seq_ids)
+
+
+def pipelines_from_chunks(request: PlanRequest, per_pipeline: list[list[Chunk]],
+                          schedule: str = "1f1b") -> list[PipelinePlan]:
+    """One PipelinePlan per chunk list, each stage's actions from the named schedule."""
+    from lengthwise.plan.schedules import make_schedule
+
+    s = request.scheme
+    return [
+        PipelinePlan(chunks=chunks, stages=make_schedule(schedule, chunks, s.pp), tp=s.tp, cp=s.cp,
+                     schedule=schedule)
+        for chunks in per_pipeline
+    ]
+
+
+def finish_plan(request: PlanRequest, pipelines: list[PipelinePlan], *, planner: str,
+                started: float, options: dict[str, Any] | None = None) -> StepPlan:
+    """Wrap pipelines into a StepPlan with its predicted metrics.
+
+    `started` is the planner's `time.perf_counter()` at entry; planning time is measured up to
+    here (validation is the caller's and not included).
+    """
+    plan = StepPlan(planner=planner, model=request.model, cluster=request.cluster,
+                    lengths=list(request.lengths), pipelines=pipelines, zero=request.scheme.zero,
+                    options=dict(request.options if options is None else options))
+    plan.metrics = plan_metrics(plan, request.cost)
+    plan.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
+    return plan
+
+
+def plan_metrics(plan: StepPlan, cost: CostModel) -> dict[str, Any]:
+    """Per-pipeline chunks, tokens and forward FLOPs (whole model), and the padding fraction."""
+    layers = plan.model.num_layers
+    row = sum(c.row_tokens for p in plan.pipelines for c in p.chunks)
+    real = sum(c.num_tokens for p in plan.pipelines for c in p.chunks)
+    return {
+        "chunks_per_pipeline": [len(p.chunks) for p in plan.pipelines],
+        "tokens_per_pipeline": [sum(c.num_tokens for c in p.chunks) for p in plan.pipelines],
+        "forward_flops_per_pipeline": [
+            sum(cost.forward_flops(c, layers=layers, head=True) for c in p.chunks) for p in plan.pipelines
+        ],
+        "padding_fraction": (row - real) / row if row else 0.0,
+        "loss_tokens": plan.loss_tokens,
+    }

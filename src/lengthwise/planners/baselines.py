@@ -1,0 +1,141 @@
+"""Four baseline planners: how trainers without length-aware planning build micro-batches.
+
+All four keep every sequence whole, run a plain 1F1B schedule over the scheme's PP stages, and
+give each of the scheme's dp pipelines its own micro-batches. They differ in how micro-batches
+are formed and spread over data-parallel ranks:
+
+- `padding`: a fixed number of sequences per micro-batch in sampler order, each padded to the
+  longest in its micro-batch (Hydraulis §2.2, fig. 1 left); micro-batches dealt round-robin.
+  On a long-tail batch most of each row is padding: one 16K outlier pads its 7 neighbours.
+- `packing`: best-fit-decreasing packing into rows of the context length, then the same number
+  of packs per DP rank in shuffled order (the Megatron/NeMo/TRL default that SlimPack §6 and
+  Hydraulis §2.2 compare against). No padding, but packs with one long sequence cost many
+  times a pack of short ones (quadratic attention), so ranks straggle.
+- `sorted`: LongAlign's sorted batching (ChunkFlow §6 "smart batching"): sort by length, cut the
+  sorted list into micro-batches of similar lengths that fit the token budget, pad each to its
+  longest, deal the micro-batches to ranks in shuffled order. Little padding, same stragglers.
+- `token-balanced`: verl-style balancing: Karmarkar-Karp splits the sequences over DP ranks by
+  token count, then each rank packs its share best-fit-decreasing. Equal tokens per rank, but
+  not equal attention FLOPs.
+
+Options: `padding` takes micro_batch_size (default: as many rows of the batch's longest sequence
+as one pipeline's memory holds under 1F1B, cost.max_seq_len); `sorted` takes micro_batch_size (default: fill the token budget);
+`token-balanced` takes equal_count (same number of sequences per rank, default false).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import Chunk, StepPlan
+from lengthwise.planners.base import (
+    PlanRequest, check_request, finish_plan, pipelines_from_chunks, positive_int_option,
+    take_options, whole,
+)
+from lengthwise.planners.packing_utils import best_fit_decreasing, karmarkar_karp, split_to_multiple
+
+
+def deal(items: list, k: int) -> list[list]:
+    """Round-robin: item i goes to group i mod k."""
+    return [items[r::k] for r in range(k)]
+
+
+def padded_chunk(seq_ids: list[int], lengths: list[int]) -> Chunk:
+    """A micro-batch of whole sequences, each padded to the longest (row = count x longest)."""
+    longest = max(lengths[i] for i in seq_ids)
+    row = len(seq_ids) * longest
+    real = sum(lengths[i] for i in seq_ids)
+    return Chunk(whole(seq_ids, lengths), pad_to=row if row > real else 0)
+
+
+def packed_chunk(seq_ids: list[int], lengths: list[int]) -> Chunk:
+    return Chunk(whole(seq_ids, lengths))
+
+
+def _check_padded_fits(groups: list[list[int]], lengths: list[int], budget: int, mbs: int) -> None:
+    for g, ids in enumerate(groups):
+        row = len(ids) * max(lengths[i] for i in ids)
+        if row > budget:
+            raise UserError(
+                f"micro_batch_size {mbs} pads micro-batch {g} to {len(ids)} x "
+                f"{max(lengths[i] for i in ids)} = {row} tokens > {budget} that fit one pipeline: "
+                f"lower micro_batch_size"
+            )
+
+
+def plan_padding(request: PlanRequest) -> StepPlan:
+    """Fixed-size micro-batches in sampler order, padded to their longest (Hydraulis §2.2)."""
+    started = time.perf_counter()
+    opts = take_options(request, "padding", {"micro_batch_size": None})
+    limit = check_request(request)
+    lengths = request.lengths
+    # Default: as many rows of the batch's longest sequence as one pipeline's memory holds.
+    default = max(1, limit // max(lengths, default=1))
+    mbs = positive_int_option(opts, "micro_batch_size") or default
+    groups = [list(range(i, min(i + mbs, len(lengths)))) for i in range(0, len(lengths), mbs)]
+    _check_padded_fits(groups, lengths, limit, mbs)
+    chunks = [padded_chunk(g, lengths) for g in groups]
+    pipelines = pipelines_from_chunks(request, deal(chunks, request.scheme.dp))
+    return finish_plan(request, pipelines, planner="padding", started=started,
+                       options={"micro_batch_size": mbs})
+
+
+def plan_packing(request: PlanRequest) -> StepPlan:
+    """Best-fit-decreasing packs of the context length, an equal count per DP rank."""
+    started = time.perf_counter()
+    take_options(request, "packing", {})
+    capacity = min(request.context_length, check_request(request))
+    lengths, dp = request.lengths, request.scheme.dp
+    bins = split_to_multiple(best_fit_decreasing(lengths, capacity), lengths, dp)
+    # The data loader sees packs in random order; ranks take consecutive ones.
+    random.Random(request.seed).shuffle(bins)
+    chunks = [packed_chunk(b, lengths) for b in bins]
+    pipelines = pipelines_from_chunks(request, deal(chunks, dp))
+    return finish_plan(request, pipelines, planner="packing", started=started,
+                       options={"pack_tokens": capacity})
+
+
+def _sorted_groups(lengths: list[int], budget: int, mbs: int | None) -> list[list[int]]:
+    """Longest first; a micro-batch grows while its padded row (count x its longest) fits."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        # Descending order: the group's first sequence is its longest.
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget \
+                and (mbs is None or len(groups[-1]) < mbs):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def plan_sorted(request: PlanRequest) -> StepPlan:
+    """LongAlign sorted batching: similar lengths per micro-batch, batches in random order."""
+    started = time.perf_counter()
+    opts = take_options(request, "sorted", {"micro_batch_size": None})
+    budget = min(request.context_length, check_request(request))
+    mbs = positive_int_option(opts, "micro_batch_size")
+    groups = _sorted_groups(request.lengths, budget, mbs)
+    random.Random(request.seed).shuffle(groups)
+    chunks = [padded_chunk(g, request.lengths) for g in groups]
+    pipelines = pipelines_from_chunks(request, deal(chunks, request.scheme.dp))
+    return finish_plan(request, pipelines, planner="sorted", started=started,
+                       options={"micro_batch_size": mbs, "row_tokens": budget})
+
+
+def plan_token_balanced(request: PlanRequest) -> StepPlan:
+    """Karmarkar-Karp over DP ranks by token count, then best-fit-decreasing packs per rank."""
+    started = time.perf_counter()
+    opts = take_options(request, "token-balanced", {"equal_count": False})
+    capacity = min(request.context_length, check_request(request))
+    lengths = request.lengths
+    shares = karmarkar_karp(lengths, request.scheme.dp, equal_count=bool(opts["equal_count"]))
+    per_pipeline = []
+    for share in shares:
+        bins = best_fit_decreasing([lengths[i] for i in share], capacity)
+        per_pipeline.append([packed_chunk([share[j] for j in b], lengths) for b in bins])
+    pipelines = pipelines_from_chunks(request, per_pipeline)
+    return finish_plan(request, pipelines, planner="token-balanced", started=started,
+                       options={"pack_tokens": capacity, "equal_count": bool(opts["equal_count"])})
