@@ -1,0 +1,110 @@
+"""What the executor needs of a StepPlan before it runs it, checked up front.
+
+These are the plan invariants that would otherwise give silently wrong gradients: every token
+forwarded with grad exactly once, each stage running F before B of every chunk (an optional N
+before the F), and each split sequence's backwards in reverse slice order on every stage (an
+earlier slice's backward must see the dK/dV of all later ones). Messages name the pipeline,
+stage and action. The full validator (lengthwise.plan.validate) checks more (memory, costs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, Action, PipelinePlan, StepPlan
+from lengthwise.specs import ModelSpec
+
+
+def check_executable(plan: StepPlan, spec: ModelSpec, token_ids: list[torch.Tensor]) -> None:
+    """UserError naming the first thing in plan or inputs the executor cannot run exactly."""
+    _check_inputs(plan, spec, token_ids)
+    _check_token_coverage(plan)
+    for p, pipe in enumerate(plan.pipelines):
+        _check_pipeline_shape(p, pipe, spec)
+        for s, actions in enumerate(pipe.stages):
+            _check_stage_actions(f"pipeline {p} stage {s}", actions, pipe)
+            _check_reverse_backward(f"pipeline {p} stage {s}", actions, pipe)
+
+
+def _check_inputs(plan: StepPlan, spec: ModelSpec, token_ids: list[torch.Tensor]) -> None:
+    if len(token_ids) != len(plan.lengths):
+        raise UserError(f"got token ids for {len(token_ids)} sequences, the plan has {len(plan.lengths)}")
+    for i, (ids, n) in enumerate(zip(token_ids, plan.lengths)):
+        if ids.dim() != 1 or ids.numel() != n:
+            raise UserError(f"sequence {i}: token ids of shape {tuple(ids.shape)}, the plan says length {n}")
+        if n and (int(ids.min()) < 0 or int(ids.max()) >= spec.vocab):
+            raise UserError(f"sequence {i}: token ids must lie in [0, vocab({spec.vocab}))")
+    if not plan.pipelines:
+        raise UserError("the plan has no pipelines")
+
+
+def _check_token_coverage(plan: StepPlan) -> None:
+    """Each token of each sequence in exactly one chunk of one pipeline."""
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for pipe in plan.pipelines:
+        for chunk in pipe.chunks:
+            for seg in chunk.segments:
+                if not 0 <= seg.seq_id < len(plan.lengths) or not 0 <= seg.start < seg.stop <= plan.lengths[seg.seq_id]:
+                    raise UserError(f"segment {seg} lies outside its sequence (lengths has {len(plan.lengths)} "
+                                    f"sequences; this one's length is "
+                                    f"{plan.lengths[seg.seq_id] if 0 <= seg.seq_id < len(plan.lengths) else '-'})")
+                covered.setdefault(seg.seq_id, []).append((seg.start, seg.stop))
+    for seq_id, length in enumerate(plan.lengths):
+        at = 0
+        for start, stop in sorted(covered.get(seq_id, [])):
+            if start != at:
+                raise UserError(f"sequence {seq_id}: tokens [{min(at, start)}:{max(at, start)}) are "
+                                f"{'missing' if start > at else 'planned twice'}")
+            at = stop
+        if at != length:
+            raise UserError(f"sequence {seq_id}: tokens [{at}:{length}) are missing from the plan")
+
+
+def _check_pipeline_shape(p: int, pipe: PipelinePlan, spec: ModelSpec) -> None:
+    if pipe.backward_chunks is not None:
+        raise UserError(f"pipeline {p}: separate backward_chunks (SlimPack §4.1.2) are not supported "
+                        "by the executor yet; plan without them")
+    if not pipe.stages:
+        raise UserError(f"pipeline {p} has no stages")
+    layers = pipe.stage_layers(spec.num_layers)
+    if len(layers) != pipe.pp or sum(layers) != spec.num_layers or min(layers) < 0:
+        raise UserError(f"pipeline {p}: layers_per_stage {layers} must be {pipe.pp} counts summing to "
+                        f"the model's {spec.num_layers} layers")
+    for chunk in pipe.chunks:
+        seq_ids = [s.seq_id for s in chunk.segments]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise UserError(f"pipeline {p}: chunk {chunk} holds two slices of one sequence; merge them")
+
+
+def _check_stage_actions(where: str, actions: list[Action], pipe: PipelinePlan) -> None:
+    """Per chunk, the stage runs [N] F B in that order, each once."""
+    seen: dict[int, str] = {}
+    for index, action in enumerate(actions):
+        if not 0 <= action.chunk < len(pipe.chunks):
+            raise UserError(f"{where} action {index} ({action}): the pipeline has {len(pipe.chunks)} chunks")
+        if action.recompute_layers < 0:
+            raise UserError(f"{where} action {index} ({action}): recompute_layers must be >= 0")
+        before = seen.get(action.chunk, "")
+        allowed = {FORWARD_NOGRAD: ("",), FORWARD: ("", "N"), BACKWARD: ("F", "NF")}[action.kind]
+        if before not in allowed:
+            raise UserError(f"{where} action {index} ({action}) follows {before or 'nothing'} for chunk "
+                            f"{action.chunk}; each chunk runs [N] F B once, in that order")
+        seen[action.chunk] = before + action.kind
+    missing = [c for c in range(len(pipe.chunks)) if not seen.get(c, "").endswith("FB")]
+    if missing:
+        raise UserError(f"{where}: chunks {missing} lack an F followed by a B")
+
+
+def _check_reverse_backward(where: str, actions: list[Action], pipe: PipelinePlan) -> None:
+    """Slices of one sequence: backward from the last slice to the first (chunkflow §4.2)."""
+    last_start: dict[int, int] = {}
+    for index, action in enumerate(actions):
+        if action.kind != BACKWARD:
+            continue
+        for seg in pipe.chunks[action.chunk].segments:
+            later = last_start.get(seg.seq_id)
+            if later is not None and seg.start > later:
+                raise UserError(f"{where} action {index} ({action}): slice {seg} runs backward after an "
+                                "earlier slice of its sequence; backwards must go from the last slice to the first")
+            last_start[seg.seq_id] = seg.start

@@ -1,0 +1,197 @@
+"""A Llama/Qwen2-family decoder in plain PyTorch, cut-able into pipeline stages.
+
+Module and parameter names equal Hugging Face's (`model.embed_tokens.weight`,
+`model.layers.3.self_attn.q_proj.weight`, `model.norm.weight`, `lm_head.weight`), so a
+`state_dict` moves between this model and `transformers.LlamaForCausalLM` /
+`Qwen2ForCausalLM` unchanged (see `runtime/weights.py`).
+
+The model never sees a batch dimension: a *chunk* is one packed row of T tokens, and every
+layer takes the row's positions (for the rotary embedding) and its `ChunkLayout` (which tokens
+attend to which, `runtime/attention.py`). A layer also takes the K/V *context* of each segment
+and returns its own post-rotary K/V, so the state-aware executor (`runtime/stage.py`) can keep
+K/V across the slices of a split sequence (chunkflow §4.2).
+
+Stages: `embed` (first stage), `layers[a:b]` (any contiguous range), `head_logits` (last stage)
+are separate calls; the executor decides which a stage runs. The model imports no parallel code.
+
+Numerics follow Hugging Face: RMSNorm and rotary tables are computed in float32 for 16/32-bit
+models; in float64 they stay in float64 (Hugging Face would drop to float32 there, see
+`runtime/verify.py` for how the oracle is aligned).
+
+Tensor legend: T tokens in the row, D hidden, H query heads, G key/value heads, E head dim,
+F SwiGLU width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lengthwise.runtime.attention import ChunkLayout, attend
+from lengthwise.specs import ModelSpec
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Precision of norms and rotary tables: at least float32, like Hugging Face's."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, reduced in at least float32."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        wide_TD = x_TD.to(compute_dtype(x_TD.dtype))
+        wide_TD = wide_TD * torch.rsqrt(wide_TD.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * wide_TD.to(x_TD.dtype)
+
+
+def rotary_tables(positions_T: torch.Tensor, *, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos and sin tables [T, E] at explicit positions (a slice starting at 4096 rotates from
+    4096, not 0), in Hugging Face's half-split layout."""
+    wide = compute_dtype(dtype)
+    exponents = torch.arange(0, head_dim, 2, dtype=wide, device=positions_T.device) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    freqs_TE = positions_T.to(wide)[:, None] * inv_freq[None, :]
+    angles_TE = torch.cat((freqs_TE, freqs_TE), dim=-1)
+    return angles_TE.cos().to(dtype), angles_TE.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x_THE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor) -> torch.Tensor:
+    return x_THE * cos_TE[:, None, :] + _rotate_half(x_THE) * sin_TE[:, None, :]
+
+
+class SelfAttention(nn.Module):
+    """GQA attention; optional bias on q, k and v (Qwen2), none on the output projection."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.q_proj = nn.Linear(spec.hidden, spec.q_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.q_dim, spec.hidden, bias=False)
+
+    def forward(self, x_TD, rope, layout: ChunkLayout, context, backend: str):
+        """Returns the output [T, D] and this row's post-rotary k, v [T, G, E]."""
+        num_tokens, spec = x_TD.shape[0], self.spec
+        q_THE = self.q_proj(x_TD).view(num_tokens, spec.num_heads, spec.head_dim)
+        k_TGE = self.k_proj(x_TD).view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        v_TGE = self.v_proj(x_TD).view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        q_THE, k_TGE = apply_rotary(q_THE, *rope), apply_rotary(k_TGE, *rope)
+        out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
+        return self.o_proj(out_THE.reshape(num_tokens, spec.q_dim)), k_TGE, v_TGE
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden, spec.ffn, bias=False)
+        self.up_proj = nn.Linear(spec.hidden, spec.ffn, bias=False)
+        self.down_proj = nn.Linear(spec.ffn, spec.hidden, bias=False)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.self_attn = SelfAttention(spec)
+        self.mlp = SwiGLU(spec)
+        self.input_layernorm = RMSNorm(spec.hidden, spec.rms_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.rms_eps)
+
+    def forward(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
+        """One pre-norm block; returns (h [T, D], k [T, G, E], v [T, G, E]).
+
+        `context[i]` lists the (k, v) pieces of segment i's earlier slices, oldest first."""
+        attn_TD, k_TGE, v_TGE = self.self_attn(self.input_layernorm(h_TD), rope, layout, context, backend)
+        h_TD = h_TD + attn_TD
+        h_TD = h_TD + self.mlp(self.post_attention_layernorm(h_TD))
+        return h_TD, k_TGE, v_TGE
+
+
+class DecoderStack(nn.Module):
+    """Hugging Face's `model.` prefix: embedding, layers, final norm."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab, spec.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden, spec.rms_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder plus its LM head; `lm_head.weight` is the embedding when tied."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        spec.validate()
+        self.spec = spec
+        self.model = DecoderStack(spec)
+        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        if spec.tied_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed(self, tokens_T: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(tokens_T)
+
+    def rope(self, positions_T: torch.Tensor, dtype: torch.dtype):
+        spec = self.spec
+        return rotary_tables(positions_T, head_dim=spec.head_dim, theta=spec.rope_theta, dtype=dtype)
+
+    def run_layers(self, h_TD, *, layers: range, rope, layout: ChunkLayout, contexts, backend: str,
+                   recompute_layers: int = 0):
+        """Layers `layers` (a contiguous range) over one chunk.
+
+        `contexts[j]` is the per-segment context of layer layers[j]. The first
+        `recompute_layers` keep only their input and run again in backward (infinipipe §4's
+        chunk-level checkpointing). Returns h and the list of (k, v) per layer."""
+        kv_per_layer = []
+        for j, index in enumerate(layers):
+            layer = self.model.layers[index]
+            args = (h_TD, rope, layout, contexts[j], backend)
+            if j < recompute_layers and torch.is_grad_enabled():
+                h_TD, k_TGE, v_TGE = checkpoint(layer, *args, use_reentrant=False)
+            else:
+                h_TD, k_TGE, v_TGE = layer(*args)
+            kv_per_layer.append((k_TGE, v_TGE))
+        return h_TD, kv_per_layer
+
+    def head_logits(self, h_TD: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h_TD))
+
+
+def build_model(spec: ModelSpec, *, dtype: torch.dtype = torch.float32, device="cpu",
+                seed: int | None = None) -> CausalLM:
+    """The model in `dtype` on `device`; with a seed, random weights (`init_weights`)."""
+    model = CausalLM(spec)
+    if seed is not None:
+        init_weights(model, seed)
+    return model.to(device=device, dtype=dtype)
+
+
+@torch.no_grad()
+def init_weights(model: CausalLM, seed: int) -> None:
+    """Seeded random weights: matrices N(0, 0.02) like Hugging Face's initialiser; norms
+    1 + N(0, 0.1) and biases N(0, 0.02) rather than constants, so that a test comparing
+    gradients exercises every parameter's path."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            param.copy_(1.0 + 0.1 * noise)
+        else:
+            param.copy_(0.02 * noise)

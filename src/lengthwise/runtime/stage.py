@@ -1,0 +1,217 @@
+"""One pipeline stage running its action list with state-aware execution (chunkflow §4.2-4.3).
+
+A `StageRunner` owns: the contiguous layer range of its stage (plus the embedding on the first
+stage and norm + LM head + loss on the last), the stage's `KVStore`, and the autograd graphs of
+the chunks forwarded with grad and not yet backwarded. It talks to its neighbours only
+through a `Transport`. Actions:
+
+- `F c`: forward chunk c keeping activations. Each segment with context reads the K/V of its
+  sequence's earlier slices from the store as *detached leaves* with requires_grad, so the
+  graph of chunk c ends at them.
+- `N c`: forward without grad (chunkflow's first pass when more than K slices are in flight):
+  only the K/V of segments that later slices need is kept; a later `F c` re-forwards to
+  rebuild the activations.
+- `B c`: backward of chunk c. Its roots are the stage output (the loss part on the last stage,
+  else the activation with the gradient received from the next stage) and the K/V of its
+  slices that later slices attended to, with the dK/dV those later slices' backwards
+  accumulated: `torch.autograd.backward([out, k, v, ...], [g_out, dk, dv, ...])`. Afterwards
+  the leaves' .grad go into the store for the earlier slices, and the input's gradient goes
+  to the previous stage.
+
+State is freed right after the last action of the stage that needs it (`state.last_uses`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk, StepPlan
+from lengthwise.runtime.attention import ChunkLayout
+from lengthwise.runtime.loss import chunk_labels, chunk_positions, chunk_tokens, token_loss_sum
+from lengthwise.runtime.model import CausalLM
+from lengthwise.runtime.state import KV, KVStore, SliceKey, last_uses, slice_key, stored_segments
+from lengthwise.runtime.transport import Message, Transport
+
+
+@dataclass(kw_only=True)
+class _Pending:
+    """What a chunk forwarded with grad keeps until its backward."""
+
+    input_leaf: torch.Tensor | None
+    """The received activation (a leaf), None on the first stage."""
+    output: torch.Tensor | None
+    """The loss part (last stage) or the activation sent on; None on a last stage with no head work."""
+    own_kv: dict[SliceKey, list[KV]]
+    """Graph-attached k, v per layer of the chunk's slices that later slices read."""
+    context_leaves: dict[SliceKey, list[KV]]
+    """Detached k, v leaves per layer of the earlier slices this chunk attended to."""
+
+
+class StageRunner:
+    """Runs the actions of one stage of one pipeline of a StepPlan, in order."""
+
+    def __init__(self, *, model: CausalLM, plan: StepPlan, pipeline: int, stage: int,
+                 token_ids: list[torch.Tensor], transport: Transport, backend: str = "auto"):
+        pipe = plan.pipelines[pipeline]
+        layer_counts = pipe.stage_layers(model.spec.num_layers)
+        first_layer = sum(layer_counts[:stage])
+        self.model, self.plan, self.transport, self.backend = model, plan, transport, backend
+        self.pipeline, self.stage, self.num_stages = pipeline, stage, pipe.pp
+        self.layers = range(first_layer, first_layer + layer_counts[stage])
+        self.chunks: list[Chunk] = pipe.chunks
+        self.actions: list[Action] = pipe.stages[stage]
+        self.token_ids = token_ids
+        self.store = KVStore()
+        self.pending: dict[int, _Pending] = {}
+        self.frees = last_uses(self.actions, self.chunks, plan.lengths)
+        self.next_index = 0
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        """Detached sum of this stage's loss parts (last stage only)."""
+        self._param = next(model.parameters())
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def done(self) -> bool:
+        return self.next_index == len(self.actions)
+
+    def where(self, index: int | None = None) -> str:
+        index = self.next_index if index is None else index
+        return f"pipeline {self.pipeline} stage {self.stage} action {index} ({self.actions[index]})"
+
+    def needs(self) -> Message | None:
+        """The message the next action must receive before it can run, if any."""
+        action = self.actions[self.next_index]
+        if action.kind == BACKWARD:
+            return None if self.is_last else self._message(action, self.stage + 1)
+        return None if self.is_first else self._message(action, self.stage - 1)
+
+    def step(self) -> None:
+        """Run the next action, then free the state nothing later needs."""
+        action = self.actions[self.next_index]
+        if action.kind == BACKWARD:
+            self._backward(action)
+        else:
+            self._forward(action)
+        for key in self.frees.get(self.next_index, []):
+            self.store.free(key)
+        self.next_index += 1
+
+    def run_all(self) -> None:
+        """Run every action in order (a transport whose recv blocks, e.g. torch.distributed)."""
+        while not self.done:
+            self.step()
+
+    # forward -----------------------------------------------------------------------------
+
+    def _forward(self, action: Action) -> None:
+        chunk, grad = self.chunks[action.chunk], action.kind == FORWARD
+        if grad and action.chunk in self.pending:
+            raise UserError(f"{self.where()}: chunk {action.chunk} is forwarded twice before its backward")
+        layout = ChunkLayout.from_chunk(chunk)
+        with torch.set_grad_enabled(grad):
+            h_TD, input_leaf = self._stage_input(action, chunk)
+            leaves = self._context_leaves(chunk, grad)
+            rope = self.model.rope(chunk_positions(chunk, h_TD.device), h_TD.dtype)
+            h_TD, kv = self.model.run_layers(
+                h_TD, layers=self.layers, rope=rope, layout=layout, backend=self.backend,
+                contexts=self._contexts(chunk, leaves), recompute_layers=action.recompute_layers)
+            own_kv = self._keep_own_kv(chunk, layout, kv, grad)
+            output = self._stage_output(action, chunk, h_TD)
+        if grad:
+            self.pending[action.chunk] = _Pending(input_leaf=input_leaf, output=output,
+                                                  own_kv=own_kv, context_leaves=leaves)
+
+    def _stage_input(self, action: Action, chunk: Chunk):
+        if self.is_first:
+            tokens = chunk_tokens(chunk, self.token_ids).to(self._param.device)
+            return self.model.embed(tokens), None
+        received = self.transport.recv(
+            self._message(action, self.stage - 1), shape=(chunk.num_tokens, self.model.spec.hidden),
+            dtype=self._param.dtype, device=self._param.device)
+        leaf = received.detach().requires_grad_(action.kind == FORWARD)
+        return leaf, leaf
+
+    def _context_leaves(self, chunk: Chunk, grad: bool) -> dict[SliceKey, list[KV]]:
+        """Detached (k, v) leaves per layer of every earlier slice the chunk attends to."""
+        leaves = {}
+        for segment in chunk.segments:
+            for key in self.store.context_keys(segment, where=self.where()):
+                leaves[key] = [(k.detach().requires_grad_(grad), v.detach().requires_grad_(grad))
+                               for k, v in self.store.kv(key)]
+        return leaves
+
+    def _contexts(self, chunk: Chunk, leaves: dict[SliceKey, list[KV]]):
+        """Per layer of the stage, per segment: the list of context (k, v) pieces."""
+        keys_per_segment = [[key for key in leaves if key[0] == s.seq_id and key[2] <= s.start]
+                            for s in chunk.segments]
+        return [[[leaves[key][j] for key in keys] for keys in keys_per_segment]
+                for j in range(len(self.layers))]
+
+    def _keep_own_kv(self, chunk: Chunk, layout: ChunkLayout, kv: list[KV], grad: bool):
+        """Store the K/V that later slices will read; return them (graph-attached) for backward."""
+        offsets = {s: o for s, o in zip(chunk.segments, layout.q_offsets)}
+        own = {}
+        for segment in stored_segments(chunk, self.plan.lengths):
+            lo, hi = offsets[segment], offsets[segment] + segment.num_tokens
+            per_layer = [(k[lo:hi], v[lo:hi]) for k, v in kv]
+            if not grad:  # copy out of the row so the rest of the row can be freed
+                per_layer = [(k.clone(), v.clone()) for k, v in per_layer]
+            self.store.put(slice_key(segment), per_layer)
+            own[slice_key(segment)] = per_layer
+        return own
+
+    def _stage_output(self, action: Action, chunk: Chunk, h_TD: torch.Tensor):
+        if not self.is_last:
+            self.transport.send(self._message(action, self.stage + 1), h_TD)
+            return h_TD
+        if action.kind != FORWARD:
+            return None  # N only leaves K/V; the loss comes with the later F
+        labels = chunk_labels(chunk, self.token_ids).to(h_TD.device)
+        loss_part = token_loss_sum(self.model.head_logits(h_TD), labels) / self.plan.loss_tokens
+        self.loss_sum = self.loss_sum + loss_part.detach().double().cpu()
+        return loss_part
+
+    # backward ----------------------------------------------------------------------------
+
+    def _backward(self, action: Action) -> None:
+        pending = self.pending.pop(action.chunk, None)
+        if pending is None:
+            raise UserError(f"{self.where()}: B{action.chunk} has no F{action.chunk} before it on this stage")
+        roots, grads = [pending.output], [self._output_grad(action, pending)]
+        for key, kv_per_layer in pending.own_kv.items():
+            owed = self.store.pop_grads(key)
+            for (k, v), (dk, dv) in zip(kv_per_layer, owed or []):
+                roots += [k, v]
+                grads += [dk, dv]
+        torch.autograd.backward(roots, grads)
+        for key, leaves in pending.context_leaves.items():
+            self.store.add_grads(key, [(_grad_of(k), _grad_of(v)) for k, v in leaves])
+        if not self.is_first:
+            self.transport.send(self._message(action, self.stage - 1), _grad_of(pending.input_leaf))
+
+    def _output_grad(self, action: Action, pending: _Pending) -> torch.Tensor:
+        if self.is_last:
+            return torch.ones_like(pending.output)
+        return self.transport.recv(
+            self._message(action, self.stage + 1), shape=tuple(pending.output.shape),
+            dtype=pending.output.dtype, device=pending.output.device)
+
+    def _message(self, action: Action, other: int) -> Message:
+        """The transfer between this stage and `other` that `action` sends or receives."""
+        sending = (other > self.stage) != (action.kind == BACKWARD)
+        src, dst = (self.stage, other) if sending else (other, self.stage)
+        return Message(pipeline=self.pipeline, src=src, dst=dst, kind=action.kind, chunk=action.chunk)
+
+
+def _grad_of(leaf: torch.Tensor) -> torch.Tensor:
+    return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
