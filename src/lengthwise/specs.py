@@ -123,6 +123,7 @@ def model_from_hf_dict(cfg: dict, name: str = "custom") -> ModelSpec:
         raise UserError("config field rope_scaling is not supported: remove it or use a config without it")
     if cfg.get("hidden_act", "silu") != "silu":
         raise UserError(f"config field hidden_act={cfg['hidden_act']!r} is not supported: lengthwise runs silu")
+    _reject_unsupported_fields(cfg)
     heads = cfg["num_attention_heads"]
     is_qwen = model_type == "qwen2" or arch == "Qwen2ForCausalLM"
     spec = ModelSpec(
@@ -136,11 +137,27 @@ def model_from_hf_dict(cfg: dict, name: str = "custom") -> ModelSpec:
         vocab=cfg["vocab_size"],
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", is_qwen)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
     )
     spec.validate()
     return spec
+
+
+def _reject_unsupported_fields(cfg: dict) -> None:
+    """Fields that would change the maths of the executor's model (transformers 5 writes rope
+    settings as rope_parameters)."""
+    rope_type = (cfg.get("rope_parameters") or {}).get("rope_type", "default")
+    if rope_type != "default":
+        raise UserError(f"config field rope_parameters.rope_type={rope_type!r} is not supported: use 'default'")
+    if cfg.get("mlp_bias"):
+        raise UserError("config field mlp_bias=true is not supported: lengthwise's MLP has no bias")
+    if cfg.get("attention_bias") and cfg.get("model_type") == "llama":
+        raise UserError("config field attention_bias=true is not supported for llama (it adds an o_proj bias)")
+    if cfg.get("use_sliding_window"):
+        raise UserError("config field use_sliding_window=true is not supported: lengthwise attends to the whole context")
+    if cfg.get("attention_dropout", 0.0):
+        raise UserError(f"config field attention_dropout={cfg['attention_dropout']} is not supported: set it to 0.0")
 
 
 def _qwen(name, layers, hidden, heads, kv, ffn, vocab, tied):
@@ -174,6 +191,8 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         _llama("llama-150b", 96, 12288, 96, 8, 32768),
         # Small enough to train on a CPU in a minute; byte-level vocabulary.
         _llama("tiny", 4, 128, 4, 2, 344, vocab=260),
+        # The same size as a Qwen2: q/k/v biases and tied embeddings.
+        _qwen("tiny-qwen", 4, 128, 4, 2, 344, 260, True),
     )
 }
 
