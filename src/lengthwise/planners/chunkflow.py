@@ -7,32 +7,38 @@
 
 Steps, each a function below:
 
-1. Chunk construction (§4.1, Algorithm 1, `construct_chunks`). A sequence longer than ChunkSize
-   is cut into ChunkSize pieces, the last piece holding the remainder; all its pieces form one
-   *group* of dependent chunks. Our reading of the paper: Algorithm 1 appends every piece of a
-   long sequence, remainder included, to the result as a chunk of its own (figure 4: sequence 6
-   becomes chunks 4-7), and bin-packs only the sequences that are not longer than ChunkSize.
+1. Placement over data parallelism (our addition: the paper trains one pipeline, and with
+   Megatron's data parallelism each rank builds chunks from its own share of the batch). A
+   sequence longer than ChunkSize is one unit costing the predicted forward + backward seconds
+   of its pieces on the whole model, plus the re-run forwards of the first N - K of its N
+   pieces (§4.2); a short sequence costs the seconds it adds to a full packed chunk
+   (`packed_rate`). Units go to the dp pipelines by Karmarkar-Karp or LPT, whichever leaves the
+   heaviest pipeline lighter, so a long sequence is never split across pipelines. Balancing
+   sequences rather than finished chunks matters on long-tail batches: 512 sequences of
+   chunkflow-eval hold about 200K tokens, i.e. 7 chunks of 32K for 16 pipelines.
+2. Chunk construction (§4.1, Algorithm 1, `construct_chunks`), per pipeline. A sequence longer
+   than ChunkSize is cut into ChunkSize pieces, the last piece holding the remainder; its pieces
+   form one *group* of dependent chunks. Our reading of the paper: Algorithm 1 appends every
+   piece of a long sequence, remainder included, to the result as a chunk of its own (figure 4:
+   sequence 6 becomes chunks 4-7) and bin-packs only the sequences not longer than ChunkSize.
    So a remainder piece is never topped up with short sequences, and every standalone chunk
    holds whole sequences. The paper raises the bin count from 1 until a packing succeeds; we
    pack best-fit-decreasing (packing_utils) and record how close it came in plan.metrics:
-   `packed_chunks` against `packed_chunks_lower_bound` = ceil(short tokens / ChunkSize), below
-   which no packing exists. On long-tail batches the two are equal or one apart.
-2. Placement over data parallelism (our addition; the paper runs one pipeline). Each group and
-   each standalone chunk is one unit whose cost is its predicted forward + backward seconds on
-   the whole model, plus the re-run forwards of the first N - K chunks of an N-chunk group
-   (§4.2). Units go to the dp pipelines by Karmarkar-Karp and by LPT, whichever leaves the
-   heaviest pipeline lighter; a group is never split across pipelines.
-3. State-aware scheduling (§4.2 Algorithm 2, §4.3): each pipeline runs
-   make_schedule("state-aware-1f1b", chunks, pp, k=K); with pp = 1 that is plain gradient
-   accumulation: forwards of a group in order, backwards in reverse, the first N - K
-   forwards run once without grad (keeping only K/V) and again before their backward.
+   `packed_chunks` against `packed_chunks_lower_bound`, the sum over pipelines of
+   ceil(short tokens / ChunkSize), below which no packing exists (on long-tail batches BFD
+   meets it), and `packed_chunks_global_lower_bound`, the same bound for the batch as a whole
+   (the gap to it, at most dp - 1, is the price of giving every pipeline its own chunks).
+3. State-aware scheduling (§4.2 Algorithm 2, §4.3): each pipeline runs its groups, then its
+   packed chunks, under make_schedule("state-aware-1f1b", chunks, pp, k=K); with pp = 1 that
+   is plain gradient accumulation: forwards of a group in order, backwards in reverse, the
+   first N - K forwards run once without grad (keeping only K/V) and again before their backward.
 4. ChunkSize and K (§5, chunkflow_search.py): with chunk_size="auto" every (ChunkSize, K) of a
    grid is planned and simulated, and the fastest one whose simulated peak memory fits wins.
 
 Options (request.options):
 
 - `chunk_size`: tokens per chunk (int), or "auto" for the §5 grid search. Default: the largest
-  power of two (at least 256) whose K in-flight chunks per stage, plus the K/V state (and its
+  power of two (at least 256) whose max(K, pp - stage) in-flight chunks per stage, plus the K/V state (and its
   gradient) of the batch's longest sequence, fit beside the model states; capped at the context
   length rounded up to a power of two (§5: without pipelining, ChunkSize as large as memory
   allows).
@@ -40,9 +46,9 @@ Options (request.options):
   chunk_size="auto" and no k, K is searched too.
 
 Metrics added to plan.metrics: chunk_size, k, dependent_groups, dependent_chunks,
-packed_chunks, packed_chunks_lower_bound, predicted_pipeline_s (per pipeline, the balancing
-cost), and for the grid search `grid` (every candidate's simulated step time, or why it was
-dropped).
+packed_chunks, packed_chunks_lower_bound, packed_chunks_global_lower_bound,
+predicted_pipeline_s (per pipeline: the sum of its units' costs, seconds), and after the grid
+search `grid` (every candidate's simulated step time, peak memory and whether it fits).
 """
 
 from __future__ import annotations
@@ -262,6 +268,7 @@ def build_plan(request: PlanRequest, chunk_size: int, k: int, started: float) ->
     plan = finish_plan(request, pipelines, planner="chunkflow", started=started,
                        options={"chunk_size": chunk_size, "k": k})
     plan.metrics.update(chunk_metrics(request, chunk_sets, chunk_size, k))
+    plan.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
     return plan
 
 

@@ -39,11 +39,11 @@ def k_candidates(longest: int, chunk_size: int) -> list[int]:
 
 def score(plan: StepPlan, cost) -> dict:
     """The simulated step time and peak memory of one candidate plan."""
-    from lengthwise.sim import simulate
+    from lengthwise.sim import simulate_plan
 
-    result = simulate(plan, cost)
+    result = simulate_plan(plan, cost)
     return {"step_time_s": result.step_time_s, "fits": bool(result.fits),
-            "peak_memory_gib": max(result.peak_memory_bytes_per_stage) / 2**30}
+            "peak_memory_gib": max(max(row) for row in result.peak_memory) / 2**30}
 
 
 def grid_search(request: PlanRequest, k: int | None, started: float) -> StepPlan:
