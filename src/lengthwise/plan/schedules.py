@@ -9,12 +9,15 @@ segment with start > 0 continues the chunk that holds the sequence's previous sl
 run forward in order (the K/V state of earlier slices is their context) and backward in reverse
 (the K/V gradients flow back to earlier slices). With ChunkFlow's K, the first N-K chunks of a
 group of N are first forwarded without keeping activations (`N`, only the K/V state stays) and
-forwarded again (`F`) right before their backward, so at most K chunks' activations of one
-sequence are held at a time (chunkflow Algorithm 2).
+forwarded again (`F`) once a kept activation is freed: slice i re-runs right after the
+backward of slice i+K (for K = 1, right before its own backward), so at most K chunks'
+activations of one sequence are held at a time (chunkflow Algorithm 2) while the re-forward's
+trip down the pipeline overlaps the K-1 backwards in between.
 
 Every generator here interleaves one list of *forward items* (each chunk's first forward, in the
 order the chunks are given) with one list of *backward units* (a group's chunks in reverse, each
-preceded by its re-forward when it had an `N`), in the order groups complete.
+followed by the re-forward of the slice K places earlier when that one ran `N`), in the order
+groups complete.
 """
 
 from __future__ import annotations
@@ -160,9 +163,13 @@ def _items(chunks: list[Chunk], k: int | None):
     last_of = {group[-1]: group for group in groups}
     units, ready = [], []
     for c in range(len(chunks)):
-        for member in reversed(last_of.get(c, ())):
-            refwd = [Action(FORWARD, member)] if member in nograd else []
-            units.append(refwd + [Action(BACKWARD, member)])
+        group = last_of.get(c, [])
+        for j in range(len(group) - 1, -1, -1):
+            # A slice's re-forward follows the backward that frees the K-th kept activation
+            # after it (for K = 1: right before its own backward), so its trip down the
+            # pipeline overlaps the backwards in between.
+            refwd = [Action(FORWARD, group[j - k])] if k is not None and j >= k and group[j - k] in nograd else []
+            units.append([Action(BACKWARD, group[j])] + refwd)
             ready.append(c + 1)
     return forwards, units, ready
 
