@@ -21,10 +21,11 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import FORWARD, SHARDED, Chunk, PipelinePlan, Segment, StepPlan
+from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, SHARDED, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import check_schedule
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ def validate_plan(plan: StepPlan, cost: CostModel | None = None) -> None:
     if any(pipe.backward_chunks is not None for pipe in plan.pipelines):
         _check_coverage(plan, backward=True)
     for p, pipe in enumerate(plan.pipelines):
+        _check_action_counts(p, pipe)
         try:
             check_schedule(pipe.stages, pipe.chunks, pipe.backward_chunks)
         except UserError as exc:
@@ -142,6 +144,24 @@ def _walk_slices(seq_id: int, length: int, slices: list[tuple[int, int, str]], l
         covered, last_where = stop, where
     if covered < length:
         raise UserError(f"sequence {seq_id}: tokens [{covered}:{length}) are missing from {label}")
+
+
+def _check_action_counts(p: int, pipe: PipelinePlan) -> None:
+    """Per stage: each chunk one F (and at most one N), each backward unit one B."""
+    sizes = {FORWARD: len(pipe.chunks), FORWARD_NOGRAD: len(pipe.chunks), BACKWARD: len(pipe.bwd_units)}
+    for s, actions in enumerate(pipe.stages):
+        counts = Counter((a.kind, a.chunk) for a in actions)
+        for (kind, c), n in counts.items():
+            if not 0 <= c < sizes[kind]:
+                raise UserError(f"pipeline {p} stage {s} action {kind}{c}: index out of range "
+                                f"(0..{sizes[kind] - 1})")
+            if n > 1:
+                raise UserError(f"pipeline {p} stage {s} runs {kind}{c} {n} times")
+        for kind in (FORWARD, BACKWARD):
+            missing = [f"{kind}{c}" for c in range(sizes[kind]) if (kind, c) not in counts]
+            if missing:
+                raise UserError(f"pipeline {p} stage {s} never runs {', '.join(missing[:8])}"
+                                + (" ..." if len(missing) > 8 else ""))
 
 
 def _check_loss_tokens(plan: StepPlan) -> None:

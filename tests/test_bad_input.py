@@ -1,0 +1,125 @@
+"""Every bad input to `lengthwise plan` ends with one stderr line naming the fix and exit code 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from lengthwise.cli import main
+
+SMALL = ["--model", "qwen2.5-1.5b", "--cluster", "h100"]
+
+
+def lengths_file(tmp_path, *lengths: int) -> str:
+    path = tmp_path / "lengths.txt"
+    path.write_text("".join(f"{n}\n" for n in lengths))
+    return str(path)
+
+
+def one_line_error(capsys, *argv: str) -> str:
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as exc:  # argparse's own errors (a missing flag) exit from inside parsing
+        code = exc.code
+    assert code == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert captured.out == ""
+    return captured.err
+
+
+def test_unknown_planner_lists_the_valid_ones(capsys):
+    err = one_line_error(capsys, "--planner", "fastest", "--profile", "lmsys", *SMALL)
+    assert "unknown planner 'fastest'" in err and "padding, packing, sorted, token-balanced" in err
+
+
+def test_unknown_model_preset_lists_the_presets(capsys):
+    err = one_line_error(capsys, "--planner", "packing", "--profile", "lmsys", "--model", "gpt5")
+    assert "unknown model 'gpt5'" in err and "qwen2.5-7b" in err
+
+
+def test_unknown_cluster_preset_lists_the_presets(capsys):
+    err = one_line_error(capsys, "--planner", "packing", "--profile", "lmsys", "--cluster", "tpu")
+    assert "unknown cluster 'tpu'" in err and "h100" in err
+
+
+def test_unknown_profile_is_one_line(capsys):
+    err = one_line_error(capsys, "--planner", "packing", "--profile", "nope", *SMALL)
+    assert "nope" in err
+
+
+@pytest.mark.parametrize("bad", [0, -5])
+def test_non_positive_length_is_rejected(capsys, tmp_path, bad):
+    err = one_line_error(capsys, "--planner", "packing", "--lengths", lengths_file(tmp_path, 10, bad, 30), *SMALL)
+    assert str(bad) in err
+
+
+def test_overlong_sequence_under_policy_error_names_the_policies(capsys, tmp_path):
+    path = lengths_file(tmp_path, 100, 9000)
+    err = one_line_error(capsys, "--planner", "packing", "--lengths", path, "--context-length", "8192", *SMALL)
+    assert "9000" in err and "8192" in err
+
+
+def test_overlong_sequence_dropped_or_truncated_plans(capsys, tmp_path):
+    path = lengths_file(tmp_path, 100, 9000)
+    for policy in ("drop", "truncate"):
+        assert main(["plan", "--planner", "packing", "--lengths", path, "--batch-size", "2",
+                     "--context-length", "8192", "--overlong", policy, *SMALL]) == 0
+    capsys.readouterr()
+
+
+def test_pp_that_does_not_divide_the_layers_shows_them(capsys):
+    err = one_line_error(capsys, "--planner", "packing", "--profile", "lmsys", "--model", "qwen2.5-7b", "--pp", "3")
+    assert "pp(3) does not divide the layers: qwen2.5-7b has 28" in err
+
+
+def test_tp_that_does_not_divide_the_heads_shows_them(capsys):
+    err = one_line_error(capsys, "--planner", "packing", "--profile", "lmsys", "--model", "qwen2.5-7b", "--tp", "3")
+    assert "tp(3) does not divide the heads: qwen2.5-7b has 28" in err
+
+
+@pytest.mark.parametrize("flag,value", [("--dp", "0"), ("--pp", "-1"), ("--zero", "5")])
+def test_bad_degree_or_zero_stage(capsys, flag, value):
+    err = one_line_error(capsys, "--planner", "packing", "--profile", "lmsys", *SMALL, flag, value)
+    assert value in err
+
+
+def test_model_states_that_do_not_fit_say_how_much_is_needed(capsys):
+    err = one_line_error(capsys, "--planner", "packing", "--profile", "lmsys", "--model", "qwen2.5-72b")
+    assert "GiB of model states" in err and "GiB" in err.split("but")[-1]
+
+
+def test_sequence_over_pipeline_memory_names_it_and_the_limit(capsys, tmp_path):
+    path = lengths_file(tmp_path, 100, 60000)
+    err = one_line_error(capsys, "--planner", "packing", "--lengths", path, "--batch-size", "2",
+                         "--context-length", "65536", "--model", "qwen2.5-7b", "--pp", "4")
+    assert "has 60000 tokens >" in err and "longest one pipeline" in err
+
+
+def test_option_without_equals_sign(capsys):
+    err = one_line_error(capsys, "--planner", "padding", "--profile", "lmsys", *SMALL, "--option", "micro_batch_size")
+    assert "expected KEY=VALUE" in err
+
+
+def test_option_the_planner_does_not_take(capsys):
+    err = one_line_error(capsys, "--planner", "packing", "--profile", "lmsys", *SMALL, "--k", "2")
+    assert "planner packing has no option k" in err
+
+
+def test_non_positive_micro_batch_size(capsys):
+    err = one_line_error(capsys, "--planner", "padding", "--profile", "lmsys", *SMALL, "--option", "micro_batch_size=0")
+    assert "micro_batch_size must be a positive integer" in err
+
+
+def test_zero_batch_size(capsys):
+    err = one_line_error(capsys, "--planner", "packing", "--profile", "lmsys", *SMALL, "--batch-size", "0")
+    assert "--batch-size 0" in err
+
+
+def test_missing_workload_source(capsys):
+    err = one_line_error(capsys, "--planner", "packing", *SMALL)
+    assert "--profile" in err
+
+
+def test_missing_planner_flag_is_an_argparse_error(capsys):
+    err = one_line_error(capsys, "--profile", "lmsys")
+    assert "--planner" in err

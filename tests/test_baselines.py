@@ -1,0 +1,246 @@
+"""Every registered planner emits valid plans (each token once, runnable schedules, fits memory) on
+random and adversarial batches; the packing helpers keep every item; the baselines do what they
+claim (padding to the longest, equal packs per rank, similar lengths together, balanced tokens)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lengthwise.cost import CostModel
+from lengthwise.errors import UserError
+from lengthwise.plan.validate import validate_plan
+from lengthwise.planners import (
+    PLANNER_NAMES, PLANNERS, PlanRequest, available_planners, get_planner, planner_available,
+)
+from lengthwise.planners.packing_utils import (
+    best_fit_decreasing, greedy_balance, karmarkar_karp, split_to_multiple,
+)
+from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
+
+BASELINES = ("padding", "packing", "sorted", "token-balanced")
+MODEL = MODEL_PRESETS["qwen2.5-1.5b"]
+CONTEXT = 32768
+SCHEMES = {
+    "dp4-pp2": ParallelScheme(dp=4, pp=2),     # 35.5K tokens fit a pipeline under 1F1B
+    "dp2-pp2-cp2": ParallelScheme(dp=2, pp=2, cp=2),
+}
+ADVERSARIAL = {
+    "all-equal": [2048] * 24,
+    "one-giant-outlier": [CONTEXT] + [37] * 40,
+    "single-sequence": [5000],
+    "all-length-one": [1] * 17,
+    "fewer-than-dp": [300, 7],
+    "long-tail": [31000, 17000, 9000, 4100, 2050] + [900, 300, 120, 60, 2] * 8,
+}
+
+
+def request(lengths: list[int], scheme_name: str = "dp4-pp2", seed: int = 0, **options) -> PlanRequest:
+    scheme = SCHEMES[scheme_name]
+    cluster = cluster_preset("h100", scheme.num_gpus)
+    return PlanRequest(lengths=list(lengths), model=MODEL, cluster=cluster, scheme=scheme,
+                       cost=CostModel(model=MODEL, cluster=cluster), context_length=CONTEXT,
+                       seed=seed, options=options)
+
+
+def planner_or_skip(name: str):
+    if not planner_available(name):
+        pytest.skip(f"planner {name} not implemented yet")
+    return get_planner(name)
+
+
+def tokens_per_sequence(plan, *, backward: bool = False) -> list[int]:
+    counts = [0] * len(plan.lengths)
+    for pipe in plan.pipelines:
+        for chunk in (pipe.bwd_units if backward else pipe.chunks):
+            for seg in chunk.segments:
+                counts[seg.seq_id] += seg.num_tokens
+    return counts
+
+
+def assert_valid(plan, req: PlanRequest) -> None:
+    validate_plan(plan, req.cost)
+    assert tokens_per_sequence(plan) == list(req.lengths)
+    assert tokens_per_sequence(plan, backward=True) == list(req.lengths)
+    assert len(plan.pipelines) <= req.scheme.num_gpus
+
+
+# ---- every planner, every batch ----
+
+long_tail = st.one_of(st.integers(1, 512), st.integers(1, 4096), st.integers(1, CONTEXT))
+
+
+@pytest.mark.parametrize("name", PLANNER_NAMES)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(long_tail, min_size=1, max_size=48), seed=st.integers(0, 3))
+def test_every_token_planned_once_on_random_batches(name, lengths, seed):
+    planner = planner_or_skip(name)
+    req = request(lengths, seed=seed)
+    assert_valid(planner(req), req)
+
+
+@pytest.mark.parametrize("scheme_name", SCHEMES)
+@pytest.mark.parametrize("case", ADVERSARIAL)
+@pytest.mark.parametrize("name", PLANNER_NAMES)
+def test_every_token_planned_once_on_adversarial_batches(name, case, scheme_name):
+    planner = planner_or_skip(name)
+    req = request(ADVERSARIAL[case], scheme_name)
+    assert_valid(planner(req), req)
+
+
+@pytest.mark.parametrize("name", PLANNER_NAMES)
+def test_same_seed_gives_the_same_plan(name):
+    planner = planner_or_skip(name)
+    lengths = ADVERSARIAL["long-tail"]
+    a, b = planner(request(lengths, seed=3)), planner(request(lengths, seed=3))
+    for plan in (a, b):
+        plan.metrics.pop("planning_ms")
+    assert a.to_json() == b.to_json()
+
+
+@pytest.mark.parametrize("name", PLANNER_NAMES)
+def test_plan_metrics_are_filled(name):
+    plan = planner_or_skip(name)(request(ADVERSARIAL["long-tail"]))
+    m = plan.metrics
+    assert m["planning_ms"] >= 0 and 0 <= m["padding_fraction"] < 1
+    assert len(m["chunks_per_pipeline"]) == len(plan.pipelines) == len(m["forward_flops_per_pipeline"])
+    assert sum(m["tokens_per_pipeline"]) == sum(plan.lengths)
+    assert all(f >= 0 for f in m["forward_flops_per_pipeline"])
+
+
+# ---- registry ----
+
+def test_registry_lists_the_baselines_and_imports_lazily():
+    assert set(BASELINES) <= set(available_planners()) <= set(PLANNER_NAMES)
+    assert list(PLANNERS) == list(PLANNER_NAMES)
+    assert PLANNERS["packing"] is get_planner("packing")
+
+
+def test_unknown_planner_names_the_valid_ones():
+    with pytest.raises(UserError, match="unknown planner 'nope': use one of padding, packing"):
+        get_planner("nope")
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_unknown_option_is_rejected(name):
+    with pytest.raises(UserError, match=f"planner {name} has no option bogus"):
+        get_planner(name)(request([10, 20], bogus=1))
+
+
+# ---- what each baseline promises ----
+
+def test_padding_pads_each_micro_batch_to_its_longest_in_sampler_order():
+    lengths = [100, 700, 30, 400, 50, 60, 5]
+    plan = get_planner("padding")(request(lengths, micro_batch_size=3))
+    chunks = [c for pipe in plan.pipelines for c in pipe.chunks]
+    assert sorted(tuple(s.seq_id for s in c.segments) for c in chunks) == [(0, 1, 2), (3, 4, 5), (6,)]
+    for c in chunks:
+        assert c.row_tokens == len(c.segments) * max(s.num_tokens for s in c.segments)
+    assert plan.metrics["padding_fraction"] == pytest.approx(1 - sum(lengths) / (3 * 700 + 3 * 400 + 5))
+
+
+def test_padding_micro_batch_over_memory_is_rejected():
+    with pytest.raises(UserError, match="micro_batch_size 8 pads micro-batch 0 to 8 x 20000"):
+        get_planner("padding")(request([20000] * 8, micro_batch_size=8))
+
+
+def test_padding_default_micro_batch_fills_memory_with_the_longest():
+    req = request([3000] * 40)
+    limit = req.cost.max_seq_len(pp=2, dp=4)
+    assert get_planner("padding")(req).options["micro_batch_size"] == limit // 3000
+
+
+def test_packing_gives_every_rank_the_same_number_of_packs():
+    plan = get_planner("packing")(request(ADVERSARIAL["long-tail"] + [5000] * 9))
+    counts = {len(p.chunks) for p in plan.pipelines}
+    assert len(counts) == 1
+    assert all(c.num_tokens <= CONTEXT for p in plan.pipelines for c in p.chunks)
+
+
+def test_sorted_micro_batches_hold_consecutive_lengths():
+    lengths = ADVERSARIAL["long-tail"]
+    plan = get_planner("sorted")(request(lengths))
+    ranges = sorted((min(s.num_tokens for s in c.segments), max(s.num_tokens for s in c.segments))
+                    for p in plan.pipelines for c in p.chunks)
+    for (_, hi), (lo, _) in zip(ranges, ranges[1:]):
+        assert hi <= lo  # no two micro-batches interleave in length
+    assert all(c.row_tokens <= CONTEXT for p in plan.pipelines for c in p.chunks)
+
+
+def test_token_balanced_ranks_differ_by_at_most_one_sequence():
+    lengths = ADVERSARIAL["long-tail"][1:] * 3
+    tokens = get_planner("token-balanced")(request(lengths)).metrics["tokens_per_pipeline"]
+    assert max(tokens) - min(tokens) <= max(lengths)
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_sequence_over_context_length_is_named(name):
+    with pytest.raises(UserError, match=f"sequence 1 has {CONTEXT + 1} tokens > context length {CONTEXT}"):
+        get_planner(name)(request([10, CONTEXT + 1]))
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_sequence_over_pipeline_memory_names_the_limit(name):
+    req = request([10, 30000], "dp4-pp2")
+    req.context_length = 65536
+    req.lengths = [10, 40000]
+    limit = req.cost.max_seq_len(pp=2, dp=4)
+    with pytest.raises(UserError, match=f"sequence 1 has 40000 tokens > {limit}, the longest one pipeline"):
+        get_planner(name)(req)
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_zero_length_is_rejected(name):
+    with pytest.raises(UserError, match="sequence 2 has length 0"):
+        get_planner(name)(request([5, 6, 0]))
+
+
+# ---- packing helpers ----
+
+sizes_st = st.lists(st.integers(1, 1000), max_size=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=sizes_st, capacity=st.integers(1000, 3000))
+def test_best_fit_decreasing_keeps_every_item_within_capacity(sizes, capacity):
+    bins = best_fit_decreasing(sizes, capacity)
+    assert sorted(i for b in bins for i in b) == list(range(len(sizes)))
+    assert all(sum(sizes[i] for i in b) <= capacity for b in bins)
+    # Any-fit rule: no two bins are both at most half full (the second would not have opened).
+    assert len(bins) <= 2 * sum(sizes) / capacity + 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=sizes_st, k=st.integers(1, 9))
+def test_balancers_keep_every_item_and_stay_within_one_item(sizes, k):
+    for groups in (karmarkar_karp(sizes, k), greedy_balance(sizes, k)):
+        assert len(groups) == k
+        assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
+        sums = [sum(sizes[i] for i in g) for g in groups]
+        assert max(sums) - min(sums) <= max(sizes, default=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=sizes_st, k=st.integers(1, 9))
+def test_equal_count_karmarkar_karp_gives_equal_counts(sizes, k):
+    groups = karmarkar_karp(sizes, k, equal_count=True)
+    assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
+    counts = [len(g) for g in groups]
+    assert max(counts) - min(counts) <= 1
+
+
+def test_karmarkar_karp_beats_greedy_on_a_long_tail():
+    sizes = [3000, 2900, 2100, 2000, 1100, 900, 700, 640, 600, 500, 450, 420, 400, 350, 300, 250]
+    spread = [max(s) - min(s) for s in (
+        [sum(sizes[i] for i in g) for g in karmarkar_karp(sizes, 3)],
+        [sum(sizes[i] for i in g) for g in greedy_balance(sizes, 3)])]
+    assert spread[0] <= spread[1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=sizes_st, k=st.integers(1, 9))
+def test_split_to_multiple_keeps_items_and_reaches_a_multiple(sizes, k):
+    bins = split_to_multiple(best_fit_decreasing(sizes, 2000), sizes, k)
+    assert sorted(i for b in bins for i in b) == list(range(len(sizes)))
+    assert len(bins) % k == 0 or all(len(b) == 1 for b in bins)
