@@ -1,0 +1,315 @@
+"""InfiniPipe (infinipipe.txt §3): elastic pipeline parallelism with workload-balanced chunks and
+co-optimised pipeline schedule and checkpointing.
+
+    from lengthwise.planners import get_planner
+    plan = get_planner("infinipipe")(request)                                    # N tuned, adaptive ckpt
+    plan = get_planner("infinipipe")(replace(request, options={"num_slices": 6}))
+    plan = get_planner("infinipipe")(replace(request, options={"checkpointing": "full",
+                                                                "balanced_chunking": False}))  # Fig. 11 ablations
+
+Steps, each a function below or in a helper module:
+
+1. Workload-balanced chunking (§3.2, Algorithm 1; infinipipe_chunking.py): the longest
+   sequence is cut into N slices of equal backward time, every long sequence is cut by that mesh
+   into split chunks and a tail slice, and short sequences are packed into tail-seeded buckets
+   under a time and a token threshold. A sequence becomes one *unit* with its chunks.
+2. Data parallelism (our addition; the paper runs one pipeline of d_s-way SP stages): units go
+   to the scheme's dp pipelines balanced by predicted seconds; a unit never spans pipelines.
+3. Sequence grouping (§3.3.2, eq. 14), per pipeline: units are classed by how many chunks they
+   have; consecutive classes form one 1F1B pipeline *group*, and dp[i+1] = min_k dp[k] + delta +
+   T_ckpt(classes k..i), delta being one warm-up/cool-down ((pp - 1) chunk passes) and T_ckpt
+   the group's recomputation. More groups keep short sequences out of long ones' deep windows
+   (less recomputation) at the price of more warm-ups. Groups run one after another.
+4. Stage-aware chunk-level adaptive checkpointing (§3.3.3, Algorithm 2, eq. 15-20;
+   infinipipe_ckpt.py): per group, an MILP over n + pp - 1 integers solved by HiGHS picks the
+   layers each chunk recomputes on each stage, written to the F actions (`F3.r2`).
+5. N (§3.2: "automatically tuned"): consecutive N from 1 are planned while infeasible ones are
+   skipped; from the first feasible N up to `slice_candidates` feasible ones are scored by the
+   simulator's step time (or the DP's estimate), stopping early after two that get worse.
+
+Options (request.options):
+
+- `num_slices`: N, slices of the longest sequence (int >= 1). Default None: tuned (step 5).
+- `slice_candidates`: feasible N tried when tuning (int >= 1, default 6).
+- `balanced_chunking`: Algorithm 1 (default True); False is the "w/o wbc" ablation (§5.5):
+  equal-token slices and token-only packing.
+- `checkpointing`: "adaptive" (the MILP, default), "none" (no recomputation: N grows until
+  memory fits) or "full" (every layer of every chunk recomputed in a group that needs any).
+- `score`: how N candidates are compared: "simulate" (default) or "estimate" (the DP's cost).
+- `milp_time_limit_s`: HiGHS time limit per MILP, seconds (default 1.0).
+
+Metrics added: num_slices, mesh (boundaries), time_threshold_s, groups (per pipeline: prefill,
+chunks, checkpointing status, recompute seconds), recompute_layer_chunks, candidates (N ->
+score or why dropped), predicted_step_s.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import PipelinePlan, StepPlan
+from lengthwise.planners.base import PlanRequest, finish_plan, positive_int_option, take_options
+from lengthwise.planners.infinipipe_chunking import ChunkedBatch, SliceCost, Unit, balanced_chunking
+from lengthwise.planners.infinipipe_ckpt import (
+    GroupPlan, StageShape, group_memory, group_schedule, solve_checkpointing, with_recompute,
+)
+from lengthwise.planners.packing_utils import greedy_balance, karmarkar_karp
+
+PLANNER = "infinipipe"
+SCHEDULE = "elastic-1f1b"
+CHECKPOINTING = ("adaptive", "none", "full")
+SCORES = ("simulate", "estimate")
+MAX_INFEASIBLE = 64
+"""Slice numbers tried in a row without a feasible one before giving up."""
+DEFAULTS = {"num_slices": None, "slice_candidates": 6, "balanced_chunking": True,
+            "checkpointing": "adaptive", "score": "simulate", "milp_time_limit_s": 1.0}
+
+
+@dataclass(kw_only=True)
+class Settings:
+    """The planner's options, read and checked."""
+
+    num_slices: int | None
+    slice_candidates: int
+    balanced: bool
+    checkpointing: str
+    score: str
+    milp_time_limit_s: float
+
+
+def read_settings(request: PlanRequest) -> Settings:
+    opts = take_options(request, PLANNER, DEFAULTS)
+    for name, allowed in (("checkpointing", CHECKPOINTING), ("score", SCORES)):
+        if opts[name] not in allowed:
+            raise UserError(f"{PLANNER} option {name} must be one of {', '.join(allowed)}, got {opts[name]!r}")
+    if not isinstance(opts["balanced_chunking"], bool):
+        raise UserError(f"{PLANNER} option balanced_chunking must be true or false, got {opts['balanced_chunking']!r}")
+    limit = opts["milp_time_limit_s"]
+    if not isinstance(limit, (int, float)) or isinstance(limit, bool) or limit <= 0:
+        raise UserError(f"{PLANNER} option milp_time_limit_s must be a positive number of seconds, got {limit!r}")
+    return Settings(num_slices=positive_int_option(opts, "num_slices"),
+                    slice_candidates=positive_int_option(opts, "slice_candidates"),
+                    balanced=opts["balanced_chunking"], checkpointing=opts["checkpointing"],
+                    score=opts["score"], milp_time_limit_s=float(limit))
+
+
+def check_lengths(request: PlanRequest) -> None:
+    """Model states fit; lengths positive and within the context length (long ones are split)."""
+    s = request.scheme
+    s.validate(request.model)
+    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
+    if not request.lengths:
+        raise UserError("the global batch is empty: give at least one sequence")
+    for seq_id, n in enumerate(request.lengths):
+        if n < 1:
+            raise UserError(f"sequence {seq_id} has length {n}: lengths must be at least 1 token")
+        if n > request.context_length:
+            raise UserError(f"sequence {seq_id} has {n} tokens > context length {request.context_length}: "
+                            "raise --context-length or use --overlong truncate|drop")
+
+
+# ---- the pipeline each unit set runs on ----
+
+@dataclass(kw_only=True)
+class Layout:
+    """Per-stage shape of every pipeline and the degrees the cost model needs."""
+
+    stages: list[StageShape]
+    tp: int
+    cp: int
+    dp: int
+    """Pipelines actually used (the scheme's dp, or fewer when there are fewer units)."""
+
+
+def layout(request: PlanRequest, dp: int) -> Layout:
+    s, cost = request.scheme, request.cost
+    per = request.model.num_layers // s.pp
+    stages = [StageShape(layers=per, head=i == s.pp - 1,
+                         states=cost.model_state_bytes(layers=per, tp=s.tp, dp=dp, zero=s.zero,
+                                                       first=i == 0, last=i == s.pp - 1))
+              for i in range(s.pp)]
+    return Layout(stages=stages, tp=s.tp, cp=s.cp, dp=dp)
+
+
+def chunk_stage_seconds(chunk, request: PlanRequest, shape: StageShape) -> float:
+    """Forward + backward seconds of a chunk on one stage."""
+    kw = {"layers": shape.layers, "tp": request.scheme.tp, "cp": request.scheme.cp, "head": shape.head}
+    return request.cost.forward_time(chunk, **kw) + request.cost.backward_time(chunk, **kw)
+
+
+# ---- step 2: units over data-parallel pipelines ----
+
+def split_over_pipelines(units: list[Unit], seconds: list[float], dp: int) -> list[list[int]]:
+    """Karmarkar-Karp or LPT by predicted seconds, whichever has the lighter heaviest pipeline."""
+    if dp == 1:
+        return [list(range(len(units)))]
+    heaviest = lambda parts: max(sum(seconds[i] for i in p) for p in parts)  # noqa: E731
+    return [sorted(p) for p in min(karmarkar_karp(seconds, dp), greedy_balance(seconds, dp), key=heaviest)]
+
+
+# ---- steps 3-4: grouping by dynamic programming, checkpointing by MILP ----
+
+def plan_group(units: list[Unit], request: PlanRequest, lay: Layout, settings: Settings) -> GroupPlan:
+    """One 1F1B group: longest units first, then its checkpointing (Algorithm 2)."""
+    ordered = sorted(units, key=lambda u: (-u.num_chunks, -u.chunks[-1].segments[0].stop, u.seq_id))
+    group = group_schedule([u.chunks for u in ordered], len(lay.stages))
+    memory = group_memory(group, request.cost, lay.stages, tp=lay.tp, cp=lay.cp)
+    ckpt = solve_checkpointing(group, memory, mode=settings.checkpointing,
+                               time_limit_s=settings.milp_time_limit_s)
+    return GroupPlan(schedule=group, ckpt=ckpt)
+
+
+def group_by_classes(units: list[Unit], request: PlanRequest, lay: Layout,
+                     settings: Settings) -> tuple[list[GroupPlan], float] | None:
+    """Eq. 14 over the distinct chunk counts; None when no grouping fits memory."""
+    classes = sorted({u.num_chunks for u in units})
+    members = {n: [u for u in units if u.num_chunks == n] for n in classes}
+    chunks = [c for u in units for c in u.chunks]
+    mean = sum(chunk_stage_seconds(c, request, lay.stages[0]) for c in chunks) / len(chunks)
+    delta = (len(lay.stages) - 1) * mean   # one more warm-up and cool-down
+    best: list[tuple[float, int, GroupPlan | None]] = [(0.0, -1, None)]
+    for i in range(1, len(classes) + 1):
+        options = []
+        for k in range(i):
+            if best[k][0] == float("inf"):
+                continue
+            g = plan_group([u for n in classes[k:i] for u in members[n]], request, lay, settings)
+            if g.ckpt.status != "infeasible":
+                options.append((best[k][0] + delta + g.ckpt.seconds, k, g))
+        best.append(min(options, key=lambda o: (o[0], o[1])) if options else (float("inf"), -1, None))
+    if best[-1][0] == float("inf"):
+        return None
+    groups, i = [], len(classes)
+    while i > 0:
+        groups.append(best[i][2])
+        i = best[i][1]
+    return groups, best[-1][0]    # longest classes first
+
+
+# ---- one candidate N ----
+
+@dataclass(kw_only=True)
+class Candidate:
+    """A complete schedule for one slice number."""
+
+    batch: ChunkedBatch
+    pipelines: list[list[GroupPlan]]
+    estimate_s: float
+    """The DP's estimate: slowest pipeline's stage work plus its groups' delta and T_ckpt."""
+
+
+def plan_candidate(batch: ChunkedBatch, request: PlanRequest, settings: Settings) -> Candidate | None:
+    """Steps 2-4 for one chunked batch; None when some pipeline cannot fit memory."""
+    dp = min(request.scheme.dp, len(batch.units))
+    lay = layout(request, dp)
+    seconds = [sum(chunk_stage_seconds(c, request, lay.stages[0]) for c in u.chunks) for u in batch.units]
+    pipelines, estimate = [], 0.0
+    for share in split_over_pipelines(batch.units, seconds, dp):
+        grouped = group_by_classes([batch.units[i] for i in share], request, lay, settings)
+        if grouped is None:
+            return None
+        pipelines.append(grouped[0])
+        estimate = max(estimate, sum(seconds[i] for i in share) + grouped[1])
+    return Candidate(batch=batch, pipelines=pipelines, estimate_s=estimate)
+
+
+def to_pipeline(groups: list[GroupPlan], request: PlanRequest) -> PipelinePlan:
+    """Groups one after another: chunk indices offset, recomputation on the F actions."""
+    chunks, stages = [], [[] for _ in range(request.scheme.pp)]
+    for g in groups:
+        offset = len(chunks)
+        chunks += g.schedule.chunks
+        for s, acts in enumerate(with_recompute(g.schedule, g.ckpt.recompute)):
+            stages[s] += [replace(a, chunk=a.chunk + offset) for a in acts]
+    return PipelinePlan(chunks=chunks, stages=stages, tp=request.scheme.tp, cp=request.scheme.cp,
+                        schedule=SCHEDULE)
+
+
+def candidate_plan(cand: Candidate, request: PlanRequest, settings: Settings, started: float) -> StepPlan:
+    pipelines = [to_pipeline(groups, request) for groups in cand.pipelines]
+    options = {"num_slices": cand.batch.num_slices, "balanced_chunking": settings.balanced,
+               "checkpointing": settings.checkpointing}
+    plan = finish_plan(request, pipelines, planner=PLANNER, started=started, options=options)
+    plan.metrics.update(candidate_metrics(cand))
+    return plan
+
+
+def candidate_metrics(cand: Candidate) -> dict:
+    groups = [[{"prefill": g.schedule.prefill, "chunks": len(g.schedule.chunks), "ckpt": g.ckpt.status,
+                "recompute_s": g.ckpt.seconds} for g in pipe] for pipe in cand.pipelines]
+    recomputed = sum(1 for pipe in cand.pipelines for g in pipe for row in g.ckpt.recompute for r in row if r)
+    return {"num_slices": cand.batch.num_slices, "mesh": list(cand.batch.mesh.bounds),
+            "time_threshold_s": cand.batch.time_threshold, "groups": groups,
+            "recompute_layer_chunks": recomputed, "estimate_s": cand.estimate_s, **cand.batch.stats}
+
+
+# ---- step 5: the slice number ----
+
+def score(plan: StepPlan, cand: Candidate, request: PlanRequest, settings: Settings) -> float:
+    if settings.score == "estimate":
+        return cand.estimate_s
+    from lengthwise.sim import simulate_plan
+
+    return simulate_plan(plan, request.cost).step_time_s
+
+
+def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, started: float) -> StepPlan:
+    """Plan consecutive N, keep the best-scoring feasible plan (§3.2)."""
+    tried: dict[int, object] = {}
+    best, best_score, worse, misses = None, float("inf"), 0, 0
+    n = settings.num_slices or 1
+    while True:
+        plan, why = plan_for(n, request, settings, fit, started)
+        if plan is None:
+            tried[n], misses = why, misses + 1
+        else:
+            tried[n], misses = plan.metrics["predicted_step_s"], 0
+            worse = worse + 1 if tried[n] >= best_score else 0
+            if tried[n] < best_score:
+                best, best_score = plan, tried[n]
+        feasible = sum(isinstance(v, float) for v in tried.values())
+        if settings.num_slices or feasible >= settings.slice_candidates or worse >= 2 or why == "too many slices" \
+                or misses >= MAX_INFEASIBLE:
+            break
+        n += 1
+    if best is None:
+        raise infeasible_error(request, n)
+    best.metrics["candidates"] = {str(k): v for k, v in tried.items()}
+    best.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
+    return best
+
+
+def plan_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost,
+             started: float) -> tuple[StepPlan | None, str]:
+    batch = balanced_chunking(request.lengths, n, fit, balanced=settings.balanced)
+    if batch is None:
+        return None, "too many slices"
+    cand = plan_candidate(batch, request, settings)
+    if cand is None:
+        return None, "does not fit memory"
+    plan = candidate_plan(cand, request, settings, started)
+    plan.metrics["predicted_step_s"] = score(plan, cand, request, settings)
+    return plan, ""
+
+
+def infeasible_error(request: PlanRequest, last_n: int) -> UserError:
+    longest = max(range(len(request.lengths)), key=lambda i: request.lengths[i])
+    s = request.scheme
+    kv = request.cost.kv_bytes(request.lengths[longest], layers=request.model.num_layers // s.pp, tp=s.tp, cp=s.cp)
+    return UserError(
+        f"{PLANNER}: no slice number up to N={last_n} fits memory; sequence {longest} has "
+        f"{request.lengths[longest]} tokens, whose K/V state and its gradient alone take "
+        f"2 x {kv / 2**30:.1f} GiB per GPU of a {s} stage ({request.cost.capacity_bytes / 2**30:.1f} GiB usable): "
+        "raise --tp, --pp or --cp, or lower --context-length")
+
+
+def plan_infinipipe(request: PlanRequest) -> StepPlan:
+    """InfiniPipe for one global batch (infinipipe §3); options in the module docstring."""
+    started = time.perf_counter()
+    settings = read_settings(request)
+    check_lengths(request)
+    s = request.scheme
+    fit = SliceCost.from_cost(request.cost, layers=request.model.num_layers // s.pp, tp=s.tp, cp=s.cp)
+    return tune_slices(request, settings, fit, started)
