@@ -198,3 +198,8 @@ def test_recompute_more_layers_than_the_stage_has_is_rejected():
 def test_plan_is_still_valid_after_a_json_round_trip():
     p = plan([100, 300, 50], pipeline(["0[0:100]+2[0:50]"]), pipeline(["1[0:150]", "1[150:300]"]))
     validate_plan(StepPlan.from_dict(p.to_dict()))
+
+
+def test_slices_of_one_sequence_out_of_order_inside_a_chunk_are_rejected():
+    rejected(plan([100], pipeline(["0[50:100]+0[0:50]"])), "pipeline 0 chunk 0", "0[0:50]", "token")
+    validate_plan(plan([100], pipeline(["0[0:50]+0[50:100]"])))

@@ -93,6 +93,17 @@ def _check_segments(plan: StepPlan, p: int, unit_name: str, units: list[Chunk], 
             raise UserError(f"{where} has pad_to {chunk.pad_to} < 0")
         for seg in chunk.segments:
             _check_segment(plan, where, seg, cp)
+        _check_slices_ascend_in_chunk(where, chunk)
+
+
+def _check_slices_ascend_in_chunk(where: str, chunk: Chunk) -> None:
+    """Two slices of one sequence in one row must come in token order (causal within the row)."""
+    last_stop: dict[int, int] = {}
+    for seg in chunk.segments:
+        if seg.start < last_stop.get(seg.seq_id, 0):
+            raise UserError(f"{where}: segment {seg} comes after a later slice of sequence {seg.seq_id} "
+                            "in the same chunk; order a sequence's slices by token")
+        last_stop[seg.seq_id] = seg.stop
 
 
 def _check_segment(plan: StepPlan, where: str, seg: Segment, cp: int) -> None:

@@ -6,11 +6,17 @@ drops or duplicates an item.
 
 - `best_fit_decreasing`: fill bins of a fixed capacity, largest item first, each into the bin
   it leaves fullest (Krell et al. 2021 packing, the baseline SlimPack §6 compares against).
-  With sizes drawn from a long tail it leaves about 1-3% of each bin empty.
 - `greedy_balance`: k groups, largest item first onto the lightest group (LPT; Graham's 4/3
   bound on the heaviest group).
-- `karmarkar_karp`: k groups by largest differencing; usually an order of magnitude closer to
-  the ideal than LPT on long-tail sizes, optionally with equal item counts (verl-style).
+- `karmarkar_karp`: k groups by largest differencing, optionally with equal item counts
+  (verl-style).
+
+Measured on 512-sequence batches, 20 seeds (`get_profile(name).sample(512, default_rng(seed))`,
+sequences over the bin dropped): best-fit-decreasing fills 98.6% of each 8K bin on `lmsys`
+(worst batch 96.8%) but 90.3% of each 32K bin on `chunkflow-eval`, whose few 10-32K sequences
+leave gaps no short one fills. Over 8 groups the heaviest exceeds the ideal sum/8 by 0.001%
+with Karmarkar-Karp and 0.03% with LPT on `lmsys`; both by 1.7% on `chunkflow-eval`, where
+single sequences outweigh a group's share.
 """
 
 from __future__ import annotations
