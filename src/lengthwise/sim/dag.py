@@ -1,0 +1,167 @@
+"""The task DAG of a training step and its critical-path timing (slimpack.txt §4.3).
+
+A task is one action of one stage of one pipeline. Its predecessors are the previous action of
+its stage (schedule edge) and its data dependencies (plan/schedules.action_needs): forward
+s-1 -> s, backward s+1 -> s, forward slice i -> i+1, backward slice i+1 -> i. A data edge that
+crosses stages carries the sender's point-to-point transfer time.
+
+Timing is two passes. `build_pipeline` walks the schedule once (pure Python, no durations) and
+numbers the tasks in a topological order, giving each a *level* one above its deepest
+predecessor. `evaluate` then computes finish times level by level with numpy over all pipelines
+at once: tasks of one level never depend on each other, so
+
+    finish[t] = max(max_j finish[local[t, j]], finish[cross[t]] + send[cross[t]]) + dur[t]
+
+is one vectorised step per level (about 2 * (chunks + stages) levels for 1F1B), with `local`
+the same-stage predecessors (previous action, earlier slices) and `cross` the task on the
+neighbouring stage that hands over the activation or its gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, Action, Chunk
+from lengthwise.plan.schedules import Dependencies, check_schedule
+
+KIND_CODE = {FORWARD: 0, FORWARD_NOGRAD: 1, BACKWARD: 2}
+"""Integer code of each action kind in task arrays (F=0, N=1, B=2)."""
+
+
+@dataclass(kw_only=True)
+class PipelineTasks:
+    """One pipeline's tasks in topological order, with lookup tables by (stage, chunk)."""
+
+    rows: list[tuple]
+    """Per task: (stage, kind code, chunk or unit, recompute layers, is re-forward, cross-stage
+    predecessor or -1, same-stage predecessors (schedule edge first), level)."""
+    fwd_id: list[list[int]]
+    """[stage][chunk] task of the chunk's F (its last forward), -1 when absent."""
+    first_id: list[list[int]]
+    """[stage][chunk] task of the chunk's first forward (N or F)."""
+    nograd_id: list[list[int]]
+    """[stage][chunk] task of the chunk's N, -1 when absent."""
+    bwd_id: list[list[int]]
+    """[stage][unit] task of the unit's B."""
+
+
+def build_pipeline(stages: list[list[Action]], chunks: list[Chunk], backward_chunks: list[Chunk] | None,
+                   deps: Dependencies) -> PipelineTasks:
+    """Number one pipeline's tasks in a topological order by sweeping its stages.
+
+    Sweeps alternate direction (forwards travel down, backwards up) and advance every stage as
+    far as its dependencies allow. A schedule that stops making progress is handed to
+    check_schedule, which raises UserError with the step-by-rank grid."""
+    pp = len(stages)
+    grid = lambda n: [[-1] * n for _ in range(pp)]  # noqa: E731
+    units = len(chunks if backward_chunks is None else backward_chunks)
+    t = PipelineTasks(rows=[], fwd_id=grid(len(chunks)), first_id=grid(len(chunks)),
+                      nograd_id=grid(len(chunks)), bwd_id=grid(units))
+    pos, last, left, up = [0] * pp, [-1] * pp, sum(map(len, stages)), True
+    levels: list[int] = []
+    while left:
+        moved = 0
+        for s in (range(pp) if up else range(pp - 1, -1, -1)):
+            moved += _advance(t, levels, stages[s], s, pos, last, deps, pp)
+        if not moved:
+            check_schedule(stages, chunks, backward_chunks)
+            raise AssertionError("schedule stuck but check_schedule passed")
+        left -= moved
+        up = not up
+    return t
+
+
+def _advance(t: PipelineTasks, levels: list[int], acts: list[Action], s: int, pos: list[int],
+             lasts: list[int], deps: Dependencies, pp: int) -> int:
+    """Issue stage s's actions while their dependencies have been issued; return how many."""
+    p0 = p = pos[s]
+    last = lasts[s]
+    rows, first, fwd, nograd, bwd = t.rows, t.first_id[s], t.fwd_id[s], t.nograd_id[s], t.bwd_id[s]
+    while p < len(acts):
+        a = acts[p]
+        c, kind = a.chunk, a.kind
+        if kind == BACKWARD:
+            local = [fwd[f] for f in deps.bwd_needs[c]] + [bwd[v] for v in deps.bwd_after[c]]
+            x = t.bwd_id[s + 1][c] if s + 1 < pp else -2
+        else:
+            local = [first[q] for q in deps.fwd_after[c]]
+            x = (t.fwd_id if kind == FORWARD else t.nograd_id)[s - 1][c] if s > 0 else -2
+        if x == -1 or -1 in local:
+            break
+        if last >= 0:
+            local.append(last)
+        tid = len(levels)
+        lv = max([levels[q] for q in local] + [levels[x] if x >= 0 else -1]) + 1
+        code = KIND_CODE[kind]
+        rows.append((s, code, c, a.recompute_layers, code == 0 and nograd[c] >= 0, max(x, -1), local, lv))
+        levels.append(lv)
+        (bwd if code == 2 else fwd if code == 0 else nograd)[c] = tid
+        if code != 2 and first[c] < 0:
+            first[c] = tid
+        last = tid
+        p += 1
+    pos[s], lasts[s] = p, last
+    return p - p0
+
+
+@dataclass(kw_only=True)
+class TaskArrays:
+    """All pipelines' tasks as flat numpy arrays (pipelines concatenated, ids shifted)."""
+
+    pipeline: np.ndarray
+    """int32 [T] pipeline of each task."""
+    stage: np.ndarray
+    """int32 [T] stage within its pipeline."""
+    kind: np.ndarray
+    """int8 [T] KIND_CODE."""
+    index: np.ndarray
+    """int32 [T] chunk or backward unit."""
+    reforward: np.ndarray
+    """bool [T] second forward of a chunk that ran N first."""
+    cross: np.ndarray
+    """int64 [T] predecessor on the neighbouring stage; T (a dummy finishing at 0) for none."""
+    local: np.ndarray
+    """int64 [T, D] same-stage predecessors (schedule and slice edges), padded with T."""
+    level: np.ndarray
+    """int64 [T] topological level."""
+    offsets: list[int]
+    """First task of each pipeline (plus the total at the end)."""
+
+
+def concatenate(pipes: list[PipelineTasks]) -> TaskArrays:
+    """Flatten per-pipeline task rows into global arrays with shifted task ids."""
+    offsets = np.cumsum([0] + [len(p.rows) for p in pipes]).tolist()
+    total = offsets[-1]
+    rows = [r for p in pipes for r in p.rows]
+    stage, kind, index, _, refwd, cross, local, level = (list(col) for col in zip(*rows)) if rows else [[]] * 8
+    shift = np.repeat(np.asarray(offsets[:-1], dtype=np.int64), np.diff(offsets))
+    cross = np.asarray(cross, dtype=np.int64)
+    cross = np.where(cross < 0, total, cross + shift)
+    counts = np.fromiter(map(len, local), dtype=np.int64, count=total)
+    width = int(counts.max(initial=0)) or 1
+    flat = np.fromiter((q for qs in local for q in qs), dtype=np.int64, count=int(counts.sum()))
+    row_of = np.repeat(np.arange(total), counts)
+    col_of = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
+    local_arr = np.full((total, width), total, dtype=np.int64)
+    local_arr[row_of, col_of] = flat + shift[row_of]
+    return TaskArrays(pipeline=np.repeat(np.arange(len(pipes), dtype=np.int32), np.diff(offsets)),
+                      stage=np.asarray(stage, dtype=np.int32), kind=np.asarray(kind, dtype=np.int8),
+                      index=np.asarray(index, dtype=np.int32), reforward=np.asarray(refwd, dtype=bool),
+                      cross=cross, local=local_arr, level=np.asarray(level, dtype=np.int64), offsets=offsets)
+
+
+def evaluate(tasks: TaskArrays, dur: np.ndarray, send: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start and finish of every task, level by level (durations and sends are float64 [T])."""
+    total = len(dur)
+    finish = np.zeros(total + 1)  # slot `total` is the dummy predecessor
+    send_ext = np.append(send, 0.0)
+    order = np.argsort(tasks.level, kind="stable")
+    bounds = np.searchsorted(tasks.level[order], np.arange(tasks.level.max(initial=-1) + 2))
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        idx = order[lo:hi]
+        x = tasks.cross[idx]
+        start = np.maximum(finish[tasks.local[idx]].max(axis=1), finish[x] + send_ext[x])
+        finish[idx] = start + dur[idx]
+    return finish[:total] - dur, finish[:total]

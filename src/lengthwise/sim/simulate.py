@@ -1,0 +1,217 @@
+"""Simulate one training step: timeline, bubbles, imbalance, memory (slimpack.txt §4.3).
+
+    from lengthwise.sim import simulate_plan, simulate_times
+    result = simulate_plan(plan, CostModel(model=plan.model, cluster=plan.cluster))
+    result.step_time_s, result.bubble_ratio, result.peak_memory
+    simulate_times([4, 2, 1, 1], stages=4).makespan        # chunkflow figure 2: 56.0
+
+Choices, stated once:
+
+- The bubble ratio is chunkflow eq. 1: idle time over total time, summed over every stage of
+  every pipeline, where a stage's total is the step's compute makespan (the last action's end
+  over all pipelines; waiting for a slower data-parallel replica counts as idle). Re-forward time
+  (the second forward of a chunk that ran N) counts as busy, so `reforward` is reported apart.
+- Gradient reduction: stage s of all pipelines reduces its gradients once its last backward has
+  finished on every replica; it overlaps the backwards still running on other stages (in 1F1B
+  stage 0 finishes last, so mostly stage 0's reduction is exposed). Pipelines with different
+  pp are not aligned by stage, so then every reduction starts after the last backward anywhere.
+  `extra_comm_s` of a pipeline is added after its reductions.
+- Point-to-point transfers delay the receiver and do not occupy either stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lengthwise.cost import CostModel
+from lengthwise.plan.ir import StepPlan
+from lengthwise.plan.schedules import dependencies
+from lengthwise.sim.dag import TaskArrays, build_pipeline, concatenate, evaluate
+from lengthwise.sim.inputs import PipelineInput, direct_input, plan_inputs
+from lengthwise.sim.memory import MemoryCurves, memory_events, replay, split_sequences
+
+
+@dataclass(kw_only=True)
+class Timeline:
+    """Every task's place in time, for pictures and tests (not part of the JSON)."""
+
+    tasks: TaskArrays
+    start: np.ndarray
+    """float64 [T] start of each task."""
+    finish: np.ndarray
+    """float64 [T] end of each task."""
+    comm: np.ndarray
+    """float64 [T] context-parallel communication inside each task (at its end)."""
+    send: np.ndarray
+    """float64 [T] point-to-point transfer after each task to the neighbouring stage."""
+    stage_offsets: list[int]
+    """Global stage id of each pipeline's stage 0 (plus the total at the end)."""
+    sync_start: np.ndarray
+    """float64 [G] start of each global stage's gradient reduction."""
+    sync_end: np.ndarray
+    """float64 [G] its end."""
+    memory: MemoryCurves
+    """Memory of every global stage along the timeline."""
+
+
+@dataclass(kw_only=True)
+class SimResult:
+    """Metrics of one simulated step. Times in `time_unit`, memory in `memory_unit`."""
+
+    time_unit: str
+    """"s" for plans, "units" in the direct mode."""
+    memory_unit: str
+    """"bytes" for plans, "fwd-time units" in the direct mode."""
+    makespan: float
+    """End of the last compute action over all pipelines."""
+    step_time_s: float
+    """Makespan plus exposed gradient reduction and extra pipeline communication."""
+    bubble_ratio: float
+    """chunkflow eq. 1 over all stages: idle / (stages * makespan)."""
+    reforward_counted_as_busy: bool = True
+    """Re-forward time (ChunkFlow's second forward) is busy time in bubble_ratio."""
+    busy: list[list[float]]
+    """[pipeline][stage] time running actions."""
+    idle: list[list[float]]
+    """[pipeline][stage] makespan minus busy."""
+    reforward: list[list[float]]
+    """[pipeline][stage] time spent in second forwards."""
+    grad_sync: list[list[float]]
+    """[pipeline][stage] gradient reduction time."""
+    pipeline_makespan: list[float]
+    """[pipeline] end of its last compute action."""
+    pipeline_bubble_ratio: list[float]
+    """[pipeline] eq. 1 over its own stages and its own makespan."""
+    dp_imbalance: float | None
+    """Slowest over fastest pipeline makespan (1.0 is balanced; None when one is empty)."""
+    dp_imbalance_spread: float
+    """(slowest - fastest) / slowest pipeline makespan (hydraulis §8.4)."""
+    peak_memory: list[list[float]]
+    """[pipeline][stage] highest memory held, model states included."""
+    capacity_bytes: float | None = None
+    """Usable memory of one GPU; None in the direct mode."""
+    fits: bool | None = None
+    """Every stage's peak within capacity_bytes; None in the direct mode."""
+    num_gpus: int = 0
+    """GPUs of all pipelines."""
+    tokens: int = 0
+    """Tokens of the global batch."""
+    tokens_per_s: float | None = None
+    """tokens / step_time_s."""
+    model_flops: float = 0.0
+    """Forward + backward FLOPs of the batch (no padding, no recomputation)."""
+    mfu: float | None = None
+    """model_flops / (step_time_s * num_gpus * peak FLOP/s)."""
+    timeline: Timeline | None = field(default=None, repr=False)
+    """Per-task detail (dropped from to_dict)."""
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in vars(self).items() if k != "timeline"}
+        d["step_time"] = self.step_time_s
+        return d
+
+
+def simulate_plan(plan: StepPlan, cm: CostModel) -> SimResult:
+    """Simulate one step of a plan with the cost model's times, transfers and memory."""
+    result = simulate_inputs(plan_inputs(plan, cm), time_unit="s", memory_unit="bytes")
+    result.capacity_bytes = cm.capacity_bytes
+    result.fits = all(p <= cm.capacity_bytes for row in result.peak_memory for p in row)
+    result.tokens = sum(plan.lengths)
+    result.tokens_per_s = result.tokens / result.step_time_s if result.step_time_s > 0 else None
+    if result.step_time_s > 0:
+        result.mfu = result.model_flops / (result.step_time_s * result.num_gpus * plan.cluster.peak_tflops * 1e12)
+    return result
+
+
+def simulate_times(fwd: list[float], stages: int, bwd_ratio: float = 2.0, schedule: str = "1f1b",
+                   groups: list[tuple[int, int]] | None = None, k: int | None = None) -> SimResult:
+    """Direct mode: one pipeline from per-chunk forward times in any unit (chunkflow §3 style).
+
+    `groups` lists inclusive (first, last) chunk ranges that are slices of one sequence."""
+    inp = direct_input(fwd, stages, bwd_ratio=bwd_ratio, schedule=schedule, groups=groups, k=k)
+    result = simulate_inputs([inp], time_unit="units", memory_unit="fwd-time units")
+    result.tokens = len(fwd)
+    return result
+
+
+def simulate_inputs(inputs: list[PipelineInput], *, time_unit: str, memory_unit: str) -> SimResult:
+    """The engine: build the DAG of every pipeline, time it, replay memory, summarise."""
+    all_deps = [dependencies(p.chunks, p.backward_chunks) for p in inputs]
+    pipes = [build_pipeline(p.stages, p.chunks, p.backward_chunks, d) for p, d in zip(inputs, all_deps)]
+    tasks = concatenate(pipes)
+    dur, comm, send = _task_tables(inputs, tasks)
+    start, finish = evaluate(tasks, dur, send)
+    stage_offsets = np.cumsum([0] + [len(p.stages) for p in inputs]).tolist()
+    gstage = np.asarray(stage_offsets[:-1], dtype=np.int64)[tasks.pipeline] + tasks.stage
+    G, P = stage_offsets[-1], len(inputs)
+    busy = np.bincount(gstage, weights=dur, minlength=G)
+    refwd = np.bincount(gstage, weights=dur * tasks.reforward, minlength=G)
+    stage_end = np.zeros(G)
+    np.maximum.at(stage_end, gstage, finish)
+    pipe_end = np.zeros(P)
+    np.maximum.at(pipe_end, tasks.pipeline, finish)
+    sync = np.concatenate([np.asarray(p.grad_sync, dtype=np.float64) for p in inputs])
+    sync_start = _sync_start(stage_end, [len(p.stages) for p in inputs])
+    step_end = np.array([max(pipe_end[i], (sync_start + sync)[a:b].max(initial=0.0)) + inputs[i].extra_comm
+                         for i, (a, b) in enumerate(zip(stage_offsets[:-1], stage_offsets[1:]))])
+    memory = _replay_memory(inputs, pipes, all_deps, tasks, start, finish, gstage, G)
+    timeline = Timeline(tasks=tasks, start=start, finish=finish, comm=comm, send=send, stage_offsets=stage_offsets,
+                        sync_start=sync_start, sync_end=sync_start + sync, memory=memory)
+    return _summarise(inputs, timeline, busy, refwd, sync, pipe_end, float(step_end.max(initial=0.0)),
+                      time_unit, memory_unit)
+
+
+def _task_tables(inputs: list[PipelineInput], tasks: TaskArrays):
+    """Duration, CP communication and send time of every task, looked up per pipeline."""
+    n = len(tasks.stage)
+    dur, comm, send = np.zeros(n), np.zeros(n), np.zeros(n)
+    for i, inp in enumerate(inputs):
+        a, b = tasks.offsets[i], tasks.offsets[i + 1]
+        key = (tasks.stage[a:b], tasks.kind[a:b], tasks.index[a:b])
+        dur[a:b], comm[a:b], send[a:b] = inp.dur[key], inp.comm[key], inp.send[key]
+    return dur, comm, send
+
+
+def _sync_start(stage_end: np.ndarray, pps: list[int]) -> np.ndarray:
+    """When each global stage's gradient reduction may start (see the module docstring)."""
+    if len(set(pps)) == 1 and pps:
+        aligned = stage_end.reshape(len(pps), pps[0]).max(axis=0)  # the DP group waits for its slowest replica
+        return np.tile(aligned, len(pps))
+    return np.full_like(stage_end, stage_end.max(initial=0.0))
+
+
+def _replay_memory(inputs, pipes, all_deps, tasks, start, finish, gstage, G) -> MemoryCurves:
+    ids, ends, deltas = [], [], []
+    for i, (inp, pipe, deps) in enumerate(zip(inputs, pipes, all_deps)):
+        splits = split_sequences(inp.chunks, inp.backward_chunks or inp.chunks)
+        t, e, d = memory_events(pipe, deps, inp.sizes, splits)
+        ids.append(np.asarray(t, dtype=np.int64) + tasks.offsets[i])
+        ends.append(np.asarray(e, dtype=bool))
+        deltas.append(np.asarray(d, dtype=np.float64))
+    tid = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    at_end = np.concatenate(ends) if ends else np.zeros(0, bool)
+    time = np.where(at_end, finish[tid], start[tid])
+    base = np.concatenate([np.asarray(p.sizes.state, dtype=np.float64) for p in inputs])
+    return replay(gstage[tid], time, np.concatenate(deltas) if deltas else np.zeros(0), base)
+
+
+def _summarise(inputs, timeline: Timeline, busy, refwd, sync, pipe_end, step_time, time_unit, memory_unit):
+    offs = timeline.stage_offsets
+    rows = lambda arr: [arr[a:b].tolist() for a, b in zip(offs[:-1], offs[1:])]  # noqa: E731
+    makespan = float(pipe_end.max(initial=0.0))
+    total = makespan * offs[-1]
+    own_bubble = [1.0 - busy[a:b].sum() / (pipe_end[i] * (b - a)) if pipe_end[i] > 0 else 0.0
+                  for i, (a, b) in enumerate(zip(offs[:-1], offs[1:]))]
+    fastest, slowest = float(pipe_end.min(initial=0.0)), makespan
+    return SimResult(
+        time_unit=time_unit, memory_unit=memory_unit, makespan=makespan, step_time_s=step_time,
+        bubble_ratio=float(1.0 - busy.sum() / total) if total > 0 else 0.0,
+        busy=rows(busy), idle=rows(makespan - busy), reforward=rows(refwd), grad_sync=rows(sync),
+        pipeline_makespan=pipe_end.tolist(), pipeline_bubble_ratio=own_bubble,
+        dp_imbalance=slowest / fastest if fastest > 0 else None,
+        dp_imbalance_spread=(slowest - fastest) / slowest if slowest > 0 else 0.0,
+        peak_memory=rows(timeline.memory.peak), num_gpus=sum(p.num_gpus for p in inputs),
+        model_flops=float(sum(p.model_flops for p in inputs)), timeline=timeline,
+    )
