@@ -18,6 +18,7 @@ from lengthwise.errors import UserError
 COMMANDS = {
     "workload": "describe a length distribution (profile, lengths file or corpus)",
     "plan": "plan one global batch with a planner and write the StepPlan",
+    "verify": "execute a plan in PyTorch and compare loss and gradients with unpacked training",
 }
 
 

@@ -105,7 +105,7 @@ def attend(q_THE, k_TGE, v_TGE, context, layout: ChunkLayout, *, backend: str = 
 
     `context[i]` lists segment i's earlier (k, v) pieces [c, G, E], oldest first; their token
     counts sum to layout.ctx_lens[i]."""
-    backend = resolve_backend(backend, q_THE)
+    backend = resolve_backend(backend, q_THE.device, q_THE.dtype)
     if backend == "varlen":
         return _varlen(q_THE, k_TGE, v_TGE, context, layout)
     num_pieces = tuple(len(pieces) for pieces in context)
@@ -113,14 +113,14 @@ def attend(q_THE, k_TGE, v_TGE, context, layout: ChunkLayout, *, backend: str = 
     return _RecomputedSDPA.apply(layout, num_pieces, q_THE, k_TGE, v_TGE, *flat)
 
 
-def resolve_backend(backend: str, q_THE: torch.Tensor) -> str:
+def resolve_backend(backend: str, device, dtype: torch.dtype) -> str:
     """`auto` -> varlen where it runs, else reference; a forced one that cannot run -> UserError."""
     if backend not in BACKENDS:
         raise UserError(f"unknown attention backend {backend!r}: use one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "varlen" if varlen_unavailable_reason(q_THE.device, q_THE.dtype) is None else "reference"
+        return "varlen" if varlen_unavailable_reason(device, dtype) is None else "reference"
     if backend == "varlen":
-        reason = varlen_unavailable_reason(q_THE.device, q_THE.dtype)
+        reason = varlen_unavailable_reason(device, dtype)
         if reason:
             raise UserError(f"attention backend varlen is unavailable: {reason}; use --backend reference")
     return backend
@@ -197,8 +197,14 @@ class _RecomputedSDPA(torch.autograd.Function):
     def backward(ctx, grad_THE):
         saved = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad[2:])]
-        with torch.enable_grad():
+        # The recomputed graph lives only inside this backward, like a fused kernel's
+        # workspace: identity hooks keep it out of any saved-tensor accounting around us.
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
             out_THE = _sdpa_masked(ctx.layout, ctx.num_pieces, *inputs)
         wanted = [t for t in inputs if t.requires_grad]
         grads = iter(torch.autograd.grad(out_THE, wanted, grad_THE))
         return (None, None, *(next(grads) if t.requires_grad else None for t in inputs))
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor

@@ -20,6 +20,7 @@ import torch
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk, PipelinePlan, StepPlan
+from lengthwise.runtime.attention import resolve_backend
 from lengthwise.runtime.checks import check_executable
 from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.stage import StageRunner
@@ -33,6 +34,8 @@ def run_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor], *,
     scalar, sum of token cross-entropies / plan.loss_tokens) with gradients accumulated into
     the model's parameters (.grad, added to what is there)."""
     check_executable(plan, model.spec, token_ids)
+    param = next(model.parameters())
+    backend = resolve_backend(backend, param.device, param.dtype)
     transport = InProcessTransport()
     runners = [StageRunner(model=model, plan=plan, pipeline=p, stage=s, token_ids=token_ids,
                            transport=transport, backend=backend)

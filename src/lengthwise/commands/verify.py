@@ -1,0 +1,142 @@
+"""Check that a planner's plan trains exactly: same loss and gradients as unpacked training.
+
+    lengthwise verify --model-config tiny --lengths 200,30,17,60,5 --chunk-size 64 --k 1 --pp 2
+    lengthwise verify --model-config tiny-qwen --profile chunkflow-eval --batch-size 16 --context-length 512 --overlong truncate --planner packing --dp 2
+    lengthwise verify --model-config path/to/config.json --lengths 300,40 --dtype float32 --json
+
+Builds the model from the config (a preset or a Hugging Face config.json) with random weights
+(seeded by --seed), draws random token ids, plans the batch with --planner (default chunkflow,
+else packing), executes the whole plan on this process (every pipeline and stage), and
+compares the loss and every parameter's gradient with Hugging Face transformers' own model
+run on each sequence alone (or, without transformers, with this package's model run
+unpacked; the output says which). Exit status 0 when the largest relative gradient and loss
+differences are within the dtype's tolerance (float64 1e-9, float32 1e-4, bfloat16 1e-1),
+1 when not, 2 on a usage error. The relative difference of a parameter is
+max|g - g_ref| / max|g_ref|. On CPU, attention runs the `reference` backend; `varlen` needs
+CUDA with bfloat16 or float16 (--device cuda --dtype bfloat16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from lengthwise.commands.common import add_workload_args, batch_lengths_from_args
+from lengthwise.commands.plan import default_context_length, parse_option
+from lengthwise.errors import UserError
+from lengthwise.planners import available_planners, get_planner, planner_available
+from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
+
+DTYPES = ("float64", "float32", "bfloat16")
+DEFAULT_LENGTHS = [200, 30, 17, 60, 5]
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-config", metavar="PRESET|config.json", default="tiny",
+                        help="model preset or Hugging Face config.json (default tiny)")
+    parser.add_argument("--planner", metavar="NAME",
+                        help=f"one of {', '.join(available_planners())} (default chunkflow, else packing)")
+    parser.add_argument("--batch-size", metavar="N", type=int, default=8,
+                        help="sequences drawn from --profile/--data (default 8)")
+    parser.add_argument("--chunk-size", metavar="TOKENS", type=int, help="planner option chunk_size")
+    parser.add_argument("--k", metavar="K", type=int, help="planner option k (ChunkFlow)")
+    parser.add_argument("--option", metavar="KEY=VALUE", action="append", default=[],
+                        help="other planner option, repeatable")
+    parser.add_argument("--pp", metavar="P", type=int, default=1, help="pipeline stages (default 1)")
+    parser.add_argument("--dp", metavar="D", type=int, default=1, help="data-parallel pipelines (default 1)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float64", help="model dtype (default float64)")
+    parser.add_argument("--backend", choices=("auto", "reference", "varlen"), default="auto",
+                        help="attention backend (default auto: varlen on CUDA in 16 bits, else reference)")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--oracle", choices=("auto", "transformers", "unpacked"), default="auto",
+                        help="what to compare with (default auto: transformers when installed)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_workload_args(parser)
+    for action in parser._actions:  # --lengths also takes the batch inline
+        if action.dest == "lengths":
+            action.metavar = "a,b,c|FILE"
+            action.help = f"the batch's lengths, comma-separated (default {','.join(map(str, DEFAULT_LENGTHS))}), or a lengths file"
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from lengthwise.runtime.attention import resolve_backend
+    from lengthwise.runtime.verify import verify_plan
+
+    dtype = getattr(torch, args.dtype)
+    backend = resolve_backend(args.backend, torch.device(args.device), dtype)
+    plan = build_plan(args)
+    result = verify_plan(plan, dtype=dtype, backend=backend, seed=args.seed, oracle=args.oracle,
+                         device=args.device)
+    if args.json:
+        print(json.dumps({**result.to_dict(), "planner": plan.planner, "dtype": args.dtype,
+                          "backend": backend, "lengths": plan.lengths}, indent=1))
+    else:
+        print(summary(plan, result, args.dtype, backend))
+    return 0 if result.passed else 1
+
+
+def build_plan(args: argparse.Namespace):
+    """Plan the batch with the chosen planner and validate it, as `lengthwise plan` does."""
+    from lengthwise.cost import CostModel
+    from lengthwise.plan.validate import validate_plan
+    from lengthwise.planners import PlanRequest
+
+    model = model_preset(args.model_config)
+    scheme = ParallelScheme(dp=args.dp, pp=args.pp)
+    scheme.validate(model)
+    cluster = cluster_preset("cpu", scheme.num_gpus)
+    cost = CostModel(model=model, cluster=cluster)
+    lengths = batch_lengths(args)
+    request = PlanRequest(lengths=lengths, model=model, cluster=cluster, scheme=scheme, cost=cost,
+                          context_length=args.context_length or default_context_length(lengths),
+                          seed=args.seed, options=planner_options(args))
+    plan = get_planner(args.planner or default_planner())(request)
+    validate_plan(plan, cost)
+    return plan
+
+
+def default_planner() -> str:
+    return "chunkflow" if planner_available("chunkflow") else "packing"
+
+
+def batch_lengths(args: argparse.Namespace) -> list[int]:
+    """--lengths a,b,c inline, else the workload arguments, else the default batch."""
+    if args.lengths and re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", args.lengths):
+        lengths = [int(t) for t in args.lengths.split(",")]
+    elif args.lengths or args.profile or args.data:
+        if args.batch_size < 1:
+            raise UserError(f"--batch-size {args.batch_size} must be at least 1")
+        lengths = batch_lengths_from_args(args, args.batch_size)
+    else:
+        lengths = list(DEFAULT_LENGTHS)
+    if min(lengths) < 1:
+        raise UserError(f"--lengths {args.lengths}: every length must be at least 1")
+    return lengths
+
+
+def planner_options(args: argparse.Namespace) -> dict:
+    options = dict(parse_option(text) for text in args.option)
+    for name in ("chunk_size", "k"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    return options
+
+
+def summary(plan, result, dtype: str, backend: str) -> str:
+    pipes = plan.pipelines
+    oracle = ("Hugging Face transformers, each sequence alone" if result.oracle == "transformers"
+              else "this package's model unpacked (transformers is not installed)")
+    return "\n".join([
+        f"verify: {plan.planner} plan of {len(plan.lengths)} sequences ({sum(plan.lengths):,} tokens, "
+        f"longest {max(plan.lengths):,}) on {plan.model.name}: {len(pipes)} pipeline(s) x "
+        f"{max(p.pp for p in pipes)} stage(s), {sum(len(p.chunks) for p in pipes)} chunks, {dtype}, "
+        f"attention {backend}",
+        f"  oracle: {oracle}",
+        f"  loss {result.loss:.15g} vs {result.reference_loss:.15g} (relative difference {result.loss_rel_diff:.2e})",
+        f"  largest gradient difference: absolute {result.max_abs_grad_diff:.3e}, relative "
+        f"{result.max_rel_grad_diff:.3e} ({result.worst_param}); tolerance {result.tolerance:g}",
+        "  PASSED" if result.passed else "  FAILED: above the tolerance",
+    ])
