@@ -10,6 +10,10 @@ segments. Example, segments `7[4:6]+2[0:3]`:
     ctx_lens = (4, 0)      cu_k = [0, 6, 9]     keys: 4 context + 2 own, then 3 own
     query 0 of 7 sees keys 0..4, query 1 sees 0..5; query 0 of 2 sees key 6 only.
 
+When a row holds two slices of one sequence (`3[0:4]+3[4:6]`), the later one's context ends
+with the earlier one's own K/V from the same row (`row_context`), so its keys are
+[store pieces, earlier slices of this row, own].
+
 Backends, chosen by `backend=`:
 - `reference`: torch SDPA with that explicit boolean mask; runs everywhere, any dtype. (SDPA's
   own `is_causal` aligns top-left when queries are fewer than keys, wrong for a slice with
@@ -46,11 +50,16 @@ class ChunkLayout:
     """Query tokens of each segment, in row order."""
     ctx_lens: tuple[int, ...]
     """Context tokens (earlier tokens of the same sequence) of each segment."""
+    row_context: tuple[tuple[int, ...], ...]
+    """Per segment, the earlier segments of the same row and sequence (indices), which
+    end its context."""
 
     @classmethod
     def from_chunk(cls, chunk: Chunk) -> ChunkLayout:
-        return cls(q_lens=tuple(s.num_tokens for s in chunk.segments),
-                   ctx_lens=tuple(s.start for s in chunk.segments))
+        segs = chunk.segments
+        return cls(q_lens=tuple(s.num_tokens for s in segs), ctx_lens=tuple(s.start for s in segs),
+                   row_context=tuple(tuple(j for j in range(i) if segs[j].seq_id == s.seq_id)
+                                     for i, s in enumerate(segs)))
 
     @property
     def k_lens(self) -> tuple[int, ...]:
@@ -96,6 +105,7 @@ def pack_keys(own_TGE: torch.Tensor, context, layout: ChunkLayout) -> torch.Tens
     parts = []
     for i, pieces in enumerate(context):
         parts.extend(pieces)
+        parts.extend(own_TGE[offsets[j]:offsets[j + 1]] for j in layout.row_context[i])
         parts.append(own_TGE[offsets[i]:offsets[i + 1]])
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
@@ -103,8 +113,9 @@ def pack_keys(own_TGE: torch.Tensor, context, layout: ChunkLayout) -> torch.Tens
 def attend(q_THE, k_TGE, v_TGE, context, layout: ChunkLayout, *, backend: str = "auto") -> torch.Tensor:
     """Attention output [T, H, E] of one chunk.
 
-    `context[i]` lists segment i's earlier (k, v) pieces [c, G, E], oldest first; their token
-    counts sum to layout.ctx_lens[i]."""
+    `context[i]` lists segment i's earlier (k, v) pieces [c, G, E] from other chunks, oldest
+    first; with the row's own earlier slices (layout.row_context) they make layout.ctx_lens[i]
+    tokens."""
     backend = resolve_backend(backend, q_THE.device, q_THE.dtype)
     if backend == "varlen":
         return _varlen(q_THE, k_TGE, v_TGE, context, layout)

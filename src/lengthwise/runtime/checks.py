@@ -72,9 +72,12 @@ def _check_pipeline_shape(p: int, pipe: PipelinePlan, spec: ModelSpec) -> None:
         raise UserError(f"pipeline {p}: layers_per_stage {layers} must be {pipe.pp} counts summing to "
                         f"the model's {spec.num_layers} layers")
     for chunk in pipe.chunks:
-        seq_ids = [s.seq_id for s in chunk.segments]
-        if len(set(seq_ids)) != len(seq_ids):
-            raise UserError(f"pipeline {p}: chunk {chunk} holds two slices of one sequence; merge them")
+        last_stop: dict[int, int] = {}
+        for seg in chunk.segments:
+            if last_stop.get(seg.seq_id, seg.start) != seg.start:
+                raise UserError(f"pipeline {p}: chunk {chunk} holds slices of sequence {seg.seq_id} that "
+                                "are not adjacent in token order; give a row only consecutive slices")
+            last_stop[seg.seq_id] = seg.stop
 
 
 def _check_stage_actions(where: str, actions: list[Action], pipe: PipelinePlan) -> None:
@@ -102,9 +105,11 @@ def _check_reverse_backward(where: str, actions: list[Action], pipe: PipelinePla
     for index, action in enumerate(actions):
         if action.kind != BACKWARD:
             continue
+        firsts: dict[int, int] = {}  # a row's slices of one sequence run backward together
         for seg in pipe.chunks[action.chunk].segments:
             later = last_start.get(seg.seq_id)
             if later is not None and seg.start > later:
                 raise UserError(f"{where} action {index} ({action}): slice {seg} runs backward after an "
                                 "earlier slice of its sequence; backwards must go from the last slice to the first")
-            last_start[seg.seq_id] = seg.start
+            firsts[seg.seq_id] = min(firsts.get(seg.seq_id, seg.start), seg.start)
+        last_start.update(firsts)

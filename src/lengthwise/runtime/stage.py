@@ -142,17 +142,19 @@ class StageRunner:
         return leaf, leaf
 
     def _context_leaves(self, chunk: Chunk, grad: bool) -> dict[SliceKey, list[KV]]:
-        """Detached (k, v) leaves per layer of every earlier slice the chunk attends to."""
+        """Detached (k, v) leaves per layer of every earlier slice, in earlier chunks, that
+        the chunk attends to."""
         leaves = {}
-        for segment in chunk.segments:
-            for key in self.store.context_keys(segment, where=self.where()):
+        for seq_id, stop in _context_from_store(chunk).items():
+            for key in self.store.context_keys(seq_id, stop, where=self.where()):
                 leaves[key] = [(k.detach().requires_grad_(grad), v.detach().requires_grad_(grad))
                                for k, v in self.store.kv(key)]
         return leaves
 
     def _contexts(self, chunk: Chunk, leaves: dict[SliceKey, list[KV]]):
         """Per layer of the stage, per segment: the list of context (k, v) pieces."""
-        keys_per_segment = [[key for key in leaves if key[0] == s.seq_id and key[2] <= s.start]
+        stops = _context_from_store(chunk)
+        keys_per_segment = [[key for key in leaves if key[0] == s.seq_id and key[2] <= stops[s.seq_id]]
                             for s in chunk.segments]
         return [[[leaves[key][j] for key in keys] for keys in keys_per_segment]
                 for j in range(len(self.layers))]
@@ -211,6 +213,15 @@ class StageRunner:
         sending = (other > self.stage) != (action.kind == BACKWARD)
         src, dst = (self.stage, other) if sending else (other, self.stage)
         return Message(pipeline=self.pipeline, src=src, dst=dst, kind=action.kind, chunk=action.chunk)
+
+
+def _context_from_store(chunk: Chunk) -> dict[int, int]:
+    """seq_id -> end of the context that comes from the store: the first start of the
+    sequence in this row (any later slice of it in the row reads the row's own K/V)."""
+    stops: dict[int, int] = {}
+    for s in chunk.segments:
+        stops[s.seq_id] = min(stops.get(s.seq_id, s.start), s.start)
+    return stops
 
 
 def _grad_of(leaf: torch.Tensor) -> torch.Tensor:

@@ -45,17 +45,17 @@ class KVStore:
     def kv(self, key: SliceKey) -> list[KV]:
         return self._kv[key]
 
-    def context_keys(self, segment: Segment, *, where: str) -> list[SliceKey]:
-        """The stored slices that tile [0, segment.start) of its sequence, oldest first."""
+    def context_keys(self, seq_id: int, stop: int, *, where: str) -> list[SliceKey]:
+        """The stored slices that tile [0, stop) of sequence `seq_id`, oldest first."""
         found, at = [], 0
-        slices = self._by_seq.get(segment.seq_id, {})
-        while at < segment.start:
+        slices = self._by_seq.get(seq_id, {})
+        while at < stop:
             key = slices.get(at)
-            if key is None or key[2] > segment.start:
+            if key is None or key[2] > stop:
                 raise UserError(
-                    f"{where}: segment {segment} needs the K/V of tokens [{at}:{segment.start}) of "
-                    f"sequence {segment.seq_id}, which no earlier forward on this stage left: "
-                    "run the earlier slices first, on the same pipeline")
+                    f"{where}: the chunk needs the K/V of tokens [{at}:{stop}) of sequence {seq_id}, "
+                    "which no earlier forward on this stage left: run the earlier slices first, "
+                    "on the same pipeline")
             found.append(key)
             at = key[2]
         return found
