@@ -156,6 +156,7 @@ def evaluate(tasks: TaskArrays, dur: np.ndarray, send: np.ndarray) -> tuple[np.n
     """Start and finish of every task, level by level (durations and sends are float64 [T])."""
     total = len(dur)
     finish = np.zeros(total + 1)  # slot `total` is the dummy predecessor
+    begin = np.zeros(total)  # kept exactly: finish - dur can round below the previous task's finish
     send_ext = np.append(send, 0.0)
     order = np.argsort(tasks.level, kind="stable")
     bounds = np.searchsorted(tasks.level[order], np.arange(tasks.level.max(initial=-1) + 2))
@@ -163,5 +164,6 @@ def evaluate(tasks: TaskArrays, dur: np.ndarray, send: np.ndarray) -> tuple[np.n
         idx = order[lo:hi]
         x = tasks.cross[idx]
         start = np.maximum(finish[tasks.local[idx]].max(axis=1), finish[x] + send_ext[x])
+        begin[idx] = start
         finish[idx] = start + dur[idx]
-    return finish[:total] - dur, finish[:total]
+    return begin, finish[:total]
