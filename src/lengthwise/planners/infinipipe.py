@@ -120,7 +120,7 @@ class Layout:
     tp: int
     cp: int
     dp: int
-    """Pipelines actually used (the scheme's dp, or fewer when there are fewer units)."""
+    """Pipelines (some may stay empty when the batch has fewer units)."""
 
 
 def layout(request: PlanRequest, dp: int) -> Layout:
@@ -164,6 +164,8 @@ def plan_group(units: list[Unit], request: PlanRequest, lay: Layout, settings: S
 def group_by_classes(units: list[Unit], request: PlanRequest, lay: Layout,
                      settings: Settings) -> tuple[list[GroupPlan], float] | None:
     """Eq. 14 over the distinct chunk counts; None when no grouping fits memory."""
+    if not units:    # more pipelines than units: this one stays empty
+        return [], 0.0
     classes = sorted({u.num_chunks for u in units})
     members = {n: [u for u in units if u.num_chunks == n] for n in classes}
     chunks = [c for u in units for c in u.chunks]
@@ -202,7 +204,7 @@ class Candidate:
 
 def plan_candidate(batch: ChunkedBatch, request: PlanRequest, settings: Settings) -> Candidate | None:
     """Steps 2-4 for one chunked batch; None when some pipeline cannot fit memory."""
-    dp = min(request.scheme.dp, len(batch.units))
+    dp = request.scheme.dp
     lay = layout(request, dp)
     seconds = [sum(chunk_stage_seconds(c, request, lay.stages[0]) for c in u.chunks) for u in batch.units]
     pipelines, estimate = [], 0.0

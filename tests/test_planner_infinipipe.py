@@ -1,0 +1,351 @@
+"""The infinipipe planner (infinipipe.txt §3): workload-balanced chunking (Algorithm 1), eq. 14
+grouping, the stage-aware adaptive checkpointing MILP (Algorithm 2) against the simulator's
+memory replay and against brute force, ablation options."""
+
+import dataclasses
+import importlib.util
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lengthwise.cost import CostModel
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import BACKWARD, FORWARD, Chunk, Segment, StepPlan
+from lengthwise.plan.validate import validate_plan
+from lengthwise.planners import PlanRequest, get_planner
+from lengthwise.planners import infinipipe as ip
+from lengthwise.planners.infinipipe_chunking import (SliceCost, balanced_chunking, balanced_mesh, pack_buckets,
+                                                     split_by_mesh)
+from lengthwise.planners.infinipipe_ckpt import (brute_force_checkpointing, group_memory, group_schedule,
+                                                 solve_checkpointing)
+from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
+from lengthwise.workloads import get_profile
+
+K = 1024
+HAS_SIM = importlib.util.find_spec("lengthwise.sim.simulate") is not None
+needs_sim = pytest.mark.skipif(not HAS_SIM, reason="lengthwise.sim.simulate is not built yet")
+
+
+def request(lengths, *, dp=1, tp=8, pp=4, context=None, model="llama2-7b", memory_gb=80.0, **options):
+    scheme = ParallelScheme(dp=dp, tp=tp, pp=pp)
+    cluster = dataclasses.replace(cluster_preset("h100", scheme.num_gpus), gpu_memory_gb=memory_gb)
+    cost = CostModel(model=MODEL_PRESETS[model], cluster=cluster)
+    options.setdefault("score", "estimate")   # the simulator is exercised by the tests that need it
+    return PlanRequest(lengths=list(lengths), model=cost.model, cluster=cluster, scheme=scheme, cost=cost,
+                       context_length=context or max(lengths), options=options)
+
+
+def tiny_request(lengths, *, memory_gb, pp=2, dp=1, **options):
+    """The 4-layer tiny model on GPUs of a few MiB, so that memory binds at a few K tokens."""
+    return request(lengths, dp=dp, tp=1, pp=pp, model="tiny", memory_gb=memory_gb, **options)
+
+
+def plan(req) -> StepPlan:
+    out = get_planner("infinipipe")(req)
+    validate_plan(out, req.cost)
+    return out
+
+
+def sample(profile, n, context, seed=0):
+    return [int(x) for x in get_profile(profile).sample(n, np.random.default_rng(seed), below=context + 1)]
+
+
+def fit_7b(pp=4, tp=8):
+    cost = request([1]).cost
+    return cost, SliceCost.from_cost(cost, layers=32 // pp, tp=tp)
+
+
+def one(seq, start, stop):
+    return Chunk((Segment(seq, start, stop),))
+
+
+# ---- Algorithm 1: the mesh, the split, the buckets ----
+
+def test_slice_cost_reproduces_the_cost_model():
+    cost, fit = fit_7b()
+    for start, stop in [(0, 100), (0, 30_000), (70_000, 90_000)]:
+        exact = cost.backward_time(one(0, start, stop), layers=8, tp=8)
+        assert fit.work(start, stop) + fit.c == pytest.approx(exact, rel=1e-9)
+
+
+@pytest.mark.parametrize("longest,n", [(200_000, 5), (1 << 20, 12), (9_000, 3)])
+def test_mesh_slices_have_equal_backward_time(longest, n):
+    cost, fit = fit_7b()
+    mesh = balanced_mesh(longest, n, fit)
+    times = [cost.backward_time(one(0, a, b), layers=8, tp=8) for a, b in zip(mesh.bounds, mesh.bounds[1:])]
+    assert len(times) == n and mesh.bounds[-1] == longest
+    # Boundaries are rounded to whole tokens: one token's worth of the last slice's slope.
+    slope = fit.a * longest + fit.b
+    assert max(times) - min(times) <= 2 * slope
+    assert mesh.time_threshold == pytest.approx(max(times), rel=1e-9)
+    lengths = np.diff(mesh.bounds)
+    assert mesh.token_threshold == lengths[0] and all(np.diff(lengths) <= 0)  # later slices have more context
+
+
+def test_long_sequences_are_cut_by_the_mesh_and_end_in_a_tail_slice():
+    _, fit = fit_7b()
+    mesh = balanced_mesh(100_000, 4, fit)
+    x1, x2 = mesh.bounds[1], mesh.bounds[2]
+    lengths = [100_000, x1, x1 + 1, x2 + 7, 50]
+    split, short = split_by_mesh(lengths, mesh)
+    assert sorted(short) == [1, 4]
+    assert [(s.start, s.stop) for s in split[2]] == [(0, x1), (x1, x1 + 1)]
+    assert [(s.start, s.stop) for s in split[3]] == [(0, x1), (x1, x2), (x2, x2 + 7)]
+    assert [(s.start, s.stop) for s in split[0]] == list(zip(mesh.bounds, mesh.bounds[1:]))
+
+
+def test_buckets_hold_one_tail_at_most_and_respect_the_token_threshold():
+    _, fit = fit_7b()
+    lengths = sample("github", 512, 128 * K, seed=3)
+    mesh = balanced_mesh(max(lengths), 6, fit)
+    split, short = split_by_mesh(lengths, mesh)
+    buckets = pack_buckets([split[i][-1] for i in sorted(split)], short, lengths, mesh, fit)
+    assert all(sum(s.start > 0 for s in b.segments) <= 1 for b in buckets)
+    assert all(b.tokens <= mesh.token_threshold for b in buckets)
+    placed = sorted(s.seq_id for b in buckets for s in b.segments if s.start == 0)
+    assert placed == sorted(short)
+
+
+def test_short_sequences_go_to_the_bucket_with_the_least_time_per_token():
+    _, fit = fit_7b()
+    mesh = balanced_mesh(40_000, 2, fit)
+    x1 = mesh.bounds[1]
+    # Two tails of equal tokens: the one deeper in its sequence costs more per token.
+    lengths = [40_000, x1 + 3_000, 1_000]
+    split, short = split_by_mesh(lengths, mesh)
+    deep, shallow = split[0][-1], split[1][-1]
+    buckets = pack_buckets([deep, shallow], short, lengths, mesh, fit)
+    home = next(b for b in buckets if any(s.seq_id == 2 for s in b.segments))
+    assert home.segments[0] == shallow
+
+
+def test_a_new_bucket_opens_only_when_no_bucket_has_token_room():
+    _, fit = fit_7b()
+    lengths = [20_000] + [5_000] * 8
+    mesh = balanced_mesh(20_000, 1, fit)     # N = 1: nothing is split, T_m = 20K
+    split, short = split_by_mesh(lengths, mesh)
+    buckets = pack_buckets([], short, lengths, mesh, fit)
+    assert not split and sorted(b.tokens for b in buckets) == [20_000] * 3
+
+
+def test_the_time_threshold_yields_to_token_balance():
+    """Line 16: a short sequence that fits a bucket's tokens but not T_t raises T_t."""
+    _, fit = fit_7b()
+    mesh = balanced_mesh(100_000, 2, fit)
+    half = mesh.bounds[1] // 2
+    lengths = [100_000, half, half]
+    split, short = split_by_mesh(lengths, mesh)
+    tail = split[0][-1]
+    assert tail.num_tokens + half <= mesh.token_threshold            # fits by tokens ...
+    assert fit.work(tail.start, tail.stop) + fit.work(0, half) + fit.c > mesh.time_threshold  # ... not by time
+    buckets = pack_buckets([tail], short, lengths, mesh, fit)
+    assert [s.seq_id for s in buckets[0].segments] == [0, 1] and len(buckets) == 2
+
+
+# ---- whole plans ----
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 6_000), min_size=1, max_size=30), dp=st.sampled_from([1, 2]),
+       pp=st.sampled_from([1, 2, 4]), ckpt=st.sampled_from(["adaptive", "none", "full"]),
+       balanced=st.booleans())
+def test_every_plan_validates(lengths, dp, pp, ckpt, balanced):
+    req = tiny_request(lengths, memory_gb=0.5, pp=pp, dp=dp, checkpointing=ckpt, balanced_chunking=balanced,
+                       slice_candidates=2)
+    out = plan(req)
+    assert len(out.pipelines) == dp
+
+
+def test_a_single_million_token_outlier_is_split_and_planned():
+    lengths = [1 << 20] + sample("commoncrawl", 63, 8 * K, seed=1)
+    out = plan(request(lengths, slice_candidates=2))
+    pieces = [s for p in out.pipelines for c in p.chunks for s in c.segments if s.seq_id == 0]
+    assert len(pieces) == out.metrics["num_slices"] > 1
+    assert [s.start for s in sorted(pieces)] == out.metrics["mesh"][:-1]
+
+
+def test_an_all_short_batch_needs_no_split_and_no_recomputation():
+    lengths = sample("commoncrawl", 256, 2 * K, seed=2)
+    out = plan(request(lengths, dp=2, pp=2, slice_candidates=2))
+    assert all(s.start == 0 and s.stop == lengths[s.seq_id] for p in out.pipelines for c in p.chunks
+               for s in c.segments if out.metrics["num_slices"] == 1)
+    assert out.metrics["recompute_layer_chunks"] == 0
+
+
+def test_a_bimodal_batch_validates_and_balances_chunk_time():
+    lengths = sample("chatqa2", 256, 99 * K, seed=4)
+    req = request(lengths, dp=2, pp=4, num_slices=4)
+    out = plan(req)
+    cost, layers = req.cost, 8
+    split = [c for p in out.pipelines for c in p.chunks if len(c.segments) == 1 and c.segments[0].stop > 0
+             and c.segments[0].stop < lengths[c.segments[0].seq_id]]
+    times = [cost.backward_time(c, layers=layers, tp=8) for c in split]
+    assert times and max(times) <= out.metrics["time_threshold_s"] * (1 + 1e-9)
+
+
+def test_slices_of_a_sequence_run_forward_in_order_and_backward_in_reverse():
+    lengths = [300_000, 120_000] + sample("github", 40, 4 * K, seed=5)
+    out = plan(request(lengths, num_slices=5))
+    for pipe in out.pipelines:
+        for acts in pipe.stages:
+            for seq in (0, 1):
+                chunks = [c for c, ch in enumerate(pipe.chunks) if any(s.seq_id == seq for s in ch.segments)]
+                fwd = [a.chunk for a in acts if a.kind == FORWARD and a.chunk in chunks]
+                bwd = [a.chunk for a in acts if a.kind == BACKWARD and a.chunk in chunks]
+                start = lambda c: next(s.start for s in pipe.chunks[c].segments if s.seq_id == seq)  # noqa: E731
+                assert [start(c) for c in fwd] == sorted(start(c) for c in chunks)
+                assert [start(c) for c in bwd] == sorted((start(c) for c in chunks), reverse=True)
+
+
+def test_plans_are_deterministic():
+    lengths = sample("github", 128, 64 * K, seed=6)
+    a, b = (plan(request(lengths, dp=2, slice_candidates=3)) for _ in range(2))
+    strip = lambda p: {k: v for k, v in p.to_dict().items() if k != "metrics"}  # noqa: E731
+    assert strip(a) == strip(b)
+
+
+# ---- grouping (eq. 14) ----
+
+def test_grouping_dp_is_no_worse_than_any_contiguous_partition():
+    req = tiny_request([3000, 2600, 2000, 1500, 900] + [200] * 20, memory_gb=0.05, num_slices=4)
+    settings_ = ip.read_settings(req)
+    fit = SliceCost.from_cost(req.cost, layers=2)
+    batch = balanced_chunking(req.lengths, 4, fit)
+    lay = ip.layout(req, 1)
+    grouped = ip.group_by_classes(batch.units, req, lay, settings_)
+    assert grouped is not None
+    classes = sorted({u.num_chunks for u in batch.units})
+    mean = sum(ip.chunk_stage_seconds(c, req, lay.stages[0]) for u in batch.units for c in u.chunks) / \
+        sum(u.num_chunks for u in batch.units)
+    best = np.inf
+    for cuts in itertools.product([False, True], repeat=len(classes) - 1):
+        edges = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [len(classes)]
+        total = 0.0
+        for a, b in zip(edges, edges[1:]):
+            g = ip.plan_group([u for u in batch.units if u.num_chunks in classes[a:b]], req, lay, settings_)
+            total += np.inf if g.ckpt.status == "infeasible" else (req.scheme.pp - 1) * mean + g.ckpt.seconds
+        best = min(best, total)
+    assert grouped[1] == pytest.approx(best, rel=1e-9)
+
+
+# ---- checkpointing (Algorithm 2) ----
+
+def tight_group(memory_gb=0.035, pp=2):
+    """A small group whose memory binds: two split sequences and a few batched chunks."""
+    req = tiny_request([2400, 1600, 300, 300, 250, 200], memory_gb=memory_gb, pp=pp, num_slices=3)
+    fit = SliceCost.from_cost(req.cost, layers=4 // pp)
+    batch = balanced_chunking(req.lengths, 3, fit)
+    lay = ip.layout(req, 1)
+    group = group_schedule([u.chunks for u in batch.units], pp)
+    return req, lay, group, group_memory(group, req.cost, lay.stages, tp=1, cp=1)
+
+
+def test_milp_finds_the_cheapest_feasible_recomputation():
+    for gb in (0.02, 0.03, 0.035, 0.04):
+        _, _, group, memory = tight_group(gb)
+        ckpt = solve_checkpointing(group, memory)
+        brute = brute_force_checkpointing(group, memory)
+        if ckpt.status == "infeasible":
+            assert brute == np.inf
+        else:
+            assert ckpt.seconds == pytest.approx(brute, rel=1e-9)
+
+
+def test_the_tight_group_needs_some_but_not_full_recomputation():
+    _, _, group, memory = tight_group(0.035)
+    ckpt = solve_checkpointing(group, memory)
+    assert ckpt.status == "milp" and 0 < sum(ckpt.values) < len(ckpt.values) * 2
+
+
+def simulate_group(req, group, recompute):
+    from lengthwise.sim import simulate_plan
+
+    g = ip.GroupPlan(schedule=group, ckpt=ip.solve_checkpointing(group, _free(group), mode="none"))
+    g.ckpt.recompute = recompute
+    pipe = ip.to_pipeline([g], req)
+    sp = StepPlan(planner="infinipipe", model=req.model, cluster=req.cluster, lengths=req.lengths,
+                  pipelines=[pipe], zero=req.scheme.zero)
+    return simulate_plan(sp, req.cost)
+
+
+def _free(group):
+    from lengthwise.planners.infinipipe_ckpt import MemoryModel
+
+    pp = group.pp
+    return MemoryModel(peaks=[], limit=[np.inf] * pp, max_layers=[0] * pp,
+                       layer_seconds=[[0.0] * len(group.chunks) for _ in range(pp)])
+
+
+@needs_sim
+def test_milp_memory_model_agrees_with_the_simulators_replay():
+    req, lay, group, memory = tight_group(0.035)
+    ckpt = solve_checkpointing(group, memory)
+    result = simulate_group(req, group, ckpt.recompute)
+    for s in range(group.pp):
+        mine = max(p.const - sum(v * ckpt.recompute[s][k] for k, v in p.savings.items())
+                   for p in memory.peaks if p.stage == s) + lay.stages[s].states
+        assert result.peak_memory[0][s] == pytest.approx(mine, rel=1e-9)
+    assert result.fits
+
+
+@needs_sim
+def test_no_cheaper_recomputation_fits_the_simulator():
+    """Brute force over every per-(stage, chunk) choice, feasibility judged by the simulator."""
+    req, _, group, memory = tight_group(0.035)
+    ckpt = solve_checkpointing(group, memory)
+    n, pp, per = len(group.chunks), group.pp, 2
+    cheapest = np.inf
+    layer_s = memory.layer_seconds
+    for waves in itertools.product(range(per + 1), repeat=group.num_vars):
+        recompute = [[waves[group.var(s, k)] for k in range(n)] for s in range(pp)]
+        if simulate_group(req, group, recompute).fits:
+            cheapest = min(cheapest, sum(max(layer_s[s][k] for s in range(pp) for k in range(n)
+                                             if group.var(s, k) == v) * waves[v] for v in range(group.num_vars)))
+    assert ckpt.seconds == pytest.approx(cheapest, rel=1e-9)
+
+
+@needs_sim
+def test_planned_recomputation_keeps_every_stage_under_capacity():
+    lengths = sample("github", 96, 256 * K, seed=7)
+    req = request(lengths, model="llama2-13b", score="simulate", slice_candidates=2)
+    from lengthwise.sim import simulate_plan
+
+    out = plan(req)
+    result = simulate_plan(out, req.cost)
+    assert result.fits
+
+
+# ---- ablations and options ----
+
+def test_full_checkpointing_recomputes_every_layer_where_any_is_needed():
+    req = tiny_request([2400, 1600, 300, 300, 250, 200], memory_gb=0.03, num_slices=3, checkpointing="full")
+    out = plan(req)
+    rs = {a.recompute_layers for p in out.pipelines for acts in p.stages for a in acts if a.kind == FORWARD}
+    assert rs <= {0, 2} and 2 in rs
+
+
+def test_no_checkpointing_never_recomputes():
+    req = tiny_request([2400, 1600, 300, 300, 250, 200], memory_gb=0.03, checkpointing="none")
+    out = plan(req)
+    assert all(a.recompute_layers == 0 for p in out.pipelines for acts in p.stages for a in acts)
+
+
+def test_even_chunking_cuts_equal_token_slices():
+    lengths = [100_000, 60_000] + sample("github", 30, 4 * K, seed=8)
+    out = plan(request(lengths, num_slices=4, balanced_chunking=False))
+    pieces = sorted(s for p in out.pipelines for c in p.chunks for s in c.segments if s.seq_id == 0)
+    assert [s.num_tokens for s in pieces] == [25_000] * 4
+
+
+def test_bad_options_are_user_errors():
+    for bad in ({"checkpointing": "some"}, {"num_slices": 0}, {"balanced_chunking": "yes"},
+                {"milp_time_limit_s": -1}, {"chunk_size": 4096}):
+        with pytest.raises(UserError):
+            get_planner("infinipipe")(request([1000, 2000], **bad))
+
+
+def test_a_sequence_that_cannot_fit_names_itself():
+    with pytest.raises(UserError, match="sequence 1 has"):
+        get_planner("infinipipe")(tiny_request([100, 4_000_000], memory_gb=0.05, pp=2))
