@@ -18,6 +18,7 @@ from lengthwise.errors import UserError
 COMMANDS = {
     "workload": "describe a length distribution (profile, lengths file or corpus)",
     "plan": "plan one global batch with a planner and write the StepPlan",
+    "compare": "compare planners on sampled batches in simulation and write a report",
     "simulate": "simulate one step of a plan (or raw chunk times): timeline, bubbles, memory",
     "verify": "execute a plan in PyTorch and compare loss and gradients with unpacked training",
 }

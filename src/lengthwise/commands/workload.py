@@ -18,15 +18,14 @@ attention_share_below (each mapping "1024".."131072" to a fraction), source.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 
-import numpy as np
 
 from lengthwise.commands.common import add_workload_args, lengths_source_from_args
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import write_atomic
 from lengthwise.workloads.lengths import THRESHOLDS, length_stats
+from lengthwise.workloads.plot import histogram_png
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -62,24 +61,3 @@ def format_table(stats: dict) -> str:
                      f"{stats['token_share_below'][t]:>8.3%}  "
                      f"{stats['attention_share_below'][t]:>9.3%}")
     return "\n".join(lines)
-
-
-def histogram_png(lengths: np.ndarray, *, title: str) -> bytes:
-    """PNG bytes of log-log histograms of `lengths`, by sequences and by tokens."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: only --plot needs it
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(9, 3.5))
-    FigureCanvasAgg(fig)
-    bins = np.geomspace(max(1, lengths.min()), lengths.max() + 1, 60)
-    for ax, weights, label in zip(fig.subplots(1, 2), (None, lengths), ("sequences", "tokens")):
-        ax.hist(lengths, bins=bins, weights=weights)
-        ax.set_xscale("log")
-        ax.set_yscale("log")  # the tail is 1e-4 of the sequences; keep it visible
-        ax.set_xlabel("sequence length (tokens)")
-        ax.set_ylabel(label)
-    fig.suptitle(f"{title}: {lengths.size:,} sequences")
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    return buffer.getvalue()

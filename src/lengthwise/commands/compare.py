@@ -1,0 +1,124 @@
+"""Compare planners on the same global batches, model and cluster, in simulation.
+
+    lengthwise compare                                   # chunkflow-eval, qwen2.5-7b, 32 H100s, 32K context
+    lengthwise compare --profile lmsys-skrull --model qwen2.5-0.5b --gpus 32 --batch-size 64 --planners packing,skrull
+    lengthwise compare --profile commoncrawl --model llama2-7b --cluster a800 --gpus 16 --tokens-per-batch 200000 --planners all --json
+    lengthwise compare --profile tiny --model tiny --cluster cpu --gpus 1 --batch-size 32 --batches 2 --out /tmp/report
+
+For B sampled global batches it plans with each planner (at its best parallel scheme for this
+cluster and model, found by a small search on the first batch), simulates every plan, and prints
+per planner: mean step time, tokens/s, speedup over the best baseline, bubble ratio, DP
+imbalance, peak memory and whether it fits, and planning time. All times are simulated. It
+writes OUT/report.md with the table, a Gantt chart per planner for the first batch, a length
+histogram and a bar chart of speedups. Sequences over the context length are dropped unless
+--overlong says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from lengthwise.commands.common import add_workload_args, lengths_source_from_args
+from lengthwise.errors import UserError
+from lengthwise.report import CompareSetup, all_planners, run_compare, summarise
+from lengthwise.report_files import write_report
+from lengthwise.specs import CLUSTER_PRESETS, cluster_preset, model_preset
+from lengthwise.workloads.sampler import GlobalBatchSampler
+
+DEFAULT_PROFILE = "chunkflow-eval"
+DEFAULT_CONTEXT = 32768
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", metavar="PRESET|config.json", default="qwen2.5-7b",
+                        help="model preset or Hugging Face config.json (default qwen2.5-7b)")
+    parser.add_argument("--cluster", metavar="PRESET", default="h100",
+                        help=f"GPU type: {', '.join(CLUSTER_PRESETS)} (default h100)")
+    parser.add_argument("--gpus", metavar="N", type=int, default=32, help="GPUs (default 32)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--batch-size", metavar="N", type=int, help="sequences per global batch (default 256)")
+    size.add_argument("--tokens-per-batch", metavar="T", type=int, help="tokens per global batch instead")
+    parser.add_argument("--batches", metavar="B", type=int, default=4, help="global batches sampled (default 4)")
+    parser.add_argument("--planners", metavar="a,b,...|all", default="all",
+                        help="planners to compare (default all)")
+    parser.add_argument("--zero", metavar="Z", type=int, default=1, help="ZeRO stage 0-3 (default 1)")
+    parser.add_argument("--out", metavar="DIR", default="compare-report",
+                        help="folder for report.md and pictures (default compare-report)")
+    parser.add_argument("--no-pictures", action="store_true", help="write report.md without the PNGs")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    add_workload_args(parser)
+    parser.set_defaults(overlong="drop")
+
+
+def run(args: argparse.Namespace) -> int:
+    setup = build_setup(args)
+    total = len(setup.batches) * len([p for p in setup.planners if p != "auto"])
+    with tqdm(total=total, desc="planning + simulating", unit="plan", disable=args.json, leave=False) as bar:
+        rows = run_compare(setup, progress=bar)
+    summary = summarise(rows)
+    summary["setup"] = describe(setup, args)
+    write_report(Path(args.out), setup, rows, summary, pictures=not args.no_pictures)
+    print(json.dumps(summary, indent=1) if args.json else format_table(summary, args.out))
+    return 0
+
+
+def build_setup(args: argparse.Namespace) -> CompareSetup:
+    if not (args.profile or args.lengths or args.data):
+        args.profile = DEFAULT_PROFILE
+    args.context_length = args.context_length or DEFAULT_CONTEXT
+    if args.gpus < 1 or args.batches < 1:
+        raise UserError(f"--gpus ({args.gpus}) and --batches ({args.batches}) must be at least 1")
+    model = model_preset(args.model)
+    cluster = cluster_preset(args.cluster, args.gpus)
+    sampler = GlobalBatchSampler(lengths_source_from_args(args), seed=args.seed,
+                                 batch_size=None if args.tokens_per_batch else (args.batch_size or 256),
+                                 token_budget=args.tokens_per_batch)
+    batches = [list(map(int, sampler.next_batch().lengths)) for _ in range(args.batches)]
+    return CompareSetup(model=model, cluster=cluster, context_length=args.context_length, batches=batches,
+                        planners=parse_planners(args.planners), zero=args.zero, seed=args.seed)
+
+
+def parse_planners(text: str) -> list[str]:
+    known = all_planners()
+    if text == "all":
+        return known
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise UserError(f"unknown planner {', '.join(unknown) or text!r}: use 'all' or some of {', '.join(known)}")
+    return names
+
+
+def describe(setup: CompareSetup, args: argparse.Namespace) -> dict:
+    return {"model": setup.model.name, "cluster": setup.cluster.name, "gpus": setup.cluster.num_gpus,
+            "workload": args.profile or args.lengths or args.data, "context_length": setup.context_length,
+            "batches": len(setup.batches), "sequences_per_batch": [len(b) for b in setup.batches],
+            "tokens_per_batch": [sum(b) for b in setup.batches], "seed": setup.seed, "simulated": True}
+
+
+def format_table(summary: dict, out: str) -> str:
+    s = summary["setup"]
+    head = (f"{s['workload']}, {s['model']} on {s['gpus']} x {s['cluster']}, context {s['context_length']:,}, "
+            f"{s['batches']} batches (simulated)")
+    lines = [head, table_lines(summary["planners"]), f"report: {out}/report.md"]
+    return "\n".join(lines)
+
+
+def table_lines(planners: dict) -> str:
+    cols = f"{'planner':<15}{'scheme':<18}{'step s':>9}{'tokens/s':>12}{'speedup':>9}{'bubble':>8}" \
+           f"{'DP max/min':>11}{'peak GiB':>9}{'fits':>6}{'plan ms':>9}"
+    rows = [cols]
+    for name, r in planners.items():
+        if "error" in r:
+            rows.append(f"{name:<15}{r['scheme']:<18}  skipped: {r['error'][:70]}")
+            continue
+        speed = f"{r['speedup_vs_best_baseline']:.2f}x" if r["speedup_vs_best_baseline"] else "-"
+        dp = f"{r['dp_imbalance']:.2f}" if r["dp_imbalance"] else "-"
+        rows.append(f"{name:<15}{r['scheme']:<18}{r['step_time_s']:>9.2f}{r['tokens_per_s']:>12,.0f}{speed:>9}"
+                    f"{r['bubble_ratio']:>8.1%}{dp:>11}{r['peak_memory_gb']:>9.1f}{str(r['fits']):>6}"
+                    f"{r['planning_ms_mean']:>9.1f}")
+    return "\n".join(rows)

@@ -1,0 +1,113 @@
+"""`auto`: plan the batch with every applicable planner, simulate each plan, keep the fastest that
+fits memory (ties broken toward less memory). None of the five papers does this step; each
+wins on some workloads and loses on others, and the simulator is cheap enough to ask.
+
+Options:
+- `candidates`: planner names to try (default: every available planner but auto).
+- `schemes`: {planner: {"dp":..,"tp":..,"pp":..,"cp":..}}, a scheme per candidate (default:
+  the request's scheme for all); `lengthwise compare` passes each planner's best scheme.
+- `candidate_options`: {planner: {option: value}} passed through to that candidate.
+
+Planning time is the sum of what it runs (planners, validation and simulation), recorded in
+`metrics["planning_ms"]`; `metrics["auto"]` holds each candidate's simulated step time or the
+reason it was skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import StepPlan
+from lengthwise.plan.validate import validate_plan
+from lengthwise.planners.base import PlanRequest, take_options
+from lengthwise.sim import SimResult, simulate_plan
+from lengthwise.specs import ParallelScheme
+
+
+@dataclass(kw_only=True)
+class Candidate:
+    """One planner's attempt at the batch."""
+
+    planner: str
+    plan: StepPlan | None = None
+    result: SimResult | None = None
+    error: str | None = None
+    elapsed_ms: float = 0.0
+    """Planning + validation + simulation time of this attempt."""
+    scheme: ParallelScheme | None = None
+    """The scheme the attempt planned for."""
+
+    @property
+    def usable(self) -> bool:
+        return self.result is not None and bool(self.result.fits)
+
+    def summary(self):
+        if self.result is None:
+            return {"error": self.error}
+        return {"step_time_s": self.result.step_time_s, "fits": bool(self.result.fits),
+                "peak_memory_gb": max_peak(self.result) / 2**30}
+
+
+def max_peak(result: SimResult) -> float:
+    return max((p for row in result.peak_memory for p in row), default=0.0)
+
+
+def try_planner(name: str, request: PlanRequest) -> Candidate:
+    """Plan, validate and simulate with one planner; a UserError becomes a skipped candidate."""
+    from lengthwise.planners import get_planner
+
+    started = time.perf_counter()
+    try:
+        plan = get_planner(name)(request)
+        validate_plan(plan, request.cost)
+        result = simulate_plan(plan, request.cost)
+        cand = Candidate(planner=name, plan=plan, result=result, scheme=request.scheme)
+    except UserError as exc:
+        cand = Candidate(planner=name, error=str(exc), scheme=request.scheme)
+    cand.elapsed_ms = (time.perf_counter() - started) * 1e3
+    return cand
+
+
+def choose_best(candidates: list[Candidate]) -> Candidate | None:
+    """Fastest simulated step among plans that fit; ties toward less peak memory."""
+    usable = [c for c in candidates if c.usable]
+    if not usable:
+        return None
+    return min(usable, key=lambda c: (c.result.step_time_s, max_peak(c.result)))
+
+
+def default_candidates() -> list[str]:
+    from lengthwise.planners import available_planners
+
+    return [n for n in available_planners() if n != "auto"]
+
+
+def candidate_request(request: PlanRequest, name: str, opts: dict) -> PlanRequest:
+    scheme = opts["schemes"].get(name)
+    if isinstance(scheme, dict):
+        scheme = ParallelScheme.from_dict({"zero": request.scheme.zero, **scheme})
+    return dataclasses.replace(request, scheme=scheme or request.scheme,
+                               options=dict(opts["candidate_options"].get(name, {})))
+
+
+def plan_auto(request: PlanRequest) -> StepPlan:
+    started = time.perf_counter()
+    opts = take_options(request, "auto", {"candidates": None, "schemes": {}, "candidate_options": {}})
+    names = opts["candidates"] or default_candidates()
+    if "auto" in names:
+        raise UserError("auto cannot be its own candidate: remove 'auto' from candidates")
+    tried = [try_planner(n, candidate_request(request, n, opts)) for n in names]
+    best = choose_best(tried)
+    if best is None:
+        reasons = "; ".join(f"{c.planner}: {c.error or 'does not fit memory'}" for c in tried)
+        raise UserError(f"no planner produced a plan that fits: {reasons}")
+    plan = best.plan
+    plan.metrics = {**plan.metrics, "chosen_planner": best.planner,
+                    "auto": {c.planner: c.summary() for c in tried},
+                    "planning_ms": (time.perf_counter() - started) * 1e3}
+    plan.options = {"chosen_planner": best.planner, "candidates": names, **plan.options}
+    plan.planner = "auto"
+    return plan

@@ -1,0 +1,179 @@
+"""`compare`: every planner on the same sampled global batches, model and cluster, simulated.
+
+For each planner, a small search picks its parallel scheme: candidate (tp, pp, cp) degrees
+whose model states fit, and — for planners that never split a sequence — whose pipelines hold
+the context length; each is planned and simulated on the first batch and the fastest scheme
+that fits memory is kept for all batches (stated per planner in the report). Hydraulis picks
+its own heterogeneous strategy inside the GPUs it is given.
+
+`auto` is computed from the other planners' plans of the same batch: the fastest that fits, so it
+is never slower than any planner it ran, by construction. Its planning time is the sum of the
+planning, validation and simulation time of everything it ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+
+from lengthwise.cost import CostModel
+from lengthwise.planners import available_planners
+from lengthwise.planners.auto import Candidate, choose_best, max_peak, try_planner
+from lengthwise.planners.base import PlanRequest
+from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
+
+BASELINES = ("padding", "packing", "sorted", "token-balanced")
+SPLITTING = ("chunkflow", "infinipipe", "slimpack", "hydraulis")
+"""Planners that cut long sequences (or choose their own scheme) and so need no scheme that
+holds the whole context length."""
+MAX_SCHEMES = 6
+
+
+@dataclass(kw_only=True)
+class CompareSetup:
+    model: ModelSpec
+    cluster: ClusterSpec
+    """With num_gpus set to the GPUs compared on."""
+    context_length: int
+    batches: list[list[int]]
+    """Sequence lengths of each sampled global batch."""
+    planners: list[str]
+    zero: int = 1
+    seed: int = 0
+    schemes: dict[str, ParallelScheme] = field(default_factory=dict)
+    """Fixed schemes per planner; others are searched."""
+
+
+@dataclass(kw_only=True)
+class PlannerRow:
+    planner: str
+    scheme: str = ""
+    runs: list[Candidate] = field(default_factory=list)
+    chosen: Counter = field(default_factory=Counter)
+    """For auto: how often each planner was chosen."""
+
+    def ok(self) -> list[Candidate]:
+        return [r for r in self.runs if r.result is not None]
+
+    def summary(self, best_baseline_s: float | None) -> dict:
+        ok = self.ok()
+        if not ok:
+            return {"scheme": self.scheme, "error": self.runs[0].error if self.runs else "not run"}
+        step = statistics.fmean(r.result.step_time_s for r in ok)
+        tokens = sum(r.result.tokens for r in ok)
+        imbalance = [r.result.dp_imbalance for r in ok if r.result.dp_imbalance is not None]
+        d = {
+            "scheme": self.scheme,
+            "step_time_s": step,
+            "tokens_per_s": tokens / sum(r.result.step_time_s for r in ok),
+            "speedup_vs_best_baseline": best_baseline_s / step if best_baseline_s else None,
+            "bubble_ratio": statistics.fmean(r.result.bubble_ratio for r in ok),
+            "dp_imbalance": statistics.fmean(imbalance) if imbalance else None,
+            "dp_spread": statistics.fmean(r.result.dp_imbalance_spread for r in ok),
+            "peak_memory_gb": max(max_peak(r.result) for r in ok) / 2**30,
+            "fits": all(bool(r.result.fits) for r in ok),
+            "mfu": statistics.fmean(r.result.mfu or 0.0 for r in ok),
+            "planning_ms_mean": statistics.fmean(r.elapsed_ms for r in self.runs),
+            "planning_ms_max": max(r.elapsed_ms for r in self.runs),
+            "batches": len(ok),
+        }
+        if self.chosen:
+            d["chosen"] = dict(self.chosen)
+        return d
+
+
+def candidate_schemes(setup: CompareSetup, planner: str) -> list[ParallelScheme]:
+    """Feasible (tp, pp, cp) for the planner, fewest model-parallel GPUs first."""
+    m, c, gpus = setup.model, setup.cluster, setup.cluster.num_gpus
+    cost = CostModel(model=m, cluster=c)
+    found = []
+    for tp, pp, cp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8)):
+        per_pipe = tp * pp * cp
+        if gpus % per_pipe or tp > c.gpus_per_node or m.num_heads % tp or m.num_layers % pp:
+            continue
+        scheme = ParallelScheme(dp=gpus // per_pipe, tp=tp, pp=pp, cp=cp, zero=setup.zero)
+        if not _states_fit(cost, scheme):
+            continue
+        holds = cost.max_seq_len(tp=tp, pp=pp, cp=cp, dp=scheme.dp, zero=setup.zero) >= setup.context_length
+        if planner in SPLITTING or holds:
+            found.append(scheme)
+    found.sort(key=lambda s: (s.gpus_per_pipeline, s.cp, s.pp, s.tp))
+    return found[:MAX_SCHEMES]
+
+
+def _states_fit(cost: CostModel, s: ParallelScheme) -> bool:
+    try:
+        cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
+    except ValueError:
+        return False
+    return True
+
+
+def request_for(setup: CompareSetup, lengths: list[int], scheme: ParallelScheme) -> PlanRequest:
+    return PlanRequest(lengths=list(lengths), model=setup.model, cluster=setup.cluster, scheme=scheme,
+                       cost=CostModel(model=setup.model, cluster=setup.cluster),
+                       context_length=setup.context_length, seed=setup.seed)
+
+
+def pick_scheme(setup: CompareSetup, planner: str) -> tuple[ParallelScheme | None, list[Candidate]]:
+    """The planner's fastest fitting scheme on the first batch, and the attempts made."""
+    if planner in setup.schemes:
+        return setup.schemes[planner], []
+    tries = []
+    for scheme in candidate_schemes(setup, planner):
+        tries.append(try_planner(planner, request_for(setup, setup.batches[0], scheme)))
+    best = choose_best(tries)
+    return (best.scheme if best else None), tries
+
+
+def run_compare(setup: CompareSetup, progress=None) -> dict[str, PlannerRow]:
+    rows: dict[str, PlannerRow] = {}
+    names = [p for p in setup.planners if p != "auto"]
+    for name in names:
+        scheme, tries = pick_scheme(setup, name)
+        row = rows[name] = PlannerRow(planner=name, scheme=str(scheme) if scheme else "none fits")
+        if scheme is None:
+            row.runs = tries[:1] or [Candidate(planner=name, error="no feasible parallel scheme")]
+            _tick(progress, len(setup.batches))
+            continue
+        for lengths in setup.batches:
+            row.runs.append(try_planner(name, request_for(setup, lengths, scheme)))
+            _tick(progress, 1)
+    if "auto" in setup.planners:
+        rows["auto"] = auto_row(rows, len(setup.batches))
+    return rows
+
+
+def auto_row(rows: dict[str, PlannerRow], num_batches: int) -> PlannerRow:
+    row = PlannerRow(planner="auto", scheme="per batch")
+    for b in range(num_batches):
+        tried = [r.runs[b] for r in rows.values() if b < len(r.runs)]
+        best = choose_best(tried)
+        total_ms = sum(c.elapsed_ms for c in tried)
+        if best is None:
+            row.runs.append(Candidate(planner="auto", error="no planner fits", elapsed_ms=total_ms))
+            continue
+        row.runs.append(dataclasses.replace(best, planner="auto", elapsed_ms=total_ms))
+        row.chosen[best.planner] += 1
+    return row
+
+
+def summarise(rows: dict[str, PlannerRow]) -> dict:
+    base_times = [rows[b].summary(None).get("step_time_s") for b in BASELINES if b in rows]
+    fitting = [t for b, t in zip([b for b in BASELINES if b in rows], base_times)
+               if t is not None and rows[b].summary(None)["fits"]]
+    best = min(fitting) if fitting else None
+    return {"best_baseline_step_time_s": best,
+            "planners": {name: row.summary(best) for name, row in rows.items()}}
+
+
+def _tick(progress, n: int) -> None:
+    if progress is not None:
+        progress.update(n)
+
+
+def all_planners() -> list[str]:
+    return available_planners()

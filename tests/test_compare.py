@@ -1,0 +1,91 @@
+"""`lengthwise compare` and `auto`: every planner on the same batches; auto never loses."""
+
+import json
+
+import pytest
+
+from lengthwise.cli import main
+from lengthwise.cost import CostModel
+from lengthwise.errors import UserError
+from lengthwise.planners import PlanRequest, available_planners
+from lengthwise.planners.auto import plan_auto
+from lengthwise.report import CompareSetup, candidate_schemes, run_compare, summarise
+from lengthwise.sim import simulate_plan
+from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
+
+
+def small_setup(planners):
+    batches = [[3000, 200, 90, 1500, 60, 800, 40, 4000], [100, 2000, 50, 60, 7000, 30]]
+    return CompareSetup(model=MODEL_PRESETS["qwen2.5-0.5b"], cluster=cluster_preset("h100", 8),
+                        context_length=8192, batches=batches, planners=planners)
+
+
+def test_auto_is_never_slower_than_any_planner_it_ran():
+    rows = run_compare(small_setup(available_planners()))
+    auto = rows.pop("auto")
+    for b, run in enumerate(auto.runs):
+        for row in rows.values():
+            other = row.runs[b]
+            if other.result is not None and other.result.fits:
+                assert run.result.step_time_s <= other.result.step_time_s
+    assert sum(auto.chosen.values()) == len(auto.runs)
+
+
+def test_summary_reports_speedup_against_the_best_fitting_baseline():
+    summary = summarise(run_compare(small_setup(["padding", "packing", "token-balanced"])))
+    rows = summary["planners"]
+    best = min(r["step_time_s"] for r in rows.values())
+    assert summary["best_baseline_step_time_s"] == pytest.approx(best)
+    assert max(r["speedup_vs_best_baseline"] for r in rows.values()) == pytest.approx(1.0)
+
+
+def test_scheme_search_keeps_only_schemes_that_hold_the_context():
+    setup = small_setup(["packing"])
+    setup.context_length = 131072
+    cost = CostModel(model=setup.model, cluster=setup.cluster)
+    for s in candidate_schemes(setup, "packing"):
+        assert cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp) >= 131072
+    # a splitting planner may use schemes that cannot hold one whole context-length sequence
+    assert len(candidate_schemes(setup, "chunkflow")) >= len(candidate_schemes(setup, "packing"))
+
+
+def test_auto_planner_returns_the_fastest_fitting_candidate():
+    model, cluster = MODEL_PRESETS["qwen2.5-0.5b"], cluster_preset("h100", 4)
+    request = PlanRequest(lengths=[5000, 300, 200, 100, 2500, 60], model=model, cluster=cluster,
+                          scheme=ParallelScheme(dp=2, pp=2), cost=CostModel(model=model, cluster=cluster),
+                          context_length=8192, options={"candidates": ["padding", "packing", "chunkflow"]})
+    plan = plan_auto(request)
+    times = {n: v["step_time_s"] for n, v in plan.metrics["auto"].items() if "step_time_s" in v}
+    assert plan.metrics["chosen_planner"] == min(times, key=times.get)
+    assert simulate_plan(plan, request.cost).step_time_s == pytest.approx(min(times.values()))
+
+
+def test_auto_rejects_itself_as_a_candidate():
+    model, cluster = MODEL_PRESETS["tiny"], cluster_preset("cpu", 1)
+    request = PlanRequest(lengths=[10, 20], model=model, cluster=cluster, scheme=ParallelScheme(),
+                          cost=CostModel(model=model, cluster=cluster), context_length=64,
+                          options={"candidates": ["auto"]})
+    with pytest.raises(UserError, match="own candidate"):
+        plan_auto(request)
+
+
+def test_compare_cli_writes_report_and_json(tmp_path, capsys):
+    out = tmp_path / "rep"
+    code = main(["compare", "--profile", "tiny", "--model", "tiny", "--cluster", "cpu", "--gpus", "1",
+                 "--batch-size", "16", "--batches", "1", "--planners", "packing,padding,auto",
+                 "--out", str(out), "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    for key in ("step_time_s", "tokens_per_s", "speedup_vs_best_baseline", "bubble_ratio", "dp_imbalance",
+                "peak_memory_gb", "fits", "planning_ms_mean", "planning_ms_max", "scheme"):
+        assert key in data["planners"]["packing"]
+    assert data["setup"]["simulated"] is True
+    report = (out / "report.md").read_text()
+    assert "| packing |" in report and "simulated" in report
+    assert (out / "gantt-packing.png").stat().st_size > 1000 and (out / "speedup.png").exists()
+
+
+def test_compare_rejects_unknown_planner(capsys):
+    assert main(["compare", "--planners", "packing,nosuch", "--profile", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nosuch" in err[0]
