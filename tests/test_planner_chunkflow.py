@@ -183,18 +183,19 @@ def test_grid_search_picks_the_fastest_candidate_that_fits():
 
 
 @needs_sim
-def test_peak_memory_differs_between_contexts_only_by_the_kv_state():
+@pytest.mark.parametrize("chunk_size", [2 * K, 4 * K, 8 * K])
+def test_peak_memory_differs_between_contexts_only_by_the_kv_state(chunk_size):
     """chunkflow table 5: at fixed ChunkSize and K, a 256K-context batch needs more memory than a
     32K-context one only for the K/V state (and its gradient) of the longer split sequence."""
     from lengthwise.sim import simulate_plan
 
     shorts = [700, 300, 1500, 90, 2000] * 20
-    peaks, reqs = {}, {}
+    peaks, cost = {}, None
     for context in (32 * K, 256 * K):
-        reqs[context] = request(shorts + [context], context=context, chunk_size=4 * K, k=1)
-        out = get_planner("chunkflow")(reqs[context])
-        peaks[context] = max(simulate_plan(out, reqs[context].cost).peak_memory[0])
-    cost, layers = reqs[32 * K].cost, MODEL_PRESETS["qwen2.5-7b"].num_layers
-    # K/V held for the context of the last piece, plus the gradient buffer of the same size.
-    kv = lambda ctx: 2 * cost.kv_bytes(ctx - 4 * K, layers=layers, tp=4)  # noqa: E731
-    assert peaks[256 * K] - peaks[32 * K] == pytest.approx(kv(256 * K) - kv(32 * K), rel=1e-6)
+        req = request(shorts + [context], context=context, chunk_size=chunk_size, k=1)
+        cost = req.cost
+        peaks[context] = max(simulate_plan(get_planner("chunkflow")(req), cost).peak_memory[0])
+    layers = MODEL_PRESETS["qwen2.5-7b"].num_layers
+    # K/V of the context before the last piece, plus its gradient buffer of the same size.
+    kv = lambda length: 2 * cost.kv_bytes(length - chunk_size, layers=layers, tp=4)  # noqa: E731
+    assert peaks[256 * K] - peaks[32 * K] == pytest.approx(kv(256 * K) - kv(32 * K), rel=1e-9)

@@ -41,7 +41,11 @@ Options (request.options):
   power of two (at least 256) whose max(K, pp - stage) in-flight chunks per stage, plus the K/V state (and its
   gradient) of the batch's longest sequence, fit beside the model states; capped at the context
   length rounded up to a power of two (§5: without pipelining, ChunkSize as large as memory
-  allows).
+  allows) and, with pp > 1, at the power of two below one pipeline's tokens / (2 pp) (at least
+  2K), so each stage sees about 2 pp chunks. On chunkflow-eval batches of 256 at 256K context,
+  tp4 pp4, that picks the grid search's usual winner (8K at dp 1, 4K at dp 2); memory alone
+  picks 32K-64K, leaving 2-4 chunks per pipeline: at dp 1 a fixed 16K simulates 10% slower
+  than 8K, 32K 36% slower.
 - `k`: chunks of a group whose activations are kept at once (int >= 1, §4.2). Default 1; with
   chunk_size="auto" and no k, K is searched too.
 
@@ -68,6 +72,9 @@ SCHEDULE = "state-aware-1f1b"
 MIN_CHUNK_SIZE = 256
 """Smallest default ChunkSize, tokens: below it GEMMs run at under half their peak rate
 (cost/time.py half_tokens), so a model that leaves less memory is better served by more tp/pp."""
+FILL_FLOOR = 2048
+"""Smallest ChunkSize the pipeline-filling cap of the default goes down to, tokens (the grid's
+smallest): below it GEMM efficiency costs more than the bubbles it removes."""
 GIB = 2**30
 
 
@@ -201,8 +208,13 @@ def fits(request: PlanRequest, chunk_size: int, k: int) -> bool:
 
 
 def default_chunk_size(request: PlanRequest, k: int) -> int:
-    """Largest power of two that fits memory, capped at the context length's power of two."""
+    """Largest power of two that fits memory, capped at the context length's power of two and,
+    with pp > 1, at one pipeline's tokens over 2 pp (chunkflow §5: few chunks leave bubbles)."""
     cap = 1 << max(math.ceil(math.log2(request.context_length)), 0)
+    s = request.scheme
+    if s.pp > 1:
+        per_pipeline = sum(request.lengths) / (s.dp * 2 * s.pp)
+        cap = min(cap, max(FILL_FLOOR, 1 << int(math.log2(max(per_pipeline, 1)))))
     size = cap
     while size > MIN_CHUNK_SIZE and not fits(request, size, k):
         size //= 2
