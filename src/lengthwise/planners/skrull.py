@@ -42,6 +42,8 @@ Options (request.options):
 - `bucket_size` (tokens, default None: from the memory model as above): the paper's C, set by
   offline profiling (26K for Qwen2.5-0.5B, 13K for 7B on H100 in skrull §5). It may be lower than
   what the memory model allows, never higher.
+- `refine` (bool, default True): after Algorithm 1, shard local stragglers while that lowers the
+  DACP objective (eq. 1-2); our addition, see `skrull_dacp`. False runs the paper's heuristic only.
 Deterministic; the seed is unused (no random choice).
 """
 
