@@ -144,9 +144,11 @@ def draw_memory(result: SimResult, path, *, max_pipelines: int = 4, max_lines: i
     for n, p in enumerate(pipes):
         ax = fig.add_subplot(len(pipes), 1, n + 1)
         for g in range(tl.stage_offsets[p], min(tl.stage_offsets[p + 1], tl.stage_offsets[p] + max_lines)):
-            sel = mem.stage == g
-            xs = np.r_[0.0, mem.time[sel], end]
-            ys = np.r_[mem.base[g], mem.level[sel], mem.level[sel][-1] if sel.any() else mem.base[g]] / scale
+            times, levels = mem.time[mem.stage == g], mem.level[mem.stage == g]
+            settled = np.r_[times[1:] != times[:-1], True]  # a free and an alloc at one instant: no dip
+            times, levels = times[settled], levels[settled]
+            xs = np.r_[0.0, times, end]
+            ys = np.r_[mem.base[g], levels, levels[-1] if len(levels) else mem.base[g]] / scale
             ax.step(xs, ys, where="post", linewidth=1.0, label=f"stage {g - tl.stage_offsets[p]}")
         if result.capacity_bytes:
             ax.axhline(result.capacity_bytes / scale, color="red", linestyle="--", linewidth=0.8, label="capacity")

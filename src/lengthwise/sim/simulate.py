@@ -204,7 +204,7 @@ def _summarise(inputs, timeline: Timeline, busy, refwd, sync, pipe_end, step_tim
     total = makespan * offs[-1]
     own_bubble = [1.0 - busy[a:b].sum() / (pipe_end[i] * (b - a)) if pipe_end[i] > 0 else 0.0
                   for i, (a, b) in enumerate(zip(offs[:-1], offs[1:]))]
-    fastest, slowest = float(pipe_end.min(initial=0.0)), makespan
+    fastest, slowest = (float(pipe_end.min()) if len(pipe_end) else 0.0), makespan
     return SimResult(
         time_unit=time_unit, memory_unit=memory_unit, makespan=makespan, step_time_s=step_time,
         bubble_ratio=float(1.0 - busy.sum() / total) if total > 0 else 0.0,
