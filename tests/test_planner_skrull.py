@@ -104,6 +104,11 @@ def test_bucket_size_above_memory_is_user_error():
         plan([10], cp=2, bucket=10**9)
 
 
+def test_refine_option_must_be_boolean():
+    with pytest.raises(UserError, match="refine must be true or false"):
+        plan([10], cp=2, refine="no")
+
+
 @pytest.mark.parametrize("refine", [True, False])
 def test_short_sequences_stay_local_when_they_fit(refine):
     out = plan([100, 120, 90, 80, 110, 95, 105, 85], cp=8, bucket=4000, refine=refine)

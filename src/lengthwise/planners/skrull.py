@@ -55,10 +55,21 @@ from typing import Any
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import SHARDED, Chunk, Segment, StepPlan
 from lengthwise.planners.base import (
-    PlanRequest, check_request, finish_plan, pipelines_from_chunks, positive_int_option, take_options,
+    PlanRequest,
+    check_request,
+    finish_plan,
+    pipelines_from_chunks,
+    positive_int_option,
+    take_options,
 )
 from lengthwise.planners.packing_utils import karmarkar_karp
-from lengthwise.planners.skrull_dacp import DacpCost, dacp, dacp_chunk, refine_by_objective, shard_tokens
+from lengthwise.planners.skrull_dacp import (
+    DacpCost,
+    dacp,
+    dacp_chunk,
+    refine_by_objective,
+    shard_tokens,
+)
 
 
 def memory_bucket_size(request: PlanRequest) -> int:
@@ -190,7 +201,9 @@ def plan_skrull(request: PlanRequest) -> StepPlan:
     bucket = choose_bucket_size(request, positive_int_option(opts, "bucket_size"))
     check_fits_cp_group(request.lengths, request.scheme.cp, bucket)
     check_request(request)
-    refine = bool(opts["refine"])
+    refine = opts["refine"]
+    if not isinstance(refine, bool):
+        raise UserError(f"option refine must be true or false, got {refine!r}")
     per_rank, roll_backs = global_data_scheduling(request, bucket, refine)
     pipelines = pipelines_from_chunks(request, per_rank)
     plan = finish_plan(request, pipelines, planner="skrull", started=started,
