@@ -1,0 +1,302 @@
+"""Hydraulis: dynamic heterogeneous strategies and two-stage sequence assignment (hydraulis.txt
+§5-§7, appendices B-E).
+
+    lengthwise plan --planner hydraulis --model llama2-7b --cluster a800 --dp 64 \\
+        --profile commoncrawl --tokens 200000 --context-length 32768
+
+Per global batch (§4's steps 1-4):
+0. the parallel scheme space with MaxLen(P), T(l, P), UtilLen(P) (hydraulis_cost, app. B-C);
+1. candidate strategies S = sum_k d_k P_k by §7's dynamic programme with continuous relaxation
+   (hydraulis_strategy), cached per histogram, rounded to whole pipelines;
+2. per candidate, dispatch sequences to pipelines by Algorithm 1 (hydraulis_dispatch, eq. 2-3);
+3. per pipeline, pack micro-batches by eq. 1 over appendix C's V range (hydraulis_packing);
+4. keep the candidate with the least estimated step time, then re-solve eq. 1 as a MILP for its
+   slowest pipelines while the MILP budget lasts.
+
+Pipelines of one plan have different (tp, pp, cp), each running plain 1F1B over its whole-sequence
+micro-batches. The plan's ZeRO stage is 1: optimizer states are sharded over all GPUs (§5.2).
+The simulator charges every plan a gradient all-reduce over its pipelines, which is the volume
+of §5.2's push and pull; a heterogeneous plan's pipelines add the LNK re-sharding as
+`extra_comm_s` (hydraulis_cost.link_time). Step time estimate = slowest pipeline (eq. 1) +
+slowest exchange. The exchange is outside the DP's latency, so the DP runs once per cap on
+it (schemes whose exchange exceeds the cap left out), and every cap's strategies are candidates.
+
+Options (request.options):
+- profile (None): a workloads profile name; strategies are proposed once for that dataset's
+  distribution (§7) and cached. None proposes from each batch's own length histogram.
+- trials (100): Algorithm 1's random trials T (appendix D footnote: 100).
+- dispatch_work (2e7): cap on sequences x pipelines x trials of one dispatch (the trial count
+  drops on large clusters, at least 1).
+- max_tp (None = GPUs per node), max_pp (8), max_cp (8): the scheme space's degree limits.
+- length_step (128 tokens) and pipeline_step (0.1 pipelines): the DP's grid (§7 footnote 4).
+- util_threshold (0.85): efficiency that defines UtilLen (appendix C).
+- milp_time_limit_s (0.05 s per MILP) and milp_budget_s (0.25 s per batch) for eq. 1's MILPs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
+from lengthwise.plan.schedules import make_schedule
+from lengthwise.planners.base import PlanRequest, finish_plan, take_options, whole
+from lengthwise.planners.hydraulis_cost import Scheme, exchange_time, link_time, scheme_space
+from lengthwise.planners.hydraulis_dispatch import PipelineArrays, dispatch, lower_bound
+from lengthwise.planners.hydraulis_packing import Packing, PipelineLoad, greedy_pack, milp_pack
+from lengthwise.planners.hydraulis_strategy import (Histogram, Strategy, homogeneous, length_edges, propose,
+                                                    round_proposal)
+
+DEFAULTS = {
+    "profile": None, "trials": 100, "dispatch_work": 20_000_000, "max_tp": None, "max_pp": 8, "max_cp": 8,
+    "length_step": 128, "pipeline_step": 0.1, "util_threshold": 0.85, "milp_time_limit_s": 0.05,
+    "milp_budget_s": 0.25,
+}
+CAP_RATIO = 1.25
+"""Exchange times closer than this factor share one proposal run (see _caps)."""
+PROFILE_SAMPLE = 65536
+"""Sequences drawn (seed 0) to stand for a dataset profile in the proposal."""
+
+
+@dataclass(kw_only=True)
+class Evaluation:
+    """One candidate strategy assessed on one batch (§6: its two-stage assignment)."""
+
+    strategy: Strategy
+    pipelines: list[Scheme]
+    """Scheme of each pipeline, strategy MaxLen descending."""
+    max_lens: list[int]
+    """Micro-batch token limit of each pipeline within this strategy."""
+    exchange_s: float
+    """Slowest pipeline's optimization-propagation exchange, seconds."""
+    loads: list[PipelineLoad]
+    packings: list[Packing]
+    trials: int
+
+    @property
+    def estimate_s(self) -> float:
+        return max(p.estimate_s for p in self.packings) + self.exchange_s
+
+
+def plan_hydraulis(request: PlanRequest) -> StepPlan:
+    """Plan one global batch with Hydraulis (see the module docstring)."""
+    started = time.perf_counter()
+    opts = _options(request)
+    num_gpus = request.cluster.num_gpus
+    space = _space(request, opts, num_gpus)
+    _check_lengths(request, space, num_gpus, opts)
+    candidates = _candidates(request, opts, space, num_gpus)
+    best, table = _choose(request, opts, candidates, num_gpus)
+    milp_count = _refine(best, opts)
+    pipelines = _pipelines(request, best, num_gpus)
+    plan = finish_plan(request, pipelines, planner="hydraulis", started=started, options=opts)
+    plan.zero = 1
+    plan.metrics.update(_metrics(best, table, milp_count))
+    return plan
+
+
+def _options(request: PlanRequest) -> dict:
+    opts = take_options(request, "hydraulis", DEFAULTS)
+    for name in ("trials", "dispatch_work", "max_pp", "max_cp", "length_step"):
+        if not isinstance(opts[name], int) or isinstance(opts[name], bool) or opts[name] < 1:
+            raise UserError(f"option {name} must be a positive integer, got {opts[name]!r}")
+    for name in ("pipeline_step", "milp_time_limit_s", "milp_budget_s"):
+        if not isinstance(opts[name], (int, float)) or opts[name] < 0 or (name == "pipeline_step" and opts[name] == 0):
+            raise UserError(f"option {name} must be a non-negative number (pipeline_step > 0), got {opts[name]!r}")
+    if not 0 < opts["util_threshold"] < 1:
+        raise UserError(f"option util_threshold must lie in (0, 1), got {opts['util_threshold']!r}")
+    return opts
+
+
+def _space(request: PlanRequest, opts: dict, num_gpus: int) -> list[Scheme]:
+    max_tp = opts["max_tp"] or request.cluster.gpus_per_node
+    space = scheme_space(request.cost, num_gpus=num_gpus, context_length=request.context_length, max_tp=max_tp,
+                         max_pp=opts["max_pp"], max_cp=opts["max_cp"], threshold=opts["util_threshold"])
+    if not space:
+        raise UserError(f"{request.model.name}'s model states fit no scheme with tp <= {max_tp}, pp <= "
+                        f"{opts['max_pp']} on {num_gpus} GPUs: add GPUs or raise max_tp/max_pp")
+    return space
+
+
+def _check_lengths(request: PlanRequest, space: list[Scheme], num_gpus: int, opts: dict) -> None:
+    """Every sequence non-empty, within the context, and held by some scheme (MaxLen, B.1)."""
+    widest = max(space, key=lambda s: s.max_len)
+    for seq_id, n in enumerate(request.lengths):
+        if n < 1:
+            raise UserError(f"sequence {seq_id} has length {n}: lengths must be at least 1 token")
+        if n > request.context_length:
+            raise UserError(f"sequence {seq_id} has {n} tokens > context length {request.context_length}: "
+                            f"raise --context-length or use --overlong truncate|drop")
+        if n > widest.max_len:
+            raise UserError(
+                f"sequence {seq_id} has {n} tokens > {widest.max_len}, the MaxLen of the widest scheme "
+                f"{widest} on {num_gpus} GPUs (tp <= {widest.tp}, pp <= {opts['max_pp']}, cp <= "
+                f"{opts['max_cp']}): raise max_cp or max_pp, add GPUs, or use a splitting planner")
+    if not request.lengths:
+        raise UserError("the global batch is empty: give at least one sequence")
+
+
+def _histogram(request: PlanRequest, opts: dict, space: list[Scheme]) -> tuple[Histogram, tuple[int, ...], float]:
+    """What to propose for: the dataset profile (all L up to the context) or this batch."""
+    tokens = float(sum(request.lengths))
+    if opts["profile"] is None:
+        return Histogram.of(request.lengths), (max(request.lengths),), tokens
+    from lengthwise.workloads import get_profile
+
+    sample = get_profile(opts["profile"]).sample(PROFILE_SAMPLE, np.random.default_rng(0),
+                                                 below=request.context_length + 1)
+    hist = Histogram.of(sample)
+    edges = length_edges(max(hist.lengths), opts["length_step"], [s.max_len for s in space])
+    # Rounded so that batches of about the same size share one cached proposal.
+    return hist, tuple(int(e) for e in edges[1:]), float(f"{tokens:.2g}")
+
+
+def _candidates(request: PlanRequest, opts: dict, space: list[Scheme], num_gpus: int) -> list[Strategy]:
+    """§7's proposal once per exchange cap, rounded; plus a homogeneous fallback if none holds
+    the batch's longest sequence."""
+    hist, targets, tokens = _histogram(request, opts, space)
+    costs = {s: exchange_time(request.cost, s, num_pipelines=num_gpus // s.num_gpus, num_gpus=num_gpus,
+                              heterogeneous=True) for s in space}
+    caps = _caps(sorted(set(costs.values())))
+    masks = tuple(tuple(costs[s] <= cap for s in space) for cap in caps)
+    out: dict[Strategy, None] = {}
+    for prop in propose(tuple(space), hist, num_gpus, targets, tokens, opts["length_step"],
+                        opts["pipeline_step"], masks):
+        subset = tuple(s for s in space if costs[s] <= max(costs[p] for p, _ in prop.pipelines))
+        out.update(dict.fromkeys(round_proposal(prop, subset, num_gpus)))
+    longest = max(request.lengths)
+    if not any(s.max_len >= longest for c in out for s, _ in c.parts):
+        out[homogeneous(min((s for s in space if s.max_len >= longest), key=lambda s: s.num_gpus), num_gpus)] = None
+    return list(out)
+
+
+def _caps(levels: list[float]) -> list[float]:
+    """Exchange caps: the distinct exchange times, those within CAP_RATIO of a smaller cap
+    merged into it (schemes with tp * pp alike differ only by their embedding share)."""
+    caps: list[float] = []
+    start = 0.0
+    for x in levels:
+        if caps and x <= start * CAP_RATIO:
+            caps[-1] = x
+        else:
+            caps.append(x)
+            start = x
+    return caps
+
+
+def _strategy_max_lens(request: PlanRequest, strategy: Strategy) -> list[tuple[Scheme, int]]:
+    """Pipelines with their micro-batch limit: MaxLen with states sharded over all GPUs (B.1),
+    capped by the ZeRO-1 view over this strategy's pipelines that validation and simulation take."""
+    d = strategy.num_pipelines
+    limit = {s: min(s.max_len, request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=d, zero=1))
+             for s, _ in strategy.parts}
+    return sorted(((s, limit[s]) for s in strategy.pipelines()), key=lambda p: -p[1])
+
+
+def _choose(request: PlanRequest, opts: dict, candidates: list[Strategy], num_gpus: int):
+    """Evaluate candidates in order of their lower bound; stop when none left can win."""
+    lengths = np.asarray(request.lengths, dtype=np.int64)
+    prepared = [_prepare(request, c, num_gpus, lengths) for c in candidates]
+    prepared.sort(key=lambda p: p[0])
+    best, table = None, []
+    for bound, strategy, pipes in prepared:
+        row = {"strategy": str(strategy), "gpus": strategy.num_gpus, "lower_bound_s": round(bound, 6)}
+        table.append(row)
+        if pipes is None:
+            row["estimate_s"] = "cannot hold the longest sequence"
+            continue
+        if best is not None and bound >= best.estimate_s:
+            row["estimate_s"] = "pruned by its lower bound"
+            continue
+        ev = _evaluate(request, opts, strategy, pipes, lengths, num_gpus)
+        row["estimate_s"] = round(ev.estimate_s, 6)
+        best = ev if best is None or ev.estimate_s < best.estimate_s else best
+    assert best is not None, "no candidate holds the longest sequence"
+    return best, table
+
+
+def _prepare(request: PlanRequest, strategy: Strategy, num_gpus: int, lengths: np.ndarray):
+    """(lower bound, strategy, pipelines with limits or None when it cannot hold the batch)."""
+    pipes = _strategy_max_lens(request, strategy)
+    if pipes[0][1] < lengths.max():
+        return np.inf, strategy, None
+    schemes = [s for s, _ in strategy.parts]
+    limits = {s: m for s, m in pipes}
+    exchange = _exchange(request, strategy, num_gpus)
+    bound = lower_bound(lengths, schemes, [n for _, n in strategy.parts], [limits[s] for s in schemes])
+    return bound + exchange, strategy, pipes
+
+
+def _exchange(request: PlanRequest, strategy: Strategy, num_gpus: int) -> float:
+    hetero = len(strategy.parts) > 1
+    return max(exchange_time(request.cost, s, num_pipelines=strategy.num_pipelines, num_gpus=num_gpus,
+                             heterogeneous=hetero) for s, _ in strategy.parts)
+
+
+def _evaluate(request: PlanRequest, opts: dict, strategy: Strategy, pipes, lengths: np.ndarray,
+              num_gpus: int) -> Evaluation:
+    """Two-stage assignment (§6) of the batch on one strategy: dispatch, then greedy packing."""
+    schemes, limits = [s for s, _ in pipes], [m for _, m in pipes]
+    arrays = PipelineArrays.of(schemes, limits)
+    disp = dispatch(lengths, arrays, trials=opts["trials"], work_budget=opts["dispatch_work"],
+                    rng=np.random.default_rng(request.seed))
+    loads = [_load(request, lengths, disp.owner, j, s, m) for j, (s, m) in enumerate(pipes)]
+    return Evaluation(strategy=strategy, pipelines=schemes, max_lens=limits,
+                      exchange_s=_exchange(request, strategy, num_gpus), loads=loads,
+                      packings=[greedy_pack(load) for load in loads], trials=disp.trials)
+
+
+def _load(request, lengths: np.ndarray, owner: np.ndarray, j: int, scheme: Scheme, max_len: int) -> PipelineLoad:
+    ids = np.flatnonzero(owner == j)
+    return PipelineLoad(seq_ids=tuple(int(i) for i in ids), lengths=lengths[ids], work=scheme.seq_time(lengths[ids]),
+                        chunk_s=scheme.chunk_s, depth=scheme.pp, max_len=max_len, util_len=scheme.util_len)
+
+
+def _refine(ev: Evaluation, opts: dict) -> int:
+    """Eq. 1 by MILP for the slowest pipelines, slowest first, within milp_budget_s; returns how
+    many pipelines the MILP improved. Stops once the slowest pipeline has been tried."""
+    clock = time.perf_counter
+    deadline = clock() + opts["milp_budget_s"]
+    tried: set[int] = set()
+    improved = 0
+    while clock() < deadline:
+        j = max(range(len(ev.packings)), key=lambda j: ev.packings[j].estimate_s)
+        if j in tried:
+            break
+        tried.add(j)
+        new = milp_pack(ev.loads[j], ev.packings[j], time_limit_s=opts["milp_time_limit_s"], deadline=deadline,
+                        clock=clock)
+        improved += new is not ev.packings[j]
+        ev.packings[j] = new
+    return improved
+
+
+def _pipelines(request: PlanRequest, ev: Evaluation, num_gpus: int) -> list[PipelinePlan]:
+    """One 1F1B PipelinePlan per pipeline of the chosen strategy, LNK moves as extra_comm_s."""
+    hetero = len(ev.strategy.parts) > 1
+    out = []
+    for scheme, load, packing in zip(ev.pipelines, ev.loads, ev.packings):
+        chunks = [Chunk(whole([load.seq_ids[i] for i in b], request.lengths)) for b in packing.bins]
+        link = link_time(request.cost, scheme, num_gpus=num_gpus) if hetero else 0.0
+        out.append(PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, scheme.pp), tp=scheme.tp,
+                                cp=scheme.cp, schedule="1f1b", extra_comm_s=link))
+    return out
+
+
+def _metrics(ev: Evaluation, table: list[dict], milp_count: int) -> dict:
+    methods = [p.method for p in ev.packings if p.bins]
+    return {
+        "strategy": str(ev.strategy),
+        "candidates": table,
+        "pipeline_schemes": [str(s) for s in ev.pipelines],
+        "pipeline_max_len": ev.max_lens,
+        "estimated_step_s": ev.estimate_s,
+        "estimated_pipeline_s": [p.estimate_s for p in ev.packings],
+        "exchange_s": ev.exchange_s,
+        "dispatch_trials": ev.trials,
+        "packing_methods": {m: methods.count(m) for m in sorted(set(methods))},
+        "milp_improved_pipelines": milp_count,
+    }

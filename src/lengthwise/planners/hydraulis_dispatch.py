@@ -1,0 +1,145 @@
+"""Hydraulis' sequence dispatching across pipelines (hydraulis §6.2, eq. 2-3, appendix D).
+
+Each pipeline j of a strategy gets a set of whole sequences; its propagation latency is bounded
+below by eq. 2, which we evaluate with the cost split of hydraulis_cost (c once per micro-batch):
+
+    LB_j = sum_i w_j(l_i) + c_j ceil(sum_i l_i / MaxLen_j) + T_j(max_i l_i) (PP_j - 1)
+
+(the packed micro-batches' work, at least ceil(tokens / MaxLen) of them, and the fill and drain
+of the longest micro-batch; an empty pipeline costs 0). Eq. 3 minimises
+the largest LB_j over assignments that respect MaxLen; Algorithm 1 solves it approximately: in a
+random order, give each sequence to the admissible pipeline that least raises the current
+maximum; repeat T times and keep the best trial.
+
+All trials run at once as numpy rows ([trials, pipelines] arrays), one sequence position per
+step. Two choices of ours, both only able to help since the best trial is kept: trial 0 takes
+the sequences longest first (the LPT order), and among pipelines tying on the new maximum the
+one left least loaded wins (Algorithm 1 takes the first). The trial count is cut so that
+sequences x pipelines x trials stays within `work_budget` (at 1024 pipelines and 3,000
+sequences a trial costs about as much as all 100 trials at 64 GPUs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lengthwise.planners.hydraulis_cost import Scheme
+
+
+@dataclass(frozen=True)
+class PipelineArrays:
+    """The pipelines of one strategy as parallel arrays, MaxLen descending (§6.2's P_1..P_D)."""
+
+    attn_s: np.ndarray
+    token_s: np.ndarray
+    chunk_s: np.ndarray
+    depth: np.ndarray
+    max_len: np.ndarray
+    """Longest micro-batch per pipeline, tokens (the strategy-level MaxLen)."""
+
+    @classmethod
+    def of(cls, schemes: list[Scheme], max_lens: list[int]) -> PipelineArrays:
+        assert all(a >= b for a, b in zip(max_lens, max_lens[1:])), "pipelines must come MaxLen descending"
+        pick = lambda xs: np.asarray(xs, dtype=np.float64)  # noqa: E731
+        return cls(pick([s.attn_s for s in schemes]), pick([s.token_s for s in schemes]),
+                   pick([s.chunk_s for s in schemes]), pick([s.pp for s in schemes]), pick(max_lens))
+
+    @property
+    def size(self) -> int:
+        return len(self.max_len)
+
+    def seq_time(self, lengths: np.ndarray) -> np.ndarray:
+        """w_j(l) for every (row, pipeline): lengths broadcast against the pipeline axis."""
+        l = lengths[..., None].astype(np.float64)
+        return self.attn_s * l * (l + 1) / 2 + self.token_s * l
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Which pipeline runs each sequence, and the eq. 3 objective that choice reaches."""
+
+    owner: np.ndarray
+    """Pipeline index of each sequence (int)."""
+    objective_s: float
+    """max_j LB_j (eq. 2), seconds."""
+    trials: int
+    """Trials run (Algorithm 1's T after the work budget)."""
+
+
+def _bound(p: PipelineArrays, sum_w, sum_l, longest) -> np.ndarray:
+    """Eq. 2 from per-pipeline running sums; broadcasts over a trials axis."""
+    micro = np.ceil(sum_l / p.max_len)
+    fill = np.where(longest > 0, p.attn_s * longest * (longest + 1) / 2 + p.token_s * longest + p.chunk_s, 0.0)
+    return sum_w + p.chunk_s * micro + fill * (p.depth - 1)
+
+
+def admissible_counts(lengths: np.ndarray, p: PipelineArrays) -> np.ndarray:
+    """J_i: how many pipelines (a prefix, MaxLen descending) can hold sequence i."""
+    return np.searchsorted(-p.max_len, -lengths, side="right")
+
+
+def _orders(lengths: np.ndarray, trials: int, rng: np.random.Generator) -> np.ndarray:
+    """Row 0 longest first (ties by seq id), the others random permutations (Algorithm 1 l. 3)."""
+    first = np.lexsort((np.arange(len(lengths)), -lengths))
+    rest = [rng.permutation(len(lengths)) for _ in range(trials - 1)]
+    return np.stack([first] + rest)
+
+
+def dispatch(lengths, p: PipelineArrays, *, trials: int, work_budget: float,
+             rng: np.random.Generator) -> Dispatch:
+    """Algorithm 1 (greedy dispatch with random trials) for all trials at once."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n, d = len(lengths), p.size
+    trials = int(max(1, min(trials, work_budget // max(n * d, 1))))
+    orders = _orders(lengths, trials, rng)
+    limit = admissible_counts(lengths, p)
+    assert limit.min() >= 1, "a sequence no pipeline holds reached dispatch"
+    state = [np.zeros((trials, d)) for _ in range(3)]  # sum_w, sum_l, longest
+    cost = np.zeros((trials, d))
+    owner = np.zeros((trials, n), dtype=np.int64)
+    rows, cols = np.arange(trials), np.arange(d)
+    for k in range(n):
+        seq = orders[:, k]
+        pick, new = _choose(p, lengths[seq], limit[seq], state, cost, cols)
+        owner[rows, seq] = pick
+        _apply(state, cost, rows, pick, lengths[seq], p, new)
+    best = int(np.argmin(cost.max(axis=1)))
+    return Dispatch(owner=owner[best], objective_s=float(cost[best].max()), trials=trials)
+
+
+def _choose(p: PipelineArrays, l: np.ndarray, limit: np.ndarray, state, cost, cols):
+    """Per trial, the admissible pipeline minimising the new maximum (Alg. 1 l. 7-13)."""
+    sum_w, sum_l, longest = state
+    new = _bound(p, sum_w + p.seq_time(l), sum_l + l[:, None], np.maximum(longest, l[:, None]))
+    top = cost.argmax(axis=1)
+    first = cost.max(axis=1)
+    second = np.partition(cost, -2, axis=1)[:, -2] if cost.shape[1] > 1 else np.full(len(l), -np.inf)
+    others = np.where(cols[None] == top[:, None], second[:, None], first[:, None])
+    worst = np.where(cols[None] < limit[:, None], np.maximum(new, others), np.inf)
+    least = worst.min(axis=1, keepdims=True)
+    pick = np.where(worst <= least * (1 + 1e-12), new, np.inf).argmin(axis=1)
+    return pick, new
+
+
+def _apply(state, cost, rows, pick, l, p: PipelineArrays, new) -> None:
+    sum_w, sum_l, longest = state
+    sum_w[rows, pick] += p.seq_time(l)[rows, pick]
+    sum_l[rows, pick] += l
+    longest[rows, pick] = np.maximum(longest[rows, pick], l)
+    cost[rows, pick] = new[rows, pick]
+
+
+def lower_bound(lengths, schemes: list[Scheme], counts: list[int], max_lens: list[int]) -> float:
+    """A bound no dispatch of the strategy beats: GPU-seconds of the cheapest admissible scheme
+    per sequence over the strategy's GPUs, or the longest sequence alone on its fastest scheme."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    fit = np.array([[m >= x for x in lengths] for m in max_lens])
+    gpu_s = np.stack([s.num_gpus * s.seq_time(lengths) for s in schemes])
+    work = np.where(fit, gpu_s, np.inf).min(axis=0).sum()
+    gpus = sum(s.num_gpus * n for s, n in zip(schemes, counts))
+    longest = int(lengths.max())
+    alone = min((s.chunk_time([longest]) * s.pp for s, m in zip(schemes, max_lens) if m >= longest),
+                default=np.inf)
+    return max(work / gpus, alone)
