@@ -1,0 +1,169 @@
+"""The step simulator: timing against closed forms and the papers' figures, dependencies never
+violated, memory replay, communication placement and metrics."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lengthwise.cost import CostModel
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import Action, Chunk, PipelinePlan, Segment, StepPlan
+from lengthwise.plan.schedules import FIRST_FORWARD, SCHEDULE_NAMES, action_needs, dependencies, make_schedule
+from lengthwise.sim import simulate_plan, simulate_times
+from lengthwise.specs import MODEL_PRESETS, ClusterSpec
+
+TINY = MODEL_PRESETS["tiny"]
+KINDS = {"F": 0, "N": 1, "B": 2}
+
+
+def cluster(gpus: int, per_node: int = 8) -> ClusterSpec:
+    return ClusterSpec(name="test", num_gpus=gpus, gpus_per_node=per_node)
+
+
+def make_plan(pipelines: list[list[Chunk]], *, pp: int, schedule: str = "1f1b", k: int | None = None,
+              tp: int = 1, cp: int = 1, per_node: int = 8, stages=None) -> StepPlan:
+    pipes = [PipelinePlan(chunks=chunks, stages=stages or make_schedule(schedule, chunks, pp, k), tp=tp, cp=cp,
+                          schedule=schedule) for chunks in pipelines]
+    seqs: dict[int, int] = {}
+    for chunks in pipelines:
+        for c in chunks:
+            for seg in c.segments:
+                seqs[seg.seq_id] = max(seqs.get(seg.seq_id, 0), seg.stop)
+    lengths = [seqs.get(i, 0) for i in range(max(seqs) + 1)]
+    return StepPlan(planner="test", model=TINY, cluster=cluster(tp * cp * pp * len(pipes), per_node),
+                    lengths=lengths, pipelines=pipes)
+
+
+def whole(seq: int, n: int) -> Chunk:
+    return Chunk((Segment(seq, 0, n),))
+
+
+def split(seq: int, cuts: list[int]) -> list[Chunk]:
+    return [Chunk((Segment(seq, a, b),)) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def task_lookup(result) -> dict[tuple[int, int, int, int], int]:
+    t = result.timeline.tasks
+    return {(int(p), int(s), int(k), int(i)): n
+            for n, (p, s, k, i) in enumerate(zip(t.pipeline, t.stage, t.kind, t.index))}
+
+
+def assert_dependencies_hold(result, pipelines: list[PipelinePlan]) -> None:
+    """Re-derive every action's needs from the schedule rules and check the timeline obeys them."""
+    tl, find = result.timeline, task_lookup(result)
+    for p, pipe in enumerate(pipelines):
+        deps = dependencies(pipe.chunks, pipe.backward_chunks)
+        for s, actions in enumerate(pipe.stages):
+            ids = [find[p, s, KINDS[a.kind], a.chunk] for a in actions]
+            assert np.all(tl.start[ids[1:]] >= tl.finish[ids[:-1]] - 1e-12)  # one action at a time, in order
+            for a, me in zip(actions, ids):
+                for ns, kind, idx in action_needs(a, s, deps, pipe.pp):
+                    if kind == FIRST_FORWARD:
+                        kind = "N" if (p, ns, 1, idx) in find else "F"
+                    dep = find[p, ns, KINDS[kind], idx]
+                    wait = tl.send[dep] if ns != s else 0.0
+                    assert tl.start[me] >= tl.finish[dep] + wait - 1e-12, (p, s, str(a), kind, idx)
+
+
+# ---- closed forms and the papers' figures (direct mode, exact in float64) ----
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_equal_chunks_match_closed_form(schedule):
+    for m in range(1, 9):
+        for p in range(1, 6):
+            for f in (1.0, 2.5):
+                r = simulate_times([f] * m, p, schedule=schedule)
+                assert r.makespan == (m + p - 1) * (f + 2 * f)
+                assert r.bubble_ratio == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+
+
+def test_chunkflow_figure2_standard_1f1b():
+    r = simulate_times([4, 2, 1, 1], 4, bwd_ratio=2.0, schedule="1f1b")
+    assert r.makespan == 56.0
+    assert r.bubble_ratio == pytest.approx(4 / 7)  # 57.14%
+
+
+def test_chunkflow_figure6b_state_aware_k2():
+    # ChunkSize 2: sequences 2 and 1+1 as chunks 0 and 1, the 4-unit sequence split into 2 and 3.
+    r = simulate_times([2, 2, 2, 2], 4, schedule="state-aware-1f1b", groups=[(2, 3)], k=2)
+    assert r.makespan == 46.0
+    assert r.bubble_ratio == pytest.approx(11 / 23)  # 47.8%
+
+
+def test_bubble_ratio_is_idle_over_total():
+    r = simulate_times([3, 1, 2, 5, 1], 3, schedule="state-aware-1f1b", groups=[(1, 3)], k=1)
+    busy = sum(map(sum, r.busy))
+    assert r.reforward_counted_as_busy
+    assert sum(map(sum, r.reforward)) == 3 * (1 + 2)  # slices 1 and 2 re-run on each of 3 stages
+    assert busy == 3 * (3 * sum([3, 1, 2, 5, 1]) + 3)
+    assert r.bubble_ratio == pytest.approx(1 - busy / (3 * r.makespan))
+    assert all(i == pytest.approx(r.makespan - b) for i, b in zip(r.idle[0], r.busy[0]))
+
+
+def test_direct_mode_rejects_bad_groups():
+    with pytest.raises(UserError, match="0 <= first < last < 3"):
+        simulate_times([1, 1, 1], 2, groups=[(1, 3)])
+    with pytest.raises(UserError, match="overlaps"):
+        simulate_times([1, 1, 1, 1], 2, groups=[(0, 2), (1, 3)])
+
+
+# ---- dependencies never violated ----
+
+@st.composite
+def random_plans(draw):
+    pp = draw(st.integers(1, 4))
+    tp, cp = draw(st.sampled_from([(1, 1), (2, 1), (1, 2)]))
+    pipelines, seq = [], 0
+    for _ in range(draw(st.integers(1, 3))):
+        parts: list[list[Chunk]] = []
+        for _ in range(draw(st.integers(1, 5))):
+            n = draw(st.integers(1, 3))
+            lengths = draw(st.lists(st.integers(16, 200), min_size=n, max_size=n))
+            parts.append(split(seq, np.cumsum([0] + lengths).tolist()))
+            seq += 1
+        order = draw(st.permutations([g for g, part in enumerate(parts) for _ in part]))
+        taken = [0] * len(parts)
+        chunks = []
+        for g in order:
+            chunks.append(parts[g][taken[g]])
+            taken[g] += 1
+        pipelines.append(chunks)
+    schedule = draw(st.sampled_from(SCHEDULE_NAMES))
+    k = draw(st.one_of(st.none(), st.integers(1, 3)))
+    return make_plan(pipelines, pp=pp, schedule=schedule, k=k, tp=tp, cp=cp, per_node=draw(st.sampled_from([2, 8])))
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan=random_plans())
+def test_timeline_never_violates_dependencies(plan):
+    result = simulate_plan(plan, CostModel(model=plan.model, cluster=plan.cluster))
+    assert_dependencies_hold(result, plan.pipelines)
+    assert result.step_time_s >= result.makespan > 0
+    assert 0.0 <= result.bubble_ratio < 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(fwd=st.lists(st.integers(1, 9), min_size=1, max_size=9), stages=st.integers(1, 5),
+       schedule=st.sampled_from(SCHEDULE_NAMES), k=st.one_of(st.none(), st.integers(1, 3)),
+       group=st.tuples(st.integers(0, 8), st.integers(1, 4)))
+def test_direct_mode_never_violates_dependencies(fwd, stages, schedule, k, group):
+    first = min(group[0], len(fwd) - 1)
+    last = min(first + group[1], len(fwd) - 1)
+    groups = [(first, last)] if last > first else []
+    r = simulate_times([float(x) for x in fwd], stages, schedule=schedule, groups=groups, k=k)
+    from lengthwise.sim.inputs import direct_input
+    inp = direct_input([float(x) for x in fwd], stages, schedule=schedule, groups=groups, k=k)
+    assert_dependencies_hold(r, [PipelinePlan(chunks=inp.chunks, stages=inp.stages)])
+
+
+def test_stuck_schedule_in_a_plan_raises_the_grid():
+    chunks = [whole(0, 8), whole(1, 8)]
+    plan = make_plan([chunks], pp=2, stages=[[Action.parse(a) for a in "F0 F1 B1 B0".split()],
+                                             [Action.parse(a) for a in "F0 B0 B1 F1".split()]])
+    with pytest.raises(UserError, match="<-- ERROR HERE"):
+        simulate_plan(plan, CostModel(model=plan.model, cluster=plan.cluster))

@@ -1,0 +1,162 @@
+"""Memory replay and the step metrics: activations, K/V state and gradients, recomputation,
+communication placement, gradient reduction, imbalance, throughput."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lengthwise.cost import CostModel
+from lengthwise.plan.ir import Action, Chunk, Segment
+from lengthwise.sim import simulate_plan, simulate_times
+from test_simulator import make_plan, split, task_lookup, whole
+
+TINY_LAYERS = 4
+
+
+def cost(plan) -> CostModel:
+    return CostModel(model=plan.model, cluster=plan.cluster)
+
+
+def states(cm: CostModel, plan, pp: int) -> list[float]:
+    layers = plan.pipelines[0].stage_layers(plan.model.num_layers)
+    return [cm.model_state_bytes(layers=n, dp=len(plan.pipelines), first=s == 0, last=s == pp - 1)
+            for s, n in enumerate(layers)]
+
+
+def live_intervals(result, stage: int, chunks: list[int]) -> list[tuple[float, float]]:
+    """(start of F, end of B) of each chunk on a stage: when its activations are held."""
+    tl, find = result.timeline, task_lookup(result)
+    return [(tl.start[find[0, stage, 0, c]], tl.finish[find[0, stage, 2, c]]) for c in chunks]
+
+
+def max_overlap(intervals: list[tuple[float, float]]) -> int:
+    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])  # ends first on ties
+    live = peak = 0
+    for _, d in events:
+        live += d
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("pp, m", [(2, 2), (3, 5), (4, 4), (4, 9)])
+def test_1f1b_equal_chunks_peak_at_p_minus_s_activations(pp, m):
+    r = simulate_times([1.0] * m, pp)
+    assert r.peak_memory[0] == [float(min(pp - s, m)) for s in range(pp)]
+    plan = make_plan([[whole(i, 64) for i in range(m)]], pp=pp)
+    cm = cost(plan)
+    result = simulate_plan(plan, cm)
+    for s, n in enumerate(plan.pipelines[0].stage_layers(TINY_LAYERS)):
+        act = cm.activation_bytes(plan.pipelines[0].chunks[0], layers=n, head=s == pp - 1)
+        assert result.peak_memory[0][s] == pytest.approx(states(cm, plan, pp)[s] + min(pp - s, m) * act)
+
+
+def test_state_aware_k1_keeps_one_split_activation():
+    group = list(range(1, 6))
+    r = simulate_times([1, 2, 2, 2, 2, 2, 1], 3, schedule="state-aware-1f1b", groups=[(1, 5)], k=1)
+    for s in range(3):
+        assert max_overlap(live_intervals(r, s, group)) == 1
+    full = simulate_times([1, 2, 2, 2, 2, 2, 1], 3, schedule="state-aware-1f1b", groups=[(1, 5)], k=5)
+    assert not np.any(full.timeline.tasks.kind == 1)
+    assert sum(map(sum, full.reforward)) == 0
+    assert max_overlap(live_intervals(full, 0, group)) == 5
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_state_aware_keeps_at_most_k_split_activations(k):
+    r = simulate_times([2] * 6, 4, schedule="state-aware-1f1b", groups=[(0, 5)], k=k)
+    assert all(max_overlap(live_intervals(r, s, list(range(6)))) <= k for s in range(4))
+
+
+def test_split_sequence_holds_kv_state_and_kv_gradients():
+    chunks = split(0, [0, 96, 160])
+    plan = make_plan([chunks], pp=1)
+    cm = cost(plan)
+    r = simulate_plan(plan, cm)
+    acts = [cm.activation_bytes(c, layers=4, head=True) for c in chunks]
+    kv = cm.kv_bytes(96, layers=4)
+    # while B1 runs: both chunks' activations, slice 0's K/V, and the K/V-gradient buffer
+    assert r.peak_memory[0][0] == pytest.approx(states(cm, plan, 1)[0] + sum(acts) + 2 * kv)
+    rerun = simulate_plan(make_plan([chunks], pp=1, schedule="state-aware-1f1b", k=1), cm)
+    assert rerun.peak_memory[0][0] == pytest.approx(states(cm, plan, 1)[0] + max(acts) + 2 * kv)
+
+
+def test_recomputed_layers_shrink_activations_and_lengthen_backward():
+    chunks = [whole(0, 128), whole(1, 128)]
+    gpipe = [[Action.parse(a) for a in "F0 F1 B0 B1".split()]]
+    redo = [[Action.parse(a) for a in "F0.r2 F1.r2 B0 B1".split()]]
+    plain, ckpt = (make_plan([chunks], pp=1, stages=s) for s in (gpipe, redo))
+    cm = cost(plain)
+    a, b = simulate_plan(plain, cm), simulate_plan(ckpt, cm)
+    full = cm.activation_bytes(chunks[0], layers=4, head=True)
+    kept = cm.activation_bytes(chunks[0], layers=4, head=True, recompute_layers=2)
+    assert a.peak_memory[0][0] - b.peak_memory[0][0] == pytest.approx(full - kept)  # one re-materialised at a time
+    extra = cm.backward_time(chunks[0], layers=4, head=True, recompute_layers=2) - cm.backward_time(
+        chunks[0], layers=4, head=True)
+    assert b.makespan - a.makespan == pytest.approx(2 * extra)
+
+
+def test_handoffs_use_the_inter_node_link_where_stages_cross_nodes():
+    plan = make_plan([[whole(0, 256)]], pp=4, tp=4, per_node=8)  # stages on GPUs 0-3 | 4-7 || 8-11 | 12-15
+    cm = cost(plan)
+    r = simulate_plan(plan, cm)
+    find = task_lookup(r)
+    nbytes = cm.boundary_bytes(plan.pipelines[0].chunks[0], tp=4)
+    sends = [r.timeline.send[find[0, s, 0, 0]] for s in range(3)]
+    assert sends[0] == sends[2] == pytest.approx(cm.p2p_time(nbytes, inter_node=False))
+    assert sends[1] == pytest.approx(cm.p2p_time(nbytes, inter_node=True))
+    assert r.timeline.start[find[0, 2, 0, 0]] == pytest.approx(r.timeline.finish[find[0, 1, 0, 0]] + sends[1])
+
+
+def test_sharded_segments_pay_cp_exchange_once_forward_twice_backward():
+    chunk = Chunk((Segment(0, 0, 512),))  # SHARDED over the CP group by default
+    plan = make_plan([[chunk]], pp=1, cp=2)
+    cm = cost(plan)
+    r = simulate_plan(plan, cm)
+    cp = cm.cp_comm_time(chunk, layers=4, cp=2)
+    assert cp > 0
+    fwd = cm.forward_time(chunk, layers=4, cp=2, head=True)
+    bwd = cm.backward_time(chunk, layers=4, cp=2, head=True)
+    assert r.makespan == pytest.approx(fwd + cp + bwd + 2 * cp)
+    assert r.timeline.comm.tolist() == pytest.approx([cp, 2 * cp])
+
+
+def test_gradient_reduction_waits_for_the_slowest_replica_of_each_stage():
+    light = [whole(0, 64), whole(1, 64)]
+    heavy = [whole(2, 256), whole(3, 256), whole(4, 256)]
+    plan = make_plan([light, heavy], pp=2)
+    plan.pipelines[0].extra_comm_s = 0.5
+    r = simulate_plan(plan, cost(plan))
+    tl = r.timeline
+    stage_end = np.zeros(4)
+    np.maximum.at(stage_end, tl.tasks.pipeline * 2 + tl.tasks.stage, tl.finish)
+    sync = np.array(r.grad_sync).reshape(-1)
+    assert np.all(sync > 0)
+    aligned = np.maximum(stage_end[:2], stage_end[2:])
+    expected = max((aligned + sync[:2]).max() + 0.5, (aligned + sync[2:]).max())
+    assert r.step_time_s == pytest.approx(expected)
+
+
+def test_dp_imbalance_is_slowest_over_fastest():
+    plan = make_plan([[whole(0, 64)], [whole(1, 64), whole(2, 64)]], pp=1)
+    r = simulate_plan(plan, cost(plan))
+    slow, fast = max(r.pipeline_makespan), min(r.pipeline_makespan)
+    assert r.dp_imbalance == pytest.approx(slow / fast) and r.dp_imbalance > 1.5
+    assert r.dp_imbalance_spread == pytest.approx((slow - fast) / slow)
+
+
+def test_throughput_mfu_and_fit_follow_their_definitions():
+    plan = make_plan([[whole(0, 300), Chunk((Segment(1, 0, 100), Segment(2, 0, 60)))]], pp=2)
+    cm = cost(plan)
+    r = simulate_plan(plan, cm)
+    assert r.tokens == 460
+    assert r.tokens_per_s == pytest.approx(460 / r.step_time_s)
+    flops = sum(cm.forward_flops(c, layers=4, head=True) + cm.backward_flops(c, layers=4, head=True)
+                for c in plan.pipelines[0].chunks)
+    assert r.mfu == pytest.approx(flops / (r.step_time_s * 2 * plan.cluster.peak_tflops * 1e12))
+    assert r.fits is True and r.capacity_bytes == cm.capacity_bytes
+    d = json.loads(json.dumps(r.to_dict()))
+    assert {"makespan", "step_time_s", "bubble_ratio", "reforward_counted_as_busy", "peak_memory",
+            "dp_imbalance", "fits", "tokens_per_s", "mfu"} <= set(d)
