@@ -141,3 +141,14 @@ def test_model_spec_validation_shows_arithmetic():
     bad = ModelSpec(num_layers=2, hidden=64, num_heads=6, num_kv_heads=4, head_dim=8, ffn=64, vocab=10)
     with pytest.raises(UserError, match=r"num_heads\(6\) % num_kv_heads\(4\)"):
         bad.validate()
+
+
+def test_cp_time_and_memory_follow_the_busiest_rank():
+    # Skrull's local sequences: two whole on rank 0, nothing on rank 1, so rank 0 sets the pace.
+    cm = cost()
+    skewed = Chunk((Segment(0, 0, 4096, cp_rank=0), Segment(1, 0, 4096, cp_rank=0)))
+    balanced = Chunk((Segment(0, 0, 4096, cp_rank=0), Segment(1, 0, 4096, cp_rank=1)))
+    assert cm.forward_time(skewed, layers=4, cp=2) > cm.forward_time(balanced, layers=4, cp=2)
+    assert cm.activation_bytes(skewed, layers=4, cp=2) == 2 * cm.activation_bytes(balanced, layers=4, cp=2)
+    sharded = Chunk((Segment(0, 0, 8192),))
+    assert cm.activation_bytes(sharded, layers=4, cp=2) == cm.activation_bytes(balanced, layers=4, cp=2)

@@ -39,10 +39,11 @@ def matmul_params_per_layer(model: ModelSpec) -> int:
 
 @dataclass(frozen=True)
 class ChunkWork:
-    """What a chunk asks of one decoder layer: row tokens (padding included) and attention pairs."""
+    """What a chunk (or one GPU's share of it) asks of one decoder layer: row tokens (padding
+    included) and attention (query, key) pairs. Fractional for a CP rank's share."""
 
-    tokens: int
-    keys: int
+    tokens: float
+    keys: float
 
 
 def chunk_work(chunk: Chunk) -> ChunkWork:

@@ -53,37 +53,37 @@ class CostModel:
 
     # ---- seconds on one stage ----
     def forward_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False) -> float:
-        return self._pass_time(chunk_work(chunk), layers, tp, cp, head, backward=False)
+        return max(self._gpu_time(w, layers, tp, head, backward=False) for w in rank_works(chunk, cp))
 
     def backward_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False,
                       recompute_layers: int = 0) -> float:
-        work = chunk_work(chunk)
-        redo = self._pass_time(work, recompute_layers, tp, cp, False, backward=False) if recompute_layers else 0.0
-        return self._pass_time(work, layers, tp, cp, head, backward=True) + redo
+        """Backward seconds, plus the forward of `recompute_layers` layers rerun first."""
+        return max(self._gpu_time(w, layers, tp, head, backward=True)
+                   + (self._gpu_time(w, recompute_layers, tp, False, backward=False) if recompute_layers else 0.0)
+                   for w in rank_works(chunk, cp))
 
-    def _pass_time(self, work: ChunkWork, layers: int, tp: int, cp: int, head: bool, backward: bool) -> float:
-        if work.tokens == 0 or layers == 0 and not head:
+    def _gpu_time(self, work: ChunkWork, layers: int, tp: int, head: bool, backward: bool) -> float:
+        """Seconds for one GPU of a tp group running `work` (its share of the chunk)."""
+        if work.tokens == 0 or (layers == 0 and not head):
             return 0.0
-        fit = self.profile.fit_for(tp, cp) if self.profile else None
+        fit = self.profile.fit_for(tp, 1) if self.profile else None
         if fit is not None:
             a, b, c = fit.bwd if backward else fit.fwd
             hb, hc = fit.head_bwd if backward else fit.head_fwd
-            per_gpu_keys, per_gpu_tokens = work.keys / cp, work.tokens / cp
-            body = layers * (a * per_gpu_keys + b * per_gpu_tokens + c)
-            return body + ((hb * per_gpu_tokens + hc) if head else 0.0)
-        return self._analytic_time(work, layers, tp, cp, head, backward)
+            body = layers * (a * work.keys + b * work.tokens + c)
+            return body + ((hb * work.tokens + hc) if head else 0.0)
+        return self._analytic_time(work, layers, tp, head, backward)
 
-    def _analytic_time(self, work: ChunkWork, layers: int, tp: int, cp: int, head: bool, backward: bool) -> float:
+    def _analytic_time(self, work: ChunkWork, layers: int, tp: int, head: bool, backward: bool) -> float:
         lin, attn = layer_forward_flops(self.model, work)
         head_flops = head_forward_flops(self.model, work.tokens) if head else 0.0
         if backward:
             lin, attn, head_flops = (lin * self.bwd_linear_ratio, attn * self.bwd_attn_ratio,
                                      head_flops * self.bwd_linear_ratio)
         peak = self.cluster.peak_tflops * 1e12
-        gpus = tp * cp
-        lin_eff = self.throughput.linear_efficiency(work.tokens / cp, tp)
-        lin_s = (layers * lin + head_flops) / gpus / (peak * lin_eff)
-        attn_s = layers * attn / gpus / (peak * self.throughput.attention_mfu)
+        lin_eff = self.throughput.linear_efficiency(work.tokens, tp)
+        lin_s = (layers * lin + head_flops) / tp / (peak * lin_eff)
+        attn_s = layers * attn / tp / (peak * self.throughput.attention_mfu)
         return lin_s + attn_s + layers * self.throughput.layer_overhead_s
 
     # ---- bytes per GPU ----
@@ -102,9 +102,10 @@ class CostModel:
 
     def activation_bytes(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1,
                          recompute_layers: int = 0, head: bool = False) -> float:
+        """Bytes held from the chunk's forward to its backward on the busiest GPU of the CP group."""
         per_token = self.activation_bytes_per_token(layers=layers, tp=tp, recompute_layers=recompute_layers,
                                                     head=head)
-        return per_token * chunk.row_tokens / cp
+        return per_token * max(w.tokens for w in rank_works(chunk, cp))
 
     def kv_bytes(self, num_tokens: int, *, layers: int, tp: int = 1, cp: int = 1) -> float:
         per = mem.kv_bytes_per_token_layer(self.model, tp)
@@ -177,6 +178,23 @@ class CostModel:
                     f" (tp={tp}, pp={pp}, dp={dp}, zero={zero}) but a GPU has {self.capacity_bytes / 2**30:.1f} GiB"
                     " usable; raise --tp/--pp or the ZeRO stage"
                 )
+
+
+def rank_works(chunk: Chunk, cp: int) -> list[ChunkWork]:
+    """Each CP rank's share of a chunk: 1/cp of its SHARDED segments (head-tail balanced, so
+    attention pairs split evenly too) plus the segments placed whole on that rank (Skrull's
+    local sequences). Time and memory go by the busiest rank."""
+    if cp <= 1:
+        return [chunk_work(chunk)]
+    if chunk.pad_to > chunk.num_tokens or all(s.cp_rank == SHARDED for s in chunk.segments):
+        w = chunk_work(chunk)
+        return [ChunkWork(w.tokens / cp, w.keys / cp)]
+    shared = chunk_work(Chunk(tuple(s for s in chunk.segments if s.cp_rank == SHARDED)))
+    works = []
+    for r in range(cp):
+        local = chunk_work(Chunk(tuple(s for s in chunk.segments if s.cp_rank == r)))
+        works.append(ChunkWork(local.tokens + shared.tokens / cp, local.keys + shared.keys / cp))
+    return works
 
 
 def split_layers(num_layers: int, pp: int) -> list[int]:
