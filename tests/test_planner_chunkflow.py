@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lengthwise.cost import CostModel
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, StepPlan
+from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, Chunk, Segment, StepPlan
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.planners.chunkflow import (construct_chunks, default_chunk_size, group_seconds, packed_rate,
@@ -132,7 +132,6 @@ def test_packed_rate_recovers_per_token_and_per_pair_seconds():
     req = request([1], chunk_size=8 * K)
     rate = packed_rate(req, 8 * K)
     assert rate.per_token > 0 and rate.per_key > 0
-    from lengthwise.plan.ir import Chunk, Segment
     full = Chunk((Segment(0, 0, 8 * K),))
     layers = req.model.num_layers
     exact = (req.cost.forward_time(full, layers=layers, tp=4, head=True)
@@ -199,3 +198,26 @@ def test_peak_memory_differs_between_contexts_only_by_the_kv_state(chunk_size):
     # K/V of the context before the last piece, plus its gradient buffer of the same size.
     kv = lambda length: 2 * cost.kv_bytes(length - chunk_size, layers=layers, tp=4)  # noqa: E731
     assert peaks[256 * K] - peaks[32 * K] == pytest.approx(kv(256 * K) - kv(32 * K), rel=1e-9)
+
+
+@needs_sim
+def test_peak_memory_grows_by_one_chunk_per_extra_k():
+    """chunkflow §4.2: K bounds the activations a group keeps, whatever its length."""
+    from lengthwise.sim import simulate_plan
+
+    lengths = [700, 300, 1500] * 10 + [32 * K]
+    peaks = {}
+    for k in (1, 4):
+        req = request(lengths, chunk_size=4 * K, k=k)
+        peaks[k] = max(simulate_plan(get_planner("chunkflow")(req), req.cost).peak_memory[0])
+    piece = Chunk((Segment(0, 0, 4 * K),))
+    act = req.cost.activation_bytes(piece, layers=MODEL_PRESETS["qwen2.5-7b"].num_layers, tp=4, head=True)
+    assert peaks[4] - peaks[1] == pytest.approx(3 * act, rel=1e-9)
+
+
+def test_default_chunk_size_leaves_about_two_chunks_per_stage_with_pipelining():
+    lengths = long_tail(256, 256 * K, seed=6)
+    req = request(lengths, dp=2, pp=4, context=256 * K)
+    size = default_chunk_size(req, 1)
+    per_pipeline = sum(lengths) / 2
+    assert size <= per_pipeline / 8 < 2 * size or size == 2 * K
