@@ -1,8 +1,6 @@
 """The chunkflow planner (chunkflow.txt §4-§5): chunk construction, placement, state-aware
 scheduling, the (ChunkSize, K) grid search and the memory property of table 5."""
 
-import importlib.util
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -10,17 +8,28 @@ from hypothesis import strategies as st
 
 from lengthwise.cost import CostModel
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, Chunk, Segment, StepPlan
+from lengthwise.plan.ir import (
+    BACKWARD,
+    FORWARD,
+    FORWARD_NOGRAD,
+    Chunk,
+    Segment,
+    StepPlan,
+)
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.planners.chunkflow import (construct_chunks, default_chunk_size, group_seconds, packed_rate,
-                                           split_sequence)
+from lengthwise.planners.chunkflow import (
+    construct_chunks,
+    default_chunk_size,
+    group_seconds,
+    packed_rate,
+    split_sequence,
+)
+from lengthwise.sim import simulate_plan
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
 from lengthwise.workloads import get_profile
 
 K = 1024
-HAS_SIM = importlib.util.find_spec("lengthwise.sim.simulate") is not None
-needs_sim = pytest.mark.skipif(not HAS_SIM, reason="lengthwise.sim.simulate is not built yet")
 
 
 def request(lengths, *, dp=1, tp=4, pp=1, context=32 * K, model="qwen2.5-7b", **options):
@@ -170,7 +179,6 @@ def test_sequence_over_the_context_length_is_a_user_error():
         plan([100, 40_000])
 
 
-@needs_sim
 def test_grid_search_picks_the_fastest_candidate_that_fits():
     lengths = long_tail(128, 128 * K, seed=5) + [120_000]
     out = plan(lengths, dp=1, pp=4, context=128 * K, chunk_size="auto")
@@ -181,13 +189,10 @@ def test_grid_search_picks_the_fastest_candidate_that_fits():
     assert {r["chunk_size"] for r in out.metrics["grid"]} == {2 * K, 4 * K, 8 * K, 16 * K, 32 * K, 64 * K}
 
 
-@needs_sim
 @pytest.mark.parametrize("chunk_size", [2 * K, 4 * K, 8 * K])
 def test_peak_memory_differs_between_contexts_only_by_the_kv_state(chunk_size):
     """chunkflow table 5: at fixed ChunkSize and K, a 256K-context batch needs more memory than a
     32K-context one only for the K/V state (and its gradient) of the longer split sequence."""
-    from lengthwise.sim import simulate_plan
-
     shorts = [700, 300, 1500, 90, 2000] * 20
     peaks, cost = {}, None
     for context in (32 * K, 256 * K):
@@ -196,15 +201,12 @@ def test_peak_memory_differs_between_contexts_only_by_the_kv_state(chunk_size):
         peaks[context] = max(simulate_plan(get_planner("chunkflow")(req), cost).peak_memory[0])
     layers = MODEL_PRESETS["qwen2.5-7b"].num_layers
     # K/V of the context before the last piece, plus its gradient buffer of the same size.
-    kv = lambda length: 2 * cost.kv_bytes(length - chunk_size, layers=layers, tp=4)  # noqa: E731
+    kv = lambda length: 2 * cost.kv_bytes(length - chunk_size, layers=layers, tp=4)
     assert peaks[256 * K] - peaks[32 * K] == pytest.approx(kv(256 * K) - kv(32 * K), rel=1e-9)
 
 
-@needs_sim
 def test_peak_memory_grows_by_one_chunk_per_extra_k():
     """chunkflow §4.2: K bounds the activations a group keeps, whatever its length."""
-    from lengthwise.sim import simulate_plan
-
     lengths = [700, 300, 1500] * 10 + [32 * K]
     peaks = {}
     for k in (1, 4):

@@ -62,12 +62,22 @@ import math
 import time
 from dataclasses import dataclass
 
-from lengthwise.cost.model import split_layers
 from lengthwise.cost.flops import causal_keys
+from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
-from lengthwise.planners.base import PlanRequest, finish_plan, positive_int_option, take_options, whole
-from lengthwise.planners.packing_utils import best_fit_decreasing, greedy_balance, karmarkar_karp
+from lengthwise.planners.base import (
+    PlanRequest,
+    finish_plan,
+    positive_int_option,
+    take_options,
+    whole,
+)
+from lengthwise.planners.packing_utils import (
+    best_fit_decreasing,
+    greedy_balance,
+    karmarkar_karp,
+)
 
 SCHEDULE = "state-aware-1f1b"
 MIN_CHUNK_SIZE = 256
