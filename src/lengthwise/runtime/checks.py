@@ -22,8 +22,9 @@ def check_executable(plan: StepPlan, spec: ModelSpec, token_ids: list[torch.Tens
     _check_token_coverage(plan)
     for p, pipe in enumerate(plan.pipelines):
         _check_pipeline_shape(p, pipe, spec)
+        layers = pipe.stage_layers(spec.num_layers)
         for s, actions in enumerate(pipe.stages):
-            _check_stage_actions(f"pipeline {p} stage {s}", actions, pipe)
+            _check_stage_actions(f"pipeline {p} stage {s}", actions, pipe, layers[s])
             _check_reverse_backward(f"pipeline {p} stage {s}", actions, pipe)
 
 
@@ -80,14 +81,15 @@ def _check_pipeline_shape(p: int, pipe: PipelinePlan, spec: ModelSpec) -> None:
             last_stop[seg.seq_id] = seg.stop
 
 
-def _check_stage_actions(where: str, actions: list[Action], pipe: PipelinePlan) -> None:
+def _check_stage_actions(where: str, actions: list[Action], pipe: PipelinePlan, layers: int) -> None:
     """Per chunk, the stage runs [N] F B in that order, each once."""
     seen: dict[int, str] = {}
     for index, action in enumerate(actions):
         if not 0 <= action.chunk < len(pipe.chunks):
             raise UserError(f"{where} action {index} ({action}): the pipeline has {len(pipe.chunks)} chunks")
-        if action.recompute_layers < 0:
-            raise UserError(f"{where} action {index} ({action}): recompute_layers must be >= 0")
+        if not 0 <= action.recompute_layers <= layers:
+            raise UserError(f"{where} action {index} ({action}): recompute_layers must lie in "
+                            f"[0, {layers}], the stage's layers")
         before = seen.get(action.chunk, "")
         allowed = {FORWARD_NOGRAD: ("",), FORWARD: ("", "N"), BACKWARD: ("F", "NF")}[action.kind]
         if before not in allowed:

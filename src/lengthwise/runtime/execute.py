@@ -81,3 +81,22 @@ def hand_plan(spec, lengths: list[int], pipelines: list[tuple[str, list[str]]]) 
              for chunks, stages in pipelines]
     return StepPlan(planner="hand", model=spec, cluster=CLUSTER_PRESETS["cpu"], lengths=list(lengths),
                     pipelines=pipes)
+
+
+@torch.no_grad()
+def chunk_logits(model: CausalLM, chunk: Chunk, token_ids: list[torch.Tensor], *,
+                 backend: str = "auto") -> torch.Tensor:
+    """Logits [T, V] of one chunk through the whole model, for a chunk whose segments need no
+    context from other chunks (whole documents, first slices). For tests and inspection."""
+    from lengthwise.runtime.attention import ChunkLayout
+    from lengthwise.runtime.loss import chunk_positions, chunk_tokens
+
+    layout = ChunkLayout.from_chunk(chunk)
+    assert all(s.start == 0 or layout.row_context[i] for i, s in enumerate(chunk.segments)), chunk
+    param = next(model.parameters())
+    h_TD = model.embed(chunk_tokens(chunk, token_ids).to(param.device))
+    rope = model.rope(chunk_positions(chunk, param.device), param.dtype)
+    contexts = [[[] for _ in chunk.segments] for _ in model.model.layers]
+    h_TD, _ = model.run_layers(h_TD, layers=range(model.spec.num_layers), rope=rope, layout=layout,
+                               contexts=contexts, backend=backend)
+    return model.head_logits(h_TD)

@@ -1,0 +1,155 @@
+"""Data parallelism: the same plan on every rank, gradients summed once per step.
+
+Every rank samples and plans the same global batch itself (planning is deterministic for a
+seed), so nothing but a fingerprint travels: `check_same_plan` all-gathers 16 bytes of a hash
+of the plan once per step and raises a UserError naming the ranks that disagree, before any
+rank runs a plan the others do not.
+
+Gradients. Each chunk's loss is already divided by the global batch's loss-token count
+(runtime/loss.py), so the gradient of one process running the whole batch is the SUM of the
+gradients every rank computed for its part: over data-parallel replicas, over the CP ranks of a
+stage (each saw a share of the tokens), and, for tied embeddings, over the first and the last
+stage. `GradReducer` groups parameters by the exact set of ranks holding them, and all-reduces
+(SUM) each group's gradients in flat buckets once, after the stage's last backward.
+
+Why not DDP or FSDP2: DistributedDataParallel fires its bucket all-reduces from gradient hooks
+during *every* backward and assumes one forward and one backward per step with the same
+parameters; a plan runs many backwards per step (one per chunk, each with K/V roots of other
+slices, re-forwards in between) and, with `no_sync`, would still reduce on a backward it cannot
+tell is the last. FSDP2's `fully_shard` reshards parameters around each forward/backward, which
+would all-gather weights once per chunk (dozens per step). A bucketed all-reduce after the last
+backward is one reduction per step, exact, and simple; the buckets are launched asynchronously
+together (gloo and NCCL then run them concurrently). Overlapping them with the last backward
+(post-accumulate-grad hooks armed for the final B only) is a possible next step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+import torch.distributed as dist
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import StepPlan
+from lengthwise.runtime.distributed.mesh import Mesh, Place, PlanLayout
+from lengthwise.runtime.distributed.stats import CommStats
+from lengthwise.runtime.model import CausalLM
+
+BUCKET_ELEMENTS = 1 << 22
+"""Elements per all-reduce bucket (32 MiB of float64, 8 MiB of bfloat16)."""
+
+
+def plan_fingerprint(plan: StepPlan) -> str:
+    """Hex digest of everything the executor reads from the plan (not the planner's metrics,
+    which hold timings)."""
+    data = {k: v for k, v in plan.to_dict().items() if k != "metrics"}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def check_same_plan(plan: StepPlan) -> None:
+    """All-gather each rank's plan fingerprint (16 bytes); UserError naming the odd ranks."""
+    digest = bytes.fromhex(plan_fingerprint(plan))[:16]
+    mine = torch.tensor(list(digest), dtype=torch.uint8).view(torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    prints = [t.view(torch.uint8).numpy().tobytes().hex()[:12] for t in gathered]
+    if len(set(prints)) > 1:
+        raise UserError(_mismatch_message(prints))
+
+
+def _mismatch_message(prints: list[str]) -> str:
+    by_print: dict[str, list[int]] = {}
+    for rank, fp in enumerate(prints):
+        by_print.setdefault(fp, []).append(rank)
+    groups = sorted(by_print.items(), key=lambda kv: (-len(kv[1]), kv[1]))
+    parts = [f"ranks {ranks} have plan {fp}" for fp, ranks in groups]
+    return ("the ranks planned different global batches (" + "; ".join(parts) + "): every rank must "
+            "sample the same batch (same seed and sampler position) and plan it with the same "
+            "planner and options")
+
+
+def stage_layer_range(plan: StepPlan, place: Place, num_layers: int) -> range:
+    counts = plan.pipelines[place.pipeline].stage_layers(num_layers)
+    first = sum(counts[:place.stage])
+    return range(first, first + counts[place.stage])
+
+
+def holds(name: str, plan: StepPlan, place: Place, model: CausalLM) -> bool:
+    """Whether the rank at `place` computes a gradient for parameter `name`."""
+    pipe = plan.pipelines[place.pipeline]
+    first, last = place.stage == 0, place.stage == pipe.pp - 1
+    if name.startswith("model.layers."):
+        return int(name.split(".")[2]) in stage_layer_range(plan, place, model.spec.num_layers)
+    if name == "model.embed_tokens.weight":
+        return first or (last and model.spec.tied_embeddings)
+    assert name in ("model.norm.weight", "lm_head.weight"), name
+    return last
+
+
+def held_parameters(model: CausalLM, plan: StepPlan, place: Place) -> dict[str, torch.nn.Parameter]:
+    """The parameters of the rank's stage (tied embeddings: on the first and the last stage)."""
+    return {n: p for n, p in model.named_parameters() if holds(n, plan, place, model)}
+
+
+def holder_sets(model: CausalLM, plan: StepPlan, layout: PlanLayout) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> the ranks holding it (its gradient is summed over exactly those)."""
+    return {name: tuple(r for r, place in enumerate(layout.places) if holds(name, plan, place, model))
+            for name, _ in model.named_parameters()}
+
+
+class GradReducer:
+    """Sums each parameter's gradient over the ranks that hold it, in flat buckets."""
+
+    def __init__(self, *, model: CausalLM, plan: StepPlan, layout: PlanLayout, mesh: Mesh,
+                 stats: CommStats, bucket_elements: int = BUCKET_ELEMENTS):
+        self.model, self.mesh, self.stats, self.bucket_elements = model, mesh, stats, bucket_elements
+        self.sets = holder_sets(model, plan, layout)
+        mesh.ensure_groups(list(self.sets.values()))  # collective: same list on every rank
+        self.params = dict(model.named_parameters())
+
+    def reduce(self) -> None:
+        """All-reduce (SUM) every held gradient; a held parameter with no gradient counts as 0."""
+        pending = []
+        for ranks, names in self._my_groups():
+            group = self.mesh.group(ranks)
+            for bucket in self._buckets(names):
+                flat = torch.cat([self._grad(n).reshape(-1) for n in bucket])
+                pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
+                self.stats.dp_elements += flat.numel()
+                self.stats.dp_buckets += 1
+        for work, flat, bucket in pending:
+            work.wait()
+            self._scatter_back(flat, bucket)
+
+    def _my_groups(self) -> list[tuple[tuple[int, ...], list[str]]]:
+        groups: dict[tuple[int, ...], list[str]] = {}
+        for name, ranks in self.sets.items():
+            if self.mesh.rank in ranks and len(ranks) > 1:
+                groups.setdefault(ranks, []).append(name)
+        return sorted(groups.items())
+
+    def _buckets(self, names: list[str]) -> list[list[str]]:
+        buckets, size = [[]], 0
+        for name in names:
+            numel = self.params[name].numel()
+            if buckets[-1] and size + numel > self.bucket_elements:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(name)
+            size += numel
+        return buckets
+
+    def _grad(self, name: str) -> torch.Tensor:
+        param = self.params[name]
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        return param.grad
+
+    def _scatter_back(self, flat: torch.Tensor, names: list[str]) -> None:
+        at = 0
+        for name in names:
+            grad = self.params[name].grad
+            grad.copy_(flat[at:at + grad.numel()].view_as(grad))
+            at += grad.numel()

@@ -1,0 +1,85 @@
+"""A torch.distributed `Transport`: adjacent pipeline stages exchange activations and their
+gradients point-to-point (chunkflow §4.3's state-aware 1F1B, infinipipe §4 and slimpack §4.2
+all run on plain stage-to-stage send/recv).
+
+Sends are asynchronous (`isend`), so a stage that sends an activation forward and a stage that
+sends a gradient back at the same moment cannot block each other; their buffers are kept alive
+until `finish()` waits for them at the end of the step. A receive posts `irecv` into a buffer
+whose shape the plan gives (the chunk's tokens on this CP rank x hidden: every rank holds the
+plan, so nothing but the tensor travels) and waits at most `Mesh.timeout_s`; a receive that
+never comes raises `ReceiveTimeout` naming the stage, the action it serves and the sending rank,
+instead of hanging.
+
+Tags: each message carries tag 4 * chunk + {F: 0, N: 1, B: 2}, so a link may deliver the
+messages of different chunks in any order and the receiver still takes the right one.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lengthwise.runtime.distributed.mesh import PlanLayout
+from lengthwise.runtime.distributed.stats import CommStats
+from lengthwise.runtime.transport import Message
+
+_KIND_TAG = {"F": 0, "N": 1, "B": 2}
+
+
+class ReceiveTimeout(RuntimeError):
+    """A point-to-point receive that did not complete within the time-out."""
+
+
+def message_tag(message: Message) -> int:
+    return 4 * message.chunk + _KIND_TAG[message.kind]
+
+
+class DistributedTransport:
+    """Send/recv between this rank and the same CP rank of the neighbouring stages."""
+
+    def __init__(self, *, layout: PlanLayout, timeout_s: float, stats: CommStats | None = None):
+        self.layout, self.timeout_s = layout, timeout_s
+        self.stats = stats if stats is not None else CommStats()
+        self._sends: list[tuple[object, torch.Tensor, Message]] = []
+
+    def _peer(self, message: Message, stage: int) -> int:
+        return self.layout.rank_of(message.pipeline, stage, self.layout.place.cp_rank)
+
+    def send(self, message: Message, tensor: torch.Tensor) -> None:
+        payload = tensor.detach().contiguous()
+        work = dist.isend(payload, self._peer(message, message.dst), tag=message_tag(message))
+        self._sends.append((work, payload, message))
+        self.stats.p2p_elements += payload.numel()
+        self.stats.p2p_messages += 1
+
+    def recv(self, message: Message, *, shape, dtype, device) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        src = self._peer(message, message.src)
+        work = dist.irecv(buffer, src, tag=message_tag(message))
+        try:
+            work.wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise ReceiveTimeout(
+                f"stage {message.dst} waited more than {self.timeout_s:g} s for the {message} "
+                f"(rank {src}, {tuple(shape)} {str(dtype).removeprefix('torch.')}); that rank "
+                f"failed, is slower than the time-out, or runs a different plan ({_first_line(exc)})"
+            ) from None
+        return buffer
+
+    def finish(self) -> None:
+        """Wait until every send of the step has been delivered."""
+        for work, _, message in self._sends:
+            try:
+                work.wait(timedelta(seconds=self.timeout_s))
+            except RuntimeError as exc:
+                raise ReceiveTimeout(f"stage {message.src}: the {message} was never received by "
+                                     f"stage {message.dst} within {self.timeout_s:g} s "
+                                     f"({_first_line(exc)})") from None
+        self._sends.clear()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__

@@ -1,0 +1,164 @@
+"""Tier 2: executing hand-built StepPlans gives exactly the loss and gradients of Hugging Face
+transformers run on each sequence alone (float64, 1e-9 relative), and the executor's memory
+behaves as ChunkFlow's K promises.
+
+Plans are written by hand (`hand_plan`): chunks as `seq[start:stop]+...`, one action string
+per stage (`N` = forward without grad keeping K/V, ChunkFlow's first pass).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lengthwise.errors import UserError
+from lengthwise.runtime.execute import hand_plan, run_step, unpacked_plan
+from lengthwise.runtime.memory import SavedTensorMeter
+from lengthwise.runtime.model import build_model
+from lengthwise.runtime.verify import (compare_grads, random_tokens, transformers_loss_and_grads,
+                                       unpacked_loss_and_grads)
+from lengthwise.specs import ModelSpec
+
+LLAMA = ModelSpec(name="llama-gqa", num_layers=2, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                  ffn=48, vocab=64)
+QWEN = ModelSpec(name="qwen-tied", num_layers=2, hidden=32, num_heads=4, num_kv_heads=1, head_dim=8,
+                 ffn=48, vocab=64, qkv_bias=True, tied_embeddings=True, rope_theta=1e6)
+QWEN_UNTIED = ModelSpec(name="qwen-untied", num_layers=2, hidden=32, num_heads=2, num_kv_heads=2,
+                        head_dim=16, ffn=40, vocab=64, qkv_bias=True)
+
+LENGTHS = [12, 5, 4, 3]
+SPLIT = "0[0:4] 0[4:8]+1[0:5] 0[8:12]+2[0:4] 3[0:3]"
+"""Sequence 0 cut into 3 slices mid-document; the second and third rows mix a slice with
+short documents (hybrid chunks)."""
+
+PLANS = {
+    "packed": [("0[0:12] 1[0:5]+2[0:4]+3[0:3]", ["F0 F1 B1 B0"])],
+    "split-k-all": [(SPLIT, ["F0 F1 F2 B2 B1 B0 F3 B3"])],
+    "split-k1": [(SPLIT, ["N0 N1 F2 B2 F1 B1 F0 B0 F3 B3"])],
+    "split-in-row": [("0[0:4]+1[0:5]+0[4:8] 0[8:12]+2[0:4]+3[0:3]", ["N0 F1 B1 F0 B0"])],
+    "pp2": [(SPLIT, ["N0 F1 F2 F3 B2 B1 F0 B3 B0", "N0 F1 F2 B2 B1 F0 B0 F3 B3"])],
+    "pp2-recompute-head-only-stage": [(SPLIT, ["N0 F1.r2 F2.r1 B2 B1 F0.r1 B0 F3 B3", "N0 F1 F2 B2 B1 F0 B0 F3 B3"])],
+    "dp2": [("0[0:4] 0[4:12]", ["N0 F1 B1 F0 B0"]), ("1[0:5]+2[0:4]+3[0:3]", ["F0 B0"])],
+    "dp2-pp2": [("0[0:4] 0[4:12]", ["F0 F1 B1 B0", "F0 F1 B1 B0"]), ("1[0:5]+2[0:4] 3[0:3]", ["F0 F1 B0 B1", "F0 B0 F1 B1"])],
+}
+
+
+def _run(spec, pipelines, *, seed=0):
+    plan = hand_plan(spec, LENGTHS, pipelines)
+    if "r2" in str(pipelines):  # all layers on stage 0, the last stage runs only norm, head, loss
+        plan.pipelines[0].layers_per_stage = [2, 0]
+    model = build_model(spec, dtype=torch.float64, seed=seed)
+    ids = random_tokens(LENGTHS, spec.vocab, seed + 1)
+    loss = run_step(model, plan, ids)
+    return model, ids, float(loss), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+@pytest.mark.parametrize("spec", [LLAMA, QWEN, QWEN_UNTIED], ids=lambda s: s.name)
+def test_plan_equals_transformers_unpacked(spec, name):
+    pytest.importorskip("transformers")
+    model, ids, loss, grads = _run(spec, PLANS[name])
+    ref_loss, ref_grads = transformers_loss_and_grads(model, ids)
+    _, max_rel, worst = compare_grads(grads, ref_grads)
+    assert abs(loss - ref_loss) <= 1e-9 * abs(ref_loss)
+    assert max_rel <= 1e-9, worst
+
+
+def test_unpacked_oracle_agrees_with_transformers():
+    """The fallback oracle (no transformers) is itself exact."""
+    pytest.importorskip("transformers")
+    model, ids, _, _ = _run(LLAMA, PLANS["packed"])
+    loss, grads = unpacked_loss_and_grads(model, ids, backend="reference")
+    ref_loss, ref_grads = transformers_loss_and_grads(model, ids)
+    assert abs(loss - ref_loss) <= 1e-12 and compare_grads(grads, ref_grads)[1] <= 1e-9
+
+
+def test_gradients_accumulate_over_steps():
+    model, ids, _, grads = _run(LLAMA, PLANS["split-k1"])
+    once = {n: g.clone() for n, g in grads.items()}
+    run_step(model, hand_plan(LLAMA, LENGTHS, PLANS["packed"]), ids)
+    assert all(torch.allclose(p.grad, 2 * once[n], rtol=1e-12, atol=0) for n, p in model.named_parameters())
+
+
+# memory -------------------------------------------------------------------------------------
+
+CHUNK = 16
+
+
+def _chunkflow_actions(num_slices: int, k: int) -> str:
+    """chunkflow Algorithm 2 for one split sequence: the first n-k slices forward without
+    grad, the last k with; backward in reverse, re-forwarding each discarded slice first."""
+    fwd = [f"N{i}" for i in range(num_slices - k)] + [f"F{i}" for i in range(num_slices - k, num_slices)]
+    bwd = [a for i in reversed(range(num_slices)) for a in ((f"B{i}",) if i >= num_slices - k else (f"F{i}", f"B{i}"))]
+    return " ".join(fwd + bwd)
+
+
+def _peak_saved_bytes(num_slices: int, k: int) -> int:
+    length = num_slices * CHUNK
+    chunks = " ".join(f"0[{i * CHUNK}:{(i + 1) * CHUNK}]" for i in range(num_slices)) + " 1[0:5]"
+    plan = hand_plan(LLAMA, [length, 5], [(chunks, [_chunkflow_actions(num_slices, k) + f" F{num_slices} B{num_slices}"])])
+    model = build_model(LLAMA, dtype=torch.float64, seed=0)
+    with SavedTensorMeter(exclude=model.parameters()) as meter:
+        run_step(model, plan, random_tokens([length, 5], LLAMA.vocab, 1))
+    assert meter.current_bytes == 0
+    return meter.peak_bytes
+
+
+def _kv_state_bytes(tokens: int) -> int:
+    return tokens * 2 * LLAMA.kv_dim * 8 * LLAMA.num_layers  # k and v, float64, every layer
+
+
+def test_saved_memory_is_independent_of_sequence_length_apart_from_kv_state():
+    """chunkflow §4.2: at fixed ChunkSize and K, activations do not grow with the sequence;
+    only the K/V state (context the chunks attend to) does."""
+    kv_growth = _kv_state_bytes(8 * CHUNK) - _kv_state_bytes(4 * CHUNK)
+    for k in (1, 2):
+        assert _peak_saved_bytes(8, k) - _peak_saved_bytes(4, k) <= kv_growth
+    naive_growth = _peak_saved_bytes(8, 8) - _peak_saved_bytes(4, 4)  # K = N keeps everything
+    assert naive_growth > 4 * kv_growth
+
+
+def test_saved_memory_grows_with_k():
+    peaks = [_peak_saved_bytes(6, k) for k in (1, 2, 3)]
+    assert peaks[0] < peaks[1] < peaks[2]
+
+
+# bad plans -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pipelines, message", [
+    ([("0[0:12] 1[0:5]+2[0:4]", ["F0 F1 B1 B0"])], r"sequence 3: tokens \[0:3\) are missing"),
+    ([("0[0:12] 1[0:5]+2[0:4]+3[0:3] 3[0:3]", ["F0 F1 F2 B2 B1 B0"])], "planned twice"),
+    ([("0[0:12] 1[0:5]+2[0:4]+3[0:3]", ["F0 B1 F1 B0"])], r"\(B1\) follows nothing"),
+    ([("0[0:12] 1[0:5]+2[0:4]+3[0:3]", ["F0 F1 B1"])], r"chunks \[0\] lack an F followed by a B"),
+    ([(SPLIT, ["F0 F1 F2 B2 B0 B1 F3 B3"])], "backwards must go from the last slice to the first"),
+    ([(SPLIT, ["F1 F0 F2 B2 B1 B0 F3 B3"])], r"needs the K/V of tokens \[0:4\) of sequence 0"),
+    ([("0[0:4] 1[0:5]+2[0:4]+3[0:3]", ["F0 B0 F1 B1"]), ("0[4:12]", ["F0 B0"])], "on the same pipeline"),
+    ([("0[0:12] 1[0:5]+2[0:4]+3[0:3]", ["F0 B0 F1 B1", "F1 B1 F0 B0"])], "the schedule deadlocks"),
+    ([("0[0:12] 1[0:5]+2[0:4]+3[0:3]", ["F0 F7 B0"])], "the pipeline has 2 chunks"),
+])
+def test_invalid_plan_is_a_user_error(pipelines, message):
+    with pytest.raises(UserError, match=message):
+        _run(LLAMA, pipelines)
+
+
+def test_separate_backward_grouping_is_not_supported_yet():
+    plan = hand_plan(LLAMA, LENGTHS, PLANS["packed"])
+    plan.pipelines[0].backward_chunks = plan.pipelines[0].chunks
+    model = build_model(LLAMA, dtype=torch.float64, seed=0)
+    with pytest.raises(UserError, match="backward_chunks .* not supported"):
+        run_step(model, plan, random_tokens(LENGTHS, LLAMA.vocab, 0))
+
+
+def test_bad_token_ids_are_a_user_error():
+    model = build_model(LLAMA, dtype=torch.float64, seed=0)
+    plan = unpacked_plan(LENGTHS, LLAMA)
+    with pytest.raises(UserError, match="plan says length 12"):
+        run_step(model, plan, random_tokens([11, 5, 4, 3], LLAMA.vocab, 0))
+    with pytest.raises(UserError, match=r"vocab\(64\)"):
+        run_step(model, plan, [t + 64 for t in random_tokens(LENGTHS, 64, 0)])
+
+
+def test_varlen_backend_on_cpu_is_a_user_error():
+    model = build_model(LLAMA, dtype=torch.float64, seed=0)
+    with pytest.raises(UserError, match="varlen is unavailable"):
+        run_step(model, unpacked_plan(LENGTHS, LLAMA), random_tokens(LENGTHS, 64, 0), backend="varlen")

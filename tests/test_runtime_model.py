@@ -1,0 +1,139 @@
+"""Tier 2, single-process numerics of the model pieces: masks, labels, weights, configs.
+
+Float64 on CPU; the model is small enough that the whole file runs in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import Chunk
+from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend
+from lengthwise.runtime.execute import chunk_logits
+from lengthwise.runtime.loss import IGNORE, chunk_labels, chunk_positions
+from lengthwise.runtime.model import build_model
+from lengthwise.runtime.weights import hf_config_dict, load_state, load_weights, save_pretrained
+from lengthwise.specs import ModelSpec, model_from_hf_dict
+
+LLAMA = ModelSpec(name="llama-gqa", num_layers=2, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                  ffn=48, vocab=64)
+QWEN = ModelSpec(name="qwen-tied", num_layers=2, hidden=32, num_heads=4, num_kv_heads=1, head_dim=8,
+                 ffn=48, vocab=64, qkv_bias=True, tied_embeddings=True, rope_theta=1e6)
+
+
+def _ids(lengths, vocab=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+
+
+def test_mask_is_causal_per_segment_and_aligned_bottom_right():
+    layout = ChunkLayout.from_chunk(Chunk.parse("7[4:6]+2[0:3]"))
+    expected = torch.zeros(5, 9, dtype=torch.bool)
+    expected[0, :5] = True          # query 0 of 7[4:6] sees its 4 context keys and itself
+    expected[1, :6] = True
+    for q in range(3):              # 2[0:3]: keys 6..8, causal
+        expected[2 + q, 6:7 + q] = True
+    assert torch.equal(layout.mask("cpu"), expected)
+
+
+def test_no_cross_document_attention():
+    """Perturbing a token of document A changes nothing at document B's positions of the same
+    row, and changes A only at and after the perturbed position (one wrong mask bit fails)."""
+    model = build_model(LLAMA, dtype=torch.float64, seed=0)
+    chunk = Chunk.parse("0[0:7]+1[0:6]+2[0:5]")
+    ids = _ids([7, 6, 5])
+    base = chunk_logits(model, chunk, ids, backend="reference")
+    bumped = [t.clone() for t in ids]
+    bumped[1][3] = (bumped[1][3] + 1) % LLAMA.vocab
+    moved = (chunk_logits(model, chunk, bumped, backend="reference") - base).abs().amax(-1)
+    assert torch.all(moved[:7] == 0) and torch.all(moved[13:] == 0)   # documents 0 and 2
+    assert torch.all(moved[7:10] == 0)                                # document 1 before token 3
+    assert torch.all(moved[10:13] > 0)                                # token 3 onwards
+
+
+def test_packed_row_logits_equal_each_document_alone():
+    model = build_model(QWEN, dtype=torch.float64, seed=1)
+    ids = _ids([5, 9])
+    packed = chunk_logits(model, Chunk.parse("1[0:9]+0[0:5]"), ids, backend="reference")
+    alone = [chunk_logits(model, Chunk.parse(f"{i}[0:{n}]"), ids, backend="reference") for i, n in enumerate([5, 9])]
+    assert torch.allclose(packed, torch.cat([alone[1], alone[0]]), rtol=0, atol=1e-13)
+
+
+def test_labels_continue_across_a_cut_and_stop_at_each_document_end():
+    ids = _ids([8, 3])
+    labels = chunk_labels(Chunk.parse("0[0:4]+1[0:3]"), ids)
+    assert labels.tolist() == ids[0][1:5].tolist() + ids[1][1:3].tolist() + [IGNORE]
+    tail = chunk_labels(Chunk.parse("0[4:8]"), ids)
+    assert tail.tolist() == ids[0][5:8].tolist() + [IGNORE]
+
+
+def test_positions_restart_per_document_and_continue_across_a_cut():
+    assert chunk_positions(Chunk.parse("3[4:6]+1[0:2]"), "cpu").tolist() == [4, 5, 0, 1]
+
+
+def test_context_attention_equals_attention_over_the_uncut_sequence():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(10, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    whole = attend(q, k, v, [[]], ChunkLayout.from_chunk(Chunk.parse("0[0:10]")), backend="reference")
+    pieces = [[(k[:3], v[:3]), (k[3:6], v[3:6])]]
+    tail = attend(q[6:], k[6:], v[6:], pieces, ChunkLayout.from_chunk(Chunk.parse("0[6:10]")), backend="reference")
+    assert torch.allclose(tail, whole[6:], rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("spec", [LLAMA, QWEN], ids=lambda s: s.name)
+def test_checkpoint_round_trips_through_transformers(spec, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = build_model(spec, dtype=torch.float64, seed=2)
+    save_pretrained(model, tmp_path / "ours")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float64)
+    ids = _ids([6])
+    ours = chunk_logits(model, Chunk.parse("0[0:6]"), ids, backend="reference")
+    theirs = hf(input_ids=ids[0][None]).logits[0].detach()
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-5)  # HF's norms run in float32
+    hf.save_pretrained(tmp_path / "theirs")
+    back = build_model(spec, dtype=torch.float64)
+    load_weights(back, tmp_path / "theirs")
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
+
+
+def test_mismatched_weight_is_named():
+    model = build_model(LLAMA, dtype=torch.float64, seed=0)
+    state = {k: v for k, v in model.state_dict().items()}
+    state["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3, dtype=torch.float64)
+    with pytest.raises(UserError, match=r"model\.layers\.1\.mlp\.up_proj\.weight has shape \[3, 3\]"):
+        load_state(model, state)
+    del state["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(UserError, match=r"lacks model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_state(model, state)
+    extra = {**model.state_dict(), "model.layers.0.self_attn.o_proj.bias": torch.zeros(32)}
+    with pytest.raises(UserError, match=r"unexpected tensor model\.layers\.0\.self_attn\.o_proj\.bias"):
+        load_state(model, extra)
+
+
+@pytest.mark.parametrize("field, value", [("mlp_bias", True), ("use_sliding_window", True),
+                                          ("rope_scaling", {"type": "linear", "factor": 2.0}),
+                                          ("hidden_act", "gelu"), ("attention_bias", True)])
+def test_unsupported_config_field_is_named(field, value, tmp_path):
+    cfg = {**hf_config_dict(LLAMA), field: value}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=field):
+        ModelSpec.from_hf_config(path)
+
+
+def test_hf_config_round_trips_the_spec():
+    for spec in (LLAMA, QWEN):
+        back = model_from_hf_dict(hf_config_dict(spec), name=spec.name)
+        assert back == spec
+
+
+def test_unavailable_backend_is_a_user_error():
+    with pytest.raises(UserError, match="varlen is unavailable: it needs a CUDA device"):
+        resolve_backend("varlen", torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(UserError, match="unknown attention backend 'flash9'"):
+        resolve_backend("flash9", torch.device("cpu"), torch.float64)
+    assert resolve_backend("auto", torch.device("cpu"), torch.bfloat16) == "reference"
