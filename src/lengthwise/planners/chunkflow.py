@@ -93,7 +93,7 @@ GIB = 2**30
 
 @dataclass(kw_only=True)
 class ChunkSet:
-    """What Algorithm 1 builds from one global batch."""
+    """What Algorithm 1 builds from one pipeline's share of the batch."""
 
     groups: list[list[Chunk]]
     """Dependent chunks: the pieces of each sequence longer than ChunkSize, in sequence order."""
@@ -103,7 +103,7 @@ class ChunkSet:
     """ceil(tokens of the short sequences / ChunkSize): no packing needs fewer standalone chunks."""
 
 
-# ---- step 1: chunk construction (chunkflow §4.1, Algorithm 1) ----
+# ---- step 2: chunk construction (chunkflow §4.1, Algorithm 1), per pipeline ----
 
 def split_sequence(seq_id: int, length: int, chunk_size: int) -> list[Chunk]:
     """Pieces [0, C), [C, 2C), ... of one long sequence; the last one holds the remainder."""
@@ -127,7 +127,7 @@ def construct_chunks(seq_ids: list[int], lengths: list[int], chunk_size: int) ->
                     packed_lower_bound=-(-short_tokens // chunk_size))
 
 
-# ---- step 2: the predicted seconds that placement balances ----
+# ---- step 1a: the predicted seconds that placement balances ----
 
 def pass_seconds(chunk: Chunk, request: PlanRequest) -> tuple[float, float]:
     """(forward, backward) seconds of a chunk through the whole model, LM head included."""
@@ -170,7 +170,7 @@ def packed_rate(request: PlanRequest, chunk_size: int) -> PackedRate:
     return PackedRate(per_token=per_token, per_key=per_key)
 
 
-# ---- step 3: placement over data-parallel pipelines ----
+# ---- step 1b: placement over data-parallel pipelines ----
 
 def balance_units(seconds: list[float], dp: int) -> list[list[int]]:
     """Units onto dp pipelines by LPT; when LPT's heaviest pipeline is over 1% above the lower
