@@ -1,0 +1,323 @@
+"""SlimPack (slimpack.txt §4-§5): MicroPacks of equal FLOPs, asymmetric backward grouping,
+DP-Merge for outliers, the MicroPack count chosen by simulation.
+
+    from lengthwise.planners import get_planner
+    plan = get_planner("slimpack")(request)                                  # sweep the MicroPack count
+    plan = get_planner("slimpack")(replace(request, options={"num_micropacks": 16}))
+
+    lengthwise plan --planner slimpack --profile github --batch-size 512 --context-length 131072 \\
+        --model llama2-7b --dp 8 --tp 4 --pp 4
+
+Steps, each a function here or in a slimpack_* helper:
+
+1. Phase 1 (§4.1.1, slimpack_dp.py): each sample's forward FLOPs (cost.forward_flops of the
+   whole sequence, LM head included); samples onto DP ranks for equal forward FLOPs; a sample
+   heavier than a rank's share B = total / dp, or whose activations and K/V state overflow
+   one pipeline, is merged over several ranks (DP-Merge): one pipeline with cp multiplied by
+   the merged ranks, the outlier's segments SHARDED over them (the simulator charges
+   cost.cp_comm_time), every other sample of that pipeline kept whole on one CP rank (no CP
+   communication: §4.1.3 "other samples continue under the standard schedule").
+2. Phase 2 (§4.1.1, slimpack_cuts.py): per pipeline, samples in descending FLOPs cut into N
+   forward MicroPacks of equal forward FLOPs (Slim / Mix / Pack), boundaries exact to a token
+   by solving the slice-cost quadratic.
+3. Asymmetric partitioning (§4.1.2, slimpack_cuts.py): the same samples, FIFO across samples
+   and FILO within one, cut into N backward MicroPacks of equal backward FLOPs; each backward
+   segment is a whole forward segment or a sub-range of one. The plan carries them as
+   PipelinePlan.backward_chunks.
+4. PackFlow schedule (§4.2, slimpack_schedule.py): 1F1B over the forward MicroPacks and the
+   backward units, forwards injected where a unit's slices have not all run forward.
+5. MicroPack count (§5.1, §4.3): N on a log-spaced sweep from pp to max_micropacks (ratio
+   sqrt 2, rounded, duplicates dropped: the integer steps are dense where the budget changes
+   fastest); every candidate is simulated (lengthwise.sim), and each pipeline keeps the N that
+   finishes it soonest among those whose simulated peak memory fits (§4.1.1: "each DP replica
+   may choose a different N").
+
+Options (request.options):
+
+- `num_micropacks`: MicroPacks per pipeline (int); default None sweeps (step 5).
+- `max_micropacks`: top of the sweep (int), default 32 * pp.
+- `asymmetric`: regroup the backward (bool, default True); False runs each forward MicroPack's
+  own backward under plain 1F1B (the ablation of §6.3).
+- `dp_merge`: merge ranks for outliers (bool, default True).
+- `schedule`: "steady", "lean" (slimpack_schedule.py) or "auto" (default: steady, and lean for
+  the pipelines the steady schedule fits at no MicroPack count).
+
+Metrics added to plan.metrics: micropacks (per pipeline), forward_budget_flops and
+backward_budget_flops (per pipeline), forms (Slim / Mix / Pack counts), dp_merge (merged
+outliers), micropack_rsd (relative standard deviation of MicroPack forward and backward seconds
+and of tokens, as infinipipe table 2 reports), and with the sweep: sweep (every candidate's
+simulated step time and peak), predicted_step_time_s.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from lengthwise.cost.model import split_layers
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
+from lengthwise.planners.base import PlanRequest, finish_plan, positive_int_option, take_options
+from lengthwise.planners.chunkflow import check_lengths
+from lengthwise.planners.slimpack_cuts import (
+    PrefixCost, Stream, backward_cuts, backward_units, check_backward_units, forward_chunks, forward_cuts,
+    micropack_form, place_segments,
+)
+from lengthwise.planners.slimpack_dp import RankGroup, assign_ranks, memory_ranks
+from lengthwise.planners.slimpack_schedule import packflow_schedule
+
+DEFAULTS = {"num_micropacks": None, "max_micropacks": None, "asymmetric": True, "dp_merge": True,
+            "schedule": "auto"}
+SCHEDULES = ("auto", "steady", "lean")
+HOLD_SHARE = 0.75
+"""Share of a stage's free memory (after model states) that one sample's activations, K/V state
+and K/V gradients may take; a sample needing more is merged over ranks. The rest is left to the
+1F1B warm-up MicroPacks in flight beside it."""
+SWEEP_RATIO = 2 ** 0.5
+GIB = 2**30
+
+
+# ---- costs ----
+
+def flops_models(request: PlanRequest) -> tuple[PrefixCost, PrefixCost]:
+    """(forward, backward) prefix-cost models of the whole model, LM head included."""
+    layers = request.model.num_layers
+    return (PrefixCost.from_cost(request.cost, layers=layers, backward=False),
+            PrefixCost.from_cost(request.cost, layers=layers, backward=True))
+
+
+def memory_share_per_token(request: PlanRequest, hold: float) -> float:
+    """Share of a stage's free memory (`hold` of capacity, less model states) one token of a sample
+    takes while the whole sample is in flight (activations, K/V state and K/V gradients), on the
+    tightest stage."""
+    s, cost = request.scheme, request.cost
+    worst = 0.0
+    for stage, n in enumerate(split_layers(request.model.num_layers, s.pp)):
+        first, last = stage == 0, stage == s.pp - 1
+        states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp, zero=s.zero, first=first, last=last)
+        free = cost.capacity_bytes * hold - states
+        if free <= 0:
+            raise UserError(f"stage {stage} model states take {states / GIB:.1f} GiB, more than {hold:.0%} "
+                            f"of the {cost.capacity_bytes / GIB:.1f} GiB usable: raise --tp/--pp or the ZeRO stage")
+        per_token = (cost.activation_bytes_per_token(layers=n, tp=s.tp, head=last)
+                     + 2 * cost.kv_bytes(1, layers=n, tp=s.tp))
+        worst = max(worst, per_token / (free * s.cp))
+    return worst
+
+
+# ---- one pipeline ----
+
+def stream_order(group: RankGroup, flops: np.ndarray) -> list[int]:
+    """§4.2: a replica's samples in descending forward FLOPs (ties by id)."""
+    return sorted(group.seq_ids, key=lambda i: (-flops[i], i))
+
+
+def cp_placement(chunks: list[Chunk], group: RankGroup, g: PrefixCost, scheme_cp: int) -> dict[int, int]:
+    """CP rank of every non-outlier sequence of a merged pipeline: per MicroPack, unplaced
+    sequences go largest first to the least-loaded rank; a sequence keeps its rank in every
+    MicroPack it spans (its K/V context stays local). Empty (all SHARDED) unless merged over a
+    scheme without CP."""
+    if group.ranks == 1 or scheme_cp > 1:
+        return {}
+    outliers, rank_of = set(group.outliers), {}
+    for chunk in chunks:
+        loads = [0.0] * group.ranks
+        segs = [s for s in chunk.segments if s.seq_id not in outliers]
+        for s in sorted(segs, key=lambda s: (s.seq_id not in rank_of, -g.slice(s.start, s.stop), s.seq_id)):
+            r = rank_of.setdefault(s.seq_id, min(range(group.ranks), key=lambda k: (loads[k], k)))
+            loads[r] += float(g.slice(s.start, s.stop))
+    return rank_of
+
+
+def build_pipeline(request: PlanRequest, group: RankGroup, count: int, models, flops: np.ndarray,
+                   asymmetric: bool, lean: bool = False) -> PipelinePlan:
+    """Phase 2, asymmetric partitioning and the PackFlow schedule for one pipeline."""
+    from lengthwise.plan.schedules import make_schedule
+
+    gf, gb = models
+    s = request.scheme
+    stream = Stream.of(stream_order(group, flops), request.lengths)
+    count = max(1, min(count, stream.total_tokens))
+    fcuts = forward_cuts(stream, gf, count)
+    chunks = forward_chunks(stream, fcuts)
+    rank_of = cp_placement(chunks, group, gf, s.cp)
+    chunks = place_segments(chunks, rank_of)
+    cp = s.cp * group.ranks
+    if not asymmetric:
+        return PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, s.pp), tp=s.tp, cp=cp,
+                            schedule="1f1b")
+    units = place_segments(backward_units(stream, backward_cuts(stream, gb, count), fcuts), rank_of)
+    check_backward_units(chunks, units)
+    return PipelinePlan(chunks=chunks, stages=packflow_schedule(chunks, units, s.pp, lean=lean), tp=s.tp,
+                        cp=cp, backward_chunks=units, schedule="packflow-1f1b" + ("-lean" if lean else ""))
+
+
+# ---- the MicroPack count ----
+
+def sweep_counts(pp: int, top: int) -> list[int]:
+    """§5.1: pp, pp * sqrt2, pp * 2, ... rounded, up to `top` (included), duplicates dropped."""
+    counts, k = [], 0
+    while True:
+        n = int(round(pp * SWEEP_RATIO**k))
+        if n > top:
+            break
+        if n not in counts:
+            counts.append(n)
+        k += 1
+    return counts + ([top] if top not in counts else [])
+
+
+def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asymmetric, lean) -> list[dict]:
+    """Every pipeline at every candidate count, simulated: per candidate its pipelines, per-pipeline
+    makespan and peak memory, and the whole step."""
+    from lengthwise.sim import simulate_plan
+
+    out = []
+    for n in counts:
+        pipes = [build_pipeline(request, g, n, models, flops, asymmetric, lean) for g in groups]
+        result = simulate_plan(bare_plan(request, pipes), request.cost)
+        out.append({"count": n, "lean": lean, "pipelines": pipes, "makespan": result.pipeline_makespan,
+                    "peak": [max(row) for row in result.peak_memory], "step_time_s": result.step_time_s,
+                    "fits": bool(result.fits)})
+    return out
+
+
+def choose_per_pipeline(candidates: list[dict], capacity: float) -> list[int]:
+    """Per pipeline, the candidate index that finishes it soonest within memory."""
+    chosen = []
+    for p in range(len(candidates[0]["pipelines"])):
+        fitting = [k for k, c in enumerate(candidates) if c["peak"][p] <= capacity]
+        if not fitting:
+            best = min(candidates, key=lambda c: c["peak"][p])
+            raise UserError(
+                f"slimpack: pipeline {p} fits no MicroPack count of {sorted({c['count'] for c in candidates})}: its "
+                f"smallest simulated peak is {best['peak'][p] / GIB:.1f} GiB at {best['count']} MicroPacks > "
+                f"{capacity / GIB:.1f} GiB capacity: raise max_micropacks, --tp or --pp"
+            )
+        chosen.append(min(fitting, key=lambda k: (candidates[k]["makespan"][p], k)))
+    return chosen
+
+
+def bare_plan(request: PlanRequest, pipes: list[PipelinePlan]) -> StepPlan:
+    return StepPlan(planner="slimpack", model=request.model, cluster=request.cluster,
+                    lengths=list(request.lengths), pipelines=pipes, zero=request.scheme.zero)
+
+
+# ---- metrics ----
+
+def rsd(values) -> float:
+    """Relative standard deviation, percent."""
+    v = np.asarray(values, dtype=np.float64)
+    return float(100.0 * v.std() / v.mean()) if len(v) and v.mean() > 0 else 0.0
+
+
+def mean_rsd(rows: list[list[float]]) -> float:
+    return float(np.mean([rsd(r) for r in rows])) if rows else 0.0
+
+
+def micropack_metrics(request: PlanRequest, pipes: list[PipelinePlan], models) -> dict:
+    gf, gb = models
+    cost, layers = request.cost, request.model.num_layers
+    fwd_t = [[cost.forward_time(c, layers=layers, tp=p.tp, cp=p.cp, head=True) for c in p.chunks] for p in pipes]
+    bwd_t = [[cost.backward_time(u, layers=layers, tp=p.tp, cp=p.cp, head=True) for u in p.bwd_units] for p in pipes]
+    tokens = [[c.num_tokens for c in p.chunks] for p in pipes]
+    forms = [micropack_form(c, request.lengths) for p in pipes for c in p.chunks]
+
+    def budget(p: PipelinePlan, g: PrefixCost, units: list[Chunk]) -> float:
+        return sum(float(g.slice(s.start, s.stop)) for c in units for s in c.segments) / len(units)
+
+    return {
+        "micropacks": [len(p.chunks) for p in pipes],
+        "forward_budget_flops": [budget(p, gf, p.chunks) for p in pipes],
+        "backward_budget_flops": [budget(p, gb, p.bwd_units) for p in pipes],
+        "forms": {f: forms.count(f) for f in ("slim", "mix", "pack")},
+        # within each pipeline (budgets differ between pipelines), averaged over pipelines
+        "micropack_rsd": {"forward_time_pct": mean_rsd(fwd_t), "backward_time_pct": mean_rsd(bwd_t),
+                          "tokens_pct": mean_rsd(tokens)},
+    }
+
+
+def merge_metrics(groups: list[RankGroup], scheme_cp: int) -> list[dict]:
+    return [{"seq_ids": g.outliers, "ranks": g.ranks, "cp": g.ranks * scheme_cp} for g in groups if g.ranks > 1]
+
+
+# ---- the planner ----
+
+def read_options(request: PlanRequest) -> dict:
+    opts = take_options(request, "slimpack", DEFAULTS)
+    for name in ("asymmetric", "dp_merge"):
+        if not isinstance(opts[name], bool):
+            raise UserError(f"slimpack option {name} must be true or false, got {opts[name]!r}")
+    if opts["schedule"] not in SCHEDULES:
+        raise UserError(f"slimpack option schedule must be one of {', '.join(SCHEDULES)}, got {opts['schedule']!r}")
+    pp = request.scheme.pp
+    top = positive_int_option(opts, "max_micropacks") or 32 * pp
+    if top < pp:
+        raise UserError(f"slimpack option max_micropacks={top} is below pp={pp}: a pipeline needs at least "
+                        "one MicroPack per stage to fill")
+    return {**opts, "num_micropacks": positive_int_option(opts, "num_micropacks"), "max_micropacks": top}
+
+
+def plan_groups(request: PlanRequest, models, merge: bool) -> tuple[list[RankGroup], np.ndarray]:
+    """Phase 1: forward FLOPs per sample and the rank groups (DP-Merge included)."""
+    lengths = np.asarray(request.lengths, dtype=np.int64)
+    flops = models[0].of(lengths)
+    want = memory_ranks(lengths, memory_share_per_token(request, HOLD_SHARE))
+    floor = memory_ranks(lengths, memory_share_per_token(request, 1.0))
+    groups = assign_ranks(flops, want, floor, request.scheme.dp, merge=merge)
+    return [g for g in groups if g.seq_ids], flops
+
+
+def plan_slimpack(request: PlanRequest) -> StepPlan:
+    """SlimPack for one global batch (slimpack §4-§5); options in the module docstring."""
+    started = time.perf_counter()
+    opts = read_options(request)
+    check_lengths(request)
+    s = request.scheme
+    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
+    models = flops_models(request)
+    groups, flops = plan_groups(request, models, opts["dp_merge"])
+    extra: dict = {}
+    if opts["num_micropacks"] is not None:
+        lean = opts["schedule"] == "lean"
+        pipes = [build_pipeline(request, g, opts["num_micropacks"], models, flops, opts["asymmetric"], lean)
+                 for g in groups]
+    else:
+        pipes, extra = sweep(request, groups, models, flops, opts)
+    plan = finish_plan(request, pipes, planner="slimpack", started=started, options=opts)
+    plan.metrics.update(micropack_metrics(request, pipes, models))
+    plan.metrics["dp_merge"] = merge_metrics(groups, s.cp)
+    plan.metrics.update(extra)
+    plan.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
+    return plan
+
+
+def sweep(request: PlanRequest, groups, models, flops, opts) -> tuple[list[PipelinePlan], dict]:
+    """Step 5: simulate every candidate count (the lean schedule too where the steady one fits
+    no count, or when asked for), keep per pipeline the fastest candidate that fits."""
+    counts = sweep_counts(request.scheme.pp, opts["max_micropacks"])
+    capacity = request.cost.capacity_bytes
+    candidates: list[dict] = []
+    for lean in schedule_variants(opts):
+        candidates += simulate_candidates(request, groups, counts, models, flops, opts["asymmetric"], lean)
+        if all(any(c["peak"][p] <= capacity for c in candidates) for p in range(len(groups))):
+            break
+    chosen = choose_per_pipeline(candidates, capacity)
+    pipes = [candidates[k]["pipelines"][p] for p, k in enumerate(chosen)]
+    if len(set(chosen)) == 1:
+        predicted = candidates[chosen[0]]["step_time_s"]
+    else:
+        from lengthwise.sim import simulate_plan
+
+        predicted = simulate_plan(bare_plan(request, pipes), request.cost).step_time_s
+    table = [{"micropacks": c["count"], "lean": c["lean"], "step_time_s": c["step_time_s"], "fits": c["fits"],
+              "peak_memory_gib": max(c["peak"]) / GIB} for c in candidates]
+    return pipes, {"sweep": table, "predicted_step_time_s": predicted}
+
+
+def schedule_variants(opts: dict) -> list[bool]:
+    """`lean` flags to try in order: steady first under "auto" (lean only matters when asymmetric)."""
+    if not opts["asymmetric"]:
+        return [False]
+    return {"auto": [False, True], "steady": [False], "lean": [True]}[opts["schedule"]]

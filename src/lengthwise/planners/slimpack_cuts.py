@@ -1,0 +1,201 @@
+"""SlimPack MicroPacks: one rank's samples cut into forward MicroPacks of equal forward FLOPs and
+backward MicroPacks of equal backward FLOPs (slimpack.txt §4.1.1 Phase 2, §4.1.2, §4.2).
+
+The stream. A rank's samples are laid end to end in descending forward FLOPs (§4.2) and the
+stream is cut into N pieces of equal forward FLOPs. A piece holds a slice of one long sample
+(*Slim*), a sample's tail slice plus whole or sliced others (*Mix*), or only whole samples
+(*Pack*); every sample's slices stay in order, and a sample spans as many MicroPacks as its
+FLOPs need.
+
+Exact boundaries. Tokens [0, x) of one sequence cost G(x) = lin * x + attn * x(x+1)/2 FLOPs
+(the linear layers and LM head per token, attention per causal (query, key) pair; infinipipe
+eq. 1 gives a slice [a, b) the difference G(b) - G(a)). The cut for a cumulative target T lands
+in the sample whose cumulative range holds T, at the root of the quadratic G(x) = T - (FLOPs of
+the samples before it), rounded to the nearest token. Targets are k * total / N, so rounding
+never accumulates: every MicroPack is within one token's FLOPs (at its two cuts) of the budget.
+
+Backward (§4.1.2, §4.2). The backward stream visits the same samples in the same order (FIFO
+across samples) but each sample from its last token down to its first (FILO within a sample:
+a slice's K/V gradients come from the later slices). It is cut at equal backward FLOPs the same
+way, with G_b (attention 2.5x, GEMMs 2x the forward). The rule every backward unit keeps, and
+`check_backward_units` enforces: each of its segments is a whole forward segment or a sub-range
+of one (same sequence, same CP placement), so a backward unit reads the activations of whole
+forward MicroPacks and never stitches one segment out of two. A unit may hold several adjacent
+segments of one sequence (one per forward MicroPack it reaches into); they are listed in token
+order.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import SHARDED, Chunk, Segment
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefixCost:
+    """FLOPs of a sequence's first x tokens: G(x) = lin * x + attn * x(x+1)/2 (whole model)."""
+
+    lin: float
+    """FLOPs per token: GEMMs of every layer plus the LM head."""
+    attn: float
+    """FLOPs per causal (query, key) pair, all layers."""
+
+    @classmethod
+    def from_cost(cls, cost, *, layers: int, backward: bool) -> PrefixCost:
+        """Two one-token probes of the cost model: [0, 1) has 1 pair, [1, 2) has 2 pairs."""
+        flops = cost.backward_flops if backward else cost.forward_flops
+        first = flops(Chunk((Segment(0, 0, 1),)), layers=layers, head=True)
+        second = flops(Chunk((Segment(0, 1, 2),)), layers=layers, head=True)
+        return cls(lin=2.0 * first - second, attn=second - first)
+
+    def of(self, x):
+        """G(x), for numbers or arrays of token counts."""
+        x = np.asarray(x, dtype=np.float64)
+        return self.lin * x + self.attn * x * (x + 1.0) / 2.0
+
+    def slice(self, start, stop):
+        """FLOPs of tokens [start, stop) with context [0, start)."""
+        return self.of(stop) - self.of(start)
+
+    def inverse(self, y):
+        """The real x >= 0 with G(x) = y: root of attn/2 x^2 + (lin + attn/2) x - y = 0, written
+        2y / (beta + sqrt(beta^2 + 2 attn y)) so it stays exact when attn is tiny."""
+        y = np.maximum(np.asarray(y, dtype=np.float64), 0.0)
+        beta = self.lin + self.attn / 2.0
+        return 2.0 * y / (beta + np.sqrt(beta * beta + 2.0 * self.attn * y))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stream:
+    """One rank's samples laid end to end, in the order they run."""
+
+    seq_ids: np.ndarray
+    """int64 [S] sequence ids in stream order."""
+    lengths: np.ndarray
+    """int64 [S] their lengths, tokens."""
+    offsets: np.ndarray
+    """int64 [S + 1] stream position of each sample's first token (and the total at the end)."""
+
+    @classmethod
+    def of(cls, seq_ids: list[int], lengths: list[int]) -> Stream:
+        lens = np.asarray([lengths[i] for i in seq_ids], dtype=np.int64)
+        return cls(seq_ids=np.asarray(seq_ids, dtype=np.int64), lengths=lens,
+                   offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+
+def _cut_targets(whole: np.ndarray, pieces: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Equal-FLOPs targets k * total / pieces (k = 1..pieces-1): the sample each lands in and
+    the FLOPs left over inside that sample."""
+    cum = np.concatenate([[0.0], np.cumsum(whole)])
+    targets = cum[-1] * np.arange(1, pieces) / pieces
+    j = np.clip(np.searchsorted(cum, targets, side="right") - 1, 0, len(whole) - 1)
+    return j, targets - cum[j], cum
+
+
+def forward_cuts(stream: Stream, g: PrefixCost, pieces: int) -> np.ndarray:
+    """Stream positions [0, p_1, ..., total]: forward MicroPack k is [p_k, p_k+1)."""
+    j, rest, _ = _cut_targets(g.of(stream.lengths), pieces)
+    x = np.clip(np.rint(g.inverse(rest)), 0, stream.lengths[j]).astype(np.int64)
+    return np.concatenate([[0], stream.offsets[j] + x, [stream.total_tokens]])
+
+
+def backward_cuts(stream: Stream, g: PrefixCost, pieces: int) -> np.ndarray:
+    """Backward-stream positions [0, q_1, ..., total]; position offset_j + r is token
+    length_j - r of sample j (each sample is walked from its end)."""
+    whole = g.of(stream.lengths)
+    j, rest, _ = _cut_targets(whole, pieces)
+    x = np.clip(np.rint(g.inverse(whole[j] - rest)), 0, stream.lengths[j]).astype(np.int64)
+    return np.concatenate([[0], stream.offsets[j] + stream.lengths[j] - x, [stream.total_tokens]])
+
+
+def _overlaps(stream: Stream, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """(sample j, a, b): the part [a, b) of sample j's own positions inside stream range [lo, hi)."""
+    out = []
+    j = int(np.searchsorted(stream.offsets, lo, side="right")) - 1
+    while j < len(stream.lengths) and stream.offsets[j] < hi:
+        off = int(stream.offsets[j])
+        a, b = max(lo, off) - off, min(hi, off + int(stream.lengths[j])) - off
+        if b > a:
+            out.append((j, a, b))
+        j += 1
+    return out
+
+
+def forward_chunks(stream: Stream, cuts: np.ndarray) -> list[Chunk]:
+    """Forward MicroPacks from the cut positions (empty ones dropped)."""
+    chunks = []
+    for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+        segs = tuple(Segment(int(stream.seq_ids[j]), a, b) for j, a, b in _overlaps(stream, lo, hi))
+        if segs:
+            chunks.append(Chunk(segs))
+    return chunks
+
+
+def _forward_bounds(stream: Stream, fcuts: np.ndarray) -> list[list[int]]:
+    """Per sample: the token positions where its forward segments end inside it."""
+    bounds: list[list[int]] = [[] for _ in stream.lengths]
+    for p in fcuts.tolist():
+        j = int(np.searchsorted(stream.offsets, p, side="right")) - 1
+        if 0 <= j < len(stream.lengths) and stream.offsets[j] < p:
+            bounds[j].append(p - int(stream.offsets[j]))
+    return bounds
+
+
+def backward_units(stream: Stream, bcuts: np.ndarray, fcuts: np.ndarray) -> list[Chunk]:
+    """Backward MicroPacks from backward-stream cuts, each token range split at the forward
+    MicroPack boundaries so every backward segment lies in one forward segment."""
+    bounds = _forward_bounds(stream, fcuts)
+    units = []
+    for lo, hi in zip(bcuts[:-1].tolist(), bcuts[1:].tolist()):
+        segs = []
+        for j, ra, rb in _overlaps(stream, lo, hi):
+            n = int(stream.lengths[j])
+            start, stop = n - rb, n - ra  # reversed walk: backward positions -> tokens
+            edges = [start] + [e for e in bounds[j] if start < e < stop] + [stop]
+            segs += [Segment(int(stream.seq_ids[j]), a, b) for a, b in zip(edges[:-1], edges[1:])]
+        if segs:
+            units.append(Chunk(tuple(segs)))
+    return units
+
+
+def place_segments(chunks: list[Chunk], rank_of: dict[int, int]) -> list[Chunk]:
+    """The chunks with each segment's cp_rank set from rank_of (SHARDED when absent)."""
+    return [Chunk(tuple(Segment(s.seq_id, s.start, s.stop, rank_of.get(s.seq_id, SHARDED))
+                        for s in c.segments), c.pad_to) for c in chunks]
+
+
+def check_backward_units(chunks: list[Chunk], units: list[Chunk], *, where: str = "") -> None:
+    """UserError unless every backward segment is a whole forward segment or a sub-range of one
+    with the same CP placement (the rule of this module's docstring). Coverage (each token once)
+    is validate_plan's; this checks only the nesting."""
+    fwd: dict[int, list[tuple[int, int, int]]] = {}
+    for ch in chunks:
+        for s in ch.segments:
+            fwd.setdefault(s.seq_id, []).append((s.start, s.stop, s.cp_rank))
+    for spans in fwd.values():
+        spans.sort()
+    for u, unit in enumerate(units):
+        for s in unit.segments:
+            spans = fwd.get(s.seq_id, [])
+            k = bisect.bisect_right(spans, (s.start, float("inf"), 0)) - 1
+            if k < 0 or not (spans[k][0] <= s.start and s.stop <= spans[k][1] and spans[k][2] == s.cp_rank):
+                raise UserError(f"{where}backward unit {u}: segment {s} is not inside one forward segment "
+                                f"of sequence {s.seq_id} with the same CP placement: a backward unit may only "
+                                "hold whole forward segments or sub-ranges of one")
+
+
+def micropack_form(chunk: Chunk, lengths: list[int]) -> str:
+    """'pack' (whole samples only), 'slim' (one slice of one sample) or 'mix' (§4 forms)."""
+    whole = [s.start == 0 and s.stop == lengths[s.seq_id] for s in chunk.segments]
+    if all(whole):
+        return "pack"
+    return "slim" if len(chunk.segments) == 1 else "mix"

@@ -1,0 +1,108 @@
+"""SlimPack Phase 1 and DP-Merge (slimpack.txt §4.1.1): samples onto data-parallel ranks for
+equal forward FLOPs, merging ranks for outliers.
+
+Every DP rank gets the same forward-FLOPs capacity B = total / dp (§4.1.1 Phase 1). A sample
+whose FLOPs exceed B cannot be balanced by any placement: it is an *outlier*, and DP-Merge
+gives it ceil(F / B) ranks that run as one pipeline with context parallelism of that degree
+(§4.1.1 "DP-Merge"), so its per-GPU FLOPs drop to F / m. A sample whose whole activations and
+K/V state (held from its first slice's forward to its first slice's backward, §4.2) overflow
+one pipeline is a memory outlier and is merged over as many ranks as its memory needs
+(§4.1.1: memory and compute outliers need not coincide).
+
+Placement. Outliers take their ranks first, largest first, each leaving at least one rank to
+every outlier after it. The other samples then go, largest first, onto the rank group with the
+lowest load per merged rank after adding them (LPT weighted by group size). Without outliers
+every group is one rank and the better of Karmarkar-Karp and LPT is kept (packing_utils).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lengthwise.errors import UserError
+from lengthwise.planners.packing_utils import greedy_balance, karmarkar_karp
+
+
+@dataclass(kw_only=True)
+class RankGroup:
+    """Data-parallel ranks that run one pipeline: one rank, or several merged by DP-Merge."""
+
+    ranks: int
+    """DP ranks merged into this pipeline (its context-parallel degree multiplies by this)."""
+    outliers: list[int] = field(default_factory=list)
+    """Sequence ids sharded over the merged ranks (context parallelism)."""
+    seq_ids: list[int] = field(default_factory=list)
+    """Every sequence this pipeline runs, outliers included."""
+
+    def load(self, flops: np.ndarray) -> float:
+        return float(flops[self.seq_ids].sum()) if self.seq_ids else 0.0
+
+
+def merge_sizes(flops: np.ndarray, mem_want: np.ndarray, mem_floor: np.ndarray, dp: int) -> list[tuple[int, int]]:
+    """(sequence id, ranks) of every outlier, largest FLOPs first (DP-Merge, §4.1.1).
+
+    `mem_want`: ranks a sample should merge over to leave room beside it for other MicroPacks;
+    `mem_floor`: ranks it cannot do without (all of a GPU's free memory for it alone)."""
+    capacity = flops.sum() / dp
+    want = np.maximum(np.ceil(flops / capacity - 1e-9).astype(np.int64), mem_want)
+    outliers = sorted(np.flatnonzero(want > 1).tolist(), key=lambda i: (-flops[i], i))
+    out, left = [], dp
+    for k, i in enumerate(outliers):
+        cap = left - (len(outliers) - k - 1)  # every later outlier keeps at least one rank
+        m = int(min(want[i], cap))
+        if mem_floor[i] > m:
+            raise UserError(
+                f"sequence {i} needs {mem_floor[i]} merged DP ranks to hold its activations and K/V "
+                f"state but only {max(cap, 0)} of dp={dp} can merge for it: raise --dp, --tp or --pp"
+            )
+        out.append((i, m))
+        left -= m
+    return [(i, m) for i, m in out if m > 1]
+
+
+def assign_ranks(flops: np.ndarray, mem_want: np.ndarray, mem_floor: np.ndarray, dp: int, *,
+                 merge: bool) -> list[RankGroup]:
+    """Phase 1: rank groups with their sequences (outliers merged when `merge`)."""
+    if not merge and (mem_floor > 1).any():
+        i = int(np.argmax(mem_floor))
+        raise UserError(f"sequence {i} needs {mem_floor[i]} merged DP ranks to hold its activations and "
+                        "K/V state: enable dp_merge or raise --tp/--pp")
+    outliers = merge_sizes(flops, mem_want, mem_floor, dp) if merge else []
+    if not outliers:
+        return [RankGroup(ranks=1, seq_ids=sorted(g)) for g in _balanced(flops.tolist(), dp)]
+    groups = [RankGroup(ranks=m, outliers=[i], seq_ids=[i]) for i, m in outliers]
+    groups += [RankGroup(ranks=1) for _ in range(dp - sum(m for _, m in outliers))]
+    taken = {i for i, _ in outliers}
+    rest = sorted((i for i in range(len(flops)) if i not in taken), key=lambda i: (-flops[i], i))
+    _weighted_lpt(groups, rest, flops)
+    for g in groups:
+        g.seq_ids.sort()
+    return groups
+
+
+def _balanced(sizes: list[float], dp: int) -> list[list[int]]:
+    """Karmarkar-Karp or LPT, whichever leaves the heaviest rank lighter."""
+    if dp == 1:
+        return [list(range(len(sizes)))]
+
+    def heaviest(parts: list[list[int]]) -> float:
+        return max(sum(sizes[i] for i in p) for p in parts)
+
+    return min(karmarkar_karp(sizes, dp), greedy_balance(sizes, dp), key=heaviest)
+
+
+def _weighted_lpt(groups: list[RankGroup], seq_ids: list[int], flops: np.ndarray) -> None:
+    """Largest first onto the group whose load per merged rank stays lowest."""
+    loads = [g.load(flops) for g in groups]
+    for i in seq_ids:
+        g = min(range(len(groups)), key=lambda k: ((loads[k] + flops[i]) / groups[k].ranks, k))
+        groups[g].seq_ids.append(i)
+        loads[g] += float(flops[i])
+
+
+def memory_ranks(lengths: np.ndarray, share_per_token: float) -> np.ndarray:
+    """Per sequence: merged ranks needed so that its whole activations and K/V state fit, given
+    the share of a stage's free memory one token takes on the tightest stage (CP divides it)."""
+    return np.maximum(1, np.ceil(lengths * share_per_token - 1e-9)).astype(np.int64)

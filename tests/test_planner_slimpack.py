@@ -1,0 +1,302 @@
+"""The slimpack planner (slimpack.txt §4-§5): Phase 1 balance and DP-Merge, equal-FLOPs forward
+and backward MicroPacks with exact slice boundaries, the backward nesting rule, FIFO/FILO order,
+the PackFlow schedule and the simulated sweep over the MicroPack count."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lengthwise.cost import CostModel
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import BACKWARD, FORWARD, SHARDED, Chunk, Segment, StepPlan
+from lengthwise.plan.schedules import check_schedule
+from lengthwise.plan.validate import validate_plan
+from lengthwise.planners import PlanRequest, get_planner
+from lengthwise.planners.slimpack import flops_models, sweep_counts
+from lengthwise.planners.slimpack_cuts import PrefixCost, check_backward_units
+from lengthwise.sim import simulate_plan
+from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
+from lengthwise.workloads import get_profile
+
+K = 1024
+
+
+def request(lengths, *, dp=2, tp=1, pp=2, context=64 * K, model="qwen2.5-0.5b", **options):
+    scheme = ParallelScheme(dp=dp, tp=tp, pp=pp)
+    cluster = cluster_preset("h100", scheme.num_gpus)
+    cost = CostModel(model=MODEL_PRESETS[model], cluster=cluster)
+    return PlanRequest(lengths=list(lengths), model=cost.model, cluster=cluster, scheme=scheme,
+                       cost=cost, context_length=context, options=options)
+
+
+def plan(lengths, **kw) -> tuple[StepPlan, PlanRequest]:
+    req = request(lengths, **kw)
+    out = get_planner("slimpack")(req)
+    validate_plan(out, req.cost)
+    for pipe in out.pipelines:
+        if pipe.backward_chunks is not None:
+            check_backward_units(pipe.chunks, pipe.backward_chunks)
+    return out, req
+
+
+def sample(profile, n, context, seed=0):
+    return [int(x) for x in get_profile(profile).sample(n, np.random.default_rng(seed), below=context + 1)]
+
+
+def one_token_flops(g: PrefixCost, lengths) -> float:
+    """FLOPs of the most expensive single token of the batch: the tolerance of a cut."""
+    return float(g.slice(max(lengths) - 1, max(lengths)))
+
+
+# ---- exact slice boundaries ----
+
+def test_prefix_cost_matches_the_cost_model_on_any_slice():
+    req = request([1])
+    gf, gb = flops_models(req)
+    layers = req.model.num_layers
+    for start, stop in [(0, 1), (0, 4096), (1000, 1001), (12_345, 65_536), (500_000, 1_048_576)]:
+        chunk = Chunk((Segment(0, start, stop),))
+        assert gf.slice(start, stop) == pytest.approx(req.cost.forward_flops(chunk, layers=layers, head=True), rel=1e-12)
+        assert gb.slice(start, stop) == pytest.approx(req.cost.backward_flops(chunk, layers=layers, head=True), rel=1e-12)
+
+
+def test_slice_end_solves_the_quadratic_exactly():
+    gf, _ = flops_models(request([1]))
+    x = np.array([0, 1, 2, 17, 4096, 100_000, 1_048_576], dtype=np.float64)
+    assert np.allclose(gf.inverse(gf.of(x)), x, rtol=0, atol=1e-6 * np.maximum(x, 1))
+
+
+# ---- validity on random and adversarial batches ----
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 60_000), min_size=1, max_size=40), dp=st.sampled_from([1, 2, 3]),
+       pp=st.sampled_from([1, 2, 4]), count=st.integers(1, 24), asymmetric=st.booleans())
+def test_every_plan_validates(lengths, dp, pp, count, asymmetric):
+    out, _ = plan(lengths, dp=dp, tp=2, pp=pp, context=60_000, num_micropacks=count, asymmetric=asymmetric)
+    assert sum(p.num_gpus for p in out.pipelines) <= dp * 2 * pp
+
+
+def million_token_outlier_plan():
+    lengths = [1 << 20] + sample("github", 127, 32 * K, seed=3)
+    return plan(lengths, dp=8, tp=4, pp=4, context=1 << 20, model="llama2-7b", max_micropacks=32)
+
+
+def test_single_million_token_outlier_is_merged_over_ranks_and_sharded():
+    out, req = million_token_outlier_plan()
+    merged = [p for p in out.pipelines if p.cp > 1]
+    assert len(merged) == 1 and merged[0].num_gpus == merged[0].cp * 4 * 4
+    assert out.num_gpus == 128
+    segs = [s for c in merged[0].chunks for s in c.segments]
+    assert all(s.cp_rank == SHARDED for s in segs if s.seq_id == 0)
+    assert all(s.cp_rank != SHARDED for s in segs if s.seq_id != 0)  # others stay whole on one CP rank
+    assert out.metrics["dp_merge"] == [{"seq_ids": [0], "ranks": merged[0].cp, "cp": merged[0].cp}]
+
+
+def test_merged_pipeline_is_charged_context_parallel_communication():
+    out, req = million_token_outlier_plan()
+    result = simulate_plan(out, req.cost)
+    tl = result.timeline
+    p = next(i for i, pipe in enumerate(out.pipelines) if pipe.cp > 1)
+    assert tl.comm[tl.tasks.pipeline == p].sum() > 0
+    assert result.fits
+
+
+def test_all_short_batch_packs_whole_samples_without_merging():
+    out, _ = plan(sample("tiny", 300, 512, seed=1), dp=2, pp=2, context=512, max_micropacks=16)
+    assert out.metrics["dp_merge"] == [] and all(p.cp == 1 for p in out.pipelines)
+    assert out.metrics["forms"]["slim"] == 0  # no sample outweighs a MicroPack's budget
+
+
+def test_bimodal_chatqa2_batch_validates_and_balances():
+    out, req = plan(sample("chatqa2", 128, 64 * K, seed=2), dp=4, pp=2, context=64 * K, max_micropacks=16)
+    flops = out.metrics["forward_flops_per_pipeline"]
+    assert max(flops) / min(flops) < 1.05
+
+
+def test_sequence_longer_than_the_context_is_a_user_error():
+    with pytest.raises(UserError, match="sequence 1 has 5000 tokens > context length 4096"):
+        plan([100, 5000], context=4096, num_micropacks=4)
+
+
+# ---- budgets: forward and backward MicroPacks of equal FLOPs ----
+
+def budget_errors(units: list[Chunk], g: PrefixCost) -> np.ndarray:
+    flops = np.array([sum(float(g.slice(s.start, s.stop)) for s in u.segments) for u in units])
+    return np.abs(flops - flops.sum() / len(flops))
+
+
+@pytest.mark.parametrize("profile,context", [("github", 128 * K), ("commoncrawl", 64 * K), ("chatqa2", 64 * K)])
+def test_forward_micropacks_hold_the_budget_to_one_token(profile, context):
+    lengths = sample(profile, 200, context, seed=4)
+    out, req = plan(lengths, dp=2, pp=4, context=context, model="llama2-7b", tp=4, num_micropacks=24)
+    gf, _ = flops_models(req)
+    for pipe in out.pipelines:
+        assert len(pipe.chunks) == 24
+        # every MicroPack, the last one included, within one token's FLOPs of the budget
+        assert budget_errors(pipe.chunks, gf).max() <= one_token_flops(gf, lengths)
+
+
+@pytest.mark.parametrize("profile,context", [("github", 128 * K), ("commoncrawl", 64 * K), ("chatqa2", 64 * K)])
+def test_backward_micropacks_hold_the_backward_budget_to_one_token(profile, context):
+    lengths = sample(profile, 200, context, seed=5)
+    out, req = plan(lengths, dp=2, pp=4, context=context, model="llama2-7b", tp=4, num_micropacks=24)
+    _, gb = flops_models(req)
+    for pipe in out.pipelines:
+        assert len(pipe.backward_chunks) == 24
+        assert budget_errors(pipe.backward_chunks, gb).max() <= one_token_flops(gb, lengths)
+
+
+def test_asymmetric_partitioning_balances_the_backward_that_forward_packs_skew():
+    lengths = sample("github", 200, 128 * K, seed=6)
+    out, req = plan(lengths, dp=1, pp=4, context=128 * K, model="llama2-7b", tp=8, num_micropacks=16)
+    _, gb = flops_models(req)
+    pipe = out.pipelines[0]
+    budget = sum(float(gb.slice(s.start, s.stop)) for c in pipe.chunks for s in c.segments) / 16
+    # the forward MicroPacks' own backward FLOPs spread far wider than the regrouped units'
+    assert budget_errors(pipe.chunks, gb).max() > 100 * budget_errors(pipe.backward_chunks, gb).max()
+    assert budget_errors(pipe.chunks, gb).max() > 0.01 * budget
+
+
+# ---- the backward grouping rule and order ----
+
+def test_backward_segments_nest_inside_forward_segments():
+    chunks = [Chunk((Segment(0, 0, 10),)), Chunk((Segment(0, 10, 20), Segment(1, 0, 5)))]
+    check_backward_units(chunks, [Chunk((Segment(0, 12, 20), Segment(1, 0, 5))), Chunk((Segment(0, 10, 12),)),
+                                  Chunk((Segment(0, 0, 10),))])
+    with pytest.raises(UserError, match="not inside one forward segment"):
+        check_backward_units(chunks, [Chunk((Segment(0, 5, 15),))])
+    with pytest.raises(UserError, match="same CP placement"):
+        check_backward_units(chunks, [Chunk((Segment(1, 0, 5, cp_rank=1),))])
+
+
+def test_backward_is_filo_within_a_sample_and_fifo_across_samples():
+    lengths = sample("github", 120, 128 * K, seed=7)
+    out, req = plan(lengths, dp=2, pp=2, context=128 * K, model="llama2-7b", tp=4, num_micropacks=20)
+    for pipe in out.pipelines:
+        first_fwd, first_bwd, starts = {}, {}, {}
+        for c, chunk in enumerate(pipe.chunks):
+            for s in chunk.segments:
+                first_fwd.setdefault(s.seq_id, c)
+        for u, unit in enumerate(pipe.backward_chunks):
+            for s in unit.segments:
+                first_bwd.setdefault(s.seq_id, u)
+                starts.setdefault(s.seq_id, []).append((u, s.start))
+        for seq, pairs in starts.items():  # a later unit never holds a later slice of the sample
+            ordered = sorted(pairs, key=lambda p: (p[0], -p[1]))
+            assert [p[1] for p in ordered] == sorted((p[1] for p in pairs), reverse=True)
+        by_fwd = sorted(first_fwd, key=lambda q: first_fwd[q])
+        assert [first_bwd[q] for q in by_fwd] == sorted(first_bwd[q] for q in by_fwd)
+
+
+def test_backward_unit_waits_for_all_forwards_of_its_samples():
+    out, _ = plan(sample("github", 80, 128 * K, seed=8), dp=1, pp=4, context=128 * K, model="llama2-7b", tp=4,
+                  num_micropacks=16)
+    pipe = out.pipelines[0]
+    last_fwd = {}
+    for c, chunk in enumerate(pipe.chunks):
+        for s in chunk.segments:
+            last_fwd[s.seq_id] = c
+    for acts in pipe.stages:
+        done = set()
+        for a in acts:
+            if a.kind == FORWARD:
+                done.add(a.chunk)
+            else:
+                seqs = {s.seq_id for s in pipe.backward_chunks[a.chunk].segments}
+                assert all(last_fwd[q] in done for q in seqs)
+    check_schedule(pipe.stages, pipe.chunks, pipe.backward_chunks)
+
+
+def test_lean_schedule_holds_fewer_forwards_in_flight_than_steady():
+    lengths = sample("github", 120, 128 * K, seed=9)
+
+    def most_in_flight(schedule):
+        out, _ = plan(lengths, dp=1, pp=4, context=128 * K, model="llama2-7b", tp=4, num_micropacks=32,
+                      schedule=schedule)
+        acts = out.pipelines[0].stages[0]
+        counts = np.cumsum([1 if a.kind == FORWARD else 0 for a in acts])
+        backs = np.cumsum([1 if a.kind == BACKWARD else 0 for a in acts])
+        return (counts - backs).max(), (counts - backs)[len(acts) // 2]
+
+    steady, lean = most_in_flight("steady"), most_in_flight("lean")
+    assert steady[0] == lean[0]          # the first sample's run-ahead is the same
+    assert lean[1] < steady[1]           # but lean gives it back, steady keeps it
+
+
+# ---- Phase 1 and DP-Merge ----
+
+def test_phase1_gives_every_rank_equal_forward_flops():
+    out, _ = plan(sample("commoncrawl", 512, 64 * K, seed=10), dp=8, pp=1, context=64 * K, num_micropacks=8)
+    flops = out.metrics["forward_flops_per_pipeline"]
+    assert max(flops) / min(flops) < 1.01
+
+
+def test_outlier_heavier_than_a_rank_share_merges_ceil_of_its_share():
+    gf, _ = flops_models(request([1]))
+    lengths = [60_000] + [2000] * 200
+    flops = gf.of(np.array(lengths))
+    share = flops[0] / (flops.sum() / 4)
+    assert 1 < share < 2
+    out, _ = plan(lengths, dp=4, tp=2, pp=1, context=64 * K, num_micropacks=8)
+    assert out.metrics["dp_merge"] == [{"seq_ids": [0], "ranks": int(np.ceil(share)), "cp": int(np.ceil(share))}]
+    assert out.num_gpus == 4 * 2
+
+
+def test_dp_merge_off_keeps_the_outlier_on_one_rank():
+    out, _ = plan([60_000] + [2000] * 200, dp=4, tp=2, pp=1, context=64 * K, num_micropacks=8, dp_merge=False)
+    assert all(p.cp == 1 for p in out.pipelines) and len(out.pipelines) == 4
+
+
+# ---- the MicroPack count sweep ----
+
+def test_sweep_counts_are_log_spaced_from_pp():
+    assert sweep_counts(4, 128) == [4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128]
+    assert sweep_counts(1, 5) == [1, 2, 3, 4, 5]
+
+
+def test_sweep_keeps_per_pipeline_the_fastest_count_that_fits():
+    lengths = sample("github", 160, 64 * K, seed=11)
+    out, req = plan(lengths, dp=2, pp=4, context=64 * K, model="llama2-7b", tp=4, max_micropacks=32)
+    table = out.metrics["sweep"]
+    assert [r["micropacks"] for r in table if not r["lean"]] == sweep_counts(4, 32)
+    result = simulate_plan(out, req.cost)
+    assert result.fits
+    fitting = [r["step_time_s"] for r in table if r["fits"]]
+    assert result.step_time_s <= min(fitting) * (1 + 1e-9)
+    assert out.metrics["predicted_step_time_s"] == pytest.approx(result.step_time_s)
+
+
+def test_plans_are_deterministic():
+    lengths = sample("chatqa2", 64, 64 * K, seed=12)
+
+    def as_json(p):
+        d = p.to_dict()
+        d["metrics"].pop("planning_ms")
+        return json.dumps(d, sort_keys=True)
+
+    assert as_json(plan(lengths, dp=2, tp=2, max_micropacks=16)[0]) == as_json(plan(lengths, dp=2, tp=2, max_micropacks=16)[0])
+
+
+def test_micropack_time_rsd_is_reported_per_pipeline():
+    out, _ = plan(sample("github", 200, 128 * K, seed=13), dp=2, pp=4, context=128 * K, model="llama2-7b", tp=4,
+                  num_micropacks=24)
+    rsd = out.metrics["micropack_rsd"]
+    assert set(rsd) == {"forward_time_pct", "backward_time_pct", "tokens_pct"}
+    assert 0 <= rsd["forward_time_pct"] < rsd["tokens_pct"]  # equal work, unequal tokens
+
+
+# ---- options ----
+
+@pytest.mark.parametrize("options,message", [
+    ({"chunk_size": 4}, "no option chunk_size"),
+    ({"schedule": "fast"}, "schedule must be one of"),
+    ({"max_micropacks": 1}, "below pp=2"),
+    ({"asymmetric": "yes"}, "asymmetric must be true or false"),
+    ({"num_micropacks": 0}, "num_micropacks must be a positive integer"),
+])
+def test_bad_options_are_user_errors(options, message):
+    with pytest.raises(UserError, match=message):
+        get_planner("slimpack")(request([100, 200], **options))
