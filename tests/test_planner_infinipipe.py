@@ -19,8 +19,8 @@ from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.planners import infinipipe as ip
 from lengthwise.planners.infinipipe_chunking import (SliceCost, balanced_chunking, balanced_mesh, pack_buckets,
                                                      split_by_mesh)
-from lengthwise.planners.infinipipe_ckpt import (brute_force_checkpointing, group_memory, group_schedule,
-                                                 solve_checkpointing)
+from lengthwise.planners.infinipipe_ckpt import (MIP_GAP, Checkpointing, GroupPlan, brute_force_checkpointing,
+                                                 group_memory, group_schedule, solve_checkpointing)
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
 from lengthwise.workloads import get_profile
 
@@ -239,7 +239,7 @@ def tight_group(memory_gb=0.035, pp=2):
     batch = balanced_chunking(req.lengths, 3, fit)
     lay = ip.layout(req, 1)
     group = group_schedule([u.chunks for u in batch.units], pp)
-    return req, lay, group, group_memory(group, req.cost, lay.stages, tp=1, cp=1)
+    return req, lay, group, group_memory(group, lay.costs)
 
 
 def test_milp_finds_the_cheapest_feasible_recomputation():
@@ -250,7 +250,7 @@ def test_milp_finds_the_cheapest_feasible_recomputation():
         if ckpt.status == "infeasible":
             assert brute == np.inf
         else:
-            assert ckpt.seconds == pytest.approx(brute, rel=1e-9)
+            assert brute <= ckpt.seconds <= brute * (1 + MIP_GAP) + 1e-12
 
 
 def test_the_tight_group_needs_some_but_not_full_recomputation():
@@ -260,22 +260,14 @@ def test_the_tight_group_needs_some_but_not_full_recomputation():
 
 
 def simulate_group(req, group, recompute):
+    """The simulator's result for one group run alone with the given recomputation."""
     from lengthwise.sim import simulate_plan
 
-    g = ip.GroupPlan(schedule=group, ckpt=ip.solve_checkpointing(group, _free(group), mode="none"))
-    g.ckpt.recompute = recompute
-    pipe = ip.to_pipeline([g], req)
+    ckpt = Checkpointing(values=[], recompute=recompute, seconds=0.0, status="given")
+    pipe = ip.to_pipeline([GroupPlan(schedule=group, ckpt=ckpt)], req)
     sp = StepPlan(planner="infinipipe", model=req.model, cluster=req.cluster, lengths=req.lengths,
                   pipelines=[pipe], zero=req.scheme.zero)
     return simulate_plan(sp, req.cost)
-
-
-def _free(group):
-    from lengthwise.planners.infinipipe_ckpt import MemoryModel
-
-    pp = group.pp
-    return MemoryModel(peaks=[], limit=[np.inf] * pp, max_layers=[0] * pp,
-                       layer_seconds=[[0.0] * len(group.chunks) for _ in range(pp)])
 
 
 @needs_sim
@@ -284,8 +276,7 @@ def test_milp_memory_model_agrees_with_the_simulators_replay():
     ckpt = solve_checkpointing(group, memory)
     result = simulate_group(req, group, ckpt.recompute)
     for s in range(group.pp):
-        mine = max(p.const - sum(v * ckpt.recompute[s][k] for k, v in p.savings.items())
-                   for p in memory.peaks if p.stage == s) + lay.stages[s].states
+        mine = memory.peak(s, ckpt.recompute[s]) + lay.stages[s].states
         assert result.peak_memory[0][s] == pytest.approx(mine, rel=1e-9)
     assert result.fits
 
@@ -303,7 +294,7 @@ def test_no_cheaper_recomputation_fits_the_simulator():
         if simulate_group(req, group, recompute).fits:
             cheapest = min(cheapest, sum(max(layer_s[s][k] for s in range(pp) for k in range(n)
                                              if group.var(s, k) == v) * waves[v] for v in range(group.num_vars)))
-    assert ckpt.seconds == pytest.approx(cheapest, rel=1e-9)
+    assert cheapest <= ckpt.seconds <= cheapest * (1 + MIP_GAP) + 1e-12
 
 
 @needs_sim

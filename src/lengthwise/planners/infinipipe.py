@@ -53,7 +53,8 @@ from lengthwise.plan.ir import PipelinePlan, StepPlan
 from lengthwise.planners.base import PlanRequest, finish_plan, positive_int_option, take_options
 from lengthwise.planners.infinipipe_chunking import ChunkedBatch, SliceCost, Unit, balanced_chunking
 from lengthwise.planners.infinipipe_ckpt import (
-    GroupPlan, StageShape, group_memory, group_schedule, solve_checkpointing, with_recompute,
+    ChunkCosts, GroupPlan, Problem, StageShape, answer_without_milp, checkpointing_problem, group_memory, group_schedule,
+    relaxation_bound, solve_milp, with_recompute,
 )
 from lengthwise.planners.packing_utils import greedy_balance, karmarkar_karp
 
@@ -121,6 +122,8 @@ class Layout:
     cp: int
     dp: int
     """Pipelines (some may stay empty when the batch has fewer units)."""
+    costs: ChunkCosts
+    """Memoised per-stage chunk costs."""
 
 
 def layout(request: PlanRequest, dp: int) -> Layout:
@@ -130,7 +133,7 @@ def layout(request: PlanRequest, dp: int) -> Layout:
                          states=cost.model_state_bytes(layers=per, tp=s.tp, dp=dp, zero=s.zero,
                                                        first=i == 0, last=i == s.pp - 1))
               for i in range(s.pp)]
-    return Layout(stages=stages, tp=s.tp, cp=s.cp, dp=dp)
+    return Layout(stages=stages, tp=s.tp, cp=s.cp, dp=dp, costs=ChunkCosts(cost, stages, tp=s.tp, cp=s.cp))
 
 
 def chunk_stage_seconds(chunk, request: PlanRequest, shape: StageShape) -> float:
@@ -151,14 +154,62 @@ def split_over_pipelines(units: list[Unit], seconds: list[float], dp: int) -> li
 
 # ---- steps 3-4: grouping by dynamic programming, checkpointing by MILP ----
 
-def plan_group(units: list[Unit], request: PlanRequest, lay: Layout, settings: Settings) -> GroupPlan:
-    """One 1F1B group: longest units first, then its checkpointing (Algorithm 2)."""
+def group_problem(units: list[Unit], request: PlanRequest, lay: Layout) -> Problem:
+    """One 1F1B group (longest units first) and its checkpointing problem (Algorithm 2)."""
     ordered = sorted(units, key=lambda u: (-u.num_chunks, -u.chunks[-1].segments[0].stop, u.seq_id))
     group = group_schedule([u.chunks for u in ordered], len(lay.stages))
-    memory = group_memory(group, request.cost, lay.stages, tp=lay.tp, cp=lay.cp)
-    ckpt = solve_checkpointing(group, memory, mode=settings.checkpointing,
-                               time_limit_s=settings.milp_time_limit_s)
-    return GroupPlan(schedule=group, ckpt=ckpt)
+    return checkpointing_problem(group, group_memory(group, lay.costs))
+
+
+def plan_group(units: list[Unit], request: PlanRequest, lay: Layout, settings: Settings) -> GroupPlan:
+    problem = group_problem(units, request, lay)
+    ckpt = answer_without_milp(problem, settings.checkpointing) or solve_milp(problem, settings.milp_time_limit_s)
+    return GroupPlan(schedule=problem.group, ckpt=ckpt)
+
+
+@dataclass(kw_only=True)
+class Option:
+    """One way to end eq. 14's prefix at class i: the group of classes k..i-1 after dp[k]."""
+
+    cost: float
+    """dp[k] + delta + T_ckpt when `plan` is known, else a lower bound (LP relaxation)."""
+    start: int
+    """k."""
+    plan: GroupPlan | None = None
+    problem: Problem | None = None
+    """Set while only the bound is known."""
+
+
+def options_for(i: int, best: list[Option], classes: list[int], members: dict, delta: float,
+                request: PlanRequest, lay: Layout, settings: Settings) -> list[Option]:
+    """Every feasible group ending at class i: exact when no MILP is needed, else bounded."""
+    out = []
+    for k in range(i):
+        if best[k].cost == float("inf"):
+            continue
+        problem = group_problem([u for n in classes[k:i] for u in members[n]], request, lay)
+        quick = answer_without_milp(problem, settings.checkpointing)
+        if quick is None:
+            out.append(Option(cost=best[k].cost + delta + relaxation_bound(problem), start=k, problem=problem))
+        elif quick.status != "infeasible":
+            out.append(Option(cost=best[k].cost + delta + quick.seconds, start=k,
+                              plan=GroupPlan(schedule=problem.group, ckpt=quick)))
+    return out
+
+
+def cheapest(options: list[Option], best: list[Option], delta: float, settings: Settings) -> Option:
+    """The cheapest option, solving MILPs in bound order until no bound can beat the best."""
+    found = Option(cost=float("inf"), start=-1)
+    for opt in sorted(options, key=lambda o: (o.cost, o.start)):
+        if opt.cost >= found.cost:
+            break
+        if opt.plan is None:
+            ckpt = solve_milp(opt.problem, settings.milp_time_limit_s)
+            opt = Option(cost=best[opt.start].cost + delta + ckpt.seconds, start=opt.start,
+                         plan=GroupPlan(schedule=opt.problem.group, ckpt=ckpt))
+        if (opt.cost, opt.start) < (found.cost, found.start):
+            found = opt
+    return found
 
 
 def group_by_classes(units: list[Unit], request: PlanRequest, lay: Layout,
@@ -171,23 +222,17 @@ def group_by_classes(units: list[Unit], request: PlanRequest, lay: Layout,
     chunks = [c for u in units for c in u.chunks]
     mean = sum(chunk_stage_seconds(c, request, lay.stages[0]) for c in chunks) / len(chunks)
     delta = (len(lay.stages) - 1) * mean   # one more warm-up and cool-down
-    best: list[tuple[float, int, GroupPlan | None]] = [(0.0, -1, None)]
+    best = [Option(cost=0.0, start=-1)]
     for i in range(1, len(classes) + 1):
-        options = []
-        for k in range(i):
-            if best[k][0] == float("inf"):
-                continue
-            g = plan_group([u for n in classes[k:i] for u in members[n]], request, lay, settings)
-            if g.ckpt.status != "infeasible":
-                options.append((best[k][0] + delta + g.ckpt.seconds, k, g))
-        best.append(min(options, key=lambda o: (o[0], o[1])) if options else (float("inf"), -1, None))
-    if best[-1][0] == float("inf"):
+        best.append(cheapest(options_for(i, best, classes, members, delta, request, lay, settings),
+                             best, delta, settings))
+    if best[-1].cost == float("inf"):
         return None
     groups, i = [], len(classes)
     while i > 0:
-        groups.append(best[i][2])
-        i = best[i][1]
-    return groups, best[-1][0]    # longest classes first
+        groups.append(best[i].plan)
+        i = best[i].start
+    return groups, best[-1].cost    # longest classes first
 
 
 # ---- one candidate N ----
