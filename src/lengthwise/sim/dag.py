@@ -59,12 +59,13 @@ def build_pipeline(stages: list[list[Action]], chunks: list[Chunk], backward_chu
     units = len(chunks if backward_chunks is None else backward_chunks)
     t = PipelineTasks(rows=[], fwd_id=grid(len(chunks)), first_id=grid(len(chunks)),
                       nograd_id=grid(len(chunks)), bwd_id=grid(units))
+    lowered = [[(KIND_CODE[a.kind], a.chunk, a.recompute_layers) for a in acts] for acts in stages]
     pos, last, left, up = [0] * pp, [-1] * pp, sum(map(len, stages)), True
     levels: list[int] = []
     while left:
         moved = 0
         for s in (range(pp) if up else range(pp - 1, -1, -1)):
-            moved += _advance(t, levels, stages[s], s, pos, last, deps, pp)
+            moved += _advance(t, levels, lowered[s], s, pos, last, deps, pp)
         if not moved:
             check_schedule(stages, chunks, backward_chunks)
             raise AssertionError("schedule stuck but check_schedule passed")
@@ -73,31 +74,39 @@ def build_pipeline(stages: list[list[Action]], chunks: list[Chunk], backward_chu
     return t
 
 
-def _advance(t: PipelineTasks, levels: list[int], acts: list[Action], s: int, pos: list[int],
+def _advance(t: PipelineTasks, levels: list[int], acts: list[tuple[int, int, int]], s: int, pos: list[int],
              lasts: list[int], deps: Dependencies, pp: int) -> int:
-    """Issue stage s's actions while their dependencies have been issued; return how many."""
+    """Issue stage s's actions (kind code, chunk, recompute) while their dependencies have been
+    issued; return how many. The hot loop of the simulator, hence the local names."""
     p0 = p = pos[s]
-    last = lasts[s]
-    rows, first, fwd, nograd, bwd = t.rows, t.first_id[s], t.fwd_id[s], t.nograd_id[s], t.bwd_id[s]
-    while p < len(acts):
-        a = acts[p]
-        c, kind = a.chunk, a.kind
-        if kind == BACKWARD:
-            local = [fwd[f] for f in deps.bwd_needs[c]] + [bwd[v] for v in deps.bwd_after[c]]
-            x = t.bwd_id[s + 1][c] if s + 1 < pp else -2
+    last, n = lasts[s], len(acts)
+    rows, first = t.rows, t.first_id[s]
+    mine = (t.fwd_id[s], t.nograd_id[s], t.bwd_id[s])
+    above = (t.fwd_id[s - 1], t.nograd_id[s - 1]) if s > 0 else None
+    below = t.bwd_id[s + 1] if s + 1 < pp else None
+    needs, after, fwd_after = deps.bwd_needs, deps.bwd_after, deps.fwd_after
+    while p < n:
+        code, c, recompute = acts[p]
+        if code == 2:
+            local = [mine[0][f] for f in needs[c]] + [mine[2][v] for v in after[c]] if after[c] else \
+                [mine[0][f] for f in needs[c]]
+            x = below[c] if below is not None else -2
         else:
-            local = [first[q] for q in deps.fwd_after[c]]
-            x = (t.fwd_id if kind == FORWARD else t.nograd_id)[s - 1][c] if s > 0 else -2
+            local = [first[q] for q in fwd_after[c]] if fwd_after[c] else []
+            x = above[code][c] if above is not None else -2
         if x == -1 or -1 in local:
             break
         if last >= 0:
             local.append(last)
+        lv = levels[x] if x >= 0 else -1
+        for q in local:
+            if levels[q] > lv:
+                lv = levels[q]
+        lv += 1
         tid = len(levels)
-        lv = max([levels[q] for q in local] + [levels[x] if x >= 0 else -1]) + 1
-        code = KIND_CODE[kind]
-        rows.append((s, code, c, a.recompute_layers, code == 0 and nograd[c] >= 0, max(x, -1), local, lv))
+        rows.append((s, code, c, recompute, code == 0 and mine[1][c] >= 0, x if x >= 0 else -1, local, lv))
         levels.append(lv)
-        (bwd if code == 2 else fwd if code == 0 else nograd)[c] = tid
+        mine[code][c] = tid
         if code != 2 and first[c] < 0:
             first[c] = tid
         last = tid

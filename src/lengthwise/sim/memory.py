@@ -79,43 +79,49 @@ def split_sequences(chunks: list[Chunk], units: list[Chunk]) -> list[SplitSequen
 
 
 def memory_events(t: PipelineTasks, deps: Dependencies, sizes: MemorySizes,
-                  splits: list[SplitSequence]) -> tuple[list[int], list[bool], list[float]]:
+                  splits: list[SplitSequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(task, at_end, delta) allocation events of one pipeline, task ids local to it."""
-    task, at_end, delta = [], [], []
+    fwd, bwd, nograd = (np.asarray(x, dtype=np.int64) for x in (t.fwd_id, t.bwd_id, t.nograd_id))
+    act = np.asarray(sizes.activation, dtype=np.float64)
+    extra = np.asarray(sizes.recompute_extra, dtype=np.float64)
+    transient = np.asarray(sizes.nograd_transient, dtype=np.float64)
+    users = deps_users(deps, fwd.shape[1])
+    pairs_c = np.array([c for c, us in enumerate(users) for _ in us], dtype=np.int64)
+    pairs_u = np.array([u for us in users for u in us], dtype=np.int64)
+    release = np.full_like(fwd, -1)
+    np.maximum.at(release, (slice(None), pairs_c), bwd[:, pairs_u])  # last backward reading the chunk
+    read = release >= 0
+    ran_nograd = nograd >= 0
+    parts = [(fwd[read], False, act[read]), (release[read], True, -act[read]),
+             (bwd[:, pairs_u].ravel(), False, extra[:, pairs_c].ravel()),
+             (bwd[:, pairs_u].ravel(), True, -extra[:, pairs_c].ravel()),
+             (nograd[ran_nograd], False, transient[ran_nograd]), (nograd[ran_nograd], True, -transient[ran_nograd])]
+    parts += _split_events(t, sizes, splits)
+    task = np.concatenate([np.asarray(p[0], dtype=np.int64).ravel() for p in parts])
+    at_end = np.concatenate([np.full(np.size(p[0]), p[1]) for p in parts])
+    delta = np.concatenate([np.asarray(p[2], dtype=np.float64).ravel() for p in parts])
+    keep = delta != 0
+    return task[keep], at_end[keep], delta[keep]
 
-    def add(tid: int, end: bool, amount: float) -> None:
-        if amount:
-            task.append(tid), at_end.append(end), delta.append(amount)
 
-    consumers = _consumers(deps, len(t.fwd_id[0]) if t.fwd_id else 0)
+def _split_events(t: PipelineTasks, sizes: MemorySizes, splits: list[SplitSequence]) -> list[tuple]:
+    """K/V state from each earlier slice's first forward to the sequence's last backward, and
+    K/V gradients from its first backward (the last slice) to its last, on every stage."""
+    out = []
     for s in range(len(t.fwd_id)):
-        fwd, bwd, nograd = t.fwd_id[s], t.bwd_id[s], t.nograd_id[s]
-        for c, users in enumerate(consumers):
-            if not users:  # a chunk no backward unit reads holds nothing past its forward
-                continue
-            release = max(bwd[u] for u in users)
-            add(fwd[c], False, sizes.activation[s][c])
-            add(release, True, -sizes.activation[s][c])
-            extra = sizes.recompute_extra[s][c]
-            for u in users:
-                add(bwd[u], False, extra), add(bwd[u], True, -extra)
-            if nograd[c] >= 0:
-                add(nograd[c], False, sizes.nograd_transient[s][c])
-                add(nograd[c], True, -sizes.nograd_transient[s][c])
         for seq in splits:
-            b_ids = [bwd[u] for u in seq.units]
+            b_ids = [t.bwd_id[s][u] for u in seq.units]
             kv, grad = sizes.kv[s].get(seq.seq_id, 0.0), sizes.kv_grad[s].get(seq.seq_id, 0.0)
-            total = 0.0
-            for c, tokens in seq.first_fwd:
-                share = kv * tokens / max(seq.context, 1)
-                add(t.first_id[s][c], False, share)
-                total += share
-            add(max(b_ids), True, -total)
-            add(min(b_ids), False, grad), add(max(b_ids), True, -grad)
-    return task, at_end, delta
+            shares = [kv * tokens / max(seq.context, 1) for _, tokens in seq.first_fwd]
+            out.append(([t.first_id[s][c] for c, _ in seq.first_fwd], False, shares))
+            out.append(([max(b_ids)], True, [-sum(shares)]))
+            out.append(([min(b_ids)], False, [grad]))
+            out.append(([max(b_ids)], True, [-grad]))
+    return out
 
 
-def _consumers(deps: Dependencies, num_chunks: int) -> list[list[int]]:
+def deps_users(deps: Dependencies, num_chunks: int) -> list[list[int]]:
+    """Per forward chunk, the backward units that read its activations."""
     users: list[list[int]] = [[] for _ in range(num_chunks)]
     for u, needs in enumerate(deps.bwd_needs):
         for c in needs:

@@ -187,9 +187,9 @@ def _replay_memory(inputs, pipes, all_deps, tasks, start, finish, gstage, G) -> 
     for i, (inp, pipe, deps) in enumerate(zip(inputs, pipes, all_deps)):
         splits = split_sequences(inp.chunks, inp.backward_chunks or inp.chunks)
         t, e, d = memory_events(pipe, deps, inp.sizes, splits)
-        ids.append(np.asarray(t, dtype=np.int64) + tasks.offsets[i])
-        ends.append(np.asarray(e, dtype=bool))
-        deltas.append(np.asarray(d, dtype=np.float64))
+        ids.append(t + tasks.offsets[i])
+        ends.append(e)
+        deltas.append(d)
     tid = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     at_end = np.concatenate(ends) if ends else np.zeros(0, bool)
     time = np.where(at_end, finish[tid], start[tid])
