@@ -168,3 +168,12 @@ def test_stuck_schedule_in_a_plan_raises_the_grid():
                                              [Action.parse(a) for a in "F0 B0 B1 F1".split()]])
     with pytest.raises(UserError, match="<-- ERROR HERE"):
         simulate_plan(plan, CostModel(model=plan.model, cluster=plan.cluster))
+
+
+@pytest.mark.parametrize("text, problem", [("F0 F1 B1", "never runs B0"), ("F0 F1 B0 B1 B1", "runs twice"),
+                                           ("F0 F1 B0 B5", "out of range")])
+def test_malformed_schedule_in_a_plan_is_a_user_error(text, problem):
+    chunks = [whole(0, 8), whole(1, 8)]
+    plan = make_plan([chunks], pp=1, stages=[[Action.parse(a) for a in text.split()]])
+    with pytest.raises(UserError, match=problem):
+        simulate_plan(plan, CostModel(model=plan.model, cluster=plan.cluster))

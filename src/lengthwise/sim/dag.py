@@ -60,6 +60,9 @@ def build_pipeline(stages: list[list[Action]], chunks: list[Chunk], backward_chu
     t = PipelineTasks(rows=[], fwd_id=grid(len(chunks)), first_id=grid(len(chunks)),
                       nograd_id=grid(len(chunks)), bwd_id=grid(units))
     lowered = [[(KIND_CODE[a.kind], a.chunk, a.recompute_layers) for a in acts] for acts in stages]
+    limits = (len(chunks), len(chunks), units)
+    if any(not 0 <= c < limits[code] for acts in lowered for code, c, _ in acts):
+        check_schedule(stages, chunks, backward_chunks)  # raises, naming the bad index
     pos, last, left, up = [0] * pp, [-1] * pp, sum(map(len, stages)), True
     levels: list[int] = []
     while left:
@@ -71,6 +74,10 @@ def build_pipeline(stages: list[list[Action]], chunks: list[Chunk], backward_chu
             raise AssertionError("schedule stuck but check_schedule passed")
         left -= moved
         up = not up
+    ran_nograd = sum(i >= 0 for row in t.nograd_id for i in row)
+    if len(t.rows) != pp * (len(chunks) + units) + ran_nograd or any(-1 in row for row in t.bwd_id):
+        check_schedule(stages, chunks, backward_chunks)  # a missing or repeated action: raises
+        raise AssertionError("malformed schedule passed check_schedule")
     return t
 
 

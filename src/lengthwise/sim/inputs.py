@@ -66,8 +66,7 @@ class _PipelineCosts:
 
     def __init__(self, plan: StepPlan, index: int, cm: CostModel, offsets: list[int], shared: dict):
         self.plan, self.pipe, self.cm, self.offsets, self.shared = plan, plan.pipelines[index], cm, offsets, shared
-        self.offset = offsets[index]
-        pipe = self.pipe
+        self.offset, pipe = offsets[index], self.pipe
         self.layers = pipe.stage_layers(plan.model.num_layers)
         if len(self.layers) != pipe.pp or any(n < 0 for n in self.layers):
             raise UserError(f"layers_per_stage {self.layers} does not match pp={pipe.pp}")

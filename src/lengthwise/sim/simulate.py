@@ -108,9 +108,7 @@ class SimResult:
     """Per-task detail (dropped from to_dict)."""
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in vars(self).items() if k != "timeline"}
-        d["step_time"] = self.step_time_s
-        return d
+        return {k: v for k, v in vars(self).items() if k != "timeline"}
 
 
 def simulate_plan(plan: StepPlan, cm: CostModel) -> SimResult:
