@@ -86,7 +86,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "pipelines": args.pipelines, "stages": args.stages, "chunks_per_pipeline": args.chunks,
-        "tasks": int(len(result.timeline.start)),
+        "tasks": len(result.timeline.start),
         "load_average_1min": os.getloadavg()[0], "cpu_count": os.cpu_count(),
         "simulate_plan_s": total_s,
         "cost_tables_s": cost_s,

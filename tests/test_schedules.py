@@ -8,8 +8,15 @@ from hypothesis import strategies as st
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import Action, Chunk, Segment
-from lengthwise.plan.schedules import (SCHEDULE_NAMES, check_schedule, chunk_dependencies, chunk_groups,
-                                       dependencies, format_schedule, make_schedule)
+from lengthwise.plan.schedules import (
+    SCHEDULE_NAMES,
+    check_schedule,
+    chunk_dependencies,
+    chunk_groups,
+    dependencies,
+    format_schedule,
+    make_schedule,
+)
 
 
 def whole(seq: int, n: int = 10) -> Chunk:

@@ -3,8 +3,6 @@ violated, memory replay, communication placement and metrics."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 from hypothesis import given, settings

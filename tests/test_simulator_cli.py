@@ -6,11 +6,12 @@ import json
 import subprocess
 import sys
 
+from test_simulator import make_plan, split, whole
+
 from lengthwise.cli import main
 from lengthwise.cost import CostModel
 from lengthwise.sim import simulate_plan
 from lengthwise.sim.gantt import draw_gantt, shown_pipelines
-from test_simulator import make_plan, split, whole
 
 
 def run_cli(argv, capsys) -> tuple[int, str, str]:

@@ -7,11 +7,11 @@ import json
 
 import numpy as np
 import pytest
+from test_simulator import make_plan, split, task_lookup, whole
 
 from lengthwise.cost import CostModel
 from lengthwise.plan.ir import Action, Chunk, Segment
 from lengthwise.sim import simulate_plan, simulate_times
-from test_simulator import make_plan, split, task_lookup, whole
 
 TINY_LAYERS = 4
 

@@ -104,8 +104,8 @@ def parse_groups(text: str | None) -> list[tuple[int, int]]:
 
 def format_result(r) -> str:
     unit = r.time_unit
-    lines = [f"step time {r.step_time_s:.6g} {unit}  (makespan {r.makespan:.6g} {unit}), "
-             f"bubble ratio {r.bubble_ratio:.2%}"]
+    lines = [(f"step time {r.step_time_s:.6g} {unit}  (makespan {r.makespan:.6g} {unit}), "
+              f"bubble ratio {r.bubble_ratio:.2%}")]
     if len(r.pipeline_makespan) > 1:
         ratio = "n/a" if r.dp_imbalance is None else f"{r.dp_imbalance:.3f}x"
         lines.append(f"data-parallel imbalance {ratio} slowest/fastest, spread {r.dp_imbalance_spread:.1%}")

@@ -55,7 +55,7 @@ def build_pipeline(stages: list[list[Action]], chunks: list[Chunk], backward_chu
     far as its dependencies allow. A schedule that stops making progress is handed to
     check_schedule, which raises UserError with the step-by-rank grid."""
     pp = len(stages)
-    grid = lambda n: [[-1] * n for _ in range(pp)]  # noqa: E731
+    grid = lambda n: [[-1] * n for _ in range(pp)]
     units = len(chunks if backward_chunks is None else backward_chunks)
     t = PipelineTasks(rows=[], fwd_id=grid(len(chunks)), first_id=grid(len(chunks)),
                       nograd_id=grid(len(chunks)), bwd_id=grid(units))

@@ -98,7 +98,7 @@ class _PipelineCosts:
         return self._cache[key]
 
     def build(self) -> PipelineInput:
-        pipe, cm = self.pipe, self.cm
+        pipe = self.pipe
         S, C, U = pipe.pp, len(pipe.chunks), len(self.units)
         shape = (S, 3, max(C, U, 1))
         dur, comm, send = np.zeros(shape), np.zeros(shape), np.zeros(shape)
@@ -191,7 +191,7 @@ class _PipelineCosts:
 
     def _model_flops(self) -> float:
         L = self.plan.model.num_layers
-        bare = lambda c: Chunk(c.segments) if c.pad_to else c  # noqa: E731  padding is not model work
+        bare = lambda c: Chunk(c.segments) if c.pad_to else c
         return (sum(self.cm.forward_flops(bare(c), layers=L, head=True) for c in self.pipe.chunks)
                 + sum(self.cm.backward_flops(bare(u), layers=L, head=True) for u in self.units))
 

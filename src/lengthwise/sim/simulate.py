@@ -197,7 +197,7 @@ def _replay_memory(inputs, pipes, all_deps, tasks, start, finish, gstage, G) -> 
 
 def _summarise(inputs, timeline: Timeline, busy, refwd, sync, pipe_end, step_time, time_unit, memory_unit):
     offs = timeline.stage_offsets
-    rows = lambda arr: [arr[a:b].tolist() for a, b in zip(offs[:-1], offs[1:])]  # noqa: E731
+    rows = lambda arr: [arr[a:b].tolist() for a, b in zip(offs[:-1], offs[1:])]
     makespan = float(pipe_end.max(initial=0.0))
     total = makespan * offs[-1]
     own_bubble = [1.0 - busy[a:b].sum() / (pipe_end[i] * (b - a)) if pipe_end[i] > 0 else 0.0
