@@ -11,7 +11,7 @@ Per global batch (§4's steps 1-4):
 2. per candidate, dispatch sequences to pipelines by Algorithm 1 (hydraulis_dispatch, eq. 2-3);
 3. per pipeline, pack micro-batches by eq. 1 over appendix C's V range (hydraulis_packing);
 4. keep the candidate with the least estimated step time, then re-solve eq. 1 as a MILP for its
-   slowest pipelines while the MILP budget lasts.
+   slowest pipelines, slowest first, while MILP solves are left.
 
 Pipelines of one plan have different (tp, pp, cp), each running plain 1F1B over its whole-sequence
 micro-batches. The plan's ZeRO stage is 1: optimizer states are sharded over all GPUs (§5.2).
@@ -30,7 +30,8 @@ Options (request.options):
 - max_tp (None = GPUs per node), max_pp (8), max_cp (8): the scheme space's degree limits.
 - length_step (128 tokens) and pipeline_step (0.1 pipelines): the DP's grid (§7 footnote 4).
 - util_threshold (0.85): efficiency that defines UtilLen (appendix C).
-- milp_time_limit_s (0.05 s per MILP) and milp_budget_s (0.25 s per batch) for eq. 1's MILPs.
+- milp_solves (12 per batch), milp_node_limit (500 per solve) and milp_time_limit_s (0.05 s per
+  solve, a safety net: a solve it cuts short may differ between runs) bound eq. 1's MILPs.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ from lengthwise.planners.hydraulis_strategy import (Histogram, Strategy, homogen
 
 DEFAULTS = {
     "profile": None, "trials": 100, "dispatch_work": 20_000_000, "max_tp": None, "max_pp": 8, "max_cp": 8,
-    "length_step": 128, "pipeline_step": 0.1, "util_threshold": 0.85, "milp_time_limit_s": 0.05,
-    "milp_budget_s": 0.25,
+    "length_step": 128, "pipeline_step": 0.1, "util_threshold": 0.85, "milp_solves": 12, "milp_node_limit": 500,
+    "milp_time_limit_s": 0.05,
 }
 CAP_RATIO = 1.25
 """Exchange times closer than this factor share one proposal run (see _caps)."""
@@ -100,12 +101,14 @@ def plan_hydraulis(request: PlanRequest) -> StepPlan:
 
 def _options(request: PlanRequest) -> dict:
     opts = take_options(request, "hydraulis", DEFAULTS)
-    for name in ("trials", "dispatch_work", "max_pp", "max_cp", "length_step"):
+    for name in ("trials", "dispatch_work", "max_pp", "max_cp", "length_step", "milp_node_limit"):
         if not isinstance(opts[name], int) or isinstance(opts[name], bool) or opts[name] < 1:
             raise UserError(f"option {name} must be a positive integer, got {opts[name]!r}")
-    for name in ("pipeline_step", "milp_time_limit_s", "milp_budget_s"):
-        if not isinstance(opts[name], (int, float)) or opts[name] < 0 or (name == "pipeline_step" and opts[name] == 0):
-            raise UserError(f"option {name} must be a non-negative number (pipeline_step > 0), got {opts[name]!r}")
+    if not isinstance(opts["milp_solves"], int) or opts["milp_solves"] < 0:
+        raise UserError(f"option milp_solves must be a non-negative integer, got {opts['milp_solves']!r}")
+    for name in ("pipeline_step", "milp_time_limit_s"):
+        if not isinstance(opts[name], (int, float)) or isinstance(opts[name], bool) or opts[name] <= 0:
+            raise UserError(f"option {name} must be a positive number, got {opts[name]!r}")
     if not 0 < opts["util_threshold"] < 1:
         raise UserError(f"option util_threshold must lie in (0, 1), got {opts['util_threshold']!r}")
     return opts
@@ -203,7 +206,7 @@ def _choose(request: PlanRequest, opts: dict, candidates: list[Strategy], num_gp
     prepared.sort(key=lambda p: p[0])
     best, table = None, []
     for bound, strategy, pipes in prepared:
-        row = {"strategy": str(strategy), "gpus": strategy.num_gpus, "lower_bound_s": round(bound, 6)}
+        row = {"strategy": str(strategy), "gpus": strategy.num_gpus, "lower_bound_s": round(float(bound), 6) if np.isfinite(bound) else None}
         table.append(row)
         if pipes is None:
             row["estimate_s"] = "cannot hold the longest sequence"
@@ -256,19 +259,17 @@ def _load(request, lengths: np.ndarray, owner: np.ndarray, j: int, scheme: Schem
 
 
 def _refine(ev: Evaluation, opts: dict) -> int:
-    """Eq. 1 by MILP for the slowest pipelines, slowest first, within milp_budget_s; returns how
-    many pipelines the MILP improved. Stops once the slowest pipeline has been tried."""
-    clock = time.perf_counter
-    deadline = clock() + opts["milp_budget_s"]
-    tried: set[int] = set()
-    improved = 0
-    while clock() < deadline:
-        j = max(range(len(ev.packings)), key=lambda j: ev.packings[j].estimate_s)
+    """Eq. 1 by MILP for the slowest pipeline, then the next slowest, while solves are left;
+    stops once the slowest pipeline has had its turn. Returns how many pipelines improved."""
+    left, tried, improved = opts["milp_solves"], set(), 0
+    while left > 0:
+        j = max(range(len(ev.packings)), key=lambda j: (ev.packings[j].estimate_s, -j))
         if j in tried:
             break
         tried.add(j)
-        new = milp_pack(ev.loads[j], ev.packings[j], time_limit_s=opts["milp_time_limit_s"], deadline=deadline,
-                        clock=clock)
+        new, used = milp_pack(ev.loads[j], ev.packings[j], solves=left, time_limit_s=opts["milp_time_limit_s"],
+                              node_limit=opts["milp_node_limit"])
+        left -= used
         improved += new is not ev.packings[j]
         ev.packings[j] = new
     return improved

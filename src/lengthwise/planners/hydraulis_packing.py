@@ -124,8 +124,10 @@ def greedy_pack(load: PipelineLoad) -> Packing:
     return best
 
 
-def milp_bins(load: PipelineLoad, v: int, time_limit_s: float) -> list[list[int]] | None:
-    """Eq. 1 for a fixed V as a MILP (HiGHS); None when no feasible packing was found in time."""
+def milp_bins(load: PipelineLoad, v: int, *, time_limit_s: float, node_limit: int) -> list[list[int]] | None:
+    """Eq. 1 for a fixed V as a MILP (HiGHS); None when no feasible packing was found within
+    the limits. The node limit keeps results deterministic; the time limit is a safety net
+    (a solve it cuts short may differ between runs)."""
     n = len(load.seq_ids)
     w = load.work / (float(load.work.max()) or 1.0)  # seconds rescaled to O(1) for the solver
     objective = np.zeros(n * v + 1)
@@ -134,7 +136,7 @@ def milp_bins(load: PipelineLoad, v: int, time_limit_s: float) -> list[list[int]
     bounds = Bounds(np.r_[np.zeros(n * v), z_floor], np.r_[np.ones(n * v), np.inf])
     res = milp(objective, integrality=np.r_[np.ones(n * v), 0], bounds=bounds,
                constraints=_constraints(w, load.lengths, load.max_len, n, v),
-               options={"time_limit": time_limit_s, "disp": False})
+               options={"time_limit": time_limit_s, "node_limit": node_limit, "disp": False})
     if res.x is None:
         return None
     pick = res.x[:-1].reshape(n, v).argmax(axis=1)
@@ -159,21 +161,21 @@ def _constraints(w: np.ndarray, lengths: np.ndarray, cap: int, n: int, v: int) -
     return LinearConstraint(a, [row[2] for row in rows], [row[3] for row in rows])
 
 
-def milp_pack(load: PipelineLoad, incumbent: Packing, *, time_limit_s: float, deadline: float,
-              clock) -> Packing:
-    """Eq. 1 by MILP for each V of the range that could beat `incumbent`; the better of the two.
-
-    `clock()` is compared with `deadline` before each solve (the planner's MILP time budget)."""
-    best = incumbent
+def milp_pack(load: PipelineLoad, incumbent: Packing, *, solves: int, time_limit_s: float,
+              node_limit: int) -> tuple[Packing, int]:
+    """Eq. 1 by MILP for each V of the range that could beat `incumbent` (at most `solves`
+    solves); returns the better packing and the solves used."""
+    best, used = incumbent, 0
     n = len(load.seq_ids)
     for v in micro_batch_range(load):
         floor = (max(float(load.work.max()), float(load.work.sum()) / v) + load.chunk_s) * (load.depth - 1 + v)
         if n * v > MILP_MAX_VARIABLES or floor >= best.estimate_s * (1 - 1e-9) or v > n:
             continue
-        if clock() >= deadline:
+        if used == solves:
             break
-        bins = milp_bins(load, v, min(time_limit_s, max(deadline - clock(), 1e-3)))
+        used += 1
+        bins = milp_bins(load, v, time_limit_s=time_limit_s, node_limit=node_limit)
         if bins is not None:
             cand = _packing(load, bins, "milp")
             best = cand if cand.estimate_s < best.estimate_s * (1 - 1e-9) else best
-    return best
+    return best, used

@@ -1,0 +1,253 @@
+"""The hydraulis planner (hydraulis.txt §5-§7, appendices B-E): valid heterogeneous plans, MaxLen
+respected, the §7 proposal, Algorithm 1 dispatch and eq. 1 packing (MILP vs greedy)."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lengthwise.cost import CostModel, Profile, SchemeFit
+from lengthwise.errors import UserError
+from lengthwise.plan.validate import validate_plan
+from lengthwise.planners import PlanRequest, get_planner
+from lengthwise.planners.hydraulis_cost import Scheme, paper_max_len, scheme_space
+from lengthwise.planners.hydraulis_dispatch import PipelineArrays, dispatch
+from lengthwise.planners.hydraulis_packing import (PipelineLoad, estimate, greedy_pack, lpt_bins, micro_batch_range,
+                                                   milp_bins)
+from lengthwise.planners.hydraulis_strategy import Histogram, propose, round_proposal
+from lengthwise.planners.packing_utils import best_fit_decreasing
+from lengthwise.specs import MODEL_PRESETS, ClusterSpec, ParallelScheme, cluster_preset
+
+K = 1024
+CONTEXT = 32 * K
+MODEL = MODEL_PRESETS["llama2-7b"]
+
+
+def tp_costly_profile() -> Profile:
+    """Measured-style fits where TP costs communication: per-token time falls slower than 1/tp,
+    so short sequences are cheapest on small TP and long ones need large TP for memory."""
+    schemes = {}
+    for tp in (1, 2, 4, 8):
+        slow = 1 + 0.25 * np.log2(tp)
+        fwd = (2.5e-12 / tp, 2.0e-7 * slow / tp, 2e-5)
+        schemes[f"tp{tp}-cp1"] = SchemeFit(fwd=fwd, bwd=tuple(2 * x for x in fwd), head_fwd=(4e-7 / tp, 1e-5),
+                                           head_bwd=(8e-7 / tp, 1e-5))
+    return Profile(device="test", model=MODEL.name, schemes=schemes)
+
+
+def request(lengths, *, gpus=16, cluster=None, profile=None, seed=0, **options) -> PlanRequest:
+    cluster = cluster or cluster_preset("a800", gpus)
+    cost = CostModel(model=MODEL, cluster=cluster, profile=profile)
+    return PlanRequest(lengths=list(lengths), model=MODEL, cluster=cluster, scheme=ParallelScheme(dp=cluster.num_gpus),
+                       cost=cost, context_length=CONTEXT, seed=seed, options=options)
+
+
+def plan(lengths, **kw):
+    req = request(lengths, **kw)
+    out = get_planner("hydraulis")(req)
+    validate_plan(out, req.cost)
+    return out, req
+
+
+def heterogeneous_request(lengths) -> PlanRequest:
+    """Cheap links (the exchange is negligible) and costly TP: a mixed strategy pays off."""
+    cluster = ClusterSpec(name="fast-links", num_gpus=16, gpu_memory_gb=80, peak_tflops=312,
+                          intra_bw_gbps=1e6, inter_bw_gbps=1e6)
+    return request(lengths, cluster=cluster, profile=tp_costly_profile())
+
+
+def tokens_per_sequence(p) -> list[int]:
+    counts = [0] * len(p.lengths)
+    for pipe in p.pipelines:
+        for chunk in pipe.chunks:
+            for seg in chunk.segments:
+                counts[seg.seq_id] += seg.num_tokens
+    return counts
+
+
+# ---- validity on random and adversarial batches ----
+
+long_tail = st.one_of(st.integers(1, 600), st.integers(1, 4 * K), st.integers(1, CONTEXT))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(long_tail, min_size=1, max_size=60), seed=st.integers(0, 3),
+       gpus=st.sampled_from([8, 16, 24]))
+def test_every_token_planned_once_on_random_batches(lengths, seed, gpus):
+    p, req = plan(lengths, gpus=gpus, seed=seed, trials=8)
+    assert tokens_per_sequence(p) == lengths
+    assert p.num_gpus <= gpus
+
+
+ADVERSARIAL = {
+    "all-equal": [2048] * 40,
+    "one-giant-outlier": [CONTEXT] + [37] * 60,
+    "single-sequence": [5000],
+    "all-length-one": [1] * 33,
+    "fewer-than-pipelines": [300, 7],
+    "all-at-context": [CONTEXT] * 5,
+    "long-tail": [31000, 17000, 9000, 4100, 2050] + [900, 300, 120, 60, 2] * 12,
+}
+
+
+@pytest.mark.parametrize("case", ADVERSARIAL)
+def test_every_token_planned_once_on_adversarial_batches(case):
+    p, _ = plan(ADVERSARIAL[case])
+    assert tokens_per_sequence(p) == ADVERSARIAL[case]
+
+
+def test_heterogeneous_plan_mixes_schemes_and_validates():
+    lengths = [30000, 26000] + [int(x) for x in np.random.default_rng(0).integers(50, 2000, 150)]
+    req = heterogeneous_request(lengths)
+    p = get_planner("hydraulis")(req)
+    validate_plan(p, req.cost)
+    assert len({(q.tp, q.pp, q.cp) for q in p.pipelines}) > 1, p.metrics["strategy"]
+    assert p.num_gpus <= 16 and p.zero == 1
+    # LNK re-sharding (§5.2) is charged to every pipeline of a heterogeneous strategy.
+    assert all(q.extra_comm_s > 0 for q in p.pipelines)
+
+
+def test_homogeneous_plan_charges_no_link_time():
+    p, _ = plan([20000, 9000, 3000] + [500] * 40)
+    if len({(q.tp, q.pp, q.cp) for q in p.pipelines}) == 1:
+        assert all(q.extra_comm_s == 0 for q in p.pipelines)
+
+
+# ---- MaxLen ----
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(long_tail, min_size=1, max_size=50), hetero=st.booleans())
+def test_no_sequence_on_a_pipeline_whose_max_len_is_below_it(lengths, hetero):
+    req = heterogeneous_request(lengths) if hetero else request(lengths)
+    p = get_planner("hydraulis")(req)
+    validate_plan(p, req.cost)
+    for pipe, limit in zip(p.pipelines, p.metrics["pipeline_max_len"]):
+        paper = paper_max_len(req.cost, tp=pipe.tp, pp=pipe.pp, cp=pipe.cp, num_gpus=req.cluster.num_gpus)
+        ours = req.cost.max_seq_len(tp=pipe.tp, pp=pipe.pp, cp=pipe.cp, dp=len(p.pipelines), zero=1)
+        assert limit == min(paper, ours)
+        for chunk in pipe.chunks:
+            assert chunk.num_tokens <= limit
+            assert all(p.lengths[s.seq_id] <= limit for s in chunk.segments)
+
+
+def test_sequence_longer_than_every_scheme_names_the_sequence_and_limit():
+    req = request([100, 200, 900_000, 50], gpus=8)
+    req.context_length = 1_000_000
+    with pytest.raises(UserError, match=r"sequence 2 has 900000 tokens > \d+, the MaxLen"):
+        get_planner("hydraulis")(req)
+
+
+def test_sequence_over_the_context_length_is_user_error():
+    with pytest.raises(UserError, match="sequence 1 has 40000 tokens > context length"):
+        get_planner("hydraulis")(request([10, 40_000]))
+
+
+def test_unknown_or_bad_options_are_user_errors():
+    with pytest.raises(UserError, match="has no option chunk_size"):
+        get_planner("hydraulis")(request([10], chunk_size=4))
+    with pytest.raises(UserError, match="trials must be a positive integer"):
+        get_planner("hydraulis")(request([10], trials=0))
+
+
+def test_same_seed_gives_the_same_plan():
+    lengths = ADVERSARIAL["long-tail"]
+    a, b = plan(lengths, seed=3)[0], plan(lengths, seed=3)[0]
+    for p in (a, b):
+        p.metrics.pop("planning_ms")
+    assert a.to_json() == b.to_json()
+
+
+def test_candidates_are_reported_with_the_chosen_one_least():
+    p, _ = plan(ADVERSARIAL["long-tail"])
+    rows = p.metrics["candidates"]
+    assert rows and p.metrics["strategy"] in [r["strategy"] for r in rows]
+    estimates = [r["estimate_s"] for r in rows if isinstance(r["estimate_s"], float)]
+    assert min(estimates) == pytest.approx(p.metrics["estimated_step_s"])
+    assert all(r["lower_bound_s"] <= r["estimate_s"] + 1e-9 for r in rows if isinstance(r["estimate_s"], float))
+
+
+# ---- §7 proposal ----
+
+def space(gpus=16, cost=None):
+    cost = cost or CostModel(model=MODEL, cluster=cluster_preset("a800", gpus))
+    return tuple(scheme_space(cost, num_gpus=gpus, context_length=CONTEXT, max_tp=8, max_pp=8, max_cp=8,
+                              threshold=0.85))
+
+
+def test_proposal_of_many_short_sequences_approaches_the_continuous_optimum():
+    # Many short sequences, no single one dominating: the relaxed DP's latency tends to the
+    # fluid optimum, the cheapest GPU-seconds per sequence spread over all N GPUs.
+    schemes = tuple(s for s in space() if s.pp == 1)
+    lengths = np.random.default_rng(1).integers(64, 1024, 4000)
+    hist = Histogram.of(lengths)
+    (prop,) = propose(schemes, hist, 16, (int(lengths.max()),), float(lengths.sum()), 128, 0.001,
+                      (tuple(True for _ in schemes),))
+    fluid = np.stack([s.num_gpus * s.dp_time(lengths) for s in schemes]).min(axis=0).sum() / 16
+    assert fluid <= prop.latency_s <= fluid * 1.01
+
+
+def test_rounded_strategies_fit_the_gpus_and_hold_the_longest():
+    schemes = space()
+    lengths = [30000, 12000] + [700] * 200
+    hist = Histogram.of(lengths)
+    props = propose(schemes, hist, 16, (30000,), float(sum(lengths)), 128, 0.1, (tuple(True for _ in schemes),))
+    strategies = [s for prop in props for s in round_proposal(prop, schemes, 16)]
+    assert strategies
+    for s in strategies:
+        assert s.num_gpus <= 16 and s.max_len >= 30000
+        assert 16 - s.num_gpus < min(x.num_gpus for x in schemes) or s.num_gpus == 16
+
+
+# ---- Algorithm 1 ----
+
+def test_dispatch_respects_max_len_and_more_trials_never_hurt():
+    schemes = [s for s in space() if s.pp == 1 and s.tp in (8, 2, 1)]
+    pipes = sorted([schemes[2]] + [schemes[1]] * 2 + [schemes[0]] * 4, key=lambda s: -s.max_len)
+    arrays = PipelineArrays.of(pipes, [s.max_len for s in pipes])
+    lengths = np.array([28000, 15000, 9000] + [int(x) for x in np.random.default_rng(2).integers(10, 3000, 80)])
+    one = dispatch(lengths, arrays, trials=1, work_budget=1e9, rng=np.random.default_rng(0))
+    many = dispatch(lengths, arrays, trials=50, work_budget=1e9, rng=np.random.default_rng(0))
+    assert many.objective_s <= one.objective_s
+    for d in (one, many):
+        assert (lengths <= arrays.max_len[d.owner]).all()
+
+
+# ---- eq. 1 packing ----
+
+def load_of(lengths, scheme: Scheme, depth=None) -> PipelineLoad:
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return PipelineLoad(seq_ids=tuple(range(len(lengths))), lengths=lengths, work=scheme.seq_time(lengths),
+                        chunk_s=scheme.chunk_s, depth=depth or scheme.pp, max_len=scheme.max_len,
+                        util_len=scheme.util_len)
+
+
+@settings(max_examples=15, deadline=None)
+@given(lengths=st.lists(st.integers(1, 9000), min_size=2, max_size=8), v=st.integers(1, 4))
+def test_milp_is_never_worse_than_greedy_on_small_instances(lengths, v):
+    scheme = next(s for s in space() if s.tp == 2 and s.pp == 2)
+    load = load_of(lengths, scheme)
+    greedy = lpt_bins(load, v)
+    exact = milp_bins(load, v, time_limit_s=5.0, node_limit=100_000)
+    if greedy is not None:
+        assert exact is not None
+        assert estimate(load, exact) <= estimate(load, greedy) * (1 + 1e-9)
+
+
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(1, 20000), min_size=1, max_size=40))
+def test_packing_is_never_worse_than_fixed_length_packing(lengths):
+    scheme = next(s for s in space() if s.tp == 4 and s.pp == 2)
+    load = load_of(lengths, scheme)
+    fixed = estimate(load, best_fit_decreasing(lengths, scheme.max_len))
+    packed = greedy_pack(load)
+    assert packed.estimate_s <= fixed * (1 + 1e-12)
+    assert sorted(i for b in packed.bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= scheme.max_len for b in packed.bins)
+
+
+def test_micro_batch_range_follows_appendix_c():
+    scheme = next(s for s in space() if s.tp == 1 and s.pp == 4)
+    load = load_of([scheme.util_len] * 10, scheme)
+    tokens = 10 * scheme.util_len
+    assert micro_batch_range(load)[0] == max(1, -(-tokens // scheme.max_len))
+    assert micro_batch_range(load)[-1] == 10
