@@ -261,7 +261,8 @@ def test_sweep_keeps_per_pipeline_the_fastest_count_that_fits():
     lengths = sample("github", 160, 64 * K, seed=11)
     out, req = plan(lengths, dp=2, pp=4, context=64 * K, model="llama2-7b", tp=4, max_micropacks=32)
     table = out.metrics["sweep"]
-    assert [r["micropacks"] for r in table if not r["lean"]] == sweep_counts(4, 32)
+    swept = [r["micropacks"] for r in table if not r["lean"]]
+    assert swept == sweep_counts(4, 32)[:len(swept)]  # in order, maybe stopped early past the best
     result = simulate_plan(out, req.cost)
     assert result.fits
     fitting = [r["step_time_s"] for r in table if r["fits"]]

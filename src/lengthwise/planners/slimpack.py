@@ -12,11 +12,15 @@ Steps, each a function here or in a slimpack_* helper:
 
 1. Phase 1 (§4.1.1, slimpack_dp.py): each sample's forward FLOPs (cost.forward_flops of the
    whole sequence, LM head included); samples onto DP ranks for equal forward FLOPs; a sample
-   heavier than a rank's share B = total / dp, or whose activations and K/V state overflow
-   one pipeline, is merged over several ranks (DP-Merge): one pipeline with cp multiplied by
-   the merged ranks, the outlier's segments SHARDED over them (the simulator charges
+   heavier than a rank's share B = total / ranks, or whose activations and K/V state overflow
+   one rank's pipeline, is merged over several ranks (DP-Merge): one pipeline whose cp is the
+   number of merged ranks, the outlier's segments SHARDED over them (the simulator charges
    cost.cp_comm_time), every other sample of that pipeline kept whole on one CP rank (no CP
-   communication: §4.1.3 "other samples continue under the standard schedule").
+   communication: §4.1.3 "other samples continue under the standard schedule"). The
+   scheme's cp is not applied to every sample: its dp x cp pipelines of tp x pp GPUs are all
+   DP ranks, and CP appears only where DP-Merge puts it (§4.1.3: slicing "reduces the need for
+   costly, communication-intensive context parallelism"; sharding every slice would re-gather
+   its whole K/V context per MicroPack, cost.cp_comm_time).
 2. Phase 2 (§4.1.1, slimpack_cuts.py): per pipeline, samples in descending FLOPs cut into N
    forward MicroPacks of equal forward FLOPs (Slim / Mix / Pack), boundaries exact to a token
    by solving the slice-cost quadratic.
@@ -28,9 +32,11 @@ Steps, each a function here or in a slimpack_* helper:
    backward units, forwards injected where a unit's slices have not all run forward.
 5. MicroPack count (§5.1, §4.3): N on a log-spaced sweep from pp to max_micropacks (ratio
    sqrt 2, rounded, duplicates dropped: the integer steps are dense where the budget changes
-   fastest); every candidate is simulated (lengthwise.sim), and each pipeline keeps the N that
+   fastest); every candidate is simulated (lengthwise.sim) in increasing N until two fitting
+   ones in a row are slower than the best before them, and each pipeline keeps the N that
    finishes it soonest among those whose simulated peak memory fits (§4.1.1: "each DP replica
-   may choose a different N").
+   may choose a different N"). When DP-Merge merged a compute outlier, the variant that merges
+   only memory outliers is swept too and the faster step wins (merging costs CP communication).
 
 Options (request.options):
 
@@ -38,7 +44,8 @@ Options (request.options):
 - `max_micropacks`: top of the sweep (int), default 32 * pp.
 - `asymmetric`: regroup the backward (bool, default True); False runs each forward MicroPack's
   own backward under plain 1F1B (the ablation of §6.3).
-- `dp_merge`: merge ranks for outliers (bool, default True).
+- `dp_merge`: merge ranks for outliers (bool, default True); False merges none (a sample
+  whose activations overflow one rank's pipeline is then a UserError).
 - `schedule`: "steady", "lean" (slimpack_schedule.py) or "auto" (default: steady, and lean for
   the pipelines the steady schedule fits at no MicroPack count).
 
@@ -46,7 +53,8 @@ Metrics added to plan.metrics: micropacks (per pipeline), forward_budget_flops a
 backward_budget_flops (per pipeline), forms (Slim / Mix / Pack counts), dp_merge (merged
 outliers), micropack_rsd (relative standard deviation of MicroPack forward and backward seconds
 and of tokens, as infinipipe table 2 reports), and with the sweep: sweep (every candidate's
-simulated step time and peak), predicted_step_time_s.
+simulated step time and peak), predicted_step_time_s, phase1_variants (each DP-Merge
+variant's simulated step).
 """
 
 from __future__ import annotations
@@ -95,14 +103,14 @@ def memory_share_per_token(request: PlanRequest, hold: float) -> float:
     worst = 0.0
     for stage, n in enumerate(split_layers(request.model.num_layers, s.pp)):
         first, last = stage == 0, stage == s.pp - 1
-        states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp, zero=s.zero, first=first, last=last)
+        states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp * s.cp, zero=s.zero, first=first, last=last)
         free = cost.capacity_bytes * hold - states
         if free <= 0:
             raise UserError(f"stage {stage} model states take {states / GIB:.1f} GiB, more than {hold:.0%} "
                             f"of the {cost.capacity_bytes / GIB:.1f} GiB usable: raise --tp/--pp or the ZeRO stage")
         per_token = (cost.activation_bytes_per_token(layers=n, tp=s.tp, head=last)
                      + 2 * cost.kv_bytes(1, layers=n, tp=s.tp))
-        worst = max(worst, per_token / (free * s.cp))
+        worst = max(worst, per_token / free)
     return worst
 
 
@@ -113,12 +121,11 @@ def stream_order(group: RankGroup, flops: np.ndarray) -> list[int]:
     return sorted(group.seq_ids, key=lambda i: (-flops[i], i))
 
 
-def cp_placement(chunks: list[Chunk], group: RankGroup, g: PrefixCost, scheme_cp: int) -> dict[int, int]:
+def cp_placement(chunks: list[Chunk], group: RankGroup, g: PrefixCost) -> dict[int, int]:
     """CP rank of every non-outlier sequence of a merged pipeline: per MicroPack, unplaced
     sequences go largest first to the least-loaded rank; a sequence keeps its rank in every
-    MicroPack it spans (its K/V context stays local). Empty (all SHARDED) unless merged over a
-    scheme without CP."""
-    if group.ranks == 1 or scheme_cp > 1:
+    MicroPack it spans (its K/V context stays local). Empty for an unmerged pipeline."""
+    if group.ranks == 1:
         return {}
     outliers, rank_of = set(group.outliers), {}
     for chunk in chunks:
@@ -141,9 +148,9 @@ def build_pipeline(request: PlanRequest, group: RankGroup, count: int, models, f
     count = max(1, min(count, stream.total_tokens))
     fcuts = forward_cuts(stream, gf, count)
     chunks = forward_chunks(stream, fcuts)
-    rank_of = cp_placement(chunks, group, gf, s.cp)
+    rank_of = cp_placement(chunks, group, gf)
     chunks = place_segments(chunks, rank_of)
-    cp = s.cp * group.ranks
+    cp = group.ranks
     if not asymmetric:
         return PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, s.pp), tp=s.tp, cp=cp,
                             schedule="1f1b")
@@ -173,14 +180,28 @@ def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asy
     makespan and peak memory, and the whole step."""
     from lengthwise.sim import simulate_plan
 
-    out = []
+    out: list[dict] = []
     for n in counts:
         pipes = [build_pipeline(request, g, n, models, flops, asymmetric, lean) for g in groups]
         result = simulate_plan(bare_plan(request, pipes), request.cost)
         out.append({"count": n, "lean": lean, "pipelines": pipes, "makespan": result.pipeline_makespan,
                     "peak": [max(row) for row in result.peak_memory], "step_time_s": result.step_time_s,
                     "fits": bool(result.fits)})
+        if past_the_best(out):
+            break
     return out
+
+
+def past_the_best(candidates: list[dict], patience: int = 2) -> bool:
+    """Whether the last `patience` candidates all fit and all ran slower than the best fitting
+    one before them: more, smaller MicroPacks only add per-MicroPack overheads from there on
+    (step time against N is U-shaped: bubbles fall as 1/N, fixed costs grow with N)."""
+    fitting = [c["step_time_s"] for c in candidates if c["fits"]]
+    tail = candidates[-patience:]
+    if len(tail) < patience or not all(c["fits"] for c in tail) or len(fitting) <= patience:
+        return False
+    best_before = min(fitting[:-patience])
+    return all(c["step_time_s"] > best_before for c in tail)
 
 
 def choose_per_pipeline(candidates: list[dict], capacity: float) -> list[int]:
@@ -238,8 +259,8 @@ def micropack_metrics(request: PlanRequest, pipes: list[PipelinePlan], models) -
     }
 
 
-def merge_metrics(groups: list[RankGroup], scheme_cp: int) -> list[dict]:
-    return [{"seq_ids": g.outliers, "ranks": g.ranks, "cp": g.ranks * scheme_cp} for g in groups if g.ranks > 1]
+def merge_metrics(groups: list[RankGroup]) -> list[dict]:
+    return [{"seq_ids": g.outliers, "ranks": g.ranks, "cp": g.ranks} for g in groups if g.ranks > 1]
 
 
 # ---- the planner ----
@@ -259,14 +280,20 @@ def read_options(request: PlanRequest) -> dict:
     return {**opts, "num_micropacks": positive_int_option(opts, "num_micropacks"), "max_micropacks": top}
 
 
-def plan_groups(request: PlanRequest, models, merge: bool) -> tuple[list[RankGroup], np.ndarray]:
-    """Phase 1: forward FLOPs per sample and the rank groups (DP-Merge included)."""
+def phase1_variants(request: PlanRequest, models, merge: bool) -> tuple[list[list[RankGroup]], np.ndarray]:
+    """Phase 1: forward FLOPs per sample and the rank groups; with DP-Merge, the paper's groups
+    (compute and memory outliers merged) and, when it differs, the memory-only variant."""
     lengths = np.asarray(request.lengths, dtype=np.int64)
     flops = models[0].of(lengths)
     want = memory_ranks(lengths, memory_share_per_token(request, HOLD_SHARE))
     floor = memory_ranks(lengths, memory_share_per_token(request, 1.0))
-    groups = assign_ranks(flops, want, floor, request.scheme.dp, merge=merge)
-    return [g for g in groups if g.seq_ids], flops
+    ranks = request.scheme.dp * request.scheme.cp
+    variants = [assign_ranks(flops, want, floor, ranks, merge=merge)]
+    if merge:
+        memory_only = assign_ranks(flops, want, floor, ranks, merge=True, by_flops=False)
+        if merge_metrics(memory_only) != merge_metrics(variants[0]):
+            variants.append(memory_only)
+    return [[g for g in groups if g.seq_ids] for groups in variants], flops
 
 
 def plan_slimpack(request: PlanRequest) -> StepPlan:
@@ -277,20 +304,38 @@ def plan_slimpack(request: PlanRequest) -> StepPlan:
     s = request.scheme
     request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
     models = flops_models(request)
-    groups, flops = plan_groups(request, models, opts["dp_merge"])
+    variants, flops = phase1_variants(request, models, opts["dp_merge"])
     extra: dict = {}
     if opts["num_micropacks"] is not None:
-        lean = opts["schedule"] == "lean"
+        groups, lean = variants[0], opts["schedule"] == "lean"
         pipes = [build_pipeline(request, g, opts["num_micropacks"], models, flops, opts["asymmetric"], lean)
                  for g in groups]
     else:
-        pipes, extra = sweep(request, groups, models, flops, opts)
+        groups, pipes, extra = best_variant(request, variants, models, flops, opts)
     plan = finish_plan(request, pipes, planner="slimpack", started=started, options=opts)
     plan.metrics.update(micropack_metrics(request, pipes, models))
-    plan.metrics["dp_merge"] = merge_metrics(groups, s.cp)
+    plan.metrics["dp_merge"] = merge_metrics(groups)
     plan.metrics.update(extra)
     plan.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
     return plan
+
+
+def best_variant(request: PlanRequest, variants, models, flops, opts):
+    """Sweep every Phase-1 variant; keep the one with the shortest simulated step."""
+    best, error, tried = None, None, []
+    for groups in variants:
+        try:
+            pipes, extra = sweep(request, groups, models, flops, opts)
+        except UserError as exc:  # this variant fits no count; another may
+            error = exc
+            continue
+        tried.append({"dp_merge": merge_metrics(groups), "step_time_s": extra["predicted_step_time_s"]})
+        if best is None or extra["predicted_step_time_s"] < best[2]["predicted_step_time_s"]:
+            best = (groups, pipes, extra)
+    if best is None:
+        raise error
+    best[2]["phase1_variants"] = tried
+    return best
 
 
 def sweep(request: PlanRequest, groups, models, flops, opts) -> tuple[list[PipelinePlan], dict]:

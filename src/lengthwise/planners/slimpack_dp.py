@@ -9,6 +9,11 @@ K/V state (held from its first slice's forward to its first slice's backward, §
 one pipeline is a memory outlier and is merged over as many ranks as its memory needs
 (§4.1.1: memory and compute outliers need not coincide).
 
+Whether merging a compute outlier pays depends on what its context parallelism costs (every
+slice re-gathers its K/V context, cost.cp_comm_time, across nodes when the merged ranks span
+them), so the planner builds the memory-only variant as well and lets the simulator choose
+(slimpack.py step 5).
+
 Placement. Outliers take their ranks first, largest first, each leaving at least one rank to
 every outlier after it. The other samples then go, largest first, onto the rank group with the
 lowest load per merged rank after adding them (LPT weighted by group size). Without outliers
@@ -40,13 +45,15 @@ class RankGroup:
         return float(flops[self.seq_ids].sum()) if self.seq_ids else 0.0
 
 
-def merge_sizes(flops: np.ndarray, mem_want: np.ndarray, mem_floor: np.ndarray, dp: int) -> list[tuple[int, int]]:
+def merge_sizes(flops: np.ndarray, mem_want: np.ndarray, mem_floor: np.ndarray, dp: int, *,
+                by_flops: bool = True) -> list[tuple[int, int]]:
     """(sequence id, ranks) of every outlier, largest FLOPs first (DP-Merge, §4.1.1).
 
     `mem_want`: ranks a sample should merge over to leave room beside it for other MicroPacks;
-    `mem_floor`: ranks it cannot do without (all of a GPU's free memory for it alone)."""
-    capacity = flops.sum() / dp
-    want = np.maximum(np.ceil(flops / capacity - 1e-9).astype(np.int64), mem_want)
+    `mem_floor`: ranks it cannot do without (all of a GPU's free memory for it alone);
+    `by_flops`: also merge compute outliers (FLOPs above a rank's share), not only memory ones."""
+    by_compute = np.ceil(flops / (flops.sum() / dp) - 1e-9).astype(np.int64) if by_flops else 1
+    want = np.maximum(by_compute, mem_want)
     outliers = sorted(np.flatnonzero(want > 1).tolist(), key=lambda i: (-flops[i], i))
     out, left = [], dp
     for k, i in enumerate(outliers):
@@ -63,13 +70,14 @@ def merge_sizes(flops: np.ndarray, mem_want: np.ndarray, mem_floor: np.ndarray, 
 
 
 def assign_ranks(flops: np.ndarray, mem_want: np.ndarray, mem_floor: np.ndarray, dp: int, *,
-                 merge: bool) -> list[RankGroup]:
-    """Phase 1: rank groups with their sequences (outliers merged when `merge`)."""
+                 merge: bool, by_flops: bool = True) -> list[RankGroup]:
+    """Phase 1: rank groups with their sequences (outliers merged when `merge`; compute
+    outliers too when `by_flops`, see merge_sizes)."""
     if not merge and (mem_floor > 1).any():
         i = int(np.argmax(mem_floor))
         raise UserError(f"sequence {i} needs {mem_floor[i]} merged DP ranks to hold its activations and "
                         "K/V state: enable dp_merge or raise --tp/--pp")
-    outliers = merge_sizes(flops, mem_want, mem_floor, dp) if merge else []
+    outliers = merge_sizes(flops, mem_want, mem_floor, dp, by_flops=by_flops) if merge else []
     if not outliers:
         return [RankGroup(ranks=1, seq_ids=sorted(g)) for g in _balanced(flops.tolist(), dp)]
     groups = [RankGroup(ranks=m, outliers=[i], seq_ids=[i]) for i, m in outliers]
