@@ -116,6 +116,8 @@ def attend(q_THE, k_TGE, v_TGE, context, layout: ChunkLayout, *, backend: str = 
     `context[i]` lists segment i's earlier (k, v) pieces [c, G, E] from other chunks, oldest
     first; with the row's own earlier slices (layout.row_context) they make layout.ctx_lens[i]
     tokens."""
+    if callable(backend):  # a distributed attention (runtime/distributed/cp.py) that calls back here
+        return backend(q_THE, k_TGE, v_TGE, context, layout)
     backend = resolve_backend(backend, q_THE.device, q_THE.dtype)
     if backend == "varlen":
         return _varlen(q_THE, k_TGE, v_TGE, context, layout)

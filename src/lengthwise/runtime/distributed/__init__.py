@@ -1,0 +1,18 @@
+"""Running a StepPlan across processes on torch.distributed (gloo on CPU, NCCL on GPUs).
+
+    torchrun --nproc-per-node 4 -m lengthwise verify --dp 2 --pp 2
+    lengthwise verify --nproc 4 --dp 2 --cp 2 --planner skrull --option bucket_size=160
+
+One module per concern, each importing only those before it:
+mesh.py (which rank runs which pipeline/stage/CP rank; process groups, cached) ; stats.py
+(elements sent, per rank) <- p2p.py (a torch.distributed Transport: isend / irecv with a
+time-out) ; dp.py (same plan on every rank, gradient sums over the ranks holding each
+parameter) ; cp.py (head-tail sharding, K/V all-gather attention) <- cp_stage.py (a StageRunner
+for one CP rank) <- step.py (one rank's step) <- launch.py (torchrun or local workers) <-
+verify_dist.py (distributed run vs the oracle), checkpoint_dist.py (torch.distributed.checkpoint
+plus sampler and RNG per rank), loop.py (a small training loop with checkpoints, for the fault
+test).
+
+The model file imports no parallel code: a stage runner runs its stage's layers, and context
+parallelism enters only as the attention callable the CP runner hands to the model.
+"""

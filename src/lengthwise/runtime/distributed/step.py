@@ -1,0 +1,121 @@
+"""One training step of a StepPlan across processes: this rank's stage as a plain loop.
+
+    mesh = Mesh.from_default_group()                       # after init_process_group
+    result = run_rank_step(model, plan, token_ids, mesh=mesh)
+    result.loss                                            # the global loss, on every rank
+
+Per step, on every rank: check that all ranks hold the same plan (`dp.check_same_plan`), build
+the runner of this rank's (pipeline, stage, CP rank) with a torch.distributed transport, run its
+action list in order (a receive blocks until the neighbour stage has sent; chunkflow §4.3's
+state-aware 1F1B, infinipipe §4 and slimpack §4.2 schedules are all such lists), wait for the
+last sends, sum gradients over the ranks holding each parameter once (`dp.GradReducer`), and
+all-reduce the loss. The result equals one process running the whole plan (`run_step`):
+within float64 round-off, since the sums run in another order.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from lengthwise.plan.ir import StepPlan
+from lengthwise.runtime.attention import resolve_backend
+from lengthwise.runtime.checks import check_executable
+from lengthwise.runtime.distributed.cp_stage import CPStageRunner
+from lengthwise.runtime.distributed.dp import GradReducer, check_same_plan, holder_sets
+from lengthwise.runtime.distributed.mesh import Mesh, PlanLayout
+from lengthwise.runtime.distributed.p2p import DistributedTransport, ReceiveTimeout
+from lengthwise.runtime.distributed.stats import CommStats
+from lengthwise.runtime.model import CausalLM
+from lengthwise.runtime.stage import StageRunner
+
+
+class StepFailed(RuntimeError):
+    """A rank could not finish its actions (a receive timed out); the message names where."""
+
+
+@dataclass(kw_only=True)
+class RankStepResult:
+    """What one rank did in one step."""
+
+    loss: float
+    """The global batch's loss (sum of token cross-entropies / loss tokens), same on every rank."""
+    layout: PlanLayout
+    """Who ran what."""
+    stats: CommStats = field(default_factory=CommStats)
+    """Elements this rank sent."""
+    num_actions: int = 0
+    """Actions this rank ran."""
+    loop_s: float = 0.0
+    """Seconds in the action loop (compute, waits and bookkeeping)."""
+
+
+def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor], *, mesh: Mesh,
+                  backend: str = "auto", check_plan: bool = True) -> RankStepResult:
+    """Forward and backward of this rank's part of `plan`, gradients summed across ranks."""
+    check_executable(plan, model.spec, token_ids)
+    if check_plan:
+        check_same_plan(plan)
+    layout = mesh.layout(plan)
+    stats = CommStats()
+    runner, transport = make_runner(model, plan, token_ids, mesh=mesh, layout=layout, stats=stats,
+                                    backend=backend)
+    started = time.perf_counter()
+    run_actions(runner)
+    transport.finish()
+    loop_s = time.perf_counter() - started
+    GradReducer(model=model, plan=plan, layout=layout, mesh=mesh, stats=stats).reduce()
+    loss = global_loss(runner, mesh)
+    return RankStepResult(loss=loss, layout=layout, stats=stats, num_actions=len(runner.actions), loop_s=loop_s)
+
+
+def make_runner(model: CausalLM, plan: StepPlan, token_ids, *, mesh: Mesh, layout: PlanLayout,
+                stats: CommStats, backend: str):
+    """This rank's stage runner and its transport."""
+    param = next(model.parameters())
+    place = layout.place
+    transport = DistributedTransport(layout=layout, timeout_s=mesh.timeout_s, stats=stats)
+    common = dict(model=model, plan=plan, pipeline=place.pipeline, stage=place.stage, token_ids=token_ids,
+                  transport=transport, backend=resolve_backend(backend, param.device, param.dtype))
+    if plan.pipelines[place.pipeline].cp == 1:
+        return StageRunner(**common), transport
+    cp_group = mesh.group(layout.my_cp_ranks)
+    return CPStageRunner(cp_rank=place.cp_rank, cp_group=cp_group, stats=stats, **common), transport
+
+
+def run_actions(runner: StageRunner) -> None:
+    """The stage's actions in order; a receive that never comes ends the step with the stage
+    and the action named."""
+    while not runner.done:
+        try:
+            runner.step()
+        except ReceiveTimeout as exc:
+            raise StepFailed(f"{runner.where()}: {exc}") from None
+
+
+def global_loss(runner: StageRunner, mesh: Mesh) -> float:
+    """Sum of every last stage's loss parts (the other ranks add 0)."""
+    total = runner.loss_sum.detach().to(device=mesh.device, dtype=torch.float64).reshape(1)
+    if not runner.is_last:
+        total = torch.zeros_like(total)
+    dist.all_reduce(total)
+    return float(total.item())
+
+
+def gather_grads(model: CausalLM, layout: PlanLayout, plan: StepPlan, *, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """Every parameter's (reduced) gradient, on rank `dst`, each from the lowest rank holding it."""
+    first_holder = {name: ranks[0] for name, ranks in holder_sets(model, plan, layout).items()}
+    mine = {name: _grad_or_zeros(p) for name, p in model.named_parameters()
+            if first_holder[name] == layout.rank}
+    gathered = [None] * dist.get_world_size() if layout.rank == dst else None
+    dist.gather_object(mine, gathered, dst=dst)
+    if layout.rank != dst:
+        return None
+    return {name: g for part in gathered for name, g in part.items()}
+
+
+def _grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
+    return (param.grad if param.grad is not None else torch.zeros_like(param)).detach().cpu()

@@ -1,0 +1,69 @@
+"""Check a distributed run against the oracle: the same loss and every gradient.
+
+    result = spawn(verify_worker, 4, VerifyJob(make_plan=..., dtype=torch.float64, seed=0))
+    result["passed"], result["max_rel_grad_diff"], result["comm"]
+
+Every rank plans the batch itself (`make_plan`, deterministic), builds the same seeded model and
+tokens, runs its part (`step.run_rank_step`), and sends its reduced gradients to rank 0, which
+compares them with the oracle of single-process `verify` (transformers' model, or this
+package's model unpacked) and reports the same keys as `lengthwise verify --json`, plus what
+each rank sent (`comm`, per rank, `stats.CommStats`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lengthwise.plan.ir import StepPlan
+from lengthwise.runtime.distributed.mesh import Mesh
+from lengthwise.runtime.distributed.step import gather_grads, run_rank_step
+from lengthwise.runtime.model import build_model
+from lengthwise.runtime.verify import (TOLERANCE, VerifyResult, compare_grads, random_tokens, resolve_oracle,
+                                       transformers_loss_and_grads, unpacked_loss_and_grads)
+
+
+@dataclass(kw_only=True)
+class VerifyJob:
+    """What every rank of a distributed verify does (picklable: spawn sends it to the workers)."""
+
+    make_plan: Callable[[], StepPlan]
+    """Plans the global batch; called on every rank (a module-level function or a partial)."""
+    dtype: torch.dtype = torch.float64
+    backend: str = "auto"
+    seed: int = 0
+    """Seeds the weights (seed) and the token ids (seed + 1), as single-process verify does."""
+    oracle: str = "auto"
+    timeout_s: float = 60.0
+    """Receive and collective time-out, seconds."""
+
+
+def verify_worker(rank: int, job: VerifyJob, mesh: Mesh | None = None) -> dict | None:
+    """Run on every rank (inside `spawn` or torchrun); rank 0 returns the result dict."""
+    mesh = mesh or Mesh.from_default_group(timeout_s=job.timeout_s)
+    plan = job.make_plan()
+    model = build_model(plan.model, dtype=job.dtype, device=mesh.device, seed=job.seed)
+    token_ids = random_tokens(plan.lengths, plan.model.vocab, job.seed + 1)
+    step = run_rank_step(model, plan, token_ids, mesh=mesh, backend=job.backend)
+    grads = gather_grads(model, step.layout, plan)
+    comm = [None] * mesh.world_size if rank == 0 else None
+    dist.gather_object(step.stats.to_dict() | {"actions": step.num_actions, "loop_s": step.loop_s}, comm, dst=0)
+    if rank != 0:
+        return None
+    result = compare_with_oracle(model, token_ids, step.loss, grads, job)
+    return result.to_dict() | {"planner": plan.planner, "nproc": mesh.world_size, "comm": comm}
+
+
+def compare_with_oracle(model, token_ids, loss: float, grads: dict, job: VerifyJob) -> VerifyResult:
+    oracle = resolve_oracle(job.oracle)
+    if oracle == "transformers":
+        ref_loss, ref_grads = transformers_loss_and_grads(model, token_ids)
+    else:
+        ref_loss, ref_grads = unpacked_loss_and_grads(model, token_ids, backend=job.backend)
+    abs_diff, rel_diff, worst = compare_grads(grads, ref_grads)
+    return VerifyResult(loss=loss, reference_loss=float(ref_loss), max_abs_grad_diff=abs_diff,
+                        max_rel_grad_diff=rel_diff, worst_param=worst, oracle=oracle,
+                        tolerance=TOLERANCE.get(job.dtype, 1e-1))
