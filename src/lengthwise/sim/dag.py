@@ -19,6 +19,7 @@ neighbouring stage that hands over the activation or its gradient.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,12 +64,16 @@ def build_pipeline(stages: list[list[Action]], chunks: list[Chunk], backward_chu
     limits = (len(chunks), len(chunks), units)
     if any(not 0 <= c < limits[code] for acts in lowered for code, c, _ in acts):
         check_schedule(stages, chunks, backward_chunks)  # raises, naming the bad index
+    ctx = [(lowered[s], t.first_id[s], (t.fwd_id[s], t.nograd_id[s], t.bwd_id[s]),
+            (t.fwd_id[s - 1], t.nograd_id[s - 1]) if s > 0 else None, t.bwd_id[s + 1] if s + 1 < pp else None)
+           for s in range(pp)]
     pos, last, left, up = [0] * pp, [-1] * pp, sum(map(len, stages)), True
     levels: list[int] = []
     while left:
         moved = 0
         for s in (range(pp) if up else range(pp - 1, -1, -1)):
-            moved += _advance(t, levels, lowered[s], s, pos, last, deps, pp)
+            if pos[s] < len(lowered[s]):
+                moved += _advance(t.rows, levels, ctx[s], s, pos, last, deps)
         if not moved:
             check_schedule(stages, chunks, backward_chunks)
             raise AssertionError("schedule stuck but check_schedule passed")
@@ -81,16 +86,14 @@ def build_pipeline(stages: list[list[Action]], chunks: list[Chunk], backward_chu
     return t
 
 
-def _advance(t: PipelineTasks, levels: list[int], acts: list[tuple[int, int, int]], s: int, pos: list[int],
-             lasts: list[int], deps: Dependencies, pp: int) -> int:
-    """Issue stage s's actions (kind code, chunk, recompute) while their dependencies have been
-    issued; return how many. The hot loop of the simulator, hence the local names."""
+def _advance(rows: list, levels: list[int], ctx: tuple, s: int, pos: list[int], lasts: list[int],
+             deps: Dependencies) -> int:
+    """Issue stage s's actions while their dependencies have been issued; return how many.
+    `ctx` holds the stage's lowered actions (kind code, chunk, recompute) and its id tables and
+    its neighbours'. The hot loop of the simulator, hence the local names."""
+    acts, first, mine, above, below = ctx
     p0 = p = pos[s]
     last, n = lasts[s], len(acts)
-    rows, first = t.rows, t.first_id[s]
-    mine = (t.fwd_id[s], t.nograd_id[s], t.bwd_id[s])
-    above = (t.fwd_id[s - 1], t.nograd_id[s - 1]) if s > 0 else None
-    below = t.bwd_id[s + 1] if s + 1 < pp else None
     needs, after, fwd_after = deps.bwd_needs, deps.bwd_after, deps.fwd_after
     while p < n:
         code, c, recompute = acts[p]
@@ -151,13 +154,14 @@ def concatenate(pipes: list[PipelineTasks]) -> TaskArrays:
     offsets = np.cumsum([0] + [len(p.rows) for p in pipes]).tolist()
     total = offsets[-1]
     rows = [r for p in pipes for r in p.rows]
-    stage, kind, index, _, refwd, cross, local, level = (list(col) for col in zip(*rows)) if rows else [[]] * 8
+    # one comprehension per column: zip(*rows) with ~1e5 arguments is several times slower
+    stage, kind, index, _, refwd, cross, local, level = ([r[i] for r in rows] for i in range(8))
     shift = np.repeat(np.asarray(offsets[:-1], dtype=np.int64), np.diff(offsets))
     cross = np.asarray(cross, dtype=np.int64)
     cross = np.where(cross < 0, total, cross + shift)
     counts = np.fromiter(map(len, local), dtype=np.int64, count=total)
     width = int(counts.max(initial=0)) or 1
-    flat = np.fromiter((q for qs in local for q in qs), dtype=np.int64, count=int(counts.sum()))
+    flat = np.fromiter(itertools.chain.from_iterable(local), dtype=np.int64, count=int(counts.sum()))
     row_of = np.repeat(np.arange(total), counts)
     col_of = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
     local_arr = np.full((total, width), total, dtype=np.int64)
