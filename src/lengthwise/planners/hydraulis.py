@@ -30,7 +30,7 @@ Options (request.options):
 - max_tp (None = GPUs per node), max_pp (8), max_cp (8): the scheme space's degree limits.
 - length_step (128 tokens) and pipeline_step (0.1 pipelines): the DP's grid (§7 footnote 4).
 - util_threshold (0.85): efficiency that defines UtilLen (appendix C).
-- milp_solves (12 per batch), milp_node_limit (500 per solve) and milp_time_limit_s (0.05 s per
+- milp_solves (8 per batch), milp_node_limit (500 per solve) and milp_time_limit_s (0.02 s per
   solve, a safety net: a solve it cuts short may differ between runs) bound eq. 1's MILPs.
 """
 
@@ -53,8 +53,8 @@ from lengthwise.planners.hydraulis_strategy import (Histogram, Strategy, homogen
 
 DEFAULTS = {
     "profile": None, "trials": 100, "dispatch_work": 20_000_000, "max_tp": None, "max_pp": 8, "max_cp": 8,
-    "length_step": 128, "pipeline_step": 0.1, "util_threshold": 0.85, "milp_solves": 12, "milp_node_limit": 500,
-    "milp_time_limit_s": 0.05,
+    "length_step": 128, "pipeline_step": 0.1, "util_threshold": 0.85, "milp_solves": 8, "milp_node_limit": 500,
+    "milp_time_limit_s": 0.02,
 }
 CAP_RATIO = 1.25
 """Exchange times closer than this factor share one proposal run (see _caps)."""
@@ -79,7 +79,7 @@ class Evaluation:
 
     @property
     def estimate_s(self) -> float:
-        return max(p.estimate_s for p in self.packings) + self.exchange_s
+        return float(max(p.estimate_s for p in self.packings) + self.exchange_s)
 
 
 def plan_hydraulis(request: PlanRequest) -> StepPlan:
@@ -215,7 +215,7 @@ def _choose(request: PlanRequest, opts: dict, candidates: list[Strategy], num_gp
             row["estimate_s"] = "pruned by its lower bound"
             continue
         ev = _evaluate(request, opts, strategy, pipes, lengths, num_gpus)
-        row["estimate_s"] = round(ev.estimate_s, 6)
+        row["estimate_s"] = round(float(ev.estimate_s), 6)
         best = ev if best is None or ev.estimate_s < best.estimate_s else best
     assert best is not None, "no candidate holds the longest sequence"
     return best, table

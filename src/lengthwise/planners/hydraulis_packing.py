@@ -11,10 +11,11 @@ MaxLen(P) tokens; the pipeline then takes about
 shorter ones under-use the GEMMs.
 
 Eq. 1 is solved two ways and the better packing kept:
-- greedy: largest-w-first onto the least-loaded micro-batch with token room (LPT with a
-  capacity), for every V of the range, and best-fit-decreasing packing to MaxLen (the
-  fixed-length packing of §8.4's baseline) -- so the result is never worse than fixed-length
-  packing;
+- greedy: for every V of the range, largest-w-first onto the least-loaded micro-batch with
+  token room (LPT with a capacity) and Karmarkar-Karp differencing on w (kept when it respects
+  MaxLen; much closer to balanced when few micro-batches hold many sequences), and also
+  best-fit-decreasing packing to MaxLen (the fixed-length packing of §8.4's baseline) -- so the
+  result is never worse than fixed-length packing;
 - `milp_pack`: eq. 1 as a MILP (binary o_ij, continuous max load z, micro-batches ordered by
   load to break their symmetry) for scipy.optimize.milp (HiGHS) under a time limit.
 """
@@ -29,12 +30,20 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from lengthwise.planners.packing_utils import best_fit_decreasing
+from lengthwise.planners.packing_utils import best_fit_decreasing, karmarkar_karp
 
 MAX_V_TRIED = 32
 """Micro-batch counts tried per pipeline; a wider appendix-C range is sampled evenly."""
-MILP_MAX_VARIABLES = 6000
-"""Larger eq. 1 instances (U x V binaries) keep the greedy packing."""
+KK_TRIES = 3
+"""Micro-batch counts (LPT's best) at which Karmarkar-Karp is tried as well."""
+KK_MIN_PER_BIN = 3
+"""Karmarkar-Karp is tried for V micro-batches only with at least this many sequences per
+micro-batch; with fewer it matches LPT on our batches and costs more."""
+MILP_MIN_GAIN = 0.01
+"""A MILP is solved for a V only if eq. 1's bound for that V leaves at least this relative gain."""
+MILP_MAX_VARIABLES = 1500
+"""Larger eq. 1 instances (U x V binaries) keep the greedy packing: HiGHS rarely improves
+them within the time limit, and many small sequences leave LPT little to gain."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,20 +75,26 @@ class Packing:
     estimate_s: float
     """(max_j T(micro-batch j)) x (PP - 1 + V), seconds; 0 for an empty pipeline."""
     method: str
-    """"bfd" (fixed-length packing), "lpt" (greedy eq. 1) or "milp"."""
+    """"bfd" (fixed-length packing), "lpt" or "kk" (greedy eq. 1), or "milp"."""
 
 
 def estimate(load: PipelineLoad, bins) -> float:
     """Eq. 1's objective for a packing."""
+    return _estimate(load, load.work.tolist(), bins)
+
+
+def _estimate(load: PipelineLoad, work: list[float], bins) -> float:
+    bins = [b for b in bins if len(b)]
     if not bins:
         return 0.0
-    heaviest = max(float(load.work[list(b)].sum()) for b in bins)
+    heaviest = max(sum(work[i] for i in b) for b in bins)
     return (heaviest + load.chunk_s) * (load.depth - 1 + len(bins))
 
 
 def _packing(load: PipelineLoad, bins, method: str) -> Packing:
-    bins = sorted((tuple(b) for b in bins), key=lambda b: (-float(load.work[list(b)].sum()), b))
-    return Packing(bins=tuple(bins), estimate_s=estimate(load, bins), method=method)
+    work = load.work.tolist()
+    bins = sorted((tuple(b) for b in bins if len(b)), key=lambda b: (-sum(work[i] for i in b), b))
+    return Packing(bins=tuple(bins), estimate_s=_estimate(load, work, bins), method=method)
 
 
 def micro_batch_range(load: PipelineLoad) -> list[int]:
@@ -93,35 +108,50 @@ def micro_batch_range(load: PipelineLoad) -> list[int]:
 def lpt_bins(load: PipelineLoad, v: int) -> list[list[int]] | None:
     """Largest w first onto the least-loaded of v micro-batches with token room; None if some
     sequence finds no room."""
-    order = sorted(range(len(load.seq_ids)), key=lambda i: (-load.work[i], -load.lengths[i], i))
+    work, lengths = load.work.tolist(), load.lengths.tolist()
+    order = sorted(range(len(work)), key=lambda i: (-work[i], -lengths[i], i))
+    return _lpt(order, work, lengths, v, load.max_len)
+
+
+def _lpt(order: list[int], work: list[float], lengths: list[int], v: int, cap: int) -> list[list[int]] | None:
     heap = [(0.0, j) for j in range(v)]
-    bins, room = [[] for _ in range(v)], [load.max_len] * v
+    bins, room = [[] for _ in range(v)], [cap] * v
     for i in order:
         skipped = []
-        while heap and room[heap[0][1]] < load.lengths[i]:
+        while heap and room[heap[0][1]] < lengths[i]:
             skipped.append(heapq.heappop(heap))
         if not heap:
             return None
         busy, j = heapq.heappop(heap)
         bins[j].append(i)
-        room[j] -= int(load.lengths[i])
-        heapq.heappush(heap, (busy + float(load.work[i]), j))
+        room[j] -= lengths[i]
+        heapq.heappush(heap, (busy + work[i], j))
         for item in skipped:
             heapq.heappush(heap, item)
     return [b for b in bins if b]
 
 
 def greedy_pack(load: PipelineLoad) -> Packing:
-    """Best of fixed-length packing (BFD to MaxLen) and LPT over the pruned V range."""
+    """Best of fixed-length packing (BFD to MaxLen), LPT over the pruned V range, and
+    Karmarkar-Karp at the KK_TRIES micro-batch counts where LPT did best."""
     if not load.seq_ids:
         return Packing(bins=(), estimate_s=0.0, method="lpt")
-    best = _packing(load, best_fit_decreasing(load.lengths.tolist(), load.max_len), "bfd")
-    for v in micro_batch_range(load):
-        bins = lpt_bins(load, v)
-        if bins is not None:
-            cand = _packing(load, bins, "lpt")
-            best = cand if cand.estimate_s < best.estimate_s else best
-    return best
+    work, lengths = load.work.tolist(), load.lengths.tolist()
+    order = sorted(range(len(work)), key=lambda i: (-work[i], -lengths[i], i))
+    tried = [("bfd", best_fit_decreasing(lengths, load.max_len))]
+    tried += [("lpt", _lpt(order, work, lengths, v, load.max_len)) for v in micro_batch_range(load)]
+    scored = sorted((_estimate(load, work, b), k) for k, (_, b) in enumerate(tried) if b is not None)
+    for _, k in scored[:KK_TRIES]:
+        v = len(tried[k][1])
+        if len(work) >= KK_MIN_PER_BIN * v:
+            tried.append(("kk", _within(karmarkar_karp(work, v), lengths, load.max_len)))
+    method, bins = min((t for t in tried if t[1] is not None), key=lambda t: _estimate(load, work, t[1]))
+    return _packing(load, bins, method)
+
+
+def _within(bins: list[list[int]], lengths: list[int], cap: int) -> list[list[int]] | None:
+    """The bins if every one holds at most `cap` tokens, else None."""
+    return bins if all(sum(lengths[i] for i in b) <= cap for b in bins) else None
 
 
 def milp_bins(load: PipelineLoad, v: int, *, time_limit_s: float, node_limit: int) -> list[list[int]] | None:
@@ -169,7 +199,7 @@ def milp_pack(load: PipelineLoad, incumbent: Packing, *, solves: int, time_limit
     n = len(load.seq_ids)
     for v in micro_batch_range(load):
         floor = (max(float(load.work.max()), float(load.work.sum()) / v) + load.chunk_s) * (load.depth - 1 + v)
-        if n * v > MILP_MAX_VARIABLES or floor >= best.estimate_s * (1 - 1e-9) or v > n:
+        if n * v > MILP_MAX_VARIABLES or floor >= best.estimate_s * (1 - MILP_MIN_GAIN) or v > n:
             continue
         if used == solves:
             break
