@@ -64,6 +64,19 @@ def test_plan_equals_transformers_unpacked(spec, name):
     assert max_rel <= 1e-9, worst
 
 
+@pytest.mark.parametrize("name", list(PLANS))
+def test_hand_plans_pass_the_plan_validator(name):
+    """The plans above are ones a planner may emit (lengthwise.plan.validate agrees)."""
+    from lengthwise.cost import CostModel
+    from lengthwise.plan.validate import validate_plan
+
+    plan = hand_plan(LLAMA, LENGTHS, PLANS[name])
+    plan.cluster = plan.cluster.with_gpus(plan.num_gpus)
+    if "r2" in str(PLANS[name]):
+        plan.pipelines[0].layers_per_stage = [2, 0]
+    validate_plan(plan, CostModel(model=LLAMA, cluster=plan.cluster))
+
+
 def test_unpacked_oracle_agrees_with_transformers():
     """The fallback oracle (no transformers) is itself exact."""
     pytest.importorskip("transformers")

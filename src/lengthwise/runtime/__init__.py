@@ -1,0 +1,19 @@
+"""The executor: runs a StepPlan in PyTorch with exactly the loss and gradients of plain training.
+
+    from lengthwise.runtime import build_model, run_step
+    model = build_model(plan.model, dtype=torch.float64, seed=0)    # or load_weights(model, "ckpt/")
+    loss = run_step(model, plan, token_ids)   # token_ids[seq_id]: 1-D LongTensor; grads land in .grad
+
+The only part of lengthwise that imports torch. Floors, each importing only below:
+model.py (the decoder, HF names) <- attention.py (chunk masks, backends) ; loss.py (labels,
+cross-entropy) ; state.py (K/V store) ; transport.py (stage-to-stage messages) <- stage.py
+(one stage's state-aware runner) <- checks.py, execute.py (single-process driver) <- verify.py
+(comparison with transformers). weights.py reads and writes Hugging Face checkpoints and
+memory.py measures what autograd keeps for backward.
+"""
+
+from lengthwise.runtime.execute import hand_plan, run_step, unpacked_plan  # noqa: F401
+from lengthwise.runtime.model import CausalLM, build_model  # noqa: F401
+from lengthwise.runtime.stage import StageRunner  # noqa: F401
+from lengthwise.runtime.transport import InProcessTransport, Message, Transport  # noqa: F401
+from lengthwise.runtime.weights import load_weights, save_pretrained  # noqa: F401

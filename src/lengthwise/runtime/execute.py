@@ -42,7 +42,7 @@ def run_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor], *,
                for p, pipe in enumerate(plan.pipelines) for s in range(pipe.pp)]
     _interleave(runners, transport)
     assert transport.in_flight == 0, "a message was sent and never received"
-    return sum((r.loss_sum for r in runners if r.is_last), torch.zeros((), dtype=torch.float64))
+    return sum(r.loss_sum for r in runners if r.is_last)
 
 
 def _interleave(runners: list[StageRunner], transport: InProcessTransport) -> None:

@@ -68,9 +68,10 @@ class StageRunner:
         self.pending: dict[int, _Pending] = {}
         self.frees = last_uses(self.actions, self.chunks, plan.lengths)
         self.next_index = 0
-        self.loss_sum = torch.zeros((), dtype=torch.float64)
-        """Detached sum of this stage's loss parts (last stage only)."""
         self._param = next(model.parameters())
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self._param.device)
+        """Detached sum of this stage's loss parts (last stage only); stays on the device so
+        that no chunk waits for a host copy."""
 
     @property
     def is_first(self) -> bool:
@@ -180,7 +181,7 @@ class StageRunner:
             return None  # N only leaves K/V; the loss comes with the later F
         labels = chunk_labels(chunk, self.token_ids).to(h_TD.device)
         loss_part = token_loss_sum(self.model.head_logits(h_TD), labels) / self.plan.loss_tokens
-        self.loss_sum = self.loss_sum + loss_part.detach().double().cpu()
+        self.loss_sum = self.loss_sum + loss_part.detach().double()
         return loss_part
 
     # backward ----------------------------------------------------------------------------

@@ -1,0 +1,254 @@
+"""Measure this device for a cost profile, and check a fast attention backend against the reference.
+
+    measurer = TorchMeasurer(spec, layers=2, device="cuda", dtype=torch.bfloat16)
+    fitted = measure_profile(measurer, profile_chunks(min_tokens=512, max_tokens=32768, max_context=131072),
+                             head_token_counts(512, 16384), model_name=spec.name)    # cost/fit.py
+    check = check_backend("varlen", device="cuda", dtype=torch.bfloat16)             # check.passed
+
+What is timed is what a stage of the executor runs for one chunk (stage.py): rotary tables,
+`CausalLM.run_layers` over the chunk's ChunkLayout with each slice's context K/V as leaves that
+require grad, then the backward from the stage output (and into the context leaves). The model
+is cut to `layers` decoder layers: the fit is per layer, and two layers keep a 32K-token chunk
+with a 96K context well inside memory. The LM head (final norm, projection, cross-entropy in
+float32 as loss.py computes it) is timed apart. Each measurement is `warmup` untimed runs then
+the median of `repeats`, with the device synchronised around each pass.
+
+Memory held from forward to backward: on CUDA the rise of `torch.cuda.memory_allocated` across
+the forward (the stage input included, allocated inside the window as a received activation
+would be); elsewhere the saved-tensor meter (memory.py), which counts what autograd keeps.
+K/V bytes per token per layer are those of the k and v a layer returns, which the K/V store keeps.
+
+`check_backend` runs one chunk that has everything the executor asks of attention: packed
+documents, a slice whose context is two stored pieces, a second slice of the same sequence in
+the same row, grouped-query heads (14 query / 2 K/V heads of 64, as Qwen2.5-0.5B). It compares
+output and the gradients of q, k, v and the context pieces with the reference backend run in
+float64, and reports the reference backend's own error in the tested dtype beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lengthwise.cost.fit import Timing
+from lengthwise.plan.ir import Chunk
+from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend
+from lengthwise.runtime.loss import chunk_positions, token_loss_sum
+from lengthwise.runtime.memory import SavedTensorMeter
+from lengthwise.runtime.model import build_model
+from lengthwise.specs import ModelSpec
+
+
+def device_name(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({platform.processor() or platform.machine()})"
+
+
+def synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def elapsed(fn, device):
+    """(seconds, result) of fn() with the device idle before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - start, out
+
+
+class HeldBytes:
+    """Bytes that stay allocated across a `with` block: the CUDA allocator's count on CUDA, the
+    saved-tensor meter's elsewhere (CPU allocations are not counted by torch)."""
+
+    def __init__(self, device, exclude=()):
+        self.cuda = torch.device(device).type == "cuda"
+        self.device, self.exclude, self.bytes = device, exclude, 0.0
+
+    def __enter__(self) -> HeldBytes:
+        if self.cuda:
+            synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._meter = SavedTensorMeter(exclude=self.exclude).__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            synchronize(self.device)
+            self.bytes = float(torch.cuda.memory_allocated(self.device) - self._base)
+        else:
+            self._meter.__exit__(*exc)
+            self.bytes = float(self._meter.current_bytes)
+
+
+@dataclass(kw_only=True)
+class _ChunkInputs:
+    layout: ChunkLayout
+    positions: torch.Tensor
+    contexts: list
+    """Per layer, per segment: [(k, v)] context leaves."""
+    leaves: list[torch.Tensor]
+
+
+class TorchMeasurer:
+    """Times chunks and the LM head on one device (the `Measurer` of cost/fit.py)."""
+
+    def __init__(self, spec: ModelSpec, *, layers: int = 2, device="cpu", dtype=torch.float32,
+                 backend: str = "auto", repeats: int = 3, warmup: int = 1, seed: int = 0):
+        self.spec = dataclasses.replace(spec, num_layers=min(layers, spec.num_layers))
+        self.layers = self.spec.num_layers
+        self.device, self.dtype, self.repeats, self.warmup = torch.device(device), dtype, repeats, warmup
+        self.backend = resolve_backend(backend, self.device, dtype)
+        self.model = build_model(self.spec, dtype=dtype, device=self.device, seed=seed)
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+
+    def describe(self) -> dict:
+        return {"device": device_name(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "backend": self.backend, "torch": torch.__version__, "repeats": self.repeats,
+                "warmup": self.warmup}
+
+    def _randn(self, *shape, scale: float = 1.0, grad: bool = False) -> torch.Tensor:
+        t = torch.randn(*shape, generator=self.gen, device=self.device, dtype=self.dtype) * scale
+        return t.requires_grad_(grad)
+
+    def _inputs(self, chunk: Chunk) -> _ChunkInputs:
+        layout = ChunkLayout.from_chunk(chunk)
+        assert not any(layout.row_context), "profile chunks hold one slice per sequence"
+        spec, leaves, contexts = self.spec, [], []
+        for _ in range(self.layers):
+            per_segment = []
+            for c in layout.ctx_lens:
+                pieces = [(self._randn(c, spec.num_kv_heads, spec.head_dim, grad=True),
+                           self._randn(c, spec.num_kv_heads, spec.head_dim, grad=True))] if c else []
+                leaves += [t for kv in pieces for t in kv]
+                per_segment.append(pieces)
+            contexts.append(per_segment)
+        return _ChunkInputs(layout=layout, positions=chunk_positions(chunk, self.device), contexts=contexts,
+                            leaves=leaves)
+
+    def _forward(self, inputs: _ChunkInputs, h_TD: torch.Tensor) -> torch.Tensor:
+        rope = self.model.rope(inputs.positions, self.dtype)
+        out_TD, _ = self.model.run_layers(h_TD, layers=range(self.layers), rope=rope, layout=inputs.layout,
+                                          contexts=inputs.contexts, backend=self.backend)
+        return out_TD
+
+    def time_chunk(self, chunk: Chunk) -> Timing:
+        inputs = self._inputs(chunk)
+        fwd, bwd, held = [], [], None
+        for run in range(self.warmup + self.repeats):
+            with HeldBytes(self.device, exclude=self.model.parameters()) as meter:
+                h_TD = self._randn(chunk.num_tokens, self.spec.hidden, grad=True)
+                t_f, out_TD = elapsed(lambda: self._forward(inputs, h_TD), self.device)
+            grad_TD = self._randn(*out_TD.shape, scale=1e-2)
+            t_b, _ = elapsed(lambda: out_TD.backward(grad_TD), self.device)
+            for leaf in inputs.leaves:
+                leaf.grad = None
+            if run >= self.warmup:
+                fwd.append(t_f)
+                bwd.append(t_b)
+            held = meter.bytes
+        return Timing(fwd_s=statistics.median(fwd), bwd_s=statistics.median(bwd), activation_bytes=held)
+
+    def time_head(self, tokens: int) -> Timing:
+        labels = torch.randint(0, self.spec.vocab, (tokens,), generator=self.gen, device=self.device)
+        fwd, bwd, held = [], [], None
+        for run in range(self.warmup + self.repeats):
+            with HeldBytes(self.device, exclude=self.model.parameters()) as meter:
+                h_TD = self._randn(tokens, self.spec.hidden, grad=True)
+                t_f, loss = elapsed(lambda: token_loss_sum(self.model.head_logits(h_TD), labels), self.device)
+            t_b, _ = elapsed(loss.backward, self.device)
+            if run >= self.warmup:
+                fwd.append(t_f)
+                bwd.append(t_b)
+            held = meter.bytes
+        return Timing(fwd_s=statistics.median(fwd), bwd_s=statistics.median(bwd), activation_bytes=held)
+
+    @torch.no_grad()
+    def kv_bytes_per_token_layer(self) -> float:
+        """Bytes of the k and v one layer returns per token (what the K/V store keeps)."""
+        chunk = Chunk.parse("0[0:16]")
+        inputs = self._inputs(chunk)
+        rope = self.model.rope(inputs.positions, self.dtype)
+        _, kv = self.model.run_layers(self._randn(16, self.spec.hidden), layers=range(1), rope=rope,
+                                      layout=inputs.layout, contexts=inputs.contexts[:1], backend=self.backend)
+        k, v = kv[0]
+        return (k.numel() * k.element_size() + v.numel() * v.element_size()) / 16
+
+
+# ---- backend check -----------------------------------------------------------------------------
+
+CHECK_CHUNK = "0[0:300]+1[0:77]+2[512:700]+2[700:900]+3[64:200]"
+"""Packed documents, a slice after two stored context pieces followed by the next slice of the
+same sequence in the row, and a slice with a short context."""
+CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4, torch.float64: 1e-10}
+"""Largest relative error (max |x - x_ref| / max |x_ref|) per tensor that passes, per dtype;
+a tensor also passes within twice the reference backend's own error in that dtype."""
+
+
+@dataclass(kw_only=True)
+class BackendCheck:
+    """A backend's attention output and gradients against the float64 reference."""
+
+    backend: str
+    dtype: str
+    device: str
+    chunk: str
+    heads: tuple[int, int, int]
+    """(query heads, K/V heads, head dim)."""
+    error: dict[str, float]
+    """Relative error per tensor: out, dq, dk, dv, dcontext."""
+    reference_error: dict[str, float]
+    """The reference backend's error in the same dtype, for scale."""
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return all(e <= max(self.tolerance, 2 * self.reference_error[k]) for k, e in self.error.items())
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "passed": self.passed}
+
+
+def check_backend(backend: str = "varlen", *, device="cuda", dtype=torch.bfloat16, heads: int = 14,
+                  kv_heads: int = 2, head_dim: int = 64, seed: int = 0) -> BackendCheck:
+    """Run CHECK_CHUNK's attention with `backend` in `dtype`, compare with float64."""
+    layout = ChunkLayout.from_chunk(Chunk.parse(CHECK_CHUNK))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device=device, dtype=torch.float64)  # noqa: E731
+    q_lens = sum(layout.q_lens)
+    tensors = {"q": rand(q_lens, heads, head_dim), "k": rand(q_lens, kv_heads, head_dim),
+               "v": rand(q_lens, kv_heads, head_dim),
+               "ctx": [rand(256, kv_heads, head_dim) for _ in range(4)] + [rand(64, kv_heads, head_dim) for _ in range(2)]}
+    grad_out = rand(q_lens, heads, head_dim)
+    truth = _attention_and_grads("reference", torch.float64, tensors, layout, grad_out)
+    tested = _attention_and_grads(backend, dtype, tensors, layout, grad_out)
+    ref_same_dtype = _attention_and_grads("reference", dtype, tensors, layout, grad_out)
+    return BackendCheck(backend=resolve_backend(backend, torch.device(device), dtype),
+                        dtype=str(dtype).removeprefix("torch."), device=device_name(device), chunk=CHECK_CHUNK,
+                        heads=(heads, kv_heads, head_dim), error=_rel_errors(tested, truth),
+                        reference_error=_rel_errors(ref_same_dtype, truth), tolerance=CHECK_TOLERANCE.get(dtype, 2e-2))
+
+
+def _attention_and_grads(backend, dtype, tensors, layout: ChunkLayout, grad_out) -> dict[str, torch.Tensor]:
+    q, k, v = (tensors[n].detach().to(dtype).requires_grad_() for n in ("q", "k", "v"))
+    ctx = [t.detach().to(dtype).requires_grad_() for t in tensors["ctx"]]
+    stored = [(ctx[0], ctx[1]), (ctx[2], ctx[3])]   # sequence 2's two stored pieces [0:256], [256:512]
+    context = [[], [], stored, stored, [(ctx[4], ctx[5])]]
+    out = attend(q, k, v, context, layout, backend=backend)
+    out.backward(grad_out.to(dtype))
+    dctx = torch.cat([t.grad.flatten() for t in ctx])
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "dcontext": dctx}
+
+
+def _rel_errors(tested: dict, truth: dict) -> dict[str, float]:
+    return {name: float((tested[name].double() - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
+            for name, ref in truth.items()}

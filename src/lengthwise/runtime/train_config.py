@@ -1,0 +1,176 @@
+"""What `lengthwise train` runs: one keyword-only dataclass, from a TOML file and/or flags.
+
+    config = TrainConfig(steps=50, lr=1e-3)                      # defaults for the rest
+    config = load_toml("run.toml")                               # keys are the field names
+    config = merge(load_toml("run.toml"), {"steps": 100})        # flags override the file
+
+A TOML file uses the field names below as top-level keys, planner options as a table:
+
+    model = "tiny"
+    data = "stdlib"
+    planner = "chunkflow"
+    batch_size = 8
+    steps = 200
+    lr = 3e-3
+    [options]
+    chunk_size = 256
+    k = 2
+
+Imports no PyTorch: the command can parse and check a config before loading it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lengthwise.errors import UserError
+
+DTYPES = ("float32", "float64", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run. Defaults train the tiny model on the stdlib corpus for about a minute
+    on 2 CPU cores."""
+
+    model: str = "tiny"
+    """Model preset name, a Hugging Face config.json (random init), or a directory holding
+    config.json and model.safetensors (weights loaded by their Hugging Face names)."""
+    data: str = "stdlib"
+    """Documents: 'stdlib' (Python's own sources), a .jsonl/.parquet file or a text folder."""
+    tokenizer: str | None = None
+    """Local Hugging Face tokenizer directory; None: bytes (vocab 260, the tiny preset's)."""
+    text_field: str = "text"
+    """JSONL field / Parquet column holding the text."""
+    context_length: int = 512
+    """Longest sequence trained on, tokens."""
+    overlong: str = "truncate"
+    """Documents over the context length: truncate (default), drop, or error."""
+    seed: int = 0
+    """Seeds the weights, the sampler's order and the planners."""
+    planner: str = "chunkflow"
+    """Planner run on every global batch (lengthwise.planners)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Planner options, e.g. {"chunk_size": 256, "k": 2}."""
+    dp: int = 1
+    """Data-parallel pipelines in the plan (all executed on this one process)."""
+    pp: int = 1
+    """Pipeline stages in the plan (all executed on this one process)."""
+    cluster: str = "cpu"
+    """Cluster preset the planners size chunks for (memory per GPU)."""
+    batch_size: int | None = None
+    """Sequences per global batch; None with no tokens_per_batch means 8."""
+    tokens_per_batch: int | None = None
+    """Token budget per global batch instead of a sequence count (Hydraulis §8)."""
+    steps: int = 20
+    """Total optimizer steps of the run (a resumed run stops at the same total)."""
+    lr: float = 3e-3
+    """AdamW learning rate (constant)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, on matrices only (not norms, biases)."""
+    grad_clip: float = 1.0
+    """Largest global gradient 2-norm; 0 turns clipping off."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, float64 (exactness tests) or bfloat16."""
+    device: str = "auto"
+    """auto (CUDA when available), cpu or cuda."""
+    backend: str = "auto"
+    """Attention backend: auto, reference or varlen."""
+    metrics: str | None = None
+    """JSONL file to append one line per step to; None: none."""
+    out: str | None = None
+    """Checkpoint directory (step-NNNNNN sub-directories); None: no checkpoints."""
+    save_every: int | None = None
+    """Checkpoint every N steps (and after the last); None: only after the last."""
+    resume: str | None = None
+    """Checkpoint directory to resume from; None: the latest under `out`, if any."""
+    progress: bool = True
+    """Show a progress bar on stderr."""
+
+    def validate(self) -> None:
+        """UserError naming the first field out of range."""
+        _positive(self, "context_length", "steps", "dp", "pp", "batch_size", "tokens_per_batch",
+                  "save_every")
+        if self.batch_size is not None and self.tokens_per_batch is not None:
+            raise UserError(f"give batch_size ({self.batch_size}) or tokens_per_batch "
+                            f"({self.tokens_per_batch}), not both")
+        if self.seed < 0:
+            raise UserError(f"seed {self.seed} must be >= 0")
+        if not self.lr > 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise UserError(f"lr ({self.lr}) must be > 0, weight_decay ({self.weight_decay}) and "
+                            f"grad_clip ({self.grad_clip}) >= 0")
+        for name, choices in (("dtype", DTYPES), ("device", DEVICES),
+                              ("overlong", ("truncate", "drop", "error"))):
+            if getattr(self, name) not in choices:
+                raise UserError(f"{name} {getattr(self, name)!r}: use one of {', '.join(choices)}")
+
+    @property
+    def sampler_size(self) -> dict[str, int]:
+        """The sampler's batch_size or token_budget keyword."""
+        if self.tokens_per_batch is not None:
+            return {"token_budget": self.tokens_per_batch}
+        return {"batch_size": self.batch_size or DEFAULT_BATCH_SIZE}
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _positive(config: TrainConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise UserError(f"{name} {value} must be at least 1")
+
+
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def merge(config: TrainConfig, changes: dict[str, Any], *, where: str = "flags") -> TrainConfig:
+    """`config` with `changes` applied (None values are left out); keys and types checked.
+    Setting one of batch_size / tokens_per_batch clears the other."""
+    changes = {k: v for k, v in changes.items() if v is not None}
+    for key, value in changes.items():
+        _check_key(key, value, where)
+    for one, other in (("batch_size", "tokens_per_batch"), ("tokens_per_batch", "batch_size")):
+        if one in changes and other not in changes:
+            changes[other] = None
+    if "options" in changes:
+        changes["options"] = {**config.options, **changes["options"]}
+    return dataclasses.replace(config, **changes)
+
+
+def _check_key(key: str, value: Any, where: str) -> None:
+    if key not in FIELDS:
+        raise UserError(f"{where}: unknown key {key!r}; valid keys: {', '.join(FIELDS)}")
+    kind = _field_kind(key)
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise UserError(f"{where}: key {key!r} must be {kind.__name__}, got {value!r}")
+
+
+def _field_kind(key: str) -> type:
+    text = str(FIELDS[key].type)
+    for name, kind in (("dict", dict), ("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if text.startswith(name):
+            return kind
+    raise AssertionError(f"TrainConfig.{key} has an unhandled type {text}")
+
+
+def load_toml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
+    """The config in a TOML file over `base` (default: the defaults)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"--config {path}: not valid TOML ({exc})") from None
+    return merge(base or TrainConfig(), data, where=f"config {path}")
