@@ -175,3 +175,12 @@ def test_varlen_backend_on_cpu_is_a_user_error():
     model = build_model(LLAMA, dtype=torch.float64, seed=0)
     with pytest.raises(UserError, match="varlen is unavailable"):
         run_step(model, unpacked_plan(LENGTHS, LLAMA), random_tokens(LENGTHS, 64, 0), backend="varlen")
+
+
+def test_kv_state_is_freed_right_after_its_last_use():
+    from lengthwise.runtime.state import last_uses
+
+    plan = hand_plan(LLAMA, LENGTHS, PLANS["split-k1"])
+    pipe = plan.pipelines[0]
+    frees = last_uses(pipe.stages[0], pipe.chunks, LENGTHS)  # N0 N1 F2 B2 F1 B1 F0 B0 F3 B3
+    assert frees == {5: [(0, 4, 8)], 7: [(0, 0, 4)]}  # slice [4:8] after B1, slice [0:4] after B0
