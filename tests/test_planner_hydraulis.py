@@ -212,6 +212,41 @@ def test_dispatch_respects_max_len_and_more_trials_never_hurt():
         assert (lengths <= arrays.max_len[d.owner]).all()
 
 
+def algorithm_1_one_trial(lengths, pipes: list[Scheme], max_lens: list[int]) -> list[int]:
+    """Algorithm 1 written plainly for one trial in longest-first order, eq. 2 bounds recomputed
+    from scratch (ties: smallest own bound, then lowest index)."""
+    def bound(j, ids):
+        if not ids:
+            return 0.0
+        s, ls = pipes[j], [lengths[i] for i in ids]
+        micro = -(-sum(ls) // max_lens[j])
+        return float(np.sum(s.seq_time(ls))) + s.chunk_s * micro + s.chunk_time([max(ls)]) * (s.pp - 1)
+
+    owned: list[list[int]] = [[] for _ in pipes]
+    owner = [0] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        best = None
+        for j in range(len(pipes)):
+            if lengths[i] > max_lens[j]:
+                continue
+            mine = bound(j, owned[j] + [i])
+            worst = max([mine] + [bound(k, owned[k]) for k in range(len(pipes)) if k != j])
+            if best is None or (worst, mine) < best[:2]:
+                best = (worst, mine, j)
+        owned[best[2]].append(i)
+        owner[i] = best[2]
+    return owner
+
+
+def test_vectorised_dispatch_equals_plain_algorithm_1():
+    schemes = [s for s in space() if s.pp in (1, 2) and s.tp in (4, 1)]
+    pipes = sorted(schemes + schemes[:1], key=lambda s: -s.max_len)
+    lengths = [int(x) for x in np.random.default_rng(5).integers(1, 12000, 40)]
+    arrays = PipelineArrays.of(pipes, [s.max_len for s in pipes])
+    got = dispatch(np.array(lengths), arrays, trials=1, work_budget=1e9, rng=np.random.default_rng(0))
+    assert got.owner.tolist() == algorithm_1_one_trial(lengths, pipes, [s.max_len for s in pipes])
+
+
 # ---- eq. 1 packing ----
 
 def load_of(lengths, scheme: Scheme, depth=None) -> PipelineLoad:

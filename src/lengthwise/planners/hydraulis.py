@@ -25,8 +25,8 @@ Options (request.options):
 - profile (None): a workloads profile name; strategies are proposed once for that dataset's
   distribution (§7) and cached. None proposes from each batch's own length histogram.
 - trials (100): Algorithm 1's random trials T (appendix D footnote: 100).
-- dispatch_work (2e7): cap on sequences x pipelines x trials of one dispatch (the trial count
-  drops on large clusters, at least 1).
+- dispatch_work (4e6): cap on sequences x pipelines x trials of one dispatch (all 100 trials up
+  to 64 GPUs and 200K tokens; 40 at 1024 GPUs, 3.2M tokens and 32 pipelines; at least 1).
 - max_tp (None = GPUs per node), max_pp (8), max_cp (8): the scheme space's degree limits.
 - length_step (128 tokens) and pipeline_step (0.1 pipelines): the DP's grid (§7 footnote 4).
 - util_threshold (0.85): efficiency that defines UtilLen (appendix C).
@@ -52,12 +52,15 @@ from lengthwise.planners.hydraulis_strategy import (Histogram, Strategy, homogen
                                                     round_proposal)
 
 DEFAULTS = {
-    "profile": None, "trials": 100, "dispatch_work": 20_000_000, "max_tp": None, "max_pp": 8, "max_cp": 8,
+    "profile": None, "trials": 100, "dispatch_work": 4_000_000, "max_tp": None, "max_pp": 8, "max_cp": 8,
     "length_step": 128, "pipeline_step": 0.1, "util_threshold": 0.85, "milp_solves": 8, "milp_node_limit": 500,
     "milp_time_limit_s": 0.02,
 }
 CAP_RATIO = 1.25
 """Exchange times closer than this factor share one proposal run (see _caps)."""
+MAX_LEN_TAIL = 0.01
+"""Profile mode proposes for every L above the length that a batch's longest sequence stays
+under with this probability."""
 PROFILE_SAMPLE = 65536
 """Sequences drawn (seed 0) to stand for a dataset profile in the proposal."""
 
@@ -152,9 +155,13 @@ def _histogram(request: PlanRequest, opts: dict, space: list[Scheme]) -> tuple[H
     sample = get_profile(opts["profile"]).sample(PROFILE_SAMPLE, np.random.default_rng(0),
                                                  below=request.context_length + 1)
     hist = Histogram.of(sample)
+    tokens = float(f"{tokens:.2g}")  # batches of about this size share one cached proposal
+    # L ranges over the longest lengths a batch reaches with probability >= 1%: P(max < L) =
+    # F(L)^B for B sequences per batch.
+    per_batch = max(1.0, tokens / float(np.mean(sample)))
+    shortest = float(np.quantile(sample, MAX_LEN_TAIL ** (1 / per_batch)))
     edges = length_edges(max(hist.lengths), opts["length_step"], [s.max_len for s in space])
-    # Rounded so that batches of about the same size share one cached proposal.
-    return hist, tuple(int(e) for e in edges[1:]), float(f"{tokens:.2g}")
+    return hist, tuple(int(e) for e in edges[1:] if e >= shortest) or (int(edges[-1]),), tokens
 
 
 def _candidates(request: PlanRequest, opts: dict, space: list[Scheme], num_gpus: int) -> list[Strategy]:
@@ -190,13 +197,19 @@ def _caps(levels: list[float]) -> list[float]:
     return caps
 
 
-def _strategy_max_lens(request: PlanRequest, strategy: Strategy) -> list[tuple[Scheme, int]]:
-    """Pipelines with their micro-batch limit: MaxLen with states sharded over all GPUs (B.1),
-    capped by the ZeRO-1 view over this strategy's pipelines that validation and simulation take."""
+def _part_limits(request: PlanRequest, strategy: Strategy) -> list[int]:
+    """Micro-batch limit of each part's pipelines: MaxLen with states sharded over all GPUs
+    (B.1), capped by the ZeRO-1 view over this strategy's pipelines that validation and
+    simulation take."""
     d = strategy.num_pipelines
-    limit = {s: min(s.max_len, request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=d, zero=1))
-             for s, _ in strategy.parts}
-    return sorted(((s, limit[s]) for s in strategy.pipelines()), key=lambda p: -p[1])
+    return [min(s.max_len, request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=d, zero=1))
+            for s, _ in strategy.parts]
+
+
+def _strategy_pipelines(strategy: Strategy, limits: list[int]) -> list[tuple[Scheme, int]]:
+    """(scheme, limit) per pipeline, limit descending (§6.2's P_1 .. P_D)."""
+    parts = sorted(zip(strategy.parts, limits), key=lambda x: -x[1])
+    return [(s, m) for (s, n), m in parts for _ in range(n)]
 
 
 def _choose(request: PlanRequest, opts: dict, candidates: list[Strategy], num_gpus: int):
@@ -223,14 +236,13 @@ def _choose(request: PlanRequest, opts: dict, candidates: list[Strategy], num_gp
 
 def _prepare(request: PlanRequest, strategy: Strategy, num_gpus: int, lengths: np.ndarray):
     """(lower bound, strategy, pipelines with limits or None when it cannot hold the batch)."""
-    pipes = _strategy_max_lens(request, strategy)
-    if pipes[0][1] < lengths.max():
+    limits = _part_limits(request, strategy)
+    if max(limits) < lengths.max():
         return np.inf, strategy, None
     schemes = [s for s, _ in strategy.parts]
-    limits = {s: m for s, m in pipes}
     exchange = _exchange(request, strategy, num_gpus)
-    bound = lower_bound(lengths, schemes, [n for _, n in strategy.parts], [limits[s] for s in schemes])
-    return bound + exchange, strategy, pipes
+    bound = lower_bound(lengths, schemes, [n for _, n in strategy.parts], limits)
+    return bound + exchange, strategy, _strategy_pipelines(strategy, limits)
 
 
 def _exchange(request: PlanRequest, strategy: Strategy, num_gpus: int) -> float:

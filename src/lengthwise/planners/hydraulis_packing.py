@@ -32,9 +32,9 @@ from scipy.sparse import coo_matrix
 
 from lengthwise.planners.packing_utils import best_fit_decreasing, karmarkar_karp
 
-MAX_V_TRIED = 32
+MAX_V_TRIED = 16
 """Micro-batch counts tried per pipeline; a wider appendix-C range is sampled evenly."""
-KK_TRIES = 3
+KK_TRIES = 1
 """Micro-batch counts (LPT's best) at which Karmarkar-Karp is tried as well."""
 KK_MIN_PER_BIN = 3
 """Karmarkar-Karp is tried for V micro-batches only with at least this many sequences per
@@ -133,7 +133,7 @@ def _lpt(order: list[int], work: list[float], lengths: list[int], v: int, cap: i
 
 def greedy_pack(load: PipelineLoad) -> Packing:
     """Best of fixed-length packing (BFD to MaxLen), LPT over the pruned V range, and
-    Karmarkar-Karp at the KK_TRIES micro-batch counts where LPT did best."""
+    Karmarkar-Karp at the micro-batch count(s) where LPT did best."""
     if not load.seq_ids:
         return Packing(bins=(), estimate_s=0.0, method="lpt")
     work, lengths = load.work.tolist(), load.lengths.tolist()

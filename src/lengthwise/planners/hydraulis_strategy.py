@@ -69,10 +69,6 @@ class Strategy:
     def max_len(self) -> int:
         return max(s.max_len for s, _ in self.parts)
 
-    def pipelines(self) -> list[Scheme]:
-        """One scheme per pipeline, MaxLen descending (§6.2 orders P_1 .. P_D this way)."""
-        return [s for s, n in self.parts for _ in range(n)]
-
     def __str__(self) -> str:
         return " + ".join(f"{n}x{s}" for s, n in self.parts)
 
