@@ -21,6 +21,7 @@ COMMANDS = {
     "compare": "compare planners on sampled batches in simulation and write a report",
     "simulate": "simulate one step of a plan (or raw chunk times): timeline, bubbles, memory",
     "verify": "execute a plan in PyTorch and compare loss and gradients with unpacked training",
+    "profile": "measure this device's chunk times and memory and fit a cost profile (--profile-file)",
 }
 
 

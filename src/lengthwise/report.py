@@ -19,7 +19,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
-from lengthwise.cost import CostModel
+from lengthwise.cost import CostModel, Profile
 from lengthwise.planners import available_planners
 from lengthwise.planners.auto import Candidate, choose_best, max_peak, try_planner
 from lengthwise.planners.base import PlanRequest
@@ -45,6 +45,8 @@ class CompareSetup:
     seed: int = 0
     schemes: dict[str, ParallelScheme] = field(default_factory=dict)
     """Fixed schemes per planner; others are searched."""
+    profile: Profile | None = None
+    """Measured cost profile (`lengthwise profile`); None uses the analytic cost model."""
 
 
 @dataclass(kw_only=True)
@@ -88,7 +90,7 @@ class PlannerRow:
 def candidate_schemes(setup: CompareSetup, planner: str) -> list[ParallelScheme]:
     """Feasible (tp, pp, cp) for the planner, fewest model-parallel GPUs first."""
     m, c, gpus = setup.model, setup.cluster, setup.cluster.num_gpus
-    cost = CostModel(model=m, cluster=c)
+    cost = CostModel(model=m, cluster=c, profile=setup.profile)
     found = []
     for tp, pp, cp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8)):
         per_pipe = tp * pp * cp
@@ -114,7 +116,7 @@ def _states_fit(cost: CostModel, s: ParallelScheme) -> bool:
 
 def request_for(setup: CompareSetup, lengths: list[int], scheme: ParallelScheme) -> PlanRequest:
     return PlanRequest(lengths=list(lengths), model=setup.model, cluster=setup.cluster, scheme=scheme,
-                       cost=CostModel(model=setup.model, cluster=setup.cluster),
+                       cost=CostModel(model=setup.model, cluster=setup.cluster, profile=setup.profile),
                        context_length=setup.context_length, seed=setup.seed)
 
 

@@ -4,6 +4,7 @@
     lengthwise compare --profile lmsys-skrull --model qwen2.5-0.5b --gpus 32 --batch-size 64 --planners packing,skrull
     lengthwise compare --profile commoncrawl --model llama2-7b --cluster a800 --gpus 16 --tokens-per-batch 200000 --planners all --json
     lengthwise compare --profile tiny --model tiny --cluster cpu --gpus 1 --batch-size 32 --batches 2 --out /tmp/report
+    lengthwise compare --model qwen2.5-0.5b --gpus 8 --planners packing,chunkflow --profile-file profiles/qwen2.5-0.5b-h100.json
 
 For B sampled global batches it plans with each planner (at its best parallel scheme for this
 cluster and model, found by a small search on the first batch), simulates every plan, and prints
@@ -23,6 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lengthwise.commands.common import add_workload_args, lengths_source_from_args
+from lengthwise.commands.profile import add_profile_file_arg, load_profile_file
 from lengthwise.errors import UserError
 from lengthwise.report import CompareSetup, all_planners, run_compare, summarise
 from lengthwise.report_files import write_report
@@ -50,6 +52,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="folder for report.md and pictures (default compare-report)")
     parser.add_argument("--no-pictures", action="store_true", help="write report.md without the PNGs")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    add_profile_file_arg(parser)
     add_workload_args(parser)
     parser.set_defaults(overlong="drop")
 
@@ -79,7 +82,8 @@ def build_setup(args: argparse.Namespace) -> CompareSetup:
                                  token_budget=args.tokens_per_batch)
     batches = [list(map(int, sampler.next_batch().lengths)) for _ in range(args.batches)]
     return CompareSetup(model=model, cluster=cluster, context_length=args.context_length, batches=batches,
-                        planners=parse_planners(args.planners), zero=args.zero, seed=args.seed)
+                        planners=parse_planners(args.planners), zero=args.zero, seed=args.seed,
+                        profile=load_profile_file(args.profile_file, model))
 
 
 def parse_planners(text: str) -> list[str]:
@@ -97,7 +101,8 @@ def describe(setup: CompareSetup, args: argparse.Namespace) -> dict:
     return {"model": setup.model.name, "cluster": setup.cluster.name, "gpus": setup.cluster.num_gpus,
             "workload": args.profile or args.lengths or args.data, "context_length": setup.context_length,
             "batches": len(setup.batches), "sequences_per_batch": [len(b) for b in setup.batches],
-            "tokens_per_batch": [sum(b) for b in setup.batches], "seed": setup.seed, "simulated": True}
+            "tokens_per_batch": [sum(b) for b in setup.batches], "seed": setup.seed, "simulated": True,
+            "profile_file": args.profile_file}
 
 
 def format_table(summary: dict, out: str) -> str:

@@ -4,12 +4,14 @@
     lengthwise plan --planner token-balanced --profile lmsys --batch-size 512 --model qwen2.5-7b --dp 8 --pp 4 --out plan.json
     lengthwise plan --planner padding --option micro_batch_size=4 --profile tiny --batch-size 64 --model tiny --cluster cpu
     lengthwise plan --planner sorted --lengths lengths.txt --context-length 32768 --overlong drop --model llama2-7b --dp 2 --tp 4 --json
+    lengthwise plan --planner chunkflow --option chunk_size=auto --profile chunkflow-eval --model qwen2.5-0.5b --profile-file p.json
 
 The cluster gets dp x tp x pp x cp GPUs. The summary lists, per pipeline (data-parallel rank),
 its chunks, tokens and predicted forward FLOPs, then the padding fraction and planning time;
 `--json` prints the whole plan instead. `--context-length` defaults to the batch's longest
 sequence rounded up to a power of two. Planner options go in `--option key=value` (repeat it);
 `--chunk-size` and `--k` are shorthands for the options chunk_size and k of splitting planners.
+`--profile-file` replaces the analytic cost model with a measured one (`lengthwise profile`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 from lengthwise.commands.common import add_workload_args, batch_lengths_from_args
+from lengthwise.commands.profile import add_profile_file_arg, load_profile_file
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.validate import validate_plan
@@ -43,6 +46,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", metavar="K", type=int, help="option k: ChunkFlow's activations kept per sequence")
     parser.add_argument("--out", metavar="PLAN.json", help="write the plan here (atomically)")
     parser.add_argument("--json", action="store_true", help="print the plan JSON instead of the summary")
+    add_profile_file_arg(parser)
     add_workload_args(parser)
 
 
@@ -65,7 +69,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
     scheme = ParallelScheme(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, zero=args.zero)
     scheme.validate(model)
     cluster = cluster_preset(args.cluster, scheme.num_gpus)
-    cost = CostModel(model=model, cluster=cluster)
+    cost = CostModel(model=model, cluster=cluster, profile=load_profile_file(args.profile_file, model))
     cost.check_states_fit(tp=scheme.tp, pp=scheme.pp, dp=scheme.dp, zero=scheme.zero)
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size} must be at least 1")

@@ -6,7 +6,7 @@
     lengthwise simulate --stages 4 --fwd 2,2,2,2 --groups 2-3 --schedule state-aware-1f1b --k 2
     lengthwise simulate --stages 4 --fwd 1,1,1,1,1,1,1,1 --schedule gpipe --json
 
-With a PLAN.json the cost model (analytic, or `--cost-profile FILE` measured) gives every
+With a PLAN.json the cost model (analytic, or `--profile-file FILE` measured) gives every
 action's time, transfers and memory. The direct mode takes raw forward times (any unit) of chunks
 issued in the order given; backward takes `--bwd-ratio` times as long, there is no
 communication, and memory counts activations in forward-time units. `--groups 2-3` says chunks 2
@@ -29,7 +29,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the metrics as JSON")
     parser.add_argument("--gantt", metavar="FILE.png", help="write a Gantt chart of the step")
     parser.add_argument("--memory-plot", metavar="FILE.png", help="write memory over time per stage")
-    parser.add_argument("--cost-profile", metavar="FILE", help="measured cost profile JSON (plan mode)")
+    parser.add_argument("--profile-file", "--cost-profile", dest="cost_profile", metavar="FILE",
+                        help="measured cost profile JSON from `lengthwise profile` (plan mode)")
     direct = parser.add_argument_group("direct mode (no plan: raw forward times)")
     direct.add_argument("--stages", metavar="P", type=int, help="pipeline stages")
     direct.add_argument("--fwd", metavar="T1,T2,...", help="forward time of each chunk, in issue order")
@@ -58,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _simulate_plan_file(args):
-    from lengthwise.cost import CostModel, Profile
+    from lengthwise.commands.profile import load_profile_file
+    from lengthwise.cost import CostModel
     from lengthwise.plan.ir import StepPlan
     from lengthwise.sim import simulate_plan
 
@@ -67,7 +69,7 @@ def _simulate_plan_file(args):
     if args.stages is not None or args.groups or args.k is not None:
         raise UserError("--stages/--groups/--k belong to the direct mode: drop them or drop PLAN.json and give --fwd")
     plan = StepPlan.load(args.plan)
-    profile = Profile.load(args.cost_profile) if args.cost_profile else None
+    profile = load_profile_file(args.cost_profile, plan.model)
     return simulate_plan(plan, CostModel(model=plan.model, cluster=plan.cluster, profile=profile))
 
 

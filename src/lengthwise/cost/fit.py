@@ -1,0 +1,267 @@
+"""Fit a measured cost profile: which chunks to time, and the least-squares fit of their times.
+
+    chunks = profile_chunks(min_tokens=512, max_tokens=32768, max_context=131072)
+    fitted = measure_profile(measurer, chunks, head_tokens=[512, 2048, 8192], model_name="qwen2.5-0.5b")
+    write_atomic(path, json.dumps(fitted.profile.to_dict()))   # fitted.errors: held-out error per pass
+
+The time model is hydraulis.txt B.2's T(l) = a*l^2 + b*l + c with the quadratic term read as
+attention pairs (cost/time.py): per layer T = a * keys + b * tokens + c, forward and backward
+fitted separately; the LM head T = b * tokens + c. The three terms are only separable when the
+measured chunks vary keys and tokens independently, so the grid mixes, for each token count T:
+one whole document (keys ~ T^2/2), T split into 16 and into 4 packed documents (keys ~ T^2/32,
+T^2/8), and one slice with a context of T and of 3T earlier tokens (keys ~ 1.5 T^2, 3.5 T^2).
+
+Fitting: non-negative least squares on rows divided by their measured time, so the fit minimises
+relative error (a 512-token chunk counts as much as a 32K one; unweighted, the largest chunks
+would decide everything and small chunks, which pipelines run most, would be off by 2x).
+A seeded quarter of the chunks is held out; the coefficients written are fitted on the rest and
+`errors` gives their error on the held-out chunks.
+
+Memory: activation bytes per token per layer is the slope of bytes held after a forward against
+tokens, over the chunks without context (a slice's context K/V belongs to the K/V state, which
+`kv_bytes_per_token_layer` measures).
+
+No PyTorch here: a `Measurer` (runtime/profile.py on a real device, a fake in tests) does the
+timing; this module plans and fits.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import numpy as np
+from scipy.optimize import nnls
+
+from lengthwise.cost.flops import chunk_work
+from lengthwise.cost.time import Profile, SchemeFit, scheme_key
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import Chunk, Segment
+
+PACKED_DOCS = (16, 4)
+"""A chunk of T tokens is also measured as this many equal packed documents."""
+CONTEXT_FACTORS = (1, 3)
+"""A slice of T tokens is also measured with a context of this many times T earlier tokens."""
+
+
+@dataclass(kw_only=True)
+class Timing:
+    """One measurement of a chunk (or of the LM head) on the measurer's layers."""
+
+    fwd_s: float
+    """Forward seconds, all measured layers together."""
+    bwd_s: float
+    """Backward seconds, all measured layers together."""
+    activation_bytes: float | None = None
+    """Bytes held from the forward to the backward (None when not measured)."""
+
+
+class Measurer(Protocol):
+    """What measure_profile needs of a device (runtime/profile.TorchMeasurer, or a fake)."""
+
+    layers: int
+    """Decoder layers every chunk measurement runs through."""
+
+    def time_chunk(self, chunk: Chunk) -> Timing: ...
+
+    def time_head(self, tokens: int) -> Timing: ...
+
+    def kv_bytes_per_token_layer(self) -> float: ...
+
+    def describe(self) -> dict:
+        """device, dtype, backend, versions: recorded in the profile's meta."""
+
+
+@dataclass(kw_only=True)
+class Sample:
+    """One timed chunk, per-layer quantities derived from it."""
+
+    chunk: str
+    """The chunk's string form (plan/ir.py)."""
+    tokens: float
+    keys: float
+    """Attention (query, key) pairs, contexts included (cost/flops.py)."""
+    context_free: bool
+    """No segment attends to earlier tokens outside the row."""
+    fwd_s: float
+    """Forward seconds per layer."""
+    bwd_s: float
+    activation_bytes: float | None
+    """Bytes held per layer."""
+    held_out: bool = False
+
+
+@dataclass(kw_only=True)
+class FitError:
+    """Relative error of fitted against measured times on the held-out measurements."""
+
+    mean: float
+    """Mean absolute percentage error, as a fraction (0.03 = 3%)."""
+    max: float
+    count: int
+    """Held-out measurements."""
+
+
+@dataclass(kw_only=True)
+class FittedProfile:
+    profile: Profile
+    errors: dict[str, FitError]
+    """Keyed fwd, bwd, head_fwd, head_bwd."""
+    samples: list[Sample]
+
+
+# ---- which chunks to measure ------------------------------------------------------------------
+
+def profile_chunks(*, min_tokens: int, max_tokens: int, max_context: int) -> list[Chunk]:
+    """For each power-of-two T in [min_tokens, max_tokens]: one document, T as 16 and as 4
+    packed documents, and a slice of T tokens after a context of T and 3T (those within
+    max_context tokens of sequence)."""
+    if not 1 <= min_tokens <= max_tokens:
+        raise UserError(f"need 1 <= --min-tokens ({min_tokens}) <= --max-tokens ({max_tokens})")
+    chunks, t = [], min_tokens
+    while t <= max_tokens:
+        chunks.append(Chunk((Segment(0, 0, t),)))
+        for docs in PACKED_DOCS:
+            if t // docs >= 1:
+                chunks.append(_packed(t, docs))
+        for factor in CONTEXT_FACTORS:
+            if (factor + 1) * t <= max_context:
+                chunks.append(Chunk((Segment(0, factor * t, (factor + 1) * t),)))
+        t *= 2
+    return chunks
+
+
+def _packed(tokens: int, docs: int) -> Chunk:
+    """`docs` documents of tokens // docs tokens, the first one taking the remainder."""
+    size = tokens // docs
+    lengths = [size + tokens - size * docs] + [size] * (docs - 1)
+    return Chunk(tuple(Segment(i, 0, n) for i, n in enumerate(lengths)))
+
+
+def head_token_counts(min_tokens: int, max_tokens: int) -> list[int]:
+    """Powers of two between the bounds, at least three (the head fit has two unknowns)."""
+    counts, t = [], min_tokens
+    while t <= max_tokens:
+        counts.append(t)
+        t *= 2
+    while len(counts) < 3:
+        counts.append(counts[-1] * 2)
+    return counts
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+def measure_profile(measurer: Measurer, chunks: list[Chunk], head_tokens: list[int], *, model_name: str,
+                    holdout: float = 0.25, seed: int = 0, progress=None) -> FittedProfile:
+    """Time every chunk and head size, fit the coefficients on the training part, and measure
+    their error on the held-out part."""
+    if not 0.0 <= holdout < 1.0:
+        raise UserError(f"--holdout {holdout} must be in [0, 1)")
+    samples = [_sample(measurer, c, progress) for c in chunks]
+    heads = [(n, measurer.time_head(n)) for n in head_tokens]
+    _mark_held_out(samples, holdout, seed)
+    train = [s for s in samples if not s.held_out] or samples
+    test = [s for s in samples if s.held_out]
+    fwd = fit_time([s.keys for s in train], [s.tokens for s in train], [s.fwd_s for s in train])
+    bwd = fit_time([s.keys for s in train], [s.tokens for s in train], [s.bwd_s for s in train])
+    head_fwd = fit_head([n for n, _ in heads], [t.fwd_s for _, t in heads])
+    head_bwd = fit_head([n for n, _ in heads], [t.bwd_s for _, t in heads])
+    errors = {"fwd": held_out_error(fwd, test, "fwd_s"), "bwd": held_out_error(bwd, test, "bwd_s"),
+              "head_fwd": _head_error(head_fwd, heads, "fwd_s"), "head_bwd": _head_error(head_bwd, heads, "bwd_s")}
+    fit = SchemeFit(fwd=fwd, bwd=bwd, head_fwd=head_fwd, head_bwd=head_bwd)
+    meta = {**measurer.describe(), "measured_layers": measurer.layers, "holdout": holdout, "seed": seed,
+            "held_out_error": {k: asdict(v) for k, v in errors.items()},
+            "head_activation_bytes_per_token": _head_bytes_per_token(heads),
+            "samples": [asdict(s) for s in samples],
+            "head_samples": [{"tokens": n, **asdict(t)} for n, t in heads]}
+    profile = Profile(device=meta.get("device", "unknown"), model=model_name,
+                      schemes={scheme_key(1, 1): fit},
+                      activation_bytes_per_token_layer=activation_slope(samples),
+                      kv_bytes_per_token_layer=float(measurer.kv_bytes_per_token_layer()), meta=meta)
+    return FittedProfile(profile=profile, errors=errors, samples=samples)
+
+
+def _sample(measurer: Measurer, chunk: Chunk, progress) -> Sample:
+    timing, layers, work = measurer.time_chunk(chunk), measurer.layers, chunk_work(chunk)
+    if progress is not None:
+        progress.update(1)
+    held = None if timing.activation_bytes is None else timing.activation_bytes / layers
+    return Sample(chunk=str(chunk), tokens=work.tokens, keys=work.keys,
+                  context_free=all(s.start == 0 for s in chunk.segments),
+                  fwd_s=timing.fwd_s / layers, bwd_s=timing.bwd_s / layers, activation_bytes=held)
+
+
+def _mark_held_out(samples: list[Sample], holdout: float, seed: int) -> None:
+    """A seeded `holdout` share of the samples (at least one when holdout > 0 and there are
+    enough left to fit three coefficients)."""
+    count = int(round(holdout * len(samples)))
+    if holdout > 0:
+        count = max(count, 1)
+    count = min(count, max(len(samples) - 3, 0))
+    for i in np.random.default_rng(seed).permutation(len(samples))[:count]:
+        samples[i].held_out = True
+
+
+# ---- the fits ----------------------------------------------------------------------------------
+
+def fit_time(keys, tokens, seconds) -> tuple[float, float, float]:
+    """Non-negative (a, b, c) of seconds = a * keys + b * tokens + c, least relative error."""
+    x = np.column_stack([np.asarray(keys, float), np.asarray(tokens, float), np.ones(len(seconds))])
+    return tuple(float(v) for v in _relative_nnls(x, seconds))
+
+
+def fit_head(tokens, seconds) -> tuple[float, float]:
+    """Non-negative (b, c) of seconds = b * tokens + c, least relative error."""
+    x = np.column_stack([np.asarray(tokens, float), np.ones(len(seconds))])
+    return tuple(float(v) for v in _relative_nnls(x, seconds))
+
+
+def _relative_nnls(x: np.ndarray, seconds) -> np.ndarray:
+    y = np.asarray(seconds, float)
+    if len(y) < x.shape[1]:
+        raise UserError(f"{len(y)} measurements cannot fit {x.shape[1]} coefficients: widen the token range")
+    if (y <= 0).any():
+        raise UserError("a measured time is not positive: the timer is too coarse for the smallest chunks; "
+                        "raise --min-tokens or --repeats")
+    weighted = x / y[:, None]  # row i divided by y_i: residuals become relative errors
+    scale = np.abs(weighted).max(axis=0)
+    scale[scale == 0] = 1.0  # keys are all zero when nothing attends (never in practice)
+    coef, _ = nnls(weighted / scale, np.ones(len(y)))
+    return coef / scale
+
+
+def predict(coef, keys: float, tokens: float) -> float:
+    a, b, c = coef
+    return a * keys + b * tokens + c
+
+
+def held_out_error(coef, test: list[Sample], field: str) -> FitError:
+    """Absolute percentage errors of the fit on the held-out samples."""
+    errs = [abs(predict(coef, s.keys, s.tokens) - getattr(s, field)) / getattr(s, field) for s in test]
+    return FitError(mean=statistics.fmean(errs) if errs else 0.0, max=max(errs, default=0.0), count=len(errs))
+
+
+def _head_error(coef, heads: list[tuple[int, Timing]], field: str) -> FitError:
+    """Relative error of the head fit on its own measurements (two unknowns, few sizes: no
+    hold-out; count says how many it was checked on)."""
+    b, c = coef
+    errs = [abs(b * n + c - getattr(t, field)) / getattr(t, field) for n, t in heads]
+    return FitError(mean=statistics.fmean(errs), max=max(errs), count=len(errs))
+
+
+def activation_slope(samples: list[Sample]) -> float | None:
+    """Bytes per token per layer: slope of held bytes against tokens over context-free chunks."""
+    pts = [(s.tokens, s.activation_bytes) for s in samples if s.context_free and s.activation_bytes is not None]
+    if len({t for t, _ in pts}) < 2:
+        return None
+    slope, _ = np.polyfit([t for t, _ in pts], [b for _, b in pts], 1)
+    return max(float(slope), 0.0)
+
+
+def _head_bytes_per_token(heads: list[tuple[int, Timing]]) -> float | None:
+    pts = [(n, t.activation_bytes) for n, t in heads if t.activation_bytes is not None]
+    if len({n for n, _ in pts}) < 2:
+        return None
+    slope, _ = np.polyfit([n for n, _ in pts], [b for _, b in pts], 1)
+    return max(float(slope), 0.0)
