@@ -12,8 +12,14 @@ from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.planners.hydraulis_cost import Scheme, paper_max_len, scheme_space
 from lengthwise.planners.hydraulis_dispatch import PipelineArrays, dispatch
-from lengthwise.planners.hydraulis_packing import (PipelineLoad, estimate, greedy_pack, lpt_bins, micro_batch_range,
-                                                   milp_bins)
+from lengthwise.planners.hydraulis_packing import (
+    PipelineLoad,
+    estimate,
+    greedy_pack,
+    lpt_bins,
+    micro_batch_range,
+    milp_bins,
+)
 from lengthwise.planners.hydraulis_strategy import Histogram, propose, round_proposal
 from lengthwise.planners.packing_utils import best_fit_decreasing
 from lengthwise.specs import MODEL_PRESETS, ClusterSpec, ParallelScheme, cluster_preset
@@ -74,7 +80,7 @@ long_tail = st.one_of(st.integers(1, 600), st.integers(1, 4 * K), st.integers(1,
 @given(lengths=st.lists(long_tail, min_size=1, max_size=60), seed=st.integers(0, 3),
        gpus=st.sampled_from([8, 16, 24]))
 def test_every_token_planned_once_on_random_batches(lengths, seed, gpus):
-    p, req = plan(lengths, gpus=gpus, seed=seed, trials=8)
+    p, _ = plan(lengths, gpus=gpus, seed=seed, trials=8)
     assert tokens_per_sequence(p) == lengths
     assert p.num_gpus <= gpus
 

@@ -45,11 +45,27 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
 from lengthwise.plan.schedules import make_schedule
 from lengthwise.planners.base import PlanRequest, finish_plan, take_options, whole
-from lengthwise.planners.hydraulis_cost import Scheme, exchange_time, link_time, scheme_space
+from lengthwise.planners.hydraulis_cost import (
+    Scheme,
+    exchange_time,
+    link_time,
+    scheme_space,
+)
 from lengthwise.planners.hydraulis_dispatch import PipelineArrays, dispatch, lower_bound
-from lengthwise.planners.hydraulis_packing import Packing, PipelineLoad, greedy_pack, milp_pack
-from lengthwise.planners.hydraulis_strategy import (Histogram, Strategy, homogeneous, length_edges, propose,
-                                                    round_proposal)
+from lengthwise.planners.hydraulis_packing import (
+    Packing,
+    PipelineLoad,
+    greedy_pack,
+    milp_pack,
+)
+from lengthwise.planners.hydraulis_strategy import (
+    Histogram,
+    Strategy,
+    homogeneous,
+    length_edges,
+    propose,
+    round_proposal,
+)
 
 DEFAULTS = {
     "profile": None, "trials": 100, "dispatch_work": 4_000_000, "max_tp": None, "max_pp": 8, "max_cp": 8,

@@ -101,7 +101,7 @@ def _probe(*lengths: int) -> Chunk:
 def _stage_coefficients(cost: CostModel, *, layers: int, tp: int, cp: int, last: bool) -> tuple[float, float, float]:
     """(a, b, c) of one stage from three probes: c = 2 T(x) - T(x + x), then a, b from T(x), T(y)."""
     x, y = PROBE_SHORT, PROBE_LONG
-    t = lambda *ls: _stage_time(cost, _probe(*ls), layers=layers, tp=tp, cp=cp, last=last)  # noqa: E731
+    t = lambda *ls: _stage_time(cost, _probe(*ls), layers=layers, tp=tp, cp=cp, last=last)
     tx = t(x)
     c = max(0.0, 2 * tx - t(x, x))
     kx, ky = x * (x + 1) / 2, y * (y + 1) / 2

@@ -21,6 +21,7 @@ sequences one trial costs as much as 100 trials of 200 sequences on 64 pipelines
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,8 +42,8 @@ class PipelineArrays:
 
     @classmethod
     def of(cls, schemes: list[Scheme], max_lens: list[int]) -> PipelineArrays:
-        assert all(a >= b for a, b in zip(max_lens, max_lens[1:])), "pipelines must come MaxLen descending"
-        pick = lambda xs: np.asarray(xs, dtype=np.float64)  # noqa: E731
+        assert all(a >= b for a, b in itertools.pairwise(max_lens)), "pipelines must come MaxLen descending"
+        pick = lambda xs: np.asarray(xs, dtype=np.float64)
         return cls(pick([s.attn_s for s in schemes]), pick([s.token_s for s in schemes]),
                    pick([s.chunk_s for s in schemes]), pick([s.pp for s in schemes]), pick(max_lens))
 

@@ -198,7 +198,7 @@ def _solve(t: _Tables, pr: _Problems, num_gpus: int, step: float):
     assert np.isfinite(lo).all(), "a problem whose schemes cannot hold its sequences"
     hi = lo * 2
     rows = np.arange(len(lo))
-    feasible = lambda tau: _dual_pass(t, pr, tau, step)[0][rows, pr.last] <= num_gpus + 1e-9  # noqa: E731
+    feasible = lambda tau: _dual_pass(t, pr, tau, step)[0][rows, pr.last] <= num_gpus + 1e-9
     ok = feasible(hi)
     while not ok.all():
         lo, hi = np.where(ok, lo, hi), np.where(ok, hi, hi * 2)
