@@ -250,6 +250,15 @@ def test_dp_merge_off_keeps_the_outlier_on_one_rank():
     assert all(p.cp == 1 for p in out.pipelines) and len(out.pipelines) == 4
 
 
+def test_compute_merge_is_kept_only_when_the_simulator_finds_it_faster():
+    out, _ = plan([60_000] + [2000] * 200, dp=4, tp=2, pp=1, context=64 * K, max_micropacks=8)
+    variants = out.metrics["phase1_variants"]
+    assert [len(v["dp_merge"]) for v in variants] == [1, 0]  # the paper's merge, then memory-only
+    best = min(variants, key=lambda v: v["step_time_s"])
+    assert out.metrics["dp_merge"] == best["dp_merge"]
+    assert out.metrics["predicted_step_time_s"] == best["step_time_s"]
+
+
 # ---- the MicroPack count sweep ----
 
 def test_sweep_counts_are_log_spaced_from_pp():

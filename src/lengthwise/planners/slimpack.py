@@ -6,7 +6,9 @@ DP-Merge for outliers, the MicroPack count chosen by simulation.
     plan = get_planner("slimpack")(replace(request, options={"num_micropacks": 16}))
 
     lengthwise plan --planner slimpack --profile github --batch-size 512 --context-length 131072 \\
-        --model llama2-7b --dp 8 --tp 4 --pp 4
+        --overlong drop --model llama2-7b --dp 8 --tp 4 --pp 4
+    lengthwise plan --planner slimpack --option num_micropacks=8 --profile tiny --batch-size 64 \\
+        --model tiny --cluster cpu
 
 Steps, each a function here or in a slimpack_* helper:
 
