@@ -85,7 +85,7 @@ def million_token_outlier_plan():
 
 
 def test_single_million_token_outlier_is_merged_over_ranks_and_sharded():
-    out, req = million_token_outlier_plan()
+    out, _ = million_token_outlier_plan()
     merged = [p for p in out.pipelines if p.cp > 1]
     assert len(merged) == 1 and merged[0].num_gpus == merged[0].cp * 4 * 4
     assert out.num_gpus == 128
@@ -111,7 +111,7 @@ def test_all_short_batch_packs_whole_samples_without_merging():
 
 
 def test_bimodal_chatqa2_batch_validates_and_balances():
-    out, req = plan(sample("chatqa2", 128, 64 * K, seed=2), dp=4, pp=2, context=64 * K, max_micropacks=16)
+    out, _ = plan(sample("chatqa2", 128, 64 * K, seed=2), dp=4, pp=2, context=64 * K, max_micropacks=16)
     flops = out.metrics["forward_flops_per_pipeline"]
     assert max(flops) / min(flops) < 1.05
 
@@ -174,7 +174,7 @@ def test_backward_segments_nest_inside_forward_segments():
 
 def test_backward_is_filo_within_a_sample_and_fifo_across_samples():
     lengths = sample("github", 120, 128 * K, seed=7)
-    out, req = plan(lengths, dp=2, pp=2, context=128 * K, model="llama2-7b", tp=4, num_micropacks=20)
+    out, _ = plan(lengths, dp=2, pp=2, context=128 * K, model="llama2-7b", tp=4, num_micropacks=20)
     for pipe in out.pipelines:
         first_fwd, first_bwd, starts = {}, {}, {}
         for c, chunk in enumerate(pipe.chunks):
@@ -184,7 +184,7 @@ def test_backward_is_filo_within_a_sample_and_fifo_across_samples():
             for s in unit.segments:
                 first_bwd.setdefault(s.seq_id, u)
                 starts.setdefault(s.seq_id, []).append((u, s.start))
-        for seq, pairs in starts.items():  # a later unit never holds a later slice of the sample
+        for pairs in starts.values():  # a later unit never holds a later slice of the sample
             ordered = sorted(pairs, key=lambda p: (p[0], -p[1]))
             assert [p[1] for p in ordered] == sorted((p[1] for p in pairs), reverse=True)
         by_fwd = sorted(first_fwd, key=lambda q: first_fwd[q])

@@ -68,11 +68,23 @@ import numpy as np
 from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
-from lengthwise.planners.base import PlanRequest, finish_plan, positive_int_option, take_options
+from lengthwise.planners.base import (
+    PlanRequest,
+    finish_plan,
+    positive_int_option,
+    take_options,
+)
 from lengthwise.planners.chunkflow import check_lengths
 from lengthwise.planners.slimpack_cuts import (
-    PrefixCost, Stream, backward_cuts, backward_units, check_backward_units, forward_chunks, forward_cuts,
-    micropack_form, place_segments,
+    PrefixCost,
+    Stream,
+    backward_cuts,
+    backward_units,
+    check_backward_units,
+    forward_chunks,
+    forward_cuts,
+    micropack_form,
+    place_segments,
 )
 from lengthwise.planners.slimpack_dp import RankGroup, assign_ranks, memory_ranks
 from lengthwise.planners.slimpack_schedule import packflow_schedule
@@ -168,7 +180,7 @@ def sweep_counts(pp: int, top: int) -> list[int]:
     """§5.1: pp, pp * sqrt2, pp * 2, ... rounded, up to `top` (included), duplicates dropped."""
     counts, k = [], 0
     while True:
-        n = int(round(pp * SWEEP_RATIO**k))
+        n = round(pp * SWEEP_RATIO**k)
         if n > top:
             break
         if n not in counts:
@@ -240,6 +252,7 @@ def mean_rsd(rows: list[list[float]]) -> float:
 
 
 def micropack_metrics(request: PlanRequest, pipes: list[PipelinePlan], models) -> dict:
+    """Counts, budgets, forms and the spread of MicroPack seconds (whole model, LM head included)."""
     gf, gb = models
     cost, layers = request.cost, request.model.num_layers
     fwd_t = [[cost.forward_time(c, layers=layers, tp=p.tp, cp=p.cp, head=True) for c in p.chunks] for p in pipes]
@@ -247,13 +260,13 @@ def micropack_metrics(request: PlanRequest, pipes: list[PipelinePlan], models) -
     tokens = [[c.num_tokens for c in p.chunks] for p in pipes]
     forms = [micropack_form(c, request.lengths) for p in pipes for c in p.chunks]
 
-    def budget(p: PipelinePlan, g: PrefixCost, units: list[Chunk]) -> float:
+    def budget(g: PrefixCost, units: list[Chunk]) -> float:
         return sum(float(g.slice(s.start, s.stop)) for c in units for s in c.segments) / len(units)
 
     return {
         "micropacks": [len(p.chunks) for p in pipes],
-        "forward_budget_flops": [budget(p, gf, p.chunks) for p in pipes],
-        "backward_budget_flops": [budget(p, gb, p.bwd_units) for p in pipes],
+        "forward_budget_flops": [budget(gf, p.chunks) for p in pipes],
+        "backward_budget_flops": [budget(gb, p.bwd_units) for p in pipes],
         "forms": {f: forms.count(f) for f in ("slim", "mix", "pack")},
         # within each pipeline (budgets differ between pipelines), averaged over pipelines
         "micropack_rsd": {"forward_time_pct": mean_rsd(fwd_t), "backward_time_pct": mean_rsd(bwd_t),

@@ -28,6 +28,7 @@ order.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,7 +162,7 @@ def backward_units(stream: Stream, bcuts: np.ndarray, fcuts: np.ndarray) -> list
             n = int(stream.lengths[j])
             start, stop = n - rb, n - ra  # reversed walk: backward positions -> tokens
             edges = [start] + [e for e in bounds[j] if start < e < stop] + [stop]
-            segs += [Segment(int(stream.seq_ids[j]), a, b) for a, b in zip(edges[:-1], edges[1:])]
+            segs += [Segment(int(stream.seq_ids[j]), a, b) for a, b in itertools.pairwise(edges)]
         if segs:
             units.append(Chunk(tuple(segs)))
     return units
