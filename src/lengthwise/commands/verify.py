@@ -3,10 +3,14 @@
     lengthwise verify --model-config tiny --lengths 200,30,17,60,5 --chunk-size 64 --k 1 --pp 2
     lengthwise verify --model-config tiny-qwen --profile chunkflow-eval --batch-size 16 --context-length 512 --overlong truncate --planner packing --dp 2
     lengthwise verify --model-config path/to/config.json --lengths 300,40 --dtype float32 --json
+    lengthwise verify --nproc 4 --dp 2 --pp 2 --lengths 200,30,17,60,5 --chunk-size 32 --k 1
+    lengthwise verify --nproc 4 --dp 2 --cp 2 --planner skrull --lengths 150,40,17,60,5,90,33,12 --option bucket_size=100
+    torchrun --nproc-per-node 4 -m lengthwise verify --pp 4 --chunk-size 48 --k 1
 
 Builds the model from the config (a preset or a Hugging Face config.json) with random weights
 (seeded by --seed), draws random token ids, plans the batch with --planner (default chunkflow,
-else packing), executes the whole plan on this process (every pipeline and stage), and
+else packing), executes the whole plan on this process (every pipeline and stage; with --nproc N, or under
+torchrun, on N processes, one per pipeline stage and CP rank, gloo on CPU), and
 compares the loss and every parameter's gradient with Hugging Face transformers' own model
 run on each sequence alone (or, without transformers, with this package's model run
 unpacked; the output says which). Exit status 0 when the largest relative gradient and loss
@@ -45,6 +49,11 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="other planner option, repeatable")
     parser.add_argument("--pp", metavar="P", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--dp", metavar="D", type=int, default=1, help="data-parallel pipelines (default 1)")
+    parser.add_argument("--cp", metavar="C", type=int, default=1, help="context-parallel ranks per stage (default 1)")
+    parser.add_argument("--nproc", metavar="N", type=int,
+                        help="run on N local worker processes (gloo; N = dp x pp x cp), compare with the oracle")
+    parser.add_argument("--timeout", metavar="SECONDS", type=float, default=60.0,
+                        help="with --nproc or torchrun: longest wait for a message or collective (default 60)")
     parser.add_argument("--dtype", choices=DTYPES, default="float64", help="model dtype (default float64)")
     parser.add_argument("--backend", choices=("auto", "reference", "varlen"), default="auto",
                         help="attention backend (default auto: varlen on CUDA in 16 bits, else reference)")
@@ -68,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     backend = resolve_backend(args.backend, torch.device(args.device), dtype)
     plan = build_plan(args)
+    if args.nproc is not None or _under_torchrun():
+        return run_distributed(args, plan, backend)
     result = verify_plan(plan, dtype=dtype, backend=backend, seed=args.seed, oracle=args.oracle,
                          device=args.device)
     if args.json:
@@ -85,7 +96,7 @@ def build_plan(args: argparse.Namespace):
     from lengthwise.planners import PlanRequest
 
     model = model_preset(args.model_config)
-    scheme = ParallelScheme(dp=args.dp, pp=args.pp)
+    scheme = ParallelScheme(dp=args.dp, pp=args.pp, cp=args.cp)
     scheme.validate(model)
     cluster = cluster_preset("cpu", scheme.num_gpus)
     cost = CostModel(model=model, cluster=cluster)
@@ -96,6 +107,44 @@ def build_plan(args: argparse.Namespace):
     plan = get_planner(args.planner or default_planner())(request)
     validate_plan(plan, cost)
     return plan
+
+
+def _under_torchrun() -> bool:
+    from lengthwise.runtime.distributed.launch import under_torchrun
+
+    return under_torchrun()
+
+
+def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
+    """Every worker plans the batch itself, runs its part; rank 0 compares with the oracle."""
+    import functools
+
+    import torch
+
+    from lengthwise.runtime.distributed.launch import init_from_torchrun, spawn
+    from lengthwise.runtime.distributed.mesh import check_world_size
+    from lengthwise.runtime.distributed.verify_dist import VerifyJob, verify_worker
+    from lengthwise.runtime.verify import VerifyResult
+
+    job = VerifyJob(make_plan=functools.partial(build_plan, args), dtype=getattr(torch, args.dtype),
+                    backend=backend, seed=args.seed, oracle=args.oracle, timeout_s=args.timeout)
+    if _under_torchrun():
+        mesh = init_from_torchrun(device=args.device, timeout_s=args.timeout)
+        out = verify_worker(mesh.rank, job, mesh)
+        if mesh.rank != 0:
+            return 0
+    else:
+        check_world_size(plan, args.nproc)
+        out = spawn(verify_worker, args.nproc, job, timeout_s=args.timeout)
+    if args.json:
+        print(json.dumps({**out, "dtype": args.dtype, "backend": backend, "lengths": plan.lengths}, indent=1))
+    else:
+        fields = ("loss", "reference_loss", "max_abs_grad_diff", "max_rel_grad_diff", "worst_param", "oracle", "tolerance")
+        print(summary(plan, VerifyResult(**{k: out[k] for k in fields}), args.dtype, backend))
+        sent = ", ".join(f"rank {r}: {c['p2p_elements']}/{c['dp_elements']}/{c['cp_gather_elements']}"
+                         for r, c in enumerate(out["comm"]))
+        print(f"  {out['nproc']} processes; elements sent (p2p/dp/cp): {sent}")
+    return 0 if out["passed"] else 1
 
 
 def default_planner() -> str:

@@ -14,6 +14,7 @@ first (a UserError or a timed-out receive rather than the broken connections it 
 
 from __future__ import annotations
 
+import os
 import pickle
 import traceback
 import tempfile
@@ -41,12 +42,29 @@ def init_from_torchrun(*, device: str = "cpu", timeout_s: float = DEFAULT_TIMEOU
     """Join torchrun's process group (gloo on CPU, NCCL on CUDA) and return its mesh."""
     use_cuda = torch.device(device).type == "cuda"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=_attempt_store(rank, world, timeout_s),
+                                rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     if use_cuda:
         local = dist.get_node_local_rank(fallback_rank=dist.get_rank() % max(torch.cuda.device_count(), 1))
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
     return Mesh.from_default_group(device=device, timeout_s=timeout_s)
+
+
+def _attempt_store(rank: int, world: int, timeout_s: float):
+    """torchrun's rendezvous store, under a prefix of the restart attempt.
+
+    torchrun (c10d rendezvous) shares one TCP store across restarts of the group, and
+    init_process_group("env://") reads keys the previous attempt left there: gloo then
+    connects to the dead ranks' addresses (pytorch issue 135712). The variables read here are
+    torchrun's interface to its workers, the ones env:// reads anyway."""
+    env = os.environ
+    hosted_by_agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
+                          is_master=not hosted_by_agent and rank == 0, timeout=timedelta(seconds=timeout_s),
+                          multi_tenant=not hosted_by_agent)
+    return dist.PrefixStore(f"lengthwise/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def spawn(fn, nproc: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S):

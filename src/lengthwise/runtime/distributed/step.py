@@ -16,6 +16,7 @@ within float64 round-off, since the sums run in another order.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,8 +55,10 @@ class RankStepResult:
 
 
 def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor], *, mesh: Mesh,
-                  backend: str = "auto", check_plan: bool = True) -> RankStepResult:
-    """Forward and backward of this rank's part of `plan`, gradients summed across ranks."""
+                  backend: str = "auto", check_plan: bool = True,
+                  after_action: Callable[[int], None] | None = None) -> RankStepResult:
+    """Forward and backward of this rank's part of `plan`, gradients summed across ranks.
+    `after_action(index)` runs after each action (progress, fault injection in tests)."""
     check_executable(plan, model.spec, token_ids)
     if check_plan:
         check_same_plan(plan)
@@ -64,7 +67,7 @@ def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor]
     runner, transport = make_runner(model, plan, token_ids, mesh=mesh, layout=layout, stats=stats,
                                     backend=backend)
     started = time.perf_counter()
-    run_actions(runner)
+    run_actions(runner, after_action)
     transport.finish()
     loop_s = time.perf_counter() - started
     GradReducer(model=model, plan=plan, layout=layout, mesh=mesh, stats=stats).reduce()
@@ -86,7 +89,7 @@ def make_runner(model: CausalLM, plan: StepPlan, token_ids, *, mesh: Mesh, layou
     return CPStageRunner(cp_rank=place.cp_rank, cp_group=cp_group, stats=stats, **common), transport
 
 
-def run_actions(runner: StageRunner) -> None:
+def run_actions(runner: StageRunner, after_action: Callable[[int], None] | None = None) -> None:
     """The stage's actions in order; a receive that never comes ends the step with the stage
     and the action named."""
     while not runner.done:
@@ -94,6 +97,8 @@ def run_actions(runner: StageRunner) -> None:
             runner.step()
         except ReceiveTimeout as exc:
             raise StepFailed(f"{runner.where()}: {exc}") from None
+        if after_action is not None:
+            after_action(runner.next_index - 1)
 
 
 def global_loss(runner: StageRunner, mesh: Mesh) -> float:
@@ -107,14 +112,20 @@ def global_loss(runner: StageRunner, mesh: Mesh) -> float:
 
 def gather_grads(model: CausalLM, layout: PlanLayout, plan: StepPlan, *, dst: int = 0) -> dict[str, torch.Tensor] | None:
     """Every parameter's (reduced) gradient, on rank `dst`, each from the lowest rank holding it."""
+    return gather_grads_like(model, layout, plan, _grad_or_zeros, dst=dst)
+
+
+def gather_grads_like(model: CausalLM, layout: PlanLayout, plan: StepPlan,
+                      value: Callable[[torch.nn.Parameter], torch.Tensor], *, dst: int = 0):
+    """{name: value(param)} over all parameters, on rank `dst` (None elsewhere), each taken from
+    the lowest rank holding the parameter (collective)."""
     first_holder = {name: ranks[0] for name, ranks in holder_sets(model, plan, layout).items()}
-    mine = {name: _grad_or_zeros(p) for name, p in model.named_parameters()
-            if first_holder[name] == layout.rank}
+    mine = {name: value(p) for name, p in model.named_parameters() if first_holder[name] == layout.rank}
     gathered = [None] * dist.get_world_size() if layout.rank == dst else None
     dist.gather_object(mine, gathered, dst=dst)
     if layout.rank != dst:
         return None
-    return {name: g for part in gathered for name, g in part.items()}
+    return {name: t for part in gathered for name, t in part.items()}
 
 
 def _grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
