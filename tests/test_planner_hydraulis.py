@@ -41,9 +41,9 @@ def tp_costly_profile() -> Profile:
     return Profile(device="test", model=MODEL.name, schemes=schemes)
 
 
-def request(lengths, *, gpus=16, cluster=None, profile=None, seed=0, **options) -> PlanRequest:
+def request(lengths, *, gpus=16, cluster=None, cost_profile=None, seed=0, **options) -> PlanRequest:
     cluster = cluster or cluster_preset("a800", gpus)
-    cost = CostModel(model=MODEL, cluster=cluster, profile=profile)
+    cost = CostModel(model=MODEL, cluster=cluster, profile=cost_profile)
     return PlanRequest(lengths=list(lengths), model=MODEL, cluster=cluster, scheme=ParallelScheme(dp=cluster.num_gpus),
                        cost=cost, context_length=CONTEXT, seed=seed, options=options)
 
@@ -59,7 +59,7 @@ def heterogeneous_request(lengths) -> PlanRequest:
     """Cheap links (the exchange is negligible) and costly TP: a mixed strategy pays off."""
     cluster = ClusterSpec(name="fast-links", num_gpus=16, gpu_memory_gb=80, peak_tflops=312,
                           intra_bw_gbps=1e6, inter_bw_gbps=1e6)
-    return request(lengths, cluster=cluster, profile=tp_costly_profile())
+    return request(lengths, cluster=cluster, cost_profile=tp_costly_profile())
 
 
 def tokens_per_sequence(p) -> list[int]:
@@ -173,6 +173,17 @@ def test_candidates_are_reported_with_the_chosen_one_least():
 
 
 # ---- §7 proposal ----
+
+def test_profile_proposal_is_computed_once_per_dataset_setting():
+    first = [int(x) for x in np.random.default_rng(4).integers(100, 3000, 40)] + [20000]
+    second = first[::-1][:-2] + [first[0] + first[1]]  # other lengths, the same token count
+    before = propose.cache_info()
+    plan(first, profile="commoncrawl")
+    plan(second, profile="commoncrawl")
+    after = propose.cache_info()
+    # Same token count to two digits: the second batch reuses the first's proposal.
+    assert after.hits - before.hits >= 1 and after.misses - before.misses <= 1
+
 
 def space(gpus=16, cost=None):
     cost = cost or CostModel(model=MODEL, cluster=cluster_preset("a800", gpus))
