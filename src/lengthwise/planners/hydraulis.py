@@ -1,8 +1,13 @@
 """Hydraulis: dynamic heterogeneous strategies and two-stage sequence assignment (hydraulis.txt
 §5-§7, appendices B-E).
 
-    lengthwise plan --planner hydraulis --model llama2-7b --cluster a800 --dp 64 \\
-        --profile commoncrawl --tokens 200000 --context-length 32768
+    lengthwise plan --planner hydraulis --model llama2-7b --cluster a800 --dp 8 --tp 8 \\
+        --profile commoncrawl --overlong drop --batch-size 150 --context-length 32768
+    lengthwise plan --planner hydraulis --model llama-32b --cluster a800 --dp 16 --tp 4 \\
+        --profile github --overlong drop --batch-size 80 --context-length 32768 --option profile=github
+
+The request's scheme only fixes how many GPUs there are (dp x tp x pp x cp); Hydraulis picks
+each pipeline's own degrees.
 
 Per global batch (§4's steps 1-4):
 0. the parallel scheme space with MaxLen(P), T(l, P), UtilLen(P) (hydraulis_cost, app. B-C);
