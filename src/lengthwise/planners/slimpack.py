@@ -92,10 +92,11 @@ from lengthwise.planners.slimpack_schedule import packflow_schedule
 DEFAULTS = {"num_micropacks": None, "max_micropacks": None, "asymmetric": True, "dp_merge": True,
             "schedule": "auto"}
 SCHEDULES = ("auto", "steady", "lean")
-HOLD_SHARE = 0.75
-"""Share of a stage's free memory (after model states) that one sample's activations, K/V state
-and K/V gradients may take; a sample needing more is merged over ranks. The rest is left to the
-1F1B warm-up MicroPacks in flight beside it."""
+HOLD_SHARES = (0.75, 0.5, 0.25)
+"""Share of a GPU's memory that model states plus one sample's activations, K/V state and K/V
+gradients may take; a sample needing more is merged over ranks, and the rest is left to the
+MicroPacks in flight beside it. When no MicroPack count fits in simulation, the next, smaller
+share is tried (memory outliers merge over more ranks)."""
 SWEEP_RATIO = 2 ** 0.5
 GIB = 2**30
 
@@ -295,12 +296,13 @@ def read_options(request: PlanRequest) -> dict:
     return {**opts, "num_micropacks": positive_int_option(opts, "num_micropacks"), "max_micropacks": top}
 
 
-def phase1_variants(request: PlanRequest, models, merge: bool) -> tuple[list[list[RankGroup]], np.ndarray]:
+def phase1_variants(request: PlanRequest, models, merge: bool,
+                    hold: float = HOLD_SHARES[0]) -> tuple[list[list[RankGroup]], np.ndarray]:
     """Phase 1: forward FLOPs per sample and the rank groups; with DP-Merge, the paper's groups
     (compute and memory outliers merged) and, when it differs, the memory-only variant."""
     lengths = np.asarray(request.lengths, dtype=np.int64)
     flops = models[0].of(lengths)
-    want = memory_ranks(lengths, memory_share_per_token(request, HOLD_SHARE))
+    want = memory_ranks(lengths, memory_share_per_token(request, hold))
     floor = memory_ranks(lengths, memory_share_per_token(request, 1.0))
     ranks = request.scheme.dp * request.scheme.cp
     variants = [assign_ranks(flops, want, floor, ranks, merge=merge)]
@@ -319,20 +321,40 @@ def plan_slimpack(request: PlanRequest) -> StepPlan:
     s = request.scheme
     request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
     models = flops_models(request)
-    variants, flops = phase1_variants(request, models, opts["dp_merge"])
     extra: dict = {}
     if opts["num_micropacks"] is not None:
+        variants, flops = phase1_variants(request, models, opts["dp_merge"])
         groups, lean = variants[0], opts["schedule"] == "lean"
         pipes = [build_pipeline(request, g, opts["num_micropacks"], models, flops, opts["asymmetric"], lean)
                  for g in groups]
     else:
-        groups, pipes, extra = best_variant(request, variants, models, flops, opts)
+        groups, pipes, extra = plan_by_simulation(request, models, opts)
     plan = finish_plan(request, pipes, planner="slimpack", started=started, options=opts)
     plan.metrics.update(micropack_metrics(request, pipes, models))
     plan.metrics["dp_merge"] = merge_metrics(groups)
     plan.metrics.update(extra)
     plan.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
     return plan
+
+
+def plan_by_simulation(request: PlanRequest, models, opts):
+    """Phase-1 variants swept at the first HOLD share that lets every pipeline fit in simulation."""
+    tried, error = set(), None
+    for hold in HOLD_SHARES:
+        try:
+            variants, flops = phase1_variants(request, models, opts["dp_merge"], hold)
+        except UserError as exc:  # not enough ranks (or memory) to merge more: no smaller share helps
+            error = error or exc
+            break
+        key = str([merge_metrics(v) for v in variants])
+        if key in tried:
+            continue
+        tried.add(key)
+        try:
+            return best_variant(request, variants, models, flops, opts)
+        except UserError as exc:
+            error = exc
+    raise error
 
 
 def best_variant(request: PlanRequest, variants, models, flops, opts):
