@@ -98,8 +98,11 @@ class Evaluation:
     exchange_s: float
     """Slowest pipeline's optimization-propagation exchange, seconds."""
     loads: list[PipelineLoad]
+    """Sequences dispatched to each pipeline (Algorithm 1)."""
     packings: list[Packing]
+    """Micro-batches of each pipeline (eq. 1)."""
     trials: int
+    """Dispatch trials run."""
 
     @property
     def estimate_s(self) -> float:
@@ -133,7 +136,9 @@ def _options(request: PlanRequest) -> dict:
     for name in ("pipeline_step", "milp_time_limit_s"):
         if not isinstance(opts[name], (int, float)) or isinstance(opts[name], bool) or opts[name] <= 0:
             raise UserError(f"option {name} must be a positive number, got {opts[name]!r}")
-    if not 0 < opts["util_threshold"] < 1:
+    if opts["max_tp"] is not None and (not isinstance(opts["max_tp"], int) or opts["max_tp"] < 1):
+        raise UserError(f"option max_tp must be a positive integer or none, got {opts['max_tp']!r}")
+    if not isinstance(opts["util_threshold"], float) or not 0 < opts["util_threshold"] < 1:
         raise UserError(f"option util_threshold must lie in (0, 1), got {opts['util_threshold']!r}")
     return opts
 
@@ -150,6 +155,8 @@ def _space(request: PlanRequest, opts: dict, num_gpus: int) -> list[Scheme]:
 
 def _check_lengths(request: PlanRequest, space: list[Scheme], num_gpus: int, opts: dict) -> None:
     """Every sequence non-empty, within the context, and held by some scheme (MaxLen, B.1)."""
+    if not request.lengths:
+        raise UserError("the global batch is empty: give at least one sequence")
     widest = max(space, key=lambda s: s.max_len)
     for seq_id, n in enumerate(request.lengths):
         if n < 1:
@@ -162,8 +169,6 @@ def _check_lengths(request: PlanRequest, space: list[Scheme], num_gpus: int, opt
                 f"sequence {seq_id} has {n} tokens > {widest.max_len}, the MaxLen of the widest scheme "
                 f"{widest} on {num_gpus} GPUs (tp <= {widest.tp}, pp <= {opts['max_pp']}, cp <= "
                 f"{opts['max_cp']}): raise max_cp or max_pp, add GPUs, or use a splitting planner")
-    if not request.lengths:
-        raise UserError("the global batch is empty: give at least one sequence")
 
 
 def _histogram(request: PlanRequest, opts: dict, space: list[Scheme]) -> tuple[Histogram, tuple[int, ...], float]:
@@ -240,7 +245,8 @@ def _choose(request: PlanRequest, opts: dict, candidates: list[Strategy], num_gp
     prepared.sort(key=lambda p: p[0])
     best, table = None, []
     for bound, strategy, pipes in prepared:
-        row = {"strategy": str(strategy), "gpus": strategy.num_gpus, "lower_bound_s": round(float(bound), 6) if np.isfinite(bound) else None}
+        row = {"strategy": str(strategy), "gpus": strategy.num_gpus,
+               "lower_bound_s": round(float(bound), 6) if np.isfinite(bound) else None}
         table.append(row)
         if pipes is None:
             row["estimate_s"] = "cannot hold the longest sequence"
@@ -279,13 +285,13 @@ def _evaluate(request: PlanRequest, opts: dict, strategy: Strategy, pipes, lengt
     arrays = PipelineArrays.of(schemes, limits)
     disp = dispatch(lengths, arrays, trials=opts["trials"], work_budget=opts["dispatch_work"],
                     rng=np.random.default_rng(request.seed))
-    loads = [_load(request, lengths, disp.owner, j, s, m) for j, (s, m) in enumerate(pipes)]
+    loads = [_load(lengths, disp.owner, j, s, m) for j, (s, m) in enumerate(pipes)]
     return Evaluation(strategy=strategy, pipelines=schemes, max_lens=limits,
                       exchange_s=_exchange(request, strategy, num_gpus), loads=loads,
                       packings=[greedy_pack(load) for load in loads], trials=disp.trials)
 
 
-def _load(request, lengths: np.ndarray, owner: np.ndarray, j: int, scheme: Scheme, max_len: int) -> PipelineLoad:
+def _load(lengths: np.ndarray, owner: np.ndarray, j: int, scheme: Scheme, max_len: int) -> PipelineLoad:
     ids = np.flatnonzero(owner == j)
     return PipelineLoad(seq_ids=tuple(int(i) for i in ids), lengths=lengths[ids], work=scheme.seq_time(lengths[ids]),
                         chunk_s=scheme.chunk_s, depth=scheme.pp, max_len=max_len, util_len=scheme.util_len)
