@@ -1,0 +1,347 @@
+"""Fine-tuning throughput and memory on one GPU: transformers (padded, packed) against lengthwise
+packing and ChunkFlow, on chunkflow-eval's long-tail lengths (chunkflow.txt §6).
+
+    python benchmarks/bench_gpu_finetune.py                       # 0.5B + 1.5B, 32K + 128K, all systems (GPU)
+    python benchmarks/bench_gpu_finetune.py --models qwen2.5-1.5b --contexts 32768 --systems chunkflow,packing
+    python benchmarks/bench_gpu_finetune.py --profile-file qwen2.5-0.5b=p05.json --no-scan
+    python benchmarks/bench_gpu_finetune.py --tiny --out /tmp/bench.json    # CPU, tiny model, a few seconds
+
+Per model (Qwen2.5 architectures, random weights, bf16 weights, gradients and AdamW states) and
+context length: `--warmup` + `--steps` global batches of `--batch-size` sequences from the
+chunkflow-eval length profile (longer ones truncated to the context), random token ids, and for
+each system a fresh model and AdamW from the same seed, run over the same batches:
+
+- hf-padded: transformers' model, right-padded micro-batches within a context-length token
+  budget (hf_baselines.py);
+- hf-packed: transformers' model, padding-free rows via position_ids (SDPA, no flash-attn);
+- packing: lengthwise's `packing` plan on the lengthwise executor;
+- chunkflow: lengthwise's `chunkflow` plan with (ChunkSize, K) from its grid search
+  (chunk_size="auto", scored by the simulator with this device's measured profile).
+
+Reported per system, over the measured steps: tokens/s (real tokens, not pads), MFU (the FLOPs of
+training every sequence unpacked, attention included, as lengthwise.cost.flops.
+sequence_model_flops counts them, over step time x peak: 989 TFLOP/s on H100/H200), peak memory
+(torch.cuda.max_memory_allocated; on CPU the saved-for-backward bytes), planning time (not in the
+step time: training plans a step ahead), the first step's loss (the same for every system: same
+weights and tokens). Then ChunkFlow's peak memory at one fixed ChunkSize (K=1) on a batch whose
+longest sequence grows 32K -> 64K -> 128K -> 256K, with the K/V state (and its gradient) the cost
+model predicts subtracted. The first context's targets (issue 8) are checked into `targets`.
+Out-of-memory or a planner's "does not fit" is recorded as that system's error, not raised.
+The cost profile is measured first (bench_common.acquire_profile) unless --profile-file gives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench_common import (RESULTS, Device, acquire_profile, allocated, empty_cache, is_oom, random_token_ids,
+                          sample_batches, slug, timed, write_results)
+from hf_baselines import build_hf, hf_packed_step, hf_padded_step, packed_rows
+from lengthwise.cost import CostModel
+from lengthwise.cost.flops import sequence_model_flops
+from lengthwise.errors import UserError
+from lengthwise.planners import PlanRequest, get_planner
+from lengthwise.runtime.execute import run_step
+from lengthwise.runtime.model import build_model
+from lengthwise.runtime.profile import check_backend
+from lengthwise.runtime.train_step import PeakMemory
+from lengthwise.specs import ParallelScheme, model_preset
+
+SYSTEMS = ("hf-padded", "hf-packed", "packing", "chunkflow")
+
+
+@dataclass(kw_only=True)
+class Settings:
+    """One benchmark run's choices (the --tiny defaults in `tiny_settings`)."""
+
+    models: list[str]
+    """Model presets."""
+    contexts: list[int]
+    """Context lengths, tokens; the first one's results are checked against the targets."""
+    systems: list[str]
+    batch_size: int = 64
+    """Sequences per global batch."""
+    warmup: int = 2
+    """Untimed steps first (allocator, kernels, AdamW states)."""
+    steps: int = 4
+    """Timed steps."""
+    chunk_size: str = "auto"
+    """ChunkFlow's ChunkSize: "auto" (§5 grid search) or tokens."""
+    scan_contexts: list[int] = dataclasses.field(default_factory=lambda: [32768, 65536, 131072, 262144])
+    """Longest sequence of the memory scan's batches, tokens; empty skips the scan."""
+    scan_chunk_size: int = 8192
+    """The fixed ChunkSize of the memory scan, tokens."""
+    workload: str = "chunkflow-eval"
+    lr: float = 1e-5
+    hf_checkpointing: bool = False
+    """transformers' gradient checkpointing (off: the default a fine-tuning script starts from)."""
+    peak_tflops: float | None = None
+    """Peak FLOP/s for MFU (default: 989 on H100/H200, else the cluster preset's)."""
+    seed: int = 0
+    tiny: bool = False
+
+
+def tiny_settings(args) -> Settings:
+    """CPU-sized: tiny Qwen-shaped model, a 256-token context, ChunkSize 64, one timed step."""
+    return Settings(models=["tiny-qwen"], contexts=[256], systems=_systems(args.systems), batch_size=8,
+                    warmup=1, steps=1, chunk_size=args.chunk_size if args.chunk_size != "auto" else "64",
+                    scan_contexts=[] if args.no_scan else [128, 256, 512], scan_chunk_size=64,
+                    workload="tiny", lr=args.lr, seed=args.seed, tiny=True)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b", help="comma-separated presets")
+    ap.add_argument("--contexts", default="32768,131072", help="comma-separated context lengths")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"some of {', '.join(SYSTEMS)}")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--chunk-size", default="auto", help="ChunkFlow ChunkSize: auto or tokens")
+    ap.add_argument("--scan-contexts", default="32768,65536,131072,262144")
+    ap.add_argument("--scan-chunk-size", type=int, default=8192)
+    ap.add_argument("--no-scan", action="store_true", help="skip the memory scan")
+    ap.add_argument("--hf-checkpointing", action="store_true", help="gradient checkpointing for transformers")
+    ap.add_argument("--profile-file", action="append", default=[], metavar="MODEL=FILE",
+                    help="use this measured profile for MODEL instead of measuring one")
+    ap.add_argument("--peak-tflops", type=float)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="tiny model and sizes (runs on CPU in seconds)")
+    ap.add_argument("--out", help="results JSON (default benchmarks/results/gpu_finetune_<device>.json)")
+    return ap.parse_args(argv)
+
+
+def _systems(text: str) -> list[str]:
+    names = [s for s in text.split(",") if s]
+    unknown = [s for s in names if s not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"unknown system {', '.join(unknown)}: use some of {', '.join(SYSTEMS)}")
+    return names
+
+
+def settings_from_args(args) -> Settings:
+    if args.tiny:
+        return tiny_settings(args)
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    return Settings(models=args.models.split(","), contexts=ints(args.contexts), systems=_systems(args.systems),
+                    batch_size=args.batch_size, warmup=args.warmup, steps=args.steps, chunk_size=args.chunk_size,
+                    scan_contexts=[] if args.no_scan else ints(args.scan_contexts),
+                    scan_chunk_size=args.scan_chunk_size, lr=args.lr, hf_checkpointing=args.hf_checkpointing,
+                    peak_tflops=args.peak_tflops, seed=args.seed)
+
+
+# ---- one system on one context -----------------------------------------------------------------
+
+def plan_request(spec, dev: Device, profile, lengths, context, options) -> PlanRequest:
+    cluster = dev.cluster()
+    return PlanRequest(lengths=list(lengths), model=spec, cluster=cluster, scheme=ParallelScheme(),
+                       cost=CostModel(model=spec, cluster=cluster, profile=profile), context_length=context,
+                       options=options)
+
+
+class Runner:
+    """One system's model, optimizer and per-batch step."""
+
+    def __init__(self, system: str, spec, dev: Device, s: Settings, profile, context: int):
+        self.system, self.spec, self.dev, self.s, self.profile, self.context = system, spec, dev, s, profile, context
+        model = build_model(spec, dtype=dev.dtype, device=dev.device, seed=s.seed)
+        self.model = build_hf(model, checkpointing=s.hf_checkpointing) if system.startswith("hf") else model
+        if self.model is not model:
+            del model
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=s.lr, fused=dev.cuda)
+        self.plan_ms, self.plan_info = [], {}
+
+    def prepare(self, lengths: list[int]):
+        """The step's plan (lengthwise systems), timed apart from the step."""
+        if self.system == "hf-padded":
+            return None
+        if self.system == "hf-packed":
+            return packed_rows(lengths, self.context)
+        options = {} if self.system == "packing" else {"chunk_size": _chunk_size(self.s.chunk_size)}
+        plan_s, plan = timed(lambda: get_planner(self.system)(
+            plan_request(self.spec, self.dev, self.profile, lengths, self.context, options)), self.dev)
+        self.plan_ms.append(plan_s * 1e3)
+        self.plan_info = {k: plan.metrics[k] for k in ("chunk_size", "k") if k in plan.metrics}
+        return plan
+
+    def step(self, lengths, plan, token_ids) -> float:
+        if self.system == "hf-padded":
+            loss = hf_padded_step(self.model, lengths, token_ids, budget=self.context)
+        elif self.system == "hf-packed":
+            loss = hf_packed_step(self.model, plan, lengths, token_ids)
+        else:
+            loss = run_step(self.model, plan, token_ids, backend="auto")
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+
+def _chunk_size(text: str):
+    return "auto" if text == "auto" else int(text)
+
+
+def run_system(system: str, spec, dev: Device, s: Settings, profile, context: int, batches) -> dict:
+    row = {"system": system, "context": context}
+    runner = None
+    try:
+        runner = Runner(system, spec, dev, s, profile, context)
+        row.update(_measure(runner, batches, dev, s, spec))
+    except (UserError, RuntimeError) as exc:
+        if not (isinstance(exc, UserError) or is_oom(exc)):
+            raise
+        row["error"] = ("out of memory: " if is_oom(exc) else "") + str(exc).splitlines()[0][:300]
+    finally:
+        del runner
+        gc.collect()
+        empty_cache(dev)
+    return row
+
+
+def _measure(runner: Runner, batches, dev: Device, s: Settings, spec) -> dict:
+    times, tokens, flops, peaks, losses = [], 0, 0.0, [], []
+    for i, lengths in enumerate(batches):
+        plan = runner.prepare(lengths)
+        token_ids = random_token_ids(lengths, spec.vocab, s.seed + i)
+        with PeakMemory(runner.model) as peak:
+            seconds, loss = timed(lambda: runner.step(lengths, plan, token_ids), dev)
+        losses.append(loss)
+        if i >= s.warmup:
+            times.append(seconds)
+            tokens += sum(lengths)
+            flops += sum(sequence_model_flops(spec, n) for n in lengths)
+            peaks.append(peak.bytes)
+    total = sum(times)
+    return {"tokens_per_s": tokens / total, "mfu": flops / (total * dev.peak_tflops(s.peak_tflops) * 1e12),
+            "step_time_s": statistics.fmean(times), "step_times_s": times, "tokens": tokens,
+            "peak_memory_bytes": max(peaks), "memory_kind": peak.kind, "first_loss": losses[0], "losses": losses,
+            "planning_ms_mean": statistics.fmean(runner.plan_ms) if runner.plan_ms else None, **runner.plan_info}
+
+
+# ---- memory scan ---------------------------------------------------------------------------------
+
+def memory_scan(spec, dev: Device, s: Settings, profile, shorts: list[int]) -> list[dict]:
+    """ChunkFlow (fixed ChunkSize, K = 1) on one long sequence of each scan length plus the
+    first batch's sequences that fit a chunk; peak memory above weights and gradients."""
+    model = build_model(spec, dtype=dev.dtype, device=dev.device, seed=s.seed)
+    cm = CostModel(model=spec, cluster=dev.cluster(), profile=profile)
+    rows = []
+    for i, longest in enumerate([s.scan_contexts[0], *s.scan_contexts]):  # the first run warms up
+        lengths = [longest] + shorts
+        row = {"longest": longest, "chunk_size": s.scan_chunk_size}
+        try:
+            plan = get_planner("chunkflow")(plan_request(spec, dev, profile, lengths, longest,
+                                                         {"chunk_size": s.scan_chunk_size, "k": 1}))
+            token_ids = random_token_ids(lengths, spec.vocab, s.seed)
+            base = allocated(dev)
+            with PeakMemory(model) as peak:
+                run_step(model, plan, token_ids, backend="auto")
+            model.zero_grad(set_to_none=False)  # gradients stay allocated: part of the baseline
+            context = s.scan_chunk_size * ((longest - 1) // s.scan_chunk_size)
+            # K/V state + its gradient buffers (infinipipe eq. 9-10); the CPU meter sees only the
+            # K/V that attention saves, not the gradient buffers
+            kv = (2 if dev.cuda else 1) * cm.kv_bytes(context, layers=spec.num_layers)
+            row.update(peak_bytes=peak.bytes - base, kv_state_bytes=kv, peak_minus_kv_bytes=peak.bytes - base - kv,
+                       memory_kind=peak.kind)
+        except (UserError, RuntimeError) as exc:
+            if not (isinstance(exc, UserError) or is_oom(exc)):
+                raise
+            row["error"] = str(exc).splitlines()[0][:300]
+        if i > 0:
+            rows.append(row)
+    del model
+    empty_cache(dev)
+    return rows
+
+
+def scan_spread(rows: list[dict]) -> float | None:
+    """(max - min) / min of peak memory minus K/V state over the scan."""
+    values = [r["peak_minus_kv_bytes"] for r in rows if "peak_minus_kv_bytes" in r]
+    return (max(values) - min(values)) / min(values) if len(values) >= 2 and min(values) > 0 else None
+
+
+# ---- per model, targets, output -------------------------------------------------------------------
+
+def bench_model(name: str, dev: Device, s: Settings, profile_files: dict, out_dir: Path) -> dict:
+    spec = model_preset(name)
+    profile, path = acquire_profile(spec, dev, tiny=s.tiny, given=profile_files.get(name), out_dir=out_dir)
+    entry = {"profile_file": path, "profile_held_out_error": profile.meta.get("held_out_error"), "runs": []}
+    if dev.cuda:
+        entry["varlen_check"] = check_backend("varlen", device=dev.device, dtype=dev.dtype, heads=spec.num_heads,
+                                              kv_heads=spec.num_kv_heads, head_dim=spec.head_dim).to_dict()
+    first_batch = None
+    for context in s.contexts:
+        batches = sample_batches(s.workload, context, s.batch_size, s.warmup + s.steps, s.seed)
+        first_batch = first_batch or batches[0]
+        for system in s.systems:
+            entry["runs"].append(run_system(system, spec, dev, s, profile, context, batches))
+            print(_row_line(name, entry["runs"][-1]), file=sys.stderr)
+    if s.scan_contexts:
+        shorts = [n for n in first_batch if n <= s.scan_chunk_size][: s.batch_size - 1]
+        entry["memory_scan"] = memory_scan(spec, dev, s, profile, shorts)
+        entry["memory_scan_spread"] = scan_spread(entry["memory_scan"])
+    return entry
+
+
+def check_targets(models: dict, s: Settings) -> list[dict]:
+    """Issue 8's targets at the first context length."""
+    checks, ctx = [], s.contexts[0]
+    for name, entry in models.items():
+        runs = {r["system"]: r for r in entry["runs"] if r["context"] == ctx}
+        cf = runs.get("chunkflow", {})
+        for base, target in (("hf-padded", 2.0), ("packing", 1.1)):
+            value = (cf["tokens_per_s"] / runs[base]["tokens_per_s"]
+                     if "tokens_per_s" in cf and "tokens_per_s" in runs.get(base, {}) else None)
+            checks.append(_check(f"{name} @{ctx}: chunkflow / {base} tokens/s", value, target))
+        if "1.5b" in name:
+            checks.append(_check(f"{name} @{ctx}: chunkflow MFU", cf.get("mfu"), 0.45))
+        if "memory_scan" in entry:
+            checks.append(_check(f"{name}: chunkflow peak minus K/V spread over the scan", entry["memory_scan_spread"],
+                                 0.10, at_most=True))
+    return checks
+
+
+def _check(name: str, value, target: float, at_most: bool = False) -> dict:
+    met = None if value is None else (value <= target if at_most else value >= target)
+    return {"check": name, "value": value, "target": ("<= " if at_most else ">= ") + f"{target}", "met": met}
+
+
+def _row_line(model: str, r: dict) -> str:
+    head = f"{model:<14}{r['context']:>8}  {r['system']:<10}"
+    if "error" in r:
+        return head + f"  {r['error'][:90]}"
+    return (head + f"{r['tokens_per_s']:>12,.0f} tok/s  MFU {r['mfu']:6.1%}  peak {r['peak_memory_bytes'] / 2**30:7.2f} GiB"
+            f"  step {r['step_time_s']:.3f} s  loss {r['first_loss']:.4f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    s = settings_from_args(args)
+    dev = Device.pick(args.device, args.dtype)
+    if not dev.cuda and not s.tiny:
+        raise SystemExit("full sizes need a GPU; on CPU add --tiny")
+    profile_files = dict(text.split("=", 1) for text in args.profile_file)
+    out = Path(args.out) if args.out else RESULTS / f"gpu_finetune_{'tiny_' if s.tiny else ''}{slug(dev.name)}.json"
+    models = {name: bench_model(name, dev, s, profile_files, out.parent) for name in s.models}
+    results = {"format": "lengthwise.bench_gpu_finetune/1", **dev.describe(), "seed": s.seed,
+               "settings": dataclasses.asdict(s), "models": models, "targets": check_targets(models, s)}
+    write_results(out, results, __file__, argv)
+    for c in results["targets"]:
+        print(f"{c['check']}: {c['value']} (target {c['target']}): {c['met']}", file=sys.stderr)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Simulator fidelity: predicted against measured step time and peak memory, global batch by batch.
+
+    python benchmarks/sim_fidelity.py                                       # qwen2.5-0.5b, 32K, chunkflow, 8 batches (GPU)
+    python benchmarks/sim_fidelity.py --model qwen2.5-1.5b --context 131072 --profile-file p15.json
+    python benchmarks/sim_fidelity.py --planner packing --batches 16
+    python benchmarks/sim_fidelity.py --tiny --out /tmp/fidelity.json        # CPU, tiny model, seconds
+
+For each of N global batches (chunkflow-eval lengths, truncated to the context): plan it with the
+planner and a cost model holding this device's measured profile (measured first unless
+--profile-file gives one), simulate the plan (sim.simulate_plan), then execute it on one device
+(runtime.execute.run_step, the same plan) and compare:
+
+- step time: the simulated step time against the executor's wall time for the step's forward
+  and backward (median of --repeats runs; the optimizer step is not in the plan, so not timed);
+- peak memory above model states: the simulated peak minus the cost model's model-state bytes,
+  against torch.cuda.max_memory_allocated minus what was allocated before the step (weights and
+  gradients); on CPU the saved-for-backward bytes (runtime/memory.py), which leave out the K/V
+  store, so CPU memory errors say nothing about the simulator.
+
+It reports the mean absolute percentage error over the batches (issue 8's targets: < 10% step
+time, < 5% peak memory) and writes everything to benchmarks/results/sim_fidelity_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from bench_common import (RESULTS, Device, acquire_profile, allocated, mape, random_token_ids, sample_batches, slug,
+                          timed, write_results)
+from lengthwise.cost import CostModel
+from lengthwise.planners import PlanRequest, get_planner
+from lengthwise.runtime.execute import run_step
+from lengthwise.runtime.model import build_model
+from lengthwise.runtime.train_step import PeakMemory
+from lengthwise.sim import simulate_plan
+from lengthwise.specs import ParallelScheme, model_preset
+
+TARGETS = {"step_time_mape": 0.10, "peak_memory_mape": 0.05}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-0.5b")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--planner", default="chunkflow")
+    ap.add_argument("--chunk-size", default="auto", help="ChunkFlow's chunk_size: auto or tokens")
+    ap.add_argument("--batches", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2, help="timed executions per batch, median kept")
+    ap.add_argument("--workload", default="chunkflow-eval")
+    ap.add_argument("--profile-file", help="measured profile (default: measure one first)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="tiny model and sizes (runs on CPU in seconds)")
+    ap.add_argument("--out", help="results JSON (default benchmarks/results/sim_fidelity_<device>.json)")
+    args = ap.parse_args(argv)
+    if args.tiny:  # CPU-sized: tiny Qwen-shaped model, 256-token context, ChunkSize 64
+        args.model, args.context, args.batch_size, args.workload = "tiny-qwen", 256, 8, "tiny"
+        args.batches, args.repeats = min(args.batches, 2), 1
+        args.chunk_size = "64" if args.chunk_size == "auto" else args.chunk_size
+    return args
+
+
+def plan_batch(args, spec, cost: CostModel, cluster, lengths):
+    options = {"chunk_size": args.chunk_size if args.chunk_size == "auto" else int(args.chunk_size)} \
+        if args.planner == "chunkflow" else {}
+    request = PlanRequest(lengths=list(lengths), model=spec, cluster=cluster, scheme=ParallelScheme(), cost=cost,
+                          context_length=args.context, seed=args.seed, options=options)
+    return get_planner(args.planner)(request)
+
+
+def predicted(plan, cost: CostModel, spec) -> tuple[float, float]:
+    """(step seconds, peak bytes above model states) of the one-stage plan, simulated."""
+    result = simulate_plan(plan, cost)
+    states = cost.model_state_bytes(layers=spec.num_layers, first=True, last=True)
+    return result.step_time_s, result.peak_memory[0][0] - states
+
+
+def measured(model, plan, token_ids, dev: Device, repeats: int) -> tuple[float, float, str]:
+    """(median step seconds, peak bytes above what was allocated before, memory kind)."""
+    times, peaks = [], []
+    for _ in range(repeats):
+        base = allocated(dev)
+        with PeakMemory(model) as peak:
+            seconds, _ = timed(lambda: run_step(model, plan, token_ids, backend="auto"), dev)
+        model.zero_grad(set_to_none=False)  # gradients stay allocated: part of the next baseline
+        times.append(seconds)
+        peaks.append(peak.bytes - base)
+    return statistics.median(times), max(peaks), peak.kind
+
+
+def batch_row(plan, pred, meas) -> dict:
+    (p_step, p_peak), (m_step, m_peak, kind) = pred, meas
+    return {"sequences": len(plan.lengths), "tokens": sum(plan.lengths), "longest": max(plan.lengths),
+            "chunks": len(plan.pipelines[0].chunks), **{k: plan.metrics[k] for k in ("chunk_size", "k") if k in plan.metrics},
+            "predicted_step_s": p_step, "measured_step_s": m_step, "step_error": abs(p_step - m_step) / m_step,
+            "predicted_peak_bytes": p_peak, "measured_peak_bytes": m_peak, "memory_kind": kind,
+            "memory_error": abs(p_peak - m_peak) / m_peak if m_peak > 0 else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    dev = Device.pick(args.device, args.dtype)
+    if not dev.cuda and not args.tiny:
+        raise SystemExit("full sizes need a GPU; on CPU add --tiny")
+    spec = model_preset(args.model)
+    out = Path(args.out) if args.out else RESULTS / f"sim_fidelity_{'tiny_' if args.tiny else ''}{slug(dev.name)}.json"
+    profile, profile_path = acquire_profile(spec, dev, tiny=args.tiny, given=args.profile_file, out_dir=out.parent,
+                                            seed=args.seed)
+    cluster = dev.cluster()
+    cost = CostModel(model=spec, cluster=cluster, profile=profile)
+    model = build_model(spec, dtype=dev.dtype, device=dev.device, seed=args.seed)
+    batches = sample_batches(args.workload, args.context, args.batch_size, args.batches, args.seed)
+    rows = []
+    for i, lengths in enumerate(batches):
+        plan = plan_batch(args, spec, cost, cluster, lengths)
+        token_ids = random_token_ids(lengths, spec.vocab, args.seed + i)
+        if i == 0:  # warm-up: kernels, allocator, gradient buffers
+            measured(model, plan, token_ids, dev, 1)
+        rows.append(batch_row(plan, predicted(plan, cost, spec), measured(model, plan, token_ids, dev, args.repeats)))
+        r = rows[-1]
+        print(f"batch {i}: step {r['predicted_step_s']:.4f} s predicted, {r['measured_step_s']:.4f} s measured; "
+              f"peak {r['predicted_peak_bytes'] / 2**30:.3f} / {r['measured_peak_bytes'] / 2**30:.3f} GiB", file=sys.stderr)
+    summary = {"step_time_mape": mape([r["predicted_step_s"] for r in rows], [r["measured_step_s"] for r in rows]),
+               "peak_memory_mape": mape([r["predicted_peak_bytes"] for r in rows], [r["measured_peak_bytes"] for r in rows])}
+    results = {"format": "lengthwise.sim_fidelity/1", **dev.describe(), "seed": args.seed, "model": spec.name,
+               "context": args.context, "planner": args.planner, "chunk_size": args.chunk_size,
+               "workload": args.workload, "batch_size": args.batch_size, "repeats": args.repeats,
+               "profile_file": profile_path, "profile_held_out_error": profile.meta.get("held_out_error"),
+               "batches": rows, **summary,
+               "targets": [{"check": k, "value": summary[k], "target": f"< {t}", "met": summary[k] < t}
+                           for k, t in TARGETS.items()]}
+    write_results(out, results, __file__, argv)
+    print(f"step time MAPE {summary['step_time_mape']:.1%}, peak memory MAPE {summary['peak_memory_mape']:.1%}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The GPU benchmarks' code paths, run here at tiny sizes on CPU; and the varlen check, which
+needs CUDA and skips without it.
+
+The scripts live in benchmarks/ (not a package): they are loaded from their files and their
+`main(argv)` is called in this process. One tiny profile, measured once, serves both."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from lengthwise.cli import main as cli_main  # noqa: E402
+from lengthwise.runtime.profile import check_backend  # noqa: E402
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The test machine's cores are shared: one intra-op thread keeps tiny runs quick."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def load_script(name: str, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("profile") / "tiny-qwen.json"
+    code = cli_main(["profile", "--model", "tiny-qwen", "--device", "cpu", "--layers", "1", "--min-tokens", "16",
+                     "--max-tokens", "64", "--max-context", "256", "--repeats", "1", "--warmup", "0",
+                     "--out", str(path), "--json"])
+    assert code == 0
+    return str(path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen attention needs CUDA")
+def test_varlen_matches_reference_in_bf16_with_contexts_and_gqa():
+    for heads, kv_heads, head_dim in ((14, 2, 64), (12, 2, 128)):  # qwen2.5-0.5b, qwen2.5-1.5b
+        check = check_backend("varlen", device="cuda", dtype=torch.bfloat16, heads=heads, kv_heads=kv_heads,
+                              head_dim=head_dim)
+        assert check.backend == "varlen" and check.passed, check.to_dict()
+
+
+def test_backend_check_measures_rounding_error_of_the_dtype():
+    """The check's harness on CPU: the reference in float32 is within 1e-4 of float64, in
+    bfloat16 visibly worse but within bf16 tolerance; the context pieces get gradients."""
+    small = {"heads": 4, "kv_heads": 2, "head_dim": 16}
+    f32 = check_backend("reference", device="cpu", dtype=torch.float32, **small)
+    bf16 = check_backend("reference", device="cpu", dtype=torch.bfloat16, **small)
+    assert f32.passed and bf16.passed and set(f32.error) == {"out", "dq", "dk", "dv", "dcontext"}
+    assert max(f32.error.values()) < 1e-5 < min(bf16.error.values()) and max(bf16.error.values()) < 2e-2
+
+
+def test_finetune_benchmark_runs_tiny_on_cpu_and_writes_valid_json(tmp_path, monkeypatch, tiny_profile):
+    bench = load_script("bench_gpu_finetune", monkeypatch)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--tiny", "--out", str(out), "--profile-file", f"tiny-qwen={tiny_profile}"]) == 0
+    result = json.loads(out.read_text())
+    assert result["format"] == "lengthwise.bench_gpu_finetune/1" and result["device_type"] == "cpu"
+    assert result["torch"] == torch.__version__ and "--tiny" in result["command"] and result["seed"] == 0
+    runs = result["models"]["tiny-qwen"]["runs"]
+    assert [r["system"] for r in runs] == list(bench.SYSTEMS)
+    for r in runs:
+        assert r["tokens_per_s"] > 0 and r["mfu"] > 0 and r["peak_memory_bytes"] > 0, r
+    first_losses = [r["first_loss"] for r in runs]  # same weights, same tokens: the same loss
+    assert max(first_losses) - min(first_losses) < 1e-4 * first_losses[0]
+    chunkflow = runs[-1]
+    assert chunkflow["chunk_size"] == 64 and chunkflow["k"] >= 1
+    scan = result["models"]["tiny-qwen"]["memory_scan"]
+    assert [r["longest"] for r in scan] == [128, 256, 512] and all(r["kv_state_bytes"] > 0 for r in scan)
+    assert {t["check"].split(": ", 1)[1] for t in result["targets"]} >= {"chunkflow / hf-padded tokens/s",
+                                                                          "chunkflow / packing tokens/s"}
+
+
+def test_padded_groups_respect_the_token_budget(monkeypatch):
+    hf = load_script("hf_baselines", monkeypatch)
+    lengths = [100, 20, 30, 250, 10, 10, 10, 60]
+    groups = hf.padded_groups(lengths, 256)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(len(g) * max(lengths[i] for i in g) <= 256 or len(g) == 1 for g in groups)
+    assert groups[0] == [0, 1] and [3] in groups  # consecutive, a long one alone
+
+
+def test_sim_fidelity_runs_tiny_on_cpu_and_writes_valid_json(tmp_path, monkeypatch, tiny_profile):
+    fidelity = load_script("sim_fidelity", monkeypatch)
+    out = tmp_path / "fidelity.json"
+    assert fidelity.main(["--tiny", "--out", str(out), "--profile-file", tiny_profile]) == 0
+    result = json.loads(out.read_text())
+    assert result["format"] == "lengthwise.sim_fidelity/1" and result["planner"] == "chunkflow"
+    assert len(result["batches"]) == 2 and result["profile_file"] == tiny_profile
+    for row in result["batches"]:
+        assert row["predicted_step_s"] > 0 and row["measured_step_s"] > 0 and row["chunk_size"] == 64
+        assert row["step_error"] == pytest.approx(abs(row["predicted_step_s"] / row["measured_step_s"] - 1))
+    assert result["step_time_mape"] == pytest.approx(sum(r["step_error"] for r in result["batches"]) / 2)
+    assert [t["check"] for t in result["targets"]] == ["step_time_mape", "peak_memory_mape"]
