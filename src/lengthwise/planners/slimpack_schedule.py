@@ -14,8 +14,9 @@ forwards again, so the upper stages keep computing while the first backward clim
 them. Units are already in FILO order within each sample (slimpack_cuts), so the K/V-gradient
 edges between them point backwards in the list and never stall a stage.
 
-After the injection, two ways to go on (measured on a github batch, llama2-7b, dp8-tp4-pp4,
-64K context: steady 2.75 s at 47 GiB peak, lean 3.19 s at 26 GiB):
+After the injection, two ways to go on (simulated on a 512-sequence github batch, llama2-7b,
+dp8-tp4-pp4, 64K context, each at its fastest MicroPack count: steady 2.75 s at 47 GiB peak
+with 32 MicroPacks, lean 3.19 s at 26 GiB with 64; packing 5.51 s):
 
 - steady (default): keep the forwards that were run ahead, so every later backward still has
   one forward to pair with and the pipeline never drains again; the run-ahead stays in memory.
