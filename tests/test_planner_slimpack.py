@@ -15,8 +15,9 @@ from lengthwise.plan.ir import BACKWARD, FORWARD, SHARDED, Chunk, Segment, StepP
 from lengthwise.plan.schedules import check_schedule
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.planners.slimpack import flops_models, sweep_counts
+from lengthwise.planners.slimpack import flops_models
 from lengthwise.planners.slimpack_cuts import PrefixCost, check_backward_units
+from lengthwise.planners.slimpack_sweep import sweep_counts
 from lengthwise.sim import simulate_plan
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
 from lengthwise.workloads import get_profile

@@ -32,9 +32,9 @@ Steps, each a function here or in a slimpack_* helper:
    PipelinePlan.backward_chunks.
 4. PackFlow schedule (§4.2, slimpack_schedule.py): 1F1B over the forward MicroPacks and the
    backward units, forwards injected where a unit's slices have not all run forward.
-5. MicroPack count (§5.1, §4.3): N on a log-spaced sweep from pp to max_micropacks (ratio
-   sqrt 2, rounded, duplicates dropped: the integer steps are dense where the budget changes
-   fastest); every candidate is simulated (lengthwise.sim) in increasing N until two fitting
+5. MicroPack count (§5.1, §4.3, slimpack_sweep.py): N on a log-spaced sweep from pp to
+   max_micropacks (ratio sqrt 2, rounded, duplicates dropped: the integer steps are dense where
+   the budget changes fastest); every candidate is simulated (lengthwise.sim) in increasing N until two fitting
    ones in a row are slower than the best before them, and each pipeline keeps the N that
    finishes it soonest among those whose simulated peak memory fits (§4.1.1: "each DP replica
    may choose a different N"). When DP-Merge merged a compute outlier, the variant that merges
@@ -102,7 +102,6 @@ HOLD_SHARES = (0.75, 0.5, 0.25)
 gradients may take; a sample needing more is merged over ranks, and the rest is left to the
 MicroPacks in flight beside it. When no MicroPack count fits in simulation, the next, smaller
 share is tried (memory outliers merge over more ranks)."""
-SWEEP_RATIO = 2 ** 0.5
 GIB = 2**30
 
 
@@ -178,66 +177,6 @@ def build_pipeline(request: PlanRequest, group: RankGroup, count: int, models, f
     check_backward_units(chunks, units)
     return PipelinePlan(chunks=chunks, stages=packflow_schedule(chunks, units, s.pp, lean=lean), tp=s.tp,
                         cp=cp, backward_chunks=units, schedule="packflow-1f1b" + ("-lean" if lean else ""))
-
-
-# ---- the MicroPack count ----
-
-def sweep_counts(pp: int, top: int) -> list[int]:
-    """§5.1: pp, pp * sqrt2, pp * 2, ... rounded, up to `top` (included), duplicates dropped."""
-    counts, k = [], 0
-    while True:
-        n = round(pp * SWEEP_RATIO**k)
-        if n > top:
-            break
-        if n not in counts:
-            counts.append(n)
-        k += 1
-    return counts + ([top] if top not in counts else [])
-
-
-def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asymmetric, lean) -> list[dict]:
-    """Every pipeline at every candidate count, simulated: per candidate its pipelines, per-pipeline
-    makespan and peak memory, and the whole step."""
-    from lengthwise.sim import simulate_plan
-
-    out: list[dict] = []
-    for n in counts:
-        pipes = [build_pipeline(request, g, n, models, flops, asymmetric, lean) for g in groups]
-        result = simulate_plan(bare_plan(request, pipes), request.cost)
-        out.append({"count": n, "lean": lean, "pipelines": pipes, "makespan": result.pipeline_makespan,
-                    "peak": [max(row) for row in result.peak_memory], "step_time_s": result.step_time_s,
-                    "fits": bool(result.fits)})
-        if past_the_best(out):
-            break
-    return out
-
-
-def past_the_best(candidates: list[dict], patience: int = 2) -> bool:
-    """Whether the last `patience` candidates all fit and all ran slower than the best fitting
-    one before them: more, smaller MicroPacks only add per-MicroPack overheads from there on
-    (step time against N is U-shaped: bubbles fall as 1/N, fixed costs grow with N)."""
-    fitting = [c["step_time_s"] for c in candidates if c["fits"]]
-    tail = candidates[-patience:]
-    if len(tail) < patience or not all(c["fits"] for c in tail) or len(fitting) <= patience:
-        return False
-    best_before = min(fitting[:-patience])
-    return all(c["step_time_s"] > best_before for c in tail)
-
-
-def choose_per_pipeline(candidates: list[dict], capacity: float) -> list[int]:
-    """Per pipeline, the candidate index that finishes it soonest within memory."""
-    chosen = []
-    for p in range(len(candidates[0]["pipelines"])):
-        fitting = [k for k, c in enumerate(candidates) if c["peak"][p] <= capacity]
-        if not fitting:
-            best = min(candidates, key=lambda c: c["peak"][p])
-            raise UserError(
-                f"slimpack: pipeline {p} fits no MicroPack count of {sorted({c['count'] for c in candidates})}: its "
-                f"smallest simulated peak is {best['peak'][p] / GIB:.1f} GiB at {best['count']} MicroPacks > "
-                f"{capacity / GIB:.1f} GiB capacity: raise max_micropacks, --tp or --pp"
-            )
-        chosen.append(min(fitting, key=lambda k: (candidates[k]["makespan"][p], k)))
-    return chosen
 
 
 def bare_plan(request: PlanRequest, pipes: list[PipelinePlan]) -> StepPlan:
@@ -333,6 +272,8 @@ def plan_slimpack(request: PlanRequest) -> StepPlan:
         pipes = [build_pipeline(request, g, opts["num_micropacks"], models, flops, opts["asymmetric"], lean)
                  for g in groups]
     else:
+        from lengthwise.planners.slimpack_sweep import plan_by_simulation
+
         groups, pipes, extra = plan_by_simulation(request, models, opts)
     plan = finish_plan(request, pipes, planner="slimpack", started=started, options=opts)
     plan.metrics.update(micropack_metrics(request, pipes, models))
@@ -342,69 +283,3 @@ def plan_slimpack(request: PlanRequest) -> StepPlan:
     return plan
 
 
-def plan_by_simulation(request: PlanRequest, models, opts):
-    """Phase-1 variants swept at the first HOLD share that lets every pipeline fit in simulation."""
-    tried, error = set(), None
-    for hold in HOLD_SHARES:
-        try:
-            variants, flops = phase1_variants(request, models, opts["dp_merge"], hold)
-        except UserError as exc:  # not enough ranks (or memory) to merge more: no smaller share helps
-            error = error or exc
-            break
-        key = str([merge_metrics(v) for v in variants])
-        if key in tried:
-            continue
-        tried.add(key)
-        try:
-            return best_variant(request, variants, models, flops, opts)
-        except UserError as exc:
-            error = exc
-    raise error
-
-
-def best_variant(request: PlanRequest, variants, models, flops, opts):
-    """Sweep every Phase-1 variant; keep the one with the shortest simulated step."""
-    best, error, tried = None, None, []
-    for groups in variants:
-        try:
-            pipes, extra = sweep(request, groups, models, flops, opts)
-        except UserError as exc:  # this variant fits no count; another may
-            error = exc
-            continue
-        tried.append({"dp_merge": merge_metrics(groups), "step_time_s": extra["predicted_step_time_s"]})
-        if best is None or extra["predicted_step_time_s"] < best[2]["predicted_step_time_s"]:
-            best = (groups, pipes, extra)
-    if best is None:
-        raise error
-    best[2]["phase1_variants"] = tried
-    return best
-
-
-def sweep(request: PlanRequest, groups, models, flops, opts) -> tuple[list[PipelinePlan], dict]:
-    """Step 5: simulate every candidate count (the lean schedule too where the steady one fits
-    no count, or when asked for), keep per pipeline the fastest candidate that fits."""
-    counts = sweep_counts(request.scheme.pp, opts["max_micropacks"])
-    capacity = request.cost.capacity_bytes
-    candidates: list[dict] = []
-    for lean in schedule_variants(opts):
-        candidates += simulate_candidates(request, groups, counts, models, flops, opts["asymmetric"], lean)
-        if all(any(c["peak"][p] <= capacity for c in candidates) for p in range(len(groups))):
-            break
-    chosen = choose_per_pipeline(candidates, capacity)
-    pipes = [candidates[k]["pipelines"][p] for p, k in enumerate(chosen)]
-    if len(set(chosen)) == 1:
-        predicted = candidates[chosen[0]]["step_time_s"]
-    else:
-        from lengthwise.sim import simulate_plan
-
-        predicted = simulate_plan(bare_plan(request, pipes), request.cost).step_time_s
-    table = [{"micropacks": c["count"], "lean": c["lean"], "step_time_s": c["step_time_s"], "fits": c["fits"],
-              "peak_memory_gib": max(c["peak"]) / GIB} for c in candidates]
-    return pipes, {"sweep": table, "predicted_step_time_s": predicted}
-
-
-def schedule_variants(opts: dict) -> list[bool]:
-    """`lean` flags to try in order: steady first under "auto" (lean only matters when asymmetric)."""
-    if not opts["asymmetric"]:
-        return [False]
-    return {"auto": [False, True], "steady": [False], "lean": [True]}[opts["schedule"]]
