@@ -127,15 +127,17 @@ class _Setup:
         self.config = config
         self.planner = get_planner(config.planner)  # an unknown name fails before any work
         self.device = resolve_device(config.device)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
         self.spec = model_preset(config.model)
         self.scheme = ParallelScheme(dp=config.dp, pp=config.pp)
         self.scheme.validate(self.spec)
+        self.model = load_model(config.model, self.spec, dtype=getattr(torch, config.dtype),
+                                device=self.device, seed=config.seed)
         self.source = corpus_source(config.data, config.tokenizer, config.context_length,
                                     config.overlong, text_field=config.text_field)
         _check_vocab(self.source, self.spec)
         self.sampler = GlobalBatchSampler(self.source, seed=config.seed, **config.sampler_size)
-        self.model = load_model(config.model, self.spec, dtype=getattr(torch, config.dtype),
-                                device=self.device, seed=config.seed)
         self.optimizer = make_optimizer(self.model, config)
 
     def prepare(self, batch: GlobalBatch, sampler_state: dict) -> _Prepared:

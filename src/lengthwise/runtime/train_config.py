@@ -31,13 +31,14 @@ from lengthwise.errors import UserError
 
 DTYPES = ("float32", "float64", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-DEFAULT_BATCH_SIZE = 8
+DEFAULT_BATCH_SIZE = 16
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """One training run. Defaults train the tiny model on the stdlib corpus for about a minute
-    on 2 CPU cores."""
+    """One training run. Defaults train the tiny model on the stdlib corpus: 30 steps of 16
+    sequences of at most 512 tokens (about 240K tokens; 44 s of one CPU core measured), the
+    loss falling from 5.6 (ln 260) to about 3.3."""
 
     model: str = "tiny"
     """Model preset name, a Hugging Face config.json (random init), or a directory holding
@@ -65,10 +66,10 @@ class TrainConfig:
     cluster: str = "cpu"
     """Cluster preset the planners size chunks for (memory per GPU)."""
     batch_size: int | None = None
-    """Sequences per global batch; None with no tokens_per_batch means 8."""
+    """Sequences per global batch; None with no tokens_per_batch means 16."""
     tokens_per_batch: int | None = None
     """Token budget per global batch instead of a sequence count (Hydraulis §8)."""
-    steps: int = 20
+    steps: int = 30
     """Total optimizer steps of the run (a resumed run stops at the same total)."""
     lr: float = 3e-3
     """AdamW learning rate (constant)."""
@@ -82,6 +83,9 @@ class TrainConfig:
     """auto (CUDA when available), cpu or cuda."""
     backend: str = "auto"
     """Attention backend: auto, reference or varlen."""
+    threads: int | None = None
+    """CPU threads for torch (torch.set_num_threads); None: torch's default. On a shared
+    machine 1 is often faster than oversubscribed cores."""
     metrics: str | None = None
     """JSONL file to append one line per step to; None: none."""
     out: str | None = None
@@ -96,7 +100,7 @@ class TrainConfig:
     def validate(self) -> None:
         """UserError naming the first field out of range."""
         _positive(self, "context_length", "steps", "dp", "pp", "batch_size", "tokens_per_batch",
-                  "save_every")
+                  "save_every", "threads")
         if self.batch_size is not None and self.tokens_per_batch is not None:
             raise UserError(f"give batch_size ({self.batch_size}) or tokens_per_batch "
                             f"({self.tokens_per_batch}), not both")

@@ -1,0 +1,150 @@
+"""Train a model on real documents, each global batch planned by a planner.
+
+    lengthwise train                                   # tiny model, stdlib corpus, ~1 min on 2 CPU cores
+    lengthwise train --steps 200 --metrics m.jsonl --out ckpt --save-every 50
+    lengthwise train --out ckpt --steps 400            # resumes from the latest checkpoint in ckpt
+    lengthwise train --planner packing --batch-size 16 --context-length 1024
+    lengthwise train --config run.toml --lr 1e-3       # flags override the file
+    lengthwise train --model ckpt/step-000200 --data docs.jsonl --tokenizer tok/ --device cuda
+
+The model is a preset (--model tiny, the default), a Hugging Face config.json (random weights,
+seeded by --seed), or a directory with config.json and model.safetensors (weights loaded by
+their Hugging Face names; every checkpoint directory is one). Documents come from --data
+(default stdlib: Python's own sources, byte tokens, no download), cut to --context-length
+(default 512) tokens. Every global batch (--batch-size sequences, default 16, or
+--tokens-per-batch) is planned by --planner (default chunkflow) in a background thread while
+the previous step runs, then executed exactly as planned, with AdamW, gradient clipping and a
+progress bar showing loss and tokens/s. --metrics appends a JSON line per step; --out writes a
+checkpoint (HF weights, optimizer, sampler position, RNG states) every --save-every steps and
+after the last, and a later run with the same --out resumes from the latest, bit-exactly.
+
+A TOML --config takes the same settings by their long names with underscores (batch_size,
+tokens_per_batch, ...) and planner options as a table:
+
+    steps = 100
+    planner = "chunkflow"
+    [options]
+    chunk_size = 128
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lengthwise.commands.common import add_workload_args
+from lengthwise.commands.plan import parse_option
+from lengthwise.errors import UserError
+from lengthwise.runtime.train_config import DEVICES, DTYPES, TrainConfig, load_toml, merge
+
+_WORKLOAD_HELP = {
+    "context_length": "longest sequence trained on, tokens (default 512)",
+    "overlong": "documents over the context length: truncate (default), drop or error",
+    "data": "documents: 'stdlib' (default; Python's own sources, no download), a .jsonl or "
+            ".parquet file, or a folder of .txt/.md/.py files",
+}
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    parser.add_argument("--config", metavar="FILE.toml", help="settings file (flags override it)")
+    parser.add_argument("--model", metavar="PRESET|DIR|config.json",
+                        help=f"model preset, HF config.json, or HF directory with weights (default {d.model})")
+    parser.add_argument("--planner", metavar="NAME", help=f"planner for every batch (default {d.planner})")
+    parser.add_argument("--chunk-size", metavar="TOKENS", type=int, help="planner option chunk_size")
+    parser.add_argument("--k", metavar="K", type=int, help="planner option k (ChunkFlow)")
+    parser.add_argument("--option", metavar="KEY=VALUE", action="append", default=[],
+                        help="other planner option, repeatable")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--batch-size", metavar="N", type=int, help="sequences per global batch (default 16)")
+    size.add_argument("--tokens-per-batch", metavar="T", type=int, help="token budget per global batch")
+    _add_numbers(parser, d)
+    _add_runtime(parser, d)
+    _add_outputs(parser)
+    add_workload_args(parser)
+    for action in parser._actions:  # the shared workload flags, with this command's defaults
+        if action.dest in _WORKLOAD_HELP:
+            action.help = _WORKLOAD_HELP[action.dest]
+    parser.set_defaults(text_field=None, overlong=None, seed=None)  # None: not given
+
+
+def _add_numbers(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
+    parser.add_argument("--steps", metavar="N", type=int, help=f"total optimizer steps (default {d.steps})")
+    parser.add_argument("--lr", metavar="LR", type=float, help=f"AdamW learning rate (default {d.lr:g})")
+    parser.add_argument("--weight-decay", metavar="WD", type=float,
+                        help=f"AdamW weight decay on matrices (default {d.weight_decay:g})")
+    parser.add_argument("--grad-clip", metavar="NORM", type=float,
+                        help=f"clip the gradient 2-norm to this; 0 = off (default {d.grad_clip:g})")
+
+
+def _add_runtime(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
+    parser.add_argument("--dtype", choices=DTYPES, help=f"parameter dtype (default {d.dtype})")
+    parser.add_argument("--device", choices=DEVICES, help="auto: cuda when available (default)")
+    parser.add_argument("--backend", choices=("auto", "reference", "varlen"),
+                        help="attention backend (default auto: varlen on CUDA in 16 bits)")
+    parser.add_argument("--dp", metavar="D", type=int, help="data-parallel pipelines in the plan (default 1)")
+    parser.add_argument("--pp", metavar="P", type=int, help="pipeline stages in the plan (default 1)")
+    parser.add_argument("--cluster", metavar="PRESET", help="cluster the planner sizes for (default cpu)")
+    parser.add_argument("--threads", metavar="N", type=int,
+                        help="CPU threads for torch (default: torch's choice)")
+
+
+def _add_outputs(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON line per step")
+    parser.add_argument("--out", metavar="DIR", help="checkpoint directory (auto-resumes from its latest)")
+    parser.add_argument("--save-every", metavar="N", type=int, help="checkpoint every N steps (and after the last)")
+    parser.add_argument("--resume", metavar="DIR", help="resume from this checkpoint directory")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", default=None,
+                        help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then the TOML file, then the flags given."""
+    if args.profile is not None or args.lengths is not None:
+        raise UserError("training needs documents: use --data PATH (or the default stdlib), "
+                        "not --profile/--lengths")
+    config = load_toml(args.config) if args.config else TrainConfig()
+    flags = {name: getattr(args, name) for name in (
+        "model", "planner", "batch_size", "tokens_per_batch", "steps", "lr", "weight_decay",
+        "grad_clip", "dtype", "device", "backend", "threads", "dp", "pp", "cluster", "metrics", "out",
+        "save_every", "resume", "progress", "data", "tokenizer", "text_field", "context_length",
+        "overlong", "seed")}
+    flags["options"] = planner_options(args) or None
+    config = merge(config, flags)
+    config.validate()
+    return config
+
+
+def planner_options(args: argparse.Namespace) -> dict:
+    options = dict(parse_option(text) for text in args.option)
+    for name in ("chunk_size", "k"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    return options
+
+
+def run(args: argparse.Namespace) -> int:
+    from lengthwise.runtime.train import train
+
+    config = config_from_args(args)
+    result = train(config)
+    print(summary(config, result))
+    return 0
+
+
+def summary(config: TrainConfig, result) -> str:
+    records = result.records
+    if not records:
+        return f"train: already at step {result.start_step} of {config.steps} ({result.resumed_from}); nothing to do"
+    first, last = records[0], records[-1]
+    tokens = sum(r.tokens for r in records)
+    seconds = sum(r.step_s for r in records)
+    lines = [f"train: {config.model} on {config.data}, planner {config.planner}, steps "
+             f"{result.start_step + 1}-{last.step} of {config.steps}"
+             + (f" (resumed from {result.resumed_from})" if result.resumed_from else ""),
+             f"  loss {first.loss:.4f} -> {last.loss:.4f}; {tokens:,} tokens in {seconds:.1f} s "
+             f"({tokens / seconds:,.0f} tokens/s); longest plan {max(r.planning_ms for r in records):.1f} ms"]
+    if result.checkpoint is not None:
+        lines.append(f"  checkpoint {result.checkpoint}")
+    if config.metrics:
+        lines.append(f"  metrics appended to {config.metrics}")
+    return "\n".join(lines)
