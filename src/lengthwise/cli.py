@@ -22,6 +22,7 @@ COMMANDS = {
     "simulate": "simulate one step of a plan (or raw chunk times): timeline, bubbles, memory",
     "verify": "execute a plan in PyTorch and compare loss and gradients with unpacked training",
     "profile": "measure this device's chunk times and memory and fit a cost profile (--profile-file)",
+    "train": "train a model on documents, each global batch planned (AdamW, checkpoints, resume)",
 }
 
 
