@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import statistics
 import sys
@@ -41,10 +42,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from bench_common import (RESULTS, Device, acquire_profile, allocated, empty_cache, is_oom, random_token_ids,
-                          sample_batches, slug, timed, write_results)
+from bench_common import (
+    RESULTS,
+    Device,
+    acquire_profile,
+    allocated,
+    empty_cache,
+    is_oom,
+    random_token_ids,
+    sample_batches,
+    slug,
+    timed,
+    write_results,
+)
 from hf_baselines import build_hf, hf_packed_step, hf_padded_step, packed_rows
+
 from lengthwise.cost import CostModel
 from lengthwise.cost.flops import sequence_model_flops
 from lengthwise.errors import UserError
@@ -214,7 +226,7 @@ def _measure(runner: Runner, batches, dev: Device, s: Settings, spec) -> dict:
         plan = runner.prepare(lengths)
         token_ids = random_token_ids(lengths, spec.vocab, s.seed + i)
         with PeakMemory(runner.model) as peak:
-            seconds, loss = timed(lambda: runner.step(lengths, plan, token_ids), dev)
+            seconds, loss = timed(functools.partial(runner.step, lengths, plan, token_ids), dev)
         losses.append(loss)
         if i >= s.warmup:
             times.append(seconds)
@@ -320,8 +332,8 @@ def _row_line(model: str, r: dict) -> str:
     head = f"{model:<14}{r['context']:>8}  {r['system']:<10}"
     if "error" in r:
         return head + f"  {r['error'][:90]}"
-    return (head + f"{r['tokens_per_s']:>12,.0f} tok/s  MFU {r['mfu']:6.1%}  peak {r['peak_memory_bytes'] / 2**30:7.2f} GiB"
-            f"  step {r['step_time_s']:.3f} s  loss {r['first_loss']:.4f}")
+    return (head + f"{r['tokens_per_s']:>12,.0f} tok/s  MFU {r['mfu']:6.1%}  "
+            f"peak {r['peak_memory_bytes'] / 2**30:7.2f} GiB  step {r['step_time_s']:.3f} s  loss {r['first_loss']:.4f}")
 
 
 def main(argv: list[str] | None = None) -> int:

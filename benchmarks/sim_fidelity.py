@@ -1,9 +1,9 @@
 """Simulator fidelity: predicted against measured step time and peak memory, global batch by batch.
 
-    python benchmarks/sim_fidelity.py                                       # qwen2.5-0.5b, 32K, chunkflow, 8 batches (GPU)
+    python benchmarks/sim_fidelity.py                              # qwen2.5-0.5b, 32K, chunkflow, 8 batches (GPU)
     python benchmarks/sim_fidelity.py --model qwen2.5-1.5b --context 131072 --profile-file p15.json
     python benchmarks/sim_fidelity.py --planner packing --batches 16
-    python benchmarks/sim_fidelity.py --tiny --out /tmp/fidelity.json        # CPU, tiny model, seconds
+    python benchmarks/sim_fidelity.py --tiny --out /tmp/fidelity.json   # CPU, tiny model, seconds
 
 For each of N global batches (chunkflow-eval lengths, truncated to the context): plan it with the
 planner and a cost model holding this device's measured profile (measured first unless
@@ -28,8 +28,19 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench_common import (RESULTS, Device, acquire_profile, allocated, mape, random_token_ids, sample_batches, slug,
-                          timed, write_results)
+from bench_common import (
+    RESULTS,
+    Device,
+    acquire_profile,
+    allocated,
+    mape,
+    random_token_ids,
+    sample_batches,
+    slug,
+    timed,
+    write_results,
+)
+
 from lengthwise.cost import CostModel
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.execute import run_step
@@ -95,8 +106,9 @@ def measured(model, plan, token_ids, dev: Device, repeats: int) -> tuple[float, 
 
 def batch_row(plan, pred, meas) -> dict:
     (p_step, p_peak), (m_step, m_peak, kind) = pred, meas
+    chosen = {k: plan.metrics[k] for k in ("chunk_size", "k") if k in plan.metrics}
     return {"sequences": len(plan.lengths), "tokens": sum(plan.lengths), "longest": max(plan.lengths),
-            "chunks": len(plan.pipelines[0].chunks), **{k: plan.metrics[k] for k in ("chunk_size", "k") if k in plan.metrics},
+            "chunks": len(plan.pipelines[0].chunks), **chosen,
             "predicted_step_s": p_step, "measured_step_s": m_step, "step_error": abs(p_step - m_step) / m_step,
             "predicted_peak_bytes": p_peak, "measured_peak_bytes": m_peak, "memory_kind": kind,
             "memory_error": abs(p_peak - m_peak) / m_peak if m_peak > 0 else None}
@@ -124,10 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             measured(model, plan, token_ids, dev, 1)
         rows.append(batch_row(plan, predicted(plan, cost, spec), measured(model, plan, token_ids, dev, args.repeats)))
         r = rows[-1]
-        print(f"batch {i}: step {r['predicted_step_s']:.4f} s predicted, {r['measured_step_s']:.4f} s measured; "
-              f"peak {r['predicted_peak_bytes'] / 2**30:.3f} / {r['measured_peak_bytes'] / 2**30:.3f} GiB", file=sys.stderr)
-    summary = {"step_time_mape": mape([r["predicted_step_s"] for r in rows], [r["measured_step_s"] for r in rows]),
-               "peak_memory_mape": mape([r["predicted_peak_bytes"] for r in rows], [r["measured_peak_bytes"] for r in rows])}
+        print(f"batch {i}: step {r['predicted_step_s']:.4f} s predicted, {r['measured_step_s']:.4f} s measured; peak "
+              f"{r['predicted_peak_bytes'] / 2**30:.3f} / {r['measured_peak_bytes'] / 2**30:.3f} GiB", file=sys.stderr)
+    column = lambda key: [r[key] for r in rows]  # noqa: E731
+    summary = {"step_time_mape": mape(column("predicted_step_s"), column("measured_step_s")),
+               "peak_memory_mape": mape(column("predicted_peak_bytes"), column("measured_peak_bytes"))}
     results = {"format": "lengthwise.sim_fidelity/1", **dev.describe(), "seed": args.seed, "model": spec.name,
                "context": args.context, "planner": args.planner, "chunk_size": args.chunk_size,
                "workload": args.workload, "batch_size": args.batch_size, "repeats": args.repeats,
@@ -136,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                "targets": [{"check": k, "value": summary[k], "target": f"< {t}", "met": summary[k] < t}
                            for k, t in TARGETS.items()]}
     write_results(out, results, __file__, argv)
-    print(f"step time MAPE {summary['step_time_mape']:.1%}, peak memory MAPE {summary['peak_memory_mape']:.1%}; wrote {out}")
+    print(f"step time MAPE {summary['step_time_mape']:.1%}, "
+          f"peak memory MAPE {summary['peak_memory_mape']:.1%}; wrote {out}")
     return 0
 
 

@@ -15,8 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lengthwise.cli import main as cli_main  # noqa: E402
-from lengthwise.runtime.profile import check_backend  # noqa: E402
+from lengthwise.cli import main as cli_main
+from lengthwise.runtime.profile import check_backend
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 

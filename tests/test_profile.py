@@ -17,7 +17,6 @@ from lengthwise.cost import CostModel, Profile, SchemeFit
 from lengthwise.cost.fit import Timing, fit_time, head_token_counts, measure_profile, predict, profile_chunks
 from lengthwise.cost.flops import chunk_work
 from lengthwise.plan.ir import Chunk, StepPlan, write_atomic
-from lengthwise.sim import simulate_plan
 from lengthwise.specs import MODEL_PRESETS, cluster_preset
 
 FWD, BWD = (3e-12, 4e-8, 5e-5), (7e-12, 9e-8, 8e-5)

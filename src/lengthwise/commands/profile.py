@@ -44,7 +44,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-max-tokens", metavar="T", type=int,
                         help="largest LM-head measurement (default min(--max-tokens, 16384): its float32 "
                              "logits take 4 x vocab bytes per token)")
-    parser.add_argument("--repeats", metavar="R", type=int, default=3, help="timed runs per chunk, median kept (default 3)")
+    parser.add_argument("--repeats", metavar="R", type=int, default=3,
+                        help="timed runs per chunk, median kept (default 3)")
     parser.add_argument("--warmup", metavar="W", type=int, default=1, help="untimed runs first (default 1)")
     parser.add_argument("--holdout", metavar="FRAC", type=float, default=0.25,
                         help="share of chunks held out of the fit to measure its error (default 0.25)")
@@ -116,8 +117,8 @@ def summary(fitted, out: str) -> str:
     p, e = fitted.profile, fitted.errors
     fit = p.schemes["tp1-cp1"]
     m = p.meta
-    lines = [f"profile of {p.model} on {p.device} ({m.get('dtype')}, {m.get('backend')} attention, "
-             f"layers measured: {m.get('measured_layers')}, chunks: {len(fitted.samples)})"]
+    lines = [(f"profile of {p.model} on {p.device} ({m.get('dtype')}, {m.get('backend')} attention, "
+              f"layers measured: {m.get('measured_layers')}, chunks: {len(fitted.samples)})")]
     for name, (a, b, c) in (("forward", fit.fwd), ("backward", fit.bwd)):
         err = e["fwd" if name == "forward" else "bwd"]
         lines.append(f"  {name:<8} per layer: {a:.4g} s/key + {b:.4g} s/token + {c:.4g} s   "

@@ -195,7 +195,7 @@ def _sample(measurer: Measurer, chunk: Chunk, progress) -> Sample:
 def _mark_held_out(samples: list[Sample], holdout: float, seed: int) -> None:
     """A seeded `holdout` share of the samples (at least one when holdout > 0 and there are
     enough left to fit three coefficients)."""
-    count = int(round(holdout * len(samples)))
+    count = round(holdout * len(samples))
     if holdout > 0:
         count = max(count, 1)
     count = min(count, max(len(samples) - 3, 0))

@@ -143,34 +143,36 @@ class TorchMeasurer:
 
     def time_chunk(self, chunk: Chunk) -> Timing:
         inputs = self._inputs(chunk)
-        fwd, bwd, held = [], [], None
-        for run in range(self.warmup + self.repeats):
-            with HeldBytes(self.device, exclude=self.model.parameters()) as meter:
-                h_TD = self._randn(chunk.num_tokens, self.spec.hidden, grad=True)
-                t_f, out_TD = elapsed(lambda: self._forward(inputs, h_TD), self.device)
-            grad_TD = self._randn(*out_TD.shape, scale=1e-2)
-            t_b, _ = elapsed(lambda: out_TD.backward(grad_TD), self.device)
-            for leaf in inputs.leaves:
-                leaf.grad = None
-            if run >= self.warmup:
-                fwd.append(t_f)
-                bwd.append(t_b)
-            held = meter.bytes
-        return Timing(fwd_s=statistics.median(fwd), bwd_s=statistics.median(bwd), activation_bytes=held)
+        return self._median([self._chunk_run(chunk, inputs) for _ in range(self.warmup + self.repeats)])
+
+    def _chunk_run(self, chunk: Chunk, inputs: _ChunkInputs) -> Timing:
+        """One forward and backward; the tensors it made are gone when it returns, so the next
+        run's memory window starts from the same allocation."""
+        with HeldBytes(self.device, exclude=self.model.parameters()) as held:
+            h_TD = self._randn(chunk.num_tokens, self.spec.hidden, grad=True)
+            t_f, out_TD = elapsed(lambda: self._forward(inputs, h_TD), self.device)
+        grad_TD = self._randn(*out_TD.shape, scale=1e-2)
+        t_b, _ = elapsed(lambda: out_TD.backward(grad_TD), self.device)
+        for leaf in inputs.leaves:
+            leaf.grad = None
+        return Timing(fwd_s=t_f, bwd_s=t_b, activation_bytes=held.bytes)
 
     def time_head(self, tokens: int) -> Timing:
         labels = torch.randint(0, self.spec.vocab, (tokens,), generator=self.gen, device=self.device)
-        fwd, bwd, held = [], [], None
-        for run in range(self.warmup + self.repeats):
-            with HeldBytes(self.device, exclude=self.model.parameters()) as meter:
-                h_TD = self._randn(tokens, self.spec.hidden, grad=True)
-                t_f, loss = elapsed(lambda: token_loss_sum(self.model.head_logits(h_TD), labels), self.device)
-            t_b, _ = elapsed(loss.backward, self.device)
-            if run >= self.warmup:
-                fwd.append(t_f)
-                bwd.append(t_b)
-            held = meter.bytes
-        return Timing(fwd_s=statistics.median(fwd), bwd_s=statistics.median(bwd), activation_bytes=held)
+        return self._median([self._head_run(labels) for _ in range(self.warmup + self.repeats)])
+
+    def _head_run(self, labels: torch.Tensor) -> Timing:
+        with HeldBytes(self.device, exclude=self.model.parameters()) as held:
+            h_TD = self._randn(labels.numel(), self.spec.hidden, grad=True)
+            t_f, loss = elapsed(lambda: token_loss_sum(self.model.head_logits(h_TD), labels), self.device)
+        t_b, _ = elapsed(loss.backward, self.device)
+        return Timing(fwd_s=t_f, bwd_s=t_b, activation_bytes=held.bytes)
+
+    def _median(self, runs: list[Timing]) -> Timing:
+        """Median times of the runs after the warm-up; the memory of the last run."""
+        timed = runs[self.warmup:]
+        return Timing(fwd_s=statistics.median(r.fwd_s for r in timed), bwd_s=statistics.median(r.bwd_s for r in timed),
+                      activation_bytes=runs[-1].activation_bytes)
 
     @torch.no_grad()
     def kv_bytes_per_token_layer(self) -> float:
@@ -227,7 +229,7 @@ def check_backend(backend: str = "varlen", *, device="cuda", dtype=torch.bfloat1
     q_lens = sum(layout.q_lens)
     tensors = {"q": rand(q_lens, heads, head_dim), "k": rand(q_lens, kv_heads, head_dim),
                "v": rand(q_lens, kv_heads, head_dim),
-               "ctx": [rand(256, kv_heads, head_dim) for _ in range(4)] + [rand(64, kv_heads, head_dim) for _ in range(2)]}
+               "ctx": [rand(n, kv_heads, head_dim) for n in (256, 256, 256, 256, 64, 64)]}
     grad_out = rand(q_lens, heads, head_dim)
     truth = _attention_and_grads("reference", torch.float64, tensors, layout, grad_out)
     tested = _attention_and_grads(backend, dtype, tensors, layout, grad_out)
