@@ -166,4 +166,4 @@ def test_desynchronised_sampler_is_caught_by_plan_hash(four_ranks):
 def test_receive_that_never_comes_names_stage_and_action(four_ranks):
     message = four_ranks["silent-downstream"]
     assert message.startswith("pipeline 0 stage 0 action 1 (B0): ")
-    assert "waited more than 2 s for the gradient of B0 from stage 1 (rank 1" in message
+    assert "(time-out 2 s) waiting for the gradient of B0 from stage 1 (rank 1" in message

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import io
+import json
 import os
 import signal
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ def plan_batch(config: LoopConfig, lengths: list[int]) -> StepPlan:
 
 
 def train(config: LoopConfig, mesh: Mesh) -> None:
+    config.out.mkdir(parents=True, exist_ok=True)
     sampler = GlobalBatchSampler(profile_source(config.profile, config.context_length, "truncate"),
                                  seed=config.seed, batch_size=config.batch_size)
     first = plan_batch(config, copy.deepcopy(sampler).next_batch().lengths)
@@ -99,17 +101,48 @@ def train(config: LoopConfig, mesh: Mesh) -> None:
         extras = load_checkpoint(path, model=model, optimizer=optimizer, held=held)
         sampler.load_state_dict(extras["sampler"])
         start = extras["step"]
+        _log(config, mesh, {"resumed_from": str(path.name), "step": start})
     for step in range(start, config.steps):
         batch = sampler.next_batch()
         plan = plan_batch(config, batch.lengths)
         tokens = random_tokens(plan.lengths, plan.model.vocab, config.seed + 1 + batch.index)
         optimizer.zero_grad(set_to_none=True)
-        run_rank_step(model, plan, tokens, mesh=mesh, after_action=_fault(config, step, mesh.rank))
+        result = run_rank_step(model, plan, tokens, mesh=mesh, after_action=_fault(config, step, mesh.rank))
         optimizer.step()
+        _log(config, mesh, {"step": step, "loss": result.loss})
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
             save_checkpoint(config.out, step=step + 1, model=model, optimizer=optimizer, held=held,
                             extras={"sampler": sampler.state_dict()})
     _save_final(config.out / "final.pt", model, first, layout)
+
+
+def train_single_process(config: LoopConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The same run on one process with `run_step` (no checkpoints): final weights and losses,
+    to check a distributed run against (equal up to the order of floating-point sums)."""
+    from lengthwise.runtime.execute import run_step
+
+    sampler = GlobalBatchSampler(profile_source(config.profile, config.context_length, "truncate"),
+                                 seed=config.seed, batch_size=config.batch_size)
+    model = optimizer = None
+    losses = []
+    for _ in range(config.steps):
+        batch = sampler.next_batch()
+        plan = plan_batch(config, batch.lengths)
+        if model is None:
+            model = build_model(plan.model, dtype=torch.float64, seed=config.seed)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+        optimizer.zero_grad(set_to_none=True)
+        tokens = random_tokens(plan.lengths, plan.model.vocab, config.seed + 1 + batch.index)
+        losses.append(float(run_step(model, plan, tokens)))
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+def _log(config: LoopConfig, mesh: Mesh, record: dict) -> None:
+    """One JSON line in OUT/log.jsonl, from rank 0."""
+    if mesh.rank == 0:
+        with open(config.out / "log.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def _fault(config: LoopConfig, step: int, rank: int):

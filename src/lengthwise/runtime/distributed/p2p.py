@@ -16,6 +16,7 @@ messages of different chunks in any order and the receiver still takes the right
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -58,13 +59,15 @@ class DistributedTransport:
         buffer = torch.empty(shape, dtype=dtype, device=device)
         src = self._peer(message, message.src)
         work = dist.irecv(buffer, src, tag=message_tag(message))
+        started = time.perf_counter()
         try:
             work.wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
+            waited = time.perf_counter() - started
             raise ReceiveTimeout(
-                f"stage {message.dst} waited more than {self.timeout_s:g} s for the {message} "
-                f"(rank {src}, {tuple(shape)} {str(dtype).removeprefix('torch.')}); that rank "
-                f"failed, is slower than the time-out, or runs a different plan ({_first_line(exc)})"
+                f"stage {message.dst} gave up after {waited:.1f} s (time-out {self.timeout_s:g} s) waiting "
+                f"for the {message} (rank {src}, {tuple(shape)} {str(dtype).removeprefix('torch.')}): that "
+                f"rank failed, is slower than the time-out, or runs a different plan ({_first_line(exc)})"
             ) from None
         return buffer
 
