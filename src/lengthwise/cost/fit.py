@@ -19,7 +19,10 @@ A seeded quarter of the chunks is held out; the coefficients written are fitted 
 
 Memory: activation bytes per token per layer is the slope of bytes held after a forward against
 tokens, over the chunks without context (a slice's context K/V belongs to the K/V state, which
-`kv_bytes_per_token_layer` measures).
+`kv_bytes_per_token_layer` measures). The LM head's held and peak bytes per token (the peak
+includes the loss's float32 logits, about 10 x vocab bytes per token at once) go to the meta as
+`head_activation_bytes_per_token` and `head_peak_bytes_per_token`: Profile has no field for them
+yet, and the cost model's analytic head term, 2 x (vocab + hidden) bytes, is below both.
 
 No PyTorch here: a `Measurer` (runtime/profile.py on a real device, a fake in tests) does the
 timing; this module plans and fits.
@@ -55,6 +58,8 @@ class Timing:
     """Backward seconds, all measured layers together."""
     activation_bytes: float | None = None
     """Bytes held from the forward to the backward (None when not measured)."""
+    peak_bytes: float | None = None
+    """Highest bytes above the start during forward and backward, transients included."""
 
 
 class Measurer(Protocol):
@@ -89,6 +94,9 @@ class Sample:
     bwd_s: float
     activation_bytes: float | None
     """Bytes held per layer."""
+    peak_bytes: float | None
+    """Highest bytes above the start during forward and backward, all measured layers (the
+    profile has no field for it; recorded for the simulator's transient terms)."""
     held_out: bool = False
 
 
@@ -172,7 +180,8 @@ def measure_profile(measurer: Measurer, chunks: list[Chunk], head_tokens: list[i
     fit = SchemeFit(fwd=fwd, bwd=bwd, head_fwd=head_fwd, head_bwd=head_bwd)
     meta = {**measurer.describe(), "measured_layers": measurer.layers, "holdout": holdout, "seed": seed,
             "held_out_error": {k: asdict(v) for k, v in errors.items()},
-            "head_activation_bytes_per_token": _head_bytes_per_token(heads),
+            "head_activation_bytes_per_token": _head_slope(heads, "activation_bytes"),
+            "head_peak_bytes_per_token": _head_slope(heads, "peak_bytes"),
             "samples": [asdict(s) for s in samples],
             "head_samples": [{"tokens": n, **asdict(t)} for n, t in heads]}
     profile = Profile(device=meta.get("device", "unknown"), model=model_name,
@@ -189,7 +198,8 @@ def _sample(measurer: Measurer, chunk: Chunk, progress) -> Sample:
     held = None if timing.activation_bytes is None else timing.activation_bytes / layers
     return Sample(chunk=str(chunk), tokens=work.tokens, keys=work.keys,
                   context_free=all(s.start == 0 for s in chunk.segments),
-                  fwd_s=timing.fwd_s / layers, bwd_s=timing.bwd_s / layers, activation_bytes=held)
+                  fwd_s=timing.fwd_s / layers, bwd_s=timing.bwd_s / layers, activation_bytes=held,
+                  peak_bytes=timing.peak_bytes)
 
 
 def _mark_held_out(samples: list[Sample], holdout: float, seed: int) -> None:
@@ -259,8 +269,9 @@ def activation_slope(samples: list[Sample]) -> float | None:
     return max(float(slope), 0.0)
 
 
-def _head_bytes_per_token(heads: list[tuple[int, Timing]]) -> float | None:
-    pts = [(n, t.activation_bytes) for n, t in heads if t.activation_bytes is not None]
+def _head_slope(heads: list[tuple[int, Timing]], field: str) -> float | None:
+    """Bytes per token of the LM head's `field` (held, or peak with the loss's transients)."""
+    pts = [(n, getattr(t, field)) for n, t in heads if getattr(t, field) is not None]
     if len({n for n, _ in pts}) < 2:
         return None
     slope, _ = np.polyfit([n for n, _ in pts], [b for _, b in pts], 1)

@@ -67,7 +67,9 @@ def elapsed(fn, device):
 
 class HeldBytes:
     """Bytes that stay allocated across a `with` block: the CUDA allocator's count on CUDA, the
-    saved-tensor meter's elsewhere (CPU allocations are not counted by torch)."""
+    saved-tensor meter's elsewhere (CPU allocations are not counted by torch). `peak_bytes()`
+    is the highest allocation above the start since entering (transients included), asked
+    later, e.g. after the backward."""
 
     def __init__(self, device, exclude=()):
         self.cuda = torch.device(device).type == "cuda"
@@ -76,6 +78,7 @@ class HeldBytes:
     def __enter__(self) -> HeldBytes:
         if self.cuda:
             synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
             self._meter = SavedTensorMeter(exclude=self.exclude).__enter__()
@@ -88,6 +91,12 @@ class HeldBytes:
         else:
             self._meter.__exit__(*exc)
             self.bytes = float(self._meter.current_bytes)
+
+    def peak_bytes(self) -> float:
+        if self.cuda:
+            synchronize(self.device)
+            return float(torch.cuda.max_memory_allocated(self.device) - self._base)
+        return float(self._meter.peak_bytes)
 
 
 @dataclass(kw_only=True)
@@ -155,7 +164,7 @@ class TorchMeasurer:
         t_b, _ = elapsed(lambda: out_TD.backward(grad_TD), self.device)
         for leaf in inputs.leaves:
             leaf.grad = None
-        return Timing(fwd_s=t_f, bwd_s=t_b, activation_bytes=held.bytes)
+        return Timing(fwd_s=t_f, bwd_s=t_b, activation_bytes=held.bytes, peak_bytes=held.peak_bytes())
 
     def time_head(self, tokens: int) -> Timing:
         labels = torch.randint(0, self.spec.vocab, (tokens,), generator=self.gen, device=self.device)
@@ -166,13 +175,13 @@ class TorchMeasurer:
             h_TD = self._randn(labels.numel(), self.spec.hidden, grad=True)
             t_f, loss = elapsed(lambda: token_loss_sum(self.model.head_logits(h_TD), labels), self.device)
         t_b, _ = elapsed(loss.backward, self.device)
-        return Timing(fwd_s=t_f, bwd_s=t_b, activation_bytes=held.bytes)
+        return Timing(fwd_s=t_f, bwd_s=t_b, activation_bytes=held.bytes, peak_bytes=held.peak_bytes())
 
     def _median(self, runs: list[Timing]) -> Timing:
-        """Median times of the runs after the warm-up; the memory of the last run."""
+        """Median times of the runs after the warm-up; the memory figures of the last run."""
         timed = runs[self.warmup:]
         return Timing(fwd_s=statistics.median(r.fwd_s for r in timed), bwd_s=statistics.median(r.bwd_s for r in timed),
-                      activation_bytes=runs[-1].activation_bytes)
+                      activation_bytes=runs[-1].activation_bytes, peak_bytes=runs[-1].peak_bytes)
 
     @torch.no_grad()
     def kv_bytes_per_token_layer(self) -> float:
