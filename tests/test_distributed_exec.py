@@ -6,7 +6,8 @@ on CPU: about 5 s per process under load), rank 0 compares each with `run_step` 
 Scenarios: DP=2 x PP=2 and PP=4 with chunkflow's state-aware 1F1B (K=1, split sequences),
 DP=2 x CP=2 with a Skrull plan (sharded and local sequences in one chunk, lengths not divisible
 by 2c, a sharded sequence shorter than 2c), DP=2 x CP=2 with chunkflow (split sequences
-sharded over CP, K/V state handed across slices), and a desynchronised sampler.
+sharded over CP, K/V state handed across slices), PP=2 x CP=2 (Skrull, and a hand plan whose
+CP rank 1 holds no token of some chunks), a desynchronised sampler, and a silent stage.
 """
 
 from __future__ import annotations
@@ -38,12 +39,20 @@ SCENARIOS = {
     "pp4": ("chunkflow", LENGTHS, dict(pp=4), {"chunk_size": 48, "k": 1}),
     "dp2-cp2-skrull": ("skrull", SKRULL_LENGTHS, dict(dp=2, cp=2), {"bucket_size": 100}),
     "dp2-cp2-chunkflow": ("chunkflow", LENGTHS, dict(dp=2, cp=2), {"chunk_size": 48, "k": 1}),
+    "pp2-cp2-skrull": ("skrull", SKRULL_LENGTHS, dict(pp=2, cp=2), {"bucket_size": 80}),
+    "pp2-cp2-empty-rows": ("hand", [13, 5, 4, 3, 1], dict(pp=2, cp=2), {}),
 }
+HAND_PLANS = {"pp2-cp2-empty-rows": [("0[0:13]+1[0:5]@0+2[0:4]@1 3[0:3]@0 4[0:1]", ["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"])]}
+"""Chunk 1 has no token on CP rank 1; chunk 2 is one sharded token (rank 1's pieces are empty)."""
 
 
 def make_plan(name: str, *, lengths=None):
     planner, default_lengths, degrees, options = SCENARIOS[name]
     spec = model_preset("tiny")
+    if planner == "hand":
+        plan = hand_plan(spec, default_lengths, HAND_PLANS[name])
+        plan.pipelines[0].cp = degrees["cp"]
+        return plan
     scheme = ParallelScheme(**degrees)
     cluster = cluster_preset("cpu", scheme.num_gpus)
     request = PlanRequest(lengths=list(lengths or default_lengths), model=spec, cluster=cluster, scheme=scheme,

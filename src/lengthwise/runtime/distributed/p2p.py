@@ -10,6 +10,9 @@ plan, so nothing but the tensor travels) and waits at most `Mesh.timeout_s`; a r
 never comes raises `ReceiveTimeout` naming the stage, the action it serves and the sending rank,
 instead of hanging.
 
+An empty tensor (a CP rank holding no token of a chunk) is not sent: sender and receiver
+both know from the plan that it is empty.
+
 Tags: each message carries tag 4 * chunk + {F: 0, N: 1, B: 2}, so a link may deliver the
 messages of different chunks in any order and the receiver still takes the right one.
 """
@@ -50,6 +53,8 @@ class DistributedTransport:
 
     def send(self, message: Message, tensor: torch.Tensor) -> None:
         payload = tensor.detach().contiguous()
+        if payload.numel() == 0:
+            return  # a CP rank with no token of the chunk: the receiver knows it from the plan
         work = dist.isend(payload, self._peer(message, message.dst), tag=message_tag(message))
         self._sends.append((work, payload, message))
         self.stats.p2p_elements += payload.numel()
@@ -57,6 +62,8 @@ class DistributedTransport:
 
     def recv(self, message: Message, *, shape, dtype, device) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=dtype, device=device)
+        if buffer.numel() == 0:
+            return buffer
         src = self._peer(message, message.src)
         work = dist.irecv(buffer, src, tag=message_tag(message))
         started = time.perf_counter()
@@ -69,6 +76,7 @@ class DistributedTransport:
                 f"for the {message} (rank {src}, {tuple(shape)} {str(dtype).removeprefix('torch.')}): that "
                 f"rank failed, is slower than the time-out, or runs a different plan ({_first_line(exc)})"
             ) from None
+        self.stats.recv_wait_s += time.perf_counter() - started
         return buffer
 
     def finish(self) -> None:

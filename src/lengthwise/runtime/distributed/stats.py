@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 @dataclass(kw_only=True)
 class CommStats:
-    """Elements and calls one rank sent in one step."""
+    """Elements and calls one rank sent in one step (and how long it waited to receive)."""
 
     p2p_elements: int = 0
     """Activation / gradient elements sent to neighbour stages."""
@@ -38,6 +38,9 @@ class CommStats:
     """K/V-gradient elements sent to CP peers in backward reduce-scatters ((c - 1)/c of the buffer)."""
     cp_calls: int = 0
     """CP collectives (all-gather plus reduce-scatter)."""
+    recv_wait_s: float = 0.0
+    """Seconds blocked in point-to-point receives (waiting for a neighbour stage: the bubbles
+    this rank sees)."""
 
     def add(self, other: CommStats) -> CommStats:
         return CommStats(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
