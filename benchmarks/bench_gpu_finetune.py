@@ -221,7 +221,7 @@ def run_system(system: str, spec, dev: Device, s: Settings, profile, context: in
 
 
 def _measure(runner: Runner, batches, dev: Device, s: Settings, spec) -> dict:
-    times, tokens, flops, peaks, losses = [], 0, 0.0, [], []
+    times, tokens, flops, peaks, losses, longest = [], 0, 0.0, [], [], []
     for i, lengths in enumerate(batches):
         plan = runner.prepare(lengths)
         token_ids = random_token_ids(lengths, spec.vocab, s.seed + i)
@@ -233,9 +233,11 @@ def _measure(runner: Runner, batches, dev: Device, s: Settings, spec) -> dict:
             tokens += sum(lengths)
             flops += sum(sequence_model_flops(spec, n) for n in lengths)
             peaks.append(peak.bytes)
+            longest.append(max(lengths))
     total = sum(times)
     return {"tokens_per_s": tokens / total, "mfu": flops / (total * dev.peak_tflops(s.peak_tflops) * 1e12),
             "step_time_s": statistics.fmean(times), "step_times_s": times, "tokens": tokens,
+            "longest_per_step": longest,
             "peak_memory_bytes": max(peaks), "memory_kind": peak.kind, "first_loss": losses[0], "losses": losses,
             "planning_ms_mean": statistics.fmean(runner.plan_ms) if runner.plan_ms else None, **runner.plan_info}
 
@@ -333,7 +335,8 @@ def _row_line(model: str, r: dict) -> str:
     if "error" in r:
         return head + f"  {r['error'][:90]}"
     return (head + f"{r['tokens_per_s']:>12,.0f} tok/s  MFU {r['mfu']:6.1%}  "
-            f"peak {r['peak_memory_bytes'] / 2**30:7.2f} GiB  step {r['step_time_s']:.3f} s  loss {r['first_loss']:.4f}")
+            f"peak {r['peak_memory_bytes'] / 2**30:7.2f} GiB  step {r['step_time_s']:.3f} s  "
+            f"loss {r['first_loss']:.4f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,7 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     profile_files = dict(text.split("=", 1) for text in args.profile_file)
     out = Path(args.out) if args.out else RESULTS / f"gpu_finetune_{'tiny_' if s.tiny else ''}{slug(dev.name)}.json"
     models = {name: bench_model(name, dev, s, profile_files, out.parent) for name in s.models}
-    results = {"format": "lengthwise.bench_gpu_finetune/1", **dev.describe(), "seed": s.seed,
+    import transformers
+
+    results = {"format": "lengthwise.bench_gpu_finetune/1", **dev.describe(),
+               "transformers": transformers.__version__, "seed": s.seed,
                "settings": dataclasses.asdict(s), "models": models, "targets": check_targets(models, s)}
     write_results(out, results, __file__, argv)
     for c in results["targets"]:
