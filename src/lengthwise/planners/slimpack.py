@@ -40,10 +40,10 @@ Steps, each a function here or in a slimpack_* helper:
    may choose a different N"). When DP-Merge merged a compute outlier, the variant that merges
    only memory outliers is swept too and the faster step wins (merging costs CP communication).
 
-Simulated with the analytic cost model (512 github sequences, llama2-7b, 128 H100s): on the
-same dp8-tp4-pp4 scheme 2.75 s a step against packing's 5.51 s (bubbles 12% against 60%); each
-planner at its own best scheme 2.61 s against 3.52 s at 64K context, 2.62 s against 4.82 s at
-128K, 3.53 s against 7.06 s at 256K. Planning takes 0.2-1.8 s of CPU per batch.
+Simulated with the analytic cost model on 2026-11-21 (512 github sequences, llama2-7b, 128
+H100s): on the same dp8-tp4-pp4 scheme 2.62 s a step against packing's 5.37 s (bubbles 12%
+against 60%); each planner at its own best scheme 2.32 s against 3.24 s at 64K context, 2.62 s
+against 4.82 s at 128K, 3.53 s against 7.06 s at 256K. Planning takes 0.2-1.8 s of CPU a batch.
 
 Options (request.options):
 
