@@ -55,7 +55,7 @@ from bench_common import (
     timed,
     write_results,
 )
-from hf_baselines import build_hf, hf_packed_step, hf_padded_step, packed_rows
+from hf_baselines import build_hf, check_packing_supported, hf_packed_step, hf_padded_step, packed_rows
 
 from lengthwise.cost import CostModel
 from lengthwise.cost.flops import sequence_model_flops
@@ -167,6 +167,8 @@ class Runner:
 
     def __init__(self, system: str, spec, dev: Device, s: Settings, profile, context: int):
         self.system, self.spec, self.dev, self.s, self.profile, self.context = system, spec, dev, s, profile, context
+        if system == "hf-packed":
+            check_packing_supported()
         model = build_model(spec, dtype=dev.dtype, device=dev.device, seed=s.seed)
         self.model = build_hf(model, checkpointing=s.hf_checkpointing) if system.startswith("hf") else model
         if self.model is not model:

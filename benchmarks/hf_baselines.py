@@ -9,10 +9,11 @@ backward with transformers' own Qwen2/Llama model (SDPA attention, no flash-attn
 - `hf-packed`: padding-free packing via position_ids: whole sequences best-fit-decreasing into
   rows of the context length (what lengthwise's `packing` planner does before its memory
   check), each passed as one row with
-  position_ids restarting at 0 for every document and no attention mask. transformers (>= 4.54)
-  reads the restarts as document boundaries and builds a block-diagonal causal mask for SDPA;
-  this needs `use_cache=False` (with a cache it silently attends across documents: measured,
-  logits off by ~1 on the tiny model).
+  position_ids restarting at 0 for every document and no attention mask. transformers versions
+  whose masking_utils has `find_packed_sequence_indices` (5.23 here) read the restarts as
+  document boundaries and build a block-diagonal causal mask for SDPA; older ones would attend
+  across documents, so `check_packing_supported` refuses them. It also needs `use_cache=False`
+  (with a cache it silently attends across documents: logits off by ~1 on the tiny model).
 
 Both use the loss of runtime/loss.py (sum of token cross-entropies in float32 / the batch's
 loss tokens), so their losses equal lengthwise's on the same weights and tokens.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, Segment
 from lengthwise.planners.packing_utils import best_fit_decreasing
 from lengthwise.runtime.loss import IGNORE, chunk_labels, chunk_positions, chunk_tokens, token_loss_sum
@@ -38,6 +40,17 @@ def build_hf(model: CausalLM, *, checkpointing: bool):
     if checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return hf.train()
+
+
+def check_packing_supported() -> None:
+    """UserError when this transformers cannot keep packed documents apart without flash-attn."""
+    from transformers import masking_utils
+
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        import transformers
+
+        raise UserError(f"transformers {transformers.__version__} cannot pack by position_ids with SDPA: "
+                        "upgrade it (5.23 can)")
 
 
 def padded_groups(lengths: list[int], budget: int) -> list[list[int]]:
