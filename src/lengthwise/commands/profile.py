@@ -1,6 +1,6 @@
 """Measure this device's cost profile for a model and write it as JSON for --profile-file.
 
-    lengthwise profile --model qwen2.5-0.5b --out profiles/qwen2.5-0.5b-h100.json          # on a GPU, ~2 min
+    lengthwise profile --model qwen2.5-0.5b --out profiles/qwen2.5-0.5b-h100.json          # on a GPU
     lengthwise profile --model qwen2.5-1.5b --max-tokens 65536 --max-context 262144 --out p15.json
     lengthwise profile --model tiny --device cpu --min-tokens 16 --max-tokens 256 --max-context 1024 --out /tmp/tiny.json
     lengthwise plan --planner chunkflow --option chunk_size=auto --profile chunkflow-eval --model qwen2.5-0.5b --cluster h100 --profile-file profiles/qwen2.5-0.5b-h100.json
