@@ -29,7 +29,7 @@ BASELINES = ("padding", "packing", "sorted", "token-balanced")
 SPLITTING = ("chunkflow", "infinipipe", "slimpack", "hydraulis")
 """Planners that cut long sequences (or choose their own scheme) and so need no scheme that
 holds the whole context length."""
-MAX_SCHEMES = 6
+MAX_SCHEMES = 10
 
 
 @dataclass(kw_only=True)

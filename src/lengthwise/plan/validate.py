@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 import math
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -49,6 +51,8 @@ def validate_plan(plan: StepPlan, cost: CostModel | None = None) -> None:
     if any(pipe.backward_chunks is not None for pipe in plan.pipelines):
         _check_coverage(plan, backward=True)
     for p, pipe in enumerate(plan.pipelines):
+        if pipe.backward_chunks is not None:
+            check_backward_units(pipe.chunks, pipe.backward_chunks, where=f"pipeline {p}: ")
         _check_action_counts(p, pipe)
         try:
             check_schedule(pipe.stages, pipe.chunks, pipe.backward_chunks)
@@ -248,3 +252,23 @@ def _short(chunk: Chunk, limit: int = 3) -> str:
     segs = [str(s) for s in chunk.segments[:limit]]
     more = f"+...{len(chunk.segments) - limit} more" if len(chunk.segments) > limit else ""
     return "+".join(segs) + more + (f"/pad{chunk.pad_to}" if chunk.pad_to else "")
+
+
+def check_backward_units(chunks: list[Chunk], units: list[Chunk], *, where: str = "") -> None:
+    """UserError unless every backward segment is a whole forward segment or a sub-range of one
+    with the same CP placement (the rule of this module's docstring). Coverage (each token once)
+    is validate_plan's; this checks only the nesting."""
+    fwd: dict[int, list[tuple[int, int, int]]] = {}
+    for ch in chunks:
+        for s in ch.segments:
+            fwd.setdefault(s.seq_id, []).append((s.start, s.stop, s.cp_rank))
+    for spans in fwd.values():
+        spans.sort()
+    for u, unit in enumerate(units):
+        for s in unit.segments:
+            spans = fwd.get(s.seq_id, [])
+            k = bisect.bisect_right(spans, (s.start, float("inf"), 0)) - 1
+            if k < 0 or not (spans[k][0] <= s.start and s.stop <= spans[k][1] and spans[k][2] == s.cp_rank):
+                raise UserError(f"{where}backward unit {u}: segment {s} is not inside one forward segment "
+                                f"of sequence {s.seq_id} with the same CP placement: a backward unit may only "
+                                "hold whole forward segments or sub-ranges of one")

@@ -27,14 +27,13 @@ order.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
-from lengthwise.errors import UserError
 from lengthwise.plan.ir import SHARDED, Chunk, Segment
+from lengthwise.plan.validate import check_backward_units  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,26 +171,6 @@ def place_segments(chunks: list[Chunk], rank_of: dict[int, int]) -> list[Chunk]:
     """The chunks with each segment's cp_rank set from rank_of (SHARDED when absent)."""
     return [Chunk(tuple(Segment(s.seq_id, s.start, s.stop, rank_of.get(s.seq_id, SHARDED))
                         for s in c.segments), c.pad_to) for c in chunks]
-
-
-def check_backward_units(chunks: list[Chunk], units: list[Chunk], *, where: str = "") -> None:
-    """UserError unless every backward segment is a whole forward segment or a sub-range of one
-    with the same CP placement (the rule of this module's docstring). Coverage (each token once)
-    is validate_plan's; this checks only the nesting."""
-    fwd: dict[int, list[tuple[int, int, int]]] = {}
-    for ch in chunks:
-        for s in ch.segments:
-            fwd.setdefault(s.seq_id, []).append((s.start, s.stop, s.cp_rank))
-    for spans in fwd.values():
-        spans.sort()
-    for u, unit in enumerate(units):
-        for s in unit.segments:
-            spans = fwd.get(s.seq_id, [])
-            k = bisect.bisect_right(spans, (s.start, float("inf"), 0)) - 1
-            if k < 0 or not (spans[k][0] <= s.start and s.stop <= spans[k][1] and spans[k][2] == s.cp_rank):
-                raise UserError(f"{where}backward unit {u}: segment {s} is not inside one forward segment "
-                                f"of sequence {s.seq_id} with the same CP placement: a backward unit may only "
-                                "hold whole forward segments or sub-ranges of one")
 
 
 def micropack_form(chunk: Chunk, lengths: list[int]) -> str:
