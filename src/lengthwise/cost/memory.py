@@ -8,7 +8,8 @@
   two RMSNorm inputs and outputs (4h), q, k, v after rotary (q + 2kv), the attention output (q),
   SwiGLU gate, up and their product (3 ffn). A layer under full recomputation keeps only its
   input (h) (infinipipe.txt eq. 5 calls the per-token figure M_token).
-- LM head on the last stage: bf16 logits kept for the loss's backward (vocab per token).
+- LM head on the last stage: fp32 logits kept for the loss's backward (4 * vocab bytes per token,
+  as the executor's cross-entropy upcasts them) plus the final hidden state.
 - K/V state of a split sequence (infinipipe.txt eq. 9-10): k and v of every context token on
   every layer of the stage, 2 * kv_dim values per token; its gradient buffer has the same size.
   With tp larger than the K/V heads, heads are replicated, so a rank holds at least one head.
@@ -54,7 +55,7 @@ def checkpoint_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:
 
 
 def head_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
-    return (model.vocab + model.hidden) * BYTES_BF16 / tp
+    return (4 * model.vocab + BYTES_BF16 * model.hidden) / tp
 
 
 def kv_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:
