@@ -56,7 +56,11 @@ from lengthwise.planners.hydraulis_cost import (
     link_time,
     scheme_space,
 )
-from lengthwise.planners.hydraulis_dispatch import PipelineArrays, dispatch, lower_bound
+from lengthwise.planners.hydraulis_dispatch import (
+    PipelineArrays,
+    dispatch_many,
+    lower_bound,
+)
 from lengthwise.planners.hydraulis_packing import (
     Packing,
     PipelineLoad,
@@ -239,26 +243,31 @@ def _strategy_pipelines(strategy: Strategy, limits: list[int]) -> list[tuple[Sch
 
 
 def _choose(request: PlanRequest, opts: dict, candidates: list[Strategy], num_gpus: int):
-    """Evaluate candidates in order of their lower bound; stop when none left can win."""
+    """Screen every candidate with one longest-first dispatch trial, run all trials on those
+    whose lower bound beats the best screened plan, keep the least estimated step time.
+    Returns it and one metrics row per candidate (estimate_s None when pruned or infeasible)."""
     lengths = np.asarray(request.lengths, dtype=np.int64)
-    prepared = [_prepare(request, c, num_gpus, lengths) for c in candidates]
-    prepared.sort(key=lambda p: p[0])
-    best, table = None, []
-    for bound, strategy, pipes in prepared:
-        row = {"strategy": str(strategy), "gpus": strategy.num_gpus,
-               "lower_bound_s": round(float(bound), 6) if np.isfinite(bound) else None}
-        table.append(row)
-        if pipes is None:
-            row["estimate_s"] = "cannot hold the longest sequence"
-            continue
-        if best is not None and bound >= best.estimate_s:
-            row["estimate_s"] = "pruned by its lower bound"
-            continue
-        ev = _evaluate(request, opts, strategy, pipes, lengths, num_gpus)
-        row["estimate_s"] = round(float(ev.estimate_s), 6)
-        best = ev if best is None or ev.estimate_s < best.estimate_s else best
-    assert best is not None, "no candidate holds the longest sequence"
-    return best, table
+    prepared = sorted((_prepare(request, c, num_gpus, lengths) for c in candidates), key=lambda p: p[0])
+    feasible = [p for p in prepared if p[2] is not None]
+    assert feasible, "no candidate holds the longest sequence"
+    screened = _evaluate_all(request, opts, feasible, lengths, num_gpus, trials=1)
+    cut = min(ev.estimate_s for ev in screened)
+    rest = [i for i, p in enumerate(feasible) if p[0] < cut]
+    full = _evaluate_all(request, opts, [feasible[i] for i in rest], lengths, num_gpus,
+                         trials=opts["trials"]) if rest else []
+    final = dict(zip(rest, (min(screened[i], ev, key=lambda e: e.estimate_s) for i, ev in zip(rest, full))))
+    rows = [_row(b, c, None, None) for b, c, pipes in prepared if pipes is None]
+    rows += [_row(p[0], p[1], screened[i].estimate_s, final[i].estimate_s if i in final else None)
+             for i, p in enumerate(feasible)]
+    best = min([*final.values(), *screened], key=lambda e: e.estimate_s)
+    return best, rows
+
+
+def _row(bound: float, strategy: Strategy, screen: float | None, estimate: float | None) -> dict:
+    """One candidate in plan.metrics["candidates"], seconds rounded to microseconds."""
+    r = lambda x: None if x is None or not np.isfinite(x) else round(float(x), 6)
+    return {"strategy": str(strategy), "gpus": strategy.num_gpus, "lower_bound_s": r(bound),
+            "screen_s": r(screen), "estimate_s": r(estimate)}
 
 
 def _prepare(request: PlanRequest, strategy: Strategy, num_gpus: int, lengths: np.ndarray):
@@ -278,17 +287,20 @@ def _exchange(request: PlanRequest, strategy: Strategy, num_gpus: int) -> float:
                              heterogeneous=hetero) for s, _ in strategy.parts)
 
 
-def _evaluate(request: PlanRequest, opts: dict, strategy: Strategy, pipes, lengths: np.ndarray,
-              num_gpus: int) -> Evaluation:
-    """Two-stage assignment (§6) of the batch on one strategy: dispatch, then greedy packing."""
-    schemes, limits = [s for s, _ in pipes], [m for _, m in pipes]
-    arrays = PipelineArrays.of(schemes, limits)
-    disp = dispatch(lengths, arrays, trials=opts["trials"], work_budget=opts["dispatch_work"],
-                    rng=np.random.default_rng(request.seed))
-    loads = [_load(lengths, disp.owner, j, s, m) for j, (s, m) in enumerate(pipes)]
-    return Evaluation(strategy=strategy, pipelines=schemes, max_lens=limits,
-                      exchange_s=_exchange(request, strategy, num_gpus), loads=loads,
-                      packings=[greedy_pack(load) for load in loads], trials=disp.trials)
+def _evaluate_all(request: PlanRequest, opts: dict, prepared: list, lengths: np.ndarray, num_gpus: int,
+                  *, trials: int) -> list[Evaluation]:
+    """Two-stage assignment (§6) of the batch on each strategy: dispatch (all strategies'
+    trials together), then greedy packing per pipeline."""
+    arrays = [PipelineArrays.of([s for s, _ in pipes], [m for _, m in pipes]) for _, _, pipes in prepared]
+    runs = dispatch_many(lengths, arrays, trials=trials, work_budget=opts["dispatch_work"],
+                         rng=np.random.default_rng(request.seed))
+    out = []
+    for (_, strategy, pipes), disp in zip(prepared, runs):
+        loads = [_load(lengths, disp.owner, j, s, m) for j, (s, m) in enumerate(pipes)]
+        out.append(Evaluation(strategy=strategy, pipelines=[s for s, _ in pipes], max_lens=[m for _, m in pipes],
+                              exchange_s=_exchange(request, strategy, num_gpus), loads=loads,
+                              packings=[greedy_pack(load) for load in loads], trials=disp.trials))
+    return out
 
 
 def _load(lengths: np.ndarray, owner: np.ndarray, j: int, scheme: Scheme, max_len: int) -> PipelineLoad:

@@ -11,12 +11,13 @@ the largest LB_j over assignments that respect MaxLen; Algorithm 1 solves it app
 random order, give each sequence to the admissible pipeline that least raises the current
 maximum; repeat T times and keep the best trial.
 
-All trials run at once as numpy rows ([trials, pipelines] arrays), one sequence position per
-step. Two choices of ours, both only able to help since the best trial is kept: trial 0 takes
-the sequences longest first (the LPT order), and among pipelines tying on the new maximum the
-one left least loaded wins (Algorithm 1 takes the first). The trial count is cut so that
-sequences x pipelines x trials stays within `work_budget` (at 1024 pipelines and 3,000
-sequences one trial costs as much as 100 trials of 200 sequences on 64 pipelines).
+All trials of all candidate strategies run at once as numpy rows ([strategies x trials,
+pipelines] arrays, narrower strategies padded with pipelines that hold nothing), one sequence
+position per step: the step count is the batch's sequence count whatever the number of trials
+and candidates. Two choices of ours, both only able to help since the best trial is kept:
+trial 0 takes the sequences longest first (the LPT order), and among pipelines tying on the new
+maximum the one left least loaded wins (Algorithm 1 takes the first). The trial count is cut so
+that sequences x pipelines x trials x strategies stays within `work_budget`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from lengthwise.planners.hydraulis_cost import Scheme
 
 @dataclass(frozen=True)
 class PipelineArrays:
-    """The pipelines of one strategy as parallel arrays, MaxLen descending (§6.2's P_1..P_D)."""
+    """The pipelines of one strategy as parallel arrays, MaxLen descending (§6.2's P_1..P_D);
+    [rows, pipelines] when strategies are stacked for dispatch."""
 
     attn_s: np.ndarray
     token_s: np.ndarray
@@ -69,11 +71,6 @@ class Dispatch:
     """Trials run (Algorithm 1's T after the work budget)."""
 
 
-def admissible_counts(lengths: np.ndarray, p: PipelineArrays) -> np.ndarray:
-    """J_i: how many pipelines (a prefix, MaxLen descending) can hold sequence i."""
-    return np.searchsorted(-p.max_len, -lengths, side="right")
-
-
 def _orders(lengths: np.ndarray, trials: int, rng: np.random.Generator) -> np.ndarray:
     """Row 0 longest first (ties by seq id), the others random permutations (Algorithm 1 l. 3)."""
     first = np.lexsort((np.arange(len(lengths)), -lengths))
@@ -81,43 +78,65 @@ def _orders(lengths: np.ndarray, trials: int, rng: np.random.Generator) -> np.nd
     return np.stack([first] + rest)
 
 
-def dispatch(lengths, p: PipelineArrays, *, trials: int, work_budget: float,
-             rng: np.random.Generator) -> Dispatch:
-    """Algorithm 1 (greedy dispatch with random trials) for all trials at once."""
+def _stack(candidates: list[PipelineArrays], trials: int) -> PipelineArrays:
+    """One row per (candidate, trial), columns padded to the widest candidate with pipelines
+    that hold nothing (MaxLen 0.5 tokens)."""
+    d = max(c.size for c in candidates)
+
+    def rows(name: str, pad: float) -> np.ndarray:
+        each = [np.pad(getattr(c, name), (0, d - c.size), constant_values=pad) for c in candidates]
+        return np.repeat(np.stack(each), trials, axis=0)
+
+    return PipelineArrays(rows("attn_s", 0.0), rows("token_s", 0.0), rows("chunk_s", 0.0), rows("depth", 1.0),
+                          rows("max_len", 0.5))
+
+
+def dispatch_many(lengths, candidates: list[PipelineArrays], *, trials: int, work_budget: float,
+                  rng: np.random.Generator) -> list[Dispatch]:
+    """Algorithm 1 for several strategies, all their trials at once (one numpy row each)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    n, d = len(lengths), p.size
-    trials = int(max(1, min(trials, work_budget // max(n * d, 1))))
-    orders = _orders(lengths, trials, rng)
-    limit = admissible_counts(lengths, p)
-    assert limit.min() >= 1, "a sequence no pipeline holds reached dispatch"
-    work = p.seq_time(lengths)  # [n, d] w_j(l_i)
-    state = _Trials(trials, d)
-    owner = np.zeros((trials, n), dtype=np.int64)
+    n, d = len(lengths), max(c.size for c in candidates)
+    assert all(lengths.max() <= c.max_len.max() for c in candidates), "a sequence no pipeline holds"
+    trials = int(max(1, min(trials, work_budget // max(n * d * len(candidates), 1))))
+    p = _stack(candidates, trials)
+    orders = np.concatenate([_orders(lengths, trials, rng) for _ in candidates])
+    state = _Trials(len(orders), d)
+    owner = np.zeros((len(orders), n), dtype=np.int64)
     for k in range(n):
         seq = orders[:, k]
-        owner[state.rows, seq] = state.place(p, work[seq], lengths[seq], limit[seq])
-    best = int(np.argmin(state.first))
-    return Dispatch(owner=owner[best], objective_s=float(state.first[best]), trials=trials)
+        owner[state.rows, seq] = state.place(p, lengths[seq])
+    out = []
+    for c in range(len(candidates)):
+        best = c * trials + int(np.argmin(state.first[c * trials:(c + 1) * trials]))
+        out.append(Dispatch(owner=owner[best], objective_s=float(state.first[best]), trials=trials))
+    return out
+
+
+def dispatch(lengths, p: PipelineArrays, *, trials: int, work_budget: float,
+             rng: np.random.Generator) -> Dispatch:
+    """Algorithm 1 (greedy dispatch with random trials) for one strategy."""
+    return dispatch_many(lengths, [p], trials=trials, work_budget=work_budget, rng=rng)[0]
 
 
 class _Trials:
-    """Running eq. 2 terms of every (trial, pipeline), and each trial's two largest bounds
+    """Running eq. 2 terms of every (row, pipeline), and each row's two largest bounds
     (bounds only grow, so the top two are kept exactly without re-scanning)."""
 
-    def __init__(self, trials: int, d: int):
-        self.sum_w, self.sum_l, self.longest, self.fill, self.cost = (np.zeros((trials, d)) for _ in range(5))
-        self.rows, self.cols = np.arange(trials), np.arange(d)
-        self.top = np.zeros(trials, dtype=np.int64)
-        self.first, self.second = np.zeros(trials), np.full(trials, -np.inf if d == 1 else 0.0)
+    def __init__(self, rows: int, d: int):
+        self.sum_w, self.sum_l, self.longest, self.fill, self.cost = (np.zeros((rows, d)) for _ in range(5))
+        self.rows, self.cols = np.arange(rows), np.arange(d)
+        self.top = np.zeros(rows, dtype=np.int64)
+        self.first, self.second = np.zeros(rows), np.full(rows, -np.inf if d == 1 else 0.0)
 
-    def place(self, p: PipelineArrays, w: np.ndarray, l: np.ndarray, limit: np.ndarray) -> np.ndarray:
-        """Put each trial's sequence (lengths l, w [trials, d]) where the largest bound grows
-        least (Alg. 1 l. 7-14); returns the pipelines chosen."""
+    def place(self, p: PipelineArrays, l: np.ndarray) -> np.ndarray:
+        """Put each row's sequence (length l) on the admissible pipeline where the largest bound
+        grows least (Alg. 1 l. 7-14); returns the pipelines chosen."""
         col = l[:, None].astype(np.float64)
+        w = p.seq_time(l)
         fill = np.where(col > self.longest, w + p.chunk_s, self.fill)  # T(longest) after adding
         new = self.sum_w + w + p.chunk_s * np.ceil((self.sum_l + col) / p.max_len) + fill * (p.depth - 1)
         others = np.where(self.cols[None] == self.top[:, None], self.second[:, None], self.first[:, None])
-        worst = np.where(self.cols[None] < limit[:, None], np.maximum(new, others), np.inf)
+        worst = np.where(p.max_len >= col, np.maximum(new, others), np.inf)
         least = worst.min(axis=1, keepdims=True)
         pick = np.where(worst <= least * (1 + 1e-12), new, np.inf).argmin(axis=1)
         at = (self.rows, pick)
