@@ -17,6 +17,11 @@ Per global batch (§4's steps 1-4):
 3. per pipeline, pack micro-batches by eq. 1 over appendix C's V range (hydraulis_packing);
 4. keep the candidate with the least estimated step time, then re-solve eq. 1 as a MILP for its
    slowest pipelines, slowest first, while MILP solves are left.
+Steps 2-3 run twice: every candidate with Algorithm 1's longest-first trial alone (a screen),
+then all T trials for the candidates whose lower bound (GPU-seconds, or the longest sequence
+alone, plus exchange) is below the best screened estimate. Eq. 1 by MILP (HiGHS) is kept for
+step 4, the greedy for ranking: solving it for every candidate's every pipeline would cost
+seconds per batch (the paper spends about 1 s per batch on it with 10 processes, Table 2).
 
 Pipelines of one plan have different (tp, pp, cp), each running plain 1F1B over its whole-sequence
 micro-batches. The plan's ZeRO stage is 1: optimizer states are sharded over all GPUs (§5.2).
@@ -30,8 +35,8 @@ Options (request.options):
 - profile (None): a workloads profile name; strategies are proposed once for that dataset's
   distribution (§7) and cached. None proposes from each batch's own length histogram.
 - trials (100): Algorithm 1's random trials T (appendix D footnote: 100).
-- dispatch_work (4e6): cap on sequences x pipelines x trials of one dispatch (all 100 trials up
-  to 64 GPUs and 200K tokens; 40 at 1024 GPUs, 3.2M tokens and 32 pipelines; at least 1).
+- dispatch_work (4e6): cap on sequences x pipelines x trials x candidates of one dispatch pass
+  (the trial count drops on large clusters, at least 1).
 - max_tp (None = GPUs per node), max_pp (8), max_cp (8): the scheme space's degree limits.
 - length_step (128 tokens) and pipeline_step (0.1 pipelines): the DP's grid (§7 footnote 4).
 - util_threshold (0.85): efficiency that defines UtilLen (appendix C).
