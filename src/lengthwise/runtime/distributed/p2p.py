@@ -76,11 +76,12 @@ class DistributedTransport:
                 f"for the {message} (rank {src}, {tuple(shape)} {str(dtype).removeprefix('torch.')}): that "
                 f"rank failed, is slower than the time-out, or runs a different plan ({_first_line(exc)})"
             ) from None
-        self.stats.recv_wait_s += time.perf_counter() - started
+        self.stats.wait_s += time.perf_counter() - started
         return buffer
 
     def finish(self) -> None:
         """Wait until every send of the step has been delivered."""
+        started = time.perf_counter()
         for work, _, message in self._sends:
             try:
                 work.wait(timedelta(seconds=self.timeout_s))
@@ -89,6 +90,7 @@ class DistributedTransport:
                                      f"stage {message.dst} within {self.timeout_s:g} s "
                                      f"({_first_line(exc)})") from None
         self._sends.clear()
+        self.stats.wait_s += time.perf_counter() - started
 
 
 def _first_line(exc: BaseException) -> str:

@@ -38,9 +38,9 @@ class CommStats:
     """K/V-gradient elements sent to CP peers in backward reduce-scatters ((c - 1)/c of the buffer)."""
     cp_calls: int = 0
     """CP collectives (all-gather plus reduce-scatter)."""
-    recv_wait_s: float = 0.0
-    """Seconds blocked in point-to-point receives (waiting for a neighbour stage: the bubbles
-    this rank sees)."""
+    wait_s: float = 0.0
+    """Seconds blocked on point-to-point transfers: receives (waiting for a neighbour stage,
+    the bubbles this rank sees) and the final wait for its sends."""
 
     def add(self, other: CommStats) -> CommStats:
         return CommStats(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
