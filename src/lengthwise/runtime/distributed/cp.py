@@ -4,11 +4,12 @@ A segment marked `cp_rank = r` (Skrull's *local* sequences, skrull §4.1) runs w
 rank r. A segment marked SHARDED (Skrull's *distributed* sequences; SlimPack's DP-Merge,
 slimpack §4.1.1) is cut into 2c pieces of m = ceil(n / 2c) tokens and rank r takes pieces r
 and 2c-1-r ("head-tail"): with causal attention piece j costs about j + 1/2 units of key work,
-so every rank gets (r + 1/2) + (2c - 1 - r + 1/2) = 2c units. Example, n = 10, c = 2, m = 3:
+so every rank gets (r + 1/2) + (2c - 1 - r + 1/2) = 2c units. When 2c does not divide n, the
+first n mod 2c pieces take one token more. Example, n = 10, c = 2, m = 3:
 
-    pieces   [0:3) [3:6) [6:9) [9:10)
-    rank 0:  pieces 0 and 3  -> tokens 0..2 and 9       (3 + 1 tokens, padded to 3 + 3)
-    rank 1:  pieces 1 and 2  -> tokens 3..8             (3 + 3 tokens)
+    pieces   [0:3) [3:6) [6:8) [8:10)
+    rank 0:  pieces 0 and 3  -> tokens 0..2 and 8..9    (3 + 2 tokens, padded to 3 + 3 rows)
+    rank 1:  pieces 1 and 2  -> tokens 3..7             (3 + 2 tokens, padded to 3 + 3 rows)
 
 Attention: every layer all-gathers the K/V of the sharded pieces over the CP group (each rank
 contributes its two pieces, each padded to m rows, so all contributions have one shape), puts
@@ -93,9 +94,12 @@ def _same_local_sequence(a: RowPart, b: RowPart) -> bool:
 
 
 def piece_bounds(num_tokens: int, cp: int, piece: int) -> tuple[int, int]:
-    """Token range [a, b) of piece `piece` of 2 cp within a segment (empty at the tail of a short one)."""
-    m = math.ceil(num_tokens / (2 * cp))
-    return min(piece * m, num_tokens), min((piece + 1) * m, num_tokens)
+    """Token range [a, b) of piece `piece` of 2 cp within a segment: the first n mod 2c pieces
+    hold one token more than the others, so pieces differ by one token at most (and a rank's
+    head and tail pieces together by one at most from any other rank's)."""
+    size, extra = divmod(num_tokens, 2 * cp)
+    start = piece * size + min(piece, extra)
+    return start, start + size + (1 if piece < extra else 0)
 
 
 def rank_pieces(cp: int, rank: int) -> tuple[int, int]:
