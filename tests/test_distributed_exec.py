@@ -22,7 +22,7 @@ from lengthwise.cost import CostModel
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, SHARDED, Segment, StepPlan
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.runtime.distributed.dp import check_same_plan
+from lengthwise.runtime.distributed.dp import check_same_plan, global_grad_norm
 from lengthwise.runtime.distributed.launch import spawn
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.step import StepFailed, gather_grads, run_rank_step
@@ -66,6 +66,7 @@ def _run_scenario(rank: int, mesh: Mesh, name: str) -> dict | None:
     tokens = random_tokens(plan.lengths, plan.model.vocab, 1)
     step = run_rank_step(model, plan, tokens, mesh=mesh, backend="reference")
     grads = gather_grads(model, step.layout, plan)
+    norm = global_grad_norm(model, plan, step.layout)
     stats = [None] * mesh.world_size if rank == 0 else None
     torch.distributed.gather_object(step.stats.to_dict(), stats, dst=0)
     if rank != 0:
@@ -73,8 +74,9 @@ def _run_scenario(rank: int, mesh: Mesh, name: str) -> dict | None:
     reference = build_model(plan.model, dtype=torch.float64, seed=0)
     ref_loss = run_step(reference, plan, tokens, backend="reference")
     _, rel, worst = compare_grads(grads, {n: p.grad for n, p in reference.named_parameters()})
+    ref_norm = float(torch.cat([p.grad.reshape(-1) for p in reference.parameters()]).norm())
     return {"loss": step.loss, "ref_loss": float(ref_loss), "rel": rel, "worst": worst, "stats": stats,
-            "plan": plan.to_dict()}
+            "plan": plan.to_dict(), "norm": norm, "ref_norm": ref_norm}
 
 
 def _run_desync(rank: int, mesh: Mesh) -> str:
@@ -125,6 +127,7 @@ def test_distributed_step_equals_single_process(four_ranks, name):
     run = four_ranks[name]
     assert run["loss"] == pytest.approx(run["ref_loss"], rel=1e-12, abs=0)
     assert run["rel"] < 1e-11, run["worst"]
+    assert run["norm"] == pytest.approx(run["ref_norm"], rel=1e-12)  # for clipping: each parameter once
 
 
 def test_skrull_scenario_mixes_sharded_and_local_sequences(four_ranks):

@@ -99,6 +99,18 @@ def holder_sets(model: CausalLM, plan: StepPlan, layout: PlanLayout) -> dict[str
             for name, _ in model.named_parameters()}
 
 
+def global_grad_norm(model: CausalLM, plan: StepPlan, layout: PlanLayout, device=None) -> float:
+    """2-norm of the whole model's gradient after `GradReducer.reduce` (collective): each
+    parameter counted once, by the lowest rank holding it. For gradient clipping, which must
+    scale every rank's gradients by the same factor."""
+    first_holder = {name: ranks[0] for name, ranks in holder_sets(model, plan, layout).items()}
+    squares = sum(float(p.grad.double().pow(2).sum()) for name, p in model.named_parameters()
+                  if first_holder[name] == layout.rank and p.grad is not None)
+    total = torch.tensor([squares], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return float(total.sqrt().item())
+
+
 class GradReducer:
     """Sums each parameter's gradient over the ranks that hold it, in flat buckets."""
 
