@@ -28,8 +28,8 @@ METRIC_KEYS = {"step", "loss", "tokens", "tokens_per_s", "peak_memory_bytes", "p
 def small(**changes) -> TrainConfig:
     """Four float64 steps of 3 stdlib documents cut to 96 tokens; ChunkFlow chunks of 32 with
     K = 1, so long documents are split and their first slices re-forwarded."""
-    base = dict(dtype="float64", context_length=96, batch_size=3, steps=4, lr=1e-2, progress=False,
-                options={"chunk_size": 32, "k": 1}, threads=1)
+    base = {"dtype": "float64", "context_length": 96, "batch_size": 3, "steps": 4, "lr": 1e-2,
+            "progress": False, "options": {"chunk_size": 32, "k": 1}, "threads": 1}
     return TrainConfig(**{**base, **changes})
 
 

@@ -34,7 +34,13 @@ import argparse
 from lengthwise.commands.common import add_workload_args
 from lengthwise.commands.plan import parse_option
 from lengthwise.errors import UserError
-from lengthwise.runtime.train_config import DEVICES, DTYPES, TrainConfig, load_toml, merge
+from lengthwise.runtime.train_config import (
+    DEVICES,
+    DTYPES,
+    TrainConfig,
+    load_toml,
+    merge,
+)
 
 _WORKLOAD_HELP = {
     "context_length": "longest sequence trained on, tokens (default 512)",
@@ -85,7 +91,7 @@ def _add_runtime(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
     parser.add_argument("--pp", metavar="P", type=int, help="pipeline stages in the plan (default 1)")
     parser.add_argument("--cluster", metavar="PRESET", help="cluster the planner sizes for (default cpu)")
     parser.add_argument("--threads", metavar="N", type=int,
-                        help="CPU threads for torch (default: torch's choice)")
+                        help="CPU threads for torch (default 1 on CPU, torch's choice with CUDA)")
 
 
 def _add_outputs(parser: argparse.ArgumentParser) -> None:
@@ -141,8 +147,8 @@ def summary(config: TrainConfig, result) -> str:
     lines = [f"train: {config.model} on {config.data}, planner {config.planner}, steps "
              f"{result.start_step + 1}-{last.step} of {config.steps}"
              + (f" (resumed from {result.resumed_from})" if result.resumed_from else ""),
-             f"  loss {first.loss:.4f} -> {last.loss:.4f}; {tokens:,} tokens in {seconds:.1f} s "
-             f"({tokens / seconds:,.0f} tokens/s); longest plan {max(r.planning_ms for r in records):.1f} ms"]
+             (f"  loss {first.loss:.4f} -> {last.loss:.4f}; {tokens:,} tokens in {seconds:.1f} s "
+              f"({tokens / seconds:,.0f} tokens/s); longest plan {max(r.planning_ms for r in records):.1f} ms")]
     if result.checkpoint is not None:
         lines.append(f"  checkpoint {result.checkpoint}")
     if config.metrics:

@@ -33,12 +33,22 @@ import torch
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
-from lengthwise.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from lengthwise.runtime.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from lengthwise.runtime.model import CausalLM, build_model
 from lengthwise.runtime.train_config import TrainConfig
 from lengthwise.runtime.train_step import PeakMemory, forward_backward
-from lengthwise.runtime.weights import WEIGHTS_NAME, load_weights
-from lengthwise.specs import ModelSpec, ParallelScheme, cluster_preset, model_preset
+from lengthwise.runtime.weights import INDEX_NAME, WEIGHTS_NAME, load_weights
+from lengthwise.specs import (
+    MODEL_PRESETS,
+    ModelSpec,
+    ParallelScheme,
+    cluster_preset,
+    model_preset,
+)
 from lengthwise.workloads.sampler import GlobalBatch, GlobalBatchSampler
 from lengthwise.workloads.source import LengthSource, corpus_source
 
@@ -127,8 +137,8 @@ class _Setup:
         self.config = config
         self.planner = get_planner(config.planner)  # an unknown name fails before any work
         self.device = resolve_device(config.device)
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
+        if config.threads is not None or self.device.type == "cpu":
+            torch.set_num_threads(config.threads or 1)
         self.spec = model_preset(config.model)
         self.scheme = ParallelScheme(dp=config.dp, pp=config.pp)
         self.scheme.validate(self.spec)
@@ -176,13 +186,14 @@ def load_model(name: str, spec: ModelSpec, *, dtype: torch.dtype, device: torch.
                seed: int) -> CausalLM:
     """A preset or config.json: seeded random weights. A directory: its model.safetensors,
     read by Hugging Face names (runtime/weights.py)."""
-    model = build_model(spec, dtype=dtype, device=device, seed=seed)
-    if Path(name).is_dir():
-        if not (Path(name) / WEIGHTS_NAME).exists() and not (Path(name) / f"{WEIGHTS_NAME}.index.json").exists():
-            raise UserError(f"--model {name}: the directory holds no {WEIGHTS_NAME}; give a "
-                            f"directory with config.json and {WEIGHTS_NAME}, or a config.json "
-                            f"file to start from random weights")
-        load_weights(model, name)
+    if name in MODEL_PRESETS or not Path(name).is_dir():
+        return build_model(spec, dtype=dtype, device=device, seed=seed)
+    if not any((Path(name) / file).exists() for file in (WEIGHTS_NAME, INDEX_NAME)):
+        raise UserError(f"--model {name}: the directory holds no {WEIGHTS_NAME}; give a "
+                        f"directory with config.json and {WEIGHTS_NAME}, or a config.json "
+                        f"file to start from random weights")
+    model = build_model(spec, dtype=dtype, device=device)  # every weight is overwritten
+    load_weights(model, name)
     return model
 
 

@@ -18,6 +18,8 @@ Tensor legend: T tokens in the row.
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 
 from lengthwise.plan.ir import Chunk, StepPlan
@@ -91,7 +93,7 @@ class PeakMemory:
         self._meter = None if self.device.type == "cuda" else SavedTensorMeter(exclude=model.parameters())
         self.bytes = 0
 
-    def __enter__(self) -> PeakMemory:
+    def __enter__(self) -> Self:
         if self._meter is None:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:

@@ -1,0 +1,141 @@
+"""What splitting costs: one sequence cut into n slices, all kept (K = n), against unsplit.
+
+    python benchmarks/bench_split_overhead.py                          # L = 512, 2048, 4096; n = 2, 4, 8
+    python benchmarks/bench_split_overhead.py --lengths 512 --repeat 3 --out /tmp/split.json
+
+One stdlib document cut to L tokens (byte tokens, tiny model, float32, reference attention,
+CPU) is planned by ChunkFlow with chunk_size = L / n and k = n: forwards of the n slices in
+order, backwards in reverse, each later slice attending to the K/V of the earlier ones, no
+re-forward (chunkflow §4.2 with K = N). n = 1 is the unsplit sequence. Each (L, n) runs the
+executor's forward and backward `--repeat` times, the n values taking turns so the machine's
+load hits them alike; the median wall and CPU seconds and their ratio to n = 1 are reported,
+against the target of at most 1.1x (CPU time is the steadier on a shared machine). The peak
+bytes saved for backward (one extra, untimed pass) are the same as unsplit: with K = n every
+activation is kept, and the K/V context a slice reads shares storage with what the earlier
+slice's graph already saved.
+
+On CPU the reference attention computes a dense [T, keys] score matrix per row, masked: an
+unsplit sequence computes L^2 scores, half of them masked away, while slice i of n computes
+(L/n) x (i + 1) L/n, so the split does less attention work in total (L^2 (n + 1) / 2n); a
+flash kernel skips masked blocks and would not show that gain. Against that, every slice pays
+fixed costs per layer (its mask and key row rebuilt in forward and again in the backward's
+recompute, the K/V store, autograd calls), about 9 ms of CPU per extra slice on the tiny model.
+
+Measured (results/split_overhead.json, 1 thread, machine shared, load about 7 on 2 cores), CPU
+time split / unsplit for n = 2, 4, 8: L = 512: 1.14, 1.25, 1.84 (misses 1.1x: the fixed costs
+dominate a 79 ms step); L = 2048: 0.81, 0.77, 0.78; L = 4096: 0.76, 0.63, 0.63.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lengthwise.cost import CostModel
+from lengthwise.plan.ir import FORWARD_NOGRAD, write_atomic
+from lengthwise.planners import PlanRequest, get_planner
+from lengthwise.runtime.execute import run_step
+from lengthwise.runtime.memory import SavedTensorMeter
+from lengthwise.runtime.model import build_model
+from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
+from lengthwise.workloads.corpus import load_corpus
+
+
+def document(length: int) -> torch.Tensor:
+    """The first stdlib document of at least `length` tokens, cut to `length`."""
+    corpus = load_corpus("stdlib")
+    index = next(i for i, n in enumerate(corpus.lengths) if n >= length)
+    return torch.as_tensor(corpus.documents[index][:length], dtype=torch.long)
+
+
+def split_plan(length: int, n: int):
+    spec, cluster = model_preset("tiny"), cluster_preset("cpu", 1)
+    plan = get_planner("chunkflow")(PlanRequest(
+        lengths=[length], model=spec, cluster=cluster, scheme=ParallelScheme(),
+        cost=CostModel(model=spec, cluster=cluster), context_length=length,
+        options={"chunk_size": length // n, "k": n}))
+    chunks, actions = plan.pipelines[0].chunks, plan.pipelines[0].stages[0]
+    assert len(chunks) == n and not any(a.kind == FORWARD_NOGRAD for a in actions), actions
+    return plan
+
+
+def timed(model, plan, token_ids) -> tuple[float, float, float]:
+    """(loss, wall s, cpu s) of one forward and backward."""
+    model.zero_grad(set_to_none=True)
+    wall, cpu = time.perf_counter(), time.process_time()
+    loss = run_step(model, plan, token_ids, backend="reference")
+    return float(loss), time.perf_counter() - wall, time.process_time() - cpu
+
+
+def saved_peak(model, plan, token_ids) -> int:
+    model.zero_grad(set_to_none=True)
+    with SavedTensorMeter(exclude=model.parameters()) as meter:
+        run_step(model, plan, token_ids, backend="reference")
+    return meter.peak_bytes
+
+
+def measure_length(length: int, splits: list[int], args) -> dict:
+    model = build_model(model_preset("tiny"), seed=args.seed)
+    token_ids = [document(length)]
+    plans = {n: split_plan(length, n) for n in [1, *splits]}
+    runs = {n: [] for n in plans}
+    for repeat in range(args.warmup + args.repeat):
+        for n, plan in plans.items():
+            loss, wall, cpu = timed(model, plan, token_ids)
+            if repeat >= args.warmup:
+                runs[n].append((loss, wall, cpu))
+        print(f"  L={length} repeat {repeat}: " + "  ".join(
+            f"n={n} {runs[n][-1][1]:.2f}s" for n in plans if runs[n]), file=sys.stderr)
+    return summarise(length, runs, {n: saved_peak(model, p, token_ids) for n, p in plans.items()})
+
+
+def summarise(length: int, runs: dict, peaks: dict) -> dict:
+    base_wall = statistics.median(r[1] for r in runs[1])
+    base_cpu = statistics.median(r[2] for r in runs[1])
+    per = {}
+    for n, rows in runs.items():
+        wall, cpu = statistics.median(r[1] for r in rows), statistics.median(r[2] for r in rows)
+        per[str(n)] = {"median_wall_s": wall, "median_cpu_s": cpu, "ratio_wall": wall / base_wall,
+                       "ratio_cpu": cpu / base_cpu, "within_1_1x_cpu": cpu / base_cpu <= 1.1,
+                       "saved_for_backward_peak_bytes": peaks[n], "loss": rows[0][0],
+                       "loss_rel_diff_vs_unsplit": abs(rows[0][0] - runs[1][0][0]) / runs[1][0][0]}
+    return {"length": length, "slices": per}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="512,2048,4096")
+    ap.add_argument("--splits", default="2,4,8")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="benchmarks/results/split_overhead.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+    splits = [int(n) for n in args.splits.split(",")]
+    results = [measure_length(int(length), splits, args) for length in args.lengths.split(",")]
+    report = {
+        "command": "python benchmarks/bench_split_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
+        "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+        "threads": args.threads, "load_average_1min": [load_before, os.getloadavg()[0]],
+        "model": "tiny", "dtype": "float32", "backend": "reference", "seed": args.seed,
+        "target": "split forward+backward at most 1.1x unsplit", "warmup": args.warmup,
+        "repeat": args.repeat, "results": results,
+    }
+    write_atomic(Path(args.out), json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
