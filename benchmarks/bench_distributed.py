@@ -38,7 +38,15 @@ import lengthwise.runtime.stage as stage_module
 from lengthwise.cost import CostModel
 from lengthwise.cost.comm import ring_factor
 from lengthwise.cost.memory import BYTES_BF16, kv_bytes_per_token_layer, stage_params
-from lengthwise.plan.ir import BACKWARD, SHARDED, Chunk, PipelinePlan, Segment, StepPlan, write_atomic
+from lengthwise.plan.ir import (
+    BACKWARD,
+    SHARDED,
+    Chunk,
+    PipelinePlan,
+    Segment,
+    StepPlan,
+    write_atomic,
+)
 from lengthwise.plan.schedules import make_schedule
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.distributed.launch import spawn
@@ -51,11 +59,11 @@ from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 LENGTHS = [1500, 300, 170, 600, 50, 900]
 SKRULL_LENGTHS = [2000, 300, 170, 600, 50, 900, 330, 120]
 SCENARIOS = {
-    "pp4-chunkflow": ("chunkflow", LENGTHS, dict(pp=4), {"chunk_size": 256, "k": 1}),
-    "dp2-pp2-chunkflow": ("chunkflow", LENGTHS, dict(dp=2, pp=2), {"chunk_size": 256, "k": 1}),
-    "dp2-cp2-skrull": ("skrull", SKRULL_LENGTHS, dict(dp=2, cp=2), {"bucket_size": 1100}),
-    "dp4-packing": ("packing", SKRULL_LENGTHS, dict(dp=4), {}),
-    "pp4-64x8-tokens": ("small-chunks", [8] * 64, dict(pp=4), {}),
+    "pp4-chunkflow": ("chunkflow", LENGTHS, {"pp": 4}, {"chunk_size": 256, "k": 1}),
+    "dp2-pp2-chunkflow": ("chunkflow", LENGTHS, {"dp": 2, "pp": 2}, {"chunk_size": 256, "k": 1}),
+    "dp2-cp2-skrull": ("skrull", SKRULL_LENGTHS, {"dp": 2, "cp": 2}, {"bucket_size": 1100}),
+    "dp4-packing": ("packing", SKRULL_LENGTHS, {"dp": 4}, {}),
+    "pp4-64x8-tokens": ("small-chunks", [8] * 64, {"pp": 4}, {}),
 }
 
 

@@ -35,13 +35,13 @@ from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 LENGTHS = [200, 30, 17, 60, 5]
 SKRULL_LENGTHS = [150, 40, 17, 60, 5, 90, 33, 12]
 SCENARIOS = {
-    "dp2-pp2": ("chunkflow", LENGTHS, dict(dp=2, pp=2), {"chunk_size": 32, "k": 1}),
-    "pp4": ("chunkflow", LENGTHS, dict(pp=4), {"chunk_size": 48, "k": 1}),
-    "dp2-cp2-skrull": ("skrull", SKRULL_LENGTHS, dict(dp=2, cp=2), {"bucket_size": 100}),
-    "dp2-cp2-chunkflow": ("chunkflow", LENGTHS, dict(dp=2, cp=2), {"chunk_size": 48, "k": 1}),
-    "dp2-pp2-slimpack": ("slimpack", LENGTHS + [90], dict(dp=2, pp=2), {"asymmetric": False}),
-    "pp2-cp2-skrull": ("skrull", SKRULL_LENGTHS, dict(pp=2, cp=2), {"bucket_size": 80}),
-    "pp2-cp2-empty-rows": ("hand", [13, 5, 4, 3, 1], dict(pp=2, cp=2), {}),
+    "dp2-pp2": ("chunkflow", LENGTHS, {"dp": 2, "pp": 2}, {"chunk_size": 32, "k": 1}),
+    "pp4": ("chunkflow", LENGTHS, {"pp": 4}, {"chunk_size": 48, "k": 1}),
+    "dp2-cp2-skrull": ("skrull", SKRULL_LENGTHS, {"dp": 2, "cp": 2}, {"bucket_size": 100}),
+    "dp2-cp2-chunkflow": ("chunkflow", LENGTHS, {"dp": 2, "cp": 2}, {"chunk_size": 48, "k": 1}),
+    "dp2-pp2-slimpack": ("slimpack", LENGTHS + [90], {"dp": 2, "pp": 2}, {"asymmetric": False}),
+    "pp2-cp2-skrull": ("skrull", SKRULL_LENGTHS, {"pp": 2, "cp": 2}, {"bucket_size": 80}),
+    "pp2-cp2-empty-rows": ("hand", [13, 5, 4, 3, 1], {"pp": 2, "cp": 2}, {}),
 }
 HAND_PLANS = {"pp2-cp2-empty-rows": [("0[0:13]+1[0:5]@0+2[0:4]@1 3[0:3]@0 4[0:1]", ["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"])]}
 """Chunk 1 has no token on CP rank 1; chunk 2 is one sharded token (only rank 0's head piece

@@ -10,9 +10,18 @@ from hypothesis import strategies as st
 from lengthwise.cli import main
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk
-from lengthwise.runtime.distributed.cp import cp_view, piece_bounds, piece_owner, rank_pieces
+from lengthwise.runtime.distributed.cp import (
+    cp_view,
+    piece_bounds,
+    piece_owner,
+    rank_pieces,
+)
 from lengthwise.runtime.distributed.dp import holder_sets, plan_fingerprint
-from lengthwise.runtime.distributed.mesh import PlanLayout, check_world_size, plan_places
+from lengthwise.runtime.distributed.mesh import (
+    PlanLayout,
+    check_world_size,
+    plan_places,
+)
 from lengthwise.runtime.execute import hand_plan
 from lengthwise.runtime.model import build_model
 from lengthwise.specs import model_preset

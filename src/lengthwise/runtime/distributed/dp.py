@@ -48,13 +48,14 @@ def plan_fingerprint(plan: StepPlan) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def check_same_plan(plan: StepPlan) -> None:
-    """All-gather each rank's plan fingerprint (16 bytes); UserError naming the odd ranks."""
+def check_same_plan(plan: StepPlan, device=None) -> None:
+    """All-gather each rank's plan fingerprint (16 bytes); UserError naming the odd ranks.
+    `device`: where the collective's tensor lives (cuda with NCCL)."""
     digest = bytes.fromhex(plan_fingerprint(plan))[:16]
-    mine = torch.tensor(list(digest), dtype=torch.uint8).view(torch.int64)
+    mine = torch.tensor(list(digest), dtype=torch.uint8).view(torch.int64).to(device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
-    prints = [t.view(torch.uint8).numpy().tobytes().hex()[:12] for t in gathered]
+    prints = [t.cpu().view(torch.uint8).numpy().tobytes().hex()[:12] for t in gathered]
     if len(set(prints)) > 1:
         raise UserError(_mismatch_message(prints))
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 import pickle
-import traceback
 import tempfile
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -87,7 +87,7 @@ def _worker(rank: int, fn, nproc: int, folder: str, timeout_s: float, args: tupl
                             timeout=timedelta(seconds=timeout_s))
     try:
         result = fn(rank, *args)
-    except BaseException as exc:
+    except Exception as exc:  # noqa: BLE001 -- any failure: recorded for the parent, then exit 1
         write_atomic(Path(folder) / f"error-{rank}.txt", f"{_kind(exc)}\n{exc}")
         if _kind(exc) == "other":  # a bug, not a named failure: keep the traceback on stderr
             traceback.print_exc()

@@ -34,7 +34,11 @@ import torch.distributed as dist
 from lengthwise.cost import CostModel
 from lengthwise.plan.ir import StepPlan, write_atomic
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.runtime.distributed.checkpoint_dist import latest_checkpoint, load_checkpoint, save_checkpoint
+from lengthwise.runtime.distributed.checkpoint_dist import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from lengthwise.runtime.distributed.dp import held_parameters
 from lengthwise.runtime.distributed.launch import init_from_torchrun
 from lengthwise.runtime.distributed.mesh import Mesh

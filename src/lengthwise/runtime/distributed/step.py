@@ -61,7 +61,7 @@ def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor]
     `after_action(index)` runs after each action (progress, fault injection in tests)."""
     check_executable(plan, model.spec, token_ids)
     if check_plan:
-        check_same_plan(plan)
+        check_same_plan(plan, mesh.device)
     layout = mesh.layout(plan)
     stats = CommStats()
     runner, transport = make_runner(model, plan, token_ids, mesh=mesh, layout=layout, stats=stats,
@@ -81,8 +81,8 @@ def make_runner(model: CausalLM, plan: StepPlan, token_ids, *, mesh: Mesh, layou
     param = next(model.parameters())
     place = layout.place
     transport = DistributedTransport(layout=layout, timeout_s=mesh.timeout_s, stats=stats)
-    common = dict(model=model, plan=plan, pipeline=place.pipeline, stage=place.stage, token_ids=token_ids,
-                  transport=transport, backend=resolve_backend(backend, param.device, param.dtype))
+    common = {"model": model, "plan": plan, "pipeline": place.pipeline, "stage": place.stage, "token_ids": token_ids,
+                  "transport": transport, "backend": resolve_backend(backend, param.device, param.dtype)}
     if plan.pipelines[place.pipeline].cp == 1:
         return StageRunner(**common), transport
     cp_group = mesh.group(layout.my_cp_ranks)

@@ -22,8 +22,15 @@ from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.step import gather_grads, run_rank_step
 from lengthwise.runtime.model import build_model
-from lengthwise.runtime.verify import (TOLERANCE, VerifyResult, compare_grads, random_tokens, resolve_oracle,
-                                       transformers_loss_and_grads, unpacked_loss_and_grads)
+from lengthwise.runtime.verify import (
+    TOLERANCE,
+    VerifyResult,
+    compare_grads,
+    random_tokens,
+    resolve_oracle,
+    transformers_loss_and_grads,
+    unpacked_loss_and_grads,
+)
 
 
 @dataclass(kw_only=True)
