@@ -29,6 +29,7 @@ heads, E head dim.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from itertools import accumulate
@@ -77,7 +78,12 @@ class ChunkLayout:
         return cu_q, cu_k
 
     def mask(self, device) -> torch.Tensor:
-        """Boolean [T, K], True where a query may attend a key."""
+        """Boolean [T, K], True where a query may attend a key. Built once per chunk, not per
+        layer: rebuilding it in every layer's forward and recompute made a slice cost 9 ms of
+        CPU more than its share (benchmarks/bench_split_overhead.py)."""
+        return _layout_mask(self, torch.device(device))
+
+    def _build_mask(self, device) -> torch.Tensor:
         seg_q = _segment_ids(self.q_lens, device)
         seg_k = _segment_ids(self.k_lens, device)
         q_index = _index_within(self.q_lens, device)
@@ -85,6 +91,11 @@ class ChunkLayout:
         ctx = torch.tensor(self.ctx_lens, device=device)[seg_q]
         same_segment = seg_q[:, None] == seg_k[None, :]
         return same_segment & (k_index[None, :] <= (ctx + q_index)[:, None])
+
+
+@functools.lru_cache(maxsize=4)  # a few chunks in flight; a 32K-row mask is 1 GiB, so keep few
+def _layout_mask(layout: ChunkLayout, device: torch.device) -> torch.Tensor:
+    return layout._build_mask(device)
 
 
 def _segment_ids(lens, device) -> torch.Tensor:
