@@ -134,6 +134,9 @@ def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
         if mesh.rank != 0:
             return 0
     else:
+        if torch.device(args.device).type != "cpu":
+            raise UserError(f"--nproc starts CPU workers (gloo); for --device {args.device} launch with "
+                            f"torchrun --nproc-per-node {args.nproc} -m lengthwise verify ...")
         check_world_size(plan, args.nproc)
         out = spawn(verify_worker, args.nproc, job, timeout_s=args.timeout)
     if args.json:
