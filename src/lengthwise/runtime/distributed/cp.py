@@ -2,7 +2,7 @@
 
 A segment marked `cp_rank = r` (Skrull's *local* sequences, skrull §4.1) runs whole on CP
 rank r. A segment marked SHARDED (Skrull's *distributed* sequences; SlimPack's DP-Merge,
-slimpack §4.1.1) is cut into 2c pieces of m = ceil(n / 2c) tokens and rank r takes pieces r
+slimpack §4.1.1) is cut into 2c pieces of at most m = ceil(n / 2c) tokens; rank r takes pieces r
 and 2c-1-r ("head-tail"): with causal attention piece j costs about j + 1/2 units of key work,
 so every rank gets (r + 1/2) + (2c - 1 - r + 1/2) = 2c units. When 2c does not divide n, the
 first n mod 2c pieces take one token more. Example, n = 10, c = 2, m = 3:
@@ -15,11 +15,16 @@ Attention: every layer all-gathers the K/V of the sharded pieces over the CP gro
 contributes its two pieces, each padded to m rows, so all contributions have one shape), puts
 the segment's K/V back in token order (padding rows are never read: masked out, and no token is
 dropped), and runs each local piece as a slice whose context is the segment's earlier slices
-(from the state store) plus the gathered K/V before the piece: piece j attends keys
-[0, start + j m + i] for its token i, exactly the causal mask of the whole segment. Backward
+(from the state store) plus the gathered K/V before the piece: token i of a piece starting at
+a attends keys [0, start + a + i], exactly the causal mask of the whole segment. Backward
 reduce-scatters the gradient of the gathered K/V, so each rank receives the sum over the group
 of dK/dV of its own pieces. The sharded segment's full K/V is what the stage keeps in its state
 store when a later slice of the sequence needs it (chunkflow's state hand-over works unchanged).
+
+Trade-off: each rank computes attention for 1/c of the queries but holds the whole segment's K/V
+per layer until that layer's backward (an all-gather CP, not a ring): activation memory of the
+sharded part is n/c tokens, K/V memory n tokens. Volume per forward: every rank sends its 2m
+rows of K and V to c - 1 peers per layer; backward reduce-scatters the same amount.
 
 Tensor legend: T tokens of this rank's row, P padded piece rows of the chunk's sharded segments
 on one rank, G K/V heads, E head dim, H query heads.
