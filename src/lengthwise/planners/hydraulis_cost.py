@@ -3,8 +3,8 @@
 
 A *scheme* P = <TP, PP, CP> is the configuration of one pipeline. The space holds TP in powers of
 two up to a node (TP across nodes is not modelled by the cost model, so it is not offered), PP
-among the divisors of the layer count (§5.1's D_P) up to `max_pp`, and CP > 1 only when no CP = 1
-scheme can hold the context length ("where the memory model needs it").
+among the divisors of the layer count (§5.1's D_P) up to `max_pp`, and CP > 1 over the widest
+TP (up to `max_cp`, further while the context length needs it; see scheme_space).
 
 T(l, P) is the forward + backward seconds of one micro-batch on the slowest stage of P. The cost
 model is affine in a chunk's row tokens and causal (query, key) pairs, so we read it as
@@ -153,13 +153,18 @@ def pp_degrees(model: ModelSpec, *, max_pp: int, num_gpus: int) -> list[int]:
 
 def scheme_space(cost: CostModel, *, num_gpus: int, context_length: int, max_tp: int, max_pp: int,
                  max_cp: int, threshold: float) -> list[Scheme]:
-    """The parallel scheme space (§5.1), CP levels added only while the context needs them."""
+    """The parallel scheme space (§5.1): TP within a node x PP, and CP over the widest TP.
+
+    CP > 1 stands in for the paper's TP degrees beyond a node (its 32B runs use TP 16 for
+    the longest sequences), which our cost model does not price: it adds memory for long
+    contexts and shortens the longest sequence's latency. It is offered up to max_cp, and
+    beyond that while the context length still needs it."""
     model, node = cost.model, cost.cluster.gpus_per_node
     tps = tp_degrees(model, max_tp=max_tp, gpus_per_node=node, num_gpus=num_gpus)
     pps = pp_degrees(model, max_pp=max_pp, num_gpus=num_gpus)
     schemes = _schemes(cost, tps, pps, [1], num_gpus, threshold)
-    for cp in _powers_of_two(max_cp)[1:]:
-        if max((s.max_len for s in schemes), default=0) >= context_length:
+    for cp in _powers_of_two(num_gpus)[1:]:
+        if cp > max_cp and max((s.max_len for s in schemes), default=0) >= context_length:
             break
         schemes += _schemes(cost, tps[-1:], pps, [cp], num_gpus, threshold)
     return sorted(schemes, key=lambda s: (s.num_gpus, s.pp, s.cp, s.tp))
