@@ -136,6 +136,24 @@ def test_no_sequence_on_a_pipeline_whose_max_len_is_below_it(lengths, hetero):
             assert all(p.lengths[s.seq_id] <= limit for s in chunk.segments)
 
 
+def test_every_pipeline_holds_its_model_states():
+    # llama-32b on 64 GPUs: tp2 fits only when the optimizer is sharded widely enough, so a
+    # strategy's leftover small pipelines must not overflow under its own pipeline count.
+    model = MODEL_PRESETS["llama-32b"]
+    cluster = cluster_preset("a800", 64)
+    cost = CostModel(model=model, cluster=cluster)
+    lengths = [31000, 18000, 9000] + [int(x) for x in np.random.default_rng(6).integers(20, 4000, 60)]
+    req = PlanRequest(lengths=lengths, model=model, cluster=cluster, scheme=ParallelScheme(dp=64), cost=cost,
+                      context_length=CONTEXT)
+    p = get_planner("hydraulis")(req)
+    validate_plan(p, cost)
+    for pipe in p.pipelines:
+        for s, layers in enumerate(pipe.stage_layers(model.num_layers)):
+            states = cost.model_state_bytes(layers=layers, tp=pipe.tp, dp=len(p.pipelines), zero=1, first=s == 0,
+                                            last=s == pipe.pp - 1)
+            assert states < cost.capacity_bytes
+
+
 def test_sequence_longer_than_every_scheme_names_the_sequence_and_limit():
     req = request([100, 200, 900_000, 50], gpus=8)
     req.context_length = 1_000_000

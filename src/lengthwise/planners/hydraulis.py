@@ -275,10 +275,20 @@ def _row(bound: float, strategy: Strategy, screen: float | None, estimate: float
             "screen_s": r(screen), "estimate_s": r(estimate)}
 
 
+def _usable(request: PlanRequest, strategy: Strategy) -> tuple[Strategy, list[int]]:
+    """The strategy without parts whose model states overflow under its pipeline count (their
+    GPUs stay idle; fewer pipelines shard the optimizer less, so check again), and the limits."""
+    while True:
+        limits = _part_limits(request, strategy)
+        if min(limits, default=1) >= 1:
+            return strategy, limits
+        strategy = Strategy(tuple(p for p, m in zip(strategy.parts, limits) if m >= 1))
+
+
 def _prepare(request: PlanRequest, strategy: Strategy, num_gpus: int, lengths: np.ndarray):
     """(lower bound, strategy, pipelines with limits or None when it cannot hold the batch)."""
-    limits = _part_limits(request, strategy)
-    if max(limits) < lengths.max():
+    strategy, limits = _usable(request, strategy)
+    if max(limits, default=0) < lengths.max():
         return np.inf, strategy, None
     schemes = [s for s, _ in strategy.parts]
     exchange = _exchange(request, strategy, num_gpus)
