@@ -179,13 +179,16 @@ def test_chunk_over_memory_names_pipeline_stage_and_chunk():
 
 
 def test_split_slice_counts_its_context_kv_state():
-    """Later slices of a long sequence also hold their context's K/V (1/77 of a token's
-    activations for qwen2.5-7b): half a lone row fits, but not after 100 such rows of context."""
+    """Later slices of a long sequence also hold their context's K/V: half a lone row fits, but
+    not once the context's K/V outgrows what stage 0 has left beside one row's activations."""
     cost = CostModel(model=MODEL, cluster=CLUSTER)
     row = cost.max_seq_len(pp=4, dp=1, inflight=1) // 2
-    total = 101 * row
-    slices = [f"0[{a}:{a + row}]" for a in range(0, total, row)]
-    message = rejected(plan([total], pipeline(slices, pp=4)), "K/V context", cost=cost)
+    layers = MODEL.num_layers // 4
+    free = (cost.capacity_bytes - cost.model_state_bytes(layers=layers, first=True)
+            - cost.activation_bytes_per_token(layers=layers) * row)
+    rows = int(free // cost.kv_bytes(row, layers=layers)) + 2
+    slices = [f"0[{a}:{a + row}]" for a in range(0, rows * row, row)]
+    message = rejected(plan([rows * row], pipeline(slices, pp=4)), "K/V context", cost=cost)
     assert "pipeline 0 stage" in message and "chunk 0 " not in message
 
 
