@@ -6,6 +6,8 @@
     lengthwise train --planner packing --batch-size 16 --context-length 1024
     lengthwise train --config run.toml --lr 1e-3       # flags override the file
     lengthwise train --model ckpt/step-000200 --data docs.jsonl --tokenizer tok/ --device cuda
+    lengthwise train --nproc 2 --dp 2 --out ckpt       # 2 local worker processes (gloo on CPU)
+    torchrun --nproc-per-node 4 -m lengthwise train --dp 2 --pp 2 --device cuda --out ckpt
 
 The model is a preset (--model tiny, the default), a Hugging Face config.json (random weights,
 seeded by --seed), or a directory with config.json and model.safetensors (weights loaded by
@@ -17,6 +19,14 @@ the previous step runs, then executed exactly as planned, with AdamW, gradient c
 progress bar showing loss and tokens/s. --metrics appends a JSON line per step; --out writes a
 checkpoint (HF weights, optimizer, sampler position, RNG states) every --save-every steps and
 after the last, and a later run with the same --out resumes from the latest, bit-exactly.
+
+With --nproc N (local workers: gloo on CPU, NCCL on CUDA with one GPU each) or under torchrun,
+the plan's dp x pp x cp ranks (N = dp * pp * cp) run the same loop, each its own pipeline stage:
+every rank plans the same batch (checked by a plan hash each step), AdamW updates the
+parameters the rank holds, clipping uses the global gradient norm, rank 0 alone writes metrics
+and the progress bar, and checkpoints are torch.distributed.checkpoint shards (plus the whole
+model as model.safetensors) that a run with the same N resumes exactly. Without either, one
+process runs every pipeline and stage of the plan.
 
 A TOML --config takes the same settings by their long names with underscores (batch_size,
 tokens_per_batch, ...) and planner options as a table:
@@ -89,6 +99,9 @@ def _add_runtime(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
                         help="attention backend (default auto: varlen on CUDA in 16 bits)")
     parser.add_argument("--dp", metavar="D", type=int, help="data-parallel pipelines in the plan (default 1)")
     parser.add_argument("--pp", metavar="P", type=int, help="pipeline stages in the plan (default 1)")
+    parser.add_argument("--cp", metavar="C", type=int, help="context-parallel ranks per stage in the plan (default 1)")
+    parser.add_argument("--nproc", metavar="N", type=int,
+                        help="run on N local worker processes, N = dp * pp * cp (gloo on CPU, NCCL on CUDA)")
     parser.add_argument("--cluster", metavar="PRESET", help="cluster the planner sizes for (default cpu)")
     parser.add_argument("--threads", metavar="N", type=int,
                         help="CPU threads for torch (default 1 on CPU, torch's choice with CUDA)")
@@ -111,7 +124,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     config = load_toml(args.config) if args.config else TrainConfig()
     flags = {name: getattr(args, name) for name in (
         "model", "planner", "batch_size", "tokens_per_batch", "steps", "lr", "weight_decay",
-        "grad_clip", "dtype", "device", "backend", "threads", "dp", "pp", "cluster", "metrics", "out",
+        "grad_clip", "dtype", "device", "backend", "threads", "dp", "pp", "cp", "nproc", "cluster", "metrics", "out",
         "save_every", "resume", "progress", "data", "tokenizer", "text_field", "context_length",
         "overlong", "seed")}
     flags["options"] = planner_options(args) or None
@@ -129,10 +142,18 @@ def planner_options(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from lengthwise.runtime.distributed.launch import under_torchrun
     from lengthwise.runtime.train import train
 
     config = config_from_args(args)
-    result = train(config)
+    if config.nproc is not None or under_torchrun():
+        from lengthwise.runtime.train_dist import train_distributed
+
+        result = train_distributed(config)
+        if result is None:  # a rank other than 0: rank 0 reports
+            return 0
+    else:
+        result = train(config)
     print(summary(config, result))
     return 0
 
@@ -144,7 +165,8 @@ def summary(config: TrainConfig, result) -> str:
     first, last = records[0], records[-1]
     tokens = sum(r.tokens for r in records)
     seconds = sum(r.step_s for r in records)
-    lines = [f"train: {config.model} on {config.data}, planner {config.planner}, steps "
+    where = f" on {result.nproc} processes" if result.nproc > 1 else ""
+    lines = [f"train: {config.model} on {config.data}, planner {config.planner}{where}, steps "
              f"{result.start_step + 1}-{last.step} of {config.steps}"
              + (f" (resumed from {result.resumed_from})" if result.resumed_from else ""),
              (f"  loss {first.loss:.4f} -> {last.loss:.4f}; {tokens:,} tokens in {seconds:.1f} s "

@@ -35,6 +35,9 @@ from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.weights import load_weights, save_pretrained
 
 _STEP_DIR = re.compile(r"step-(\d+)")
+DIST_MARKER = "COMPLETE"
+"""Written last into a distributed run's checkpoint (runtime/distributed/checkpoint_dist.py),
+holding its number of processes."""
 
 
 def step_dir_name(step: int) -> str:
@@ -86,6 +89,9 @@ def latest_checkpoint(out: str | Path) -> Path | None:
 def load_checkpoint(path: str | Path, model: CausalLM, optimizer: torch.optim.Optimizer) -> dict:
     """Restore weights, optimizer state and RNG states from `path`; returns trainer.json."""
     path = Path(path)
+    if (path / DIST_MARKER).is_file():
+        raise UserError(f"{path} was written by a distributed run of {(path / DIST_MARKER).read_text().strip()} "
+                        f"processes; resume it with the same --nproc (or torchrun --nproc-per-node)")
     if not (path / "trainer.json").is_file():
         raise UserError(f"--resume {path}: not a checkpoint (no trainer.json); give an "
                         f"out/step-NNNNNN directory written by lengthwise train")

@@ -19,15 +19,23 @@ Resume: a checkpoint after step n holds the weights, the AdamW state, the RNG st
 sampler position after batch n (not after the prefetched batch n+1), so a run resumed from it
 draws, plans and computes exactly what the uninterrupted run did: the final weights are
 bit-identical (tests/test_train.py).
+
+Executors. The loop above is shared; what runs a step's plan is an executor. `LocalExecutor`:
+this process runs every pipeline and stage (`run_step`), AdamW over all parameters,
+checkpoints in runtime/checkpoint.py. `train_dist.RankExecutor`: one rank of dp * pp * cp
+processes runs its stage (`run_rank_step`), AdamW over the parameters it holds, clipping by the
+global norm, checkpoints through torch.distributed.checkpoint; only rank 0 reports.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -103,8 +111,9 @@ class StepRecord:
 class TrainResult:
     """A finished run (or the part of it this call ran)."""
 
-    model: CausalLM
-    """The trained model."""
+    model: CausalLM | None
+    """The trained model; None for a distributed run (each rank held a part; the weights are
+    in its checkpoints)."""
     records: list[StepRecord] = field(default_factory=list)
     """One per step this call ran."""
     start_step: int = 0
@@ -113,10 +122,12 @@ class TrainResult:
     """The last checkpoint written, if any."""
     resumed_from: Path | None = None
     """The checkpoint this call resumed from, if any."""
+    nproc: int = 1
+    """Processes that ran the steps."""
 
 
 @dataclass(kw_only=True)
-class _Prepared:
+class PreparedStep:
     """A batch ready to execute: what the worker thread hands the training loop."""
 
     batch: GlobalBatch
@@ -127,20 +138,20 @@ class _Prepared:
     """The sampler's position after this batch: what a checkpoint after it stores."""
 
 
-class _Setup:
+class Setup:
     """Everything a run builds once: data, model, optimizer, and how to plan a batch."""
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, *, device: torch.device | None = None):
         from lengthwise.planners import get_planner
 
         config.validate()
         self.config = config
         self.planner = get_planner(config.planner)  # an unknown name fails before any work
-        self.device = resolve_device(config.device)
+        self.device = device or resolve_device(config.device)
         if config.threads is not None or self.device.type == "cpu":
             torch.set_num_threads(config.threads or 1)
         self.spec = model_preset(config.model)
-        self.scheme = ParallelScheme(dp=config.dp, pp=config.pp)
+        self.scheme = ParallelScheme(dp=config.dp, pp=config.pp, cp=config.cp)
         self.scheme.validate(self.spec)
         self.model = load_model(config.model, self.spec, dtype=getattr(torch, config.dtype),
                                 device=self.device, seed=config.seed)
@@ -148,26 +159,26 @@ class _Setup:
                                     config.overlong, text_field=config.text_field)
         _check_vocab(self.source, self.spec)
         self.sampler = GlobalBatchSampler(self.source, seed=config.seed, **config.sampler_size)
-        self.optimizer = make_optimizer(self.model, config)
 
-    def prepare(self, batch: GlobalBatch, sampler_state: dict) -> _Prepared:
+    def prepare(self, batch: GlobalBatch, sampler_state: dict) -> PreparedStep:
         """Token ids and the validated plan of `batch` (runs on the worker thread)."""
         token_ids = [torch.as_tensor(self.source.tokens(i), dtype=torch.long) for i in batch.seq_ids]
         started = time.perf_counter()
-        plan = self._plan(list(batch.lengths), seed=self.config.seed + batch.index)
-        return _Prepared(batch=batch, plan=plan, token_ids=token_ids, sampler_state=sampler_state,
+        plan = self.plan(batch)
+        return PreparedStep(batch=batch, plan=plan, token_ids=token_ids, sampler_state=sampler_state,
                          planning_ms=(time.perf_counter() - started) * 1e3)
 
-    def _plan(self, lengths: list[int], *, seed: int) -> StepPlan:
+    def plan(self, batch: GlobalBatch) -> StepPlan:
+        """The validated plan of `batch`: a function of the batch and the run's seed only."""
         from lengthwise.cost import CostModel
         from lengthwise.plan.validate import validate_plan
         from lengthwise.planners import PlanRequest
 
         cluster = cluster_preset(self.config.cluster, self.scheme.num_gpus)
         cost = CostModel(model=self.spec, cluster=cluster)
-        request = PlanRequest(lengths=lengths, model=self.spec, cluster=cluster, scheme=self.scheme,
-                              cost=cost, context_length=self.config.context_length, seed=seed,
-                              options=dict(self.config.options))
+        request = PlanRequest(lengths=list(batch.lengths), model=self.spec, cluster=cluster,
+                              scheme=self.scheme, cost=cost, context_length=self.config.context_length,
+                              seed=self.config.seed + batch.index, options=dict(self.config.options))
         plan = self.planner(request)
         validate_plan(plan, cost)
         return plan
@@ -204,38 +215,111 @@ def _check_vocab(source: LengthSource, spec: ModelSpec) -> None:
                         f"use a matching --tokenizer or --model")
 
 
-def make_optimizer(model: CausalLM, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices (embeddings included), none on norms and biases."""
-    params = list(model.parameters())  # tied weights appear once
+def make_optimizer(model: CausalLM, config: TrainConfig, *,
+                   held: Iterable[torch.nn.Parameter] | None = None) -> torch.optim.AdamW:
+    """AdamW over `held` (default: all of the model's parameters); weight decay on matrices
+    (embeddings included), none on norms and biases."""
+    params = list(model.parameters() if held is None else held)  # tied weights appear once
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=config.lr)
 
 
+@dataclass(kw_only=True)
+class StepOutcome:
+    """What an executor's step gave (the same on every rank of a distributed run)."""
+
+    loss: float
+    """Mean token cross-entropy of the global batch (nats), before the update."""
+    grad_norm: float
+    """Global gradient 2-norm before clipping."""
+    peak_memory_bytes: int
+    """Peak memory of the step (the largest over the ranks)."""
+    memory_kind: str
+    """saved_for_backward or cuda_max_allocated."""
+
+
+class Executor(Protocol):
+    """Runs each step's plan and owns the optimizer and the checkpoints."""
+
+    is_reporter: bool
+    nproc: int
+    must_match: tuple[str, ...]
+    result_model: CausalLM | None
+
+    def step(self, prepared: PreparedStep, step: int) -> StepOutcome: ...
+    def latest_checkpoint(self, out: str) -> Path | None: ...
+    def load(self, path: Path) -> dict: ...
+    def save(self, step: int, trainer: dict) -> Path: ...
+
+
+class LocalExecutor:
+    """This process runs the whole plan (`forward_backward`), AdamW over every parameter,
+    checkpoints as Hugging Face directories (runtime/checkpoint.py)."""
+
+    is_reporter = True
+    """Writes the metrics and the progress bar."""
+    nproc = 1
+    must_match = RESUME_MUST_MATCH
+    """Config fields a checkpoint must share with the run resuming it."""
+
+    def __init__(self, setup: Setup):
+        self.config, self.model = setup.config, setup.model
+        self.result_model = setup.model
+        self.optimizer = make_optimizer(setup.model, setup.config)
+
+    def step(self, prepared: PreparedStep, step: int) -> StepOutcome:
+        model, config = self.model, self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        with PeakMemory(model) as peak:
+            loss = forward_backward(model, prepared.plan, prepared.token_ids, backend=config.backend)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
+        self.optimizer.step()
+        return StepOutcome(loss=float(loss), grad_norm=float(grad_norm), peak_memory_bytes=peak.bytes,
+                           memory_kind=peak.kind)
+
+    def latest_checkpoint(self, out: str) -> Path | None:
+        return latest_checkpoint(out)
+
+    def load(self, path: Path) -> dict:
+        """Restore weights, optimizer and RNGs from `path`; returns its trainer state."""
+        return load_checkpoint(path, self.model, self.optimizer)
+
+    def save(self, step: int, trainer: dict) -> Path:
+        return save_checkpoint(self.config.out, step=step, model=self.model, optimizer=self.optimizer,
+                               trainer=trainer)
+
+
 def train(config: TrainConfig) -> TrainResult:
-    """Run `config` to config.steps total steps, resuming from a checkpoint when there is one."""
-    setup = _Setup(config)
-    result = TrainResult(model=setup.model)
-    result.resumed_from = _resume_path(config)
+    """Run `config` to config.steps total steps on this process, resuming from a checkpoint
+    when there is one."""
+    setup = Setup(config)
+    return run_training(setup, LocalExecutor(setup))
+
+
+def run_training(setup: Setup, executor: Executor) -> TrainResult:
+    """The loop every executor shares: resume, then plan one step ahead and run to config.steps."""
+    result = TrainResult(model=executor.result_model, nproc=executor.nproc)
+    result.resumed_from = _resume_path(setup.config, executor)
     if result.resumed_from is not None:
-        result.start_step = _resume(setup, result.resumed_from)
+        result.start_step = _resume(setup, executor, result.resumed_from)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lengthwise-plan") as pool:
-        _loop(setup, result, pool)
+        _loop(setup, executor, result, pool)
     return result
 
 
-def _resume_path(config: TrainConfig) -> Path | None:
+def _resume_path(config: TrainConfig, executor: Executor) -> Path | None:
     if config.resume is not None:
         if not Path(config.resume).is_dir():
             raise UserError(f"--resume {config.resume}: no such directory")
         return Path(config.resume)
-    return None if config.out is None else latest_checkpoint(config.out)
+    return None if config.out is None else executor.latest_checkpoint(config.out)
 
 
-def _resume(setup: _Setup, path: Path) -> int:
-    trainer = load_checkpoint(path, setup.model, setup.optimizer)
+def _resume(setup: Setup, executor: Executor, path: Path) -> int:
+    trainer = executor.load(path)
     saved = trainer["config"]
-    for key in RESUME_MUST_MATCH:
+    for key in executor.must_match:
         if saved.get(key) != getattr(setup.config, key):
             raise UserError(f"checkpoint {path} was trained with {key}={saved.get(key)!r}, this run "
                             f"has {getattr(setup.config, key)!r}; resume with the same value")
@@ -243,11 +327,11 @@ def _resume(setup: _Setup, path: Path) -> int:
     return int(trainer["step"])
 
 
-def _loop(setup: _Setup, result: TrainResult, pool: ThreadPoolExecutor) -> None:
+def _loop(setup: Setup, executor: Executor, result: TrainResult, pool: ThreadPoolExecutor) -> None:
     config, step = setup.config, result.start_step
     if step >= config.steps:
         return
-    progress = _progress_bar(config, step)
+    progress = _progress_bar(config, step, executor.is_reporter)
     ahead = _submit(setup, pool)
     try:
         while step < config.steps:
@@ -257,43 +341,41 @@ def _loop(setup: _Setup, result: TrainResult, pool: ThreadPoolExecutor) -> None:
             step += 1
             if step < config.steps:
                 ahead = _submit(setup, pool)  # plan step n+1 while step n runs
-            record = _run_step(setup, prepared, step, started, waited)
+            record = _run_step(setup, executor, prepared, step, started, waited)
             result.records.append(record)
-            _report(config, record, progress)
+            if executor.is_reporter:
+                _report(config, record, progress)
             if _checkpoint_due(config, step):
-                result.checkpoint = _save(setup, step, prepared, record)
+                result.checkpoint = _save(setup, executor, step, prepared, record)
     finally:
         ahead.cancel()
         progress.close()
 
 
-def _submit(setup: _Setup, pool: ThreadPoolExecutor) -> Future:
+def _submit(setup: Setup, pool: ThreadPoolExecutor) -> Future:
     batch = setup.sampler.next_batch()
     return pool.submit(setup.prepare, batch, setup.sampler.state_dict())
 
 
-def _run_step(setup: _Setup, prepared: _Prepared, step: int, started: float, waited: float) -> StepRecord:
-    model, optimizer, config = setup.model, setup.optimizer, setup.config
-    optimizer.zero_grad(set_to_none=True)
-    with PeakMemory(model) as peak:
-        loss = forward_backward(model, prepared.plan, prepared.token_ids, backend=config.backend)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
-    optimizer.step()
+def _run_step(setup: Setup, executor: Executor, prepared: PreparedStep, step: int, started: float,
+              waited: float) -> StepRecord:
+    outcome = executor.step(prepared, step)
     if setup.device.type == "cuda":
         torch.cuda.synchronize(setup.device)
     batch = prepared.batch
-    return StepRecord(step=step, loss=float(loss), tokens=batch.num_tokens, seq_ids=batch.seq_ids,
+    return StepRecord(step=step, loss=outcome.loss, tokens=batch.num_tokens, seq_ids=batch.seq_ids,
                       step_s=time.perf_counter() - started, wait_ms=waited * 1e3,
-                      planning_ms=prepared.planning_ms, peak_memory_bytes=peak.bytes,
-                      memory_kind=peak.kind, grad_norm=float(grad_norm), planner=prepared.plan.planner,
+                      planning_ms=prepared.planning_ms, peak_memory_bytes=outcome.peak_memory_bytes,
+                      memory_kind=outcome.memory_kind, grad_norm=outcome.grad_norm,
+                      planner=prepared.plan.planner,
                       padding_fraction=float(prepared.plan.metrics.get("padding_fraction", 0.0)))
 
 
-def _progress_bar(config: TrainConfig, step: int):
+def _progress_bar(config: TrainConfig, step: int, shown: bool):
     from tqdm import tqdm
 
     return tqdm(total=config.steps, initial=step, desc="train", unit="step",
-                disable=not config.progress, dynamic_ncols=True)
+                disable=not (config.progress and shown), dynamic_ncols=True)
 
 
 def _report(config: TrainConfig, record: StepRecord, progress) -> None:
@@ -312,8 +394,7 @@ def _checkpoint_due(config: TrainConfig, step: int) -> bool:
     return step == config.steps or (config.save_every is not None and step % config.save_every == 0)
 
 
-def _save(setup: _Setup, step: int, prepared: _Prepared, record: StepRecord) -> Path:
+def _save(setup: Setup, executor: Executor, step: int, prepared: PreparedStep, record: StepRecord) -> Path:
     trainer = {"sampler": prepared.sampler_state, "config": setup.config.to_dict(),
                "loss": record.loss}
-    return save_checkpoint(setup.config.out, step=step, model=setup.model, optimizer=setup.optimizer,
-                           trainer=trainer)
+    return executor.save(step, trainer)

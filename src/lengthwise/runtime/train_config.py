@@ -60,9 +60,16 @@ class TrainConfig:
     options: dict[str, Any] = field(default_factory=dict)
     """Planner options, e.g. {"chunk_size": 256, "k": 2}."""
     dp: int = 1
-    """Data-parallel pipelines in the plan (all executed on this one process)."""
+    """Data-parallel pipelines in the plan (run on this one process, or one rank per stage and
+    CP rank with nproc or torchrun)."""
     pp: int = 1
-    """Pipeline stages in the plan (all executed on this one process)."""
+    """Pipeline stages in the plan (likewise)."""
+    cp: int = 1
+    """Context-parallel ranks per stage in the plan (likewise; one process runs all shares)."""
+    nproc: int | None = None
+    """Local worker processes to start, one per (pipeline, stage, CP rank): dp * pp * cp of
+    them, gloo on CPU, NCCL on CUDA (one GPU each). None: this process runs the whole plan
+    (or, under torchrun, torchrun's processes do)."""
     cluster: str = "cpu"
     """Cluster preset the planners size chunks for (memory per GPU)."""
     batch_size: int | None = None
@@ -101,8 +108,10 @@ class TrainConfig:
 
     def validate(self) -> None:
         """UserError naming the first field out of range."""
-        _positive(self, "context_length", "steps", "dp", "pp", "batch_size", "tokens_per_batch",
-                  "save_every", "threads")
+        _positive(self, "context_length", "steps", "dp", "pp", "cp", "nproc", "batch_size",
+                  "tokens_per_batch", "save_every", "threads")
+        if self.nproc is not None:
+            check_degrees(self, self.nproc, "--nproc")
         if self.batch_size is not None and self.tokens_per_batch is not None:
             raise UserError(f"give batch_size ({self.batch_size}) or tokens_per_batch "
                             f"({self.tokens_per_batch}), not both")
@@ -117,6 +126,11 @@ class TrainConfig:
                 raise UserError(f"{name} {getattr(self, name)!r}: use one of {', '.join(choices)}")
 
     @property
+    def num_ranks(self) -> int:
+        """Processes a distributed run of this config needs: dp * pp * cp."""
+        return self.dp * self.pp * self.cp
+
+    @property
     def sampler_size(self) -> dict[str, int]:
         """The sampler's batch_size or token_budget keyword."""
         if self.tokens_per_batch is not None:
@@ -125,6 +139,13 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def check_degrees(config: TrainConfig, world_size: int, where: str) -> None:
+    """UserError showing the arithmetic when dp * pp * cp is not the number of processes."""
+    if config.num_ranks != world_size:
+        raise UserError(f"dp({config.dp}) * pp({config.pp}) * cp({config.cp}) = {config.num_ranks} "
+                        f"processes, {where} gives {world_size}: make them equal")
 
 
 def _positive(config: TrainConfig, *names: str) -> None:

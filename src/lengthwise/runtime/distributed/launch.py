@@ -5,7 +5,7 @@
 
 Under torchrun (detected with torch's own `is_torchelastic_launched`), `init_from_torchrun`
 joins the group torchrun describes: NCCL on GPUs (cuda:LOCAL_RANK), gloo on CPU. `spawn` starts
-`nproc` local processes with torch.multiprocessing (start method spawn, gloo, a FileStore in a
+`nproc` local processes with torch.multiprocessing (start method spawn, gloo or NCCL, a FileStore in a
 temporary folder for the rendezvous, so no port is guessed) and runs `fn(rank, *args)` in each.
 Rank 0's return value comes back to the caller. When a worker fails, the others are stopped
 and the caller gets a UserError with the failing ranks' messages, the earliest root cause
@@ -67,13 +67,14 @@ def _attempt_store(rank: int, world: int, timeout_s: float):
     return dist.PrefixStore(f"lengthwise/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def spawn(fn, nproc: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S):
-    """Run `fn(rank, *args)` in `nproc` local gloo processes; returns rank 0's result."""
+def spawn(fn, nproc: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"):
+    """Run `fn(rank, *args)` in `nproc` local processes (gloo, or nccl with cuda:rank as each
+    one's device); returns rank 0's result."""
     if nproc < 1:
         raise UserError(f"--nproc {nproc} must be at least 1")
     with tempfile.TemporaryDirectory(prefix="lengthwise-spawn-") as folder:
         try:
-            mp.start_processes(_worker, args=(fn, nproc, folder, timeout_s, args), nprocs=nproc,
+            mp.start_processes(_worker, args=(fn, nproc, folder, timeout_s, args, backend), nprocs=nproc,
                                start_method="spawn", join=True)
         except (mp.ProcessExitedException, mp.ProcessRaisedException):
             raise UserError(_failure_report(Path(folder), nproc)) from None
@@ -81,9 +82,11 @@ def spawn(fn, nproc: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S):
         return pickle.loads(result.read_bytes()) if result.exists() else None
 
 
-def _worker(rank: int, fn, nproc: int, folder: str, timeout_s: float, args: tuple) -> None:
+def _worker(rank: int, fn, nproc: int, folder: str, timeout_s: float, args: tuple, backend: str) -> None:
     torch.set_num_threads(1)  # nproc workers share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=nproc,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=rank, world_size=nproc,
                             timeout=timedelta(seconds=timeout_s))
     try:
         result = fn(rank, *args)

@@ -1,0 +1,206 @@
+"""`lengthwise train` across processes: the single-process loop with one rank's executor.
+
+    torchrun --nproc-per-node 4 -m lengthwise train --dp 2 --pp 2 --out ckpt     # any launcher
+    lengthwise train --nproc 2 --dp 2 --dtype float64 --steps 4                  # local workers
+
+Every rank runs `train.run_training`, the loop a single process runs: it samples the same
+global batch (same seed, same sampler position), plans it in its own planning thread (a plan is
+a function of the batch and the seed only), and hands it to a `RankExecutor`, which
+
+- checks once per step that every rank holds the same plan (`dp.check_same_plan`: a 16-byte
+  hash, all-gathered) and that the ranks' stages are those of the first step;
+- runs this rank's (pipeline, stage, CP rank) part (`step.run_rank_step`), which ends with each
+  gradient summed over the ranks holding its parameter;
+- clips with the global gradient norm (`dp.global_grad_norm`, each parameter counted once) and
+  steps AdamW over the parameters this rank holds (`dp.held_parameters`); every holder of a
+  parameter sees the same summed gradient, so the replicas stay equal;
+- checkpoints with `checkpoint_dist` (torch.distributed.checkpoint shards, plus each rank's
+  sampler position and RNG states), and rank 0 adds the gathered weights as config.json and
+  model.safetensors, so a distributed checkpoint is also a model directory for `--model`.
+
+Rank 0 alone writes the metrics and shows the progress bar. Resume is exact as on one process
+(tests/test_distributed_fault.py kills a rank mid-step under torchrun). The final weights equal a
+single-process run with the same plan settings up to the order of floating-point sums
+(tests/test_train_distributed.py: within 1e-10 in float64 after two AdamW steps).
+
+Each rank builds the whole model (seeded, so every copy starts equal) and updates only its
+stage's parameters: simple, and memory-bound for models whose full weights do not fit one
+device. Which parameters a rank holds comes from the first batch's plan and may not change;
+every planner with fixed dp / pp / cp and layers per stage keeps it, and a plan that moves
+stages is refused with the step named.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import StepPlan
+from lengthwise.runtime import checkpoint as local_checkpoint
+from lengthwise.runtime.distributed import checkpoint_dist
+from lengthwise.runtime.distributed.dp import (
+    check_same_plan,
+    global_grad_norm,
+    held_parameters,
+)
+from lengthwise.runtime.distributed.launch import (
+    init_from_torchrun,
+    spawn,
+    under_torchrun,
+)
+from lengthwise.runtime.distributed.mesh import Mesh
+from lengthwise.runtime.distributed.step import gather_grads_like, run_rank_step
+from lengthwise.runtime.train import (
+    RESUME_MUST_MATCH,
+    PreparedStep,
+    Setup,
+    StepOutcome,
+    TrainResult,
+    make_optimizer,
+    resolve_device,
+    run_training,
+)
+from lengthwise.runtime.train_config import TrainConfig, check_degrees
+from lengthwise.runtime.train_step import PADDED_PLANNERS, PeakMemory
+from lengthwise.runtime.weights import load_state, save_pretrained
+from lengthwise.workloads.sampler import GlobalBatchSampler
+
+AfterAction = Callable[[int, int], None]
+"""Called as after_action(step, action_index) after each action of this rank (fault tests)."""
+
+
+def train_distributed(config: TrainConfig, *, after_action: AfterAction | None = None) -> TrainResult | None:
+    """Under torchrun: this rank's part of the run (the result on rank 0, None elsewhere).
+    Otherwise config.nproc local workers; returns rank 0's result."""
+    if under_torchrun():
+        return _train_under_torchrun(config, after_action)
+    assert config.nproc is not None, "a distributed run needs torchrun or config.nproc"
+    device = resolve_device(config.device)
+    if device.type == "cuda" and torch.cuda.device_count() < config.nproc:
+        raise UserError(f"--nproc {config.nproc} on CUDA needs {config.nproc} GPUs, this machine has "
+                        f"{torch.cuda.device_count()}: use fewer processes or --device cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    return spawn(_spawned_rank, config.nproc, config, device.type, after_action, backend=backend)
+
+
+def _train_under_torchrun(config: TrainConfig, after_action: AfterAction | None) -> TrainResult | None:
+    if config.nproc is not None:
+        raise UserError(f"--nproc {config.nproc} starts local workers; under torchrun leave it out "
+                        "(torchrun --nproc-per-node sets the number of processes)")
+    mesh = init_from_torchrun(device=resolve_device(config.device).type)
+    try:
+        result = train_on_rank(config, mesh, after_action=after_action)
+    finally:
+        dist.destroy_process_group()
+    return result if mesh.rank == 0 else None
+
+
+def _spawned_rank(rank: int, config: TrainConfig, device_type: str,
+                  after_action: AfterAction | None) -> TrainResult | None:
+    device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
+    result = train_on_rank(config, Mesh.from_default_group(device=device), after_action=after_action)
+    return result if rank == 0 else None
+
+
+def train_on_rank(config: TrainConfig, mesh: Mesh, *, after_action: AfterAction | None = None) -> TrainResult:
+    """This rank's part of `config`, in an initialised process group of dp * pp * cp ranks."""
+    setup = Setup(config, device=mesh.device)
+    return run_training(setup, RankExecutor(setup, mesh, after_action=after_action))
+
+
+def layout_signature(plan: StepPlan, num_layers: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    """What fixes each rank's stage and parameters: every pipeline's pp, cp and layers per stage."""
+    return [(pipe.pp, pipe.cp, tuple(pipe.stage_layers(num_layers))) for pipe in plan.pipelines]
+
+
+class RankExecutor:
+    """One rank's step, optimizer and checkpoints (the module docstring lists what a step does)."""
+
+    must_match = RESUME_MUST_MATCH + ("dp", "pp", "cp")
+    """Config fields a checkpoint must share with the run resuming it."""
+    result_model = None
+    """No rank holds the whole trained model (the checkpoints do)."""
+
+    def __init__(self, setup: Setup, mesh: Mesh, *, after_action: AfterAction | None = None):
+        config = setup.config
+        if config.planner in PADDED_PLANNERS:
+            raise UserError(f"--planner {config.planner} computes padded rows on one process only; "
+                            f"use --planner packing (the same batches, unpadded) across processes")
+        check_degrees(config, mesh.world_size, "the process group")
+        self.config, self.model, self.mesh, self.after_action = config, setup.model, mesh, after_action
+        self.nproc, self.is_reporter = mesh.world_size, mesh.rank == 0
+        self.first_plan = setup.plan(GlobalBatchSampler(setup.source, seed=config.seed,
+                                                        **config.sampler_size).next_batch())
+        self.layout = mesh.layout(self.first_plan)  # collective: creates the CP groups
+        self.held = held_parameters(self.model, self.first_plan, self.layout.place)
+        self.optimizer = make_optimizer(self.model, config, held=self.held.values())
+
+    def step(self, prepared: PreparedStep, step: int) -> StepOutcome:
+        plan, model = prepared.plan, self.model
+        check_same_plan(plan, self.mesh.device)
+        self._check_layout(plan, step)
+        self.optimizer.zero_grad(set_to_none=True)
+        hook = None if self.after_action is None else functools.partial(self.after_action, step)
+        with PeakMemory(model) as peak:
+            done = run_rank_step(model, plan, prepared.token_ids, mesh=self.mesh, backend=self.config.backend,
+                                 check_plan=False, after_action=hook)
+        grad_norm = global_grad_norm(model, plan, done.layout, device=self.mesh.device)
+        if self.config.grad_clip:  # the rule of clip_grad_norm_, with the norm over all ranks
+            torch.nn.utils.clip_grads_with_norm_(list(self.held.values()), self.config.grad_clip,
+                                                 torch.tensor(grad_norm, dtype=torch.float64))
+        self.optimizer.step()
+        return StepOutcome(loss=done.loss, grad_norm=grad_norm, peak_memory_bytes=self._largest(peak.bytes),
+                           memory_kind=peak.kind)
+
+    def _check_layout(self, plan: StepPlan, step: int) -> None:
+        layers = self.model.spec.num_layers
+        now, first = layout_signature(plan, layers), layout_signature(self.first_plan, layers)
+        if now != first:
+            raise UserError(f"step {step}: the plan's pipelines (pp, cp, layers per stage) are {now}, "
+                            f"step 1's were {first}; across processes each rank keeps its stage, so "
+                            f"use planner options that keep them the same every step")
+
+    def _largest(self, value: int) -> int:
+        """The largest `value` over the ranks (collective)."""
+        total = torch.tensor([value], dtype=torch.int64, device=self.mesh.device)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        return int(total.item())
+
+    def latest_checkpoint(self, out: str) -> Path | None:
+        """The newest checkpoint all ranks finished; a single-process one, if that is the
+        newest, so that `load` can say so rather than overwrite it."""
+        local = local_checkpoint.latest_checkpoint(out)
+        if local is not None and (local / "trainer.json").is_file():
+            return local
+        return checkpoint_dist.latest_checkpoint(out)
+
+    def load(self, path: Path) -> dict:
+        """Restore this rank's parameters, optimizer state and RNGs; returns its trainer state."""
+        marker = path / checkpoint_dist.COMPLETE
+        if not marker.is_file():
+            raise UserError(f"{path} is not a complete checkpoint of a distributed run (no {marker.name}; "
+                            f"single-process checkpoints resume without --nproc / torchrun)")
+        saved_nproc = int(marker.read_text().split()[0])
+        if saved_nproc != self.nproc:
+            raise UserError(f"{path} was written by {saved_nproc} processes, this run has {self.nproc}; "
+                            f"resume with --nproc {saved_nproc} (and the same --dp/--pp/--cp)")
+        return checkpoint_dist.load_checkpoint(path, model=self.model, optimizer=self.optimizer, held=self.held)
+
+    def save(self, step: int, trainer: dict) -> Path:
+        path = checkpoint_dist.checkpoint_path(self.config.out, step)
+        self._save_weights(path)  # before the COMPLETE marker, which covers these files too
+        return checkpoint_dist.save_checkpoint(self.config.out, step=step, model=self.model,
+                                               optimizer=self.optimizer, held=self.held, extras=trainer)
+
+    def _save_weights(self, path: Path) -> None:
+        """Rank 0 writes the whole model in Hugging Face format, each tensor from its lowest holder
+        (collective). Rank 0's copies of other stages' parameters are brought up to date on the way."""
+        weights = gather_grads_like(self.model, self.layout, self.first_plan, lambda p: p.detach().cpu())
+        if weights is not None:
+            load_state(self.model, weights)
+            save_pretrained(self.model, path)
