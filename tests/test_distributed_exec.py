@@ -7,7 +7,7 @@ Scenarios: DP=2 x PP=2 and PP=4 with chunkflow's state-aware 1F1B (K=1, split se
 DP=2 x CP=2 with a Skrull plan (sharded and local sequences in one chunk, lengths not divisible
 by 2c), DP=2 x CP=2 with chunkflow (split sequences
 sharded over CP, K/V state handed across slices), DP=2 x PP=2 with SlimPack's MicroPacks
-(asymmetric backward grouping off: the executor does not run backward_chunks yet), PP=2 x CP=2 (Skrull, and a hand plan whose
+(asymmetric backward grouping: backward units regroup the forward MicroPacks' tokens), PP=2 x CP=2 (Skrull, and a hand plan whose
 CP rank 1 holds no token of some chunks), a desynchronised sampler, and a silent stage.
 """
 
@@ -39,7 +39,7 @@ SCENARIOS = {
     "pp4": ("chunkflow", LENGTHS, {"pp": 4}, {"chunk_size": 48, "k": 1}),
     "dp2-cp2-skrull": ("skrull", SKRULL_LENGTHS, {"dp": 2, "cp": 2}, {"bucket_size": 100}),
     "dp2-cp2-chunkflow": ("chunkflow", LENGTHS, {"dp": 2, "cp": 2}, {"chunk_size": 48, "k": 1}),
-    "dp2-pp2-slimpack": ("slimpack", LENGTHS + [90], {"dp": 2, "pp": 2}, {"asymmetric": False}),
+    "dp2-pp2-slimpack": ("slimpack", LENGTHS + [90], {"dp": 2, "pp": 2}, {"asymmetric": True}),
     "pp2-cp2-skrull": ("skrull", SKRULL_LENGTHS, {"pp": 2, "cp": 2}, {"bucket_size": 80}),
     "pp2-cp2-empty-rows": ("hand", [13, 5, 4, 3, 1], {"pp": 2, "cp": 2}, {}),
 }

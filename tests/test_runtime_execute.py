@@ -154,14 +154,6 @@ def test_invalid_plan_is_a_user_error(pipelines, message):
         _run(LLAMA, pipelines)
 
 
-def test_separate_backward_grouping_is_not_supported_yet():
-    plan = hand_plan(LLAMA, LENGTHS, PLANS["packed"])
-    plan.pipelines[0].backward_chunks = plan.pipelines[0].chunks
-    model = build_model(LLAMA, dtype=torch.float64, seed=0)
-    with pytest.raises(UserError, match="backward_chunks .* not supported"):
-        run_step(model, plan, random_tokens(LENGTHS, LLAMA.vocab, 0))
-
-
 def test_bad_token_ids_are_a_user_error():
     model = build_model(LLAMA, dtype=torch.float64, seed=0)
     plan = unpacked_plan(LENGTHS, LLAMA)

@@ -6,7 +6,8 @@
 
 The only part of lengthwise that imports torch. Floors, each importing only below:
 model.py (the decoder, HF names) <- attention.py (chunk masks, backends) ; loss.py (labels,
-cross-entropy) ; state.py (K/V store) ; transport.py (stage-to-stage messages) <- stage.py
+cross-entropy) ; state.py (K/V store) <- cells.py (forward chunks cut by backward units) ;
+transport.py (stage-to-stage messages) <- stage.py
 (one stage's state-aware runner) <- checks.py, execute.py (single-process driver) <- verify.py
 (comparison with transformers). weights.py reads and writes Hugging Face checkpoints and
 memory.py measures what autograd keeps for backward.

@@ -2,23 +2,27 @@
 
 A `StageRunner` owns: the contiguous layer range of its stage (plus the embedding on the first
 stage and norm + LM head + loss on the last), the stage's `KVStore`, and the autograd graphs of
-the chunks forwarded with grad and not yet backwarded. It talks to its neighbours only
-through a `Transport`. Actions:
+the cells forwarded with grad and not yet backwarded. A *cell* is the part of a forward chunk
+that one backward unit holds (`cells.py`); without separate backward units (SlimPack §4.1.2)
+a cell is a chunk. It talks to its neighbours only through a `Transport`. Actions:
 
-- `F c`: forward chunk c keeping activations. Each segment with context reads the K/V of its
-  sequence's earlier slices from the store as *detached leaves* with requires_grad, so the
-  graph of chunk c ends at them.
+- `F c`: forward chunk c keeping activations, one cell after the other. Each segment with
+  context reads the K/V of its sequence's earlier slices (in earlier chunks or cells) from the
+  store as *detached leaves* with requires_grad, so the graph of a cell ends at them.
 - `N c`: forward without grad (chunkflow's first pass when more than K slices are in flight):
   only the K/V of segments that later slices need is kept; a later `F c` re-forwards to
   rebuild the activations.
-- `B c`: backward of chunk c. Its roots are the stage output (the loss part on the last stage,
-  else the activation with the gradient received from the next stage) and the K/V of its
-  slices that later slices attended to, with the dK/dV those later slices' backwards
-  accumulated: `torch.autograd.backward([out, k, v, ...], [g_out, dk, dv, ...])`. Afterwards
-  the leaves' .grad go into the store for the earlier slices, and the input's gradient goes
-  to the previous stage.
+- `B u`: backward of unit u (chunk u without backward_chunks), cell by cell, later chunks
+  first. A cell's roots are its stage output (the loss part on the last stage, else the
+  activation with the gradient received from the next stage) and the K/V of its slices that
+  later slices attended to, with the dK/dV those later slices' backwards accumulated:
+  `torch.autograd.backward([out, k, v, ...], [g_out, dk, dv, ...])`. Afterwards the leaves'
+  .grad go into the store for the earlier slices, and the input's gradient goes to the
+  previous stage.
 
-State is freed right after the last action of the stage that needs it (`state.last_uses`).
+One message per action: `F c` sends its cells' rows concatenated, `B u` the input gradients of
+its cells (`cells.py` gives the order). State is freed right after the last action of the
+stage that needs it (`state.last_uses`).
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ import torch
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk, StepPlan
 from lengthwise.runtime.attention import ChunkLayout
+from lengthwise.runtime.cells import CellMap, cell_last_uses, cell_map
 from lengthwise.runtime.loss import chunk_labels, chunk_positions, chunk_tokens, token_loss_sum
 from lengthwise.runtime.model import CausalLM
-from lengthwise.runtime.state import KV, KVStore, SliceKey, last_uses, slice_key, stored_segments
+from lengthwise.runtime.state import KV, KVStore, SliceKey, slice_key, stored_segments
 from lengthwise.runtime.transport import Message, Transport
 
 
@@ -62,11 +67,13 @@ class StageRunner:
         self.pipeline, self.stage, self.num_stages = pipeline, stage, pipe.pp
         self.layers = range(first_layer, first_layer + layer_counts[stage])
         self.chunks: list[Chunk] = pipe.chunks
+        self.cells: CellMap = cell_map(pipe)
         self.actions: list[Action] = pipe.stages[stage]
         self.token_ids = token_ids
         self.store = KVStore()
         self.pending: dict[int, _Pending] = {}
-        self.frees = last_uses(self.actions, self.chunks, plan.lengths)
+        """Per cell forwarded with grad and not yet backwarded: what its backward needs."""
+        self.frees = cell_last_uses(self.actions, self.cells, plan.lengths)
         self.next_index = 0
         self._param = next(model.parameters())
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self._param.device)
@@ -112,33 +119,50 @@ class StageRunner:
         while not self.done:
             self.step()
 
-    # forward -----------------------------------------------------------------------------
+    # forward ----------------------------------------------------------------------------
 
     def _forward(self, action: Action) -> None:
-        chunk, grad = self.chunks[action.chunk], action.kind == FORWARD
-        if grad and action.chunk in self.pending:
+        """`F c` / `N c`: c's cells in order (one cell, c itself, without backward_chunks)."""
+        cells = self.cells.forward[action.chunk]
+        inputs = [None] * len(cells) if self.is_first else self._receive(action, cells, self.stage - 1)
+        outputs = [self._forward_cell(action, cell, x) for cell, x in zip(cells, inputs)]
+        if not self.is_last:
+            self.transport.send(self._message(action, self.stage + 1), _joined(outputs))
+
+    def _forward_cell(self, action: Action, cell: int, received: torch.Tensor | None) -> torch.Tensor:
+        chunk, grad = self.cells.cells[cell], action.kind == FORWARD
+        if grad and cell in self.pending:
             raise UserError(f"{self.where()}: chunk {action.chunk} is forwarded twice before its backward")
         layout = ChunkLayout.from_chunk(chunk)
         with torch.set_grad_enabled(grad):
-            h_TD, input_leaf = self._stage_input(action, chunk)
+            h_TD, input_leaf = self._cell_input(action, chunk, received)
             leaves = self._context_leaves(chunk, grad)
             rope = self.model.rope(chunk_positions(chunk, h_TD.device), h_TD.dtype)
             h_TD, kv = self.model.run_layers(
                 h_TD, layers=self.layers, rope=rope, layout=layout, backend=self.backend,
                 contexts=self._contexts(chunk, leaves), recompute_layers=action.recompute_layers)
             own_kv = self._keep_own_kv(chunk, layout, kv, grad)
-            output = self._stage_output(action, chunk, h_TD)
+            output = self._cell_output(action, chunk, h_TD)
         if grad:
-            self.pending[action.chunk] = _Pending(input_leaf=input_leaf, output=output,
-                                                  own_kv=own_kv, context_leaves=leaves)
+            self.pending[cell] = _Pending(input_leaf=input_leaf, output=output,
+                                          own_kv=own_kv, context_leaves=leaves)
+        return h_TD
 
-    def _stage_input(self, action: Action, chunk: Chunk):
+    def _receive(self, action: Action, cells: tuple[int, ...], other: int) -> list[torch.Tensor]:
+        """The message `action` receives from stage `other`, cut into its cells' rows."""
+        rows = [self._cell_rows(cell) for cell in cells]
+        whole = self.transport.recv(self._message(action, other), shape=(sum(rows), self.model.spec.hidden),
+                                    dtype=self._param.dtype, device=self._param.device)
+        return list(torch.split(whole, rows))
+
+    def _cell_rows(self, cell: int) -> int:
+        """Rows of the cell's part of a message."""
+        return self.cells.cells[cell].num_tokens
+
+    def _cell_input(self, action: Action, chunk: Chunk, received: torch.Tensor | None):
         if self.is_first:
             tokens = chunk_tokens(chunk, self.token_ids).to(self._param.device)
             return self.model.embed(tokens), None
-        received = self.transport.recv(
-            self._message(action, self.stage - 1), shape=(chunk.num_tokens, self.model.spec.hidden),
-            dtype=self._param.dtype, device=self._param.device)
         leaf = received.detach().requires_grad_(action.kind == FORWARD)
         return leaf, leaf
 
@@ -173,9 +197,9 @@ class StageRunner:
             own[slice_key(segment)] = per_layer
         return own
 
-    def _stage_output(self, action: Action, chunk: Chunk, h_TD: torch.Tensor):
+    def _cell_output(self, action: Action, chunk: Chunk, h_TD: torch.Tensor):
+        """What the cell's backward starts from: the activation sent on, or the loss part."""
         if not self.is_last:
-            self.transport.send(self._message(action, self.stage + 1), h_TD)
             return h_TD
         if action.kind != FORWARD:
             return None  # N only leaves K/V; the loss comes with the later F
@@ -187,10 +211,20 @@ class StageRunner:
     # backward ----------------------------------------------------------------------------
 
     def _backward(self, action: Action) -> None:
-        pending = self.pending.pop(action.chunk, None)
+        """`B u`: u's cells, later chunks first (one cell, chunk u, without backward_chunks)."""
+        cells = self.cells.backward[action.chunk]
+        grads = [None] * len(cells) if self.is_last else self._receive(action, cells, self.stage + 1)
+        input_grads = [self._backward_cell(action, cell, g) for cell, g in zip(cells, grads)]
+        if not self.is_first:
+            self.transport.send(self._message(action, self.stage - 1), _joined(input_grads))
+
+    def _backward_cell(self, action: Action, cell: int, g_out: torch.Tensor | None) -> torch.Tensor | None:
+        pending = self.pending.pop(cell, None)
         if pending is None:
-            raise UserError(f"{self.where()}: B{action.chunk} has no F{action.chunk} before it on this stage")
-        roots, grads = [pending.output], [self._output_grad(action, pending)]
+            c = self.cells.chunk_of[cell]
+            raise UserError(f"{self.where()}: B{action.chunk} has no F{c} before it on this stage")
+        roots = [pending.output]
+        grads = [torch.ones_like(pending.output) if g_out is None else g_out]
         for key, kv_per_layer in pending.own_kv.items():
             owed = self.store.pop_grads(key)
             for (k, v), (dk, dv) in zip(kv_per_layer, owed or []):
@@ -199,15 +233,7 @@ class StageRunner:
         torch.autograd.backward(roots, grads)
         for key, leaves in pending.context_leaves.items():
             self.store.add_grads(key, [(_grad_of(k), _grad_of(v)) for k, v in leaves])
-        if not self.is_first:
-            self.transport.send(self._message(action, self.stage - 1), _grad_of(pending.input_leaf))
-
-    def _output_grad(self, action: Action, pending: _Pending) -> torch.Tensor:
-        if self.is_last:
-            return torch.ones_like(pending.output)
-        return self.transport.recv(
-            self._message(action, self.stage + 1), shape=tuple(pending.output.shape),
-            dtype=pending.output.dtype, device=pending.output.device)
+        return None if self.is_first else _grad_of(pending.input_leaf)
 
     def _message(self, action: Action, other: int) -> Message:
         """The transfer between this stage and `other` that `action` sends or receives."""
@@ -227,3 +253,8 @@ def _context_from_store(chunk: Chunk) -> dict[int, int]:
 
 def _grad_of(leaf: torch.Tensor) -> torch.Tensor:
     return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+
+
+def _joined(rows: list[torch.Tensor]) -> torch.Tensor:
+    """One message from per-cell rows (no copy for the usual single cell)."""
+    return rows[0].detach() if len(rows) == 1 else torch.cat([r.detach() for r in rows])

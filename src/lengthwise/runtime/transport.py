@@ -10,7 +10,7 @@ them by order on each (src, dst) link.
 `InProcessTransport` keeps tensors in FIFO queues, for the single-process driver, which asks
 `ready(message)` before running an action that receives. A torch.distributed transport
 implements the same two calls with blocking send/recv; the receiver knows the shape (the
-chunk's tokens x hidden) and dtype, so nothing else needs to travel.
+chunk's tokens x hidden, or the backward unit's for B) and dtype, so nothing else needs to travel.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ class Message:
     dst: int
     """Receiving stage (src + 1 for F/N, src - 1 for B)."""
     kind: str
-    """Action kind it serves: F or N (activation [T, D]) or B (its gradient [T, D])."""
+    """Action kind it serves: F or N (activation [T, D]) or B (its gradient [T, D]); T is the
+    chunk's tokens, or for B the backward unit's (runtime/cells.py gives the row order)."""
     chunk: int
-    """Chunk index within the pipeline."""
+    """Chunk index within the pipeline (for B: the backward unit's index)."""
 
     def __str__(self) -> str:
         what = "gradient" if self.kind == "B" else "activation"

@@ -11,6 +11,11 @@ Each stage holds its model states for the whole step, plus allocations tied to t
 - K/V gradients of a split sequence, from the start of its last slice's backward to the end of
   its first slice's (earlier slices receive them: infinipipe eq. 9-10).
 
+With separate backward units (SlimPack §4.1.2) the executor frees a chunk's activations in
+parts, each backward unit its own tokens' (runtime/cells.py), so the chunk-level release here is
+an upper bound; and K/V gradients of a sequence that only the backward grouping cuts are not
+counted (a few tokens' K/V per cut).
+
 Tasks on one stage are numbered in schedule order, so "the last backward" is the largest task
 id, which needs no timing. Events are `(task, at_end, bytes)`; `replay` sorts all stages'
 events at once with numpy (frees before allocations at equal times) and takes running sums.

@@ -1,10 +1,11 @@
 """A stage runner for one CP rank of a stage whose pipeline has cp > 1 (skrull §4.1 DACP).
 
-The same action list as the plain `StageRunner`, on this rank's share of each chunk
-(`cp.cp_view`): its head and tail pieces of the sharded segments and the local segments placed
-on it. What changes:
+The same action list as the plain `StageRunner`, on this rank's share of each cell (a chunk,
+or its part in one backward unit: `runtime/cells.py`; `cp.cp_view`): its head and tail pieces
+of the sharded segments and the local segments placed on it. What changes:
 
-- the row, its positions, labels and the activations it sends are the rank's share only;
+- the row, its positions, labels and the activations it sends are the rank's share only (a
+  message is the rank's shares of the action's cells, concatenated);
 - attention is `cp.ShardedAttention` when the chunk has sharded segments (K/V all-gather in
   forward, reduce-scatter in backward, all over the stage's CP group);
 - the state store keeps, for a sharded slice that later slices read, its full gathered K/V (so
@@ -37,16 +38,19 @@ class CPStageRunner(StageRunner):
         super().__init__(**kwargs)
         cp = self.plan.pipelines[self.pipeline].cp
         self.cp_rank, self.cp_group, self.stats = cp_rank, cp_group, stats
-        self.views: list[CPView] = [cp_view(c, cp=cp, rank=cp_rank) for c in self.chunks]
-        for index, view in enumerate(self.views):
-            _check_row(index, self.chunks[index])
+        self.views: list[CPView] = [cp_view(c, cp=cp, rank=cp_rank) for c in self.cells.cells]
+        for cell, chunk in enumerate(self.cells.cells):
+            _check_row(self.cells.chunk_of[cell], chunk)
 
     def where(self, index: int | None = None) -> str:
         return f"{super().where(index)} on CP rank {self.cp_rank}"
 
-    def _forward(self, action: Action) -> None:
-        view, grad = self.views[action.chunk], action.kind == FORWARD
-        if grad and action.chunk in self.pending:
+    def _cell_rows(self, cell: int) -> int:
+        return self.views[cell].chunk.num_tokens
+
+    def _forward_cell(self, action: Action, cell: int, received: torch.Tensor | None) -> torch.Tensor:
+        view, grad = self.views[cell], action.kind == FORWARD
+        if grad and cell in self.pending:
             raise UserError(f"{self.where()}: chunk {action.chunk} is forwarded twice before its backward")
         if action.recompute_layers and view.sharded:
             raise UserError(f"{self.where()}: recomputing layers of a chunk with CP-sharded segments is not "
@@ -54,7 +58,7 @@ class CPStageRunner(StageRunner):
         attention = (ShardedAttention(view=view, group=self.cp_group, stats=self.stats, backend=self.backend)
                      if view.sharded or not view.parts else self.backend)
         with torch.set_grad_enabled(grad):
-            h_TD, input_leaf = self._share_input(action, view)
+            h_TD, input_leaf = self._share_input(action, view, received)
             leaves = self._context_leaves(Chunk(view.computed), grad)
             rope = self.model.rope(_positions(view.chunk, h_TD.device), h_TD.dtype)
             h_TD, kv = self.model.run_layers(
@@ -63,13 +67,14 @@ class CPStageRunner(StageRunner):
             own_kv = self._keep_share_kv(view, kv, attention, grad)
             output = self._share_output(action, view, h_TD)
         if grad:
-            self.pending[action.chunk] = _Pending(input_leaf=input_leaf, output=output,
-                                                  own_kv=own_kv, context_leaves=leaves)
+            self.pending[cell] = _Pending(input_leaf=input_leaf, output=output,
+                                          own_kv=own_kv, context_leaves=leaves)
+        return h_TD
 
-    def _share_input(self, action: Action, view: CPView):
+    def _share_input(self, action: Action, view: CPView, received: torch.Tensor | None):
         if self.is_first and not view.parts:
             return self.model.embed(torch.zeros(0, dtype=torch.long, device=self._param.device)), None
-        return self._stage_input(action, view.chunk)
+        return self._cell_input(action, view.chunk, received)
 
     def _keep_share_kv(self, view: CPView, kv, attention, grad: bool):
         """Store the K/V later slices read: gathered whole for sharded segments, else the row's."""
@@ -91,7 +96,7 @@ class CPStageRunner(StageRunner):
 
     def _share_output(self, action: Action, view: CPView, h_TD: torch.Tensor):
         if not self.is_last or action.kind != FORWARD or view.parts:
-            return self._stage_output(action, view.chunk, h_TD)
+            return self._cell_output(action, view.chunk, h_TD)
         # No token of this chunk here: a zero loss part that still reaches the row's graph,
         # so that backward runs this rank's share of the CP collectives.
         return 0.0 * h_TD.sum()

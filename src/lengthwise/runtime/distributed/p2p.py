@@ -5,8 +5,8 @@ all run on plain stage-to-stage send/recv).
 Sends are asynchronous (`isend`), so a stage that sends an activation forward and a stage that
 sends a gradient back at the same moment cannot block each other; their buffers are kept alive
 until `finish()` waits for them at the end of the step. A receive posts `irecv` into a buffer
-whose shape the plan gives (the chunk's tokens on this CP rank x hidden: every rank holds the
-plan, so nothing but the tensor travels) and waits at most `Mesh.timeout_s`; a receive that
+whose shape the plan gives (the chunk's tokens on this CP rank x hidden, or the backward
+unit's for B: every rank holds the plan, so nothing but the tensor travels) and waits at most `Mesh.timeout_s`; a receive that
 never comes raises `ReceiveTimeout` naming the stage, the action it serves and the sending rank,
 instead of hanging.
 
