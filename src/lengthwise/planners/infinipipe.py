@@ -23,14 +23,14 @@ Steps, each a function below or in a helper module:
 4. Stage-aware chunk-level adaptive checkpointing (§3.3.3, Algorithm 2, eq. 15-20;
    infinipipe_ckpt.py): per group, an MILP over n + pp - 1 integers solved by HiGHS picks the
    layers each chunk recomputes on each stage, written to the F actions (`F3.r2`).
-5. N (§3.2: "automatically tuned"): consecutive N from 1 are planned while infeasible ones are
-   skipped; from the first feasible N up to `slice_candidates` feasible ones are scored by the
-   simulator's step time (or the DP's estimate), stopping early after two that get worse.
+5. N (§3.2: "automatically tuned"; infinipipe_search.py): a ladder N = 1, 2, 3, 4, 6, 9, ...
+   then bisection around the best rung, each N scored by the simulator's step time (or the
+   DP's estimate); N whose chunks cannot fit memory are skipped.
 
 Options (request.options):
 
 - `num_slices`: N, slices of the longest sequence (int >= 1). Default None: tuned (step 5).
-- `slice_candidates`: feasible N tried when tuning (int >= 1, default 6).
+- `slice_candidates`: most feasible values of N planned when tuning (int >= 1, default 10).
 - `balanced_chunking`: Algorithm 1 (default True); False is the "w/o wbc" ablation (§5.5):
   equal-token slices and token-only packing.
 - `checkpointing`: "adaptive" (the MILP, default), "none" (no recomputation: N grows until
@@ -51,20 +51,21 @@ from dataclasses import dataclass, replace
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import PipelinePlan, StepPlan
 from lengthwise.planners.base import PlanRequest, finish_plan, positive_int_option, take_options
-from lengthwise.planners.infinipipe_chunking import ChunkedBatch, SliceCost, Unit, balanced_chunking
-from lengthwise.planners.infinipipe_ckpt import (
-    ChunkCosts, GroupPlan, Problem, StageShape, answer_without_milp, checkpointing_problem, group_memory, group_schedule,
-    relaxation_bound, solve_milp, with_recompute,
+from lengthwise.planners.infinipipe_chunking import (
+    ChunkedBatch, SliceCost, Unit, balanced_chunking, balanced_mesh, even_mesh,
 )
+from lengthwise.planners.infinipipe_ckpt import (
+    GroupPlan, Problem, answer_without_milp, checkpointing_problem, relaxation_bound, solve_milp, with_recompute,
+)
+from lengthwise.planners.infinipipe_schedule import ChunkCosts, StageShape, group_memory, group_schedule
+from lengthwise.planners.infinipipe_search import SliceSearch, tune
 from lengthwise.planners.packing_utils import greedy_balance, karmarkar_karp
 
 PLANNER = "infinipipe"
 SCHEDULE = "elastic-1f1b"
 CHECKPOINTING = ("adaptive", "none", "full")
 SCORES = ("simulate", "estimate")
-MAX_INFEASIBLE = 64
-"""Slice numbers tried in a row without a feasible one before giving up."""
-DEFAULTS = {"num_slices": None, "slice_candidates": 6, "balanced_chunking": True,
+DEFAULTS = {"num_slices": None, "slice_candidates": 10, "balanced_chunking": True,
             "checkpointing": "adaptive", "score": "simulate", "milp_time_limit_s": 1.0}
 
 
@@ -303,29 +304,34 @@ def score(plan: StepPlan, cand: Candidate, request: PlanRequest, settings: Setti
 
 
 def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, started: float) -> StepPlan:
-    """Plan consecutive N, keep the best-scoring feasible plan (§3.2)."""
-    tried: dict[int, object] = {}
-    best, best_score, worse, misses = None, float("inf"), 0, 0
-    n = settings.num_slices or 1
-    while True:
+    """Step 5: the fixed N, or the best N of the search (infinipipe_search.py)."""
+    plans: dict[int, StepPlan] = {}
+
+    def evaluate(n: int) -> float | str:
         plan, why = plan_for(n, request, settings, fit, started)
         if plan is None:
-            tried[n], misses = why, misses + 1
-        else:
-            tried[n], misses = plan.metrics["predicted_step_s"], 0
-            worse = worse + 1 if tried[n] >= best_score else 0
-            if tried[n] < best_score:
-                best, best_score = plan, tried[n]
-        feasible = sum(isinstance(v, float) for v in tried.values())
-        if settings.num_slices or feasible >= settings.slice_candidates or worse >= 2 or why == "too many slices" \
-                or misses >= MAX_INFEASIBLE:
-            break
-        n += 1
-    if best is None:
-        raise infeasible_error(request, n)
-    best.metrics["candidates"] = {str(k): v for k, v in tried.items()}
+            return why
+        plans[n] = plan
+        return plan.metrics["predicted_step_s"]
+
+    def too_many(n: int) -> bool:
+        return mesh_for(n, request, settings, fit) is None
+
+    if settings.num_slices:
+        search = SliceSearch(score=evaluate, budget=1)
+        search.at(settings.num_slices)
+    else:
+        search = tune(evaluate, too_many, settings.slice_candidates)
+    if search.best is None:
+        raise infeasible_error(request, max(search.tried))
+    best = plans[search.best]
+    best.metrics["candidates"] = {str(k): v for k, v in sorted(search.tried.items())}
     best.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
     return best
+
+
+def mesh_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost):
+    return (balanced_mesh if settings.balanced else even_mesh)(max(request.lengths), n, fit)
 
 
 def plan_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost,
@@ -348,7 +354,7 @@ def infeasible_error(request: PlanRequest, last_n: int) -> UserError:
     return UserError(
         f"{PLANNER}: no slice number up to N={last_n} fits memory; sequence {longest} has "
         f"{request.lengths[longest]} tokens, whose K/V state and its gradient alone take "
-        f"2 x {kv / 2**30:.1f} GiB per GPU of a {s} stage ({request.cost.capacity_bytes / 2**30:.1f} GiB usable): "
+        f"2 x {kv / 2**30:.3g} GiB per GPU of a {s} stage ({request.cost.capacity_bytes / 2**30:.3g} GiB usable): "
         "raise --tp, --pp or --cp, or lower --context-length")
 
 

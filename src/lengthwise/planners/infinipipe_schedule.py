@@ -1,0 +1,232 @@
+"""One InfiniPipe 1F1B pipeline *group*: its schedule and its memory as a linear function of the
+recomputed layers (infinipipe.txt §3.1.3-3.1.4, eq. 5-10, 19).
+
+    group = group_schedule([unit.chunks for unit in units], pp)
+    memory = group_memory(group, ChunkCosts(cost, stages, tp=8, cp=1))
+    memory.stages[s].levels(r)          # bytes held at each backward start of stage s
+
+Schedule (eq. 7): stage s (0-based) keeps a *window* of pp - s - 1 + N_prefill chunks between
+their forward and backward, N_prefill being the most chunks one sequence of the group is split
+into; chunks go forward in the order given and backward unit by unit, each unit's chunks in
+reverse (a split sequence's last slice first, f2b). With N_prefill = 1 this is plain 1F1B.
+
+Memory is charged exactly as the simulator's replay charges it (sim/memory.py, sim/inputs.py):
+activations of a chunk from its F to the end of its B, fewer when its F recomputes r layers
+(I[k] - F[k] * r, eq. 19), with the difference re-materialised during its B; K/V state of a
+split sequence's earlier slices from their forward to the sequence's last backward, and its
+K/V gradients from its first backward to the same end (eq. 5, 9). Nothing is freed between a
+forward and the next action's start, so every peak lies at some backward's start: one linear
+row per backward per stage. Levels for given r come from prefix sums in O(n log n); the dense
+rows are only built for the MILP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk
+
+
+@dataclass(kw_only=True)
+class GroupSchedule:
+    """One 1F1B pipeline of whole units (eq. 14's P) before checkpointing."""
+
+    chunks: list[Chunk]
+    """Forward order."""
+    backward_order: np.ndarray
+    """int [n] chunk at each backward position."""
+    ready: np.ndarray
+    """int [n] forwards that must precede each backward (its unit's last chunk included)."""
+    prefill: int
+    """N_prefill: the most chunks of one sequence in this group."""
+    pp: int
+    """Stages."""
+    f2b: np.ndarray
+    """int [n] backward position of each chunk (eq. 16's f2b)."""
+
+    def positions(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
+        """Index of each chunk's F and of its B in the stage's action list: warm-up up to the
+        window (eq. 7), then one forward per backward, then cool-down."""
+        n = len(self.chunks)
+        window = self.pp - stage - 1 + self.prefill
+        steps = np.arange(n)
+        issued = np.maximum.accumulate(np.minimum(n, np.maximum(window + steps, self.ready)))
+        bpos = np.empty(n, dtype=int)
+        bpos[self.backward_order] = steps + issued          # the forwards issued so far precede it
+        fpos = steps + np.searchsorted(issued, steps, side="right")
+        return fpos, bpos
+
+    def stage_actions(self, stage: int, recompute: list[int] | None = None) -> list[Action]:
+        """The stage's action list, each F carrying its recomputed layers."""
+        fpos, bpos = self.positions(stage)
+        acts: list[Action] = [Action(FORWARD, 0)] * (2 * len(self.chunks))
+        for k in range(len(self.chunks)):
+            acts[fpos[k]] = Action(FORWARD, k, int(recompute[k]) if recompute is not None else 0)
+            acts[bpos[k]] = Action(BACKWARD, k)
+        return acts
+
+    @property
+    def stages(self) -> list[list[Action]]:
+        """Per stage actions without recomputation."""
+        return [self.stage_actions(s) for s in range(self.pp)]
+
+
+def group_schedule(unit_chunks: list[list[Chunk]], pp: int) -> GroupSchedule:
+    """Forward in the order given; backward unit by unit, each unit's chunks in reverse."""
+    chunks, backward, ready = [], [], []
+    for unit in unit_chunks:
+        first = len(chunks)
+        chunks += unit
+        backward += range(len(chunks) - 1, first - 1, -1)
+        ready += [len(chunks)] * len(unit)
+    order = np.asarray(backward, dtype=int)
+    f2b = np.empty(len(chunks), dtype=int)
+    f2b[order] = np.arange(len(chunks))
+    return GroupSchedule(chunks=chunks, backward_order=order, ready=np.asarray(ready, dtype=int),
+                         prefill=max((len(u) for u in unit_chunks), default=1), pp=pp, f2b=f2b)
+
+
+@dataclass(kw_only=True)
+class StageShape:
+    """What one stage of the pipeline holds besides its chunks."""
+
+    layers: int
+    """Decoder layers on the stage."""
+    head: bool
+    """Whether the stage runs the LM head (the last stage)."""
+    states: float
+    """Model-state bytes (weights, gradients, optimizer) held all step."""
+
+
+class ChunkCosts:
+    """Per-stage bytes and seconds of chunks, memoised: eq. 14's DP builds many groups from the
+    same chunks."""
+
+    def __init__(self, cost, stages: list[StageShape], *, tp: int, cp: int):
+        self.cost, self.stages, self.kw = cost, stages, {"tp": tp, "cp": cp}
+        self._memo: dict[tuple[int, int], tuple[Chunk, tuple[float, float, float]]] = {}
+
+    def of(self, stage: int, chunk: Chunk) -> tuple[float, float, float]:
+        """(activation bytes, bytes saved per recomputed layer, forward seconds of one layer)."""
+        key = (stage, id(chunk))   # hashing segments is slow; the memo keeps the chunk alive
+        if key not in self._memo:
+            shape, cost = self.stages[stage], self.cost
+            act = cost.activation_bytes(chunk, layers=shape.layers, head=shape.head, **self.kw)
+            less = cost.activation_bytes(chunk, layers=shape.layers, head=shape.head, recompute_layers=1,
+                                         **self.kw) if shape.layers else act
+            self._memo[key] = (chunk, (act, act - less, cost.forward_time(chunk, layers=1, **self.kw)))
+        return self._memo[key][1]
+
+    def kv(self, stage: int, context: int) -> float:
+        return self.cost.kv_bytes(context, layers=self.stages[stage].layers, **self.kw)
+
+
+@dataclass(kw_only=True)
+class StageMemory:
+    """Bytes one stage holds at each of its backward starts (model states excluded)."""
+
+    fpos: np.ndarray
+    """int [n] action index of each chunk's F."""
+    bpos: np.ndarray
+    """int [n] action index of each chunk's B."""
+    act: np.ndarray
+    """float64 [n] activation bytes of each chunk without recomputation."""
+    saving: np.ndarray
+    """float64 [n] bytes each recomputed layer of a chunk saves."""
+    kv: np.ndarray
+    """float64 [3, n] K/V bytes allocated at each chunk's F, at its B's start, and (negative,
+    freed) at its B's end."""
+
+    @property
+    def rows(self) -> np.ndarray:
+        """Chunks in backward order: the chunk whose backward starts each row."""
+        return np.argsort(self.bpos)
+
+    def levels(self, recompute: np.ndarray | None = None) -> np.ndarray:
+        """float64 [n] bytes held at each backward start, with r[k] layers recomputed."""
+        rows = self.rows
+        kept = self.act - (self.saving * recompute if recompute is not None else 0.0)
+        p = self.bpos[rows]
+        # alive chunks (and K/V of earlier slices, minus what finished backwards freed) ...
+        held = _prefix(self.fpos, kept + self.kv[0])(p) - _prefix(self.bpos, kept - self.kv[2])(p)
+        # ... plus what the backward re-materialises of its own F and the K/V gradients
+        return held + (self.act - kept)[rows] + _at_or_before(self.bpos, self.kv[1], p)
+
+    def savings(self) -> np.ndarray:
+        """float64 [n rows, n chunks] bytes one recomputed layer of each chunk saves at each
+        backward start (eq. 19's F[k] on the chunks alive there, 0 for the backward's own)."""
+        rows = self.rows
+        p = self.bpos[rows][:, None]
+        alive = (self.fpos[None, :] < p) & (self.bpos[None, :] > p)
+        return alive * self.saving[None, :]
+
+
+def _prefix(pos: np.ndarray, values: np.ndarray):
+    """p -> sum of the values whose position is before p."""
+    order = np.argsort(pos)
+    sums = np.concatenate([[0.0], np.cumsum(values[order])])
+    return lambda p: sums[np.searchsorted(pos[order], p, side="left")]
+
+
+def _at_or_before(pos: np.ndarray, values: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """Sum of the values whose position is p or before, for each p."""
+    order = np.argsort(pos)
+    sums = np.concatenate([[0.0], np.cumsum(values[order])])
+    return sums[np.searchsorted(pos[order], p, side="right")]
+
+
+@dataclass(kw_only=True)
+class MemoryModel:
+    """Linear memory of one group's stages (eq. 19)."""
+
+    stages: list[StageMemory]
+    limit: np.ndarray
+    """float64 [stage] capacity minus model states (Algorithm 2 line 1, per stage)."""
+    max_layers: np.ndarray
+    """int [stage] layers a chunk may recompute there."""
+    layer_seconds: np.ndarray
+    """float64 [stage, chunks] forward seconds of one layer (the price of recomputing it, eq. 17)."""
+
+    def peak(self, stage: int, recompute) -> float:
+        """Highest bytes the stage holds (model states excluded) with these recomputed layers."""
+        return float(self.stages[stage].levels(np.asarray(recompute, float)).max(initial=0.0))
+
+
+def group_memory(group: GroupSchedule, costs: ChunkCosts) -> MemoryModel:
+    """The linear memory model of a group on every stage."""
+    n, splits, stages, seconds = len(group.chunks), split_slices(group.chunks), [], []
+    for s in range(group.pp):
+        table = np.array([costs.of(s, c) for c in group.chunks], dtype=float).reshape(n, 3)
+        fpos, bpos = group.positions(s)
+        stages.append(StageMemory(fpos=fpos, bpos=bpos, act=table[:, 0], saving=table[:, 1],
+                                  kv=kv_events(splits, costs, s, n)))
+        seconds.append(table[:, 2])
+    return MemoryModel(stages=stages, limit=np.array([costs.cost.capacity_bytes - st.states for st in costs.stages]),
+                       max_layers=np.array([st.layers for st in costs.stages]),
+                       layer_seconds=np.array(seconds).reshape(group.pp, n))
+
+
+def split_slices(chunks: list[Chunk]) -> list[list[tuple[int, int, int]]]:
+    """(start, tokens, chunk) of the slices of each sequence cut into several, in token order."""
+    slices: dict[int, list[tuple[int, int, int]]] = {}
+    for k, c in enumerate(chunks):
+        for seg in c.segments:
+            slices.setdefault(seg.seq_id, []).append((seg.start, seg.stop - seg.start, k))
+    return [sorted(parts) for parts in slices.values() if len(parts) > 1]
+
+
+def kv_events(splits: list[list[tuple[int, int, int]]], costs: ChunkCosts, stage: int, n: int) -> np.ndarray:
+    """float64 [3, n] K/V bytes of split sequences (sim/memory.py): earlier slices' K/V at their
+    forward (later slices read it), K/V gradients at the start of the sequence's first backward,
+    both freed at the end of its last backward (the first slice's)."""
+    out = np.zeros((3, n))
+    for parts in splits:
+        context = parts[-1][0]
+        kv = costs.kv(stage, context)
+        for _, tokens, k in parts[:-1]:
+            out[0, k] += kv * tokens / context
+        out[1, parts[-1][2]] += kv
+        out[2, parts[0][2]] -= 2 * kv
+    return out
