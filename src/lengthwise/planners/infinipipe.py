@@ -65,6 +65,10 @@ PLANNER = "infinipipe"
 SCHEDULE = "elastic-1f1b"
 CHECKPOINTING = ("adaptive", "none", "full")
 SCORES = ("simulate", "estimate")
+MAX_SLICES = 256
+"""Largest N the search tries: a 1M-token sequence in 4K-token slices; finer slices only lose
+GEMM efficiency, and a split sequence's memory barely shrinks with N (all its chunks are alive
+at its first backward)."""
 DEFAULTS = {"num_slices": None, "slice_candidates": 10, "balanced_chunking": True,
             "checkpointing": "adaptive", "score": "simulate", "milp_time_limit_s": 1.0}
 
@@ -248,10 +252,23 @@ class Candidate:
     """The DP's estimate: slowest pipeline's stage work plus its groups' delta and T_ckpt."""
 
 
+def unit_need(unit: Unit, request: PlanRequest, lay: Layout, settings: Settings) -> tuple[float, int]:
+    """(bytes, stage) the unit alone needs at its peak with the most recomputation the mode
+    allows; any group holding it needs at least as much (its chunks stay alive alongside)."""
+    problem = group_problem([unit], request, lay)
+    r = problem.recompute(problem.upper if settings.checkpointing != "none" else 0 * problem.upper)
+    needs = [problem.memory.stages[s].levels(r[s]).max() + lay.stages[s].states for s in range(len(lay.stages))]
+    stage = max(range(len(needs)), key=lambda i: needs[i])
+    return float(needs[stage]), stage
+
+
 def plan_candidate(batch: ChunkedBatch, request: PlanRequest, settings: Settings) -> Candidate | None:
     """Steps 2-4 for one chunked batch; None when some pipeline cannot fit memory."""
     dp = request.scheme.dp
     lay = layout(request, dp)
+    if any(unit_need(u, request, lay, settings)[0] > request.cost.capacity_bytes
+           for u in batch.units if u.num_chunks > 1):
+        return None   # a split sequence alone overflows: skip the DP
     seconds = [sum(chunk_stage_seconds(c, request, lay.stages[0]) for c in u.chunks) for u in batch.units]
     pipelines, estimate = [], 0.0
     for share in split_over_pipelines(batch.units, seconds, dp):
@@ -315,7 +332,7 @@ def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, starte
         return plan.metrics["predicted_step_s"]
 
     def too_many(n: int) -> bool:
-        return mesh_for(n, request, settings, fit) is None
+        return n > MAX_SLICES or mesh_for(n, request, settings, fit) is None
 
     if settings.num_slices:
         search = SliceSearch(score=evaluate, budget=1)
@@ -323,7 +340,7 @@ def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, starte
     else:
         search = tune(evaluate, too_many, settings.slice_candidates)
     if search.best is None:
-        raise infeasible_error(request, max(search.tried))
+        raise infeasible_error(request, settings, fit, max(search.tried))
     best = plans[search.best]
     best.metrics["candidates"] = {str(k): v for k, v in sorted(search.tried.items())}
     best.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
@@ -347,15 +364,19 @@ def plan_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost,
     return plan, ""
 
 
-def infeasible_error(request: PlanRequest, last_n: int) -> UserError:
+def infeasible_error(request: PlanRequest, settings: Settings, fit: SliceCost, last_n: int) -> UserError:
+    """Why nothing fits, shown for the longest sequence at the finest N tried."""
     longest = max(range(len(request.lengths)), key=lambda i: request.lengths[i])
-    s = request.scheme
-    kv = request.cost.kv_bytes(request.lengths[longest], layers=request.model.num_layers // s.pp, tp=s.tp, cp=s.cp)
+    batch = balanced_chunking(request.lengths, last_n, fit, balanced=settings.balanced)
+    unit = next(u for u in batch.units if longest in {s.seq_id for c in u.chunks for s in c.segments})
+    need, stage = unit_need(unit, request, layout(request, request.scheme.dp), settings)
+    how = "with no recomputation" if settings.checkpointing == "none" else "even with every layer recomputed"
     return UserError(
-        f"{PLANNER}: no slice number up to N={last_n} fits memory; sequence {longest} has "
-        f"{request.lengths[longest]} tokens, whose K/V state and its gradient alone take "
-        f"2 x {kv / 2**30:.3g} GiB per GPU of a {s} stage ({request.cost.capacity_bytes / 2**30:.3g} GiB usable): "
-        "raise --tp, --pp or --cp, or lower --context-length")
+        f"{PLANNER}: no slice number N <= {last_n} fits memory: sequence {longest} ({request.lengths[longest]} "
+        f"tokens, cut into {unit.num_chunks} chunks) needs {need / 2**30:.3g} GiB on stage {stage} of "
+        f"{request.scheme} {how} (its chunks' checkpoints, K/V state and K/V gradients), above the "
+        f"{request.cost.capacity_bytes / 2**30:.3g} GiB a GPU has: raise --tp, --pp or --cp, "
+        "or lower --context-length")
 
 
 def plan_infinipipe(request: PlanRequest) -> StepPlan:
