@@ -17,10 +17,22 @@ from lengthwise.plan.ir import BACKWARD, FORWARD, Chunk, Segment, StepPlan
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.planners import infinipipe as ip
-from lengthwise.planners.infinipipe_chunking import (SliceCost, balanced_chunking, balanced_mesh, pack_buckets,
-                                                     split_by_mesh)
-from lengthwise.planners.infinipipe_ckpt import (MIP_GAP, Checkpointing, GroupPlan, brute_force_checkpointing,
-                                                 checkpointing_problem, solve_checkpointing)
+from lengthwise.planners import infinipipe_grouping as grouping
+from lengthwise.planners.infinipipe_chunking import (
+    SliceCost,
+    balanced_chunking,
+    balanced_mesh,
+    pack_buckets,
+    split_by_mesh,
+)
+from lengthwise.planners.infinipipe_ckpt import (
+    MIP_GAP,
+    Checkpointing,
+    GroupPlan,
+    brute_force_checkpointing,
+    checkpointing_problem,
+    solve_checkpointing,
+)
 from lengthwise.planners.infinipipe_schedule import group_memory, group_schedule
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
 from lengthwise.workloads import get_profile
@@ -76,7 +88,7 @@ def test_slice_cost_reproduces_the_cost_model():
 def test_mesh_slices_have_equal_backward_time(longest, n):
     cost, fit = fit_7b()
     mesh = balanced_mesh(longest, n, fit)
-    times = [cost.backward_time(one(0, a, b), layers=8, tp=8) for a, b in zip(mesh.bounds, mesh.bounds[1:])]
+    times = [cost.backward_time(one(0, a, b), layers=8, tp=8) for a, b in itertools.pairwise(mesh.bounds)]
     assert len(times) == n and mesh.bounds[-1] == longest
     # Boundaries are rounded to whole tokens: one token's worth of the last slice's slope.
     slope = fit.a * longest + fit.b
@@ -95,7 +107,7 @@ def test_long_sequences_are_cut_by_the_mesh_and_end_in_a_tail_slice():
     assert sorted(short) == [1, 4]
     assert [(s.start, s.stop) for s in split[2]] == [(0, x1), (x1, x1 + 1)]
     assert [(s.start, s.stop) for s in split[3]] == [(0, x1), (x1, x2), (x2, x2 + 7)]
-    assert [(s.start, s.stop) for s in split[0]] == list(zip(mesh.bounds, mesh.bounds[1:]))
+    assert [(s.start, s.stop) for s in split[0]] == list(itertools.pairwise(mesh.bounds))
 
 
 def test_buckets_hold_one_tail_at_most_and_respect_the_token_threshold():
@@ -195,15 +207,15 @@ def test_slices_of_a_sequence_run_forward_in_order_and_backward_in_reverse():
                 chunks = [c for c, ch in enumerate(pipe.chunks) if any(s.seq_id == seq for s in ch.segments)]
                 fwd = [a.chunk for a in acts if a.kind == FORWARD and a.chunk in chunks]
                 bwd = [a.chunk for a in acts if a.kind == BACKWARD and a.chunk in chunks]
-                start = lambda c: next(s.start for s in pipe.chunks[c].segments if s.seq_id == seq)  # noqa: E731
-                assert [start(c) for c in fwd] == sorted(start(c) for c in chunks)
-                assert [start(c) for c in bwd] == sorted((start(c) for c in chunks), reverse=True)
+                start = {c: next(s.start for s in pipe.chunks[c].segments if s.seq_id == seq) for c in chunks}
+                assert [start[c] for c in fwd] == sorted(start.values())
+                assert [start[c] for c in bwd] == sorted(start.values(), reverse=True)
 
 
 def test_plans_are_deterministic():
     lengths = sample("github", 128, 64 * K, seed=6)
     a, b = (plan(request(lengths, dp=2, slice_candidates=3)) for _ in range(2))
-    strip = lambda p: {k: v for k, v in p.to_dict().items() if k != "metrics"}  # noqa: E731
+    strip = lambda p: {k: v for k, v in p.to_dict().items() if k != "metrics"}
     assert strip(a) == strip(b)
 
 
@@ -214,18 +226,19 @@ def test_grouping_dp_is_no_worse_than_any_contiguous_partition():
     settings_ = ip.read_settings(req)
     fit = SliceCost.from_cost(req.cost, layers=2)
     batch = balanced_chunking(req.lengths, 4, fit)
-    lay = ip.layout(req, 1)
-    grouped = ip.group_by_classes(batch.units, req, lay, settings_)
+    lay = grouping.layout(req, 1)
+    grouped = grouping.group_by_classes(batch.units, req, lay, settings_.solver)
     assert grouped is not None
     classes = sorted({u.num_chunks for u in batch.units})
-    mean = sum(ip.chunk_stage_seconds(c, req, lay.stages[0]) for u in batch.units for c in u.chunks) / \
+    mean = sum(grouping.chunk_stage_seconds(c, req, lay.stages[0]) for u in batch.units for c in u.chunks) / \
         sum(u.num_chunks for u in batch.units)
     best = np.inf
     for cuts in itertools.product([False, True], repeat=len(classes) - 1):
         edges = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [len(classes)]
         total = 0.0
-        for a, b in zip(edges, edges[1:]):
-            g = ip.plan_group([u for u in batch.units if u.num_chunks in classes[a:b]], req, lay, settings_)
+        for a, b in itertools.pairwise(edges):
+            g = grouping.plan_group([u for u in batch.units if u.num_chunks in classes[a:b]], req, lay,
+                                    settings_.solver)
             total += np.inf if g.ckpt.status == "infeasible" else (req.scheme.pp - 1) * mean + g.ckpt.seconds
         best = min(best, total)
     assert grouped[1] == pytest.approx(best, rel=1e-9)
@@ -238,7 +251,7 @@ def tight_group(memory_gb=0.035, pp=2):
     req = tiny_request([2400, 1600, 300, 300, 250, 200], memory_gb=memory_gb, pp=pp, num_slices=3)
     fit = SliceCost.from_cost(req.cost, layers=4 // pp)
     batch = balanced_chunking(req.lengths, 3, fit)
-    lay = ip.layout(req, 1)
+    lay = grouping.layout(req, 1)
     group = group_schedule([u.chunks for u in batch.units], pp)
     return req, lay, group, group_memory(group, lay.costs)
 

@@ -50,14 +50,28 @@ from dataclasses import dataclass, replace
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import PipelinePlan, StepPlan
-from lengthwise.planners.base import PlanRequest, finish_plan, positive_int_option, take_options
+from lengthwise.planners.base import (
+    PlanRequest,
+    finish_plan,
+    positive_int_option,
+    take_options,
+)
 from lengthwise.planners.infinipipe_chunking import (
-    ChunkedBatch, SliceCost, Unit, balanced_chunking, balanced_mesh, even_mesh,
+    ChunkedBatch,
+    SliceCost,
+    Unit,
+    balanced_chunking,
+    balanced_mesh,
+    even_mesh,
 )
-from lengthwise.planners.infinipipe_ckpt import (
-    GroupPlan, Problem, answer_without_milp, checkpointing_problem, relaxation_bound, solve_milp, with_recompute,
+from lengthwise.planners.infinipipe_ckpt import GroupPlan, with_recompute
+from lengthwise.planners.infinipipe_grouping import (
+    SolverOptions,
+    chunk_stage_seconds,
+    group_by_classes,
+    layout,
+    unit_need,
 )
-from lengthwise.planners.infinipipe_schedule import ChunkCosts, StageShape, group_memory, group_schedule
 from lengthwise.planners.infinipipe_search import SliceSearch, tune
 from lengthwise.planners.packing_utils import greedy_balance, karmarkar_karp
 
@@ -83,6 +97,10 @@ class Settings:
     checkpointing: str
     score: str
     milp_time_limit_s: float
+
+    @property
+    def solver(self) -> SolverOptions:
+        return SolverOptions(mode=self.checkpointing, time_limit_s=self.milp_time_limit_s)
 
 
 def read_settings(request: PlanRequest) -> Settings:
@@ -116,128 +134,14 @@ def check_lengths(request: PlanRequest) -> None:
                             "raise --context-length or use --overlong truncate|drop")
 
 
-# ---- the pipeline each unit set runs on ----
-
-@dataclass(kw_only=True)
-class Layout:
-    """Per-stage shape of every pipeline and the degrees the cost model needs."""
-
-    stages: list[StageShape]
-    tp: int
-    cp: int
-    dp: int
-    """Pipelines (some may stay empty when the batch has fewer units)."""
-    costs: ChunkCosts
-    """Memoised per-stage chunk costs."""
-
-
-def layout(request: PlanRequest, dp: int) -> Layout:
-    s, cost = request.scheme, request.cost
-    per = request.model.num_layers // s.pp
-    stages = [StageShape(layers=per, head=i == s.pp - 1,
-                         states=cost.model_state_bytes(layers=per, tp=s.tp, dp=dp, zero=s.zero,
-                                                       first=i == 0, last=i == s.pp - 1))
-              for i in range(s.pp)]
-    return Layout(stages=stages, tp=s.tp, cp=s.cp, dp=dp, costs=ChunkCosts(cost, stages, tp=s.tp, cp=s.cp))
-
-
-def chunk_stage_seconds(chunk, request: PlanRequest, shape: StageShape) -> float:
-    """Forward + backward seconds of a chunk on one stage."""
-    kw = {"layers": shape.layers, "tp": request.scheme.tp, "cp": request.scheme.cp, "head": shape.head}
-    return request.cost.forward_time(chunk, **kw) + request.cost.backward_time(chunk, **kw)
-
-
 # ---- step 2: units over data-parallel pipelines ----
 
 def split_over_pipelines(units: list[Unit], seconds: list[float], dp: int) -> list[list[int]]:
     """Karmarkar-Karp or LPT by predicted seconds, whichever has the lighter heaviest pipeline."""
     if dp == 1:
         return [list(range(len(units)))]
-    heaviest = lambda parts: max(sum(seconds[i] for i in p) for p in parts)  # noqa: E731
+    heaviest = lambda parts: max(sum(seconds[i] for i in p) for p in parts)
     return [sorted(p) for p in min(karmarkar_karp(seconds, dp), greedy_balance(seconds, dp), key=heaviest)]
-
-
-# ---- steps 3-4: grouping by dynamic programming, checkpointing by MILP ----
-
-def group_problem(units: list[Unit], request: PlanRequest, lay: Layout) -> Problem:
-    """One 1F1B group (longest units first) and its checkpointing problem (Algorithm 2)."""
-    ordered = sorted(units, key=lambda u: (-u.num_chunks, -u.chunks[-1].segments[0].stop, u.seq_id))
-    group = group_schedule([u.chunks for u in ordered], len(lay.stages))
-    return checkpointing_problem(group, group_memory(group, lay.costs))
-
-
-def plan_group(units: list[Unit], request: PlanRequest, lay: Layout, settings: Settings) -> GroupPlan:
-    problem = group_problem(units, request, lay)
-    ckpt = answer_without_milp(problem, settings.checkpointing) or solve_milp(problem, settings.milp_time_limit_s)
-    return GroupPlan(schedule=problem.group, ckpt=ckpt)
-
-
-@dataclass(kw_only=True)
-class Option:
-    """One way to end eq. 14's prefix at class i: the group of classes k..i-1 after dp[k]."""
-
-    cost: float
-    """dp[k] + delta + T_ckpt when `plan` is known, else a lower bound (LP relaxation)."""
-    start: int
-    """k."""
-    plan: GroupPlan | None = None
-    problem: Problem | None = None
-    """Set while only the bound is known."""
-
-
-def options_for(i: int, best: list[Option], classes: list[int], members: dict, delta: float,
-                request: PlanRequest, lay: Layout, settings: Settings) -> list[Option]:
-    """Every feasible group ending at class i: exact when no MILP is needed, else bounded."""
-    out = []
-    for k in range(i):
-        if best[k].cost == float("inf"):
-            continue
-        problem = group_problem([u for n in classes[k:i] for u in members[n]], request, lay)
-        quick = answer_without_milp(problem, settings.checkpointing)
-        if quick is None:
-            out.append(Option(cost=best[k].cost + delta + relaxation_bound(problem), start=k, problem=problem))
-        elif quick.status != "infeasible":
-            out.append(Option(cost=best[k].cost + delta + quick.seconds, start=k,
-                              plan=GroupPlan(schedule=problem.group, ckpt=quick)))
-    return out
-
-
-def cheapest(options: list[Option], best: list[Option], delta: float, settings: Settings) -> Option:
-    """The cheapest option, solving MILPs in bound order until no bound can beat the best."""
-    found = Option(cost=float("inf"), start=-1)
-    for opt in sorted(options, key=lambda o: (o.cost, o.start)):
-        if opt.cost >= found.cost:
-            break
-        if opt.plan is None:
-            ckpt = solve_milp(opt.problem, settings.milp_time_limit_s)
-            opt = Option(cost=best[opt.start].cost + delta + ckpt.seconds, start=opt.start,
-                         plan=GroupPlan(schedule=opt.problem.group, ckpt=ckpt))
-        if (opt.cost, opt.start) < (found.cost, found.start):
-            found = opt
-    return found
-
-
-def group_by_classes(units: list[Unit], request: PlanRequest, lay: Layout,
-                     settings: Settings) -> tuple[list[GroupPlan], float] | None:
-    """Eq. 14 over the distinct chunk counts; None when no grouping fits memory."""
-    if not units:    # more pipelines than units: this one stays empty
-        return [], 0.0
-    classes = sorted({u.num_chunks for u in units})
-    members = {n: [u for u in units if u.num_chunks == n] for n in classes}
-    chunks = [c for u in units for c in u.chunks]
-    mean = sum(chunk_stage_seconds(c, request, lay.stages[0]) for c in chunks) / len(chunks)
-    delta = (len(lay.stages) - 1) * mean   # one more warm-up and cool-down
-    best = [Option(cost=0.0, start=-1)]
-    for i in range(1, len(classes) + 1):
-        best.append(cheapest(options_for(i, best, classes, members, delta, request, lay, settings),
-                             best, delta, settings))
-    if best[-1].cost == float("inf"):
-        return None
-    groups, i = [], len(classes)
-    while i > 0:
-        groups.append(best[i].plan)
-        i = best[i].start
-    return groups, best[-1].cost    # longest classes first
 
 
 # ---- one candidate N ----
@@ -252,27 +156,17 @@ class Candidate:
     """The DP's estimate: slowest pipeline's stage work plus its groups' delta and T_ckpt."""
 
 
-def unit_need(unit: Unit, request: PlanRequest, lay: Layout, settings: Settings) -> tuple[float, int]:
-    """(bytes, stage) the unit alone needs at its peak with the most recomputation the mode
-    allows; any group holding it needs at least as much (its chunks stay alive alongside)."""
-    problem = group_problem([unit], request, lay)
-    r = problem.recompute(problem.upper if settings.checkpointing != "none" else 0 * problem.upper)
-    needs = [problem.memory.stages[s].levels(r[s]).max() + lay.stages[s].states for s in range(len(lay.stages))]
-    stage = max(range(len(needs)), key=lambda i: needs[i])
-    return float(needs[stage]), stage
-
-
 def plan_candidate(batch: ChunkedBatch, request: PlanRequest, settings: Settings) -> Candidate | None:
     """Steps 2-4 for one chunked batch; None when some pipeline cannot fit memory."""
     dp = request.scheme.dp
     lay = layout(request, dp)
-    if any(unit_need(u, request, lay, settings)[0] > request.cost.capacity_bytes
+    if any(unit_need(u, request, lay, settings.solver)[0] > request.cost.capacity_bytes
            for u in batch.units if u.num_chunks > 1):
         return None   # a split sequence alone overflows: skip the DP
     seconds = [sum(chunk_stage_seconds(c, request, lay.stages[0]) for c in u.chunks) for u in batch.units]
     pipelines, estimate = [], 0.0
     for share in split_over_pipelines(batch.units, seconds, dp):
-        grouped = group_by_classes([batch.units[i] for i in share], request, lay, settings)
+        grouped = group_by_classes([batch.units[i] for i in share], request, lay, settings.solver)
         if grouped is None:
             return None
         pipelines.append(grouped[0])
@@ -369,7 +263,7 @@ def infeasible_error(request: PlanRequest, settings: Settings, fit: SliceCost, l
     longest = max(range(len(request.lengths)), key=lambda i: request.lengths[i])
     batch = balanced_chunking(request.lengths, last_n, fit, balanced=settings.balanced)
     unit = next(u for u in batch.units if longest in {s.seq_id for c in u.chunks for s in c.segments})
-    need, stage = unit_need(unit, request, layout(request, request.scheme.dp), settings)
+    need, stage = unit_need(unit, request, layout(request, request.scheme.dp), settings.solver)
     how = "with no recomputation" if settings.checkpointing == "none" else "even with every layer recomputed"
     return UserError(
         f"{PLANNER}: no slice number N <= {last_n} fits memory: sequence {longest} ({request.lengths[longest]} "

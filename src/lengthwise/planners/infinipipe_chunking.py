@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import numpy as np
 
@@ -93,9 +94,9 @@ def balanced_mesh(longest: int, num_slices: int, fit: SliceCost) -> Mesh | None:
     total = fit.cumulative(longest)
     bounds = [0] + [round(fit.inverse_cumulative(total * i / num_slices)) for i in range(1, num_slices)]
     bounds.append(longest)
-    if any(x >= y for x, y in zip(bounds, bounds[1:])):
+    if any(x >= y for x, y in pairwise(bounds)):
         return None
-    slice_time = max(fit.work(x, y) for x, y in zip(bounds, bounds[1:])) + fit.c
+    slice_time = max(fit.work(x, y) for x, y in pairwise(bounds)) + fit.c
     return Mesh(bounds=tuple(bounds), time_threshold=slice_time, token_threshold=bounds[1])
 
 
@@ -119,7 +120,7 @@ def split_by_mesh(lengths: list[int], mesh: Mesh) -> tuple[dict[int, list[Segmen
             short.append(seq_id)
             continue
         edges = [0] + cuts + [n]
-        split[seq_id] = [Segment(seq_id, s, e) for s, e in zip(edges, edges[1:])]
+        split[seq_id] = [Segment(seq_id, s, e) for s, e in pairwise(edges)]
     return split, short
 
 
