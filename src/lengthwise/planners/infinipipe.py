@@ -33,8 +33,9 @@ Options (request.options):
 - `slice_candidates`: most feasible values of N planned when tuning (int >= 1, default 10).
 - `balanced_chunking`: Algorithm 1 (default True); False is the "w/o wbc" ablation (§5.5):
   equal-token slices and token-only packing.
-- `checkpointing`: "adaptive" (the MILP, default), "none" (no recomputation: N grows until
-  memory fits) or "full" (every layer of every chunk recomputed in a group that needs any).
+- `checkpointing`: "adaptive" (the MILP, default), "none" (no recomputation: the "w/o ckpt"
+  ablation; N grows until memory fits) or "full" (every layer of every chunk recomputed, the
+  "full ckpt" ablation).
 - `score`: how N candidates are compared: "simulate" (default) or "estimate" (the DP's cost).
 - `milp_time_limit_s`: HiGHS time limit per MILP, seconds (default 1.0).
 

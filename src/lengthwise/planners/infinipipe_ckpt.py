@@ -91,14 +91,12 @@ def answer_without_milp(problem: Problem, mode: str) -> Checkpointing | None:
     """The exact answer when no MILP is needed: nothing to recompute, nothing that fits, or a
     fixed mode ("none", "full"); None when the MILP must decide."""
     zero = np.zeros_like(problem.upper)
+    if mode == "full":   # uniform full checkpointing, the "full ckpt" ablation (§5.5)
+        return _result(problem, problem.upper, "full" if problem.fits(problem.upper) else "infeasible")
     if problem.fits(zero):
         return _result(problem, zero, "none-needed")
-    if mode == "none":
-        return _result(problem, zero, "infeasible")
-    if not problem.fits(problem.upper):
-        return _result(problem, problem.upper, "infeasible")
-    if mode == "full":
-        return _result(problem, problem.upper, "full")
+    if mode == "none" or not problem.fits(problem.upper):
+        return _result(problem, zero if mode == "none" else problem.upper, "infeasible")
     return None
 
 
@@ -124,8 +122,7 @@ def solve_milp(problem: Problem, time_limit_s: float) -> Checkpointing:
 
 def solve_checkpointing(group: GroupSchedule, memory: MemoryModel, *, mode: str = "adaptive",
                         time_limit_s: float = 1.0) -> Checkpointing:
-    """Algorithm 2: the cheapest recomputation that fits (mode adaptive), or none / full.
-    Mode full recomputes every layer of a group only when the group needs any recomputation."""
+    """Algorithm 2: the cheapest recomputation that fits (mode adaptive), or none / full."""
     problem = checkpointing_problem(group, memory)
     return answer_without_milp(problem, mode) or solve_milp(problem, time_limit_s)
 
