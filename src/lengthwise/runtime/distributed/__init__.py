@@ -10,8 +10,8 @@ time-out) ; dp.py (same plan on every rank, gradient sums over the ranks holding
 parameter) ; cp.py (head-tail sharding, K/V all-gather attention) <- cp_stage.py (a StageRunner
 for one CP rank) <- step.py (one rank's step) <- launch.py (torchrun or local workers) <-
 verify_dist.py (distributed run vs the oracle), checkpoint_dist.py (torch.distributed.checkpoint
-plus sampler and RNG per rank), loop.py (a small training loop with checkpoints, for the fault
-test).
+plus sampler and RNG per rank). Training across processes (`lengthwise train --nproc` or under
+torchrun) is runtime/train_dist.py.
 
 The model file imports no parallel code: a stage runner runs its stage's layers, and context
 parallelism enters only as the attention callable the CP runner hands to the model.
