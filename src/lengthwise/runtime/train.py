@@ -20,11 +20,12 @@ sampler position after batch n (not after the prefetched batch n+1), so a run re
 draws, plans and computes exactly what the uninterrupted run did: the final weights are
 bit-identical (tests/test_train.py).
 
-Executors. The loop above is shared; what runs a step's plan is an executor. `LocalExecutor`:
-this process runs every pipeline and stage (`run_step`), AdamW over all parameters,
-checkpoints in runtime/checkpoint.py. `train_dist.RankExecutor`: one rank of dp * pp * cp
-processes runs its stage (`run_rank_step`), AdamW over the parameters it holds, clipping by the
-global norm, checkpoints through torch.distributed.checkpoint; only rank 0 reports.
+Executors. The loop above is shared; what runs a step's plan is an executor (train_exec.py).
+`LocalExecutor`: this process runs every pipeline and stage (`run_step`), AdamW over all
+parameters, checkpoints in runtime/checkpoint.py. `train_dist.RankExecutor`: one rank of
+dp * pp * cp processes runs its stage (`run_rank_step`), AdamW over the parameters it holds,
+clipping by the global norm, checkpoints through torch.distributed.checkpoint; only rank 0
+writes metrics and the progress bar.
 """
 
 from __future__ import annotations
@@ -35,20 +36,14 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
-from lengthwise.runtime.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
 from lengthwise.runtime.model import CausalLM, build_model
 from lengthwise.runtime.train_config import TrainConfig
-from lengthwise.runtime.train_step import PeakMemory, forward_backward
+from lengthwise.runtime.train_exec import Executor, LocalExecutor
 from lengthwise.runtime.weights import INDEX_NAME, WEIGHTS_NAME, load_weights
 from lengthwise.specs import (
     MODEL_PRESETS,
@@ -59,10 +54,6 @@ from lengthwise.specs import (
 )
 from lengthwise.workloads.sampler import GlobalBatch, GlobalBatchSampler
 from lengthwise.workloads.source import LengthSource, corpus_source
-
-RESUME_MUST_MATCH = ("model", "data", "tokenizer", "text_field", "context_length", "overlong", "seed")
-"""Config fields a resumed run must share with its checkpoint (they define the data stream
-and the weights' shape); the sampler checks its own batch size / token budget."""
 
 
 @dataclass(kw_only=True)
@@ -84,7 +75,8 @@ class StepRecord:
     planning_ms: float
     """Time the planner (and plan validation) took in the worker thread, milliseconds."""
     peak_memory_bytes: int
-    """Saved-for-backward bytes (CPU) or CUDA max_memory_allocated, this step."""
+    """Saved-for-backward bytes (CPU) or CUDA max_memory_allocated, this step (the largest
+    over the ranks of a distributed run)."""
     memory_kind: str
     """saved_for_backward or cuda_max_allocated."""
     grad_norm: float
@@ -225,76 +217,11 @@ def make_optimizer(model: CausalLM, config: TrainConfig, *,
     return torch.optim.AdamW(groups, lr=config.lr)
 
 
-@dataclass(kw_only=True)
-class StepOutcome:
-    """What an executor's step gave (the same on every rank of a distributed run)."""
-
-    loss: float
-    """Mean token cross-entropy of the global batch (nats), before the update."""
-    grad_norm: float
-    """Global gradient 2-norm before clipping."""
-    peak_memory_bytes: int
-    """Peak memory of the step (the largest over the ranks)."""
-    memory_kind: str
-    """saved_for_backward or cuda_max_allocated."""
-
-
-class Executor(Protocol):
-    """Runs each step's plan and owns the optimizer and the checkpoints."""
-
-    is_reporter: bool
-    nproc: int
-    must_match: tuple[str, ...]
-    result_model: CausalLM | None
-
-    def step(self, prepared: PreparedStep, step: int) -> StepOutcome: ...
-    def latest_checkpoint(self, out: str) -> Path | None: ...
-    def load(self, path: Path) -> dict: ...
-    def save(self, step: int, trainer: dict) -> Path: ...
-
-
-class LocalExecutor:
-    """This process runs the whole plan (`forward_backward`), AdamW over every parameter,
-    checkpoints as Hugging Face directories (runtime/checkpoint.py)."""
-
-    is_reporter = True
-    """Writes the metrics and the progress bar."""
-    nproc = 1
-    must_match = RESUME_MUST_MATCH
-    """Config fields a checkpoint must share with the run resuming it."""
-
-    def __init__(self, setup: Setup):
-        self.config, self.model = setup.config, setup.model
-        self.result_model = setup.model
-        self.optimizer = make_optimizer(setup.model, setup.config)
-
-    def step(self, prepared: PreparedStep, step: int) -> StepOutcome:
-        model, config = self.model, self.config
-        self.optimizer.zero_grad(set_to_none=True)
-        with PeakMemory(model) as peak:
-            loss = forward_backward(model, prepared.plan, prepared.token_ids, backend=config.backend)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
-        self.optimizer.step()
-        return StepOutcome(loss=float(loss), grad_norm=float(grad_norm), peak_memory_bytes=peak.bytes,
-                           memory_kind=peak.kind)
-
-    def latest_checkpoint(self, out: str) -> Path | None:
-        return latest_checkpoint(out)
-
-    def load(self, path: Path) -> dict:
-        """Restore weights, optimizer and RNGs from `path`; returns its trainer state."""
-        return load_checkpoint(path, self.model, self.optimizer)
-
-    def save(self, step: int, trainer: dict) -> Path:
-        return save_checkpoint(self.config.out, step=step, model=self.model, optimizer=self.optimizer,
-                               trainer=trainer)
-
-
 def train(config: TrainConfig) -> TrainResult:
     """Run `config` to config.steps total steps on this process, resuming from a checkpoint
     when there is one."""
     setup = Setup(config)
-    return run_training(setup, LocalExecutor(setup))
+    return run_training(setup, LocalExecutor(setup, make_optimizer(setup.model, config)))
 
 
 def run_training(setup: Setup, executor: Executor) -> TrainResult:

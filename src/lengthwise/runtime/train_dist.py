@@ -56,16 +56,15 @@ from lengthwise.runtime.distributed.launch import (
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.step import gather_grads_like, run_rank_step
 from lengthwise.runtime.train import (
-    RESUME_MUST_MATCH,
     PreparedStep,
     Setup,
-    StepOutcome,
     TrainResult,
     make_optimizer,
     resolve_device,
     run_training,
 )
 from lengthwise.runtime.train_config import TrainConfig, check_degrees
+from lengthwise.runtime.train_exec import RESUME_MUST_MATCH, StepOutcome
 from lengthwise.runtime.train_step import PADDED_PLANNERS, PeakMemory
 from lengthwise.runtime.weights import load_state, save_pretrained
 from lengthwise.workloads.sampler import GlobalBatchSampler

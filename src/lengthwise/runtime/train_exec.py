@@ -1,0 +1,94 @@
+"""What runs one training step's plan: the `Executor` interface the training loop
+(runtime/train.py) drives, and `LocalExecutor`, one process running the whole plan.
+
+An executor owns what differs between one process and many: which part of the plan runs here,
+which parameters the optimizer updates, how the gradient norm is taken, and the checkpoint
+format. The distributed one, one rank of dp * pp * cp, is `train_dist.RankExecutor`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from lengthwise.runtime.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from lengthwise.runtime.model import CausalLM
+from lengthwise.runtime.train_step import PeakMemory, forward_backward
+
+if TYPE_CHECKING:
+    from lengthwise.runtime.train import PreparedStep, Setup
+
+RESUME_MUST_MATCH = ("model", "data", "tokenizer", "text_field", "context_length", "overlong", "seed")
+"""Config fields a resumed run must share with its checkpoint (they define the data stream
+and the weights' shape); the sampler checks its own batch size / token budget."""
+
+
+@dataclass(kw_only=True)
+class StepOutcome:
+    """What an executor's step gave (the same on every rank of a distributed run)."""
+
+    loss: float
+    """Mean token cross-entropy of the global batch (nats), before the update."""
+    grad_norm: float
+    """Global gradient 2-norm before clipping."""
+    peak_memory_bytes: int
+    """Peak memory of the step (the largest over the ranks)."""
+    memory_kind: str
+    """saved_for_backward or cuda_max_allocated."""
+
+
+class Executor(Protocol):
+    """Runs each step's plan and owns the optimizer and the checkpoints."""
+
+    is_reporter: bool
+    nproc: int
+    must_match: tuple[str, ...]
+    result_model: CausalLM | None
+
+    def step(self, prepared: PreparedStep, step: int) -> StepOutcome: ...
+    def latest_checkpoint(self, out: str) -> Path | None: ...
+    def load(self, path: Path) -> dict: ...
+    def save(self, step: int, trainer: dict) -> Path: ...
+
+
+class LocalExecutor:
+    """This process runs the whole plan (`forward_backward`), AdamW over every parameter,
+    checkpoints as Hugging Face directories (runtime/checkpoint.py)."""
+
+    is_reporter = True
+    """Writes the metrics and the progress bar."""
+    nproc = 1
+    must_match = RESUME_MUST_MATCH
+    """Config fields a checkpoint must share with the run resuming it."""
+
+    def __init__(self, setup: Setup, optimizer: torch.optim.Optimizer):
+        self.config, self.model, self.optimizer = setup.config, setup.model, optimizer
+        self.result_model = setup.model
+
+    def step(self, prepared: PreparedStep, step: int) -> StepOutcome:
+        model, config = self.model, self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        with PeakMemory(model) as peak:
+            loss = forward_backward(model, prepared.plan, prepared.token_ids, backend=config.backend)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
+        self.optimizer.step()
+        return StepOutcome(loss=float(loss), grad_norm=float(grad_norm), peak_memory_bytes=peak.bytes,
+                           memory_kind=peak.kind)
+
+    def latest_checkpoint(self, out: str) -> Path | None:
+        return latest_checkpoint(out)
+
+    def load(self, path: Path) -> dict:
+        """Restore weights, optimizer and RNGs from `path`; returns its trainer state."""
+        return load_checkpoint(path, self.model, self.optimizer)
+
+    def save(self, step: int, trainer: dict) -> Path:
+        return save_checkpoint(self.config.out, step=step, model=self.model, optimizer=self.optimizer,
+                               trainer=trainer)
