@@ -80,11 +80,13 @@ def test_cells_tile_every_chunk_and_every_unit():
     plan = slimpack_plan()
     pipe = plan.pipelines[0]
     cells = cell_map(pipe)
-    tokens = lambda chunk: sorted((s.seq_id, t) for s in chunk.segments for t in range(s.start, s.stop))
+    def tokens(*chunks: Chunk) -> list[tuple[int, int]]:
+        return sorted((s.seq_id, t) for c in chunks for s in c.segments for t in range(s.start, s.stop))
+
     for c, chunk in enumerate(pipe.chunks):
-        assert sorted(sum((tokens(cells.cells[i]) for i in cells.forward[c]), [])) == tokens(chunk)
+        assert tokens(*(cells.cells[i] for i in cells.forward[c])) == tokens(chunk)
     for u, unit in enumerate(pipe.backward_chunks):
-        assert sorted(sum((tokens(cells.cells[i]) for i in cells.backward[u]), [])) == tokens(unit)
+        assert tokens(*(cells.cells[i] for i in cells.backward[u])) == tokens(unit)
         assert list(cells.backward[u]) == sorted(cells.backward[u], reverse=True)  # later pieces first
 
 
