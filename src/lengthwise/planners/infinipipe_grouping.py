@@ -20,6 +20,7 @@ of the MILPs. Groups needing no recomputation, or unable to fit, need no solver 
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from lengthwise.planners.base import PlanRequest
@@ -30,11 +31,12 @@ from lengthwise.planners.infinipipe_ckpt import (
     answer_without_milp,
     checkpointing_problem,
     relaxation_bound,
+    row_bound,
     solve_milp,
 )
 from lengthwise.planners.infinipipe_schedule import (
-    ChunkCosts,
     StageShape,
+    UnitCosts,
     group_memory,
     group_schedule,
 )
@@ -61,7 +63,7 @@ class Layout:
     cp: int
     dp: int
     """Pipelines (some may stay empty when the batch has fewer units)."""
-    costs: ChunkCosts
+    costs: UnitCosts
     """Memoised per-stage chunk costs."""
 
 
@@ -72,7 +74,7 @@ def layout(request: PlanRequest, dp: int) -> Layout:
                          states=cost.model_state_bytes(layers=per, tp=s.tp, dp=dp, zero=s.zero,
                                                        first=i == 0, last=i == s.pp - 1))
               for i in range(s.pp)]
-    return Layout(stages=stages, tp=s.tp, cp=s.cp, dp=dp, costs=ChunkCosts(cost, stages, tp=s.tp, cp=s.cp))
+    return Layout(stages=stages, tp=s.tp, cp=s.cp, dp=dp, costs=UnitCosts(cost, stages, tp=s.tp, cp=s.cp))
 
 
 def chunk_stage_seconds(chunk, request: PlanRequest, shape: StageShape) -> float:
@@ -99,12 +101,14 @@ class Option:
     """One way to end eq. 14's prefix at class i: the group of classes k..i-1 after dp[k]."""
 
     cost: float
-    """dp[k] + delta + T_ckpt when `plan` is known, else a lower bound (LP relaxation)."""
+    """dp[k] + delta + T_ckpt when `plan` is known, else a lower bound of it."""
     start: int
     """k."""
     plan: GroupPlan | None = None
     problem: Problem | None = None
-    """Set while only the bound is known."""
+    """Set while only a bound is known."""
+    bound: str = "exact"
+    """How `cost` was found: "rows" (no solver), "lp" (the relaxation) or "exact"."""
 
 
 def options_for(i: int, best: list[Option], classes: list[int], members: dict, delta: float,
@@ -117,25 +121,37 @@ def options_for(i: int, best: list[Option], classes: list[int], members: dict, d
         problem = group_problem([u for n in classes[k:i] for u in members[n]], request, lay)
         quick = answer_without_milp(problem, solver.mode)
         if quick is None:
-            out.append(Option(cost=best[k].cost + delta + relaxation_bound(problem), start=k, problem=problem))
+            out.append(Option(cost=best[k].cost + delta + row_bound(problem), start=k, problem=problem,
+                              bound="rows"))
         elif quick.status != "infeasible":
             out.append(Option(cost=best[k].cost + delta + quick.seconds, start=k,
                               plan=GroupPlan(schedule=problem.group, ckpt=quick)))
     return out
 
 
+def tighten(opt: Option, base: float, solver: SolverOptions) -> Option:
+    """The next bound of an option: rows -> LP relaxation -> the MILP's exact answer."""
+    if opt.bound == "rows":
+        return Option(cost=base + relaxation_bound(opt.problem), start=opt.start, problem=opt.problem, bound="lp")
+    ckpt = solve_milp(opt.problem, solver.time_limit_s)
+    return Option(cost=base + ckpt.seconds, start=opt.start, plan=GroupPlan(schedule=opt.problem.group, ckpt=ckpt))
+
+
 def cheapest(options: list[Option], best: list[Option], delta: float, solver: SolverOptions) -> Option:
-    """The cheapest option, solving MILPs in bound order until no bound can beat the best."""
+    """The cheapest option, tightening bounds lowest first until no bound can beat the best
+    exact cost found (branch and bound over eq. 14's choices; most groups never reach HiGHS)."""
     found = Option(cost=INF, start=-1)
-    for opt in sorted(options, key=lambda o: (o.cost, o.start)):
-        if opt.cost >= found.cost:
-            break
-        if opt.plan is None:
-            ckpt = solve_milp(opt.problem, solver.time_limit_s)
-            opt = Option(cost=best[opt.start].cost + delta + ckpt.seconds, start=opt.start,
-                         plan=GroupPlan(schedule=opt.problem.group, ckpt=ckpt))
-        if (opt.cost, opt.start) < (found.cost, found.start):
-            found = opt
+    heap = [(o.cost, o.start, o.bound, n, o) for n, o in enumerate(options)]
+    heapq.heapify(heap)
+    count = len(heap)
+    while heap and heap[0][0] < found.cost:
+        _, _, _, _, opt = heapq.heappop(heap)
+        if opt.plan is not None:
+            found = min(found, opt, key=lambda o: (o.cost, o.start))
+            continue
+        opt = tighten(opt, best[opt.start].cost + delta, solver)
+        heapq.heappush(heap, (opt.cost, opt.start, opt.bound, count, opt))
+        count += 1
     return found
 
 

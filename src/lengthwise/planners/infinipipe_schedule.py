@@ -2,7 +2,7 @@
 recomputed layers (infinipipe.txt §3.1.3-3.1.4, eq. 5-10, 19).
 
     group = group_schedule([unit.chunks for unit in units], pp)
-    memory = group_memory(group, ChunkCosts(cost, stages, tp=8, cp=1))
+    memory = group_memory(group, UnitCosts(cost, stages, tp=8, cp=1))
     memory.stages[s].levels(r)          # bytes held at each backward start of stage s
 
 Schedule (eq. 7): stage s (0-based) keeps a *window* of pp - s - 1 + N_prefill chunks between
@@ -33,6 +33,8 @@ from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk
 class GroupSchedule:
     """One 1F1B pipeline of whole units (eq. 14's P) before checkpointing."""
 
+    units: list[list[Chunk]]
+    """The units, in forward order; their chunks concatenated are `chunks`."""
     chunks: list[Chunk]
     """Forward order."""
     backward_order: np.ndarray
@@ -84,7 +86,7 @@ def group_schedule(unit_chunks: list[list[Chunk]], pp: int) -> GroupSchedule:
     order = np.asarray(backward, dtype=int)
     f2b = np.empty(len(chunks), dtype=int)
     f2b[order] = np.arange(len(chunks))
-    return GroupSchedule(chunks=chunks, backward_order=order, ready=np.asarray(ready, dtype=int),
+    return GroupSchedule(units=list(unit_chunks), chunks=chunks, backward_order=order, ready=np.asarray(ready, dtype=int),
                          prefill=max((len(u) for u in unit_chunks), default=1), pp=pp, f2b=f2b)
 
 
@@ -100,24 +102,31 @@ class StageShape:
     """Model-state bytes (weights, gradients, optimizer) held all step."""
 
 
-class ChunkCosts:
-    """Per-stage bytes and seconds of chunks, memoised: eq. 14's DP builds many groups from the
-    same chunks."""
+class UnitCosts:
+    """Per-stage bytes and seconds of each unit's chunks, memoised: eq. 14's DP builds many
+    groups from the same units. A split sequence lies wholly in one unit, so its K/V events
+    are the unit's own."""
 
     def __init__(self, cost, stages: list[StageShape], *, tp: int, cp: int):
         self.cost, self.stages, self.kw = cost, stages, {"tp": tp, "cp": cp}
-        self._memo: dict[tuple[int, int], tuple[Chunk, tuple[float, float, float]]] = {}
+        self._memo: dict[tuple[int, int], tuple[list[Chunk], np.ndarray]] = {}
 
-    def of(self, stage: int, chunk: Chunk) -> tuple[float, float, float]:
-        """(activation bytes, bytes saved per recomputed layer, forward seconds of one layer)."""
-        key = (stage, id(chunk))   # hashing segments is slow; the memo keeps the chunk alive
+    def table(self, stage: int, unit: list[Chunk]) -> np.ndarray:
+        """float64 [6, chunks]: activation bytes, bytes saved per recomputed layer, forward
+        seconds of one layer, then the three K/V rows of `kv_events`."""
+        key = (stage, id(unit))   # hashing segments is slow; the memo keeps the unit alive
         if key not in self._memo:
-            shape, cost = self.stages[stage], self.cost
-            act = cost.activation_bytes(chunk, layers=shape.layers, head=shape.head, **self.kw)
-            less = cost.activation_bytes(chunk, layers=shape.layers, head=shape.head, recompute_layers=1,
-                                         **self.kw) if shape.layers else act
-            self._memo[key] = (chunk, (act, act - less, cost.forward_time(chunk, layers=1, **self.kw)))
+            rows = np.array([self._chunk(stage, c) for c in unit], dtype=float).reshape(len(unit), 3).T
+            kv = kv_events(split_slices(unit), self, stage, len(unit))
+            self._memo[key] = (unit, np.vstack([rows, kv]))
         return self._memo[key][1]
+
+    def _chunk(self, stage: int, chunk: Chunk) -> tuple[float, float, float]:
+        shape, cost = self.stages[stage], self.cost
+        act = cost.activation_bytes(chunk, layers=shape.layers, head=shape.head, **self.kw)
+        less = cost.activation_bytes(chunk, layers=shape.layers, head=shape.head, recompute_layers=1,
+                                     **self.kw) if shape.layers else act
+        return act, act - less, cost.forward_time(chunk, layers=1, **self.kw)
 
     def kv(self, stage: int, context: int) -> float:
         return self.cost.kv_bytes(context, layers=self.stages[stage].layers, **self.kw)
@@ -194,18 +203,17 @@ class MemoryModel:
         return float(self.stages[stage].levels(np.asarray(recompute, float)).max(initial=0.0))
 
 
-def group_memory(group: GroupSchedule, costs: ChunkCosts) -> MemoryModel:
+def group_memory(group: GroupSchedule, costs: UnitCosts) -> MemoryModel:
     """The linear memory model of a group on every stage."""
-    n, splits, stages, seconds = len(group.chunks), split_slices(group.chunks), [], []
+    stages, seconds = [], []
     for s in range(group.pp):
-        table = np.array([costs.of(s, c) for c in group.chunks], dtype=float).reshape(n, 3)
+        table = np.concatenate([costs.table(s, u) for u in group.units], axis=1)
         fpos, bpos = group.positions(s)
-        stages.append(StageMemory(fpos=fpos, bpos=bpos, act=table[:, 0], saving=table[:, 1],
-                                  kv=kv_events(splits, costs, s, n)))
-        seconds.append(table[:, 2])
+        stages.append(StageMemory(fpos=fpos, bpos=bpos, act=table[0], saving=table[1], kv=table[3:]))
+        seconds.append(table[2])
     return MemoryModel(stages=stages, limit=np.array([costs.cost.capacity_bytes - st.states for st in costs.stages]),
                        max_layers=np.array([st.layers for st in costs.stages]),
-                       layer_seconds=np.array(seconds).reshape(group.pp, n))
+                       layer_seconds=np.array(seconds).reshape(group.pp, len(group.chunks)))
 
 
 def split_slices(chunks: list[Chunk]) -> list[list[tuple[int, int, int]]]:
@@ -217,7 +225,7 @@ def split_slices(chunks: list[Chunk]) -> list[list[tuple[int, int, int]]]:
     return [sorted(parts) for parts in slices.values() if len(parts) > 1]
 
 
-def kv_events(splits: list[list[tuple[int, int, int]]], costs: ChunkCosts, stage: int, n: int) -> np.ndarray:
+def kv_events(splits: list[list[tuple[int, int, int]]], costs: UnitCosts, stage: int, n: int) -> np.ndarray:
     """float64 [3, n] K/V bytes of split sequences (sim/memory.py): earlier slices' K/V at their
     forward (later slices read it), K/V gradients at the start of the sequence's first backward,
     both freed at the end of its last backward (the first slice's)."""
