@@ -310,13 +310,26 @@ def test_no_cheaper_recomputation_fits_the_simulator():
 
 
 @needs_sim
-def test_planned_recomputation_keeps_every_stage_under_capacity():
-    lengths = sample("github", 96, 256 * K, seed=7)
-    req = request(lengths, model="llama2-13b", score="simulate", slice_candidates=2)
+@pytest.mark.parametrize("dp,pp", [(1, 2), (2, 2), (1, 4)])
+def test_every_planned_stage_peak_is_the_simulators_peak(dp, pp):
+    """Whole plans (several groups, some recomputing): each stage's simulated peak equals the
+    largest peak the MILP's memory rows predict over that pipeline's groups, and fits."""
     from lengthwise.sim import simulate_plan
 
-    out = plan(req)
+    lengths = [3000, 2500, 1800, 1200, 900] + sample("tiny", 40, 512, seed=9)
+    req = tiny_request(lengths, memory_gb=0.04, pp=pp, dp=dp, num_slices=4)
+    settings_ = ip.read_settings(req)
+    batch = balanced_chunking(lengths, 4, SliceCost.from_cost(req.cost, layers=4 // pp))
+    cand = ip.plan_candidate(batch, req, settings_)
+    out = ip.candidate_plan(cand, req, settings_, started=0.0)
+    validate_plan(out, req.cost)
     result = simulate_plan(out, req.cost)
+    lay = grouping.layout(req, dp)
+    assert any(r for groups in cand.pipelines for g in groups for row in g.ckpt.recompute for r in row)
+    for p, groups in enumerate(cand.pipelines):
+        for s in range(pp):
+            predicted = max(group_memory(g.schedule, lay.costs).peak(s, g.ckpt.recompute[s]) for g in groups)
+            assert result.peak_memory[p][s] == pytest.approx(predicted + lay.stages[s].states, rel=1e-9)
     assert result.fits
 
 
