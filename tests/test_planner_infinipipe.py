@@ -115,7 +115,7 @@ def test_buckets_hold_one_tail_at_most_and_respect_the_token_threshold():
     lengths = sample("github", 512, 128 * K, seed=3)
     mesh = balanced_mesh(max(lengths), 6, fit)
     split, short = split_by_mesh(lengths, mesh)
-    buckets = pack_buckets([split[i][-1] for i in sorted(split)], short, lengths, mesh, fit)
+    buckets, _ = pack_buckets([split[i][-1] for i in sorted(split)], short, lengths, mesh, fit)
     assert all(sum(s.start > 0 for s in b.segments) <= 1 for b in buckets)
     assert all(b.tokens <= mesh.token_threshold for b in buckets)
     placed = sorted(s.seq_id for b in buckets for s in b.segments if s.start == 0)
@@ -130,7 +130,7 @@ def test_short_sequences_go_to_the_bucket_with_the_least_time_per_token():
     lengths = [40_000, x1 + 3_000, 1_000]
     split, short = split_by_mesh(lengths, mesh)
     deep, shallow = split[0][-1], split[1][-1]
-    buckets = pack_buckets([deep, shallow], short, lengths, mesh, fit)
+    buckets, _ = pack_buckets([deep, shallow], short, lengths, mesh, fit)
     home = next(b for b in buckets if any(s.seq_id == 2 for s in b.segments))
     assert home.segments[0] == shallow
 
@@ -140,7 +140,7 @@ def test_a_new_bucket_opens_only_when_no_bucket_has_token_room():
     lengths = [20_000] + [5_000] * 8
     mesh = balanced_mesh(20_000, 1, fit)     # N = 1: nothing is split, T_m = 20K
     split, short = split_by_mesh(lengths, mesh)
-    buckets = pack_buckets([], short, lengths, mesh, fit)
+    buckets, _ = pack_buckets([], short, lengths, mesh, fit)
     assert not split and sorted(b.tokens for b in buckets) == [20_000] * 3
 
 
@@ -154,7 +154,7 @@ def test_the_time_threshold_yields_to_token_balance():
     tail = split[0][-1]
     assert tail.num_tokens + half <= mesh.token_threshold            # fits by tokens ...
     assert fit.work(tail.start, tail.stop) + fit.work(0, half) + fit.c > mesh.time_threshold  # ... not by time
-    buckets = pack_buckets([tail], short, lengths, mesh, fit)
+    buckets, _ = pack_buckets([tail], short, lengths, mesh, fit)
     assert [s.seq_id for s in buckets[0].segments] == [0, 1] and len(buckets) == 2
 
 

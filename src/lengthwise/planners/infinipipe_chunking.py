@@ -129,9 +129,11 @@ class Bucket:
     """A chunk being packed: at most one tail slice, then short sequences."""
 
     segments: list[Segment]
+    """The tail slice (if any) first, then whole short sequences."""
     time: float
     """Predicted backward seconds on one stage."""
     tokens: int
+    """Tokens of all its segments."""
     order: int
     """Creation index (ties)."""
 
@@ -146,8 +148,9 @@ class Bucket:
 
 
 def pack_buckets(tails: list[Segment], short: list[int], lengths: list[int], mesh: Mesh,
-                 fit: SliceCost) -> list[Bucket]:
-    """Lines 3-16: best fit of short sequences (longest time first) into tail-seeded buckets."""
+                 fit: SliceCost) -> tuple[list[Bucket], float]:
+    """Lines 3-16: best fit of short sequences (longest time first) into tail-seeded buckets.
+    Returns the buckets and T_t after line 16's perturbations."""
     buckets = [Bucket(segments=[t], time=fit.work(t.start, t.stop) + fit.c, tokens=t.num_tokens, order=i)
                for i, t in enumerate(tails)]
     threshold = mesh.time_threshold
@@ -165,7 +168,7 @@ def pack_buckets(tails: list[Segment], short: list[int], lengths: list[int], mes
             fits_both = [b for b in fits_tokens if b.time + seconds <= threshold]
         best = min(fits_both, key=lambda b: (b.time / b.tokens, b.order))   # line 9
         best.add(seg, seconds)
-    return buckets
+    return buckets, threshold
 
 
 @dataclass(kw_only=True)
@@ -174,6 +177,7 @@ class Unit:
     hybrid chunk), or one batched chunk."""
 
     chunks: list[Chunk]
+    """In forward order; a split sequence's slices in token order."""
     seq_id: int = -1
     """The split sequence, or -1 for a batched chunk."""
 
@@ -187,11 +191,15 @@ class ChunkedBatch:
     """What the sequence processor hands the chunk scheduler."""
 
     units: list[Unit]
+    """Split sequences longest first, then batched chunks."""
     mesh: Mesh
+    """The slice boundaries of the longest sequence (line 1)."""
     num_slices: int
+    """N."""
     time_threshold: float
     """T_t after line 16's perturbations, seconds."""
     stats: dict = field(default_factory=dict)
+    """Counts for the plan's metrics."""
 
 
 def make_units(split: dict[int, list[Segment]], buckets: list[Bucket]) -> list[Unit]:
@@ -214,10 +222,7 @@ def balanced_chunking(lengths: list[int], num_slices: int, fit: SliceCost, *,
         return None
     split, short = split_by_mesh(lengths, mesh)
     tails = [split[i][-1] for i in sorted(split)]
-    buckets = pack_buckets(tails, short, lengths, mesh, fit)
+    buckets, threshold = pack_buckets(tails, short, lengths, mesh, fit)
     units = make_units(split, buckets)
-    times = [fit.work(s.start, s.stop) for u in units for c in u.chunks for s in c.segments]
-    return ChunkedBatch(units=units, mesh=mesh, num_slices=num_slices,
-                        time_threshold=max(b.time for b in buckets) if buckets else mesh.time_threshold,
-                        stats={"split_sequences": len(split), "chunks": sum(u.num_chunks for u in units),
-                               "work_s": float(sum(times))})
+    return ChunkedBatch(units=units, mesh=mesh, num_slices=num_slices, time_threshold=threshold,
+                        stats={"split_sequences": len(split), "chunks": sum(u.num_chunks for u in units)})
