@@ -42,7 +42,7 @@ class Checkpointing:
     seconds: float
     """T_ckpt of eq. 17 with our per-wave weights."""
     status: str
-    """"none-needed", "milp", "full" (every layer), or "infeasible"."""
+    """"none-needed", "milp", "lp-rounded" (HiGHS timed out), "full" (every layer) or "infeasible"."""
 
 
 @dataclass(kw_only=True)
@@ -140,18 +140,18 @@ def relaxation_bound(problem: Problem) -> float:
 
 
 def solve_milp(problem: Problem, time_limit_s: float) -> Checkpointing:
-    """Algorithm 2 lines 6-12 with HiGHS. The LP optimum rounded up still fits (recomputing
-    more never needs more memory); when it is within the MIP gap of the LP bound it is as good
-    as what the branch and bound would return, and HiGHS is not called again."""
+    """Algorithm 2 lines 6-12 with HiGHS. The LP optimum rounded up always fits (recomputing more
+    never needs more memory): when it is within the MIP gap of the LP bound HiGHS is not called,
+    and when HiGHS runs out of time it stands in for a worse or missing incumbent."""
     bound = relaxation_bound(problem)
-    if problem.relaxed[0] is not None:
-        rounded = np.ceil(problem.relaxed[0] - 1e-9)
-        if np.dot(problem.weights, rounded) <= bound * (1 + MIP_GAP) + 1e-12 and problem.fits(rounded):
-            return _result(problem, rounded, "milp")
-    values, _ = problem.solve(integral=True, time_limit_s=time_limit_s)
-    if values is None:   # time limit without an incumbent: full recomputation fits
-        return _result(problem, problem.upper, "full")
-    return _result(problem, values, "milp")
+    rounded = np.ceil(problem.relaxed[0] - 1e-9) if problem.relaxed[0] is not None else problem.upper
+    cost = float(np.dot(problem.weights, rounded))
+    if cost <= bound * (1 + MIP_GAP) + 1e-12 and problem.fits(rounded):
+        return _result(problem, rounded, "milp")
+    values, found = problem.solve(integral=True, time_limit_s=time_limit_s)
+    if values is not None and found <= cost:
+        return _result(problem, values, "milp")
+    return _result(problem, rounded, "lp-rounded") if problem.fits(rounded) else _result(problem, problem.upper, "full")
 
 
 def solve_checkpointing(group: GroupSchedule, memory: MemoryModel, *, mode: str = "adaptive",
