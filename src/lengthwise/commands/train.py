@@ -42,7 +42,7 @@ from __future__ import annotations
 import argparse
 
 from lengthwise.commands.common import add_workload_args
-from lengthwise.commands.plan import parse_option
+from lengthwise.commands.plan import planner_options
 from lengthwise.errors import UserError
 from lengthwise.runtime.train_config import (
     DEVICES,
@@ -131,14 +131,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     config = merge(config, flags)
     config.validate()
     return config
-
-
-def planner_options(args: argparse.Namespace) -> dict:
-    options = dict(parse_option(text) for text in args.option)
-    for name in ("chunk_size", "k"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
-    return options
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ import json
 import re
 
 from lengthwise.commands.common import add_workload_args, batch_lengths_from_args
-from lengthwise.commands.plan import default_context_length, parse_option
+from lengthwise.commands.plan import default_context_length, planner_options
 from lengthwise.errors import UserError
 from lengthwise.planners import available_planners, get_planner, planner_available
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
@@ -167,14 +167,6 @@ def batch_lengths(args: argparse.Namespace) -> list[int]:
     if min(lengths) < 1:
         raise UserError(f"--lengths {args.lengths}: every length must be at least 1")
     return lengths
-
-
-def planner_options(args: argparse.Namespace) -> dict:
-    options = dict(parse_option(text) for text in args.option)
-    for name in ("chunk_size", "k"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
-    return options
 
 
 def summary(plan, result, dtype: str, backend: str) -> str:

@@ -69,22 +69,29 @@ def seq_len_limit(request: PlanRequest) -> int:
     return int(request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp, zero=s.zero))
 
 
+def check_lengths(request: PlanRequest) -> None:
+    """Degrees valid, model states fit, the batch non-empty, every length positive and within the
+    context length. Planners that split long sequences need no more than this."""
+    s = request.scheme
+    s.validate(request.model)
+    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
+    if not request.lengths:
+        raise UserError("the global batch is empty: give at least one sequence")
+    for seq_id, n in enumerate(request.lengths):
+        if n < 1:
+            raise UserError(f"sequence {seq_id} has length {n}: lengths must be at least 1 token")
+        if n > request.context_length:
+            raise UserError(f"sequence {seq_id} has {n} tokens > context length {request.context_length}: "
+                            "raise --context-length or use --overlong truncate|drop")
+
+
 def check_request(request: PlanRequest) -> int:
     """Model states fit; every length positive, within the context length and within one
     pipeline's memory under 1F1B (cost.max_seq_len).
 
     Returns that per-pipeline sequence limit (tokens) so planners can size chunks by it.
     """
-    s = request.scheme
-    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
-    for seq_id, n in enumerate(request.lengths):
-        if n < 1:
-            raise UserError(f"sequence {seq_id} has length {n}: lengths must be at least 1 token")
-        if n > request.context_length:
-            raise UserError(
-                f"sequence {seq_id} has {n} tokens > context length {request.context_length}: "
-                f"raise --context-length or use --overlong truncate|drop"
-            )
+    check_lengths(request)
     limit = seq_len_limit(request)
     longest = max(range(len(request.lengths)), key=lambda i: request.lengths[i], default=None)
     if longest is not None and request.lengths[longest] > limit:

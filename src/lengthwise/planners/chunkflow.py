@@ -68,6 +68,7 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.planners.base import (
     PlanRequest,
+    check_lengths,
     finish_plan,
     positive_int_option,
     take_options,
@@ -252,22 +253,6 @@ def check_chunk_size_fits(request: PlanRequest, chunk_size: int, k: int) -> None
 
 
 # ---- options and checks ----
-
-def check_lengths(request: PlanRequest) -> None:
-    """Model states fit; every length positive and within the context length (long sequences
-    are split, so unlike base.check_request one pipeline need not hold them whole)."""
-    s = request.scheme
-    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
-    for seq_id, n in enumerate(request.lengths):
-        if n < 1:
-            raise UserError(f"sequence {seq_id} has length {n}: lengths must be at least 1 token")
-        if n > request.context_length:
-            raise UserError(
-                f"sequence {seq_id} has {n} tokens > context length {request.context_length}: "
-                f"raise --context-length or use --overlong truncate|drop"
-            )
-    if not request.lengths:
-        raise UserError("the global batch is empty: give at least one sequence")
 
 
 def read_chunk_size(value) -> int | str | None:

@@ -55,6 +55,7 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import PipelinePlan, StepPlan
 from lengthwise.planners.base import (
     PlanRequest,
+    check_lengths,
     finish_plan,
     positive_int_option,
     take_options,
@@ -120,21 +121,6 @@ def read_settings(request: PlanRequest) -> Settings:
                     slice_candidates=positive_int_option(opts, "slice_candidates"),
                     balanced=opts["balanced_chunking"], checkpointing=opts["checkpointing"],
                     score=opts["score"], milp_time_limit_s=float(limit))
-
-
-def check_lengths(request: PlanRequest) -> None:
-    """Model states fit; lengths positive and within the context length (long ones are split)."""
-    s = request.scheme
-    s.validate(request.model)
-    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
-    if not request.lengths:
-        raise UserError("the global batch is empty: give at least one sequence")
-    for seq_id, n in enumerate(request.lengths):
-        if n < 1:
-            raise UserError(f"sequence {seq_id} has length {n}: lengths must be at least 1 token")
-        if n > request.context_length:
-            raise UserError(f"sequence {seq_id} has {n} tokens > context length {request.context_length}: "
-                            "raise --context-length or use --overlong truncate|drop")
 
 
 # ---- step 2: units over data-parallel pipelines ----

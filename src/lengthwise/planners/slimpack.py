@@ -75,11 +75,11 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
 from lengthwise.planners.base import (
     PlanRequest,
+    check_lengths,
     finish_plan,
     positive_int_option,
     take_options,
 )
-from lengthwise.planners.chunkflow import check_lengths
 from lengthwise.planners.slimpack_cuts import (
     PrefixCost,
     Stream,
