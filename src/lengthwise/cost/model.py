@@ -142,7 +142,8 @@ class CostModel:
 
     def cp_comm_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, inter_node: bool = False) -> float:
         """Forward K/V all-gather of the chunk's sharded segments over the CP group, every layer
-        (skrull.txt eq. 15: volume = tokens * 2 * kv_dim); the backward pays about twice this."""
+        (skrull.txt eq. 15: volume = tokens * 2 * kv_dim); the backward reduce-scatters the K/V
+        gradients, the same volume again (runtime/distributed/cp.py keeps the gathered K/V)."""
         if cp <= 1:
             return 0.0
         sharded = sum(s.num_tokens + s.start for s in chunk.segments if s.cp_rank == SHARDED)

@@ -4,7 +4,8 @@ time, and its memory sizes — from a StepPlan and the cost model, or from raw f
 GPU placement (for choosing intra- or inter-node links): pipelines take GPUs in order; pipeline
 p's stage s holds GPUs [offset_p + s*tp*cp, offset_p + (s+1)*tp*cp), node = gpu // gpus_per_node.
 Context-parallel K/V exchange of SHARDED segments is paid inside the action (cm.cp_comm_time in
-F and N, twice that in B); the point-to-point hand-off between stages is an edge delay.
+F and N, and once more in B: the executor keeps the gathered K/V from the forward and
+reduce-scatters their gradients, the same volume as the all-gather); the point-to-point hand-off between stages is an edge delay.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class _PipelineCosts:
             if r:  # backward re-runs the forward of r layers (InfiniPipe checkpointing)
                 bwd[u] = self.cm.backward_time(self.units[u], layers=L, head=head, recompute_layers=r, **self.kw)
         cp_f = self._cp_times(s, L, self.pipe.chunks)
-        cp_b = 2.0 * self._cp_times(s, L, self.units)   # backward exchanges K/V and their grads
+        cp_b = self._cp_times(s, L, self.units)   # backward reduce-scatters the K/V gradients
         dur[F, :C] = dur[N, :C] = base["fwd"] + cp_f
         dur[B, :U] = bwd + cp_b
         comm[F, :C] = comm[N, :C] = cp_f
