@@ -123,3 +123,18 @@ def test_missing_workload_source(capsys):
 def test_missing_planner_flag_is_an_argparse_error(capsys):
     err = one_line_error(capsys, "--profile", "lmsys")
     assert "--planner" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["simulate", "{tmp}/missing.json"], "no plan file at"),
+    (["simulate", "{tmp}/broken.json"], "is not a readable lengthwise plan"),
+    (["plan", "--planner", "packing", "--profile", "tiny", "--batch-size", "8", "--model", "tiny",
+      "--cluster", "cpu", "--profile-file", "{tmp}/missing.json"], "no profile file at"),
+    (["plan", "--planner", "packing", "--profile", "tiny", "--batch-size", "8", "--model", "tiny",
+      "--cluster", "cpu", "--profile-file", "{tmp}/broken.json"], "is not a readable lengthwise profile"),
+])
+def test_missing_or_broken_json_files_are_one_line_errors(tmp_path, capsys, argv, message):
+    (tmp_path / "broken.json").write_text("{not json")
+    code = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0]

@@ -15,11 +15,11 @@ documents), so per layer T = a * keys + b * tokens + c, fitted separately for fo
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lengthwise.errors import UserError
+from lengthwise.plan.ir import read_json
 
 
 @dataclass(kw_only=True)
@@ -85,12 +85,7 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except FileNotFoundError:
-            raise UserError(f"no profile file at {path}") from None
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise UserError(f"{path} is not a readable lengthwise profile ({exc})") from None
+        return read_json(path, "profile", cls.from_dict)
 
 
 def scheme_key(tp: int, cp: int) -> str:

@@ -254,12 +254,17 @@ class StepPlan:
 
     @classmethod
     def load(cls, path: str | Path) -> StepPlan:
-        try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except FileNotFoundError:
-            raise UserError(f"no plan file at {path}") from None
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise UserError(f"{path} is not a readable lengthwise plan ({exc})") from None
+        return read_json(path, "plan", cls.from_dict)
+
+
+def read_json(path: str | Path, what: str, parse):
+    """`parse(dict)` of a JSON file; a missing or malformed file is a one-line UserError."""
+    try:
+        return parse(json.loads(Path(path).read_text()))
+    except FileNotFoundError:
+        raise UserError(f"no {what} file at {path}") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise UserError(f"{path} is not a readable lengthwise {what} ({exc})") from None
 
 
 def write_atomic(path: str | Path, text: str | bytes) -> None:
