@@ -202,8 +202,9 @@ def test_torch_measurer_on_cpu_writes_a_loadable_profile(tmp_path, capsys):
     spec = MODEL_PRESETS["tiny"]
     assert profile.kv_bytes_per_token_layer == 2 * spec.kv_dim * 4  # float32 k and v
     assert profile.activation_bytes_per_token_layer > spec.hidden * 4  # at least the layer's input
-    assert profile.meta["dtype"] == "float32" and profile.meta["backend"] == "reference"
-    assert profile.meta["backend_check"] is None and len(profile.meta["samples"]) == 15
+    assert profile.meta["dtype"] == "float32" and profile.meta["backend"] == "cpu-flash"
+    assert profile.meta["backend_check"]["passed"] and "cpu-flash vs reference: passed" in out
+    assert len(profile.meta["samples"]) == 15
     cost = CostModel(model=spec, cluster=cluster_preset("cpu"), profile=profile)
     assert cost.forward_time(Chunk.parse("0[0:64]"), layers=4) > 0
 

@@ -136,4 +136,65 @@ def test_unavailable_backend_is_a_user_error():
         resolve_backend("varlen", torch.device("cpu"), torch.bfloat16)
     with pytest.raises(UserError, match="unknown attention backend 'flash9'"):
         resolve_backend("flash9", torch.device("cpu"), torch.float64)
-    assert resolve_backend("auto", torch.device("cpu"), torch.bfloat16) == "reference"
+    with pytest.raises(UserError, match="cpu-flash is unavailable: it needs a floating-point model"):
+        resolve_backend("cpu-flash", torch.device("cpu"), torch.int64)
+    assert resolve_backend("auto", torch.device("cpu"), torch.bfloat16) == "cpu-flash"
+
+
+def test_backend_choices_of_the_commands_are_the_runtime_ones():
+    from lengthwise.commands.common import ATTENTION_BACKENDS
+    from lengthwise.runtime.attention import BACKENDS
+    assert ATTENTION_BACKENDS == BACKENDS
+
+
+def _attention_inputs(spec: str, gen, dtype=torch.float64, heads=4, kv_heads=2, dim=8):
+    """q, k, v of a row and, per segment, context pieces (two when it can) making up the part
+    of its context that is not in the row."""
+    layout = ChunkLayout.from_chunk(Chunk.parse(spec))
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()  # noqa: E731
+    rows = sum(layout.q_lens)
+    q, k, v = rand(rows, heads, dim), rand(rows, kv_heads, dim), rand(rows, kv_heads, dim)
+    context = []
+    for i, start in enumerate(layout.ctx_lens):
+        in_store = start - sum(layout.q_lens[j] for j in layout.row_context[i])
+        sizes = [n for n in (in_store // 2, in_store - in_store // 2) if n]
+        context.append([(rand(n, kv_heads, dim), rand(n, kv_heads, dim)) for n in sizes])
+    return layout, q, k, v, context
+
+
+ROWS = ["0[0:300]",                               # one document: a single causal call
+        "0[40:300]",                              # a slice with context from the store
+        "3[0:4]+3[4:11]+1[0:3]+2[0:2]+4[5:9]+5[0:12]",   # row context, short documents grouped
+        "1[0:3]+2[0:2]+6[0:3]+7[0:1]+8[0:290]+9[0:5]",   # a group, then a document past it
+        "6[9:40]+6[40:41]+7[0:1]"]                # one-token segments
+
+
+@pytest.mark.parametrize("spec", ROWS)
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_cpu_flash_equals_the_reference_with_gradients(spec, kv_heads):
+    """cpu-flash (CPU flash calls merged by log-sum-exp) gives the reference's output and
+    the gradients of q, k, v and every context piece, to float64 rounding."""
+    gen = torch.Generator().manual_seed(len(spec) + kv_heads)
+    layout, q, k, v, context = _attention_inputs(spec, gen, kv_heads=kv_heads)
+    leaves = [q, k, v, *(t for pieces in context for kv in pieces for t in kv)]
+    grad_out = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    results = {}
+    for backend in ("reference", "cpu-flash"):
+        out = attend(q, k, v, context, layout, backend=backend)
+        results[backend] = [out, *torch.autograd.grad(out, leaves, grad_out)]
+    for ref, ours in zip(results["reference"], results["cpu-flash"]):
+        assert torch.allclose(ours, ref, rtol=0, atol=1e-13)
+
+
+def test_cpu_flash_saves_no_scores():
+    """What cpu-flash keeps for backward grows with the row, not with row x keys."""
+    from lengthwise.runtime.memory import SavedTensorMeter
+    gen = torch.Generator().manual_seed(0)
+    saved = {}
+    for context in (64, 1024):
+        layout, q, k, v, pieces = _attention_inputs(f"0[{context}:{context + 64}]", gen)
+        with SavedTensorMeter() as meter:
+            attend(q, k, v, pieces, layout, backend="cpu-flash").sum().backward()
+        saved[context] = meter.peak_bytes
+    inputs_growth = 2 * (1024 - 64) * 2 * 8 * 8   # the two context pieces of k and v, float64
+    assert saved[1024] - saved[64] == inputs_growth

@@ -14,6 +14,7 @@ import torch
 from lengthwise.cli import main
 from lengthwise.runtime import verify as verify_module
 from lengthwise.runtime.attention import ChunkLayout
+from lengthwise.runtime.layout import _cached_bias
 from lengthwise.runtime.weights import hf_config_dict
 from lengthwise.specs import ModelSpec
 
@@ -56,7 +57,16 @@ def test_exit_status_is_one_above_the_tolerance(capsys, config_json, monkeypatch
     assert code == 1 and "FAILED" in capsys.readouterr().out
 
 
-def test_one_wrong_mask_bit_fails_verification(capsys, config_json, monkeypatch):
+@pytest.fixture
+def fresh_biases():
+    """Masks built while a test patches them must not outlive it in the bias cache."""
+    _cached_bias.cache_clear()
+    yield
+    _cached_bias.cache_clear()
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu-flash"])
+def test_one_wrong_mask_bit_fails_verification(capsys, config_json, monkeypatch, fresh_biases, backend):
     """Letting the first token of the second document see the last key of the first."""
     honest = ChunkLayout.mask
 
@@ -68,7 +78,7 @@ def test_one_wrong_mask_bit_fails_verification(capsys, config_json, monkeypatch)
 
     monkeypatch.setattr(ChunkLayout, "mask", leaky)
     code, out = _verify_json(capsys, "--model-config", config_json, "--lengths", "9,5",
-                             "--planner", "packing", "--oracle", "unpacked")
+                             "--planner", "packing", "--oracle", "unpacked", "--backend", backend)
     assert code == 1 and out["max_rel_grad_diff"] > 1e-6
 
 

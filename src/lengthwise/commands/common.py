@@ -23,6 +23,17 @@ from lengthwise.workloads.source import (LengthSource, corpus_source, lengths_fi
                                          profile_source)
 
 
+ATTENTION_BACKENDS = ("auto", "reference", "cpu-flash", "varlen")
+"""runtime.attention.BACKENDS, named here without importing torch (a test keeps them equal)."""
+
+
+def add_backend_arg(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    """--backend, the attention backend of commands that run the model."""
+    parser.add_argument("--backend", choices=ATTENTION_BACKENDS, default=default,
+                        help="attention backend (default auto: varlen on CUDA in 16 bits, else cpu-flash on CPU; "
+                             "reference is one masked call per row, the yardstick)")
+
+
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """Add --profile/--lengths/--data, --tokenizer, --text-field, --context-length, --overlong
     and --seed to `parser`."""

@@ -12,8 +12,9 @@ as 16 and as 4 packed documents, and a slice of T tokens after a context of T an
 fits per layer T = a*keys + b*tokens + c (forward and backward apart, cost/fit.py), the head's
 b*tokens + c, activation bytes per token per layer and K/V bytes per token per layer, writes the
 profile (format lengthwise.profile/1, scheme tp1-cp1) and prints the fit's error on a seeded
-quarter of the chunks held out of the fit. On CUDA the default attention backend is varlen; it is
-first checked against the reference backend (result in the profile's meta.backend_check).
+quarter of the chunks held out of the fit. The default attention backend is varlen on CUDA and
+cpu-flash on a CPU; either is first checked against the reference backend (result in the
+profile's meta.backend_check).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from lengthwise.commands.common import add_backend_arg
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import write_atomic
 from lengthwise.specs import ModelSpec, model_preset
@@ -34,8 +36,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="torch device (default auto: cuda when present, else cpu)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="model dtype (default auto: bfloat16 on cuda, float32 on cpu)")
-    parser.add_argument("--backend", choices=("auto", "reference", "varlen"), default="auto",
-                        help="attention backend (default auto: varlen on cuda in 16 bits)")
+    add_backend_arg(parser)
     parser.add_argument("--layers", metavar="L", type=int, default=2, help="decoder layers measured (default 2)")
     parser.add_argument("--min-tokens", metavar="T", type=int, default=512, help="smallest chunk (default 512)")
     parser.add_argument("--max-tokens", metavar="T", type=int, default=32768, help="largest chunk (default 32768)")
@@ -99,12 +100,13 @@ def build_measurer(args: argparse.Namespace, spec: ModelSpec):
 
 
 def backend_check(measurer, spec: ModelSpec) -> dict | None:
-    """varlen against the reference on this device (None when the measurer is not timing varlen)."""
-    if getattr(measurer, "backend", None) != "varlen":
+    """The timed backend against the reference on this device (None when it is the reference)."""
+    backend = getattr(measurer, "backend", None)
+    if backend in (None, "reference"):
         return None
     from lengthwise.runtime.profile import check_backend
 
-    return check_backend("varlen", device=measurer.device, dtype=measurer.dtype, heads=spec.num_heads,
+    return check_backend(backend, device=measurer.device, dtype=measurer.dtype, heads=spec.num_heads,
                          kv_heads=spec.num_kv_heads, head_dim=spec.head_dim).to_dict()
 
 
@@ -132,7 +134,7 @@ def summary(fitted, out: str) -> str:
     check = m.get("backend_check")
     if check:
         worst = max(check["error"].values())
-        lines.append(f"  varlen vs reference: {'passed' if check['passed'] else 'FAILED'} "
+        lines.append(f"  {check['backend']} vs reference: {'passed' if check['passed'] else 'FAILED'} "
                      f"(largest relative error {worst:.2e}, tolerance {check['tolerance']:.0e})")
     lines.append(f"wrote {out}")
     return "\n".join(lines)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import argparse
 
-from lengthwise.commands.common import add_workload_args
+from lengthwise.commands.common import add_backend_arg, add_workload_args
 from lengthwise.commands.plan import planner_options
 from lengthwise.errors import UserError
 from lengthwise.runtime.train_config import (
@@ -95,8 +95,7 @@ def _add_numbers(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
 def _add_runtime(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
     parser.add_argument("--dtype", choices=DTYPES, help=f"parameter dtype (default {d.dtype})")
     parser.add_argument("--device", choices=DEVICES, help="auto: cuda when available (default)")
-    parser.add_argument("--backend", choices=("auto", "reference", "varlen"),
-                        help="attention backend (default auto: varlen on CUDA in 16 bits)")
+    add_backend_arg(parser, default=None)
     parser.add_argument("--dp", metavar="D", type=int, help="data-parallel pipelines in the plan (default 1)")
     parser.add_argument("--pp", metavar="P", type=int, help="pipeline stages in the plan (default 1)")
     parser.add_argument("--cp", metavar="C", type=int, help="context-parallel ranks per stage in the plan (default 1)")

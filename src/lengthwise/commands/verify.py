@@ -26,7 +26,7 @@ import argparse
 import json
 import re
 
-from lengthwise.commands.common import add_workload_args, batch_lengths_from_args
+from lengthwise.commands.common import add_backend_arg, add_workload_args, batch_lengths_from_args
 from lengthwise.commands.plan import default_context_length, planner_options
 from lengthwise.errors import UserError
 from lengthwise.planners import available_planners, get_planner, planner_available
@@ -55,8 +55,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", metavar="SECONDS", type=float, default=60.0,
                         help="with --nproc or torchrun: longest wait for a message or collective (default 60)")
     parser.add_argument("--dtype", choices=DTYPES, default="float64", help="model dtype (default float64)")
-    parser.add_argument("--backend", choices=("auto", "reference", "varlen"), default="auto",
-                        help="attention backend (default auto: varlen on CUDA in 16 bits, else reference)")
+    add_backend_arg(parser)
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--oracle", choices=("auto", "transformers", "unpacked"), default="auto",
                         help="what to compare with (default auto: transformers when installed)")
