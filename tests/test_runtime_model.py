@@ -16,7 +16,12 @@ from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend
 from lengthwise.runtime.execute import chunk_logits
 from lengthwise.runtime.loss import IGNORE, chunk_labels, chunk_positions
 from lengthwise.runtime.model import build_model
-from lengthwise.runtime.weights import hf_config_dict, load_state, load_weights, save_pretrained
+from lengthwise.runtime.weights import (
+    hf_config_dict,
+    load_state,
+    load_weights,
+    save_pretrained,
+)
 from lengthwise.specs import ModelSpec, model_from_hf_dict
 
 LLAMA = ModelSpec(name="llama-gqa", num_layers=2, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -151,7 +156,7 @@ def _attention_inputs(spec: str, gen, dtype=torch.float64, heads=4, kv_heads=2, 
     """q, k, v of a row and, per segment, context pieces (two when it can) making up the part
     of its context that is not in the row."""
     layout = ChunkLayout.from_chunk(Chunk.parse(spec))
-    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()  # noqa: E731
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
     rows = sum(layout.q_lens)
     q, k, v = rand(rows, heads, dim), rand(rows, kv_heads, dim), rand(rows, kv_heads, dim)
     context = []
