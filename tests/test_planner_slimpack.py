@@ -6,17 +6,18 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lengthwise.cost import CostModel
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, SHARDED, Chunk, Segment, StepPlan
 from lengthwise.plan.schedules import check_schedule
-from lengthwise.plan.validate import validate_plan
+from lengthwise.plan.validate import memory_overflow, validate_plan
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.planners.slimpack import flops_models
+from lengthwise.planners.slimpack import build_pipeline, flops_models
 from lengthwise.planners.slimpack_cuts import PrefixCost, check_backward_units
+from lengthwise.planners.slimpack_dp import RankGroup
 from lengthwise.planners.slimpack_sweep import sweep_counts
 from lengthwise.sim import simulate_plan
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
@@ -75,9 +76,24 @@ def test_slice_end_solves_the_quadratic_exactly():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lengths=st.lists(st.integers(1, 60_000), min_size=1, max_size=40), dp=st.sampled_from([1, 2, 3]),
        pp=st.sampled_from([1, 2, 4]), count=st.integers(1, 24), asymmetric=st.booleans())
+@example(lengths=[35015, 60000], dp=1, pp=1, count=1, asymmetric=False)  # one MicroPack of both: 0.4 MB over
+@example(lengths=[60_000] * 40, dp=1, pp=1, count=1, asymmetric=True)
 def test_every_plan_validates(lengths, dp, pp, count, asymmetric):
     out, _ = plan(lengths, dp=dp, tp=2, pp=pp, context=60_000, num_micropacks=count, asymmetric=asymmetric)
     assert sum(p.num_gpus for p in out.pipelines) <= dp * 2 * pp
+
+
+def test_num_micropacks_rises_to_the_smallest_count_whose_micropacks_fit():
+    # each sample fits a GPU alone (Phase 1), but one MicroPack of all of them does not
+    for lengths, fitting in [([35015, 60000], 2), ([60_000] * 40, 29)]:
+        out, req = plan(lengths, dp=1, tp=2, pp=1, context=60_000, num_micropacks=1)
+        assert out.metrics["micropacks"] == [fitting]
+        models = flops_models(req)
+        group = RankGroup(ranks=1, seq_ids=list(range(len(lengths))))
+        fewer = build_pipeline(req, group, fitting - 1, models, models[0].of(np.array(lengths)), True)
+        assert memory_overflow(fewer, req.cost, num_layers=req.model.num_layers, dp=1, zero=req.scheme.zero) is not None
+    out, _ = plan([60_000] * 40, dp=1, tp=2, pp=1, context=60_000, num_micropacks=32)
+    assert out.metrics["micropacks"] == [32]  # a count that fits is kept
 
 
 def million_token_outlier_plan():

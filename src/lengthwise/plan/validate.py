@@ -21,13 +21,22 @@
 from __future__ import annotations
 
 import bisect
-
 import math
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, SHARDED, Chunk, PipelinePlan, Segment, StepPlan
+from lengthwise.plan.ir import (
+    BACKWARD,
+    FORWARD,
+    FORWARD_NOGRAD,
+    SHARDED,
+    Chunk,
+    PipelinePlan,
+    Segment,
+    StepPlan,
+)
 from lengthwise.plan.schedules import check_schedule
 
 if TYPE_CHECKING:
@@ -198,30 +207,50 @@ def _check_loss_tokens(plan: StepPlan) -> None:
 def _check_memory(plan: StepPlan, cost: CostModel) -> None:
     dp = len(plan.pipelines)
     for p, pipe in enumerate(plan.pipelines):
-        layers = pipe.stage_layers(plan.model.num_layers)
-        for s, actions in enumerate(pipe.stages):
-            first, last = s == 0, s == pipe.pp - 1
-            states = cost.model_state_bytes(layers=layers[s], tp=pipe.tp, dp=dp, zero=plan.zero,
-                                            first=first, last=last)
-            recompute = {a.chunk: a.recompute_layers for a in actions if a.kind == FORWARD}
-            for c, chunk in enumerate(pipe.chunks):
-                _check_chunk_fits(cost, pipe, p, s, c, chunk, layers[s], states, recompute.get(c, 0), last)
+        over = memory_overflow(pipe, cost, num_layers=plan.model.num_layers, dp=dp, zero=plan.zero,
+                               where=f"pipeline {p} ")
+        if over is not None:
+            raise UserError(f"pipeline {p} {over.describe(pipe, cost)}")
 
 
-def _check_chunk_fits(cost: CostModel, pipe: PipelinePlan, p: int, s: int, c: int, chunk: Chunk,
-                      layers: int, states: float, recompute: int, last: bool) -> None:
-    if recompute > layers:
-        raise UserError(f"pipeline {p} stage {s} F{c}.r{recompute}: recomputes {recompute} layers "
-                        f"but the stage has {layers}")
-    _, act, kv = max(_chunk_bytes(cost, tokens, context, layers, pipe.tp, recompute, last)
-                     for tokens, context in _cp_rank_loads(chunk, pipe.cp))
-    need = states + act + kv
-    if need > cost.capacity_bytes:
-        raise UserError(
-            f"pipeline {p} stage {s} chunk {c} ({_short(chunk)}) needs {need / GIB:.1f} GiB = activations "
-            f"{act / GIB:.1f} + K/V context {kv / GIB:.1f} + model states {states / GIB:.1f} > "
-            f"{cost.capacity_bytes / GIB:.1f} GiB capacity: split or shrink the chunk"
-        )
+@dataclass(frozen=True)
+class ChunkOverflow:
+    """A forward chunk that does not fit its stage's GPU alone (invariant 7), in bytes."""
+
+    stage: int
+    chunk: int
+    need: float
+    activation: float
+    kv: float
+    states: float
+
+    def describe(self, pipe: PipelinePlan, cost: CostModel) -> str:
+        return (f"stage {self.stage} chunk {self.chunk} ({_short(pipe.chunks[self.chunk])}) needs "
+                f"{self.need / GIB:.1f} GiB = activations {self.activation / GIB:.1f} + K/V context "
+                f"{self.kv / GIB:.1f} + model states {self.states / GIB:.1f} > {cost.capacity_bytes / GIB:.1f} "
+                "GiB capacity: split or shrink the chunk")
+
+
+def memory_overflow(pipe: PipelinePlan, cost: CostModel, *, num_layers: int, dp: int, zero: int,
+                    where: str = "") -> ChunkOverflow | None:
+    """The first forward chunk of `pipe` whose model states, activations and K/V context do not
+    fit its stage's GPU alone (invariant 7), or None. `dp` is the plan's number of pipelines (the
+    ranks model states shard over). Planners call this to keep their plans valid."""
+    layers = pipe.stage_layers(num_layers)
+    for s, actions in enumerate(pipe.stages):
+        first, last = s == 0, s == pipe.pp - 1
+        states = cost.model_state_bytes(layers=layers[s], tp=pipe.tp, dp=dp, zero=zero, first=first, last=last)
+        recompute = {a.chunk: a.recompute_layers for a in actions if a.kind == FORWARD}
+        for c, chunk in enumerate(pipe.chunks):
+            r = recompute.get(c, 0)
+            if r > layers[s]:
+                raise UserError(f"{where}stage {s} F{c}.r{r}: recomputes {r} layers but the stage has {layers[s]}")
+            _, act, kv = max(_chunk_bytes(cost, tokens, context, layers[s], pipe.tp, r, last)
+                             for tokens, context in _cp_rank_loads(chunk, pipe.cp))
+            need = states + act + kv
+            if need > cost.capacity_bytes:
+                return ChunkOverflow(stage=s, chunk=c, need=need, activation=act, kv=kv, states=states)
+    return None
 
 
 def _chunk_bytes(cost: CostModel, tokens: float, context: float, layers: int, tp: int,

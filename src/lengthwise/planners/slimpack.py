@@ -47,7 +47,9 @@ against 4.82 s at 128K, 3.53 s against 7.06 s at 256K. Planning takes 0.2-1.8 s 
 
 Options (request.options):
 
-- `num_micropacks`: MicroPacks per pipeline (int); default None sweeps (step 5).
+- `num_micropacks`: MicroPacks per pipeline (int); default None sweeps (step 5). A pipeline
+  whose MicroPacks would not each fit its GPUs alone at that count (the bound validate_plan
+  checks, plan.validate.memory_overflow) takes the smallest larger count at which they do.
 - `max_micropacks`: top of the sweep (int), default 32 * pp.
 - `asymmetric`: regroup the backward (bool, default True); False runs each forward MicroPack's
   own backward under plain 1F1B (the ablation of §6.3).
@@ -66,6 +68,7 @@ variant's simulated step).
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -73,6 +76,7 @@ import numpy as np
 from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
+from lengthwise.plan.validate import memory_overflow
 from lengthwise.planners.base import (
     PlanRequest,
     check_lengths,
@@ -179,6 +183,43 @@ def build_pipeline(request: PlanRequest, group: RankGroup, count: int, models, f
                         cp=cp, backward_chunks=units, schedule="packflow-1f1b" + ("-lean" if lean else ""))
 
 
+def fitting_pipeline(request: PlanRequest, p: int, group: RankGroup, count: int, models, flops: np.ndarray,
+                     asymmetric: bool, lean: bool, *, pipelines: int) -> PipelinePlan:
+    """build_pipeline at the smallest count >= `count` at which every forward MicroPack fits its
+    stage's GPUs alone, by validate_plan's own bound (memory_overflow, model states sharded over
+    the plan's `pipelines`). Phase 1 only checks samples one by one; a small count packs several
+    into one MicroPack. UserError when no count fits (one pipeline `p` of the plan)."""
+    cost, layers, zero = request.cost, request.model.num_layers, request.scheme.zero
+    tokens = sum(request.lengths[i] for i in group.seq_ids)
+    n = max(count, min_fitting_count(request, tokens, group.ranks, pipelines))
+    while True:
+        pipe = build_pipeline(request, group, n, models, flops, asymmetric, lean)
+        over = memory_overflow(pipe, cost, num_layers=layers, dp=pipelines, zero=zero)
+        if over is None:
+            return pipe
+        if len(pipe.chunks) >= tokens:
+            raise UserError(f"slimpack: pipeline {p} fits no MicroPack count: at {len(pipe.chunks)} its "
+                            f"{over.describe(pipe, cost)}: raise --tp, --pp or --dp")
+        n = len(pipe.chunks) + 1
+
+
+def min_fitting_count(request: PlanRequest, tokens: int, cp: int, pipelines: int) -> int:
+    """A lower bound on the MicroPacks a pipeline of `tokens` tokens over `cp` merged ranks needs
+    for each to fit alone: a MicroPack's busiest rank holds at least 1/cp of its tokens, each
+    taking its activations on the tightest stage (K/V context only adds)."""
+    s, cost = request.scheme, request.cost
+    most = float("inf")  # tokens one rank can hold beside its model states
+    for stage, n in enumerate(split_layers(request.model.num_layers, s.pp)):
+        first, last = stage == 0, stage == s.pp - 1
+        free = cost.capacity_bytes - cost.model_state_bytes(layers=n, tp=s.tp, dp=pipelines, zero=s.zero,
+                                                             first=first, last=last)
+        per_token = cost.activation_bytes_per_token(layers=n, tp=s.tp, head=last)
+        most = min(most, free / per_token if per_token > 0 else float("inf"))
+    if most <= 0:
+        return 1  # nothing fits: fitting_pipeline reports the overflow
+    return max(1, math.floor(tokens / (cp * most)))
+
+
 def bare_plan(request: PlanRequest, pipes: list[PipelinePlan]) -> StepPlan:
     return StepPlan(planner="slimpack", model=request.model, cluster=request.cluster,
                     lengths=list(request.lengths), pipelines=pipes, zero=request.scheme.zero)
@@ -269,8 +310,9 @@ def plan_slimpack(request: PlanRequest) -> StepPlan:
     if opts["num_micropacks"] is not None:
         variants, flops = phase1_variants(request, models, opts["dp_merge"])
         groups, lean = variants[0], opts["schedule"] == "lean"
-        pipes = [build_pipeline(request, g, opts["num_micropacks"], models, flops, opts["asymmetric"], lean)
-                 for g in groups]
+        pipes = [fitting_pipeline(request, p, g, opts["num_micropacks"], models, flops, opts["asymmetric"], lean,
+                                  pipelines=len(groups))
+                 for p, g in enumerate(groups)]
     else:
         from lengthwise.planners.slimpack_sweep import plan_by_simulation
 
