@@ -22,12 +22,14 @@ steadier on a shared machine. Torch runs `--threads` threads (default 1: an over
 so nearly every row is full and padding removes little); 2048:drop keeps only the files of at
 most 2048 tokens, a long-tail set where padding to the batch's longest wastes about half.
 
-Measured (results/cpu_train.json, 1 thread, 4 steps of 16 documents after 1 warm-up, machine
-shared, load about 7 on 2 cores), CPU-time tokens/s and speedup over padding (expected from
-the padding removed / measured):
-512:truncate, padding fraction 3.3%: padding 5,505, packing 6,148 (1.03 / 1.12),
-chunkflow 5,915 (1.03 / 1.07); 2048:drop, padding fraction 50.8%: padding 1,498, packing
-3,199 (2.03 / 2.14), chunkflow 2,996 (2.03 / 2.00).
+Measured (results/cpu_train.json, cpu-flash attention, 1 thread, 4 steps of 16 documents after
+1 warm-up, load about 2 on 2 cores), CPU-time tokens/s and speedup over padding (expected from
+the padding removed / measured): 512:truncate, padding fraction 3.3%: padding 7,644, packing
+8,236 (1.03 / 1.08), chunkflow 7,947 (1.03 / 1.04); 2048:drop, padding fraction 50.8%: padding
+3,703, packing 8,841 (2.03 / 2.39), chunkflow 8,396 (2.03 / 2.27). The packed plans gain more
+than the padding removed because a pad also costs attention: a padded row's causal attention
+grows with the square of its width. `--backend reference` (every query of a row scored against
+every key; results/cpu_train_reference.json) is the slower yardstick: see the README.
 """
 
 from __future__ import annotations
@@ -79,11 +81,11 @@ def plan(planner: str, lengths: list[int], context: int, seed: int):
     return result, (time.perf_counter() - started) * 1e3
 
 
-def timed_step(model, optimizer, step_plan, token_ids) -> tuple[float, float, float]:
+def timed_step(model, optimizer, step_plan, token_ids, backend: str) -> tuple[float, float, float]:
     """(loss, wall s, cpu s) of one training step."""
     wall, cpu = time.perf_counter(), time.process_time()
     optimizer.zero_grad(set_to_none=True)
-    loss = forward_backward(model, step_plan, token_ids, backend="reference")
+    loss = forward_backward(model, step_plan, token_ids, backend=backend)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     return float(loss), time.perf_counter() - wall, time.process_time() - cpu
@@ -98,7 +100,7 @@ def run_setting(planners: list[str], context: int, overlong: str, args) -> dict:
     for index, (lengths, token_ids) in enumerate(data):
         for p in planners:
             step_plan, planning_ms = plan(p, lengths, context, args.seed + index)
-            loss, wall, cpu = timed_step(models[p], optimizers[p], step_plan, token_ids)
+            loss, wall, cpu = timed_step(models[p], optimizers[p], step_plan, token_ids, args.backend)
             if index >= args.warmup:
                 rows[p].append({"loss": loss, "wall_s": wall, "cpu_s": cpu, "planning_ms": planning_ms,
                                 "tokens": sum(lengths),
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--backend", choices=("cpu-flash", "reference"), default="cpu-flash",
+                    help="attention backend (default cpu-flash, what auto runs on a CPU)")
     ap.add_argument("--out", default="benchmarks/results/cpu_train.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
         "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
         "threads": args.threads, "load_average_1min": [load_before, os.getloadavg()[0]],
-        "model": "tiny", "data": "stdlib", "dtype": "float32", "backend": "reference", "seed": args.seed,
+        "model": "tiny", "data": "stdlib", "dtype": "float32", "backend": args.backend, "seed": args.seed,
         "warmup_steps": args.warmup, "measured_steps": args.steps, "settings": settings,
     }
     write_atomic(Path(args.out), json.dumps(report, indent=1))

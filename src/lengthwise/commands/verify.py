@@ -16,8 +16,9 @@ run on each sequence alone (or, without transformers, with this package's model 
 unpacked; the output says which). Exit status 0 when the largest relative gradient and loss
 differences are within the dtype's tolerance (float64 1e-9, float32 1e-4, bfloat16 1e-1),
 1 when not, 2 on a usage error. The relative difference of a parameter is
-max|g - g_ref| / max|g_ref|. On CPU, attention runs the `reference` backend; `varlen` needs
-CUDA with bfloat16 or float16 (--device cuda --dtype bfloat16).
+max|g - g_ref| / max|g_ref|. On CPU, attention runs the `cpu-flash` backend (`--backend
+reference` checks the masked yardstick instead); `varlen` needs CUDA with bfloat16 or float16
+(--device cuda --dtype bfloat16).
 """
 
 from __future__ import annotations
