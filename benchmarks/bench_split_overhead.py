@@ -26,7 +26,8 @@ split / unsplit for n = 2, 4, 8: L = 4096: 0.97, 0.99, 1.08; 2048: 1.00, 1.19, 1
 1.20, 1.44; 512: 0.99, 1.16, 1.70. Within 1.1x from 1K-token slices; below, each slice pays
 about 5-7 ms of fixed CPU cost on the tiny model (per-operator overhead over 4 layers forward
 and backward; weight-gradient products over few rows, each accumulated into the full
-gradient). results/split_overhead_reference.json: the reference backend, 0.55-0.87 from 256-
+gradient). At hidden 1024 (`--lengths 2048 --hidden 1024 --repeat 3`, results/
+split_overhead_h1024.json): 1.04, 1.10, 1.16. results/split_overhead_reference.json: the reference backend, 0.55-0.87 from 256-
 token slices up, because its unsplit row spends half its attention on masked scores (its
 unsplit L = 4096 takes 2.5 s of CPU against cpu-flash's 0.9 s).
 
@@ -44,6 +45,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -55,7 +57,7 @@ from lengthwise.runtime.attention import BACKENDS
 from lengthwise.runtime.execute import run_step
 from lengthwise.runtime.memory import SavedTensorMeter
 from lengthwise.runtime.model import build_model
-from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
+from lengthwise.specs import ModelSpec, ParallelScheme, cluster_preset, model_preset
 from lengthwise.workloads.corpus import load_corpus
 
 
@@ -66,8 +68,18 @@ def document(length: int) -> torch.Tensor:
     return torch.as_tensor(corpus.documents[index][:length], dtype=torch.long)
 
 
-def split_plan(length: int, n: int):
-    spec, cluster = model_preset("tiny"), cluster_preset("cpu", 1)
+def bench_model(hidden: int | None) -> ModelSpec:
+    """The tiny model, or its 4 layers at another width (head dim 64, 2 query heads per K/V
+    head, SwiGLU width 2.6875 x hidden: Llama's proportions)."""
+    spec = model_preset("tiny")
+    if hidden is None:
+        return spec
+    return replace(spec, name=f"tiny-h{hidden}", hidden=hidden, num_heads=hidden // 64,
+                   num_kv_heads=max(1, hidden // 128), head_dim=64, ffn=int(hidden * 2.6875))
+
+
+def split_plan(length: int, n: int, spec: ModelSpec | None = None):
+    spec, cluster = spec or model_preset("tiny"), cluster_preset("cpu", 1)
     plan = get_planner("chunkflow")(PlanRequest(
         lengths=[length], model=spec, cluster=cluster, scheme=ParallelScheme(),
         cost=CostModel(model=spec, cluster=cluster), context_length=length,
@@ -114,9 +126,10 @@ def breakdown(model, plans: dict, token_ids, backend: str, top: int = 8) -> dict
 
 
 def measure_length(length: int, splits: list[int], args) -> dict:
-    model = build_model(model_preset("tiny"), seed=args.seed)
+    spec = bench_model(args.hidden)
+    model = build_model(spec, seed=args.seed)
     token_ids = [document(length)]
-    plans = {n: split_plan(length, n) for n in [1, *splits]}
+    plans = {n: split_plan(length, n, spec) for n in [1, *splits]}
     runs = {n: [] for n in plans}
     for repeat in range(args.warmup + args.repeat):
         for n, plan in plans.items():
@@ -156,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--backend", choices=[b for b in BACKENDS if b != "varlen"], default="cpu-flash")
     ap.add_argument("--breakdown", action="store_true", help="profile where the overhead goes")
+    ap.add_argument("--hidden", type=int, help="widen the tiny model's 4 layers to this hidden size")
     ap.add_argument("--out", default="benchmarks/results/split_overhead.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -167,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
         "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
         "threads": args.threads, "load_average_1min": [load_before, os.getloadavg()[0]],
-        "model": "tiny", "dtype": "float32", "backend": args.backend, "seed": args.seed,
+        "model": asdict(bench_model(args.hidden)), "dtype": "float32", "backend": args.backend, "seed": args.seed,
         "target": "split forward+backward at most 1.1x unsplit", "warmup": args.warmup,
         "repeat": args.repeat, "results": results,
     }
