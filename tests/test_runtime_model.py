@@ -144,6 +144,10 @@ def test_unavailable_backend_is_a_user_error():
     with pytest.raises(UserError, match="cpu-flash is unavailable: it needs a floating-point model"):
         resolve_backend("cpu-flash", torch.device("cpu"), torch.int64)
     assert resolve_backend("auto", torch.device("cpu"), torch.bfloat16) == "cpu-flash"
+    # On a GPU in 32 or 64 bits neither fast kernel runs: auto falls back to the reference.
+    assert resolve_backend("auto", torch.device("cuda"), torch.float32) == "reference"
+    with pytest.raises(UserError, match="cpu-flash is unavailable: it runs on a CPU, the model is on cuda"):
+        resolve_backend("cpu-flash", torch.device("cuda"), torch.float32)
 
 
 def test_backend_choices_of_the_commands_are_the_runtime_ones():
