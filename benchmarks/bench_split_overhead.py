@@ -15,9 +15,10 @@ for backward (one extra, untimed pass) are the same as unsplit: with K = n every
 is kept, and the K/V context a slice reads shares storage with what the earlier slice's graph
 already saved.
 
-Attention backend: `blocked` by default, what `auto` runs on a CPU. It does about the
+Attention backend: `cpu-flash` by default, what `auto` runs on a CPU. It does about the
 attention work causality needs whether the sequence is cut or not (an unsplit sequence is one
-causal SDPA call; a slice with context runs in query blocks over only the keys they may see).
+causal flash call; a slice with context is one call over its context and one causal call over
+its own keys, merged by log-sum-exp).
 `--backend reference` scores every query against every key of the row: unsplit that is twice
 the needed work, so the cut sequence looks cheaper than it is (ratios under 1 at 2K-4K).
 
@@ -26,10 +27,11 @@ split / unsplit for n = 2, 4, 8: L = 4096: 0.97, 0.99, 1.08; 2048: 1.00, 1.19, 1
 1.20, 1.44; 512: 0.99, 1.16, 1.70. Within 1.1x from 1K-token slices; below, each slice pays
 about 5-7 ms of fixed CPU cost on the tiny model (per-operator overhead over 4 layers forward
 and backward; weight-gradient products over few rows, each accumulated into the full
-gradient). At hidden 1024 (`--lengths 2048 --hidden 1024 --repeat 3`, results/
-split_overhead_h1024.json): 1.04, 1.10, 1.16. results/split_overhead_reference.json: the reference backend, 0.55-0.87 from 256-
-token slices up, because its unsplit row spends half its attention on masked scores (its
-unsplit L = 4096 takes 2.5 s of CPU against cpu-flash's 0.9 s).
+gradient). At hidden 1024 (`--lengths 2048 --hidden 1024 --repeat 3`,
+results/split_overhead_h1024.json): 1.04, 1.10, 1.16. With the reference backend
+(results/split_overhead_reference.json): 0.55-0.87 from 256-token slices up, because its
+unsplit row spends half its attention on masked scores (its unsplit L = 4096 takes 2.5 s of
+CPU against cpu-flash's 0.9 s).
 
 `--breakdown` adds, per L, the self CPU time of the operators that differ most between n = 1
 and the largest n (one profiled pass each, torch.profiler), which says where the overhead of

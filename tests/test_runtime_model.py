@@ -150,6 +150,14 @@ def test_unavailable_backend_is_a_user_error():
         resolve_backend("cpu-flash", torch.device("cuda"), torch.float32)
 
 
+def test_auto_uses_the_reference_where_this_torch_lacks_the_cpu_flash_kernel(monkeypatch):
+    from lengthwise.runtime import flash_cpu
+    monkeypatch.setattr(flash_cpu, "_kernel_problem", lambda: "this torch has no CPU flash-attention kernel")
+    assert resolve_backend("auto", torch.device("cpu"), torch.float32) == "reference"
+    with pytest.raises(UserError, match="cpu-flash is unavailable: this torch has no CPU flash"):
+        resolve_backend("cpu-flash", torch.device("cpu"), torch.float32)
+
+
 def test_backend_choices_of_the_commands_are_the_runtime_ones():
     from lengthwise.commands.common import ATTENTION_BACKENDS
     from lengthwise.runtime.attention import BACKENDS

@@ -193,10 +193,9 @@ class _FlashCPU(torch.autograd.Function):
                 sizes = [kv[0].shape[0] for kv in pieces]
                 sizes += [layout.q_lens[j] for j in layout.row_context[call.segment]]
                 gk_parts, gv_parts = gk.split(sizes), gv.split(sizes)
-                at = first_piece[call.segment]
+                at = first_piece[call.segment]  # a segment has one context call: each slot set once
                 for j in range(len(pieces)):
-                    for index, grad in ((at + 2 * j, gk_parts[j]), (at + 2 * j + 1, gv_parts[j])):
-                        dflat[index] = grad if dflat[index] is None else dflat[index] + grad
+                    dflat[at + 2 * j], dflat[at + 2 * j + 1] = gk_parts[j], gv_parts[j]
                 offsets = layout.q_offsets
                 for j, row in enumerate(layout.row_context[call.segment]):
                     dk[offsets[row]:offsets[row + 1]] += gk_parts[len(pieces) + j]

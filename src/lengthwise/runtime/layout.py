@@ -68,15 +68,21 @@ class ChunkLayout:
 
     def mask(self, device) -> torch.Tensor:
         """Boolean [T, K], True where a query may attend a key."""
-        return self._build_mask(torch.device(device))
+        seg_q = _segment_ids(self.q_lens, device)
+        seg_k = _segment_ids(self.k_lens, device)
+        q_index = _index_within(self.q_lens, device)
+        k_index = _index_within(self.k_lens, device)
+        ctx = torch.tensor(self.ctx_lens, device=device)[seg_q]
+        same_segment = seg_q[:, None] == seg_k[None, :]
+        return same_segment & (k_index[None, :] <= (ctx + q_index)[:, None])
 
     def bias(self, device, dtype: torch.dtype) -> torch.Tensor:
         """The mask as SDPA's additive bias [T, K]: 0 where a query may attend, -inf elsewhere
         (what SDPA would turn a boolean mask into on every call).
 
-        Small biases are cached per layout, since a chunk's layers (forward and the backward's
-        recompute) all use the same one: rebuilding it each time made a short slice cost 9 ms
-        of CPU more than its share (benchmarks/bench_split_overhead.py). Large ones are rebuilt,
+        Small biases are cached per layout, since all layers of a chunk, forward and backward,
+        use the same one: rebuilding the mask in every layer made a short slice cost 9 ms of
+        CPU more than its share (benchmarks/bench_split_overhead.py). Large ones are rebuilt,
         which costs little next to their attention and bounds the cache at
         `_BIAS_CACHE_SIZE` x `_BIAS_CACHE_ENTRIES` entries."""
         device = torch.device(device)
@@ -88,21 +94,12 @@ class ChunkLayout:
         bias = torch.zeros(sum(self.q_lens), sum(self.k_lens), dtype=dtype, device=device)
         return bias.masked_fill_(~self.mask(device), float("-inf"))
 
-    def _build_mask(self, device) -> torch.Tensor:
-        seg_q = _segment_ids(self.q_lens, device)
-        seg_k = _segment_ids(self.k_lens, device)
-        q_index = _index_within(self.q_lens, device)
-        k_index = _index_within(self.k_lens, device)
-        ctx = torch.tensor(self.ctx_lens, device=device)[seg_q]
-        same_segment = seg_q[:, None] == seg_k[None, :]
-        return same_segment & (k_index[None, :] <= (ctx + q_index)[:, None])
-
 
 _BIAS_CACHE_SIZE = 64
-"""Layouts whose biases are kept: more than the chunks (or query blocks) a pipeline usually
-has in flight, so a step's backward still finds its forward's biases."""
+"""Layouts whose biases are kept: more than the chunks (or cpu-flash's groups of short
+documents) a pipeline usually has in flight, so a step's backward still finds its forward's."""
 _BIAS_CACHE_ENTRIES = 1 << 20
-"""Largest bias cached: 1M entries (4 MiB in float32), e.g. a 128-query block over 8K keys."""
+"""Largest bias cached: 1M entries (4 MiB in float32), e.g. a 1K-token row."""
 
 
 @functools.lru_cache(maxsize=_BIAS_CACHE_SIZE)

@@ -89,7 +89,7 @@ class TrainConfig:
     device: str = "auto"
     """auto (CUDA when available), cpu or cuda."""
     backend: str = "auto"
-    """Attention backend: auto, reference, blocked or varlen."""
+    """Attention backend: auto, reference, cpu-flash or varlen."""
     threads: int | None = None
     """CPU threads for torch (torch.set_num_threads). None: 1 on CPU, torch's default with
     CUDA. The tiny model's small matrices gain little from more threads and lose much when
