@@ -40,6 +40,7 @@ tokens_per_batch, ...) and planner options as a table:
 from __future__ import annotations
 
 import argparse
+import shlex
 
 from lengthwise.commands.common import add_backend_arg, add_workload_args
 from lengthwise.commands.plan import planner_options
@@ -47,10 +48,12 @@ from lengthwise.errors import UserError
 from lengthwise.runtime.train_config import (
     DEVICES,
     DTYPES,
+    LR_SCHEDULES,
     TrainConfig,
     load_toml,
     merge,
 )
+from lengthwise.runtime.train_outputs import RUNS_FOLDER, with_outputs
 
 _WORKLOAD_HELP = {
     "context_length": "longest sequence trained on, tokens (default 512)",
@@ -90,6 +93,19 @@ def _add_numbers(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
                         help=f"AdamW weight decay on matrices (default {d.weight_decay:g})")
     parser.add_argument("--grad-clip", metavar="NORM", type=float,
                         help=f"clip the gradient 2-norm to this; 0 = off (default {d.grad_clip:g})")
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES,
+                        help=f"after warm-up: constant, or cosine down to --min-lr at the last step (default {d.lr_schedule})")
+    parser.add_argument("--warmup-steps", metavar="N", type=int,
+                        help=f"linear learning-rate warm-up over the first N steps (default {d.warmup_steps})")
+    parser.add_argument("--min-lr", metavar="LR", type=float, help=f"where the cosine ends (default {d.min_lr:g})")
+    parser.add_argument("--eval-every", metavar="N", type=int,
+                        help="held-out loss every N steps (and after the last), on --eval-sequences documents "
+                             "kept out of training")
+    parser.add_argument("--eval-sequences", metavar="N", type=int,
+                        help=f"documents held out for --eval-every (default {d.eval_sequences})")
+    parser.add_argument("--skip-nonfinite", action="store_true", default=None,
+                        help="skip (and count) a step whose loss or gradient norm is NaN or infinite, "
+                             "instead of stopping")
 
 
 def _add_runtime(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
@@ -104,11 +120,16 @@ def _add_runtime(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
     parser.add_argument("--cluster", metavar="PRESET", help="cluster the planner sizes for (default cpu)")
     parser.add_argument("--threads", metavar="N", type=int,
                         help="CPU threads for torch (default 1 on CPU, torch's choice with CUDA)")
+    parser.add_argument("--timeout", metavar="SECONDS", type=float,
+                        help=f"distributed runs: how long a rank waits for the others (default {d.timeout:g})")
 
 
 def _add_outputs(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON line per step")
-    parser.add_argument("--out", metavar="DIR", help="checkpoint directory (auto-resumes from its latest)")
+    parser.add_argument("--metrics", metavar="FILE.jsonl",
+                        help="append one JSON line per step (default OUT/metrics.jsonl)")
+    parser.add_argument("--out", metavar="DIR",
+                        help=f"checkpoints, metrics and TensorBoard logs; resumes from its latest checkpoint "
+                             f"(default: a new {RUNS_FOLDER}/run-DATE-TIME)")
     parser.add_argument("--save-every", metavar="N", type=int, help="checkpoint every N steps (and after the last)")
     parser.add_argument("--resume", metavar="DIR", help="resume from this checkpoint directory")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None,
@@ -125,7 +146,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         "model", "planner", "batch_size", "tokens_per_batch", "steps", "lr", "weight_decay",
         "grad_clip", "dtype", "device", "backend", "threads", "dp", "pp", "cp", "nproc", "cluster", "metrics", "out",
         "save_every", "resume", "progress", "data", "tokenizer", "text_field", "context_length",
-        "overlong", "seed")}
+        "overlong", "seed", "lr_schedule", "warmup_steps", "min_lr", "eval_every", "eval_sequences",
+        "skip_nonfinite", "timeout")}
     flags["options"] = planner_options(args) or None
     config = merge(config, flags)
     config.validate()
@@ -135,22 +157,49 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     from lengthwise.runtime.distributed.launch import under_torchrun
     from lengthwise.runtime.train import train
+    from lengthwise.runtime.train_signals import EXIT_INTERRUPTED, StopRequest
 
     config = config_from_args(args)
-    if config.nproc is not None or under_torchrun():
-        from lengthwise.runtime.train_dist import train_distributed
+    distributed = config.nproc is not None or under_torchrun()
+    if not under_torchrun():  # under torchrun rank 0 names the folder for all (train_dist.py)
+        config = with_outputs(config)
+    with StopRequest(forward_to_children=distributed) as stop:  # signals during set-up count too
+        if distributed:
+            from lengthwise.runtime.train_dist import train_distributed
 
-        result = train_distributed(config)
-        if result is None:  # a rank other than 0: rank 0 reports
-            return 0
-    else:
-        result = train(config)
-    print(summary(config, result))
+            result = train_distributed(config)
+            if result is None:  # a rank other than 0: rank 0 reports
+                return EXIT_INTERRUPTED if stop.requested else 0
+        else:
+            result = train(config, stop=stop)
+    print(summary(result.config or config, result))
+    if result.interrupted:
+        print(f"  interrupted; resume with:\n  {resume_command(result.config or config)}")
+        return EXIT_INTERRUPTED
     return 0
+
+
+def resume_command(config: TrainConfig) -> str:
+    """The command line that continues `config` from its latest checkpoint: every setting that
+    differs from the defaults, as flags (resume is automatic from --out)."""
+    default, words = TrainConfig(), ["lengthwise", "train"]
+    for name, value in config.to_dict().items():
+        if name in ("resume", "options") or value == getattr(default, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else f"--no-{name}")
+        else:
+            words += [flag, str(value)]
+    for key, value in config.options.items():
+        words += ["--option", f"{key}={value}"]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def summary(config: TrainConfig, result) -> str:
     records = result.records
+    if not records and result.interrupted:
+        return f"train: interrupted at step {result.start_step} of {config.steps}, before running a step"
     if not records:
         return f"train: already at step {result.start_step} of {config.steps} ({result.resumed_from}); nothing to do"
     first, last = records[0], records[-1]
@@ -166,4 +215,6 @@ def summary(config: TrainConfig, result) -> str:
         lines.append(f"  checkpoint {result.checkpoint}")
     if config.metrics:
         lines.append(f"  metrics appended to {config.metrics}")
+    if result.skipped_steps:
+        lines.append(f"  {result.skipped_steps} steps skipped for a non-finite loss or gradient norm")
     return "\n".join(lines)

@@ -30,7 +30,9 @@ writes metrics and the progress bar.
 
 from __future__ import annotations
 
-import json
+import contextlib
+import math
+import sys
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,7 +45,12 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.model import CausalLM, build_model
 from lengthwise.runtime.train_config import TrainConfig
+from lengthwise.runtime.train_eval import held_out_loss, hold_out, log_tensorboard, open_tensorboard
 from lengthwise.runtime.train_exec import Executor, LocalExecutor
+from lengthwise.runtime.train_memory import check_memory, estimate_memory
+from lengthwise.runtime.train_outputs import OutputLock, append_metrics, remove_debris, trim_metrics
+from lengthwise.runtime.train_schedule import apply_settings, current_lr, make_scheduler
+from lengthwise.runtime.train_signals import StopRequest
 from lengthwise.runtime.weights import INDEX_NAME, WEIGHTS_NAME, load_weights
 from lengthwise.specs import (
     MODEL_PRESETS,
@@ -85,18 +92,33 @@ class StepRecord:
     """Planner that made the step's plan."""
     padding_fraction: float
     """Padding share of the plan's row tokens."""
+    lr: float = 0.0
+    """Learning rate the step used (train_schedule.lr_factor)."""
+    eval_loss: float | None = None
+    """Held-out loss after the step, on steps that evaluated (config.eval_every)."""
+    skipped: bool = False
+    """The loss or gradient norm was not finite and the update was skipped (skip_nonfinite)."""
+    nonfinite_param: str | None = None
+    """On a skipped step: the first parameter whose gradient was not finite, if any."""
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.step_s if self.step_s > 0 else 0.0
 
     def metrics(self) -> dict:
-        return {"step": self.step, "loss": self.loss, "tokens": self.tokens,
+        return {"step": self.step, "tokens": self.tokens,
                 "sequences": len(self.seq_ids), "tokens_per_s": self.tokens_per_s,
                 "step_s": self.step_s, "peak_memory_bytes": self.peak_memory_bytes,
                 "memory_kind": self.memory_kind, "planning_ms": self.planning_ms,
-                "wait_ms": self.wait_ms, "grad_norm": self.grad_norm, "planner": self.planner,
-                "padding_fraction": self.padding_fraction}
+                "wait_ms": self.wait_ms, "grad_norm": _json_number(self.grad_norm), "planner": self.planner,
+                "padding_fraction": self.padding_fraction, "lr": self.lr, "loss": _json_number(self.loss),
+                **({"eval_loss": self.eval_loss} if self.eval_loss is not None else {}),
+                **({"skipped": True} if self.skipped else {})}
+
+
+def _json_number(value: float) -> float | None:
+    """JSON has no NaN or infinity: a skipped step's non-finite value is written as null."""
+    return value if math.isfinite(value) else None
 
 
 @dataclass(kw_only=True)
@@ -116,6 +138,12 @@ class TrainResult:
     """The checkpoint this call resumed from, if any."""
     nproc: int = 1
     """Processes that ran the steps."""
+    config: TrainConfig | None = None
+    """The configuration run (with the output folder chosen for it)."""
+    interrupted: bool = False
+    """A signal stopped the run early (after its checkpoint, when it has an output folder)."""
+    skipped_steps: int = 0
+    """Steps skipped for a non-finite loss or gradient norm (skip_nonfinite)."""
 
 
 @dataclass(kw_only=True)
@@ -145,11 +173,16 @@ class Setup:
         self.spec = model_preset(config.model)
         self.scheme = ParallelScheme(dp=config.dp, pp=config.pp, cp=config.cp)
         self.scheme.validate(self.spec)
+        check_memory(estimate_memory(config, self.spec, nproc=config.nproc or 1), self.device)
         self.model = load_model(config.model, self.spec, dtype=getattr(torch, config.dtype),
                                 device=self.device, seed=config.seed)
         self.source = corpus_source(config.data, config.tokenizer, config.context_length,
                                     config.overlong, text_field=config.text_field)
         _check_vocab(self.source, self.spec)
+        self.eval_ids: tuple[int, ...] = ()
+        """Corpus indices of the held-out sequences (config.eval_every), never trained on."""
+        if config.eval_every is not None:
+            self.source, self.eval_ids = hold_out(self.source, count=config.eval_sequences, seed=config.seed)
         self.sampler = GlobalBatchSampler(self.source, seed=config.seed, **config.sampler_size)
 
     def prepare(self, batch: GlobalBatch, sampler_state: dict) -> PreparedStep:
@@ -217,21 +250,34 @@ def make_optimizer(model: CausalLM, config: TrainConfig, *,
     return torch.optim.AdamW(groups, lr=config.lr)
 
 
-def train(config: TrainConfig) -> TrainResult:
+def train(config: TrainConfig, *, stop: StopRequest | None = None) -> TrainResult:
     """Run `config` to config.steps total steps on this process, resuming from a checkpoint
-    when there is one."""
+    when there is one. `stop`: a signal flag installed by the caller (else one is installed
+    for the run)."""
     setup = Setup(config)
-    return run_training(setup, LocalExecutor(setup, make_optimizer(setup.model, config)))
+    return run_training(setup, LocalExecutor(setup, make_optimizer(setup.model, config)), stop=stop)
 
 
-def run_training(setup: Setup, executor: Executor) -> TrainResult:
-    """The loop every executor shares: resume, then plan one step ahead and run to config.steps."""
-    result = TrainResult(model=executor.result_model, nproc=executor.nproc)
-    result.resumed_from = _resume_path(setup.config, executor)
-    if result.resumed_from is not None:
-        result.start_step = _resume(setup, executor, result.resumed_from)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lengthwise-plan") as pool:
-        _loop(setup, executor, result, pool)
+def run_training(setup: Setup, executor: Executor, *, stop: StopRequest | None = None) -> TrainResult:
+    """The loop every executor shares: lock the output folder, resume, then plan one step ahead
+    and run to config.steps, or until a signal (train_signals.py)."""
+    config = setup.config
+    result = TrainResult(model=executor.result_model, nproc=executor.nproc, config=config)
+    with contextlib.ExitStack() as stack:
+        if stop is None:
+            stop = stack.enter_context(StopRequest(quiet=not executor.is_reporter))
+        if executor.is_reporter and config.out is not None:
+            stack.enter_context(OutputLock(config.out))
+            remove_debris(config.out)  # only safe while this run holds the lock
+        result.resumed_from = _resume_path(config, executor)
+        if result.resumed_from is not None:
+            result.start_step = _resume(setup, executor, result.resumed_from)
+        if executor.is_reporter and config.metrics is not None:
+            trim_metrics(config.metrics, result.start_step)  # lines of steps past the checkpoint
+        scheduler = make_scheduler(executor.optimizer, config, done=result.start_step)
+        board = stack.enter_context(contextlib.closing(_Board(config, executor.is_reporter)))
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lengthwise-plan") as pool:
+            _loop(setup, executor, result, _Run(pool=pool, scheduler=scheduler, stop=stop, board=board))
     return result
 
 
@@ -251,15 +297,29 @@ def _resume(setup: Setup, executor: Executor, path: Path) -> int:
             raise UserError(f"checkpoint {path} was trained with {key}={saved.get(key)!r}, this run "
                             f"has {getattr(setup.config, key)!r}; resume with the same value")
     setup.sampler.load_state_dict(trainer["sampler"])
+    changes = apply_settings(executor.optimizer, setup.config, saved)
+    if changes and executor.is_reporter:
+        print(f"lengthwise train: resuming {path} with {', '.join(changes)}", file=sys.stderr)
     return int(trainer["step"])
 
 
-def _loop(setup: Setup, executor: Executor, result: TrainResult, pool: ThreadPoolExecutor) -> None:
+@dataclass(kw_only=True)
+class _Run:
+    """What the loop drives besides the setup and the executor."""
+
+    pool: ThreadPoolExecutor
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    stop: StopRequest
+    board: _Board
+
+
+def _loop(setup: Setup, executor: Executor, result: TrainResult, run: _Run) -> None:
     config, step = setup.config, result.start_step
-    if step >= config.steps:
+    if step >= config.steps or executor.agree_stop(run.stop.requested):
+        result.interrupted = step < config.steps
         return
     progress = _progress_bar(config, step, executor.is_reporter)
-    ahead = _submit(setup, pool)
+    ahead = _submit(setup, run.pool)
     try:
         while step < config.steps:
             started = time.perf_counter()
@@ -267,13 +327,22 @@ def _loop(setup: Setup, executor: Executor, result: TrainResult, pool: ThreadPoo
             waited = time.perf_counter() - started
             step += 1
             if step < config.steps:
-                ahead = _submit(setup, pool)  # plan step n+1 while step n runs
+                ahead = _submit(setup, run.pool)  # plan step n+1 while step n runs
             record = _run_step(setup, executor, prepared, step, started, waited)
+            record.lr = current_lr(executor.optimizer)
+            run.scheduler.step()
+            result.skipped_steps += _check_finite(config, record, result)
             result.records.append(record)
-            if executor.is_reporter:
-                _report(config, record, progress)
-            if _checkpoint_due(config, step):
+            if _due(config.eval_every, step, config.steps):
+                record.eval_loss = _evaluate(setup, executor)
+            stopping = step < config.steps and executor.agree_stop(run.stop.requested)
+            if config.out is not None and (_checkpoint_due(config, step) or stopping):
                 result.checkpoint = _save(setup, executor, step, prepared, record)
+            if executor.is_reporter:  # after the checkpoint: a resume never repeats a line
+                _report(config, record, progress, run.board)
+            if stopping:
+                result.interrupted = True
+                break
     finally:
         ahead.cancel()
         progress.close()
@@ -290,12 +359,42 @@ def _run_step(setup: Setup, executor: Executor, prepared: PreparedStep, step: in
     if setup.device.type == "cuda":
         torch.cuda.synchronize(setup.device)
     batch = prepared.batch
-    return StepRecord(step=step, loss=outcome.loss, tokens=batch.num_tokens, seq_ids=batch.seq_ids,
-                      step_s=time.perf_counter() - started, wait_ms=waited * 1e3,
-                      planning_ms=prepared.planning_ms, peak_memory_bytes=outcome.peak_memory_bytes,
-                      memory_kind=outcome.memory_kind, grad_norm=outcome.grad_norm,
-                      planner=prepared.plan.planner,
-                      padding_fraction=float(prepared.plan.metrics.get("padding_fraction", 0.0)))
+    record = StepRecord(step=step, loss=outcome.loss, tokens=batch.num_tokens, seq_ids=batch.seq_ids,
+                        step_s=time.perf_counter() - started, wait_ms=waited * 1e3,
+                        planning_ms=prepared.planning_ms, peak_memory_bytes=outcome.peak_memory_bytes,
+                        memory_kind=outcome.memory_kind, grad_norm=outcome.grad_norm,
+                        planner=prepared.plan.planner,
+                        padding_fraction=float(prepared.plan.metrics.get("padding_fraction", 0.0)))
+    record.skipped = not outcome.finite
+    if record.skipped:
+        record.nonfinite_param = outcome.nonfinite_param
+    return record
+
+
+def _check_finite(config: TrainConfig, record: StepRecord, result: TrainResult) -> int:
+    """1 for a skipped non-finite step (skip_nonfinite); a UserError naming it otherwise, so
+    that nothing non-finite is ever checkpointed (the last checkpoint stays the newest)."""
+    if not record.skipped:
+        return 0
+    if config.skip_nonfinite:
+        return 1
+    what = f"the loss is {record.loss}" if not math.isfinite(record.loss) else f"the gradient norm is {record.grad_norm}"
+    where = f" (first non-finite gradient: {record.nonfinite_param})" if record.nonfinite_param else ""
+    kept = f"the last checkpoint, {result.checkpoint or result.resumed_from}, is kept" \
+        if (result.checkpoint or result.resumed_from) else "no checkpoint was written"
+    raise UserError(f"step {record.step}: {what}{where}; training stopped before the update and {kept}. "
+                    f"Lower --lr or --grad-clip, or pass --skip-nonfinite to skip such steps")
+
+
+def _evaluate(setup: Setup, executor: Executor) -> float | None:
+    model = executor.eval_model()  # collective in a distributed run
+    if model is None:
+        return None
+    return held_out_loss(model, setup.source, setup.eval_ids, backend=setup.config.backend)
+
+
+def _due(every: int | None, step: int, last: int) -> bool:
+    return every is not None and (step % every == 0 or step == last)
 
 
 def _progress_bar(config: TrainConfig, step: int, shown: bool):
@@ -305,23 +404,34 @@ def _progress_bar(config: TrainConfig, step: int, shown: bool):
                 disable=not (config.progress and shown), dynamic_ncols=True)
 
 
-def _report(config: TrainConfig, record: StepRecord, progress) -> None:
-    progress.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}", refresh=False)
+class _Board:
+    """The metrics file and, when installed, TensorBoard (reporting rank only)."""
+
+    def __init__(self, config: TrainConfig, shown: bool):
+        self.writer = open_tensorboard(config.out) if shown else None
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _report(config: TrainConfig, record: StepRecord, progress, board: _Board) -> None:
+    postfix = {"loss": f"{record.loss:.4f}", "tok_s": f"{record.tokens_per_s:,.0f}"}
+    if record.eval_loss is not None:
+        postfix["eval"] = f"{record.eval_loss:.4f}"
+    progress.set_postfix(postfix, refresh=False)
     progress.update(1)
+    line = record.metrics()
     if config.metrics is not None:
-        path = Path(config.metrics)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps(record.metrics()) + "\n")
+        append_metrics(config.metrics, [line])
+    log_tensorboard(board.writer, line)
 
 
 def _checkpoint_due(config: TrainConfig, step: int) -> bool:
-    if config.out is None:
-        return False
     return step == config.steps or (config.save_every is not None and step % config.save_every == 0)
 
 
 def _save(setup: Setup, executor: Executor, step: int, prepared: PreparedStep, record: StepRecord) -> Path:
     trainer = {"sampler": prepared.sampler_state, "config": setup.config.to_dict(),
-               "loss": record.loss}
+               "loss": record.loss if math.isfinite(record.loss) else None}
     return executor.save(step, trainer)

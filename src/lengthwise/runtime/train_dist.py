@@ -32,6 +32,7 @@ stages is refused with the step named.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -64,7 +65,10 @@ from lengthwise.runtime.train import (
     run_training,
 )
 from lengthwise.runtime.train_config import TrainConfig, check_degrees
+from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.train_exec import RESUME_MUST_MATCH, StepOutcome
+from lengthwise.runtime.train_outputs import default_run_folder, with_outputs
+from lengthwise.runtime.train_schedule import first_nonfinite
 from lengthwise.runtime.train_step import PADDED_PLANNERS, PeakMemory
 from lengthwise.runtime.weights import load_state, save_pretrained
 from lengthwise.workloads.sampler import GlobalBatchSampler
@@ -84,25 +88,36 @@ def train_distributed(config: TrainConfig, *, after_action: AfterAction | None =
         raise UserError(f"--nproc {config.nproc} on CUDA needs {config.nproc} GPUs, this machine has "
                         f"{torch.cuda.device_count()}: use fewer processes or --device cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    return spawn(_spawned_rank, config.nproc, config, device.type, after_action, backend=backend)
+    return spawn(_spawned_rank, config.nproc, config, device.type, after_action, backend=backend,
+                 timeout_s=config.timeout)
 
 
 def _train_under_torchrun(config: TrainConfig, after_action: AfterAction | None) -> TrainResult | None:
     if config.nproc is not None:
         raise UserError(f"--nproc {config.nproc} starts local workers; under torchrun leave it out "
                         "(torchrun --nproc-per-node sets the number of processes)")
-    mesh = init_from_torchrun(device=resolve_device(config.device).type)
+    mesh = init_from_torchrun(device=resolve_device(config.device).type, timeout_s=config.timeout)
     try:
-        result = train_on_rank(config, mesh, after_action=after_action)
+        result = train_on_rank(_torchrun_outputs(config), mesh, after_action=after_action)
     finally:
         dist.destroy_process_group()
     return result if mesh.rank == 0 else None
 
 
+def _torchrun_outputs(config: TrainConfig) -> TrainConfig:
+    """Without --out, rank 0 names the run folder and tells the others (their clocks may differ)."""
+    chosen = [str(default_run_folder()) if dist.get_rank() == 0 else None]
+    if config.out is None and config.resume is None:
+        dist.broadcast_object_list(chosen, src=0)
+    return with_outputs(config, out=chosen[0]) if dist.get_rank() == 0 else \
+        dataclasses.replace(config, out=config.out or chosen[0])
+
+
 def _spawned_rank(rank: int, config: TrainConfig, device_type: str,
                   after_action: AfterAction | None) -> TrainResult | None:
     device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
-    result = train_on_rank(config, Mesh.from_default_group(device=device), after_action=after_action)
+    mesh = Mesh.from_default_group(device=device, timeout_s=config.timeout)
+    result = train_on_rank(config, mesh, after_action=after_action)
     return result if rank == 0 else None
 
 
@@ -149,12 +164,31 @@ class RankExecutor:
             done = run_rank_step(model, plan, prepared.token_ids, mesh=self.mesh, backend=self.config.backend,
                                  check_plan=False, after_action=hook)
         grad_norm = global_grad_norm(model, plan, done.layout, device=self.mesh.device)
+        outcome = StepOutcome(loss=done.loss, grad_norm=grad_norm, peak_memory_bytes=self._largest(peak.bytes),
+                              memory_kind=peak.kind)
+        if not outcome.finite:  # the loss and the norm are global: every rank skips the update
+            outcome.nonfinite_param = first_nonfinite(self.held.items())
+            return outcome
         if self.config.grad_clip:  # the rule of clip_grad_norm_, with the norm over all ranks
             torch.nn.utils.clip_grads_with_norm_(list(self.held.values()), self.config.grad_clip,
                                                  torch.tensor(grad_norm, dtype=torch.float64))
         self.optimizer.step()
-        return StepOutcome(loss=done.loss, grad_norm=grad_norm, peak_memory_bytes=self._largest(peak.bytes),
-                           memory_kind=peak.kind)
+        return outcome
+
+    def agree_stop(self, requested: bool) -> bool:
+        """Whether any rank was asked to stop (collective, at every step boundary), so that all
+        stop after the same step and write one complete checkpoint."""
+        flag = torch.tensor([int(requested)], dtype=torch.int64, device=self.mesh.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def eval_model(self) -> CausalLM | None:
+        """Rank 0's model with every stage's current weights (collective); None elsewhere."""
+        weights = gather_grads_like(self.model, self.layout, self.first_plan, lambda p: p.detach().cpu())
+        if weights is None:
+            return None
+        load_state(self.model, weights)
+        return self.model
 
     def _check_layout(self, plan: StepPlan, step: int) -> None:
         layers = self.model.spec.num_layers

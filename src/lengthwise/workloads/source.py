@@ -68,7 +68,9 @@ class LengthSource:
         if self.corpus is None:
             raise UserError(f"{self.name} has lengths only; training needs --data PATH")
         ids = self.corpus.documents[seq_id]
-        return ids if self.context_length is None else ids[: self.context_length]
+        if self.context_length is None or len(ids) <= self.context_length:
+            return ids
+        return np.array(ids[: self.context_length])  # a copy: a view would keep the whole document alive
 
 
 def profile_source(name: str, context_length: int | None = None,

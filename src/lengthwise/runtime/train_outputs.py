@@ -1,0 +1,148 @@
+"""A training run's output folder: one writer at a time, a default name, and a metrics file
+that never runs ahead of the checkpoints.
+
+    folder = default_run_folder()                  # lengthwise-runs/run-20261124-024115
+    with OutputLock(out):                          # a second `train` on `out` is a UserError
+        trim_metrics("out/metrics.jsonl", step=40) # on resume: drop lines of steps after 40
+        append_metrics("out/metrics.jsonl", [{"step": 41, ...}])
+
+The lock is advisory (fcntl.flock on `out/.lock`, which names the holder's pid): the kernel
+drops it when the holder dies, however it dies, so a killed run never leaves a stale lock.
+Metrics lines are appended only after the checkpoint of their step (or the next one) is saved
+and trimmed to the resumed step on resume, so a resumed run neither repeats nor loses a line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Self
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import write_atomic
+from lengthwise.runtime.train_config import TrainConfig
+
+LOCK_NAME = ".lock"
+RUNS_FOLDER = "lengthwise-runs"
+"""Where `lengthwise train` without --out puts its run folders (in the working directory)."""
+METRICS_NAME = "metrics.jsonl"
+
+
+def default_run_folder(root: str | Path = RUNS_FOLDER, *, now: float | None = None) -> Path:
+    """A new folder name under `root` for a run given no --out: run-YYYYmmdd-HHMMSS (a suffix
+    -2, -3, ... when that exists). Not created here."""
+    stamp = time.strftime("run-%Y%m%d-%H%M%S", time.localtime(now))
+    folder, n = Path(root) / stamp, 1
+    while folder.exists():
+        n += 1
+        folder = Path(root) / f"{stamp}-{n}"
+    return folder
+
+
+class OutputLock:
+    """Holds an exclusive advisory lock on `out` for the `with` block."""
+
+    def __init__(self, out: str | Path):
+        self.out = Path(out)
+        self._fd: int | None = None
+
+    def __enter__(self) -> Self:
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UserError(f"--out {self.out}: cannot write there ({exc.strerror}); give a writable folder") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UserError(f"--out {self.out} is in use by another lengthwise train (pid {holder}); "
+                            f"wait for it to finish or give another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock; the file stays (removing it would race)
+            self._fd = None
+
+
+def with_outputs(config: TrainConfig, *, out: str | None = None) -> TrainConfig:
+    """A run without --out writes to a new folder under lengthwise-runs/ (said on stderr); the
+    metrics go to OUT/metrics.jsonl unless --metrics is given. Both paths are checked
+    writable before anything else runs."""
+    changes = {}
+    if config.out is None and config.resume is None:
+        changes["out"] = out or str(default_run_folder())
+        print(f"lengthwise train: writing checkpoints and metrics to {changes['out']}/", file=sys.stderr)
+    out = changes.get("out", config.out)
+    if config.metrics is None and out is not None:
+        changes["metrics"] = str(Path(out) / METRICS_NAME)
+    config = dataclasses.replace(config, **changes)
+    if config.out is not None:
+        check_writable(Path(config.out) / LOCK_NAME, "--out")
+    if config.metrics is not None:
+        check_writable(config.metrics, "--metrics")
+    return config
+
+
+def check_writable(path: str | Path, flag: str) -> None:
+    """UserError now, before any training, if a file cannot be created at `path`."""
+    parent = Path(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot write there ({exc.strerror}); give a writable path") from None
+
+
+def trim_metrics(path: str | Path, step: int) -> int:
+    """Keep the lines of steps <= `step` (a resume from that step); returns lines dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            number = json.loads(line).get("step", 0)
+        except (json.JSONDecodeError, AttributeError):
+            dropped += 1  # a line cut short by a kill
+            continue
+        if number <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        write_atomic(path, "".join(f"{line}\n" for line in kept))
+    return dropped
+
+
+def append_metrics(path: str | Path, lines: Iterable[dict]) -> None:
+    text = "".join(json.dumps(line, allow_nan=False) + "\n" for line in lines)
+    if text:
+        with Path(path).open("a") as f:
+            f.write(text)
+
+
+DEBRIS_PREFIXES = (".tmp-step-", ".old-step-")
+"""Folders a save killed half-way leaves under the output folder."""
+
+
+def remove_debris(out: str | Path) -> list[Path]:
+    """Remove what killed saves left under `out`; returns it. Only while holding the lock."""
+    out = Path(out)
+    found = [p for p in out.iterdir() if p.is_dir() and p.name.startswith(DEBRIS_PREFIXES)] if out.is_dir() else []
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return found
