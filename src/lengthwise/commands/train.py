@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from pathlib import Path
 
 from lengthwise.commands.common import add_backend_arg, add_workload_args
 from lengthwise.commands.plan import planner_options
@@ -53,7 +54,7 @@ from lengthwise.runtime.train_config import (
     load_toml,
     merge,
 )
-from lengthwise.runtime.train_outputs import RUNS_FOLDER, with_outputs
+from lengthwise.runtime.train_outputs import METRICS_NAME, RUNS_FOLDER, with_outputs
 
 _WORKLOAD_HELP = {
     "context_length": "longest sequence trained on, tokens (default 512)",
@@ -186,6 +187,8 @@ def resume_command(config: TrainConfig) -> str:
     for name, value in config.to_dict().items():
         if name in ("resume", "options") or value == getattr(default, name):
             continue
+        if name == "metrics" and config.out is not None and Path(value) == Path(config.out) / METRICS_NAME:
+            continue  # the default
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             words.append(flag if value else f"--no-{name}")

@@ -274,6 +274,8 @@ def run_training(setup: Setup, executor: Executor, *, stop: StopRequest | None =
             result.start_step = _resume(setup, executor, result.resumed_from)
         if executor.is_reporter and config.metrics is not None:
             trim_metrics(config.metrics, result.start_step)  # lines of steps past the checkpoint
+        if executor.is_reporter and config.out is not None:
+            print(f"lengthwise train: checkpoints and metrics in {config.out}/", file=sys.stderr)
         scheduler = make_scheduler(executor.optimizer, config, done=result.start_step)
         board = stack.enter_context(contextlib.closing(_Board(config, executor.is_reporter)))
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lengthwise-plan") as pool:

@@ -19,7 +19,6 @@ import fcntl
 import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -78,16 +77,15 @@ class OutputLock:
 
 
 def with_outputs(config: TrainConfig, *, out: str | None = None) -> TrainConfig:
-    """A run without --out writes to a new folder under lengthwise-runs/ (said on stderr); the
-    metrics go to OUT/metrics.jsonl unless --metrics is given. Both paths are checked
-    writable before anything else runs."""
+    """A run without --out (or --resume) writes to `out`, by default a new folder under
+    lengthwise-runs/; the metrics go to OUT/metrics.jsonl unless --metrics is given. Both paths
+    are checked writable here, before anything runs, without creating anything."""
     changes = {}
     if config.out is None and config.resume is None:
         changes["out"] = out or str(default_run_folder())
-        print(f"lengthwise train: writing checkpoints and metrics to {changes['out']}/", file=sys.stderr)
-    out = changes.get("out", config.out)
-    if config.metrics is None and out is not None:
-        changes["metrics"] = str(Path(out) / METRICS_NAME)
+    folder = changes.get("out", config.out)
+    if config.metrics is None and folder is not None:
+        changes["metrics"] = str(Path(folder) / METRICS_NAME)
     config = dataclasses.replace(config, **changes)
     if config.out is not None:
         check_writable(Path(config.out) / LOCK_NAME, "--out")
@@ -97,14 +95,18 @@ def with_outputs(config: TrainConfig, *, out: str | None = None) -> TrainConfig:
 
 
 def check_writable(path: str | Path, flag: str) -> None:
-    """UserError now, before any training, if a file cannot be created at `path`."""
-    parent = Path(path).parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a"):
-            pass
-    except OSError as exc:
-        raise UserError(f"{flag} {path}: cannot write there ({exc.strerror}); give a writable path") from None
+    """UserError now, before any training, if a file could not be created at `path` (checked on
+    the nearest existing folder above it, which is left as it is)."""
+    path = Path(path).absolute()
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder; give a file path")
+    existing = path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK) or \
+            (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"{flag} {path.parent if flag == '--out' else path}: cannot write there; "
+                        f"give a writable path")
 
 
 def trim_metrics(path: str | Path, step: int) -> int:
