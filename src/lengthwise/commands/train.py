@@ -60,7 +60,8 @@ _WORKLOAD_HELP = {
     "context_length": "longest sequence trained on, tokens (default 512)",
     "overlong": "documents over the context length: truncate (default), drop or error",
     "data": "documents: 'stdlib' (default; Python's own sources, no download), a .jsonl or "
-            ".parquet file, or a folder of .txt/.md/.py files",
+            ".parquet file, a folder of .txt/.md/.py files, or a Hugging Face datasets folder "
+            "(save_to_disk; needs the datasets package)",
 }
 
 
@@ -121,6 +122,9 @@ def _add_runtime(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
     parser.add_argument("--cluster", metavar="PRESET", help="cluster the planner sizes for (default cpu)")
     parser.add_argument("--threads", metavar="N", type=int,
                         help="CPU threads for torch (default 1 on CPU, torch's choice with CUDA)")
+    parser.add_argument("--token-cache", metavar="DIR",
+                        help=f"with --tokenizer: tokenise each corpus once into DIR, memory-mapped by later runs "
+                             f"and every rank (default {d.token_cache})")
     parser.add_argument("--timeout", metavar="SECONDS", type=float,
                         help=f"distributed runs: how long a rank waits for the others (default {d.timeout:g})")
 
@@ -148,7 +152,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         "grad_clip", "dtype", "device", "backend", "threads", "dp", "pp", "cp", "nproc", "cluster", "metrics", "out",
         "save_every", "resume", "progress", "data", "tokenizer", "text_field", "context_length",
         "overlong", "seed", "lr_schedule", "warmup_steps", "min_lr", "eval_every", "eval_sequences",
-        "skip_nonfinite", "timeout")}
+        "skip_nonfinite", "timeout", "token_cache")}
     flags["options"] = planner_options(args) or None
     config = merge(config, flags)
     config.validate()

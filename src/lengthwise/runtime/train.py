@@ -48,7 +48,13 @@ from lengthwise.runtime.train_config import TrainConfig
 from lengthwise.runtime.train_eval import held_out_loss, hold_out, log_tensorboard, open_tensorboard
 from lengthwise.runtime.train_exec import Executor, LocalExecutor
 from lengthwise.runtime.train_memory import check_memory, estimate_memory
-from lengthwise.runtime.train_outputs import OutputLock, append_metrics, remove_debris, trim_metrics
+from lengthwise.runtime.train_outputs import (
+    OutputLock,
+    append_metrics,
+    remove_debris,
+    save_tokenizer,
+    trim_metrics,
+)
 from lengthwise.runtime.train_schedule import apply_settings, current_lr, make_scheduler
 from lengthwise.runtime.train_signals import StopRequest
 from lengthwise.runtime.weights import INDEX_NAME, WEIGHTS_NAME, load_weights
@@ -177,7 +183,7 @@ class Setup:
         self.model = load_model(config.model, self.spec, dtype=getattr(torch, config.dtype),
                                 device=self.device, seed=config.seed)
         self.source = corpus_source(config.data, config.tokenizer, config.context_length,
-                                    config.overlong, text_field=config.text_field)
+                                    config.overlong, text_field=config.text_field, cache_dir=config.token_cache)
         _check_vocab(self.source, self.spec)
         self.eval_ids: tuple[int, ...] = ()
         """Corpus indices of the held-out sequences (config.eval_every), never trained on."""
@@ -269,6 +275,8 @@ def run_training(setup: Setup, executor: Executor, *, stop: StopRequest | None =
         if executor.is_reporter and config.out is not None:
             stack.enter_context(OutputLock(config.out))
             remove_debris(config.out)  # only safe while this run holds the lock
+            if config.tokenizer is not None:
+                save_tokenizer(config.tokenizer, config.out)
         result.resumed_from = _resume_path(config, executor)
         if result.resumed_from is not None:
             result.start_step = _resume(setup, executor, result.resumed_from)

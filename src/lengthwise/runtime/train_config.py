@@ -46,11 +46,15 @@ class TrainConfig:
     """Model preset name, a Hugging Face config.json (random init), or a directory holding
     config.json and model.safetensors (weights loaded by their Hugging Face names)."""
     data: str = "stdlib"
-    """Documents: 'stdlib' (Python's own sources), a .jsonl/.parquet file or a text folder."""
+    """Documents: 'stdlib' (Python's own sources), a .jsonl/.parquet file, a text folder, or a
+    Hugging Face datasets folder (save_to_disk; needs the datasets package)."""
     tokenizer: str | None = None
     """Local Hugging Face tokenizer directory; None: bytes (vocab 260, the tiny preset's)."""
     text_field: str = "text"
     """JSONL field / Parquet column holding the text."""
+    token_cache: str | None = "~/.cache/lengthwise/tokens"
+    """Folder of tokenised corpora (workloads/token_cache.py), used with a tokenizer: each corpus is
+    tokenised once and memory-mapped by later runs and every rank. None: tokenise in memory."""
     context_length: int = 512
     """Longest sequence trained on, tokens."""
     overlong: str = "truncate"

@@ -19,6 +19,7 @@ import fcntl
 import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -137,7 +138,7 @@ def append_metrics(path: str | Path, lines: Iterable[dict]) -> None:
             f.write(text)
 
 
-DEBRIS_PREFIXES = (".tmp-step-", ".old-step-")
+DEBRIS_PREFIXES = (".tmp-step-", ".old-step-", ".tmp-tokenizer-")
 """Folders a save killed half-way leaves under the output folder."""
 
 
@@ -148,3 +149,25 @@ def remove_debris(out: str | Path) -> list[Path]:
     for path in found:
         shutil.rmtree(path, ignore_errors=True)
     return found
+
+
+TOKENIZER_FOLDER = "tokenizer"
+
+
+def save_tokenizer(tokenizer_dir: str | Path, out: str | Path) -> Path:
+    """Copy the tokenizer's files to out/tokenizer (whole or not at all), so the run's output
+    holds what its token ids mean; a copy already there is replaced."""
+    source, final = Path(tokenizer_dir), Path(out) / TOKENIZER_FOLDER
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".tmp-{TOKENIZER_FOLDER}-"))
+    try:
+        for path in sorted(p for p in source.rglob("*") if p.is_file()):
+            target = tmp / path.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.replace(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

@@ -92,8 +92,8 @@ def lengths_file_source(path: str, context_length: int | None = None,
 
 
 def corpus_source(spec: str, tokenizer_dir: str | None = None, context_length: int | None = None,
-                  overlong: str = "error", text_field: str = "text") -> LengthSource:
-    corpus = load_corpus(spec, tokenizer_dir, text_field=text_field)
+                  overlong: str = "error", text_field: str = "text", cache_dir: str | None = None) -> LengthSource:
+    corpus = load_corpus(spec, tokenizer_dir, text_field=text_field, cache_dir=cache_dir)
     return _finite(f"data {spec}", corpus.lengths, corpus, context_length, overlong)
 
 
