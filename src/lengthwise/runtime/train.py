@@ -8,7 +8,17 @@
 A step: the sampler's next global batch -> its token ids and the planner's validated StepPlan
 -> forward and backward as the plan says (`train_step.forward_backward`; loss = summed token
 cross-entropy / the batch's loss tokens, so equal to unpacked training whatever the plan) ->
-gradient clipping -> AdamW -> one metrics line, the progress bar, maybe a checkpoint.
+gradient clipping -> AdamW at the scheduled learning rate (train_schedule.py) -> maybe the
+held-out loss (train_eval.py) -> maybe a checkpoint -> then one metrics line and the progress
+bar (train_report.py), so the metrics file never runs ahead of the checkpoints. A step whose
+loss or gradient norm is not finite makes no update and stops the run with a UserError naming
+it (or is skipped and counted, with skip_nonfinite): nothing non-finite is ever saved.
+
+Stopping: SIGINT / SIGTERM only set a flag (train_signals.py), read between steps; the run
+then checkpoints the finished step and returns with `interrupted` set. Ranks of a distributed
+run agree on the flag at every step boundary, so all stop after the same step. The output
+folder is locked for the run (train_outputs.py), debris of killed saves is removed, and on
+resume the metrics file is trimmed to the resumed step.
 
 Planning runs ahead of training (DESIGN.md, Executor): while step n executes, one worker
 thread reads batch n+1's tokens and plans it. A plan depends only on the batch and the seed
@@ -45,16 +55,11 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.model import CausalLM, build_model
 from lengthwise.runtime.train_config import TrainConfig
-from lengthwise.runtime.train_eval import held_out_loss, hold_out, log_tensorboard, open_tensorboard
+from lengthwise.runtime.train_eval import held_out_loss, hold_out
 from lengthwise.runtime.train_exec import Executor, LocalExecutor
 from lengthwise.runtime.train_memory import check_memory, estimate_memory
-from lengthwise.runtime.train_outputs import (
-    OutputLock,
-    append_metrics,
-    remove_debris,
-    save_tokenizer,
-    trim_metrics,
-)
+from lengthwise.runtime.train_outputs import OutputLock, remove_debris, save_tokenizer, trim_metrics
+from lengthwise.runtime.train_report import Reporter, nonfinite_message
 from lengthwise.runtime.train_schedule import apply_settings, current_lr, make_scheduler
 from lengthwise.runtime.train_signals import StopRequest
 from lengthwise.runtime.weights import INDEX_NAME, WEIGHTS_NAME, load_weights
@@ -285,9 +290,8 @@ def run_training(setup: Setup, executor: Executor, *, stop: StopRequest | None =
         if executor.is_reporter and config.out is not None:
             print(f"lengthwise train: checkpoints and metrics in {config.out}/", file=sys.stderr)
         scheduler = make_scheduler(executor.optimizer, config, done=result.start_step)
-        board = stack.enter_context(contextlib.closing(_Board(config, executor.is_reporter)))
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lengthwise-plan") as pool:
-            _loop(setup, executor, result, _Run(pool=pool, scheduler=scheduler, stop=stop, board=board))
+            _loop(setup, executor, result, _Run(pool=pool, scheduler=scheduler, stop=stop))
     return result
 
 
@@ -320,7 +324,6 @@ class _Run:
     pool: ThreadPoolExecutor
     scheduler: torch.optim.lr_scheduler.LRScheduler
     stop: StopRequest
-    board: _Board
 
 
 def _loop(setup: Setup, executor: Executor, result: TrainResult, run: _Run) -> None:
@@ -328,7 +331,7 @@ def _loop(setup: Setup, executor: Executor, result: TrainResult, run: _Run) -> N
     if step >= config.steps or executor.agree_stop(run.stop.requested):
         result.interrupted = step < config.steps
         return
-    progress = _progress_bar(config, step, executor.is_reporter)
+    reporter = Reporter(config, shown=executor.is_reporter, step=step)
     ahead = _submit(setup, run.pool)
     try:
         while step < config.steps:
@@ -348,14 +351,13 @@ def _loop(setup: Setup, executor: Executor, result: TrainResult, run: _Run) -> N
             stopping = step < config.steps and executor.agree_stop(run.stop.requested)
             if config.out is not None and (_checkpoint_due(config, step) or stopping):
                 result.checkpoint = _save(setup, executor, step, prepared, record)
-            if executor.is_reporter:  # after the checkpoint: a resume never repeats a line
-                _report(config, record, progress, run.board)
+            reporter.step(record)  # after the checkpoint: a resume never repeats a line
             if stopping:
                 result.interrupted = True
                 break
     finally:
         ahead.cancel()
-        progress.close()
+        reporter.close()
 
 
 def _submit(setup: Setup, pool: ThreadPoolExecutor) -> Future:
@@ -388,12 +390,7 @@ def _check_finite(config: TrainConfig, record: StepRecord, result: TrainResult) 
         return 0
     if config.skip_nonfinite:
         return 1
-    what = f"the loss is {record.loss}" if not math.isfinite(record.loss) else f"the gradient norm is {record.grad_norm}"
-    where = f" (first non-finite gradient: {record.nonfinite_param})" if record.nonfinite_param else ""
-    kept = f"the last checkpoint, {result.checkpoint or result.resumed_from}, is kept" \
-        if (result.checkpoint or result.resumed_from) else "no checkpoint was written"
-    raise UserError(f"step {record.step}: {what}{where}; training stopped before the update and {kept}. "
-                    f"Lower --lr or --grad-clip, or pass --skip-nonfinite to skip such steps")
+    raise UserError(nonfinite_message(record, result.checkpoint or result.resumed_from))
 
 
 def _evaluate(setup: Setup, executor: Executor) -> float | None:
@@ -405,36 +402,6 @@ def _evaluate(setup: Setup, executor: Executor) -> float | None:
 
 def _due(every: int | None, step: int, last: int) -> bool:
     return every is not None and (step % every == 0 or step == last)
-
-
-def _progress_bar(config: TrainConfig, step: int, shown: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=config.steps, initial=step, desc="train", unit="step",
-                disable=not (config.progress and shown), dynamic_ncols=True)
-
-
-class _Board:
-    """The metrics file and, when installed, TensorBoard (reporting rank only)."""
-
-    def __init__(self, config: TrainConfig, shown: bool):
-        self.writer = open_tensorboard(config.out) if shown else None
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
-def _report(config: TrainConfig, record: StepRecord, progress, board: _Board) -> None:
-    postfix = {"loss": f"{record.loss:.4f}", "tok_s": f"{record.tokens_per_s:,.0f}"}
-    if record.eval_loss is not None:
-        postfix["eval"] = f"{record.eval_loss:.4f}"
-    progress.set_postfix(postfix, refresh=False)
-    progress.update(1)
-    line = record.metrics()
-    if config.metrics is not None:
-        append_metrics(config.metrics, [line])
-    log_tensorboard(board.writer, line)
 
 
 def _checkpoint_due(config: TrainConfig, step: int) -> bool:

@@ -1,8 +1,7 @@
-"""The held-out slice of the corpus, its loss, and TensorBoard.
+"""The held-out slice of the corpus and its loss.
 
     train_source, held = hold_out(source, count=16, seed=0)     # held: corpus indices
     loss = held_out_loss(model, train_source_or_source, held, backend="auto")
-    board = open_tensorboard(out)                               # None without tensorboard
 
 The held-out sequences are chosen by a seeded permutation of their own (independent of the
 sampler's epochs) and taken out of the source the sampler draws from, so no step trains on
@@ -13,7 +12,6 @@ labelled tokens), each sequence run alone, unpacked, without gradients.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -54,27 +52,3 @@ def held_out_loss(model: CausalLM, source: LengthSource, seq_ids: tuple[int, ...
         total += float(sequence_loss_sum(model, row, token_ids, backend=backend))
         labelled += length - 1
     return total / labelled if labelled else float("nan")
-
-
-def open_tensorboard(out: str | Path | None):
-    """A torch.utils.tensorboard SummaryWriter logging to out/tensorboard, or None when there
-    is no output folder or the tensorboard package is not installed (the JSONL metrics are
-    written either way)."""
-    if out is None:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard package
-    except ImportError:
-        return None
-    return SummaryWriter(log_dir=str(Path(out) / "tensorboard"))
-
-
-def log_tensorboard(writer, line: dict) -> None:
-    """One metrics line as scalars at its step (numbers only)."""
-    if writer is None:
-        return
-    step = line["step"]
-    for key, value in line.items():
-        if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-            writer.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", value, step)
-    writer.flush()

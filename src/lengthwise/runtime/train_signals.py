@@ -3,7 +3,7 @@
     with StopRequest() as stop:                    # installs the handlers, restores them after
         while training:
             run_one_step()
-            if stop.agreed(executor):              # between steps only; collective when distributed
+            if executor.agree_stop(stop.requested):  # between steps; collective when distributed
                 save_checkpoint_and_leave()
 
 A signal handler that raises (Python's default KeyboardInterrupt) can fire anywhere: inside a
