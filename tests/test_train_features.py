@@ -120,6 +120,10 @@ def test_hugging_face_dataset_folder(tmp_path):
     datasets.Dataset.from_dict({"text": ["hello", "", "world!"]}).save_to_disk(str(folder))
     corpus = load_corpus(str(folder))
     assert corpus.lengths.tolist() == [7, 8]  # BOS + bytes + EOS, the empty document skipped
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": ["abc"]}),
+                                   "test": datasets.Dataset.from_dict({"body": ["held out"]})})
+    splits.save_to_disk(str(tmp_path / "dd"))
+    assert load_corpus(str(tmp_path / "dd"), text_field="body").lengths.tolist() == [5]  # the train split
 
 
 def test_tensorboard_logs_when_installed(tmp_path):
