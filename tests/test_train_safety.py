@@ -107,3 +107,10 @@ def test_a_batch_the_machine_cannot_hold_is_refused_before_it_starts(capsys, mon
     assert "needs about 1.2 GiB of host memory" in err and "1.0 GiB is available" in err
     tiny = model_preset("tiny")
     assert train_memory.estimate_memory(small(), tiny).states == 4 * 8 * tiny.num_params  # float64
+
+
+def test_timeout_reaches_the_config():
+    from lengthwise.cli import build_parser
+    from lengthwise.commands.train import config_from_args
+
+    assert config_from_args(build_parser(only="train").parse_args(["train", "--timeout", "12"])).timeout == 12.0

@@ -15,10 +15,20 @@ their Hugging Face names; every checkpoint directory is one). Documents come fro
 (default stdlib: Python's own sources, byte tokens, no download), cut to --context-length
 (default 512) tokens. Every global batch (--batch-size sequences, default 16, or
 --tokens-per-batch) is planned by --planner (default chunkflow) in a background thread while
-the previous step runs, then executed exactly as planned, with AdamW, gradient clipping and a
-progress bar showing loss and tokens/s. --metrics appends a JSON line per step; --out writes a
-checkpoint (HF weights, optimizer, sampler position, RNG states) every --save-every steps and
-after the last, and a later run with the same --out resumes from the latest, bit-exactly.
+the previous step runs, then executed exactly as planned, with AdamW (optionally warmed up and
+cosine-decayed: --warmup-steps, --lr-schedule cosine, --min-lr), gradient clipping and a
+progress bar showing loss and tokens/s. --out (default: a new folder lengthwise-runs/run-DATE-TIME,
+named on stderr) receives a checkpoint (HF weights, optimizer, sampler position, RNG states)
+every --save-every steps and after the last, the metrics (one JSON line per step, written after
+the step's checkpoint), TensorBoard logs when tensorboard is installed, and the tokenizer; a
+later run with the same --out resumes from the latest checkpoint, bit-exactly. --eval-every N
+reports the loss of --eval-sequences documents held out of training.
+
+Ctrl-C (SIGINT) or a scheduler's SIGTERM finishes the current step, writes a checkpoint, prints
+the command that resumes the run, and exits 130; a second one leaves at once. A NaN or infinite
+loss or gradient norm stops the run naming the step and the first parameter with a non-finite
+gradient, before anything is saved (--skip-nonfinite skips such steps instead). A batch this
+machine cannot hold is refused before training starts, with the estimate.
 
 With --nproc N (local workers: gloo on CPU, NCCL on CUDA with one GPU each) or under torchrun,
 the plan's dp x pp x cp ranks (N = dp * pp * cp) run the same loop, each its own pipeline stage:
@@ -179,14 +189,16 @@ def run(args: argparse.Namespace) -> int:
             result = train(config, stop=stop)
     print(summary(result.config or config, result))
     if result.interrupted:
-        print(f"  interrupted; resume with:\n  {resume_command(result.config or config)}")
+        launcher = f"torchrun --nproc-per-node {result.nproc} -m " if under_torchrun() else ""
+        print(f"  interrupted; resume with:\n  {launcher}{resume_command(result.config or config)}")
         return EXIT_INTERRUPTED
     return 0
 
 
 def resume_command(config: TrainConfig) -> str:
     """The command line that continues `config` from its latest checkpoint: every setting that
-    differs from the defaults, as flags (resume is automatic from --out)."""
+    differs from the defaults, as flags (resume is automatic from --out). Under torchrun the
+    caller puts the launcher in front (one node assumed: multi-node runs repeat their own)."""
     default, words = TrainConfig(), ["lengthwise", "train"]
     for name, value in config.to_dict().items():
         if name in ("resume", "options") or value == getattr(default, name):
