@@ -114,3 +114,12 @@ def test_timeout_reaches_the_config():
     from lengthwise.commands.train import config_from_args
 
     assert config_from_args(build_parser(only="train").parse_args(["train", "--timeout", "12"])).timeout == 12.0
+
+
+def test_unwritable_outputs_are_refused_before_training(capsys, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    assert "--out /proc/ck: cannot write there" in one_line_error(capsys, "--out", "/proc/ck")
+    assert "--metrics /proc/m.jsonl: cannot write there" in one_line_error(capsys, "--metrics", "/proc/m.jsonl")
+    err = one_line_error(capsys, "--out", str(tmp_path / "a-file" / "run"))
+    assert "a-file is a file" in err
+    assert not (tmp_path / "lengthwise-runs").exists()

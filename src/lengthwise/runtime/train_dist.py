@@ -69,6 +69,7 @@ from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.train_exec import RESUME_MUST_MATCH, StepOutcome
 from lengthwise.runtime.train_outputs import default_run_folder, with_outputs
 from lengthwise.runtime.train_schedule import first_nonfinite
+from lengthwise.runtime.train_signals import StopRequest
 from lengthwise.runtime.train_step import PADDED_PLANNERS, PeakMemory
 from lengthwise.runtime.weights import load_state, save_pretrained
 from lengthwise.workloads.sampler import GlobalBatchSampler
@@ -123,8 +124,9 @@ def _spawned_rank(rank: int, config: TrainConfig, device_type: str,
 
 def train_on_rank(config: TrainConfig, mesh: Mesh, *, after_action: AfterAction | None = None) -> TrainResult:
     """This rank's part of `config`, in an initialised process group of dp * pp * cp ranks."""
-    setup = Setup(config, device=mesh.device)
-    return run_training(setup, RankExecutor(setup, mesh, after_action=after_action))
+    with StopRequest(quiet=mesh.rank != 0) as stop:  # from here a signal waits for a step boundary
+        setup = Setup(config, device=mesh.device)
+        return run_training(setup, RankExecutor(setup, mesh, after_action=after_action), stop=stop)
 
 
 def layout_signature(plan: StepPlan, num_layers: int) -> list[tuple[int, int, tuple[int, ...]]]:

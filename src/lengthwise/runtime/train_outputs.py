@@ -96,18 +96,26 @@ def with_outputs(config: TrainConfig, *, out: str | None = None) -> TrainConfig:
 
 
 def check_writable(path: str | Path, flag: str) -> None:
-    """UserError now, before any training, if a file could not be created at `path` (checked on
-    the nearest existing folder above it, which is left as it is)."""
+    """UserError now, before any training, if a file could not be created at `path`: a probe
+    file is created and removed in the nearest existing folder above it (permission bits alone
+    mislead root, and read-only file systems such as /proc)."""
     path = Path(path).absolute()
+    shown = path.parent if flag == "--out" else path
     if path.is_dir():
-        raise UserError(f"{flag} {path} is a folder; give a file path")
+        raise UserError(f"{flag} {shown} is a folder; give a file path")
     existing = path.parent
     while not existing.exists():
         existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK) or \
-            (path.exists() and not os.access(path, os.W_OK)):
-        raise UserError(f"{flag} {path.parent if flag == '--out' else path}: cannot write there; "
-                        f"give a writable path")
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is a file")
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+        if path.exists():
+            with path.open("a"):
+                pass
+    except OSError as exc:
+        raise UserError(f"{flag} {shown}: cannot write there ({exc.strerror or exc}); give a writable path") from None
 
 
 def trim_metrics(path: str | Path, step: int) -> int:
