@@ -190,18 +190,20 @@ def run(args: argparse.Namespace) -> int:
     print(summary(result.config or config, result))
     if result.interrupted:
         launcher = f"torchrun --nproc-per-node {result.nproc} -m " if under_torchrun() else ""
-        print(f"  interrupted; resume with:\n  {launcher}{resume_command(result.config or config)}")
+        command = resume_command(result.config or config, from_out=result.checkpoint is not None)
+        print(f"  interrupted; resume with:\n  {launcher}{command}")
         return EXIT_INTERRUPTED
     return 0
 
 
-def resume_command(config: TrainConfig) -> str:
-    """The command line that continues `config` from its latest checkpoint: every setting that
-    differs from the defaults, as flags (resume is automatic from --out). Under torchrun the
-    caller puts the launcher in front (one node assumed: multi-node runs repeat their own)."""
+def resume_command(config: TrainConfig, *, from_out: bool = True) -> str:
+    """The command line that continues `config`: every setting that differs from the defaults,
+    as flags. `from_out`: the run checkpointed into --out, which a run resumes from by itself
+    (a --resume given before would restart from the older checkpoint, so it is left out). Under
+    torchrun the caller puts the launcher in front (one node assumed)."""
     default, words = TrainConfig(), ["lengthwise", "train"]
     for name, value in config.to_dict().items():
-        if name in ("resume", "options") or value == getattr(default, name):
+        if name == "options" or value == getattr(default, name) or (name == "resume" and from_out):
             continue
         if name == "metrics" and config.out is not None and Path(value) == Path(config.out) / METRICS_NAME:
             continue  # the default

@@ -108,7 +108,7 @@ def _train_under_torchrun(config: TrainConfig, after_action: AfterAction | None)
 def _torchrun_outputs(config: TrainConfig) -> TrainConfig:
     """Without --out, rank 0 names the run folder and tells the others (their clocks may differ)."""
     chosen = [str(default_run_folder()) if dist.get_rank() == 0 else None]
-    if config.out is None and config.resume is None:
+    if config.out is None:
         dist.broadcast_object_list(chosen, src=0)
     return with_outputs(config, out=chosen[0]) if dist.get_rank() == 0 else \
         dataclasses.replace(config, out=config.out or chosen[0])

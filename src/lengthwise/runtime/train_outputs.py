@@ -78,11 +78,11 @@ class OutputLock:
 
 
 def with_outputs(config: TrainConfig, *, out: str | None = None) -> TrainConfig:
-    """A run without --out (or --resume) writes to `out`, by default a new folder under
-    lengthwise-runs/; the metrics go to OUT/metrics.jsonl unless --metrics is given. Both paths
+    """A run without --out writes to `out`, by default a new folder under lengthwise-runs/
+    (a --resume run too: its checkpoints go there, the resumed folder is left as it is); the metrics go to OUT/metrics.jsonl unless --metrics is given. Both paths
     are checked writable here, before anything runs, without creating anything."""
     changes = {}
-    if config.out is None and config.resume is None:
+    if config.out is None:
         changes["out"] = out or str(default_run_folder())
     folder = changes.get("out", config.out)
     if config.metrics is None and folder is not None:
