@@ -236,6 +236,9 @@ def summary(config: TrainConfig, result) -> str:
         lines.append(f"  checkpoint {result.checkpoint}")
     if config.metrics:
         lines.append(f"  metrics appended to {config.metrics}")
+    evaluated = [r for r in records if r.eval_loss is not None]
+    if evaluated:
+        lines.append(f"  held-out loss {evaluated[-1].eval_loss:.4f} after step {evaluated[-1].step}")
     if result.skipped_steps:
         lines.append(f"  {result.skipped_steps} steps skipped for a non-finite loss or gradient norm")
     return "\n".join(lines)

@@ -117,12 +117,12 @@ class StepRecord:
         return self.tokens / self.step_s if self.step_s > 0 else 0.0
 
     def metrics(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens,
+        return {"step": self.step, "loss": _json_number(self.loss), "tokens": self.tokens,
                 "sequences": len(self.seq_ids), "tokens_per_s": self.tokens_per_s,
                 "step_s": self.step_s, "peak_memory_bytes": self.peak_memory_bytes,
                 "memory_kind": self.memory_kind, "planning_ms": self.planning_ms,
                 "wait_ms": self.wait_ms, "grad_norm": _json_number(self.grad_norm), "planner": self.planner,
-                "padding_fraction": self.padding_fraction, "lr": self.lr, "loss": _json_number(self.loss),
+                "padding_fraction": self.padding_fraction, "lr": self.lr,
                 **({"eval_loss": self.eval_loss} if self.eval_loss is not None else {}),
                 **({"skipped": True} if self.skipped else {})}
 
