@@ -41,7 +41,6 @@ import torch.distributed as dist
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
-from lengthwise.runtime import checkpoint as local_checkpoint
 from lengthwise.runtime.distributed import checkpoint_dist
 from lengthwise.runtime.distributed.dp import (
     check_same_plan,
@@ -171,30 +170,19 @@ class RankExecutor:
         return int(total.item())
 
     def latest_checkpoint(self, out: str) -> Path | None:
-        """The newest checkpoint all ranks finished; a single-process one, if that is the
-        newest, so that `load` can say so rather than overwrite it."""
-        local = local_checkpoint.latest_checkpoint(out)
-        if local is not None and (local / "trainer.json").is_file():
-            return local
+        """The newest intact checkpoint (collective; a single-process one too, so that `load`
+        can say so rather than overwrite it)."""
         return checkpoint_dist.latest_checkpoint(out)
 
     def load(self, path: Path) -> dict:
-        """Restore this rank's parameters, optimizer state and RNGs; returns its trainer state."""
-        marker = path / checkpoint_dist.COMPLETE
-        if not marker.is_file():
-            raise UserError(f"{path} is not a complete checkpoint of a distributed run (no {marker.name}; "
-                            f"single-process checkpoints resume without --nproc / torchrun)")
-        saved_nproc = int(marker.read_text().split()[0])
-        if saved_nproc != self.nproc:
-            raise UserError(f"{path} was written by {saved_nproc} processes, this run has {self.nproc}; "
-                            f"resume with --nproc {saved_nproc} (and the same --dp/--pp/--cp)")
+        """Verify, then restore this rank's parameters, optimizer state and RNGs; returns its
+        trainer state."""
         return checkpoint_dist.load_checkpoint(path, model=self.model, optimizer=self.optimizer, held=self.held)
 
     def save(self, step: int, trainer: dict) -> Path:
-        path = checkpoint_dist.checkpoint_path(self.config.out, step)
-        self._save_weights(path)  # before the COMPLETE marker, which covers these files too
         return checkpoint_dist.save_checkpoint(self.config.out, step=step, model=self.model,
-                                               optimizer=self.optimizer, held=self.held, extras=trainer)
+                                               optimizer=self.optimizer, held=self.held, extras=trainer,
+                                               also=self._save_weights)
 
     def _save_weights(self, path: Path) -> None:
         """Rank 0 writes the whole model in Hugging Face format, each tensor from its lowest holder
