@@ -47,7 +47,9 @@ from lengthwise.runtime.distributed.dp import (
     global_grad_norm,
     held_parameters,
 )
+from lengthwise.runtime.distributed.agree import check_same_settings
 from lengthwise.runtime.distributed.launch import (
+    RankStatus,
     init_from_torchrun,
     spawn,
     under_torchrun,
@@ -83,7 +85,7 @@ def train_distributed(config: TrainConfig, *, after_action: AfterAction | None =
         raise UserError(f"--nproc {config.nproc} on CUDA needs {config.nproc} GPUs, this machine has "
                         f"{torch.cuda.device_count()}: use fewer processes or --device cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    return spawn(_spawned_rank, config.nproc, config, device.type, after_action, backend=backend)
+    return spawn(_spawned_rank, config.nproc, config, device.type, after_action, backend=backend, with_status=True)
 
 
 def _train_under_torchrun(config: TrainConfig, after_action: AfterAction | None) -> TrainResult | None:
@@ -98,17 +100,23 @@ def _train_under_torchrun(config: TrainConfig, after_action: AfterAction | None)
     return result if mesh.rank == 0 else None
 
 
-def _spawned_rank(rank: int, config: TrainConfig, device_type: str,
-                  after_action: AfterAction | None) -> TrainResult | None:
+def _spawned_rank(rank: int, config: TrainConfig, device_type: str, after_action: AfterAction | None, *,
+                  status: RankStatus) -> TrainResult | None:
     device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
-    result = train_on_rank(config, Mesh.from_default_group(device=device), after_action=after_action)
+    result = train_on_rank(config, Mesh.from_default_group(device=device), after_action=after_action, status=status)
     return result if rank == 0 else None
 
 
-def train_on_rank(config: TrainConfig, mesh: Mesh, *, after_action: AfterAction | None = None) -> TrainResult:
+PER_PROCESS = ("threads", "progress", "metrics", "device")
+"""Config fields that may differ between the ranks of one run (the rest must be equal)."""
+
+
+def train_on_rank(config: TrainConfig, mesh: Mesh, *, after_action: AfterAction | None = None,
+                  status: RankStatus | None = None) -> TrainResult:
     """This rank's part of `config`, in an initialised process group of dp * pp * cp ranks."""
+    check_same_settings(config.to_dict(), mesh.device, ignore=PER_PROCESS)
     setup = Setup(config, device=mesh.device)
-    return run_training(setup, RankExecutor(setup, mesh, after_action=after_action))
+    return run_training(setup, RankExecutor(setup, mesh, after_action=after_action, status=status))
 
 
 def layout_signature(plan: StepPlan, num_layers: int) -> list[tuple[int, int, tuple[int, ...]]]:
@@ -124,13 +132,15 @@ class RankExecutor:
     result_model = None
     """No rank holds the whole trained model (the checkpoints do)."""
 
-    def __init__(self, setup: Setup, mesh: Mesh, *, after_action: AfterAction | None = None):
+    def __init__(self, setup: Setup, mesh: Mesh, *, after_action: AfterAction | None = None,
+                 status: RankStatus | None = None):
         config = setup.config
         if config.planner in PADDED_PLANNERS:
             raise UserError(f"--planner {config.planner} computes padded rows on one process only; "
                             f"use --planner packing (the same batches, unpadded) across processes")
         check_degrees(config, mesh.world_size, "the process group")
         self.config, self.model, self.mesh, self.after_action = config, setup.model, mesh, after_action
+        self.status = status or RankStatus(None)
         self.nproc, self.is_reporter = mesh.world_size, mesh.rank == 0
         self.first_plan = setup.plan(GlobalBatchSampler(setup.source, seed=config.seed,
                                                         **config.sampler_size).next_batch())
@@ -143,10 +153,12 @@ class RankExecutor:
         check_same_plan(plan, self.mesh.device)
         self._check_layout(plan, step)
         self.optimizer.zero_grad(set_to_none=True)
-        hook = None if self.after_action is None else functools.partial(self.after_action, step)
+        hook = functools.partial(self._after_action, plan, step)
+        self.status.note(f"step {step}: starting the actions of {self.layout.place}")
         with PeakMemory(model) as peak:
             done = run_rank_step(model, plan, prepared.token_ids, mesh=self.mesh, backend=self.config.backend,
                                  check_plan=False, after_action=hook)
+        self.status.note(f"step {step}: gradient norm and optimizer step, after the actions of {self.layout.place}")
         grad_norm = global_grad_norm(model, plan, done.layout, device=self.mesh.device)
         if self.config.grad_clip:  # the rule of clip_grad_norm_, with the norm over all ranks
             torch.nn.utils.clip_grads_with_norm_(list(self.held.values()), self.config.grad_clip,
@@ -154,6 +166,14 @@ class RankExecutor:
         self.optimizer.step()
         return StepOutcome(loss=done.loss, grad_norm=grad_norm, peak_memory_bytes=self._largest(peak.bytes),
                            memory_kind=peak.kind)
+
+    def _after_action(self, plan: StepPlan, step: int, index: int) -> None:
+        """Note the action for the launcher's report, then the caller's hook (fault tests)."""
+        place = self.layout.place
+        actions = plan.pipelines[place.pipeline].stages[place.stage]
+        self.status.note(f"step {step}, {self.layout.place}: finished action {index} ({actions[index]}) of {len(actions)}")
+        if self.after_action is not None:
+            self.after_action(step, index)
 
     def _check_layout(self, plan: StepPlan, step: int) -> None:
         layers = self.model.spec.num_layers
@@ -177,9 +197,11 @@ class RankExecutor:
     def load(self, path: Path) -> dict:
         """Verify, then restore this rank's parameters, optimizer state and RNGs; returns its
         trainer state."""
+        self.status.note(f"loading checkpoint {path}")
         return checkpoint_dist.load_checkpoint(path, model=self.model, optimizer=self.optimizer, held=self.held)
 
     def save(self, step: int, trainer: dict) -> Path:
+        self.status.note(f"step {step}: saving its checkpoint")
         return checkpoint_dist.save_checkpoint(self.config.out, step=step, model=self.model,
                                                optimizer=self.optimizer, held=self.held, extras=trainer,
                                                also=self._save_weights)

@@ -46,7 +46,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lengthwise.errors import UserError
-from lengthwise.runtime.checkpoint import SINGLE, latest_checkpoint as newest_local, rng_state, set_rng_state
+from lengthwise.runtime.checkpoint import SINGLE, rng_state, set_rng_state
+from lengthwise.runtime.checkpoint import latest_checkpoint as newest_local
+from lengthwise.runtime.distributed.agree import broadcast_json
 from lengthwise.runtime.manifest import (
     DamagedCheckpoint,
     remove_manifest,
@@ -150,16 +152,7 @@ def _verified_meta(path: Path) -> dict:
 
 
 def _from_rank0(value: dict | None) -> dict:
-    """Rank 0's JSON-able `value` on every rank (a length, then UTF-8 bytes: no pickle)."""
-    device = _collective_device()
-    data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=0)
-    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
-    if dist.get_rank() == 0:
-        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buffer, src=0)
-    return json.loads(buffer.cpu().numpy().tobytes())
+    return broadcast_json(value, _collective_device())
 
 
 def _collective_device() -> torch.device:

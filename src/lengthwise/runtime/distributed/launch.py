@@ -10,6 +10,13 @@ temporary folder for the rendezvous, so no port is guessed) and runs `fn(rank, *
 Rank 0's return value comes back to the caller. When a worker fails, the others are stopped
 and the caller gets a UserError with the failing ranks' messages, the earliest root cause
 first (a UserError or a timed-out receive rather than the broken connections it left behind).
+
+A rank that dies without raising (SIGKILL, the out-of-memory killer, a crash in native code)
+cannot say why, so `spawn(..., with_status=True)` hands each worker a `RankStatus`: a small
+file the rank rewrites in place with what it last did (a page-cache write per note, no fsync:
+it only has to outlive the process, not the machine). The report then names the dead rank,
+its signal or exit code, and its last note, ahead of the others' broken connections. Under
+torchrun, torchrun's own failure summary names the dead rank and its signal.
 """
 
 from __future__ import annotations
@@ -67,34 +74,68 @@ def _attempt_store(rank: int, world: int, timeout_s: float):
     return dist.PrefixStore(f"lengthwise/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def spawn(fn, nproc: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"):
+class RankStatus:
+    """What this rank did last, kept in a file for the launcher (`note` is cheap enough to call
+    after every action). RankStatus(None) notes nothing (a rank not started by `spawn`)."""
+
+    SIZE = 512
+    """Bytes of the file: each note overwrites it whole, so a reader never sees two notes mixed."""
+
+    def __init__(self, path: Path | None):
+        self._fd = None if path is None else os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+    def note(self, text: str) -> None:
+        if self._fd is not None:
+            os.pwrite(self._fd, text.encode()[:self.SIZE].ljust(self.SIZE), 0)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    @staticmethod
+    def read(path: Path) -> str | None:
+        text = path.read_bytes().decode(errors="replace").strip() if path.exists() else ""
+        return text or None
+
+
+def spawn(fn, nproc: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo",
+          with_status: bool = False):
     """Run `fn(rank, *args)` in `nproc` local processes (gloo, or nccl with cuda:rank as each
-    one's device); returns rank 0's result."""
+    one's device); returns rank 0's result. `with_status`: call fn(rank, *args, status=RankStatus)."""
     if nproc < 1:
         raise UserError(f"--nproc {nproc} must be at least 1")
     with tempfile.TemporaryDirectory(prefix="lengthwise-spawn-") as folder:
         try:
-            mp.start_processes(_worker, args=(fn, nproc, folder, timeout_s, args, backend), nprocs=nproc,
-                               start_method="spawn", join=True)
-        except (mp.ProcessExitedException, mp.ProcessRaisedException):
+            mp.start_processes(_worker, args=(fn, nproc, folder, timeout_s, args, backend, with_status),
+                               nprocs=nproc, start_method="spawn", join=True)
+        except mp.ProcessExitedException as exc:
+            raise UserError(_failure_report(Path(folder), nproc, died=exc)) from None
+        except mp.ProcessRaisedException:
             raise UserError(_failure_report(Path(folder), nproc)) from None
         result = Path(folder) / "result.pickle"
         return pickle.loads(result.read_bytes()) if result.exists() else None
 
 
-def _worker(rank: int, fn, nproc: int, folder: str, timeout_s: float, args: tuple, backend: str) -> None:
+def _worker(rank: int, fn, nproc: int, folder: str, timeout_s: float, args: tuple, backend: str,
+            with_status: bool) -> None:
     torch.set_num_threads(1)  # nproc workers share the machine's cores
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    status = RankStatus(Path(folder) / f"status-{rank}.txt")
+    status.note("joining the process group")
     dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=rank, world_size=nproc,
                             timeout=timedelta(seconds=timeout_s))
+    status.note("started")
     try:
-        result = fn(rank, *args)
+        result = fn(rank, *args, status=status) if with_status else fn(rank, *args)
     except Exception as exc:  # noqa: BLE001 -- any failure: recorded for the parent, then exit 1
         write_atomic(Path(folder) / f"error-{rank}.txt", f"{_kind(exc)}\n{exc}")
         if _kind(exc) == "other":  # a bug, not a named failure: keep the traceback on stderr
             traceback.print_exc()
         raise SystemExit(1) from None
+    status.note("finished")
+    status.close()
     if rank == 0 and result is not None:
         write_atomic(Path(folder) / "result.pickle", pickle.dumps(result))
     dist.destroy_process_group()
@@ -106,8 +147,9 @@ def _kind(exc: BaseException) -> str:
     return "root" if isinstance(exc, UserError | StepFailed) else "other"
 
 
-def _failure_report(folder: Path, nproc: int) -> str:
-    """The failing ranks' messages, root causes first."""
+def _failure_report(folder: Path, nproc: int, *, died: mp.ProcessExitedException | None = None) -> str:
+    """One line: a rank that died without a message first (its signal and last note), then the
+    failing ranks' messages, root causes first; ranks with the same message share it."""
     found = []
     for rank in range(nproc):
         path = folder / f"error-{rank}.txt"
@@ -115,9 +157,25 @@ def _failure_report(folder: Path, nproc: int) -> str:
             kind, _, message = path.read_text().partition("\n")
             lines = message.strip().splitlines() or ["?"]
             found.append((kind != "root", rank, lines[0] if kind == "root" else lines[-1]))
+    dead = None
+    if died is not None and not (folder / f"error-{died.error_index}.txt").exists():
+        dead = _death(folder, died)
     if not found:
-        return f"a worker of {nproc} died without a message (killed, or out of memory)"
+        return dead or f"a worker of {nproc} died without a message (killed, or out of memory)"
     found.sort()
-    shown = "; ".join(f"rank {rank}: {message}" for _, rank, message in found[:2])
-    more = f" (and {len(found) - 2} more ranks)" if len(found) > 2 else ""
-    return shown + more
+    by_message: dict[str, list[int]] = {}
+    for _, rank, message in found:
+        by_message.setdefault(message, []).append(rank)
+    parts = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {message}"
+             for message, ranks in list(by_message.items())[:2]]
+    more = f" (and {len(by_message) - 2} more messages)" if len(by_message) > 2 else ""
+    return "; ".join(([dead] if dead else []) + parts) + more
+
+
+def _death(folder: Path, died: mp.ProcessExitedException) -> str:
+    """How a rank that wrote no message ended, and the last thing it noted."""
+    rank = died.error_index
+    how = (f"was killed by {died.signal_name} (the out-of-memory killer sends SIGKILL)" if died.signal_name
+           else f"exited with code {died.exit_code}")
+    last = RankStatus.read(folder / f"status-{rank}.txt")
+    return f"rank {rank} (pid {died.error_pid}) {how}" + (f"; its last action: {last}" if last else "")
