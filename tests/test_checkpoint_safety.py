@@ -19,13 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from lengthwise.cli import main
 from lengthwise.errors import UserError
 from lengthwise.runtime.checkpoint import latest_checkpoint, load_checkpoint, remove_debris, save_checkpoint
 from lengthwise.runtime.manifest import MANIFEST, DamagedCheckpoint, list_files, verify_manifest, write_manifest
 from lengthwise.runtime.model import build_model
-from lengthwise.runtime.train import train
+from lengthwise.runtime.train import make_optimizer, train
 from lengthwise.runtime.train_config import TrainConfig
 from lengthwise.runtime.weights import read_tensors
 from lengthwise.specs import model_preset
@@ -106,9 +107,10 @@ def test_the_file_lists_are_the_checkpoints_files(single_run, dist_run):
                                                          "kind": "distributed", "nproc": 2, "step": 3}
 
 
-@pytest.mark.parametrize("name", SINGLE_FILES)
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "trainer.json", MANIFEST])
 def test_single_process_resume_falls_back_and_runs_nothing(single_run, tmp_path, capsys, name):
-    """A real resume per file (the flipped bytes take the same path: see the next test's scan)."""
+    """Real resumes (every file and both damages take the same path: the next test runs the scan
+    resume uses, and the load, on each)."""
     out, marker = copy_run(single_run, tmp_path), tmp_path / "ran"
     damage(out / "step-000002" / name, "pickle", marker)
     resumed = train(small(out=str(out), steps=2))
@@ -131,7 +133,7 @@ def test_a_damaged_checkpoint_is_skipped_and_refused_by_name(single_run, tmp_pat
     model = build_model(model_preset("tiny"), dtype=torch.float64, device=torch.device("cpu"), seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(DamagedCheckpoint, match=r"step-000002 is damaged: \S+ ") as caught:
-        load_checkpoint(out / "step-000002", model, torch.optim.AdamW(model.parameters()))
+        load_checkpoint(out / "step-000002", model, make_optimizer(model, small()))
     assert "\n" not in str(caught.value)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing was read
     assert not marker.exists()
@@ -140,14 +142,19 @@ def test_a_damaged_checkpoint_is_skipped_and_refused_by_name(single_run, tmp_pat
 @pytest.mark.parametrize("name", [n for n in SINGLE_FILES if n != MANIFEST])
 def test_a_payload_with_a_matching_manifest_is_still_not_unpickled(single_run, tmp_path, name):
     """A crafted checkpoint passes the manifest; the loaders themselves read only JSON and
-    safetensors, so the payload fails to parse instead of running."""
+    safetensors, so the payload fails to parse instead of running (config.json is not read on
+    resume: the model's shape comes from --model)."""
     out, marker = copy_run(single_run, tmp_path), tmp_path / "ran"
     step = out / "step-000002"
     (step / name).write_bytes(payload_bytes(marker))
     write_manifest(step, meta={"kind": "single", "step": 2})
     model = build_model(model_preset("tiny"), dtype=torch.float64, device=torch.device("cpu"), seed=0)
-    with pytest.raises(Exception):  # noqa: B017 -- which parser fails depends on the file
-        load_checkpoint(step, model, torch.optim.AdamW(model.parameters()))
+    try:
+        load_checkpoint(step, model, make_optimizer(model, small()))
+        outcome = "loaded"
+    except (ValueError, SafetensorError) as exc:  # JSON and UTF-8 errors are ValueErrors
+        outcome = f"refused: {type(exc).__name__}"
+    assert outcome.startswith("loaded" if name == "config.json" else "refused")
     assert not marker.exists()
 
 
@@ -225,3 +232,9 @@ def test_distributed_resume_falls_back_over_damaged_steps(dist_run, tmp_path, ca
         verify_manifest(out / step)
         rerun, original = read_tensors(out / step), read_tensors(dist_run / step)
         assert all(torch.equal(rerun[k], original[k]) for k in original), step
+
+
+def test_a_distributed_checkpoint_resumed_on_one_process_names_the_processes(dist_run, tmp_path):
+    out = copy_run(dist_run, tmp_path)
+    with pytest.raises(UserError, match="written by a distributed run of 2 processes; resume it with the same --nproc"):
+        train(small(out=str(out), steps=4))
