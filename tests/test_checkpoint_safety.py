@@ -238,3 +238,12 @@ def test_a_distributed_checkpoint_resumed_on_one_process_names_the_processes(dis
     out = copy_run(dist_run, tmp_path)
     with pytest.raises(UserError, match="written by a distributed run of 2 processes; resume it with the same --nproc"):
         train(small(out=str(out), steps=4))
+
+
+def test_a_checkpoint_of_an_older_version_is_not_overwritten(single_run, tmp_path):
+    """Its folder has trainer.json but no manifest: refused by name rather than restarted over."""
+    out = copy_run(single_run, tmp_path)
+    for step in ("step-000001", "step-000002"):
+        (out / step / MANIFEST).unlink()
+    with pytest.raises(UserError, match="step-000002 was written by an older lengthwise"):
+        latest_checkpoint(out, notify=lambda line: None)

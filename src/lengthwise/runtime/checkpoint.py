@@ -40,6 +40,7 @@ from lengthwise.runtime.manifest import (
     MANIFEST,
     fsync_dir,
     newest_intact,
+    step_folders,
     verify_manifest,
     write_manifest,
     write_synced,
@@ -49,6 +50,8 @@ from lengthwise.runtime.weights import load_weights, save_pretrained
 
 SINGLE = "single"
 """The manifest's `kind` of a single-process checkpoint (a distributed one says "distributed")."""
+LEGACY_MARKS = ("trainer.json", "COMPLETE")
+"""Files of a finished checkpoint of earlier versions (single-process, distributed), which had no manifest."""
 DEBRIS_PREFIXES = (".tmp-step-", ".old-step-")
 """Folders a killed save leaves under `out` (`remove_debris`)."""
 
@@ -104,9 +107,17 @@ def remove_debris(out: str | Path) -> list[Path]:
 
 def latest_checkpoint(out: str | Path, *, notify=None) -> Path | None:
     """The newest intact checkpoint under `out` (single-process or distributed), or None.
-    Newer damaged or incomplete ones are named through notify(line), by default on stderr."""
+    Newer damaged or incomplete ones are named through notify(line), by default on stderr;
+    a UserError when only damaged ones or ones of an older lengthwise are left (starting
+    afresh would overwrite them)."""
     found = newest_intact(out, notify=notify or _warn)
-    return None if found is None else found[0]
+    if found is not None:
+        return found[0]
+    legacy = [folder for _, folder in step_folders(out) if any((folder / name).is_file() for name in LEGACY_MARKS)]
+    if legacy:
+        raise UserError(f"{legacy[0]} was written by an older lengthwise (no {MANIFEST}; its optimizer and RNG "
+                        f"state are pickles, which this version does not load): move it away or use another --out")
+    return None
 
 
 def _warn(line: str) -> None:
