@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch.distributed as dist
@@ -51,3 +52,19 @@ def test_a_rank_with_another_lr_refuses_to_train():
     assert message == ("ranks 0, 1: rank 1 was started with another training configuration than rank 0: "
                        "lr (rank 0: 0.01), weight_decay (rank 0: 0.1); start every rank with the same flags "
                        "and config file")
+
+
+def _one_fails_one_waits(rank: int, *, status) -> None:
+    if rank == 1:
+        status.note("waiting for a message that never comes")
+    dist.barrier()  # rank 1's note is written before rank 0 fails
+    if rank == 0:
+        raise UserError("rank 0 gave up")
+    time.sleep(60)  # stopped by the launcher once rank 0 has failed
+
+
+def test_a_rank_still_running_when_another_fails_is_named_with_its_last_action():
+    with pytest.raises(UserError) as caught:
+        spawn(_one_fails_one_waits, 2, timeout_s=60, with_status=True)
+    assert str(caught.value) == ("rank 0: rank 0 gave up; rank 1 was still running, its last action: "
+                                 "waiting for a message that never comes")

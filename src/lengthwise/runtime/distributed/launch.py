@@ -169,7 +169,19 @@ def _failure_report(folder: Path, nproc: int, *, died: mp.ProcessExitedException
     parts = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {message}"
              for message, ranks in list(by_message.items())[:2]]
     more = f" (and {len(by_message) - 2} more messages)" if len(by_message) > 2 else ""
-    return "; ".join(([dead] if dead else []) + parts) + more
+    return "; ".join(([dead] if dead else []) + parts + _silent(folder, nproc, died)) + more
+
+
+def _silent(folder: Path, nproc: int, died: mp.ProcessExitedException | None) -> list[str]:
+    """The first rank that neither failed with a message nor finished (stopped, or stuck in a
+    collective the failing rank never joined), with its last action."""
+    for rank in range(nproc):
+        if died is not None and rank == died.error_index or (folder / f"error-{rank}.txt").exists():
+            continue
+        last = RankStatus.read(folder / f"status-{rank}.txt")
+        if last is not None and last != "finished":
+            return [f"rank {rank} was still running, its last action: {last}"]
+    return []
 
 
 def _death(folder: Path, died: mp.ProcessExitedException) -> str:
