@@ -171,7 +171,8 @@ class RankExecutor:
         """Note the action for the launcher's report, then the caller's hook (fault tests)."""
         place = self.layout.place
         actions = plan.pipelines[place.pipeline].stages[place.stage]
-        self.status.note(f"step {step}, {self.layout.place}: finished action {index} ({actions[index]}) of {len(actions)}")
+        self.status.note(f"step {step}, {self.layout.place}: finished action {index} ({actions[index]}) "
+                         f"of {len(actions)}")
         if self.after_action is not None:
             self.after_action(step, index)
 

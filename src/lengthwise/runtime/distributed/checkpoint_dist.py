@@ -109,7 +109,7 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
         try:
             found = newest_local(folder)
             verdict = {"path": None if found is None else str(found)}
-        except UserError as exc:
+        except (UserError, OSError) as exc:  # every rank must get a verdict, or the others would wait
             verdict = {"error": str(exc)}
     verdict = _from_rank0(verdict)
     if "error" in verdict:
@@ -127,7 +127,8 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
         raise UserError(f"{path} is a single-process checkpoint; resume it without --nproc / torchrun")
     if meta.get("nproc") != dist.get_world_size():
         raise UserError(f"{path} was written by {meta.get('nproc')} processes, this run has "
-                        f"{dist.get_world_size()}; resume with --nproc {meta.get('nproc')} (and the same --dp/--pp/--cp)")
+                        f"{dist.get_world_size()}; resume with --nproc {meta.get('nproc')} "
+                        f"(and the same --dp/--pp/--cp)")
     optim_state = get_optimizer_state_dict(model, optimizer, options=_FLAT)
     state = {"model": {n: p.detach() for n, p in held.items()}, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
@@ -143,7 +144,7 @@ def _verified_meta(path: Path) -> dict:
     if dist.get_rank() == 0:
         try:
             verdict = {"meta": verify_manifest(path)}
-        except UserError as exc:
+        except (UserError, OSError) as exc:  # every rank must get a verdict, or the others would wait
             verdict = {"error": str(exc)}
     verdict = _from_rank0(verdict)
     if "error" in verdict:
