@@ -116,7 +116,8 @@ def test_single_process_resume_falls_back_and_runs_nothing(single_run, tmp_path,
     resumed = train(small(out=str(out), steps=2))
     assert resumed.resumed_from == out / "step-000001" and resumed.start_step == 1
     err = capsys.readouterr().err
-    assert f"checkpoint {out / 'step-000002'} is " in err and "falling back" in err
+    assert f"checkpoint {out / 'step-000002'} is " in err and "skipping it" in err
+    assert f"resuming from {out / 'step-000001'}, the newest intact checkpoint" in err
     # step 2, trained again, was rewritten whole: intact, and bit-identical to the undamaged run
     verify_manifest(out / "step-000002")
     rerun, original = read_tensors(out / "step-000002"), read_tensors(single_run / "step-000002")

@@ -19,6 +19,9 @@ checkpoint from an untrusted source must never be resumed.
 Writes are durable in order: every listed file is fsynced while it is hashed, then the manifest
 is written to a temporary name, fsynced, renamed into place, and the folder fsynced, so after a
 crash a manifest never names contents that did not reach the disk.
+
+Cost: hashing reads every file once (sha256 runs at roughly 0.5-2 GB/s on one core); a resume
+hashes the checkpoint it picks twice, once to choose it and once right before loading it.
 """
 
 from __future__ import annotations
@@ -189,7 +192,7 @@ def newest_intact(out: str | Path, *, notify: Callable[[str], None] | None = Non
     DamagedCheckpoint when every one with a manifest is damaged (starting afresh would then
     hide the loss of the run; incomplete ones alone are what a run killed in its first save
     leaves, and are skipped)."""
-    damaged = []
+    damaged, skipped = [], False
     for _, folder in step_folders(out):
         try:
             meta = verify_manifest(folder)
@@ -197,9 +200,10 @@ def newest_intact(out: str | Path, *, notify: Callable[[str], None] | None = Non
             if (folder / MANIFEST).exists():
                 damaged.append(str(exc))
             if notify is not None:
-                notify(f"{exc}; falling back to an older one")
+                notify(f"{exc}; skipping it")
+            skipped = True
             continue
-        if notify is not None and folder != step_folders(out)[0][1]:
+        if notify is not None and skipped:
             notify(f"resuming from {folder}, the newest intact checkpoint")
         return folder, meta
     if damaged:
