@@ -248,3 +248,14 @@ def test_a_checkpoint_of_an_older_version_is_not_overwritten(single_run, tmp_pat
         (out / step / MANIFEST).unlink()
     with pytest.raises(UserError, match="step-000002 was written by an older lengthwise"):
         latest_checkpoint(out, notify=lambda line: None)
+
+
+def test_resume_of_a_damaged_path_is_one_line_exit_2(single_run, tmp_path, capsys):
+    out = copy_run(single_run, tmp_path)
+    flip_byte(out / "step-000002" / "optimizer.safetensors")
+    code = main(["train", "--dtype", "float64", "--context-length", "96", "--batch-size", "3", "--steps", "3",
+                 "--chunk-size", "32", "--k", "1", "--threads", "1", "--no-progress",
+                 "--resume", str(out / "step-000002")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "step-000002 is damaged: optimizer.safetensors differs from its manifest (sha256)" in err
