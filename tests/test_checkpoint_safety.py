@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 
 from lengthwise.cli import main
 from lengthwise.errors import UserError
-from lengthwise.runtime.checkpoint import latest_checkpoint, load_checkpoint, remove_debris, save_checkpoint
+from lengthwise.runtime.checkpoint import latest_checkpoint, load_checkpoint
 from lengthwise.runtime.manifest import MANIFEST, DamagedCheckpoint, list_files, verify_manifest, write_manifest
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.train import make_optimizer, train
@@ -193,15 +193,6 @@ def test_every_checkpoint_damaged_is_refused_not_restarted(single_run, tmp_path,
     assert code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("lengthwise train: error: no intact checkpoint under") and "Traceback" not in last
-
-
-def test_debris_of_killed_saves_is_removed(tmp_path):
-    model = build_model(model_preset("tiny"), dtype=torch.float64, device=torch.device("cpu"), seed=0)
-    save_checkpoint(tmp_path, step=1, model=model, optimizer=torch.optim.AdamW(model.parameters()), trainer={})
-    (tmp_path / ".tmp-step-000002-abcd").mkdir()
-    (tmp_path / ".old-step-000001-efgh").mkdir()
-    assert sorted(p.name for p in remove_debris(tmp_path)) == [".old-step-000001-efgh", ".tmp-step-000002-abcd"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]
 
 
 @pytest.mark.parametrize("kind", ["flip", "pickle"])

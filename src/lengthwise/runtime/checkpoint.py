@@ -52,8 +52,6 @@ SINGLE = "single"
 """The manifest's `kind` of a single-process checkpoint (a distributed one says "distributed")."""
 LEGACY_MARKS = ("trainer.json", "COMPLETE")
 """Files of a finished checkpoint of earlier versions (single-process, distributed), which had no manifest."""
-DEBRIS_PREFIXES = (".tmp-step-", ".old-step-")
-"""Folders a killed save leaves under `out` (`remove_debris`)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -93,16 +91,6 @@ def _replace_dir(src: Path, dst: Path) -> None:
     fsync_dir(dst.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def remove_debris(out: str | Path) -> list[Path]:
-    """Remove the temporary folders of saves that were killed (`.tmp-step-*`, `.old-step-*`);
-    returns them. Only safe while no other process writes to `out`."""
-    out = Path(out)
-    found = [p for p in out.iterdir() if p.is_dir() and p.name.startswith(DEBRIS_PREFIXES)] if out.is_dir() else []
-    for path in found:
-        shutil.rmtree(path, ignore_errors=True)
-    return found
 
 
 def latest_checkpoint(out: str | Path, *, notify=None) -> Path | None:
