@@ -250,3 +250,12 @@ def test_resume_of_a_damaged_path_is_one_line_exit_2(single_run, tmp_path, capsy
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert "step-000002 is damaged: optimizer.safetensors differs from its manifest (sha256)" in err
+
+
+def test_a_file_replaced_by_a_link_is_not_followed(single_run, tmp_path):
+    out = copy_run(single_run, tmp_path)
+    target = out / "step-000002" / "optimizer.safetensors"
+    target.unlink()
+    target.symlink_to(out / "step-000001" / "optimizer.safetensors")
+    with pytest.raises(DamagedCheckpoint, match="optimizer.safetensors is not a regular file"):
+        verify_manifest(out / "step-000002")

@@ -167,13 +167,18 @@ def _plain_name(name: str) -> bool:
 
 def _file_problem(folder: Path, name: str, entry: dict) -> str | None:
     path = folder / name
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return "is missing"
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        return f"has {size} bytes, its manifest says {entry['bytes']}"
-    if file_digest(path)[1] != entry["sha256"]:
-        return "differs from its manifest (sha256)"
+    if path.is_symlink() or not path.is_file():  # a link or a FIFO could point anywhere, or never end
+        return "is not a regular file"
+    try:
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            return f"has {size} bytes, its manifest says {entry['bytes']}"
+        if file_digest(path)[1] != entry["sha256"]:
+            return "differs from its manifest (sha256)"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
     return None
 
 
