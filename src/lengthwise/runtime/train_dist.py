@@ -94,7 +94,7 @@ def _train_under_torchrun(config: TrainConfig, after_action: AfterAction | None)
                         "(torchrun --nproc-per-node sets the number of processes)")
     mesh = init_from_torchrun(device=resolve_device(config.device).type)
     try:
-        result = train_on_rank(config, mesh, after_action=after_action)
+        result = train_on_rank(config, mesh, after_action=after_action, status=RankStatus.for_torchrun())
     finally:
         dist.destroy_process_group()
     return result if mesh.rank == 0 else None

@@ -16,14 +16,17 @@ cannot say why, so `spawn(..., with_status=True)` hands each worker a `RankStatu
 file the rank rewrites in place with what it last did (a page-cache write per note, no fsync:
 it only has to outlive the process, not the machine). The report then names the dead rank,
 its signal or exit code, and its last note, ahead of the others' broken connections. Under
-torchrun, torchrun's own failure summary names the dead rank and its signal.
+torchrun, `RankStatus.for_torchrun` writes the note where torchrun's failure summary shows it,
+beside the dead rank's exit code and signal.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -76,17 +79,35 @@ def _attempt_store(rank: int, world: int, timeout_s: float):
 
 class RankStatus:
     """What this rank did last, kept in a file for the launcher (`note` is cheap enough to call
-    after every action). RankStatus(None) notes nothing (a rank not started by `spawn`)."""
+    after every action). RankStatus(None) notes nothing.
 
-    SIZE = 512
+    Under torchrun the file is the worker's error file (TORCHELASTIC_ERROR_FILE, torchrun's
+    interface for a worker to explain its failure), in the JSON form torchrun reads: a worker
+    killed by a signal then appears in torchrun's failure summary with its exit code, signal
+    and last action, and, being the first to stop noting, as the root cause."""
+
+    SIZE = 1024
     """Bytes of the file: each note overwrites it whole, so a reader never sees two notes mixed."""
+    TEXT = 400
+    """Characters of a note kept (the rest of SIZE leaves room for torchrun's JSON)."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, *, elastic: bool = False):
         self._fd = None if path is None else os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._elastic = elastic
+
+    @classmethod
+    def for_torchrun(cls) -> RankStatus:
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        return cls(Path(path) if path else None, elastic=True)
 
     def note(self, text: str) -> None:
-        if self._fd is not None:
-            os.pwrite(self._fd, text.encode()[:self.SIZE].ljust(self.SIZE), 0)
+        if self._fd is None:
+            return
+        text = text[:self.TEXT]
+        if self._elastic:  # the shape torchrun's ProcessFailure reads; trailing blanks are valid JSON
+            text = json.dumps({"message": {"message": f"lengthwise, last action of this rank: {text}",
+                                           "extraInfo": {"timestamp": str(int(time.time()))}}})
+        os.pwrite(self._fd, text.encode()[:self.SIZE].ljust(self.SIZE), 0)
 
     def close(self) -> None:
         if self._fd is not None:
