@@ -36,7 +36,7 @@ def test_a_killed_rank_is_named_with_its_signal_and_last_action():
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith("rank 1 (pid ") and "was killed by SIGKILL" in message
-    assert "its last action: step 1, pipeline 0 stage 1 cp rank 0: finished action 2 (" in message
+    assert ", its last action: step 1, pipeline 0 stage 1 cp rank 0: finished action 2 (" in message
 
 
 def _train_with_rank_lr(rank: int) -> None:

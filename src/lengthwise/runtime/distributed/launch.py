@@ -25,9 +25,11 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -127,13 +129,15 @@ def spawn(fn, nproc: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, backend: 
     if nproc < 1:
         raise UserError(f"--nproc {nproc} must be at least 1")
     with tempfile.TemporaryDirectory(prefix="lengthwise-spawn-") as folder:
+        context = mp.start_processes(_worker, args=(fn, nproc, folder, timeout_s, args, backend, with_status),
+                                     nprocs=nproc, start_method="spawn", join=False)
         try:
-            mp.start_processes(_worker, args=(fn, nproc, folder, timeout_s, args, backend, with_status),
-                               nprocs=nproc, start_method="spawn", join=True)
-        except mp.ProcessExitedException as exc:
-            raise UserError(_failure_report(Path(folder), nproc, died=exc)) from None
-        except mp.ProcessRaisedException:
-            raise UserError(_failure_report(Path(folder), nproc)) from None
+            while not context.join():
+                pass
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
+            ended = [Ended(rank, p.pid, p.exitcode, first=rank == exc.error_index)
+                     for rank, p in enumerate(context.processes)]
+            raise UserError(_failure_report(Path(folder), ended)) from None
         result = Path(folder) / "result.pickle"
         return pickle.loads(result.read_bytes()) if result.exists() else None
 
@@ -168,21 +172,48 @@ def _kind(exc: BaseException) -> str:
     return "root" if isinstance(exc, UserError | StepFailed) else "other"
 
 
-def _failure_report(folder: Path, nproc: int, *, died: mp.ProcessExitedException | None = None) -> str:
-    """One line: a rank that died without a message first (its signal and last note), then the
-    failing ranks' messages, root causes first; ranks with the same message share it."""
+@dataclass(frozen=True)
+class Ended:
+    """How one worker ended, once the group has stopped."""
+
+    rank: int
+    pid: int | None
+    exitcode: int | None
+    """0, a positive exit code, or minus the signal that ended it."""
+    first: bool
+    """The worker whose end stopped the group (the others were then stopped with SIGTERM)."""
+
+    @property
+    def stopped_by_launcher(self) -> bool:
+        return not self.first and self.exitcode == -signal.SIGTERM
+
+    def how(self) -> str:
+        if self.exitcode is not None and self.exitcode < 0:
+            try:
+                name = signal.Signals(-self.exitcode).name
+            except ValueError:
+                name = f"signal {-self.exitcode}"
+            oom = " (the out-of-memory killer sends SIGKILL)" if name == "SIGKILL" else ""
+            return f"rank {self.rank} (pid {self.pid}) was killed by {name}{oom}"
+        return f"rank {self.rank} (pid {self.pid}) exited with code {self.exitcode} without a message"
+
+
+def _failure_report(folder: Path, ended: list[Ended]) -> str:
+    """One line: the ranks that died without a message first (signal, last action), then the
+    failing ranks' messages, root causes first (ranks with the same message share it), then a
+    rank still running when the group was stopped (a stopped or stuck rank), with its last action."""
     found = []
-    for rank in range(nproc):
+    for rank in range(len(ended)):
         path = folder / f"error-{rank}.txt"
         if path.exists():
             kind, _, message = path.read_text().partition("\n")
             lines = message.strip().splitlines() or ["?"]
             found.append((kind != "root", rank, lines[0] if kind == "root" else lines[-1]))
-    dead = None
-    if died is not None and not (folder / f"error-{died.error_index}.txt").exists():
-        dead = _death(folder, died)
-    if not found:
-        return dead or f"a worker of {nproc} died without a message (killed, or out of memory)"
+    silent = [e for e in ended if e.exitcode != 0 and not (folder / f"error-{e.rank}.txt").exists()]
+    dead = [_with_last(folder, e.rank, e.how()) for e in sorted(silent, key=lambda e: not e.first)
+            if not e.stopped_by_launcher]
+    running = [_with_last(folder, e.rank, f"rank {e.rank} was still running") for e in silent
+               if e.stopped_by_launcher and RankStatus.read(folder / f"status-{e.rank}.txt") not in (None, "finished")]
     found.sort()
     by_message: dict[str, list[int]] = {}
     for _, rank, message in found:
@@ -190,25 +221,12 @@ def _failure_report(folder: Path, nproc: int, *, died: mp.ProcessExitedException
     parts = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {message}"
              for message, ranks in list(by_message.items())[:2]]
     more = f" (and {len(by_message) - 2} more messages)" if len(by_message) > 2 else ""
-    return "; ".join(([dead] if dead else []) + parts + _silent(folder, nproc, died)) + more
+    shown = dead[:2] + parts + running[:1]
+    if not shown:
+        return f"a worker of {len(ended)} died without a message (killed, or out of memory)"
+    return "; ".join(shown) + more
 
 
-def _silent(folder: Path, nproc: int, died: mp.ProcessExitedException | None) -> list[str]:
-    """The first rank that neither failed with a message nor finished (stopped, or stuck in a
-    collective the failing rank never joined), with its last action."""
-    for rank in range(nproc):
-        if died is not None and rank == died.error_index or (folder / f"error-{rank}.txt").exists():
-            continue
-        last = RankStatus.read(folder / f"status-{rank}.txt")
-        if last is not None and last != "finished":
-            return [f"rank {rank} was still running, its last action: {last}"]
-    return []
-
-
-def _death(folder: Path, died: mp.ProcessExitedException) -> str:
-    """How a rank that wrote no message ended, and the last thing it noted."""
-    rank = died.error_index
-    how = (f"was killed by {died.signal_name} (the out-of-memory killer sends SIGKILL)" if died.signal_name
-           else f"exited with code {died.exit_code}")
+def _with_last(folder: Path, rank: int, text: str) -> str:
     last = RankStatus.read(folder / f"status-{rank}.txt")
-    return f"rank {rank} (pid {died.error_pid}) {how}" + (f"; its last action: {last}" if last else "")
+    return text + (f", its last action: {last}" if last else "")
