@@ -3,7 +3,9 @@
     torchrun --nproc-per-node 4 -m lengthwise train --dp 2 --pp 2 --out ckpt     # any launcher
     lengthwise train --nproc 2 --dp 2 --dtype float64 --steps 4                  # local workers
 
-Every rank runs `train.run_training`, the loop a single process runs: it samples the same
+First every rank checks that it was started with rank 0's training settings (`agree.
+check_same_settings`: lr, weight decay, data, ...; a one-line error naming the fields otherwise).
+Then every rank runs `train.run_training`, the loop a single process runs: it samples the same
 global batch (same seed, same sampler position), plans it in its own planning thread (a plan is
 a function of the batch and the seed only), and hands it to a `RankExecutor`, which
 
@@ -14,8 +16,9 @@ a function of the batch and the seed only), and hands it to a `RankExecutor`, wh
 - clips with the global gradient norm (`dp.global_grad_norm`, each parameter counted once) and
   steps AdamW over the parameters this rank holds (`dp.held_parameters`); every holder of a
   parameter sees the same summed gradient, so the replicas stay equal;
+- notes each action in its `RankStatus`, which the launcher shows if the rank dies;
 - checkpoints with `checkpoint_dist` (torch.distributed.checkpoint shards, plus each rank's
-  sampler position and RNG states), and rank 0 adds the gathered weights as config.json and
+  sampler position and RNG states, sealed by a manifest), and rank 0 adds the gathered weights as config.json and
   model.safetensors, so a distributed checkpoint is also a model directory for `--model`.
 
 Rank 0 alone writes the metrics and shows the progress bar. Resume is exact as on one process
