@@ -37,7 +37,7 @@ PLANS = {
     "split-k-all": [(SPLIT, ["F0 F1 F2 B2 B1 B0 F3 B3"])],
     "split-k1": [(SPLIT, ["N0 N1 F2 B2 F1 B1 F0 B0 F3 B3"])],
     "split-in-row": [("0[0:4]+1[0:5]+0[4:8] 0[8:12]+2[0:4]+3[0:3]", ["N0 F1 B1 F0 B0"])],
-    "pp2": [(SPLIT, ["N0 F1 F2 F3 B2 B1 F0 B3 B0", "N0 F1 F2 B2 B1 F0 B0 F3 B3"])],
+    "pp2": [(SPLIT, ["N0 F1 F2 F3 B2 B1 F0 B3 B0", "N0 F1 F2 B2 B1 F3 B3 F0 B0"])],
     "pp2-recompute-head-only-stage": [(SPLIT, ["N0 F1.r2 F2.r1 B2 B1 F0.r1 B0 F3 B3", "N0 F1 F2 B2 B1 F0 B0 F3 B3"])],
     "dp2": [("0[0:4] 0[4:12]", ["N0 F1 B1 F0 B0"]), ("1[0:5]+2[0:4]+3[0:3]", ["F0 B0"])],
     "dp2-pp2": [("0[0:4] 0[4:12]", ["F0 F1 B1 B0", "F0 F1 B1 B0"]), ("1[0:5]+2[0:4] 3[0:3]", ["F0 F1 B0 B1", "F0 B0 F1 B1"])],
