@@ -110,8 +110,9 @@ def _spawned_rank(rank: int, config: TrainConfig, device_type: str, after_action
     return result if rank == 0 else None
 
 
-PER_PROCESS = ("threads", "progress", "metrics", "device")
-"""Config fields that may differ between the ranks of one run (the rest must be equal)."""
+PER_PROCESS = ("threads", "progress", "metrics", "device", "token_cache")
+"""Config fields that may differ between the ranks of one run (the rest must be equal): only
+rank 0 writes the metrics and shows progress; caches and thread counts are per machine."""
 
 
 def train_on_rank(config: TrainConfig, mesh: Mesh, *, after_action: AfterAction | None = None,
