@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from lengthwise.runtime.train_config import TrainConfig
 from lengthwise.runtime.train_schedule import lr_factor
 from lengthwise.workloads import corpus as corpus_module
 from lengthwise.workloads.corpus import load_corpus
+from lengthwise.workloads.token_cache import open_or_build
 
 
 def small(**changes) -> TrainConfig:
@@ -130,3 +133,27 @@ def test_tensorboard_logs_when_installed(tmp_path):
     pytest.importorskip("tensorboard")
     train(small(steps=2, out=str(tmp_path)))
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_concurrent_openers_of_one_cache_entry_build_it_once(tmp_path):
+    """Ranks starting together: one builds under the entry's lock, the others wait and map it."""
+    builds = []
+
+    def build():
+        builds.append(1)
+        return (np.arange(n, dtype=np.int64) for n in (3, 5, 2))
+
+    results = [None] * 4
+
+    def opener(i):
+        results[i] = open_or_build(tmp_path, "k" * 32, build=build, vocab_size=10)
+
+    threads = [threading.Thread(target=opener, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1
+    for documents, lengths, vocab in results:
+        assert lengths.tolist() == [3, 5, 2] and vocab == 10
+        assert [d.tolist() for d in documents] == [[0, 1, 2], [0, 1, 2, 3, 4], [0, 1]]

@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from lengthwise.cli import main
+from lengthwise.cli import build_parser, main
+from lengthwise.commands.train import config_from_args
 from lengthwise.errors import UserError
 from lengthwise.runtime import train_memory
 from lengthwise.runtime.checkpoint import latest_checkpoint
@@ -110,9 +111,6 @@ def test_a_batch_the_machine_cannot_hold_is_refused_before_it_starts(capsys, mon
 
 
 def test_timeout_reaches_the_config():
-    from lengthwise.cli import build_parser
-    from lengthwise.commands.train import config_from_args
-
     assert config_from_args(build_parser(only="train").parse_args(["train", "--timeout", "12"])).timeout == 12.0
 
 
