@@ -58,8 +58,8 @@ from lengthwise.runtime.train_config import TrainConfig
 from lengthwise.runtime.train_eval import held_out_loss, hold_out
 from lengthwise.runtime.train_exec import Executor, LocalExecutor
 from lengthwise.runtime.train_memory import check_memory, estimate_memory
-from lengthwise.runtime.train_outputs import OutputLock, remove_debris, save_tokenizer, trim_metrics
-from lengthwise.runtime.train_report import Reporter, nonfinite_message
+from lengthwise.runtime.train_outputs import OutputLock, owns_metrics, remove_debris, save_tokenizer, trim_metrics
+from lengthwise.runtime.train_report import Reporter, json_number, nonfinite_message
 from lengthwise.runtime.train_schedule import apply_settings, current_lr, make_scheduler
 from lengthwise.runtime.train_signals import StopRequest
 from lengthwise.runtime.weights import INDEX_NAME, WEIGHTS_NAME, load_weights
@@ -117,19 +117,14 @@ class StepRecord:
         return self.tokens / self.step_s if self.step_s > 0 else 0.0
 
     def metrics(self) -> dict:
-        return {"step": self.step, "loss": _json_number(self.loss), "tokens": self.tokens,
+        return {"step": self.step, "loss": json_number(self.loss), "tokens": self.tokens,
                 "sequences": len(self.seq_ids), "tokens_per_s": self.tokens_per_s,
                 "step_s": self.step_s, "peak_memory_bytes": self.peak_memory_bytes,
                 "memory_kind": self.memory_kind, "planning_ms": self.planning_ms,
-                "wait_ms": self.wait_ms, "grad_norm": _json_number(self.grad_norm), "planner": self.planner,
+                "wait_ms": self.wait_ms, "grad_norm": json_number(self.grad_norm), "planner": self.planner,
                 "padding_fraction": self.padding_fraction, "lr": self.lr,
                 **({"eval_loss": self.eval_loss} if self.eval_loss is not None else {}),
                 **({"skipped": True} if self.skipped else {})}
-
-
-def _json_number(value: float) -> float | None:
-    """JSON has no NaN or infinity: a skipped step's non-finite value is written as null."""
-    return value if math.isfinite(value) else None
 
 
 @dataclass(kw_only=True)
@@ -285,7 +280,7 @@ def run_training(setup: Setup, executor: Executor, *, stop: StopRequest | None =
         result.resumed_from = _resume_path(config, executor)
         if result.resumed_from is not None:
             result.start_step = _resume(setup, executor, result.resumed_from)
-        if executor.is_reporter and config.metrics is not None:
+        if executor.is_reporter and owns_metrics(config, resumed=result.resumed_from is not None):
             trim_metrics(config.metrics, result.start_step)  # lines of steps past the checkpoint
         if executor.is_reporter and config.out is not None:
             print(f"lengthwise train: checkpoints and metrics in {config.out}/", file=sys.stderr)

@@ -118,6 +118,15 @@ def check_writable(path: str | Path, flag: str) -> None:
         raise UserError(f"{flag} {shown}: cannot write there ({exc.strerror or exc}); give a writable path") from None
 
 
+def owns_metrics(config: TrainConfig, *, resumed: bool) -> bool:
+    """Whether the metrics file's lines past the start step are this run's own, left by a killed
+    attempt: on resume, or when the file lives in the output folder. A fresh run appending to a
+    file elsewhere keeps what the file held."""
+    if config.metrics is None:
+        return False
+    return resumed or (config.out is not None and Path(config.metrics).parent == Path(config.out))
+
+
 def trim_metrics(path: str | Path, step: int) -> int:
     """Keep the lines of steps <= `step` (a resume from that step); returns lines dropped."""
     path = Path(path)

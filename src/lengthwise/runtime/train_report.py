@@ -53,6 +53,11 @@ class Reporter:
             self.writer.close()
 
 
+def json_number(value: float) -> float | None:
+    """JSON has no NaN or infinity: a skipped step's non-finite value is written as null."""
+    return value if math.isfinite(value) else None
+
+
 def open_tensorboard(out: str | Path | None):
     """A SummaryWriter logging to out/tensorboard, or None when there is no output folder or
     the tensorboard package is not installed."""
