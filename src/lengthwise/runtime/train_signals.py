@@ -13,9 +13,12 @@ between steps, so the step in flight finishes, a checkpoint is written and the r
 exit code 130. A second signal of the same kind leaves at once (exit 130, no checkpoint).
 
 Signals are counted per kind because one Ctrl-C may arrive twice over, as two kinds: the
-terminal sends SIGINT to every process of the foreground group, and a launcher (torchrun's agent,
-or `lengthwise train --nproc`'s parent) forwards SIGTERM to its workers as well. Two Ctrl-C
-presses are two SIGINTs; a scheduler's SIGTERM followed by another SIGTERM is two SIGTERMs.
+terminal sends SIGINT to every process of the foreground group, `lengthwise train --nproc`'s
+workers included, and their parent forwards SIGTERM as well (a scheduler's SIGTERM reaches the
+parent alone). Two Ctrl-C presses are two SIGINTs; a SIGTERM followed by another is two
+SIGTERMs. torchrun starts its workers in sessions of their own and passes the signal it got on
+to them, once; it then waits 30 s before killing them (torch.distributed.elastic's agent), which
+bounds the step and checkpoint a stopping run can still finish under torchrun.
 """
 
 from __future__ import annotations
