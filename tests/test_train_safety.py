@@ -121,3 +121,9 @@ def test_unwritable_outputs_are_refused_before_training(capsys, tmp_path):
     err = one_line_error(capsys, "--out", str(tmp_path / "a-file" / "run"))
     assert "a-file is a file" in err
     assert not (tmp_path / "lengthwise-runs").exists()
+
+
+def test_a_run_failing_at_start_leaves_no_run_folder(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert "--resume nowhere: no such directory" in one_line_error(capsys, "--resume", "nowhere")
+    assert list(tmp_path.iterdir()) == []

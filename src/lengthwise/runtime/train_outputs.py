@@ -33,6 +33,7 @@ LOCK_NAME = ".lock"
 RUNS_FOLDER = "lengthwise-runs"
 """Where `lengthwise train` without --out puts its run folders (in the working directory)."""
 METRICS_NAME = "metrics.jsonl"
+TOKENIZER_FOLDER = "tokenizer"
 
 
 def default_run_folder(root: str | Path = RUNS_FOLDER, *, now: float | None = None) -> Path:
@@ -52,9 +53,12 @@ class OutputLock:
     def __init__(self, out: str | Path):
         self.out = Path(out)
         self._fd: int | None = None
+        self.created: Path | None = None
+        """The outermost folder made for this run, removed if the run fails unused."""
 
     def __enter__(self) -> Self:
         try:
+            self.created = _first_missing(self.out)
             self.out.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -71,10 +75,32 @@ class OutputLock:
         self._fd = fd
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock; the file stays (removing it would race)
-            self._fd = None
+    def __exit__(self, exc_type, *exc) -> None:
+        if self._fd is None:
+            return
+        if exc_type is not None and self.created is not None and _unused(self.out):
+            shutil.rmtree(self.created, ignore_errors=True)  # a failed start leaves nothing behind
+        os.close(self._fd)  # closing drops the flock; the file stays (removing it would race)
+        self._fd = None
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of `path` that does not exist yet (None if `path` exists)."""
+    path, missing = path.absolute(), None
+    while not path.exists():
+        path, missing = path.parent, path
+    return missing
+
+
+def _unused(out: Path) -> bool:
+    """Holds nothing of value: no checkpoint and no metrics line (the lock, a copied tokenizer
+    and an empty TensorBoard log may be there)."""
+    for path in out.iterdir():
+        if path.name == METRICS_NAME and path.stat().st_size == 0:
+            continue
+        if path.name not in (LOCK_NAME, TOKENIZER_FOLDER, "tensorboard") and not path.name.startswith("."):
+            return False
+    return True
 
 
 def with_outputs(config: TrainConfig, *, out: str | None = None) -> TrainConfig:
@@ -167,8 +193,6 @@ def remove_debris(out: str | Path) -> list[Path]:
         shutil.rmtree(path, ignore_errors=True)
     return found
 
-
-TOKENIZER_FOLDER = "tokenizer"
 
 
 def save_tokenizer(tokenizer_dir: str | Path, out: str | Path) -> Path:
