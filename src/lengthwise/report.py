@@ -108,7 +108,7 @@ def candidate_schemes(setup: CompareSetup, planner: str) -> list[ParallelScheme]
 
 def _states_fit(cost: CostModel, s: ParallelScheme) -> bool:
     try:
-        cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
+        cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, zero=s.zero)
     except ValueError:
         return False
     return True

@@ -70,7 +70,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
     scheme.validate(model)
     cluster = cluster_preset(args.cluster, scheme.num_gpus)
     cost = CostModel(model=model, cluster=cluster, profile=load_profile_file(args.profile_file, model))
-    cost.check_states_fit(tp=scheme.tp, pp=scheme.pp, dp=scheme.dp, zero=scheme.zero)
+    cost.check_states_fit(tp=scheme.tp, pp=scheme.pp, dp=scheme.dp, cp=scheme.cp, zero=scheme.zero)
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size} must be at least 1")
     if args.context_length is not None and args.context_length < 1:

@@ -115,6 +115,9 @@ class CostModel:
 
     def model_state_bytes(self, *, layers: int, tp: int = 1, dp: int = 1, zero: int = 1,
                           first: bool = False, last: bool = False) -> float:
+        """Bytes of weights, gradients and optimizer states one GPU of a stage holds; `dp` is the
+        number of ranks holding a replica of the stage's weights, over which ZeRO shards: data
+        parallel pipelines times CP ranks (each CP rank holds the whole stage)."""
         params = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
         return params * mem.state_bytes_per_param(dp, zero)
 
@@ -162,21 +165,22 @@ class CostModel:
         best = math.inf
         for s, n in enumerate(layers):
             first, last = s == 0, s == pp - 1
-            free = self.capacity_bytes - self.model_state_bytes(layers=n, tp=tp, dp=dp, zero=zero,
+            free = self.capacity_bytes - self.model_state_bytes(layers=n, tp=tp, dp=dp * cp, zero=zero,
                                                                 first=first, last=last)
             held = inflight if inflight is not None else pp - s
             per_token = self.activation_bytes_per_token(layers=n, tp=tp, head=last) * held / cp
             best = min(best, free / per_token if free > 0 else 0)
         return int(best)
 
-    def check_states_fit(self, *, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 1) -> None:
-        """UserError when model states alone overflow a GPU of some stage."""
+    def check_states_fit(self, *, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, zero: int = 1) -> None:
+        """UserError when model states alone overflow a GPU of some stage (ZeRO shards them over
+        the dp x cp ranks that hold a replica of the stage's weights)."""
         for s, n in enumerate(split_layers(self.model.num_layers, pp)):
-            need = self.model_state_bytes(layers=n, tp=tp, dp=dp, zero=zero, first=s == 0, last=s == pp - 1)
+            need = self.model_state_bytes(layers=n, tp=tp, dp=dp * cp, zero=zero, first=s == 0, last=s == pp - 1)
             if need > self.capacity_bytes:
                 raise UserError(
                     f"{self.model.name} does not fit: stage {s} needs {need / 2**30:.1f} GiB of model states per GPU"
-                    f" (tp={tp}, pp={pp}, dp={dp}, zero={zero}) but a GPU has {self.capacity_bytes / 2**30:.1f} GiB"
+                    f" (tp={tp}, pp={pp}, dp={dp}, cp={cp}, zero={zero}) but a GPU has {self.capacity_bytes / 2**30:.1f} GiB"
                     " usable; raise --tp/--pp or the ZeRO stage"
                 )
 

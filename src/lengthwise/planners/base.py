@@ -74,7 +74,7 @@ def check_lengths(request: PlanRequest) -> None:
     context length. Planners that split long sequences need no more than this."""
     s = request.scheme
     s.validate(request.model)
-    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
+    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, zero=s.zero)
     if not request.lengths:
         raise UserError("the global batch is empty: give at least one sequence")
     for seq_id, n in enumerate(request.lengths):

@@ -213,7 +213,7 @@ def stage_memory_bytes(request: PlanRequest, chunk_size: int, k: int, longest: i
     rows = []
     for stage, n in enumerate(layers):
         first, last = stage == 0, stage == s.pp - 1
-        states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp, zero=s.zero, first=first, last=last)
+        states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp * s.cp, zero=s.zero, first=first, last=last)
         kv = 2 * cost.kv_bytes(longest, layers=n, tp=s.tp, cp=s.cp) if longest > chunk_size else 0.0
         act = max(k, s.pp - stage) * cost.activation_bytes(chunk, layers=n, tp=s.tp, cp=s.cp, head=last)
         rows.append((states, kv, act))

@@ -71,7 +71,7 @@ def layout(request: PlanRequest, dp: int) -> Layout:
     s, cost = request.scheme, request.cost
     per = request.model.num_layers // s.pp
     stages = [StageShape(layers=per, head=i == s.pp - 1,
-                         states=cost.model_state_bytes(layers=per, tp=s.tp, dp=dp, zero=s.zero,
+                         states=cost.model_state_bytes(layers=per, tp=s.tp, dp=dp * s.cp, zero=s.zero,
                                                        first=i == 0, last=i == s.pp - 1))
               for i in range(s.pp)]
     return Layout(stages=stages, tp=s.tp, cp=s.cp, dp=dp, costs=UnitCosts(cost, stages, tp=s.tp, cp=s.cp))

@@ -75,13 +75,13 @@ from lengthwise.planners.skrull_dacp import (
 def memory_bucket_size(request: PlanRequest) -> int:
     """Skrull A.1 BucketSize: tokens one GPU of the CP group holds after model states."""
     s = request.scheme
-    return int(request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=1, dp=s.dp, zero=s.zero))
+    return int(request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=1, dp=s.dp * s.cp, zero=s.zero))
 
 
 def choose_bucket_size(request: PlanRequest, option: int | None) -> int:
     """The option when given (and within memory), else the memory model's BucketSize."""
     s = request.scheme
-    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
+    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, zero=s.zero)
     limit = memory_bucket_size(request)
     if option is not None and option > limit:
         raise UserError(

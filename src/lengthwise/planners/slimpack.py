@@ -211,7 +211,7 @@ def min_fitting_count(request: PlanRequest, tokens: int, cp: int, pipelines: int
     most = float("inf")  # tokens one rank can hold beside its model states
     for stage, n in enumerate(split_layers(request.model.num_layers, s.pp)):
         first, last = stage == 0, stage == s.pp - 1
-        free = cost.capacity_bytes - cost.model_state_bytes(layers=n, tp=s.tp, dp=pipelines, zero=s.zero,
+        free = cost.capacity_bytes - cost.model_state_bytes(layers=n, tp=s.tp, dp=pipelines * s.cp, zero=s.zero,
                                                              first=first, last=last)
         per_token = cost.activation_bytes_per_token(layers=n, tp=s.tp, head=last)
         most = min(most, free / per_token if per_token > 0 else float("inf"))
@@ -304,7 +304,7 @@ def plan_slimpack(request: PlanRequest) -> StepPlan:
     opts = read_options(request)
     check_lengths(request)
     s = request.scheme
-    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
+    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, zero=s.zero)
     models = flops_models(request)
     extra: dict = {}
     if opts["num_micropacks"] is not None:
