@@ -148,7 +148,8 @@ def test_the_time_threshold_yields_to_token_balance():
     """Line 16: a short sequence that fits a bucket's tokens but not T_t raises T_t."""
     _, fit = fit_7b()
     mesh = balanced_mesh(100_000, 2, fit)
-    half = mesh.bounds[1] // 2
+    tail_tokens = split_by_mesh([100_000], mesh)[0][0][-1].num_tokens
+    half = min(mesh.bounds[1] // 2, mesh.token_threshold - tail_tokens)  # fits beside the tail by tokens
     lengths = [100_000, half, half]
     split, short = split_by_mesh(lengths, mesh)
     tail = split[0][-1]

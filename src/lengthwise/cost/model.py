@@ -35,6 +35,10 @@ class CostModel:
     """Measured coefficients; schemes it lacks fall back to the analytic curve."""
     memory_reserve_frac: float = 0.08
     """Share of GPU memory kept free for the allocator's fragmentation and workspaces."""
+    tp_comm_overlap: float = 0.0
+    """Share of the tensor-parallel activation collectives hidden behind GEMMs (0..1). 0 by
+    default: Megatron-LM runs them on the compute stream unless `--tp-comm-overlap` is set, and
+    the executor's DTensor collectives run between its GEMMs, not under them."""
 
     def __post_init__(self):
         self.comm = CommModel(self.cluster)
@@ -84,7 +88,21 @@ class CostModel:
         lin_eff = self.throughput.linear_efficiency(work.tokens, tp)
         lin_s = (layers * lin + head_flops) / tp / (peak * lin_eff)
         attn_s = layers * attn / tp / (peak * self.throughput.attention_mfu)
-        return lin_s + attn_s + layers * self.throughput.layer_overhead_s
+        tp_s = (1.0 - self.tp_comm_overlap) * layers * self.tp_comm_time(work.tokens, tp=tp)
+        return lin_s + attn_s + tp_s + layers * self.throughput.layer_overhead_s
+
+    def tp_comm_time(self, tokens: float, *, tp: int) -> float:
+        """Seconds of one decoder layer's tensor-parallel activation collectives, forward or
+        backward, with sequence parallelism (Megatron-LM's layout, which the executor's
+        SequenceParallel / ColwiseParallel / RowwiseParallel plan follows): before the attention
+        and the MLP block an all-gather of the sequence-sharded activations, after each a
+        reduce-scatter, each of tokens x hidden bf16 values (the gathered size). Backward runs
+        the transposed collectives, the same volume. Inside one node (tp <= GPUs per node)."""
+        if tp <= 1 or tokens <= 0:
+            return 0.0
+        nbytes = tokens * self.model.hidden * mem.BYTES_BF16
+        return 2 * (self.collective_time("all_gather", nbytes, ranks=tp, inter_node=False)
+                    + self.collective_time("reduce_scatter", nbytes, ranks=tp, inter_node=False))
 
     # ---- bytes per GPU ----
     @property
