@@ -50,9 +50,9 @@ from lengthwise.plan.ir import write_atomic
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.model import build_model
-from lengthwise.runtime.train import make_optimizer
-from lengthwise.runtime.train_config import TrainConfig
-from lengthwise.runtime.train_step import forward_backward
+from lengthwise.runtime.train.loop import make_optimizer
+from lengthwise.runtime.train.config import TrainConfig
+from lengthwise.runtime.train.step import forward_backward
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 from lengthwise.workloads.sampler import GlobalBatchSampler
 from lengthwise.workloads.source import corpus_source

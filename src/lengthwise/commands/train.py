@@ -44,7 +44,7 @@ import argparse
 from lengthwise.commands.common import add_backend_arg, add_workload_args
 from lengthwise.commands.plan import planner_options
 from lengthwise.errors import UserError
-from lengthwise.runtime.train_config import (
+from lengthwise.runtime.train.config import (
     DEVICES,
     DTYPES,
     TrainConfig,
@@ -134,11 +134,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     from lengthwise.runtime.distributed.launch import under_torchrun
-    from lengthwise.runtime.train import train
+    from lengthwise.runtime.train.loop import train
 
     config = config_from_args(args)
     if config.nproc is not None or under_torchrun():
-        from lengthwise.runtime.train_dist import train_distributed
+        from lengthwise.runtime.train.dist import train_distributed
 
         result = train_distributed(config)
         if result is None:  # a rank other than 0: rank 0 reports

@@ -23,11 +23,11 @@ _REGISTRY = {
     "packing": "baselines:plan_packing",
     "sorted": "baselines:plan_sorted",
     "token-balanced": "baselines:plan_token_balanced",
-    "chunkflow": "chunkflow:plan_chunkflow",
-    "skrull": "skrull:plan_skrull",
-    "hydraulis": "hydraulis:plan_hydraulis",
-    "infinipipe": "infinipipe:plan_infinipipe",
-    "slimpack": "slimpack:plan_slimpack",
+    "chunkflow": "chunkflow.planner:plan_chunkflow",
+    "skrull": "skrull.planner:plan_skrull",
+    "hydraulis": "hydraulis.planner:plan_hydraulis",
+    "infinipipe": "infinipipe.planner:plan_infinipipe",
+    "slimpack": "slimpack.planner:plan_slimpack",
     "auto": "auto:plan_auto",
 }
 

@@ -309,7 +309,7 @@ def plan_chunkflow(request: PlanRequest) -> StepPlan:
     chunk_size, k = read_chunk_size(opts["chunk_size"]), positive_int_option(opts, "k")
     check_lengths(request)
     if chunk_size == "auto":
-        from lengthwise.planners.chunkflow_search import grid_search
+        from lengthwise.planners.chunkflow.planner import grid_search
 
         return grid_search(request, k, started)
     k = k or 1

@@ -18,7 +18,7 @@ import time
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
 from lengthwise.planners.base import PlanRequest
-from lengthwise.planners.chunkflow import build_plan
+from lengthwise.planners.chunkflow.build import build_plan
 
 GRID_CHUNK_SIZES = tuple(2**p for p in range(11, 17))
 """2K .. 64K tokens, the range chunkflow §6.3 explores."""

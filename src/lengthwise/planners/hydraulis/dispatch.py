@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lengthwise.planners.hydraulis_cost import Scheme
+from lengthwise.planners.hydraulis.cost import Scheme
 
 
 @dataclass(frozen=True)

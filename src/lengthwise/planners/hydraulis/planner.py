@@ -55,24 +55,24 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
 from lengthwise.plan.schedules import make_schedule
 from lengthwise.planners.base import PlanRequest, finish_plan, take_options, whole
-from lengthwise.planners.hydraulis_cost import (
+from lengthwise.planners.hydraulis.cost import (
     Scheme,
     exchange_time,
     link_time,
     scheme_space,
 )
-from lengthwise.planners.hydraulis_dispatch import (
+from lengthwise.planners.hydraulis.dispatch import (
     PipelineArrays,
     dispatch_many,
     lower_bound,
 )
-from lengthwise.planners.hydraulis_packing import (
+from lengthwise.planners.hydraulis.packing import (
     Packing,
     PipelineLoad,
     greedy_pack,
     milp_pack,
 )
-from lengthwise.planners.hydraulis_strategy import (
+from lengthwise.planners.hydraulis.strategy import (
     Histogram,
     Strategy,
     homogeneous,

@@ -24,7 +24,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from lengthwise.plan.ir import Action
-from lengthwise.planners.infinipipe_schedule import GroupSchedule, MemoryModel
+from lengthwise.planners.infinipipe.schedule import GroupSchedule, MemoryModel
 
 MIP_GAP = 1e-2
 """Relative optimality gap HiGHS may stop at: recomputation within 1% of the cheapest (well under

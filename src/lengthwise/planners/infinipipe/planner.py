@@ -60,7 +60,7 @@ from lengthwise.planners.base import (
     positive_int_option,
     take_options,
 )
-from lengthwise.planners.infinipipe_chunking import (
+from lengthwise.planners.infinipipe.chunking import (
     ChunkedBatch,
     SliceCost,
     Unit,
@@ -68,15 +68,15 @@ from lengthwise.planners.infinipipe_chunking import (
     balanced_mesh,
     even_mesh,
 )
-from lengthwise.planners.infinipipe_ckpt import GroupPlan, with_recompute
-from lengthwise.planners.infinipipe_grouping import (
+from lengthwise.planners.infinipipe.ckpt import GroupPlan, with_recompute
+from lengthwise.planners.infinipipe.grouping import (
     SolverOptions,
     chunk_stage_seconds,
     group_by_classes,
     layout,
     unit_need,
 )
-from lengthwise.planners.infinipipe_search import SliceSearch, tune
+from lengthwise.planners.infinipipe.search import SliceSearch, tune
 from lengthwise.planners.packing_utils import greedy_balance, karmarkar_karp
 
 PLANNER = "infinipipe"

@@ -63,7 +63,7 @@ from lengthwise.planners.base import (
     take_options,
 )
 from lengthwise.planners.packing_utils import karmarkar_karp
-from lengthwise.planners.skrull_dacp import (
+from lengthwise.planners.skrull.dacp import (
     DacpCost,
     dacp,
     dacp_chunk,

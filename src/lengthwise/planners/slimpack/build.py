@@ -84,7 +84,7 @@ from lengthwise.planners.base import (
     positive_int_option,
     take_options,
 )
-from lengthwise.planners.slimpack_cuts import (
+from lengthwise.planners.slimpack.cuts import (
     PrefixCost,
     Stream,
     backward_cuts,
@@ -95,8 +95,8 @@ from lengthwise.planners.slimpack_cuts import (
     micropack_form,
     place_segments,
 )
-from lengthwise.planners.slimpack_dp import RankGroup, assign_ranks, memory_ranks
-from lengthwise.planners.slimpack_schedule import packflow_schedule
+from lengthwise.planners.slimpack.dp import RankGroup, assign_ranks, memory_ranks
+from lengthwise.planners.slimpack.schedule import packflow_schedule
 
 DEFAULTS = {"num_micropacks": None, "max_micropacks": None, "asymmetric": True, "dp_merge": True,
             "schedule": "auto"}
@@ -314,7 +314,7 @@ def plan_slimpack(request: PlanRequest) -> StepPlan:
                                   pipelines=len(groups))
                  for p, g in enumerate(groups)]
     else:
-        from lengthwise.planners.slimpack_sweep import plan_by_simulation
+        from lengthwise.planners.slimpack.planner import plan_by_simulation
 
         groups, pipes, extra = plan_by_simulation(request, models, opts)
     plan = finish_plan(request, pipes, planner="slimpack", started=started, options=opts)

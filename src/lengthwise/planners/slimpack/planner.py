@@ -18,7 +18,7 @@ from __future__ import annotations
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import PipelinePlan
 from lengthwise.planners.base import PlanRequest
-from lengthwise.planners.slimpack import (
+from lengthwise.planners.slimpack.build import (
     GIB,
     HOLD_SHARES,
     bare_plan,

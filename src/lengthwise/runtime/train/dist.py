@@ -55,7 +55,7 @@ from lengthwise.runtime.distributed.launch import (
 )
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.step import gather_grads_like, run_rank_step
-from lengthwise.runtime.train import (
+from lengthwise.runtime.train.loop import (
     PreparedStep,
     Setup,
     TrainResult,
@@ -63,9 +63,9 @@ from lengthwise.runtime.train import (
     resolve_device,
     run_training,
 )
-from lengthwise.runtime.train_config import TrainConfig, check_degrees
-from lengthwise.runtime.train_exec import RESUME_MUST_MATCH, StepOutcome
-from lengthwise.runtime.train_step import PADDED_PLANNERS, PeakMemory
+from lengthwise.runtime.train.config import TrainConfig, check_degrees
+from lengthwise.runtime.train.executor import RESUME_MUST_MATCH, StepOutcome
+from lengthwise.runtime.train.step import PADDED_PLANNERS, PeakMemory
 from lengthwise.runtime.weights import load_state, save_pretrained
 from lengthwise.workloads.sampler import GlobalBatchSampler
 

@@ -20,10 +20,10 @@ from lengthwise.runtime.checkpoint import (
     save_checkpoint,
 )
 from lengthwise.runtime.model import CausalLM
-from lengthwise.runtime.train_step import PeakMemory, forward_backward
+from lengthwise.runtime.train.step import PeakMemory, forward_backward
 
 if TYPE_CHECKING:
-    from lengthwise.runtime.train import PreparedStep, Setup
+    from lengthwise.runtime.train.loop import PreparedStep, Setup
 
 RESUME_MUST_MATCH = ("model", "data", "tokenizer", "text_field", "context_length", "overlong", "seed")
 """Config fields a resumed run must share with its checkpoint (they define the data stream

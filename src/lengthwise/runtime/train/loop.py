@@ -1,7 +1,7 @@
 """Training: AdamW over planned global batches, planning one step ahead, resumable exactly.
 
-    from lengthwise.runtime.train import train
-    from lengthwise.runtime.train_config import TrainConfig
+    from lengthwise.runtime.train.loop import train
+    from lengthwise.runtime.train.config import TrainConfig
     result = train(TrainConfig(steps=50, metrics="metrics.jsonl", out="ckpt", save_every=10))
     [r.loss for r in result.records]
 
@@ -42,8 +42,8 @@ import torch
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.model import CausalLM, build_model
-from lengthwise.runtime.train_config import TrainConfig
-from lengthwise.runtime.train_exec import Executor, LocalExecutor
+from lengthwise.runtime.train.config import TrainConfig
+from lengthwise.runtime.train.executor import Executor, LocalExecutor
 from lengthwise.runtime.weights import INDEX_NAME, WEIGHTS_NAME, load_weights
 from lengthwise.specs import (
     MODEL_PRESETS,
