@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.validate import validate_plan
+from lengthwise.planners import available_planners, get_planner
 from lengthwise.planners.base import PlanRequest, take_options
 from lengthwise.sim import SimResult, simulate_plan
 from lengthwise.specs import ParallelScheme
@@ -57,8 +58,6 @@ def max_peak(result: SimResult) -> float:
 
 def try_planner(name: str, request: PlanRequest) -> Candidate:
     """Plan, validate and simulate with one planner; a UserError becomes a skipped candidate."""
-    from lengthwise.planners import get_planner
-
     started = time.perf_counter()
     try:
         plan = get_planner(name)(request)
@@ -80,8 +79,6 @@ def choose_best(candidates: list[Candidate]) -> Candidate | None:
 
 
 def default_candidates() -> list[str]:
-    from lengthwise.planners import available_planners
-
     return [n for n in available_planners() if n != "auto"]
 
 

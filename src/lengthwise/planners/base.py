@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
+from lengthwise.plan.schedules import make_schedule
 from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
 
 if TYPE_CHECKING:
@@ -110,8 +111,6 @@ def whole(seq_ids: list[int], lengths: list[int]) -> tuple[Segment, ...]:
 def pipelines_from_chunks(request: PlanRequest, per_pipeline: list[list[Chunk]],
                           schedule: str = "1f1b") -> list[PipelinePlan]:
     """One PipelinePlan per chunk list, each stage's actions from the named schedule."""
-    from lengthwise.plan.schedules import make_schedule
-
     s = request.scheme
     return [
         PipelinePlan(chunks=chunks, stages=make_schedule(schedule, chunks, s.pp), tp=s.tp, cp=s.cp,

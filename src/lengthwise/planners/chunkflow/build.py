@@ -66,12 +66,10 @@ from lengthwise.cost.flops import causal_keys
 from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
+from lengthwise.plan.schedules import make_schedule
 from lengthwise.planners.base import (
     PlanRequest,
-    check_lengths,
     finish_plan,
-    positive_int_option,
-    take_options,
     whole,
 )
 from lengthwise.planners.packing_utils import (
@@ -267,8 +265,6 @@ def read_chunk_size(value) -> int | str | None:
 
 def build_pipeline(request: PlanRequest, chunk_set: ChunkSet, k: int) -> PipelinePlan:
     """One pipeline's chunks, its long sequences' groups first, under state-aware 1F1B (§4.3)."""
-    from lengthwise.plan.schedules import make_schedule
-
     s = request.scheme
     chunks = [c for group in chunk_set.groups for c in group] + chunk_set.standalone
     return PipelinePlan(chunks=chunks, stages=make_schedule(SCHEDULE, chunks, s.pp, k=k),
@@ -300,19 +296,3 @@ def chunk_metrics(request: PlanRequest, chunk_sets: list[ChunkSet], chunk_size: 
             sum(group_seconds(g, k, request) for g in cs.groups + [[c] for c in cs.standalone])
             for cs in chunk_sets],
     }
-
-
-def plan_chunkflow(request: PlanRequest) -> StepPlan:
-    """ChunkFlow for one global batch (chunkflow §4-§5); options in the module docstring."""
-    started = time.perf_counter()
-    opts = take_options(request, "chunkflow", {"chunk_size": None, "k": None})
-    chunk_size, k = read_chunk_size(opts["chunk_size"]), positive_int_option(opts, "k")
-    check_lengths(request)
-    if chunk_size == "auto":
-        from lengthwise.planners.chunkflow.planner import grid_search
-
-        return grid_search(request, k, started)
-    k = k or 1
-    chunk_size = chunk_size or default_chunk_size(request, k)
-    check_chunk_size_fits(request, chunk_size, k)
-    return build_plan(request, chunk_size, k, started)

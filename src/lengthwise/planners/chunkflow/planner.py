@@ -17,8 +17,14 @@ import time
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
-from lengthwise.planners.base import PlanRequest
-from lengthwise.planners.chunkflow.build import build_plan
+from lengthwise.planners.base import PlanRequest, check_lengths, positive_int_option, take_options
+from lengthwise.planners.chunkflow.build import (
+    build_plan,
+    check_chunk_size_fits,
+    default_chunk_size,
+    read_chunk_size,
+)
+from lengthwise.sim import simulate_plan
 
 GRID_CHUNK_SIZES = tuple(2**p for p in range(11, 17))
 """2K .. 64K tokens, the range chunkflow §6.3 explores."""
@@ -39,8 +45,6 @@ def k_candidates(longest: int, chunk_size: int) -> list[int]:
 
 def score(plan: StepPlan, cost) -> dict:
     """The simulated step time and peak memory of one candidate plan."""
-    from lengthwise.sim import simulate_plan
-
     result = simulate_plan(plan, cost)
     return {"step_time_s": result.step_time_s, "fits": bool(result.fits),
             "peak_memory_gib": max(max(row) for row in result.peak_memory) / 2**30}
@@ -69,3 +73,17 @@ def grid_search(request: PlanRequest, k: int | None, started: float) -> StepPlan
     best.metrics["grid"] = grid
     best.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
     return best
+
+
+def plan_chunkflow(request: PlanRequest) -> StepPlan:
+    """ChunkFlow for one global batch (chunkflow §4-§5); options in the module docstring."""
+    started = time.perf_counter()
+    opts = take_options(request, "chunkflow", {"chunk_size": None, "k": None})
+    chunk_size, k = read_chunk_size(opts["chunk_size"]), positive_int_option(opts, "k")
+    check_lengths(request)
+    if chunk_size == "auto":
+        return grid_search(request, k, started)
+    k = k or 1
+    chunk_size = chunk_size or default_chunk_size(request, k)
+    check_chunk_size_fits(request, chunk_size, k)
+    return build_plan(request, chunk_size, k, started)

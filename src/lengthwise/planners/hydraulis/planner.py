@@ -80,6 +80,7 @@ from lengthwise.planners.hydraulis.strategy import (
     propose,
     round_proposal,
 )
+from lengthwise.workloads import get_profile
 
 DEFAULTS = {
     "profile": None, "trials": 100, "dispatch_work": 4_000_000, "max_tp": None, "max_pp": 8, "max_cp": 8,
@@ -185,8 +186,6 @@ def _histogram(request: PlanRequest, opts: dict, space: list[Scheme]) -> tuple[H
     tokens = float(sum(request.lengths))
     if opts["profile"] is None:
         return Histogram.of(request.lengths), (max(request.lengths),), tokens
-    from lengthwise.workloads import get_profile
-
     sample = get_profile(opts["profile"]).sample(PROFILE_SAMPLE, np.random.default_rng(0),
                                                  below=request.context_length + 1)
     hist = Histogram.of(sample)

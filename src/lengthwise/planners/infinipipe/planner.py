@@ -78,6 +78,7 @@ from lengthwise.planners.infinipipe.grouping import (
 )
 from lengthwise.planners.infinipipe.search import SliceSearch, tune
 from lengthwise.planners.packing_utils import greedy_balance, karmarkar_karp
+from lengthwise.sim import simulate_plan
 
 PLANNER = "infinipipe"
 SCHEDULE = "elastic-1f1b"
@@ -198,8 +199,6 @@ def candidate_metrics(cand: Candidate) -> dict:
 def score(plan: StepPlan, cand: Candidate, request: PlanRequest, settings: Settings) -> float:
     if settings.score == "estimate":
         return cand.estimate_s
-    from lengthwise.sim import simulate_plan
-
     return simulate_plan(plan, request.cost).step_time_s
 
 

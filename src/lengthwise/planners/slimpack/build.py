@@ -69,18 +69,16 @@ variant's simulated step).
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 
 from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
+from lengthwise.plan.schedules import make_schedule
 from lengthwise.plan.validate import memory_overflow
 from lengthwise.planners.base import (
     PlanRequest,
-    check_lengths,
-    finish_plan,
     positive_int_option,
     take_options,
 )
@@ -163,8 +161,6 @@ def cp_placement(chunks: list[Chunk], group: RankGroup, g: PrefixCost) -> dict[i
 def build_pipeline(request: PlanRequest, group: RankGroup, count: int, models, flops: np.ndarray,
                    asymmetric: bool, lean: bool = False) -> PipelinePlan:
     """Phase 2, asymmetric partitioning and the PackFlow schedule for one pipeline."""
-    from lengthwise.plan.schedules import make_schedule
-
     gf, gb = models
     s = request.scheme
     stream = Stream.of(stream_order(group, flops), request.lengths)
@@ -296,32 +292,3 @@ def phase1_variants(request: PlanRequest, models, merge: bool,
         if merge_metrics(memory_only) != merge_metrics(variants[0]):
             variants.append(memory_only)
     return [[g for g in groups if g.seq_ids] for groups in variants], flops
-
-
-def plan_slimpack(request: PlanRequest) -> StepPlan:
-    """SlimPack for one global batch (slimpack §4-§5); options in the module docstring."""
-    started = time.perf_counter()
-    opts = read_options(request)
-    check_lengths(request)
-    s = request.scheme
-    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
-    models = flops_models(request)
-    extra: dict = {}
-    if opts["num_micropacks"] is not None:
-        variants, flops = phase1_variants(request, models, opts["dp_merge"])
-        groups, lean = variants[0], opts["schedule"] == "lean"
-        pipes = [fitting_pipeline(request, p, g, opts["num_micropacks"], models, flops, opts["asymmetric"], lean,
-                                  pipelines=len(groups))
-                 for p, g in enumerate(groups)]
-    else:
-        from lengthwise.planners.slimpack.planner import plan_by_simulation
-
-        groups, pipes, extra = plan_by_simulation(request, models, opts)
-    plan = finish_plan(request, pipes, planner="slimpack", started=started, options=opts)
-    plan.metrics.update(micropack_metrics(request, pipes, models))
-    plan.metrics["dp_merge"] = merge_metrics(groups)
-    plan.metrics.update(extra)
-    plan.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
-    return plan
-
-

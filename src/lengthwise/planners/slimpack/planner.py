@@ -15,17 +15,24 @@ none fits, memory outliers are merged over more ranks (the next HOLD share).
 
 from __future__ import annotations
 
+import time
+
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import PipelinePlan
-from lengthwise.planners.base import PlanRequest
+from lengthwise.plan.ir import PipelinePlan, StepPlan
+from lengthwise.planners.base import PlanRequest, check_lengths, finish_plan
 from lengthwise.planners.slimpack.build import (
     GIB,
     HOLD_SHARES,
     bare_plan,
     build_pipeline,
+    fitting_pipeline,
+    flops_models,
     merge_metrics,
+    micropack_metrics,
     phase1_variants,
+    read_options,
 )
+from lengthwise.sim import simulate_plan
 
 SWEEP_RATIO = 2 ** 0.5
 
@@ -83,8 +90,6 @@ def sweep(request: PlanRequest, groups, models, flops, opts) -> tuple[list[Pipel
     if len(set(chosen)) == 1:
         predicted = candidates[chosen[0]]["step_time_s"]
     else:
-        from lengthwise.sim import simulate_plan
-
         predicted = simulate_plan(bare_plan(request, pipes), request.cost).step_time_s
     table = [{"micropacks": c["count"], "lean": c["lean"], "step_time_s": c["step_time_s"], "fits": c["fits"],
               "peak_memory_gib": max(c["peak"]) / GIB} for c in candidates]
@@ -114,8 +119,6 @@ def sweep_counts(pp: int, top: int) -> list[int]:
 def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asymmetric, lean) -> list[dict]:
     """Every pipeline at every candidate count, simulated: per candidate its pipelines, per-pipeline
     makespan and peak memory, and the whole step."""
-    from lengthwise.sim import simulate_plan
-
     out: list[dict] = []
     for n in counts:
         pipes = [build_pipeline(request, g, n, models, flops, asymmetric, lean) for g in groups]
@@ -154,3 +157,30 @@ def choose_per_pipeline(candidates: list[dict], capacity: float) -> list[int]:
             )
         chosen.append(min(fitting, key=lambda k: (candidates[k]["makespan"][p], k)))
     return chosen
+
+
+def plan_slimpack(request: PlanRequest) -> StepPlan:
+    """SlimPack for one global batch (slimpack §4-§5); options in the module docstring."""
+    started = time.perf_counter()
+    opts = read_options(request)
+    check_lengths(request)
+    s = request.scheme
+    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
+    models = flops_models(request)
+    extra: dict = {}
+    if opts["num_micropacks"] is not None:
+        variants, flops = phase1_variants(request, models, opts["dp_merge"])
+        groups, lean = variants[0], opts["schedule"] == "lean"
+        pipes = [fitting_pipeline(request, p, g, opts["num_micropacks"], models, flops, opts["asymmetric"], lean,
+                                  pipelines=len(groups))
+                 for p, g in enumerate(groups)]
+    else:
+        groups, pipes, extra = plan_by_simulation(request, models, opts)
+    plan = finish_plan(request, pipes, planner="slimpack", started=started, options=opts)
+    plan.metrics.update(micropack_metrics(request, pipes, models))
+    plan.metrics["dp_merge"] = merge_metrics(groups)
+    plan.metrics.update(extra)
+    plan.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
+    return plan
+
+

@@ -41,8 +41,8 @@ import torch.distributed as dist
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
-from lengthwise.runtime import checkpoint as local_checkpoint
-from lengthwise.runtime.distributed import checkpoint_dist
+import lengthwise.runtime.checkpoint as local_checkpoint
+import lengthwise.runtime.distributed.checkpoint_dist as checkpoint_dist
 from lengthwise.runtime.distributed.dp import (
     check_same_plan,
     global_grad_norm,
@@ -55,16 +55,15 @@ from lengthwise.runtime.distributed.launch import (
 )
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.step import gather_grads_like, run_rank_step
+from lengthwise.runtime.train.config import TrainConfig, check_degrees
+from lengthwise.runtime.train.executor import RESUME_MUST_MATCH, PreparedStep, StepOutcome
 from lengthwise.runtime.train.loop import (
-    PreparedStep,
     Setup,
     TrainResult,
     make_optimizer,
     resolve_device,
     run_training,
 )
-from lengthwise.runtime.train.config import TrainConfig, check_degrees
-from lengthwise.runtime.train.executor import RESUME_MUST_MATCH, StepOutcome
 from lengthwise.runtime.train.step import PADDED_PLANNERS, PeakMemory
 from lengthwise.runtime.weights import load_state, save_pretrained
 from lengthwise.workloads.sampler import GlobalBatchSampler
