@@ -47,6 +47,8 @@ class CompareSetup:
     """Fixed schemes per planner; others are searched."""
     profile: Profile | None = None
     """Measured cost profile (`lengthwise profile`); None uses the analytic cost model."""
+    options: dict[str, dict] = field(default_factory=dict)
+    """Planner options per planner (the command line's, each planner given those it takes)."""
 
 
 @dataclass(kw_only=True)
@@ -114,10 +116,11 @@ def _states_fit(cost: CostModel, s: ParallelScheme) -> bool:
     return True
 
 
-def request_for(setup: CompareSetup, lengths: list[int], scheme: ParallelScheme) -> PlanRequest:
+def request_for(setup: CompareSetup, lengths: list[int], scheme: ParallelScheme, planner: str) -> PlanRequest:
     return PlanRequest(lengths=list(lengths), model=setup.model, cluster=setup.cluster, scheme=scheme,
                        cost=CostModel(model=setup.model, cluster=setup.cluster, profile=setup.profile),
-                       context_length=setup.context_length, seed=setup.seed)
+                       context_length=setup.context_length, seed=setup.seed,
+                       options=dict(setup.options.get(planner, {})))
 
 
 def pick_scheme(setup: CompareSetup, planner: str) -> tuple[ParallelScheme | None, list[Candidate]]:
@@ -126,7 +129,7 @@ def pick_scheme(setup: CompareSetup, planner: str) -> tuple[ParallelScheme | Non
         return setup.schemes[planner], []
     tries = []
     for scheme in candidate_schemes(setup, planner):
-        tries.append(try_planner(planner, request_for(setup, setup.batches[0], scheme)))
+        tries.append(try_planner(planner, request_for(setup, setup.batches[0], scheme, planner)))
     best = choose_best(tries)
     return (best.scheme if best else None), tries
 
@@ -142,7 +145,7 @@ def run_compare(setup: CompareSetup, progress=None) -> dict[str, PlannerRow]:
             _tick(progress, len(setup.batches))
             continue
         for lengths in setup.batches:
-            row.runs.append(try_planner(name, request_for(setup, lengths, scheme)))
+            row.runs.append(try_planner(name, request_for(setup, lengths, scheme, name)))
             _tick(progress, 1)
     if "auto" in setup.planners:
         rows["auto"] = auto_row(rows, len(setup.batches))

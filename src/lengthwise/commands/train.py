@@ -42,7 +42,7 @@ from __future__ import annotations
 import argparse
 
 from lengthwise.commands.common import add_backend_arg, add_workload_args
-from lengthwise.commands.plan import planner_options
+from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
 from lengthwise.errors import UserError
 from lengthwise.runtime.train.config import (
     DEVICES,
@@ -66,16 +66,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PRESET|DIR|config.json",
                         help=f"model preset, HF config.json, or HF directory with weights (default {d.model})")
     parser.add_argument("--planner", metavar="NAME", help=f"planner for every batch (default {d.planner})")
-    parser.add_argument("--chunk-size", metavar="TOKENS", type=int, help="planner option chunk_size")
-    parser.add_argument("--k", metavar="K", type=int, help="planner option k (ChunkFlow)")
-    parser.add_argument("--option", metavar="KEY=VALUE", action="append", default=[],
-                        help="other planner option, repeatable")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--batch-size", metavar="N", type=int, help="sequences per global batch (default 16)")
     size.add_argument("--tokens-per-batch", metavar="T", type=int, help="token budget per global batch")
     _add_numbers(parser, d)
     _add_runtime(parser, d)
     _add_outputs(parser)
+    add_planner_option_args(parser)
     add_workload_args(parser)
     for action in parser._actions:  # the shared workload flags, with this command's defaults
         if action.dest in _WORKLOAD_HELP:

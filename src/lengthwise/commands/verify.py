@@ -28,7 +28,8 @@ import json
 import re
 
 from lengthwise.commands.common import add_backend_arg, add_workload_args, batch_lengths_from_args
-from lengthwise.commands.plan import default_context_length, planner_options
+from lengthwise.commands.plan import default_context_length
+from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
 from lengthwise.errors import UserError
 from lengthwise.planners import available_planners, get_planner, planner_available
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
@@ -44,10 +45,6 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help=f"one of {', '.join(available_planners())} (default chunkflow, else packing)")
     parser.add_argument("--batch-size", metavar="N", type=int, default=8,
                         help="sequences drawn from --profile/--data (default 8)")
-    parser.add_argument("--chunk-size", metavar="TOKENS", type=int, help="planner option chunk_size")
-    parser.add_argument("--k", metavar="K", type=int, help="planner option k (ChunkFlow)")
-    parser.add_argument("--option", metavar="KEY=VALUE", action="append", default=[],
-                        help="other planner option, repeatable")
     parser.add_argument("--pp", metavar="P", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--dp", metavar="D", type=int, default=1, help="data-parallel pipelines (default 1)")
     parser.add_argument("--cp", metavar="C", type=int, default=1, help="context-parallel ranks per stage (default 1)")
@@ -61,6 +58,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oracle", choices=("auto", "transformers", "unpacked"), default="auto",
                         help="what to compare with (default auto: transformers when installed)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_planner_option_args(parser)
     add_workload_args(parser)
     for action in parser._actions:  # --lengths also takes the batch inline
         if action.dest == "lengths":

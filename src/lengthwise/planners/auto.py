@@ -92,7 +92,7 @@ def candidate_request(request: PlanRequest, name: str, opts: dict) -> PlanReques
 
 def plan_auto(request: PlanRequest) -> StepPlan:
     started = time.perf_counter()
-    opts = take_options(request, "auto", {"candidates": None, "schemes": {}, "candidate_options": {}})
+    opts = take_options(request, "auto")
     names = opts["candidates"] or default_candidates()
     if "auto" in names:
         raise UserError("auto cannot be its own candidate: remove 'auto' from candidates")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import make_schedule
+from lengthwise.planners.options import option_defaults
 from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
 
 if TYPE_CHECKING:
@@ -45,8 +46,10 @@ class PlanRequest:
 Planner = Callable[[PlanRequest], StepPlan]
 
 
-def take_options(request: PlanRequest, planner: str, defaults: dict[str, Any]) -> dict[str, Any]:
-    """The planner's options with defaults filled in; an unknown option is a UserError."""
+def take_options(request: PlanRequest, planner: str) -> dict[str, Any]:
+    """The planner's options (planners/options.py) with defaults filled in; an unknown option is a
+    UserError."""
+    defaults = option_defaults(planner)
     unknown = sorted(set(request.options) - set(defaults))
     if unknown:
         valid = ", ".join(defaults) or "none"

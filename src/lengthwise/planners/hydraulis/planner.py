@@ -82,11 +82,6 @@ from lengthwise.planners.hydraulis.strategy import (
 )
 from lengthwise.workloads import get_profile
 
-DEFAULTS = {
-    "profile": None, "trials": 100, "dispatch_work": 4_000_000, "max_tp": None, "max_pp": 8, "max_cp": 8,
-    "length_step": 128, "pipeline_step": 0.1, "util_threshold": 0.85, "milp_solves": 8, "milp_node_limit": 500,
-    "milp_time_limit_s": 0.02,
-}
 CAP_RATIO = 1.25
 """Exchange times closer than this factor share one proposal run (see _caps)."""
 MAX_LEN_TAIL = 0.01
@@ -137,7 +132,7 @@ def plan_hydraulis(request: PlanRequest) -> StepPlan:
 
 
 def _options(request: PlanRequest) -> dict:
-    opts = take_options(request, "hydraulis", DEFAULTS)
+    opts = take_options(request, "hydraulis")
     for name in ("trials", "dispatch_work", "max_pp", "max_cp", "length_step", "milp_node_limit"):
         if not isinstance(opts[name], int) or isinstance(opts[name], bool) or opts[name] < 1:
             raise UserError(f"option {name} must be a positive integer, got {opts[name]!r}")

@@ -88,8 +88,6 @@ MAX_SLICES = 256
 """Largest N the search tries: a 1M-token sequence in 4K-token slices; finer slices only lose
 GEMM efficiency, and a split sequence's memory barely shrinks with N (all its chunks are alive
 at its first backward)."""
-DEFAULTS = {"num_slices": None, "slice_candidates": 10, "balanced_chunking": True,
-            "checkpointing": "adaptive", "score": "simulate", "milp_time_limit_s": 0.1}
 
 
 @dataclass(kw_only=True)
@@ -109,7 +107,7 @@ class Settings:
 
 
 def read_settings(request: PlanRequest) -> Settings:
-    opts = take_options(request, PLANNER, DEFAULTS)
+    opts = take_options(request, PLANNER)
     for name, allowed in (("checkpointing", CHECKPOINTING), ("score", SCORES)):
         if opts[name] not in allowed:
             raise UserError(f"{PLANNER} option {name} must be one of {', '.join(allowed)}, got {opts[name]!r}")

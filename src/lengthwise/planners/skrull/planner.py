@@ -197,7 +197,7 @@ def skrull_metrics(request: PlanRequest, plan: StepPlan, bucket: int, roll_backs
 def plan_skrull(request: PlanRequest) -> StepPlan:
     """Skrull GDS + DACP over the request's dp x cp scheme (pp > 1 runs 1F1B)."""
     started = time.perf_counter()
-    opts = take_options(request, "skrull", {"bucket_size": None, "refine": True})
+    opts = take_options(request, "skrull")
     bucket = choose_bucket_size(request, positive_int_option(opts, "bucket_size"))
     check_fits_cp_group(request.lengths, request.scheme.cp, bucket)
     check_request(request)

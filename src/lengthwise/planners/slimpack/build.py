@@ -96,8 +96,6 @@ from lengthwise.planners.slimpack.cuts import (
 from lengthwise.planners.slimpack.dp import RankGroup, assign_ranks, memory_ranks
 from lengthwise.planners.slimpack.schedule import packflow_schedule
 
-DEFAULTS = {"num_micropacks": None, "max_micropacks": None, "asymmetric": True, "dp_merge": True,
-            "schedule": "auto"}
 SCHEDULES = ("auto", "steady", "lean")
 HOLD_SHARES = (0.75, 0.5, 0.25)
 """Share of a GPU's memory that model states plus one sample's activations, K/V state and K/V
@@ -263,7 +261,7 @@ def merge_metrics(groups: list[RankGroup]) -> list[dict]:
 # ---- the planner ----
 
 def read_options(request: PlanRequest) -> dict:
-    opts = take_options(request, "slimpack", DEFAULTS)
+    opts = take_options(request, "slimpack")
     for name in ("asymmetric", "dp_merge"):
         if not isinstance(opts[name], bool):
             raise UserError(f"slimpack option {name} must be true or false, got {opts[name]!r}")
