@@ -14,7 +14,7 @@ transport.py (stage-to-stage messages) <- stage.py
 memory.py measures what autograd keeps for backward.
 """
 
-from lengthwise.runtime.execute import hand_plan, run_step, unpacked_plan  # noqa: F401
+from lengthwise.runtime.execute import run_step, unpacked_plan  # noqa: F401
 from lengthwise.runtime.model import CausalLM, build_model  # noqa: F401
 from lengthwise.runtime.stage import StageRunner  # noqa: F401
 from lengthwise.runtime.transport import InProcessTransport, Message, Transport  # noqa: F401

@@ -64,7 +64,7 @@ from lengthwise.runtime.train.loop import (
     resolve_device,
     run_training,
 )
-from lengthwise.runtime.train.step import PADDED_PLANNERS, PeakMemory
+from lengthwise.runtime.train.step import PeakMemory, is_padded
 from lengthwise.runtime.weights import load_state, save_pretrained
 from lengthwise.workloads.sampler import GlobalBatchSampler
 
@@ -126,14 +126,12 @@ class RankExecutor:
 
     def __init__(self, setup: Setup, mesh: Mesh, *, after_action: AfterAction | None = None):
         config = setup.config
-        if config.planner in PADDED_PLANNERS:
-            raise UserError(f"--planner {config.planner} computes padded rows on one process only; "
-                            f"use --planner packing (the same batches, unpadded) across processes")
         check_degrees(config, mesh.world_size, "the process group")
         self.config, self.model, self.mesh, self.after_action = config, setup.model, mesh, after_action
         self.nproc, self.is_reporter = mesh.world_size, mesh.rank == 0
         self.first_plan = setup.plan(GlobalBatchSampler(setup.source, seed=config.seed,
                                                         **config.sampler_size).next_batch())
+        self._check_unpadded(self.first_plan, 1)
         self.layout = mesh.layout(self.first_plan)  # collective: creates the CP groups
         self.held = held_parameters(self.model, self.first_plan, self.layout.place)
         self.optimizer = make_optimizer(self.model, config, held=self.held.values())
@@ -141,6 +139,7 @@ class RankExecutor:
     def step(self, prepared: PreparedStep, step: int) -> StepOutcome:
         plan, model = prepared.plan, self.model
         check_same_plan(plan, self.mesh.device)
+        self._check_unpadded(plan, step)
         self._check_layout(plan, step)
         self.optimizer.zero_grad(set_to_none=True)
         hook = None if self.after_action is None else functools.partial(self.after_action, step)
@@ -154,6 +153,12 @@ class RankExecutor:
         self.optimizer.step()
         return StepOutcome(loss=done.loss, grad_norm=grad_norm, peak_memory_bytes=self._largest(peak.bytes),
                            memory_kind=peak.kind)
+
+    def _check_unpadded(self, plan: StepPlan, step: int) -> None:
+        if is_padded(plan):
+            raise UserError(f"step {step}: --planner {self.config.planner} pads micro-batches, which run as "
+                            f"padded rows on one process only; use --planner packing (the same batches, "
+                            f"unpadded) across processes")
 
     def _check_layout(self, plan: StepPlan, step: int) -> None:
         layers = self.model.spec.num_layers
