@@ -6,11 +6,11 @@
 For each setting (context length : overlong policy) the stdlib corpus (byte tokens) is cut into
 `--warmup` + `--steps` global batches of `--batch-size` documents, the same batches for every
 planner. Each planner trains its own tiny model and AdamW from the same seed, exactly as
-`lengthwise train` does (runtime/train_step.forward_backward, clipping, AdamW), and the planners
+`lengthwise train` does (runtime/train/step.forward_backward, clipping, AdamW), and the planners
 take turns batch by batch, so a change in the machine's load hits them alike. Planning time is
 recorded but not in the step time (training plans a step ahead in a worker thread).
 
-Padding plans compute their pads (runtime/train_step.py: each sequence of a padded micro-batch
+Padding plans compute their pads (runtime/train/step.py: each sequence of a padded micro-batch
 is one row of pad_to / k tokens), so padding costs what the removed fraction predicts:
 `expected_speedup_over_padding` = padding's row tokens / the planner's row tokens over the
 measured steps, `measured_speedup_over_padding` = the planner's tokens/s / padding's. tokens/s

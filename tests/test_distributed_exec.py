@@ -56,6 +56,7 @@ def make_plan(name: str, *, lengths=None):
     if planner == "hand":
         plan = hand_plan(spec, default_lengths, HAND_PLANS[name])
         plan.pipelines[0].cp = degrees["cp"]
+        plan.cluster = cluster_preset("cpu", plan.num_gpus)
         return plan
     scheme = ParallelScheme(**degrees)
     cluster = cluster_preset("cpu", scheme.num_gpus)

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from lengthwise.cost import CostModel, Profile
-from lengthwise.planners import available_planners
+from lengthwise.planners import PLANNER_NAMES
 from lengthwise.planners.auto import Candidate, choose_best, max_peak, try_planner
 from lengthwise.planners.base import PlanRequest
 from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
@@ -181,4 +181,4 @@ def _tick(progress, n: int) -> None:
 
 
 def all_planners() -> list[str]:
-    return available_planners()
+    return list(PLANNER_NAMES)

@@ -24,13 +24,13 @@ from lengthwise.commands.profile import add_profile_file_arg, load_profile_file
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.validate import validate_plan
-from lengthwise.planners import PlanRequest, available_planners, get_planner
+from lengthwise.planners import PLANNER_NAMES, PlanRequest, get_planner
 from lengthwise.specs import CLUSTER_PRESETS, ParallelScheme, cluster_preset, model_preset
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--planner", metavar="NAME", required=True,
-                        help=f"one of {', '.join(available_planners())}")
+                        help=f"one of {', '.join(PLANNER_NAMES)}")
     parser.add_argument("--batch-size", metavar="N", type=int, default=512,
                         help="sequences in the global batch (default 512)")
     parser.add_argument("--model", metavar="PRESET|config.json", default="qwen2.5-7b",

@@ -31,7 +31,7 @@ from lengthwise.commands.common import add_backend_arg, add_workload_args, batch
 from lengthwise.commands.plan import default_context_length
 from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
 from lengthwise.errors import UserError
-from lengthwise.planners import available_planners, get_planner, planner_available
+from lengthwise.planners import PLANNER_NAMES, get_planner
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 
 DTYPES = ("float64", "float32", "bfloat16")
@@ -42,7 +42,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config", metavar="PRESET|config.json", default="tiny",
                         help="model preset or Hugging Face config.json (default tiny)")
     parser.add_argument("--planner", metavar="NAME",
-                        help=f"one of {', '.join(available_planners())} (default chunkflow, else packing)")
+                        help=f"one of {', '.join(PLANNER_NAMES)} (default chunkflow)")
     parser.add_argument("--batch-size", metavar="N", type=int, default=8,
                         help="sequences drawn from --profile/--data (default 8)")
     parser.add_argument("--pp", metavar="P", type=int, default=1, help="pipeline stages (default 1)")
@@ -102,7 +102,7 @@ def build_plan(args: argparse.Namespace):
     request = PlanRequest(lengths=lengths, model=model, cluster=cluster, scheme=scheme, cost=cost,
                           context_length=args.context_length or default_context_length(lengths),
                           seed=args.seed, options=planner_options(args))
-    plan = get_planner(args.planner or default_planner())(request)
+    plan = get_planner(args.planner or "chunkflow")(request)
     validate_plan(plan, cost)
     return plan
 
@@ -146,10 +146,6 @@ def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
                          for r, c in enumerate(out["comm"]))
         print(f"  {out['nproc']} processes; elements sent (p2p/dp/cp): {sent}")
     return 0 if out["passed"] else 1
-
-
-def default_planner() -> str:
-    return "chunkflow" if planner_available("chunkflow") else "packing"
 
 
 def batch_lengths(args: argparse.Namespace) -> list[int]:

@@ -2,11 +2,7 @@
 fits memory (ties broken toward less memory). None of the five papers does this step; each
 wins on some workloads and loses on others, and the simulator is cheap enough to ask.
 
-Options:
-- `candidates`: planner names to try (default: every available planner but auto).
-- `schemes`: {planner: {"dp":..,"tp":..,"pp":..,"cp":..}}, a scheme per candidate (default:
-  the request's scheme for all); `lengthwise compare` passes each planner's best scheme.
-- `candidate_options`: {planner: {option: value}} passed through to that candidate.
+Options: `AutoOptions` in planners/options.py (candidates, schemes, candidate_options).
 
 Planning time is the sum of what it runs (planners, validation and simulation), recorded in
 `metrics["planning_ms"]`; `metrics["auto"]` holds each candidate's simulated step time or the
@@ -22,8 +18,8 @@ from dataclasses import dataclass
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.validate import validate_plan
-from lengthwise.planners import available_planners, get_planner
 from lengthwise.planners.base import PlanRequest, take_options
+from lengthwise.planners.registry import CANDIDATE_PLANNERS
 from lengthwise.sim import SimResult, simulate_plan
 from lengthwise.specs import ParallelScheme
 
@@ -60,7 +56,7 @@ def try_planner(name: str, request: PlanRequest) -> Candidate:
     """Plan, validate and simulate with one planner; a UserError becomes a skipped candidate."""
     started = time.perf_counter()
     try:
-        plan = get_planner(name)(request)
+        plan = candidate_planner(name)(request)
         validate_plan(plan, request.cost)
         result = simulate_plan(plan, request.cost)
         cand = Candidate(planner=name, plan=plan, result=result, scheme=request.scheme)
@@ -78,8 +74,15 @@ def choose_best(candidates: list[Candidate]) -> Candidate | None:
     return min(usable, key=lambda c: (c.result.step_time_s, max_peak(c.result)))
 
 
+def candidate_planner(name: str):
+    """The planner auto may run under `name` (every planner but auto itself)."""
+    if name not in CANDIDATE_PLANNERS:
+        raise UserError(f"auto cannot run planner {name!r}: candidates are {', '.join(CANDIDATE_PLANNERS)}")
+    return CANDIDATE_PLANNERS[name]
+
+
 def default_candidates() -> list[str]:
-    return [n for n in available_planners() if n != "auto"]
+    return list(CANDIDATE_PLANNERS)
 
 
 def candidate_request(request: PlanRequest, name: str, opts: dict) -> PlanRequest:

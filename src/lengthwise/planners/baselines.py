@@ -18,9 +18,7 @@ are formed and spread over data-parallel ranks:
   token count, then each rank packs its share best-fit-decreasing. Equal tokens per rank, but
   not equal attention FLOPs.
 
-Options: `padding` takes micro_batch_size (default: as many rows of the batch's longest sequence
-as one pipeline's memory holds under 1F1B, cost.max_seq_len); `sorted` takes micro_batch_size (default: fill the token budget);
-`token-balanced` takes equal_count (same number of sequences per rank, default false).
+Options: `PaddingOptions`, `SortedOptions`, `TokenBalancedOptions` in planners/options.py.
 """
 
 from __future__ import annotations

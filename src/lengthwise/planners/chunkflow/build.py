@@ -33,20 +33,19 @@ Steps, each a function below:
    packed chunks, under make_schedule("state-aware-1f1b", chunks, pp, k=K); with pp = 1 that
    is plain gradient accumulation: forwards of a group in order, backwards in reverse, the
    first N - K forwards run once without grad (keeping only K/V) and again before their backward.
-4. ChunkSize and K (§5, chunkflow_search.py): with chunk_size="auto" every (ChunkSize, K) of a
+4. ChunkSize and K (§5, chunkflow/planner.py): with chunk_size="auto" every (ChunkSize, K) of a
    grid is planned and simulated, and the fastest one whose simulated peak memory fits wins.
 
-Options (request.options):
+How the options' defaults are chosen (`ChunkFlowOptions` in planners/options.py):
 
 - `chunk_size`: tokens per chunk (int), or "auto" for the §5 grid search. Default: the largest
   power of two (at least 256) whose max(K, pp - stage) in-flight chunks per stage, plus the K/V state (and its
   gradient) of the batch's longest sequence, fit beside the model states; capped at the context
   length rounded up to a power of two (§5: without pipelining, ChunkSize as large as memory
   allows) and, with pp > 1, at the power of two below one pipeline's tokens / (2 pp) (at least
-  2K), so each stage sees about 2 pp chunks. On chunkflow-eval batches of 256 at 256K context,
-  tp4 pp4, that picks the grid search's usual winner (8K at dp 1, 4K at dp 2); memory alone
-  picks 32K-64K, leaving 2-4 chunks per pipeline: at dp 1 a fixed 16K simulates 10% slower
-  than 8K, 32K 36% slower.
+  2K), so each stage sees about 2 pp chunks (memory alone would leave long-tail batches 2-4
+  chunks per pipeline and mostly bubbles; chunk_size=auto records every grid point's simulated
+  step in plan.metrics["grid"] to check the default against).
 - `k`: chunks of a group whose activations are kept at once (int >= 1, §4.2). Default 1; with
   chunk_size="auto" and no k, K is searched too.
 

@@ -1,5 +1,5 @@
 """InfiniPipe's sequence grouping (infinipipe.txt §3.3.2, eq. 14): which units share one 1F1B
-pipeline group, each group checkpointed by Algorithm 2 (infinipipe_ckpt.py).
+pipeline group, each group checkpointed by Algorithm 2 (infinipipe/ckpt.py).
 
     lay = layout(request, dp)
     groups, cost = group_by_classes(units, request, lay, mode="adaptive", time_limit_s=1.0)

@@ -9,7 +9,7 @@ co-optimised pipeline schedule and checkpointing.
 
 Steps, each a function below or in a helper module:
 
-1. Workload-balanced chunking (§3.2, Algorithm 1; infinipipe_chunking.py): the longest
+1. Workload-balanced chunking (§3.2, Algorithm 1; infinipipe/chunking.py): the longest
    sequence is cut into N slices of equal backward time, every long sequence is cut by that mesh
    into split chunks and a tail slice, and short sequences are packed into tail-seeded buckets
    under a time and a token threshold. A sequence becomes one *unit* with its chunks.
@@ -21,25 +21,13 @@ Steps, each a function below or in a helper module:
    the group's recomputation. More groups keep short sequences out of long ones' deep windows
    (less recomputation) at the price of more warm-ups. Groups run one after another.
 4. Stage-aware chunk-level adaptive checkpointing (§3.3.3, Algorithm 2, eq. 15-20;
-   infinipipe_ckpt.py): per group, an MILP over n + pp - 1 integers solved by HiGHS picks the
+   infinipipe/ckpt.py): per group, an MILP over n + pp - 1 integers solved by HiGHS picks the
    layers each chunk recomputes on each stage, written to the F actions (`F3.r2`).
-5. N (§3.2: "automatically tuned"; infinipipe_search.py): a ladder N = 1, 2, 3, 4, 6, 9, ...
+5. N (§3.2: "automatically tuned"; infinipipe/search.py): a ladder N = 1, 2, 3, 4, 6, 9, ...
    then bisection around the best rung, each N scored by the simulator's step time (or the
    DP's estimate); N whose chunks cannot fit memory are skipped.
 
-Options (request.options):
-
-- `num_slices`: N, slices of the longest sequence (int >= 1). Default None: tuned (step 5).
-- `slice_candidates`: most feasible values of N planned when tuning (int >= 1, default 10).
-- `balanced_chunking`: Algorithm 1 (default True); False is the "w/o wbc" ablation (§5.5):
-  equal-token slices and token-only packing.
-- `checkpointing`: "adaptive" (the MILP, default), "none" (no recomputation: the "w/o ckpt"
-  ablation; N grows until memory fits) or "full" (every layer of every chunk recomputed, the
-  "full ckpt" ablation).
-- `score`: how N candidates are compared: "simulate" (default) or "estimate" (the DP's cost).
-- `milp_time_limit_s`: HiGHS time limit per MILP, seconds (default 0.1); on time-out the better
-  of HiGHS's incumbent and the LP optimum rounded up is used (within about 3% of the bound on
-  the §5 workloads, where closing a 1% gap can take HiGHS seconds).
+Options: `InfiniPipeOptions` in planners/options.py (each with its default and meaning).
 
 Metrics added: num_slices, mesh (boundaries), time_threshold_s, groups (per pipeline: prefill,
 chunks, checkpointing status, recompute seconds), recompute_layer_chunks, candidates (N ->
@@ -201,7 +189,7 @@ def score(plan: StepPlan, cand: Candidate, request: PlanRequest, settings: Setti
 
 
 def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, started: float) -> StepPlan:
-    """Step 5: the fixed N, or the best N of the search (infinipipe_search.py)."""
+    """Step 5: the fixed N, or the best N of the search (infinipipe/search.py)."""
     plans: dict[int, StepPlan] = {}
 
     def evaluate(n: int) -> float | str:

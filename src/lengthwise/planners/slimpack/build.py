@@ -12,7 +12,7 @@ DP-Merge for outliers, the MicroPack count chosen by simulation.
 
 Steps, each a function here or in a slimpack_* helper:
 
-1. Phase 1 (§4.1.1, slimpack_dp.py): each sample's forward FLOPs (cost.forward_flops of the
+1. Phase 1 (§4.1.1, slimpack/dp.py): each sample's forward FLOPs (cost.forward_flops of the
    whole sequence, LM head included); samples onto DP ranks for equal forward FLOPs; a sample
    heavier than a rank's share B = total / ranks, or whose activations and K/V state overflow
    one rank's pipeline, is merged over several ranks (DP-Merge): one pipeline whose cp is the
@@ -23,16 +23,16 @@ Steps, each a function here or in a slimpack_* helper:
    DP ranks, and CP appears only where DP-Merge puts it (§4.1.3: slicing "reduces the need for
    costly, communication-intensive context parallelism"; sharding every slice would re-gather
    its whole K/V context per MicroPack, cost.cp_comm_time).
-2. Phase 2 (§4.1.1, slimpack_cuts.py): per pipeline, samples in descending FLOPs cut into N
+2. Phase 2 (§4.1.1, slimpack/cuts.py): per pipeline, samples in descending FLOPs cut into N
    forward MicroPacks of equal forward FLOPs (Slim / Mix / Pack), boundaries exact to a token
    by solving the slice-cost quadratic.
-3. Asymmetric partitioning (§4.1.2, slimpack_cuts.py): the same samples, FIFO across samples
+3. Asymmetric partitioning (§4.1.2, slimpack/cuts.py): the same samples, FIFO across samples
    and FILO within one, cut into N backward MicroPacks of equal backward FLOPs; each backward
    segment is a whole forward segment or a sub-range of one. The plan carries them as
    PipelinePlan.backward_chunks.
-4. PackFlow schedule (§4.2, slimpack_schedule.py): 1F1B over the forward MicroPacks and the
+4. PackFlow schedule (§4.2, slimpack/schedule.py): 1F1B over the forward MicroPacks and the
    backward units, forwards injected where a unit's slices have not all run forward.
-5. MicroPack count (§5.1, §4.3, slimpack_sweep.py): N on a log-spaced sweep from pp to
+5. MicroPack count (§5.1, §4.3, slimpack/planner.py): N on a log-spaced sweep from pp to
    max_micropacks (ratio sqrt 2, rounded, duplicates dropped: the integer steps are dense where
    the budget changes fastest); every candidate is simulated (lengthwise.sim) in increasing N until two fitting
    ones in a row are slower than the best before them, and each pipeline keeps the N that
@@ -40,23 +40,10 @@ Steps, each a function here or in a slimpack_* helper:
    may choose a different N"). When DP-Merge merged a compute outlier, the variant that merges
    only memory outliers is swept too and the faster step wins (merging costs CP communication).
 
-Simulated with the analytic cost model on 2026-11-21 (512 github sequences, llama2-7b, 128
-H100s): on the same dp8-tp4-pp4 scheme 2.62 s a step against packing's 5.37 s (bubbles 12%
-against 60%); each planner at its own best scheme 2.32 s against 3.24 s at 64K context, 2.62 s
-against 4.82 s at 128K, 3.53 s against 7.06 s at 256K. Planning takes 0.2-1.8 s of CPU a batch.
+Simulated step times and planning times against the other planners on the papers' workloads:
+benchmarks/results/compare_suite.json (written by benchmarks/compare_suite.py).
 
-Options (request.options):
-
-- `num_micropacks`: MicroPacks per pipeline (int); default None sweeps (step 5). A pipeline
-  whose MicroPacks would not each fit its GPUs alone at that count (the bound validate_plan
-  checks, plan.validate.memory_overflow) takes the smallest larger count at which they do.
-- `max_micropacks`: top of the sweep (int), default 32 * pp.
-- `asymmetric`: regroup the backward (bool, default True); False runs each forward MicroPack's
-  own backward under plain 1F1B (the ablation of §6.3).
-- `dp_merge`: merge ranks for outliers (bool, default True); False merges none (a sample
-  whose activations overflow one rank's pipeline is then a UserError).
-- `schedule`: "steady", "lean" (slimpack_schedule.py) or "auto" (default: steady, and lean for
-  the pipelines the steady schedule fits at no MicroPack count).
+Options: `SlimPackOptions` in planners/options.py (each with its default and meaning).
 
 Metrics added to plan.metrics: micropacks (per pipeline), forward_budget_flops and
 backward_budget_flops (per pipeline), forms (Slim / Mix / Pack counts), dp_merge (merged

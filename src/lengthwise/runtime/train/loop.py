@@ -6,7 +6,7 @@
     [r.loss for r in result.records]
 
 A step: the sampler's next global batch -> its token ids and the planner's validated StepPlan
--> forward and backward as the plan says (`train_step.forward_backward`; loss = summed token
+-> forward and backward as the plan says (`train/step.forward_backward`; loss = summed token
 cross-entropy / the batch's loss tokens, so equal to unpacked training whatever the plan) ->
 gradient clipping -> AdamW -> one metrics line, the progress bar, maybe a checkpoint.
 
@@ -20,9 +20,9 @@ sampler position after batch n (not after the prefetched batch n+1), so a run re
 draws, plans and computes exactly what the uninterrupted run did: the final weights are
 bit-identical (tests/test_train.py).
 
-Executors. The loop above is shared; what runs a step's plan is an executor (train_exec.py).
+Executors. The loop above is shared; what runs a step's plan is an executor (train/executor.py).
 `LocalExecutor`: this process runs every pipeline and stage (`run_step`), AdamW over all
-parameters, checkpoints in runtime/checkpoint.py. `train_dist.RankExecutor`: one rank of
+parameters, checkpoints in runtime/checkpoint.py. `train/dist.RankExecutor`: one rank of
 dp * pp * cp processes runs its stage (`run_rank_step`), AdamW over the parameters it holds,
 clipping by the global norm, checkpoints through torch.distributed.checkpoint; only rank 0
 writes metrics and the progress bar.
