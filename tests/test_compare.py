@@ -77,7 +77,7 @@ def test_compare_cli_writes_report_and_json(tmp_path, capsys):
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     for key in ("step_time_s", "tokens_per_s", "speedup_vs_best_baseline", "bubble_ratio", "dp_imbalance",
-                "peak_memory_gb", "fits", "planning_ms_mean", "planning_ms_max", "scheme"):
+                "peak_memory_gib", "fits", "planning_ms_mean", "planning_ms_max", "scheme"):
         assert key in data["planners"]["packing"]
     assert data["setup"]["simulated"] is True
     report = (out / "report.md").read_text()

@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from lengthwise.cost import CostModel, Profile
+from lengthwise.metrics import BUBBLE_RATIO, DP_IMBALANCE, GIB, MFU, PEAK_MEMORY_GIB, STEP_TIME_S, TOKENS_PER_S
 from lengthwise.planners import PLANNER_NAMES
 from lengthwise.planners.auto import Candidate, choose_best, max_peak, try_planner
 from lengthwise.planners.base import PlanRequest
@@ -71,15 +72,15 @@ class PlannerRow:
         imbalance = [r.result.dp_imbalance for r in ok if r.result.dp_imbalance is not None]
         d = {
             "scheme": self.scheme,
-            "step_time_s": step,
-            "tokens_per_s": tokens / sum(r.result.step_time_s for r in ok),
+            STEP_TIME_S: step,
+            TOKENS_PER_S: tokens / sum(r.result.step_time_s for r in ok),
             "speedup_vs_best_baseline": best_baseline_s / step if best_baseline_s else None,
-            "bubble_ratio": statistics.fmean(r.result.bubble_ratio for r in ok),
-            "dp_imbalance": statistics.fmean(imbalance) if imbalance else None,
+            BUBBLE_RATIO: statistics.fmean(r.result.bubble_ratio for r in ok),
+            DP_IMBALANCE: statistics.fmean(imbalance) if imbalance else None,
             "dp_spread": statistics.fmean(r.result.dp_imbalance_spread for r in ok),
-            "peak_memory_gb": max(max_peak(r.result) for r in ok) / 2**30,
+            PEAK_MEMORY_GIB: max(max_peak(r.result) for r in ok) / GIB,
             "fits": all(bool(r.result.fits) for r in ok),
-            "mfu": statistics.fmean(r.result.mfu or 0.0 for r in ok),
+            MFU: statistics.fmean(r.result.mfu or 0.0 for r in ok),
             "planning_ms_mean": statistics.fmean(r.elapsed_ms for r in self.runs),
             "planning_ms_max": max(r.elapsed_ms for r in self.runs),
             "batches": len(ok),
@@ -167,7 +168,7 @@ def auto_row(rows: dict[str, PlannerRow], num_batches: int) -> PlannerRow:
 
 
 def summarise(rows: dict[str, PlannerRow]) -> dict:
-    base_times = [rows[b].summary(None).get("step_time_s") for b in BASELINES if b in rows]
+    base_times = [rows[b].summary(None).get(STEP_TIME_S) for b in BASELINES if b in rows]
     fitting = [t for b, t in zip([b for b in BASELINES if b in rows], base_times)
                if t is not None and rows[b].summary(None)["fits"]]
     best = min(fitting) if fitting else None

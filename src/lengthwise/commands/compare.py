@@ -32,6 +32,7 @@ from lengthwise.commands.planner_flags import (
 )
 from lengthwise.commands.profile import add_profile_file_arg, load_profile_file
 from lengthwise.errors import UserError
+from lengthwise.metrics import PEAK_MEMORY_GIB
 from lengthwise.report import CompareSetup, all_planners, run_compare, summarise
 from lengthwise.report_files import write_report
 from lengthwise.specs import CLUSTER_PRESETS, cluster_preset, model_preset
@@ -134,6 +135,6 @@ def table_lines(planners: dict) -> str:
         speed = f"{r['speedup_vs_best_baseline']:.2f}x" if r["speedup_vs_best_baseline"] else "-"
         dp = f"{r['dp_imbalance']:.2f}" if r["dp_imbalance"] else "-"
         rows.append(f"{name:<15}{r['scheme']:<18}{r['step_time_s']:>9.2f}{r['tokens_per_s']:>12,.0f}{speed:>9}"
-                    f"{r['bubble_ratio']:>8.1%}{dp:>11}{r['peak_memory_gb']:>9.1f}{str(r['fits']):>6}"
+                    f"{r['bubble_ratio']:>8.1%}{dp:>11}{r[PEAK_MEMORY_GIB]:>9.1f}{str(r['fits']):>6}"
                     f"{r['planning_ms_mean']:>9.1f}")
     return "\n".join(rows)

@@ -5,7 +5,7 @@ wins on some workloads and loses on others, and the simulator is cheap enough to
 Options: `AutoOptions` in planners/options.py (candidates, schemes, candidate_options).
 
 Planning time is the sum of what it runs (planners, validation and simulation), recorded in
-`metrics["planning_ms"]`; `metrics["auto"]` holds each candidate's simulated step time or the
+`metrics[PLANNING_MS]`; `metrics["auto"]` holds each candidate's simulated step time or the
 reason it was skipped.
 """
 
@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from lengthwise.errors import UserError
+from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS
 from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners.base import PlanRequest, take_options
@@ -45,7 +46,7 @@ class Candidate:
         if self.result is None:
             return {"error": self.error}
         return {"step_time_s": self.result.step_time_s, "fits": bool(self.result.fits),
-                "peak_memory_gb": max_peak(self.result) / 2**30}
+                PEAK_MEMORY_GIB: max_peak(self.result) / GIB}
 
 
 def max_peak(result: SimResult) -> float:
@@ -107,7 +108,7 @@ def plan_auto(request: PlanRequest) -> StepPlan:
     plan = best.plan
     plan.metrics = {**plan.metrics, "chosen_planner": best.planner,
                     "auto": {c.planner: c.summary() for c in tried},
-                    "planning_ms": (time.perf_counter() - started) * 1e3}
+                    PLANNING_MS: (time.perf_counter() - started) * 1e3}
     plan.options = {"chosen_planner": best.planner, "candidates": names, **plan.options}
     plan.planner = "auto"
     return plan

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from lengthwise.errors import UserError
+from lengthwise.metrics import PLANNING_MS
 from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import make_schedule
 from lengthwise.planners.options import option_defaults
@@ -133,7 +134,7 @@ def finish_plan(request: PlanRequest, pipelines: list[PipelinePlan], *, planner:
                     lengths=list(request.lengths), pipelines=pipelines, zero=request.scheme.zero,
                     options=dict(request.options if options is None else options))
     plan.metrics = plan_metrics(plan, request.cost)
-    plan.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
+    plan.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
     return plan
 
 

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from lengthwise.cost.flops import causal_keys
 from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
+from lengthwise.metrics import GIB, PLANNING_MS
 from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import make_schedule
 from lengthwise.planners.base import (
@@ -86,7 +87,6 @@ FILL_FLOOR = 2048
 smallest): below it GEMM efficiency costs more than the bubbles it removes."""
 BALANCE_SLACK = 1.01
 """LPT placement within this factor of the lower bound is kept without trying Karmarkar-Karp."""
-GIB = 2**30
 
 
 @dataclass(kw_only=True)
@@ -278,7 +278,7 @@ def build_plan(request: PlanRequest, chunk_size: int, k: int, started: float) ->
     plan = finish_plan(request, pipelines, planner="chunkflow", started=started,
                        options={"chunk_size": chunk_size, "k": k})
     plan.metrics.update(chunk_metrics(request, chunk_sets, chunk_size, k))
-    plan.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
+    plan.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
     return plan
 
 

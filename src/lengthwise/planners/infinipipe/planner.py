@@ -31,7 +31,7 @@ Options: `InfiniPipeOptions` in planners/options.py (each with its default and m
 
 Metrics added: num_slices, mesh (boundaries), time_threshold_s, groups (per pipeline: prefill,
 chunks, checkpointing status, recompute seconds), recompute_layer_chunks, candidates (N ->
-score or why dropped), predicted_step_s.
+score or why dropped), predicted_step_time_s.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, replace
 
 from lengthwise.errors import UserError
+from lengthwise.metrics import PLANNING_MS, PREDICTED_STEP_TIME_S
 from lengthwise.plan.ir import PipelinePlan, StepPlan
 from lengthwise.planners.base import (
     PlanRequest,
@@ -197,7 +198,7 @@ def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, starte
         if plan is None:
             return why
         plans[n] = plan
-        return plan.metrics["predicted_step_s"]
+        return plan.metrics[PREDICTED_STEP_TIME_S]
 
     def too_many(n: int) -> bool:
         return n > MAX_SLICES or mesh_for(n, request, settings, fit) is None
@@ -211,7 +212,7 @@ def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, starte
         raise infeasible_error(request, settings, fit, max(search.tried))
     best = plans[search.best]
     best.metrics["candidates"] = {str(k): v for k, v in sorted(search.tried.items())}
-    best.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
+    best.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
     return best
 
 
@@ -228,7 +229,7 @@ def plan_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost,
     if cand is None:
         return None, "does not fit memory"
     plan = candidate_plan(cand, request, settings, started)
-    plan.metrics["predicted_step_s"] = score(plan, cand, request, settings)
+    plan.metrics[PREDICTED_STEP_TIME_S] = score(plan, cand, request, settings)
     return plan, ""
 
 

@@ -27,7 +27,7 @@ head_dim, d_kv = kv_heads x head_dim, P_mm = d (2 d_q + 2 d_kv) + 3 d ffn matmul
   T_comp(distributed / c), minimised over the classification D and the assignment A.
 - Joint objective (eq. 8-11): minimise max over DP ranks j of sum over micro-batches k of
   T_DACP(micro-batch j,k), each sequence in exactly one micro-batch, each micro-batch feasible
-  for DACP. The plan's metric `predicted_step_s` evaluates it.
+  for DACP. The plan's metric `predicted_step_time_s` evaluates it.
 
 GDS (Algorithm 2, as §4.3.2 describes it):
 1. estimate each sequence's training FLOPs and split the batch over the DP ranks balancing FLOPs
@@ -48,6 +48,7 @@ import time
 from typing import Any
 
 from lengthwise.errors import UserError
+from lengthwise.metrics import PREDICTED_STEP_TIME_S
 from lengthwise.plan.ir import SHARDED, Chunk, Segment, StepPlan
 from lengthwise.planners.base import (
     PlanRequest,
@@ -185,7 +186,7 @@ def skrull_metrics(request: PlanRequest, plan: StepPlan, bucket: int, roll_backs
         "sharded_token_fraction": sharded / total if total else 0.0,
         "sharded_sequences": sum(1 for seg in segs if seg.cp_rank == SHARDED),
         "gds_roll_backs": roll_backs,
-        "predicted_step_s": max(per_pipeline, default=0.0),
+        PREDICTED_STEP_TIME_S: max(per_pipeline, default=0.0),
     }
 
 

@@ -61,6 +61,7 @@ import numpy as np
 
 from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
+from lengthwise.metrics import GIB
 from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
 from lengthwise.plan.schedules import make_schedule
 from lengthwise.plan.validate import memory_overflow
@@ -89,7 +90,6 @@ HOLD_SHARES = (0.75, 0.5, 0.25)
 gradients may take; a sample needing more is merged over ranks, and the rest is left to the
 MicroPacks in flight beside it. When no MicroPack count fits in simulation, the next, smaller
 share is tried (memory outliers merge over more ranks)."""
-GIB = 2**30
 
 
 # ---- costs ----
