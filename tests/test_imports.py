@@ -5,9 +5,12 @@ runtime -> commands, STYLE.md). Imports inside functions count too."""
 from __future__ import annotations
 
 import ast
+from dataclasses import fields
 from pathlib import Path
 
 import lengthwise
+from lengthwise.metrics import BUBBLE_RATIO, DP_IMBALANCE, MFU, STEP_TIME_S, TOKENS_PER_S
+from lengthwise.sim import SimResult
 
 ROOT = Path(lengthwise.__file__).parent
 FLOORS = {"errors": 0, "metrics": 0, "specs": 1, "workloads": 1, "plan.ir": 2, "cost": 3, "plan": 4,
@@ -68,3 +71,7 @@ def test_no_import_cycles():
         if name not in state:
             visit(name, [name])
     assert cycles == []
+
+
+def test_the_simulator_and_the_glossary_name_figures_alike():
+    assert {STEP_TIME_S, BUBBLE_RATIO, DP_IMBALANCE, TOKENS_PER_S, MFU} <= {f.name for f in fields(SimResult)}

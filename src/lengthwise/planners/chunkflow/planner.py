@@ -77,7 +77,7 @@ def grid_search(request: PlanRequest, k: int | None, started: float) -> StepPlan
 
 
 def plan_chunkflow(request: PlanRequest) -> StepPlan:
-    """ChunkFlow for one global batch (chunkflow §4-§5); options in the module docstring."""
+    """ChunkFlow for one global batch (chunkflow §4-§5); options: `ChunkFlowOptions` (planners/options.py)."""
     started = time.perf_counter()
     opts = take_options(request, "chunkflow")
     chunk_size, k = read_chunk_size(opts["chunk_size"]), positive_int_option(opts, "k")

@@ -249,7 +249,7 @@ def infeasible_error(request: PlanRequest, settings: Settings, fit: SliceCost, l
 
 
 def plan_infinipipe(request: PlanRequest) -> StepPlan:
-    """InfiniPipe for one global batch (infinipipe §3); options in the module docstring."""
+    """InfiniPipe for one global batch (infinipipe §3); options: `InfiniPipeOptions` (planners/options.py)."""
     started = time.perf_counter()
     settings = read_settings(request)
     check_lengths(request)

@@ -160,7 +160,7 @@ def choose_per_pipeline(candidates: list[dict], capacity: float) -> list[int]:
 
 
 def plan_slimpack(request: PlanRequest) -> StepPlan:
-    """SlimPack for one global batch (slimpack §4-§5); options in the module docstring."""
+    """SlimPack for one global batch (slimpack §4-§5); options: `SlimPackOptions` (planners/options.py)."""
     started = time.perf_counter()
     opts = read_options(request)
     check_lengths(request)
