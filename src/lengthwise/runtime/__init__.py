@@ -11,7 +11,9 @@ cross-entropy) ; state.py (K/V store) <- cells.py (forward chunks cut by backwar
 transport.py (stage-to-stage messages) <- stage.py
 (one stage's state-aware runner) <- checks.py, execute.py (single-process driver) <- verify.py
 (comparison with transformers). weights.py reads and writes Hugging Face checkpoints and
-memory.py measures what autograd keeps for backward.
+memory.py measures what autograd keeps for backward. manifest.py (sha256 of a checkpoint's
+files, written last, checked before any is read) <- checkpoint.py (training checkpoints as
+JSON and safetensors).
 """
 
 from lengthwise.runtime.execute import run_step, unpacked_plan  # noqa: F401
