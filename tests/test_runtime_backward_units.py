@@ -48,7 +48,7 @@ sequence (the unit holding the later tokens runs backward first)."""
 HAND_STAGES = {
     "pp1": ["F0 F1 B0 B1 F2 B2 B3"],
     "pp2": ["F0 F1 F2 B0 B1 B2 B3", "F0 F1 B0 F2 B1 B2 B3"],
-    "pp2-nograd-recompute": ["N0 F1.r1 F2 B0 F0 B1 B2 B3", "N0 F1 B0 F0 F2 B1 B2 B3"],
+    "pp2-nograd-recompute": ["N0 F1.r1 F2 B0 F0 B1 B2 B3", "N0 F1 F2 B0 F0 B1 B2 B3"],
 }
 
 

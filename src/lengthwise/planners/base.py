@@ -41,7 +41,8 @@ class PlanRequest:
     seed: int = 0
     """Seed for any random choice the planner makes."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Planner-specific options (chunk_size, k, micro_batch_size ...)."""
+    """Planner-specific options by name (chunk_size, k, ...): the fields of the planner's class in
+    planners/options.py, defaults left out."""
 
 
 Planner = Callable[[PlanRequest], StepPlan]
