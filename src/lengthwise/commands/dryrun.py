@@ -56,23 +56,14 @@ def dryrun_rows(plan, ranks: list[int], *, dtype: str = "bfloat16") -> dict[str,
     from lengthwise.sim.rank import rank_prediction
     from lengthwise.sim.simulate import simulate_plan
 
-    torch, dryrun_rank = _runtime()
+    import torch
+
+    from lengthwise.runtime.dryrun import dryrun_rank
     cost = CostModel(model=plan.model, cluster=plan.cluster)
     peaks = simulate_plan(plan, cost).peak_memory
     return {str(rank): side_by_side(dryrun_rank(plan, rank, dtype=getattr(torch, dtype)),
                                     rank_prediction(plan, cost, rank=rank, peak_memory=peaks))
             for rank in ranks}
-
-
-def _runtime():
-    try:
-        import torch
-
-        from lengthwise.runtime.dryrun import dryrun_rank
-    except ModuleNotFoundError as exc:
-        raise UserError(f"dryrun needs PyTorch ({exc.name} is missing): pip install torch, "
-                        "then pip install -e '.[train]'") from None
-    return torch, dryrun_rank
 
 
 def parse_ranks(text: str, world_size: int) -> list[int]:
