@@ -16,16 +16,16 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, Chunk, Segment, StepPlan
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.planners import infinipipe as ip
-from lengthwise.planners import infinipipe_grouping as grouping
-from lengthwise.planners.infinipipe_chunking import (
+from lengthwise.planners.infinipipe import planner as ip
+from lengthwise.planners.infinipipe import grouping
+from lengthwise.planners.infinipipe.chunking import (
     SliceCost,
     balanced_chunking,
     balanced_mesh,
     pack_buckets,
     split_by_mesh,
 )
-from lengthwise.planners.infinipipe_ckpt import (
+from lengthwise.planners.infinipipe.ckpt import (
     MIP_GAP,
     Checkpointing,
     GroupPlan,
@@ -33,7 +33,7 @@ from lengthwise.planners.infinipipe_ckpt import (
     checkpointing_problem,
     solve_checkpointing,
 )
-from lengthwise.planners.infinipipe_schedule import group_memory, group_schedule
+from lengthwise.planners.infinipipe.schedule import group_memory, group_schedule
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
 from lengthwise.workloads import get_profile
 

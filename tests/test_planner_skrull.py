@@ -11,7 +11,7 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import SHARDED, Chunk, Segment
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.planners.skrull_dacp import DacpCost, dacp, refine_by_objective
+from lengthwise.planners.skrull.dacp import DacpCost, dacp, refine_by_objective
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
 
 QWEN = MODEL_PRESETS["qwen2.5-0.5b"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from lengthwise.cost import memory as mem
+import lengthwise.cost.memory as mem
 from lengthwise.cost.comm import CommModel
 from lengthwise.cost.flops import ChunkWork, chunk_work, head_forward_flops, layer_forward_flops
 from lengthwise.cost.time import Profile, Throughput

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lengthwise.errors import UserError
+from lengthwise.metrics import GIB
 from lengthwise.plan.ir import (
     BACKWARD,
     FORWARD,
@@ -44,7 +45,6 @@ from lengthwise.plan.schedules import check_message_order, check_schedule
 if TYPE_CHECKING:
     from lengthwise.cost import CostModel
 
-GIB = 2**30
 
 
 def validate_plan(plan: StepPlan, cost: CostModel | None = None) -> None:
