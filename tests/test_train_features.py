@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from lengthwise.errors import UserError
-from lengthwise.runtime.train import Setup, train
-from lengthwise.runtime.train_config import TrainConfig
-from lengthwise.runtime.train_schedule import lr_factor
+from lengthwise.runtime.train.config import TrainConfig
+from lengthwise.runtime.train.loop import Setup, train
+from lengthwise.runtime.train.schedule import lr_factor
 from lengthwise.workloads import corpus as corpus_module
 from lengthwise.workloads.corpus import load_corpus
 from lengthwise.workloads.token_cache import open_or_build

@@ -22,7 +22,7 @@ import lengthwise
 from lengthwise.cli import build_parser, main
 from lengthwise.commands.train import config_from_args
 from lengthwise.runtime.checkpoint import latest_checkpoint
-from lengthwise.runtime.train import train
+from lengthwise.runtime.train.loop import train
 
 BASE = ("--dtype", "float64", "--context-length", "64", "--batch-size", "3", "--steps", "5", "--lr", "1e-2",
         "--threads", "1", "--no-progress")

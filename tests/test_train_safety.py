@@ -14,12 +14,12 @@ import torch
 from lengthwise.cli import build_parser, main
 from lengthwise.commands.train import config_from_args
 from lengthwise.errors import UserError
-from lengthwise.runtime import train_memory
 from lengthwise.runtime.checkpoint import latest_checkpoint
-from lengthwise.runtime.train import train
-from lengthwise.runtime.train_config import TrainConfig
-from lengthwise.runtime.train_outputs import OutputLock
-from lengthwise.runtime.train_schedule import apply_settings, first_nonfinite
+from lengthwise.runtime.train import memory_check
+from lengthwise.runtime.train.config import TrainConfig
+from lengthwise.runtime.train.loop import train
+from lengthwise.runtime.train.outputs import OutputLock
+from lengthwise.runtime.train.schedule import apply_settings, first_nonfinite
 from lengthwise.specs import model_preset
 
 ARGS = ["train", "--no-progress", "--dtype", "float64", "--context-length", "64", "--batch-size", "3",
@@ -103,11 +103,11 @@ def test_metrics_are_trimmed_to_the_resumed_step_and_debris_is_removed(tmp_path)
 
 
 def test_a_batch_the_machine_cannot_hold_is_refused_before_it_starts(capsys, monkeypatch):
-    monkeypatch.setattr(train_memory, "available_host_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(memory_check, "available_host_bytes", lambda: 1 << 30)
     err = one_line_error(capsys, "--batch-size", "100000", "--context-length", "512")
     assert "needs about 1.2 GiB of host memory" in err and "1.0 GiB is available" in err
     tiny = model_preset("tiny")
-    assert train_memory.estimate_memory(small(), tiny).states == 4 * 8 * tiny.num_params  # float64
+    assert memory_check.estimate_memory(small(), tiny).states == 4 * 8 * tiny.num_params  # float64
 
 
 def test_timeout_reaches_the_config():
