@@ -1,5 +1,5 @@
-"""What a run shows while it trains: the progress bar, the metrics file, TensorBoard, and the
-message of a step that went non-finite.
+"""What a run shows while it trains: each step's record, the progress bar, the metrics file,
+TensorBoard, and the message of a step that went non-finite.
 
     reporter = Reporter(config, shown=rank == 0, step=start_step)
     reporter.step(record)      # after the step's checkpoint, if it had one
@@ -14,13 +14,63 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from lengthwise.runtime.train.config import TrainConfig
 from lengthwise.runtime.train.outputs import append_metrics
 
-if TYPE_CHECKING:
-    from lengthwise.runtime.train.loop import StepRecord
+
+@dataclass(kw_only=True)
+class StepRecord:
+    """What one optimizer step did; `metrics()` is its metrics-file line."""
+
+    step: int
+    """Steps completed, counting from 1."""
+    loss: float
+    """Mean token cross-entropy of the global batch (nats), before the update."""
+    tokens: int
+    """Real tokens in the global batch."""
+    seq_ids: tuple[int, ...]
+    """The batch's sequences (corpus indices), in sampler order."""
+    step_s: float
+    """Wall time of the step, seconds, waiting for its plan included."""
+    wait_ms: float
+    """Of that, time spent waiting for the planning thread, milliseconds."""
+    planning_ms: float
+    """Time the planner (and plan validation) took in the worker thread, milliseconds."""
+    peak_memory_bytes: int
+    """Saved-for-backward bytes (CPU) or CUDA max_memory_allocated, this step (the largest
+    over the ranks of a distributed run)."""
+    memory_kind: str
+    """saved_for_backward or cuda_max_allocated."""
+    grad_norm: float
+    """Global gradient 2-norm before clipping."""
+    planner: str
+    """Planner that made the step's plan."""
+    padding_fraction: float
+    """Padding share of the plan's row tokens."""
+    lr: float = 0.0
+    """Learning rate the step used (schedule.lr_factor)."""
+    eval_loss: float | None = None
+    """Held-out loss after the step, on steps that evaluated (config.eval_every)."""
+    skipped: bool = False
+    """The loss or gradient norm was not finite and the update was skipped (skip_nonfinite)."""
+    nonfinite_param: str | None = None
+    """On a skipped step: the first parameter whose gradient was not finite, if any."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s if self.step_s > 0 else 0.0
+
+    def metrics(self) -> dict:
+        return {"step": self.step, "loss": json_number(self.loss), "tokens": self.tokens,
+                "sequences": len(self.seq_ids), "tokens_per_s": self.tokens_per_s,
+                "step_s": self.step_s, "peak_memory_bytes": self.peak_memory_bytes,
+                "memory_kind": self.memory_kind, "planning_ms": self.planning_ms,
+                "wait_ms": self.wait_ms, "grad_norm": json_number(self.grad_norm), "planner": self.planner,
+                "padding_fraction": self.padding_fraction, "lr": self.lr,
+                **({"eval_loss": self.eval_loss} if self.eval_loss is not None else {}),
+                **({"skipped": True} if self.skipped else {})}
 
 
 class Reporter:
