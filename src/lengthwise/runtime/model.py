@@ -108,13 +108,15 @@ class SelfAttention(nn.Module):
 
     def forward(self, x_TD, rope, layout: ChunkLayout, context, backend: str):
         """Returns the output [T, D] and this row's post-rotary k, v [T, G, E]."""
-        num_tokens, spec = x_TD.shape[0], self.spec
-        q_THE = self.q_proj(x_TD).view(num_tokens, spec.num_heads, spec.head_dim)
-        k_TGE = self.k_proj(x_TD).view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        v_TGE = self.v_proj(x_TD).view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        # Heads counted from the projections' outputs: under tensor parallelism (applied from
+        # outside) a rank's projections produce its share of the heads.
+        num_tokens, head_dim = x_TD.shape[0], self.spec.head_dim
+        q_THE = self.q_proj(x_TD).view(num_tokens, -1, head_dim)
+        k_TGE = self.k_proj(x_TD).view(num_tokens, -1, head_dim)
+        v_TGE = self.v_proj(x_TD).view(num_tokens, -1, head_dim)
         q_THE, k_TGE = apply_rotary(q_THE, *rope), apply_rotary(k_TGE, *rope)
         out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
-        return self.o_proj(out_THE.reshape(num_tokens, spec.q_dim)), k_TGE, v_TGE
+        return self.o_proj(out_THE.reshape(num_tokens, -1)), k_TGE, v_TGE
 
 
 class SwiGLU(nn.Module):
@@ -247,12 +249,13 @@ def meta_model(spec: ModelSpec, *, part: StagePart | None = None, dtype: torch.d
 
 
 @torch.no_grad()
-def init_weights(model: CausalLM, seed: int) -> None:
+def init_weights(model: CausalLM, seed: int, assign=None) -> None:
     """Seeded random weights: matrices N(0, 0.02) like Hugging Face's initialiser; norms
     1 + N(0, 0.1) and biases N(0, 0.02) rather than constants, so that a test comparing
     gradients exercises every parameter's path. Each parameter draws from its own generator,
     seeded by (seed, name), so a stage's weights do not depend on which other stages exist
-    (pp = 2 starts from the same model as pp = 1)."""
+    (pp = 2 starts from the same model as pp = 1). `assign(param, whole)` stores a whole
+    tensor into a parameter (default: copy; a sharded parameter takes its piece)."""
     for name, param in model.named_parameters():
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
@@ -260,4 +263,7 @@ def init_weights(model: CausalLM, seed: int) -> None:
             noise = 1.0 + 0.1 * noise
         else:
             noise = 0.02 * noise
-        param.copy_(noise)
+        if assign is None:
+            param.copy_(noise)
+        else:
+            assign(param, noise)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import write_atomic
@@ -135,7 +136,20 @@ def _open(file: Path):
 
 
 def _copy_into(param: torch.Tensor, tensor: torch.Tensor) -> None:
-    param.copy_(tensor.to(param.device))
+    copy_whole(param, tensor)
+
+
+@torch.no_grad()
+def copy_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
+    """Store a whole tensor into a parameter; a DTensor (FSDP2 / TP shard) takes its own piece
+    (a replicated DTensor redistributed locally, no communication)."""
+    whole = whole.to(device=param.device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        replicated = distribute_tensor(whole, param.device_mesh, [Replicate()] * param.device_mesh.ndim,
+                                       src_data_rank=None)
+        param.to_local().copy_(replicated.redistribute(param.device_mesh, param.placements).to_local())
+    else:
+        param.copy_(whole)
 
 
 @torch.no_grad()

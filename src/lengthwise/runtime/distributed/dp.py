@@ -30,12 +30,15 @@ import json
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.distributed.mesh import Mesh, Place, PlanLayout
 from lengthwise.runtime.distributed.stats import CommStats
-from lengthwise.runtime.model import CausalLM
+from lengthwise.runtime.model import CausalLM, StagePart, meta_model
+from lengthwise.specs import ModelSpec
 
 BUCKET_ELEMENTS = 1 << 22
 """Elements per all-reduce bucket (32 MiB of float64, 8 MiB of bfloat16)."""
@@ -77,6 +80,17 @@ def stage_layer_range(plan: StepPlan, place: Place, num_layers: int) -> range:
     return range(first, first + counts[place.stage])
 
 
+def stage_part(plan: StepPlan, place: Place) -> StagePart:
+    """The modules the rank at `place` builds (`model.build_model(..., part=...)`)."""
+    last = place.stage == plan.pipelines[place.pipeline].pp - 1
+    return StagePart(layers=stage_layer_range(plan, place, plan.model.num_layers), first=place.stage == 0, last=last)
+
+
+def parameter_names(spec: ModelSpec) -> list[str]:
+    """Every parameter of the whole model (no storage allocated)."""
+    return [name for name, _ in meta_model(spec).named_parameters()]
+
+
 def holds(name: str, plan: StepPlan, place: Place, model: CausalLM) -> bool:
     """Whether the rank at `place` computes a gradient for parameter `name`."""
     pipe = plan.pipelines[place.pipeline]
@@ -95,33 +109,74 @@ def held_parameters(model: CausalLM, plan: StepPlan, place: Place) -> dict[str, 
 
 
 def holder_sets(model: CausalLM, plan: StepPlan, layout: PlanLayout) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> the ranks holding it (its gradient is summed over exactly those)."""
-    return {name: tuple(r for r, place in enumerate(layout.places) if holds(name, plan, place, model))
-            for name, _ in model.named_parameters()}
+    """Parameter name -> the ranks whose gradients of it are summed: those holding it with this
+    rank's TP rank (TP ranks hold different shards, or, for replicated parameters such as the
+    norms, equal gradients). Every parameter of the whole model, whatever this rank builds."""
+    tp_rank = layout.place.tp_rank
+    return {name: tuple(r for r, place in enumerate(layout.places)
+                        if place.tp_rank == tp_rank and holds(name, plan, place, model))
+            for name in parameter_names(model.spec)}
+
+
+def reduction_classes(model: CausalLM, plan: StepPlan, layout: PlanLayout, *,
+                      sharded: bool) -> dict[str, list[tuple[int, ...]]]:
+    """Per parameter, the disjoint rank sets over which its gradient is summed.
+
+    Replicated parameters: the holders of each TP rank (TP ranks hold different shards).
+    Under FSDP2 (`sharded`), FSDP already summed over dp x cp, and each rank holds its own
+    shard: what is left is the sum over stages of one (pipeline, CP rank, TP rank) coordinate,
+    i.e. the tied embedding of the first and the last stage."""
+    key = (lambda p: (p.pipeline, p.cp_rank, p.tp_rank)) if sharded else (lambda p: p.tp_rank)
+    out = {}
+    for name in parameter_names(model.spec):
+        classes: dict[tuple, list[int]] = {}
+        for r, place in enumerate(layout.places):
+            if holds(name, plan, place, model):
+                classes.setdefault(key(place), []).append(r)
+        out[name] = [tuple(c) for c in classes.values()]
+    return out
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own piece of a DTensor (sharing its storage), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def tp_sharded(param: torch.Tensor) -> bool:
+    """Whether the TP ranks hold different pieces of `param` (else they hold equal copies)."""
+    if not isinstance(param, DTensor) or "tp" not in (param.device_mesh.mesh_dim_names or ()):
+        return False
+    return param.placements[param.device_mesh.mesh_dim_names.index("tp")].is_shard()
 
 
 def global_grad_norm(model: CausalLM, plan: StepPlan, layout: PlanLayout, device=None) -> float:
-    """2-norm of the whole model's gradient after `GradReducer.reduce` (collective): each
-    parameter counted once, by the lowest rank holding it. For gradient clipping, which must
-    scale every rank's gradients by the same factor."""
-    first_holder = {name: ranks[0] for name, ranks in holder_sets(model, plan, layout).items()}
-    squares = sum(float(p.grad.double().pow(2).sum()) for name, p in model.named_parameters()
-                  if first_holder[name] == layout.rank and p.grad is not None)
+    """2-norm of the whole model's gradient after the step's reductions (collective): each
+    piece of each parameter counted once, by the lowest rank of its reduction class (and by TP
+    rank 0 for TP-replicated parameters). For gradient clipping, which must scale every rank's
+    gradients by the same factor."""
+    classes = reduction_classes(model, plan, layout, sharded=isinstance(model, FSDPModule))
+    squares = 0.0
+    for name, p in model.named_parameters():
+        mine = next(c for c in classes[name] if layout.rank in c)
+        if p.grad is None or mine[0] != layout.rank or not (layout.place.tp_rank == 0 or tp_sharded(p)):
+            continue
+        squares += float(local(p.grad).double().pow(2).sum())
     total = torch.tensor([squares], dtype=torch.float64, device=device)
     dist.all_reduce(total)
     return float(total.sqrt().item())
 
 
 class GradReducer:
-    """Sums each parameter's gradient over the ranks that hold it, in flat buckets."""
+    """Sums each parameter's gradient (its local piece) over its reduction class, in flat buckets."""
 
     def __init__(self, *, model: CausalLM, plan: StepPlan, layout: PlanLayout, mesh: Mesh,
-                 stats: CommStats, bucket_elements: int = BUCKET_ELEMENTS):
+                 stats: CommStats, sharded: bool = False, bucket_elements: int = BUCKET_ELEMENTS):
         self.model, self.mesh, self.stats, self.bucket_elements = model, mesh, stats, bucket_elements
-        self.sets = holder_sets(model, plan, layout)
-        mesh.ensure_groups(list(self.sets.values()))  # collective: same list on every rank
+        classes = reduction_classes(model, plan, layout, sharded=sharded)
+        mesh.ensure_groups([c for cs in classes.values() for c in cs])  # collective: same list everywhere
+        self.sets = {name: next(c for c in cs if layout.rank in c) for name, cs in classes.items()
+                     if any(layout.rank in c for c in cs)}
         self.params = dict(model.named_parameters())
-
     def reduce(self) -> None:
         """All-reduce (SUM) every held gradient; a held parameter with no gradient counts as 0."""
         pending = []
@@ -146,7 +201,7 @@ class GradReducer:
     def _buckets(self, names: list[str]) -> list[list[str]]:
         buckets, size = [[]], 0
         for name in names:
-            numel = self.params[name].numel()
+            numel = local(self.params[name]).numel()
             if buckets[-1] and size + numel > self.bucket_elements:
                 buckets.append([])
                 size = 0
@@ -158,11 +213,11 @@ class GradReducer:
         param = self.params[name]
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        return param.grad
+        return local(param.grad)
 
     def _scatter_back(self, flat: torch.Tensor, names: list[str]) -> None:
         at = 0
         for name in names:
-            grad = self.params[name].grad
+            grad = local(self.params[name].grad)
             grad.copy_(flat[at:at + grad.numel()].view_as(grad))
             at += grad.numel()

@@ -49,7 +49,8 @@ class DistributedTransport:
         self._sends: list[tuple[object, torch.Tensor, Message]] = []
 
     def _peer(self, message: Message, stage: int) -> int:
-        return self.layout.rank_of(message.pipeline, stage, self.layout.place.cp_rank)
+        place = self.layout.place
+        return self.layout.rank_of(message.pipeline, stage, place.cp_rank, place.tp_rank)
 
     def send(self, message: Message, tensor: torch.Tensor) -> None:
         payload = tensor.detach().contiguous()
