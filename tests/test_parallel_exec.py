@@ -32,7 +32,10 @@ SCENARIOS = {
     "pp2-tp2": ("chunkflow", LENGTHS, {"pp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
     "zero3-dp2-cp2": ("skrull", SKRULL_LENGTHS, {"dp": 2, "cp": 2, "zero": 3}, {"bucket_size": 100}),
     "sharded-load-dp2-pp2": ("chunkflow", LENGTHS, {"dp": 2, "pp": 2}, {"chunk_size": 32, "k": 1}),
+    "bf16-zero3-dp2-pp2": ("chunkflow", LENGTHS, {"dp": 2, "pp": 2, "zero": 3}, {"chunk_size": 32, "k": 1}),
 }
+BF16 = "bf16-zero3-dp2-pp2"
+"""bf16 compute over float32 master weights (FSDP2's mixed precision), against the float32 oracle."""
 
 
 def make_plan(name: str):
@@ -63,8 +66,9 @@ def four_rank_worker(rank: int, folder: str) -> dict | None:
     results = {}
     for name in SCENARIOS:
         weights = folder if name.startswith("sharded-load") else None
-        job = VerifyJob(make_plan=functools.partial(make_plan, name), dtype=torch.float64, backend="reference",
-                        weights=weights, timeout_s=120)
+        job = VerifyJob(make_plan=functools.partial(make_plan, name), backend="reference", weights=weights,
+                        timeout_s=120, dtype=torch.float32 if name == BF16 else torch.float64,
+                        param_dtype=torch.bfloat16 if name == BF16 else None)
         results[name] = verify_worker(rank, job, mesh)
     return results
 
@@ -76,13 +80,26 @@ def four_ranks(tmp_path_factory) -> dict:
     return spawn(four_rank_worker, 4, str(folder), timeout_s=300)
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", [n for n in SCENARIOS if n != BF16])
 def test_parallel_step_equals_the_oracle(four_ranks, name):
+    """float64: sums in another order than the oracle's, relative error ~1e-15 per reduction."""
     result = four_ranks[name]
     assert result["oracle"] == "transformers"
     assert result["passed"], result
-    assert result["max_rel_grad_diff"] <= 1e-9 and result["loss_rel_diff"] <= 1e-9 if "loss_rel_diff" in result \
-        else result["max_rel_grad_diff"] <= 1e-9
+    assert result["max_rel_grad_diff"] <= 1e-9
+    assert abs(result["loss"] - result["reference_loss"]) <= 1e-9 * abs(result["reference_loss"])
+    expected = {"zero3-dp2-cp2": "fsdp-per-chunk"}.get(name, "fsdp-per-step")  # plans default to zero 1
+    assert [c["sharding"] for c in result["comm"]] == [expected] * 4
+
+
+def test_bf16_compute_with_float32_master_weights(four_ranks):
+    """bf16 has 8 significant bits (relative step 2^-8 = 0.4%); through 4 layers and sums of a
+    few hundred tokens the gradients keep within the bf16 tolerance of verify (10%), and the
+    loss, accumulated in float32, much closer."""
+    result = four_ranks[BF16]
+    assert result["tolerance"] == 1e-1 and result["passed"], result
+    assert result["max_rel_grad_diff"] > 1e-6  # it did compute in bf16, not float32
+    assert abs(result["loss"] - result["reference_loss"]) <= 1e-2 * abs(result["reference_loss"])
 
 
 def test_tp_that_does_not_divide_the_heads_is_named():

@@ -110,13 +110,15 @@ class SelfAttention(nn.Module):
         """Returns the output [T, D] and this row's post-rotary k, v [T, G, E]."""
         # Heads counted from the projections' outputs: under tensor parallelism (applied from
         # outside) a rank's projections produce its share of the heads.
-        num_tokens, head_dim = x_TD.shape[0], self.spec.head_dim
-        q_THE = self.q_proj(x_TD).view(num_tokens, -1, head_dim)
-        k_TGE = self.k_proj(x_TD).view(num_tokens, -1, head_dim)
-        v_TGE = self.v_proj(x_TD).view(num_tokens, -1, head_dim)
+        q_THE, k_TGE, v_TGE = (_heads(proj(x_TD), self.spec.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
         q_THE, k_TGE = apply_rotary(q_THE, *rope), apply_rotary(k_TGE, *rope)
         out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
-        return self.o_proj(out_THE.reshape(num_tokens, -1)), k_TGE, v_TGE
+        return self.o_proj(out_THE.flatten(1)), k_TGE, v_TGE
+
+
+def _heads(x_TX: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[T, heads * E] -> [T, heads, E] (also for T = 0, where view(T, -1, E) is ambiguous)."""
+    return x_TX.view(x_TX.shape[0], x_TX.shape[1] // head_dim, head_dim)
 
 
 class SwiGLU(nn.Module):

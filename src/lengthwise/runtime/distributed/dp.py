@@ -157,8 +157,8 @@ def global_grad_norm(model: CausalLM, plan: StepPlan, layout: PlanLayout, device
     classes = reduction_classes(model, plan, layout, sharded=isinstance(model, FSDPModule))
     squares = 0.0
     for name, p in model.named_parameters():
-        mine = next(c for c in classes[name] if layout.rank in c)
-        if p.grad is None or mine[0] != layout.rank or not (layout.place.tp_rank == 0 or tp_sharded(p)):
+        mine = next((c for c in classes[name] if layout.rank in c), None)  # None: a whole model's other stages
+        if p.grad is None or mine is None or mine[0] != layout.rank or not (layout.place.tp_rank == 0 or tp_sharded(p)):
             continue
         squares += float(local(p.grad).double().pow(2).sum())
     total = torch.tensor([squares], dtype=torch.float64, device=device)

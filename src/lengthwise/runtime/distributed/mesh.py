@@ -84,6 +84,9 @@ class Mesh:
     device_mesh: DeviceMesh | None = None
     """The (pp, dp, cp, tp) DeviceMesh of the plan the model was parallelised for (FSDP2, TP);
     None for a replicated model (`runtime/parallel/device_mesh.py`)."""
+    compute_dtype: torch.dtype | None = None
+    """Activation dtype when FSDP2 computes in another dtype than the master weights (bf16
+    over fp32); None: the parameters' dtype."""
     _groups: dict[tuple[int, ...], object] = field(default_factory=dict, repr=False)
 
     @classmethod

@@ -43,8 +43,12 @@ def message_tag(message: Message) -> int:
 class DistributedTransport:
     """Send/recv between this rank and the same CP rank of the neighbouring stages."""
 
-    def __init__(self, *, layout: PlanLayout, timeout_s: float, stats: CommStats | None = None):
+    def __init__(self, *, layout: PlanLayout, timeout_s: float, stats: CommStats | None = None,
+                 dtype: torch.dtype | None = None):
         self.layout, self.timeout_s = layout, timeout_s
+        self.dtype = dtype
+        """Activation dtype when it differs from the one the stage asks for (its parameters'):
+        bf16 compute over fp32 master weights."""
         self.stats = stats if stats is not None else CommStats()
         self._sends: list[tuple[object, torch.Tensor, Message]] = []
 
@@ -62,7 +66,7 @@ class DistributedTransport:
         self.stats.p2p_messages += 1
 
     def recv(self, message: Message, *, shape, dtype, device) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=dtype, device=device)
+        buffer = torch.empty(shape, dtype=self.dtype or dtype, device=device)
         if buffer.numel() == 0:
             return buffer
         src = self._peer(message, message.src)

@@ -56,6 +56,9 @@ class RankStepResult:
     """Actions this rank ran."""
     loop_s: float = 0.0
     """Seconds in the action loop (compute, waits and bookkeeping)."""
+    sharding: str = "replicated"
+    """replicated (whole parameters, `dp.GradReducer`), fsdp-per-chunk (ZeRO-3: all-gathers
+    around every forward and backward) or fsdp-per-step (gathered once for the step)."""
 
 
 def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor], *, mesh: Mesh,
@@ -84,7 +87,9 @@ def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor]
         fsdp.end()
     GradReducer(model=model, plan=plan, layout=layout, mesh=mesh, stats=stats, sharded=fsdp is not None).reduce()
     loss = global_loss(runner, mesh, counts=layout.place.tp_rank == 0)
-    return RankStepResult(loss=loss, layout=layout, stats=stats, num_actions=len(runner.actions), loop_s=loop_s)
+    sharding = "replicated" if fsdp is None else "fsdp-per-chunk" if fsdp.per_chunk else "fsdp-per-step"
+    return RankStepResult(loss=loss, layout=layout, stats=stats, num_actions=len(runner.actions), loop_s=loop_s,
+                          sharding=sharding)
 
 
 def make_runner(model: CausalLM, plan: StepPlan, token_ids, *, mesh: Mesh, layout: PlanLayout,
@@ -92,9 +97,10 @@ def make_runner(model: CausalLM, plan: StepPlan, token_ids, *, mesh: Mesh, layou
     """This rank's stage runner and its transport."""
     param = next(model.parameters())
     place = layout.place
-    transport = DistributedTransport(layout=layout, timeout_s=mesh.timeout_s, stats=stats)
+    transport = DistributedTransport(layout=layout, timeout_s=mesh.timeout_s, stats=stats, dtype=mesh.compute_dtype)
+    dtype = mesh.compute_dtype or param.dtype
     common = {"model": model, "plan": plan, "pipeline": place.pipeline, "stage": place.stage, "token_ids": token_ids,
-                  "transport": transport, "backend": resolve_backend(backend, param.device, param.dtype)}
+              "transport": transport, "backend": resolve_backend(backend, param.device, dtype)}
     if plan.pipelines[place.pipeline].cp == 1:
         return StageRunner(**common), transport
     cp_group = mesh.group(layout.my_cp_ranks)

@@ -52,6 +52,8 @@ class VerifyJob:
     """Receive and collective time-out, seconds."""
     data_parallel: str = "fsdp"
     """fsdp or replicate (`parallel/build.ParallelOptions`)."""
+    param_dtype: torch.dtype | None = None
+    """Compute dtype under FSDP2 (bfloat16 over `dtype` master weights)."""
     weights: str | None = None
     """A Hugging Face checkpoint to start from instead of seeded weights (each rank reads its
     stage's tensors)."""
@@ -61,14 +63,15 @@ def verify_worker(rank: int, job: VerifyJob, mesh: Mesh | None = None) -> dict |
     """Run on every rank (inside `spawn` or torchrun); rank 0 returns the result dict."""
     mesh = mesh or Mesh.from_default_group(timeout_s=job.timeout_s)
     plan = job.make_plan()
-    options = ParallelOptions(data_parallel=job.data_parallel)
+    options = ParallelOptions(data_parallel=job.data_parallel, param_dtype=job.param_dtype)
     seed = None if job.weights else job.seed
     model = build_rank_model(plan, mesh, dtype=job.dtype, seed=seed, weights=job.weights, options=options)
     token_ids = random_tokens(plan.lengths, plan.model.vocab, job.seed + 1)
     step = run_rank_step(model, plan, token_ids, mesh=mesh, backend=job.backend)
     grads = gather_grads(model, step.layout, plan)
     comm = [None] * mesh.world_size if rank == 0 else None
-    dist.gather_object(step.stats.to_dict() | {"actions": step.num_actions, "loop_s": step.loop_s}, comm, dst=0)
+    dist.gather_object(step.stats.to_dict() | {"actions": step.num_actions, "loop_s": step.loop_s,
+                                          "sharding": step.sharding}, comm, dst=0)
     if rank != 0:
         return None
     whole = build_model(plan.model, dtype=job.dtype, device=mesh.device, seed=seed)
@@ -87,4 +90,4 @@ def compare_with_oracle(model, token_ids, loss: float, grads: dict, job: VerifyJ
     abs_diff, rel_diff, worst = compare_grads(grads, ref_grads)
     return VerifyResult(loss=loss, reference_loss=float(ref_loss), max_abs_grad_diff=abs_diff,
                         max_rel_grad_diff=rel_diff, worst_param=worst, oracle=oracle,
-                        tolerance=TOLERANCE.get(job.dtype, 1e-1))
+                        tolerance=TOLERANCE.get(job.param_dtype or job.dtype, 1e-1))

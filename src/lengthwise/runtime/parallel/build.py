@@ -58,10 +58,15 @@ def build_rank_model(plan: StepPlan, mesh: Mesh, *, dtype: torch.dtype = torch.f
         raise UserError(f"tensor parallelism (tp={tp}) needs every pipeline to have the same pp, cp, tp and "
                         "layer split: plan with uniform pipelines")
     mesh.device_mesh = device_mesh
+    mesh.compute_dtype = None
     if tp > 1:
         apply_tp(model, device_mesh["tp"])
     if device_mesh is not None and options.data_parallel == "fsdp" and plan.zero > 0:
         apply_fsdp(model, shard_mesh(device_mesh), zero=plan.zero, param_dtype=options.param_dtype)
+        mesh.compute_dtype = options.param_dtype
+    elif options.param_dtype is not None:
+        raise UserError("a compute dtype apart from the master weights' needs FSDP2: plan with zero >= 1 "
+                        "and uniform pipelines")
     model.to_empty(device=mesh.device)
     if seed is not None:
         init_weights(model, seed, assign=copy_whole)
