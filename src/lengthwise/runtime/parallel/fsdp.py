@@ -65,6 +65,8 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, *, zero: int, param_dtype: tor
         register_fsdp_forward_method(model, name)
     for module in fsdp_modules(model):
         module.set_gradient_divide_factor(1.0)
+        # A plain SUM (no NCCL PreMulSum, which gloo lacks): the factor is 1 anyway.
+        module.set_force_sum_reduction_for_comms(True)
     return model
 
 
