@@ -4,12 +4,13 @@ give the loss and every gradient of the single-process Hugging Face oracle.
 One group of 4 worker processes runs every scenario in turn (`verify_dist.verify_worker`: each
 rank builds only its stage, parallelised by `parallel/build.build_rank_model`; rank 0 builds the
 whole model with the same seed for the oracle): dp 2 x tp 2 and pp 2 x tp 2 (chunkflow, split
-sequences: K/V state kept per TP shard), FSDP2 ZeRO-3 over dp 2 x cp 2 (Skrull, sharded and
+sequences: K/V state kept per TP shard), tp 4 over 2 K/V heads (replicated K/V projections), FSDP2 ZeRO-3 over dp 2 x cp 2 (Skrull, sharded and
 local sequences), and dp 2 x pp 2 loading each stage from a sharded safetensors checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -30,6 +31,7 @@ SKRULL_LENGTHS = [150, 40, 17, 60, 5, 90, 33, 12]
 SCENARIOS = {
     "dp2-tp2": ("chunkflow", LENGTHS, {"dp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
     "pp2-tp2": ("chunkflow", LENGTHS, {"pp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
+    "tp4-gqa": ("chunkflow", LENGTHS, {"tp": 4}, {"chunk_size": 48, "k": 1}),
     "zero3-dp2-cp2": ("skrull", SKRULL_LENGTHS, {"dp": 2, "cp": 2, "zero": 3}, {"bucket_size": 100}),
     "sharded-load-dp2-pp2": ("chunkflow", LENGTHS, {"dp": 2, "pp": 2}, {"chunk_size": 32, "k": 1}),
     "bf16-zero3-dp2-pp2": ("chunkflow", LENGTHS, {"dp": 2, "pp": 2, "zero": 3}, {"chunk_size": 32, "k": 1}),
@@ -107,3 +109,5 @@ def test_tp_that_does_not_divide_the_heads_is_named():
 
     with pytest.raises(UserError, match=r"tp=3 does not divide the model's 4 attention heads"):
         check_tp(model_preset("tiny"), 3)
+    with pytest.raises(UserError, match=r"tp=2 does not divide the vocabulary of 259 tokens"):
+        check_tp(dataclasses.replace(model_preset("tiny"), vocab=259), 2)

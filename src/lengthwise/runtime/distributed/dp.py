@@ -38,6 +38,7 @@ from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.distributed.mesh import Mesh, Place, PlanLayout
 from lengthwise.runtime.distributed.stats import CommStats
 from lengthwise.runtime.model import CausalLM, StagePart, meta_model
+from lengthwise.runtime.parallel.tensor_parallel import tp_partial_names
 from lengthwise.specs import ModelSpec
 
 BUCKET_ELEMENTS = 1 << 22
@@ -122,17 +123,21 @@ def reduction_classes(model: CausalLM, plan: StepPlan, layout: PlanLayout, *,
                       sharded: bool) -> dict[str, list[tuple[int, ...]]]:
     """Per parameter, the disjoint rank sets over which its gradient is summed.
 
-    Replicated parameters: the holders of each TP rank (TP ranks hold different shards).
+    Replicated parameters: the holders of each TP rank (TP ranks hold different shards), or all
+    holders for K/V weights replicated over TP (`tensor_parallel.tp_partial_names`).
     Under FSDP2 (`sharded`), FSDP already summed over dp x cp, and each rank holds its own
     shard: what is left is the sum over stages of one (pipeline, CP rank, TP rank) coordinate,
     i.e. the tied embedding of the first and the last stage."""
-    key = (lambda p: (p.pipeline, p.cp_rank, p.tp_rank)) if sharded else (lambda p: p.tp_rank)
+    partial = tp_partial_names(model.spec, max(p.tp for p in plan.pipelines))
     out = {}
     for name in parameter_names(model.spec):
+        over_tp = partial(name)  # replicated K/V weights: each TP rank holds a part of the gradient
         classes: dict[tuple, list[int]] = {}
         for r, place in enumerate(layout.places):
             if holds(name, plan, place, model):
-                classes.setdefault(key(place), []).append(r)
+                tp_key = () if over_tp else (place.tp_rank,)
+                key = (place.pipeline, place.cp_rank, *tp_key) if sharded else tp_key
+                classes.setdefault(key, []).append(r)
         out[name] = [tuple(c) for c in classes.values()]
     return out
 

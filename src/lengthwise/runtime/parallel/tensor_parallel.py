@@ -7,6 +7,15 @@ computes its heads / its slice of the intermediate width), o_proj and down_proj 
 vocabulary columns, its logits left sharded for the vocabulary-parallel cross-entropy
 (`loss_parallel`, entered by the executor around forward and backward).
 
+Grouped-query attention with fewer K/V heads than TP ranks (tp = 8 on Llama-2-70B's 8 heads
+is the edge; Qwen2.5-7B has 4): the K/V projections are replicated, every rank computes all G
+K/V heads and keeps the one its query heads read (query heads [r H/tp, (r+1) H/tp) read K/V head
+r G / tp), as the cost model assumes. A rank's gradient of the replicated K/V weights covers
+only its head, so those gradients are summed over TP (`tp_partial_names`, used by
+`distributed/dp.reduction_classes`), and so is the gradient flowing back into their input
+(Megatron's "copy to the tensor-parallel region": identity forward, all-reduce backward), as
+DTensor does for the column-parallel projections' input.
+
 Activations between layers and between stages stay whole on every TP rank, so the pipeline
 transport, the K/V state store and CP's gathers work on each TP rank's own heads unchanged:
 the K/V state of a split sequence is kept per TP shard.
@@ -14,6 +23,11 @@ the K/V state of a split sequence is kept per TP shard.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -34,20 +48,41 @@ def check_tp(spec: ModelSpec, tp: int) -> None:
     if spec.num_heads % tp:
         raise UserError(f"tp={tp} does not divide the model's {spec.num_heads} attention heads: "
                         f"use a tp that divides {spec.num_heads}")
-    if spec.num_kv_heads % tp:
-        raise UserError(f"tp={tp} does not divide the model's {spec.num_kv_heads} key/value heads: "
-                        f"use a tp that divides {spec.num_kv_heads}")
+    if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
+        raise UserError(f"tp={tp} neither divides nor is a multiple of the model's {spec.num_kv_heads} "
+                        f"key/value heads: use a tp that divides {spec.num_kv_heads} or a multiple of it")
     if spec.vocab % tp:
         raise UserError(f"tp={tp} does not divide the vocabulary of {spec.vocab} tokens: "
                         f"use a tp that divides {spec.vocab}")
 
 
+def kv_replicated(spec: ModelSpec, tp: int) -> bool:
+    return tp > spec.num_kv_heads
+
+
+def tp_partial_names(spec: ModelSpec, tp: int) -> Callable[[str], bool]:
+    """Whether a parameter's gradient is a partial sum over TP ranks (replicated K/V weights)."""
+    replicated = kv_replicated(spec, tp)
+    return lambda name: replicated and name.startswith("model.layers.") and \
+        name.split(".")[-2] in ("k_proj", "v_proj")
+
+
 def apply_tp(model: CausalLM, mesh: DeviceMesh) -> CausalLM:
     """Parallelise `model` (one stage, on the meta device or materialised) over the 1-D TP
     mesh, in place."""
-    check_tp(model.spec, mesh.size())
+    spec, tp = model.spec, mesh.size()
+    check_tp(spec, tp)
+    plan = dict(LAYER_PLAN)
+    if kv_replicated(spec, tp):
+        del plan["self_attn.k_proj"], plan["self_attn.v_proj"]
+        head = mesh.get_local_rank() * spec.num_kv_heads // tp
+        keep = functools.partial(_keep_columns, start=head * spec.head_dim, stop=(head + 1) * spec.head_dim)
     for layer in model.model.layers.values():
-        parallelize_module(layer, mesh, LAYER_PLAN)
+        parallelize_module(layer, mesh, plan)
+        if kv_replicated(spec, tp):
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.register_forward_pre_hook(functools.partial(_sum_grad_over, group=mesh.get_group()))
+                proj.register_forward_hook(keep)
     if hasattr(model.model, "embed_tokens"):
         parallelize_module(model.model.embed_tokens, mesh,
                            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
@@ -55,3 +90,27 @@ def apply_tp(model: CausalLM, mesh: DeviceMesh) -> CausalLM:
         parallelize_module(model.lm_head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
     model.tie()  # both now hold vocabulary rows Shard(0): the head reuses the embedding's DTensor
     return model
+
+
+class _SumGradOver(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the TP group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _sum_grad_over(module, inputs, *, group):
+    return (_SumGradOver.apply(inputs[0], group), *inputs[1:])
+
+
+def _keep_columns(module, inputs, out_TX, *, start: int, stop: int):
+    """Forward hook: the rank's K/V head of a replicated projection's output."""
+    return out_TX[:, start:stop]
