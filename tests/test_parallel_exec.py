@@ -111,3 +111,13 @@ def test_tp_that_does_not_divide_the_heads_is_named():
         check_tp(model_preset("tiny"), 3)
     with pytest.raises(UserError, match=r"tp=2 does not divide the vocabulary of 259 tokens"):
         check_tp(dataclasses.replace(model_preset("tiny"), vocab=259), 2)
+
+
+def test_verify_tp_without_processes_is_one_line(capsys):
+    from lengthwise.cli import main
+
+    assert main(["verify", "--tp", "2", "--lengths", "20,10"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--tp 2 runs across processes: add --nproc 2" in err
+    assert main(["verify", "--tp", "3", "--nproc", "3", "--lengths", "20,10"]) == 2
+    assert "tp(3) does not divide the heads: tiny has 4" in capsys.readouterr().err

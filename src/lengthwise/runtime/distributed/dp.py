@@ -12,15 +12,21 @@ stage (each saw a share of the tokens), and, for tied embeddings, over the first
 stage. `GradReducer` groups parameters by the exact set of ranks holding them, and all-reduces
 (SUM) each group's gradients in flat buckets once, after the stage's last backward.
 
-Why not DDP or FSDP2: DistributedDataParallel fires its bucket all-reduces from gradient hooks
-during *every* backward and assumes one forward and one backward per step with the same
-parameters; a plan runs many backwards per step (one per chunk, each with K/V roots of other
-slices, re-forwards in between) and, with `no_sync`, would still reduce on a backward it cannot
-tell is the last. FSDP2's `fully_shard` reshards parameters around each forward/backward, which
-would all-gather weights once per chunk (dozens per step). A bucketed all-reduce after the last
-backward is one reduction per step, exact, and simple; the buckets are launched asynchronously
-together (gloo and NCCL then run them concurrently). Overlapping them with the last backward
-(post-accumulate-grad hooks armed for the final B only) is a possible next step.
+Two ways, chosen when the rank's model is built (`parallel/build.build_rank_model`):
+
+- FSDP2 (`parallel/fsdp.py`, the default for plans with uniform pipelines and zero >= 1):
+  `fully_shard` over the dp x cp ranks of a stage does the sum (a reduce-scatter into each
+  rank's shard, once per step: gradient sync stays off until the stage's last backward);
+  `GradReducer(sharded=True)` then only sums what FSDP cannot see, the tied embedding's shards
+  of the first and the last stage.
+- Replicated (zero 0, heterogeneous pipelines, or a whole model on every rank): `GradReducer`
+  groups parameters by the exact set of ranks holding them and all-reduces (SUM) each group's
+  gradients in flat buckets once, after the stage's last backward, launched asynchronously
+  together. DDP is not used: it fires its all-reduces from gradient hooks during every backward,
+  and a plan runs many (one per backward unit's cell, with K/V roots and re-forwards between).
+
+With tensor parallelism the sums run per TP rank (TP ranks hold different shards), except for
+K/V projections replicated over TP, whose gradients are partial per TP rank.
 """
 
 from __future__ import annotations
