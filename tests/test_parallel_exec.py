@@ -5,7 +5,9 @@ One group of 4 worker processes runs every scenario in turn (`verify_dist.verify
 rank builds only its stage, parallelised by `parallel/build.build_rank_model`; rank 0 builds the
 whole model with the same seed for the oracle): dp 2 x tp 2 and pp 2 x tp 2 (chunkflow, split
 sequences: K/V state kept per TP shard), tp 4 over 2 K/V heads (replicated K/V projections), FSDP2 ZeRO-3 over dp 2 x cp 2 (Skrull, sharded and
-local sequences), and dp 2 x pp 2 loading each stage from a sharded safetensors checkpoint.
+local sequences), planned recomputation under ZeRO-3 (dp 2 x pp 2, hand plan), bf16 compute
+over float32 master weights, and dp 2 x pp 2 loading each stage from a sharded safetensors
+checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.distributed.launch import spawn
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.verify_dist import VerifyJob, verify_worker
+from lengthwise.runtime.execute import hand_plan
 from lengthwise.runtime.model import build_model
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 
@@ -34,8 +37,13 @@ SCENARIOS = {
     "tp4-gqa": ("chunkflow", LENGTHS, {"tp": 4}, {"chunk_size": 48, "k": 1}),
     "zero3-dp2-cp2": ("skrull", SKRULL_LENGTHS, {"dp": 2, "cp": 2, "zero": 3}, {"bucket_size": 100}),
     "sharded-load-dp2-pp2": ("chunkflow", LENGTHS, {"dp": 2, "pp": 2}, {"chunk_size": 32, "k": 1}),
+    "recompute-zero3-dp2-pp2": ("hand", [40, 30, 50, 20], {"zero": 3}, {}),
     "bf16-zero3-dp2-pp2": ("chunkflow", LENGTHS, {"dp": 2, "pp": 2, "zero": 3}, {"chunk_size": 32, "k": 1}),
 }
+HAND_STAGES = ["F0.r1 F1.r1 B1 B0", "F0 F1.r2 B1 B0"]
+HAND_PIPELINES = [("0[0:20] 0[20:40]+1[0:30]", HAND_STAGES), ("2[0:50] 3[0:20]", HAND_STAGES)]
+"""Planned recomputation (`F1.r2`: the stage's first 2 layers run again in backward) under
+ZeRO-3, with a split sequence whose K/V state crosses chunks."""
 BF16 = "bf16-zero3-dp2-pp2"
 """bf16 compute over float32 master weights (FSDP2's mixed precision), against the float32 oracle."""
 
@@ -43,6 +51,8 @@ BF16 = "bf16-zero3-dp2-pp2"
 def make_plan(name: str):
     planner, lengths, degrees, options = SCENARIOS[name]
     spec = model_preset("tiny")
+    if planner == "hand":
+        return dataclasses.replace(hand_plan(spec, lengths, HAND_PIPELINES), zero=degrees["zero"])
     scheme = ParallelScheme(**degrees)
     cluster = cluster_preset("cpu", scheme.num_gpus)
     request = PlanRequest(lengths=list(lengths), model=spec, cluster=cluster, scheme=scheme,
@@ -90,7 +100,8 @@ def test_parallel_step_equals_the_oracle(four_ranks, name):
     assert result["passed"], result
     assert result["max_rel_grad_diff"] <= 1e-9
     assert abs(result["loss"] - result["reference_loss"]) <= 1e-9 * abs(result["reference_loss"])
-    expected = {"zero3-dp2-cp2": "fsdp-per-chunk"}.get(name, "fsdp-per-step")  # plans default to zero 1
+    per_chunk = name.startswith(("zero3", "recompute-zero3"))
+    expected = "fsdp-per-chunk" if per_chunk else "fsdp-per-step"  # plans default to zero 1
     assert [c["sharding"] for c in result["comm"]] == [expected] * 4
 
 
