@@ -7,6 +7,9 @@ Under torchrun this file is the worker: it parses the `train` command's own flag
 `train_distributed`, what `lengthwise train` runs under torchrun, with one fault hook that kills
 a rank (SIGKILL) after one action of one step, once (a marker file in the output remembers it).
 
+A second run without restarts checks torchrun's failure summary: the killed rank's exit code,
+signal and last action (lengthwise's status note, kept in the worker's error file).
+
 The uninterrupted reference is single-process `train` of the same plans: equal up to the order
 of floating-point sums (measured: largest weight difference 1.6e-15, losses identical). The
 test takes about 45 s on 2 shared CPU cores, most of it starting 4 processes twice; the private
@@ -57,6 +60,20 @@ def test_killed_rank_resumes_from_checkpoint_to_uninterrupted_weights(tmp_path):
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in logged] == [1, 2, 3]  # step 2 of the killed attempt never ended
     assert [line["loss"] for line in logged] == pytest.approx([r.loss for r in reference.records], rel=1e-12)
+
+
+def test_torchrun_summary_names_the_killed_rank_and_its_last_action(tmp_path):
+    """No restart: torchrun's failure summary shows rank 1's signal and what it last did (its
+    error file holds lengthwise's status note). Two processes: --dp 1 overrides the 2 above."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "0", __file__, *TRAIN_ARGS, "--dp", "1", "--out", str(out)]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    start = done.stderr.index("rank      : 1 (local_rank: 1)")  # rank 1's entry (root cause or not)
+    entry = done.stderr[start:done.stderr.index("\n", done.stderr.index("traceback :", start))]
+    assert "exitcode  : -9" in entry and "(SIGKILL)" in entry, entry
+    assert "lengthwise, last action of this rank: step 2, pipeline 0 stage 1 cp rank 0: finished action 3 (" in entry
 
 
 def _train_single_process():

@@ -3,7 +3,9 @@
     torchrun --nproc-per-node 4 -m lengthwise train --dp 2 --pp 2 --out ckpt     # any launcher
     lengthwise train --nproc 2 --dp 2 --dtype float64 --steps 4                  # local workers
 
-Every rank runs `train.run_training`, the loop a single process runs: it samples the same
+First every rank checks that it was started with rank 0's training settings (`agree.
+check_same_settings`: lr, weight decay, data, ...; a one-line error naming the fields otherwise).
+Then every rank runs `train.run_training`, the loop a single process runs: it samples the same
 global batch (same seed, same sampler position), plans it in its own planning thread (a plan is
 a function of the batch and the seed only), and hands it to a `RankExecutor`, which
 
@@ -14,8 +16,9 @@ a function of the batch and the seed only), and hands it to a `RankExecutor`, wh
 - clips with the global gradient norm (`dp.global_grad_norm`, each parameter counted once) and
   steps AdamW over the parameters this rank holds (`dp.held_parameters`); every holder of a
   parameter sees the same summed gradient, so the replicas stay equal;
+- notes each action in its `RankStatus`, which the launcher shows if the rank dies;
 - checkpoints with `checkpoint_dist` (torch.distributed.checkpoint shards, plus each rank's
-  sampler position and RNG states), and rank 0 adds the gathered weights as config.json and
+  sampler position and RNG states, sealed by a manifest), and rank 0 adds the gathered weights as config.json and
   model.safetensors, so a distributed checkpoint is also a model directory for `--model`.
 
 Rank 0 alone writes the metrics and shows the progress bar. Resume is exact as on one process
@@ -41,14 +44,15 @@ import torch.distributed as dist
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
-from lengthwise.runtime import checkpoint as local_checkpoint
 from lengthwise.runtime.distributed import checkpoint_dist
 from lengthwise.runtime.distributed.dp import (
     check_same_plan,
     global_grad_norm,
     held_parameters,
 )
+from lengthwise.runtime.distributed.agree import check_same_settings
 from lengthwise.runtime.distributed.launch import (
+    RankStatus,
     init_from_torchrun,
     spawn,
     under_torchrun,
@@ -84,7 +88,7 @@ def train_distributed(config: TrainConfig, *, after_action: AfterAction | None =
         raise UserError(f"--nproc {config.nproc} on CUDA needs {config.nproc} GPUs, this machine has "
                         f"{torch.cuda.device_count()}: use fewer processes or --device cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    return spawn(_spawned_rank, config.nproc, config, device.type, after_action, backend=backend)
+    return spawn(_spawned_rank, config.nproc, config, device.type, after_action, backend=backend, with_status=True)
 
 
 def _train_under_torchrun(config: TrainConfig, after_action: AfterAction | None) -> TrainResult | None:
@@ -93,23 +97,30 @@ def _train_under_torchrun(config: TrainConfig, after_action: AfterAction | None)
                         "(torchrun --nproc-per-node sets the number of processes)")
     mesh = init_from_torchrun(device=resolve_device(config.device).type)
     try:
-        result = train_on_rank(config, mesh, after_action=after_action)
+        result = train_on_rank(config, mesh, after_action=after_action, status=RankStatus.for_torchrun())
     finally:
         dist.destroy_process_group()
     return result if mesh.rank == 0 else None
 
 
-def _spawned_rank(rank: int, config: TrainConfig, device_type: str,
-                  after_action: AfterAction | None) -> TrainResult | None:
+def _spawned_rank(rank: int, config: TrainConfig, device_type: str, after_action: AfterAction | None, *,
+                  status: RankStatus) -> TrainResult | None:
     device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
-    result = train_on_rank(config, Mesh.from_default_group(device=device), after_action=after_action)
+    result = train_on_rank(config, Mesh.from_default_group(device=device), after_action=after_action, status=status)
     return result if rank == 0 else None
 
 
-def train_on_rank(config: TrainConfig, mesh: Mesh, *, after_action: AfterAction | None = None) -> TrainResult:
+PER_PROCESS = ("threads", "progress", "metrics", "device", "token_cache")
+"""Config fields that may differ between the ranks of one run (the rest must be equal): only
+rank 0 writes the metrics and shows progress; caches and thread counts are per machine."""
+
+
+def train_on_rank(config: TrainConfig, mesh: Mesh, *, after_action: AfterAction | None = None,
+                  status: RankStatus | None = None) -> TrainResult:
     """This rank's part of `config`, in an initialised process group of dp * pp * cp ranks."""
+    check_same_settings(config.to_dict(), mesh.device, ignore=PER_PROCESS)
     setup = Setup(config, device=mesh.device)
-    return run_training(setup, RankExecutor(setup, mesh, after_action=after_action))
+    return run_training(setup, RankExecutor(setup, mesh, after_action=after_action, status=status))
 
 
 def layout_signature(plan: StepPlan, num_layers: int) -> list[tuple[int, int, tuple[int, ...]]]:
@@ -125,13 +136,15 @@ class RankExecutor:
     result_model = None
     """No rank holds the whole trained model (the checkpoints do)."""
 
-    def __init__(self, setup: Setup, mesh: Mesh, *, after_action: AfterAction | None = None):
+    def __init__(self, setup: Setup, mesh: Mesh, *, after_action: AfterAction | None = None,
+                 status: RankStatus | None = None):
         config = setup.config
         if config.planner in PADDED_PLANNERS:
             raise UserError(f"--planner {config.planner} computes padded rows on one process only; "
                             f"use --planner packing (the same batches, unpadded) across processes")
         check_degrees(config, mesh.world_size, "the process group")
         self.config, self.model, self.mesh, self.after_action = config, setup.model, mesh, after_action
+        self.status = status or RankStatus(None)
         self.nproc, self.is_reporter = mesh.world_size, mesh.rank == 0
         self.first_plan = setup.plan(GlobalBatchSampler(setup.source, seed=config.seed,
                                                         **config.sampler_size).next_batch())
@@ -144,10 +157,12 @@ class RankExecutor:
         check_same_plan(plan, self.mesh.device)
         self._check_layout(plan, step)
         self.optimizer.zero_grad(set_to_none=True)
-        hook = None if self.after_action is None else functools.partial(self.after_action, step)
+        hook = functools.partial(self._after_action, plan, step)
+        self.status.note(f"step {step}: starting the actions of {self.layout.place}")
         with PeakMemory(model) as peak:
             done = run_rank_step(model, plan, prepared.token_ids, mesh=self.mesh, backend=self.config.backend,
                                  check_plan=False, after_action=hook)
+        self.status.note(f"step {step}: gradient norm and optimizer step, after the actions of {self.layout.place}")
         grad_norm = global_grad_norm(model, plan, done.layout, device=self.mesh.device)
         if self.config.grad_clip:  # the rule of clip_grad_norm_, with the norm over all ranks
             torch.nn.utils.clip_grads_with_norm_(list(self.held.values()), self.config.grad_clip,
@@ -155,6 +170,15 @@ class RankExecutor:
         self.optimizer.step()
         return StepOutcome(loss=done.loss, grad_norm=grad_norm, peak_memory_bytes=self._largest(peak.bytes),
                            memory_kind=peak.kind)
+
+    def _after_action(self, plan: StepPlan, step: int, index: int) -> None:
+        """Note the action for the launcher's report, then the caller's hook (fault tests)."""
+        place = self.layout.place
+        actions = plan.pipelines[place.pipeline].stages[place.stage]
+        self.status.note(f"step {step}, {self.layout.place}: finished action {index} ({actions[index]}) "
+                         f"of {len(actions)}")
+        if self.after_action is not None:
+            self.after_action(step, index)
 
     def _check_layout(self, plan: StepPlan, step: int) -> None:
         layers = self.model.spec.num_layers
@@ -171,30 +195,21 @@ class RankExecutor:
         return int(total.item())
 
     def latest_checkpoint(self, out: str) -> Path | None:
-        """The newest checkpoint all ranks finished; a single-process one, if that is the
-        newest, so that `load` can say so rather than overwrite it."""
-        local = local_checkpoint.latest_checkpoint(out)
-        if local is not None and (local / "trainer.json").is_file():
-            return local
+        """The newest intact checkpoint (collective; a single-process one too, so that `load`
+        can say so rather than overwrite it)."""
         return checkpoint_dist.latest_checkpoint(out)
 
     def load(self, path: Path) -> dict:
-        """Restore this rank's parameters, optimizer state and RNGs; returns its trainer state."""
-        marker = path / checkpoint_dist.COMPLETE
-        if not marker.is_file():
-            raise UserError(f"{path} is not a complete checkpoint of a distributed run (no {marker.name}; "
-                            f"single-process checkpoints resume without --nproc / torchrun)")
-        saved_nproc = int(marker.read_text().split()[0])
-        if saved_nproc != self.nproc:
-            raise UserError(f"{path} was written by {saved_nproc} processes, this run has {self.nproc}; "
-                            f"resume with --nproc {saved_nproc} (and the same --dp/--pp/--cp)")
+        """Verify, then restore this rank's parameters, optimizer state and RNGs; returns its
+        trainer state."""
+        self.status.note(f"loading checkpoint {path}")
         return checkpoint_dist.load_checkpoint(path, model=self.model, optimizer=self.optimizer, held=self.held)
 
     def save(self, step: int, trainer: dict) -> Path:
-        path = checkpoint_dist.checkpoint_path(self.config.out, step)
-        self._save_weights(path)  # before the COMPLETE marker, which covers these files too
+        self.status.note(f"step {step}: saving its checkpoint")
         return checkpoint_dist.save_checkpoint(self.config.out, step=step, model=self.model,
-                                               optimizer=self.optimizer, held=self.held, extras=trainer)
+                                               optimizer=self.optimizer, held=self.held, extras=trainer,
+                                               also=self._save_weights)
 
     def _save_weights(self, path: Path) -> None:
         """Rank 0 writes the whole model in Hugging Face format, each tensor from its lowest holder

@@ -7,10 +7,11 @@ One module per concern, each importing only those before it:
 mesh.py (which rank runs which pipeline/stage/CP rank; process groups, cached) ; stats.py
 (elements sent, per rank) <- p2p.py (a torch.distributed Transport: isend / irecv with a
 time-out) ; dp.py (same plan on every rank, gradient sums over the ranks holding each
-parameter) ; cp.py (head-tail sharding, K/V all-gather attention) <- cp_stage.py (a StageRunner
+parameter) ; agree.py (rank 0's JSON broadcast, the same training settings on every rank) ;
+cp.py (head-tail sharding, K/V all-gather attention) <- cp_stage.py (a StageRunner
 for one CP rank) <- step.py (one rank's step) <- launch.py (torchrun or local workers) <-
 verify_dist.py (distributed run vs the oracle), checkpoint_dist.py (torch.distributed.checkpoint
-plus sampler and RNG per rank). Training across processes (`lengthwise train --nproc` or under
+plus sampler and RNG per rank, sealed by a manifest). Training across processes (`lengthwise train --nproc` or under
 torchrun) is runtime/train_dist.py.
 
 A rank builds only its stage's modules, parallelised from outside the model by
