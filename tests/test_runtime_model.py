@@ -271,3 +271,10 @@ def test_stage_loads_only_its_tensors_from_a_sharded_checkpoint(tmp_path):
     save_file({k: v.contiguous() for k, v in bad.items()}, str(tmp_path / "one.safetensors"))
     with pytest.raises(UserError, match=r"model\.norm\.weight has shape \[31\], the model config needs \[32\]"):
         load_weights(stage, tmp_path / "one.safetensors")
+
+
+def test_parameter_names_from_the_spec_are_the_models():
+    from lengthwise.runtime.model import parameter_names
+
+    for spec in (LLAMA, QWEN):
+        assert parameter_names(spec) == [n for n, _ in build_model(spec, seed=0).named_parameters()]

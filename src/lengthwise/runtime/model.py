@@ -241,6 +241,17 @@ def build_model(spec: ModelSpec, *, dtype: torch.dtype = torch.float32, device="
     return model
 
 
+def parameter_names(spec: ModelSpec) -> list[str]:
+    """Every parameter of the whole model, in `named_parameters` order, from the spec alone
+    (no module built: also under fake tensors, and cheap for 80 layers)."""
+    attn = [f"self_attn.{p}_proj.{kind}" for p in "qkv" for kind in (("weight", "bias") if spec.qkv_bias else ("weight",))]
+    layer = [*attn, "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+             "input_layernorm.weight", "post_attention_layernorm.weight"]
+    names = ["model.embed_tokens.weight"]
+    names += [f"model.layers.{i}.{name}" for i in range(spec.num_layers) for name in layer]
+    return names + ["model.norm.weight"] + ([] if spec.tied_embeddings else ["lm_head.weight"])
+
+
 def meta_model(spec: ModelSpec, *, part: StagePart | None = None, dtype: torch.dtype = torch.float32) -> CausalLM:
     """The model's structure without storage (for parallelising before materialising, and for
     fake-tensor dry runs)."""

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import write_atomic
-from lengthwise.runtime.model import CausalLM, meta_model
+from lengthwise.runtime.model import CausalLM, parameter_names
 from lengthwise.specs import ModelSpec
 
 WEIGHTS_NAME = "model.safetensors"
@@ -79,7 +79,7 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
     (only the tensors the model, maybe one stage, holds)."""
     sources = tensor_sources(path)
     expected = expected_names(model)
-    _check_names(expected, sources, spec_names=set(expected_names(meta_model(model.spec))),
+    _check_names(expected, sources, spec_names=set(parameter_names(model.spec)),
                  tied=model.spec.tied_embeddings)
     params = model.state_dict()
     by_file: dict[Path, list[str]] = {}
@@ -158,7 +158,7 @@ def load_state(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
     mis-shaped tensor."""
     expected = expected_names(model)
     sources = {name: TensorSource(Path("."), tuple(t.shape)) for name, t in tensors.items()}
-    _check_names(expected, sources, spec_names=set(expected_names(meta_model(model.spec))),
+    _check_names(expected, sources, spec_names=set(parameter_names(model.spec)),
                  tied=model.spec.tied_embeddings)
     if model.spec.tied_embeddings and "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors \
             and not torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):

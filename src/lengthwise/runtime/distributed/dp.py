@@ -43,9 +43,8 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.distributed.mesh import Mesh, Place, PlanLayout
 from lengthwise.runtime.distributed.stats import CommStats
-from lengthwise.runtime.model import CausalLM, StagePart, meta_model
+from lengthwise.runtime.model import CausalLM, StagePart, parameter_names
 from lengthwise.runtime.parallel.tensor_parallel import tp_partial_names
-from lengthwise.specs import ModelSpec
 
 BUCKET_ELEMENTS = 1 << 22
 """Elements per all-reduce bucket (32 MiB of float64, 8 MiB of bfloat16)."""
@@ -91,11 +90,6 @@ def stage_part(plan: StepPlan, place: Place) -> StagePart:
     """The modules the rank at `place` builds (`model.build_model(..., part=...)`)."""
     last = place.stage == plan.pipelines[place.pipeline].pp - 1
     return StagePart(layers=stage_layer_range(plan, place, plan.model.num_layers), first=place.stage == 0, last=last)
-
-
-def parameter_names(spec: ModelSpec) -> list[str]:
-    """Every parameter of the whole model (no storage allocated)."""
-    return [name for name, _ in meta_model(spec).named_parameters()]
 
 
 def holds(name: str, plan: StepPlan, place: Place, model: CausalLM) -> bool:

@@ -29,11 +29,11 @@ from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.attention import resolve_backend
 from lengthwise.runtime.checks import check_executable
 from lengthwise.runtime.distributed.cp_stage import CPStageRunner
-from lengthwise.runtime.distributed.dp import GradReducer, check_same_plan, holds, parameter_names
+from lengthwise.runtime.distributed.dp import GradReducer, check_same_plan, holds
 from lengthwise.runtime.distributed.mesh import Mesh, PlanLayout
 from lengthwise.runtime.distributed.p2p import DistributedTransport, ReceiveTimeout
 from lengthwise.runtime.distributed.stats import CommStats
-from lengthwise.runtime.model import CausalLM
+from lengthwise.runtime.model import CausalLM, parameter_names
 from lengthwise.runtime.parallel.fsdp import FsdpSteps, is_fsdp
 from lengthwise.runtime.stage import StageRunner
 
