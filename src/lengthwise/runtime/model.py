@@ -49,9 +49,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, reduced in at least float32."""
 
-    def __init__(self, width: int, eps: float):
+    def __init__(self, width: int, eps: float, dtype: torch.dtype | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(width))
+        self.weight = nn.Parameter(torch.ones(width, dtype=dtype))
         self.eps = eps
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -98,13 +98,13 @@ def apply_rotary(x_THE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor
 class SelfAttention(nn.Module):
     """GQA attention; optional bias on q, k and v (Qwen2), none on the output projection."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype | None = None):
         super().__init__()
         self.spec = spec
-        self.q_proj = nn.Linear(spec.hidden, spec.q_dim, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.q_dim, spec.hidden, bias=False)
+        self.q_proj = nn.Linear(spec.hidden, spec.q_dim, bias=spec.qkv_bias, dtype=dtype)
+        self.k_proj = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias, dtype=dtype)
+        self.v_proj = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(spec.q_dim, spec.hidden, bias=False, dtype=dtype)
 
     def forward(self, x_TD, rope, layout: ChunkLayout, context, backend: str):
         """Returns the output [T, D] and this row's post-rotary k, v [T, G, E]."""
@@ -122,23 +122,23 @@ def _heads(x_TX: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden, spec.ffn, bias=False)
-        self.up_proj = nn.Linear(spec.hidden, spec.ffn, bias=False)
-        self.down_proj = nn.Linear(spec.ffn, spec.hidden, bias=False)
+        self.gate_proj = nn.Linear(spec.hidden, spec.ffn, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(spec.hidden, spec.ffn, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(spec.ffn, spec.hidden, bias=False, dtype=dtype)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype | None = None):
         super().__init__()
-        self.self_attn = SelfAttention(spec)
-        self.mlp = SwiGLU(spec)
-        self.input_layernorm = RMSNorm(spec.hidden, spec.rms_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.rms_eps)
+        self.self_attn = SelfAttention(spec, dtype)
+        self.mlp = SwiGLU(spec, dtype)
+        self.input_layernorm = RMSNorm(spec.hidden, spec.rms_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.rms_eps, dtype)
 
     def forward(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
         """One pre-norm block; returns (h [T, D], k [T, G, E], v [T, G, E]).
@@ -169,26 +169,26 @@ class StagePart:
 class DecoderStack(nn.Module):
     """Hugging Face's `model.` prefix: embedding, layers, final norm (those of `part`)."""
 
-    def __init__(self, spec: ModelSpec, part: StagePart):
+    def __init__(self, spec: ModelSpec, part: StagePart, dtype: torch.dtype | None = None):
         super().__init__()
         if part.first or (part.last and spec.tied_embeddings):
-            self.embed_tokens = nn.Embedding(spec.vocab, spec.hidden)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(spec) for i in part.layers})
+            self.embed_tokens = nn.Embedding(spec.vocab, spec.hidden, dtype=dtype)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(spec, dtype) for i in part.layers})
         if part.last:
-            self.norm = RMSNorm(spec.hidden, spec.rms_eps)
+            self.norm = RMSNorm(spec.hidden, spec.rms_eps, dtype)
 
 
 class CausalLM(nn.Module):
     """The decoder plus its LM head; `lm_head.weight` is the embedding when tied."""
 
-    def __init__(self, spec: ModelSpec, part: StagePart | None = None):
+    def __init__(self, spec: ModelSpec, part: StagePart | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         spec.validate()
         self.spec = spec
         self.part = part or StagePart.whole(spec)
-        self.model = DecoderStack(spec, self.part)
+        self.model = DecoderStack(spec, self.part, dtype)
         if self.part.last:
-            self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+            self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False, dtype=dtype)
         self.tie()
 
     def tie(self) -> None:
@@ -256,7 +256,7 @@ def meta_model(spec: ModelSpec, *, part: StagePart | None = None, dtype: torch.d
     """The model's structure without storage (for parallelising before materialising, and for
     fake-tensor dry runs)."""
     with torch.device("meta"):
-        model = CausalLM(spec, part).to(dtype)
+        model = CausalLM(spec, part, dtype)
     model.tie()
     return model
 

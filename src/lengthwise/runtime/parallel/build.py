@@ -45,13 +45,22 @@ class ParallelOptions:
 
 
 def build_rank_model(plan: StepPlan, mesh: Mesh, *, dtype: torch.dtype = torch.float32, seed: int | None = None,
-                     weights: str | Path | None = None, options: ParallelOptions = ParallelOptions()) -> CausalLM:
+                     weights: str | Path | None = None, options: ParallelOptions = ParallelOptions(),
+                     fake: bool = False) -> CausalLM:
     """This rank's stage of `plan.model`, parallelised and materialised (collective: creates the
-    plan's process groups and DeviceMesh, recorded in `mesh.device_mesh`)."""
+    plan's process groups and DeviceMesh, recorded in `mesh.device_mesh`). Neither seed nor
+    weights: uninitialised memory. `fake`: called under FakeTensorMode (a dry run), where
+    modules are built directly (storage costs nothing there, and fake parameters cannot be
+    swapped by `to_empty`)."""
     if options.data_parallel not in DATA_PARALLEL:
         raise UserError(f"data_parallel={options.data_parallel!r}: use one of {', '.join(DATA_PARALLEL)}")
     layout = mesh.layout(plan)
-    model = meta_model(plan.model, part=stage_part(plan, layout.place), dtype=dtype)
+    part = stage_part(plan, layout.place)
+    if fake:
+        with torch.device(mesh.device):
+            model = CausalLM(plan.model, part, dtype)
+    else:
+        model = meta_model(plan.model, part=part, dtype=dtype)
     device_mesh = plan_device_mesh(plan, layout, mesh.device.type)
     tp = plan.pipelines[layout.place.pipeline].tp
     if tp > 1 and device_mesh is None:
@@ -67,7 +76,8 @@ def build_rank_model(plan: StepPlan, mesh: Mesh, *, dtype: torch.dtype = torch.f
     elif options.param_dtype is not None:
         raise UserError("a compute dtype apart from the master weights' needs FSDP2: plan with zero >= 1 "
                         "and uniform pipelines")
-    model.to_empty(device=mesh.device)
+    if not fake:
+        model.to_empty(device=mesh.device)
     if seed is not None:
         init_weights(model, seed, assign=copy_whole)
     elif weights is not None:

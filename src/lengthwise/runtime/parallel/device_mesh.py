@@ -14,6 +14,7 @@ heterogeneous plans (Hydraulis) run replicated (`dp.GradReducer`).
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
 from lengthwise.plan.ir import StepPlan
@@ -40,10 +41,13 @@ def plan_device_mesh(plan: StepPlan, layout: PlanLayout, device_type: str) -> De
     if degrees is None:
         return None
     pp, dp, cp, tp = degrees
-    ranks = torch.tensor([[[[layout.rank_of(d, s, c, t) for t in range(tp)] for c in range(cp)]
-                           for d in range(dp)] for s in range(pp)])
-    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=DIMS)
-    mesh["dp", "cp"]._flatten("dp_cp")
+    # The mesh's rank table is real data, also in a dry run under fake tensors.
+    with unset_fake_temporarily():
+        ranks = torch.tensor([[[[layout.rank_of(d, s, c, t) for t in range(tp)] for c in range(cp)]
+                               for d in range(dp)] for s in range(pp)])
+        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=DIMS)
+        mesh["dp", "cp"]._flatten("dp_cp")
+        mesh["tp"], mesh["dp_cp"]  # slice once here (DeviceMesh caches them), outside any fake mode
     return mesh
 
 
