@@ -103,6 +103,7 @@ def test_parallel_step_equals_the_oracle(four_ranks, name):
     per_chunk = name.startswith(("zero3", "recompute-zero3"))
     expected = "fsdp-per-chunk" if per_chunk else "fsdp-per-step"  # plans default to zero 1
     assert [c["sharding"] for c in result["comm"]] == [expected] * 4
+    assert all(c["dp_elements"] > 0 for c in result["comm"])  # FSDP2's reduce-scatters are counted
 
 
 def test_bf16_compute_with_float32_master_weights(four_ranks):

@@ -85,6 +85,8 @@ def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor]
     loop_s = time.perf_counter() - started
     if fsdp is not None:
         fsdp.end()
+        stats.dp_elements += fsdp.reduced_elements(mesh.device_mesh["dp_cp"].size())
+        stats.dp_buckets += len(fsdp.modules)
     GradReducer(model=model, plan=plan, layout=layout, mesh=mesh, stats=stats, sharded=fsdp is not None).reduce()
     loss = global_loss(runner, mesh, counts=layout.place.tp_rank == 0)
     sharding = "replicated" if fsdp is None else "fsdp-per-chunk" if fsdp.per_chunk else "fsdp-per-step"

@@ -101,6 +101,7 @@ class FsdpSteps:
                             f"{structure[last_b][1]} cells, other data-parallel replicas' differ; FSDP "
                             f"reduces once per cell, so plan with equal last backward units or --zero 0")
         self.last_backward = last_b
+        self.cells_of_last = range(structure[last_b][1])
 
     def begin(self) -> None:
         for module in self.modules:
@@ -121,6 +122,13 @@ class FsdpSteps:
         """Parameters resharded after the step, whatever the mode."""
         for module in self.modules:
             module.reshard()
+
+    def reduced_elements(self, group_size: int) -> int:
+        """Gradient elements this rank handed to FSDP2's reduce-scatters (its unsharded
+        gradients, once per cell of the last backward; the all-gathers of parameters are not
+        counted)."""
+        cells = len(self.cells_of_last)
+        return cells * group_size * sum(p.to_local().numel() for p in self.model.parameters())
 
 
 def _same_everywhere(text: str, group, device) -> bool:
