@@ -57,10 +57,18 @@ def hf_config_dict(spec: ModelSpec) -> dict:
 
 def expected_names(model: CausalLM) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor names and shapes of the model, in Hugging Face's spelling."""
-    names = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    if model.spec.tied_embeddings:
+    names = {name: _unpadded(name, tuple(t.shape), model.spec.vocab) for name, t in model.state_dict().items()}
+    if model.spec.tied_embeddings and "lm_head.weight" in names:
         del names["lm_head.weight"]
     return names
+
+
+VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+"""Tensors with one row per vocabulary entry (padded under tensor parallelism, Megatron's way)."""
+
+
+def _unpadded(name: str, shape: tuple[int, ...], vocab: int) -> tuple[int, ...]:
+    return (vocab, *shape[1:]) if name in VOCAB_ROWS else shape
 
 
 def save_pretrained(model: CausalLM, directory: str | Path) -> None:
@@ -144,6 +152,8 @@ def copy_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
     """Store a whole tensor into a parameter; a DTensor (FSDP2 / TP shard) takes its own piece
     (a replicated DTensor redistributed locally, no communication)."""
     whole = whole.to(device=param.device, dtype=param.dtype)
+    if whole.shape[0] < param.shape[0]:  # a vocabulary padded for TP: zero rows, never read
+        whole = torch.cat([whole, whole.new_zeros((param.shape[0] - whole.shape[0], *whole.shape[1:]))])
     if isinstance(param, DTensor):
         replicated = distribute_tensor(whole, param.device_mesh, [Replicate()] * param.device_mesh.ndim,
                                        src_data_rank=None)

@@ -34,6 +34,7 @@ from lengthwise.runtime.distributed.mesh import Mesh, PlanLayout
 from lengthwise.runtime.distributed.p2p import DistributedTransport, ReceiveTimeout
 from lengthwise.runtime.distributed.stats import CommStats
 from lengthwise.runtime.model import CausalLM, parameter_names
+from lengthwise.runtime.weights import VOCAB_ROWS
 from lengthwise.runtime.parallel.fsdp import FsdpSteps, is_fsdp
 from lengthwise.runtime.stage import StageRunner
 
@@ -153,12 +154,17 @@ def gather_grads_like(model: CausalLM, layout: PlanLayout, plan: StepPlan,
         if isinstance(whole, DTensor):
             whole = whole.full_tensor()
         if first_holder[name] == layout.rank:
-            mine[name] = whole.detach().cpu()
+            mine[name] = _unpadded(name, whole.detach(), model.spec.vocab).cpu()
     gathered = [None] * dist.get_world_size() if layout.rank == dst else None
     dist.gather_object(mine, gathered, dst=dst)
     if layout.rank != dst:
         return None
     return {name: t for part in gathered for name, t in part.items()}
+
+
+def _unpadded(name: str, tensor: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The real vocabulary's rows of a tensor padded for TP (`parallel/tensor_parallel.py`)."""
+    return tensor[:vocab] if name in VOCAB_ROWS else tensor
 
 
 def first_holders(model: CausalLM, plan: StepPlan, layout: PlanLayout) -> dict[str, int]:

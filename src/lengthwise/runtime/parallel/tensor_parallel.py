@@ -7,6 +7,11 @@ computes its heads / its slice of the intermediate width), o_proj and down_proj 
 vocabulary columns, its logits left sharded for the vocabulary-parallel cross-entropy
 (`loss_parallel`, entered by the executor around forward and backward).
 
+A vocabulary that tp does not divide is padded to the next multiple (as Megatron does): the
+embedding and the head get zero rows no token reads, and the head's padded logits are set to
+-inf before the loss, so the softmax and every gradient are the unpadded model's. Checkpoints
+keep the real vocabulary (`weights.py` pads on load; gathers trim, `distributed/step.py`).
+
 Grouped-query attention with fewer K/V heads than TP ranks (tp = 8 on Llama-2-70B's 8 heads
 is the edge; Qwen2.5-7B has 4): the K/V projections are replicated, every rank computes all G
 K/V heads and keeps the one its query heads read (query heads [r H/tp, (r+1) H/tp) read K/V head
@@ -28,8 +33,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lengthwise.errors import UserError
@@ -51,9 +57,6 @@ def check_tp(spec: ModelSpec, tp: int) -> None:
     if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
         raise UserError(f"tp={tp} neither divides nor is a multiple of the model's {spec.num_kv_heads} "
                         f"key/value heads: use a tp that divides {spec.num_kv_heads} or a multiple of it")
-    if spec.vocab % tp:
-        raise UserError(f"tp={tp} does not divide the vocabulary of {spec.vocab} tokens: "
-                        f"use a tp that divides {spec.vocab}")
 
 
 def kv_replicated(spec: ModelSpec, tp: int) -> bool:
@@ -83,13 +86,38 @@ def apply_tp(model: CausalLM, mesh: DeviceMesh) -> CausalLM:
             for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.register_forward_pre_hook(functools.partial(_sum_grad_over, group=mesh.get_group()))
                 proj.register_forward_hook(keep)
+    padded = -(-spec.vocab // tp) * tp
+    if padded != spec.vocab:
+        _pad_vocabulary(model, padded)
     if hasattr(model.model, "embed_tokens"):
         parallelize_module(model.model.embed_tokens, mesh,
                            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if model.part.last:
         parallelize_module(model.lm_head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+        if padded != spec.vocab:
+            model.lm_head.register_forward_hook(functools.partial(_mask_padding, vocab=spec.vocab))
     model.tie()  # both now hold vocabulary rows Shard(0): the head reuses the embedding's DTensor
     return model
+
+
+def _pad_vocabulary(model: CausalLM, padded: int) -> None:
+    """Embedding and head with `padded` rows (same device and dtype; before materialising)."""
+    spec = model.spec
+    if hasattr(model.model, "embed_tokens"):
+        old = model.model.embed_tokens.weight
+        model.model.embed_tokens = nn.Embedding(padded, spec.hidden, device=old.device, dtype=old.dtype)
+    if model.part.last:
+        old = model.lm_head.weight
+        model.lm_head = nn.Linear(spec.hidden, padded, bias=False, device=old.device, dtype=old.dtype)
+    model.tie()
+
+
+def _mask_padding(module, inputs, logits, *, vocab: int):
+    """-inf on the padded vocabulary columns (sharded like the logits)."""
+    padded = logits.shape[-1]
+    mask = torch.zeros(padded, dtype=logits.dtype, device=logits.device)
+    mask[vocab:] = float("-inf")
+    return logits + distribute_tensor(mask, logits.device_mesh, [Shard(0)], src_data_rank=None)
 
 
 class _SumGradOver(torch.autograd.Function):
