@@ -90,9 +90,12 @@ class Mesh:
     _groups: dict[tuple[int, ...], object] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_default_group(cls, *, device: torch.device | str = "cpu", timeout_s: float = 300.0) -> Mesh:
-        """The mesh of an initialised default process group."""
+    def from_default_group(cls, *, device: torch.device | str | None = None, timeout_s: float = 300.0) -> Mesh:
+        """The mesh of an initialised default process group; `device` by default from its
+        backend: the current CUDA device with NCCL, else the CPU."""
         assert dist.is_initialized(), "init_process_group first (launch.init_from_torchrun / spawn)"
+        if device is None:
+            device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=torch.device(device),
                    timeout_s=timeout_s)
 
