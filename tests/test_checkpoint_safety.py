@@ -26,8 +26,8 @@ from lengthwise.errors import UserError
 from lengthwise.runtime.checkpoint import latest_checkpoint, load_checkpoint
 from lengthwise.runtime.manifest import MANIFEST, DamagedCheckpoint, list_files, verify_manifest, write_manifest
 from lengthwise.runtime.model import build_model
-from lengthwise.runtime.train import make_optimizer, train
-from lengthwise.runtime.train_config import TrainConfig
+from lengthwise.runtime.train.loop import make_optimizer, train
+from lengthwise.runtime.train.config import TrainConfig
 from lengthwise.runtime.weights import read_tensors
 from lengthwise.specs import model_preset
 

@@ -27,10 +27,12 @@ from lengthwise.runtime.distributed.dp import check_same_plan, global_grad_norm
 from lengthwise.runtime.distributed.launch import spawn
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.step import StepFailed, gather_grads, run_rank_step
-from lengthwise.runtime.execute import hand_plan, run_step
+from lengthwise.runtime.execute import run_step
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.verify import compare_grads, random_tokens
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
+
+from plan_helpers import hand_plan
 
 LENGTHS = [200, 30, 17, 60, 5]
 SKRULL_LENGTHS = [150, 40, 17, 60, 5, 90, 33, 12]
@@ -58,6 +60,7 @@ def make_plan(name: str, *, lengths=None):
     if planner == "hand":
         plan = hand_plan(spec, default_lengths, HAND_PLANS[name])
         plan.pipelines[0].cp = degrees["cp"]
+        plan.cluster = cluster_preset("cpu", plan.num_gpus)
         return plan
     scheme = ParallelScheme(**degrees)
     cluster = cluster_preset("cpu", scheme.num_gpus)

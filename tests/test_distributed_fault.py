@@ -31,7 +31,7 @@ import torch.distributed as dist
 from lengthwise.cli import build_parser
 from lengthwise.commands.train import config_from_args, summary
 from lengthwise.plan.ir import write_atomic
-from lengthwise.runtime.train import train
+from lengthwise.runtime.train.loop import train
 from lengthwise.runtime.weights import read_tensors
 
 TRAIN_ARGS = ["--dtype", "float64", "--context-length", "96", "--batch-size", "6", "--steps", "3",
@@ -95,7 +95,7 @@ def _kill_once(out: Path):
 
 def _worker(argv: list[str]) -> int:
     """One torchrun worker: `lengthwise train ARGV` with the fault hook."""
-    from lengthwise.runtime.train_dist import train_distributed
+    from lengthwise.runtime.train.dist import train_distributed
 
     config = config_from_args(build_parser(only="train").parse_args(["train", *argv]))
     result = train_distributed(config, after_action=_kill_once(Path(config.out)))

@@ -13,7 +13,6 @@ import torch
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk
 from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend
-from lengthwise.runtime.execute import chunk_logits
 from lengthwise.runtime.loss import IGNORE, chunk_labels, chunk_positions
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.weights import (
@@ -23,6 +22,8 @@ from lengthwise.runtime.weights import (
     save_pretrained,
 )
 from lengthwise.specs import ModelSpec, model_from_hf_dict
+
+from plan_helpers import chunk_logits
 
 LLAMA = ModelSpec(name="llama-gqa", num_layers=2, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8,
                   ffn=48, vocab=64)

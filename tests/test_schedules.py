@@ -12,7 +12,6 @@ from lengthwise.plan.schedules import (
     SCHEDULE_NAMES,
     check_message_order,
     check_schedule,
-    chunk_dependencies,
     chunk_groups,
     dependencies,
     format_schedule,
@@ -88,13 +87,13 @@ def test_state_aware_reruns_first_n_minus_k_slices(n, k, pp):
 def test_chunk_dependencies_follow_segments():
     chunks = [Chunk((Segment(0, 0, 5), Segment(1, 0, 3))), whole(2), Chunk((Segment(0, 5, 9),)),
               Chunk((Segment(0, 9, 12), Segment(3, 0, 4)))]
-    assert chunk_dependencies(chunks) == {2: 0, 3: 2}
+    assert dependencies(chunks).fwd_after == ((), (), (0,), (2,))
     assert chunk_groups(chunks) == [[0, 2, 3], [1]]
 
 
 def test_missing_previous_slice_is_a_user_error():
     with pytest.raises(UserError, match="no chunk holds a slice ending there"):
-        chunk_dependencies([Chunk((Segment(0, 5, 9),))])
+        dependencies([Chunk((Segment(0, 5, 9),))])
 
 
 def test_slices_out_of_order_are_rejected():

@@ -16,9 +16,9 @@ from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.checkpoint import latest_checkpoint
 from lengthwise.runtime.execute import run_step
 from lengthwise.runtime.model import build_model
-from lengthwise.runtime.train import load_model, train
-from lengthwise.runtime.train_config import TrainConfig, load_toml
-from lengthwise.runtime.train_step import padded_forward_backward
+from lengthwise.runtime.train.loop import load_model, train
+from lengthwise.runtime.train.config import TrainConfig, load_toml
+from lengthwise.runtime.train.step import padded_forward_backward
 from lengthwise.runtime.weights import hf_config_dict
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 from tolerance import normwise_error, reduction_tolerance

@@ -16,7 +16,7 @@ import torch
 
 from lengthwise.cli import build_parser, main
 from lengthwise.commands.train import config_from_args
-from lengthwise.runtime.train import train
+from lengthwise.runtime.train.loop import train
 from lengthwise.runtime.weights import read_tensors
 
 ARGS = ["--dtype", "float64", "--context-length", "96", "--batch-size", "3", "--steps", "2",

@@ -20,7 +20,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from lengthwise.cost import CostModel, Profile
-from lengthwise.planners import available_planners
+from lengthwise.metrics import BUBBLE_RATIO, DP_IMBALANCE, GIB, MFU, PEAK_MEMORY_GIB, STEP_TIME_S, TOKENS_PER_S
+from lengthwise.planners import PLANNER_NAMES
 from lengthwise.planners.auto import Candidate, choose_best, max_peak, try_planner
 from lengthwise.planners.base import PlanRequest
 from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
@@ -47,6 +48,8 @@ class CompareSetup:
     """Fixed schemes per planner; others are searched."""
     profile: Profile | None = None
     """Measured cost profile (`lengthwise profile`); None uses the analytic cost model."""
+    options: dict[str, dict] = field(default_factory=dict)
+    """Planner options per planner (the command line's, each planner given those it takes)."""
 
 
 @dataclass(kw_only=True)
@@ -69,15 +72,15 @@ class PlannerRow:
         imbalance = [r.result.dp_imbalance for r in ok if r.result.dp_imbalance is not None]
         d = {
             "scheme": self.scheme,
-            "step_time_s": step,
-            "tokens_per_s": tokens / sum(r.result.step_time_s for r in ok),
+            STEP_TIME_S: step,
+            TOKENS_PER_S: tokens / sum(r.result.step_time_s for r in ok),
             "speedup_vs_best_baseline": best_baseline_s / step if best_baseline_s else None,
-            "bubble_ratio": statistics.fmean(r.result.bubble_ratio for r in ok),
-            "dp_imbalance": statistics.fmean(imbalance) if imbalance else None,
+            BUBBLE_RATIO: statistics.fmean(r.result.bubble_ratio for r in ok),
+            DP_IMBALANCE: statistics.fmean(imbalance) if imbalance else None,
             "dp_spread": statistics.fmean(r.result.dp_imbalance_spread for r in ok),
-            "peak_memory_gb": max(max_peak(r.result) for r in ok) / 2**30,
+            PEAK_MEMORY_GIB: max(max_peak(r.result) for r in ok) / GIB,
             "fits": all(bool(r.result.fits) for r in ok),
-            "mfu": statistics.fmean(r.result.mfu or 0.0 for r in ok),
+            MFU: statistics.fmean(r.result.mfu or 0.0 for r in ok),
             "planning_ms_mean": statistics.fmean(r.elapsed_ms for r in self.runs),
             "planning_ms_max": max(r.elapsed_ms for r in self.runs),
             "batches": len(ok),
@@ -108,16 +111,17 @@ def candidate_schemes(setup: CompareSetup, planner: str) -> list[ParallelScheme]
 
 def _states_fit(cost: CostModel, s: ParallelScheme) -> bool:
     try:
-        cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
+        cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, zero=s.zero)
     except ValueError:
         return False
     return True
 
 
-def request_for(setup: CompareSetup, lengths: list[int], scheme: ParallelScheme) -> PlanRequest:
+def request_for(setup: CompareSetup, lengths: list[int], scheme: ParallelScheme, planner: str) -> PlanRequest:
     return PlanRequest(lengths=list(lengths), model=setup.model, cluster=setup.cluster, scheme=scheme,
                        cost=CostModel(model=setup.model, cluster=setup.cluster, profile=setup.profile),
-                       context_length=setup.context_length, seed=setup.seed)
+                       context_length=setup.context_length, seed=setup.seed,
+                       options=dict(setup.options.get(planner, {})))
 
 
 def pick_scheme(setup: CompareSetup, planner: str) -> tuple[ParallelScheme | None, list[Candidate]]:
@@ -126,7 +130,7 @@ def pick_scheme(setup: CompareSetup, planner: str) -> tuple[ParallelScheme | Non
         return setup.schemes[planner], []
     tries = []
     for scheme in candidate_schemes(setup, planner):
-        tries.append(try_planner(planner, request_for(setup, setup.batches[0], scheme)))
+        tries.append(try_planner(planner, request_for(setup, setup.batches[0], scheme, planner)))
     best = choose_best(tries)
     return (best.scheme if best else None), tries
 
@@ -142,7 +146,7 @@ def run_compare(setup: CompareSetup, progress=None) -> dict[str, PlannerRow]:
             _tick(progress, len(setup.batches))
             continue
         for lengths in setup.batches:
-            row.runs.append(try_planner(name, request_for(setup, lengths, scheme)))
+            row.runs.append(try_planner(name, request_for(setup, lengths, scheme, name)))
             _tick(progress, 1)
     if "auto" in setup.planners:
         rows["auto"] = auto_row(rows, len(setup.batches))
@@ -164,7 +168,7 @@ def auto_row(rows: dict[str, PlannerRow], num_batches: int) -> PlannerRow:
 
 
 def summarise(rows: dict[str, PlannerRow]) -> dict:
-    base_times = [rows[b].summary(None).get("step_time_s") for b in BASELINES if b in rows]
+    base_times = [rows[b].summary(None).get(STEP_TIME_S) for b in BASELINES if b in rows]
     fitting = [t for b, t in zip([b for b in BASELINES if b in rows], base_times)
                if t is not None and rows[b].summary(None)["fits"]]
     best = min(fitting) if fitting else None
@@ -178,4 +182,4 @@ def _tick(progress, n: int) -> None:
 
 
 def all_planners() -> list[str]:
-    return available_planners()
+    return list(PLANNER_NAMES)

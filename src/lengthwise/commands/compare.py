@@ -24,8 +24,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lengthwise.commands.common import add_workload_args, lengths_source_from_args
+from lengthwise.commands.planner_flags import (
+    add_planner_option_args,
+    check_options_used,
+    options_for,
+    planner_options,
+)
 from lengthwise.commands.profile import add_profile_file_arg, load_profile_file
 from lengthwise.errors import UserError
+from lengthwise.metrics import PEAK_MEMORY_GIB
 from lengthwise.report import CompareSetup, all_planners, run_compare, summarise
 from lengthwise.report_files import write_report
 from lengthwise.specs import CLUSTER_PRESETS, cluster_preset, model_preset
@@ -53,6 +60,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pictures", action="store_true", help="write report.md without the PNGs")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     add_profile_file_arg(parser)
+    add_planner_option_args(parser)
     add_workload_args(parser)
     parser.set_defaults(overlong="drop")
 
@@ -75,6 +83,8 @@ def build_setup(args: argparse.Namespace) -> CompareSetup:
     args.context_length = args.context_length or DEFAULT_CONTEXT
     if args.gpus < 1 or args.batches < 1:
         raise UserError(f"--gpus ({args.gpus}) and --batches ({args.batches}) must be at least 1")
+    planners, options = parse_planners(args.planners), planner_options(args)
+    check_options_used(planners, options)
     model = model_preset(args.model)
     cluster = cluster_preset(args.cluster, args.gpus)
     sampler = GlobalBatchSampler(lengths_source_from_args(args), seed=args.seed,
@@ -82,8 +92,9 @@ def build_setup(args: argparse.Namespace) -> CompareSetup:
                                  token_budget=args.tokens_per_batch)
     batches = [list(map(int, sampler.next_batch().lengths)) for _ in range(args.batches)]
     return CompareSetup(model=model, cluster=cluster, context_length=args.context_length, batches=batches,
-                        planners=parse_planners(args.planners), zero=args.zero, seed=args.seed,
-                        profile=load_profile_file(args.profile_file, model))
+                        planners=planners, zero=args.zero, seed=args.seed,
+                        profile=load_profile_file(args.profile_file, model),
+                        options={p: options_for(p, options) for p in planners})
 
 
 def parse_planners(text: str) -> list[str]:
@@ -124,6 +135,6 @@ def table_lines(planners: dict) -> str:
         speed = f"{r['speedup_vs_best_baseline']:.2f}x" if r["speedup_vs_best_baseline"] else "-"
         dp = f"{r['dp_imbalance']:.2f}" if r["dp_imbalance"] else "-"
         rows.append(f"{name:<15}{r['scheme']:<18}{r['step_time_s']:>9.2f}{r['tokens_per_s']:>12,.0f}{speed:>9}"
-                    f"{r['bubble_ratio']:>8.1%}{dp:>11}{r['peak_memory_gb']:>9.1f}{str(r['fits']):>6}"
+                    f"{r['bubble_ratio']:>8.1%}{dp:>11}{r[PEAK_MEMORY_GIB]:>9.1f}{str(r['fits']):>6}"
                     f"{r['planning_ms_mean']:>9.1f}")
     return "\n".join(rows)

@@ -42,9 +42,9 @@ from __future__ import annotations
 import argparse
 
 from lengthwise.commands.common import add_backend_arg, add_workload_args
-from lengthwise.commands.plan import planner_options
+from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
 from lengthwise.errors import UserError
-from lengthwise.runtime.train_config import (
+from lengthwise.runtime.train.config import (
     DEVICES,
     DTYPES,
     TrainConfig,
@@ -66,16 +66,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PRESET|DIR|config.json",
                         help=f"model preset, HF config.json, or HF directory with weights (default {d.model})")
     parser.add_argument("--planner", metavar="NAME", help=f"planner for every batch (default {d.planner})")
-    parser.add_argument("--chunk-size", metavar="TOKENS", type=int, help="planner option chunk_size")
-    parser.add_argument("--k", metavar="K", type=int, help="planner option k (ChunkFlow)")
-    parser.add_argument("--option", metavar="KEY=VALUE", action="append", default=[],
-                        help="other planner option, repeatable")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--batch-size", metavar="N", type=int, help="sequences per global batch (default 16)")
     size.add_argument("--tokens-per-batch", metavar="T", type=int, help="token budget per global batch")
     _add_numbers(parser, d)
     _add_runtime(parser, d)
     _add_outputs(parser)
+    add_planner_option_args(parser)
     add_workload_args(parser)
     for action in parser._actions:  # the shared workload flags, with this command's defaults
         if action.dest in _WORKLOAD_HELP:
@@ -134,11 +131,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     from lengthwise.runtime.distributed.launch import under_torchrun
-    from lengthwise.runtime.train import train
+    from lengthwise.runtime.train.loop import train
 
     config = config_from_args(args)
     if config.nproc is not None or under_torchrun():
-        from lengthwise.runtime.train_dist import train_distributed
+        from lengthwise.runtime.train.dist import train_distributed
 
         result = train_distributed(config)
         if result is None:  # a rank other than 0: rank 0 reports

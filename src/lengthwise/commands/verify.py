@@ -28,9 +28,10 @@ import json
 import re
 
 from lengthwise.commands.common import add_backend_arg, add_workload_args, batch_lengths_from_args
-from lengthwise.commands.plan import default_context_length, planner_options
+from lengthwise.commands.plan import default_context_length
+from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
 from lengthwise.errors import UserError
-from lengthwise.planners import available_planners, get_planner, planner_available
+from lengthwise.planners import PLANNER_NAMES, get_planner
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 
 DTYPES = ("float64", "float32", "bfloat16")
@@ -41,13 +42,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config", metavar="PRESET|config.json", default="tiny",
                         help="model preset or Hugging Face config.json (default tiny)")
     parser.add_argument("--planner", metavar="NAME",
-                        help=f"one of {', '.join(available_planners())} (default chunkflow, else packing)")
+                        help=f"one of {', '.join(PLANNER_NAMES)} (default chunkflow)")
     parser.add_argument("--batch-size", metavar="N", type=int, default=8,
                         help="sequences drawn from --profile/--data (default 8)")
-    parser.add_argument("--chunk-size", metavar="TOKENS", type=int, help="planner option chunk_size")
-    parser.add_argument("--k", metavar="K", type=int, help="planner option k (ChunkFlow)")
-    parser.add_argument("--option", metavar="KEY=VALUE", action="append", default=[],
-                        help="other planner option, repeatable")
     parser.add_argument("--pp", metavar="P", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--dp", metavar="D", type=int, default=1, help="data-parallel pipelines (default 1)")
     parser.add_argument("--cp", metavar="C", type=int, default=1, help="context-parallel ranks per stage (default 1)")
@@ -66,6 +63,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oracle", choices=("auto", "transformers", "unpacked"), default="auto",
                         help="what to compare with (default auto: transformers when installed)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_planner_option_args(parser)
     add_workload_args(parser)
     for action in parser._actions:  # --lengths also takes the batch inline
         if action.dest == "lengths":
@@ -111,7 +109,7 @@ def build_plan(args: argparse.Namespace):
     request = PlanRequest(lengths=lengths, model=model, cluster=cluster, scheme=scheme, cost=cost,
                           context_length=args.context_length or default_context_length(lengths),
                           seed=args.seed, options=planner_options(args))
-    plan = get_planner(args.planner or default_planner())(request)
+    plan = get_planner(args.planner or "chunkflow")(request)
     validate_plan(plan, cost)
     return plan
 
@@ -160,10 +158,6 @@ def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
                          for r, c in enumerate(out["comm"]))
         print(f"  {out['nproc']} processes; elements sent (p2p/dp/cp): {sent}")
     return 0 if out["passed"] else 1
-
-
-def default_planner() -> str:
-    return "chunkflow" if planner_available("chunkflow") else "packing"
 
 
 def batch_lengths(args: argparse.Namespace) -> list[int]:

@@ -67,18 +67,6 @@ def dependencies(chunks: list[Chunk], backward_chunks: list[Chunk] | None = None
                         bwd_needs=_overlapping(backward_chunks, chunks))
 
 
-def chunk_dependencies(chunks: list[Chunk]) -> dict[int, int]:
-    """chunk -> the chunk holding its sequence's previous slice, for chunks that continue one."""
-    out = {}
-    for c, preds in enumerate(_previous_slices(chunks)):
-        if len(preds) > 1:
-            raise UserError(f"chunk {c} ({chunks[c]}) continues slices from chunks {list(preds)}: "
-                            "chunk_dependencies supports one predecessor, use dependencies()")
-        if preds:
-            out[c] = preds[0]
-    return out
-
-
 def _previous_slices(chunks: list[Chunk]) -> tuple[tuple[int, ...], ...]:
     ends = {(seg.seq_id, seg.stop): c for c, ch in enumerate(chunks) for seg in ch.segments}
     out = []

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lengthwise.errors import UserError
+from lengthwise.metrics import GIB
 from lengthwise.plan.ir import (
     BACKWARD,
     FORWARD,
@@ -44,7 +45,6 @@ from lengthwise.plan.schedules import check_message_order, check_schedule
 if TYPE_CHECKING:
     from lengthwise.cost import CostModel
 
-GIB = 2**30
 
 
 def validate_plan(plan: StepPlan, cost: CostModel | None = None) -> None:
@@ -208,9 +208,9 @@ def _check_loss_tokens(plan: StepPlan) -> None:
 
 
 def _check_memory(plan: StepPlan, cost: CostModel) -> None:
-    dp = len(plan.pipelines)
     for p, pipe in enumerate(plan.pipelines):
-        over = memory_overflow(pipe, cost, num_layers=plan.model.num_layers, dp=dp, zero=plan.zero,
+        replicas = len(plan.pipelines) * pipe.cp  # ZeRO shards over every rank holding the stage
+        over = memory_overflow(pipe, cost, num_layers=plan.model.num_layers, dp=replicas, zero=plan.zero,
                                where=f"pipeline {p} ")
         if over is not None:
             raise UserError(f"pipeline {p} {over.describe(pipe, cost)}")
@@ -237,8 +237,8 @@ class ChunkOverflow:
 def memory_overflow(pipe: PipelinePlan, cost: CostModel, *, num_layers: int, dp: int, zero: int,
                     where: str = "") -> ChunkOverflow | None:
     """The first forward chunk of `pipe` whose model states, activations and K/V context do not
-    fit its stage's GPU alone (invariant 7), or None. `dp` is the plan's number of pipelines (the
-    ranks model states shard over). Planners call this to keep their plans valid."""
+    fit its stage's GPU alone (invariant 7), or None. `dp` is the number of ranks holding a
+    replica of a stage (pipelines times CP ranks), over which ZeRO shards model states. Planners call this to keep their plans valid."""
     layers = pipe.stage_layers(num_layers)
     for s, actions in enumerate(pipe.stages):
         first, last = s == 0, s == pipe.pp - 1

@@ -18,9 +18,7 @@ are formed and spread over data-parallel ranks:
   token count, then each rank packs its share best-fit-decreasing. Equal tokens per rank, but
   not equal attention FLOPs.
 
-Options: `padding` takes micro_batch_size (default: as many rows of the batch's longest sequence
-as one pipeline's memory holds under 1F1B, cost.max_seq_len); `sorted` takes micro_batch_size (default: fill the token budget);
-`token-balanced` takes equal_count (same number of sequences per rank, default false).
+Options: `PaddingOptions`, `SortedOptions`, `TokenBalancedOptions` in planners/options.py.
 """
 
 from __future__ import annotations
@@ -68,7 +66,7 @@ def _check_padded_fits(groups: list[list[int]], lengths: list[int], budget: int,
 def plan_padding(request: PlanRequest) -> StepPlan:
     """Fixed-size micro-batches in sampler order, padded to their longest (Hydraulis §2.2)."""
     started = time.perf_counter()
-    opts = take_options(request, "padding", {"micro_batch_size": None})
+    opts = take_options(request, "padding")
     limit = check_request(request)
     lengths = request.lengths
     # Default: as many rows of the batch's longest sequence as one pipeline's memory holds.
@@ -85,7 +83,7 @@ def plan_padding(request: PlanRequest) -> StepPlan:
 def plan_packing(request: PlanRequest) -> StepPlan:
     """Best-fit-decreasing packs of the context length, an equal count per DP rank."""
     started = time.perf_counter()
-    take_options(request, "packing", {})
+    take_options(request, "packing")
     capacity = min(request.context_length, check_request(request))
     lengths, dp = request.lengths, request.scheme.dp
     bins = split_to_multiple(best_fit_decreasing(lengths, capacity), lengths, dp)
@@ -114,7 +112,7 @@ def _sorted_groups(lengths: list[int], budget: int, mbs: int | None) -> list[lis
 def plan_sorted(request: PlanRequest) -> StepPlan:
     """LongAlign sorted batching: similar lengths per micro-batch, batches in random order."""
     started = time.perf_counter()
-    opts = take_options(request, "sorted", {"micro_batch_size": None})
+    opts = take_options(request, "sorted")
     budget = min(request.context_length, check_request(request))
     mbs = positive_int_option(opts, "micro_batch_size")
     groups = _sorted_groups(request.lengths, budget, mbs)
@@ -128,7 +126,7 @@ def plan_sorted(request: PlanRequest) -> StepPlan:
 def plan_token_balanced(request: PlanRequest) -> StepPlan:
     """Karmarkar-Karp over DP ranks by token count, then best-fit-decreasing packs per rank."""
     started = time.perf_counter()
-    opts = take_options(request, "token-balanced", {"equal_count": False})
+    opts = take_options(request, "token-balanced")
     capacity = min(request.context_length, check_request(request))
     lengths = request.lengths
     shares = karmarkar_karp(lengths, request.scheme.dp, equal_count=bool(opts["equal_count"]))

@@ -16,6 +16,6 @@ memory.py measures what autograd keeps for backward. manifest.py (sha256 of a ch
 files, written last, checked before any is read) <- checkpoint.py (training checkpoints as
 JSON and safetensors).
 
-The package itself imports nothing, so that its pure-Python parts (train_config) load without
+The package itself imports nothing, so that its pure-Python parts (train/config.py) load without
 torch: `lengthwise --help` and the planning commands run where PyTorch is not installed.
 """

@@ -40,6 +40,7 @@ import torch.multiprocessing as mp
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import write_atomic
 from lengthwise.runtime.distributed.mesh import Mesh
+from lengthwise.runtime.distributed.step import StepFailed
 
 DEFAULT_TIMEOUT_S = 300.0
 """Collective and receive time-out, seconds (a stage may wait for a long chunk upstream)."""
@@ -167,8 +168,6 @@ def _worker(rank: int, fn, nproc: int, folder: str, timeout_s: float, args: tupl
 
 
 def _kind(exc: BaseException) -> str:
-    from lengthwise.runtime.distributed.step import StepFailed
-
     return "root" if isinstance(exc, UserError | StepFailed) else "other"
 
 

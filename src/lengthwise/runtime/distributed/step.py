@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.attention import resolve_backend
 from lengthwise.runtime.checks import check_executable
-from lengthwise.runtime.distributed.cp_stage import CPStageRunner
+from lengthwise.runtime.distributed.cp_stage import CPRows
 from lengthwise.runtime.distributed.dp import GradReducer, check_same_plan, holds
 from lengthwise.runtime.distributed.mesh import Mesh, PlanLayout
 from lengthwise.runtime.distributed.p2p import DistributedTransport, ReceiveTimeout
@@ -104,10 +104,12 @@ def make_runner(model: CausalLM, plan: StepPlan, token_ids, *, mesh: Mesh, layou
     dtype = mesh.compute_dtype or param.dtype
     common = {"model": model, "plan": plan, "pipeline": place.pipeline, "stage": place.stage, "token_ids": token_ids,
               "transport": transport, "backend": resolve_backend(backend, param.device, dtype)}
-    if plan.pipelines[place.pipeline].cp == 1:
+    pipe = plan.pipelines[place.pipeline]
+    if pipe.cp == 1:
         return StageRunner(**common), transport
-    cp_group = mesh.group(layout.my_cp_ranks)
-    return CPStageRunner(cp_rank=place.cp_rank, cp_group=cp_group, stats=stats, **common), transport
+    rows = CPRows(pipe, cp_rank=place.cp_rank, cp_group=mesh.group(layout.my_cp_ranks), stats=stats,
+                  backend=common["backend"])
+    return StageRunner(**common, rows=rows), transport
 
 
 def run_actions(runner: StageRunner, after_action: Callable[[int], None] | None = None,

@@ -10,11 +10,11 @@ The request's scheme only fixes how many GPUs there are (dp x tp x pp x cp); Hyd
 each pipeline's own degrees.
 
 Per global batch (§4's steps 1-4):
-0. the parallel scheme space with MaxLen(P), T(l, P), UtilLen(P) (hydraulis_cost, app. B-C);
+0. the parallel scheme space with MaxLen(P), T(l, P), UtilLen(P) (hydraulis/cost.py, app. B-C);
 1. candidate strategies S = sum_k d_k P_k by §7's dynamic programme with continuous relaxation
-   (hydraulis_strategy), cached per histogram, rounded to whole pipelines;
-2. per candidate, dispatch sequences to pipelines by Algorithm 1 (hydraulis_dispatch, eq. 2-3);
-3. per pipeline, pack micro-batches by eq. 1 over appendix C's V range (hydraulis_packing);
+   (hydraulis/strategy.py), cached per histogram, rounded to whole pipelines;
+2. per candidate, dispatch sequences to pipelines by Algorithm 1 (hydraulis/dispatch.py, eq. 2-3);
+3. per pipeline, pack micro-batches by eq. 1 over appendix C's V range (hydraulis/packing.py);
 4. keep the candidate with the least estimated step time, then re-solve eq. 1 as a MILP for its
    slowest pipelines, slowest first, while MILP solves are left.
 Steps 2-3 run twice: every candidate with Algorithm 1's longest-first trial alone (a screen),
@@ -27,21 +27,11 @@ Pipelines of one plan have different (tp, pp, cp), each running plain 1F1B over 
 micro-batches. The plan's ZeRO stage is 1: optimizer states are sharded over all GPUs (§5.2).
 The simulator charges every plan a gradient all-reduce over its pipelines, which is the volume
 of §5.2's push and pull; a heterogeneous plan's pipelines add the LNK re-sharding as
-`extra_comm_s` (hydraulis_cost.link_time). Step time estimate = slowest pipeline (eq. 1) +
+`extra_comm_s` (hydraulis/cost.py, link_time). Step time estimate = slowest pipeline (eq. 1) +
 slowest exchange. The exchange is outside the DP's latency, so the DP runs once per cap on
 it (schemes whose exchange exceeds the cap left out), and every cap's strategies are candidates.
 
-Options (request.options):
-- profile (None): a workloads profile name; strategies are proposed once for that dataset's
-  distribution (§7) and cached. None proposes from each batch's own length histogram.
-- trials (100): Algorithm 1's random trials T (appendix D footnote: 100).
-- dispatch_work (4e6): cap on sequences x pipelines x trials x candidates of one dispatch pass
-  (the trial count drops on large clusters, at least 1).
-- max_tp (None = GPUs per node), max_pp (8), max_cp (8): the scheme space's degree limits.
-- length_step (128 tokens) and pipeline_step (0.1 pipelines): the DP's grid (§7 footnote 4).
-- util_threshold (0.85): efficiency that defines UtilLen (appendix C).
-- milp_solves (8 per batch), milp_node_limit (500 per solve) and milp_time_limit_s (0.02 s per
-  solve, a safety net: a solve it cuts short may differ between runs) bound eq. 1's MILPs.
+Options: `HydraulisOptions` in planners/options.py (each with its default and meaning).
 """
 
 from __future__ import annotations
@@ -55,24 +45,24 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
 from lengthwise.plan.schedules import make_schedule
 from lengthwise.planners.base import PlanRequest, finish_plan, take_options, whole
-from lengthwise.planners.hydraulis_cost import (
+from lengthwise.planners.hydraulis.cost import (
     Scheme,
     exchange_time,
     link_time,
     scheme_space,
 )
-from lengthwise.planners.hydraulis_dispatch import (
+from lengthwise.planners.hydraulis.dispatch import (
     PipelineArrays,
     dispatch_many,
     lower_bound,
 )
-from lengthwise.planners.hydraulis_packing import (
+from lengthwise.planners.hydraulis.packing import (
     Packing,
     PipelineLoad,
     greedy_pack,
     milp_pack,
 )
-from lengthwise.planners.hydraulis_strategy import (
+from lengthwise.planners.hydraulis.strategy import (
     Histogram,
     Strategy,
     homogeneous,
@@ -80,12 +70,8 @@ from lengthwise.planners.hydraulis_strategy import (
     propose,
     round_proposal,
 )
+from lengthwise.workloads import get_profile
 
-DEFAULTS = {
-    "profile": None, "trials": 100, "dispatch_work": 4_000_000, "max_tp": None, "max_pp": 8, "max_cp": 8,
-    "length_step": 128, "pipeline_step": 0.1, "util_threshold": 0.85, "milp_solves": 8, "milp_node_limit": 500,
-    "milp_time_limit_s": 0.02,
-}
 CAP_RATIO = 1.25
 """Exchange times closer than this factor share one proposal run (see _caps)."""
 MAX_LEN_TAIL = 0.01
@@ -136,7 +122,7 @@ def plan_hydraulis(request: PlanRequest) -> StepPlan:
 
 
 def _options(request: PlanRequest) -> dict:
-    opts = take_options(request, "hydraulis", DEFAULTS)
+    opts = take_options(request, "hydraulis")
     for name in ("trials", "dispatch_work", "max_pp", "max_cp", "length_step", "milp_node_limit"):
         if not isinstance(opts[name], int) or isinstance(opts[name], bool) or opts[name] < 1:
             raise UserError(f"option {name} must be a positive integer, got {opts[name]!r}")
@@ -185,8 +171,6 @@ def _histogram(request: PlanRequest, opts: dict, space: list[Scheme]) -> tuple[H
     tokens = float(sum(request.lengths))
     if opts["profile"] is None:
         return Histogram.of(request.lengths), (max(request.lengths),), tokens
-    from lengthwise.workloads import get_profile
-
     sample = get_profile(opts["profile"]).sample(PROFILE_SAMPLE, np.random.default_rng(0),
                                                  below=request.context_length + 1)
     hist = Histogram.of(sample)

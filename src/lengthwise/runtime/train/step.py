@@ -4,9 +4,10 @@
         loss = forward_backward(model, plan, token_ids, backend="reference")
     peak.bytes, peak.kind
 
-Plans run on the executor (`runtime.execute.run_step`), except those of the padding
-baselines. The executor treats `Chunk.pad_to` as bookkeeping and runs only real tokens, so a
-padded plan would cost what packing costs. A trainer that pads really computes the pads:
+Plans run on the executor (`runtime.execute.run_step`), except padded ones (a chunk whose
+`pad_to` exceeds its tokens: the padding and sorted baselines). The executor treats `pad_to` as
+bookkeeping and runs only real tokens, so a padded plan would cost what packing costs. A
+trainer that pads really computes the pads:
 here each sequence of a padded micro-batch of k sequences runs as one row of pad_to / k
 tokens, its own tokens then pad tokens (one row of a [k, pad_to / k] padded batch; the same
 FLOPs as the batched call). Pads come after the sequence's tokens in its causal block, so no
@@ -22,15 +23,13 @@ from typing import Self
 
 import torch
 
+from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, StepPlan
 from lengthwise.runtime.attention import ChunkLayout
 from lengthwise.runtime.execute import run_step
 from lengthwise.runtime.loss import IGNORE, chunk_labels, token_loss_sum
 from lengthwise.runtime.memory import SavedTensorMeter
 from lengthwise.runtime.model import CausalLM
-
-PADDED_PLANNERS = ("padding", "sorted")
-"""Baselines whose micro-batches are padded batches (planners/baselines.py)."""
 
 PAD_ID = 0
 """Token id of a pad: any id works, nothing reads a pad's output or attends to it."""
@@ -40,9 +39,14 @@ def forward_backward(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tens
                      backend: str) -> torch.Tensor:
     """Loss of the global batch (float64 scalar, mean over its loss tokens), gradients added
     to the parameters' .grad."""
-    if plan.planner in PADDED_PLANNERS:
+    if is_padded(plan):
         return padded_forward_backward(model, plan, token_ids, backend=backend)
     return run_step(model, plan, token_ids, backend=backend)
+
+
+def is_padded(plan: StepPlan) -> bool:
+    """Whether some micro-batch of the plan is padded beyond its tokens (Chunk.pad_to)."""
+    return any(chunk.pad_to > chunk.num_tokens for pipe in plan.pipelines for chunk in pipe.chunks)
 
 
 def padded_forward_backward(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor], *,
@@ -53,7 +57,9 @@ def padded_forward_backward(model: CausalLM, plan: StepPlan, token_ids: list[tor
         for chunk in pipe.chunks:
             width = slot_width(chunk)
             for segment in chunk.segments:
-                assert segment.start == 0 and segment.stop == plan.lengths[segment.seq_id], segment
+                if segment.start != 0 or segment.stop != plan.lengths[segment.seq_id]:
+                    raise UserError(f"padded chunk {chunk} holds the slice {segment}: padded micro-batches "
+                                    "run whole sequences only")
                 part = _padded_row_loss(model, Chunk((segment,)), width, token_ids, backend)
                 (part / plan.loss_tokens).backward()
                 loss += part.detach().double().cpu() / plan.loss_tokens

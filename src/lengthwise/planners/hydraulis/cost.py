@@ -124,7 +124,7 @@ def util_len(token_s: float, chunk_s: float, threshold: float) -> int:
 
 def paper_max_len(cost: CostModel, *, tp: int, pp: int, cp: int, num_gpus: int) -> int:
     """MaxLen(P) with FP32 states sharded over all N GPUs (B.1): dp = N / (TP * PP), ZeRO-1."""
-    return cost.max_seq_len(tp=tp, pp=pp, cp=cp, dp=max(1, num_gpus // (tp * pp)), zero=1)
+    return cost.max_seq_len(tp=tp, pp=pp, cp=cp, dp=max(1, num_gpus // (tp * pp * cp)), zero=1)
 
 
 def make_scheme(cost: CostModel, *, tp: int, pp: int, cp: int, num_gpus: int, threshold: float) -> Scheme | None:

@@ -3,7 +3,7 @@
 Skrull keeps one fixed dp x cp scheme and decides, for every global batch, which data-parallel
 rank and micro-batch each sequence goes to (Global Data Scheduling, GDS, §4.2) and, inside each
 micro-batch, which sequences are sharded over the CP group and which stay whole on one CP rank
-(Distributed-Aware Context Parallelism, DACP, §4.1; `skrull_dacp`). Sequences are never split
+(Distributed-Aware Context Parallelism, DACP, §4.1; `skrull/dacp.py`). Sequences are never split
 along their tokens except by CP sharding, so every chunk holds whole sequences.
 
 The formulas the text extraction lost, rebuilt from the prose (L layers, d hidden, d_q = heads x
@@ -23,11 +23,11 @@ head_dim, d_kv = kv_heads x head_dim, P_mm = d (2 d_q + 2 d_kv) + 3 d ffn matmul
 - Communication volume (A.3 eq. 15-16): Vol(s) = 2 d_kv s bf16 values per layer (K and V of every
   token of a distributed sequence), all-gathered over the CP group in forward and about twice
   that in backward; T_comm(V) = alpha + V / beta fitted to skrull table 3 (`cp_comm_time`).
-- DACP objective (eq. 1-7): see `skrull_dacp`; T_r = max(T_comm, T_comp(local of r)) +
+- DACP objective (eq. 1-7): see `skrull/dacp.py`; T_r = max(T_comm, T_comp(local of r)) +
   T_comp(distributed / c), minimised over the classification D and the assignment A.
 - Joint objective (eq. 8-11): minimise max over DP ranks j of sum over micro-batches k of
   T_DACP(micro-batch j,k), each sequence in exactly one micro-batch, each micro-batch feasible
-  for DACP. The plan's metric `predicted_step_s` evaluates it.
+  for DACP. The plan's metric `predicted_step_time_s` evaluates it.
 
 GDS (Algorithm 2, as §4.3.2 describes it):
 1. estimate each sequence's training FLOPs and split the batch over the DP ranks balancing FLOPs
@@ -38,12 +38,7 @@ GDS (Algorithm 2, as §4.3.2 describes it):
    short ones to run locally next to the sharded ones;
 4. run DACP on every micro-batch; when one fails, roll back: one more micro-batch, go to 3.
 
-Options (request.options):
-- `bucket_size` (tokens, default None: from the memory model as above): the paper's C, set by
-  offline profiling (26K for Qwen2.5-0.5B, 13K for 7B on H100 in skrull §5). It may be lower than
-  what the memory model allows, never higher.
-- `refine` (bool, default True): after Algorithm 1, shard local stragglers while that lowers the
-  DACP objective (eq. 1-2); our addition, see `skrull_dacp`. False runs the paper's heuristic only.
+Options: `SkrullOptions` in planners/options.py (each with its default and meaning).
 Deterministic; the seed is unused (no random choice).
 """
 
@@ -53,6 +48,7 @@ import time
 from typing import Any
 
 from lengthwise.errors import UserError
+from lengthwise.metrics import PREDICTED_STEP_TIME_S
 from lengthwise.plan.ir import SHARDED, Chunk, Segment, StepPlan
 from lengthwise.planners.base import (
     PlanRequest,
@@ -63,7 +59,7 @@ from lengthwise.planners.base import (
     take_options,
 )
 from lengthwise.planners.packing_utils import karmarkar_karp
-from lengthwise.planners.skrull_dacp import (
+from lengthwise.planners.skrull.dacp import (
     DacpCost,
     dacp,
     dacp_chunk,
@@ -75,13 +71,13 @@ from lengthwise.planners.skrull_dacp import (
 def memory_bucket_size(request: PlanRequest) -> int:
     """Skrull A.1 BucketSize: tokens one GPU of the CP group holds after model states."""
     s = request.scheme
-    return int(request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=1, dp=s.dp, zero=s.zero))
+    return int(request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=1, dp=s.dp * s.cp, zero=s.zero))
 
 
 def choose_bucket_size(request: PlanRequest, option: int | None) -> int:
     """The option when given (and within memory), else the memory model's BucketSize."""
     s = request.scheme
-    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
+    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, zero=s.zero)
     limit = memory_bucket_size(request)
     if option is not None and option > limit:
         raise UserError(
@@ -190,14 +186,14 @@ def skrull_metrics(request: PlanRequest, plan: StepPlan, bucket: int, roll_backs
         "sharded_token_fraction": sharded / total if total else 0.0,
         "sharded_sequences": sum(1 for seg in segs if seg.cp_rank == SHARDED),
         "gds_roll_backs": roll_backs,
-        "predicted_step_s": max(per_pipeline, default=0.0),
+        PREDICTED_STEP_TIME_S: max(per_pipeline, default=0.0),
     }
 
 
 def plan_skrull(request: PlanRequest) -> StepPlan:
     """Skrull GDS + DACP over the request's dp x cp scheme (pp > 1 runs 1F1B)."""
     started = time.perf_counter()
-    opts = take_options(request, "skrull", {"bucket_size": None, "refine": True})
+    opts = take_options(request, "skrull")
     bucket = choose_bucket_size(request, positive_int_option(opts, "bucket_size"))
     check_fits_cp_group(request.lengths, request.scheme.cp, bucket)
     check_request(request)

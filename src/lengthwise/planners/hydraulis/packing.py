@@ -6,7 +6,7 @@ MaxLen(P) tokens; the pipeline then takes about
 
     (max_j T(micro-batch j) + ... ) x (PP(P) - 1 + V),   T(micro-batch) = sum of w(l_i) + c
 
-(hydraulis_cost: c is paid once per micro-batch). V is enumerated over appendix C's range
+(hydraulis/cost.py: c is paid once per micro-batch). V is enumerated over appendix C's range
 [max(sum l / MaxLen, 1), min(sum l / UtilLen, U)]: fewer micro-batches raise the bubble share,
 shorter ones under-use the GEMMs.
 

@@ -1,5 +1,5 @@
 """InfiniPipe's sequence grouping (infinipipe.txt §3.3.2, eq. 14): which units share one 1F1B
-pipeline group, each group checkpointed by Algorithm 2 (infinipipe_ckpt.py).
+pipeline group, each group checkpointed by Algorithm 2 (infinipipe/ckpt.py).
 
     lay = layout(request, dp)
     groups, cost = group_by_classes(units, request, lay, mode="adaptive", time_limit_s=1.0)
@@ -24,8 +24,8 @@ import heapq
 from dataclasses import dataclass
 
 from lengthwise.planners.base import PlanRequest
-from lengthwise.planners.infinipipe_chunking import Unit
-from lengthwise.planners.infinipipe_ckpt import (
+from lengthwise.planners.infinipipe.chunking import Unit
+from lengthwise.planners.infinipipe.ckpt import (
     GroupPlan,
     Problem,
     answer_without_milp,
@@ -34,7 +34,7 @@ from lengthwise.planners.infinipipe_ckpt import (
     row_bound,
     solve_milp,
 )
-from lengthwise.planners.infinipipe_schedule import (
+from lengthwise.planners.infinipipe.schedule import (
     StageShape,
     UnitCosts,
     group_memory,
@@ -71,7 +71,7 @@ def layout(request: PlanRequest, dp: int) -> Layout:
     s, cost = request.scheme, request.cost
     per = request.model.num_layers // s.pp
     stages = [StageShape(layers=per, head=i == s.pp - 1,
-                         states=cost.model_state_bytes(layers=per, tp=s.tp, dp=dp, zero=s.zero,
+                         states=cost.model_state_bytes(layers=per, tp=s.tp, dp=dp * s.cp, zero=s.zero,
                                                        first=i == 0, last=i == s.pp - 1))
               for i in range(s.pp)]
     return Layout(stages=stages, tp=s.tp, cp=s.cp, dp=dp, costs=UnitCosts(cost, stages, tp=s.tp, cp=s.cp))

@@ -15,17 +15,24 @@ none fits, memory outliers are merged over more ranks (the next HOLD share).
 
 from __future__ import annotations
 
+import time
+
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import PipelinePlan
-from lengthwise.planners.base import PlanRequest
-from lengthwise.planners.slimpack import (
-    GIB,
+from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS, PREDICTED_STEP_TIME_S, STEP_TIME_S
+from lengthwise.plan.ir import PipelinePlan, StepPlan
+from lengthwise.planners.base import PlanRequest, check_lengths, finish_plan
+from lengthwise.planners.slimpack.build import (
     HOLD_SHARES,
     bare_plan,
     build_pipeline,
+    fitting_pipeline,
+    flops_models,
     merge_metrics,
+    micropack_metrics,
     phase1_variants,
+    read_options,
 )
+from lengthwise.sim import simulate_plan
 
 SWEEP_RATIO = 2 ** 0.5
 
@@ -59,8 +66,8 @@ def best_variant(request: PlanRequest, variants, models, flops, opts):
         except UserError as exc:  # this variant fits no count; another may
             error = exc
             continue
-        tried.append({"dp_merge": merge_metrics(groups), "step_time_s": extra["predicted_step_time_s"]})
-        if best is None or extra["predicted_step_time_s"] < best[2]["predicted_step_time_s"]:
+        tried.append({"dp_merge": merge_metrics(groups), STEP_TIME_S: extra[PREDICTED_STEP_TIME_S]})
+        if best is None or extra[PREDICTED_STEP_TIME_S] < best[2][PREDICTED_STEP_TIME_S]:
             best = (groups, pipes, extra)
     if best is None:
         raise error
@@ -81,14 +88,12 @@ def sweep(request: PlanRequest, groups, models, flops, opts) -> tuple[list[Pipel
     chosen = choose_per_pipeline(candidates, capacity)
     pipes = [candidates[k]["pipelines"][p] for p, k in enumerate(chosen)]
     if len(set(chosen)) == 1:
-        predicted = candidates[chosen[0]]["step_time_s"]
+        predicted = candidates[chosen[0]][STEP_TIME_S]
     else:
-        from lengthwise.sim import simulate_plan
-
         predicted = simulate_plan(bare_plan(request, pipes), request.cost).step_time_s
-    table = [{"micropacks": c["count"], "lean": c["lean"], "step_time_s": c["step_time_s"], "fits": c["fits"],
-              "peak_memory_gib": max(c["peak"]) / GIB} for c in candidates]
-    return pipes, {"sweep": table, "predicted_step_time_s": predicted}
+    table = [{"micropacks": c["count"], "lean": c["lean"], STEP_TIME_S: c[STEP_TIME_S], "fits": c["fits"],
+              PEAK_MEMORY_GIB: max(c["peak"]) / GIB} for c in candidates]
+    return pipes, {"sweep": table, PREDICTED_STEP_TIME_S: predicted}
 
 
 def schedule_variants(opts: dict) -> list[bool]:
@@ -114,14 +119,12 @@ def sweep_counts(pp: int, top: int) -> list[int]:
 def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asymmetric, lean) -> list[dict]:
     """Every pipeline at every candidate count, simulated: per candidate its pipelines, per-pipeline
     makespan and peak memory, and the whole step."""
-    from lengthwise.sim import simulate_plan
-
     out: list[dict] = []
     for n in counts:
         pipes = [build_pipeline(request, g, n, models, flops, asymmetric, lean) for g in groups]
         result = simulate_plan(bare_plan(request, pipes), request.cost)
         out.append({"count": n, "lean": lean, "pipelines": pipes, "makespan": result.pipeline_makespan,
-                    "peak": [max(row) for row in result.peak_memory], "step_time_s": result.step_time_s,
+                    "peak": [max(row) for row in result.peak_memory], STEP_TIME_S: result.step_time_s,
                     "fits": bool(result.fits)})
         if past_the_best(out):
             break
@@ -132,12 +135,12 @@ def past_the_best(candidates: list[dict], patience: int = 2) -> bool:
     """Whether the last `patience` candidates all fit and all ran slower than the best fitting
     one before them: more, smaller MicroPacks only add per-MicroPack overheads from there on
     (step time against N is U-shaped: bubbles fall as 1/N, fixed costs grow with N)."""
-    fitting = [c["step_time_s"] for c in candidates if c["fits"]]
+    fitting = [c[STEP_TIME_S] for c in candidates if c["fits"]]
     tail = candidates[-patience:]
     if len(tail) < patience or not all(c["fits"] for c in tail) or len(fitting) <= patience:
         return False
     best_before = min(fitting[:-patience])
-    return all(c["step_time_s"] > best_before for c in tail)
+    return all(c[STEP_TIME_S] > best_before for c in tail)
 
 
 def choose_per_pipeline(candidates: list[dict], capacity: float) -> list[int]:
@@ -154,3 +157,30 @@ def choose_per_pipeline(candidates: list[dict], capacity: float) -> list[int]:
             )
         chosen.append(min(fitting, key=lambda k: (candidates[k]["makespan"][p], k)))
     return chosen
+
+
+def plan_slimpack(request: PlanRequest) -> StepPlan:
+    """SlimPack for one global batch (slimpack §4-§5); options: `SlimPackOptions` (planners/options.py)."""
+    started = time.perf_counter()
+    opts = read_options(request)
+    check_lengths(request)
+    s = request.scheme
+    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, zero=s.zero)
+    models = flops_models(request)
+    extra: dict = {}
+    if opts["num_micropacks"] is not None:
+        variants, flops = phase1_variants(request, models, opts["dp_merge"])
+        groups, lean = variants[0], opts["schedule"] == "lean"
+        pipes = [fitting_pipeline(request, p, g, opts["num_micropacks"], models, flops, opts["asymmetric"], lean,
+                                  pipelines=len(groups))
+                 for p, g in enumerate(groups)]
+    else:
+        groups, pipes, extra = plan_by_simulation(request, models, opts)
+    plan = finish_plan(request, pipes, planner="slimpack", started=started, options=opts)
+    plan.metrics.update(micropack_metrics(request, pipes, models))
+    plan.metrics["dp_merge"] = merge_metrics(groups)
+    plan.metrics.update(extra)
+    plan.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
+    return plan
+
+

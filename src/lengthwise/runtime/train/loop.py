@@ -1,12 +1,12 @@
 """Training: AdamW over planned global batches, planning one step ahead, resumable exactly.
 
-    from lengthwise.runtime.train import train
-    from lengthwise.runtime.train_config import TrainConfig
+    from lengthwise.runtime.train.loop import train
+    from lengthwise.runtime.train.config import TrainConfig
     result = train(TrainConfig(steps=50, metrics="metrics.jsonl", out="ckpt", save_every=10))
     [r.loss for r in result.records]
 
 A step: the sampler's next global batch -> its token ids and the planner's validated StepPlan
--> forward and backward as the plan says (`train_step.forward_backward`; loss = summed token
+-> forward and backward as the plan says (`train/step.forward_backward`; loss = summed token
 cross-entropy / the batch's loss tokens, so equal to unpacked training whatever the plan) ->
 gradient clipping -> AdamW -> one metrics line, the progress bar, maybe a checkpoint.
 
@@ -20,9 +20,9 @@ sampler position after batch n (not after the prefetched batch n+1), so a run re
 draws, plans and computes exactly what the uninterrupted run did: the final weights are
 bit-identical (tests/test_train.py).
 
-Executors. The loop above is shared; what runs a step's plan is an executor (train_exec.py).
+Executors. The loop above is shared; what runs a step's plan is an executor (train/executor.py).
 `LocalExecutor`: this process runs every pipeline and stage (`run_step`), AdamW over all
-parameters, checkpoints in runtime/checkpoint.py. `train_dist.RankExecutor`: one rank of
+parameters, checkpoints in runtime/checkpoint.py. `train/dist.RankExecutor`: one rank of
 dp * pp * cp processes runs its stage (`run_rank_step`), AdamW over the parameters it holds,
 clipping by the global norm, checkpoints through torch.distributed.checkpoint; only rank 0
 writes metrics and the progress bar.
@@ -39,11 +39,14 @@ from pathlib import Path
 
 import torch
 
+from lengthwise.cost import CostModel
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
+from lengthwise.plan.validate import validate_plan
+from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.model import CausalLM, build_model
-from lengthwise.runtime.train_config import TrainConfig
-from lengthwise.runtime.train_exec import Executor, LocalExecutor
+from lengthwise.runtime.train.config import TrainConfig
+from lengthwise.runtime.train.executor import Executor, LocalExecutor, PreparedStep
 from lengthwise.runtime.weights import INDEX_NAME, WEIGHTS_NAME, load_weights
 from lengthwise.specs import (
     MODEL_PRESETS,
@@ -118,24 +121,10 @@ class TrainResult:
     """Processes that ran the steps."""
 
 
-@dataclass(kw_only=True)
-class PreparedStep:
-    """A batch ready to execute: what the worker thread hands the training loop."""
-
-    batch: GlobalBatch
-    plan: StepPlan
-    token_ids: list[torch.Tensor]
-    planning_ms: float
-    sampler_state: dict
-    """The sampler's position after this batch: what a checkpoint after it stores."""
-
-
 class Setup:
     """Everything a run builds once: data, model, optimizer, and how to plan a batch."""
 
     def __init__(self, config: TrainConfig, *, device: torch.device | None = None):
-        from lengthwise.planners import get_planner
-
         config.validate()
         self.config = config
         self.planner = get_planner(config.planner)  # an unknown name fails before any work
@@ -162,10 +151,6 @@ class Setup:
 
     def plan(self, batch: GlobalBatch) -> StepPlan:
         """The validated plan of `batch`: a function of the batch and the run's seed only."""
-        from lengthwise.cost import CostModel
-        from lengthwise.plan.validate import validate_plan
-        from lengthwise.planners import PlanRequest
-
         cluster = cluster_preset(self.config.cluster, self.scheme.num_gpus)
         cost = CostModel(model=self.spec, cluster=cluster)
         request = PlanRequest(lengths=list(batch.lengths), model=self.spec, cluster=cluster,
@@ -221,7 +206,7 @@ def train(config: TrainConfig) -> TrainResult:
     """Run `config` to config.steps total steps on this process, resuming from a checkpoint
     when there is one."""
     setup = Setup(config)
-    return run_training(setup, LocalExecutor(setup, make_optimizer(setup.model, config)))
+    return run_training(setup, LocalExecutor(config, setup.model, make_optimizer(setup.model, config)))
 
 
 def run_training(setup: Setup, executor: Executor) -> TrainResult:

@@ -12,7 +12,7 @@ DP-Merge for outliers, the MicroPack count chosen by simulation.
 
 Steps, each a function here or in a slimpack_* helper:
 
-1. Phase 1 (§4.1.1, slimpack_dp.py): each sample's forward FLOPs (cost.forward_flops of the
+1. Phase 1 (§4.1.1, slimpack/dp.py): each sample's forward FLOPs (cost.forward_flops of the
    whole sequence, LM head included); samples onto DP ranks for equal forward FLOPs; a sample
    heavier than a rank's share B = total / ranks, or whose activations and K/V state overflow
    one rank's pipeline, is merged over several ranks (DP-Merge): one pipeline whose cp is the
@@ -23,16 +23,16 @@ Steps, each a function here or in a slimpack_* helper:
    DP ranks, and CP appears only where DP-Merge puts it (§4.1.3: slicing "reduces the need for
    costly, communication-intensive context parallelism"; sharding every slice would re-gather
    its whole K/V context per MicroPack, cost.cp_comm_time).
-2. Phase 2 (§4.1.1, slimpack_cuts.py): per pipeline, samples in descending FLOPs cut into N
+2. Phase 2 (§4.1.1, slimpack/cuts.py): per pipeline, samples in descending FLOPs cut into N
    forward MicroPacks of equal forward FLOPs (Slim / Mix / Pack), boundaries exact to a token
    by solving the slice-cost quadratic.
-3. Asymmetric partitioning (§4.1.2, slimpack_cuts.py): the same samples, FIFO across samples
+3. Asymmetric partitioning (§4.1.2, slimpack/cuts.py): the same samples, FIFO across samples
    and FILO within one, cut into N backward MicroPacks of equal backward FLOPs; each backward
    segment is a whole forward segment or a sub-range of one. The plan carries them as
    PipelinePlan.backward_chunks.
-4. PackFlow schedule (§4.2, slimpack_schedule.py): 1F1B over the forward MicroPacks and the
+4. PackFlow schedule (§4.2, slimpack/schedule.py): 1F1B over the forward MicroPacks and the
    backward units, forwards injected where a unit's slices have not all run forward.
-5. MicroPack count (§5.1, §4.3, slimpack_sweep.py): N on a log-spaced sweep from pp to
+5. MicroPack count (§5.1, §4.3, slimpack/planner.py): N on a log-spaced sweep from pp to
    max_micropacks (ratio sqrt 2, rounded, duplicates dropped: the integer steps are dense where
    the budget changes fastest); every candidate is simulated (lengthwise.sim) in increasing N until two fitting
    ones in a row are slower than the best before them, and each pipeline keeps the N that
@@ -40,23 +40,10 @@ Steps, each a function here or in a slimpack_* helper:
    may choose a different N"). When DP-Merge merged a compute outlier, the variant that merges
    only memory outliers is swept too and the faster step wins (merging costs CP communication).
 
-Simulated with the analytic cost model on 2026-11-21 (512 github sequences, llama2-7b, 128
-H100s): on the same dp8-tp4-pp4 scheme 2.62 s a step against packing's 5.37 s (bubbles 12%
-against 60%); each planner at its own best scheme 2.32 s against 3.24 s at 64K context, 2.62 s
-against 4.82 s at 128K, 3.53 s against 7.06 s at 256K. Planning takes 0.2-1.8 s of CPU a batch.
+Simulated step times and planning times against the other planners on the papers' workloads:
+benchmarks/results/compare_suite.json (written by benchmarks/compare_suite.py).
 
-Options (request.options):
-
-- `num_micropacks`: MicroPacks per pipeline (int); default None sweeps (step 5). A pipeline
-  whose MicroPacks would not each fit its GPUs alone at that count (the bound validate_plan
-  checks, plan.validate.memory_overflow) takes the smallest larger count at which they do.
-- `max_micropacks`: top of the sweep (int), default 32 * pp.
-- `asymmetric`: regroup the backward (bool, default True); False runs each forward MicroPack's
-  own backward under plain 1F1B (the ablation of §6.3).
-- `dp_merge`: merge ranks for outliers (bool, default True); False merges none (a sample
-  whose activations overflow one rank's pipeline is then a UserError).
-- `schedule`: "steady", "lean" (slimpack_schedule.py) or "auto" (default: steady, and lean for
-  the pipelines the steady schedule fits at no MicroPack count).
+Options: `SlimPackOptions` in planners/options.py (each with its default and meaning).
 
 Metrics added to plan.metrics: micropacks (per pipeline), forward_budget_flops and
 backward_budget_flops (per pipeline), forms (Slim / Mix / Pack counts), dp_merge (merged
@@ -69,22 +56,21 @@ variant's simulated step).
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 
 from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
+from lengthwise.metrics import GIB
 from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
+from lengthwise.plan.schedules import make_schedule
 from lengthwise.plan.validate import memory_overflow
 from lengthwise.planners.base import (
     PlanRequest,
-    check_lengths,
-    finish_plan,
     positive_int_option,
     take_options,
 )
-from lengthwise.planners.slimpack_cuts import (
+from lengthwise.planners.slimpack.cuts import (
     PrefixCost,
     Stream,
     backward_cuts,
@@ -95,18 +81,15 @@ from lengthwise.planners.slimpack_cuts import (
     micropack_form,
     place_segments,
 )
-from lengthwise.planners.slimpack_dp import RankGroup, assign_ranks, memory_ranks
-from lengthwise.planners.slimpack_schedule import packflow_schedule
+from lengthwise.planners.slimpack.dp import RankGroup, assign_ranks, memory_ranks
+from lengthwise.planners.slimpack.schedule import packflow_schedule
 
-DEFAULTS = {"num_micropacks": None, "max_micropacks": None, "asymmetric": True, "dp_merge": True,
-            "schedule": "auto"}
 SCHEDULES = ("auto", "steady", "lean")
 HOLD_SHARES = (0.75, 0.5, 0.25)
 """Share of a GPU's memory that model states plus one sample's activations, K/V state and K/V
 gradients may take; a sample needing more is merged over ranks, and the rest is left to the
 MicroPacks in flight beside it. When no MicroPack count fits in simulation, the next, smaller
 share is tried (memory outliers merge over more ranks)."""
-GIB = 2**30
 
 
 # ---- costs ----
@@ -163,8 +146,6 @@ def cp_placement(chunks: list[Chunk], group: RankGroup, g: PrefixCost) -> dict[i
 def build_pipeline(request: PlanRequest, group: RankGroup, count: int, models, flops: np.ndarray,
                    asymmetric: bool, lean: bool = False) -> PipelinePlan:
     """Phase 2, asymmetric partitioning and the PackFlow schedule for one pipeline."""
-    from lengthwise.plan.schedules import make_schedule
-
     gf, gb = models
     s = request.scheme
     stream = Stream.of(stream_order(group, flops), request.lengths)
@@ -211,7 +192,7 @@ def min_fitting_count(request: PlanRequest, tokens: int, cp: int, pipelines: int
     most = float("inf")  # tokens one rank can hold beside its model states
     for stage, n in enumerate(split_layers(request.model.num_layers, s.pp)):
         first, last = stage == 0, stage == s.pp - 1
-        free = cost.capacity_bytes - cost.model_state_bytes(layers=n, tp=s.tp, dp=pipelines, zero=s.zero,
+        free = cost.capacity_bytes - cost.model_state_bytes(layers=n, tp=s.tp, dp=pipelines * s.cp, zero=s.zero,
                                                              first=first, last=last)
         per_token = cost.activation_bytes_per_token(layers=n, tp=s.tp, head=last)
         most = min(most, free / per_token if per_token > 0 else float("inf"))
@@ -267,7 +248,7 @@ def merge_metrics(groups: list[RankGroup]) -> list[dict]:
 # ---- the planner ----
 
 def read_options(request: PlanRequest) -> dict:
-    opts = take_options(request, "slimpack", DEFAULTS)
+    opts = take_options(request, "slimpack")
     for name in ("asymmetric", "dp_merge"):
         if not isinstance(opts[name], bool):
             raise UserError(f"slimpack option {name} must be true or false, got {opts[name]!r}")
@@ -296,32 +277,3 @@ def phase1_variants(request: PlanRequest, models, merge: bool,
         if merge_metrics(memory_only) != merge_metrics(variants[0]):
             variants.append(memory_only)
     return [[g for g in groups if g.seq_ids] for groups in variants], flops
-
-
-def plan_slimpack(request: PlanRequest) -> StepPlan:
-    """SlimPack for one global batch (slimpack §4-§5); options in the module docstring."""
-    started = time.perf_counter()
-    opts = read_options(request)
-    check_lengths(request)
-    s = request.scheme
-    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
-    models = flops_models(request)
-    extra: dict = {}
-    if opts["num_micropacks"] is not None:
-        variants, flops = phase1_variants(request, models, opts["dp_merge"])
-        groups, lean = variants[0], opts["schedule"] == "lean"
-        pipes = [fitting_pipeline(request, p, g, opts["num_micropacks"], models, flops, opts["asymmetric"], lean,
-                                  pipelines=len(groups))
-                 for p, g in enumerate(groups)]
-    else:
-        from lengthwise.planners.slimpack_sweep import plan_by_simulation
-
-        groups, pipes, extra = plan_by_simulation(request, models, opts)
-    plan = finish_plan(request, pipes, planner="slimpack", started=started, options=opts)
-    plan.metrics.update(micropack_metrics(request, pipes, models))
-    plan.metrics["dp_merge"] = merge_metrics(groups)
-    plan.metrics.update(extra)
-    plan.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
-    return plan
-
-

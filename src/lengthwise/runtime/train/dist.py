@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
-from lengthwise.runtime.distributed import checkpoint_dist
+import lengthwise.runtime.distributed.checkpoint_dist as checkpoint_dist
 from lengthwise.runtime.distributed.dp import (
     check_same_plan,
     global_grad_norm,
@@ -59,17 +59,16 @@ from lengthwise.runtime.distributed.launch import (
 )
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.step import gather_grads_like, run_rank_step
-from lengthwise.runtime.train import (
-    PreparedStep,
+from lengthwise.runtime.train.config import TrainConfig, check_degrees
+from lengthwise.runtime.train.executor import RESUME_MUST_MATCH, PreparedStep, StepOutcome
+from lengthwise.runtime.train.loop import (
     Setup,
     TrainResult,
     make_optimizer,
     resolve_device,
     run_training,
 )
-from lengthwise.runtime.train_config import TrainConfig, check_degrees
-from lengthwise.runtime.train_exec import RESUME_MUST_MATCH, StepOutcome
-from lengthwise.runtime.train_step import PADDED_PLANNERS, PeakMemory
+from lengthwise.runtime.train.step import PeakMemory, is_padded
 from lengthwise.runtime.weights import load_state, save_pretrained
 from lengthwise.workloads.sampler import GlobalBatchSampler
 
@@ -139,15 +138,13 @@ class RankExecutor:
     def __init__(self, setup: Setup, mesh: Mesh, *, after_action: AfterAction | None = None,
                  status: RankStatus | None = None):
         config = setup.config
-        if config.planner in PADDED_PLANNERS:
-            raise UserError(f"--planner {config.planner} computes padded rows on one process only; "
-                            f"use --planner packing (the same batches, unpadded) across processes")
         check_degrees(config, mesh.world_size, "the process group")
         self.config, self.model, self.mesh, self.after_action = config, setup.model, mesh, after_action
         self.status = status or RankStatus(None)
         self.nproc, self.is_reporter = mesh.world_size, mesh.rank == 0
         self.first_plan = setup.plan(GlobalBatchSampler(setup.source, seed=config.seed,
                                                         **config.sampler_size).next_batch())
+        self._check_unpadded(self.first_plan, 1)
         self.layout = mesh.layout(self.first_plan)  # collective: creates the CP groups
         self.held = held_parameters(self.model, self.first_plan, self.layout.place)
         self.optimizer = make_optimizer(self.model, config, held=self.held.values())
@@ -155,6 +152,7 @@ class RankExecutor:
     def step(self, prepared: PreparedStep, step: int) -> StepOutcome:
         plan, model = prepared.plan, self.model
         check_same_plan(plan, self.mesh.device)
+        self._check_unpadded(plan, step)
         self._check_layout(plan, step)
         self.optimizer.zero_grad(set_to_none=True)
         hook = functools.partial(self._after_action, plan, step)
@@ -170,6 +168,12 @@ class RankExecutor:
         self.optimizer.step()
         return StepOutcome(loss=done.loss, grad_norm=grad_norm, peak_memory_bytes=self._largest(peak.bytes),
                            memory_kind=peak.kind)
+
+    def _check_unpadded(self, plan: StepPlan, step: int) -> None:
+        if is_padded(plan):
+            raise UserError(f"step {step}: --planner {self.config.planner} pads micro-batches, which run as "
+                            f"padded rows on one process only; use --planner packing (the same batches, "
+                            f"unpadded) across processes")
 
     def _after_action(self, plan: StepPlan, step: int, index: int) -> None:
         """Note the action for the launcher's report, then the caller's hook (fault tests)."""

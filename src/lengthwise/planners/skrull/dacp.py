@@ -40,8 +40,9 @@ Not in the paper, on by default (`refine`): Algorithm 1 shards only for memory, 
 BucketSize the longest sequence of a micro-batch stays whole on one rank while c - 1 ranks idle
 (a 40K-token sequence local on one of 8 H100s takes 8x its sharded time). `refine_by_objective`
 evaluates eq. 1-2 with the cost model along a path that shards the slowest rank's largest local
-sequence step by step and keeps the best point: on lmsys-skrull with Qwen2.5-0.5B, dp4 x cp8,
-batch 64, eq. 1-8 predict 2.65x over static-CP packing with it and 1.32x without.
+sequence step by step and keeps the best point (`--refine false` plans with the paper's
+heuristic alone, for comparison; compare's simulated figures are in
+benchmarks/results/compare_suite.json).
 """
 
 from __future__ import annotations

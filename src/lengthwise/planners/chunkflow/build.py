@@ -33,20 +33,19 @@ Steps, each a function below:
    packed chunks, under make_schedule("state-aware-1f1b", chunks, pp, k=K); with pp = 1 that
    is plain gradient accumulation: forwards of a group in order, backwards in reverse, the
    first N - K forwards run once without grad (keeping only K/V) and again before their backward.
-4. ChunkSize and K (§5, chunkflow_search.py): with chunk_size="auto" every (ChunkSize, K) of a
+4. ChunkSize and K (§5, chunkflow/planner.py): with chunk_size="auto" every (ChunkSize, K) of a
    grid is planned and simulated, and the fastest one whose simulated peak memory fits wins.
 
-Options (request.options):
+How the options' defaults are chosen (`ChunkFlowOptions` in planners/options.py):
 
 - `chunk_size`: tokens per chunk (int), or "auto" for the §5 grid search. Default: the largest
   power of two (at least 256) whose max(K, pp - stage) in-flight chunks per stage, plus the K/V state (and its
   gradient) of the batch's longest sequence, fit beside the model states; capped at the context
   length rounded up to a power of two (§5: without pipelining, ChunkSize as large as memory
   allows) and, with pp > 1, at the power of two below one pipeline's tokens / (2 pp) (at least
-  2K), so each stage sees about 2 pp chunks. On chunkflow-eval batches of 256 at 256K context,
-  tp4 pp4, that picks the grid search's usual winner (8K at dp 1, 4K at dp 2); memory alone
-  picks 32K-64K, leaving 2-4 chunks per pipeline: at dp 1 a fixed 16K simulates 10% slower
-  than 8K, 32K 36% slower.
+  2K), so each stage sees about 2 pp chunks (memory alone would leave long-tail batches 2-4
+  chunks per pipeline and mostly bubbles; chunk_size=auto records every grid point's simulated
+  step in plan.metrics["grid"] to check the default against).
 - `k`: chunks of a group whose activations are kept at once (int >= 1, §4.2). Default 1; with
   chunk_size="auto" and no k, K is searched too.
 
@@ -65,13 +64,12 @@ from dataclasses import dataclass
 from lengthwise.cost.flops import causal_keys
 from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
+from lengthwise.metrics import GIB, PLANNING_MS
 from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
+from lengthwise.plan.schedules import make_schedule
 from lengthwise.planners.base import (
     PlanRequest,
-    check_lengths,
     finish_plan,
-    positive_int_option,
-    take_options,
     whole,
 )
 from lengthwise.planners.packing_utils import (
@@ -89,7 +87,6 @@ FILL_FLOOR = 2048
 smallest): below it GEMM efficiency costs more than the bubbles it removes."""
 BALANCE_SLACK = 1.01
 """LPT placement within this factor of the lower bound is kept without trying Karmarkar-Karp."""
-GIB = 2**30
 
 
 @dataclass(kw_only=True)
@@ -213,7 +210,7 @@ def stage_memory_bytes(request: PlanRequest, chunk_size: int, k: int, longest: i
     rows = []
     for stage, n in enumerate(layers):
         first, last = stage == 0, stage == s.pp - 1
-        states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp, zero=s.zero, first=first, last=last)
+        states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp * s.cp, zero=s.zero, first=first, last=last)
         kv = 2 * cost.kv_bytes(longest, layers=n, tp=s.tp, cp=s.cp) if longest > chunk_size else 0.0
         act = max(k, s.pp - stage) * cost.activation_bytes(chunk, layers=n, tp=s.tp, cp=s.cp, head=last)
         rows.append((states, kv, act))
@@ -267,8 +264,6 @@ def read_chunk_size(value) -> int | str | None:
 
 def build_pipeline(request: PlanRequest, chunk_set: ChunkSet, k: int) -> PipelinePlan:
     """One pipeline's chunks, its long sequences' groups first, under state-aware 1F1B (§4.3)."""
-    from lengthwise.plan.schedules import make_schedule
-
     s = request.scheme
     chunks = [c for group in chunk_set.groups for c in group] + chunk_set.standalone
     return PipelinePlan(chunks=chunks, stages=make_schedule(SCHEDULE, chunks, s.pp, k=k),
@@ -283,7 +278,7 @@ def build_plan(request: PlanRequest, chunk_size: int, k: int, started: float) ->
     plan = finish_plan(request, pipelines, planner="chunkflow", started=started,
                        options={"chunk_size": chunk_size, "k": k})
     plan.metrics.update(chunk_metrics(request, chunk_sets, chunk_size, k))
-    plan.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
+    plan.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
     return plan
 
 
@@ -300,19 +295,3 @@ def chunk_metrics(request: PlanRequest, chunk_sets: list[ChunkSet], chunk_size: 
             sum(group_seconds(g, k, request) for g in cs.groups + [[c] for c in cs.standalone])
             for cs in chunk_sets],
     }
-
-
-def plan_chunkflow(request: PlanRequest) -> StepPlan:
-    """ChunkFlow for one global batch (chunkflow §4-§5); options in the module docstring."""
-    started = time.perf_counter()
-    opts = take_options(request, "chunkflow", {"chunk_size": None, "k": None})
-    chunk_size, k = read_chunk_size(opts["chunk_size"]), positive_int_option(opts, "k")
-    check_lengths(request)
-    if chunk_size == "auto":
-        from lengthwise.planners.chunkflow_search import grid_search
-
-        return grid_search(request, k, started)
-    k = k or 1
-    chunk_size = chunk_size or default_chunk_size(request, k)
-    check_chunk_size_fits(request, chunk_size, k)
-    return build_plan(request, chunk_size, k, started)

@@ -1,7 +1,7 @@
 """InfiniPipe's stage-aware chunk-level adaptive checkpointing (infinipipe.txt §3.3.3,
 Algorithm 2, eq. 15-20): the MILP that picks how many layers each chunk recomputes on each stage.
 
-    problem = checkpointing_problem(group, memory)      # infinipipe_schedule.py builds both
+    problem = checkpointing_problem(group, memory)      # infinipipe/schedule.py builds both
     ckpt = answer_without_milp(problem, "adaptive") or solve_milp(problem, time_limit_s=1.0)
     ckpt.recompute[s][k]                                # layers stage s recomputes for chunk k
 
@@ -24,7 +24,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from lengthwise.plan.ir import Action
-from lengthwise.planners.infinipipe_schedule import GroupSchedule, MemoryModel
+from lengthwise.planners.infinipipe.schedule import GroupSchedule, MemoryModel
 
 MIP_GAP = 1e-2
 """Relative optimality gap HiGHS may stop at: recomputation within 1% of the cheapest (well under

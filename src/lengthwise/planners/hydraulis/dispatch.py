@@ -1,7 +1,7 @@
 """Hydraulis' sequence dispatching across pipelines (hydraulis §6.2, eq. 2-3, appendix D).
 
 Each pipeline j of a strategy gets a set of whole sequences; its propagation latency is bounded
-below by eq. 2, which we evaluate with the cost split of hydraulis_cost (c once per micro-batch):
+below by eq. 2, which we evaluate with the cost split of hydraulis/cost.py (c once per micro-batch):
 
     LB_j = sum_i w_j(l_i) + c_j ceil(sum_i l_i / MaxLen_j) + T_j(max_i l_i) (PP_j - 1)
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lengthwise.planners.hydraulis_cost import Scheme
+from lengthwise.planners.hydraulis.cost import Scheme
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lengthwise.planners.hydraulis_cost import Scheme
+from lengthwise.planners.hydraulis.cost import Scheme
 
 GRID_RATIO = 1.1
 """Relative width of length bins above 10 steps (see the module docstring)."""

@@ -16,9 +16,16 @@ from __future__ import annotations
 import time
 
 from lengthwise.errors import UserError
+from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS, STEP_TIME_S
 from lengthwise.plan.ir import StepPlan
-from lengthwise.planners.base import PlanRequest
-from lengthwise.planners.chunkflow import build_plan
+from lengthwise.planners.base import PlanRequest, check_lengths, positive_int_option, take_options
+from lengthwise.planners.chunkflow.build import (
+    build_plan,
+    check_chunk_size_fits,
+    default_chunk_size,
+    read_chunk_size,
+)
+from lengthwise.sim import simulate_plan
 
 GRID_CHUNK_SIZES = tuple(2**p for p in range(11, 17))
 """2K .. 64K tokens, the range chunkflow §6.3 explores."""
@@ -39,11 +46,9 @@ def k_candidates(longest: int, chunk_size: int) -> list[int]:
 
 def score(plan: StepPlan, cost) -> dict:
     """The simulated step time and peak memory of one candidate plan."""
-    from lengthwise.sim import simulate_plan
-
     result = simulate_plan(plan, cost)
     return {"step_time_s": result.step_time_s, "fits": bool(result.fits),
-            "peak_memory_gib": max(max(row) for row in result.peak_memory) / 2**30}
+            PEAK_MEMORY_GIB: max(max(row) for row in result.peak_memory) / GIB}
 
 
 def grid_search(request: PlanRequest, k: int | None, started: float) -> StepPlan:
@@ -55,17 +60,31 @@ def grid_search(request: PlanRequest, k: int | None, started: float) -> StepPlan
             plan = build_plan(request, chunk_size, cand_k, time.perf_counter())
             row = {"chunk_size": chunk_size, "k": cand_k, **score(plan, request.cost)}
             grid.append(row)
-            key = (row["step_time_s"], cand_k, chunk_size)
+            key = (row[STEP_TIME_S], cand_k, chunk_size)
             if row["fits"] and (best_key is None or key < best_key):
                 best, best_key = plan, key
     if best is None:
         raise UserError(
             f"chunkflow chunk_size=auto: no (ChunkSize, K) of {len(grid)} candidates fits memory in "
             f"simulation (smallest peak {min(r['peak_memory_gib'] for r in grid):.1f} GiB > "
-            f"{request.cost.capacity_bytes / 2**30:.1f} GiB): raise --tp/--pp or the ZeRO stage"
+            f"{request.cost.capacity_bytes / GIB:.1f} GiB): raise --tp/--pp or the ZeRO stage"
         )
     best.options = {"chunk_size": "auto", "k": "auto" if k is None else k,
                     "chosen_chunk_size": best.metrics["chunk_size"], "chosen_k": best.metrics["k"]}
     best.metrics["grid"] = grid
-    best.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
+    best.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
     return best
+
+
+def plan_chunkflow(request: PlanRequest) -> StepPlan:
+    """ChunkFlow for one global batch (chunkflow §4-§5); options: `ChunkFlowOptions` (planners/options.py)."""
+    started = time.perf_counter()
+    opts = take_options(request, "chunkflow")
+    chunk_size, k = read_chunk_size(opts["chunk_size"]), positive_int_option(opts, "k")
+    check_lengths(request)
+    if chunk_size == "auto":
+        return grid_search(request, k, started)
+    k = k or 1
+    chunk_size = chunk_size or default_chunk_size(request, k)
+    check_chunk_size_fits(request, chunk_size, k)
+    return build_plan(request, chunk_size, k, started)

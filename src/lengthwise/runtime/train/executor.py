@@ -1,33 +1,45 @@
 """What runs one training step's plan: the `Executor` interface the training loop
-(runtime/train.py) drives, and `LocalExecutor`, one process running the whole plan.
+(runtime/train/loop.py) drives, and `LocalExecutor`, one process running the whole plan.
 
 An executor owns what differs between one process and many: which part of the plan runs here,
 which parameters the optimizer updates, how the gradient norm is taken, and the checkpoint
-format. The distributed one, one rank of dp * pp * cp, is `train_dist.RankExecutor`.
+format. The distributed one, one rank of dp * pp * cp, is `runtime/train/dist.py`'s `RankExecutor`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
 from lengthwise.runtime.model import CausalLM
-from lengthwise.runtime.train_step import PeakMemory, forward_backward
-
-if TYPE_CHECKING:
-    from lengthwise.runtime.train import PreparedStep, Setup
+from lengthwise.runtime.train.config import TrainConfig
+from lengthwise.runtime.train.step import PeakMemory, forward_backward
+from lengthwise.workloads.sampler import GlobalBatch
 
 RESUME_MUST_MATCH = ("model", "data", "tokenizer", "text_field", "context_length", "overlong", "seed")
 """Config fields a resumed run must share with its checkpoint (they define the data stream
 and the weights' shape); the sampler checks its own batch size / token budget."""
+
+
+@dataclass(kw_only=True)
+class PreparedStep:
+    """A batch ready to execute: what the worker thread hands the training loop."""
+
+    batch: GlobalBatch
+    plan: StepPlan
+    token_ids: list[torch.Tensor]
+    planning_ms: float
+    sampler_state: dict
+    """The sampler's position after this batch: what a checkpoint after it stores."""
 
 
 @dataclass(kw_only=True)
@@ -68,9 +80,9 @@ class LocalExecutor:
     must_match = RESUME_MUST_MATCH
     """Config fields a checkpoint must share with the run resuming it."""
 
-    def __init__(self, setup: Setup, optimizer: torch.optim.Optimizer):
-        self.config, self.model, self.optimizer = setup.config, setup.model, optimizer
-        self.result_model = setup.model
+    def __init__(self, config: TrainConfig, model: CausalLM, optimizer: torch.optim.Optimizer):
+        self.config, self.model, self.optimizer = config, model, optimizer
+        self.result_model = model
 
     def step(self, prepared: PreparedStep, step: int) -> StepOutcome:
         model, config = self.model, self.config

@@ -11,12 +11,11 @@ it reads has run on the stage (§4.2: a sample's backward starts only after all 
 forwards). When that dependency is not met at its 1F1B slot, the stage runs extra forwards
 first: the "injected forward MicroPack" of §4.2 / figure 9, plus its own pp - s - 1 warm-up
 forwards again, so the upper stages keep computing while the first backward climbs back to
-them. Units are already in FILO order within each sample (slimpack_cuts), so the K/V-gradient
+them. Units are already in FILO order within each sample (slimpack/cuts.py), so the K/V-gradient
 edges between them point backwards in the list and never stall a stage.
 
-After the injection, two ways to go on (simulated on a 512-sequence github batch, llama2-7b,
-dp8-tp4-pp4, 64K context, each at its fastest MicroPack count: steady 2.75 s at 47 GiB peak
-with 32 MicroPacks, lean 3.19 s at 26 GiB with 64; packing 5.51 s):
+After the injection, two ways to go on (steady is faster, lean holds less memory; `lengthwise
+plan --planner slimpack --schedule steady|lean` prints each one's simulated step and peak):
 
 - steady (default): keep the forwards that were run ahead, so every later backward still has
   one forward to pair with and the pipeline never drains again; the run-ahead stays in memory.

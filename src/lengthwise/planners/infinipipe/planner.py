@@ -9,7 +9,7 @@ co-optimised pipeline schedule and checkpointing.
 
 Steps, each a function below or in a helper module:
 
-1. Workload-balanced chunking (§3.2, Algorithm 1; infinipipe_chunking.py): the longest
+1. Workload-balanced chunking (§3.2, Algorithm 1; infinipipe/chunking.py): the longest
    sequence is cut into N slices of equal backward time, every long sequence is cut by that mesh
    into split chunks and a tail slice, and short sequences are packed into tail-seeded buckets
    under a time and a token threshold. A sequence becomes one *unit* with its chunks.
@@ -21,29 +21,17 @@ Steps, each a function below or in a helper module:
    the group's recomputation. More groups keep short sequences out of long ones' deep windows
    (less recomputation) at the price of more warm-ups. Groups run one after another.
 4. Stage-aware chunk-level adaptive checkpointing (§3.3.3, Algorithm 2, eq. 15-20;
-   infinipipe_ckpt.py): per group, an MILP over n + pp - 1 integers solved by HiGHS picks the
+   infinipipe/ckpt.py): per group, an MILP over n + pp - 1 integers solved by HiGHS picks the
    layers each chunk recomputes on each stage, written to the F actions (`F3.r2`).
-5. N (§3.2: "automatically tuned"; infinipipe_search.py): a ladder N = 1, 2, 3, 4, 6, 9, ...
+5. N (§3.2: "automatically tuned"; infinipipe/search.py): a ladder N = 1, 2, 3, 4, 6, 9, ...
    then bisection around the best rung, each N scored by the simulator's step time (or the
    DP's estimate); N whose chunks cannot fit memory are skipped.
 
-Options (request.options):
-
-- `num_slices`: N, slices of the longest sequence (int >= 1). Default None: tuned (step 5).
-- `slice_candidates`: most feasible values of N planned when tuning (int >= 1, default 10).
-- `balanced_chunking`: Algorithm 1 (default True); False is the "w/o wbc" ablation (§5.5):
-  equal-token slices and token-only packing.
-- `checkpointing`: "adaptive" (the MILP, default), "none" (no recomputation: the "w/o ckpt"
-  ablation; N grows until memory fits) or "full" (every layer of every chunk recomputed, the
-  "full ckpt" ablation).
-- `score`: how N candidates are compared: "simulate" (default) or "estimate" (the DP's cost).
-- `milp_time_limit_s`: HiGHS time limit per MILP, seconds (default 0.1); on time-out the better
-  of HiGHS's incumbent and the LP optimum rounded up is used (within about 3% of the bound on
-  the §5 workloads, where closing a 1% gap can take HiGHS seconds).
+Options: `InfiniPipeOptions` in planners/options.py (each with its default and meaning).
 
 Metrics added: num_slices, mesh (boundaries), time_threshold_s, groups (per pipeline: prefill,
 chunks, checkpointing status, recompute seconds), recompute_layer_chunks, candidates (N ->
-score or why dropped), predicted_step_s.
+score or why dropped), predicted_step_time_s.
 """
 
 from __future__ import annotations
@@ -52,6 +40,7 @@ import time
 from dataclasses import dataclass, replace
 
 from lengthwise.errors import UserError
+from lengthwise.metrics import PLANNING_MS, PREDICTED_STEP_TIME_S
 from lengthwise.plan.ir import PipelinePlan, StepPlan
 from lengthwise.planners.base import (
     PlanRequest,
@@ -60,7 +49,7 @@ from lengthwise.planners.base import (
     positive_int_option,
     take_options,
 )
-from lengthwise.planners.infinipipe_chunking import (
+from lengthwise.planners.infinipipe.chunking import (
     ChunkedBatch,
     SliceCost,
     Unit,
@@ -68,16 +57,17 @@ from lengthwise.planners.infinipipe_chunking import (
     balanced_mesh,
     even_mesh,
 )
-from lengthwise.planners.infinipipe_ckpt import GroupPlan, with_recompute
-from lengthwise.planners.infinipipe_grouping import (
+from lengthwise.planners.infinipipe.ckpt import GroupPlan, with_recompute
+from lengthwise.planners.infinipipe.grouping import (
     SolverOptions,
     chunk_stage_seconds,
     group_by_classes,
     layout,
     unit_need,
 )
-from lengthwise.planners.infinipipe_search import SliceSearch, tune
+from lengthwise.planners.infinipipe.search import SliceSearch, tune
 from lengthwise.planners.packing_utils import greedy_balance, karmarkar_karp
+from lengthwise.sim import simulate_plan
 
 PLANNER = "infinipipe"
 SCHEDULE = "elastic-1f1b"
@@ -87,8 +77,6 @@ MAX_SLICES = 256
 """Largest N the search tries: a 1M-token sequence in 4K-token slices; finer slices only lose
 GEMM efficiency, and a split sequence's memory barely shrinks with N (all its chunks are alive
 at its first backward)."""
-DEFAULTS = {"num_slices": None, "slice_candidates": 10, "balanced_chunking": True,
-            "checkpointing": "adaptive", "score": "simulate", "milp_time_limit_s": 0.1}
 
 
 @dataclass(kw_only=True)
@@ -108,7 +96,7 @@ class Settings:
 
 
 def read_settings(request: PlanRequest) -> Settings:
-    opts = take_options(request, PLANNER, DEFAULTS)
+    opts = take_options(request, PLANNER)
     for name, allowed in (("checkpointing", CHECKPOINTING), ("score", SCORES)):
         if opts[name] not in allowed:
             raise UserError(f"{PLANNER} option {name} must be one of {', '.join(allowed)}, got {opts[name]!r}")
@@ -198,13 +186,11 @@ def candidate_metrics(cand: Candidate) -> dict:
 def score(plan: StepPlan, cand: Candidate, request: PlanRequest, settings: Settings) -> float:
     if settings.score == "estimate":
         return cand.estimate_s
-    from lengthwise.sim import simulate_plan
-
     return simulate_plan(plan, request.cost).step_time_s
 
 
 def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, started: float) -> StepPlan:
-    """Step 5: the fixed N, or the best N of the search (infinipipe_search.py)."""
+    """Step 5: the fixed N, or the best N of the search (infinipipe/search.py)."""
     plans: dict[int, StepPlan] = {}
 
     def evaluate(n: int) -> float | str:
@@ -212,7 +198,7 @@ def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, starte
         if plan is None:
             return why
         plans[n] = plan
-        return plan.metrics["predicted_step_s"]
+        return plan.metrics[PREDICTED_STEP_TIME_S]
 
     def too_many(n: int) -> bool:
         return n > MAX_SLICES or mesh_for(n, request, settings, fit) is None
@@ -226,7 +212,7 @@ def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, starte
         raise infeasible_error(request, settings, fit, max(search.tried))
     best = plans[search.best]
     best.metrics["candidates"] = {str(k): v for k, v in sorted(search.tried.items())}
-    best.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
+    best.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
     return best
 
 
@@ -243,7 +229,7 @@ def plan_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost,
     if cand is None:
         return None, "does not fit memory"
     plan = candidate_plan(cand, request, settings, started)
-    plan.metrics["predicted_step_s"] = score(plan, cand, request, settings)
+    plan.metrics[PREDICTED_STEP_TIME_S] = score(plan, cand, request, settings)
     return plan, ""
 
 
@@ -263,7 +249,7 @@ def infeasible_error(request: PlanRequest, settings: Settings, fit: SliceCost, l
 
 
 def plan_infinipipe(request: PlanRequest) -> StepPlan:
-    """InfiniPipe for one global batch (infinipipe §3); options in the module docstring."""
+    """InfiniPipe for one global batch (infinipipe §3); options: `InfiniPipeOptions` (planners/options.py)."""
     started = time.perf_counter()
     settings = read_settings(request)
     check_lengths(request)
