@@ -26,9 +26,10 @@ from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.distributed.launch import spawn
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.verify_dist import VerifyJob, verify_worker
-from lengthwise.runtime.execute import hand_plan
 from lengthwise.runtime.model import build_model
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
+
+from plan_helpers import hand_plan
 
 LENGTHS = [200, 30, 17, 60, 5]
 SKRULL_LENGTHS = [150, 40, 17, 60, 5, 90, 33, 12]
@@ -60,7 +61,9 @@ def make_plan(name: str):
     if name.startswith("tied"):  # Qwen2's layout: q/k/v biases, the head is the embedding
         spec = model_preset("tiny-qwen")
     if planner == "hand":
-        return dataclasses.replace(hand_plan(spec, lengths, HAND_PIPELINES), zero=degrees["zero"])
+        plan = dataclasses.replace(hand_plan(spec, lengths, HAND_PIPELINES), zero=degrees["zero"])
+        plan.cluster = cluster_preset("cpu", plan.num_gpus)
+        return plan
     scheme = ParallelScheme(**degrees)
     cluster = cluster_preset("cpu", scheme.num_gpus)
     request = PlanRequest(lengths=list(lengths), model=spec, cluster=cluster, scheme=scheme,
