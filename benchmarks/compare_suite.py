@@ -4,22 +4,28 @@
     python benchmarks/compare_suite.py --only skrull --batches 2
 
 Each scenario samples global batches from a published length profile, plans them with every
-planner (each at its best scheme from `lengthwise compare`'s search unless the scenario fixes the
-paper's scheme), and simulates the plans with the analytic cost model of the cluster preset. All
-figures are simulated, never measured on GPUs.
+planner (each at its best scheme from `lengthwise compare`'s search, the same scheme list for
+all, unless the scenario fixes the paper's scheme), and simulates the plans with the analytic
+cost model of the cluster preset. Each cell is a planner's mean speedup over `megatron` (the
+baseline the papers measured against) and over the best baseline, with a 95% interval of the
+per-batch speedups (t-interval over batches). All figures are simulated, never measured on GPUs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
 
+import scipy.stats
+
 from lengthwise.plan.ir import write_atomic
-from lengthwise.report import CompareSetup, all_planners, run_compare, summarise
+from lengthwise.report import BASELINES, CompareSetup, all_planners, run_compare, summarise
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 from lengthwise.workloads.source import profile_source
 from lengthwise.workloads.sampler import GlobalBatchSampler
@@ -58,31 +64,64 @@ def run_scenario(spec, batches: int, seed: int) -> dict:
                          seed=seed, zero=scheme.zero if scheme else 1,
                          schemes={p: scheme for p in planners if p != "hydraulis"} if scheme else {})
     started = time.perf_counter()
-    summary = summarise(run_compare(setup))
+    rows = run_compare(setup)
+    summary = summarise(rows)
+    for planner, row in rows.items():
+        summary["planners"][planner]["intervals"] = speedup_intervals(rows, row)
     return {"scenario": name, "paper": paper, "profile": profile, "model": model, "cluster": cluster, "gpus": gpus,
             "context_length": context, "batch": size, "fixed_scheme": str(scheme) if scheme else None,
             "seconds": time.perf_counter() - started, **summary}
 
 
+def speedup_intervals(rows, row) -> dict:
+    """Mean and 95% interval of the per-batch speedups of `row` over megatron and over the best
+    baseline of each batch (batches where both fit)."""
+    out = {}
+    for key, bases in (("vs_megatron", ["megatron"]), ("vs_best_baseline", list(BASELINES))):
+        ratios = []
+        for b, run in enumerate(row.runs):
+            base = [rows[n].runs[b] for n in bases if n in rows and b < len(rows[n].runs)]
+            base = [r.result.step_time_s for r in base if r.result is not None and r.result.fits]
+            if run.result is not None and run.result.fits and base:
+                ratios.append(min(base) / run.result.step_time_s)
+        out[key] = mean_interval(ratios)
+    return out
+
+
+def mean_interval(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return {"mean": mean, "low": mean, "high": mean, "batches": 1}
+    half = scipy.stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return {"mean": mean, "low": mean - half, "high": mean + half, "batches": len(values)}
+
+
+def _cell(interval: dict | None) -> str:
+    if interval is None:
+        return "-"
+    return f"{interval['mean']:.2f}x [{interval['low']:.2f}, {interval['high']:.2f}]"
+
+
 def markdown(results: list[dict]) -> str:
-    lines = ["| scenario | best baseline (s) | " + " | ".join(all_planners()) + " | auto chose |",
-             "|---|---|" + "---|" * len(all_planners()) + "---|"]
-    for r in results:
-        cells = []
-        for p in all_planners():
-            row = r["planners"].get(p, {})
-            speed = row.get("speedup_vs_best_baseline")
-            cells.append("-" if speed is None else f"{speed:.2f}x" + ("" if row.get("fits") else " (OOM)"))
-        chosen = r["planners"].get("auto", {}).get("chosen", {})
-        base = r["best_baseline_step_time_s"]
-        lines.append(f"| {r['scenario']} | {base:.2f} | " if base else f"| {r['scenario']} | - | ")
-        lines[-1] += " | ".join(cells) + " | " + ", ".join(f"{k} {v}" for k, v in chosen.items()) + " |"
-    return "\n".join(lines) + "\n"
+    """Two tables: speedup over megatron, and over the best baseline, with 95% intervals."""
+    out = []
+    for key, title in (("vs_megatron", "over megatron (the papers' baseline)"),
+                       ("vs_best_baseline", "over the best baseline")):
+        out.append(f"Speedup {title}, mean [95% interval] over batches (simulated):\n")
+        out.append("| scenario | " + " | ".join(all_planners()) + " |")
+        out.append("|---|" + "---|" * len(all_planners()))
+        for r in results:
+            cells = [_cell(r["planners"].get(p, {}).get("intervals", {}).get(key)) for p in all_planners()]
+            out.append(f"| {r['scenario']} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", help="run scenarios whose name contains this text")
     args = parser.parse_args(argv)

@@ -39,14 +39,44 @@ def test_summary_reports_speedup_against_the_best_fitting_baseline():
     assert max(r["speedup_vs_best_baseline"] for r in rows.values()) == pytest.approx(1.0)
 
 
-def test_scheme_search_keeps_only_schemes_that_hold_the_context():
+def test_every_planner_searches_the_same_scheme_list(monkeypatch):
+    """Fairness: no planner loses because it was given other schemes. Every planner's search
+    tries exactly the list `candidate_schemes` makes once for the setup."""
+    import lengthwise.report as report
+
+    setup = small_setup(["packing", "megatron", "chunkflow", "skrull", "infinipipe"])
+    tried: dict[str, list[str]] = {}
+    original = report.try_planner
+
+    def spy(name, request):
+        tried.setdefault(name, []).append(str(request.scheme))
+        return original(name, request)
+
+    monkeypatch.setattr(report, "try_planner", spy)
+    run_compare(setup)
+    schemes = [str(s) for s in candidate_schemes(setup)]
+    selection = len(report.selection_batches(setup))
+    assert len(schemes) > 1
+    for name, seen in tried.items():
+        assert seen[:len(schemes) * selection] == [s for s in schemes for _ in range(selection)], name
+
+
+def test_a_scheme_is_chosen_on_the_batch_with_the_longest_sequence():
     setup = small_setup(["packing"])
-    setup.context_length = 131072
-    cost = CostModel(model=setup.model, cluster=setup.cluster)
-    for s in candidate_schemes(setup, "packing"):
-        assert cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp) >= 131072
-    # a splitting planner may use schemes that cannot hold one whole context-length sequence
-    assert len(candidate_schemes(setup, "chunkflow")) >= len(candidate_schemes(setup, "packing"))
+    setup.batches = [[100, 200, 300], [50, 60], [7000, 20]]
+    from lengthwise.report import selection_batches
+
+    assert selection_batches(setup) == [0, 2]
+
+
+def test_scheme_flag_fixes_one_scheme_for_every_planner(tmp_path, capsys):
+    code = main(["compare", "--profile", "tiny", "--model", "tiny", "--cluster", "cpu", "--gpus", "2",
+                 "--batch-size", "16", "--batches", "1", "--planners", "packing,megatron,chunkflow",
+                 "--scheme", "dp1-tp1-pp2-cp1", "--out", str(tmp_path / "r"), "--json", "--no-pictures"])
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)["planners"]
+    assert {r["scheme"] for r in rows.values()} == {"dp1-tp1-pp2-cp1"}
+    assert rows["megatron"]["speedup_vs_megatron"] == pytest.approx(1.0)
 
 
 def test_auto_planner_returns_the_fastest_fitting_candidate():

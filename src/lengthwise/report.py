@@ -23,14 +23,15 @@ from lengthwise.cost import CostModel, Profile
 from lengthwise.metrics import BUBBLE_RATIO, DP_IMBALANCE, GIB, MFU, PEAK_MEMORY_GIB, STEP_TIME_S, TOKENS_PER_S
 from lengthwise.planners import PLANNER_NAMES
 from lengthwise.planners.auto import Candidate, choose_best, max_peak, try_planner
+from lengthwise.plan.ir import Chunk, Segment
 from lengthwise.planners.base import PlanRequest
 from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
 
-BASELINES = ("padding", "packing", "sorted", "token-balanced")
-SPLITTING = ("chunkflow", "infinipipe", "slimpack", "hydraulis")
-"""Planners that cut long sequences (or choose their own scheme) and so need no scheme that
-holds the whole context length."""
-MAX_SCHEMES = 10
+BASELINES = ("padding", "packing", "megatron", "sorted", "token-balanced")
+PAPERS_BASELINE = "megatron"
+"""What ChunkFlow, InfiniPipe, SlimPack and Hydraulis measured against (`speedup_vs_megatron`)."""
+MAX_SCHEMES = 8
+"""Schemes every planner tries, the best by `scheme_estimate`."""
 
 
 @dataclass(kw_only=True)
@@ -44,8 +45,10 @@ class CompareSetup:
     planners: list[str]
     zero: int = 1
     seed: int = 0
+    scheme: ParallelScheme | None = None
+    """One scheme fixed for every planner (`--scheme`); None searches `candidate_schemes`."""
     schemes: dict[str, ParallelScheme] = field(default_factory=dict)
-    """Fixed schemes per planner; others are searched."""
+    """Fixed schemes per planner (a paper's own setting); others are searched."""
     profile: Profile | None = None
     """Measured cost profile (`lengthwise profile`); None uses the analytic cost model."""
     options: dict[str, dict] = field(default_factory=dict)
@@ -63,7 +66,7 @@ class PlannerRow:
     def ok(self) -> list[Candidate]:
         return [r for r in self.runs if r.result is not None]
 
-    def summary(self, best_baseline_s: float | None) -> dict:
+    def summary(self, best_baseline_s: float | None, megatron_s: float | None = None) -> dict:
         ok = self.ok()
         if not ok:
             return {"scheme": self.scheme, "error": self.runs[0].error if self.runs else "not run"}
@@ -75,6 +78,7 @@ class PlannerRow:
             STEP_TIME_S: step,
             TOKENS_PER_S: tokens / sum(r.result.step_time_s for r in ok),
             "speedup_vs_best_baseline": best_baseline_s / step if best_baseline_s else None,
+            "speedup_vs_megatron": megatron_s / step if megatron_s else None,
             BUBBLE_RATIO: statistics.fmean(r.result.bubble_ratio for r in ok),
             DP_IMBALANCE: statistics.fmean(imbalance) if imbalance else None,
             "dp_spread": statistics.fmean(r.result.dp_imbalance_spread for r in ok),
@@ -90,8 +94,16 @@ class PlannerRow:
         return d
 
 
-def candidate_schemes(setup: CompareSetup, planner: str) -> list[ParallelScheme]:
-    """Feasible (tp, pp, cp) for the planner, fewest model-parallel GPUs first."""
+def candidate_schemes(setup: CompareSetup) -> list[ParallelScheme]:
+    """The schemes every planner searches: the same list for all (fairness), whatever the planner.
+
+    Every (tp, pp, cp) whose degrees divide the GPUs, heads and layers, with tp inside a node and
+    model states fitting (sharded over dp x cp), ranked by a planner-independent estimate of the
+    step on the selection batches (`scheme_estimate`); the best `MAX_SCHEMES` are kept. A planner
+    that cannot run on a scheme (a baseline whose pipeline cannot hold the longest sequence)
+    simply fails there, as it would in a real run."""
+    if setup.scheme is not None:
+        return [setup.scheme]
     m, c, gpus = setup.model, setup.cluster, setup.cluster.num_gpus
     cost = CostModel(model=m, cluster=c, profile=setup.profile)
     found = []
@@ -100,13 +112,47 @@ def candidate_schemes(setup: CompareSetup, planner: str) -> list[ParallelScheme]
         if gpus % per_pipe or tp > c.gpus_per_node or m.num_heads % tp or m.num_layers % pp:
             continue
         scheme = ParallelScheme(dp=gpus // per_pipe, tp=tp, pp=pp, cp=cp, zero=setup.zero)
-        if not _states_fit(cost, scheme):
-            continue
-        holds = cost.max_seq_len(tp=tp, pp=pp, cp=cp, dp=scheme.dp, zero=setup.zero) >= setup.context_length
-        if planner in SPLITTING or holds:
+        if _states_fit(cost, scheme):
             found.append(scheme)
-    found.sort(key=lambda s: (s.gpus_per_pipeline, s.cp, s.pp, s.tp))
+    batches = [setup.batches[i] for i in selection_batches(setup)]
+    found.sort(key=lambda s: (sum(scheme_estimate(cost, s, b, setup.context_length) for b in batches),
+                              s.gpus_per_pipeline, str(s)))
     return found[:MAX_SCHEMES]
+
+
+def selection_batches(setup: CompareSetup) -> list[int]:
+    """Batches a scheme is chosen on: the first and the one holding the longest sequence."""
+    longest = max(range(len(setup.batches)), key=lambda i: max(setup.batches[i], default=0))
+    return sorted({0, longest})
+
+
+def scheme_estimate(cost: CostModel, s: ParallelScheme, lengths: list[int], context_length: int) -> float:
+    """Seconds a step of `lengths` would take on scheme `s` with its work spread evenly: each
+    pipeline's share (longest first, to the least loaded) packed as one chunk through one stage
+    (forward, backward, CP K/V exchange, at the scheme's tp and cp), stretched by a 1F1B bubble
+    of pp - 1 over m + pp - 1 with m context-length micro-batches, plus the stage's gradient
+    reduction over dp x cp. Blind to memory and to how a planner packs and splits: only for
+    ranking schemes, and the same for every planner."""
+    layers = cost.model.num_layers // s.pp
+    shares: list[list[int]] = [[] for _ in range(s.dp)]
+    loads = [0] * s.dp
+    for n in sorted(lengths, reverse=True):
+        i = loads.index(min(loads))
+        shares[i].append(n)
+        loads[i] += n * n  # attention dominates long ones; short ones spread anyway
+    slowest = 0.0
+    for share in shares:
+        if not share:
+            continue
+        chunk = Chunk(tuple(Segment(i, 0, n) for i, n in enumerate(share)))
+        busy = (cost.forward_time(chunk, layers=layers, tp=s.tp, cp=s.cp)
+                + cost.backward_time(chunk, layers=layers, tp=s.tp, cp=s.cp)
+                + 2 * cost.cp_comm_time(chunk, layers=layers, tp=s.tp, cp=s.cp))
+        micro = max(1, -(-sum(share) // context_length))
+        slowest = max(slowest, busy * (micro + s.pp - 1) / micro)
+    sync = cost.grad_sync_time(layers=layers, tp=s.tp, dp=s.dp * s.cp, zero=s.zero, first=True,
+                               inter_node=s.num_gpus > cost.cluster.gpus_per_node)
+    return slowest + sync
 
 
 def _states_fit(cost: CostModel, s: ParallelScheme) -> bool:
@@ -124,22 +170,30 @@ def request_for(setup: CompareSetup, lengths: list[int], scheme: ParallelScheme,
                        options=dict(setup.options.get(planner, {})))
 
 
-def pick_scheme(setup: CompareSetup, planner: str) -> tuple[ParallelScheme | None, list[Candidate]]:
-    """The planner's fastest fitting scheme on the first batch, and the attempts made."""
+def pick_scheme(setup: CompareSetup, planner: str,
+                schemes: list[ParallelScheme]) -> tuple[ParallelScheme | None, list[Candidate]]:
+    """The planner's fastest scheme of `schemes` that fits on every selection batch (mean step
+    time over them), and the attempts made."""
     if planner in setup.schemes:
         return setup.schemes[planner], []
-    tries = []
-    for scheme in candidate_schemes(setup, planner):
-        tries.append(try_planner(planner, request_for(setup, setup.batches[0], scheme, planner)))
-    best = choose_best(tries)
-    return (best.scheme if best else None), tries
+    tries, best, best_time = [], None, float("inf")
+    for scheme in schemes:
+        runs = [try_planner(planner, request_for(setup, setup.batches[b], scheme, planner))
+                for b in selection_batches(setup)]
+        tries += runs
+        if all(r.result is not None and r.result.fits for r in runs):
+            mean = statistics.fmean(r.result.step_time_s for r in runs)
+            if mean < best_time:
+                best, best_time = scheme, mean
+    return best, tries
 
 
 def run_compare(setup: CompareSetup, progress=None) -> dict[str, PlannerRow]:
     rows: dict[str, PlannerRow] = {}
     names = [p for p in setup.planners if p != "auto"]
+    schemes = candidate_schemes(setup)
     for name in names:
-        scheme, tries = pick_scheme(setup, name)
+        scheme, tries = pick_scheme(setup, name, schemes)
         row = rows[name] = PlannerRow(planner=name, scheme=str(scheme) if scheme else "none fits")
         if scheme is None:
             row.runs = tries[:1] or [Candidate(planner=name, error="no feasible parallel scheme")]
@@ -172,8 +226,10 @@ def summarise(rows: dict[str, PlannerRow]) -> dict:
     fitting = [t for b, t in zip([b for b in BASELINES if b in rows], base_times)
                if t is not None and rows[b].summary(None)["fits"]]
     best = min(fitting) if fitting else None
-    return {"best_baseline_step_time_s": best,
-            "planners": {name: row.summary(best) for name, row in rows.items()}}
+    papers = rows[PAPERS_BASELINE].summary(None) if PAPERS_BASELINE in rows else {}
+    megatron = papers.get(STEP_TIME_S) if papers.get("fits") else None
+    return {"best_baseline_step_time_s": best, "megatron_step_time_s": megatron,
+            "planners": {name: row.summary(best, megatron) for name, row in rows.items()}}
 
 
 def _tick(progress, n: int) -> None:

@@ -12,6 +12,7 @@ taken as the LLaMA-1 33B shape, which its paper does not spell out).
 from __future__ import annotations
 
 import dataclasses
+import re
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,6 +316,17 @@ class ParallelScheme:
 
     def __str__(self) -> str:
         return f"dp{self.dp}-tp{self.tp}-pp{self.pp}-cp{self.cp}"
+
+    @classmethod
+    def parse(cls, text: str, *, zero: int = 1) -> ParallelScheme:
+        """The string form back: 'dp8-tp4-pp1-cp1' (any order; a missing degree is 1)."""
+        degrees = {}
+        for part in text.strip().split("-"):
+            m = re.fullmatch(r"(dp|tp|pp|cp)(\d+)", part)
+            if m is None or m.group(1) in degrees:
+                raise UserError(f"bad scheme {text!r}: write it as dpD-tpT-ppP-cpC, e.g. dp8-tp4-pp1-cp1")
+            degrees[m.group(1)] = int(m.group(2))
+        return cls(**degrees, zero=zero)
 
     def validate(self, model: ModelSpec | None = None, num_gpus: int | None = None) -> None:
         for field in ("dp", "tp", "pp", "cp"):

@@ -41,6 +41,14 @@ class PackingOptions:
 
 
 @dataclass(kw_only=True, frozen=True)
+class MegatronOptions:
+    recompute: str = option(
+        "auto", "activation recomputation: none, full (every layer keeps only its input), or auto, the "
+        "fastest that fits (none when it fits, else full), as a Megatron-LM user would choose",
+        metavar="none|full|auto")
+
+
+@dataclass(kw_only=True, frozen=True)
 class SortedOptions:
     micro_batch_size: int | None = option(
         None, "most sequences per micro-batch; default: as many as fill the token budget", metavar="N")
@@ -135,6 +143,7 @@ class AutoOptions:
 PLANNER_OPTIONS: dict[str, type] = {
     "padding": PaddingOptions,
     "packing": PackingOptions,
+    "megatron": MegatronOptions,
     "sorted": SortedOptions,
     "token-balanced": TokenBalancedOptions,
     "chunkflow": ChunkFlowOptions,

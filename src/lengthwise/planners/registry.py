@@ -6,7 +6,8 @@ The planners package (`lengthwise.planners`) adds `auto` on top of these.
 from __future__ import annotations
 
 from lengthwise.planners.base import Planner
-from lengthwise.planners.baselines import plan_packing, plan_padding, plan_sorted, plan_token_balanced
+from lengthwise.planners.baselines import (plan_megatron, plan_packing, plan_padding, plan_sorted,
+                                           plan_token_balanced)
 from lengthwise.planners.chunkflow.planner import plan_chunkflow
 from lengthwise.planners.hydraulis.planner import plan_hydraulis
 from lengthwise.planners.infinipipe.planner import plan_infinipipe
@@ -16,6 +17,7 @@ from lengthwise.planners.slimpack.planner import plan_slimpack
 CANDIDATE_PLANNERS: dict[str, Planner] = {
     "padding": plan_padding,
     "packing": plan_packing,
+    "megatron": plan_megatron,
     "sorted": plan_sorted,
     "token-balanced": plan_token_balanced,
     "chunkflow": plan_chunkflow,

@@ -22,6 +22,7 @@ Imports no PyTorch: the command can parse and check a config before loading it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from lengthwise.errors import UserError
 
 DTYPES = ("float32", "float64", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+LR_SCHEDULES = ("constant", "cosine")
 DEFAULT_BATCH_SIZE = 16
 
 
@@ -44,11 +46,15 @@ class TrainConfig:
     """Model preset name, a Hugging Face config.json (random init), or a directory holding
     config.json and model.safetensors (weights loaded by their Hugging Face names)."""
     data: str = "stdlib"
-    """Documents: 'stdlib' (Python's own sources), a .jsonl/.parquet file or a text folder."""
+    """Documents: 'stdlib' (Python's own sources), a .jsonl/.parquet file, a text folder, or a
+    Hugging Face datasets folder (save_to_disk; needs the datasets package)."""
     tokenizer: str | None = None
     """Local Hugging Face tokenizer directory; None: bytes (vocab 260, the tiny preset's)."""
     text_field: str = "text"
     """JSONL field / Parquet column holding the text."""
+    token_cache: str | None = "~/.cache/lengthwise/tokens"
+    """Folder of tokenised corpora (workloads/token_cache.py), used with a tokenizer: each corpus is
+    tokenised once and memory-mapped by later runs and every rank. None: tokenise in memory."""
     context_length: int = 512
     """Longest sequence trained on, tokens."""
     overlong: str = "truncate"
@@ -79,7 +85,13 @@ class TrainConfig:
     steps: int = 30
     """Total optimizer steps of the run (a resumed run stops at the same total)."""
     lr: float = 3e-3
-    """AdamW learning rate (constant)."""
+    """AdamW peak learning rate (after warm-up; the schedule scales it)."""
+    lr_schedule: str = "constant"
+    """After warm-up: constant, or cosine (half a cosine from lr down to min_lr at the last step)."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up: step s (from 1) of the first warmup_steps uses lr * s / (warmup_steps + 1)."""
+    min_lr: float = 0.0
+    """Learning rate the cosine schedule ends at."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay, on matrices only (not norms, biases)."""
     grad_clip: float = 1.0
@@ -105,11 +117,21 @@ class TrainConfig:
     """Checkpoint directory to resume from; None: the latest under `out`, if any."""
     progress: bool = True
     """Show a progress bar on stderr."""
+    eval_every: int | None = None
+    """Held-out loss every N steps (and after the last); None: no held-out slice, no evaluation."""
+    eval_sequences: int = 16
+    """Sequences of the corpus held out of training for the evaluation (with eval_every)."""
+    skip_nonfinite: bool = False
+    """A step whose loss or gradient norm is not finite: skip it (no update, counted) instead of
+    stopping the run."""
+    timeout: float = 300.0
+    """Seconds a rank of a distributed run waits for the others before failing (collectives,
+    receives; init_process_group's timeout)."""
 
     def validate(self) -> None:
         """UserError naming the first field out of range."""
         _positive(self, "context_length", "steps", "dp", "pp", "cp", "nproc", "batch_size",
-                  "tokens_per_batch", "save_every", "threads")
+                  "tokens_per_batch", "save_every", "threads", "eval_every")
         if self.nproc is not None:
             check_degrees(self, self.nproc, "--nproc")
         if self.batch_size is not None and self.tokens_per_batch is not None:
@@ -117,10 +139,11 @@ class TrainConfig:
                             f"({self.tokens_per_batch}), not both")
         if self.seed < 0:
             raise UserError(f"seed {self.seed} must be >= 0")
-        if not self.lr > 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise UserError(f"lr ({self.lr}) must be > 0, weight_decay ({self.weight_decay}) and "
-                            f"grad_clip ({self.grad_clip}) >= 0")
-        for name, choices in (("dtype", DTYPES), ("device", DEVICES),
+        _finite_numbers(self)
+        _positive(self, "eval_sequences")
+        if self.warmup_steps < 0:
+            raise UserError(f"warmup_steps {self.warmup_steps} must be >= 0")
+        for name, choices in (("dtype", DTYPES), ("device", DEVICES), ("lr_schedule", LR_SCHEDULES),
                               ("overlong", ("truncate", "drop", "error"))):
             if getattr(self, name) not in choices:
                 raise UserError(f"{name} {getattr(self, name)!r}: use one of {', '.join(choices)}")
@@ -146,6 +169,20 @@ def check_degrees(config: TrainConfig, world_size: int, where: str) -> None:
     if config.num_ranks != world_size:
         raise UserError(f"dp({config.dp}) * pp({config.pp}) * cp({config.cp}) = {config.num_ranks} "
                         f"processes, {where} gives {world_size}: make them equal")
+
+
+def _finite_numbers(config: TrainConfig) -> None:
+    """lr > 0, the others >= 0, all finite: a NaN or infinity here makes every weight NaN
+    (issue 16: `--weight-decay nan` used to train to exit 0)."""
+    for name, flag in (("lr", "--lr"), ("weight_decay", "--weight-decay"), ("grad_clip", "--grad-clip"),
+                       ("min_lr", "--min-lr"), ("timeout", "--timeout")):
+        value = getattr(config, name)
+        if not math.isfinite(value):
+            raise UserError(f"{flag} {value}: must be a finite number")
+        if value < 0 or (name in ("lr", "timeout") and value == 0):
+            raise UserError(f"{flag} {value}: must be {'> 0' if name in ('lr', 'timeout') else '>= 0'}")
+    if config.min_lr > config.lr:
+        raise UserError(f"--min-lr {config.min_lr} is above --lr {config.lr}; give a smaller one")
 
 
 def _positive(config: TrainConfig, *names: str) -> None:

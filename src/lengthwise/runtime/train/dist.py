@@ -35,6 +35,7 @@ stages is refused with the step named.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +60,7 @@ from lengthwise.runtime.distributed.launch import (
 )
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.step import gather_grads_like, run_rank_step
+from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.train.config import TrainConfig, check_degrees
 from lengthwise.runtime.train.executor import RESUME_MUST_MATCH, PreparedStep, StepOutcome
 from lengthwise.runtime.train.loop import (
@@ -68,6 +70,9 @@ from lengthwise.runtime.train.loop import (
     resolve_device,
     run_training,
 )
+from lengthwise.runtime.train.outputs import default_run_folder, with_outputs
+from lengthwise.runtime.train.schedule import first_nonfinite
+from lengthwise.runtime.train.signals import StopRequest
 from lengthwise.runtime.train.step import PeakMemory, is_padded
 from lengthwise.runtime.weights import load_state, save_pretrained
 from lengthwise.workloads.sampler import GlobalBatchSampler
@@ -87,25 +92,37 @@ def train_distributed(config: TrainConfig, *, after_action: AfterAction | None =
         raise UserError(f"--nproc {config.nproc} on CUDA needs {config.nproc} GPUs, this machine has "
                         f"{torch.cuda.device_count()}: use fewer processes or --device cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    return spawn(_spawned_rank, config.nproc, config, device.type, after_action, backend=backend, with_status=True)
+    return spawn(_spawned_rank, config.nproc, config, device.type, after_action, backend=backend,
+                 timeout_s=config.timeout, with_status=True)
 
 
 def _train_under_torchrun(config: TrainConfig, after_action: AfterAction | None) -> TrainResult | None:
     if config.nproc is not None:
         raise UserError(f"--nproc {config.nproc} starts local workers; under torchrun leave it out "
                         "(torchrun --nproc-per-node sets the number of processes)")
-    mesh = init_from_torchrun(device=resolve_device(config.device).type)
+    mesh = init_from_torchrun(device=resolve_device(config.device).type, timeout_s=config.timeout)
     try:
-        result = train_on_rank(config, mesh, after_action=after_action, status=RankStatus.for_torchrun())
+        result = train_on_rank(_torchrun_outputs(config), mesh, after_action=after_action,
+                               status=RankStatus.for_torchrun())
     finally:
         dist.destroy_process_group()
     return result if mesh.rank == 0 else None
 
 
+def _torchrun_outputs(config: TrainConfig) -> TrainConfig:
+    """Without --out, rank 0 names the run folder and tells the others (their clocks may differ)."""
+    chosen = [str(default_run_folder()) if dist.get_rank() == 0 else None]
+    if config.out is None:
+        dist.broadcast_object_list(chosen, src=0)
+    return with_outputs(config, out=chosen[0]) if dist.get_rank() == 0 else \
+        dataclasses.replace(config, out=config.out or chosen[0])
+
+
 def _spawned_rank(rank: int, config: TrainConfig, device_type: str, after_action: AfterAction | None, *,
                   status: RankStatus) -> TrainResult | None:
     device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
-    result = train_on_rank(config, Mesh.from_default_group(device=device), after_action=after_action, status=status)
+    mesh = Mesh.from_default_group(device=device, timeout_s=config.timeout)
+    result = train_on_rank(config, mesh, after_action=after_action, status=status)
     return result if rank == 0 else None
 
 
@@ -117,9 +134,10 @@ rank 0 writes the metrics and shows progress; caches and thread counts are per m
 def train_on_rank(config: TrainConfig, mesh: Mesh, *, after_action: AfterAction | None = None,
                   status: RankStatus | None = None) -> TrainResult:
     """This rank's part of `config`, in an initialised process group of dp * pp * cp ranks."""
-    check_same_settings(config.to_dict(), mesh.device, ignore=PER_PROCESS)
-    setup = Setup(config, device=mesh.device)
-    return run_training(setup, RankExecutor(setup, mesh, after_action=after_action, status=status))
+    with StopRequest(quiet=mesh.rank != 0) as stop:  # from here a signal waits for a step boundary
+        check_same_settings(config.to_dict(), mesh.device, ignore=PER_PROCESS)
+        setup = Setup(config, device=mesh.device)
+        return run_training(setup, RankExecutor(setup, mesh, after_action=after_action, status=status), stop=stop)
 
 
 def layout_signature(plan: StepPlan, num_layers: int) -> list[tuple[int, int, tuple[int, ...]]]:
@@ -162,12 +180,31 @@ class RankExecutor:
                                  check_plan=False, after_action=hook)
         self.status.note(f"step {step}: gradient norm and optimizer step, after the actions of {self.layout.place}")
         grad_norm = global_grad_norm(model, plan, done.layout, device=self.mesh.device)
+        outcome = StepOutcome(loss=done.loss, grad_norm=grad_norm, peak_memory_bytes=self._largest(peak.bytes),
+                              memory_kind=peak.kind)
+        if not outcome.finite:  # the loss and the norm are global: every rank skips the update
+            outcome.nonfinite_param = first_nonfinite(self.held.items())
+            return outcome
         if self.config.grad_clip:  # the rule of clip_grad_norm_, with the norm over all ranks
             torch.nn.utils.clip_grads_with_norm_(list(self.held.values()), self.config.grad_clip,
                                                  torch.tensor(grad_norm, dtype=torch.float64))
         self.optimizer.step()
-        return StepOutcome(loss=done.loss, grad_norm=grad_norm, peak_memory_bytes=self._largest(peak.bytes),
-                           memory_kind=peak.kind)
+        return outcome
+
+    def agree_stop(self, requested: bool) -> bool:
+        """Whether any rank was asked to stop (collective, at every step boundary), so that all
+        stop after the same step and write one complete checkpoint."""
+        flag = torch.tensor([int(requested)], dtype=torch.int64, device=self.mesh.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def eval_model(self) -> CausalLM | None:
+        """Rank 0's model with every stage's current weights (collective); None elsewhere."""
+        weights = gather_grads_like(self.model, self.layout, self.first_plan, lambda p: p.detach().cpu())
+        if weights is None:
+            return None
+        load_state(self.model, weights)
+        return self.model
 
     def _check_unpadded(self, plan: StepPlan, step: int) -> None:
         if is_padded(plan):

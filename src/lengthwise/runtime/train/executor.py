@@ -8,6 +8,7 @@ format. The distributed one, one rank of dp * pp * cp, is `runtime/train/dist.py
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -22,10 +23,12 @@ from lengthwise.runtime.checkpoint import (
 )
 from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.train.config import TrainConfig
+from lengthwise.runtime.train.schedule import first_nonfinite
 from lengthwise.runtime.train.step import PeakMemory, forward_backward
 from lengthwise.workloads.sampler import GlobalBatch
 
-RESUME_MUST_MATCH = ("model", "data", "tokenizer", "text_field", "context_length", "overlong", "seed")
+RESUME_MUST_MATCH = ("model", "data", "tokenizer", "text_field", "context_length", "overlong", "seed",
+                     "eval_every", "eval_sequences")
 """Config fields a resumed run must share with its checkpoint (they define the data stream
 and the weights' shape); the sampler checks its own batch size / token budget."""
 
@@ -54,6 +57,13 @@ class StepOutcome:
     """Peak memory of the step (the largest over the ranks)."""
     memory_kind: str
     """saved_for_backward or cuda_max_allocated."""
+    nonfinite_param: str | None = None
+    """When the loss or gradient norm is not finite (the optimizer did not step): the first
+    parameter, in model order, whose gradient is; None if only the loss is."""
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
 
 
 class Executor(Protocol):
@@ -64,7 +74,11 @@ class Executor(Protocol):
     must_match: tuple[str, ...]
     result_model: CausalLM | None
 
+    optimizer: torch.optim.Optimizer
+
     def step(self, prepared: PreparedStep, step: int) -> StepOutcome: ...
+    def agree_stop(self, requested: bool) -> bool: ...
+    def eval_model(self) -> CausalLM | None: ...
     def latest_checkpoint(self, out: str) -> Path | None: ...
     def load(self, path: Path) -> dict: ...
     def save(self, step: int, trainer: dict) -> Path: ...
@@ -89,10 +103,25 @@ class LocalExecutor:
         self.optimizer.zero_grad(set_to_none=True)
         with PeakMemory(model) as peak:
             loss = forward_backward(model, prepared.plan, prepared.token_ids, backend=config.backend)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
+        params = [p for p in model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # clip_grad_norm_'s two halves
+        outcome = StepOutcome(loss=float(loss), grad_norm=float(grad_norm), peak_memory_bytes=peak.bytes,
+                              memory_kind=peak.kind)
+        if not outcome.finite:  # no update: name the first bad gradient for the caller
+            outcome.nonfinite_param = first_nonfinite(model.named_parameters())
+            return outcome
+        if config.grad_clip:
+            torch.nn.utils.clip_grads_with_norm_(params, config.grad_clip, grad_norm)
         self.optimizer.step()
-        return StepOutcome(loss=float(loss), grad_norm=float(grad_norm), peak_memory_bytes=peak.bytes,
-                           memory_kind=peak.kind)
+        return outcome
+
+    def agree_stop(self, requested: bool) -> bool:
+        """Whether to stop after this step (one process: its own signal flag)."""
+        return requested
+
+    def eval_model(self) -> CausalLM:
+        """The model with every current weight, for the held-out loss."""
+        return self.model
 
     def latest_checkpoint(self, out: str) -> Path | None:
         return latest_checkpoint(out)

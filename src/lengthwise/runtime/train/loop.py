@@ -1,14 +1,24 @@
 """Training: AdamW over planned global batches, planning one step ahead, resumable exactly.
 
-    from lengthwise.runtime.train.loop import train
     from lengthwise.runtime.train.config import TrainConfig
+    from lengthwise.runtime.train.loop import train
     result = train(TrainConfig(steps=50, metrics="metrics.jsonl", out="ckpt", save_every=10))
     [r.loss for r in result.records]
 
 A step: the sampler's next global batch -> its token ids and the planner's validated StepPlan
 -> forward and backward as the plan says (`train/step.forward_backward`; loss = summed token
 cross-entropy / the batch's loss tokens, so equal to unpacked training whatever the plan) ->
-gradient clipping -> AdamW -> one metrics line, the progress bar, maybe a checkpoint.
+gradient clipping -> AdamW at the scheduled learning rate (schedule.py) -> maybe the
+held-out loss (heldout.py) -> maybe a checkpoint -> then one metrics line and the progress
+bar (report.py), so the metrics file never runs ahead of the checkpoints. A step whose
+loss or gradient norm is not finite makes no update and stops the run with a UserError naming
+it (or is skipped and counted, with skip_nonfinite): nothing non-finite is ever saved.
+
+Stopping: SIGINT / SIGTERM only set a flag (signals.py), read between steps; the run
+then checkpoints the finished step and returns with `interrupted` set. Ranks of a distributed
+run agree on the flag at every step boundary, so all stop after the same step. The output
+folder is locked for the run (outputs.py), debris of killed saves is removed, and on
+resume the metrics file is trimmed to the resumed step.
 
 Planning runs ahead of training (DESIGN.md, Executor): while step n executes, one worker
 thread reads batch n+1's tokens and plans it. A plan depends only on the batch and the seed
@@ -30,7 +40,9 @@ writes metrics and the progress bar.
 
 from __future__ import annotations
 
-import json
+import contextlib
+import math
+import sys
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +59,12 @@ from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.model import CausalLM, build_model
 from lengthwise.runtime.train.config import TrainConfig
 from lengthwise.runtime.train.executor import Executor, LocalExecutor, PreparedStep
+from lengthwise.runtime.train.heldout import held_out_loss, hold_out
+from lengthwise.runtime.train.memory_check import check_memory, estimate_memory
+from lengthwise.runtime.train.outputs import OutputLock, owns_metrics, remove_debris, save_tokenizer, trim_metrics
+from lengthwise.runtime.train.report import Reporter, StepRecord, nonfinite_message
+from lengthwise.runtime.train.schedule import apply_settings, current_lr, make_scheduler
+from lengthwise.runtime.train.signals import StopRequest
 from lengthwise.runtime.weights import INDEX_NAME, WEIGHTS_NAME, load_weights
 from lengthwise.specs import (
     MODEL_PRESETS,
@@ -57,49 +75,6 @@ from lengthwise.specs import (
 )
 from lengthwise.workloads.sampler import GlobalBatch, GlobalBatchSampler
 from lengthwise.workloads.source import LengthSource, corpus_source
-
-
-@dataclass(kw_only=True)
-class StepRecord:
-    """What one optimizer step did; `metrics()` is its metrics-file line."""
-
-    step: int
-    """Steps completed, counting from 1."""
-    loss: float
-    """Mean token cross-entropy of the global batch (nats), before the update."""
-    tokens: int
-    """Real tokens in the global batch."""
-    seq_ids: tuple[int, ...]
-    """The batch's sequences (corpus indices), in sampler order."""
-    step_s: float
-    """Wall time of the step, seconds, waiting for its plan included."""
-    wait_ms: float
-    """Of that, time spent waiting for the planning thread, milliseconds."""
-    planning_ms: float
-    """Time the planner (and plan validation) took in the worker thread, milliseconds."""
-    peak_memory_bytes: int
-    """Saved-for-backward bytes (CPU) or CUDA max_memory_allocated, this step (the largest
-    over the ranks of a distributed run)."""
-    memory_kind: str
-    """saved_for_backward or cuda_max_allocated."""
-    grad_norm: float
-    """Global gradient 2-norm before clipping."""
-    planner: str
-    """Planner that made the step's plan."""
-    padding_fraction: float
-    """Padding share of the plan's row tokens."""
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.step_s if self.step_s > 0 else 0.0
-
-    def metrics(self) -> dict:
-        return {"step": self.step, "loss": self.loss, "tokens": self.tokens,
-                "sequences": len(self.seq_ids), "tokens_per_s": self.tokens_per_s,
-                "step_s": self.step_s, "peak_memory_bytes": self.peak_memory_bytes,
-                "memory_kind": self.memory_kind, "planning_ms": self.planning_ms,
-                "wait_ms": self.wait_ms, "grad_norm": self.grad_norm, "planner": self.planner,
-                "padding_fraction": self.padding_fraction}
 
 
 @dataclass(kw_only=True)
@@ -119,6 +94,12 @@ class TrainResult:
     """The checkpoint this call resumed from, if any."""
     nproc: int = 1
     """Processes that ran the steps."""
+    config: TrainConfig | None = None
+    """The configuration run (with the output folder chosen for it)."""
+    interrupted: bool = False
+    """A signal stopped the run early (after its checkpoint, when it has an output folder)."""
+    skipped_steps: int = 0
+    """Steps skipped for a non-finite loss or gradient norm (skip_nonfinite)."""
 
 
 class Setup:
@@ -134,11 +115,16 @@ class Setup:
         self.spec = model_preset(config.model)
         self.scheme = ParallelScheme(dp=config.dp, pp=config.pp, cp=config.cp)
         self.scheme.validate(self.spec)
+        check_memory(estimate_memory(config, self.spec, nproc=config.nproc or 1), self.device)
         self.model = load_model(config.model, self.spec, dtype=getattr(torch, config.dtype),
                                 device=self.device, seed=config.seed)
         self.source = corpus_source(config.data, config.tokenizer, config.context_length,
-                                    config.overlong, text_field=config.text_field)
+                                    config.overlong, text_field=config.text_field, cache_dir=config.token_cache)
         _check_vocab(self.source, self.spec)
+        self.eval_ids: tuple[int, ...] = ()
+        """Corpus indices of the held-out sequences (config.eval_every), never trained on."""
+        if config.eval_every is not None:
+            self.source, self.eval_ids = hold_out(self.source, count=config.eval_sequences, seed=config.seed)
         self.sampler = GlobalBatchSampler(self.source, seed=config.seed, **config.sampler_size)
 
     def prepare(self, batch: GlobalBatch, sampler_state: dict) -> PreparedStep:
@@ -202,21 +188,37 @@ def make_optimizer(model: CausalLM, config: TrainConfig, *,
     return torch.optim.AdamW(groups, lr=config.lr)
 
 
-def train(config: TrainConfig) -> TrainResult:
+def train(config: TrainConfig, *, stop: StopRequest | None = None) -> TrainResult:
     """Run `config` to config.steps total steps on this process, resuming from a checkpoint
-    when there is one."""
+    when there is one. `stop`: a signal flag installed by the caller (else one is installed
+    for the run)."""
     setup = Setup(config)
-    return run_training(setup, LocalExecutor(config, setup.model, make_optimizer(setup.model, config)))
+    return run_training(setup, LocalExecutor(config, setup.model, make_optimizer(setup.model, config)), stop=stop)
 
 
-def run_training(setup: Setup, executor: Executor) -> TrainResult:
-    """The loop every executor shares: resume, then plan one step ahead and run to config.steps."""
-    result = TrainResult(model=executor.result_model, nproc=executor.nproc)
-    result.resumed_from = _resume_path(setup.config, executor)
-    if result.resumed_from is not None:
-        result.start_step = _resume(setup, executor, result.resumed_from)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lengthwise-plan") as pool:
-        _loop(setup, executor, result, pool)
+def run_training(setup: Setup, executor: Executor, *, stop: StopRequest | None = None) -> TrainResult:
+    """The loop every executor shares: lock the output folder, resume, then plan one step ahead
+    and run to config.steps, or until a signal (signals.py)."""
+    config = setup.config
+    result = TrainResult(model=executor.result_model, nproc=executor.nproc, config=config)
+    with contextlib.ExitStack() as stack:
+        if stop is None:
+            stop = stack.enter_context(StopRequest(quiet=not executor.is_reporter))
+        if executor.is_reporter and config.out is not None:
+            stack.enter_context(OutputLock(config.out))
+            remove_debris(config.out)  # only safe while this run holds the lock
+            if config.tokenizer is not None:
+                save_tokenizer(config.tokenizer, config.out)
+        result.resumed_from = _resume_path(config, executor)
+        if result.resumed_from is not None:
+            result.start_step = _resume(setup, executor, result.resumed_from)
+        if executor.is_reporter and owns_metrics(config, resumed=result.resumed_from is not None):
+            trim_metrics(config.metrics, result.start_step)  # lines of steps past the checkpoint
+        if executor.is_reporter and config.out is not None:
+            print(f"lengthwise train: checkpoints and metrics in {config.out}/", file=sys.stderr)
+        scheduler = make_scheduler(executor.optimizer, config, done=result.start_step)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lengthwise-plan") as pool:
+            _loop(setup, executor, result, _Run(pool=pool, scheduler=scheduler, stop=stop))
     return result
 
 
@@ -236,15 +238,28 @@ def _resume(setup: Setup, executor: Executor, path: Path) -> int:
             raise UserError(f"checkpoint {path} was trained with {key}={saved.get(key)!r}, this run "
                             f"has {getattr(setup.config, key)!r}; resume with the same value")
     setup.sampler.load_state_dict(trainer["sampler"])
+    changes = apply_settings(executor.optimizer, setup.config, saved)
+    if changes and executor.is_reporter:
+        print(f"lengthwise train: resuming {path} with {', '.join(changes)}", file=sys.stderr)
     return int(trainer["step"])
 
 
-def _loop(setup: Setup, executor: Executor, result: TrainResult, pool: ThreadPoolExecutor) -> None:
+@dataclass(kw_only=True)
+class _Run:
+    """What the loop drives besides the setup and the executor."""
+
+    pool: ThreadPoolExecutor
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    stop: StopRequest
+
+
+def _loop(setup: Setup, executor: Executor, result: TrainResult, run: _Run) -> None:
     config, step = setup.config, result.start_step
-    if step >= config.steps:
+    if step >= config.steps or executor.agree_stop(run.stop.requested):
+        result.interrupted = step < config.steps
         return
-    progress = _progress_bar(config, step, executor.is_reporter)
-    ahead = _submit(setup, pool)
+    reporter = Reporter(config, shown=executor.is_reporter, step=step)
+    ahead = _submit(setup, run.pool)
     try:
         while step < config.steps:
             started = time.perf_counter()
@@ -252,16 +267,24 @@ def _loop(setup: Setup, executor: Executor, result: TrainResult, pool: ThreadPoo
             waited = time.perf_counter() - started
             step += 1
             if step < config.steps:
-                ahead = _submit(setup, pool)  # plan step n+1 while step n runs
+                ahead = _submit(setup, run.pool)  # plan step n+1 while step n runs
             record = _run_step(setup, executor, prepared, step, started, waited)
+            record.lr = current_lr(executor.optimizer)
+            run.scheduler.step()
+            result.skipped_steps += _check_finite(config, record, result)
             result.records.append(record)
-            if executor.is_reporter:
-                _report(config, record, progress)
-            if _checkpoint_due(config, step):
+            if _due(config.eval_every, step, config.steps):
+                record.eval_loss = _evaluate(setup, executor)
+            stopping = step < config.steps and executor.agree_stop(run.stop.requested)
+            if config.out is not None and (_checkpoint_due(config, step) or stopping):
                 result.checkpoint = _save(setup, executor, step, prepared, record)
+            reporter.step(record)  # after the checkpoint: a resume never repeats a line
+            if stopping:
+                result.interrupted = True
+                break
     finally:
         ahead.cancel()
-        progress.close()
+        reporter.close()
 
 
 def _submit(setup: Setup, pool: ThreadPoolExecutor) -> Future:
@@ -275,38 +298,44 @@ def _run_step(setup: Setup, executor: Executor, prepared: PreparedStep, step: in
     if setup.device.type == "cuda":
         torch.cuda.synchronize(setup.device)
     batch = prepared.batch
-    return StepRecord(step=step, loss=outcome.loss, tokens=batch.num_tokens, seq_ids=batch.seq_ids,
-                      step_s=time.perf_counter() - started, wait_ms=waited * 1e3,
-                      planning_ms=prepared.planning_ms, peak_memory_bytes=outcome.peak_memory_bytes,
-                      memory_kind=outcome.memory_kind, grad_norm=outcome.grad_norm,
-                      planner=prepared.plan.planner,
-                      padding_fraction=float(prepared.plan.metrics.get("padding_fraction", 0.0)))
+    record = StepRecord(step=step, loss=outcome.loss, tokens=batch.num_tokens, seq_ids=batch.seq_ids,
+                        step_s=time.perf_counter() - started, wait_ms=waited * 1e3,
+                        planning_ms=prepared.planning_ms, peak_memory_bytes=outcome.peak_memory_bytes,
+                        memory_kind=outcome.memory_kind, grad_norm=outcome.grad_norm,
+                        planner=prepared.plan.planner,
+                        padding_fraction=float(prepared.plan.metrics.get("padding_fraction", 0.0)))
+    record.skipped = not outcome.finite
+    if record.skipped:
+        record.nonfinite_param = outcome.nonfinite_param
+    return record
 
 
-def _progress_bar(config: TrainConfig, step: int, shown: bool):
-    from tqdm import tqdm
+def _check_finite(config: TrainConfig, record: StepRecord, result: TrainResult) -> int:
+    """1 for a skipped non-finite step (skip_nonfinite); a UserError naming it otherwise, so
+    that nothing non-finite is ever checkpointed (the last checkpoint stays the newest)."""
+    if not record.skipped:
+        return 0
+    if config.skip_nonfinite:
+        return 1
+    raise UserError(nonfinite_message(record, result.checkpoint or result.resumed_from))
 
-    return tqdm(total=config.steps, initial=step, desc="train", unit="step",
-                disable=not (config.progress and shown), dynamic_ncols=True)
+
+def _evaluate(setup: Setup, executor: Executor) -> float | None:
+    model = executor.eval_model()  # collective in a distributed run
+    if model is None:
+        return None
+    return held_out_loss(model, setup.source, setup.eval_ids, backend=setup.config.backend)
 
 
-def _report(config: TrainConfig, record: StepRecord, progress) -> None:
-    progress.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}", refresh=False)
-    progress.update(1)
-    if config.metrics is not None:
-        path = Path(config.metrics)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps(record.metrics()) + "\n")
+def _due(every: int | None, step: int, last: int) -> bool:
+    return every is not None and (step % every == 0 or step == last)
 
 
 def _checkpoint_due(config: TrainConfig, step: int) -> bool:
-    if config.out is None:
-        return False
     return step == config.steps or (config.save_every is not None and step % config.save_every == 0)
 
 
 def _save(setup: Setup, executor: Executor, step: int, prepared: PreparedStep, record: StepRecord) -> Path:
     trainer = {"sampler": prepared.sampler_state, "config": setup.config.to_dict(),
-               "loss": record.loss}
+               "loss": record.loss if math.isfinite(record.loss) else None}
     return executor.save(step, trainer)

@@ -72,6 +72,13 @@ def slot_width(chunk: Chunk) -> int:
     return max(chunk.row_tokens // len(chunk.segments), longest)
 
 
+def sequence_loss_sum(model: CausalLM, row: Chunk, token_ids: list[torch.Tensor], *,
+                      backend: str) -> torch.Tensor:
+    """Sum of token cross-entropies of a one-segment row holding a whole sequence, unpadded
+    (the held-out evaluation runs each sequence this way, under no_grad)."""
+    return _padded_row_loss(model, row, row.segments[0].num_tokens, token_ids, backend)
+
+
 def _padded_row_loss(model: CausalLM, row: Chunk, width: int, token_ids: list[torch.Tensor],
                      backend: str) -> torch.Tensor:
     """Sum of token cross-entropies of one sequence padded to `width` tokens."""
