@@ -48,8 +48,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", metavar="P", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--dp", metavar="D", type=int, default=1, help="data-parallel pipelines (default 1)")
     parser.add_argument("--cp", metavar="C", type=int, default=1, help="context-parallel ranks per stage (default 1)")
+    parser.add_argument("--tp", metavar="T", type=int, default=1,
+                        help="tensor-parallel ranks per stage (default 1; needs --nproc or torchrun)")
+    parser.add_argument("--zero", metavar="Z", type=int, default=1, choices=(0, 1, 2, 3),
+                        help="across processes: 3 = FSDP2 resharding after each forward (ZeRO-3), 1/2 = "
+                             "FSDP2 sharding states only, 0 = whole replicas (default 1)")
     parser.add_argument("--nproc", metavar="N", type=int,
-                        help="run on N local worker processes (gloo; N = dp x pp x cp), compare with the oracle")
+                        help="run on N local worker processes (gloo; N = dp x pp x cp x tp), compare with the oracle")
     parser.add_argument("--timeout", metavar="SECONDS", type=float, default=60.0,
                         help="with --nproc or torchrun: longest wait for a message or collective (default 60)")
     parser.add_argument("--dtype", choices=DTYPES, default="float64", help="model dtype (default float64)")
@@ -77,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     if args.nproc is not None or _under_torchrun():
         return run_distributed(args, plan, backend)
+    if args.tp > 1:
+        raise UserError(f"--tp {args.tp} runs across processes: add --nproc {plan_world(plan)} (or launch with torchrun)")
     result = verify_plan(plan, dtype=dtype, backend=backend, seed=args.seed, oracle=args.oracle,
                          device=args.device)
     if args.json:
@@ -94,7 +101,7 @@ def build_plan(args: argparse.Namespace):
     from lengthwise.planners import PlanRequest
 
     model = model_preset(args.model_config)
-    scheme = ParallelScheme(dp=args.dp, pp=args.pp, cp=args.cp)
+    scheme = ParallelScheme(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, zero=args.zero)
     scheme.validate(model)
     cluster = cluster_preset("cpu", scheme.num_gpus)
     cost = CostModel(model=model, cluster=cluster)
@@ -105,6 +112,10 @@ def build_plan(args: argparse.Namespace):
     plan = get_planner(args.planner or "chunkflow")(request)
     validate_plan(plan, cost)
     return plan
+
+
+def plan_world(plan) -> int:
+    return plan.num_gpus
 
 
 def _under_torchrun() -> bool:
@@ -125,7 +136,8 @@ def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
     from lengthwise.runtime.verify import VerifyResult
 
     job = VerifyJob(make_plan=functools.partial(build_plan, args), dtype=getattr(torch, args.dtype),
-                    backend=backend, seed=args.seed, oracle=args.oracle, timeout_s=args.timeout)
+                    backend=backend, seed=args.seed, oracle=args.oracle, timeout_s=args.timeout,
+                    data_parallel="replicate" if args.zero == 0 else "fsdp")
     if _under_torchrun():
         mesh = init_from_torchrun(device=args.device, timeout_s=args.timeout)
         out = verify_worker(mesh.rank, job, mesh)

@@ -14,6 +14,8 @@ verify_dist.py (distributed run vs the oracle), checkpoint_dist.py (torch.distri
 plus sampler and RNG per rank, sealed by a manifest). Training across processes (`lengthwise train --nproc` or under
 torchrun) is runtime/train/dist.py.
 
+A rank builds only its stage's modules, parallelised from outside the model by
+`runtime/parallel/` (one (pp, dp, cp, tp) DeviceMesh; DTensor TP; FSDP2 over dp x cp).
 The model file imports no parallel code: a stage runner runs its stage's layers, and context
 parallelism enters only as the attention callable the CP rows hand to the model.
 """

@@ -38,13 +38,18 @@ class ReceiveTimeout(RuntimeError):
 class DistributedTransport:
     """Send/recv between this rank and the same CP rank of the neighbouring stages."""
 
-    def __init__(self, *, layout: PlanLayout, timeout_s: float, stats: CommStats | None = None):
+    def __init__(self, *, layout: PlanLayout, timeout_s: float, stats: CommStats | None = None,
+                 dtype: torch.dtype | None = None):
         self.layout, self.timeout_s = layout, timeout_s
+        self.dtype = dtype
+        """Activation dtype when it differs from the one the stage asks for (its parameters'):
+        bf16 compute over fp32 master weights."""
         self.stats = stats if stats is not None else CommStats()
         self._sends: list[tuple[object, torch.Tensor, Message]] = []
 
     def _peer(self, message: Message, stage: int) -> int:
-        return self.layout.rank_of(message.pipeline, stage, self.layout.place.cp_rank)
+        place = self.layout.place
+        return self.layout.rank_of(message.pipeline, stage, place.cp_rank, place.tp_rank)
 
     def send(self, message: Message, tensor: torch.Tensor) -> None:
         payload = tensor.detach().contiguous()
@@ -56,7 +61,7 @@ class DistributedTransport:
         self.stats.p2p_messages += 1
 
     def recv(self, message: Message, *, shape, dtype, device) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=dtype, device=device)
+        buffer = torch.empty(shape, dtype=self.dtype or dtype, device=device)
         if buffer.numel() == 0:
             return buffer
         src = self._peer(message, message.src)
