@@ -15,10 +15,12 @@ allocated beyond the rank's shard of its stage (plus one whole tensor while load
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
@@ -68,14 +70,18 @@ def build_rank_model(plan: StepPlan, mesh: Mesh, *, dtype: torch.dtype = torch.f
                         "layer split: plan with uniform pipelines")
     mesh.device_mesh = device_mesh
     mesh.compute_dtype = None
-    if tp > 1:
-        apply_tp(model, device_mesh["tp"])
-    if device_mesh is not None and options.data_parallel == "fsdp" and plan.zero > 0:
-        apply_fsdp(model, shard_mesh(device_mesh), zero=plan.zero, param_dtype=options.param_dtype)
-        mesh.compute_dtype = options.param_dtype
-    elif options.param_dtype is not None:
+    sharded = device_mesh is not None and options.data_parallel == "fsdp" and plan.zero > 0
+    if options.param_dtype is not None and not sharded:
         raise UserError("a compute dtype apart from the master weights' needs FSDP2: plan with zero >= 1 "
                         "and uniform pipelines")
+    # DeviceMesh keeps its rank tables as tensors: under a dry run's fake mode they must stay real
+    # (fake parameters still dispatch to their own mode)
+    with unset_fake_temporarily() if fake else contextlib.nullcontext():
+        if tp > 1:
+            apply_tp(model, device_mesh["tp"])
+        if sharded:
+            apply_fsdp(model, shard_mesh(device_mesh), zero=plan.zero, param_dtype=options.param_dtype)
+            mesh.compute_dtype = options.param_dtype
     if not fake:
         model.to_empty(device=mesh.device)
     if seed is not None:
