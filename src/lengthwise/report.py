@@ -1,10 +1,15 @@
 """`compare`: every planner on the same sampled global batches, model and cluster, simulated.
 
-For each planner, a small search picks its parallel scheme: candidate (tp, pp, cp) degrees
-whose model states fit, and — for planners that never split a sequence — whose pipelines hold
-the context length; each is planned and simulated on the first batch and the fastest scheme
-that fits memory is kept for all batches (stated per planner in the report). Hydraulis picks
-its own heterogeneous strategy inside the GPUs it is given.
+A fair search: every planner receives the same complete list of feasible (tp, pp, cp) schemes
+(model states fit at the setup's ZeRO stage; recomputation is each planner's own choice inside
+a scheme). Planners that keep sequences whole refuse the schemes that cannot hold their longest
+sequence. Each planner's scheme is the fastest that fits over the selection batches — the first
+batch and the batch holding the longest sequence — and is kept for all batches; `scheme` in
+the setup fixes one scheme for every planner instead. Hydraulis picks its own heterogeneous
+strategy inside the GPUs it is given. ChunkFlow runs its own (ChunkSize, K) grid search (§5).
+
+Speedups are reported against the best fitting baseline and against `megatron`, the baseline
+most of the papers measured against (ChunkFlow, InfiniPipe, SlimPack, Hydraulis).
 
 `auto` is computed from the other planners' plans of the same batch: the fastest that fits, so it
 is never slower than any planner it ran, by construction. Its planning time is the sum of the
@@ -25,11 +30,10 @@ from lengthwise.planners.auto import Candidate, choose_best, max_peak, try_plann
 from lengthwise.planners.base import PlanRequest
 from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
 
-BASELINES = ("padding", "packing", "sorted", "token-balanced")
-SPLITTING = ("chunkflow", "infinipipe", "slimpack", "hydraulis")
-"""Planners that cut long sequences (or choose their own scheme) and so need no scheme that
-holds the whole context length."""
-MAX_SCHEMES = 10
+BASELINES = ("padding", "packing", "sorted", "token-balanced", "megatron", "static-cp")
+PAPER_BASELINE = "megatron"
+PLANNER_OPTIONS = {"chunkflow": {"chunk_size": "auto"}}
+"""Options every compare run passes: ChunkFlow searches its own (ChunkSize, K) (chunkflow.txt §5)."""
 
 
 @dataclass(kw_only=True)
@@ -43,8 +47,8 @@ class CompareSetup:
     planners: list[str]
     zero: int = 1
     seed: int = 0
-    schemes: dict[str, ParallelScheme] = field(default_factory=dict)
-    """Fixed schemes per planner; others are searched."""
+    scheme: ParallelScheme | None = None
+    """One fixed scheme for every planner; None searches candidate_schemes."""
     profile: Profile | None = None
     """Measured cost profile (`lengthwise profile`); None uses the analytic cost model."""
 
@@ -60,7 +64,7 @@ class PlannerRow:
     def ok(self) -> list[Candidate]:
         return [r for r in self.runs if r.result is not None]
 
-    def summary(self, best_baseline_s: float | None) -> dict:
+    def summary(self, best_baseline_s: float | None, megatron_s: float | None = None) -> dict:
         ok = self.ok()
         if not ok:
             return {"scheme": self.scheme, "error": self.runs[0].error if self.runs else "not run"}
@@ -72,6 +76,7 @@ class PlannerRow:
             "step_time_s": step,
             "tokens_per_s": tokens / sum(r.result.step_time_s for r in ok),
             "speedup_vs_best_baseline": best_baseline_s / step if best_baseline_s else None,
+            "speedup_vs_megatron": megatron_s / step if megatron_s else None,
             "bubble_ratio": statistics.fmean(r.result.bubble_ratio for r in ok),
             "dp_imbalance": statistics.fmean(imbalance) if imbalance else None,
             "dp_spread": statistics.fmean(r.result.dp_imbalance_spread for r in ok),
@@ -87,23 +92,23 @@ class PlannerRow:
         return d
 
 
-def candidate_schemes(setup: CompareSetup, planner: str) -> list[ParallelScheme]:
-    """Feasible (tp, pp, cp) for the planner, fewest model-parallel GPUs first."""
+def candidate_schemes(setup: CompareSetup) -> list[ParallelScheme]:
+    """Every feasible (tp, pp, cp) whose model states fit, fewest model-parallel GPUs first.
+    The same list for every planner: no planner wins because it was shown other schemes."""
+    if setup.scheme is not None:
+        return [setup.scheme]
     m, c, gpus = setup.model, setup.cluster, setup.cluster.num_gpus
     cost = CostModel(model=m, cluster=c, profile=setup.profile)
     found = []
-    for tp, pp, cp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8)):
+    for tp, pp, cp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16)):
         per_pipe = tp * pp * cp
         if gpus % per_pipe or tp > c.gpus_per_node or m.num_heads % tp or m.num_layers % pp:
             continue
         scheme = ParallelScheme(dp=gpus // per_pipe, tp=tp, pp=pp, cp=cp, zero=setup.zero)
-        if not _states_fit(cost, scheme):
-            continue
-        holds = cost.max_seq_len(tp=tp, pp=pp, cp=cp, dp=scheme.dp, zero=setup.zero) >= setup.context_length
-        if planner in SPLITTING or holds:
+        if _states_fit(cost, scheme):
             found.append(scheme)
     found.sort(key=lambda s: (s.gpus_per_pipeline, s.cp, s.pp, s.tp))
-    return found[:MAX_SCHEMES]
+    return found
 
 
 def _states_fit(cost: CostModel, s: ParallelScheme) -> bool:
@@ -114,35 +119,56 @@ def _states_fit(cost: CostModel, s: ParallelScheme) -> bool:
     return True
 
 
-def request_for(setup: CompareSetup, lengths: list[int], scheme: ParallelScheme) -> PlanRequest:
+def request_for(setup: CompareSetup, lengths: list[int], scheme: ParallelScheme,
+                planner: str = "") -> PlanRequest:
     return PlanRequest(lengths=list(lengths), model=setup.model, cluster=setup.cluster, scheme=scheme,
                        cost=CostModel(model=setup.model, cluster=setup.cluster, profile=setup.profile),
-                       context_length=setup.context_length, seed=setup.seed)
+                       context_length=setup.context_length, seed=setup.seed,
+                       options=dict(PLANNER_OPTIONS.get(planner, {})))
 
 
-def pick_scheme(setup: CompareSetup, planner: str) -> tuple[ParallelScheme | None, list[Candidate]]:
-    """The planner's fastest fitting scheme on the first batch, and the attempts made."""
-    if planner in setup.schemes:
-        return setup.schemes[planner], []
-    tries = []
-    for scheme in candidate_schemes(setup, planner):
-        tries.append(try_planner(planner, request_for(setup, setup.batches[0], scheme)))
-    best = choose_best(tries)
-    return (best.scheme if best else None), tries
+def selection_batches(batches: list[list[int]]) -> list[int]:
+    """Indices of the batches a scheme is chosen on: the first and the one holding the longest
+    sequence (a scheme chosen on short batches alone can fail on the long tail)."""
+    longest = max(range(len(batches)), key=lambda b: max(batches[b], default=0))
+    return sorted({0, longest})
+
+
+def pick_scheme(setup: CompareSetup, planner: str,
+                schemes: list[ParallelScheme]) -> tuple[ParallelScheme | None, list[Candidate]]:
+    """The planner's fastest scheme (mean step over the selection batches) among those where
+    every selection batch fits, and the attempts made."""
+    if setup.scheme is not None:
+        return setup.scheme, []
+    tries, best, best_time = [], None, float("inf")
+    picks = selection_batches(setup.batches)
+    for scheme in schemes:
+        runs = []
+        for b in picks:
+            runs.append(try_planner(planner, request_for(setup, setup.batches[b], scheme, planner)))
+            if not runs[-1].usable:
+                break
+        tries.extend(runs)
+        if all(r.usable for r in runs):
+            mean = statistics.fmean(r.result.step_time_s for r in runs)
+            if mean < best_time:
+                best, best_time = scheme, mean
+    return best, tries
 
 
 def run_compare(setup: CompareSetup, progress=None) -> dict[str, PlannerRow]:
     rows: dict[str, PlannerRow] = {}
     names = [p for p in setup.planners if p != "auto"]
+    schemes = candidate_schemes(setup)
     for name in names:
-        scheme, tries = pick_scheme(setup, name)
+        scheme, tries = pick_scheme(setup, name, schemes)
         row = rows[name] = PlannerRow(planner=name, scheme=str(scheme) if scheme else "none fits")
         if scheme is None:
             row.runs = tries[:1] or [Candidate(planner=name, error="no feasible parallel scheme")]
             _tick(progress, len(setup.batches))
             continue
         for lengths in setup.batches:
-            row.runs.append(try_planner(name, request_for(setup, lengths, scheme)))
+            row.runs.append(try_planner(name, request_for(setup, lengths, scheme, name)))
             _tick(progress, 1)
     if "auto" in setup.planners:
         rows["auto"] = auto_row(rows, len(setup.batches))
@@ -164,12 +190,13 @@ def auto_row(rows: dict[str, PlannerRow], num_batches: int) -> PlannerRow:
 
 
 def summarise(rows: dict[str, PlannerRow]) -> dict:
-    base_times = [rows[b].summary(None).get("step_time_s") for b in BASELINES if b in rows]
-    fitting = [t for b, t in zip([b for b in BASELINES if b in rows], base_times)
-               if t is not None and rows[b].summary(None)["fits"]]
-    best = min(fitting) if fitting else None
-    return {"best_baseline_step_time_s": best,
-            "planners": {name: row.summary(best) for name, row in rows.items()}}
+    """Per planner, speedups over the best fitting baseline and over `megatron` (when it ran and fits)."""
+    plain = {b: rows[b].summary(None) for b in BASELINES if b in rows}
+    fitting = {b: r["step_time_s"] for b, r in plain.items() if r.get("fits")}
+    best = min(fitting.values()) if fitting else None
+    megatron = fitting.get(PAPER_BASELINE)
+    return {"best_baseline_step_time_s": best, "megatron_step_time_s": megatron,
+            "planners": {name: row.summary(best, megatron) for name, row in rows.items()}}
 
 
 def _tick(progress, n: int) -> None:

@@ -7,8 +7,9 @@
     lengthwise compare --model qwen2.5-0.5b --gpus 8 --planners packing,chunkflow --profile-file profiles/qwen2.5-0.5b-h100.json
 
 For B sampled global batches it plans with each planner (at its best parallel scheme for this
-cluster and model, found by a small search on the first batch), simulates every plan, and prints
-per planner: mean step time, tokens/s, speedup over the best baseline, bubble ratio, DP
+cluster and model, searched over the same feasible list for every planner on the first batch and
+the batch with the longest sequence, or --scheme for all), simulates every plan, and prints
+per planner: mean step time, tokens/s, speedup over the best baseline and over megatron, bubble ratio, DP
 imbalance, peak memory and whether it fits, and planning time. All times are simulated. It
 writes OUT/report.md with the table, a Gantt chart per planner for the first batch, a length
 histogram and a bar chart of speedups. Sequences over the context length are dropped unless
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from tqdm import tqdm
@@ -28,7 +30,7 @@ from lengthwise.commands.profile import add_profile_file_arg, load_profile_file
 from lengthwise.errors import UserError
 from lengthwise.report import CompareSetup, all_planners, run_compare, summarise
 from lengthwise.report_files import write_report
-from lengthwise.specs import CLUSTER_PRESETS, cluster_preset, model_preset
+from lengthwise.specs import CLUSTER_PRESETS, ModelSpec, ParallelScheme, cluster_preset, model_preset
 from lengthwise.workloads.sampler import GlobalBatchSampler
 
 DEFAULT_PROFILE = "chunkflow-eval"
@@ -47,6 +49,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", metavar="B", type=int, default=4, help="global batches sampled (default 4)")
     parser.add_argument("--planners", metavar="a,b,...|all", default="all",
                         help="planners to compare (default all)")
+    parser.add_argument("--scheme", metavar="dpD-tpT-ppP-cpC",
+                        help="fix one parallel scheme for every planner (default: each planner searches the same list)")
     parser.add_argument("--zero", metavar="Z", type=int, default=1, help="ZeRO stage 0-3 (default 1)")
     parser.add_argument("--out", metavar="DIR", default="compare-report",
                         help="folder for report.md and pictures (default compare-report)")
@@ -83,7 +87,25 @@ def build_setup(args: argparse.Namespace) -> CompareSetup:
     batches = [list(map(int, sampler.next_batch().lengths)) for _ in range(args.batches)]
     return CompareSetup(model=model, cluster=cluster, context_length=args.context_length, batches=batches,
                         planners=parse_planners(args.planners), zero=args.zero, seed=args.seed,
+                        scheme=parse_scheme(args.scheme, args.zero, model, args.gpus),
                         profile=load_profile_file(args.profile_file, model))
+
+
+def parse_scheme(text: str | None, zero: int, model: ModelSpec, gpus: int) -> ParallelScheme | None:
+    """`dp4-tp2-pp2-cp1` (any order, missing degrees 1) as a scheme over exactly --gpus GPUs."""
+    if not text:
+        return None
+    degrees = {}
+    for part in text.lower().split("-"):
+        match = re.fullmatch(r"(dp|tp|pp|cp)(\d+)", part.strip())
+        if not match:
+            raise UserError(f"--scheme {text!r}: write it as dpD-tpT-ppP-cpC, e.g. dp4-tp2-pp2-cp1")
+        degrees[match.group(1)] = int(match.group(2))
+    scheme = ParallelScheme(**degrees, zero=zero)
+    scheme.validate(model)
+    if scheme.num_gpus != gpus:
+        raise UserError(f"--scheme {text} uses {scheme.num_gpus} GPUs but --gpus is {gpus}: make dp*tp*pp*cp = {gpus}")
+    return scheme
 
 
 def parse_planners(text: str) -> list[str]:
@@ -114,7 +136,7 @@ def format_table(summary: dict, out: str) -> str:
 
 
 def table_lines(planners: dict) -> str:
-    cols = f"{'planner':<15}{'scheme':<18}{'step s':>9}{'tokens/s':>12}{'speedup':>9}{'bubble':>8}" \
+    cols = f"{'planner':<15}{'scheme':<18}{'step s':>9}{'tokens/s':>12}{'vs best':>9}{'vs mega':>9}{'bubble':>8}" \
            f"{'DP max/min':>11}{'peak GiB':>9}{'fits':>6}{'plan ms':>9}"
     rows = [cols]
     for name, r in planners.items():
@@ -122,8 +144,9 @@ def table_lines(planners: dict) -> str:
             rows.append(f"{name:<15}{r['scheme']:<18}  skipped: {r['error'][:70]}")
             continue
         speed = f"{r['speedup_vs_best_baseline']:.2f}x" if r["speedup_vs_best_baseline"] else "-"
+        mega = f"{r['speedup_vs_megatron']:.2f}x" if r.get("speedup_vs_megatron") else "-"
         dp = f"{r['dp_imbalance']:.2f}" if r["dp_imbalance"] else "-"
-        rows.append(f"{name:<15}{r['scheme']:<18}{r['step_time_s']:>9.2f}{r['tokens_per_s']:>12,.0f}{speed:>9}"
+        rows.append(f"{name:<15}{r['scheme']:<18}{r['step_time_s']:>9.2f}{r['tokens_per_s']:>12,.0f}{speed:>9}{mega:>9}"
                     f"{r['bubble_ratio']:>8.1%}{dp:>11}{r['peak_memory_gb']:>9.1f}{str(r['fits']):>6}"
                     f"{r['planning_ms_mean']:>9.1f}")
     return "\n".join(rows)

@@ -23,6 +23,8 @@ _REGISTRY = {
     "packing": "baselines:plan_packing",
     "sorted": "baselines:plan_sorted",
     "token-balanced": "baselines:plan_token_balanced",
+    "megatron": "megatron:plan_megatron",
+    "static-cp": "megatron:plan_static_cp",
     "chunkflow": "chunkflow:plan_chunkflow",
     "skrull": "skrull:plan_skrull",
     "hydraulis": "hydraulis:plan_hydraulis",
