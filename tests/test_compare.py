@@ -9,7 +9,7 @@ from lengthwise.cost import CostModel
 from lengthwise.errors import UserError
 from lengthwise.planners import PlanRequest, available_planners
 from lengthwise.planners.auto import plan_auto
-from lengthwise.report import CompareSetup, candidate_schemes, run_compare, summarise
+from lengthwise.report import CompareSetup, candidate_schemes, run_compare, selection_batches, summarise
 from lengthwise.sim import simulate_plan
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
 
@@ -39,14 +39,49 @@ def test_summary_reports_speedup_against_the_best_fitting_baseline():
     assert max(r["speedup_vs_best_baseline"] for r in rows.values()) == pytest.approx(1.0)
 
 
-def test_scheme_search_keeps_only_schemes_that_hold_the_context():
-    setup = small_setup(["packing"])
-    setup.context_length = 131072
-    cost = CostModel(model=setup.model, cluster=setup.cluster)
-    for s in candidate_schemes(setup, "packing"):
-        assert cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp) >= 131072
-    # a splitting planner may use schemes that cannot hold one whole context-length sequence
-    assert len(candidate_schemes(setup, "chunkflow")) >= len(candidate_schemes(setup, "packing"))
+def test_every_planner_is_offered_the_same_scheme_list(monkeypatch):
+    import lengthwise.report as report
+
+    offered: dict[str, set] = {}
+    real = report.try_planner
+
+    def record(name, request):
+        offered.setdefault(name, set()).add(str(request.scheme))
+        return real(name, request)
+
+    monkeypatch.setattr(report, "try_planner", record)
+    setup = small_setup(["packing", "megatron", "chunkflow", "slimpack"])
+    setup.batches = [b[:4] for b in setup.batches]
+    full = {str(s) for s in candidate_schemes(setup)}
+    run_compare(setup)
+    assert len(full) > 3
+    for name in setup.planners:
+        assert offered[name] == full, name
+
+
+def test_scheme_selection_includes_the_batch_with_the_longest_sequence():
+    assert selection_batches([[10, 20], [5, 9000], [300]]) == [0, 1]
+    assert selection_batches([[9000], [5]]) == [0]
+
+
+def test_fixed_scheme_is_used_by_every_planner():
+    setup = small_setup(["packing", "megatron", "chunkflow"])
+    setup.scheme = ParallelScheme(dp=2, tp=2, pp=2)
+    rows = run_compare(setup)
+    assert {r.scheme for r in rows.values()} == {"dp2-tp2-pp2-cp1"}
+
+
+def test_summary_reports_speedup_over_megatron():
+    summary = summarise(run_compare(small_setup(["megatron", "token-balanced", "chunkflow"])))
+    mega = summary["megatron_step_time_s"]
+    for row in summary["planners"].values():
+        assert row["speedup_vs_megatron"] == pytest.approx(mega / row["step_time_s"])
+    assert summary["planners"]["megatron"]["speedup_vs_megatron"] == pytest.approx(1.0)
+
+
+def test_compare_rejects_a_scheme_that_does_not_use_every_gpu(capsys):
+    assert main(["compare", "--gpus", "8", "--scheme", "dp2-tp2", "--batches", "1", "--json", "--no-pictures"]) == 2
+    assert "--scheme dp2-tp2 uses 4 GPUs" in capsys.readouterr().err
 
 
 def test_auto_planner_returns_the_fastest_fitting_candidate():
