@@ -46,9 +46,7 @@ def test_megatron_refuses_a_scheme_that_cannot_hold_one_context_length_pack():
         get_planner("megatron")(req)
 
 
-def test_static_cp_needs_context_parallel_ranks():
-    with pytest.raises(UserError, match="cp >= 2"):
-        get_planner("static-cp")(request())
+def test_static_cp_shards_every_sequence_over_the_cp_group():
     req = request(scheme=ParallelScheme(dp=1, pp=2, cp=2))
     plan = get_planner("static-cp")(req)
     validate_plan(plan, req.cost)
