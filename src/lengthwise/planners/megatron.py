@@ -4,8 +4,10 @@
   scheme is fixed by the user (or the compare search); each global batch is packed best-fit-
   decreasing into micro-batches of the context length (Megatron's packed-sample data loader),
   the same number of packs per DP rank, run with plain 1F1B. Recomputation is chosen as a Megatron
-  user does: none when a context-length micro-batch fits every stage under 1F1B, otherwise full
-  recomputation of every layer (`--recompute-granularity full`), otherwise the scheme is refused.
+  user does: none when a context-length micro-batch fits every stage under 1F1B (and the
+  simulated peak of the plan fits), otherwise full recomputation of every layer
+  (`--recompute-granularity full`), otherwise the scheme is refused. Selective recomputation
+  and the cost floor's recompute-choice helper (planned by the cost-model work) are not used yet.
 - `static-cp`: Skrull §6's DeepSpeed baseline (Ulysses sequence parallelism): the same packed
   context-length micro-batches, every sequence sharded over the whole CP group whatever its
   length. Our IR prices CP as one ring/all-gather of K/V for both, so on the same scheme it plans
@@ -27,6 +29,7 @@ from lengthwise.cost.model import split_layers
 from lengthwise.planners.base import PlanRequest, check_lengths, finish_plan, pipelines_from_chunks, take_options
 from lengthwise.planners.baselines import deal, packed_chunk
 from lengthwise.planners.packing_utils import best_fit_decreasing, split_to_multiple
+from lengthwise.sim import simulate_plan
 from lengthwise.specs import ParallelScheme
 
 RECOMPUTE_CHOICES = ("none", "full")
@@ -72,11 +75,27 @@ def _packed_plan(request: PlanRequest, planner: str) -> StepPlan:
     recompute = choose_recompute(request.cost, request.scheme, row)
     bins = split_to_multiple(best_fit_decreasing(lengths, row), lengths, dp)
     random.Random(request.seed).shuffle(bins)
-    pipelines = pipelines_from_chunks(request, deal([packed_chunk(b, lengths) for b in bins], dp))
+    chunks = deal([packed_chunk(b, lengths) for b in bins], dp)
+    plan = _build(request, planner, chunks, recompute, started)
+    # The row count above ignores K/V and transients; the simulated peak decides, as a user
+    # who sees an out-of-memory run switches recomputation on.
+    if recompute == "none" and not simulate_plan(plan, request.cost).fits:
+        recompute, plan = "full", _build(request, planner, chunks, "full", started)
+    if recompute == "full":
+        result = simulate_plan(plan, request.cost)
+        if not result.fits:
+            peak = max(p for row in result.peak_memory for p in row)
+            raise UserError(f"{request.scheme}: {row}-token micro-batches peak at {peak / 2**30:.1f} GiB even with "
+                            f"full recomputation > {request.cost.capacity_bytes / 2**30:.1f} GiB: raise --tp, --pp or --cp")
+    return plan
+
+
+def _build(request: PlanRequest, planner: str, chunks: list, recompute: str, started: float) -> StepPlan:
+    pipelines = pipelines_from_chunks(request, chunks)
     if recompute == "full":
         pipelines = [with_full_recompute(p, request.model.num_layers) for p in pipelines]
     return finish_plan(request, pipelines, planner=planner, started=started,
-                       options={"pack_tokens": row, "recompute": recompute})
+                       options={"pack_tokens": request.context_length, "recompute": recompute})
 
 
 def plan_megatron(request: PlanRequest) -> StepPlan:
