@@ -6,11 +6,11 @@
 For each setting (context length : overlong policy) the stdlib corpus (byte tokens) is cut into
 `--warmup` + `--steps` global batches of `--batch-size` documents, the same batches for every
 planner. Each planner trains its own tiny model and AdamW from the same seed, exactly as
-`lengthwise train` does (runtime/train_step.forward_backward, clipping, AdamW), and the planners
+`lengthwise train` does (runtime/train/step.forward_backward, clipping, AdamW), and the planners
 take turns batch by batch, so a change in the machine's load hits them alike. Planning time is
 recorded but not in the step time (training plans a step ahead in a worker thread).
 
-Padding plans compute their pads (runtime/train_step.py: each sequence of a padded micro-batch
+Padding plans compute their pads (runtime/train/step.py: each sequence of a padded micro-batch
 is one row of pad_to / k tokens), so padding costs what the removed fraction predicts:
 `expected_speedup_over_padding` = padding's row tokens / the planner's row tokens over the
 measured steps, `measured_speedup_over_padding` = the planner's tokens/s / padding's. tokens/s
@@ -50,9 +50,9 @@ from lengthwise.plan.ir import write_atomic
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.model import build_model
-from lengthwise.runtime.train import make_optimizer
-from lengthwise.runtime.train_config import TrainConfig
-from lengthwise.runtime.train_step import forward_backward
+from lengthwise.runtime.train.loop import make_optimizer
+from lengthwise.runtime.train.config import TrainConfig
+from lengthwise.runtime.train.step import forward_backward
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 from lengthwise.workloads.sampler import GlobalBatchSampler
 from lengthwise.workloads.source import corpus_source

@@ -64,7 +64,7 @@ from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.execute import run_step
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.profile import check_backend
-from lengthwise.runtime.train_step import PeakMemory
+from lengthwise.runtime.train.step import PeakMemory
 from lengthwise.specs import ParallelScheme, model_preset
 
 SYSTEMS = ("hf-padded", "hf-packed", "packing", "chunkflow")

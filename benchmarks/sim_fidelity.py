@@ -45,7 +45,7 @@ from lengthwise.cost import CostModel
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.execute import run_step
 from lengthwise.runtime.model import build_model
-from lengthwise.runtime.train_step import PeakMemory
+from lengthwise.runtime.train.step import PeakMemory
 from lengthwise.sim import simulate_plan
 from lengthwise.specs import ParallelScheme, model_preset
 

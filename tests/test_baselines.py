@@ -11,9 +11,8 @@ from hypothesis import strategies as st
 from lengthwise.cost import CostModel
 from lengthwise.errors import UserError
 from lengthwise.plan.validate import validate_plan
-from lengthwise.planners import (
-    PLANNER_NAMES, PLANNERS, PlanRequest, available_planners, get_planner, planner_available,
-)
+from lengthwise.planners import PLANNER_NAMES, PLANNERS, PlanRequest, get_planner
+from lengthwise.planners.options import PLANNER_OPTIONS
 from lengthwise.planners.packing_utils import (
     best_fit_decreasing, greedy_balance, karmarkar_karp, split_to_multiple,
 )
@@ -44,10 +43,6 @@ def request(lengths: list[int], scheme_name: str = "dp4-pp2", seed: int = 0, **o
                        seed=seed, options=options)
 
 
-def planner_or_skip(name: str):
-    if not planner_available(name):
-        pytest.skip(f"planner {name} not implemented yet")
-    return get_planner(name)
 
 
 def tokens_per_sequence(plan, *, backward: bool = False) -> list[int]:
@@ -75,7 +70,7 @@ long_tail = st.one_of(st.integers(1, 512), st.integers(1, 4096), st.integers(1, 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(long_tail, min_size=1, max_size=48), seed=st.integers(0, 3))
 def test_every_token_planned_once_on_random_batches(name, lengths, seed):
-    planner = planner_or_skip(name)
+    planner = get_planner(name)
     req = request(lengths, seed=seed)
     assert_valid(planner(req), req)
 
@@ -84,14 +79,14 @@ def test_every_token_planned_once_on_random_batches(name, lengths, seed):
 @pytest.mark.parametrize("case", ADVERSARIAL)
 @pytest.mark.parametrize("name", PLANNER_NAMES)
 def test_every_token_planned_once_on_adversarial_batches(name, case, scheme_name):
-    planner = planner_or_skip(name)
+    planner = get_planner(name)
     req = request(ADVERSARIAL[case], scheme_name)
     assert_valid(planner(req), req)
 
 
 @pytest.mark.parametrize("name", PLANNER_NAMES)
 def test_same_seed_gives_the_same_plan(name):
-    planner = planner_or_skip(name)
+    planner = get_planner(name)
     lengths = ADVERSARIAL["long-tail"]
     a, b = planner(request(lengths, seed=3)), planner(request(lengths, seed=3))
     for plan in (a, b):
@@ -101,7 +96,7 @@ def test_same_seed_gives_the_same_plan(name):
 
 @pytest.mark.parametrize("name", PLANNER_NAMES)
 def test_plan_metrics_are_filled(name):
-    plan = planner_or_skip(name)(request(ADVERSARIAL["long-tail"]))
+    plan = get_planner(name)(request(ADVERSARIAL["long-tail"]))
     m = plan.metrics
     assert m["planning_ms"] >= 0 and 0 <= m["padding_fraction"] < 1
     assert len(m["chunks_per_pipeline"]) == len(plan.pipelines) == len(m["forward_flops_per_pipeline"])
@@ -111,9 +106,9 @@ def test_plan_metrics_are_filled(name):
 
 # ---- registry ----
 
-def test_registry_lists_the_baselines_and_imports_lazily():
-    assert set(BASELINES) <= set(available_planners()) <= set(PLANNER_NAMES)
-    assert list(PLANNERS) == list(PLANNER_NAMES)
+def test_registry_lists_every_planner_once_with_its_options_class():
+    assert set(BASELINES) <= set(PLANNER_NAMES)
+    assert list(PLANNERS) == list(PLANNER_NAMES) == list(PLANNER_OPTIONS)
     assert PLANNERS["packing"] is get_planner("packing")
 
 

@@ -1,5 +1,7 @@
 """The cost model: FLOPs formulas, memory terms, alpha-beta fits, limits."""
 
+import dataclasses
+
 import pytest
 
 from lengthwise.cost import CostModel, Profile, SchemeFit
@@ -60,10 +62,13 @@ def test_padding_costs_the_padded_rows():
 
 
 def test_time_falls_with_tp_but_efficiency_drops():
+    """A long chunk runs faster on tp 8, less than 8x; a short one gains nothing once the
+    per-layer collectives' start-up latency is paid."""
     cm = cost()
-    ch = one(0, 0, 512)
-    t1, t8 = cm.forward_time(ch, layers=4, tp=1), cm.forward_time(ch, layers=4, tp=8)
+    long, short = one(0, 0, 8192), one(0, 0, 128)
+    t1, t8 = cm.forward_time(long, layers=4, tp=1), cm.forward_time(long, layers=4, tp=8)
     assert t8 < t1 < 8 * t8
+    assert cm.forward_time(short, layers=4, tp=8) > cm.forward_time(short, layers=4, tp=1) / 2
 
 
 def test_recompute_trades_memory_for_time():
@@ -152,3 +157,23 @@ def test_cp_time_and_memory_follow_the_busiest_rank():
     assert cm.activation_bytes(skewed, layers=4, cp=2) == 2 * cm.activation_bytes(balanced, layers=4, cp=2)
     sharded = Chunk((Segment(0, 0, 8192),))
     assert cm.activation_bytes(sharded, layers=4, cp=2) == cm.activation_bytes(balanced, layers=4, cp=2)
+
+
+def test_tensor_parallelism_pays_its_activation_collectives():
+    """Sequence-parallel TP moves 2 all-gathers and 2 reduce-scatters of tokens x hidden bf16
+    values per layer, forward and backward; without that term tp 8 looked free."""
+    from lengthwise.plan.ir import Chunk, Segment
+    from lengthwise.specs import cluster_preset, model_preset
+
+    spec = model_preset("llama2-7b")
+    cost = CostModel(model=spec, cluster=cluster_preset("h100", 8))
+    chunk = Chunk((Segment(0, 0, 8192),))
+    nbytes = 8192 * spec.hidden * 2
+    per_layer = 2 * (cost.collective_time("all_gather", nbytes, ranks=8, inter_node=False)
+                     + cost.collective_time("reduce_scatter", nbytes, ranks=8, inter_node=False))
+    assert cost.tp_comm_time(8192, tp=8) == pytest.approx(per_layer)
+    hidden = dataclasses.replace(cost, tp_comm_overlap=1.0)
+    for fn in ("forward_time", "backward_time"):
+        exposed = getattr(cost, fn)(chunk, layers=4, tp=8) - getattr(hidden, fn)(chunk, layers=4, tp=8)
+        assert exposed == pytest.approx(4 * per_layer)
+    assert cost.forward_time(chunk, layers=4, tp=1) == hidden.forward_time(chunk, layers=4, tp=1)

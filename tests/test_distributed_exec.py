@@ -27,10 +27,12 @@ from lengthwise.runtime.distributed.dp import check_same_plan, global_grad_norm
 from lengthwise.runtime.distributed.launch import spawn
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.step import StepFailed, gather_grads, run_rank_step
-from lengthwise.runtime.execute import hand_plan, run_step
+from lengthwise.runtime.execute import run_step
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.verify import compare_grads, random_tokens
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
+
+from plan_helpers import hand_plan
 
 LENGTHS = [200, 30, 17, 60, 5]
 SKRULL_LENGTHS = [150, 40, 17, 60, 5, 90, 33, 12]
@@ -42,7 +44,11 @@ SCENARIOS = {
     "dp2-pp2-slimpack": ("slimpack", LENGTHS + [90], {"dp": 2, "pp": 2}, {"asymmetric": True}),
     "pp2-cp2-skrull": ("skrull", SKRULL_LENGTHS, {"pp": 2, "cp": 2}, {"bucket_size": 80}),
     "pp2-cp2-empty-rows": ("hand", [13, 5, 4, 3, 1], {"pp": 2, "cp": 2}, {}),
+    **{f"dp2-pp2-{planner}": (planner, LENGTHS + [90, 44], {"dp": 2, "pp": 2}, {})
+       for planner in ("padding", "packing", "sorted", "token-balanced", "infinipipe", "hydraulis", "auto")},
 }
+"""Every planner runs over the transport, whose messages all carry tag 0: a link whose two
+ends disagree on message order would swap activations or fail on a size mismatch."""
 HAND_PLANS = {"pp2-cp2-empty-rows": [("0[0:13]+1[0:5]@0+2[0:4]@1 3[0:3]@0 4[0:1]", ["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"])]}
 """Chunk 1 has no token on CP rank 1; chunk 2 is one sharded token (only rank 0's head piece
 is not empty), so rank 1 joins chunk 2's K/V collectives with an empty row."""
@@ -54,6 +60,7 @@ def make_plan(name: str, *, lengths=None):
     if planner == "hand":
         plan = hand_plan(spec, default_lengths, HAND_PLANS[name])
         plan.pipelines[0].cp = degrees["cp"]
+        plan.cluster = cluster_preset("cpu", plan.num_gpus)
         return plan
     scheme = ParallelScheme(**degrees)
     cluster = cluster_preset("cpu", scheme.num_gpus)

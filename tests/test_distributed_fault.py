@@ -7,6 +7,9 @@ Under torchrun this file is the worker: it parses the `train` command's own flag
 `train_distributed`, what `lengthwise train` runs under torchrun, with one fault hook that kills
 a rank (SIGKILL) after one action of one step, once (a marker file in the output remembers it).
 
+A second run without restarts checks torchrun's failure summary: the killed rank's exit code,
+signal and last action (lengthwise's status note, kept in the worker's error file).
+
 The uninterrupted reference is single-process `train` of the same plans: equal up to the order
 of floating-point sums (measured: largest weight difference 1.6e-15, losses identical). The
 test takes about 45 s on 2 shared CPU cores, most of it starting 4 processes twice; the private
@@ -28,7 +31,7 @@ import torch.distributed as dist
 from lengthwise.cli import build_parser
 from lengthwise.commands.train import config_from_args, summary
 from lengthwise.plan.ir import write_atomic
-from lengthwise.runtime.train import train
+from lengthwise.runtime.train.loop import train
 from lengthwise.runtime.weights import read_tensors
 
 TRAIN_ARGS = ["--dtype", "float64", "--context-length", "96", "--batch-size", "6", "--steps", "3",
@@ -59,6 +62,20 @@ def test_killed_rank_resumes_from_checkpoint_to_uninterrupted_weights(tmp_path):
     assert [line["loss"] for line in logged] == pytest.approx([r.loss for r in reference.records], rel=1e-12)
 
 
+def test_torchrun_summary_names_the_killed_rank_and_its_last_action(tmp_path):
+    """No restart: torchrun's failure summary shows rank 1's signal and what it last did (its
+    error file holds lengthwise's status note). Two processes: --dp 1 overrides the 2 above."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "0", __file__, *TRAIN_ARGS, "--dp", "1", "--out", str(out)]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    start = done.stderr.index("rank      : 1 (local_rank: 1)")  # rank 1's entry (root cause or not)
+    entry = done.stderr[start:done.stderr.index("\n", done.stderr.index("traceback :", start))]
+    assert "exitcode  : -9" in entry and "(SIGKILL)" in entry, entry
+    assert "lengthwise, last action of this rank: step 2, pipeline 0 stage 1 cp rank 0: finished action 3 (" in entry
+
+
 def _train_single_process():
     args = build_parser(only="train").parse_args(["train", *TRAIN_ARGS])
     return train(config_from_args(args))
@@ -78,7 +95,7 @@ def _kill_once(out: Path):
 
 def _worker(argv: list[str]) -> int:
     """One torchrun worker: `lengthwise train ARGV` with the fault hook."""
-    from lengthwise.runtime.train_dist import train_distributed
+    from lengthwise.runtime.train.dist import train_distributed
 
     config = config_from_args(build_parser(only="train").parse_args(["train", *argv]))
     result = train_distributed(config, after_action=_kill_once(Path(config.out)))

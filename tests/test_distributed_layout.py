@@ -22,9 +22,10 @@ from lengthwise.runtime.distributed.mesh import (
     check_world_size,
     plan_places,
 )
-from lengthwise.runtime.execute import hand_plan
 from lengthwise.runtime.model import build_model
 from lengthwise.specs import model_preset
+
+from plan_helpers import hand_plan
 
 SPEC = model_preset("tiny")
 

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from lengthwise.cli import main
-from lengthwise.commands.plan import default_context_length, parse_option
+from lengthwise.commands.plan import default_context_length
+from lengthwise.commands.planner_flags import parse_option
 from lengthwise.cost import CostModel
 from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.validate import validate_plan

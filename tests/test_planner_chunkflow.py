@@ -18,7 +18,7 @@ from lengthwise.plan.ir import (
 )
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.planners.chunkflow import (
+from lengthwise.planners.chunkflow.build import (
     construct_chunks,
     default_chunk_size,
     group_seconds,

@@ -10,9 +10,9 @@ from lengthwise.cost import CostModel, Profile, SchemeFit
 from lengthwise.errors import UserError
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.planners.hydraulis_cost import Scheme, paper_max_len, scheme_space
-from lengthwise.planners.hydraulis_dispatch import PipelineArrays, dispatch
-from lengthwise.planners.hydraulis_packing import (
+from lengthwise.planners.hydraulis.cost import Scheme, paper_max_len, scheme_space
+from lengthwise.planners.hydraulis.dispatch import PipelineArrays, dispatch
+from lengthwise.planners.hydraulis.packing import (
     PipelineLoad,
     estimate,
     greedy_pack,
@@ -20,7 +20,7 @@ from lengthwise.planners.hydraulis_packing import (
     micro_batch_range,
     milp_bins,
 )
-from lengthwise.planners.hydraulis_strategy import Histogram, propose, round_proposal
+from lengthwise.planners.hydraulis.strategy import Histogram, propose, round_proposal
 from lengthwise.planners.packing_utils import best_fit_decreasing
 from lengthwise.specs import MODEL_PRESETS, ClusterSpec, ParallelScheme, cluster_preset
 

@@ -16,16 +16,16 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, Chunk, Segment, StepPlan
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.planners import infinipipe as ip
-from lengthwise.planners import infinipipe_grouping as grouping
-from lengthwise.planners.infinipipe_chunking import (
+from lengthwise.planners.infinipipe import planner as ip
+from lengthwise.planners.infinipipe import grouping
+from lengthwise.planners.infinipipe.chunking import (
     SliceCost,
     balanced_chunking,
     balanced_mesh,
     pack_buckets,
     split_by_mesh,
 )
-from lengthwise.planners.infinipipe_ckpt import (
+from lengthwise.planners.infinipipe.ckpt import (
     MIP_GAP,
     Checkpointing,
     GroupPlan,
@@ -33,7 +33,7 @@ from lengthwise.planners.infinipipe_ckpt import (
     checkpointing_problem,
     solve_checkpointing,
 )
-from lengthwise.planners.infinipipe_schedule import group_memory, group_schedule
+from lengthwise.planners.infinipipe.schedule import group_memory, group_schedule
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
 from lengthwise.workloads import get_profile
 
@@ -148,7 +148,8 @@ def test_the_time_threshold_yields_to_token_balance():
     """Line 16: a short sequence that fits a bucket's tokens but not T_t raises T_t."""
     _, fit = fit_7b()
     mesh = balanced_mesh(100_000, 2, fit)
-    half = mesh.bounds[1] // 2
+    tail_tokens = split_by_mesh([100_000], mesh)[0][0][-1].num_tokens
+    half = min(mesh.bounds[1] // 2, mesh.token_threshold - tail_tokens)  # fits beside the tail by tokens
     lengths = [100_000, half, half]
     split, short = split_by_mesh(lengths, mesh)
     tail = split[0][-1]

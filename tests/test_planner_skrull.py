@@ -11,7 +11,7 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import SHARDED, Chunk, Segment
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.planners.skrull_dacp import DacpCost, dacp, refine_by_objective
+from lengthwise.planners.skrull.dacp import DacpCost, dacp, refine_by_objective
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
 
 QWEN = MODEL_PRESETS["qwen2.5-0.5b"]
@@ -77,12 +77,13 @@ def test_default_bucket_size_is_memory_model_limit():
     req = request([1000, 50_000, 300], dp=2, cp=4)
     out = get_planner("skrull")(req)
     validate_plan(out, req.cost)
-    assert out.metrics["bucket_size"] == req.cost.max_seq_len(pp=1, cp=1, dp=2, zero=2)
+    # model states shard over the dp x cp ranks holding replicas of the weights
+    assert out.metrics["bucket_size"] == req.cost.max_seq_len(pp=1, cp=1, dp=2 * 4, zero=2)
 
 
 def test_plans_at_memory_limit_pass_the_memory_check():
     req = request([1], dp=1, cp=4)
-    bucket = req.cost.max_seq_len(pp=1, cp=1, dp=1, zero=2)
+    bucket = req.cost.max_seq_len(pp=1, cp=1, dp=1 * 4, zero=2)  # states shard over dp x cp
     out = plan([4 * bucket, bucket, bucket // 2, bucket // 2, 17], dp=1, cp=4)
     assert out.metrics["bucket_size"] == bucket
 
@@ -186,3 +187,20 @@ def test_plan_is_deterministic():
 def test_pipeline_stages_run_1f1b_with_pp():
     out = plan([3000, 200, 100, 2500, 50, 900], dp=2, cp=2, pp=2, bucket=2000)
     assert all(p.pp == 2 and p.schedule == "1f1b" for p in out.pipelines)
+
+
+def test_cp_ranks_reduce_gradients_and_shard_model_states():
+    """Each CP rank holds the whole stage's weights: a dp1 x cp8 plan pays a gradient reduction
+    over its 8 ranks (as the executor's GradReducer runs it) and ZeRO shards its states over
+    them, so it is charged like a dp8 plan of the same model, not 0 s and unsharded."""
+    from lengthwise.sim import simulate_plan
+
+    lengths = [30_000, 9000, 500, 120, 4000, 7000, 60]
+    cp8, dp8 = request(lengths, dp=1, cp=8), request(lengths, dp=8, cp=1)
+    cp_run = simulate_plan(get_planner("skrull")(cp8), cp8.cost)
+    assert cp_run.grad_sync[0][0] == pytest.approx(cp8.cost.grad_sync_time(layers=QWEN.num_layers, dp=8, zero=2,
+                                                                         inter_node=False, first=True, last=True))
+    assert cp_run.grad_sync[0][0] > 0
+    states = cp8.cost.model_state_bytes(layers=QWEN.num_layers, dp=8, zero=2, first=True, last=True)
+    assert states == dp8.cost.model_state_bytes(layers=QWEN.num_layers, dp=8, zero=2, first=True, last=True)
+    assert cp_run.peak_memory[0][0] >= states

@@ -15,10 +15,10 @@ from lengthwise.plan.ir import BACKWARD, FORWARD, SHARDED, Chunk, Segment, StepP
 from lengthwise.plan.schedules import check_schedule
 from lengthwise.plan.validate import memory_overflow, validate_plan
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.planners.slimpack import build_pipeline, flops_models
-from lengthwise.planners.slimpack_cuts import PrefixCost, check_backward_units
-from lengthwise.planners.slimpack_dp import RankGroup
-from lengthwise.planners.slimpack_sweep import sweep_counts
+from lengthwise.planners.slimpack.build import build_pipeline, flops_models
+from lengthwise.planners.slimpack.cuts import PrefixCost, check_backward_units
+from lengthwise.planners.slimpack.dp import RankGroup
+from lengthwise.planners.slimpack.planner import sweep_counts
 from lengthwise.sim import simulate_plan
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
 from lengthwise.workloads import get_profile

@@ -27,11 +27,13 @@ from lengthwise.runtime.cells import cell_map
 from lengthwise.runtime.distributed.launch import spawn
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.step import gather_grads, run_rank_step
-from lengthwise.runtime.execute import hand_plan, run_step
+from lengthwise.runtime.execute import run_step
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.transport import InProcessTransport
 from lengthwise.runtime.verify import compare_grads, random_tokens, verify_plan
 from lengthwise.specs import ModelSpec, ParallelScheme, cluster_preset
+
+from plan_helpers import hand_plan
 
 SMALL = ModelSpec(name="small", num_layers=2, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8,
                   ffn=48, vocab=64)
@@ -46,7 +48,7 @@ sequence (the unit holding the later tokens runs backward first)."""
 HAND_STAGES = {
     "pp1": ["F0 F1 B0 B1 F2 B2 B3"],
     "pp2": ["F0 F1 F2 B0 B1 B2 B3", "F0 F1 B0 F2 B1 B2 B3"],
-    "pp2-nograd-recompute": ["N0 F1.r1 F2 B0 F0 B1 B2 B3", "N0 F1 B0 F0 F2 B1 B2 B3"],
+    "pp2-nograd-recompute": ["N0 F1.r1 F2 B0 F0 B1 B2 B3", "N0 F1 F2 B0 F0 B1 B2 B3"],
 }
 
 
@@ -169,11 +171,11 @@ def test_backward_unit_messages_carry_only_the_units_rows(monkeypatch):
     (["0[4:12]", "0[0:4]+1[0:5]", "2[0:4]+3[0:3]"], "F0 F1 B0 B1 F2 B2",
      r"segment 0\[4:12\] is not inside one forward segment"),
     (["0[0:2]+0[4:6]", "0[2:4]", "0[6:12]+1[0:5]", "2[0:4]+3[0:3]"], "F0 F1 B2 B1 B0 F2 B3",
-     r"units \[0, 1\] interleave the pieces"),
-    (HAND_UNITS, "F0 B0 F1 B1 F2 B2 B3", r"\(B0\) follows nothing for chunk 1"),
-    (HAND_UNITS, "F0 F1 F2 B0 B2 B1 B3", "backwards must go from the last slice to the first"),
-    (HAND_UNITS[:3] + ["2[0:2]"], "F0 F1 F2 B0 B1 B2 B3", r"tokens \[0:3\) are missing from the backward units"),
-    (HAND_UNITS, "F0 F1 F2 B0 B1 B2", r"backward units \[3\] a B"),
+     r"B1 waits for B0 on stage 0, which comes later"),
+    (HAND_UNITS, "F0 B0 F1 B1 F2 B2 B3", r"B0 waits for F1 on stage 0, which comes later"),
+    (HAND_UNITS, "F0 F1 F2 B0 B2 B1 B3", r"B2 waits for B1 on stage 0, which comes later"),
+    (HAND_UNITS[:3] + ["2[0:2]"], "F0 F1 F2 B0 B1 B2 B3", r"tokens \[0:3\) are missing from backward"),
+    (HAND_UNITS, "F0 F1 F2 B0 B1 B2", "stage 0 never runs B3"),
 ])
 def test_invalid_backward_grouping_is_a_user_error(units, stages, message):
     plan = units_plan([stages], units)

@@ -12,12 +12,15 @@ import pytest
 import torch
 
 from lengthwise.errors import UserError
-from lengthwise.runtime.execute import hand_plan, run_step, unpacked_plan
+from lengthwise.runtime.execute import run_step, unpacked_plan
 from lengthwise.runtime.memory import SavedTensorMeter
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.verify import (compare_grads, random_tokens, transformers_loss_and_grads,
                                        unpacked_loss_and_grads)
 from lengthwise.specs import ModelSpec
+from tolerance import normwise_error, reduction_tolerance
+
+from plan_helpers import hand_plan
 
 LLAMA = ModelSpec(name="llama-gqa", num_layers=2, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8,
                   ffn=48, vocab=64)
@@ -36,7 +39,7 @@ PLANS = {
     "split-k-all": [(SPLIT, ["F0 F1 F2 B2 B1 B0 F3 B3"])],
     "split-k1": [(SPLIT, ["N0 N1 F2 B2 F1 B1 F0 B0 F3 B3"])],
     "split-in-row": [("0[0:4]+1[0:5]+0[4:8] 0[8:12]+2[0:4]+3[0:3]", ["N0 F1 B1 F0 B0"])],
-    "pp2": [(SPLIT, ["N0 F1 F2 F3 B2 B1 F0 B3 B0", "N0 F1 F2 B2 B1 F0 B0 F3 B3"])],
+    "pp2": [(SPLIT, ["N0 F1 F2 F3 B2 B1 F0 B3 B0", "N0 F1 F2 B2 B1 F3 B3 F0 B0"])],
     "pp2-recompute-head-only-stage": [(SPLIT, ["N0 F1.r2 F2.r1 B2 B1 F0.r1 B0 F3 B3", "N0 F1 F2 B2 B1 F0 B0 F3 B3"])],
     "dp2": [("0[0:4] 0[4:12]", ["N0 F1 B1 F0 B0"]), ("1[0:5]+2[0:4]+3[0:3]", ["F0 B0"])],
     "dp2-pp2": [("0[0:4] 0[4:12]", ["F0 F1 B1 B0", "F0 F1 B1 B0"]), ("1[0:5]+2[0:4] 3[0:3]", ["F0 F1 B0 B1", "F0 B0 F1 B1"])],
@@ -90,7 +93,10 @@ def test_gradients_accumulate_over_steps():
     model, ids, _, grads = _run(LLAMA, PLANS["split-k1"])
     once = {n: g.clone() for n, g in grads.items()}
     run_step(model, hand_plan(LLAMA, LENGTHS, PLANS["packed"]), ids)
-    assert all(torch.allclose(p.grad, 2 * once[n], rtol=1e-12, atol=0) for n, p in model.named_parameters())
+    # each weight gradient sums one term per token; the two plans sum them in different orders
+    tolerance = reduction_tolerance(torch.float64, sum(LENGTHS))
+    for name, p in model.named_parameters():
+        assert normwise_error(p.grad, 2 * once[name]) <= tolerance, name
 
 
 # memory -------------------------------------------------------------------------------------
@@ -140,14 +146,14 @@ def test_saved_memory_grows_with_k():
 
 @pytest.mark.parametrize("pipelines, message", [
     ([("0[0:12] 1[0:5]+2[0:4]", ["F0 F1 B1 B0"])], r"sequence 3: tokens \[0:3\) are missing"),
-    ([("0[0:12] 1[0:5]+2[0:4]+3[0:3] 3[0:3]", ["F0 F1 F2 B2 B1 B0"])], "planned twice"),
-    ([("0[0:12] 1[0:5]+2[0:4]+3[0:3]", ["F0 B1 F1 B0"])], r"\(B1\) follows nothing"),
-    ([("0[0:12] 1[0:5]+2[0:4]+3[0:3]", ["F0 F1 B1"])], r"chunks \[0\] lack an F followed by a B"),
-    ([(SPLIT, ["F0 F1 F2 B2 B0 B1 F3 B3"])], "backwards must go from the last slice to the first"),
-    ([(SPLIT, ["F1 F0 F2 B2 B1 B0 F3 B3"])], r"needs the K/V of tokens \[0:4\) of sequence 0"),
-    ([("0[0:4] 1[0:5]+2[0:4]+3[0:3]", ["F0 B0 F1 B1"]), ("0[4:12]", ["F0 B0"])], "on the same pipeline"),
-    ([("0[0:12] 1[0:5]+2[0:4]+3[0:3]", ["F0 B0 F1 B1", "F1 B1 F0 B0"])], "the schedule deadlocks"),
-    ([("0[0:12] 1[0:5]+2[0:4]+3[0:3]", ["F0 F7 B0"])], "the pipeline has 2 chunks"),
+    ([("0[0:12] 1[0:5]+2[0:4]+3[0:3] 3[0:3]", ["F0 F1 F2 B2 B1 B0"])], r"tokens \[0:3\) appear twice in forward"),
+    ([("0[0:12] 1[0:5]+2[0:4]+3[0:3]", ["F0 B1 F1 B0"])], r"B1 waits for F1 on stage 0, which comes later"),
+    ([("0[0:12] 1[0:5]+2[0:4]+3[0:3]", ["F0 F1 B1"])], "stage 0 never runs B0"),
+    ([(SPLIT, ["F0 F1 F2 B2 B0 B1 F3 B3"])], r"B0 waits for B1 on stage 0, which comes later"),
+    ([(SPLIT, ["F1 F0 F2 B2 B1 B0 F3 B3"])], r"F1 waits for F/N0 on stage 0, which comes later"),
+    ([("0[0:4] 1[0:5]+2[0:4]+3[0:3]", ["F0 B0 F1 B1"]), ("0[4:12]", ["F0 B0"])], "all slices of a sequence must run in one pipeline"),
+    ([("0[0:12] 1[0:5]+2[0:4]+3[0:3]", ["F0 B0 F1 B1", "F1 B1 F0 B0"])], "B0 waits for B0 on stage 1, which stage 1 has not reached"),
+    ([("0[0:12] 1[0:5]+2[0:4]+3[0:3]", ["F0 F7 B0"])], r"action F7: index out of range \(0..1\)"),
 ])
 def test_invalid_plan_is_a_user_error(pipelines, message):
     with pytest.raises(UserError, match=message):

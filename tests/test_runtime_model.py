@@ -13,7 +13,6 @@ import torch
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk
 from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend
-from lengthwise.runtime.execute import chunk_logits
 from lengthwise.runtime.loss import IGNORE, chunk_labels, chunk_positions
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.weights import (
@@ -23,6 +22,8 @@ from lengthwise.runtime.weights import (
     save_pretrained,
 )
 from lengthwise.specs import ModelSpec, model_from_hf_dict
+
+from plan_helpers import chunk_logits
 
 LLAMA = ModelSpec(name="llama-gqa", num_layers=2, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8,
                   ffn=48, vocab=64)
@@ -215,3 +216,66 @@ def test_cpu_flash_saves_no_scores():
         saved[context] = meter.peak_bytes
     inputs_growth = 2 * (1024 - 64) * 2 * 8 * 8   # the two context pieces of k and v, float64
     assert saved[1024] - saved[64] == inputs_growth
+
+
+LLAMA3 = ModelSpec(name="llama3-scaled", num_layers=2, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                   ffn=48, vocab=64, rope_theta=500000.0, rope_scaling=(8.0, 1.0, 4.0, 16))
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    """Positions past the (tiny) original context of 16 exercise all three frequency bands."""
+    transformers = pytest.importorskip("transformers")
+    model = build_model(LLAMA3, dtype=torch.float32, seed=3)
+    save_pretrained(model, tmp_path)
+    assert model_from_hf_dict(json.loads((tmp_path / "config.json").read_text()), name=LLAMA3.name) == LLAMA3
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = _ids([40])
+    ours = chunk_logits(model, Chunk.parse("0[0:40]"), ids, backend="reference")
+    theirs = hf(input_ids=ids[0][None]).logits[0].detach()
+    plain = chunk_logits(build_model(LLAMA3.__class__(**{**LLAMA3.to_dict(), "rope_scaling": None}),
+                                     dtype=torch.float32, seed=3), Chunk.parse("0[0:40]"), ids, backend="reference")
+    assert torch.allclose(ours, theirs, rtol=0, atol=2e-5)       # float32 round-off of 2 layers
+    assert not torch.allclose(plain, theirs, rtol=0, atol=1e-3)  # the scaling matters here
+
+
+def test_stage_parts_hold_only_their_modules_with_the_whole_models_values():
+    from lengthwise.runtime.model import StagePart
+
+    whole = build_model(QWEN, dtype=torch.float64, seed=5).state_dict()
+    first = build_model(QWEN, dtype=torch.float64, seed=5, part=StagePart(layers=range(0, 1), first=True, last=False))
+    last = build_model(QWEN, dtype=torch.float64, seed=5, part=StagePart(layers=range(1, 2), first=False, last=True))
+    assert set(first.state_dict()) == {"model.embed_tokens.weight"} | {k for k in whole if k.startswith("model.layers.0.")}
+    assert set(last.state_dict()) == (set(whole) - set(first.state_dict())) | {"model.embed_tokens.weight"}
+    assert last.lm_head.weight is last.model.embed_tokens.weight  # tied on the last stage
+    for part in (first, last):
+        assert all(torch.equal(t, whole[k]) for k, t in part.state_dict().items())
+
+
+def test_stage_loads_only_its_tensors_from_a_sharded_checkpoint(tmp_path):
+    from safetensors.torch import save_file
+
+    from lengthwise.runtime.model import StagePart
+
+    whole = build_model(LLAMA, dtype=torch.float64, seed=7).state_dict()
+    names = sorted(whole)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, keys in shards.items():
+        save_file({k: whole[k].contiguous() for k in keys}, str(tmp_path / file))
+    index = {"weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    stage = build_model(LLAMA, dtype=torch.float64, part=StagePart(layers=range(1, 2), first=False, last=True))
+    load_weights(stage, tmp_path)
+    assert all(torch.equal(t, whole[k]) for k, t in stage.state_dict().items())
+    assert not any(k.startswith("model.layers.0.") or k == "model.embed_tokens.weight" for k in stage.state_dict())
+    bad = {**whole, "model.norm.weight": torch.zeros(31, dtype=torch.float64)}
+    save_file({k: v.contiguous() for k, v in bad.items()}, str(tmp_path / "one.safetensors"))
+    with pytest.raises(UserError, match=r"model\.norm\.weight has shape \[31\], the model config needs \[32\]"):
+        load_weights(stage, tmp_path / "one.safetensors")
+
+
+def test_parameter_names_from_the_spec_are_the_models():
+    from lengthwise.runtime.model import parameter_names
+
+    for spec in (LLAMA, QWEN):
+        assert parameter_names(spec) == [n for n, _ in build_model(spec, seed=0).named_parameters()]

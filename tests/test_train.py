@@ -16,11 +16,12 @@ from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.checkpoint import latest_checkpoint
 from lengthwise.runtime.execute import run_step
 from lengthwise.runtime.model import build_model
-from lengthwise.runtime.train import load_model, train
-from lengthwise.runtime.train_config import TrainConfig, load_toml
-from lengthwise.runtime.train_step import padded_forward_backward
+from lengthwise.runtime.train.loop import load_model, train
+from lengthwise.runtime.train.config import TrainConfig, load_toml
+from lengthwise.runtime.train.step import padded_forward_backward
 from lengthwise.runtime.weights import hf_config_dict
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
+from tolerance import normwise_error, reduction_tolerance
 
 METRIC_KEYS = {"step", "loss", "tokens", "tokens_per_s", "peak_memory_bytes", "planning_ms"}
 
@@ -64,7 +65,7 @@ def test_resume_neither_skips_nor_repeats_sequences(runs):
 def test_checkpoint_dir_is_a_model_dir_and_no_temp_dir_is_left(runs):
     _, first, _, out = runs
     # every step of the first run, then only the last of the resumed one (no save_every)
-    assert sorted(p.name for p in out.iterdir()) == ["step-000001", "step-000002", "step-000004"]
+    assert sorted(p.name for p in out.iterdir() if p.name != ".lock") == ["step-000001", "step-000002", "step-000004"]
     path = latest_checkpoint(out)
     assert path.name == "step-000004"
     loaded = load_model(str(out / "step-000002"), model_preset("tiny"), dtype=torch.float64,
@@ -105,9 +106,11 @@ def test_padded_rows_train_like_unpadded_execution():
     padded, plain = (build_model(spec, dtype=torch.float64, seed=0) for _ in range(2))
     loss_padded = padded_forward_backward(padded, plan, tokens, backend="reference")
     loss_plain = run_step(plain, plan, tokens, backend="reference")
-    assert torch.allclose(loss_padded, loss_plain, rtol=1e-12, atol=0)
+    # padded rows add the same per-token terms, in another order and with zeros between them
+    tolerance = reduction_tolerance(torch.float64, 64 * len(lengths))
+    assert normwise_error(loss_padded, loss_plain) <= tolerance
     for (name, p), q in zip(padded.named_parameters(), plain.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-9, atol=1e-15), name
+        assert normwise_error(p.grad, q.grad) <= tolerance, name
 
 
 def _config(*argv: str) -> TrainConfig:

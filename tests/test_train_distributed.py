@@ -16,8 +16,9 @@ import torch
 
 from lengthwise.cli import build_parser, main
 from lengthwise.commands.train import config_from_args
-from lengthwise.runtime.train import train
+from lengthwise.runtime.train.loop import train
 from lengthwise.runtime.weights import read_tensors
+from tolerance import reduction_tolerance
 
 ARGS = ["--dtype", "float64", "--context-length", "96", "--batch-size", "3", "--steps", "2",
         "--lr", "1e-2", "--chunk-size", "32", "--k", "1", "--threads", "1", "--no-progress"]
@@ -71,10 +72,17 @@ def test_distributed_resume_is_bit_identical(dp2_run, tmp_path):
     assert metrics(tmp_path)[0]["loss"] == metrics(dp2_run)[1]["loss"]
 
 
-def test_pp2_reaches_the_single_process_weights(tmp_path):
-    distributed(tmp_path, "--nproc", "2", "--pp", "2")
-    reference = single_process("--pp", "2").model.state_dict()
-    assert_same_weights(read_tensors(tmp_path / "step-000002"), reference, atol=1e-10)
+def test_pp2_reaches_the_single_process_weights_and_held_out_loss(tmp_path):
+    """With a held-out slice: rank 0 evaluates with every stage's weights gathered to it."""
+    held_out = ("--eval-every", "2", "--eval-sequences", "4")
+    distributed(tmp_path, "--nproc", "2", "--pp", "2", *held_out)
+    reference = single_process("--pp", "2", *held_out)
+    assert_same_weights(read_tensors(tmp_path / "step-000002"), reference.model.state_dict(), atol=1e-10)
+    # the weights differ by reordered sums; the loss reduces 4 sequences of <= 96 tokens, each
+    # logit a sum over the hidden width (128)
+    tolerance = reduction_tolerance(torch.float64, 4 * 96 * 128)
+    assert [line.get("eval_loss") for line in metrics(tmp_path)] == \
+        [None, pytest.approx(reference.records[1].eval_loss, rel=tolerance)]
 
 
 def test_degrees_not_matching_nproc_are_one_line(capsys):

@@ -130,7 +130,7 @@ def _planned(name: str, lengths: list[int], **degrees):
     return plan
 
 
-@pytest.mark.parametrize("name", __import__("lengthwise.planners", fromlist=["x"]).available_planners())
+@pytest.mark.parametrize("name", __import__("lengthwise.planners", fromlist=["x"]).PLANNER_NAMES)
 def test_every_available_planner_trains_exactly(name):
     """Whatever a planner decides (packing, splitting, placement, schedule), executing its plan
     equals unpacked training."""

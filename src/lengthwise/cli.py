@@ -23,7 +23,16 @@ COMMANDS = {
     "verify": "execute a plan in PyTorch and compare loss and gradients with unpacked training",
     "profile": "measure this device's chunk times and memory and fit a cost profile (--profile-file)",
     "train": "train a model on documents, each global batch planned (AdamW, checkpoints, resume)",
+    "export": "write a training checkpoint as a Hugging Face model folder (config.json + model.safetensors)",
+    "dryrun": "run ranks of a plan at full size on fake tensors: measured memory, FLOPs, bytes vs simulated",
 }
+
+
+RUNTIME_PACKAGES = ("torch", "safetensors", "transformers")
+"""What the commands that run the model need beyond the planning side's numpy and scipy."""
+
+INSTALL_RUNTIME = ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu "
+                   "(CPU; on a GPU machine the torch build for its CUDA), then pip install -e '.[train]'")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except UserError as exc:
         print(f"lengthwise {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in RUNTIME_PACKAGES:
+            raise
+        print(f"lengthwise {args.command}: error: this command runs the model and needs {exc.name}: {INSTALL_RUNTIME}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("lengthwise: interrupted", file=sys.stderr)

@@ -1,15 +1,10 @@
 """`compare`: every planner on the same sampled global batches, model and cluster, simulated.
 
-A fair search: every planner receives the same complete list of feasible (tp, pp, cp) schemes
-(model states fit at the setup's ZeRO stage; recomputation is each planner's own choice inside
-a scheme). Planners that keep sequences whole refuse the schemes that cannot hold their longest
-sequence. Each planner's scheme is the fastest that fits over the selection batches — the first
-batch and the batch holding the longest sequence — and is kept for all batches; `scheme` in
-the setup fixes one scheme for every planner instead. Hydraulis picks its own heterogeneous
-strategy inside the GPUs it is given. ChunkFlow runs its own (ChunkSize, K) grid search (§5).
-
-Speedups are reported against the best fitting baseline and against `megatron`, the baseline
-most of the papers measured against (ChunkFlow, InfiniPipe, SlimPack, Hydraulis).
+For each planner, a small search picks its parallel scheme: candidate (tp, pp, cp) degrees
+whose model states fit, and — for planners that never split a sequence — whose pipelines hold
+the context length; each is planned and simulated on the first batch and the fastest scheme
+that fits memory is kept for all batches (stated per planner in the report). Hydraulis picks
+its own heterogeneous strategy inside the GPUs it is given.
 
 `auto` is computed from the other planners' plans of the same batch: the fastest that fits, so it
 is never slower than any planner it ran, by construction. Its planning time is the sum of the
@@ -25,15 +20,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from lengthwise.cost import CostModel, Profile
-from lengthwise.planners import available_planners
+from lengthwise.metrics import BUBBLE_RATIO, DP_IMBALANCE, GIB, MFU, PEAK_MEMORY_GIB, STEP_TIME_S, TOKENS_PER_S
+from lengthwise.planners import PLANNER_NAMES
 from lengthwise.planners.auto import Candidate, choose_best, max_peak, try_planner
+from lengthwise.plan.ir import Chunk, Segment
 from lengthwise.planners.base import PlanRequest
 from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
 
-BASELINES = ("padding", "packing", "sorted", "token-balanced", "megatron", "static-cp")
-PAPER_BASELINE = "megatron"
-PLANNER_OPTIONS = {"chunkflow": {"chunk_size": "auto"}}
-"""Options every compare run passes: ChunkFlow searches its own (ChunkSize, K) (chunkflow.txt §5)."""
+BASELINES = ("padding", "packing", "megatron", "sorted", "token-balanced")
+PAPERS_BASELINE = "megatron"
+"""What ChunkFlow, InfiniPipe, SlimPack and Hydraulis measured against (`speedup_vs_megatron`)."""
+MAX_SCHEMES = 8
+"""Schemes every planner tries, the best by `scheme_estimate`."""
 
 
 @dataclass(kw_only=True)
@@ -48,9 +46,13 @@ class CompareSetup:
     zero: int = 1
     seed: int = 0
     scheme: ParallelScheme | None = None
-    """One fixed scheme for every planner; None searches candidate_schemes."""
+    """One scheme fixed for every planner (`--scheme`); None searches `candidate_schemes`."""
+    schemes: dict[str, ParallelScheme] = field(default_factory=dict)
+    """Fixed schemes per planner (a paper's own setting); others are searched."""
     profile: Profile | None = None
     """Measured cost profile (`lengthwise profile`); None uses the analytic cost model."""
+    options: dict[str, dict] = field(default_factory=dict)
+    """Planner options per planner (the command line's, each planner given those it takes)."""
 
 
 @dataclass(kw_only=True)
@@ -73,16 +75,16 @@ class PlannerRow:
         imbalance = [r.result.dp_imbalance for r in ok if r.result.dp_imbalance is not None]
         d = {
             "scheme": self.scheme,
-            "step_time_s": step,
-            "tokens_per_s": tokens / sum(r.result.step_time_s for r in ok),
+            STEP_TIME_S: step,
+            TOKENS_PER_S: tokens / sum(r.result.step_time_s for r in ok),
             "speedup_vs_best_baseline": best_baseline_s / step if best_baseline_s else None,
             "speedup_vs_megatron": megatron_s / step if megatron_s else None,
-            "bubble_ratio": statistics.fmean(r.result.bubble_ratio for r in ok),
-            "dp_imbalance": statistics.fmean(imbalance) if imbalance else None,
+            BUBBLE_RATIO: statistics.fmean(r.result.bubble_ratio for r in ok),
+            DP_IMBALANCE: statistics.fmean(imbalance) if imbalance else None,
             "dp_spread": statistics.fmean(r.result.dp_imbalance_spread for r in ok),
-            "peak_memory_gb": max(max_peak(r.result) for r in ok) / 2**30,
+            PEAK_MEMORY_GIB: max(max_peak(r.result) for r in ok) / GIB,
             "fits": all(bool(r.result.fits) for r in ok),
-            "mfu": statistics.fmean(r.result.mfu or 0.0 for r in ok),
+            MFU: statistics.fmean(r.result.mfu or 0.0 for r in ok),
             "planning_ms_mean": statistics.fmean(r.elapsed_ms for r in self.runs),
             "planning_ms_max": max(r.elapsed_ms for r in self.runs),
             "batches": len(ok),
@@ -93,63 +95,93 @@ class PlannerRow:
 
 
 def candidate_schemes(setup: CompareSetup) -> list[ParallelScheme]:
-    """Every feasible (tp, pp, cp) whose model states fit, fewest model-parallel GPUs first.
-    The same list for every planner: no planner wins because it was shown other schemes."""
+    """The schemes every planner searches: the same list for all (fairness), whatever the planner.
+
+    Every (tp, pp, cp) whose degrees divide the GPUs, heads and layers, with tp inside a node and
+    model states fitting (sharded over dp x cp), ranked by a planner-independent estimate of the
+    step on the selection batches (`scheme_estimate`); the best `MAX_SCHEMES` are kept. A planner
+    that cannot run on a scheme (a baseline whose pipeline cannot hold the longest sequence)
+    simply fails there, as it would in a real run."""
     if setup.scheme is not None:
         return [setup.scheme]
     m, c, gpus = setup.model, setup.cluster, setup.cluster.num_gpus
     cost = CostModel(model=m, cluster=c, profile=setup.profile)
     found = []
-    for tp, pp, cp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16)):
+    for tp, pp, cp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8)):
         per_pipe = tp * pp * cp
         if gpus % per_pipe or tp > c.gpus_per_node or m.num_heads % tp or m.num_layers % pp:
             continue
         scheme = ParallelScheme(dp=gpus // per_pipe, tp=tp, pp=pp, cp=cp, zero=setup.zero)
         if _states_fit(cost, scheme):
             found.append(scheme)
-    found.sort(key=lambda s: (s.gpus_per_pipeline, s.cp, s.pp, s.tp))
-    return found
+    batches = [setup.batches[i] for i in selection_batches(setup)]
+    found.sort(key=lambda s: (sum(scheme_estimate(cost, s, b, setup.context_length) for b in batches),
+                              s.gpus_per_pipeline, str(s)))
+    return found[:MAX_SCHEMES]
+
+
+def selection_batches(setup: CompareSetup) -> list[int]:
+    """Batches a scheme is chosen on: the first and the one holding the longest sequence."""
+    longest = max(range(len(setup.batches)), key=lambda i: max(setup.batches[i], default=0))
+    return sorted({0, longest})
+
+
+def scheme_estimate(cost: CostModel, s: ParallelScheme, lengths: list[int], context_length: int) -> float:
+    """Seconds a step of `lengths` would take on scheme `s` with its work spread evenly: each
+    pipeline's share (longest first, to the least loaded) packed as one chunk through one stage
+    (forward, backward, CP K/V exchange, at the scheme's tp and cp), stretched by a 1F1B bubble
+    of pp - 1 over m + pp - 1 with m context-length micro-batches, plus the stage's gradient
+    reduction over dp x cp. Blind to memory and to how a planner packs and splits: only for
+    ranking schemes, and the same for every planner."""
+    layers = cost.model.num_layers // s.pp
+    shares: list[list[int]] = [[] for _ in range(s.dp)]
+    loads = [0] * s.dp
+    for n in sorted(lengths, reverse=True):
+        i = loads.index(min(loads))
+        shares[i].append(n)
+        loads[i] += n * n  # attention dominates long ones; short ones spread anyway
+    slowest = 0.0
+    for share in shares:
+        if not share:
+            continue
+        chunk = Chunk(tuple(Segment(i, 0, n) for i, n in enumerate(share)))
+        busy = (cost.forward_time(chunk, layers=layers, tp=s.tp, cp=s.cp)
+                + cost.backward_time(chunk, layers=layers, tp=s.tp, cp=s.cp)
+                + 2 * cost.cp_comm_time(chunk, layers=layers, tp=s.tp, cp=s.cp))
+        micro = max(1, -(-sum(share) // context_length))
+        slowest = max(slowest, busy * (micro + s.pp - 1) / micro)
+    sync = cost.grad_sync_time(layers=layers, tp=s.tp, dp=s.dp * s.cp, zero=s.zero, first=True,
+                               inter_node=s.num_gpus > cost.cluster.gpus_per_node)
+    return slowest + sync
 
 
 def _states_fit(cost: CostModel, s: ParallelScheme) -> bool:
     try:
-        cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
+        cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, zero=s.zero)
     except ValueError:
         return False
     return True
 
 
-def request_for(setup: CompareSetup, lengths: list[int], scheme: ParallelScheme,
-                planner: str = "") -> PlanRequest:
+def request_for(setup: CompareSetup, lengths: list[int], scheme: ParallelScheme, planner: str) -> PlanRequest:
     return PlanRequest(lengths=list(lengths), model=setup.model, cluster=setup.cluster, scheme=scheme,
                        cost=CostModel(model=setup.model, cluster=setup.cluster, profile=setup.profile),
                        context_length=setup.context_length, seed=setup.seed,
-                       options=dict(PLANNER_OPTIONS.get(planner, {})))
-
-
-def selection_batches(batches: list[list[int]]) -> list[int]:
-    """Indices of the batches a scheme is chosen on: the first and the one holding the longest
-    sequence (a scheme chosen on short batches alone can fail on the long tail)."""
-    longest = max(range(len(batches)), key=lambda b: max(batches[b], default=0))
-    return sorted({0, longest})
+                       options=dict(setup.options.get(planner, {})))
 
 
 def pick_scheme(setup: CompareSetup, planner: str,
                 schemes: list[ParallelScheme]) -> tuple[ParallelScheme | None, list[Candidate]]:
-    """The planner's fastest scheme (mean step over the selection batches) among those where
-    every selection batch fits, and the attempts made."""
-    if setup.scheme is not None:
-        return setup.scheme, []
+    """The planner's fastest scheme of `schemes` that fits on every selection batch (mean step
+    time over them), and the attempts made."""
+    if planner in setup.schemes:
+        return setup.schemes[planner], []
     tries, best, best_time = [], None, float("inf")
-    picks = selection_batches(setup.batches)
     for scheme in schemes:
-        runs = []
-        for b in picks:
-            runs.append(try_planner(planner, request_for(setup, setup.batches[b], scheme, planner)))
-            if not runs[-1].usable:
-                break
-        tries.extend(runs)
-        if all(r.usable for r in runs):
+        runs = [try_planner(planner, request_for(setup, setup.batches[b], scheme, planner))
+                for b in selection_batches(setup)]
+        tries += runs
+        if all(r.result is not None and r.result.fits for r in runs):
             mean = statistics.fmean(r.result.step_time_s for r in runs)
             if mean < best_time:
                 best, best_time = scheme, mean
@@ -190,11 +222,12 @@ def auto_row(rows: dict[str, PlannerRow], num_batches: int) -> PlannerRow:
 
 
 def summarise(rows: dict[str, PlannerRow]) -> dict:
-    """Per planner, speedups over the best fitting baseline and over `megatron` (when it ran and fits)."""
-    plain = {b: rows[b].summary(None) for b in BASELINES if b in rows}
-    fitting = {b: r["step_time_s"] for b, r in plain.items() if r.get("fits")}
-    best = min(fitting.values()) if fitting else None
-    megatron = fitting.get(PAPER_BASELINE)
+    base_times = [rows[b].summary(None).get(STEP_TIME_S) for b in BASELINES if b in rows]
+    fitting = [t for b, t in zip([b for b in BASELINES if b in rows], base_times)
+               if t is not None and rows[b].summary(None)["fits"]]
+    best = min(fitting) if fitting else None
+    papers = rows[PAPERS_BASELINE].summary(None) if PAPERS_BASELINE in rows else {}
+    megatron = papers.get(STEP_TIME_S) if papers.get("fits") else None
     return {"best_baseline_step_time_s": best, "megatron_step_time_s": megatron,
             "planners": {name: row.summary(best, megatron) for name, row in rows.items()}}
 
@@ -205,4 +238,4 @@ def _tick(progress, n: int) -> None:
 
 
 def all_planners() -> list[str]:
-    return available_planners()
+    return list(PLANNER_NAMES)

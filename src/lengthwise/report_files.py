@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lengthwise.metrics import PEAK_MEMORY_GIB
 from lengthwise.plan.ir import write_atomic
 from lengthwise.report import CompareSetup, PlannerRow
 from lengthwise.sim.gantt import draw_gantt
@@ -81,5 +82,5 @@ def table_row(name: str, r: dict) -> str:
     speed = f"{r['speedup_vs_best_baseline']:.2f}x" if r["speedup_vs_best_baseline"] else "-"
     dp = f"{r['dp_imbalance']:.2f}" if r["dp_imbalance"] else "-"
     return (f"| {name} | {r['scheme']} | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f} | {speed} | "
-            f"{r['bubble_ratio']:.1%} | {dp} | {r['peak_memory_gb']:.1f} | {r['fits']} | "
+            f"{r['bubble_ratio']:.1%} | {dp} | {r[PEAK_MEMORY_GIB]:.1f} | {r['fits']} | "
             f"{r['planning_ms_mean']:.1f} / {r['planning_ms_max']:.1f} |")

@@ -12,6 +12,7 @@ taken as the LLaMA-1 33B shape, which its paper does not spell out).
 from __future__ import annotations
 
 import dataclasses
+import re
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,9 @@ class ModelSpec:
     """Rotary embedding base."""
     rms_eps: float = 1e-6
     """RMSNorm epsilon."""
+    rope_scaling: tuple[float, float, float, int] | None = None
+    """Llama-3 frequency scaling (`rope_type: llama3`): (factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings); None for plain rotary."""
 
     @property
     def q_dim(self) -> int:
@@ -87,7 +91,8 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelSpec:
-        return cls(**data)
+        scaling = data.get("rope_scaling")
+        return cls(**data | {"rope_scaling": None if scaling is None else tuple(scaling)})
 
     @classmethod
     def from_hf_config(cls, path: str | Path) -> ModelSpec:
@@ -119,8 +124,6 @@ def model_from_hf_dict(cfg: dict, name: str = "custom") -> ModelSpec:
     for field in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
         if field not in cfg:
             raise UserError(f"model config lacks the field {field!r}")
-    if cfg.get("rope_scaling"):
-        raise UserError("config field rope_scaling is not supported: remove it or use a config without it")
     if cfg.get("hidden_act", "silu") != "silu":
         raise UserError(f"config field hidden_act={cfg['hidden_act']!r} is not supported: lengthwise runs silu")
     _reject_unsupported_fields(cfg)
@@ -139,17 +142,33 @@ def model_from_hf_dict(cfg: dict, name: str = "custom") -> ModelSpec:
         qkv_bias=bool(cfg.get("attention_bias", is_qwen)),
         rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_scaling=_rope_scaling(cfg),
     )
     spec.validate()
     return spec
 
 
+_LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_scaling(cfg: dict) -> tuple[float, float, float, int] | None:
+    """Llama-3 scaling from `rope_scaling` (transformers 4) or `rope_parameters` (5)."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise UserError(f"config field rope_scaling / rope_parameters with rope_type={rope_type!r} is not "
+                        f"supported: use 'default' or 'llama3'")
+    missing = [f for f in _LLAMA3_FIELDS if f not in rope]
+    if missing:
+        raise UserError(f"config's llama3 rope scaling lacks {', '.join(missing)}")
+    return (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+            int(rope["original_max_position_embeddings"]))
+
+
 def _reject_unsupported_fields(cfg: dict) -> None:
-    """Fields that would change the maths of the executor's model (transformers 5 writes rope
-    settings as rope_parameters)."""
-    rope_type = (cfg.get("rope_parameters") or {}).get("rope_type", "default")
-    if rope_type != "default":
-        raise UserError(f"config field rope_parameters.rope_type={rope_type!r} is not supported: use 'default'")
+    """Fields that would change the maths of the executor's model."""
     if cfg.get("mlp_bias"):
         raise UserError("config field mlp_bias=true is not supported: lengthwise's MLP has no bias")
     if cfg.get("attention_bias") and cfg.get("model_type") == "llama":
@@ -297,6 +316,17 @@ class ParallelScheme:
 
     def __str__(self) -> str:
         return f"dp{self.dp}-tp{self.tp}-pp{self.pp}-cp{self.cp}"
+
+    @classmethod
+    def parse(cls, text: str, *, zero: int = 1) -> ParallelScheme:
+        """The string form back: 'dp8-tp4-pp1-cp1' (any order; a missing degree is 1)."""
+        degrees = {}
+        for part in text.strip().split("-"):
+            m = re.fullmatch(r"(dp|tp|pp|cp)(\d+)", part)
+            if m is None or m.group(1) in degrees:
+                raise UserError(f"bad scheme {text!r}: write it as dpD-tpT-ppP-cpC, e.g. dp8-tp4-pp1-cp1")
+            degrees[m.group(1)] = int(m.group(2))
+        return cls(**degrees, zero=zero)
 
     def validate(self, model: ModelSpec | None = None, num_gpus: int | None = None) -> None:
         for field in ("dp", "tp", "pp", "cp"):

@@ -7,9 +7,11 @@
     lengthwise compare --model qwen2.5-0.5b --gpus 8 --planners packing,chunkflow --profile-file profiles/qwen2.5-0.5b-h100.json
 
 For B sampled global batches it plans with each planner (at its best parallel scheme for this
-cluster and model, searched over the same feasible list for every planner on the first batch and
-the batch with the longest sequence, or --scheme for all), simulates every plan, and prints
-per planner: mean step time, tokens/s, speedup over the best baseline and over megatron, bubble ratio, DP
+cluster and model: every planner searches the same list of feasible schemes, each judged on the
+first batch and the batch holding the longest sequence; `--scheme` fixes one for all),
+simulates every plan, and prints
+per planner: mean step time, tokens/s, speedup over the best baseline and over `megatron` (the
+baseline ChunkFlow, InfiniPipe, SlimPack and Hydraulis measured against), bubble ratio, DP
 imbalance, peak memory and whether it fits, and planning time. All times are simulated. It
 writes OUT/report.md with the table, a Gantt chart per planner for the first batch, a length
 histogram and a bar chart of speedups. Sequences over the context length are dropped unless
@@ -20,17 +22,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 from tqdm import tqdm
 
 from lengthwise.commands.common import add_workload_args, lengths_source_from_args
+from lengthwise.commands.planner_flags import (
+    add_planner_option_args,
+    check_options_used,
+    options_for,
+    planner_options,
+)
 from lengthwise.commands.profile import add_profile_file_arg, load_profile_file
 from lengthwise.errors import UserError
+from lengthwise.metrics import PEAK_MEMORY_GIB
 from lengthwise.report import CompareSetup, all_planners, run_compare, summarise
 from lengthwise.report_files import write_report
-from lengthwise.specs import CLUSTER_PRESETS, ModelSpec, ParallelScheme, cluster_preset, model_preset
+from lengthwise.specs import CLUSTER_PRESETS, ParallelScheme, cluster_preset, model_preset
 from lengthwise.workloads.sampler import GlobalBatchSampler
 
 DEFAULT_PROFILE = "chunkflow-eval"
@@ -49,14 +57,16 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", metavar="B", type=int, default=4, help="global batches sampled (default 4)")
     parser.add_argument("--planners", metavar="a,b,...|all", default="all",
                         help="planners to compare (default all)")
-    parser.add_argument("--scheme", metavar="dpD-tpT-ppP-cpC",
-                        help="fix one parallel scheme for every planner (default: each planner searches the same list)")
     parser.add_argument("--zero", metavar="Z", type=int, default=1, help="ZeRO stage 0-3 (default 1)")
+    parser.add_argument("--scheme", metavar="dpD-tpT-ppP-cpC",
+                        help="one parallel scheme for every planner (default: each planner searches the "
+                             "same list of feasible schemes and keeps its fastest)")
     parser.add_argument("--out", metavar="DIR", default="compare-report",
                         help="folder for report.md and pictures (default compare-report)")
     parser.add_argument("--no-pictures", action="store_true", help="write report.md without the PNGs")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     add_profile_file_arg(parser)
+    add_planner_option_args(parser)
     add_workload_args(parser)
     parser.set_defaults(overlong="drop")
 
@@ -79,32 +89,27 @@ def build_setup(args: argparse.Namespace) -> CompareSetup:
     args.context_length = args.context_length or DEFAULT_CONTEXT
     if args.gpus < 1 or args.batches < 1:
         raise UserError(f"--gpus ({args.gpus}) and --batches ({args.batches}) must be at least 1")
+    planners, options = parse_planners(args.planners), planner_options(args)
+    check_options_used(planners, options)
     model = model_preset(args.model)
     cluster = cluster_preset(args.cluster, args.gpus)
     sampler = GlobalBatchSampler(lengths_source_from_args(args), seed=args.seed,
                                  batch_size=None if args.tokens_per_batch else (args.batch_size or 256),
                                  token_budget=args.tokens_per_batch)
     batches = [list(map(int, sampler.next_batch().lengths)) for _ in range(args.batches)]
+    scheme = fixed_scheme(args.scheme, model, args.gpus, args.zero)
     return CompareSetup(model=model, cluster=cluster, context_length=args.context_length, batches=batches,
-                        planners=parse_planners(args.planners), zero=args.zero, seed=args.seed,
-                        scheme=parse_scheme(args.scheme, args.zero, model, args.gpus),
-                        profile=load_profile_file(args.profile_file, model))
+                        planners=planners, zero=args.zero, seed=args.seed, scheme=scheme,
+                        profile=load_profile_file(args.profile_file, model),
+                        options={p: options_for(p, options) for p in planners})
 
 
-def parse_scheme(text: str | None, zero: int, model: ModelSpec, gpus: int) -> ParallelScheme | None:
-    """`dp4-tp2-pp2-cp1` (any order, missing degrees 1) as a scheme over exactly --gpus GPUs."""
-    if not text:
+def fixed_scheme(text: str | None, model, gpus: int, zero: int) -> ParallelScheme | None:
+    """--scheme parsed and checked against the model and the GPUs, or None to search."""
+    if text is None:
         return None
-    degrees = {}
-    for part in text.lower().split("-"):
-        match = re.fullmatch(r"(dp|tp|pp|cp)(\d+)", part.strip())
-        if not match:
-            raise UserError(f"--scheme {text!r}: write it as dpD-tpT-ppP-cpC, e.g. dp4-tp2-pp2-cp1")
-        degrees[match.group(1)] = int(match.group(2))
-    scheme = ParallelScheme(**degrees, zero=zero)
-    scheme.validate(model)
-    if scheme.num_gpus != gpus:
-        raise UserError(f"--scheme {text} uses {scheme.num_gpus} GPUs but --gpus is {gpus}: make dp*tp*pp*cp = {gpus}")
+    scheme = ParallelScheme.parse(text, zero=zero)
+    scheme.validate(model, num_gpus=gpus)
     return scheme
 
 
@@ -136,7 +141,7 @@ def format_table(summary: dict, out: str) -> str:
 
 
 def table_lines(planners: dict) -> str:
-    cols = f"{'planner':<15}{'scheme':<18}{'step s':>9}{'tokens/s':>12}{'vs best':>9}{'vs mega':>9}{'bubble':>8}" \
+    cols = f"{'planner':<15}{'scheme':<18}{'step s':>9}{'tokens/s':>12}{'speedup':>9}{'vs meg.':>9}{'bubble':>8}" \
            f"{'DP max/min':>11}{'peak GiB':>9}{'fits':>6}{'plan ms':>9}"
     rows = [cols]
     for name, r in planners.items():
@@ -144,9 +149,9 @@ def table_lines(planners: dict) -> str:
             rows.append(f"{name:<15}{r['scheme']:<18}  skipped: {r['error'][:70]}")
             continue
         speed = f"{r['speedup_vs_best_baseline']:.2f}x" if r["speedup_vs_best_baseline"] else "-"
-        mega = f"{r['speedup_vs_megatron']:.2f}x" if r.get("speedup_vs_megatron") else "-"
+        meg = f"{r['speedup_vs_megatron']:.2f}x" if r.get("speedup_vs_megatron") else "-"
         dp = f"{r['dp_imbalance']:.2f}" if r["dp_imbalance"] else "-"
-        rows.append(f"{name:<15}{r['scheme']:<18}{r['step_time_s']:>9.2f}{r['tokens_per_s']:>12,.0f}{speed:>9}{mega:>9}"
-                    f"{r['bubble_ratio']:>8.1%}{dp:>11}{r['peak_memory_gb']:>9.1f}{str(r['fits']):>6}"
+        rows.append(f"{name:<15}{r['scheme']:<18}{r['step_time_s']:>9.2f}{r['tokens_per_s']:>12,.0f}{speed:>9}{meg:>9}"
+                    f"{r['bubble_ratio']:>8.1%}{dp:>11}{r[PEAK_MEMORY_GIB]:>9.1f}{str(r['fits']):>6}"
                     f"{r['planning_ms_mean']:>9.1f}")
     return "\n".join(rows)

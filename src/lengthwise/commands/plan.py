@@ -9,8 +9,8 @@
 The cluster gets dp x tp x pp x cp GPUs. The summary lists, per pipeline (data-parallel rank),
 its chunks, tokens and predicted forward FLOPs, then the padding fraction and planning time;
 `--json` prints the whole plan instead. `--context-length` defaults to the batch's longest
-sequence rounded up to a power of two. Planner options go in `--option key=value` (repeat it);
-`--chunk-size` and `--k` are shorthands for the options chunk_size and k of splitting planners.
+sequence rounded up to a power of two. Every planner option has its flag (`--chunk-size`, `--k`,
+`--micro-batch-size`, ...: planners/options.py), and `--option key=value` sets any by name.
 `--profile-file` replaces the analytic cost model with a measured one (`lengthwise profile`).
 """
 
@@ -19,17 +19,18 @@ from __future__ import annotations
 import argparse
 
 from lengthwise.commands.common import add_workload_args, batch_lengths_from_args
+from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
 from lengthwise.commands.profile import add_profile_file_arg, load_profile_file
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.validate import validate_plan
-from lengthwise.planners import PlanRequest, available_planners, get_planner
+from lengthwise.planners import PLANNER_NAMES, PlanRequest, get_planner
 from lengthwise.specs import CLUSTER_PRESETS, ParallelScheme, cluster_preset, model_preset
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--planner", metavar="NAME", required=True,
-                        help=f"one of {', '.join(available_planners())}")
+                        help=f"one of {', '.join(PLANNER_NAMES)}")
     parser.add_argument("--batch-size", metavar="N", type=int, default=512,
                         help="sequences in the global batch (default 512)")
     parser.add_argument("--model", metavar="PRESET|config.json", default="qwen2.5-7b",
@@ -40,13 +41,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                        ("pp", "pipeline stages"), ("cp", "context-parallel degree")):
         parser.add_argument(f"--{name}", metavar=name[0].upper(), type=int, default=1, help=f"{text} (default 1)")
     parser.add_argument("--zero", metavar="Z", type=int, default=1, help="ZeRO stage 0-3 (default 1)")
-    parser.add_argument("--option", metavar="KEY=VALUE", action="append", default=[],
-                        help="planner option, repeatable (e.g. micro_batch_size=4)")
-    parser.add_argument("--chunk-size", metavar="TOKENS", type=int, help="option chunk_size (splitting planners)")
-    parser.add_argument("--k", metavar="K", type=int, help="option k: ChunkFlow's activations kept per sequence")
     parser.add_argument("--out", metavar="PLAN.json", help="write the plan here (atomically)")
     parser.add_argument("--json", action="store_true", help="print the plan JSON instead of the summary")
     add_profile_file_arg(parser)
+    add_planner_option_args(parser)
     add_workload_args(parser)
 
 
@@ -70,7 +68,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
     scheme.validate(model)
     cluster = cluster_preset(args.cluster, scheme.num_gpus)
     cost = CostModel(model=model, cluster=cluster, profile=load_profile_file(args.profile_file, model))
-    cost.check_states_fit(tp=scheme.tp, pp=scheme.pp, dp=scheme.dp, zero=scheme.zero)
+    cost.check_states_fit(tp=scheme.tp, pp=scheme.pp, dp=scheme.dp, cp=scheme.cp, zero=scheme.zero)
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size} must be at least 1")
     if args.context_length is not None and args.context_length < 1:
@@ -84,34 +82,6 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
 def default_context_length(lengths: list[int]) -> int:
     """The batch's longest sequence rounded up to a power of two (how context lengths are set)."""
     return 1 << (max(max(lengths, default=1), 1) - 1).bit_length()
-
-
-def planner_options(args: argparse.Namespace) -> dict:
-    options = dict(parse_option(text) for text in args.option)
-    for name in ("chunk_size", "k"):
-        value = getattr(args, name)
-        if value is not None:
-            options[name] = value
-    return options
-
-
-def parse_option(text: str) -> tuple[str, object]:
-    """`key=value` -> (key, value), value read as int, float, true/false/none, else string."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key:
-        raise UserError(f"--option {text!r}: expected KEY=VALUE, e.g. micro_batch_size=4")
-    key = key.strip().replace("-", "_")
-    lowered = raw.strip().lower()
-    if lowered in ("true", "false"):
-        return key, lowered == "true"
-    if lowered == "none":
-        return key, None
-    for kind in (int, float):
-        try:
-            return key, kind(raw)
-        except ValueError:
-            pass
-    return key, raw
 
 
 def summary(plan: StepPlan, request: PlanRequest, out: str | None) -> str:

@@ -15,10 +15,20 @@ their Hugging Face names; every checkpoint directory is one). Documents come fro
 (default stdlib: Python's own sources, byte tokens, no download), cut to --context-length
 (default 512) tokens. Every global batch (--batch-size sequences, default 16, or
 --tokens-per-batch) is planned by --planner (default chunkflow) in a background thread while
-the previous step runs, then executed exactly as planned, with AdamW, gradient clipping and a
-progress bar showing loss and tokens/s. --metrics appends a JSON line per step; --out writes a
-checkpoint (HF weights, optimizer, sampler position, RNG states) every --save-every steps and
-after the last, and a later run with the same --out resumes from the latest, bit-exactly.
+the previous step runs, then executed exactly as planned, with AdamW (optionally warmed up and
+cosine-decayed: --warmup-steps, --lr-schedule cosine, --min-lr), gradient clipping and a
+progress bar showing loss and tokens/s. --out (default: a new folder lengthwise-runs/run-DATE-TIME,
+named on stderr) receives a checkpoint (HF weights, optimizer, sampler position, RNG states)
+every --save-every steps and after the last, the metrics (one JSON line per step, written after
+the step's checkpoint), TensorBoard logs when tensorboard is installed, and the tokenizer; a
+later run with the same --out resumes from the latest checkpoint, bit-exactly. --eval-every N
+reports the loss of --eval-sequences documents held out of training.
+
+Ctrl-C (SIGINT) or a scheduler's SIGTERM finishes the current step, writes a checkpoint, prints
+the command that resumes the run, and exits 130; a second one leaves at once. A NaN or infinite
+loss or gradient norm stops the run naming the step and the first parameter with a non-finite
+gradient, before anything is saved (--skip-nonfinite skips such steps instead). A batch this
+machine cannot hold is refused before training starts, with the estimate.
 
 With --nproc N (local workers: gloo on CPU, NCCL on CUDA with one GPU each) or under torchrun,
 the plan's dp x pp x cp ranks (N = dp * pp * cp) run the same loop, each its own pipeline stage:
@@ -40,23 +50,28 @@ tokens_per_batch, ...) and planner options as a table:
 from __future__ import annotations
 
 import argparse
+import shlex
+from pathlib import Path
 
 from lengthwise.commands.common import add_backend_arg, add_workload_args
-from lengthwise.commands.plan import planner_options
+from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
 from lengthwise.errors import UserError
-from lengthwise.runtime.train_config import (
+from lengthwise.runtime.train.config import (
     DEVICES,
     DTYPES,
+    LR_SCHEDULES,
     TrainConfig,
     load_toml,
     merge,
 )
+from lengthwise.runtime.train.outputs import METRICS_NAME, RUNS_FOLDER, with_outputs
 
 _WORKLOAD_HELP = {
     "context_length": "longest sequence trained on, tokens (default 512)",
     "overlong": "documents over the context length: truncate (default), drop or error",
     "data": "documents: 'stdlib' (default; Python's own sources, no download), a .jsonl or "
-            ".parquet file, or a folder of .txt/.md/.py files",
+            ".parquet file, a folder of .txt/.md/.py files, or a Hugging Face datasets folder "
+            "(save_to_disk; needs the datasets package)",
 }
 
 
@@ -66,16 +81,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PRESET|DIR|config.json",
                         help=f"model preset, HF config.json, or HF directory with weights (default {d.model})")
     parser.add_argument("--planner", metavar="NAME", help=f"planner for every batch (default {d.planner})")
-    parser.add_argument("--chunk-size", metavar="TOKENS", type=int, help="planner option chunk_size")
-    parser.add_argument("--k", metavar="K", type=int, help="planner option k (ChunkFlow)")
-    parser.add_argument("--option", metavar="KEY=VALUE", action="append", default=[],
-                        help="other planner option, repeatable")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--batch-size", metavar="N", type=int, help="sequences per global batch (default 16)")
     size.add_argument("--tokens-per-batch", metavar="T", type=int, help="token budget per global batch")
     _add_numbers(parser, d)
     _add_runtime(parser, d)
     _add_outputs(parser)
+    add_planner_option_args(parser)
     add_workload_args(parser)
     for action in parser._actions:  # the shared workload flags, with this command's defaults
         if action.dest in _WORKLOAD_HELP:
@@ -90,6 +102,19 @@ def _add_numbers(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
                         help=f"AdamW weight decay on matrices (default {d.weight_decay:g})")
     parser.add_argument("--grad-clip", metavar="NORM", type=float,
                         help=f"clip the gradient 2-norm to this; 0 = off (default {d.grad_clip:g})")
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES,
+                        help=f"after warm-up: constant, or cosine down to --min-lr at the last step (default {d.lr_schedule})")
+    parser.add_argument("--warmup-steps", metavar="N", type=int,
+                        help=f"linear learning-rate warm-up over the first N steps (default {d.warmup_steps})")
+    parser.add_argument("--min-lr", metavar="LR", type=float, help=f"where the cosine ends (default {d.min_lr:g})")
+    parser.add_argument("--eval-every", metavar="N", type=int,
+                        help="held-out loss every N steps (and after the last), on --eval-sequences documents "
+                             "kept out of training")
+    parser.add_argument("--eval-sequences", metavar="N", type=int,
+                        help=f"documents held out for --eval-every (default {d.eval_sequences})")
+    parser.add_argument("--skip-nonfinite", action="store_true", default=None,
+                        help="skip (and count) a step whose loss or gradient norm is NaN or infinite, "
+                             "instead of stopping")
 
 
 def _add_runtime(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
@@ -104,11 +129,19 @@ def _add_runtime(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
     parser.add_argument("--cluster", metavar="PRESET", help="cluster the planner sizes for (default cpu)")
     parser.add_argument("--threads", metavar="N", type=int,
                         help="CPU threads for torch (default 1 on CPU, torch's choice with CUDA)")
+    parser.add_argument("--token-cache", metavar="DIR",
+                        help=f"with --tokenizer: tokenise each corpus once into DIR, memory-mapped by later runs "
+                             f"and every rank (default {d.token_cache})")
+    parser.add_argument("--timeout", metavar="SECONDS", type=float,
+                        help=f"distributed runs: how long a rank waits for the others (default {d.timeout:g})")
 
 
 def _add_outputs(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON line per step")
-    parser.add_argument("--out", metavar="DIR", help="checkpoint directory (auto-resumes from its latest)")
+    parser.add_argument("--metrics", metavar="FILE.jsonl",
+                        help="append one JSON line per step (default OUT/metrics.jsonl)")
+    parser.add_argument("--out", metavar="DIR",
+                        help=f"checkpoints, metrics and TensorBoard logs; resumes from its latest checkpoint "
+                             f"(default: a new {RUNS_FOLDER}/run-DATE-TIME)")
     parser.add_argument("--save-every", metavar="N", type=int, help="checkpoint every N steps (and after the last)")
     parser.add_argument("--resume", metavar="DIR", help="resume from this checkpoint directory")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None,
@@ -125,7 +158,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         "model", "planner", "batch_size", "tokens_per_batch", "steps", "lr", "weight_decay",
         "grad_clip", "dtype", "device", "backend", "threads", "dp", "pp", "cp", "nproc", "cluster", "metrics", "out",
         "save_every", "resume", "progress", "data", "tokenizer", "text_field", "context_length",
-        "overlong", "seed")}
+        "overlong", "seed", "lr_schedule", "warmup_steps", "min_lr", "eval_every", "eval_sequences",
+        "skip_nonfinite", "timeout", "token_cache")}
     flags["options"] = planner_options(args) or None
     config = merge(config, flags)
     config.validate()
@@ -134,23 +168,56 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     from lengthwise.runtime.distributed.launch import under_torchrun
-    from lengthwise.runtime.train import train
+    from lengthwise.runtime.train.loop import train
+    from lengthwise.runtime.train.signals import EXIT_INTERRUPTED, StopRequest
 
     config = config_from_args(args)
-    if config.nproc is not None or under_torchrun():
-        from lengthwise.runtime.train_dist import train_distributed
+    distributed = config.nproc is not None or under_torchrun()
+    if not under_torchrun():  # under torchrun rank 0 names the folder for all (dist.py)
+        config = with_outputs(config)
+    with StopRequest(forward_to_children=distributed) as stop:  # signals during set-up count too
+        if distributed:
+            from lengthwise.runtime.train.dist import train_distributed
 
-        result = train_distributed(config)
-        if result is None:  # a rank other than 0: rank 0 reports
-            return 0
-    else:
-        result = train(config)
-    print(summary(config, result))
+            result = train_distributed(config)
+            if result is None:  # a rank other than 0: rank 0 reports
+                return EXIT_INTERRUPTED if stop.requested else 0
+        else:
+            result = train(config, stop=stop)
+    print(summary(result.config or config, result))
+    if result.interrupted:
+        launcher = f"torchrun --nproc-per-node {result.nproc} -m " if under_torchrun() else ""
+        command = resume_command(result.config or config, from_out=result.checkpoint is not None)
+        print(f"  interrupted; resume with:\n  {launcher}{command}")
+        return EXIT_INTERRUPTED
     return 0
+
+
+def resume_command(config: TrainConfig, *, from_out: bool = True) -> str:
+    """The command line that continues `config`: every setting that differs from the defaults,
+    as flags. `from_out`: the run checkpointed into --out, which a run resumes from by itself
+    (a --resume given before would restart from the older checkpoint, so it is left out). Under
+    torchrun the caller puts the launcher in front (one node assumed)."""
+    default, words = TrainConfig(), ["lengthwise", "train"]
+    for name, value in config.to_dict().items():
+        if name == "options" or value == getattr(default, name) or (name == "resume" and from_out):
+            continue
+        if name == "metrics" and config.out is not None and Path(value) == Path(config.out) / METRICS_NAME:
+            continue  # the default
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else f"--no-{name}")
+        else:
+            words += [flag, str(value)]
+    for key, value in config.options.items():
+        words += ["--option", f"{key}={value}"]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def summary(config: TrainConfig, result) -> str:
     records = result.records
+    if not records and result.interrupted:
+        return f"train: interrupted at step {result.start_step} of {config.steps}, before running a step"
     if not records:
         return f"train: already at step {result.start_step} of {config.steps} ({result.resumed_from}); nothing to do"
     first, last = records[0], records[-1]
@@ -166,4 +233,9 @@ def summary(config: TrainConfig, result) -> str:
         lines.append(f"  checkpoint {result.checkpoint}")
     if config.metrics:
         lines.append(f"  metrics appended to {config.metrics}")
+    evaluated = [r for r in records if r.eval_loss is not None]
+    if evaluated:
+        lines.append(f"  held-out loss {evaluated[-1].eval_loss:.4f} after step {evaluated[-1].step}")
+    if result.skipped_steps:
+        lines.append(f"  {result.skipped_steps} steps skipped for a non-finite loss or gradient norm")
     return "\n".join(lines)

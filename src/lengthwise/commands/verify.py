@@ -28,9 +28,10 @@ import json
 import re
 
 from lengthwise.commands.common import add_backend_arg, add_workload_args, batch_lengths_from_args
-from lengthwise.commands.plan import default_context_length, planner_options
+from lengthwise.commands.plan import default_context_length
+from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
 from lengthwise.errors import UserError
-from lengthwise.planners import available_planners, get_planner, planner_available
+from lengthwise.planners import PLANNER_NAMES, get_planner
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 
 DTYPES = ("float64", "float32", "bfloat16")
@@ -41,18 +42,19 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config", metavar="PRESET|config.json", default="tiny",
                         help="model preset or Hugging Face config.json (default tiny)")
     parser.add_argument("--planner", metavar="NAME",
-                        help=f"one of {', '.join(available_planners())} (default chunkflow, else packing)")
+                        help=f"one of {', '.join(PLANNER_NAMES)} (default chunkflow)")
     parser.add_argument("--batch-size", metavar="N", type=int, default=8,
                         help="sequences drawn from --profile/--data (default 8)")
-    parser.add_argument("--chunk-size", metavar="TOKENS", type=int, help="planner option chunk_size")
-    parser.add_argument("--k", metavar="K", type=int, help="planner option k (ChunkFlow)")
-    parser.add_argument("--option", metavar="KEY=VALUE", action="append", default=[],
-                        help="other planner option, repeatable")
     parser.add_argument("--pp", metavar="P", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--dp", metavar="D", type=int, default=1, help="data-parallel pipelines (default 1)")
     parser.add_argument("--cp", metavar="C", type=int, default=1, help="context-parallel ranks per stage (default 1)")
+    parser.add_argument("--tp", metavar="T", type=int, default=1,
+                        help="tensor-parallel ranks per stage (default 1; needs --nproc or torchrun)")
+    parser.add_argument("--zero", metavar="Z", type=int, default=1, choices=(0, 1, 2, 3),
+                        help="across processes: 3 = FSDP2 resharding after each forward (ZeRO-3), 1/2 = "
+                             "FSDP2 sharding states only, 0 = whole replicas (default 1)")
     parser.add_argument("--nproc", metavar="N", type=int,
-                        help="run on N local worker processes (gloo; N = dp x pp x cp), compare with the oracle")
+                        help="run on N local worker processes (gloo; N = dp x pp x cp x tp), compare with the oracle")
     parser.add_argument("--timeout", metavar="SECONDS", type=float, default=60.0,
                         help="with --nproc or torchrun: longest wait for a message or collective (default 60)")
     parser.add_argument("--dtype", choices=DTYPES, default="float64", help="model dtype (default float64)")
@@ -61,6 +63,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oracle", choices=("auto", "transformers", "unpacked"), default="auto",
                         help="what to compare with (default auto: transformers when installed)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_planner_option_args(parser)
     add_workload_args(parser)
     for action in parser._actions:  # --lengths also takes the batch inline
         if action.dest == "lengths":
@@ -79,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     if args.nproc is not None or _under_torchrun():
         return run_distributed(args, plan, backend)
+    if args.tp > 1:
+        raise UserError(f"--tp {args.tp} runs across processes: add --nproc {plan_world(plan)} (or launch with torchrun)")
     result = verify_plan(plan, dtype=dtype, backend=backend, seed=args.seed, oracle=args.oracle,
                          device=args.device)
     if args.json:
@@ -96,7 +101,7 @@ def build_plan(args: argparse.Namespace):
     from lengthwise.planners import PlanRequest
 
     model = model_preset(args.model_config)
-    scheme = ParallelScheme(dp=args.dp, pp=args.pp, cp=args.cp)
+    scheme = ParallelScheme(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, zero=args.zero)
     scheme.validate(model)
     cluster = cluster_preset("cpu", scheme.num_gpus)
     cost = CostModel(model=model, cluster=cluster)
@@ -104,9 +109,13 @@ def build_plan(args: argparse.Namespace):
     request = PlanRequest(lengths=lengths, model=model, cluster=cluster, scheme=scheme, cost=cost,
                           context_length=args.context_length or default_context_length(lengths),
                           seed=args.seed, options=planner_options(args))
-    plan = get_planner(args.planner or default_planner())(request)
+    plan = get_planner(args.planner or "chunkflow")(request)
     validate_plan(plan, cost)
     return plan
+
+
+def plan_world(plan) -> int:
+    return plan.num_gpus
 
 
 def _under_torchrun() -> bool:
@@ -127,7 +136,8 @@ def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
     from lengthwise.runtime.verify import VerifyResult
 
     job = VerifyJob(make_plan=functools.partial(build_plan, args), dtype=getattr(torch, args.dtype),
-                    backend=backend, seed=args.seed, oracle=args.oracle, timeout_s=args.timeout)
+                    backend=backend, seed=args.seed, oracle=args.oracle, timeout_s=args.timeout,
+                    data_parallel="replicate" if args.zero == 0 else "fsdp")
     if _under_torchrun():
         mesh = init_from_torchrun(device=args.device, timeout_s=args.timeout)
         out = verify_worker(mesh.rank, job, mesh)
@@ -148,10 +158,6 @@ def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
                          for r, c in enumerate(out["comm"]))
         print(f"  {out['nproc']} processes; elements sent (p2p/dp/cp): {sent}")
     return 0 if out["passed"] else 1
-
-
-def default_planner() -> str:
-    return "chunkflow" if planner_available("chunkflow") else "packing"
 
 
 def batch_lengths(args: argparse.Namespace) -> list[int]:

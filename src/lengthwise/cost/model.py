@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from lengthwise.cost import memory as mem
+import lengthwise.cost.memory as mem
 from lengthwise.cost.comm import CommModel
 from lengthwise.cost.flops import ChunkWork, chunk_work, head_forward_flops, layer_forward_flops
 from lengthwise.cost.time import Profile, Throughput
@@ -35,6 +35,10 @@ class CostModel:
     """Measured coefficients; schemes it lacks fall back to the analytic curve."""
     memory_reserve_frac: float = 0.08
     """Share of GPU memory kept free for the allocator's fragmentation and workspaces."""
+    tp_comm_overlap: float = 0.0
+    """Share of the tensor-parallel activation collectives hidden behind GEMMs (0..1). 0 by
+    default: Megatron-LM runs them on the compute stream unless `--tp-comm-overlap` is set, and
+    the executor's DTensor collectives run between its GEMMs, not under them."""
 
     def __post_init__(self):
         self.comm = CommModel(self.cluster)
@@ -84,7 +88,21 @@ class CostModel:
         lin_eff = self.throughput.linear_efficiency(work.tokens, tp)
         lin_s = (layers * lin + head_flops) / tp / (peak * lin_eff)
         attn_s = layers * attn / tp / (peak * self.throughput.attention_mfu)
-        return lin_s + attn_s + layers * self.throughput.layer_overhead_s
+        tp_s = (1.0 - self.tp_comm_overlap) * layers * self.tp_comm_time(work.tokens, tp=tp)
+        return lin_s + attn_s + tp_s + layers * self.throughput.layer_overhead_s
+
+    def tp_comm_time(self, tokens: float, *, tp: int) -> float:
+        """Seconds of one decoder layer's tensor-parallel activation collectives, forward or
+        backward, with sequence parallelism (Megatron-LM's layout, which the executor's
+        SequenceParallel / ColwiseParallel / RowwiseParallel plan follows): before the attention
+        and the MLP block an all-gather of the sequence-sharded activations, after each a
+        reduce-scatter, each of tokens x hidden bf16 values (the gathered size). Backward runs
+        the transposed collectives, the same volume. Inside one node (tp <= GPUs per node)."""
+        if tp <= 1 or tokens <= 0:
+            return 0.0
+        nbytes = tokens * self.model.hidden * mem.BYTES_BF16
+        return 2 * (self.collective_time("all_gather", nbytes, ranks=tp, inter_node=False)
+                    + self.collective_time("reduce_scatter", nbytes, ranks=tp, inter_node=False))
 
     # ---- bytes per GPU ----
     @property
@@ -115,6 +133,9 @@ class CostModel:
 
     def model_state_bytes(self, *, layers: int, tp: int = 1, dp: int = 1, zero: int = 1,
                           first: bool = False, last: bool = False) -> float:
+        """Bytes of weights, gradients and optimizer states one GPU of a stage holds; `dp` is the
+        number of ranks holding a replica of the stage's weights, over which ZeRO shards: data
+        parallel pipelines times CP ranks (each CP rank holds the whole stage)."""
         params = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
         return params * mem.state_bytes_per_param(dp, zero)
 
@@ -162,21 +183,22 @@ class CostModel:
         best = math.inf
         for s, n in enumerate(layers):
             first, last = s == 0, s == pp - 1
-            free = self.capacity_bytes - self.model_state_bytes(layers=n, tp=tp, dp=dp, zero=zero,
+            free = self.capacity_bytes - self.model_state_bytes(layers=n, tp=tp, dp=dp * cp, zero=zero,
                                                                 first=first, last=last)
             held = inflight if inflight is not None else pp - s
             per_token = self.activation_bytes_per_token(layers=n, tp=tp, head=last) * held / cp
             best = min(best, free / per_token if free > 0 else 0)
         return int(best)
 
-    def check_states_fit(self, *, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 1) -> None:
-        """UserError when model states alone overflow a GPU of some stage."""
+    def check_states_fit(self, *, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, zero: int = 1) -> None:
+        """UserError when model states alone overflow a GPU of some stage (ZeRO shards them over
+        the dp x cp ranks that hold a replica of the stage's weights)."""
         for s, n in enumerate(split_layers(self.model.num_layers, pp)):
-            need = self.model_state_bytes(layers=n, tp=tp, dp=dp, zero=zero, first=s == 0, last=s == pp - 1)
+            need = self.model_state_bytes(layers=n, tp=tp, dp=dp * cp, zero=zero, first=s == 0, last=s == pp - 1)
             if need > self.capacity_bytes:
                 raise UserError(
                     f"{self.model.name} does not fit: stage {s} needs {need / 2**30:.1f} GiB of model states per GPU"
-                    f" (tp={tp}, pp={pp}, dp={dp}, zero={zero}) but a GPU has {self.capacity_bytes / 2**30:.1f} GiB"
+                    f" (tp={tp}, pp={pp}, dp={dp}, cp={cp}, zero={zero}) but a GPU has {self.capacity_bytes / 2**30:.1f} GiB"
                     " usable; raise --tp/--pp or the ZeRO stage"
                 )
 

@@ -24,7 +24,6 @@ i is forward chunk i.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -279,8 +278,3 @@ def write_atomic(path: str | Path, text: str | bytes) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-
-
-def replace(obj, **changes):
-    """dataclasses.replace, re-exported for planners that tweak plans."""
-    return dataclasses.replace(obj, **changes)

@@ -10,7 +10,9 @@
 4. All slices of a sequence live in one pipeline (their K/V context never crosses pipelines).
 5. Each pipeline's schedule forwards every chunk and backwards every unit once on every stage,
    slices forward in order and backward in reverse, and runs to the end without deadlock
-   (`schedules.check_schedule`, which replays it in lock-step).
+   (`schedules.check_schedule`, which replays it in lock-step), and every pipeline link carries
+   its messages in one order at both ends (`schedules.check_message_order`: NCCL matches
+   point-to-point messages by order, not by tag).
 6. Loss normalisation: the positions that predict a next token, counted over the chunks, equal
    the batch's loss tokens sum(max(L - 1, 0)) (and the count recorded in the metrics, if any).
 7. With a cost model: model states plus one chunk's activations plus the K/V state of its
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lengthwise.errors import UserError
+from lengthwise.metrics import GIB
 from lengthwise.plan.ir import (
     BACKWARD,
     FORWARD,
@@ -37,12 +40,11 @@ from lengthwise.plan.ir import (
     Segment,
     StepPlan,
 )
-from lengthwise.plan.schedules import check_schedule
+from lengthwise.plan.schedules import check_message_order, check_schedule
 
 if TYPE_CHECKING:
     from lengthwise.cost import CostModel
 
-GIB = 2**30
 
 
 def validate_plan(plan: StepPlan, cost: CostModel | None = None) -> None:
@@ -65,6 +67,7 @@ def validate_plan(plan: StepPlan, cost: CostModel | None = None) -> None:
         _check_action_counts(p, pipe)
         try:
             check_schedule(pipe.stages, pipe.chunks, pipe.backward_chunks)
+            check_message_order(pipe.stages)
         except UserError as exc:
             raise UserError(f"pipeline {p}: {exc}") from None
     _check_loss_tokens(plan)
@@ -205,9 +208,9 @@ def _check_loss_tokens(plan: StepPlan) -> None:
 
 
 def _check_memory(plan: StepPlan, cost: CostModel) -> None:
-    dp = len(plan.pipelines)
     for p, pipe in enumerate(plan.pipelines):
-        over = memory_overflow(pipe, cost, num_layers=plan.model.num_layers, dp=dp, zero=plan.zero,
+        replicas = len(plan.pipelines) * pipe.cp  # ZeRO shards over every rank holding the stage
+        over = memory_overflow(pipe, cost, num_layers=plan.model.num_layers, dp=replicas, zero=plan.zero,
                                where=f"pipeline {p} ")
         if over is not None:
             raise UserError(f"pipeline {p} {over.describe(pipe, cost)}")
@@ -234,8 +237,8 @@ class ChunkOverflow:
 def memory_overflow(pipe: PipelinePlan, cost: CostModel, *, num_layers: int, dp: int, zero: int,
                     where: str = "") -> ChunkOverflow | None:
     """The first forward chunk of `pipe` whose model states, activations and K/V context do not
-    fit its stage's GPU alone (invariant 7), or None. `dp` is the plan's number of pipelines (the
-    ranks model states shard over). Planners call this to keep their plans valid."""
+    fit its stage's GPU alone (invariant 7), or None. `dp` is the number of ranks holding a
+    replica of a stage (pipelines times CP ranks), over which ZeRO shards model states. Planners call this to keep their plans valid."""
     layers = pipe.stage_layers(num_layers)
     for s, actions in enumerate(pipe.stages):
         first, last = s == 0, s == pipe.pp - 1

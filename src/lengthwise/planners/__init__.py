@@ -1,79 +1,31 @@
-"""The planners, by name. Each lives in its own module, imported only when asked for.
+"""The planners, by name.
 
     from lengthwise.planners import PlanRequest, get_planner, PLANNER_NAMES
     plan = get_planner("packing")(PlanRequest(lengths=[...], model=..., cluster=..., scheme=...,
                                               cost=..., context_length=32768))
 
-To add a planner, add one line to `_REGISTRY`: name -> "module:function" under
-lengthwise.planners. A name whose module does not exist yet is listed but reported as not
-available (`planner_available`), so tests iterating over PLANNER_NAMES can skip it.
+Floors, each importing only those below it: base.py (PlanRequest, shared steps), options.py
+(every planner's options), packing_utils.py <- baselines.py and one folder per paper
+(chunkflow/, skrull/, hydraulis/, infinipipe/, slimpack/; each folder's planner.py holds its
+`plan_<paper>` and search) <- registry.py (every planner but auto) <- auto.py <- this module.
+To add a planner, give it an options class in options.py and a line in registry.py.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from collections.abc import Iterator, Mapping
-
 from lengthwise.errors import UserError
+from lengthwise.planners.auto import plan_auto
 from lengthwise.planners.base import Planner, PlanRequest  # noqa: F401
+from lengthwise.planners.registry import CANDIDATE_PLANNERS
 
-_REGISTRY = {
-    "padding": "baselines:plan_padding",
-    "packing": "baselines:plan_packing",
-    "sorted": "baselines:plan_sorted",
-    "token-balanced": "baselines:plan_token_balanced",
-    "megatron": "megatron:plan_megatron",
-    "static-cp": "megatron:plan_static_cp",
-    "chunkflow": "chunkflow:plan_chunkflow",
-    "skrull": "skrull:plan_skrull",
-    "hydraulis": "hydraulis:plan_hydraulis",
-    "infinipipe": "infinipipe:plan_infinipipe",
-    "slimpack": "slimpack:plan_slimpack",
-    "auto": "auto:plan_auto",
-}
+PLANNERS: dict[str, Planner] = {**CANDIDATE_PLANNERS, "auto": plan_auto}
+"""Planner name -> planner function."""
 
-PLANNER_NAMES: tuple[str, ...] = tuple(_REGISTRY)
-
-
-def _module_name(name: str) -> str:
-    return f"lengthwise.planners.{_REGISTRY[name].partition(':')[0]}"
-
-
-def planner_available(name: str) -> bool:
-    """Whether the planner's module exists in this build (later planners land one by one)."""
-    return name in _REGISTRY and importlib.util.find_spec(_module_name(name)) is not None
-
-
-def available_planners() -> list[str]:
-    return [n for n in PLANNER_NAMES if planner_available(n)]
+PLANNER_NAMES: tuple[str, ...] = tuple(PLANNERS)
 
 
 def get_planner(name: str) -> Planner:
     """The planner function registered under `name`; an unknown name is a UserError."""
-    if name not in _REGISTRY:
-        raise UserError(f"unknown planner {name!r}: use one of {', '.join(available_planners())}")
-    if not planner_available(name):
-        raise UserError(
-            f"planner {name!r} is not implemented yet: use one of {', '.join(available_planners())}"
-        )
-    module = importlib.import_module(_module_name(name))
-    return getattr(module, _REGISTRY[name].partition(":")[2])
-
-
-class _LazyPlanners(Mapping):
-    """name -> planner function, importing each planner's module on first access."""
-
-    def __getitem__(self, name: str) -> Planner:
-        if name not in _REGISTRY:
-            raise KeyError(name)
-        return get_planner(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(PLANNER_NAMES)
-
-    def __len__(self) -> int:
-        return len(PLANNER_NAMES)
-
-
-PLANNERS: Mapping[str, Planner] = _LazyPlanners()
+    if name not in PLANNERS:
+        raise UserError(f"unknown planner {name!r}: use one of {', '.join(PLANNER_NAMES)}")
+    return PLANNERS[name]

@@ -2,14 +2,10 @@
 fits memory (ties broken toward less memory). None of the five papers does this step; each
 wins on some workloads and loses on others, and the simulator is cheap enough to ask.
 
-Options:
-- `candidates`: planner names to try (default: every available planner but auto).
-- `schemes`: {planner: {"dp":..,"tp":..,"pp":..,"cp":..}}, a scheme per candidate (default:
-  the request's scheme for all); `lengthwise compare` passes each planner's best scheme.
-- `candidate_options`: {planner: {option: value}} passed through to that candidate.
+Options: `AutoOptions` in planners/options.py (candidates, schemes, candidate_options).
 
 Planning time is the sum of what it runs (planners, validation and simulation), recorded in
-`metrics["planning_ms"]`; `metrics["auto"]` holds each candidate's simulated step time or the
+`metrics[PLANNING_MS]`; `metrics["auto"]` holds each candidate's simulated step time or the
 reason it was skipped.
 """
 
@@ -20,9 +16,11 @@ import time
 from dataclasses import dataclass
 
 from lengthwise.errors import UserError
+from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS
 from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners.base import PlanRequest, take_options
+from lengthwise.planners.registry import CANDIDATE_PLANNERS
 from lengthwise.sim import SimResult, simulate_plan
 from lengthwise.specs import ParallelScheme
 
@@ -48,7 +46,7 @@ class Candidate:
         if self.result is None:
             return {"error": self.error}
         return {"step_time_s": self.result.step_time_s, "fits": bool(self.result.fits),
-                "peak_memory_gb": max_peak(self.result) / 2**30}
+                PEAK_MEMORY_GIB: max_peak(self.result) / GIB}
 
 
 def max_peak(result: SimResult) -> float:
@@ -57,11 +55,9 @@ def max_peak(result: SimResult) -> float:
 
 def try_planner(name: str, request: PlanRequest) -> Candidate:
     """Plan, validate and simulate with one planner; a UserError becomes a skipped candidate."""
-    from lengthwise.planners import get_planner
-
     started = time.perf_counter()
     try:
-        plan = get_planner(name)(request)
+        plan = candidate_planner(name)(request)
         validate_plan(plan, request.cost)
         result = simulate_plan(plan, request.cost)
         cand = Candidate(planner=name, plan=plan, result=result, scheme=request.scheme)
@@ -79,10 +75,15 @@ def choose_best(candidates: list[Candidate]) -> Candidate | None:
     return min(usable, key=lambda c: (c.result.step_time_s, max_peak(c.result)))
 
 
-def default_candidates() -> list[str]:
-    from lengthwise.planners import available_planners
+def candidate_planner(name: str):
+    """The planner auto may run under `name` (every planner but auto itself)."""
+    if name not in CANDIDATE_PLANNERS:
+        raise UserError(f"auto cannot run planner {name!r}: candidates are {', '.join(CANDIDATE_PLANNERS)}")
+    return CANDIDATE_PLANNERS[name]
 
-    return [n for n in available_planners() if n != "auto"]
+
+def default_candidates() -> list[str]:
+    return list(CANDIDATE_PLANNERS)
 
 
 def candidate_request(request: PlanRequest, name: str, opts: dict) -> PlanRequest:
@@ -95,7 +96,7 @@ def candidate_request(request: PlanRequest, name: str, opts: dict) -> PlanReques
 
 def plan_auto(request: PlanRequest) -> StepPlan:
     started = time.perf_counter()
-    opts = take_options(request, "auto", {"candidates": None, "schemes": {}, "candidate_options": {}})
+    opts = take_options(request, "auto")
     names = opts["candidates"] or default_candidates()
     if "auto" in names:
         raise UserError("auto cannot be its own candidate: remove 'auto' from candidates")
@@ -107,7 +108,7 @@ def plan_auto(request: PlanRequest) -> StepPlan:
     plan = best.plan
     plan.metrics = {**plan.metrics, "chosen_planner": best.planner,
                     "auto": {c.planner: c.summary() for c in tried},
-                    "planning_ms": (time.perf_counter() - started) * 1e3}
+                    PLANNING_MS: (time.perf_counter() - started) * 1e3}
     plan.options = {"chosen_planner": best.planner, "candidates": names, **plan.options}
     plan.planner = "auto"
     return plan

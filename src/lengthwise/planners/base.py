@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from lengthwise.errors import UserError
+from lengthwise.metrics import PLANNING_MS
 from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
+from lengthwise.plan.schedules import make_schedule
+from lengthwise.planners.options import option_defaults
 from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
 
 if TYPE_CHECKING:
@@ -38,14 +41,17 @@ class PlanRequest:
     seed: int = 0
     """Seed for any random choice the planner makes."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Planner-specific options (chunk_size, k, micro_batch_size ...)."""
+    """Planner-specific options by name (chunk_size, k, ...): the fields of the planner's class in
+    planners/options.py, defaults left out."""
 
 
 Planner = Callable[[PlanRequest], StepPlan]
 
 
-def take_options(request: PlanRequest, planner: str, defaults: dict[str, Any]) -> dict[str, Any]:
-    """The planner's options with defaults filled in; an unknown option is a UserError."""
+def take_options(request: PlanRequest, planner: str) -> dict[str, Any]:
+    """The planner's options (planners/options.py) with defaults filled in; an unknown option is a
+    UserError."""
+    defaults = option_defaults(planner)
     unknown = sorted(set(request.options) - set(defaults))
     if unknown:
         valid = ", ".join(defaults) or "none"
@@ -74,7 +80,7 @@ def check_lengths(request: PlanRequest) -> None:
     context length. Planners that split long sequences need no more than this."""
     s = request.scheme
     s.validate(request.model)
-    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, zero=s.zero)
+    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, zero=s.zero)
     if not request.lengths:
         raise UserError("the global batch is empty: give at least one sequence")
     for seq_id, n in enumerate(request.lengths):
@@ -110,8 +116,6 @@ def whole(seq_ids: list[int], lengths: list[int]) -> tuple[Segment, ...]:
 def pipelines_from_chunks(request: PlanRequest, per_pipeline: list[list[Chunk]],
                           schedule: str = "1f1b") -> list[PipelinePlan]:
     """One PipelinePlan per chunk list, each stage's actions from the named schedule."""
-    from lengthwise.plan.schedules import make_schedule
-
     s = request.scheme
     return [
         PipelinePlan(chunks=chunks, stages=make_schedule(schedule, chunks, s.pp), tp=s.tp, cp=s.cp,
@@ -131,7 +135,7 @@ def finish_plan(request: PlanRequest, pipelines: list[PipelinePlan], *, planner:
                     lengths=list(request.lengths), pipelines=pipelines, zero=request.scheme.zero,
                     options=dict(request.options if options is None else options))
     plan.metrics = plan_metrics(plan, request.cost)
-    plan.metrics["planning_ms"] = (time.perf_counter() - started) * 1e3
+    plan.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
     return plan
 
 

@@ -11,6 +11,10 @@ are formed and spread over data-parallel ranks:
   of packs per DP rank in shuffled order (the Megatron/NeMo/TRL default that SlimPack §6 and
   Hydraulis §2.2 compare against). No padding, but packs with one long sequence cost many
   times a pack of short ones (quadratic attention), so ranks straggle.
+- `megatron`: Megatron-LM as ChunkFlow, InfiniPipe, SlimPack and Hydraulis run it for their
+  comparisons: the scheme it is given, micro-batches of packed samples of the context length
+  filled in sampler order (no sorting), the same count per DP rank, 1F1B, and full activation
+  recomputation when a context-length micro-batch does not fit without it (`recompute`).
 - `sorted`: LongAlign's sorted batching (ChunkFlow §6 "smart batching"): sort by length, cut the
   sorted list into micro-batches of similar lengths that fit the token budget, pad each to its
   longest, deal the micro-batches to ranks in shuffled order. Little padding, same stragglers.
@@ -18,9 +22,8 @@ are formed and spread over data-parallel ranks:
   token count, then each rank packs its share best-fit-decreasing. Equal tokens per rank, but
   not equal attention FLOPs.
 
-Options: `padding` takes micro_batch_size (default: as many rows of the batch's longest sequence
-as one pipeline's memory holds under 1F1B, cost.max_seq_len); `sorted` takes micro_batch_size (default: fill the token budget);
-`token-balanced` takes equal_count (same number of sequences per rank, default false).
+Options: `PaddingOptions`, `MegatronOptions`, `SortedOptions`, `TokenBalancedOptions` in
+planners/options.py.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ import random
 import time
 
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import Chunk, StepPlan
+from lengthwise.cost.model import split_layers
+from lengthwise.plan.ir import FORWARD, Action, Chunk, StepPlan
 from lengthwise.planners.base import (
-    PlanRequest, check_request, finish_plan, pipelines_from_chunks, positive_int_option,
+    PlanRequest, check_lengths, check_request, finish_plan, pipelines_from_chunks, positive_int_option,
     take_options, whole,
 )
 from lengthwise.planners.packing_utils import best_fit_decreasing, karmarkar_karp, split_to_multiple
@@ -68,7 +72,7 @@ def _check_padded_fits(groups: list[list[int]], lengths: list[int], budget: int,
 def plan_padding(request: PlanRequest) -> StepPlan:
     """Fixed-size micro-batches in sampler order, padded to their longest (Hydraulis §2.2)."""
     started = time.perf_counter()
-    opts = take_options(request, "padding", {"micro_batch_size": None})
+    opts = take_options(request, "padding")
     limit = check_request(request)
     lengths = request.lengths
     # Default: as many rows of the batch's longest sequence as one pipeline's memory holds.
@@ -85,7 +89,7 @@ def plan_padding(request: PlanRequest) -> StepPlan:
 def plan_packing(request: PlanRequest) -> StepPlan:
     """Best-fit-decreasing packs of the context length, an equal count per DP rank."""
     started = time.perf_counter()
-    take_options(request, "packing", {})
+    take_options(request, "packing")
     capacity = min(request.context_length, check_request(request))
     lengths, dp = request.lengths, request.scheme.dp
     bins = split_to_multiple(best_fit_decreasing(lengths, capacity), lengths, dp)
@@ -95,6 +99,79 @@ def plan_packing(request: PlanRequest) -> StepPlan:
     pipelines = pipelines_from_chunks(request, deal(chunks, dp))
     return finish_plan(request, pipelines, planner="packing", started=started,
                        options={"pack_tokens": capacity})
+
+
+RECOMPUTE_CHOICES = ("none", "full", "auto")
+
+
+def plan_megatron(request: PlanRequest) -> StepPlan:
+    """Megatron-LM's packed micro-batches of the context length, recomputing when it must."""
+    started = time.perf_counter()
+    opts = take_options(request, "megatron")
+    if opts["recompute"] not in RECOMPUTE_CHOICES:
+        raise UserError(f"option recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {opts['recompute']!r}")
+    check_lengths(request)
+    recompute = _megatron_recompute(request, opts["recompute"])
+    lengths, dp = request.lengths, request.scheme.dp
+    bins = split_to_multiple(next_fit(lengths, request.context_length), lengths, dp)
+    chunks = [packed_chunk(b, lengths) for b in bins]
+    pipelines = pipelines_from_chunks(request, deal(chunks, dp))
+    if recompute:
+        _recompute_every_layer(request, pipelines)
+    return finish_plan(request, pipelines, planner="megatron", started=started,
+                       options={"recompute": "full" if recompute else "none",
+                                "micro_batch_tokens": request.context_length})
+
+
+def next_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Sequences in sampler order into rows of at most `capacity` tokens, a new row whenever the
+    next one does not fit (Megatron-LM's packed dataset fills rows as samples come)."""
+    rows: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(lengths):
+        if rows[-1] and used + n > capacity:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    return rows
+
+
+def _megatron_recompute(request: PlanRequest, choice: str) -> bool:
+    """Whether every layer recomputes: `auto` only when a context-length micro-batch does not fit
+    1F1B without it (pp - s micro-batches in flight on stage s)."""
+    fits_plain = _fits_1f1b(request, recompute=False)
+    if choice == "none" and not fits_plain:
+        raise UserError(f"a {request.context_length}-token micro-batch does not fit {request.scheme} without "
+                        "recomputation: use recompute=full or auto, or raise --tp/--pp")
+    recompute = choice == "full" or (choice == "auto" and not fits_plain)
+    if recompute and not _fits_1f1b(request, recompute=True):
+        raise UserError(f"a {request.context_length}-token micro-batch does not fit {request.scheme} even with "
+                        "full recomputation: raise --tp, --pp or --cp, or lower --context-length")
+    return recompute
+
+
+def _fits_1f1b(request: PlanRequest, *, recompute: bool) -> bool:
+    s, cost = request.scheme, request.cost
+    layers = split_layers(request.model.num_layers, s.pp)
+    for stage, n in enumerate(layers):
+        first, last = stage == 0, stage == s.pp - 1
+        states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp * s.cp, zero=s.zero, first=first, last=last)
+        per_token = cost.activation_bytes_per_token(layers=n, tp=s.tp, recompute_layers=n if recompute else 0,
+                                                    head=last)
+        # under recomputation the backward re-materialises one layer's activations at a time
+        transient = cost.activation_bytes_per_token(layers=1, tp=s.tp) if recompute else 0.0
+        tokens = request.context_length / s.cp
+        if states + tokens * (per_token * (s.pp - stage) + transient) > cost.capacity_bytes:
+            return False
+    return True
+
+
+def _recompute_every_layer(request: PlanRequest, pipelines) -> None:
+    layers = split_layers(request.model.num_layers, request.scheme.pp)
+    for pipe in pipelines:
+        pipe.stages = [[Action(a.kind, a.chunk, layers[s]) if a.kind == FORWARD else a for a in actions]
+                       for s, actions in enumerate(pipe.stages)]
 
 
 def _sorted_groups(lengths: list[int], budget: int, mbs: int | None) -> list[list[int]]:
@@ -114,7 +191,7 @@ def _sorted_groups(lengths: list[int], budget: int, mbs: int | None) -> list[lis
 def plan_sorted(request: PlanRequest) -> StepPlan:
     """LongAlign sorted batching: similar lengths per micro-batch, batches in random order."""
     started = time.perf_counter()
-    opts = take_options(request, "sorted", {"micro_batch_size": None})
+    opts = take_options(request, "sorted")
     budget = min(request.context_length, check_request(request))
     mbs = positive_int_option(opts, "micro_batch_size")
     groups = _sorted_groups(request.lengths, budget, mbs)
@@ -128,7 +205,7 @@ def plan_sorted(request: PlanRequest) -> StepPlan:
 def plan_token_balanced(request: PlanRequest) -> StepPlan:
     """Karmarkar-Karp over DP ranks by token count, then best-fit-decreasing packs per rank."""
     started = time.perf_counter()
-    opts = take_options(request, "token-balanced", {"equal_count": False})
+    opts = take_options(request, "token-balanced")
     capacity = min(request.context_length, check_request(request))
     lengths = request.lengths
     shares = karmarkar_karp(lengths, request.scheme.dp, equal_count=bool(opts["equal_count"]))

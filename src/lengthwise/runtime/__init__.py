@@ -1,6 +1,7 @@
 """The executor: runs a StepPlan in PyTorch with exactly the loss and gradients of plain training.
 
-    from lengthwise.runtime import build_model, run_step
+    from lengthwise.runtime.model import build_model
+    from lengthwise.runtime.execute import run_step
     model = build_model(plan.model, dtype=torch.float64, seed=0)    # or load_weights(model, "ckpt/")
     loss = run_step(model, plan, token_ids)   # token_ids[seq_id]: 1-D LongTensor; grads land in .grad
 
@@ -11,11 +12,10 @@ cross-entropy) ; state.py (K/V store) <- cells.py (forward chunks cut by backwar
 transport.py (stage-to-stage messages) <- stage.py
 (one stage's state-aware runner) <- checks.py, execute.py (single-process driver) <- verify.py
 (comparison with transformers). weights.py reads and writes Hugging Face checkpoints and
-memory.py measures what autograd keeps for backward.
-"""
+memory.py measures what autograd keeps for backward. manifest.py (sha256 of a checkpoint's
+files, written last, checked before any is read) <- checkpoint.py (training checkpoints as
+JSON and safetensors).
 
-from lengthwise.runtime.execute import hand_plan, run_step, unpacked_plan  # noqa: F401
-from lengthwise.runtime.model import CausalLM, build_model  # noqa: F401
-from lengthwise.runtime.stage import StageRunner  # noqa: F401
-from lengthwise.runtime.transport import InProcessTransport, Message, Transport  # noqa: F401
-from lengthwise.runtime.weights import load_weights, save_pretrained  # noqa: F401
+The package itself imports nothing, so that its pure-Python parts (train/config.py) load without
+torch: `lengthwise --help` and the planning commands run where PyTorch is not installed.
+"""

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lengthwise.errors import UserError
-from lengthwise.runtime import flash_cpu
+import lengthwise.runtime.flash_cpu as flash_cpu
 from lengthwise.runtime.layout import ChunkLayout, pack_keys, unflatten_context
 
 BACKENDS = ("auto", "reference", "cpu-flash", "varlen")

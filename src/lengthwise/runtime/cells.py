@@ -32,12 +32,9 @@ Cost, against running each forward chunk as one graph:
   the backward of u's tokens only (what the simulator charges, `cost.backward_time(u)`). But
   `F c` runs as m_c smaller rows (m_c = backward units touching c): m_c times the kernel
   launches per layer and GEMMs of about T_c / m_c rows, and on a CP-sharded segment cut into
-  pieces one K/V all-gather per piece instead of one. m_c is 2.19 on average (1 to 4) over
-  the 256 MicroPacks of slimpack.py's github / llama2-7b / dp8-tp4-pp4 plan. On CPU (tiny
-  preset, float32, one thread, lengths 2048,300,256,200,120,64,30,17, 8 MicroPacks, measured
-  2026-11-21) a step took 0.756 s against 0.683 s for the same MicroPacks with symmetric
-  backward (pp=1; 0.705 against 0.681 s at pp=2), and kept 117 MiB of saved activations at
-  peak against 125 MiB. Backwarding whole retained chunk graphs once per touching unit (linear
+  pieces one K/V all-gather per piece instead of one. The time this costs on a CPU is
+  measured by benchmarks/bench_split_overhead.py (benchmarks/results/split_overhead*.json:
+  rows cut into 2, 4 and 8 pieces against whole rows). Backwarding whole retained chunk graphs once per touching unit (linear
   superposition, also exact) would instead repeat about m_c times each chunk's backward.
 - memory: activations of a cell are freed by its unit's backward, so a chunk's activations go
   in parts, never later than the last unit touching it (the simulator keeps all of them until

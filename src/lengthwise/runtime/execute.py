@@ -25,7 +25,7 @@ from lengthwise.runtime.checks import check_executable
 from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.stage import StageRunner
 from lengthwise.runtime.transport import InProcessTransport
-from lengthwise.specs import CLUSTER_PRESETS
+from lengthwise.specs import cluster_preset
 
 
 def run_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor], *,
@@ -68,35 +68,5 @@ def unpacked_plan(lengths: list[int], spec, *, planner: str = "unpacked") -> Ste
     """Each sequence alone in its own chunk, forward then backward: plain training."""
     chunks = [Chunk.parse(f"{i}[0:{n}]") for i, n in enumerate(lengths)]
     actions = [Action(kind, i) for i in range(len(lengths)) for kind in (FORWARD, BACKWARD)]
-    return StepPlan(planner=planner, model=spec, cluster=CLUSTER_PRESETS["cpu"], lengths=list(lengths),
-                    pipelines=[PipelinePlan(chunks=chunks, stages=[actions])])
-
-
-def hand_plan(spec, lengths: list[int], pipelines: list[tuple[str, list[str]]]) -> StepPlan:
-    """A StepPlan from strings, one (chunks, stages) pair per pipeline, e.g.
-    `("0[0:4] 0[4:8]+1[0:3]", ["F0 F1 B1 B0"])` (chunks space-separated, one action string per
-    stage). For tests and experiments; planners build plans from objects."""
-    pipes = [PipelinePlan(chunks=[Chunk.parse(c) for c in chunks.split()],
-                          stages=[[Action.parse(a) for a in stage.split()] for stage in stages])
-             for chunks, stages in pipelines]
-    return StepPlan(planner="hand", model=spec, cluster=CLUSTER_PRESETS["cpu"], lengths=list(lengths),
-                    pipelines=pipes)
-
-
-@torch.no_grad()
-def chunk_logits(model: CausalLM, chunk: Chunk, token_ids: list[torch.Tensor], *,
-                 backend: str = "auto") -> torch.Tensor:
-    """Logits [T, V] of one chunk through the whole model, for a chunk whose segments need no
-    context from other chunks (whole documents, first slices). For tests and inspection."""
-    from lengthwise.runtime.attention import ChunkLayout
-    from lengthwise.runtime.loss import chunk_positions, chunk_tokens
-
-    layout = ChunkLayout.from_chunk(chunk)
-    assert all(s.start == 0 or layout.row_context[i] for i, s in enumerate(chunk.segments)), chunk
-    param = next(model.parameters())
-    h_TD = model.embed(chunk_tokens(chunk, token_ids).to(param.device))
-    rope = model.rope(chunk_positions(chunk, param.device), param.dtype)
-    contexts = [[[] for _ in chunk.segments] for _ in model.model.layers]
-    h_TD, _ = model.run_layers(h_TD, layers=range(model.spec.num_layers), rope=rope, layout=layout,
-                               contexts=contexts, backend=backend)
-    return model.head_logits(h_TD)
+    return StepPlan(planner=planner, model=spec, cluster=cluster_preset("cpu", 1),
+                    lengths=list(lengths), pipelines=[PipelinePlan(chunks=chunks, stages=[actions])])

@@ -12,7 +12,11 @@ and returns its own post-rotary K/V, so the state-aware executor (`runtime/stage
 K/V across the slices of a split sequence (chunkflow §4.2).
 
 Stages: `embed` (first stage), `layers[a:b]` (any contiguous range), `head_logits` (last stage)
-are separate calls; the executor decides which a stage runs. The model imports no parallel code.
+are separate calls; the executor decides which a stage runs. A `StagePart` builds only one
+stage's modules (its layers, the embedding on the first stage, norm and head on the last), so a
+rank holds memory in proportion to its layers; `layers` is a ModuleDict keyed by the global
+layer index, so names stay Hugging Face's whatever the split. The model imports no parallel
+code: FSDP2 and tensor parallelism are applied from outside (`runtime/parallel/`).
 
 Numerics follow Hugging Face: RMSNorm and rotary tables are computed in float32 for 16/32-bit
 models; in float64 they stay in float64 (Hugging Face would drop to float32 there, see
@@ -23,6 +27,10 @@ F SwiGLU width, V vocabulary.
 """
 
 from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +49,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, reduced in at least float32."""
 
-    def __init__(self, width: int, eps: float):
+    def __init__(self, width: int, eps: float, dtype: torch.dtype | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(width))
+        self.weight = nn.Parameter(torch.ones(width, dtype=dtype))
         self.eps = eps
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -52,12 +60,27 @@ class RMSNorm(nn.Module):
         return self.weight * wide_TD.to(x_TD.dtype)
 
 
-def rotary_tables(positions_T: torch.Tensor, *, head_dim: int, theta: float, dtype: torch.dtype):
+def inverse_frequencies(*, head_dim: int, theta: float, scaling, dtype: torch.dtype, device) -> torch.Tensor:
+    """theta^(-2i/E), with Llama-3's scaling when given: wavelengths beyond the original
+    context / low_freq_factor are stretched by `factor`, those below context / high_freq_factor
+    kept, and the band between interpolated linearly in context / wavelength."""
+    exponents = torch.arange(0, head_dim, 2, dtype=dtype, device=device) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    factor, low, high, context = scaling
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rotary_tables(positions_T: torch.Tensor, *, head_dim: int, theta: float, dtype: torch.dtype,
+                  scaling=None):
     """cos and sin tables [T, E] at explicit positions (a slice starting at 4096 rotates from
     4096, not 0), in Hugging Face's half-split layout."""
     wide = compute_dtype(dtype)
-    exponents = torch.arange(0, head_dim, 2, dtype=wide, device=positions_T.device) / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq = inverse_frequencies(head_dim=head_dim, theta=theta, scaling=scaling, dtype=wide,
+                                   device=positions_T.device)
     freqs_TE = positions_T.to(wide)[:, None] * inv_freq[None, :]
     angles_TE = torch.cat((freqs_TE, freqs_TE), dim=-1)
     return angles_TE.cos().to(dtype), angles_TE.sin().to(dtype)
@@ -75,43 +98,47 @@ def apply_rotary(x_THE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor
 class SelfAttention(nn.Module):
     """GQA attention; optional bias on q, k and v (Qwen2), none on the output projection."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype | None = None):
         super().__init__()
         self.spec = spec
-        self.q_proj = nn.Linear(spec.hidden, spec.q_dim, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.q_dim, spec.hidden, bias=False)
+        self.q_proj = nn.Linear(spec.hidden, spec.q_dim, bias=spec.qkv_bias, dtype=dtype)
+        self.k_proj = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias, dtype=dtype)
+        self.v_proj = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(spec.q_dim, spec.hidden, bias=False, dtype=dtype)
 
     def forward(self, x_TD, rope, layout: ChunkLayout, context, backend: str):
         """Returns the output [T, D] and this row's post-rotary k, v [T, G, E]."""
-        num_tokens, spec = x_TD.shape[0], self.spec
-        q_THE = self.q_proj(x_TD).view(num_tokens, spec.num_heads, spec.head_dim)
-        k_TGE = self.k_proj(x_TD).view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        v_TGE = self.v_proj(x_TD).view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        # Heads counted from the projections' outputs: under tensor parallelism (applied from
+        # outside) a rank's projections produce its share of the heads.
+        q_THE, k_TGE, v_TGE = (_heads(proj(x_TD), self.spec.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
         q_THE, k_TGE = apply_rotary(q_THE, *rope), apply_rotary(k_TGE, *rope)
         out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
-        return self.o_proj(out_THE.reshape(num_tokens, spec.q_dim)), k_TGE, v_TGE
+        return self.o_proj(out_THE.flatten(1)), k_TGE, v_TGE
+
+
+def _heads(x_TX: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[T, heads * E] -> [T, heads, E] (also for T = 0, where view(T, -1, E) is ambiguous)."""
+    return x_TX.view(x_TX.shape[0], x_TX.shape[1] // head_dim, head_dim)
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden, spec.ffn, bias=False)
-        self.up_proj = nn.Linear(spec.hidden, spec.ffn, bias=False)
-        self.down_proj = nn.Linear(spec.ffn, spec.hidden, bias=False)
+        self.gate_proj = nn.Linear(spec.hidden, spec.ffn, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(spec.hidden, spec.ffn, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(spec.ffn, spec.hidden, bias=False, dtype=dtype)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype | None = None):
         super().__init__()
-        self.self_attn = SelfAttention(spec)
-        self.mlp = SwiGLU(spec)
-        self.input_layernorm = RMSNorm(spec.hidden, spec.rms_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.rms_eps)
+        self.self_attn = SelfAttention(spec, dtype)
+        self.mlp = SwiGLU(spec, dtype)
+        self.input_layernorm = RMSNorm(spec.hidden, spec.rms_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.rms_eps, dtype)
 
     def forward(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
         """One pre-norm block; returns (h [T, D], k [T, G, E], v [T, G, E]).
@@ -123,26 +150,50 @@ class DecoderLayer(nn.Module):
         return h_TD, k_TGE, v_TGE
 
 
-class DecoderStack(nn.Module):
-    """Hugging Face's `model.` prefix: embedding, layers, final norm."""
+@dataclass(frozen=True, kw_only=True)
+class StagePart:
+    """Which modules one pipeline stage holds."""
 
-    def __init__(self, spec: ModelSpec):
+    layers: range
+    """Global indices of its decoder layers (contiguous)."""
+    first: bool
+    """Holds the embedding."""
+    last: bool
+    """Holds the final norm and the LM head (and the embedding too when tied)."""
+
+    @classmethod
+    def whole(cls, spec: ModelSpec) -> StagePart:
+        return cls(layers=range(spec.num_layers), first=True, last=True)
+
+
+class DecoderStack(nn.Module):
+    """Hugging Face's `model.` prefix: embedding, layers, final norm (those of `part`)."""
+
+    def __init__(self, spec: ModelSpec, part: StagePart, dtype: torch.dtype | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab, spec.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden, spec.rms_eps)
+        if part.first or (part.last and spec.tied_embeddings):
+            self.embed_tokens = nn.Embedding(spec.vocab, spec.hidden, dtype=dtype)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(spec, dtype) for i in part.layers})
+        if part.last:
+            self.norm = RMSNorm(spec.hidden, spec.rms_eps, dtype)
 
 
 class CausalLM(nn.Module):
     """The decoder plus its LM head; `lm_head.weight` is the embedding when tied."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, part: StagePart | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         spec.validate()
         self.spec = spec
-        self.model = DecoderStack(spec)
-        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
-        if spec.tied_embeddings:
+        self.part = part or StagePart.whole(spec)
+        self.model = DecoderStack(spec, self.part, dtype)
+        if self.part.last:
+            self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False, dtype=dtype)
+        self.tie()
+
+    def tie(self) -> None:
+        """Make the LM head share the embedding's parameter (again, after `to_empty`)."""
+        if self.spec.tied_embeddings and self.part.last:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def embed(self, tokens_T: torch.Tensor) -> torch.Tensor:
@@ -150,7 +201,8 @@ class CausalLM(nn.Module):
 
     def rope(self, positions_T: torch.Tensor, dtype: torch.dtype):
         spec = self.spec
-        return rotary_tables(positions_T, head_dim=spec.head_dim, theta=spec.rope_theta, dtype=dtype)
+        return rotary_tables(positions_T, head_dim=spec.head_dim, theta=spec.rope_theta, dtype=dtype,
+                             scaling=spec.rope_scaling)
 
     def run_layers(self, h_TD, *, layers: range, rope, layout: ChunkLayout, contexts, backend: str,
                    recompute_layers: int = 0):
@@ -161,7 +213,7 @@ class CausalLM(nn.Module):
         chunk-level checkpointing). Returns h and the list of (k, v) per layer."""
         kv_per_layer = []
         for j, index in enumerate(layers):
-            layer = self.model.layers[index]
+            layer = self.model.layers[str(index)]
             args = (h_TD, rope, layout, contexts[j], backend)
             if j < recompute_layers and torch.is_grad_enabled():
                 h_TD, k_TGE, v_TGE = checkpoint(layer, *args, use_reentrant=False)
@@ -175,23 +227,56 @@ class CausalLM(nn.Module):
 
 
 def build_model(spec: ModelSpec, *, dtype: torch.dtype = torch.float32, device="cpu",
-                seed: int | None = None) -> CausalLM:
-    """The model in `dtype` on `device`; with a seed, random weights (`init_weights`)."""
-    model = CausalLM(spec)
+                seed: int | None = None, part: StagePart | None = None) -> CausalLM:
+    """The model (or one stage's `part` of it) in `dtype` on `device`.
+
+    Built on the meta device and materialised once, in place, so a stage allocates only its
+    own parameters. With a seed, random weights (`init_weights`, the same values whatever the
+    split); without, uninitialised memory for `weights.load_weights` to fill."""
+    model = meta_model(spec, part=part, dtype=dtype)
+    model.to_empty(device=device)
+    model.tie()
     if seed is not None:
         init_weights(model, seed)
-    return model.to(device=device, dtype=dtype)
+    return model
+
+
+def parameter_names(spec: ModelSpec) -> list[str]:
+    """Every parameter of the whole model, in `named_parameters` order, from the spec alone
+    (no module built: also under fake tensors, and cheap for 80 layers)."""
+    attn = [f"self_attn.{p}_proj.{kind}" for p in "qkv" for kind in (("weight", "bias") if spec.qkv_bias else ("weight",))]
+    layer = [*attn, "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+             "input_layernorm.weight", "post_attention_layernorm.weight"]
+    names = ["model.embed_tokens.weight"]
+    names += [f"model.layers.{i}.{name}" for i in range(spec.num_layers) for name in layer]
+    return names + ["model.norm.weight"] + ([] if spec.tied_embeddings else ["lm_head.weight"])
+
+
+def meta_model(spec: ModelSpec, *, part: StagePart | None = None, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """The model's structure without storage (for parallelising before materialising, and for
+    fake-tensor dry runs)."""
+    with torch.device("meta"):
+        model = CausalLM(spec, part, dtype)
+    model.tie()
+    return model
 
 
 @torch.no_grad()
-def init_weights(model: CausalLM, seed: int) -> None:
+def init_weights(model: CausalLM, seed: int, assign=None) -> None:
     """Seeded random weights: matrices N(0, 0.02) like Hugging Face's initialiser; norms
     1 + N(0, 0.1) and biases N(0, 0.02) rather than constants, so that a test comparing
-    gradients exercises every parameter's path."""
-    gen = torch.Generator().manual_seed(seed)
+    gradients exercises every parameter's path. Each parameter draws from its own generator,
+    seeded by (seed, name), so a stage's weights do not depend on which other stages exist
+    (pp = 2 starts from the same model as pp = 1). `assign(param, whole)` stores a whole
+    tensor into a parameter (default: copy; a sharded parameter takes its piece)."""
     for name, param in model.named_parameters():
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
-            param.copy_(1.0 + 0.1 * noise)
+            noise = 1.0 + 0.1 * noise
         else:
-            param.copy_(0.02 * noise)
+            noise = 0.02 * noise
+        if assign is None:
+            param.copy_(noise)
+        else:
+            assign(param, noise)

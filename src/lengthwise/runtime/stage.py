@@ -23,16 +23,21 @@ a cell is a chunk. It talks to its neighbours only through a `Transport`. Action
 One message per action: `F c` sends its cells' rows concatenated, `B u` the input gradients of
 its cells (`cells.py` gives the order). State is freed right after the last action of the
 stage that needs it (`state.last_uses`).
+
+What this process computes of a cell is a `Row`, given by the runner's `rows` strategy:
+`WholeRows` (the default) computes every cell whole; context parallelism computes one CP
+rank's share with a collective attention (`runtime/distributed/cp_stage.py`, `CPRows`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk, StepPlan
+from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk, Segment, StepPlan
 from lengthwise.runtime.attention import ChunkLayout
 from lengthwise.runtime.cells import CellMap, cell_last_uses, cell_map
 from lengthwise.runtime.loss import chunk_labels, chunk_positions, chunk_tokens, token_loss_sum
@@ -55,15 +60,68 @@ class _Pending:
     """Detached k, v leaves per layer of the earlier slices this chunk attended to."""
 
 
+@dataclass(kw_only=True)
+class Row:
+    """What this process computes of one cell in one forward."""
+
+    chunk: Chunk
+    """The segments computed here, in row order: their tokens, positions and labels."""
+    computed: Chunk
+    """Whole segments whose earlier slices' K/V the row reads from the store, and whose own K/V
+    this process holds afterwards (the cell itself, unless context parallelism shares it)."""
+    layout: ChunkLayout
+    attention: Any
+    """The attention backend's name, or a callable attention (runtime/model.py)."""
+
+    def kv_of(self, segment: Segment, kv: list[KV], grad: bool) -> list[KV]:
+        """Per layer, the K/V of whole segment `segment` of `computed` after the forward: its
+        rows of the row's K/V (copied out without grad, so the rest of the row can be freed)."""
+        lo = dict(zip(self.chunk.segments, self.layout.q_offsets))[segment]
+        per_layer = [(k[lo:lo + segment.num_tokens], v[lo:lo + segment.num_tokens]) for k, v in kv]
+        return per_layer if grad else [(k.clone(), v.clone()) for k, v in per_layer]
+
+
+class Rows(Protocol):
+    """How a stage's cells become the rows this process computes."""
+
+    label: str
+    """Added to the runner's `where()` (e.g. the CP rank)."""
+
+    def share(self, cell: int, chunk: Chunk) -> Chunk:
+        """The segments of cell `cell` (`chunk`) computed here: `row(...).chunk`."""
+        ...
+
+    def row(self, cell: int, chunk: Chunk, action: Action, where: str) -> Row:
+        """What `action` computes here of cell `cell`; UserError, prefixed by `where`, if it cannot."""
+        ...
+
+
+class WholeRows:
+    """Every cell computed whole, with the named attention backend."""
+
+    label = ""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+
+    def share(self, cell: int, chunk: Chunk) -> Chunk:
+        return chunk
+
+    def row(self, cell: int, chunk: Chunk, action: Action, where: str) -> Row:
+        return Row(chunk=chunk, computed=chunk, layout=ChunkLayout.from_chunk(chunk), attention=self.backend)
+
+
 class StageRunner:
     """Runs the actions of one stage of one pipeline of a StepPlan, in order."""
 
     def __init__(self, *, model: CausalLM, plan: StepPlan, pipeline: int, stage: int,
-                 token_ids: list[torch.Tensor], transport: Transport, backend: str = "auto"):
+                 token_ids: list[torch.Tensor], transport: Transport, backend: str = "auto",
+                 rows: Rows | None = None):
         pipe = plan.pipelines[pipeline]
         layer_counts = pipe.stage_layers(model.spec.num_layers)
         first_layer = sum(layer_counts[:stage])
         self.model, self.plan, self.transport, self.backend = model, plan, transport, backend
+        self.rows: Rows = rows or WholeRows(backend)
         self.pipeline, self.stage, self.num_stages = pipeline, stage, pipe.pp
         self.layers = range(first_layer, first_layer + layer_counts[stage])
         self.chunks: list[Chunk] = pipe.chunks
@@ -94,7 +152,7 @@ class StageRunner:
 
     def where(self, index: int | None = None) -> str:
         index = self.next_index if index is None else index
-        return f"pipeline {self.pipeline} stage {self.stage} action {index} ({self.actions[index]})"
+        return f"pipeline {self.pipeline} stage {self.stage} action {index} ({self.actions[index]}){self.rows.label}"
 
     def needs(self) -> Message | None:
         """The message the next action must receive before it can run, if any."""
@@ -130,19 +188,19 @@ class StageRunner:
             self.transport.send(self._message(action, self.stage + 1), _joined(outputs))
 
     def _forward_cell(self, action: Action, cell: int, received: torch.Tensor | None) -> torch.Tensor:
-        chunk, grad = self.cells.cells[cell], action.kind == FORWARD
+        grad = action.kind == FORWARD
         if grad and cell in self.pending:
             raise UserError(f"{self.where()}: chunk {action.chunk} is forwarded twice before its backward")
-        layout = ChunkLayout.from_chunk(chunk)
+        row = self.rows.row(cell, self.cells.cells[cell], action, self.where())
         with torch.set_grad_enabled(grad):
-            h_TD, input_leaf = self._cell_input(action, chunk, received)
-            leaves = self._context_leaves(chunk, grad)
-            rope = self.model.rope(chunk_positions(chunk, h_TD.device), h_TD.dtype)
+            h_TD, input_leaf = self._cell_input(action, row.chunk, received)
+            leaves = self._context_leaves(row.computed, grad)
+            rope = self.model.rope(_positions(row.chunk, h_TD.device), h_TD.dtype)
             h_TD, kv = self.model.run_layers(
-                h_TD, layers=self.layers, rope=rope, layout=layout, backend=self.backend,
-                contexts=self._contexts(chunk, leaves), recompute_layers=action.recompute_layers)
-            own_kv = self._keep_own_kv(chunk, layout, kv, grad)
-            output = self._cell_output(action, chunk, h_TD)
+                h_TD, layers=self.layers, rope=rope, layout=row.layout, backend=row.attention,
+                contexts=self._contexts(row.chunk, leaves), recompute_layers=action.recompute_layers)
+            own_kv = self._keep_own_kv(row, kv, grad)
+            output = self._cell_output(action, row.chunk, h_TD)
         if grad:
             self.pending[cell] = _Pending(input_leaf=input_leaf, output=output,
                                           own_kv=own_kv, context_leaves=leaves)
@@ -156,12 +214,13 @@ class StageRunner:
         return list(torch.split(whole, rows))
 
     def _cell_rows(self, cell: int) -> int:
-        """Rows of the cell's part of a message."""
-        return self.cells.cells[cell].num_tokens
+        """Rows of the cell's part of a message: what this process computes of it."""
+        return self.rows.share(cell, self.cells.cells[cell]).num_tokens
 
     def _cell_input(self, action: Action, chunk: Chunk, received: torch.Tensor | None):
         if self.is_first:
-            tokens = chunk_tokens(chunk, self.token_ids).to(self._param.device)
+            tokens = (chunk_tokens(chunk, self.token_ids) if chunk.segments
+                      else torch.zeros(0, dtype=torch.long)).to(self._param.device)
             return self.model.embed(tokens), None
         leaf = received.detach().requires_grad_(action.kind == FORWARD)
         return leaf, leaf
@@ -184,15 +243,11 @@ class StageRunner:
         return [[[leaves[key][j] for key in keys] for keys in keys_per_segment]
                 for j in range(len(self.layers))]
 
-    def _keep_own_kv(self, chunk: Chunk, layout: ChunkLayout, kv: list[KV], grad: bool):
+    def _keep_own_kv(self, row: Row, kv: list[KV], grad: bool):
         """Store the K/V that later slices will read; return them (graph-attached) for backward."""
-        offsets = {s: o for s, o in zip(chunk.segments, layout.q_offsets)}
         own = {}
-        for segment in stored_segments(chunk, self.plan.lengths):
-            lo, hi = offsets[segment], offsets[segment] + segment.num_tokens
-            per_layer = [(k[lo:hi], v[lo:hi]) for k, v in kv]
-            if not grad:  # copy out of the row so the rest of the row can be freed
-                per_layer = [(k.clone(), v.clone()) for k, v in per_layer]
+        for segment in stored_segments(row.computed, self.plan.lengths):
+            per_layer = row.kv_of(segment, kv, grad)
             self.store.put(slice_key(segment), per_layer)
             own[slice_key(segment)] = per_layer
         return own
@@ -203,6 +258,10 @@ class StageRunner:
             return h_TD
         if action.kind != FORWARD:
             return None  # N only leaves K/V; the loss comes with the later F
+        if not chunk.segments:
+            # No token of this cell here (a CP rank without a share): a zero loss part that still
+            # reaches the row's graph, so that backward runs this rank's part of any collective.
+            return 0.0 * h_TD.sum()
         labels = chunk_labels(chunk, self.token_ids).to(h_TD.device)
         loss_part = token_loss_sum(self.model.head_logits(h_TD), labels) / self.plan.loss_tokens
         self.loss_sum = self.loss_sum + loss_part.detach().double()
@@ -249,6 +308,12 @@ def _context_from_store(chunk: Chunk) -> dict[int, int]:
     for s in chunk.segments:
         stops[s.seq_id] = min(stops.get(s.seq_id, s.start), s.start)
     return stops
+
+
+def _positions(chunk: Chunk, device) -> torch.Tensor:
+    if not chunk.segments:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    return chunk_positions(chunk, device)
 
 
 def _grad_of(leaf: torch.Tensor) -> torch.Tensor:

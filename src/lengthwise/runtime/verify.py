@@ -34,7 +34,7 @@ import torch
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.execute import run_step, unpacked_plan
 from lengthwise.runtime.loss import IGNORE, token_loss_sum
-from lengthwise.runtime.model import CausalLM, build_model
+from lengthwise.runtime.model import CausalLM, build_model, inverse_frequencies
 from lengthwise.runtime.weights import hf_config_dict
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 1e-1}
@@ -161,11 +161,11 @@ def build_hf_twin(model: CausalLM):
     hf = hf.to(device=param.device, dtype=param.dtype)
     hf.load_state_dict(model.state_dict(), strict=True)
     if param.dtype == torch.float64:
-        _promote_hf_internals(hf, model.spec.rope_theta)
+        _promote_hf_internals(hf, model.spec)
     return hf
 
 
-def _promote_hf_internals(hf, theta: float) -> None:
+def _promote_hf_internals(hf, spec) -> None:
     """Run Hugging Face's RMSNorm and rotary tables in float64 (they hard-code float32)."""
     patched = 0
     for module in hf.modules():
@@ -174,7 +174,7 @@ def _promote_hf_internals(hf, theta: float) -> None:
             module.forward = types.MethodType(_rmsnorm_float64, module)
             patched += 1
         elif kind.endswith("RotaryEmbedding"):
-            module.forward = types.MethodType(lambda self, x, position_ids: _rotary_float64(self, x, position_ids, theta), module)
+            module.forward = types.MethodType(lambda self, x, position_ids: _rotary_float64(self, x, position_ids, spec), module)
             patched += 1
     assert patched >= 2, "transformers' module names changed: update _promote_hf_internals"
 
@@ -184,9 +184,11 @@ def _rmsnorm_float64(self, hidden_states):
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
-def _rotary_float64(self, x, position_ids, theta: float):
-    dim = 2 * self.inv_freq.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=x.device) / dim))
+def _rotary_float64(self, x, position_ids, spec):
+    # The frequencies (with Llama-3 scaling) in float64; tests/test_runtime_model.py checks
+    # this formula against transformers' own in float32.
+    inv_freq = inverse_frequencies(head_dim=2 * self.inv_freq.shape[-1], theta=spec.rope_theta,
+                                   scaling=spec.rope_scaling, dtype=torch.float64, device=x.device)
     freqs = position_ids[..., None].to(torch.float64) * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(x.dtype), angles.sin().to(x.dtype)

@@ -7,18 +7,25 @@ A directory written here loads with `transformers.AutoModelForCausalLM.from_pret
 a Hugging Face Llama/Qwen2 checkpoint loads here, unchanged: the parameter names are the
 same (`model.layers.0.self_attn.q_proj.weight`, ...). With tied embeddings the file holds no
 `lm_head.weight`, as Hugging Face writes it.
+
+A stage's model (`model.StagePart`) reads only its own tensors: `safetensors.safe_open` maps
+the file and copies just the keys the stage holds (from the shards the index names for them),
+so loading a 70B checkpoint on a pipeline stage costs that stage's memory, not the model's.
+Shapes are checked from the file's header before any tensor is read.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import write_atomic
-from lengthwise.runtime.model import CausalLM
+from lengthwise.runtime.model import CausalLM, parameter_names
 from lengthwise.specs import ModelSpec
 
 WEIGHTS_NAME = "model.safetensors"
@@ -38,6 +45,11 @@ def hf_config_dict(spec: ModelSpec) -> dict:
         "rms_norm_eps": spec.rms_eps, "hidden_act": "silu", "attention_dropout": 0.0,
         "max_position_embeddings": 1 << 20,
     }
+    if spec.rope_scaling is not None:
+        factor, low, high, context = spec.rope_scaling
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                               "high_freq_factor": high, "original_max_position_embeddings": context,
+                               "rope_theta": spec.rope_theta}
     if not qwen:
         cfg |= {"attention_bias": False, "mlp_bias": False}
     return cfg
@@ -45,10 +57,18 @@ def hf_config_dict(spec: ModelSpec) -> dict:
 
 def expected_names(model: CausalLM) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor names and shapes of the model, in Hugging Face's spelling."""
-    names = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    if model.spec.tied_embeddings:
+    names = {name: _unpadded(name, tuple(t.shape), model.spec.vocab) for name, t in model.state_dict().items()}
+    if model.spec.tied_embeddings and "lm_head.weight" in names:
         del names["lm_head.weight"]
     return names
+
+
+VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+"""Tensors with one row per vocabulary entry (padded under tensor parallelism, Megatron's way)."""
+
+
+def _unpadded(name: str, shape: tuple[int, ...], vocab: int) -> tuple[int, ...]:
+    return (vocab, *shape[1:]) if name in VOCAB_ROWS else shape
 
 
 def save_pretrained(model: CausalLM, directory: str | Path) -> None:
@@ -63,22 +83,83 @@ def save_pretrained(model: CausalLM, directory: str | Path) -> None:
 
 
 def load_weights(model: CausalLM, path: str | Path) -> None:
-    """Load a .safetensors file, a directory holding one, or a sharded index, into the model."""
-    load_state(model, read_tensors(path))
+    """Load a .safetensors file, a directory holding one, or a sharded index, into the model
+    (only the tensors the model, maybe one stage, holds)."""
+    sources = tensor_sources(path)
+    expected = expected_names(model)
+    _check_names(expected, sources, spec_names=set(parameter_names(model.spec)),
+                 tied=model.spec.tied_embeddings)
+    params = model.state_dict()
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(sources[name].file, []).append(name)
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with _open(file) as handle:
+                for name in names:
+                    _copy_into(params[name], handle.get_tensor(name))
 
 
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    """Every tensor of a checkpoint (file, directory or sharded index), read whole."""
+    tensors = {}
+    for name, source in tensor_sources(path).items():
+        with _open(source.file) as handle:
+            tensors[name] = handle.get_tensor(name)
+    return tensors
 
+
+@dataclass(frozen=True)
+class TensorSource:
+    """Where one checkpoint tensor lies, and its shape (from the file's header)."""
+
+    file: Path
+    shape: tuple[int, ...]
+
+
+def tensor_sources(path: str | Path) -> dict[str, TensorSource]:
+    """Name -> (file, shape) of every tensor of a checkpoint, reading headers only."""
     path = Path(path)
     if path.is_dir():
         path = path / INDEX_NAME if (path / INDEX_NAME).exists() else path / WEIGHTS_NAME
     if not path.exists():
         raise UserError(f"no weights at {path}: give a .safetensors file or a directory holding {WEIGHTS_NAME}")
+    files = [path]
     if path.name.endswith(".index.json"):
-        shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
-        return {name: t for shard in shards for name, t in load_file(path.parent / shard).items()}
-    return load_file(path)
+        files = [path.parent / shard for shard in sorted(set(json.loads(path.read_text())["weight_map"].values()))]
+    sources = {}
+    for file in files:
+        if not file.exists():
+            raise UserError(f"{path} names the shard {file.name}, which is missing from {file.parent}")
+        with _open(file) as handle:
+            for name in handle.keys():
+                sources[name] = TensorSource(file, tuple(handle.get_slice(name).get_shape()))
+    return sources
+
+
+def _open(file: Path):
+    from safetensors import safe_open
+
+    return safe_open(str(file), framework="pt", device="cpu")
+
+
+def _copy_into(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    copy_whole(param, tensor)
+
+
+@torch.no_grad()
+def copy_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
+    """Store a whole tensor into a parameter; a DTensor (FSDP2 / TP shard) takes its own piece
+    (a replicated DTensor redistributed locally, no communication)."""
+    whole = whole.to(device=param.device, dtype=param.dtype)
+    if whole.shape[0] < param.shape[0]:  # a vocabulary padded for TP: zero rows, never read
+        whole = torch.cat([whole, whole.new_zeros((param.shape[0] - whole.shape[0], *whole.shape[1:]))])
+    if isinstance(param, DTensor):
+        replicated = distribute_tensor(whole, param.device_mesh, [Replicate()] * param.device_mesh.ndim,
+                                       src_data_rank=None)
+        param.to_local().copy_(replicated.redistribute(param.device_mesh, param.placements).to_local())
+    else:
+        param.copy_(whole)
 
 
 @torch.no_grad()
@@ -86,23 +167,28 @@ def load_state(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
     """Copy tensors into the model; UserError naming the first missing, unexpected or
     mis-shaped tensor."""
     expected = expected_names(model)
-    _check_names(expected, tensors, tied=model.spec.tied_embeddings)
+    sources = {name: TensorSource(Path("."), tuple(t.shape)) for name, t in tensors.items()}
+    _check_names(expected, sources, spec_names=set(parameter_names(model.spec)),
+                 tied=model.spec.tied_embeddings)
+    if model.spec.tied_embeddings and "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors \
+            and not torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+        raise UserError("checkpoint has unexpected tensor lm_head.weight: the model config ties the embeddings")
     params = model.state_dict()
     for name in expected:
-        params[name].copy_(tensors[name])
+        _copy_into(params[name], tensors[name])
 
 
-def _check_names(expected: dict[str, tuple[int, ...]], tensors: dict[str, torch.Tensor], *, tied: bool) -> None:
+def _check_names(expected: dict[str, tuple[int, ...]], sources: dict[str, TensorSource], *,
+                 spec_names: set[str], tied: bool) -> None:
+    """`expected`: what this model (or stage) reads; `spec_names`: what the whole model has
+    (a stage ignores the other stages' tensors, but no model has any other)."""
     for name, shape in expected.items():
-        if name not in tensors:
+        if name not in sources:
             raise UserError(f"checkpoint lacks {name} (shape {list(shape)}): is it for this model config?")
-        if tuple(tensors[name].shape) != shape:
-            raise UserError(f"checkpoint tensor {name} has shape {list(tensors[name].shape)}, the model "
+        if sources[name].shape != shape:
+            raise UserError(f"checkpoint tensor {name} has shape {list(sources[name].shape)}, the model "
                             f"config needs {list(shape)}")
-    for name in tensors:
-        if name in expected:
-            continue
-        if tied and name == "lm_head.weight" and torch.equal(tensors[name], tensors["model.embed_tokens.weight"]):
-            continue  # some writers keep the tied copy
-        raise UserError(f"checkpoint has unexpected tensor {name}: the model config "
-                        f"{'ties the embeddings' if name == 'lm_head.weight' else 'has no such parameter'}")
+    for name in sources:
+        if name in spec_names or (tied and name == "lm_head.weight"):
+            continue  # another stage's tensor; some writers keep the tied copy
+        raise UserError(f"checkpoint has unexpected tensor {name}: the model config has no such parameter")

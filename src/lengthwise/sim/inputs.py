@@ -148,7 +148,7 @@ class _PipelineCosts:
 
     def _sizes(self, recompute: list[list[int]]) -> MemorySizes:
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
-        dp, zero = len(self.plan.pipelines), self.plan.zero
+        dp, zero = len(self.plan.pipelines) * pipe.cp, self.plan.zero  # ZeRO shards over dp x cp
         splits = split_sequences(pipe.chunks, self.units)
         act, extra, transient, kv, kv_grad, state = [], [], [], [], [], []
         for s in range(S):
@@ -170,7 +170,8 @@ class _PipelineCosts:
                            kv=kv, kv_grad=kv_grad)
 
     def _grad_sync(self) -> list[float]:
-        dp = len(self.plan.pipelines)
+        # every CP rank holds the stage's weights too: gradients reduce over dp x cp
+        dp = len(self.plan.pipelines) * self.pipe.cp
         if dp <= 1:
             return [0.0] * self.pipe.pp
         return [self._shared(self.cm.grad_sync_time, layers=L, tp=self.pipe.tp, dp=dp, zero=self.plan.zero,

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from lengthwise.errors import UserError
+from lengthwise.workloads.token_cache import cache_key, file_identity, open_or_build, tokenizer_identity
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 """Files a folder corpus reads, one document each."""
@@ -84,12 +85,15 @@ class Corpus:
     """Size of the tokenizer's vocabulary (ids are below it)."""
 
 
-def load_corpus(spec: str, tokenizer_dir: str | None = None, *, text_field: str = "text") -> Corpus:
-    """Documents from `spec`: "stdlib", a .jsonl/.parquet file, a text file or a folder."""
+def load_corpus(spec: str, tokenizer_dir: str | None = None, *, text_field: str = "text",
+                cache_dir: str | None = None) -> Corpus:
+    """Documents from `spec`: "stdlib", a .jsonl/.parquet file, a text file, a folder, or a
+    Hugging Face `datasets` folder (save_to_disk). With a tokenizer and `cache_dir`, the ids
+    come from the token cache (token_cache.py), tokenised only the first time."""
     hf_tokenizer = None if tokenizer_dir is None else load_hf_tokenizer(tokenizer_dir)
-    texts = [t for t in _read_texts(spec, text_field) if t.strip()]
-    if not texts:
-        raise UserError(f"--data {spec} holds no non-empty documents")
+    if hf_tokenizer is not None and cache_dir is not None:
+        return _cached_corpus(spec, tokenizer_dir, hf_tokenizer, text_field, cache_dir)
+    texts = _nonempty_texts(spec, text_field)
     if hf_tokenizer is not None:
         return _hf_corpus(spec, texts, hf_tokenizer)
     tokenizer = ByteTokenizer()
@@ -98,10 +102,39 @@ def load_corpus(spec: str, tokenizer_dir: str | None = None, *, text_field: str 
                   vocab_size=tokenizer.vocab_size)
 
 
+def _nonempty_texts(spec: str, text_field: str) -> list[bytes]:
+    texts = [t for t in _read_texts(spec, text_field) if t.strip()]
+    if not texts:
+        raise UserError(f"--data {spec} holds no non-empty documents")
+    return texts
+
+
+def _cached_corpus(spec: str, tokenizer_dir: str, tokenizer, text_field: str, cache_dir: str) -> Corpus:
+    key = cache_key({"data": spec, "files": file_identity(input_files(spec)), "text_field": text_field,
+                     "tokenizer": tokenizer_identity(tokenizer_dir)})
+    build = lambda: (_hf_ids(text, tokenizer) for text in _nonempty_texts(spec, text_field))  # noqa: E731
+    documents, lengths, vocab = open_or_build(cache_dir, key, build=build, vocab_size=len(tokenizer))
+    return Corpus(name=spec, documents=documents, lengths=lengths, vocab_size=vocab)
+
+
+def input_files(spec: str) -> list[Path]:
+    """The files `spec`'s documents are read from (what the token cache's key covers)."""
+    if spec == "stdlib":
+        return stdlib_files()
+    path = Path(spec)
+    if is_hf_dataset(path):
+        return sorted(p for p in path.rglob("*") if p.is_file())
+    if path.is_dir():
+        return _folder_files(path)
+    return [path] if path.is_file() else []
+
+
 def _read_texts(spec: str, text_field: str) -> list[bytes]:
     if spec == "stdlib":
         return [p.read_bytes() for p in stdlib_files()]
     path = Path(spec)
+    if is_hf_dataset(path):
+        return _read_hf_dataset(path, text_field)
     if path.is_dir():
         return [p.read_bytes() for p in _folder_files(path)]
     if not path.is_file():
@@ -164,15 +197,44 @@ def _read_parquet(path: Path, text_field: str) -> list[bytes]:
 
 
 def _hf_corpus(spec: str, texts: list[bytes], tokenizer) -> Corpus:
-    eos = tokenizer.eos_token_id
-    documents = []
-    for text in texts:
-        ids = tokenizer(text.decode("utf-8", errors="replace"), verbose=False)["input_ids"]
-        if eos is not None and (not ids or ids[-1] != eos):
-            ids = ids + [eos]  # documents end with EOS, as with the byte tokenizer
-        documents.append(np.array(ids, dtype=np.int64))
+    documents = [_hf_ids(text, tokenizer) for text in texts]
     lengths = np.array([len(d) for d in documents], dtype=np.int64)
     return Corpus(name=spec, documents=documents, lengths=lengths, vocab_size=len(tokenizer))
+
+
+def _hf_ids(text: bytes, tokenizer) -> np.ndarray:
+    ids = tokenizer(text.decode("utf-8", errors="replace"), verbose=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    if eos is not None and (not ids or ids[-1] != eos):
+        ids = ids + [eos]  # documents end with EOS, as with the byte tokenizer
+    return np.array(ids, dtype=np.int64)
+
+
+HF_DATASET_MARKS = ("dataset_dict.json", "state.json")
+"""Files `datasets.Dataset(Dict).save_to_disk` writes at the top of its folder."""
+
+
+def is_hf_dataset(path: Path) -> bool:
+    return path.is_dir() and any((path / mark).is_file() for mark in HF_DATASET_MARKS)
+
+
+def _read_hf_dataset(path: Path, text_field: str) -> list[bytes]:
+    """The text column of a save_to_disk folder (a DatasetDict: its train split)."""
+    try:
+        import datasets  # optional: only Hugging Face dataset folders need it
+    except ImportError:
+        raise UserError(f"--data {path} is a Hugging Face datasets folder; reading it needs the datasets "
+                        f"package (pip install datasets)") from None
+    data = datasets.load_from_disk(str(path))
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise UserError(f"--data {path} has splits {', '.join(data)} and no 'train'; save the split to "
+                            f"train on by itself")
+        data = data["train"]
+    if text_field not in data.column_names:
+        raise UserError(f"{path} has no column {text_field!r} (columns: {', '.join(data.column_names)}); "
+                        f"pass --text-field NAME")
+    return [(t or "").encode("utf-8") for t in data[text_field]]
 
 
 def load_hf_tokenizer(tokenizer_dir: str):

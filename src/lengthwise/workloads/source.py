@@ -68,7 +68,9 @@ class LengthSource:
         if self.corpus is None:
             raise UserError(f"{self.name} has lengths only; training needs --data PATH")
         ids = self.corpus.documents[seq_id]
-        return ids if self.context_length is None else ids[: self.context_length]
+        if self.context_length is None or len(ids) <= self.context_length:
+            return ids
+        return np.array(ids[: self.context_length])  # a copy: a view would keep the whole document alive
 
 
 def profile_source(name: str, context_length: int | None = None,
@@ -90,8 +92,8 @@ def lengths_file_source(path: str, context_length: int | None = None,
 
 
 def corpus_source(spec: str, tokenizer_dir: str | None = None, context_length: int | None = None,
-                  overlong: str = "error", text_field: str = "text") -> LengthSource:
-    corpus = load_corpus(spec, tokenizer_dir, text_field=text_field)
+                  overlong: str = "error", text_field: str = "text", cache_dir: str | None = None) -> LengthSource:
+    corpus = load_corpus(spec, tokenizer_dir, text_field=text_field, cache_dir=cache_dir)
     return _finite(f"data {spec}", corpus.lengths, corpus, context_length, overlong)
 
 

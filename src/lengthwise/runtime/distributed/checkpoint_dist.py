@@ -1,15 +1,25 @@
 """Checkpoints of a distributed run: model and optimizer with torch.distributed.checkpoint (DCP),
-plus each rank's sampler position and random-number generators.
+plus each rank's sampler position and random-number generators, sealed by a manifest.
 
     save_checkpoint(folder, step=7, model=model, optimizer=opt, held=held, extras={"sampler": s.state_dict()})
-    path = latest_checkpoint(folder)                       # newest complete one, or None
+    path = latest_checkpoint(folder)                       # newest intact one, or None (collective)
     extras = load_checkpoint(path, model=model, optimizer=opt, held=held)
 
 Layout of one checkpoint, `folder/step-000007/`: DCP's files (one shard file per rank and a
-`.metadata`), `rank-R.pt` per rank (step, sampler state, torch / Python / NumPy RNG states),
-and `COMPLETE`, written by rank 0 after every rank has finished. A checkpoint without
-`COMPLETE` (a rank died while saving) is ignored, so a restarted group resumes from the last
-one all ranks finished.
+`.metadata`), per rank `rank-R.json` (step, sampler state, Python and NumPy RNG states) and
+`rank-R.safetensors` (torch RNG state), and `MANIFEST.json` (runtime/manifest.py), written by
+rank 0 after every rank has finished: the sha256 of every file. A checkpoint without it (a rank
+died while saving) or whose files differ from it is skipped, and the group resumes from the
+newest intact one; rank 0 names the skipped ones on stderr.
+
+Safety: DCP's `.metadata` is a pickle, which DCP unpickles on load (its tensor shards load with
+`weights_only=True`); it is read only after rank 0 has matched every file to the manifest, so a
+damaged or half-written checkpoint never reaches the unpickler. That is no defence against a
+checkpoint crafted elsewhere (its author can write a matching manifest): never resume one from
+an untrusted source. Everything else is JSON or safetensors.
+
+Rewriting a step (a run resumed from an earlier one saves it again) first removes its manifest,
+then the old folder, so a kill in the middle never leaves old and new files under a manifest.
 
 Each rank saves only the parameters its stage holds (`dp.held_parameters`), keyed by their
 Hugging Face names; data-parallel and CP replicas hold identical values (gradients are summed
@@ -20,24 +30,36 @@ the same key with different contents (torchtitan does the same for pipeline stag
 
 from __future__ import annotations
 
-import io
-import random
+import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 
-from lengthwise.plan.ir import write_atomic
+from lengthwise.errors import UserError
+from lengthwise.runtime.checkpoint import SINGLE, rng_state, set_rng_state
+from lengthwise.runtime.checkpoint import latest_checkpoint as newest_local
+from lengthwise.runtime.distributed.agree import broadcast_json
+from lengthwise.runtime.manifest import (
+    DamagedCheckpoint,
+    remove_manifest,
+    verify_manifest,
+    write_manifest,
+    write_synced,
+)
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-COMPLETE = "COMPLETE"
+DISTRIBUTED = "distributed"
+"""The manifest's `kind` of a distributed checkpoint."""
 
 
 def checkpoint_path(folder: str | Path, step: int) -> Path:
@@ -45,46 +67,97 @@ def checkpoint_path(folder: str | Path, step: int) -> Path:
 
 
 def save_checkpoint(folder: str | Path, *, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    held: dict[str, torch.nn.Parameter], extras: dict | None = None) -> Path:
-    """Collective: every rank calls it after the optimizer step of `step`."""
+                    held: dict[str, torch.nn.Parameter], extras: dict | None = None,
+                    also: Callable[[Path], None] | None = None) -> Path:
+    """Collective: every rank calls it after the optimizer step of `step`. `also(path)`, when
+    given, is called on every rank after the folder is cleared and before the manifest (rank 0's
+    Hugging Face copy of the weights goes there)."""
     path = checkpoint_path(folder, step)
+    if dist.get_rank() == 0:
+        _clear(path)
+    dist.barrier()
     state = {"model": {n: p.detach() for n, p in held.items()},
              "optim": get_optimizer_state_dict(model, optimizer, options=_FLAT)}
     dcp.save(state, checkpoint_id=str(path))
-    blob = io.BytesIO()
-    torch.save({"step": step, **(extras or {}), "rng": rng_state()}, blob)
-    write_atomic(path / f"rank-{dist.get_rank()}.pt", blob.getvalue())
+    plain, tensors = rng_state()
+    rank = dist.get_rank()
+    write_synced(path / f"rank-{rank}.json", json.dumps({"step": step, **(extras or {}), "rng": plain}).encode())
+    write_synced(path / f"rank-{rank}.safetensors", save(tensors))
+    if also is not None:
+        also(path)
     dist.barrier()
-    if dist.get_rank() == 0:
-        write_atomic(path / COMPLETE, f"{dist.get_world_size()}\n")
+    if rank == 0:
+        write_manifest(path, meta={"kind": DISTRIBUTED, "nproc": dist.get_world_size(), "step": step})
     dist.barrier()
     return path
 
 
+def _clear(path: Path) -> None:
+    """Unmark, then remove, an earlier save of this step."""
+    if path.exists():
+        remove_manifest(path)
+        (path / "COMPLETE").unlink(missing_ok=True)  # the completion mark of earlier versions
+        shutil.rmtree(path)
+
+
 def latest_checkpoint(folder: str | Path) -> Path | None:
-    """The newest checkpoint every rank finished writing."""
-    done = sorted(p.parent for p in Path(folder).glob(f"step-*/{COMPLETE}"))
-    return done[-1] if done else None
+    """Collective: the newest intact checkpoint under `folder` (either kind: `load_checkpoint`
+    refuses a single-process one with a message), chosen by rank 0, which names the damaged
+    or incomplete newer ones on stderr."""
+    verdict = None
+    if dist.get_rank() == 0:
+        try:
+            found = newest_local(folder)
+            verdict = {"path": None if found is None else str(found)}
+        except (UserError, OSError) as exc:  # every rank must get a verdict, or the others would wait
+            verdict = {"error": str(exc)}
+    verdict = _from_rank0(verdict)
+    if "error" in verdict:
+        raise DamagedCheckpoint(verdict["error"])
+    return None if verdict["path"] is None else Path(verdict["path"])
 
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     held: dict[str, torch.nn.Parameter]) -> dict:
-    """Load weights and optimizer state in place, restore this rank's RNGs; returns its extras
-    (step, sampler, ...)."""
+    """Collective: check `path` against its manifest (rank 0 hashes, every rank gets the
+    verdict), load weights and optimizer state in place, restore this rank's RNGs; returns its
+    extras (step, sampler, ...)."""
+    meta = _verified_meta(path)
+    if meta.get("kind") == SINGLE:
+        raise UserError(f"{path} is a single-process checkpoint; resume it without --nproc / torchrun")
+    if meta.get("nproc") != dist.get_world_size():
+        raise UserError(f"{path} was written by {meta.get('nproc')} processes, this run has "
+                        f"{dist.get_world_size()}; resume with --nproc {meta.get('nproc')} "
+                        f"(and the same --dp/--pp/--cp)")
     optim_state = get_optimizer_state_dict(model, optimizer, options=_FLAT)
     state = {"model": {n: p.detach() for n, p in held.items()}, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optim"], options=_FLAT)
-    extras = torch.load(path / f"rank-{dist.get_rank()}.pt", weights_only=False)
-    set_rng_state(extras.pop("rng"))
+    rank = dist.get_rank()
+    extras = json.loads((path / f"rank-{rank}.json").read_text())
+    set_rng_state(extras.pop("rng"), load_file(path / f"rank-{rank}.safetensors"))
     return extras
 
 
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+def _verified_meta(path: Path) -> dict:
+    verdict = None
+    if dist.get_rank() == 0:
+        try:
+            verdict = {"meta": verify_manifest(path)}
+        except (UserError, OSError) as exc:  # every rank must get a verdict, or the others would wait
+            verdict = {"error": str(exc)}
+    verdict = _from_rank0(verdict)
+    if "error" in verdict:
+        raise DamagedCheckpoint(verdict["error"])
+    return verdict["meta"]
 
 
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+def _from_rank0(value: dict | None) -> dict:
+    return broadcast_json(value, _collective_device())
+
+
+def _collective_device() -> torch.device:
+    """Where the default group's tensors must live: the current GPU with NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,4 +1,6 @@
-"""A stage runner for one CP rank of a stage whose pipeline has cp > 1 (skrull §4.1 DACP).
+"""The rows one CP rank computes of a stage whose pipeline has cp > 1 (skrull §4.1 DACP).
+
+    runner = StageRunner(..., rows=CPRows(pipe, cp_rank=r, cp_group=g, stats=stats, backend=b))
 
 The same action list as the plain `StageRunner`, on this rank's share of each cell (a chunk,
 or its part in one backward unit: `runtime/cells.py`; `cp.cp_view`): its head and tail pieces
@@ -20,92 +22,54 @@ the all-gather's reduce-scatter, in layer order on every rank.
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import FORWARD, SHARDED, Action, Chunk
+from lengthwise.plan.ir import SHARDED, Action, Chunk, PipelinePlan, Segment
+from lengthwise.runtime.cells import cell_map
 from lengthwise.runtime.distributed.cp import CPView, ShardedAttention, cp_view
 from lengthwise.runtime.distributed.stats import CommStats
-from lengthwise.runtime.loss import chunk_positions
-from lengthwise.runtime.stage import StageRunner, _Pending
-from lengthwise.runtime.state import slice_key, stored_segments
+from lengthwise.runtime.stage import Row
+from lengthwise.runtime.state import KV
 
 
-class CPStageRunner(StageRunner):
-    """Runs one CP rank's share of one stage's actions."""
+class CPRows:
+    """One CP rank's share of every cell of a stage (the `rows` of its `StageRunner`)."""
 
-    def __init__(self, *, cp_rank: int, cp_group, stats: CommStats, **kwargs):
-        super().__init__(**kwargs)
-        cp = self.plan.pipelines[self.pipeline].cp
-        self.cp_rank, self.cp_group, self.stats = cp_rank, cp_group, stats
-        self.views: list[CPView] = [cp_view(c, cp=cp, rank=cp_rank) for c in self.cells.cells]
-        for cell, chunk in enumerate(self.cells.cells):
-            _check_row(self.cells.chunk_of[cell], chunk)
+    def __init__(self, pipe: PipelinePlan, *, cp_rank: int, cp_group, stats: CommStats, backend: str):
+        self.cp_group, self.stats, self.backend = cp_group, stats, backend
+        self.label = f" on CP rank {cp_rank}"
+        cells = cell_map(pipe)
+        self.views: list[CPView] = [cp_view(c, cp=pipe.cp, rank=cp_rank) for c in cells.cells]
+        for cell, chunk in enumerate(cells.cells):
+            _check_row(cells.chunk_of[cell], chunk)
 
-    def where(self, index: int | None = None) -> str:
-        return f"{super().where(index)} on CP rank {self.cp_rank}"
+    def share(self, cell: int, chunk: Chunk) -> Chunk:
+        return self.views[cell].chunk
 
-    def _cell_rows(self, cell: int) -> int:
-        return self.views[cell].chunk.num_tokens
-
-    def _forward_cell(self, action: Action, cell: int, received: torch.Tensor | None) -> torch.Tensor:
-        view, grad = self.views[cell], action.kind == FORWARD
-        if grad and cell in self.pending:
-            raise UserError(f"{self.where()}: chunk {action.chunk} is forwarded twice before its backward")
+    def row(self, cell: int, chunk: Chunk, action: Action, where: str) -> Row:
+        view = self.views[cell]
         if action.recompute_layers and view.sharded:
-            raise UserError(f"{self.where()}: recomputing layers of a chunk with CP-sharded segments is not "
+            raise UserError(f"{where}: recomputing layers of a chunk with CP-sharded segments is not "
                             "supported (the K/V all-gather would run again in backward); plan it without .r")
         attention = (ShardedAttention(view=view, group=self.cp_group, stats=self.stats, backend=self.backend)
                      if view.sharded or not view.parts else self.backend)
-        with torch.set_grad_enabled(grad):
-            h_TD, input_leaf = self._share_input(action, view, received)
-            leaves = self._context_leaves(Chunk(view.computed), grad)
-            rope = self.model.rope(_positions(view.chunk, h_TD.device), h_TD.dtype)
-            h_TD, kv = self.model.run_layers(
-                h_TD, layers=self.layers, rope=rope, layout=view.layout(), backend=attention,
-                contexts=self._contexts(view.chunk, leaves), recompute_layers=action.recompute_layers)
-            own_kv = self._keep_share_kv(view, kv, attention, grad)
-            output = self._share_output(action, view, h_TD)
-        if grad:
-            self.pending[cell] = _Pending(input_leaf=input_leaf, output=output,
-                                          own_kv=own_kv, context_leaves=leaves)
-        return h_TD
-
-    def _share_input(self, action: Action, view: CPView, received: torch.Tensor | None):
-        if self.is_first and not view.parts:
-            return self.model.embed(torch.zeros(0, dtype=torch.long, device=self._param.device)), None
-        return self._cell_input(action, view.chunk, received)
-
-    def _keep_share_kv(self, view: CPView, kv, attention, grad: bool):
-        """Store the K/V later slices read: gathered whole for sharded segments, else the row's."""
-        offsets = {p.segment: o for p, o in zip(view.parts, view.layout().q_offsets)}
-        sharded_index = {s: i for i, s in enumerate(view.sharded)}
-        own = {}
-        for segment in stored_segments(Chunk(view.computed), self.plan.lengths):
-            if segment in sharded_index:
-                i = sharded_index[segment]
-                per_layer = [layer_kv[i] for layer_kv in attention.gathered]
-            else:
-                lo, hi = offsets[segment], offsets[segment] + segment.num_tokens
-                per_layer = [(k[lo:hi], v[lo:hi]) for k, v in kv]
-                if not grad:
-                    per_layer = [(k.clone(), v.clone()) for k, v in per_layer]
-            self.store.put(slice_key(segment), per_layer)
-            own[slice_key(segment)] = per_layer
-        return own
-
-    def _share_output(self, action: Action, view: CPView, h_TD: torch.Tensor):
-        if not self.is_last or action.kind != FORWARD or view.parts:
-            return self._cell_output(action, view.chunk, h_TD)
-        # No token of this chunk here: a zero loss part that still reaches the row's graph,
-        # so that backward runs this rank's share of the CP collectives.
-        return 0.0 * h_TD.sum()
+        return CPRow(chunk=view.chunk, computed=Chunk(view.computed), layout=view.layout(), attention=attention,
+                     sharded={s: i for i, s in enumerate(view.sharded)})
 
 
-def _positions(chunk: Chunk, device) -> torch.Tensor:
-    if not chunk.segments:
-        return torch.zeros(0, dtype=torch.long, device=device)
-    return chunk_positions(chunk, device)
+@dataclass(kw_only=True)
+class CPRow(Row):
+    """A rank's row: its local segments as usual; a sharded segment's K/V is the whole gathered
+    one, so every rank of the group holds it for the later slices that read it."""
+
+    sharded: dict[Segment, int]
+    """Sharded segment -> its index in the attention's gathered K/V."""
+
+    def kv_of(self, segment: Segment, kv: list[KV], grad: bool) -> list[KV]:
+        if segment in self.sharded:
+            return [layer_kv[self.sharded[segment]] for layer_kv in self.attention.gathered]
+        return super().kv_of(segment, kv, grad)
 
 
 def _check_row(index: int, chunk: Chunk) -> None:
@@ -116,4 +80,3 @@ def _check_row(index: int, chunk: Chunk) -> None:
         if s.cp_rank == SHARDED and seq_ids.count(s.seq_id) > 1:
             raise UserError(f"chunk {index} ({chunk}) holds slice {s}, CP-sharded, and another slice of "
                             f"sequence {s.seq_id}: merge them into one segment")
-

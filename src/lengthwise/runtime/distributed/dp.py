@@ -12,15 +12,21 @@ stage (each saw a share of the tokens), and, for tied embeddings, over the first
 stage. `GradReducer` groups parameters by the exact set of ranks holding them, and all-reduces
 (SUM) each group's gradients in flat buckets once, after the stage's last backward.
 
-Why not DDP or FSDP2: DistributedDataParallel fires its bucket all-reduces from gradient hooks
-during *every* backward and assumes one forward and one backward per step with the same
-parameters; a plan runs many backwards per step (one per chunk, each with K/V roots of other
-slices, re-forwards in between) and, with `no_sync`, would still reduce on a backward it cannot
-tell is the last. FSDP2's `fully_shard` reshards parameters around each forward/backward, which
-would all-gather weights once per chunk (dozens per step). A bucketed all-reduce after the last
-backward is one reduction per step, exact, and simple; the buckets are launched asynchronously
-together (gloo and NCCL then run them concurrently). Overlapping them with the last backward
-(post-accumulate-grad hooks armed for the final B only) is a possible next step.
+Two ways, chosen when the rank's model is built (`parallel/build.build_rank_model`):
+
+- FSDP2 (`parallel/fsdp.py`, the default for plans with uniform pipelines and zero >= 1):
+  `fully_shard` over the dp x cp ranks of a stage does the sum (a reduce-scatter into each
+  rank's shard, once per step: gradient sync stays off until the stage's last backward);
+  `GradReducer(sharded=True)` then only sums what FSDP cannot see, the tied embedding's shards
+  of the first and the last stage.
+- Replicated (zero 0, heterogeneous pipelines, or a whole model on every rank): `GradReducer`
+  groups parameters by the exact set of ranks holding them and all-reduces (SUM) each group's
+  gradients in flat buckets once, after the stage's last backward, launched asynchronously
+  together. DDP is not used: it fires its all-reduces from gradient hooks during every backward,
+  and a plan runs many (one per backward unit's cell, with K/V roots and re-forwards between).
+
+With tensor parallelism the sums run per TP rank (TP ranks hold different shards), except for
+K/V projections replicated over TP, whose gradients are partial per TP rank.
 """
 
 from __future__ import annotations
@@ -30,12 +36,15 @@ import json
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.distributed.mesh import Mesh, Place, PlanLayout
 from lengthwise.runtime.distributed.stats import CommStats
-from lengthwise.runtime.model import CausalLM
+from lengthwise.runtime.model import CausalLM, StagePart, parameter_names
+from lengthwise.runtime.parallel.tensor_parallel import tp_partial_names
 
 BUCKET_ELEMENTS = 1 << 22
 """Elements per all-reduce bucket (32 MiB of float64, 8 MiB of bfloat16)."""
@@ -77,6 +86,12 @@ def stage_layer_range(plan: StepPlan, place: Place, num_layers: int) -> range:
     return range(first, first + counts[place.stage])
 
 
+def stage_part(plan: StepPlan, place: Place) -> StagePart:
+    """The modules the rank at `place` builds (`model.build_model(..., part=...)`)."""
+    last = place.stage == plan.pipelines[place.pipeline].pp - 1
+    return StagePart(layers=stage_layer_range(plan, place, plan.model.num_layers), first=place.stage == 0, last=last)
+
+
 def holds(name: str, plan: StepPlan, place: Place, model: CausalLM) -> bool:
     """Whether the rank at `place` computes a gradient for parameter `name`."""
     pipe = plan.pipelines[place.pipeline]
@@ -95,33 +110,78 @@ def held_parameters(model: CausalLM, plan: StepPlan, place: Place) -> dict[str, 
 
 
 def holder_sets(model: CausalLM, plan: StepPlan, layout: PlanLayout) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> the ranks holding it (its gradient is summed over exactly those)."""
-    return {name: tuple(r for r, place in enumerate(layout.places) if holds(name, plan, place, model))
-            for name, _ in model.named_parameters()}
+    """Parameter name -> the ranks whose gradients of it are summed: those holding it with this
+    rank's TP rank (TP ranks hold different shards, or, for replicated parameters such as the
+    norms, equal gradients). Every parameter of the whole model, whatever this rank builds."""
+    tp_rank = layout.place.tp_rank
+    return {name: tuple(r for r, place in enumerate(layout.places)
+                        if place.tp_rank == tp_rank and holds(name, plan, place, model))
+            for name in parameter_names(model.spec)}
+
+
+def reduction_classes(model: CausalLM, plan: StepPlan, layout: PlanLayout, *,
+                      sharded: bool) -> dict[str, list[tuple[int, ...]]]:
+    """Per parameter, the disjoint rank sets over which its gradient is summed.
+
+    Replicated parameters: the holders of each TP rank (TP ranks hold different shards), or all
+    holders for K/V weights replicated over TP (`tensor_parallel.tp_partial_names`).
+    Under FSDP2 (`sharded`), FSDP already summed over dp x cp, and each rank holds its own
+    shard: what is left is the sum over stages of one (pipeline, CP rank, TP rank) coordinate,
+    i.e. the tied embedding of the first and the last stage."""
+    partial = tp_partial_names(model.spec, max(p.tp for p in plan.pipelines))
+    out = {}
+    for name in parameter_names(model.spec):
+        over_tp = partial(name)  # replicated K/V weights: each TP rank holds a part of the gradient
+        classes: dict[tuple, list[int]] = {}
+        for r, place in enumerate(layout.places):
+            if holds(name, plan, place, model):
+                tp_key = () if over_tp else (place.tp_rank,)
+                key = (place.pipeline, place.cp_rank, *tp_key) if sharded else tp_key
+                classes.setdefault(key, []).append(r)
+        out[name] = [tuple(c) for c in classes.values()]
+    return out
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own piece of a DTensor (sharing its storage), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def tp_sharded(param: torch.Tensor) -> bool:
+    """Whether the TP ranks hold different pieces of `param` (else they hold equal copies)."""
+    if not isinstance(param, DTensor) or "tp" not in (param.device_mesh.mesh_dim_names or ()):
+        return False
+    return param.placements[param.device_mesh.mesh_dim_names.index("tp")].is_shard()
 
 
 def global_grad_norm(model: CausalLM, plan: StepPlan, layout: PlanLayout, device=None) -> float:
-    """2-norm of the whole model's gradient after `GradReducer.reduce` (collective): each
-    parameter counted once, by the lowest rank holding it. For gradient clipping, which must
-    scale every rank's gradients by the same factor."""
-    first_holder = {name: ranks[0] for name, ranks in holder_sets(model, plan, layout).items()}
-    squares = sum(float(p.grad.double().pow(2).sum()) for name, p in model.named_parameters()
-                  if first_holder[name] == layout.rank and p.grad is not None)
+    """2-norm of the whole model's gradient after the step's reductions (collective): each
+    piece of each parameter counted once, by the lowest rank of its reduction class (and by TP
+    rank 0 for TP-replicated parameters). For gradient clipping, which must scale every rank's
+    gradients by the same factor."""
+    classes = reduction_classes(model, plan, layout, sharded=isinstance(model, FSDPModule))
+    squares = 0.0
+    for name, p in model.named_parameters():
+        mine = next((c for c in classes[name] if layout.rank in c), None)  # None: a whole model's other stages
+        if p.grad is None or mine is None or mine[0] != layout.rank or not (layout.place.tp_rank == 0 or tp_sharded(p)):
+            continue
+        squares += float(local(p.grad).double().pow(2).sum())
     total = torch.tensor([squares], dtype=torch.float64, device=device)
     dist.all_reduce(total)
     return float(total.sqrt().item())
 
 
 class GradReducer:
-    """Sums each parameter's gradient over the ranks that hold it, in flat buckets."""
+    """Sums each parameter's gradient (its local piece) over its reduction class, in flat buckets."""
 
     def __init__(self, *, model: CausalLM, plan: StepPlan, layout: PlanLayout, mesh: Mesh,
-                 stats: CommStats, bucket_elements: int = BUCKET_ELEMENTS):
+                 stats: CommStats, sharded: bool = False, bucket_elements: int = BUCKET_ELEMENTS):
         self.model, self.mesh, self.stats, self.bucket_elements = model, mesh, stats, bucket_elements
-        self.sets = holder_sets(model, plan, layout)
-        mesh.ensure_groups(list(self.sets.values()))  # collective: same list on every rank
+        classes = reduction_classes(model, plan, layout, sharded=sharded)
+        mesh.ensure_groups([c for cs in classes.values() for c in cs])  # collective: same list everywhere
+        self.sets = {name: next(c for c in cs if layout.rank in c) for name, cs in classes.items()
+                     if any(layout.rank in c for c in cs)}
         self.params = dict(model.named_parameters())
-
     def reduce(self) -> None:
         """All-reduce (SUM) every held gradient; a held parameter with no gradient counts as 0."""
         pending = []
@@ -146,7 +206,7 @@ class GradReducer:
     def _buckets(self, names: list[str]) -> list[list[str]]:
         buckets, size = [[]], 0
         for name in names:
-            numel = self.params[name].numel()
+            numel = local(self.params[name]).numel()
             if buckets[-1] and size + numel > self.bucket_elements:
                 buckets.append([])
                 size = 0
@@ -158,11 +218,11 @@ class GradReducer:
         param = self.params[name]
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        return param.grad
+        return local(param.grad)
 
     def _scatter_back(self, flat: torch.Tensor, names: list[str]) -> None:
         at = 0
         for name in names:
-            grad = self.params[name].grad
+            grad = local(self.params[name].grad)
             grad.copy_(flat[at:at + grad.numel()].view_as(grad))
             at += grad.numel()

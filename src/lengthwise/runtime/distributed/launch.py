@@ -10,14 +10,26 @@ temporary folder for the rendezvous, so no port is guessed) and runs `fn(rank, *
 Rank 0's return value comes back to the caller. When a worker fails, the others are stopped
 and the caller gets a UserError with the failing ranks' messages, the earliest root cause
 first (a UserError or a timed-out receive rather than the broken connections it left behind).
+
+A rank that dies without raising (SIGKILL, the out-of-memory killer, a crash in native code)
+cannot say why, so `spawn(..., with_status=True)` hands each worker a `RankStatus`: a small
+file the rank rewrites in place with what it last did (a page-cache write per note, no fsync:
+it only has to outlive the process, not the machine). The report then names the dead rank,
+its signal or exit code, and its last note, ahead of the others' broken connections. Under
+torchrun, `RankStatus.for_torchrun` writes the note where torchrun's failure summary shows it,
+beside the dead rank's exit code and signal.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import signal
 import tempfile
+import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,6 +40,7 @@ import torch.multiprocessing as mp
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import write_atomic
 from lengthwise.runtime.distributed.mesh import Mesh
+from lengthwise.runtime.distributed.step import StepFailed
 
 DEFAULT_TIMEOUT_S = 300.0
 """Collective and receive time-out, seconds (a stage may wait for a long chunk upstream)."""
@@ -67,57 +80,152 @@ def _attempt_store(rank: int, world: int, timeout_s: float):
     return dist.PrefixStore(f"lengthwise/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def spawn(fn, nproc: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"):
+class RankStatus:
+    """What this rank did last, kept in a file for the launcher (`note` is cheap enough to call
+    after every action). RankStatus(None) notes nothing.
+
+    Under torchrun the file is the worker's error file (TORCHELASTIC_ERROR_FILE, torchrun's
+    interface for a worker to explain its failure), in the JSON form torchrun reads: a worker
+    killed by a signal then appears in torchrun's failure summary with its exit code, signal
+    and last action, and, being the first to stop noting, as the root cause."""
+
+    SIZE = 1024
+    """Bytes of the file: each note overwrites it whole, so a reader never sees two notes mixed."""
+    TEXT = 400
+    """Characters of a note kept (the rest of SIZE leaves room for torchrun's JSON)."""
+
+    def __init__(self, path: Path | None, *, elastic: bool = False):
+        self._fd = None if path is None else os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._elastic = elastic
+
+    @classmethod
+    def for_torchrun(cls) -> RankStatus:
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        return cls(Path(path) if path else None, elastic=True)
+
+    def note(self, text: str) -> None:
+        if self._fd is None:
+            return
+        text = text[:self.TEXT]
+        if self._elastic:  # the shape torchrun's ProcessFailure reads; trailing blanks are valid JSON
+            text = json.dumps({"message": {"message": f"lengthwise, last action of this rank: {text}",
+                                           "extraInfo": {"timestamp": str(int(time.time()))}}})
+        os.pwrite(self._fd, text.encode()[:self.SIZE].ljust(self.SIZE), 0)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    @staticmethod
+    def read(path: Path) -> str | None:
+        text = path.read_bytes().decode(errors="replace").strip() if path.exists() else ""
+        return text or None
+
+
+def spawn(fn, nproc: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo",
+          with_status: bool = False):
     """Run `fn(rank, *args)` in `nproc` local processes (gloo, or nccl with cuda:rank as each
-    one's device); returns rank 0's result."""
+    one's device); returns rank 0's result. `with_status`: call fn(rank, *args, status=RankStatus)."""
     if nproc < 1:
         raise UserError(f"--nproc {nproc} must be at least 1")
     with tempfile.TemporaryDirectory(prefix="lengthwise-spawn-") as folder:
+        context = mp.start_processes(_worker, args=(fn, nproc, folder, timeout_s, args, backend, with_status),
+                                     nprocs=nproc, start_method="spawn", join=False)
         try:
-            mp.start_processes(_worker, args=(fn, nproc, folder, timeout_s, args, backend), nprocs=nproc,
-                               start_method="spawn", join=True)
-        except (mp.ProcessExitedException, mp.ProcessRaisedException):
-            raise UserError(_failure_report(Path(folder), nproc)) from None
+            while not context.join():
+                pass
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
+            ended = [Ended(rank, p.pid, p.exitcode, first=rank == exc.error_index)
+                     for rank, p in enumerate(context.processes)]
+            raise UserError(_failure_report(Path(folder), ended)) from None
         result = Path(folder) / "result.pickle"
         return pickle.loads(result.read_bytes()) if result.exists() else None
 
 
-def _worker(rank: int, fn, nproc: int, folder: str, timeout_s: float, args: tuple, backend: str) -> None:
+def _worker(rank: int, fn, nproc: int, folder: str, timeout_s: float, args: tuple, backend: str,
+            with_status: bool) -> None:
     torch.set_num_threads(1)  # nproc workers share the machine's cores
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    status = RankStatus(Path(folder) / f"status-{rank}.txt")
+    status.note("joining the process group")
     dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=rank, world_size=nproc,
                             timeout=timedelta(seconds=timeout_s))
+    status.note("started")
     try:
-        result = fn(rank, *args)
+        result = fn(rank, *args, status=status) if with_status else fn(rank, *args)
     except Exception as exc:  # noqa: BLE001 -- any failure: recorded for the parent, then exit 1
         write_atomic(Path(folder) / f"error-{rank}.txt", f"{_kind(exc)}\n{exc}")
         if _kind(exc) == "other":  # a bug, not a named failure: keep the traceback on stderr
             traceback.print_exc()
         raise SystemExit(1) from None
+    status.note("finished")
+    status.close()
     if rank == 0 and result is not None:
         write_atomic(Path(folder) / "result.pickle", pickle.dumps(result))
     dist.destroy_process_group()
 
 
 def _kind(exc: BaseException) -> str:
-    from lengthwise.runtime.distributed.step import StepFailed
-
     return "root" if isinstance(exc, UserError | StepFailed) else "other"
 
 
-def _failure_report(folder: Path, nproc: int) -> str:
-    """The failing ranks' messages, root causes first."""
+@dataclass(frozen=True)
+class Ended:
+    """How one worker ended, once the group has stopped."""
+
+    rank: int
+    pid: int | None
+    exitcode: int | None
+    """0, a positive exit code, or minus the signal that ended it."""
+    first: bool
+    """The worker whose end stopped the group (the others were then stopped with SIGTERM)."""
+
+    @property
+    def stopped_by_launcher(self) -> bool:
+        return not self.first and self.exitcode == -signal.SIGTERM
+
+    def how(self) -> str:
+        if self.exitcode is not None and self.exitcode < 0:
+            try:
+                name = signal.Signals(-self.exitcode).name
+            except ValueError:
+                name = f"signal {-self.exitcode}"
+            oom = " (the out-of-memory killer sends SIGKILL)" if name == "SIGKILL" else ""
+            return f"rank {self.rank} (pid {self.pid}) was killed by {name}{oom}"
+        return f"rank {self.rank} (pid {self.pid}) exited with code {self.exitcode} without a message"
+
+
+def _failure_report(folder: Path, ended: list[Ended]) -> str:
+    """One line: the ranks that died without a message first (signal, last action), then the
+    failing ranks' messages, root causes first (ranks with the same message share it), then a
+    rank still running when the group was stopped (a stopped or stuck rank), with its last action."""
     found = []
-    for rank in range(nproc):
+    for rank in range(len(ended)):
         path = folder / f"error-{rank}.txt"
         if path.exists():
             kind, _, message = path.read_text().partition("\n")
             lines = message.strip().splitlines() or ["?"]
             found.append((kind != "root", rank, lines[0] if kind == "root" else lines[-1]))
-    if not found:
-        return f"a worker of {nproc} died without a message (killed, or out of memory)"
+    silent = [e for e in ended if e.exitcode != 0 and not (folder / f"error-{e.rank}.txt").exists()]
+    dead = [_with_last(folder, e.rank, e.how()) for e in sorted(silent, key=lambda e: not e.first)
+            if not e.stopped_by_launcher]
+    running = [_with_last(folder, e.rank, f"rank {e.rank} was still running") for e in silent
+               if e.stopped_by_launcher and RankStatus.read(folder / f"status-{e.rank}.txt") not in (None, "finished")]
     found.sort()
-    shown = "; ".join(f"rank {rank}: {message}" for _, rank, message in found[:2])
-    more = f" (and {len(found) - 2} more ranks)" if len(found) > 2 else ""
-    return shown + more
+    by_message: dict[str, list[int]] = {}
+    for _, rank, message in found:
+        by_message.setdefault(message, []).append(rank)
+    parts = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {message}"
+             for message, ranks in list(by_message.items())[:2]]
+    more = f" (and {len(by_message) - 2} more messages)" if len(by_message) > 2 else ""
+    shown = dead[:2] + parts + running[:1]
+    if not shown:
+        return f"a worker of {len(ended)} died without a message (killed, or out of memory)"
+    return "; ".join(shown) + more
+
+
+def _with_last(folder: Path, rank: int, text: str) -> str:
+    last = RankStatus.read(folder / f"status-{rank}.txt")
+    return text + (f", its last action: {last}" if last else "")

@@ -8,7 +8,8 @@ volume, not a particular algorithm's wire traffic:
   stage (cost model: `boundary_bytes` per message);
 - dp: elements of the gradient buffers this rank hands to the all-reduce (cost model:
   `stage_params` of the stage, the buffer `grad_sync_time` charges); a ring all-reduce puts
-  2 (n-1)/n of that on the wire;
+  2 (n-1)/n of that on the wire. Under FSDP2: the unsharded gradient elements handed to its
+  reduce-scatters (parameter all-gathers are not counted);
 - cp_gather: elements of K/V this rank contributes to the CP all-gathers times the (c - 1)
   peers that receive them (cost model: `cp_comm_time`'s volume, tokens x 2 kv_dim per layer,
   times the ring factor (c-1)/c); cp_scatter the same for the K/V-gradient reduce-scatter in

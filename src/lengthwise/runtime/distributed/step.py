@@ -15,22 +15,27 @@ within float64 round-off, since the sums run in another order.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.attention import resolve_backend
 from lengthwise.runtime.checks import check_executable
-from lengthwise.runtime.distributed.cp_stage import CPStageRunner
-from lengthwise.runtime.distributed.dp import GradReducer, check_same_plan, holder_sets
+from lengthwise.runtime.distributed.cp_stage import CPRows
+from lengthwise.runtime.distributed.dp import GradReducer, check_same_plan, holds
 from lengthwise.runtime.distributed.mesh import Mesh, PlanLayout
 from lengthwise.runtime.distributed.p2p import DistributedTransport, ReceiveTimeout
 from lengthwise.runtime.distributed.stats import CommStats
-from lengthwise.runtime.model import CausalLM
+from lengthwise.runtime.model import CausalLM, parameter_names
+from lengthwise.runtime.weights import VOCAB_ROWS
+from lengthwise.runtime.parallel.fsdp import FsdpSteps, is_fsdp
 from lengthwise.runtime.stage import StageRunner
 
 
@@ -52,6 +57,9 @@ class RankStepResult:
     """Actions this rank ran."""
     loop_s: float = 0.0
     """Seconds in the action loop (compute, waits and bookkeeping)."""
+    sharding: str = "replicated"
+    """replicated (whole parameters, `dp.GradReducer`), fsdp-per-chunk (ZeRO-3: all-gathers
+    around every forward and backward) or fsdp-per-step (gathered once for the step)."""
 
 
 def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor], *, mesh: Mesh,
@@ -66,13 +74,25 @@ def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor]
     stats = CommStats()
     runner, transport = make_runner(model, plan, token_ids, mesh=mesh, layout=layout, stats=stats,
                                     backend=backend)
+    fsdp = None
+    if is_fsdp(model):
+        fsdp = FsdpSteps(model, plan, layout, zero=plan.zero, group=mesh.device_mesh["dp_cp"].get_group(),
+                         device=mesh.device)
+        fsdp.begin()
     started = time.perf_counter()
-    run_actions(runner, after_action)
+    with loss_parallel_if(mesh.device_mesh):
+        run_actions(runner, after_action, before_action=None if fsdp is None else fsdp.before_action)
     transport.finish()
     loop_s = time.perf_counter() - started
-    GradReducer(model=model, plan=plan, layout=layout, mesh=mesh, stats=stats).reduce()
-    loss = global_loss(runner, mesh)
-    return RankStepResult(loss=loss, layout=layout, stats=stats, num_actions=len(runner.actions), loop_s=loop_s)
+    if fsdp is not None:
+        fsdp.end()
+        stats.dp_elements += fsdp.reduced_elements(mesh.device_mesh["dp_cp"].size())
+        stats.dp_buckets += len(fsdp.modules)
+    GradReducer(model=model, plan=plan, layout=layout, mesh=mesh, stats=stats, sharded=fsdp is not None).reduce()
+    loss = global_loss(runner, mesh, counts=layout.place.tp_rank == 0)
+    sharding = "replicated" if fsdp is None else "fsdp-per-chunk" if fsdp.per_chunk else "fsdp-per-step"
+    return RankStepResult(loss=loss, layout=layout, stats=stats, num_actions=len(runner.actions), loop_s=loop_s,
+                          sharding=sharding)
 
 
 def make_runner(model: CausalLM, plan: StepPlan, token_ids, *, mesh: Mesh, layout: PlanLayout,
@@ -80,19 +100,25 @@ def make_runner(model: CausalLM, plan: StepPlan, token_ids, *, mesh: Mesh, layou
     """This rank's stage runner and its transport."""
     param = next(model.parameters())
     place = layout.place
-    transport = DistributedTransport(layout=layout, timeout_s=mesh.timeout_s, stats=stats)
+    transport = DistributedTransport(layout=layout, timeout_s=mesh.timeout_s, stats=stats, dtype=mesh.compute_dtype)
+    dtype = mesh.compute_dtype or param.dtype
     common = {"model": model, "plan": plan, "pipeline": place.pipeline, "stage": place.stage, "token_ids": token_ids,
-                  "transport": transport, "backend": resolve_backend(backend, param.device, param.dtype)}
-    if plan.pipelines[place.pipeline].cp == 1:
+              "transport": transport, "backend": resolve_backend(backend, param.device, dtype)}
+    pipe = plan.pipelines[place.pipeline]
+    if pipe.cp == 1:
         return StageRunner(**common), transport
-    cp_group = mesh.group(layout.my_cp_ranks)
-    return CPStageRunner(cp_rank=place.cp_rank, cp_group=cp_group, stats=stats, **common), transport
+    rows = CPRows(pipe, cp_rank=place.cp_rank, cp_group=mesh.group(layout.my_cp_ranks), stats=stats,
+                  backend=common["backend"])
+    return StageRunner(**common, rows=rows), transport
 
 
-def run_actions(runner: StageRunner, after_action: Callable[[int], None] | None = None) -> None:
+def run_actions(runner: StageRunner, after_action: Callable[[int], None] | None = None,
+                before_action: Callable[[int], None] | None = None) -> None:
     """The stage's actions in order; a receive that never comes ends the step with the stage
     and the action named."""
     while not runner.done:
+        if before_action is not None:
+            before_action(runner.next_index)
         try:
             runner.step()
         except ReceiveTimeout as exc:
@@ -101,10 +127,13 @@ def run_actions(runner: StageRunner, after_action: Callable[[int], None] | None 
             after_action(runner.next_index - 1)
 
 
-def global_loss(runner: StageRunner, mesh: Mesh) -> float:
-    """Sum of every last stage's loss parts (the other ranks add 0)."""
-    total = runner.loss_sum.detach().to(device=mesh.device, dtype=torch.float64).reshape(1)
-    if not runner.is_last:
+def global_loss(runner: StageRunner, mesh: Mesh, *, counts: bool = True) -> float:
+    """Sum of every last stage's loss parts (the other ranks, and TP ranks but the first, add 0)."""
+    total = runner.loss_sum.detach()
+    if isinstance(total, DTensor):  # vocabulary-parallel loss: the same value on every TP rank
+        total = total.full_tensor()
+    total = total.to(device=mesh.device, dtype=torch.float64).reshape(1)
+    if not (runner.is_last and counts):
         total = torch.zeros_like(total)
     dist.all_reduce(total)
     return float(total.item())
@@ -117,10 +146,17 @@ def gather_grads(model: CausalLM, layout: PlanLayout, plan: StepPlan, *, dst: in
 
 def gather_grads_like(model: CausalLM, layout: PlanLayout, plan: StepPlan,
                       value: Callable[[torch.nn.Parameter], torch.Tensor], *, dst: int = 0):
-    """{name: value(param)} over all parameters, on rank `dst` (None elsewhere), each taken from
-    the lowest rank holding the parameter (collective)."""
-    first_holder = {name: ranks[0] for name, ranks in holder_sets(model, plan, layout).items()}
-    mine = {name: value(p) for name, p in model.named_parameters() if first_holder[name] == layout.rank}
+    """{name: value(param)} over all parameters, whole, on rank `dst` (None elsewhere), each
+    taken from the lowest rank holding the parameter (collective). Sharded values (FSDP2,
+    TP) are assembled first (`full_tensor`, collective over the ranks of the stage)."""
+    first_holder = first_holders(model, plan, layout)
+    mine = {}
+    for name, param in model.named_parameters():
+        whole = value(param)
+        if isinstance(whole, DTensor):
+            whole = whole.full_tensor()
+        if first_holder[name] == layout.rank:
+            mine[name] = _unpadded(name, whole.detach(), model.spec.vocab).cpu()
     gathered = [None] * dist.get_world_size() if layout.rank == dst else None
     dist.gather_object(mine, gathered, dst=dst)
     if layout.rank != dst:
@@ -128,5 +164,23 @@ def gather_grads_like(model: CausalLM, layout: PlanLayout, plan: StepPlan,
     return {name: t for part in gathered for name, t in part.items()}
 
 
+def _unpadded(name: str, tensor: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The real vocabulary's rows of a tensor padded for TP (`parallel/tensor_parallel.py`)."""
+    return tensor[:vocab] if name in VOCAB_ROWS else tensor
+
+
+def first_holders(model: CausalLM, plan: StepPlan, layout: PlanLayout) -> dict[str, int]:
+    """Per parameter of the whole model, the lowest rank holding it (any TP rank)."""
+    return {name: min(r for r, place in enumerate(layout.places) if holds(name, plan, place, model))
+            for name in parameter_names(model.spec)}
+
+
 def _grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
-    return (param.grad if param.grad is not None else torch.zeros_like(param)).detach().cpu()
+    return param.grad if param.grad is not None else torch.zeros_like(param)
+
+
+def loss_parallel_if(device_mesh):
+    """Vocabulary-parallel cross-entropy (logits sharded over TP) for forward and backward."""
+    if device_mesh is not None and device_mesh["tp"].size() > 1:
+        return loss_parallel()
+    return contextlib.nullcontext()

@@ -3,10 +3,12 @@
     result = spawn(verify_worker, 4, VerifyJob(make_plan=..., dtype=torch.float64, seed=0))
     result["passed"], result["max_rel_grad_diff"], result["comm"]
 
-Every rank plans the batch itself (`make_plan`, deterministic), builds the same seeded model and
-tokens, runs its part (`step.run_rank_step`), and sends its reduced gradients to rank 0, which
-compares them with the oracle of single-process `verify` (transformers' model, or this
-package's model unpacked) and reports the same keys as `lengthwise verify --json`, plus what
+Every rank plans the batch itself (`make_plan`, deterministic), builds its own stage of the
+seeded model, parallelised as the plan says (`parallel/build.build_rank_model`: TP, FSDP2),
+and the tokens, runs its part (`step.run_rank_step`), and sends its reduced gradients to rank 0,
+which builds the whole model with the same seed (the seeded weights do not depend on the split)
+and compares them with the oracle of single-process `verify` (transformers' model, or this
+package's model unpacked), reporting the same keys as `lengthwise verify --json`, plus what
 each rank sent (`comm`, per rank, `stats.CommStats`).
 """
 
@@ -22,6 +24,7 @@ from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.step import gather_grads, run_rank_step
 from lengthwise.runtime.model import build_model
+from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
 from lengthwise.runtime.verify import (
     TOLERANCE,
     VerifyResult,
@@ -31,6 +34,7 @@ from lengthwise.runtime.verify import (
     transformers_loss_and_grads,
     unpacked_loss_and_grads,
 )
+from lengthwise.runtime.weights import load_weights
 
 
 @dataclass(kw_only=True)
@@ -46,21 +50,34 @@ class VerifyJob:
     oracle: str = "auto"
     timeout_s: float = 60.0
     """Receive and collective time-out, seconds."""
+    data_parallel: str = "fsdp"
+    """fsdp or replicate (`parallel/build.ParallelOptions`)."""
+    param_dtype: torch.dtype | None = None
+    """Compute dtype under FSDP2 (bfloat16 over `dtype` master weights)."""
+    weights: str | None = None
+    """A Hugging Face checkpoint to start from instead of seeded weights (each rank reads its
+    stage's tensors)."""
 
 
 def verify_worker(rank: int, job: VerifyJob, mesh: Mesh | None = None) -> dict | None:
     """Run on every rank (inside `spawn` or torchrun); rank 0 returns the result dict."""
     mesh = mesh or Mesh.from_default_group(timeout_s=job.timeout_s)
     plan = job.make_plan()
-    model = build_model(plan.model, dtype=job.dtype, device=mesh.device, seed=job.seed)
+    options = ParallelOptions(data_parallel=job.data_parallel, param_dtype=job.param_dtype)
+    seed = None if job.weights else job.seed
+    model = build_rank_model(plan, mesh, dtype=job.dtype, seed=seed, weights=job.weights, options=options)
     token_ids = random_tokens(plan.lengths, plan.model.vocab, job.seed + 1)
     step = run_rank_step(model, plan, token_ids, mesh=mesh, backend=job.backend)
     grads = gather_grads(model, step.layout, plan)
     comm = [None] * mesh.world_size if rank == 0 else None
-    dist.gather_object(step.stats.to_dict() | {"actions": step.num_actions, "loop_s": step.loop_s}, comm, dst=0)
+    dist.gather_object(step.stats.to_dict() | {"actions": step.num_actions, "loop_s": step.loop_s,
+                                          "sharding": step.sharding}, comm, dst=0)
     if rank != 0:
         return None
-    result = compare_with_oracle(model, token_ids, step.loss, grads, job)
+    whole = build_model(plan.model, dtype=job.dtype, device=mesh.device, seed=seed)
+    if job.weights:
+        load_weights(whole, job.weights)
+    result = compare_with_oracle(whole, token_ids, step.loss, grads, job)
     return result.to_dict() | {"planner": plan.planner, "nproc": mesh.world_size, "comm": comm}
 
 
@@ -73,4 +90,4 @@ def compare_with_oracle(model, token_ids, loss: float, grads: dict, job: VerifyJ
     abs_diff, rel_diff, worst = compare_grads(grads, ref_grads)
     return VerifyResult(loss=loss, reference_loss=float(ref_loss), max_abs_grad_diff=abs_diff,
                         max_rel_grad_diff=rel_diff, worst_param=worst, oracle=oracle,
-                        tolerance=TOLERANCE.get(job.dtype, 1e-1))
+                        tolerance=TOLERANCE.get(job.param_dtype or job.dtype, 1e-1))

@@ -1,0 +1,33 @@
+"""Write a training checkpoint as a Hugging Face model folder (config.json + model.safetensors)
+that `transformers` loads.
+
+    lengthwise train --out run/                     # checkpoints run/step-000040/ ...
+    lengthwise export run/step-000040 --hf my-model/
+    lengthwise export run/ --hf my-model/           # the newest intact checkpoint under run/
+
+The checkpoint is checked against its manifest first (a damaged one is refused by name). A
+single-process checkpoint, and a distributed one that carries rank 0's consolidated copy, hold
+the weights under their Hugging Face names already; a distributed checkpoint without that copy
+is read from its torch.distributed.checkpoint shards in this one process, which needs the
+model's config.json beside the shards or given with --model-config.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder (step-NNNNNN) or a run folder")
+    parser.add_argument("--hf", metavar="OUT", required=True, help="folder to write config.json and model.safetensors")
+    parser.add_argument("--model-config", metavar="config.json",
+                        help="the model's Hugging Face config, for a checkpoint that does not carry one")
+
+
+def run(args: argparse.Namespace) -> int:
+    from lengthwise.runtime.export import export_checkpoint
+
+    written = export_checkpoint(args.checkpoint, args.hf, model_config=args.model_config)
+    print(f"wrote {written} (config.json, model.safetensors): load it with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({str(written)!r})")
+    return 0

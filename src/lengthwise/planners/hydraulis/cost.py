@@ -1,0 +1,218 @@
+"""Hydraulis' parallel scheme space and its cost model: MaxLen(P), T(l, P), UtilLen(P) (hydraulis
+§5.1, §6.1, appendices B and C).
+
+A *scheme* P = <TP, PP, CP> is the configuration of one pipeline. The space holds TP in powers of
+two up to a node (TP across nodes is not modelled by the cost model, so it is not offered), PP
+among the divisors of the layer count (§5.1's D_P) up to `max_pp`, and CP > 1 over the widest
+TP (up to `max_cp`, further while the context length needs it; see scheme_space).
+
+T(l, P) is the forward + backward seconds of one micro-batch on the slowest stage of P. The cost
+model is affine in a chunk's row tokens and causal (query, key) pairs, so we read it as
+
+    T(chunk) = a * keys + b * tokens + c          (hydraulis B.2: a l^2 + b l + c per scheme)
+
+with c charged once per micro-batch (kernel launches and small-GEMM under-use are per chunk, not
+per packed document) and a sequence's own share w(l) = a * l (l + 1) / 2 + b * l. The three
+coefficients are probed from `CostModel` on three chunks, so an analytic model and a measured
+profile both work. UtilLen(P) (appendix C) is the row length at which the GEMM part reaches
+`util_threshold` (0.85) of its asymptotic efficiency: b l / (b l + c) >= 0.85.
+
+MaxLen(P) follows B.1: FP32 master weights and Adam moments are fully sharded over all N GPUs
+(optimization-propagation disaggregation, §5.2), BF16 weights and gradients follow the scheme;
+that is ZeRO-1 with dp = N / (TP * PP) in the cost model's terms.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from lengthwise.cost import CostModel, split_layers
+from lengthwise.cost import memory as mem
+from lengthwise.plan.ir import Chunk, Segment
+from lengthwise.specs import ModelSpec
+
+PROBE_SHORT = 1024
+"""Tokens of the probe chunks that read a, b, c off the cost model (any two lengths do)."""
+PROBE_LONG = 8192
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scheme:
+    """One pipeline's parallel scheme P and what it costs (hydraulis §6.1 cost model)."""
+
+    tp: int
+    """Tensor-parallel degree."""
+    pp: int
+    """Pipeline stages."""
+    cp: int
+    """Context-parallel degree (1 unless the context length needs it)."""
+    max_len: int
+    """MaxLen(P): longest micro-batch (tokens) the pipeline holds with 1F1B in flight (B.1)."""
+    util_len: int
+    """UtilLen(P): micro-batch tokens at which GEMMs reach the utilisation threshold (app. C)."""
+    attn_s: float
+    """a: seconds per causal (query, key) pair on the slowest stage, forward + backward."""
+    token_s: float
+    """b: seconds per token on the slowest stage, forward + backward."""
+    chunk_s: float
+    """c: seconds per micro-batch on the slowest stage (launches, small-GEMM under-use)."""
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def __str__(self) -> str:
+        cp = f",cp{self.cp}" if self.cp > 1 else ""
+        return f"<tp{self.tp},pp{self.pp}{cp}>"
+
+    def seq_time(self, lengths):
+        """w(l): a sequence's share of a micro-batch's stage time, seconds (numpy-friendly)."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        return self.attn_s * lengths * (lengths + 1) / 2 + self.token_s * lengths
+
+    def chunk_time(self, lengths) -> float:
+        """T of one micro-batch packing these sequences: sum of w plus the per-chunk c."""
+        return float(np.sum(self.seq_time(lengths))) + self.chunk_s
+
+    def dp_time(self, lengths):
+        """Per-sequence cost used by the strategy proposal: w(l) plus c amortised over a
+        micro-batch of at least UtilLen tokens (appendix C: short sequences get packed)."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        return self.seq_time(lengths) + self.chunk_s * np.minimum(1.0, lengths / self.util_len)
+
+
+def _stage_time(cost: CostModel, chunk: Chunk, *, layers: int, tp: int, cp: int, last: bool) -> float:
+    """Forward + backward seconds of a chunk on one stage, with CP's K/V exchange (backward 2x)."""
+    t = cost.forward_time(chunk, layers=layers, tp=tp, cp=cp, head=last)
+    t += cost.backward_time(chunk, layers=layers, tp=tp, cp=cp, head=last)
+    if cp > 1:
+        inter = tp * cp > cost.cluster.gpus_per_node
+        t += 3 * cost.cp_comm_time(chunk, layers=layers, tp=tp, cp=cp, inter_node=inter)
+    return t
+
+
+def _probe(*lengths: int) -> Chunk:
+    return Chunk(tuple(Segment(i, 0, n) for i, n in enumerate(lengths)))
+
+
+def _stage_coefficients(cost: CostModel, *, layers: int, tp: int, cp: int, last: bool) -> tuple[float, float, float]:
+    """(a, b, c) of one stage from three probes: c = 2 T(x) - T(x + x), then a, b from T(x), T(y)."""
+    x, y = PROBE_SHORT, PROBE_LONG
+    t = lambda *ls: _stage_time(cost, _probe(*ls), layers=layers, tp=tp, cp=cp, last=last)
+    tx = t(x)
+    c = max(0.0, 2 * tx - t(x, x))
+    kx, ky = x * (x + 1) / 2, y * (y + 1) / 2
+    a, b = np.linalg.solve(np.array([[kx, x], [ky, y]], dtype=np.float64), np.array([tx - c, t(y) - c]))
+    return max(float(a), 0.0), max(float(b), 1e-30), c
+
+
+def scheme_coefficients(cost: CostModel, *, tp: int, pp: int, cp: int) -> tuple[float, float, float]:
+    """Coefficient-wise maximum over the stages (the slowest stage bounds every micro-batch)."""
+    layers = split_layers(cost.model.num_layers, pp)
+    seen = {(n, s == pp - 1) for s, n in enumerate(layers)}
+    fits = [_stage_coefficients(cost, layers=n, tp=tp, cp=cp, last=last) for n, last in sorted(seen)]
+    return tuple(max(f[i] for f in fits) for i in range(3))
+
+
+def util_len(token_s: float, chunk_s: float, threshold: float) -> int:
+    """Smallest row length with b l / (b l + c) >= threshold (hydraulis appendix C)."""
+    return max(1, math.ceil(threshold / (1.0 - threshold) * chunk_s / token_s))
+
+
+def paper_max_len(cost: CostModel, *, tp: int, pp: int, cp: int, num_gpus: int) -> int:
+    """MaxLen(P) with FP32 states sharded over all N GPUs (B.1): dp = N / (TP * PP), ZeRO-1."""
+    return cost.max_seq_len(tp=tp, pp=pp, cp=cp, dp=max(1, num_gpus // (tp * pp * cp)), zero=1)
+
+
+def make_scheme(cost: CostModel, *, tp: int, pp: int, cp: int, num_gpus: int, threshold: float) -> Scheme | None:
+    """The scheme with its MaxLen and coefficients; None when model states alone overflow."""
+    max_len = paper_max_len(cost, tp=tp, pp=pp, cp=cp, num_gpus=num_gpus)
+    if max_len < 1:
+        return None
+    a, b, c = scheme_coefficients(cost, tp=tp, pp=pp, cp=cp)
+    return Scheme(tp=tp, pp=pp, cp=cp, max_len=max_len, util_len=min(util_len(b, c, threshold), max_len),
+                  attn_s=a, token_s=b, chunk_s=c)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
+
+
+def tp_degrees(model: ModelSpec, *, max_tp: int, gpus_per_node: int, num_gpus: int) -> list[int]:
+    top = min(max_tp, gpus_per_node, num_gpus)
+    return [t for t in _powers_of_two(top) if model.num_heads % t == 0]
+
+
+def pp_degrees(model: ModelSpec, *, max_pp: int, num_gpus: int) -> list[int]:
+    """hydraulis §5.1: PP degrees divide the layer count."""
+    return [p for p in range(1, min(max_pp, num_gpus) + 1) if model.num_layers % p == 0]
+
+
+def scheme_space(cost: CostModel, *, num_gpus: int, context_length: int, max_tp: int, max_pp: int,
+                 max_cp: int, threshold: float) -> list[Scheme]:
+    """The parallel scheme space (§5.1): TP within a node x PP, and CP over the widest TP.
+
+    CP > 1 stands in for the paper's TP degrees beyond a node (its 32B runs use TP 16 for
+    the longest sequences), which our cost model does not price: it adds memory for long
+    contexts and shortens the longest sequence's latency. It is offered up to max_cp, and
+    beyond that while the context length still needs it."""
+    model, node = cost.model, cost.cluster.gpus_per_node
+    tps = tp_degrees(model, max_tp=max_tp, gpus_per_node=node, num_gpus=num_gpus)
+    pps = pp_degrees(model, max_pp=max_pp, num_gpus=num_gpus)
+    schemes = _schemes(cost, tps, pps, [1], num_gpus, threshold)
+    for cp in _powers_of_two(num_gpus)[1:]:
+        if cp > max_cp and max((s.max_len for s in schemes), default=0) >= context_length:
+            break
+        schemes += _schemes(cost, tps[-1:], pps, [cp], num_gpus, threshold)
+    return sorted(schemes, key=lambda s: (s.num_gpus, s.pp, s.cp, s.tp))
+
+
+def _schemes(cost, tps, pps, cps, num_gpus, threshold) -> list[Scheme]:
+    out = []
+    for tp in tps:
+        for pp in pps:
+            for cp in cps:
+                if tp * pp * cp <= num_gpus:
+                    s = make_scheme(cost, tp=tp, pp=pp, cp=cp, num_gpus=num_gpus, threshold=threshold)
+                    out += [s] if s is not None else []
+    return out
+
+
+def _stage_bytes(cost: CostModel, scheme: Scheme) -> list[float]:
+    """BF16 bytes of weights (or gradients) one GPU of each stage holds."""
+    layers = split_layers(cost.model.num_layers, scheme.pp)
+    return [mem.stage_params(cost.model, layers=n, tp=scheme.tp, first=s == 0, last=s == scheme.pp - 1)
+            * mem.BYTES_BF16 for s, n in enumerate(layers)]
+
+
+def sync_time(cost: CostModel, scheme: Scheme, *, num_pipelines: int, num_gpus: int) -> float:
+    """The gradient reduction the simulator charges each pipeline (an all-reduce over the
+    pipelines, ZeRO-1), slowest stage, seconds. Its volume equals §5.2's push (reduce-scatter)
+    plus pull (all-gather) when the strategy is homogeneous, where LNK reduces to exactly those."""
+    if num_pipelines <= 1:
+        return 0.0
+    inter = num_gpus > cost.cluster.gpus_per_node
+    layers = split_layers(cost.model.num_layers, scheme.pp)
+    return max(cost.grad_sync_time(layers=n, tp=scheme.tp, dp=num_pipelines, zero=1, inter_node=inter,
+                                   first=s == 0, last=s == scheme.pp - 1) for s, n in enumerate(layers))
+
+
+def link_time(cost: CostModel, scheme: Scheme, *, num_gpus: int) -> float:
+    """LNK re-sharding of one pipeline's slowest stage in a heterogeneous strategy (§5.2): its
+    weights after the pull and its gradients before the push move between the propagation
+    sharding and the optimizer's, modelled as one all-to-all each over all N GPUs. Charged in
+    full (§5.3 hides most of it behind compute: hydraulis Table 1, 1.71 s -> 1.18 s)."""
+    inter = num_gpus > cost.cluster.gpus_per_node
+    return max(2 * cost.collective_time("all_to_all", b, ranks=num_gpus, inter_node=inter)
+               for b in _stage_bytes(cost, scheme))
+
+
+def exchange_time(cost: CostModel, scheme: Scheme, *, num_pipelines: int, num_gpus: int,
+                  heterogeneous: bool) -> float:
+    """Optimization-propagation exchange of one pipeline as the simulator will see it: its
+    gradient reduction plus, in a heterogeneous strategy, the LNK moves (`extra_comm_s`)."""
+    link = link_time(cost, scheme, num_gpus=num_gpus) if heterogeneous else 0.0
+    return sync_time(cost, scheme, num_pipelines=num_pipelines, num_gpus=num_gpus) + link

@@ -1,0 +1,211 @@
+"""Hydraulis' sequence packing within one pipeline (hydraulis §6.1 eq. 1, appendix C).
+
+Given the U sequences a pipeline of scheme P received and a number of micro-batches V, eq. 1
+packs them so that the slowest micro-batch is as fast as possible while no micro-batch exceeds
+MaxLen(P) tokens; the pipeline then takes about
+
+    (max_j T(micro-batch j) + ... ) x (PP(P) - 1 + V),   T(micro-batch) = sum of w(l_i) + c
+
+(hydraulis/cost.py: c is paid once per micro-batch). V is enumerated over appendix C's range
+[max(sum l / MaxLen, 1), min(sum l / UtilLen, U)]: fewer micro-batches raise the bubble share,
+shorter ones under-use the GEMMs.
+
+Eq. 1 is solved two ways and the better packing kept:
+- greedy: for every V of the range, largest-w-first onto the least-loaded micro-batch with
+  token room (LPT with a capacity) and Karmarkar-Karp differencing on w (kept when it respects
+  MaxLen; much closer to balanced when few micro-batches hold many sequences), and also
+  best-fit-decreasing packing to MaxLen (the fixed-length packing of §8.4's baseline) -- so the
+  result is never worse than fixed-length packing;
+- `milp_pack`: eq. 1 as a MILP (binary o_ij, continuous max load z, micro-batches ordered by
+  load to break their symmetry) for scipy.optimize.milp (HiGHS) under a time limit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from lengthwise.planners.packing_utils import best_fit_decreasing, karmarkar_karp
+
+MAX_V_TRIED = 16
+"""Micro-batch counts tried per pipeline; a wider appendix-C range is sampled evenly."""
+KK_TRIES = 1
+"""Micro-batch counts (LPT's best) at which Karmarkar-Karp is tried as well."""
+KK_MIN_PER_BIN = 3
+"""Karmarkar-Karp is tried for V micro-batches only with at least this many sequences per
+micro-batch; with fewer it matches LPT on our batches and costs more."""
+MILP_MIN_GAIN = 0.01
+"""A MILP is solved for a V only if eq. 1's bound for that V leaves at least this relative gain."""
+MILP_MAX_VARIABLES = 1500
+"""Larger eq. 1 instances (U x V binaries) keep the greedy packing: HiGHS rarely improves
+them within the time limit, and many small sequences leave LPT little to gain."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineLoad:
+    """What packing needs to know of one pipeline: its sequences and its scheme's costs."""
+
+    seq_ids: tuple[int, ...]
+    """Sequences dispatched to the pipeline."""
+    lengths: np.ndarray
+    """Their lengths, tokens."""
+    work: np.ndarray
+    """Their w(l), seconds on the slowest stage."""
+    chunk_s: float
+    """c: seconds per micro-batch."""
+    depth: int
+    """PP of the pipeline."""
+    max_len: int
+    """Most tokens per micro-batch."""
+    util_len: int
+    """UtilLen of the scheme (appendix C)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Packing:
+    """Micro-batches of one pipeline and eq. 1's latency for them."""
+
+    bins: tuple[tuple[int, ...], ...]
+    """Positions into PipelineLoad.seq_ids, one tuple per micro-batch, heaviest first."""
+    estimate_s: float
+    """(max_j T(micro-batch j)) x (PP - 1 + V), seconds; 0 for an empty pipeline."""
+    method: str
+    """"bfd" (fixed-length packing), "lpt" or "kk" (greedy eq. 1), or "milp"."""
+
+
+def estimate(load: PipelineLoad, bins) -> float:
+    """Eq. 1's objective for a packing."""
+    return _estimate(load, load.work.tolist(), bins)
+
+
+def _estimate(load: PipelineLoad, work: list[float], bins) -> float:
+    bins = [b for b in bins if len(b)]
+    if not bins:
+        return 0.0
+    heaviest = max(sum(work[i] for i in b) for b in bins)
+    return (heaviest + load.chunk_s) * (load.depth - 1 + len(bins))
+
+
+def _packing(load: PipelineLoad, bins, method: str) -> Packing:
+    work = load.work.tolist()
+    bins = sorted((tuple(b) for b in bins if len(b)), key=lambda b: (-sum(work[i] for i in b), b))
+    return Packing(bins=tuple(bins), estimate_s=_estimate(load, work, bins), method=method)
+
+
+def micro_batch_range(load: PipelineLoad) -> list[int]:
+    """Appendix C's pruned V range (at most MAX_V_TRIED values, evenly spread)."""
+    tokens, n = int(load.lengths.sum()), len(load.seq_ids)
+    lo = max(1, math.ceil(tokens / load.max_len))
+    hi = max(lo, min(tokens // max(load.util_len, 1), n))
+    return sorted({int(v) for v in np.linspace(lo, hi, min(hi - lo + 1, MAX_V_TRIED)).round()})
+
+
+def lpt_bins(load: PipelineLoad, v: int) -> list[list[int]] | None:
+    """Largest w first onto the least-loaded of v micro-batches with token room; None if some
+    sequence finds no room."""
+    work, lengths = load.work.tolist(), load.lengths.tolist()
+    order = sorted(range(len(work)), key=lambda i: (-work[i], -lengths[i], i))
+    return _lpt(order, work, lengths, v, load.max_len)
+
+
+def _lpt(order: list[int], work: list[float], lengths: list[int], v: int, cap: int) -> list[list[int]] | None:
+    heap = [(0.0, j) for j in range(v)]
+    bins, room = [[] for _ in range(v)], [cap] * v
+    for i in order:
+        skipped = []
+        while heap and room[heap[0][1]] < lengths[i]:
+            skipped.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        busy, j = heapq.heappop(heap)
+        bins[j].append(i)
+        room[j] -= lengths[i]
+        heapq.heappush(heap, (busy + work[i], j))
+        for item in skipped:
+            heapq.heappush(heap, item)
+    return [b for b in bins if b]
+
+
+def greedy_pack(load: PipelineLoad) -> Packing:
+    """Best of fixed-length packing (BFD to MaxLen), LPT over the pruned V range, and
+    Karmarkar-Karp at the micro-batch count(s) where LPT did best."""
+    if not load.seq_ids:
+        return Packing(bins=(), estimate_s=0.0, method="lpt")
+    work, lengths = load.work.tolist(), load.lengths.tolist()
+    order = sorted(range(len(work)), key=lambda i: (-work[i], -lengths[i], i))
+    tried = [("bfd", best_fit_decreasing(lengths, load.max_len))]
+    tried += [("lpt", _lpt(order, work, lengths, v, load.max_len)) for v in micro_batch_range(load)]
+    scored = sorted((_estimate(load, work, b), k) for k, (_, b) in enumerate(tried) if b is not None)
+    for _, k in scored[:KK_TRIES]:
+        v = len(tried[k][1])
+        if len(work) >= KK_MIN_PER_BIN * v:
+            tried.append(("kk", _within(karmarkar_karp(work, v), lengths, load.max_len)))
+    method, bins = min((t for t in tried if t[1] is not None), key=lambda t: _estimate(load, work, t[1]))
+    return _packing(load, bins, method)
+
+
+def _within(bins: list[list[int]], lengths: list[int], cap: int) -> list[list[int]] | None:
+    """The bins if every one holds at most `cap` tokens, else None."""
+    return bins if all(sum(lengths[i] for i in b) <= cap for b in bins) else None
+
+
+def milp_bins(load: PipelineLoad, v: int, *, time_limit_s: float, node_limit: int) -> list[list[int]] | None:
+    """Eq. 1 for a fixed V as a MILP (HiGHS); None when no feasible packing was found within
+    the limits. The node limit keeps results deterministic; the time limit is a safety net
+    (a solve it cuts short may differ between runs)."""
+    n = len(load.seq_ids)
+    w = load.work / (float(load.work.max()) or 1.0)  # seconds rescaled to O(1) for the solver
+    objective = np.zeros(n * v + 1)
+    objective[-1] = 1.0  # minimise z, the heaviest micro-batch
+    z_floor = max(float(w.max()), float(w.sum()) / v)
+    bounds = Bounds(np.r_[np.zeros(n * v), z_floor], np.r_[np.ones(n * v), np.inf])
+    res = milp(objective, integrality=np.r_[np.ones(n * v), 0], bounds=bounds,
+               constraints=_constraints(w, load.lengths, load.max_len, n, v),
+               options={"time_limit": time_limit_s, "node_limit": node_limit, "disp": False})
+    if res.x is None:
+        return None
+    pick = res.x[:-1].reshape(n, v).argmax(axis=1)
+    bins = [[i for i in range(n) if pick[i] == j] for j in range(v)]
+    if any(load.lengths[b].sum() > load.max_len for b in bins):
+        return None
+    return [b for b in bins if b]
+
+
+def _constraints(w: np.ndarray, lengths: np.ndarray, cap: int, n: int, v: int) -> LinearConstraint:
+    """Eq. 1's constraints over x = (o_00 .. o_{n-1,v-1}, z)."""
+    o, z, inf = np.arange(n * v).reshape(n, v), n * v, np.inf
+    rows = [(o[i], np.ones(v), 1.0, 1.0) for i in range(n)]  # each sequence in one micro-batch
+    rows += [(np.r_[o[:, j], z], np.r_[w, -1.0], -inf, 0.0) for j in range(v)]  # load_j <= z
+    rows += [(o[:, j], lengths.astype(float), -inf, float(cap)) for j in range(v)]  # tokens_j <= MaxLen
+    # Loads non-increasing in j: any packing can be relabelled so; breaks the V! symmetry.
+    rows += [(np.r_[o[:, j], o[:, j + 1]], np.r_[w, -w], 0.0, inf) for j in range(v - 1)]
+    r = np.concatenate([np.full(len(cols), k) for k, (cols, _, _, _) in enumerate(rows)])
+    c = np.concatenate([cols for cols, _, _, _ in rows])
+    vals = np.concatenate([coef for _, coef, _, _ in rows])
+    a = coo_matrix((vals, (r, c)), shape=(len(rows), n * v + 1)).tocsr()
+    return LinearConstraint(a, [row[2] for row in rows], [row[3] for row in rows])
+
+
+def milp_pack(load: PipelineLoad, incumbent: Packing, *, solves: int, time_limit_s: float,
+              node_limit: int) -> tuple[Packing, int]:
+    """Eq. 1 by MILP for each V of the range that could beat `incumbent` (at most `solves`
+    solves); returns the better packing and the solves used."""
+    best, used = incumbent, 0
+    n = len(load.seq_ids)
+    for v in micro_batch_range(load):
+        floor = (max(float(load.work.max()), float(load.work.sum()) / v) + load.chunk_s) * (load.depth - 1 + v)
+        if n * v > MILP_MAX_VARIABLES or floor >= best.estimate_s * (1 - MILP_MIN_GAIN) or v > n:
+            continue
+        if used == solves:
+            break
+        used += 1
+        bins = milp_bins(load, v, time_limit_s=time_limit_s, node_limit=node_limit)
+        if bins is not None:
+            cand = _packing(load, bins, "milp")
+            best = cand if cand.estimate_s < best.estimate_s * (1 - 1e-9) else best
+    return best, used

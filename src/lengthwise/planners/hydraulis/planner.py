@@ -1,0 +1,353 @@
+"""Hydraulis: dynamic heterogeneous strategies and two-stage sequence assignment (hydraulis.txt
+§5-§7, appendices B-E).
+
+    lengthwise plan --planner hydraulis --model llama2-7b --cluster a800 --dp 8 --tp 8 \\
+        --profile commoncrawl --overlong drop --batch-size 150 --context-length 32768
+    lengthwise plan --planner hydraulis --model llama-32b --cluster a800 --dp 16 --tp 4 \\
+        --profile github --overlong drop --batch-size 80 --context-length 32768 --option profile=github
+
+The request's scheme only fixes how many GPUs there are (dp x tp x pp x cp); Hydraulis picks
+each pipeline's own degrees.
+
+Per global batch (§4's steps 1-4):
+0. the parallel scheme space with MaxLen(P), T(l, P), UtilLen(P) (hydraulis/cost.py, app. B-C);
+1. candidate strategies S = sum_k d_k P_k by §7's dynamic programme with continuous relaxation
+   (hydraulis/strategy.py), cached per histogram, rounded to whole pipelines;
+2. per candidate, dispatch sequences to pipelines by Algorithm 1 (hydraulis/dispatch.py, eq. 2-3);
+3. per pipeline, pack micro-batches by eq. 1 over appendix C's V range (hydraulis/packing.py);
+4. keep the candidate with the least estimated step time, then re-solve eq. 1 as a MILP for its
+   slowest pipelines, slowest first, while MILP solves are left.
+Steps 2-3 run twice: every candidate with Algorithm 1's longest-first trial alone (a screen),
+then all T trials for the candidates whose lower bound (GPU-seconds, or the longest sequence
+alone, plus exchange) is below the best screened estimate. Eq. 1 by MILP (HiGHS) is kept for
+step 4, the greedy for ranking: solving it for every candidate's every pipeline would cost
+seconds per batch (the paper spends about 1 s per batch on it with 10 processes, Table 2).
+
+Pipelines of one plan have different (tp, pp, cp), each running plain 1F1B over its whole-sequence
+micro-batches. The plan's ZeRO stage is 1: optimizer states are sharded over all GPUs (§5.2).
+The simulator charges every plan a gradient all-reduce over its pipelines, which is the volume
+of §5.2's push and pull; a heterogeneous plan's pipelines add the LNK re-sharding as
+`extra_comm_s` (hydraulis/cost.py, link_time). Step time estimate = slowest pipeline (eq. 1) +
+slowest exchange. The exchange is outside the DP's latency, so the DP runs once per cap on
+it (schemes whose exchange exceeds the cap left out), and every cap's strategies are candidates.
+
+Options: `HydraulisOptions` in planners/options.py (each with its default and meaning).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
+from lengthwise.plan.schedules import make_schedule
+from lengthwise.planners.base import PlanRequest, finish_plan, take_options, whole
+from lengthwise.planners.hydraulis.cost import (
+    Scheme,
+    exchange_time,
+    link_time,
+    scheme_space,
+)
+from lengthwise.planners.hydraulis.dispatch import (
+    PipelineArrays,
+    dispatch_many,
+    lower_bound,
+)
+from lengthwise.planners.hydraulis.packing import (
+    Packing,
+    PipelineLoad,
+    greedy_pack,
+    milp_pack,
+)
+from lengthwise.planners.hydraulis.strategy import (
+    Histogram,
+    Strategy,
+    homogeneous,
+    length_edges,
+    propose,
+    round_proposal,
+)
+from lengthwise.workloads import get_profile
+
+CAP_RATIO = 1.25
+"""Exchange times closer than this factor share one proposal run (see _caps)."""
+MAX_LEN_TAIL = 0.01
+"""Profile mode proposes for every L above the length that a batch's longest sequence stays
+under with this probability."""
+PROFILE_SAMPLE = 65536
+"""Sequences drawn (seed 0) to stand for a dataset profile in the proposal."""
+
+
+@dataclass(kw_only=True)
+class Evaluation:
+    """One candidate strategy assessed on one batch (§6: its two-stage assignment)."""
+
+    strategy: Strategy
+    pipelines: list[Scheme]
+    """Scheme of each pipeline, strategy MaxLen descending."""
+    max_lens: list[int]
+    """Micro-batch token limit of each pipeline within this strategy."""
+    exchange_s: float
+    """Slowest pipeline's optimization-propagation exchange, seconds."""
+    loads: list[PipelineLoad]
+    """Sequences dispatched to each pipeline (Algorithm 1)."""
+    packings: list[Packing]
+    """Micro-batches of each pipeline (eq. 1)."""
+    trials: int
+    """Dispatch trials run."""
+
+    @property
+    def estimate_s(self) -> float:
+        return float(max(p.estimate_s for p in self.packings) + self.exchange_s)
+
+
+def plan_hydraulis(request: PlanRequest) -> StepPlan:
+    """Plan one global batch with Hydraulis (see the module docstring)."""
+    started = time.perf_counter()
+    opts = _options(request)
+    num_gpus = request.cluster.num_gpus
+    space = _space(request, opts, num_gpus)
+    _check_lengths(request, space, num_gpus, opts)
+    candidates = _candidates(request, opts, space, num_gpus)
+    best, table = _choose(request, opts, candidates, num_gpus)
+    milp_count = _refine(best, opts)
+    pipelines = _pipelines(request, best, num_gpus)
+    plan = finish_plan(request, pipelines, planner="hydraulis", started=started, options=opts)
+    plan.zero = 1
+    plan.metrics.update(_metrics(best, table, milp_count))
+    return plan
+
+
+def _options(request: PlanRequest) -> dict:
+    opts = take_options(request, "hydraulis")
+    for name in ("trials", "dispatch_work", "max_pp", "max_cp", "length_step", "milp_node_limit"):
+        if not isinstance(opts[name], int) or isinstance(opts[name], bool) or opts[name] < 1:
+            raise UserError(f"option {name} must be a positive integer, got {opts[name]!r}")
+    if not isinstance(opts["milp_solves"], int) or opts["milp_solves"] < 0:
+        raise UserError(f"option milp_solves must be a non-negative integer, got {opts['milp_solves']!r}")
+    for name in ("pipeline_step", "milp_time_limit_s"):
+        if not isinstance(opts[name], (int, float)) or isinstance(opts[name], bool) or opts[name] <= 0:
+            raise UserError(f"option {name} must be a positive number, got {opts[name]!r}")
+    if opts["max_tp"] is not None and (not isinstance(opts["max_tp"], int) or opts["max_tp"] < 1):
+        raise UserError(f"option max_tp must be a positive integer or none, got {opts['max_tp']!r}")
+    if not isinstance(opts["util_threshold"], float) or not 0 < opts["util_threshold"] < 1:
+        raise UserError(f"option util_threshold must lie in (0, 1), got {opts['util_threshold']!r}")
+    return opts
+
+
+def _space(request: PlanRequest, opts: dict, num_gpus: int) -> list[Scheme]:
+    max_tp = opts["max_tp"] or request.cluster.gpus_per_node
+    space = scheme_space(request.cost, num_gpus=num_gpus, context_length=request.context_length, max_tp=max_tp,
+                         max_pp=opts["max_pp"], max_cp=opts["max_cp"], threshold=opts["util_threshold"])
+    if not space:
+        raise UserError(f"{request.model.name}'s model states fit no scheme with tp <= {max_tp}, pp <= "
+                        f"{opts['max_pp']} on {num_gpus} GPUs: add GPUs or raise max_tp/max_pp")
+    return space
+
+
+def _check_lengths(request: PlanRequest, space: list[Scheme], num_gpus: int, opts: dict) -> None:
+    """Every sequence non-empty, within the context, and held by some scheme (MaxLen, B.1)."""
+    if not request.lengths:
+        raise UserError("the global batch is empty: give at least one sequence")
+    widest = max(space, key=lambda s: s.max_len)
+    for seq_id, n in enumerate(request.lengths):
+        if n < 1:
+            raise UserError(f"sequence {seq_id} has length {n}: lengths must be at least 1 token")
+        if n > request.context_length:
+            raise UserError(f"sequence {seq_id} has {n} tokens > context length {request.context_length}: "
+                            f"raise --context-length or use --overlong truncate|drop")
+        if n > widest.max_len:
+            raise UserError(
+                f"sequence {seq_id} has {n} tokens > {widest.max_len}, the MaxLen of the widest scheme "
+                f"{widest} on {num_gpus} GPUs (tp <= {widest.tp}, pp <= {opts['max_pp']}, cp <= "
+                f"{opts['max_cp']}): raise max_cp or max_pp, add GPUs, or use a splitting planner")
+
+
+def _histogram(request: PlanRequest, opts: dict, space: list[Scheme]) -> tuple[Histogram, tuple[int, ...], float]:
+    """What to propose for: the dataset profile (all L up to the context) or this batch."""
+    tokens = float(sum(request.lengths))
+    if opts["profile"] is None:
+        return Histogram.of(request.lengths), (max(request.lengths),), tokens
+    sample = get_profile(opts["profile"]).sample(PROFILE_SAMPLE, np.random.default_rng(0),
+                                                 below=request.context_length + 1)
+    hist = Histogram.of(sample)
+    tokens = float(f"{tokens:.2g}")  # batches of about this size share one cached proposal
+    # L ranges over the longest lengths a batch reaches with probability >= 1%: P(max < L) =
+    # F(L)^B for B sequences per batch.
+    per_batch = max(1.0, tokens / float(np.mean(sample)))
+    shortest = float(np.quantile(sample, MAX_LEN_TAIL ** (1 / per_batch)))
+    edges = length_edges(max(hist.lengths), opts["length_step"], [s.max_len for s in space])
+    return hist, tuple(int(e) for e in edges[1:] if e >= shortest) or (int(edges[-1]),), tokens
+
+
+def _candidates(request: PlanRequest, opts: dict, space: list[Scheme], num_gpus: int) -> list[Strategy]:
+    """§7's proposal once per exchange cap, rounded; plus a homogeneous fallback if none holds
+    the batch's longest sequence."""
+    hist, targets, tokens = _histogram(request, opts, space)
+    costs = {s: exchange_time(request.cost, s, num_pipelines=num_gpus // s.num_gpus, num_gpus=num_gpus,
+                              heterogeneous=True) for s in space}
+    caps = _caps(sorted(set(costs.values())))
+    masks = tuple(tuple(costs[s] <= cap for s in space) for cap in caps)
+    out: dict[Strategy, None] = {}
+    for prop in propose(tuple(space), hist, num_gpus, targets, tokens, opts["length_step"],
+                        opts["pipeline_step"], masks):
+        subset = tuple(s for s in space if costs[s] <= max(costs[p] for p, _ in prop.pipelines))
+        out.update(dict.fromkeys(round_proposal(prop, subset, num_gpus)))
+    longest = max(request.lengths)
+    if not any(s.max_len >= longest for c in out for s, _ in c.parts):
+        out[homogeneous(min((s for s in space if s.max_len >= longest), key=lambda s: s.num_gpus), num_gpus)] = None
+    return list(out)
+
+
+def _caps(levels: list[float]) -> list[float]:
+    """Exchange caps: the distinct exchange times, those within CAP_RATIO of a smaller cap
+    merged into it (schemes with tp * pp alike differ only by their embedding share)."""
+    caps: list[float] = []
+    start = 0.0
+    for x in levels:
+        if caps and x <= start * CAP_RATIO:
+            caps[-1] = x
+        else:
+            caps.append(x)
+            start = x
+    return caps
+
+
+def _part_limits(request: PlanRequest, strategy: Strategy) -> list[int]:
+    """Micro-batch limit of each part's pipelines: MaxLen with states sharded over all GPUs
+    (B.1), capped by the ZeRO-1 view over this strategy's pipelines that validation and
+    simulation take."""
+    d = strategy.num_pipelines
+    return [min(s.max_len, request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=d, zero=1))
+            for s, _ in strategy.parts]
+
+
+def _strategy_pipelines(strategy: Strategy, limits: list[int]) -> list[tuple[Scheme, int]]:
+    """(scheme, limit) per pipeline, limit descending (§6.2's P_1 .. P_D)."""
+    parts = sorted(zip(strategy.parts, limits), key=lambda x: -x[1])
+    return [(s, m) for (s, n), m in parts for _ in range(n)]
+
+
+def _choose(request: PlanRequest, opts: dict, candidates: list[Strategy], num_gpus: int):
+    """Screen every candidate with one longest-first dispatch trial, run all trials on those
+    whose lower bound beats the best screened plan, keep the least estimated step time.
+    Returns it and one metrics row per candidate (estimate_s None when pruned or infeasible)."""
+    lengths = np.asarray(request.lengths, dtype=np.int64)
+    prepared = sorted((_prepare(request, c, num_gpus, lengths) for c in candidates), key=lambda p: p[0])
+    feasible = [p for p in prepared if p[2] is not None]
+    assert feasible, "no candidate holds the longest sequence"
+    screened = _evaluate_all(request, opts, feasible, lengths, num_gpus, trials=1)
+    cut = min(ev.estimate_s for ev in screened)
+    rest = [i for i, p in enumerate(feasible) if p[0] < cut]
+    full = _evaluate_all(request, opts, [feasible[i] for i in rest], lengths, num_gpus,
+                         trials=opts["trials"]) if rest else []
+    final = dict(zip(rest, (min(screened[i], ev, key=lambda e: e.estimate_s) for i, ev in zip(rest, full))))
+    rows = [_row(b, c, None, None) for b, c, pipes in prepared if pipes is None]
+    rows += [_row(p[0], p[1], screened[i].estimate_s, final[i].estimate_s if i in final else None)
+             for i, p in enumerate(feasible)]
+    best = min([*final.values(), *screened], key=lambda e: e.estimate_s)
+    return best, rows
+
+
+def _row(bound: float, strategy: Strategy, screen: float | None, estimate: float | None) -> dict:
+    """One candidate in plan.metrics["candidates"], seconds rounded to microseconds."""
+    r = lambda x: None if x is None or not np.isfinite(x) else round(float(x), 6)
+    return {"strategy": str(strategy), "gpus": strategy.num_gpus, "lower_bound_s": r(bound),
+            "screen_s": r(screen), "estimate_s": r(estimate)}
+
+
+def _usable(request: PlanRequest, strategy: Strategy) -> tuple[Strategy, list[int]]:
+    """The strategy without parts whose model states overflow under its pipeline count (their
+    GPUs stay idle; fewer pipelines shard the optimizer less, so check again), and the limits."""
+    while True:
+        limits = _part_limits(request, strategy)
+        if min(limits, default=1) >= 1:
+            return strategy, limits
+        strategy = Strategy(tuple(p for p, m in zip(strategy.parts, limits) if m >= 1))
+
+
+def _prepare(request: PlanRequest, strategy: Strategy, num_gpus: int, lengths: np.ndarray):
+    """(lower bound, strategy, pipelines with limits or None when it cannot hold the batch)."""
+    strategy, limits = _usable(request, strategy)
+    if max(limits, default=0) < lengths.max():
+        return np.inf, strategy, None
+    schemes = [s for s, _ in strategy.parts]
+    exchange = _exchange(request, strategy, num_gpus)
+    bound = lower_bound(lengths, schemes, [n for _, n in strategy.parts], limits)
+    return bound + exchange, strategy, _strategy_pipelines(strategy, limits)
+
+
+def _exchange(request: PlanRequest, strategy: Strategy, num_gpus: int) -> float:
+    hetero = len(strategy.parts) > 1
+    return max(exchange_time(request.cost, s, num_pipelines=strategy.num_pipelines, num_gpus=num_gpus,
+                             heterogeneous=hetero) for s, _ in strategy.parts)
+
+
+def _evaluate_all(request: PlanRequest, opts: dict, prepared: list, lengths: np.ndarray, num_gpus: int,
+                  *, trials: int) -> list[Evaluation]:
+    """Two-stage assignment (§6) of the batch on each strategy: dispatch (all strategies'
+    trials together), then greedy packing per pipeline."""
+    arrays = [PipelineArrays.of([s for s, _ in pipes], [m for _, m in pipes]) for _, _, pipes in prepared]
+    runs = dispatch_many(lengths, arrays, trials=trials, work_budget=opts["dispatch_work"],
+                         rng=np.random.default_rng(request.seed))
+    out = []
+    for (_, strategy, pipes), disp in zip(prepared, runs):
+        loads = [_load(lengths, disp.owner, j, s, m) for j, (s, m) in enumerate(pipes)]
+        out.append(Evaluation(strategy=strategy, pipelines=[s for s, _ in pipes], max_lens=[m for _, m in pipes],
+                              exchange_s=_exchange(request, strategy, num_gpus), loads=loads,
+                              packings=[greedy_pack(load) for load in loads], trials=disp.trials))
+    return out
+
+
+def _load(lengths: np.ndarray, owner: np.ndarray, j: int, scheme: Scheme, max_len: int) -> PipelineLoad:
+    ids = np.flatnonzero(owner == j)
+    return PipelineLoad(seq_ids=tuple(int(i) for i in ids), lengths=lengths[ids], work=scheme.seq_time(lengths[ids]),
+                        chunk_s=scheme.chunk_s, depth=scheme.pp, max_len=max_len, util_len=scheme.util_len)
+
+
+def _refine(ev: Evaluation, opts: dict) -> int:
+    """Eq. 1 by MILP for the slowest pipeline, then the next slowest, while solves are left;
+    stops once the slowest pipeline has had its turn. Returns how many pipelines improved."""
+    left, tried, improved = opts["milp_solves"], set(), 0
+    while left > 0:
+        j = max(range(len(ev.packings)), key=lambda j: (ev.packings[j].estimate_s, -j))
+        if j in tried:
+            break
+        tried.add(j)
+        new, used = milp_pack(ev.loads[j], ev.packings[j], solves=left, time_limit_s=opts["milp_time_limit_s"],
+                              node_limit=opts["milp_node_limit"])
+        left -= used
+        improved += new is not ev.packings[j]
+        ev.packings[j] = new
+    return improved
+
+
+def _pipelines(request: PlanRequest, ev: Evaluation, num_gpus: int) -> list[PipelinePlan]:
+    """One 1F1B PipelinePlan per pipeline of the chosen strategy, LNK moves as extra_comm_s."""
+    hetero = len(ev.strategy.parts) > 1
+    out = []
+    for scheme, load, packing in zip(ev.pipelines, ev.loads, ev.packings):
+        chunks = [Chunk(whole([load.seq_ids[i] for i in b], request.lengths)) for b in packing.bins]
+        link = link_time(request.cost, scheme, num_gpus=num_gpus) if hetero else 0.0
+        out.append(PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, scheme.pp), tp=scheme.tp,
+                                cp=scheme.cp, schedule="1f1b", extra_comm_s=link))
+    return out
+
+
+def _metrics(ev: Evaluation, table: list[dict], milp_count: int) -> dict:
+    methods = [p.method for p in ev.packings if p.bins]
+    return {
+        "strategy": str(ev.strategy),
+        "candidates": table,
+        "pipeline_schemes": [str(s) for s in ev.pipelines],
+        "pipeline_max_len": ev.max_lens,
+        "estimated_step_s": ev.estimate_s,
+        "estimated_pipeline_s": [p.estimate_s for p in ev.packings],
+        "exchange_s": ev.exchange_s,
+        "dispatch_trials": ev.trials,
+        "packing_methods": {m: methods.count(m) for m in sorted(set(methods))},
+        "milp_improved_pipelines": milp_count,
+    }

@@ -1,0 +1,190 @@
+"""InfiniPipe's sequence grouping (infinipipe.txt §3.3.2, eq. 14): which units share one 1F1B
+pipeline group, each group checkpointed by Algorithm 2 (infinipipe/ckpt.py).
+
+    lay = layout(request, dp)
+    groups, cost = group_by_classes(units, request, lay, mode="adaptive", time_limit_s=1.0)
+
+Units are classed by how many chunks they have (N_prefill of a group is its largest class).
+Consecutive classes form one group, and with dp[0] = 0
+
+    dp[i] = min over k < i of dp[k] + delta + T_ckpt(classes k..i-1)
+
+delta being one more warm-up/cool-down ((pp - 1) mean chunk passes on a stage) and T_ckpt the
+group's recomputation seconds. More groups keep short sequences out of the deep windows of long
+ones (less recomputation) at the price of more warm-ups (§3.3.2: "sequences of similar lengths
+should be grouped together"). The paper solves an MILP per candidate group, n(n+1)/2 of them
+(§3.3.4); we solve the LP relaxation of each first and MILPs only in bound order, stopping once
+no bound can beat the best found, which gives the same dp[i] (to the MILP gap) with a fraction
+of the MILPs. Groups needing no recomputation, or unable to fit, need no solver at all.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from lengthwise.planners.base import PlanRequest
+from lengthwise.planners.infinipipe.chunking import Unit
+from lengthwise.planners.infinipipe.ckpt import (
+    GroupPlan,
+    Problem,
+    answer_without_milp,
+    checkpointing_problem,
+    relaxation_bound,
+    row_bound,
+    solve_milp,
+)
+from lengthwise.planners.infinipipe.schedule import (
+    StageShape,
+    UnitCosts,
+    group_memory,
+    group_schedule,
+)
+
+INF = float("inf")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverOptions:
+    """How each group's checkpointing is decided."""
+
+    mode: str
+    """"adaptive" (Algorithm 2's MILP), "none" (never recompute) or "full" (every layer)."""
+    time_limit_s: float
+    """HiGHS time limit per MILP, seconds."""
+
+
+@dataclass(kw_only=True)
+class Layout:
+    """Per-stage shape of every pipeline and the degrees the cost model needs."""
+
+    stages: list[StageShape]
+    tp: int
+    cp: int
+    dp: int
+    """Pipelines (some may stay empty when the batch has fewer units)."""
+    costs: UnitCosts
+    """Memoised per-stage chunk costs."""
+
+
+def layout(request: PlanRequest, dp: int) -> Layout:
+    s, cost = request.scheme, request.cost
+    per = request.model.num_layers // s.pp
+    stages = [StageShape(layers=per, head=i == s.pp - 1,
+                         states=cost.model_state_bytes(layers=per, tp=s.tp, dp=dp * s.cp, zero=s.zero,
+                                                       first=i == 0, last=i == s.pp - 1))
+              for i in range(s.pp)]
+    return Layout(stages=stages, tp=s.tp, cp=s.cp, dp=dp, costs=UnitCosts(cost, stages, tp=s.tp, cp=s.cp))
+
+
+def chunk_stage_seconds(chunk, request: PlanRequest, shape: StageShape) -> float:
+    """Forward + backward seconds of a chunk on one stage."""
+    kw = {"layers": shape.layers, "tp": request.scheme.tp, "cp": request.scheme.cp, "head": shape.head}
+    return request.cost.forward_time(chunk, **kw) + request.cost.backward_time(chunk, **kw)
+
+
+def group_problem(units: list[Unit], request: PlanRequest, lay: Layout) -> Problem:
+    """One 1F1B group (longest units first) and its checkpointing problem (Algorithm 2)."""
+    ordered = sorted(units, key=lambda u: (-u.num_chunks, -u.chunks[-1].segments[0].stop, u.seq_id))
+    group = group_schedule([u.chunks for u in ordered], len(lay.stages))
+    return checkpointing_problem(group, group_memory(group, lay.costs))
+
+
+def plan_group(units: list[Unit], request: PlanRequest, lay: Layout, solver: SolverOptions) -> GroupPlan:
+    problem = group_problem(units, request, lay)
+    ckpt = answer_without_milp(problem, solver.mode) or solve_milp(problem, solver.time_limit_s)
+    return GroupPlan(schedule=problem.group, ckpt=ckpt)
+
+
+@dataclass(kw_only=True)
+class Option:
+    """One way to end eq. 14's prefix at class i: the group of classes k..i-1 after dp[k]."""
+
+    cost: float
+    """dp[k] + delta + T_ckpt when `plan` is known, else a lower bound of it."""
+    start: int
+    """k."""
+    plan: GroupPlan | None = None
+    problem: Problem | None = None
+    """Set while only a bound is known."""
+    bound: str = "exact"
+    """How `cost` was found: "rows" (no solver), "lp" (the relaxation) or "exact"."""
+
+
+def options_for(i: int, best: list[Option], classes: list[int], members: dict, delta: float,
+                request: PlanRequest, lay: Layout, solver: SolverOptions) -> list[Option]:
+    """Every feasible group ending at class i: exact when no MILP is needed, else bounded."""
+    out = []
+    for k in range(i):
+        if best[k].cost == INF:
+            continue
+        problem = group_problem([u for n in classes[k:i] for u in members[n]], request, lay)
+        quick = answer_without_milp(problem, solver.mode)
+        if quick is None:
+            out.append(Option(cost=best[k].cost + delta + row_bound(problem), start=k, problem=problem,
+                              bound="rows"))
+        elif quick.status != "infeasible":
+            out.append(Option(cost=best[k].cost + delta + quick.seconds, start=k,
+                              plan=GroupPlan(schedule=problem.group, ckpt=quick)))
+    return out
+
+
+def tighten(opt: Option, base: float, solver: SolverOptions) -> Option:
+    """The next bound of an option: rows -> LP relaxation -> the MILP's exact answer."""
+    if opt.bound == "rows":
+        return Option(cost=base + relaxation_bound(opt.problem), start=opt.start, problem=opt.problem, bound="lp")
+    ckpt = solve_milp(opt.problem, solver.time_limit_s)
+    return Option(cost=base + ckpt.seconds, start=opt.start, plan=GroupPlan(schedule=opt.problem.group, ckpt=ckpt))
+
+
+def cheapest(options: list[Option], best: list[Option], delta: float, solver: SolverOptions) -> Option:
+    """The cheapest option, tightening bounds lowest first until no bound can beat the best
+    exact cost found (branch and bound over eq. 14's choices; most groups never reach HiGHS)."""
+    found = Option(cost=INF, start=-1)
+    heap = [(o.cost, o.start, o.bound, n, o) for n, o in enumerate(options)]
+    heapq.heapify(heap)
+    count = len(heap)
+    while heap and heap[0][0] < found.cost:
+        _, _, _, _, opt = heapq.heappop(heap)
+        if opt.plan is not None:
+            found = min(found, opt, key=lambda o: (o.cost, o.start))
+            continue
+        opt = tighten(opt, best[opt.start].cost + delta, solver)
+        heapq.heappush(heap, (opt.cost, opt.start, opt.bound, count, opt))
+        count += 1
+    return found
+
+
+def group_by_classes(units: list[Unit], request: PlanRequest, lay: Layout,
+                     solver: SolverOptions) -> tuple[list[GroupPlan], float] | None:
+    """Eq. 14 over the distinct chunk counts; None when no grouping fits memory."""
+    if not units:    # more pipelines than units: this one stays empty
+        return [], 0.0
+    classes = sorted({u.num_chunks for u in units})
+    members = {n: [u for u in units if u.num_chunks == n] for n in classes}
+    chunks = [c for u in units for c in u.chunks]
+    mean = sum(chunk_stage_seconds(c, request, lay.stages[0]) for c in chunks) / len(chunks)
+    delta = (len(lay.stages) - 1) * mean   # one more warm-up and cool-down
+    best = [Option(cost=0.0, start=-1)]
+    for i in range(1, len(classes) + 1):
+        best.append(cheapest(options_for(i, best, classes, members, delta, request, lay, solver),
+                             best, delta, solver))
+    if best[-1].cost == INF:
+        return None
+    groups, i = [], len(classes)
+    while i > 0:
+        groups.append(best[i].plan)
+        i = best[i].start
+    return groups, best[-1].cost    # longest classes first
+
+
+def unit_need(unit: Unit, request: PlanRequest, lay: Layout, solver: SolverOptions) -> tuple[float, int]:
+    """(bytes, stage) the unit alone needs at its peak with the most recomputation the mode
+    allows; any group holding it needs at least as much (its chunks stay alive alongside)."""
+    problem = group_problem([unit], request, lay)
+    r = problem.recompute(problem.upper if solver.mode != "none" else 0 * problem.upper)
+    needs = [problem.memory.stages[s].levels(r[s]).max() + lay.stages[s].states for s in range(len(lay.stages))]
+    stage = max(range(len(needs)), key=lambda i: needs[i])
+    return float(needs[stage]), stage
+
+

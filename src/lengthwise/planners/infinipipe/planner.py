@@ -1,0 +1,258 @@
+"""InfiniPipe (infinipipe.txt §3): elastic pipeline parallelism with workload-balanced chunks and
+co-optimised pipeline schedule and checkpointing.
+
+    from lengthwise.planners import get_planner
+    plan = get_planner("infinipipe")(request)                                    # N tuned, adaptive ckpt
+    plan = get_planner("infinipipe")(replace(request, options={"num_slices": 6}))
+    plan = get_planner("infinipipe")(replace(request, options={"checkpointing": "full",
+                                                                "balanced_chunking": False}))  # Fig. 11 ablations
+
+Steps, each a function below or in a helper module:
+
+1. Workload-balanced chunking (§3.2, Algorithm 1; infinipipe/chunking.py): the longest
+   sequence is cut into N slices of equal backward time, every long sequence is cut by that mesh
+   into split chunks and a tail slice, and short sequences are packed into tail-seeded buckets
+   under a time and a token threshold. A sequence becomes one *unit* with its chunks.
+2. Data parallelism (our addition; the paper runs one pipeline of d_s-way SP stages): units go
+   to the scheme's dp pipelines balanced by predicted seconds; a unit never spans pipelines.
+3. Sequence grouping (§3.3.2, eq. 14), per pipeline: units are classed by how many chunks they
+   have; consecutive classes form one 1F1B pipeline *group*, and dp[i+1] = min_k dp[k] + delta +
+   T_ckpt(classes k..i), delta being one warm-up/cool-down ((pp - 1) chunk passes) and T_ckpt
+   the group's recomputation. More groups keep short sequences out of long ones' deep windows
+   (less recomputation) at the price of more warm-ups. Groups run one after another.
+4. Stage-aware chunk-level adaptive checkpointing (§3.3.3, Algorithm 2, eq. 15-20;
+   infinipipe/ckpt.py): per group, an MILP over n + pp - 1 integers solved by HiGHS picks the
+   layers each chunk recomputes on each stage, written to the F actions (`F3.r2`).
+5. N (§3.2: "automatically tuned"; infinipipe/search.py): a ladder N = 1, 2, 3, 4, 6, 9, ...
+   then bisection around the best rung, each N scored by the simulator's step time (or the
+   DP's estimate); N whose chunks cannot fit memory are skipped.
+
+Options: `InfiniPipeOptions` in planners/options.py (each with its default and meaning).
+
+Metrics added: num_slices, mesh (boundaries), time_threshold_s, groups (per pipeline: prefill,
+chunks, checkpointing status, recompute seconds), recompute_layer_chunks, candidates (N ->
+score or why dropped), predicted_step_time_s.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from lengthwise.errors import UserError
+from lengthwise.metrics import PLANNING_MS, PREDICTED_STEP_TIME_S
+from lengthwise.plan.ir import PipelinePlan, StepPlan
+from lengthwise.planners.base import (
+    PlanRequest,
+    check_lengths,
+    finish_plan,
+    positive_int_option,
+    take_options,
+)
+from lengthwise.planners.infinipipe.chunking import (
+    ChunkedBatch,
+    SliceCost,
+    Unit,
+    balanced_chunking,
+    balanced_mesh,
+    even_mesh,
+)
+from lengthwise.planners.infinipipe.ckpt import GroupPlan, with_recompute
+from lengthwise.planners.infinipipe.grouping import (
+    SolverOptions,
+    chunk_stage_seconds,
+    group_by_classes,
+    layout,
+    unit_need,
+)
+from lengthwise.planners.infinipipe.search import SliceSearch, tune
+from lengthwise.planners.packing_utils import greedy_balance, karmarkar_karp
+from lengthwise.sim import simulate_plan
+
+PLANNER = "infinipipe"
+SCHEDULE = "elastic-1f1b"
+CHECKPOINTING = ("adaptive", "none", "full")
+SCORES = ("simulate", "estimate")
+MAX_SLICES = 256
+"""Largest N the search tries: a 1M-token sequence in 4K-token slices; finer slices only lose
+GEMM efficiency, and a split sequence's memory barely shrinks with N (all its chunks are alive
+at its first backward)."""
+
+
+@dataclass(kw_only=True)
+class Settings:
+    """The planner's options, read and checked."""
+
+    num_slices: int | None
+    slice_candidates: int
+    balanced: bool
+    checkpointing: str
+    score: str
+    milp_time_limit_s: float
+
+    @property
+    def solver(self) -> SolverOptions:
+        return SolverOptions(mode=self.checkpointing, time_limit_s=self.milp_time_limit_s)
+
+
+def read_settings(request: PlanRequest) -> Settings:
+    opts = take_options(request, PLANNER)
+    for name, allowed in (("checkpointing", CHECKPOINTING), ("score", SCORES)):
+        if opts[name] not in allowed:
+            raise UserError(f"{PLANNER} option {name} must be one of {', '.join(allowed)}, got {opts[name]!r}")
+    if not isinstance(opts["balanced_chunking"], bool):
+        raise UserError(f"{PLANNER} option balanced_chunking must be true or false, got {opts['balanced_chunking']!r}")
+    limit = opts["milp_time_limit_s"]
+    if not isinstance(limit, (int, float)) or isinstance(limit, bool) or limit <= 0:
+        raise UserError(f"{PLANNER} option milp_time_limit_s must be a positive number of seconds, got {limit!r}")
+    return Settings(num_slices=positive_int_option(opts, "num_slices"),
+                    slice_candidates=positive_int_option(opts, "slice_candidates"),
+                    balanced=opts["balanced_chunking"], checkpointing=opts["checkpointing"],
+                    score=opts["score"], milp_time_limit_s=float(limit))
+
+
+# ---- step 2: units over data-parallel pipelines ----
+
+def split_over_pipelines(units: list[Unit], seconds: list[float], dp: int) -> list[list[int]]:
+    """Karmarkar-Karp or LPT by predicted seconds, whichever has the lighter heaviest pipeline."""
+    if dp == 1:
+        return [list(range(len(units)))]
+    heaviest = lambda parts: max(sum(seconds[i] for i in p) for p in parts)
+    return [sorted(p) for p in min(karmarkar_karp(seconds, dp), greedy_balance(seconds, dp), key=heaviest)]
+
+
+# ---- one candidate N ----
+
+@dataclass(kw_only=True)
+class Candidate:
+    """A complete schedule for one slice number."""
+
+    batch: ChunkedBatch
+    pipelines: list[list[GroupPlan]]
+    estimate_s: float
+    """The DP's estimate: slowest pipeline's stage work plus its groups' delta and T_ckpt."""
+
+
+def plan_candidate(batch: ChunkedBatch, request: PlanRequest, settings: Settings) -> Candidate | None:
+    """Steps 2-4 for one chunked batch; None when some pipeline cannot fit memory."""
+    dp = request.scheme.dp
+    lay = layout(request, dp)
+    if any(unit_need(u, request, lay, settings.solver)[0] > request.cost.capacity_bytes
+           for u in batch.units if u.num_chunks > 1):
+        return None   # a split sequence alone overflows: skip the DP
+    seconds = [sum(chunk_stage_seconds(c, request, lay.stages[0]) for c in u.chunks) for u in batch.units]
+    pipelines, estimate = [], 0.0
+    for share in split_over_pipelines(batch.units, seconds, dp):
+        grouped = group_by_classes([batch.units[i] for i in share], request, lay, settings.solver)
+        if grouped is None:
+            return None
+        pipelines.append(grouped[0])
+        estimate = max(estimate, sum(seconds[i] for i in share) + grouped[1])
+    return Candidate(batch=batch, pipelines=pipelines, estimate_s=estimate)
+
+
+def to_pipeline(groups: list[GroupPlan], request: PlanRequest) -> PipelinePlan:
+    """Groups one after another: chunk indices offset, recomputation on the F actions."""
+    chunks, stages = [], [[] for _ in range(request.scheme.pp)]
+    for g in groups:
+        offset = len(chunks)
+        chunks += g.schedule.chunks
+        for s, acts in enumerate(with_recompute(g.schedule, g.ckpt.recompute)):
+            stages[s] += [replace(a, chunk=a.chunk + offset) for a in acts]
+    return PipelinePlan(chunks=chunks, stages=stages, tp=request.scheme.tp, cp=request.scheme.cp,
+                        schedule=SCHEDULE)
+
+
+def candidate_plan(cand: Candidate, request: PlanRequest, settings: Settings, started: float) -> StepPlan:
+    pipelines = [to_pipeline(groups, request) for groups in cand.pipelines]
+    options = {"num_slices": cand.batch.num_slices, "balanced_chunking": settings.balanced,
+               "checkpointing": settings.checkpointing}
+    plan = finish_plan(request, pipelines, planner=PLANNER, started=started, options=options)
+    plan.metrics.update(candidate_metrics(cand))
+    return plan
+
+
+def candidate_metrics(cand: Candidate) -> dict:
+    groups = [[{"prefill": g.schedule.prefill, "chunks": len(g.schedule.chunks), "ckpt": g.ckpt.status,
+                "recompute_s": g.ckpt.seconds} for g in pipe] for pipe in cand.pipelines]
+    recomputed = sum(1 for pipe in cand.pipelines for g in pipe for row in g.ckpt.recompute for r in row if r)
+    return {"num_slices": cand.batch.num_slices, "mesh": list(cand.batch.mesh.bounds),
+            "time_threshold_s": cand.batch.time_threshold, "groups": groups,
+            "recompute_layer_chunks": recomputed, "estimate_s": cand.estimate_s, **cand.batch.stats}
+
+
+# ---- step 5: the slice number ----
+
+def score(plan: StepPlan, cand: Candidate, request: PlanRequest, settings: Settings) -> float:
+    if settings.score == "estimate":
+        return cand.estimate_s
+    return simulate_plan(plan, request.cost).step_time_s
+
+
+def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, started: float) -> StepPlan:
+    """Step 5: the fixed N, or the best N of the search (infinipipe/search.py)."""
+    plans: dict[int, StepPlan] = {}
+
+    def evaluate(n: int) -> float | str:
+        plan, why = plan_for(n, request, settings, fit, started)
+        if plan is None:
+            return why
+        plans[n] = plan
+        return plan.metrics[PREDICTED_STEP_TIME_S]
+
+    def too_many(n: int) -> bool:
+        return n > MAX_SLICES or mesh_for(n, request, settings, fit) is None
+
+    if settings.num_slices:
+        search = SliceSearch(score=evaluate, budget=1)
+        search.at(settings.num_slices)
+    else:
+        search = tune(evaluate, too_many, settings.slice_candidates)
+    if search.best is None:
+        raise infeasible_error(request, settings, fit, max(search.tried))
+    best = plans[search.best]
+    best.metrics["candidates"] = {str(k): v for k, v in sorted(search.tried.items())}
+    best.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
+    return best
+
+
+def mesh_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost):
+    return (balanced_mesh if settings.balanced else even_mesh)(max(request.lengths), n, fit)
+
+
+def plan_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost,
+             started: float) -> tuple[StepPlan | None, str]:
+    batch = balanced_chunking(request.lengths, n, fit, balanced=settings.balanced)
+    if batch is None:
+        return None, "too many slices"
+    cand = plan_candidate(batch, request, settings)
+    if cand is None:
+        return None, "does not fit memory"
+    plan = candidate_plan(cand, request, settings, started)
+    plan.metrics[PREDICTED_STEP_TIME_S] = score(plan, cand, request, settings)
+    return plan, ""
+
+
+def infeasible_error(request: PlanRequest, settings: Settings, fit: SliceCost, last_n: int) -> UserError:
+    """Why nothing fits, shown for the longest sequence at the finest N tried."""
+    longest = max(range(len(request.lengths)), key=lambda i: request.lengths[i])
+    batch = balanced_chunking(request.lengths, last_n, fit, balanced=settings.balanced)
+    unit = next(u for u in batch.units if longest in {s.seq_id for c in u.chunks for s in c.segments})
+    need, stage = unit_need(unit, request, layout(request, request.scheme.dp), settings.solver)
+    how = "with no recomputation" if settings.checkpointing == "none" else "even with every layer recomputed"
+    return UserError(
+        f"{PLANNER}: no slice number N <= {last_n} fits memory: sequence {longest} ({request.lengths[longest]} "
+        f"tokens, cut into {unit.num_chunks} chunks) needs {need / 2**30:.3g} GiB on stage {stage} of "
+        f"{request.scheme} {how} (its chunks' checkpoints, K/V state and K/V gradients), above the "
+        f"{request.cost.capacity_bytes / 2**30:.3g} GiB a GPU has: raise --tp, --pp or --cp, "
+        "or lower --context-length")
+
+
+def plan_infinipipe(request: PlanRequest) -> StepPlan:
+    """InfiniPipe for one global batch (infinipipe §3); options: `InfiniPipeOptions` (planners/options.py)."""
+    started = time.perf_counter()
+    settings = read_settings(request)
+    check_lengths(request)
+    s = request.scheme
+    fit = SliceCost.from_cost(request.cost, layers=request.model.num_layers // s.pp, tp=s.tp, cp=s.cp)
+    return tune_slices(request, settings, fit, started)

@@ -1,0 +1,279 @@
+"""SlimPack (slimpack.txt §4-§5): MicroPacks of equal FLOPs, asymmetric backward grouping,
+DP-Merge for outliers, the MicroPack count chosen by simulation.
+
+    from lengthwise.planners import get_planner
+    plan = get_planner("slimpack")(request)                                  # sweep the MicroPack count
+    plan = get_planner("slimpack")(replace(request, options={"num_micropacks": 16}))
+
+    lengthwise plan --planner slimpack --profile github --batch-size 512 --context-length 131072 \\
+        --overlong drop --model llama2-7b --dp 8 --tp 4 --pp 4
+    lengthwise plan --planner slimpack --option num_micropacks=8 --profile tiny --batch-size 64 \\
+        --model tiny --cluster cpu
+
+Steps, each a function here or in a slimpack_* helper:
+
+1. Phase 1 (§4.1.1, slimpack/dp.py): each sample's forward FLOPs (cost.forward_flops of the
+   whole sequence, LM head included); samples onto DP ranks for equal forward FLOPs; a sample
+   heavier than a rank's share B = total / ranks, or whose activations and K/V state overflow
+   one rank's pipeline, is merged over several ranks (DP-Merge): one pipeline whose cp is the
+   number of merged ranks, the outlier's segments SHARDED over them (the simulator charges
+   cost.cp_comm_time), every other sample of that pipeline kept whole on one CP rank (no CP
+   communication: §4.1.3 "other samples continue under the standard schedule"). The
+   scheme's cp is not applied to every sample: its dp x cp pipelines of tp x pp GPUs are all
+   DP ranks, and CP appears only where DP-Merge puts it (§4.1.3: slicing "reduces the need for
+   costly, communication-intensive context parallelism"; sharding every slice would re-gather
+   its whole K/V context per MicroPack, cost.cp_comm_time).
+2. Phase 2 (§4.1.1, slimpack/cuts.py): per pipeline, samples in descending FLOPs cut into N
+   forward MicroPacks of equal forward FLOPs (Slim / Mix / Pack), boundaries exact to a token
+   by solving the slice-cost quadratic.
+3. Asymmetric partitioning (§4.1.2, slimpack/cuts.py): the same samples, FIFO across samples
+   and FILO within one, cut into N backward MicroPacks of equal backward FLOPs; each backward
+   segment is a whole forward segment or a sub-range of one. The plan carries them as
+   PipelinePlan.backward_chunks.
+4. PackFlow schedule (§4.2, slimpack/schedule.py): 1F1B over the forward MicroPacks and the
+   backward units, forwards injected where a unit's slices have not all run forward.
+5. MicroPack count (§5.1, §4.3, slimpack/planner.py): N on a log-spaced sweep from pp to
+   max_micropacks (ratio sqrt 2, rounded, duplicates dropped: the integer steps are dense where
+   the budget changes fastest); every candidate is simulated (lengthwise.sim) in increasing N until two fitting
+   ones in a row are slower than the best before them, and each pipeline keeps the N that
+   finishes it soonest among those whose simulated peak memory fits (§4.1.1: "each DP replica
+   may choose a different N"). When DP-Merge merged a compute outlier, the variant that merges
+   only memory outliers is swept too and the faster step wins (merging costs CP communication).
+
+Simulated step times and planning times against the other planners on the papers' workloads:
+benchmarks/results/compare_suite.json (written by benchmarks/compare_suite.py).
+
+Options: `SlimPackOptions` in planners/options.py (each with its default and meaning).
+
+Metrics added to plan.metrics: micropacks (per pipeline), forward_budget_flops and
+backward_budget_flops (per pipeline), forms (Slim / Mix / Pack counts), dp_merge (merged
+outliers), micropack_rsd (relative standard deviation of MicroPack forward and backward seconds
+and of tokens, as infinipipe table 2 reports), and with the sweep: sweep (every candidate's
+simulated step time and peak), predicted_step_time_s, phase1_variants (each DP-Merge
+variant's simulated step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from lengthwise.cost.model import split_layers
+from lengthwise.errors import UserError
+from lengthwise.metrics import GIB
+from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
+from lengthwise.plan.schedules import make_schedule
+from lengthwise.plan.validate import memory_overflow
+from lengthwise.planners.base import (
+    PlanRequest,
+    positive_int_option,
+    take_options,
+)
+from lengthwise.planners.slimpack.cuts import (
+    PrefixCost,
+    Stream,
+    backward_cuts,
+    backward_units,
+    check_backward_units,
+    forward_chunks,
+    forward_cuts,
+    micropack_form,
+    place_segments,
+)
+from lengthwise.planners.slimpack.dp import RankGroup, assign_ranks, memory_ranks
+from lengthwise.planners.slimpack.schedule import packflow_schedule
+
+SCHEDULES = ("auto", "steady", "lean")
+HOLD_SHARES = (0.75, 0.5, 0.25)
+"""Share of a GPU's memory that model states plus one sample's activations, K/V state and K/V
+gradients may take; a sample needing more is merged over ranks, and the rest is left to the
+MicroPacks in flight beside it. When no MicroPack count fits in simulation, the next, smaller
+share is tried (memory outliers merge over more ranks)."""
+
+
+# ---- costs ----
+
+def flops_models(request: PlanRequest) -> tuple[PrefixCost, PrefixCost]:
+    """(forward, backward) prefix-cost models of the whole model, LM head included."""
+    layers = request.model.num_layers
+    return (PrefixCost.from_cost(request.cost, layers=layers, backward=False),
+            PrefixCost.from_cost(request.cost, layers=layers, backward=True))
+
+
+def memory_share_per_token(request: PlanRequest, hold: float) -> float:
+    """Share of a stage's free memory (`hold` of capacity, less model states) one token of a sample
+    takes while the whole sample is in flight (activations, K/V state and K/V gradients), on the
+    tightest stage."""
+    s, cost = request.scheme, request.cost
+    worst = 0.0
+    for stage, n in enumerate(split_layers(request.model.num_layers, s.pp)):
+        first, last = stage == 0, stage == s.pp - 1
+        states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp * s.cp, zero=s.zero, first=first, last=last)
+        free = cost.capacity_bytes * hold - states
+        if free <= 0:
+            raise UserError(f"stage {stage} model states take {states / GIB:.1f} GiB, more than {hold:.0%} "
+                            f"of the {cost.capacity_bytes / GIB:.1f} GiB usable: raise --tp/--pp or the ZeRO stage")
+        per_token = (cost.activation_bytes_per_token(layers=n, tp=s.tp, head=last)
+                     + 2 * cost.kv_bytes(1, layers=n, tp=s.tp))
+        worst = max(worst, per_token / free)
+    return worst
+
+
+# ---- one pipeline ----
+
+def stream_order(group: RankGroup, flops: np.ndarray) -> list[int]:
+    """§4.2: a replica's samples in descending forward FLOPs (ties by id)."""
+    return sorted(group.seq_ids, key=lambda i: (-flops[i], i))
+
+
+def cp_placement(chunks: list[Chunk], group: RankGroup, g: PrefixCost) -> dict[int, int]:
+    """CP rank of every non-outlier sequence of a merged pipeline: per MicroPack, unplaced
+    sequences go largest first to the least-loaded rank; a sequence keeps its rank in every
+    MicroPack it spans (its K/V context stays local). Empty for an unmerged pipeline."""
+    if group.ranks == 1:
+        return {}
+    outliers, rank_of = set(group.outliers), {}
+    for chunk in chunks:
+        loads = [0.0] * group.ranks
+        segs = [s for s in chunk.segments if s.seq_id not in outliers]
+        for s in sorted(segs, key=lambda s: (s.seq_id not in rank_of, -g.slice(s.start, s.stop), s.seq_id)):
+            r = rank_of.setdefault(s.seq_id, min(range(group.ranks), key=lambda k: (loads[k], k)))
+            loads[r] += float(g.slice(s.start, s.stop))
+    return rank_of
+
+
+def build_pipeline(request: PlanRequest, group: RankGroup, count: int, models, flops: np.ndarray,
+                   asymmetric: bool, lean: bool = False) -> PipelinePlan:
+    """Phase 2, asymmetric partitioning and the PackFlow schedule for one pipeline."""
+    gf, gb = models
+    s = request.scheme
+    stream = Stream.of(stream_order(group, flops), request.lengths)
+    count = max(1, min(count, stream.total_tokens))
+    fcuts = forward_cuts(stream, gf, count)
+    chunks = forward_chunks(stream, fcuts)
+    rank_of = cp_placement(chunks, group, gf)
+    chunks = place_segments(chunks, rank_of)
+    cp = group.ranks
+    if not asymmetric:
+        return PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, s.pp), tp=s.tp, cp=cp,
+                            schedule="1f1b")
+    units = place_segments(backward_units(stream, backward_cuts(stream, gb, count), fcuts), rank_of)
+    check_backward_units(chunks, units)
+    return PipelinePlan(chunks=chunks, stages=packflow_schedule(chunks, units, s.pp, lean=lean), tp=s.tp,
+                        cp=cp, backward_chunks=units, schedule="packflow-1f1b" + ("-lean" if lean else ""))
+
+
+def fitting_pipeline(request: PlanRequest, p: int, group: RankGroup, count: int, models, flops: np.ndarray,
+                     asymmetric: bool, lean: bool, *, pipelines: int) -> PipelinePlan:
+    """build_pipeline at the smallest count >= `count` at which every forward MicroPack fits its
+    stage's GPUs alone, by validate_plan's own bound (memory_overflow, model states sharded over
+    the plan's `pipelines`). Phase 1 only checks samples one by one; a small count packs several
+    into one MicroPack. UserError when no count fits (one pipeline `p` of the plan)."""
+    cost, layers, zero = request.cost, request.model.num_layers, request.scheme.zero
+    tokens = sum(request.lengths[i] for i in group.seq_ids)
+    n = max(count, min_fitting_count(request, tokens, group.ranks, pipelines))
+    while True:
+        pipe = build_pipeline(request, group, n, models, flops, asymmetric, lean)
+        over = memory_overflow(pipe, cost, num_layers=layers, dp=pipelines, zero=zero)
+        if over is None:
+            return pipe
+        if len(pipe.chunks) >= tokens:
+            raise UserError(f"slimpack: pipeline {p} fits no MicroPack count: at {len(pipe.chunks)} its "
+                            f"{over.describe(pipe, cost)}: raise --tp, --pp or --dp")
+        n = len(pipe.chunks) + 1
+
+
+def min_fitting_count(request: PlanRequest, tokens: int, cp: int, pipelines: int) -> int:
+    """A lower bound on the MicroPacks a pipeline of `tokens` tokens over `cp` merged ranks needs
+    for each to fit alone: a MicroPack's busiest rank holds at least 1/cp of its tokens, each
+    taking its activations on the tightest stage (K/V context only adds)."""
+    s, cost = request.scheme, request.cost
+    most = float("inf")  # tokens one rank can hold beside its model states
+    for stage, n in enumerate(split_layers(request.model.num_layers, s.pp)):
+        first, last = stage == 0, stage == s.pp - 1
+        free = cost.capacity_bytes - cost.model_state_bytes(layers=n, tp=s.tp, dp=pipelines * s.cp, zero=s.zero,
+                                                             first=first, last=last)
+        per_token = cost.activation_bytes_per_token(layers=n, tp=s.tp, head=last)
+        most = min(most, free / per_token if per_token > 0 else float("inf"))
+    if most <= 0:
+        return 1  # nothing fits: fitting_pipeline reports the overflow
+    return max(1, math.floor(tokens / (cp * most)))
+
+
+def bare_plan(request: PlanRequest, pipes: list[PipelinePlan]) -> StepPlan:
+    return StepPlan(planner="slimpack", model=request.model, cluster=request.cluster,
+                    lengths=list(request.lengths), pipelines=pipes, zero=request.scheme.zero)
+
+
+# ---- metrics ----
+
+def rsd(values) -> float:
+    """Relative standard deviation, percent."""
+    v = np.asarray(values, dtype=np.float64)
+    return float(100.0 * v.std() / v.mean()) if len(v) and v.mean() > 0 else 0.0
+
+
+def mean_rsd(rows: list[list[float]]) -> float:
+    return float(np.mean([rsd(r) for r in rows])) if rows else 0.0
+
+
+def micropack_metrics(request: PlanRequest, pipes: list[PipelinePlan], models) -> dict:
+    """Counts, budgets, forms and the spread of MicroPack seconds (whole model, LM head included)."""
+    gf, gb = models
+    cost, layers = request.cost, request.model.num_layers
+    fwd_t = [[cost.forward_time(c, layers=layers, tp=p.tp, cp=p.cp, head=True) for c in p.chunks] for p in pipes]
+    bwd_t = [[cost.backward_time(u, layers=layers, tp=p.tp, cp=p.cp, head=True) for u in p.bwd_units] for p in pipes]
+    tokens = [[c.num_tokens for c in p.chunks] for p in pipes]
+    forms = [micropack_form(c, request.lengths) for p in pipes for c in p.chunks]
+
+    def budget(g: PrefixCost, units: list[Chunk]) -> float:
+        return sum(float(g.slice(s.start, s.stop)) for c in units for s in c.segments) / len(units)
+
+    return {
+        "micropacks": [len(p.chunks) for p in pipes],
+        "forward_budget_flops": [budget(gf, p.chunks) for p in pipes],
+        "backward_budget_flops": [budget(gb, p.bwd_units) for p in pipes],
+        "forms": {f: forms.count(f) for f in ("slim", "mix", "pack")},
+        # within each pipeline (budgets differ between pipelines), averaged over pipelines
+        "micropack_rsd": {"forward_time_pct": mean_rsd(fwd_t), "backward_time_pct": mean_rsd(bwd_t),
+                          "tokens_pct": mean_rsd(tokens)},
+    }
+
+
+def merge_metrics(groups: list[RankGroup]) -> list[dict]:
+    return [{"seq_ids": g.outliers, "ranks": g.ranks, "cp": g.ranks} for g in groups if g.ranks > 1]
+
+
+# ---- the planner ----
+
+def read_options(request: PlanRequest) -> dict:
+    opts = take_options(request, "slimpack")
+    for name in ("asymmetric", "dp_merge"):
+        if not isinstance(opts[name], bool):
+            raise UserError(f"slimpack option {name} must be true or false, got {opts[name]!r}")
+    if opts["schedule"] not in SCHEDULES:
+        raise UserError(f"slimpack option schedule must be one of {', '.join(SCHEDULES)}, got {opts['schedule']!r}")
+    pp = request.scheme.pp
+    top = positive_int_option(opts, "max_micropacks") or 32 * pp
+    if top < pp:
+        raise UserError(f"slimpack option max_micropacks={top} is below pp={pp}: a pipeline needs at least "
+                        "one MicroPack per stage to fill")
+    return {**opts, "num_micropacks": positive_int_option(opts, "num_micropacks"), "max_micropacks": top}
+
+
+def phase1_variants(request: PlanRequest, models, merge: bool,
+                    hold: float = HOLD_SHARES[0]) -> tuple[list[list[RankGroup]], np.ndarray]:
+    """Phase 1: forward FLOPs per sample and the rank groups; with DP-Merge, the paper's groups
+    (compute and memory outliers merged) and, when it differs, the memory-only variant."""
+    lengths = np.asarray(request.lengths, dtype=np.int64)
+    flops = models[0].of(lengths)
+    want = memory_ranks(lengths, memory_share_per_token(request, hold))
+    floor = memory_ranks(lengths, memory_share_per_token(request, 1.0))
+    ranks = request.scheme.dp * request.scheme.cp
+    variants = [assign_ranks(flops, want, floor, ranks, merge=merge)]
+    if merge:
+        memory_only = assign_ranks(flops, want, floor, ranks, merge=True, by_flops=False)
+        if merge_metrics(memory_only) != merge_metrics(variants[0]):
+            variants.append(memory_only)
+    return [[g for g in groups if g.seq_ids] for groups in variants], flops

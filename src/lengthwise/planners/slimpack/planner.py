@@ -1,0 +1,186 @@
+"""SlimPack's choice of MicroPack count, schedule and DP-Merge variant by simulation
+(slimpack.txt §5.1, §4.1.2 "each of them is evaluated by a high-fidelity simulator", §4.3).
+
+    groups, pipes, metrics = plan_by_simulation(request, models, opts)
+
+Candidate counts are log-spaced from pp (§5.1: pp, pp*sqrt2, 2pp, ... rounded, duplicates
+dropped, up to max_micropacks); each candidate plans every pipeline and simulates the step
+(lengthwise.sim). The sweep stops once two fitting candidates in a row are slower than the best
+before them (step time against N is U-shaped: bubbles fall as 1/N, per-MicroPack costs grow
+with N). Each pipeline keeps the count that finishes it soonest within memory ("each DP replica
+may choose a different N"). The lean schedule is swept too when the steady one fits no count;
+every Phase-1 variant (with and without compute merges) is swept and the faster step wins; when
+none fits, memory outliers are merged over more ranks (the next HOLD share).
+"""
+
+from __future__ import annotations
+
+import time
+
+from lengthwise.errors import UserError
+from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS, PREDICTED_STEP_TIME_S, STEP_TIME_S
+from lengthwise.plan.ir import PipelinePlan, StepPlan
+from lengthwise.planners.base import PlanRequest, check_lengths, finish_plan
+from lengthwise.planners.slimpack.build import (
+    HOLD_SHARES,
+    bare_plan,
+    build_pipeline,
+    fitting_pipeline,
+    flops_models,
+    merge_metrics,
+    micropack_metrics,
+    phase1_variants,
+    read_options,
+)
+from lengthwise.sim import simulate_plan
+
+SWEEP_RATIO = 2 ** 0.5
+
+
+def plan_by_simulation(request: PlanRequest, models, opts):
+    """Phase-1 variants swept at the first HOLD share that lets every pipeline fit in simulation."""
+    tried, error = set(), None
+    for hold in HOLD_SHARES:
+        try:
+            variants, flops = phase1_variants(request, models, opts["dp_merge"], hold)
+        except UserError as exc:  # not enough ranks (or memory) to merge more: no smaller share helps
+            error = error or exc
+            break
+        key = str([merge_metrics(v) for v in variants])
+        if key in tried:
+            continue
+        tried.add(key)
+        try:
+            return best_variant(request, variants, models, flops, opts)
+        except UserError as exc:
+            error = exc
+    raise error
+
+
+def best_variant(request: PlanRequest, variants, models, flops, opts):
+    """Sweep every Phase-1 variant; keep the one with the shortest simulated step."""
+    best, error, tried = None, None, []
+    for groups in variants:
+        try:
+            pipes, extra = sweep(request, groups, models, flops, opts)
+        except UserError as exc:  # this variant fits no count; another may
+            error = exc
+            continue
+        tried.append({"dp_merge": merge_metrics(groups), STEP_TIME_S: extra[PREDICTED_STEP_TIME_S]})
+        if best is None or extra[PREDICTED_STEP_TIME_S] < best[2][PREDICTED_STEP_TIME_S]:
+            best = (groups, pipes, extra)
+    if best is None:
+        raise error
+    best[2]["phase1_variants"] = tried
+    return best
+
+
+def sweep(request: PlanRequest, groups, models, flops, opts) -> tuple[list[PipelinePlan], dict]:
+    """Step 5: simulate every candidate count (the lean schedule too where the steady one fits
+    no count, or when asked for), keep per pipeline the fastest candidate that fits."""
+    counts = sweep_counts(request.scheme.pp, opts["max_micropacks"])
+    capacity = request.cost.capacity_bytes
+    candidates: list[dict] = []
+    for lean in schedule_variants(opts):
+        candidates += simulate_candidates(request, groups, counts, models, flops, opts["asymmetric"], lean)
+        if all(any(c["peak"][p] <= capacity for c in candidates) for p in range(len(groups))):
+            break
+    chosen = choose_per_pipeline(candidates, capacity)
+    pipes = [candidates[k]["pipelines"][p] for p, k in enumerate(chosen)]
+    if len(set(chosen)) == 1:
+        predicted = candidates[chosen[0]][STEP_TIME_S]
+    else:
+        predicted = simulate_plan(bare_plan(request, pipes), request.cost).step_time_s
+    table = [{"micropacks": c["count"], "lean": c["lean"], STEP_TIME_S: c[STEP_TIME_S], "fits": c["fits"],
+              PEAK_MEMORY_GIB: max(c["peak"]) / GIB} for c in candidates]
+    return pipes, {"sweep": table, PREDICTED_STEP_TIME_S: predicted}
+
+
+def schedule_variants(opts: dict) -> list[bool]:
+    """`lean` flags to try in order: steady first under "auto" (lean only matters when asymmetric)."""
+    if not opts["asymmetric"]:
+        return [False]
+    return {"auto": [False, True], "steady": [False], "lean": [True]}[opts["schedule"]]
+
+
+def sweep_counts(pp: int, top: int) -> list[int]:
+    """§5.1: pp, pp * sqrt2, pp * 2, ... rounded, up to `top` (included), duplicates dropped."""
+    counts, k = [], 0
+    while True:
+        n = round(pp * SWEEP_RATIO**k)
+        if n > top:
+            break
+        if n not in counts:
+            counts.append(n)
+        k += 1
+    return counts + ([top] if top not in counts else [])
+
+
+def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asymmetric, lean) -> list[dict]:
+    """Every pipeline at every candidate count, simulated: per candidate its pipelines, per-pipeline
+    makespan and peak memory, and the whole step."""
+    out: list[dict] = []
+    for n in counts:
+        pipes = [build_pipeline(request, g, n, models, flops, asymmetric, lean) for g in groups]
+        result = simulate_plan(bare_plan(request, pipes), request.cost)
+        out.append({"count": n, "lean": lean, "pipelines": pipes, "makespan": result.pipeline_makespan,
+                    "peak": [max(row) for row in result.peak_memory], STEP_TIME_S: result.step_time_s,
+                    "fits": bool(result.fits)})
+        if past_the_best(out):
+            break
+    return out
+
+
+def past_the_best(candidates: list[dict], patience: int = 2) -> bool:
+    """Whether the last `patience` candidates all fit and all ran slower than the best fitting
+    one before them: more, smaller MicroPacks only add per-MicroPack overheads from there on
+    (step time against N is U-shaped: bubbles fall as 1/N, fixed costs grow with N)."""
+    fitting = [c[STEP_TIME_S] for c in candidates if c["fits"]]
+    tail = candidates[-patience:]
+    if len(tail) < patience or not all(c["fits"] for c in tail) or len(fitting) <= patience:
+        return False
+    best_before = min(fitting[:-patience])
+    return all(c[STEP_TIME_S] > best_before for c in tail)
+
+
+def choose_per_pipeline(candidates: list[dict], capacity: float) -> list[int]:
+    """Per pipeline, the candidate index that finishes it soonest within memory."""
+    chosen = []
+    for p in range(len(candidates[0]["pipelines"])):
+        fitting = [k for k, c in enumerate(candidates) if c["peak"][p] <= capacity]
+        if not fitting:
+            best = min(candidates, key=lambda c: c["peak"][p])
+            raise UserError(
+                f"slimpack: pipeline {p} fits no MicroPack count of {sorted({c['count'] for c in candidates})}: its "
+                f"smallest simulated peak is {best['peak'][p] / GIB:.1f} GiB at {best['count']} MicroPacks > "
+                f"{capacity / GIB:.1f} GiB capacity: raise max_micropacks, --tp or --pp"
+            )
+        chosen.append(min(fitting, key=lambda k: (candidates[k]["makespan"][p], k)))
+    return chosen
+
+
+def plan_slimpack(request: PlanRequest) -> StepPlan:
+    """SlimPack for one global batch (slimpack §4-§5); options: `SlimPackOptions` (planners/options.py)."""
+    started = time.perf_counter()
+    opts = read_options(request)
+    check_lengths(request)
+    s = request.scheme
+    request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, zero=s.zero)
+    models = flops_models(request)
+    extra: dict = {}
+    if opts["num_micropacks"] is not None:
+        variants, flops = phase1_variants(request, models, opts["dp_merge"])
+        groups, lean = variants[0], opts["schedule"] == "lean"
+        pipes = [fitting_pipeline(request, p, g, opts["num_micropacks"], models, flops, opts["asymmetric"], lean,
+                                  pipelines=len(groups))
+                 for p, g in enumerate(groups)]
+    else:
+        groups, pipes, extra = plan_by_simulation(request, models, opts)
+    plan = finish_plan(request, pipes, planner="slimpack", started=started, options=opts)
+    plan.metrics.update(micropack_metrics(request, pipes, models))
+    plan.metrics["dp_merge"] = merge_metrics(groups)
+    plan.metrics.update(extra)
+    plan.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
+    return plan
+
+

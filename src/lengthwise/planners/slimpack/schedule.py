@@ -1,0 +1,62 @@
+"""PackFlow 1F1B (slimpack.txt §4.2): forward MicroPacks and separately grouped backward
+MicroPacks on one pipeline.
+
+    stages = packflow_schedule(chunks, units, pp)                # B actions index `units`
+    stages = packflow_schedule(chunks, units, pp, lean=True)     # lower memory, more bubbles
+
+Stage s runs pp - s - 1 warm-up forwards, then alternates one backward unit with one forward
+(steady state), then drains the remaining backwards (cool-down), as 1F1B does. Forward
+MicroPacks go in FIFO order; backward unit i additionally waits until every forward MicroPack
+it reads has run on the stage (§4.2: a sample's backward starts only after all its slices'
+forwards). When that dependency is not met at its 1F1B slot, the stage runs extra forwards
+first: the "injected forward MicroPack" of §4.2 / figure 9, plus its own pp - s - 1 warm-up
+forwards again, so the upper stages keep computing while the first backward climbs back to
+them. Units are already in FILO order within each sample (slimpack/cuts.py), so the K/V-gradient
+edges between them point backwards in the list and never stall a stage.
+
+After the injection, two ways to go on (steady is faster, lean holds less memory; `lengthwise
+plan --planner slimpack --schedule steady|lean` prints each one's simulated step and peak):
+
+- steady (default): keep the forwards that were run ahead, so every later backward still has
+  one forward to pair with and the pipeline never drains again; the run-ahead stays in memory.
+- lean: let the backwards that became ready run back to back until the stage is back to its
+  1F1B count of forwards in flight; memory falls back, but each burst leaves the upper stages
+  idle for about pp - 1 backwards of the stage below.
+"""
+
+from __future__ import annotations
+
+from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk
+from lengthwise.plan.schedules import dependencies
+
+
+def forwards_needed(chunks: list[Chunk], units: list[Chunk]) -> list[int]:
+    """Per backward unit: how many forward MicroPacks (a prefix) must run before it."""
+    deps = dependencies(chunks, units)
+    ready, out = 0, []
+    for needs in deps.bwd_needs:
+        ready = max([ready] + [c + 1 for c in needs])
+        out.append(ready)
+    return out
+
+
+def packflow_stage(num_chunks: int, ready: list[int], warmup: int, *, lean: bool = False) -> list[Action]:
+    """One stage: warm-up forwards, steady 1F1B (with injected forwards), cool-down backwards."""
+    out: list[Action] = []
+    issued = 0
+    for i, need_ready in enumerate(ready):
+        # 1F1B slot, the unit's own dependency plus this stage's warm-up, and (steady) one more
+        # forward than the last backward had
+        need = max(warmup + i + 1, need_ready + warmup, 0 if lean else issued + 1)
+        need = min(num_chunks, need)
+        out += [Action(FORWARD, c) for c in range(issued, need)]
+        issued = max(issued, need)
+        out.append(Action(BACKWARD, i))
+    assert issued == num_chunks, "every forward MicroPack must be read by some backward unit"
+    return out
+
+
+def packflow_schedule(chunks: list[Chunk], units: list[Chunk], pp: int, *, lean: bool = False) -> list[list[Action]]:
+    """Per-stage action lists; forward actions index `chunks`, backward actions index `units`."""
+    ready = forwards_needed(chunks, units)
+    return [packflow_stage(len(chunks), ready, warmup=pp - s - 1, lean=lean) for s in range(pp)]

@@ -1,0 +1,85 @@
+"""One rank's model for a plan: its stage only, parallelised, then materialised.
+
+    model = build_rank_model(plan, mesh, dtype=torch.float64, seed=0)          # or weights="ckpt/"
+    run_rank_step(model, plan, token_ids, mesh=mesh)
+
+Order (torchtitan's): the stage's modules on the meta device (`model.StagePart`), tensor
+parallelism over the mesh's tp dimension, FSDP2 over dp x cp, then `to_empty` on the rank's
+device and the weights: seeded (the same values whatever the split) or read from a Hugging
+Face checkpoint, only the stage's tensors, each rank keeping its own shard. Nothing is
+allocated beyond the rank's shard of its stage (plus one whole tensor while loading).
+
+`data_parallel="replicate"` keeps whole parameters on every replica and sums gradients with
+`distributed/dp.GradReducer` (also what heterogeneous plans, which have no uniform mesh, get).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import StepPlan
+from lengthwise.runtime.distributed.dp import stage_part
+from lengthwise.runtime.distributed.mesh import Mesh
+from lengthwise.runtime.model import CausalLM, init_weights, meta_model
+from lengthwise.runtime.parallel.device_mesh import plan_device_mesh, shard_mesh
+from lengthwise.runtime.parallel.fsdp import apply_fsdp
+from lengthwise.runtime.parallel.tensor_parallel import apply_tp
+from lengthwise.runtime.weights import copy_whole, load_weights
+
+DATA_PARALLEL = ("fsdp", "replicate")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelOptions:
+    """How a rank's model is parallelised beyond what the plan fixes (pp, cp, tp, zero)."""
+
+    data_parallel: str = "fsdp"
+    """fsdp (FSDP2 over dp x cp, as the plan's zero says) or replicate (whole copies, one
+    all-reduce per step)."""
+    param_dtype: torch.dtype | None = None
+    """Compute dtype under FSDP2 (bfloat16) while the master weights stay in `dtype`."""
+
+
+def build_rank_model(plan: StepPlan, mesh: Mesh, *, dtype: torch.dtype = torch.float32, seed: int | None = None,
+                     weights: str | Path | None = None, options: ParallelOptions = ParallelOptions(),
+                     fake: bool = False) -> CausalLM:
+    """This rank's stage of `plan.model`, parallelised and materialised (collective: creates the
+    plan's process groups and DeviceMesh, recorded in `mesh.device_mesh`). Neither seed nor
+    weights: uninitialised memory. `fake`: called under FakeTensorMode (a dry run), where
+    modules are built directly (storage costs nothing there, and fake parameters cannot be
+    swapped by `to_empty`)."""
+    if options.data_parallel not in DATA_PARALLEL:
+        raise UserError(f"data_parallel={options.data_parallel!r}: use one of {', '.join(DATA_PARALLEL)}")
+    layout = mesh.layout(plan)
+    part = stage_part(plan, layout.place)
+    if fake:
+        with torch.device(mesh.device):
+            model = CausalLM(plan.model, part, dtype)
+    else:
+        model = meta_model(plan.model, part=part, dtype=dtype)
+    device_mesh = plan_device_mesh(plan, layout, mesh.device.type)
+    tp = plan.pipelines[layout.place.pipeline].tp
+    if tp > 1 and device_mesh is None:
+        raise UserError(f"tensor parallelism (tp={tp}) needs every pipeline to have the same pp, cp, tp and "
+                        "layer split: plan with uniform pipelines")
+    mesh.device_mesh = device_mesh
+    mesh.compute_dtype = None
+    if tp > 1:
+        apply_tp(model, device_mesh["tp"])
+    if device_mesh is not None and options.data_parallel == "fsdp" and plan.zero > 0:
+        apply_fsdp(model, shard_mesh(device_mesh), zero=plan.zero, param_dtype=options.param_dtype)
+        mesh.compute_dtype = options.param_dtype
+    elif options.param_dtype is not None:
+        raise UserError("a compute dtype apart from the master weights' needs FSDP2: plan with zero >= 1 "
+                        "and uniform pipelines")
+    if not fake:
+        model.to_empty(device=mesh.device)
+    if seed is not None:
+        init_weights(model, seed, assign=copy_whole)
+    elif weights is not None:
+        load_weights(model, weights)
+    return model

@@ -1,0 +1,261 @@
+"""Checkpoints are data, and damaged ones are never read: a pickle payload or a flipped byte in
+any file of a single-process or a distributed checkpoint is caught by its manifest, resume
+falls back to the newest intact checkpoint (saying so) or refuses, and the payload never runs.
+
+Each training run happens once (tiny model, float64, two or three steps); every damage case
+works on a copy of its checkpoint folder. The distributed cases check every file through the
+scan rank 0 runs for the group (`checkpoint.latest_checkpoint`) and the load path's verification;
+one real 2-process resume over two damaged steps shows the group falls back and ends at the
+weights of the undamaged run.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import SafetensorError
+
+from lengthwise.cli import main
+from lengthwise.errors import UserError
+from lengthwise.runtime.checkpoint import latest_checkpoint, load_checkpoint
+from lengthwise.runtime.manifest import MANIFEST, DamagedCheckpoint, list_files, verify_manifest, write_manifest
+from lengthwise.runtime.model import build_model
+from lengthwise.runtime.train.loop import make_optimizer, train
+from lengthwise.runtime.train.config import TrainConfig
+from lengthwise.runtime.weights import read_tensors
+from lengthwise.specs import model_preset
+
+SINGLE_FILES = ["config.json", "model.safetensors", "optimizer.json", "optimizer.safetensors", "rng.json",
+                "rng.safetensors", "trainer.json", MANIFEST]
+DIST_FILES = [".metadata", "__0_0.distcp", "__1_0.distcp", "config.json", "model.safetensors", "rank-0.json",
+              "rank-0.safetensors", "rank-1.json", "rank-1.safetensors", MANIFEST]
+DIST_ARGS = ["--dtype", "float64", "--context-length", "96", "--batch-size", "3", "--lr", "1e-2",
+             "--chunk-size", "32", "--k", "1", "--threads", "1", "--no-progress", "--nproc", "2", "--dp", "2",
+             "--save-every", "1"]
+
+
+class Payload:
+    """Unpickling this creates the file `marker` (what an attacker's os.system would do)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return builtins.open, (self.marker, "w")
+
+
+def payload_bytes(marker: Path) -> bytes:
+    return pickle.dumps(Payload(marker))
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def damage(path: Path, kind: str, marker: Path) -> None:
+    if kind == "flip":
+        flip_byte(path)
+    else:
+        path.write_bytes(payload_bytes(marker))
+
+
+def small(**changes) -> TrainConfig:
+    base = {"dtype": "float64", "context_length": 96, "batch_size": 3, "steps": 2, "lr": 1e-2,
+            "progress": False, "options": {"chunk_size": 32, "k": 1}, "threads": 1}
+    return TrainConfig(**{**base, **changes})
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("single")
+    train(small(out=str(out), save_every=1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dist_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    assert main(["train", *DIST_ARGS, "--steps", "3", "--out", str(out)]) == 0
+    return out
+
+
+def copy_run(run: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    return out
+
+
+def test_the_payload_is_real(tmp_path):
+    """Unpickled, the planted bytes do create the marker: the tests below would see it run."""
+    marker = tmp_path / "ran"
+    pickle.loads(payload_bytes(marker))
+    assert marker.exists()
+
+
+def test_the_file_lists_are_the_checkpoints_files(single_run, dist_run):
+    assert list_files(single_run / "step-000002") + [MANIFEST] == sorted(SINGLE_FILES[:-1]) + [MANIFEST]
+    assert list_files(dist_run / "step-000003") + [MANIFEST] == sorted(DIST_FILES[:-1]) + [MANIFEST]
+    assert verify_manifest(dist_run / "step-000003") == {"format": "lengthwise-checkpoint", "version": 1,
+                                                         "kind": "distributed", "nproc": 2, "step": 3}
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "trainer.json", MANIFEST])
+def test_single_process_resume_falls_back_and_runs_nothing(single_run, tmp_path, capsys, name):
+    """Real resumes (every file and both damages take the same path: the next test runs the scan
+    resume uses, and the load, on each)."""
+    out, marker = copy_run(single_run, tmp_path), tmp_path / "ran"
+    damage(out / "step-000002" / name, "pickle", marker)
+    resumed = train(small(out=str(out), steps=2))
+    assert resumed.resumed_from == out / "step-000001" and resumed.start_step == 1
+    err = capsys.readouterr().err
+    assert f"checkpoint {out / 'step-000002'} is " in err and "skipping it" in err
+    assert f"resuming from {out / 'step-000001'}, the newest intact checkpoint" in err
+    # step 2, trained again, was rewritten whole: intact, and bit-identical to the undamaged run
+    verify_manifest(out / "step-000002")
+    rerun, original = read_tensors(out / "step-000002"), read_tensors(single_run / "step-000002")
+    assert all(torch.equal(rerun[k], original[k]) for k in original)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("kind", ["flip", "pickle"])
+@pytest.mark.parametrize("name", SINGLE_FILES)
+def test_a_damaged_checkpoint_is_skipped_and_refused_by_name(single_run, tmp_path, name, kind):
+    out, marker = copy_run(single_run, tmp_path), tmp_path / "ran"
+    damage(out / "step-000002" / name, kind, marker)
+    assert latest_checkpoint(out, notify=lambda line: None) == out / "step-000001"
+    model = build_model(model_preset("tiny"), dtype=torch.float64, device=torch.device("cpu"), seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(DamagedCheckpoint, match=r"step-000002 is damaged: \S+ ") as caught:
+        load_checkpoint(out / "step-000002", model, make_optimizer(model, small()))
+    assert "\n" not in str(caught.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing was read
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", [n for n in SINGLE_FILES if n != MANIFEST])
+def test_a_payload_with_a_matching_manifest_is_still_not_unpickled(single_run, tmp_path, name):
+    """A crafted checkpoint passes the manifest; the loaders themselves read only JSON and
+    safetensors, so the payload fails to parse instead of running (config.json is not read on
+    resume: the model's shape comes from --model)."""
+    out, marker = copy_run(single_run, tmp_path), tmp_path / "ran"
+    step = out / "step-000002"
+    (step / name).write_bytes(payload_bytes(marker))
+    write_manifest(step, meta={"kind": "single", "step": 2})
+    model = build_model(model_preset("tiny"), dtype=torch.float64, device=torch.device("cpu"), seed=0)
+    try:
+        load_checkpoint(step, model, make_optimizer(model, small()))
+        outcome = "loaded"
+    except (ValueError, SafetensorError) as exc:  # JSON and UTF-8 errors are ValueErrors
+        outcome = f"refused: {type(exc).__name__}"
+    assert outcome.startswith("loaded" if name == "config.json" else "refused")
+    assert not marker.exists()
+
+
+def test_an_edited_step_in_trainer_json_is_caught(single_run, tmp_path):
+    out = copy_run(single_run, tmp_path)
+    path = out / "step-000002" / "trainer.json"
+    trainer = json.loads(path.read_text())
+    path.write_text(json.dumps({**trainer, "step": 1}, indent=1))
+    with pytest.raises(DamagedCheckpoint, match="trainer.json (has .* bytes|differs from its manifest)"):
+        verify_manifest(out / "step-000002")
+    assert latest_checkpoint(out) == out / "step-000001"
+
+
+def test_incomplete_and_unlisted_files_are_named(single_run, tmp_path):
+    out = copy_run(single_run, tmp_path)
+    (out / "step-000002" / "extra.pt").write_bytes(b"x")
+    with pytest.raises(DamagedCheckpoint, match="holds extra.pt, which its MANIFEST.json does not list"):
+        verify_manifest(out / "step-000002")
+    (out / "step-000002" / "extra.pt").unlink()
+    (out / "step-000002" / "optimizer.safetensors").unlink()
+    with pytest.raises(DamagedCheckpoint, match="optimizer.safetensors is missing"):
+        verify_manifest(out / "step-000002")
+    (out / "step-000001" / MANIFEST).unlink()
+    with pytest.raises(DamagedCheckpoint, match="step-000001 is incomplete: it has no MANIFEST.json"):
+        verify_manifest(out / "step-000001")
+
+
+def test_every_checkpoint_damaged_is_refused_not_restarted(single_run, tmp_path, capsys):
+    """Starting afresh over damaged checkpoints would hide the loss: one line, exit 2."""
+    out = copy_run(single_run, tmp_path)
+    for step in ("step-000001", "step-000002"):
+        flip_byte(out / step / "model.safetensors")
+    code = main(["train", "--dtype", "float64", "--context-length", "96", "--batch-size", "3", "--steps", "2",
+                 "--chunk-size", "32", "--k", "1", "--threads", "1", "--no-progress", "--out", str(out)])
+    assert code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("lengthwise train: error: no intact checkpoint under") and "Traceback" not in last
+
+
+@pytest.mark.parametrize("kind", ["flip", "pickle"])
+@pytest.mark.parametrize("name", DIST_FILES)
+def test_distributed_checkpoint_damage_is_caught_before_reading(dist_run, tmp_path, capsys, name, kind):
+    """What rank 0 runs for the group: the scan skips the damaged step, the load verifies first."""
+    out, marker = copy_run(dist_run, tmp_path), tmp_path / "ran"
+    damage(out / "step-000003" / name, kind, marker)
+    assert latest_checkpoint(out) == out / "step-000002"
+    assert f"checkpoint {out / 'step-000003'} is " in capsys.readouterr().err
+    with pytest.raises(UserError, match="step-000003 is damaged"):
+        verify_manifest(out / "step-000003")
+    assert not marker.exists()
+
+
+def test_distributed_resume_falls_back_over_damaged_steps(dist_run, tmp_path, capfd):
+    """Step 3's pickled .metadata carries a payload, step 2 has a flipped byte in a shard: the
+    two processes resume from step 1, rewrite steps 2 and 3, and end at the undamaged weights."""
+    out, marker = copy_run(dist_run, tmp_path), tmp_path / "ran"
+    damage(out / "step-000003" / ".metadata", "pickle", marker)
+    damage(out / "step-000002" / "__1_0.distcp", "flip", marker)
+    assert main(["train", *DIST_ARGS, "--steps", "3", "--out", str(out)]) == 0
+    captured = capfd.readouterr()
+    assert "(resumed from" in captured.out and "step-000001)" in captured.out
+    assert f"checkpoint {out / 'step-000003'} is damaged: .metadata" in captured.err
+    assert f"checkpoint {out / 'step-000002'} is damaged: __1_0.distcp" in captured.err
+    assert not marker.exists()
+    for step in ("step-000002", "step-000003"):
+        verify_manifest(out / step)
+        rerun, original = read_tensors(out / step), read_tensors(dist_run / step)
+        assert all(torch.equal(rerun[k], original[k]) for k in original), step
+
+
+def test_a_distributed_checkpoint_resumed_on_one_process_names_the_processes(dist_run, tmp_path):
+    out = copy_run(dist_run, tmp_path)
+    with pytest.raises(UserError, match="written by a distributed run of 2 processes; resume it with the same --nproc"):
+        train(small(out=str(out), steps=4))
+
+
+def test_a_checkpoint_of_an_older_version_is_not_overwritten(single_run, tmp_path):
+    """Its folder has trainer.json but no manifest: refused by name rather than restarted over."""
+    out = copy_run(single_run, tmp_path)
+    for step in ("step-000001", "step-000002"):
+        (out / step / MANIFEST).unlink()
+    with pytest.raises(UserError, match="step-000002 was written by an older lengthwise"):
+        latest_checkpoint(out, notify=lambda line: None)
+
+
+def test_resume_of_a_damaged_path_is_one_line_exit_2(single_run, tmp_path, capsys):
+    out = copy_run(single_run, tmp_path)
+    flip_byte(out / "step-000002" / "optimizer.safetensors")
+    code = main(["train", "--dtype", "float64", "--context-length", "96", "--batch-size", "3", "--steps", "3",
+                 "--chunk-size", "32", "--k", "1", "--threads", "1", "--no-progress",
+                 "--resume", str(out / "step-000002")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "step-000002 is damaged: optimizer.safetensors differs from its manifest (sha256)" in err
+
+
+def test_a_file_replaced_by_a_link_is_not_followed(single_run, tmp_path):
+    out = copy_run(single_run, tmp_path)
+    target = out / "step-000002" / "optimizer.safetensors"
+    target.unlink()
+    target.symlink_to(out / "step-000001" / "optimizer.safetensors")
+    with pytest.raises(DamagedCheckpoint, match="optimizer.safetensors is not a regular file"):
+        verify_manifest(out / "step-000002")
