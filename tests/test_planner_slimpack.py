@@ -330,7 +330,7 @@ def test_bad_options_are_user_errors(options, message):
 
 
 def test_dp_merge_shares_a_merged_group_when_long_samples_outnumber_the_ranks():
-    from lengthwise.planners.slimpack_dp import merge_sizes
+    from lengthwise.planners.slimpack.dp import merge_sizes
 
     # five samples that each need 2 merged ranks, dp = 4: two groups of 2, the rest join them
     flops = np.array([5.0, 4.0, 3.0, 2.0, 1.0, 0.1, 0.1])
@@ -341,7 +341,7 @@ def test_dp_merge_shares_a_merged_group_when_long_samples_outnumber_the_ranks():
 
 
 def test_dp_merge_refuses_only_when_no_group_holds_the_floor():
-    from lengthwise.planners.slimpack_dp import merge_sizes
+    from lengthwise.planners.slimpack.dp import merge_sizes
 
     flops = np.array([5.0, 4.0])
     # the floor-3 sample takes 3 of 4 ranks first; the floor-2 one then shares its group
