@@ -21,9 +21,11 @@ once. What the executor allocates and computes is then observed with PyTorch's o
 - communication: a dispatch mode that adds up the bytes of every tensor handed to a c10d
   operation, by kind (send, all_reduce, all_gather, reduce_scatter, broadcast).
 
-The step runs as `lengthwise train` runs it: this rank's actions, the gradient reduction, then
-an AdamW step. A value the executor would read back from the device (a loss to print) does not
-exist under fake tensors, so the global loss is not formed.
+The step runs as the distributed executor runs it (`run_rank_step`): this rank's stage built
+alone (`parallel.build.build_rank_model`: tensor parallelism, FSDP2 over dp x cp with fp32
+master weights and compute in the run's dtype), its actions, the gradient reduction, then an
+AdamW step whose states exist already (steady state). A value the executor would read back
+from the device (a loss to print) does not exist under fake tensors, so the loss is not formed.
 """
 
 from __future__ import annotations
@@ -40,17 +42,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lengthwise.plan.ir import StepPlan
-from lengthwise.runtime.distributed.dp import GradReducer
 from lengthwise.runtime.distributed.mesh import Mesh, plan_world_size
-from lengthwise.runtime.distributed.stats import CommStats
-from lengthwise.runtime.distributed.step import make_runner, run_actions
+from lengthwise.runtime.distributed.step import run_rank_step
 from lengthwise.runtime.layout import clear_bias_cache
 from lengthwise.runtime.model import CausalLM
+from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
 
 MEMORY_CATEGORIES = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients",
                      "Optstate": "optimizer", "Activation": "activations", "Temp": "temporaries",
                      "Other": "other"}
 """MemTracker's categories, under this project's names."""
+
+MASTER_DTYPE = torch.float32
+"""Weights and optimizer states are kept in fp32 (master weights); FSDP2 computes in the run's dtype."""
 
 COMM_KINDS = {"send": "send", "allreduce_": "all_reduce", "allgather_": "all_gather",
               "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
@@ -80,8 +84,10 @@ def dryrun_rank(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat1
     world_size = plan_world_size(plan)
     started = time.perf_counter()
     clear_bias_cache()  # cached masks are real tensors or another run's fake ones
-    with fake_world(rank, world_size), FakeTensorMode(), _default_dtype(dtype):
-        model = CausalLM(plan.model)
+    with fake_world(rank, world_size), FakeTensorMode(allow_non_fake_inputs=True):
+        mesh = Mesh.from_default_group(timeout_s=60)
+        model = build_rank_model(plan, mesh, dtype=MASTER_DTYPE, fake=True,
+                                 options=ParallelOptions(param_dtype=dtype if _sharded(plan) else None))
         optimizer = _optimizer_in_steady_state(model)
         tokens = [torch.randint(0, plan.model.vocab, (n,)) for n in plan.lengths]
         memory, comm = _StorageTracker(), CommBytes()
@@ -89,7 +95,8 @@ def dryrun_rank(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat1
         memory.track_external(optimizer)
         flops = FlopCounterMode(display=False, custom_mapping=cpu_flash_flop_formulas())
         with memory, flops, comm:
-            _train_step(model, optimizer, plan, tokens, backend)
+            run_rank_step(model, plan, tokens, mesh=mesh, backend=backend, dry=True)
+            optimizer.step()
         peak = _peak_by_category(memory)
     clear_bias_cache()
     return RankMeasurement(rank=rank, world_size=world_size, peak_memory_bytes=sum(peak.values()),
@@ -97,15 +104,10 @@ def dryrun_rank(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat1
                            seconds=time.perf_counter() - started)
 
 
-def _train_step(model: CausalLM, optimizer: torch.optim.Optimizer, plan: StepPlan, tokens, backend: str) -> None:
-    mesh = Mesh.from_default_group(timeout_s=60)
-    layout = mesh.layout(plan)
-    stats = CommStats()
-    runner, transport = make_runner(model, plan, tokens, mesh=mesh, layout=layout, stats=stats, backend=backend)
-    run_actions(runner)
-    transport.finish()
-    GradReducer(model=model, plan=plan, layout=layout, mesh=mesh, stats=stats).reduce()
-    optimizer.step()
+def _sharded(plan: StepPlan) -> bool:
+    """Whether the executor runs FSDP2 for this plan (then compute is in the run's dtype over
+    fp32 master weights); otherwise parameters are kept in fp32 and computed in fp32."""
+    return plan.zero > 0 and len({(p.pp, p.tp, p.cp) for p in plan.pipelines}) == 1
 
 
 def _optimizer_in_steady_state(model: CausalLM) -> torch.optim.Optimizer:
@@ -130,16 +132,6 @@ def fake_world(rank: int, world_size: int):
         yield
     finally:
         dist.destroy_process_group()
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype):
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 class _StorageTracker(MemTracker):

@@ -12,9 +12,10 @@
   (`rank_works`), over tp.
 - Communication, bytes this rank hands to each kind of operation (the logical volume, not one
   algorithm's wire traffic): `send` the activations and activation gradients to neighbour
-  stages; `all_reduce` the gradient buffers summed over the replicas holding the stage (data
-  parallel pipelines times CP ranks); `all_gather` / `reduce_scatter` the K/V a CP rank
-  contributes in forward and the K/V gradients it scatters in backward.
+  stages; under FSDP2 (`fsdp_sharded`) `reduce_scatter` the stage's fp32 gradients and
+  `all_gather` its weight shard in bf16, once a step (or around every action under ZeRO-3);
+  replicated, `all_reduce` the gradient buffers over the replicas holding the stage (data
+  parallel pipelines times CP ranks); `all_gather` also counts the K/V a CP rank contributes.
 
 Ranks are numbered as the executor lays them out (`runtime/distributed/mesh.py`): pipeline by
 pipeline, stage by stage, CP rank innermost.
@@ -32,6 +33,8 @@ from lengthwise.plan.ir import BACKWARD, FORWARD_NOGRAD, SHARDED, StepPlan
 
 ELEMENT_BYTES = 2
 """The cost model counts activations, gradients and K/V in 16-bit elements."""
+FSDP_REDUCE_BYTES = 4
+"""FSDP2 reduces gradients in fp32 (`MixedPrecisionPolicy(reduce_dtype=float32)`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,13 +97,33 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
     send = sum(cost.boundary_bytes(_unit(pipe, a), tp=pipe.tp, cp=pipe.cp) for a in pipe.stages[place.stage]
                if (a.kind == BACKWARD and not first) or (a.kind != BACKWARD and not last))
     replicas = sum(1 for p in plan.pipelines if p.pp == pipe.pp) * pipe.cp
-    grads = stage_params(plan.model, layers=layers, tp=pipe.tp, first=first, last=last) * ELEMENT_BYTES
+    params = stage_params(plan.model, layers=layers, tp=pipe.tp, first=first, last=last)
+    grads = params * ELEMENT_BYTES
     kv_token_layer = cost.kv_bytes(1, layers=1, tp=pipe.tp)
     gathered = sum(kv_token_layer * layers * (s.num_tokens / pipe.cp) * (pipe.cp - 1)
                    for a in pipe.stages[place.stage] if a.kind != BACKWARD
                    for s in pipe.chunks[a.chunk].segments if s.cp_rank == SHARDED) if pipe.cp > 1 else 0.0
+    if fsdp_sharded(plan):
+        # FSDP2 (runtime/parallel/fsdp.py): the unsharded gradients go to one reduce-scatter in
+        # fp32 at the stage's last backward; the bf16 compute copy of the weights is gathered
+        # from the shards once a step, or around every action under ZeRO-3 when every replica
+        # runs the same actions
+        per_action = plan.zero >= 3 and len({_structure(p, place.stage) for p in plan.pipelines}) == 1
+        gathers = len(pipe.stages[place.stage]) if per_action else 1
+        return {"send": send, "all_reduce": 0.0, "reduce_scatter": params * FSDP_REDUCE_BYTES,
+                "all_gather": gathered + gathers * params / replicas * ELEMENT_BYTES}
     return {"send": send, "all_reduce": grads if replicas > 1 else 0.0, "all_gather": gathered,
             "reduce_scatter": 0.0}
+
+
+def fsdp_sharded(plan: StepPlan) -> bool:
+    """Whether the executor shards this plan's weights with FSDP2 (ZeRO >= 1 and every
+    pipeline of one shape) rather than replicating them."""
+    return plan.zero > 0 and len({(p.pp, p.tp, p.cp) for p in plan.pipelines}) == 1
+
+
+def _structure(pipe, stage: int) -> tuple:
+    return tuple((a.kind, a.recompute_layers) for a in pipe.stages[stage])
 
 
 def _unit(pipe, action):

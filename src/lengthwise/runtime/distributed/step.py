@@ -64,11 +64,14 @@ class RankStepResult:
 
 def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor], *, mesh: Mesh,
                   backend: str = "auto", check_plan: bool = True,
-                  after_action: Callable[[int], None] | None = None) -> RankStepResult:
+                  after_action: Callable[[int], None] | None = None, dry: bool = False) -> RankStepResult:
     """Forward and backward of this rank's part of `plan`, gradients summed across ranks.
-    `after_action(index)` runs after each action (progress, fault injection in tests)."""
-    check_executable(plan, model.spec, token_ids)
-    if check_plan:
+    `after_action(index)` runs after each action (progress, fault injection in tests). `dry`:
+    a dry run on fake tensors (`runtime/dryrun.py`), where no value can be read back: the input
+    and plan checks are skipped and the loss is not formed (NaN)."""
+    if not dry:
+        check_executable(plan, model.spec, token_ids)
+    if check_plan and not dry:
         check_same_plan(plan, mesh.device)
     layout = mesh.layout(plan)
     stats = CommStats()
@@ -76,8 +79,7 @@ def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor]
                                     backend=backend)
     fsdp = None
     if is_fsdp(model):
-        fsdp = FsdpSteps(model, plan, layout, zero=plan.zero, group=mesh.device_mesh["dp_cp"].get_group(),
-                         device=mesh.device)
+        fsdp = FsdpSteps(model, plan, layout, zero=plan.zero)
         fsdp.begin()
     started = time.perf_counter()
     with loss_parallel_if(mesh.device_mesh):
@@ -89,7 +91,7 @@ def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor]
         stats.dp_elements += fsdp.reduced_elements(mesh.device_mesh["dp_cp"].size())
         stats.dp_buckets += len(fsdp.modules)
     GradReducer(model=model, plan=plan, layout=layout, mesh=mesh, stats=stats, sharded=fsdp is not None).reduce()
-    loss = global_loss(runner, mesh, counts=layout.place.tp_rank == 0)
+    loss = float("nan") if dry else global_loss(runner, mesh, counts=layout.place.tp_rank == 0)
     sharding = "replicated" if fsdp is None else "fsdp-per-chunk" if fsdp.per_chunk else "fsdp-per-step"
     return RankStepResult(loss=loss, layout=layout, stats=stats, num_actions=len(runner.actions), loop_s=loop_s,
                           sharding=sharding)

@@ -34,10 +34,8 @@ backward reduce-scatters once); `FsdpSteps` checks this and names the stage othe
 
 from __future__ import annotations
 
-import hashlib
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
@@ -89,14 +87,17 @@ def stage_structure(plan: StepPlan, pipeline: int, stage: int) -> list[tuple[str
 class FsdpSteps:
     """Switches FSDP2's per-step behaviour around one rank's action loop (module docstring)."""
 
-    def __init__(self, model: CausalLM, plan: StepPlan, layout: PlanLayout, *, zero: int, group, device):
+    def __init__(self, model: CausalLM, plan: StepPlan, layout: PlanLayout, *, zero: int):
         place = layout.place
         self.model, self.modules = model, fsdp_modules(model)
         self.actions = plan.pipelines[place.pipeline].stages[place.stage]
+        # every rank holds the plan, so each can tell from it alone what all replicas of its
+        # stage (the same stage of every pipeline; CP ranks share their pipeline's) will run
         structure = stage_structure(plan, place.pipeline, place.stage)
-        self.per_chunk = zero >= 3 and _same_everywhere(repr(structure), group, device)
+        replicas = [stage_structure(plan, p, place.stage) for p in range(len(plan.pipelines))]
+        self.per_chunk = zero >= 3 and all(r == structure for r in replicas)
         last_b = max(i for i, a in enumerate(self.actions) if a.kind == BACKWARD)
-        if not _same_everywhere(repr(structure[last_b][1]), group, device):
+        if any(_last_backward_cells(r) != structure[last_b][1] for r in replicas):
             raise UserError(f"pipeline {place.pipeline} stage {place.stage}: its last backward unit has "
                             f"{structure[last_b][1]} cells, other data-parallel replicas' differ; FSDP "
                             f"reduces once per cell, so plan with equal last backward units or --zero 0")
@@ -131,11 +132,5 @@ class FsdpSteps:
         return cells * group_size * sum(p.to_local().numel() for p in self.model.parameters())
 
 
-def _same_everywhere(text: str, group, device) -> bool:
-    """Whether every rank of `group` passed the same text (collective)."""
-    digest = torch.tensor(list(hashlib.sha256(text.encode()).digest()[:8]), dtype=torch.uint8)
-    digest = digest.view(torch.int64).to(device)
-    low, high = digest.clone(), digest.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    return bool(torch.equal(low, high))
+def _last_backward_cells(structure: list[tuple[str, int, int]]) -> int:
+    return next(cells for kind, cells, _ in reversed(structure) if kind == BACKWARD)
