@@ -327,3 +327,24 @@ def test_micropack_time_rsd_is_reported_per_pipeline():
 def test_bad_options_are_user_errors(options, message):
     with pytest.raises(UserError, match=message):
         get_planner("slimpack")(request([100, 200], **options))
+
+
+def test_dp_merge_shares_a_merged_group_when_long_samples_outnumber_the_ranks():
+    from lengthwise.planners.slimpack.dp import merge_sizes
+
+    # five samples that each need 2 merged ranks, dp = 4: two groups of 2, the rest join them
+    flops = np.array([5.0, 4.0, 3.0, 2.0, 1.0, 0.1, 0.1])
+    floor = np.array([2, 2, 2, 2, 2, 1, 1])
+    groups = merge_sizes(flops, floor, floor, 4, by_flops=False)
+    assert sorted(i for ids, _ in groups for i in ids) == [0, 1, 2, 3, 4]
+    assert sum(m for _, m in groups) <= 4 and all(m >= 2 for _, m in groups)
+
+
+def test_dp_merge_refuses_only_when_no_group_holds_the_floor():
+    from lengthwise.planners.slimpack.dp import merge_sizes
+
+    flops = np.array([5.0, 4.0])
+    # the floor-3 sample takes 3 of 4 ranks first; the floor-2 one then shares its group
+    assert merge_sizes(flops, np.array([2, 3]), np.array([2, 3]), 4, by_flops=False) == [([1, 0], 3)]
+    with pytest.raises(UserError, match="needs 3 merged DP ranks"):
+        merge_sizes(flops, np.array([2, 3]), np.array([2, 3]), 2, by_flops=False)

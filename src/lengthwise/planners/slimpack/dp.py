@@ -46,27 +46,45 @@ class RankGroup:
 
 
 def merge_sizes(flops: np.ndarray, mem_want: np.ndarray, mem_floor: np.ndarray, dp: int, *,
-                by_flops: bool = True) -> list[tuple[int, int]]:
-    """(sequence id, ranks) of every outlier, largest FLOPs first (DP-Merge, §4.1.1).
+                by_flops: bool = True) -> list[tuple[list[int], int]]:
+    """(outlier sequence ids, ranks) of every merged group (DP-Merge, §4.1.1).
 
     `mem_want`: ranks a sample should merge over to leave room beside it for other MicroPacks;
     `mem_floor`: ranks it cannot do without (all of a GPU's free memory for it alone);
-    `by_flops`: also merge compute outliers (FLOPs above a rank's share), not only memory ones."""
+    `by_flops`: also merge compute outliers (FLOPs above a rank's share), not only memory ones.
+
+    Samples that cannot fit unmerged go first, largest floor first, so every later one finds a
+    group at least its floor. When the ranks run out, a memory outlier joins the least-loaded
+    merged group that holds its floor: a pipeline runs its samples one after another (§4.2
+    stream order), so two long samples of one group never hold their activations at once. A
+    compute outlier left without ranks runs as an ordinary sample. (Giving every outlier its
+    own ranks made bimodal batches — ChatQA2's many long samples — refuse schemes where every
+    other planner fits.)"""
     by_compute = np.ceil(flops / (flops.sum() / dp) - 1e-9).astype(np.int64) if by_flops else 1
     want = np.maximum(by_compute, mem_want)
-    outliers = sorted(np.flatnonzero(want > 1).tolist(), key=lambda i: (-flops[i], i))
-    out, left = [], dp
-    for k, i in enumerate(outliers):
-        cap = left - (len(outliers) - k - 1)  # every later outlier keeps at least one rank
-        m = int(min(want[i], cap))
-        if mem_floor[i] > m:
+    outliers = sorted(np.flatnonzero(want > 1).tolist(), key=lambda i: (-int(mem_floor[i]), -flops[i], i))
+    groups: list[tuple[list[int], int]] = []
+    loads: list[float] = []
+    left = dp
+    for i in outliers:
+        m = int(min(want[i], left))
+        if m >= max(int(mem_floor[i]), 2):
+            groups.append(([i], m))
+            loads.append(float(flops[i]))
+            left -= m
+            continue
+        if mem_floor[i] <= 1:
+            continue  # a compute outlier without ranks left: an ordinary sample
+        fit = [g for g, (_, r) in enumerate(groups) if r >= mem_floor[i]]
+        if not fit:
             raise UserError(
                 f"sequence {i} needs {mem_floor[i]} merged DP ranks to hold its activations and K/V "
-                f"state but only {max(cap, 0)} of dp={dp} can merge for it: raise --dp, --tp or --pp"
+                f"state but only {max(left, 0)} of dp={dp} can merge for it: raise --dp, --tp or --pp"
             )
-        out.append((i, m))
-        left -= m
-    return [(i, m) for i, m in out if m > 1]
+        g = min(fit, key=lambda g: (loads[g] / groups[g][1], g))
+        groups[g][0].append(i)
+        loads[g] += float(flops[i])
+    return groups
 
 
 def assign_ranks(flops: np.ndarray, mem_want: np.ndarray, mem_floor: np.ndarray, dp: int, *,
@@ -77,12 +95,12 @@ def assign_ranks(flops: np.ndarray, mem_want: np.ndarray, mem_floor: np.ndarray,
         i = int(np.argmax(mem_floor))
         raise UserError(f"sequence {i} needs {mem_floor[i]} merged DP ranks to hold its activations and "
                         "K/V state: enable dp_merge or raise --tp/--pp")
-    outliers = merge_sizes(flops, mem_want, mem_floor, dp, by_flops=by_flops) if merge else []
-    if not outliers:
+    merged = merge_sizes(flops, mem_want, mem_floor, dp, by_flops=by_flops) if merge else []
+    if not merged:
         return [RankGroup(ranks=1, seq_ids=sorted(g)) for g in _balanced(flops.tolist(), dp)]
-    groups = [RankGroup(ranks=m, outliers=[i], seq_ids=[i]) for i, m in outliers]
-    groups += [RankGroup(ranks=1) for _ in range(dp - sum(m for _, m in outliers))]
-    taken = {i for i, _ in outliers}
+    groups = [RankGroup(ranks=m, outliers=list(ids), seq_ids=list(ids)) for ids, m in merged]
+    groups += [RankGroup(ranks=1) for _ in range(dp - sum(m for _, m in merged))]
+    taken = {i for ids, _ in merged for i in ids}
     rest = sorted((i for i in range(len(flops)) if i not in taken), key=lambda i: (-flops[i], i))
     _weighted_lpt(groups, rest, flops)
     for g in groups:
