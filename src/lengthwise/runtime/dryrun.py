@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.distributed.mesh import Mesh, plan_world_size
@@ -93,7 +94,7 @@ def dryrun_rank(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat1
         memory, comm = _StorageTracker(), CommBytes()
         memory.track_params(model)
         memory.track_external(optimizer)
-        flops = FlopCounterMode(display=False, custom_mapping=cpu_flash_flop_formulas())
+        flops = LocalFlopCounter(display=False, custom_mapping=cpu_flash_flop_formulas())
         with memory, flops, comm:
             run_rank_step(model, plan, tokens, mesh=mesh, backend=backend, dry=True)
             optimizer.step()
@@ -161,6 +162,26 @@ def _peak_by_category(tracker: MemTracker) -> dict[str, int]:
         if name is not None:
             out[name] = out.get(name, 0) + int(nbytes)
     return out
+
+
+class LocalFlopCounter(FlopCounterMode):
+    """FlopCounterMode counting what this rank computes: a DTensor operation (tensor
+    parallelism) is let through to be split into the local operations on its shards, which are
+    then counted, instead of being counted once at its global shape (as MemTracker does it)."""
+
+    def __enter__(self):
+        self.flop_counts.clear()
+        self.mod_tracker.__enter__()
+        self.mode = _LocalMode(self)
+        self.mode.__enter__()
+        return self
+
+
+class _LocalMode(_FlopCounterMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 class CommBytes(TorchDispatchMode):
