@@ -155,80 +155,68 @@ def pack_buckets(tails: list[Segment], short: list[int], lengths: list[int], mes
     Returns the buckets and T_t after line 16's perturbations.
 
     Line 9 picks, among buckets with room for the sequence's tokens (T_m) and time (T_t), the
-    lowest time per token. Buckets are kept sorted by that key, so the pick is the first
-    admitting bucket in order; a bucket without room for the batch's shortest sequence never
-    admits one again and leaves the order. Only line 16 (no bucket admits the time) scans all
-    buckets, and it raises T_t each time. Same buckets as a scan of every bucket per sequence,
-    in O(n log n) on the §5 workloads instead of O(n x buckets).
+    lowest time per token. Sequences come longest first, so the room a bucket needs only
+    shrinks (and T_t only rises): a bucket that admits one sequence admits every later one until
+    it is picked. `_OpenBuckets` keeps admitting buckets sorted by line 9's key and the others
+    in heaps by what they lack, so each sequence costs O(log buckets) instead of a scan of every
+    bucket; the buckets are the same.
     """
     buckets = [Bucket(segments=[t], time=fit.work(t.start, t.stop) + fit.c, tokens=t.num_tokens, order=i)
                for i, t in enumerate(tails)]
-    queue = sorted(short, key=lambda i: (-lengths[i], i))   # time grows with length
-    shortest = lengths[queue[-1]] if queue else 0
-    open_ = _OpenBuckets(buckets, mesh.token_threshold - shortest)
+    open_ = _OpenBuckets(buckets)
     threshold = mesh.time_threshold
-    for seq_id in queue:
+    for seq_id in sorted(short, key=lambda i: (-lengths[i], i)):   # time grows with length
         seg = Segment(seq_id, 0, lengths[seq_id])
         seconds = fit.work(0, seg.stop)
-        room = mesh.token_threshold - seg.num_tokens
-        best = open_.first_fit(room, seconds, threshold)
-        if best is None and not open_.any_with_tokens(room):   # line 7: no bucket has room
+        open_.admit(mesh.token_threshold - seg.num_tokens, seconds, threshold)
+        if not open_.any_with_room():   # line 7: not even the emptiest bucket has room
             bucket = Bucket(segments=[seg], time=seconds + fit.c, tokens=seg.num_tokens, order=len(buckets))
             buckets.append(bucket)
-            open_.insert(bucket)
+            open_.put(bucket)
             continue
-        if best is None:      # line 16: raise T_t to the least value that admits a bucket
-            threshold = open_.least_time(room) + seconds
-            best = open_.first_fit(room, seconds, threshold)
-        open_.remove(best)
+        if not open_.admitting:         # line 16: raise T_t to the least value that admits a bucket
+            threshold = open_.least_time() + seconds
+            open_.admit(mesh.token_threshold - seg.num_tokens, seconds, threshold)
+        best = open_.pop_best()         # line 9
         best.add(seg, seconds)
-        open_.insert(best)
+        open_.put(best)
     return buckets, threshold
 
 
 class _OpenBuckets:
-    """Buckets that can still take a sequence, sorted by line 9's key (time per token, order)."""
+    """Every bucket in exactly one place: `admitting` (room in tokens and time for the current
+    sequence, sorted by line 9's key: time per token, then order), `need_tokens` (a heap by
+    tokens) or `need_time` (room in tokens, a heap by time). A bucket's state changes only when
+    it is picked, so heap entries never go stale."""
 
-    def __init__(self, buckets: list[Bucket], max_tokens: int):
-        self.max_tokens = max_tokens
-        """A bucket over this many tokens has no room even for the shortest sequence."""
-        self.keys: list[tuple[float, int]] = []
-        self.by_order: dict[int, Bucket] = {}
-        self.fewest_tokens: list[tuple[int, int]] = []
-        """Heap of (tokens, order); an entry is stale once its bucket grew or left."""
+    def __init__(self, buckets: list[Bucket]):
+        self.admitting: list[tuple[float, int, Bucket]] = []
+        self.need_tokens: list[tuple[int, int, Bucket]] = []
+        self.need_time: list[tuple[float, int, Bucket]] = []
         for b in buckets:
-            self.insert(b)
+            self.put(b)
 
-    @staticmethod
-    def key(b: Bucket) -> tuple[float, int]:
-        return (b.time / b.tokens, b.order)
+    def put(self, b: Bucket) -> None:
+        """A new or just-grown bucket, checked again at the next `admit`."""
+        heapq.heappush(self.need_tokens, (b.tokens, b.order, b))
 
-    def insert(self, b: Bucket) -> None:
-        if b.tokens <= self.max_tokens:
-            bisect.insort(self.keys, self.key(b))
-            self.by_order[b.order] = b
-            heapq.heappush(self.fewest_tokens, (b.tokens, b.order))
+    def admit(self, max_tokens: int, seconds: float, threshold: float) -> None:
+        """Move the buckets that admit a sequence of `seconds` with `max_tokens` of room left."""
+        while self.need_tokens and self.need_tokens[0][0] <= max_tokens:
+            b = heapq.heappop(self.need_tokens)[2]
+            heapq.heappush(self.need_time, (b.time, b.order, b))
+        while self.need_time and self.need_time[0][0] + seconds <= threshold:
+            b = heapq.heappop(self.need_time)[2]
+            bisect.insort(self.admitting, (b.time / b.tokens, b.order, b), key=lambda e: e[:2])
 
-    def remove(self, b: Bucket) -> None:
-        key = self.key(b)
-        del self.keys[bisect.bisect_left(self.keys, key)]
-        del self.by_order[b.order]
+    def any_with_room(self) -> bool:
+        return bool(self.admitting or self.need_time)
 
-    def first_fit(self, max_tokens: int, seconds: float, threshold: float) -> Bucket | None:
-        for _, order in self.keys:
-            b = self.by_order[order]
-            if b.tokens <= max_tokens and b.time + seconds <= threshold:
-                return b
-        return None
+    def least_time(self) -> float:
+        return self.need_time[0][0]
 
-    def any_with_tokens(self, max_tokens: int) -> bool:
-        heap = self.fewest_tokens
-        while heap and (heap[0][1] not in self.by_order or self.by_order[heap[0][1]].tokens != heap[0][0]):
-            heapq.heappop(heap)
-        return bool(heap) and heap[0][0] <= max_tokens
-
-    def least_time(self, max_tokens: int) -> float:
-        return min(b.time for b in self.by_order.values() if b.tokens <= max_tokens)
+    def pop_best(self) -> Bucket:
+        return self.admitting.pop(0)[2]
 
 
 @dataclass(kw_only=True)
