@@ -30,6 +30,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from lengthwise.errors import UserError
@@ -85,9 +86,17 @@ class Chunk:
     segments: tuple[Segment, ...]
     pad_to: int = 0
 
-    @property
+    # Cached: planners and the simulator ask a packed row of hundreds of segments for its
+    # tokens and pairs many times per plan (the chunk is frozen, so the sums never change).
+    @cached_property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.segments)
+        return sum(s.stop - s.start for s in self.segments)
+
+    @cached_property
+    def attention_pairs(self) -> int:
+        """Causal (query, key) pairs of its segments, unpadded: position p of a sequence sees
+        p + 1 keys, so a segment [start, stop) has (stop(stop+1) - start(start+1)) / 2."""
+        return sum((s.stop * (s.stop + 1) - s.start * (s.start + 1)) // 2 for s in self.segments)
 
     @property
     def row_tokens(self) -> int:
