@@ -114,20 +114,25 @@ def lpt_bins(load: PipelineLoad, v: int) -> list[list[int]] | None:
 
 
 def _lpt(order: list[int], work: list[float], lengths: list[int], v: int, cap: int) -> list[list[int]] | None:
+    """Each sequence onto the least-busy bin (ties: lowest index) with room for it. Bins short
+    of room for the current sequence wait in a heap by room and come back once a sequence fits
+    them, so a full bin is not re-examined for every sequence (O(n log v), not O(n v))."""
     heap = [(0.0, j) for j in range(v)]
+    parked: list[tuple[int, float, int]] = []   # (-room, busy, j)
     bins, room = [[] for _ in range(v)], [cap] * v
     for i in order:
-        skipped = []
+        while parked and -parked[0][0] >= lengths[i]:
+            _, busy, j = heapq.heappop(parked)
+            heapq.heappush(heap, (busy, j))
         while heap and room[heap[0][1]] < lengths[i]:
-            skipped.append(heapq.heappop(heap))
+            busy, j = heapq.heappop(heap)
+            heapq.heappush(parked, (-room[j], busy, j))
         if not heap:
             return None
         busy, j = heapq.heappop(heap)
         bins[j].append(i)
         room[j] -= lengths[i]
         heapq.heappush(heap, (busy + work[i], j))
-        for item in skipped:
-            heapq.heappush(heap, item)
     return [b for b in bins if b]
 
 
