@@ -164,15 +164,17 @@ def split_to_multiple(bins: list[list[int]], sizes: list[float], k: int) -> list
     """Split multi-item bins until the bin count is a multiple of k (or no bin can be split).
 
     Used to give every data-parallel rank the same number of packs: the fullest splittable bin
-    gives up its smallest item to a new bin. Returns new lists; the input is not changed.
+    (ties: the first) gives up its smallest item to a new bin. Returns new lists; the input is
+    not changed. Splittable bins wait in a heap by fill, so each split is O(log bins + bin).
     """
     bins = [list(b) for b in bins]
-    while len(bins) % k:
-        splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]
-        if not splittable:
-            break
-        b = max(splittable, key=lambda b: (sum(sizes[i] for i in bins[b]), -b))
+    heap = [(-sum(sizes[i] for i in b), n) for n, b in enumerate(bins) if len(b) > 1]
+    heapq.heapify(heap)
+    while len(bins) % k and heap:
+        _, b = heapq.heappop(heap)
         smallest = min(bins[b], key=lambda i: (sizes[i], i))
         bins[b].remove(smallest)
         bins.append([smallest])
+        if len(bins[b]) > 1:
+            heapq.heappush(heap, (-sum(sizes[i] for i in bins[b]), b))
     return bins
