@@ -18,9 +18,9 @@ idle, reforward, dp_imbalance, dp_imbalance_spread, peak_memory, fits, tokens_pe
 from __future__ import annotations
 
 import argparse
-import json
 
 from lengthwise.errors import UserError
+from lengthwise.plan.ir import json_text
 from lengthwise.plan.schedules import SCHEDULE_NAMES
 
 
@@ -46,7 +46,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     result = _simulate_direct(args) if args.fwd is not None else _simulate_plan_file(args)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=1))
+        print(json_text(result.to_dict()))
     else:
         print(format_result(result))
     if args.gantt or args.memory_plot:
@@ -61,14 +61,14 @@ def run(args: argparse.Namespace) -> int:
 def _simulate_plan_file(args):
     from lengthwise.commands.profile import load_profile_file
     from lengthwise.cost import CostModel
-    from lengthwise.plan.ir import StepPlan
+    from lengthwise.plan.validate import load_plan
     from lengthwise.sim import simulate_plan
 
     if args.plan is None:
         raise UserError("give a PLAN.json, or --stages and --fwd for the direct mode")
     if args.stages is not None or args.groups or args.k is not None:
         raise UserError("--stages/--groups/--k belong to the direct mode: drop them or drop PLAN.json and give --fwd")
-    plan = StepPlan.load(args.plan)
+    plan = load_plan(args.plan)
     profile = load_profile_file(args.cost_profile, plan.model)
     return simulate_plan(plan, CostModel(model=plan.model, cluster=plan.cluster, profile=profile))
 
