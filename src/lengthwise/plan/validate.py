@@ -310,8 +310,8 @@ def check_recompute(plan: StepPlan, p: int, pipe: PipelinePlan) -> None:
     for s, (actions, layers) in enumerate(zip(pipe.stages, pipe.stage_layers(plan.model.num_layers))):
         for a in actions:
             if a.recompute_layers > layers:
-                raise UserError(f"pipeline {p} stage {s} action {a}: recomputes {a.recompute_layers} layers "
-                                f"but the stage holds {layers}")
+                raise UserError(f"pipeline {p} stage {s} {a}: recomputes {a.recompute_layers} layers "
+                                f"but the stage has {layers}")
 
 
 def load_plan(path: str | Path, cost: CostModel | None = None) -> StepPlan:
