@@ -64,7 +64,10 @@ def test_pipeline_field_of_wrong_type_or_range_is_one_line(tmp_path, field, valu
 def test_simulate_validates_the_plan_it_reads(tmp_path):
     doc = packing_plan()
     doc["lengths"] = [n * 10 for n in doc["lengths"]]   # would report 10x the tokens per second
-    assert "invalid plan" in simulate_error(tmp_path, doc) and "missing" in simulate_error(tmp_path, doc)
+    assert "the file was edited" in simulate_error(tmp_path, doc)
+    del doc["loss_tokens"], doc["metrics"]["loss_tokens"]   # edited more carefully
+    err = simulate_error(tmp_path, doc)
+    assert "invalid plan" in err and "missing" in err
     doc = packing_plan()
     doc["pipelines"].pop()                              # would raise the MFU
     assert "missing" in simulate_error(tmp_path, doc)

@@ -267,7 +267,10 @@ class StepPlan:
         cluster = ClusterSpec.from_dict(check_spec_fields(ClusterSpec, f.mapping("cluster"), f"{where} cluster"))
         cluster.validate()
         lengths = f.ints("lengths", lo=1, hi=MAX_LENGTH, min_len=1)
-        f.integer("loss_tokens", lo=0, default=0)
+        recorded = f.integer("loss_tokens", lo=0, default=None) if "loss_tokens" in f.data else None
+        if recorded is not None and recorded != sum(n - 1 for n in lengths):
+            raise UserError(f"{where}: loss_tokens {recorded} != sum(length - 1) = {sum(n - 1 for n in lengths)} "
+                            "over its lengths: the file was edited; plan the batch again")
         pipes = f.array("pipelines", item="dict", min_len=1)
         return cls(
             planner=f.string("planner"), model=model, cluster=cluster, lengths=list(lengths),
