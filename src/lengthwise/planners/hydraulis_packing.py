@@ -145,13 +145,16 @@ def greedy_pack(load: PipelineLoad) -> Packing:
     order = sorted(range(len(work)), key=lambda i: (-work[i], -lengths[i], i))
     tried = [("bfd", best_fit_decreasing(lengths, load.max_len))]
     tried += [("lpt", _lpt(order, work, lengths, v, load.max_len)) for v in micro_batch_range(load)]
-    scored = sorted((_estimate(load, work, b), k) for k, (_, b) in enumerate(tried) if b is not None)
-    for _, k in scored[:KK_TRIES]:
+    estimates = {k: _estimate(load, work, b) for k, (_, b) in enumerate(tried) if b is not None}
+    for _, k in sorted((e, k) for k, e in estimates.items())[:KK_TRIES]:
         v = len(tried[k][1])
         if len(work) >= KK_MIN_PER_BIN * v:
             tried.append(("kk", _within(karmarkar_karp(work, v), lengths, load.max_len)))
-    method, bins = min((t for t in tried if t[1] is not None), key=lambda t: _estimate(load, work, t[1]))
-    return _packing(load, bins, method)
+            if tried[-1][1] is not None:
+                estimates[len(tried) - 1] = _estimate(load, work, tried[-1][1])
+    # Each packing's estimate once (it sums every sequence's work); the first of equal ones wins.
+    best = min(estimates, key=lambda k: (estimates[k], k))
+    return _packing(load, tried[best][1], tried[best][0])
 
 
 def _within(bins: list[list[int]], lengths: list[int], cap: int) -> list[list[int]] | None:
