@@ -164,3 +164,8 @@ def test_every_sequence_one_token_plans_with_chunkflow_and_auto(tmp_path):
                                   "--model", "qwen2.5-0.5b", "--dp", "2", "--json"])
         assert code == 0, err
         assert json.loads(out)["lengths"] == [1, 1, 1, 1]
+
+
+def test_verify_of_a_batch_without_loss_tokens_is_one_line():
+    err = one_line_error("verify", "--model-config", "tiny", "--lengths", "1,1,1")
+    assert "no loss to compare" in err
