@@ -42,7 +42,11 @@ SCENARIOS = {
     "dp2-pp2-slimpack": ("slimpack", LENGTHS + [90], {"dp": 2, "pp": 2}, {"asymmetric": True}),
     "pp2-cp2-skrull": ("skrull", SKRULL_LENGTHS, {"pp": 2, "cp": 2}, {"bucket_size": 80}),
     "pp2-cp2-empty-rows": ("hand", [13, 5, 4, 3, 1], {"pp": 2, "cp": 2}, {}),
+    **{f"dp2-pp2-{planner}": (planner, LENGTHS + [90, 44], {"dp": 2, "pp": 2}, {})
+       for planner in ("padding", "packing", "sorted", "token-balanced", "infinipipe", "hydraulis", "auto")},
 }
+"""Every planner runs over the transport, whose messages all carry tag 0: a link whose two
+ends disagree on message order would swap activations or fail on a size mismatch."""
 HAND_PLANS = {"pp2-cp2-empty-rows": [("0[0:13]+1[0:5]@0+2[0:4]@1 3[0:3]@0 4[0:1]", ["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"])]}
 """Chunk 1 has no token on CP rank 1; chunk 2 is one sharded token (only rank 0's head piece
 is not empty), so rank 1 joins chunk 2's K/V collectives with an empty row."""

@@ -18,6 +18,7 @@ from lengthwise.runtime.model import build_model
 from lengthwise.runtime.verify import (compare_grads, random_tokens, transformers_loss_and_grads,
                                        unpacked_loss_and_grads)
 from lengthwise.specs import ModelSpec
+from tolerance import normwise_error, reduction_tolerance
 
 LLAMA = ModelSpec(name="llama-gqa", num_layers=2, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8,
                   ffn=48, vocab=64)
@@ -36,7 +37,7 @@ PLANS = {
     "split-k-all": [(SPLIT, ["F0 F1 F2 B2 B1 B0 F3 B3"])],
     "split-k1": [(SPLIT, ["N0 N1 F2 B2 F1 B1 F0 B0 F3 B3"])],
     "split-in-row": [("0[0:4]+1[0:5]+0[4:8] 0[8:12]+2[0:4]+3[0:3]", ["N0 F1 B1 F0 B0"])],
-    "pp2": [(SPLIT, ["N0 F1 F2 F3 B2 B1 F0 B3 B0", "N0 F1 F2 B2 B1 F0 B0 F3 B3"])],
+    "pp2": [(SPLIT, ["N0 F1 F2 F3 B2 B1 F0 B3 B0", "N0 F1 F2 B2 B1 F3 B3 F0 B0"])],
     "pp2-recompute-head-only-stage": [(SPLIT, ["N0 F1.r2 F2.r1 B2 B1 F0.r1 B0 F3 B3", "N0 F1 F2 B2 B1 F0 B0 F3 B3"])],
     "dp2": [("0[0:4] 0[4:12]", ["N0 F1 B1 F0 B0"]), ("1[0:5]+2[0:4]+3[0:3]", ["F0 B0"])],
     "dp2-pp2": [("0[0:4] 0[4:12]", ["F0 F1 B1 B0", "F0 F1 B1 B0"]), ("1[0:5]+2[0:4] 3[0:3]", ["F0 F1 B0 B1", "F0 B0 F1 B1"])],
@@ -90,7 +91,10 @@ def test_gradients_accumulate_over_steps():
     model, ids, _, grads = _run(LLAMA, PLANS["split-k1"])
     once = {n: g.clone() for n, g in grads.items()}
     run_step(model, hand_plan(LLAMA, LENGTHS, PLANS["packed"]), ids)
-    assert all(torch.allclose(p.grad, 2 * once[n], rtol=1e-12, atol=0) for n, p in model.named_parameters())
+    # each weight gradient sums one term per token; the two plans sum them in different orders
+    tolerance = reduction_tolerance(torch.float64, sum(LENGTHS))
+    for name, p in model.named_parameters():
+        assert normwise_error(p.grad, 2 * once[name]) <= tolerance, name
 
 
 # memory -------------------------------------------------------------------------------------

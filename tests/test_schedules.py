@@ -10,6 +10,7 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import Action, Chunk, Segment
 from lengthwise.plan.schedules import (
     SCHEDULE_NAMES,
+    check_message_order,
     check_schedule,
     chunk_dependencies,
     chunk_groups,
@@ -66,6 +67,7 @@ def test_gpipe_runs_all_forwards_then_all_backwards():
 def test_generated_schedules_never_deadlock(chunks, pp, name, k):
     stages = make_schedule(name, chunks, pp=pp, k=k)
     check_schedule(stages, chunks)
+    check_message_order(stages)
     for actions in stages:
         for c in range(len(chunks)):
             assert sum(a == Action("F", c) for a in actions) == 1
@@ -155,3 +157,25 @@ def test_backward_units_wait_for_every_forward_they_read():
 def test_format_schedule_has_one_column_per_stage():
     text = format_schedule(make_schedule("1f1b", [whole(0), whole(1)], pp=3))
     assert text.splitlines()[0].split() == ["pos", "stage0", "stage1", "stage2"]
+
+
+def test_a_link_whose_ends_disagree_on_message_order_is_rejected():
+    """NCCL pairs messages by order: stage 0 sending F1 before F0 while stage 1 receives F0
+    first would hand F1's activation to F0."""
+    with pytest.raises(UserError, match=r"forward messages from stage 0 to stage 1 arrive out of order: "
+                                        r"message 0 is F1 when sent but F0 when received"):
+        check_message_order([acts("F1 F0 B0 B1"), acts("F0 F1 B0 B1")])
+    with pytest.raises(UserError, match="backward messages from stage 1 to stage 0"):
+        check_message_order([acts("F0 F1 B0 B1"), acts("F0 F1 B1 B0")])
+    check_message_order([acts("F0 F1 B0 B1"), acts("F0 B0 F1 B1")])  # interleavings may differ
+
+
+def test_chunkflow_reforwards_keep_one_order_on_every_link():
+    """The plan of the issue that found the problem: ChunkFlow K = 1 at pp = 4 re-forwards a
+    slice after more first forwards on stage 0 than on stage 3; every stage now runs stage 0's
+    forward order."""
+    chunks = [whole(0), *slices(1, [0, 4, 8, 12]), whole(2), whole(3), *slices(4, [0, 4, 8])]
+    stages = make_schedule("state-aware-1f1b", chunks, pp=4, k=1)
+    check_schedule(stages, chunks)
+    check_message_order(stages)
+    assert any(str(a) == "N1" for a in stages[3]) and any(str(a) == "F1" for a in stages[3])

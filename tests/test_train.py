@@ -21,6 +21,7 @@ from lengthwise.runtime.train_config import TrainConfig, load_toml
 from lengthwise.runtime.train_step import padded_forward_backward
 from lengthwise.runtime.weights import hf_config_dict
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
+from tolerance import normwise_error, reduction_tolerance
 
 METRIC_KEYS = {"step", "loss", "tokens", "tokens_per_s", "peak_memory_bytes", "planning_ms"}
 
@@ -105,9 +106,11 @@ def test_padded_rows_train_like_unpadded_execution():
     padded, plain = (build_model(spec, dtype=torch.float64, seed=0) for _ in range(2))
     loss_padded = padded_forward_backward(padded, plan, tokens, backend="reference")
     loss_plain = run_step(plain, plan, tokens, backend="reference")
-    assert torch.allclose(loss_padded, loss_plain, rtol=1e-12, atol=0)
+    # padded rows add the same per-token terms, in another order and with zeros between them
+    tolerance = reduction_tolerance(torch.float64, 64 * len(lengths))
+    assert normwise_error(loss_padded, loss_plain) <= tolerance
     for (name, p), q in zip(padded.named_parameters(), plain.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-9, atol=1e-15), name
+        assert normwise_error(p.grad, q.grad) <= tolerance, name
 
 
 def _config(*argv: str) -> TrainConfig:

@@ -23,6 +23,7 @@ COMMANDS = {
     "verify": "execute a plan in PyTorch and compare loss and gradients with unpacked training",
     "profile": "measure this device's chunk times and memory and fit a cost profile (--profile-file)",
     "train": "train a model on documents, each global batch planned (AdamW, checkpoints, resume)",
+    "dryrun": "run ranks of a plan at full size on fake tensors: measured memory, FLOPs, bytes vs simulated",
 }
 
 

@@ -145,7 +145,67 @@ def make_schedule(name: str, chunks: list[Chunk], pp: int, k: int | None = None)
     forwards, units, ready = _items(chunks, k)
     if name == "gpipe":
         return [forwards + [a for unit in units for a in unit] for _ in range(pp)]
-    return [_one_f_one_b(forwards, units, ready, warmup=pp - s - 1) for s in range(pp)]
+    return align_forward_order([_one_f_one_b(forwards, units, ready, warmup=pp - s - 1) for s in range(pp)])
+
+
+def align_forward_order(stages: list[list[Action]]) -> list[list[Action]]:
+    """Give every stage the first stage's forward order, keeping each stage's interleaving.
+
+    1F1B stages differ in warm-up, so a re-forward (ChunkFlow's `F` after `N`) lands after more
+    first forwards on early stages than on late ones; the link between them would then carry
+    messages in two orders (see `check_message_order`). Each stage keeps its own pattern of
+    forward and backward slots and fills its forward slots with the first stage's forwards in
+    order, with two rules: a backward whose forward has not run yet pulls the next forwards in
+    first (later forward slots then stay empty until the debt is paid), and a re-forward waits
+    for the backward it follows on the first stage (the one that frees its memory, chunkflow
+    Algorithm 2), so no stage re-forwards a slice before the stage after it could."""
+    forwards = [a for a in stages[0] if a.kind != BACKWARD]
+    triggers = _reforward_triggers(stages[0])
+    return [_refill(stage, forwards, triggers) for stage in stages]
+
+
+def _reforward_triggers(stage: list[Action]) -> dict[int, int]:
+    """Re-forwarded chunk -> the backward unit it follows on this stage."""
+    triggers, nograd, last_backward = {}, set(), None
+    for a in stage:
+        if a.kind == FORWARD_NOGRAD:
+            nograd.add(a.chunk)
+        elif a.kind == BACKWARD:
+            last_backward = a.chunk
+        elif a.chunk in nograd and last_backward is not None:
+            triggers[a.chunk] = last_backward
+    return triggers
+
+
+def _refill(stage: list[Action], forwards: list[Action], triggers: dict[int, int]) -> list[Action]:
+    out: list[Action] = []
+    issued, slots, kept, backwards = 0, 0, set(), set()
+
+    def issue() -> None:
+        nonlocal issued, slots
+        action = forwards[issued]
+        out.append(action)
+        if action.kind == FORWARD:
+            kept.add(action.chunk)
+        issued, slots = issued + 1, slots - 1
+
+    def ready() -> bool:
+        action = forwards[issued]
+        return action.kind != FORWARD or triggers.get(action.chunk, -1) in backwards | {-1}
+
+    for action in stage:
+        if action.kind != BACKWARD:
+            slots += 1
+        else:
+            while action.chunk not in kept and issued < len(forwards):
+                issue()
+            out.append(action)
+            backwards.add(action.chunk)
+        while slots > 0 and issued < len(forwards) and ready():
+            issue()
+    while issued < len(forwards):
+        issue()
+    return out
 
 
 def _items(chunks: list[Chunk], k: int | None):
@@ -251,6 +311,44 @@ def check_schedule(stages: list[list[Action]], chunks: list[Chunk],
                 pos[s] += 1
         grid.append(row)
     _check_complete(grid, done, pp, sizes)
+
+
+def check_message_order(stages: list[list[Action]]) -> None:
+    """Prove every pipeline link carries its messages in the same order at both ends.
+
+    Point-to-point messages are matched by order, not by tag (NCCL has no tags), so stage s must
+    send its forward outputs (F and N) in the order stage s + 1 runs those forwards, and stage
+    s + 1 must send its input gradients (B) in the order stage s runs those backwards. Hence
+    every stage runs the same forward order and the same backward order; only how the two
+    interleave differs from stage to stage. Raise UserError naming the link and the first
+    message that differs."""
+    for s in range(len(stages) - 1):
+        for label, kinds, sender, receiver in (("forward", (FORWARD, FORWARD_NOGRAD), s, s + 1),
+                                               ("backward", (BACKWARD,), s + 1, s)):
+            sent = _messages(stages[sender], kinds)
+            received = _messages(stages[receiver], kinds)
+            if sent != received:
+                i = next((i for i, (a, b) in enumerate(zip(sent, received)) if a != b),
+                         min(len(sent), len(received)))
+                raise UserError(
+                    f"{label} messages from stage {sender} to stage {receiver} arrive out of order: "
+                    f"message {i} is {_name(sent, i)} when sent but {_name(received, i)} when "
+                    f"received (sender order {_window(sent, i)}, receiver order "
+                    f"{_window(received, i)}); every stage must run its forwards (and its "
+                    f"backwards) in one order")
+
+
+def _messages(actions: list[Action], kinds: tuple[str, ...]) -> list[str]:
+    return [f"{a.kind}{a.chunk}" for a in actions if a.kind in kinds]
+
+
+def _name(messages: list[str], i: int) -> str:
+    return messages[i] if i < len(messages) else "nothing"
+
+
+def _window(messages: list[str], i: int, width: int = 3) -> str:
+    lo = max(0, i - width)
+    return ("... " if lo else "") + " ".join(messages[lo:i + width]) + (" ..." if i + width < len(messages) else "")
 
 
 def _static_problem(action: Action, s: int, done: set, sizes: dict[str, int]) -> str | None:

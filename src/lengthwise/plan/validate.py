@@ -10,7 +10,9 @@
 4. All slices of a sequence live in one pipeline (their K/V context never crosses pipelines).
 5. Each pipeline's schedule forwards every chunk and backwards every unit once on every stage,
    slices forward in order and backward in reverse, and runs to the end without deadlock
-   (`schedules.check_schedule`, which replays it in lock-step).
+   (`schedules.check_schedule`, which replays it in lock-step), and every pipeline link carries
+   its messages in one order at both ends (`schedules.check_message_order`: NCCL matches
+   point-to-point messages by order, not by tag).
 6. Loss normalisation: the positions that predict a next token, counted over the chunks, equal
    the batch's loss tokens sum(max(L - 1, 0)) (and the count recorded in the metrics, if any).
 7. With a cost model: model states plus one chunk's activations plus the K/V state of its
@@ -38,7 +40,7 @@ from lengthwise.plan.ir import (
     Segment,
     StepPlan,
 )
-from lengthwise.plan.schedules import check_schedule
+from lengthwise.plan.schedules import check_message_order, check_schedule
 
 if TYPE_CHECKING:
     from lengthwise.cost import CostModel
@@ -67,6 +69,7 @@ def validate_plan(plan: StepPlan, cost: CostModel | None = None) -> None:
         check_recompute(plan, p, pipe)
         try:
             check_schedule(pipe.stages, pipe.chunks, pipe.backward_chunks)
+            check_message_order(pipe.stages)
         except UserError as exc:
             raise UserError(f"pipeline {p}: {exc}") from None
     _check_loss_tokens(plan)

@@ -107,16 +107,23 @@ def _cached_bias(layout: ChunkLayout, device: torch.device, dtype: torch.dtype) 
     return layout._build_bias(device, dtype)
 
 
+def clear_bias_cache() -> None:
+    """Forget every cached bias (a run under fake tensors must not keep or reuse them)."""
+    _cached_bias.cache_clear()
+
+
 def _segment_ids(lens, device) -> torch.Tensor:
+    # output_size: the length is known, so the shape does not depend on data (fake tensors)
     return torch.repeat_interleave(torch.arange(len(lens), device=device),
-                                   torch.tensor(lens, device=device))
+                                   torch.tensor(lens, device=device), output_size=sum(lens))
 
 
 def _index_within(lens, device) -> torch.Tensor:
     """0..len-1 for each segment, concatenated."""
     starts = torch.tensor([0, *accumulate(lens)][:-1], device=device)
     total = sum(lens)
-    return torch.arange(total, device=device) - torch.repeat_interleave(starts, torch.tensor(lens, device=device))
+    return torch.arange(total, device=device) - torch.repeat_interleave(starts, torch.tensor(lens, device=device),
+                                                                               output_size=total)
 
 
 def pack_keys(own_TGE: torch.Tensor, context, layout: ChunkLayout) -> torch.Tensor:

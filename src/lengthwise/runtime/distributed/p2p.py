@@ -13,8 +13,10 @@ instead of hanging.
 An empty tensor (a CP rank holding no token of a chunk) is not sent: sender and receiver
 both know from the plan that it is empty.
 
-Tags: each message carries tag 4 * chunk + {F: 0, N: 1, B: 2}, so a link may deliver the
-messages of different chunks in any order and the receiver still takes the right one.
+Order, not tags: NCCL matches point-to-point messages between two ranks by the order they were
+posted, so every message here carries tag 0 and each link relies on the plan's invariant that
+the sender posts its messages in the order the receiver posts its receives
+(`plan.schedules.check_message_order`, part of `validate_plan`).
 """
 
 from __future__ import annotations
@@ -29,15 +31,8 @@ from lengthwise.runtime.distributed.mesh import PlanLayout
 from lengthwise.runtime.distributed.stats import CommStats
 from lengthwise.runtime.transport import Message
 
-_KIND_TAG = {"F": 0, "N": 1, "B": 2}
-
-
 class ReceiveTimeout(RuntimeError):
     """A point-to-point receive that did not complete within the time-out."""
-
-
-def message_tag(message: Message) -> int:
-    return 4 * message.chunk + _KIND_TAG[message.kind]
 
 
 class DistributedTransport:
@@ -55,7 +50,7 @@ class DistributedTransport:
         payload = tensor.detach().contiguous()
         if payload.numel() == 0:
             return  # a CP rank with no token of the chunk: the receiver knows it from the plan
-        work = dist.isend(payload, self._peer(message, message.dst), tag=message_tag(message))
+        work = dist.isend(payload, self._peer(message, message.dst))
         self._sends.append((work, payload, message))
         self.stats.p2p_elements += payload.numel()
         self.stats.p2p_messages += 1
@@ -65,7 +60,7 @@ class DistributedTransport:
         if buffer.numel() == 0:
             return buffer
         src = self._peer(message, message.src)
-        work = dist.irecv(buffer, src, tag=message_tag(message))
+        work = dist.irecv(buffer, src)
         started = time.perf_counter()
         try:
             work.wait(timedelta(seconds=self.timeout_s))

@@ -1,0 +1,117 @@
+"""Full-size dry runs: ranks of real plans at the size they are planned for, executed on this
+CPU under fake tensors and the fake process group, measured beside the simulator.
+
+    python benchmarks/bench_dryrun.py                           # every scenario below
+    python benchmarks/bench_dryrun.py --scenarios qwen7b-32-chunkflow --ranks first,last
+
+Each scenario plans one global batch sampled from the paper's length profile with
+`lengthwise plan`'s own code, then runs `lengthwise dryrun`'s measurement for a few ranks
+(default: the first and last stage of the pipeline holding the batch's longest sequence) and
+writes every row, with the plan's shape, to benchmarks/results/dryrun.json. The targets
+(issue "Executor III"): simulated peak memory within 10% of measured on every rank, FLOPs
+within 2%, communication bytes within 1%, and one rank in under 5 minutes here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lengthwise.commands.dryrun import dryrun_rows
+from lengthwise.cost import CostModel
+from lengthwise.plan.ir import StepPlan, write_atomic
+from lengthwise.planners import PlanRequest, get_planner
+from lengthwise.sim.rank import rank_places
+from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
+from lengthwise.workloads.sampler import GlobalBatchSampler
+from lengthwise.workloads.source import profile_source
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    model: str
+    cluster: str
+    profile: str
+    planner: str
+    context_length: int
+    batch_size: int
+    scheme: dict
+    options: dict = field(default_factory=dict)
+
+
+SCENARIOS = {
+    # ChunkFlow's setting: Qwen2.5-7B on 32 GPUs at 32K context
+    "qwen7b-32-chunkflow": Scenario(model="qwen2.5-7b", cluster="h100", profile="chunkflow-eval", planner="chunkflow",
+                                    context_length=32768, batch_size=256, scheme={"dp": 4, "tp": 2, "pp": 4},
+                                    options={"chunk_size": 8192, "k": 2}),
+    "qwen7b-32-packing": Scenario(model="qwen2.5-7b", cluster="h100", profile="chunkflow-eval", planner="packing",
+                                  context_length=32768, batch_size=256, scheme={"dp": 4, "tp": 2, "pp": 4}),
+    "qwen7b-32-infinipipe": Scenario(model="qwen2.5-7b", cluster="h100", profile="chunkflow-eval",
+                                     planner="infinipipe", context_length=32768, batch_size=256,
+                                     scheme={"dp": 4, "tp": 2, "pp": 4}),
+    # SlimPack's and Hydraulis' large setting: LLaMA-2-70B on 256 GPUs at 128K context
+    "llama70b-256-slimpack": Scenario(model="llama2-70b", cluster="h100", profile="commoncrawl", planner="slimpack",
+                                      context_length=131072, batch_size=512, scheme={"dp": 8, "tp": 8, "pp": 4}),
+    "llama70b-256-hydraulis": Scenario(model="llama2-70b", cluster="h100", profile="commoncrawl",
+                                       planner="hydraulis", context_length=131072, batch_size=512,
+                                       scheme={"dp": 8, "tp": 8, "pp": 4}),
+}
+
+
+def make_plan(s: Scenario, seed: int) -> StepPlan:
+    spec = model_preset(s.model)
+    scheme = ParallelScheme(**s.scheme)
+    cluster = cluster_preset(s.cluster, scheme.num_gpus)
+    source = profile_source(s.profile, s.context_length, "drop")
+    lengths = GlobalBatchSampler(source, batch_size=s.batch_size, seed=seed).next_batch().lengths
+    return get_planner(s.planner)(PlanRequest(lengths=list(lengths), model=spec, cluster=cluster, scheme=scheme,
+                                              cost=CostModel(model=spec, cluster=cluster),
+                                              context_length=s.context_length, seed=seed, options=dict(s.options)))
+
+
+def default_ranks(plan: StepPlan) -> list[int]:
+    """First and last stage (CP rank 0, TP rank 0) of the pipeline holding the longest sequence."""
+    longest = max(range(len(plan.lengths)), key=plan.lengths.__getitem__)
+    holder = next(p for p, pipe in enumerate(plan.pipelines)
+                  if any(s.seq_id == longest for c in pipe.chunks for s in c.segments))
+    places = rank_places(plan)
+    mine = [r for r, place in enumerate(places) if place.pipeline == holder]
+    return sorted({mine[0], mine[-1]})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated names")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(RESULTS / "dryrun.json"))
+    args = parser.parse_args()
+    rows = {}
+    for name in args.scenarios.split(","):
+        scenario = SCENARIOS[name]
+        started = time.perf_counter()
+        plan = make_plan(scenario, args.seed)
+        planned_s = time.perf_counter() - started
+        ranks = default_ranks(plan)
+        result = dryrun_rows(plan, ranks)
+        rows[name] = {"scenario": vars(scenario), "num_gpus": plan.num_gpus, "max_length": max(plan.lengths),
+                      "tokens": sum(plan.lengths), "planning_s": planned_s, "ranks": result}
+        for rank, row in result.items():
+            mem = row["peak_memory_gib"]
+            print(f"{name:24s} rank {rank:>4s}: peak {mem['measured']:7.2f} GiB measured, {mem['simulated']:7.2f} "
+                  f"simulated; FLOPs x{row['flops']['measured'] / max(row['flops']['simulated'], 1):.4f}; "
+                  f"{row['dryrun_s']:.0f} s", flush=True)
+    write_atomic(Path(args.out), json.dumps({"command": "python " + " ".join(sys.argv), "torch": torch.__version__,
+                                  "machine": platform.processor() or platform.machine(), "results": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

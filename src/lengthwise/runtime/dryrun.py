@@ -1,0 +1,233 @@
+"""One rank of a full-size job, run for real on this CPU without its memory or its peers: the
+executor's own code under fake tensors and the fake process group, measured.
+
+    report = dryrun_rank(plan, rank=5)               # a 7B model on rank 5 of 32, in seconds
+    report.peak_memory_bytes, report.memory_bytes["activations"], report.flops, report.comm_bytes
+
+Fake tensors (`torch._subclasses.fake_tensor.FakeTensorMode`) carry shapes, dtypes and
+storages but no data, so building a 70B model and running its step costs no memory; the fake
+process group (`fake` backend with `FakeStore`) completes every send, receive and collective at
+once. What the executor allocates and computes is then observed with PyTorch's own tools:
+
+- memory: `torch.distributed._tools.mem_tracker.MemTracker`, which follows every storage and
+  sorts it into parameters, gradients, optimizer states, activations (made in forward) and
+  temporaries (made in backward). Its per-module snapshots assume each module runs once per
+  step, which a pipeline of chunks breaks, so only its storage accounting is used here.
+- FLOPs: `torch.utils.flop_counter.FlopCounterMode`, with formulas added for the CPU
+  flash-attention kernel that the `cpu-flash` backend calls (the counter knows the CUDA ones):
+  causal calls count only the (query, key) pairs on or below the diagonal, the pairs the kernel
+  computes and the cost model counts (`cost/flops.py`); backward counts 2.5 times the forward,
+  as flash backward recomputes the scores (slimpack.txt §2.2.2).
+- communication: a dispatch mode that adds up the bytes of every tensor handed to a c10d
+  operation, by kind (send, all_reduce, all_gather, reduce_scatter, broadcast).
+
+The step runs as `lengthwise train` runs it: this rank's actions, the gradient reduction, then
+an AdamW step. A value the executor would read back from the device (a loss to print) does not
+exist under fake tensors, so the global loss is not formed.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from lengthwise.plan.ir import StepPlan
+from lengthwise.runtime.distributed.dp import GradReducer
+from lengthwise.runtime.distributed.mesh import Mesh, plan_world_size
+from lengthwise.runtime.distributed.stats import CommStats
+from lengthwise.runtime.distributed.step import make_runner, run_actions
+from lengthwise.runtime.layout import clear_bias_cache
+from lengthwise.runtime.model import CausalLM
+
+MEMORY_CATEGORIES = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients",
+                     "Optstate": "optimizer", "Activation": "activations", "Temp": "temporaries",
+                     "Other": "other"}
+"""MemTracker's categories, under this project's names."""
+
+COMM_KINDS = {"send": "send", "allreduce_": "all_reduce", "allgather_": "all_gather",
+              "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+              "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+              "reduce_scatter_tensor_coalesced_": "reduce_scatter", "broadcast_": "broadcast"}
+"""c10d operation -> kind. Receives are not counted: every byte received is sent by a peer."""
+
+
+@dataclass(kw_only=True)
+class RankMeasurement:
+    """What one rank's step allocated, computed and sent (bytes and FLOPs)."""
+
+    rank: int
+    world_size: int
+    peak_memory_bytes: int
+    memory_bytes: dict[str, int]
+    """By category at the moment of the peak."""
+    flops: int
+    comm_bytes: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    """Wall time of the dry run itself."""
+
+
+def dryrun_rank(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat16,
+                backend: str = "cpu-flash") -> RankMeasurement:
+    """Run `rank`'s part of one training step of `plan` on fake tensors and measure it."""
+    world_size = plan_world_size(plan)
+    started = time.perf_counter()
+    clear_bias_cache()  # cached masks are real tensors or another run's fake ones
+    with fake_world(rank, world_size), FakeTensorMode(), _default_dtype(dtype):
+        model = CausalLM(plan.model)
+        optimizer = _optimizer_in_steady_state(model)
+        tokens = [torch.randint(0, plan.model.vocab, (n,)) for n in plan.lengths]
+        memory, comm = _StorageTracker(), CommBytes()
+        memory.track_params(model)
+        memory.track_external(optimizer)
+        flops = FlopCounterMode(display=False, custom_mapping=cpu_flash_flop_formulas())
+        with memory, flops, comm:
+            _train_step(model, optimizer, plan, tokens, backend)
+        peak = _peak_by_category(memory)
+    clear_bias_cache()
+    return RankMeasurement(rank=rank, world_size=world_size, peak_memory_bytes=sum(peak.values()),
+                           memory_bytes=peak, flops=int(flops.get_total_flops()), comm_bytes=dict(comm.bytes),
+                           seconds=time.perf_counter() - started)
+
+
+def _train_step(model: CausalLM, optimizer: torch.optim.Optimizer, plan: StepPlan, tokens, backend: str) -> None:
+    mesh = Mesh.from_default_group(timeout_s=60)
+    layout = mesh.layout(plan)
+    stats = CommStats()
+    runner, transport = make_runner(model, plan, tokens, mesh=mesh, layout=layout, stats=stats, backend=backend)
+    run_actions(runner)
+    transport.finish()
+    GradReducer(model=model, plan=plan, layout=layout, mesh=mesh, stats=stats).reduce()
+    optimizer.step()
+
+
+def _optimizer_in_steady_state(model: CausalLM) -> torch.optim.Optimizer:
+    """AdamW with its states already allocated, as they are in every step after the first."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+@contextmanager
+def fake_world(rank: int, world_size: int):
+    """The fake process group as the default group, as `rank` of `world_size`."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+class _StorageTracker(MemTracker):
+    """MemTracker's storage accounting without its per-module snapshots (see module docstring)."""
+
+    def track_params(self, model: torch.nn.Module) -> None:
+        self._track_module_params_and_buffers(model, install_grad_hooks=True)
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        pass
+
+    def _post_fw_hook(self, module, inputs, outputs) -> None:
+        pass
+
+    def _pre_bw_hook(self, module, args) -> None:
+        pass
+
+    def _post_bw_hook(self, module, args) -> None:
+        pass
+
+
+def _peak_by_category(tracker: MemTracker) -> dict[str, int]:
+    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    out: dict[str, int] = {}
+    for key, nbytes in snapshot.items():
+        name = MEMORY_CATEGORIES.get(getattr(key, "value", key))
+        if name is not None:
+            out[name] = out.get(name, 0) + int(nbytes)
+    return out
+
+
+class CommBytes(TorchDispatchMode):
+    """Bytes of the tensors handed to each kind of c10d operation inside the context."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, name = func.name().partition("::")
+        kind = COMM_KINDS.get(name.split(".")[0]) if namespace == "c10d" else None
+        if kind is not None:
+            self.bytes[kind] = self.bytes.get(kind, 0) + _sent_bytes(kind, args)
+        return func(*args, **(kwargs or {}))
+
+
+def _sent_bytes(kind: str, args) -> int:
+    """The input this rank contributes: the buffer of a send, all-reduce or broadcast; its own
+    share for an all-gather; its whole input for a reduce-scatter."""
+    if kind in ("all_gather", "reduce_scatter"):
+        return _nbytes(args[1])
+    return _nbytes(args[0])
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def cpu_flash_flop_formulas() -> dict:
+    """FlopCounterMode formulas for the CPU flash-attention kernel and its backward."""
+    forward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if forward is None or backward is None:
+        return {}
+
+    # The counter hands these the shapes of tensor arguments and looks operators up by packet.
+    def forward_flops(q_shape, k_shape, v_shape, dropout_p=0.0, is_causal=False, *args, out_shape=None,
+                      **kwargs) -> int:
+        return _attention_flops(q_shape, k_shape, is_causal)
+
+    def backward_flops(g_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, dropout_p, is_causal, *args,
+                       out_shape=None, **kwargs) -> int:
+        return int(2.5 * _attention_flops(q_shape, k_shape, is_causal))
+
+    return {forward: forward_flops, backward: backward_flops}
+
+
+def _attention_flops(q_shape, k_shape, is_causal: bool) -> int:
+    """4 * head_dim FLOPs per (query, key) pair and query head (QK^T and PV). Queries and keys
+    are [batch, heads, tokens, head_dim]; a causal call aligns them top-left, as the kernel does."""
+    batch, heads, queries, head_dim = q_shape
+    keys = k_shape[2]
+    pairs = queries * keys
+    if is_causal:
+        below = min(queries, keys)
+        pairs = below * (below + 1) // 2 + max(0, queries - keys) * keys
+    return 4 * head_dim * batch * heads * pairs

@@ -1,0 +1,109 @@
+"""What the cost model and the simulator predict for one rank of a plan: the simulated side of
+`lengthwise dryrun`, which measures the same three quantities on the executor's real code.
+
+    predict = rank_prediction(plan, CostModel(model=plan.model, cluster=plan.cluster), rank=5)
+    predict.peak_memory_bytes, predict.flops, predict.comm_bytes["send"]
+
+- Peak memory: the simulator's peak of the rank's stage (model states, activations, K/V state
+  and K/V gradients replayed along the timeline, `sim/memory.py`).
+- FLOPs: the cost model's forward FLOPs of every F and N action of the stage (N without the
+  LM head, which the executor's no-grad forward skips), its backward FLOPs of every B, and one
+  more forward of the layers an `F.rN` action recomputes; each CP rank's share of the work
+  (`rank_works`), over tp.
+- Communication, bytes this rank hands to each kind of operation (the logical volume, not one
+  algorithm's wire traffic): `send` the activations and activation gradients to neighbour
+  stages; `all_reduce` the gradient buffers summed over the replicas holding the stage (data
+  parallel pipelines times CP ranks); `all_gather` / `reduce_scatter` the K/V a CP rank
+  contributes in forward and the K/V gradients it scatters in backward.
+
+Ranks are numbered as the executor lays them out (`runtime/distributed/mesh.py`): pipeline by
+pipeline, stage by stage, CP rank innermost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lengthwise.cost import CostModel
+from lengthwise.cost.flops import head_forward_flops, layer_forward_flops
+from lengthwise.cost.memory import stage_params
+from lengthwise.cost.model import rank_works
+from lengthwise.plan.ir import BACKWARD, FORWARD_NOGRAD, SHARDED, StepPlan
+
+ELEMENT_BYTES = 2
+"""The cost model counts activations, gradients and K/V in 16-bit elements."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankPlace:
+    """Which part of the plan one rank runs."""
+
+    pipeline: int
+    stage: int
+    cp_rank: int
+
+
+@dataclass(kw_only=True)
+class RankPrediction:
+    """The simulated side of one rank (bytes and FLOPs)."""
+
+    rank: int
+    place: RankPlace
+    peak_memory_bytes: float
+    flops: float
+    comm_bytes: dict[str, float] = field(default_factory=dict)
+
+
+def rank_places(plan: StepPlan) -> list[RankPlace]:
+    """Place of every rank, indexed by rank."""
+    return [RankPlace(pipeline=p, stage=s, cp_rank=r) for p, pipe in enumerate(plan.pipelines)
+            for s in range(pipe.pp) for r in range(pipe.cp) for _ in range(pipe.tp)]
+
+
+def rank_prediction(plan: StepPlan, cost: CostModel, *, rank: int, peak_memory: list[list[float]]) -> RankPrediction:
+    """Predictions for `rank`; `peak_memory` is the simulator's [pipeline][stage] peak
+    (`simulate_plan(plan, cost).peak_memory`), computed once for all ranks."""
+    place = rank_places(plan)[rank]
+    return RankPrediction(rank=rank, place=place, peak_memory_bytes=peak_memory[place.pipeline][place.stage],
+                          flops=stage_flops(plan, cost, place), comm_bytes=stage_comm_bytes(plan, cost, place))
+
+
+def stage_flops(plan: StepPlan, cost: CostModel, place: RankPlace) -> float:
+    """FLOPs one rank of the stage computes in the step (its CP share, 1/tp of it)."""
+    pipe = plan.pipelines[place.pipeline]
+    layers = pipe.stage_layers(plan.model.num_layers)[place.stage]
+    last = place.stage == pipe.pp - 1
+    total = 0.0
+    for action in pipe.stages[place.stage]:
+        work = rank_works(_unit(pipe, action), pipe.cp)[place.cp_rank if pipe.cp > 1 else 0]
+        lin, attn = layer_forward_flops(plan.model, work)
+        # the executor's no-grad forward (N) keeps K/V only and never runs the head
+        head = head_forward_flops(plan.model, work.tokens) if last and action.kind != FORWARD_NOGRAD else 0.0
+        if action.kind == BACKWARD:
+            total += layers * (lin * cost.bwd_linear_ratio + attn * cost.bwd_attn_ratio) + head * cost.bwd_linear_ratio
+        else:
+            total += (layers + min(action.recompute_layers, layers)) * (lin + attn) + head
+    return total / pipe.tp
+
+
+def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[str, float]:
+    """Bytes this rank hands to sends and collectives in the step, by kind."""
+    pipe = plan.pipelines[place.pipeline]
+    layers = pipe.stage_layers(plan.model.num_layers)[place.stage]
+    first, last = place.stage == 0, place.stage == pipe.pp - 1
+    send = sum(cost.boundary_bytes(_unit(pipe, a), tp=pipe.tp, cp=pipe.cp) for a in pipe.stages[place.stage]
+               if (a.kind == BACKWARD and not first) or (a.kind != BACKWARD and not last))
+    replicas = sum(1 for p in plan.pipelines if p.pp == pipe.pp) * pipe.cp
+    grads = stage_params(plan.model, layers=layers, tp=pipe.tp, first=first, last=last) * ELEMENT_BYTES
+    kv_token_layer = cost.kv_bytes(1, layers=1, tp=pipe.tp)
+    gathered = sum(kv_token_layer * layers * (s.num_tokens / pipe.cp) * (pipe.cp - 1)
+                   for a in pipe.stages[place.stage] if a.kind != BACKWARD
+                   for s in pipe.chunks[a.chunk].segments if s.cp_rank == SHARDED) if pipe.cp > 1 else 0.0
+    return {"send": send, "all_reduce": grads if replicas > 1 else 0.0, "all_gather": gathered,
+            "reduce_scatter": 0.0}
+
+
+def _unit(pipe, action):
+    if action.kind == BACKWARD and pipe.backward_chunks is not None:
+        return pipe.backward_chunks[action.chunk]
+    return pipe.chunks[action.chunk]
