@@ -157,7 +157,11 @@ def _mutate_at(draw, doc, path) -> None:
 
 
 def _whole_plan_edit(draw, doc: dict) -> None:
-    how = draw(st.sampled_from(["lengths x10", "drop pipeline", "duplicate pipeline", "swap lengths", "none"]))
+    how = draw(st.sampled_from(["lengths x10", "drop pipeline", "duplicate pipeline", "swap lengths", "spec field",
+                                "none"]))
+    if how == "spec field":   # the model's and cluster's numbers feed every cost: hit them often
+        section = doc[draw(st.sampled_from(["model", "cluster"]))]
+        section[draw(st.sampled_from(sorted(section)))] = copy.deepcopy(draw(st.sampled_from(WEIRD_VALUES)))
     if how == "lengths x10" and isinstance(doc.get("lengths"), list):
         doc["lengths"] = [n * 10 if isinstance(n, int) else n for n in doc["lengths"]]
     elif how == "drop pipeline" and doc.get("pipelines"):

@@ -61,6 +61,20 @@ def test_pipeline_field_of_wrong_type_or_range_is_one_line(tmp_path, field, valu
     assert fragment in simulate_error(tmp_path, doc)
 
 
+@pytest.mark.parametrize("section, field, value, fragment", [
+    ("cluster", "inter_bw_gbps", 0, "field inter_bw_gbps must be a finite number >= 0.001, got 0"),
+    ("cluster", "gpu_memory_gb", 1e300, "field gpu_memory_gb must be a number in [0.001, 1.04858e+06]"),
+    ("cluster", "intra_latency_us", -5, "field intra_latency_us must be a finite number >= 0"),
+    ("model", "hidden", 0, "field hidden must be an integer in [1, 16777216], got 0"),
+    ("model", "vocab", "151936", "field vocab must be an integer"),
+    ("model", "tied_embeddings", 1, "field tied_embeddings must be true or false"),
+])
+def test_model_and_cluster_fields_of_a_plan_are_range_checked(tmp_path, section, field, value, fragment):
+    doc = packing_plan()
+    doc[section][field] = value
+    assert fragment in simulate_error(tmp_path, doc)
+
+
 def test_simulate_validates_the_plan_it_reads(tmp_path):
     doc = packing_plan()
     doc["lengths"] = [n * 10 for n in doc["lengths"]]   # would report 10x the tokens per second

@@ -137,19 +137,22 @@ def _int_range(lo: int | None, hi: int | None) -> str:
     return "an integer" if hi is None else f"an integer <= {hi}"
 
 
-def check_spec_fields(cls: type, data: Any, where: str) -> dict:
+def check_spec_fields(cls: type, data: Any, where: str, ranges: dict[str, tuple[float, float]]) -> dict:
     """The fields of a specs dataclass (ModelSpec, ClusterSpec) checked against their annotated
-    types (int, float, str, bool; numbers finite) before the dataclass's own range checks."""
+    types (int, float, str, bool; numbers finite) and `ranges` (name -> inclusive lo, hi)."""
     f = Fields(data, where)
     types = {name: str(t) for name, t in cls.__annotations__.items()}
     f.only(types)
     for key, kind in types.items():
         if key not in f.data:
             continue
+        lo, hi = ranges.get(key, (None, None))
         if kind == "int":
-            f.integer(key, lo=0, hi=MAX_LENGTH)
+            f.integer(key, lo=lo, hi=hi)
         elif kind == "float":
-            f.number(key, lo=None)
+            value = f.number(key, lo=lo)
+            if hi is not None and value > hi:
+                raise f.fail(key, f"a number in [{lo:g}, {hi:g}]", value)
         elif kind == "str":
             f.string(key)
         elif kind == "bool":

@@ -47,6 +47,17 @@ MAX_DEGREE = 2**20
 """Largest tp, cp, stage layer count or recompute count a plan file may name (far above any
 real cluster; keeps a damaged file from asking for 10^12 of anything)."""
 
+MODEL_RANGES = {**{name: (1, 2**24) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                                "ffn", "vocab")},
+                "rope_theta": (1e-6, 1e12), "rms_eps": (1e-30, 1.0)}
+"""What a plan file's model may hold: 16M of anything is beyond every model, and keeps every
+FLOP and byte count the cost model derives finite."""
+CLUSTER_RANGES = {"num_gpus": (1, 2**24), "gpus_per_node": (1, 2**16), "gpu_memory_gb": (1e-3, 2.0**20),
+                  "peak_tflops": (1e-3, 1e9), "intra_bw_gbps": (1e-3, 1e9), "inter_bw_gbps": (1e-3, 1e9),
+                  "intra_latency_us": (0.0, 1e9), "inter_latency_us": (0.0, 1e9)}
+"""What a plan file's cluster may hold: positive rates (no division by zero) bounded so that
+transfer and compute times stay finite."""
+
 SHARDED = -1
 """`Segment.cp_rank` value: the segment is sharded over the pipeline's whole CP group."""
 
@@ -262,9 +273,10 @@ class StepPlan:
             raise UserError("not a lengthwise plan: the JSON lacks format 'lengthwise.stepplan/1'")
         f.only(("format", "planner", "model", "cluster", "zero", "lengths", "loss_tokens", "options", "metrics",
                 "pipelines"))
-        model = ModelSpec.from_dict(check_spec_fields(ModelSpec, f.mapping("model"), f"{where} model"))
+        model = ModelSpec.from_dict(check_spec_fields(ModelSpec, f.mapping("model"), f"{where} model", MODEL_RANGES))
         model.validate()
-        cluster = ClusterSpec.from_dict(check_spec_fields(ClusterSpec, f.mapping("cluster"), f"{where} cluster"))
+        cluster = ClusterSpec.from_dict(check_spec_fields(ClusterSpec, f.mapping("cluster"), f"{where} cluster",
+                                                      CLUSTER_RANGES))
         cluster.validate()
         lengths = f.ints("lengths", lo=1, hi=MAX_LENGTH, min_len=1)
         recorded = f.integer("loss_tokens", lo=0, default=None) if "loss_tokens" in f.data else None
