@@ -126,7 +126,8 @@ def write_profile(tmp_path, doc: dict) -> str:
     (lambda d: d["schemes"]["tp1-cp1"].update(bwd=[1.0, 2.0]), "field bwd must be a list of 3 numbers"),
     (lambda d: d["schemes"]["tp1-cp1"].update(fwd=[0, 0, 0]), "not all zero"),
     (lambda d: d["schemes"]["tp1-cp1"].update(head_fwd=[float("inf"), 0]), "Infinity is not a number"),
-    (lambda d: d.update(kv_bytes_per_token_layer=0), "kv_bytes_per_token_layer must be a number of bytes"),
+    (lambda d: d.update(kv_bytes_per_token_layer=2**41), "kv_bytes_per_token_layer must be a number of bytes"),
+    (lambda d: d.update(activation_bytes_per_token_layer=-1), "activation_bytes_per_token_layer must be a finite"),
     (lambda d: d["schemes"].update({"tp0-cp1": d["schemes"]["tp1-cp1"]}), "the key must read tpT-cpC"),
 ])
 def test_profile_with_bad_coefficients_is_one_line(tmp_path, edit, fragment):

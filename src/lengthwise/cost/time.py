@@ -90,8 +90,8 @@ class Profile:
         byte_fields = ("activation_bytes_per_token_layer", "kv_bytes_per_token_layer")
         for name in byte_fields:
             value = f.optional_number(name)
-            if value is not None and not 0 < value <= 2**40:
-                raise f.fail(name, "a number of bytes in (0, 2^40]", value)
+            if value is not None and value > 2**40:   # 0 means not measured (the analytic model's)
+                raise f.fail(name, "a number of bytes in [0, 2^40]", value)
         return cls(device=f.string("device", default="unknown"), model=f.string("model", default="unknown"),
                    schemes=schemes, activation_bytes_per_token_layer=f.optional_number(byte_fields[0]),
                    kv_bytes_per_token_layer=f.optional_number(byte_fields[1]), meta=f.mapping("meta", default={}))
