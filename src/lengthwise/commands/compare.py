@@ -21,11 +21,11 @@ histogram and a bar chart of speedups. Sequences over the context length are dro
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from tqdm import tqdm
 
+from lengthwise.plan.ir import json_text
 from lengthwise.commands.common import add_workload_args, lengths_source_from_args
 from lengthwise.commands.planner_flags import (
     add_planner_option_args,
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     summary = summarise(rows)
     summary["setup"] = describe(setup, args)
     write_report(Path(args.out), setup, rows, summary, pictures=not args.no_pictures)
-    print(json.dumps(summary, indent=1) if args.json else format_table(summary, args.out))
+    print(json_text(summary) if args.json else format_table(summary, args.out))
     return 0
 
 

@@ -18,7 +18,6 @@ used; a 7B rank takes seconds to a few minutes. `--json` prints
 from __future__ import annotations
 
 import argparse
-import json
 
 from lengthwise.errors import UserError
 
@@ -35,16 +34,15 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lengthwise.plan.ir import StepPlan
-    from lengthwise.plan.validate import validate_plan
+    from lengthwise.plan.ir import json_text
+    from lengthwise.plan.validate import load_plan
     from lengthwise.sim.rank import rank_places
 
-    plan = StepPlan.load(args.plan)
-    validate_plan(plan)
+    plan = load_plan(args.plan)
     ranks = parse_ranks(args.ranks, len(rank_places(plan)))
     rows = dryrun_rows(plan, ranks, dtype=args.dtype)
     if args.json:
-        print(json.dumps({"ranks": rows}, indent=1))
+        print(json_text({"ranks": rows}))
     else:
         print(format_rows(rows))
     return 0

@@ -20,8 +20,8 @@ profile's meta.backend_check).
 from __future__ import annotations
 
 import argparse
-import json
 
+from lengthwise.plan.ir import json_text
 from lengthwise.commands.common import add_backend_arg
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import write_atomic
@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
     fitted.profile.meta["backend_check"] = backend_check(measurer, spec)
     fitted.profile.meta["command"] = "lengthwise profile " + " ".join(_argv(args))
     out = args.out or f"profile-{spec.name}.json"
-    write_atomic(out, json.dumps(fitted.profile.to_dict(), indent=1))
-    print(json.dumps(fitted.profile.to_dict(), indent=1) if args.json else summary(fitted, out))
+    write_atomic(out, json_text(fitted.profile.to_dict()))
+    print(json_text(fitted.profile.to_dict()) if args.json else summary(fitted, out))
     return 0
 
 

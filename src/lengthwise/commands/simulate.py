@@ -18,9 +18,9 @@ idle, reforward, dp_imbalance, dp_imbalance_spread, peak_memory, fits, tokens_pe
 from __future__ import annotations
 
 import argparse
-import json
 
 from lengthwise.errors import UserError
+from lengthwise.plan.ir import json_text
 from lengthwise.plan.schedules import SCHEDULE_NAMES
 
 
@@ -46,7 +46,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     result = _simulate_direct(args) if args.fwd is not None else _simulate_plan_file(args)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=1))
+        print(json_text(result.to_dict()))
     else:
         print(format_result(result))
     if args.gantt or args.memory_plot:
@@ -61,14 +61,14 @@ def run(args: argparse.Namespace) -> int:
 def _simulate_plan_file(args):
     from lengthwise.commands.profile import load_profile_file
     from lengthwise.cost import CostModel
-    from lengthwise.plan.ir import StepPlan
+    from lengthwise.plan.validate import load_plan
     from lengthwise.sim import simulate_plan
 
     if args.plan is None:
         raise UserError("give a PLAN.json, or --stages and --fwd for the direct mode")
     if args.stages is not None or args.groups or args.k is not None:
         raise UserError("--stages/--groups/--k belong to the direct mode: drop them or drop PLAN.json and give --fwd")
-    plan = StepPlan.load(args.plan)
+    plan = load_plan(args.plan)
     profile = load_profile_file(args.cost_profile, plan.model)
     return simulate_plan(plan, CostModel(model=plan.model, cluster=plan.cluster, profile=profile))
 
@@ -80,7 +80,9 @@ def _simulate_direct(args):
         raise UserError("give either PLAN.json or --fwd (the direct mode), not both")
     if args.stages is None:
         raise UserError("the direct mode needs --stages P as well as --fwd")
-    return simulate_times(parse_floats(args.fwd, "--fwd"), args.stages, bwd_ratio=args.bwd_ratio,
+    times = parse_floats(args.fwd, "--fwd")
+    check_direct_inputs(times, args.bwd_ratio)
+    return simulate_times(times, args.stages, bwd_ratio=args.bwd_ratio,
                           schedule=args.schedule, groups=parse_groups(args.groups), k=args.k)
 
 
@@ -89,6 +91,20 @@ def parse_floats(text: str, flag: str) -> list[float]:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"{flag} {text!r}: expected comma-separated numbers like 4,2,1,1") from None
+
+
+MAX_DIRECT_TIME = 1e12
+"""Largest forward time (and backward ratio) the direct mode takes: sums of a million such times
+stay finite, so every result is a number."""
+
+
+def check_direct_inputs(times: list[float], bwd_ratio: float) -> None:
+    """Forward times and the backward ratio finite, >= 0 and at most MAX_DIRECT_TIME."""
+    for i, t in enumerate(times):
+        if not 0 <= t <= MAX_DIRECT_TIME:   # False for NaN too
+            raise UserError(f"--fwd time {i} is {t}: give finite times in [0, {MAX_DIRECT_TIME:g}]")
+    if not 0 <= bwd_ratio <= MAX_DIRECT_TIME:
+        raise UserError(f"--bwd-ratio {bwd_ratio}: give a finite ratio in [0, {MAX_DIRECT_TIME:g}]")
 
 
 def parse_groups(text: str | None) -> list[tuple[int, int]]:

@@ -24,9 +24,9 @@ reference` checks the masked yardstick instead); `varlen` needs CUDA with bfloat
 from __future__ import annotations
 
 import argparse
-import json
 import re
 
+from lengthwise.plan.ir import json_text
 from lengthwise.commands.common import add_backend_arg, add_workload_args, batch_lengths_from_args
 from lengthwise.commands.plan import default_context_length
 from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     result = verify_plan(plan, dtype=dtype, backend=backend, seed=args.seed, oracle=args.oracle,
                          device=args.device)
     if args.json:
-        print(json.dumps({**result.to_dict(), "planner": plan.planner, "dtype": args.dtype,
+        print(json_text({**result.to_dict(), "planner": plan.planner, "dtype": args.dtype,
                           "backend": backend, "lengths": plan.lengths}, indent=1))
     else:
         print(summary(plan, result, args.dtype, backend))
@@ -150,7 +150,7 @@ def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
         check_world_size(plan, args.nproc)
         out = spawn(verify_worker, args.nproc, job, timeout_s=args.timeout)
     if args.json:
-        print(json.dumps({**out, "dtype": args.dtype, "backend": backend, "lengths": plan.lengths}, indent=1))
+        print(json_text({**out, "dtype": args.dtype, "backend": backend, "lengths": plan.lengths}, indent=1))
     else:
         fields = ("loss", "reference_loss", "max_abs_grad_diff", "max_rel_grad_diff", "worst_param", "oracle", "tolerance")
         print(summary(plan, VerifyResult(**{k: out[k] for k in fields}), args.dtype, backend))
@@ -172,6 +172,9 @@ def batch_lengths(args: argparse.Namespace) -> list[int]:
         lengths = list(DEFAULT_LENGTHS)
     if min(lengths) < 1:
         raise UserError(f"--lengths {args.lengths}: every length must be at least 1")
+    if max(lengths) < 2:
+        raise UserError("every sequence of the batch is 1 token, so no position predicts a next token "
+                        "and there is no loss to compare: give a sequence of 2 or more tokens")
     return lengths
 
 

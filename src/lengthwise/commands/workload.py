@@ -18,9 +18,9 @@ attention_share_below (each mapping "1024".."131072" to a fraction), source.
 from __future__ import annotations
 
 import argparse
-import json
 
 
+from lengthwise.plan.ir import json_text
 from lengthwise.commands.common import add_workload_args, lengths_source_from_args
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import write_atomic
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     source = lengths_source_from_args(args)
     lengths = source.describe_lengths(args.samples, args.seed)
     stats = length_stats(lengths) | {"source": source.name}
-    print(json.dumps(stats, indent=2) if args.json else format_table(stats))
+    print(json_text(stats, indent=2) if args.json else format_table(stats))
     if args.plot:
         write_atomic(args.plot, histogram_png(lengths, title=source.name))
     return 0

@@ -50,8 +50,7 @@ def chunk_work(chunk: Chunk) -> ChunkWork:
     if chunk.pad_to > chunk.num_tokens and chunk.segments:
         padded = chunk.pad_to // len(chunk.segments)
         return ChunkWork(chunk.pad_to, len(chunk.segments) * causal_keys(0, padded))
-    keys = sum(causal_keys(s.start, s.stop) for s in chunk.segments)
-    return ChunkWork(chunk.num_tokens, keys)
+    return ChunkWork(chunk.num_tokens, chunk.attention_pairs)
 
 
 def layer_forward_flops(model: ModelSpec, work: ChunkWork) -> tuple[float, float]:

@@ -15,10 +15,12 @@ documents), so per layer T = a * keys + b * tokens + c, fitted separately for fo
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lengthwise.errors import UserError
+from lengthwise.fields import Fields
 from lengthwise.plan.ir import read_json
 
 
@@ -76,16 +78,51 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: dict) -> Profile:
-        if d.get("format") != "lengthwise.profile/1":
+        """A profile from its JSON object: every coefficient finite and in range, arrays of the
+        right length, scheme keys tpT-cpC (a damaged profile would otherwise give negative busy
+        time or NaN step times)."""
+        f = Fields(d, "profile")
+        if f.data.get("format") != "lengthwise.profile/1":
             raise UserError("not a lengthwise profile: the JSON lacks format 'lengthwise.profile/1'")
-        schemes = {k: SchemeFit(**{f: tuple(x) for f, x in v.items()}) for k, v in d["schemes"].items()}
-        return cls(device=d.get("device", "unknown"), model=d.get("model", "unknown"), schemes=schemes,
-                   activation_bytes_per_token_layer=d.get("activation_bytes_per_token_layer"),
-                   kv_bytes_per_token_layer=d.get("kv_bytes_per_token_layer"), meta=d.get("meta", {}))
+        f.only(("format", "device", "model", "schemes", "activation_bytes_per_token_layer",
+                "kv_bytes_per_token_layer", "meta"))
+        schemes = {key: _scheme_fit(key, v) for key, v in f.mapping("schemes").items()}
+        byte_fields = ("activation_bytes_per_token_layer", "kv_bytes_per_token_layer")
+        for name in byte_fields:
+            value = f.optional_number(name)
+            if value is not None and value > 2**40:   # 0 means not measured (the analytic model's)
+                raise f.fail(name, "a number of bytes in [0, 2^40]", value)
+        return cls(device=f.string("device", default="unknown"), model=f.string("model", default="unknown"),
+                   schemes=schemes, activation_bytes_per_token_layer=f.optional_number(byte_fields[0]),
+                   kv_bytes_per_token_layer=f.optional_number(byte_fields[1]), meta=f.mapping("meta", default={}))
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         return read_json(path, "profile", cls.from_dict)
+
+
+MAX_COEFFICIENT_S = 1e3
+"""Largest per-pair, per-token or per-pass coefficient a profile may hold, seconds (measured ones
+are below 1e-3; this only keeps damaged files from overflowing step times to infinity)."""
+
+
+def _scheme_fit(key: str, data) -> SchemeFit:
+    """One scheme's coefficients: fwd/bwd (a, b, c), head_fwd/head_bwd (b, c), each finite,
+    >= 0 and at most MAX_COEFFICIENT_S; a layer pass must cost some time."""
+    where = f"profile scheme {key}"
+    if not re.fullmatch(r"tp[1-9][0-9]{0,6}-cp[1-9][0-9]{0,6}", key):
+        raise UserError(f"{where}: the key must read tpT-cpC, e.g. tp2-cp1")
+    f = Fields(data, where)
+    f.only(("fwd", "bwd", "head_fwd", "head_bwd"))
+    counts = {"fwd": 3, "bwd": 3, "head_fwd": 2, "head_bwd": 2}
+    coef = {name: f.numbers(name, count=n, default=(0.0,) * n if name.startswith("head") else None)
+            for name, n in counts.items()}
+    for name, values in coef.items():
+        if max(values) > MAX_COEFFICIENT_S:
+            raise f.fail(name, f"coefficients of at most {MAX_COEFFICIENT_S:g} seconds", list(values))
+        if name in ("fwd", "bwd") and sum(values) <= 0:
+            raise f.fail(name, "coefficients not all zero (a layer pass takes time)", list(values))
+    return SchemeFit(**coef)
 
 
 def scheme_key(tp: int, cp: int) -> str:

@@ -25,19 +25,37 @@ i is forward chunk i.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from lengthwise.errors import UserError
+from lengthwise.fields import MAX_LENGTH, Fields, check_spec_fields
 from lengthwise.specs import ClusterSpec, ModelSpec
 
 FORWARD = "F"
 BACKWARD = "B"
 FORWARD_NOGRAD = "N"
 ACTION_KINDS = (FORWARD, BACKWARD, FORWARD_NOGRAD)
+
+MAX_DEGREE = 2**20
+"""Largest tp, cp, stage layer count or recompute count a plan file may name (far above any
+real cluster; keeps a damaged file from asking for 10^12 of anything)."""
+
+MODEL_RANGES = {**{name: (1, 2**24) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                                "ffn", "vocab")},
+                "rope_theta": (1e-6, 1e12), "rms_eps": (1e-30, 1.0)}
+"""What a plan file's model may hold: 16M of anything is beyond every model, and keeps every
+FLOP and byte count the cost model derives finite."""
+CLUSTER_RANGES = {"num_gpus": (1, 2**24), "gpus_per_node": (1, 2**16), "gpu_memory_gb": (1e-3, 2.0**20),
+                  "peak_tflops": (1e-3, 1e9), "intra_bw_gbps": (1e-3, 1e9), "inter_bw_gbps": (1e-3, 1e9),
+                  "intra_latency_us": (0.0, 1e9), "inter_latency_us": (0.0, 1e9)}
+"""What a plan file's cluster may hold: positive rates (no division by zero) bounded so that
+transfer and compute times stay finite."""
 
 SHARDED = -1
 """`Segment.cp_rank` value: the segment is sharded over the pipeline's whole CP group."""
@@ -68,7 +86,7 @@ class Segment:
 
     @classmethod
     def parse(cls, text: str) -> Segment:
-        m = re.fullmatch(r"(\d+)\[(\d+):(\d+)\](?:@(\d+))?", text.strip())
+        m = re.fullmatch(r"([0-9]+)\[([0-9]+):([0-9]+)\](?:@([0-9]+))?", text.strip())
         if not m:
             raise UserError(f"bad segment {text!r}: expected SEQ[START:STOP] or SEQ[START:STOP]@RANK")
         rank = SHARDED if m.group(4) is None else int(m.group(4))
@@ -84,9 +102,17 @@ class Chunk:
     segments: tuple[Segment, ...]
     pad_to: int = 0
 
-    @property
+    # Cached: planners and the simulator ask a packed row of hundreds of segments for its
+    # tokens and pairs many times per plan (the chunk is frozen, so the sums never change).
+    @cached_property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.segments)
+        return sum(s.stop - s.start for s in self.segments)
+
+    @cached_property
+    def attention_pairs(self) -> int:
+        """Causal (query, key) pairs of its segments, unpadded: position p of a sequence sees
+        p + 1 keys, so a segment [start, stop) has (stop(stop+1) - start(start+1)) / 2."""
+        return sum((s.stop * (s.stop + 1) - s.start * (s.start + 1)) // 2 for s in self.segments)
 
     @property
     def row_tokens(self) -> int:
@@ -100,6 +126,8 @@ class Chunk:
     @classmethod
     def parse(cls, text: str) -> Chunk:
         body, _, pad = text.partition("/pad")
+        if pad and not re.fullmatch(r"[0-9]+", pad):
+            raise UserError(f"bad chunk {text!r}: expected SEG+SEG... with an optional /padN")
         segs = tuple(Segment.parse(t) for t in body.split("+") if t)
         return cls(segs, int(pad) if pad else 0)
 
@@ -122,7 +150,7 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        m = re.fullmatch(r"([FBN])(\d+)(?:\.r(\d+))?", text.strip())
+        m = re.fullmatch(r"([FBN])([0-9]+)(?:\.r([0-9]+))?", text.strip())
         if not m:
             raise UserError(f"bad action {text!r}: expected F3, B3, N3 or F3.r2")
         return cls(m.group(1), int(m.group(2)), int(m.group(3) or 0))
@@ -178,15 +206,20 @@ class PipelinePlan:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> PipelinePlan:
-        bwd = d.get("backward_chunks")
+    def from_dict(cls, d: dict, where: str = "pipeline") -> PipelinePlan:
+        """A pipeline from its JSON object, every field type- and range-checked."""
+        f = Fields(d, where)
+        f.only(("tp", "cp", "schedule", "chunks", "stages", "backward_chunks", "layers_per_stage", "extra_comm_s"))
+        bwd = f.data.get("backward_chunks")
+        layers = f.data.get("layers_per_stage")
         return cls(
-            chunks=[Chunk.parse(c) for c in d["chunks"]],
-            stages=[[Action.parse(a) for a in s.split()] for s in d["stages"]],
-            tp=d.get("tp", 1), cp=d.get("cp", 1), schedule=d.get("schedule", "1f1b"),
-            backward_chunks=None if bwd is None else [Chunk.parse(c) for c in bwd],
-            layers_per_stage=d.get("layers_per_stage"),
-            extra_comm_s=d.get("extra_comm_s", 0.0),
+            chunks=[Chunk.parse(c) for c in f.array("chunks", item="str")],
+            stages=[[Action.parse(a) for a in s.split()] for s in f.array("stages", item="str", min_len=1)],
+            tp=f.integer("tp", lo=1, hi=MAX_DEGREE, default=1), cp=f.integer("cp", lo=1, hi=MAX_DEGREE, default=1),
+            schedule=f.string("schedule", default="1f1b"),
+            backward_chunks=None if bwd is None else [Chunk.parse(c) for c in f.array("backward_chunks", item="str")],
+            layers_per_stage=None if layers is None else f.ints("layers_per_stage", lo=0, hi=MAX_DEGREE),
+            extra_comm_s=f.number("extra_comm_s", default=0.0),
         )
 
 
@@ -231,22 +264,35 @@ class StepPlan:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> StepPlan:
-        if d.get("format") != "lengthwise.stepplan/1":
+    def from_dict(cls, d: dict, where: str = "plan") -> StepPlan:
+        """A plan from its JSON object, every field type- and range-checked (the invariants
+        between fields are `plan.validate.validate_plan`'s)."""
+        f = Fields(d, where)
+        if f.data.get("format") != "lengthwise.stepplan/1":
             raise UserError("not a lengthwise plan: the JSON lacks format 'lengthwise.stepplan/1'")
+        f.only(("format", "planner", "model", "cluster", "zero", "lengths", "loss_tokens", "options", "metrics",
+                "pipelines"))
+        model = ModelSpec.from_dict(check_spec_fields(ModelSpec, f.mapping("model"), f"{where} model", MODEL_RANGES))
+        model.validate()
+        cluster = ClusterSpec.from_dict(check_spec_fields(ClusterSpec, f.mapping("cluster"), f"{where} cluster",
+                                                      CLUSTER_RANGES))
+        cluster.validate()
+        lengths = f.ints("lengths", lo=1, hi=MAX_LENGTH, min_len=1)
+        recorded = f.integer("loss_tokens", lo=0, default=None) if "loss_tokens" in f.data else None
+        if recorded is not None and recorded != sum(n - 1 for n in lengths):
+            raise UserError(f"{where}: loss_tokens {recorded} != sum(length - 1) = {sum(n - 1 for n in lengths)} "
+                            "over its lengths: the file was edited; plan the batch again")
+        pipes = f.array("pipelines", item="dict", min_len=1)
         return cls(
-            planner=d["planner"],
-            model=ModelSpec.from_dict(d["model"]),
-            cluster=ClusterSpec.from_dict(d["cluster"]),
-            lengths=list(d["lengths"]),
-            pipelines=[PipelinePlan.from_dict(p) for p in d["pipelines"]],
-            zero=d.get("zero", 1),
-            options=d.get("options", {}),
-            metrics=d.get("metrics", {}),
+            planner=f.string("planner"), model=model, cluster=cluster, lengths=list(lengths),
+            pipelines=[PipelinePlan.from_dict(p, f"{where} pipeline {i}") for i, p in enumerate(pipes)],
+            zero=f.integer("zero", lo=0, hi=3, default=1),
+            options=f.mapping("options", default={}),
+            metrics=f.mapping("metrics", default={}),
         )
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
+        return json_text(self.to_dict())
 
     def save(self, path: str | Path) -> None:
         write_atomic(path, self.to_json())
@@ -257,13 +303,46 @@ class StepPlan:
 
 
 def read_json(path: str | Path, what: str, parse):
-    """`parse(dict)` of a JSON file; a missing or malformed file is a one-line UserError."""
+    """`parse(dict)` of a JSON file; a missing, unreadable or malformed file (not UTF-8, not
+    JSON, NaN or Infinity in it, a field of the wrong type) is a one-line UserError."""
     try:
-        return parse(json.loads(Path(path).read_text()))
+        data = json.loads(Path(path).read_bytes().decode("utf-8"), parse_constant=_reject_constant)
+        return parse(data)
     except FileNotFoundError:
         raise UserError(f"no {what} file at {path}") from None
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise UserError(f"{path} is not a readable lengthwise {what} ({exc})") from None
+    except UserError as exc:
+        raise UserError(f"{path}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path} is not a lengthwise {what}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {what} file {path}: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise UserError(f"{path} is not a readable lengthwise {what} ({str(exc)[:200]})") from None
+
+
+def _reject_constant(name: str):
+    raise UserError(f"{name} is not a number a lengthwise file may hold: write a finite value")
+
+
+def json_text(data, *, indent: int | None = 1) -> str:
+    """JSON for output: strict (a non-finite float is a one-line UserError naming where it is,
+    never a bare NaN that no JSON reader accepts)."""
+    try:
+        return json.dumps(data, indent=indent, allow_nan=False)
+    except ValueError:
+        raise UserError(f"result holds a non-finite number at {_first_non_finite(data) or '?'}; "
+                        "this is a bug in lengthwise, please report the command") from None
+
+
+def _first_non_finite(data, path: str = "") -> str | None:
+    if isinstance(data, float) and not math.isfinite(data):
+        return path or "top level"
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, (list, tuple)) else ()
+    for key, value in items:
+        found = _first_non_finite(value, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
 
 
 def write_atomic(path: str | Path, text: str | bytes) -> None:

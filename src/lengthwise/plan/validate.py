@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from pathlib import Path
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -65,6 +66,7 @@ def validate_plan(plan: StepPlan, cost: CostModel | None = None) -> None:
         if pipe.backward_chunks is not None:
             check_backward_units(pipe.chunks, pipe.backward_chunks, where=f"pipeline {p}: ")
         _check_action_counts(p, pipe)
+        check_recompute(plan, p, pipe)
         try:
             check_schedule(pipe.stages, pipe.chunks, pipe.backward_chunks)
             check_message_order(pipe.stages)
@@ -304,3 +306,23 @@ def check_backward_units(chunks: list[Chunk], units: list[Chunk], *, where: str 
                 raise UserError(f"{where}backward unit {u}: segment {s} is not inside one forward segment "
                                 f"of sequence {s.seq_id} with the same CP placement: a backward unit may only "
                                 "hold whole forward segments or sub-ranges of one")
+
+
+def check_recompute(plan: StepPlan, p: int, pipe: PipelinePlan) -> None:
+    """A forward recomputes at most the layers its stage holds (F3.r2 on a 1-layer stage is wrong)."""
+    for s, (actions, layers) in enumerate(zip(pipe.stages, pipe.stage_layers(plan.model.num_layers))):
+        for a in actions:
+            if a.recompute_layers > layers:
+                raise UserError(f"pipeline {p} stage {s} {a}: recomputes {a.recompute_layers} layers "
+                                f"but the stage has {layers}")
+
+
+def load_plan(path: str | Path, cost: CostModel | None = None) -> StepPlan:
+    """A plan file read with every field type-checked, then through `validate_plan`: what every
+    reader of a PLAN.json uses, so a damaged or edited plan is a one-line error, not a result."""
+    plan = StepPlan.load(path)
+    try:
+        validate_plan(plan, cost)
+    except UserError as exc:
+        raise UserError(f"{path}: invalid plan: {exc}") from None
+    return plan

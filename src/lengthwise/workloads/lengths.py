@@ -1,6 +1,6 @@
 """Lengths files, the overlong policy, and the statistics `lengthwise workload` prints.
 
-A lengths file holds one positive integer per line (blank lines and `#` comments are skipped),
+A lengths file holds one integer per line, 1 to 2^40 (blank lines and `#` comments are skipped),
 or a 1-D integer `.npy` array. The statistics weigh each sequence three ways: by count, by
 tokens (activation memory and linear FLOPs grow with L) and by attention work (grows with L²,
 so a 128K sequence costs as much attention as 16,384 sequences of 1K).
@@ -8,11 +8,13 @@ so a 128K sequence costs as much attention as 16,384 sequences of 1K).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 
 from lengthwise.errors import UserError
+from lengthwise.fields import MAX_LENGTH
 
 THRESHOLDS = (1024, 4096, 8192, 32768, 131072)
 """Lengths (tokens) at which the papers' tables report shares: 1K, 4K, 8K, 32K, 128K."""
@@ -33,24 +35,35 @@ def read_lengths(path: str | Path) -> np.ndarray:
 def _read_npy(path: Path) -> np.ndarray:
     try:
         array = np.load(path, allow_pickle=False)
-    except ValueError as exc:
-        raise UserError(f"{path} is not a readable .npy array ({exc})") from None
-    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-        raise UserError(f"{path} holds a {array.ndim}-D {array.dtype} array; "
+    except (ValueError, OSError, EOFError) as exc:
+        raise UserError(f"{path} is not a readable .npy array ({str(exc)[:200]})") from None
+    if not isinstance(array, np.ndarray) or array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise UserError(f"{path} holds a {getattr(array, 'ndim', '?')}-D {getattr(array, 'dtype', '?')} array; "
                         f"a lengths file needs a 1-D integer array")
+    if array.size and (array.max() > MAX_LENGTH):
+        i = int(np.argmax(array > MAX_LENGTH))
+        raise UserError(f"{path}[{i}]: length {int(array[i])} is over {MAX_LENGTH} (2^40) tokens")
     return array.astype(np.int64)
 
 
 def _read_text(path: Path) -> np.ndarray:
+    try:
+        content = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path} is not UTF-8 text (byte {exc.start}); a lengths file holds one integer a line") from None
+    except OSError as exc:
+        raise UserError(f"cannot read lengths file {path}: {exc.strerror or exc}") from None
     values, line_numbers = [], []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(content.splitlines(), start=1):
         text = line.split("#", 1)[0].strip()
         if not text:
             continue
-        try:
-            values.append(int(text))
-        except ValueError:
-            raise UserError(f"{path}:{number}: {text!r} is not an integer length") from None
+        if not re.fullmatch(r"[+-]?[0-9]{1,20}", text):
+            raise UserError(f"{path}:{number}: {text[:40]!r} is not an integer length")
+        value = int(text)
+        if value > MAX_LENGTH:
+            raise UserError(f"{path}:{number}: length {value} is over {MAX_LENGTH} (2^40) tokens")
+        values.append(value)
         line_numbers.append(number)
     if not values:
         raise UserError(f"{path} holds no lengths; write one integer per line")

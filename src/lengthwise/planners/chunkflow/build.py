@@ -159,7 +159,7 @@ def packed_rate(request: PlanRequest, chunk_size: int) -> PackedRate:
 
     Exact when a chunk's time is f(tokens) + g * attention pairs, which holds for the analytic
     model (efficiency depends on the chunk's tokens) and for profiled a*keys + b*tokens + c."""
-    half = chunk_size // 2
+    half = max(chunk_size // 2, 1)   # a 1-token chunk size still probes two 1-token halves
     one = sum(pass_seconds(Chunk((Segment(0, 0, 2 * half),)), request))
     two = sum(pass_seconds(Chunk((Segment(0, 0, half), Segment(1, 0, half))), request))
     keys_diff = causal_keys(0, 2 * half) - 2 * causal_keys(0, half)

@@ -18,6 +18,12 @@ and candidates. Two choices of ours, both only able to help since the best trial
 trial 0 takes the sequences longest first (the LPT order), and among pipelines tying on the new
 maximum the one left least loaded wins (Algorithm 1 takes the first). The trial count is cut so
 that sequences x pipelines x trials x strategies stays within `work_budget`.
+
+Cost: Algorithm 1 weighs every admissible pipeline for every sequence, so one trial of one
+strategy is O(n D) (n sequences, D pipelines); the paper's algorithm allows no less, as the
+pipeline that least raises the maximum bound depends on every pipeline's state. The work budget
+cuts trials, never below one per strategy, so a pass is O(n D S) for S strategies, vectorised
+over D and S (one numpy step per sequence).
 """
 
 from __future__ import annotations

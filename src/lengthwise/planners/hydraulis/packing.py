@@ -114,20 +114,25 @@ def lpt_bins(load: PipelineLoad, v: int) -> list[list[int]] | None:
 
 
 def _lpt(order: list[int], work: list[float], lengths: list[int], v: int, cap: int) -> list[list[int]] | None:
+    """Each sequence onto the least-busy bin (ties: lowest index) with room for it. Bins short
+    of room for the current sequence wait in a heap by room and come back once a sequence fits
+    them, so a full bin is not re-examined for every sequence (O(n log v), not O(n v))."""
     heap = [(0.0, j) for j in range(v)]
+    parked: list[tuple[int, float, int]] = []   # (-room, busy, j)
     bins, room = [[] for _ in range(v)], [cap] * v
     for i in order:
-        skipped = []
+        while parked and -parked[0][0] >= lengths[i]:
+            _, busy, j = heapq.heappop(parked)
+            heapq.heappush(heap, (busy, j))
         while heap and room[heap[0][1]] < lengths[i]:
-            skipped.append(heapq.heappop(heap))
+            busy, j = heapq.heappop(heap)
+            heapq.heappush(parked, (-room[j], busy, j))
         if not heap:
             return None
         busy, j = heapq.heappop(heap)
         bins[j].append(i)
         room[j] -= lengths[i]
         heapq.heappush(heap, (busy + work[i], j))
-        for item in skipped:
-            heapq.heappush(heap, item)
     return [b for b in bins if b]
 
 
@@ -140,13 +145,16 @@ def greedy_pack(load: PipelineLoad) -> Packing:
     order = sorted(range(len(work)), key=lambda i: (-work[i], -lengths[i], i))
     tried = [("bfd", best_fit_decreasing(lengths, load.max_len))]
     tried += [("lpt", _lpt(order, work, lengths, v, load.max_len)) for v in micro_batch_range(load)]
-    scored = sorted((_estimate(load, work, b), k) for k, (_, b) in enumerate(tried) if b is not None)
-    for _, k in scored[:KK_TRIES]:
+    estimates = {k: _estimate(load, work, b) for k, (_, b) in enumerate(tried) if b is not None}
+    for _, k in sorted((e, k) for k, e in estimates.items())[:KK_TRIES]:
         v = len(tried[k][1])
         if len(work) >= KK_MIN_PER_BIN * v:
             tried.append(("kk", _within(karmarkar_karp(work, v), lengths, load.max_len)))
-    method, bins = min((t for t in tried if t[1] is not None), key=lambda t: _estimate(load, work, t[1]))
-    return _packing(load, bins, method)
+            if tried[-1][1] is not None:
+                estimates[len(tried) - 1] = _estimate(load, work, tried[-1][1])
+    # Each packing's estimate once (it sums every sequence's work); the first of equal ones wins.
+    best = min(estimates, key=lambda k: (estimates[k], k))
+    return _packing(load, tried[best][1], tried[best][0])
 
 
 def _within(bins: list[list[int]], lengths: list[int], cap: int) -> list[list[int]] | None:

@@ -29,6 +29,8 @@ and short sequences packed by tokens only (no time threshold).
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -150,25 +152,71 @@ class Bucket:
 def pack_buckets(tails: list[Segment], short: list[int], lengths: list[int], mesh: Mesh,
                  fit: SliceCost) -> tuple[list[Bucket], float]:
     """Lines 3-16: best fit of short sequences (longest time first) into tail-seeded buckets.
-    Returns the buckets and T_t after line 16's perturbations."""
+    Returns the buckets and T_t after line 16's perturbations.
+
+    Line 9 picks, among buckets with room for the sequence's tokens (T_m) and time (T_t), the
+    lowest time per token. Sequences come longest first, so the room a bucket needs only
+    shrinks (and T_t only rises): a bucket that admits one sequence admits every later one until
+    it is picked. `_OpenBuckets` keeps admitting buckets sorted by line 9's key and the others
+    in heaps by what they lack, so each sequence costs O(log buckets) instead of a scan of every
+    bucket; the buckets are the same.
+    """
     buckets = [Bucket(segments=[t], time=fit.work(t.start, t.stop) + fit.c, tokens=t.num_tokens, order=i)
                for i, t in enumerate(tails)]
+    open_ = _OpenBuckets(buckets)
     threshold = mesh.time_threshold
     for seq_id in sorted(short, key=lambda i: (-lengths[i], i)):   # time grows with length
         seg = Segment(seq_id, 0, lengths[seq_id])
         seconds = fit.work(0, seg.stop)
-        fits_tokens = [b for b in buckets if b.tokens + seg.num_tokens <= mesh.token_threshold]
-        if not fits_tokens:   # line 7: not even the emptiest bucket has room
-            buckets.append(Bucket(segments=[seg], time=seconds + fit.c, tokens=seg.num_tokens,
-                                  order=len(buckets)))
+        open_.admit(mesh.token_threshold - seg.num_tokens, seconds, threshold)
+        if not open_.any_with_room():   # line 7: not even the emptiest bucket has room
+            bucket = Bucket(segments=[seg], time=seconds + fit.c, tokens=seg.num_tokens, order=len(buckets))
+            buckets.append(bucket)
+            open_.put(bucket)
             continue
-        fits_both = [b for b in fits_tokens if b.time + seconds <= threshold]
-        if not fits_both:     # line 16: raise T_t to the least value that admits a bucket
-            threshold = min(b.time for b in fits_tokens) + seconds
-            fits_both = [b for b in fits_tokens if b.time + seconds <= threshold]
-        best = min(fits_both, key=lambda b: (b.time / b.tokens, b.order))   # line 9
+        if not open_.admitting:         # line 16: raise T_t to the least value that admits a bucket
+            threshold = open_.least_time() + seconds
+            open_.admit(mesh.token_threshold - seg.num_tokens, seconds, threshold)
+        best = open_.pop_best()         # line 9
         best.add(seg, seconds)
+        open_.put(best)
     return buckets, threshold
+
+
+class _OpenBuckets:
+    """Every bucket in exactly one place: `admitting` (room in tokens and time for the current
+    sequence, sorted by line 9's key: time per token, then order), `need_tokens` (a heap by
+    tokens) or `need_time` (room in tokens, a heap by time). A bucket's state changes only when
+    it is picked, so heap entries never go stale."""
+
+    def __init__(self, buckets: list[Bucket]):
+        self.admitting: list[tuple[float, int, Bucket]] = []
+        self.need_tokens: list[tuple[int, int, Bucket]] = []
+        self.need_time: list[tuple[float, int, Bucket]] = []
+        for b in buckets:
+            self.put(b)
+
+    def put(self, b: Bucket) -> None:
+        """A new or just-grown bucket, checked again at the next `admit`."""
+        heapq.heappush(self.need_tokens, (b.tokens, b.order, b))
+
+    def admit(self, max_tokens: int, seconds: float, threshold: float) -> None:
+        """Move the buckets that admit a sequence of `seconds` with `max_tokens` of room left."""
+        while self.need_tokens and self.need_tokens[0][0] <= max_tokens:
+            b = heapq.heappop(self.need_tokens)[2]
+            heapq.heappush(self.need_time, (b.time, b.order, b))
+        while self.need_time and self.need_time[0][0] + seconds <= threshold:
+            b = heapq.heappop(self.need_time)[2]
+            bisect.insort(self.admitting, (b.time / b.tokens, b.order, b), key=lambda e: e[:2])
+
+    def any_with_room(self) -> bool:
+        return bool(self.admitting or self.need_time)
+
+    def least_time(self) -> float:
+        return self.need_time[0][0]
+
+    def pop_best(self) -> Bucket:
+        return self.admitting.pop(0)[2]
 
 
 @dataclass(kw_only=True)

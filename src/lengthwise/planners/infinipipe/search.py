@@ -13,6 +13,13 @@ its minimum, so the search is coarse then fine:
 
 At most `budget` feasible values of N are planned. Each is scored by `score(n)` (the simulator's step
 time, or the DP's estimate), which returns None when N is infeasible.
+
+Cost: each N tried plans every pipeline (chunking and bucket packing O(n log n), eq. 14's DP
+over the C distinct chunk counts, O(C^2) groups per pipeline) and, with score "simulate",
+simulates the whole step; so planning is linear in sequences and in pipelines times the number
+of N tried, with no step quadratic in either. What remains at 32,768 sequences is the constant
+of planning and simulating each chunk in Python, N times over
+(benchmarks/results/planning_scale.json); score "estimate" skips the simulations.
 """
 
 from __future__ import annotations

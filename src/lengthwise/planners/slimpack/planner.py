@@ -11,6 +11,11 @@ with N). Each pipeline keeps the count that finishes it soonest within memory ("
 may choose a different N"). The lean schedule is swept too when the steady one fits no count;
 every Phase-1 variant (with and without compute merges) is swept and the faster step wins; when
 none fits, memory outliers are merged over more ranks (the next HOLD share).
+
+Cost: every candidate count builds and simulates every pipeline, so a plan costs (candidates
+tried) x (cutting O(n log n) + simulating the step's actions): linear in sequences and ranks,
+with the simulator's per-action constant times about ten candidates dominating at 32,768
+sequences (benchmarks/results/planning_scale.json). A fixed `num_micropacks` skips the sweep.
 """
 
 from __future__ import annotations

@@ -1,0 +1,128 @@
+"""Planning time per global batch at scale: every planner x {64, 1024, 4096} GPUs x {512, 32768}
+sequences, wall seconds, written to benchmarks/results/planning_scale.json.
+
+    python benchmarks/bench_planning_scale.py                                  # the whole table
+    python benchmarks/bench_planning_scale.py --planners packing,skrull --gpus 64 --sequences 512
+    nice -n 10 python benchmarks/bench_planning_scale.py --timeout 300
+
+The batch is the first one `lengthwise plan --profile lmsys --model qwen2.5-7b --pp 4
+--context-length 8192 --overlong truncate --dp GPUS/4 --batch-size SEQUENCES` plans (issue 16's
+setting). Each case runs in its own process (a fresh interpreter, so caches of one case do not
+help the next) and is killed after --timeout seconds, recorded as a time-out. The time is the
+planner call alone (sampling the batch and building the cost model excluded), once per case: on
+a shared machine, compare cases by orders of magnitude, not by percent. The JSON records the
+machine's CPU count and load average beside the table, and a hash of each plan (planning time
+and auto's per-candidate timings left out) so runs before and after an optimisation can be
+checked to plan the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+GPUS = (64, 1024, 4096)
+SEQUENCES = (512, 32768)
+
+
+def plan_args(planner: str, gpus: int, sequences: int) -> list[str]:
+    return ["plan", "--planner", planner, "--profile", "lmsys", "--model", "qwen2.5-7b", "--pp", "4",
+            "--dp", str(gpus // 4), "--context-length", "8192", "--overlong", "truncate",
+            "--batch-size", str(sequences)]
+
+
+def plan_hash(plan) -> str:
+    """sha256 of the plan's JSON without its timings (which differ run to run)."""
+    d = plan.to_dict()
+    d["metrics"] = {k: v for k, v in d["metrics"].items() if k not in ("planning_ms", "auto")}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_one(planner: str, gpus: int, sequences: int) -> dict:
+    """Plan one case in this process; returns its row."""
+    from lengthwise.cli import build_parser
+    from lengthwise.commands.plan import build_request
+    from lengthwise.planners import get_planner
+
+    request = build_request(build_parser("plan").parse_args(plan_args(planner, gpus, sequences)))
+    fn = get_planner(planner)
+    started = time.perf_counter()
+    plan = fn(request)
+    wall = time.perf_counter() - started
+    return {"wall_s": round(wall, 4), "plan_hash": plan_hash(plan), "pipelines": len(plan.pipelines),
+            "chunks": sum(len(p.chunks) for p in plan.pipelines)}
+
+
+def run_case(planner: str, gpus: int, sequences: int, timeout: float) -> dict:
+    """One case in a child process, killed after `timeout` seconds."""
+    cmd = [sys.executable, __file__, "--one", planner, str(gpus), str(sequences)]
+    row = {"planner": planner, "gpus": gpus, "dp": gpus // 4, "sequences": sequences}
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env())
+    except subprocess.TimeoutExpired:
+        return {**row, "wall_s": None, "error": f"timed out after {timeout:g} s"}
+    if done.returncode != 0:
+        return {**row, "wall_s": None, "error": (done.stderr.strip().splitlines() or ["failed"])[-1][:300]}
+    return {**row, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def child_env() -> dict:
+    """The children import this checkout's package and use one thread (as the machine allows)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def machine() -> dict:
+    return {"python": platform.python_version(), "cpus": os.cpu_count(), "load_average": list(os.getloadavg()),
+            "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def write(path: Path, rows: list[dict], settings: dict) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+    from lengthwise.plan.ir import write_atomic
+
+    write_atomic(path, json.dumps({"benchmark": "planning_scale", "setting": settings, "machine": machine(),
+                                   "rows": rows}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--planners", help="comma-separated (default: every available planner)")
+    parser.add_argument("--gpus", default=",".join(map(str, GPUS)), help="comma-separated GPU counts")
+    parser.add_argument("--sequences", default=",".join(map(str, SEQUENCES)), help="comma-separated batch sizes")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a case is killed")
+    parser.add_argument("--out", default=str(RESULTS / "planning_scale.json"))
+    parser.add_argument("--one", nargs=3, metavar=("PLANNER", "GPUS", "SEQUENCES"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(run_one(args.one[0], int(args.one[1]), int(args.one[2]))))
+        return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+    from lengthwise.planners import available_planners
+
+    planners = args.planners.split(",") if args.planners else available_planners()
+    settings = {"command": "lengthwise " + " ".join(plan_args("P", 4, 1)).replace("--dp 1", "--dp GPUS/4")
+                .replace("--batch-size 1", "--batch-size SEQUENCES"), "timeout_s": args.timeout}
+    rows: list[dict] = []
+    for sequences in map(int, args.sequences.split(",")):
+        for gpus in map(int, args.gpus.split(",")):
+            for planner in planners:
+                row = run_case(planner, gpus, sequences, args.timeout)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                write(Path(args.out), rows, settings)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
