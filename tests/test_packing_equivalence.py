@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lengthwise.plan.ir import Segment
-from lengthwise.planners.hydraulis_packing import _lpt
-from lengthwise.planners.infinipipe_chunking import Bucket, Mesh, SliceCost, pack_buckets
+from lengthwise.planners.hydraulis.packing import _lpt
+from lengthwise.planners.infinipipe.chunking import Bucket, Mesh, SliceCost, pack_buckets
 from lengthwise.planners.packing_utils import karmarkar_karp, split_to_multiple
 
 CASES = settings(max_examples=80, deadline=None, database=None, derandomize=True)
