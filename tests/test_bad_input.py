@@ -61,8 +61,8 @@ def test_overlong_sequence_under_policy_error_names_the_policies(capsys, tmp_pat
 
 def test_overlong_sequence_dropped_or_truncated_plans(capsys, tmp_path):
     path = lengths_file(tmp_path, 100, 9000)
-    for policy in ("drop", "truncate"):
-        assert main(["plan", "--planner", "packing", "--lengths", path, "--batch-size", "2",
+    for policy, batch in (("drop", "1"), ("truncate", "2")):  # dropping leaves one sequence
+        assert main(["plan", "--planner", "packing", "--lengths", path, "--batch-size", batch,
                      "--context-length", "8192", "--overlong", policy, *SMALL]) == 0
     capsys.readouterr()
 
@@ -138,3 +138,71 @@ def test_missing_or_broken_json_files_are_one_line_errors(tmp_path, capsys, argv
     code = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0]
+
+
+# ---- every command: bad input ends in one line naming the fix, exit 2, nothing on stdout ----
+
+def _files(tmp_path):
+    (tmp_path / "short.txt").write_text("100\n200\n")
+    (tmp_path / "nonint.txt").write_text("abc\n")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "broken.json").write_text('{"x":')
+    (tmp_path / "adir").mkdir()
+    return tmp_path
+
+
+TABLE = [
+    (["plan", "--planner", "packing", "--profile", "lmsys", "--batch-size", "-3"], "--batch-size -3 must be at least 1"),
+    (["plan", "--planner", "packing", "--profile", "lmsys", "--seed", "-1"], "--seed -1"),
+    (["plan", "--planner", "packing", "--profile", "lmsys", "--context-length", "0"], "--context-length 0"),
+    (["plan", "--planner", "packing", "--lengths", "{t}/empty.txt"], "holds no lengths"),
+    (["plan", "--planner", "packing", "--lengths", "{t}/nonint.txt"], "'abc' is not an integer length"),
+    (["plan", "--planner", "packing", "--lengths", "{t}/short.txt", "--batch-size", "64"], "--resample"),
+    (["plan", "--planner", "packing", "--profile", "lmsys", "--out", "/proc/x/plan.json"], "cannot write there"),
+    (["plan", "--planner", "chunkflow", "--profile", "lmsys"], "raise --tp/--pp or the ZeRO stage"),
+    (["plan", "--planner", "packing", "--profile", "lmsys", "--tp", "3"], "tp(3) does not divide the heads"),
+    (["plan", "--planner", "packing", "--profile", "lmsys", "--model", "{t}/missing.json"], "no model config"),
+    (["simulate", "{t}/adir"], "Is a directory"),
+    (["simulate", "{t}/broken.json"], "not a readable lengthwise plan"),
+    (["simulate", "{t}/missing.json"], "no plan file"),
+    (["simulate", "--stages", "0", "--fwd", "1,2"], "stages >= 1"),
+    (["simulate", "--stages", "2", "--fwd", "1,-2"], "finite times"),
+    (["simulate", "--stages", "2", "--fwd", "a,b"], "comma-separated numbers"),
+    (["simulate", "--stages", "2", "--fwd", "1,1", "--groups", "5-9"], "group 5-9"),
+    (["simulate", "--stages", "2", "--fwd", "1,1", "--gantt", "/proc/x/g.png"], "cannot write there"),
+    (["compare", "--gpus", "0"], "must be at least 1"),
+    (["compare", "--batches", "0"], "must be at least 1"),
+    (["compare", "--planners", "nope"], "unknown planner 'nope'"),
+    (["compare", "--scheme", "dp3-tp9"], "!= gpus(32)"),
+    (["compare", "--scheme", "garbage"], "dpD-tpT-ppP-cpC"),
+    (["compare", "--out", "/proc/x/rep", "--batches", "1", "--planners", "packing"], "cannot write there"),
+    (["workload", "--profile", "nope"], "unknown profile 'nope'"),
+    (["workload", "--profile", "lmsys", "--samples", "0"], "--samples 0"),
+    (["workload", "--lengths", "{t}/missing.txt"], "does not exist"),
+    (["verify", "--lengths", "200,-3,5"], "length 2 is -3"),
+    (["verify", "--model-config", "{t}/missing.json"], "no model config"),
+    (["train", "--steps", "0"], "steps 0"),
+    (["train", "--lr", "inf"], "finite"),
+    (["train", "--metrics", "/proc/m.jsonl"], "cannot write there"),
+    (["train", "--batch-size", "0"], "batch_size 0"),
+    (["dryrun", "{t}/missing.json"], "no plan file"),
+    (["dryrun", "{t}/broken.json"], "not a readable lengthwise plan"),
+    (["export", "{t}/adir", "--hf", "{t}/out"], "holds no checkpoint"),
+    (["export", "{t}/nothere", "--hf", "{t}/out"], "no checkpoint folder"),
+    (["profile", "--model", "nope"], "unknown model 'nope'"),
+]
+
+
+@pytest.mark.parametrize("argv,fix", TABLE, ids=[" ".join(a[:3]) + f" #{i}" for i, (a, _) in enumerate(TABLE)])
+def test_bad_input_is_one_line_naming_the_fix(tmp_path, capsys, argv, fix):
+    folder = _files(tmp_path)
+    argv = [a.replace("{t}", str(folder)) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err, captured.err
+    assert fix in captured.err, captured.err
+    assert not (folder / "out").exists()

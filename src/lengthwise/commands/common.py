@@ -56,6 +56,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--overlong", choices=OVERLONG_POLICIES, default="error",
                        help="sequences over the context length: error (default), truncate, "
                             "or drop them")
+    group.add_argument("--resample", action="store_true",
+                       help="allow a lengths file or corpus smaller than the batch: its sequences are reused")
     group.add_argument("--seed", metavar="S", type=int, default=0,
                        help="seed for sampling and shuffling (default: 0)")
 
@@ -77,7 +79,11 @@ def lengths_source_from_args(args: argparse.Namespace) -> LengthSource:
 
 
 def batch_lengths_from_args(args: argparse.Namespace, batch_size: int) -> list[int]:
-    """Lengths of the first global batch of `batch_size` sequences for `args.seed`."""
-    sampler = GlobalBatchSampler(lengths_source_from_args(args), seed=args.seed,
-                                 batch_size=batch_size)
+    """Lengths of the first global batch of `batch_size` sequences for `args.seed`. A lengths file
+    or corpus with fewer sequences than the batch is an error unless --resample asks to reuse them."""
+    source = lengths_source_from_args(args)
+    if source.is_finite and len(source.lengths) < batch_size and not getattr(args, "resample", False):
+        raise UserError(f"{source.name} holds {len(source.lengths)} sequences, fewer than the batch of {batch_size}: "
+                        "lower --batch-size, or pass --resample to draw the batch from them with reuse")
+    sampler = GlobalBatchSampler(source, seed=args.seed, batch_size=batch_size)
     return list(sampler.next_batch().lengths)

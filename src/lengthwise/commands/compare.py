@@ -35,6 +35,7 @@ from lengthwise.commands.planner_flags import (
 )
 from lengthwise.commands.profile import add_profile_file_arg, load_profile_file
 from lengthwise.errors import UserError
+from lengthwise.paths import check_writable
 from lengthwise.metrics import PEAK_MEMORY_GIB
 from lengthwise.report import CompareSetup, all_planners, run_compare, summarise
 from lengthwise.report_files import write_report
@@ -72,6 +73,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_writable(Path(args.out) / "report.md", "--out")
     setup = build_setup(args)
     total = len(setup.batches) * len([p for p in setup.planners if p != "auto"])
     with tqdm(total=total, desc="planning + simulating", unit="plan", disable=args.json, leave=False) as bar:

@@ -22,6 +22,7 @@ from lengthwise.commands.common import add_workload_args, batch_lengths_from_arg
 from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
 from lengthwise.commands.profile import add_profile_file_arg, load_profile_file
 from lengthwise.errors import UserError
+from lengthwise.paths import check_writable
 from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PLANNER_NAMES, PlanRequest, get_planner
@@ -63,17 +64,19 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
     """Specs, cost model and batch lengths from the arguments; fails early on bad degrees."""
     from lengthwise.cost import CostModel
 
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size} must be at least 1")
+    if args.context_length is not None and args.context_length < 1:
+        raise UserError(f"--context-length {args.context_length} must be at least 1")
+    if args.out:
+        check_writable(args.out, "--out")
     model = model_preset(args.model)
     scheme = ParallelScheme(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, zero=args.zero)
     scheme.validate(model)
     cluster = cluster_preset(args.cluster, scheme.num_gpus)
     cost = CostModel(model=model, cluster=cluster, profile=load_profile_file(args.profile_file, model))
+    lengths = batch_lengths_from_args(args, args.batch_size)  # the workload's own errors come first
     cost.check_states_fit(tp=scheme.tp, pp=scheme.pp, dp=scheme.dp, cp=scheme.cp, zero=scheme.zero)
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size {args.batch_size} must be at least 1")
-    if args.context_length is not None and args.context_length < 1:
-        raise UserError(f"--context-length {args.context_length} must be at least 1")
-    lengths = batch_lengths_from_args(args, args.batch_size)
     return PlanRequest(lengths=lengths, model=model, cluster=cluster, scheme=scheme, cost=cost,
                        context_length=args.context_length or default_context_length(lengths),
                        seed=args.seed, options=planner_options(args))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 
 from lengthwise.errors import UserError
+from lengthwise.paths import check_writable
 from lengthwise.plan.ir import json_text
 from lengthwise.plan.schedules import SCHEDULE_NAMES
 
@@ -44,6 +45,9 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, path in (("--gantt", args.gantt), ("--memory-plot", args.memory_plot)):
+        if path:
+            check_writable(path, flag)
     result = _simulate_direct(args) if args.fwd is not None else _simulate_plan_file(args)
     if args.json:
         print(json_text(result.to_dict()))

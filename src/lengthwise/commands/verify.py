@@ -162,8 +162,12 @@ def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
 
 def batch_lengths(args: argparse.Namespace) -> list[int]:
     """--lengths a,b,c inline, else the workload arguments, else the default batch."""
-    if args.lengths and re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", args.lengths):
+    if args.lengths and re.fullmatch(r"\s*-?\d+(\s*,\s*-?\d+)*\s*", args.lengths):
         lengths = [int(t) for t in args.lengths.split(",")]
+        bad = next((i for i, n in enumerate(lengths) if n < 1), None)
+        if bad is not None:
+            raise UserError(f"--lengths {args.lengths}: length {bad + 1} is {lengths[bad]}; every length must be "
+                            "at least 1 token")
     elif args.lengths or args.profile or args.data:
         if args.batch_size < 1:
             raise UserError(f"--batch-size {args.batch_size} must be at least 1")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Self
 
 from lengthwise.errors import UserError
+from lengthwise.paths import check_writable  # noqa: F401  (train's flags use it here)
 from lengthwise.plan.ir import write_atomic
 from lengthwise.runtime.train.config import TrainConfig
 
@@ -119,29 +120,6 @@ def with_outputs(config: TrainConfig, *, out: str | None = None) -> TrainConfig:
     if config.metrics is not None:
         check_writable(config.metrics, "--metrics")
     return config
-
-
-def check_writable(path: str | Path, flag: str) -> None:
-    """UserError now, before any training, if a file could not be created at `path`: a probe
-    file is created and removed in the nearest existing folder above it (permission bits alone
-    mislead root, and read-only file systems such as /proc)."""
-    path = Path(path).absolute()
-    shown = path.parent if flag == "--out" else path
-    if path.is_dir():
-        raise UserError(f"{flag} {shown} is a folder; give a file path")
-    existing = path.parent
-    while not existing.exists():
-        existing = existing.parent
-    try:
-        if not existing.is_dir():
-            raise NotADirectoryError(f"{existing} is a file")
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-        if path.exists():
-            with path.open("a"):
-                pass
-    except OSError as exc:
-        raise UserError(f"{flag} {shown}: cannot write there ({exc.strerror or exc}); give a writable path") from None
 
 
 def owns_metrics(config: TrainConfig, *, resumed: bool) -> bool:
