@@ -78,3 +78,18 @@ def test_help_opens_with_an_example(capsys):
         main(["plan", "--help"])
     assert exc.value.code == 0
     assert "lengthwise plan --planner packing --profile lmsys" in capsys.readouterr().out
+
+
+def test_written_files_have_the_usual_permissions(tmp_path):
+    """Outputs are readable by others as any file the user writes (0666 less the umask), not
+    0600 as a temporary file would leave them."""
+    import os
+
+    from lengthwise.plan.ir import write_atomic
+
+    mask = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "out.json", "{}")
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "out.json").stat().st_mode & 0o777 == 0o644

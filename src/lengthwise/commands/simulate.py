@@ -126,7 +126,7 @@ def parse_groups(text: str | None) -> list[tuple[int, int]]:
 
 def format_result(r) -> str:
     unit = r.time_unit
-    lines = [(f"step time {r.step_time_s:.6g} {unit}  (makespan {r.makespan:.6g} {unit}), "
+    lines = [(f"simulated step time {r.step_time_s:.6g} {unit}  (makespan {r.makespan:.6g} {unit}), "
               f"bubble ratio {r.bubble_ratio:.2%}")]
     if len(r.pipeline_makespan) > 1:
         ratio = "n/a" if r.dp_imbalance is None else f"{r.dp_imbalance:.3f}x"
@@ -140,7 +140,7 @@ def format_result(r) -> str:
     shown = r.peak_memory[:8]
     for p, row in enumerate(shown):
         busy = " ".join(f"{b:.4g}" for b in r.busy[p])
-        lines.append(f"  pipeline {p}: " + " ".join(f"{m / scale:.4g}" for m in row) + f"   busy: {busy}")
+        lines.append(f"  pipeline {p}: " + " ".join(f"{m / scale:.4g}" for m in row) + f"   busy ({unit}): {busy}")
     if len(r.peak_memory) > len(shown):
         lines.append(f"  ... {len(r.peak_memory) - len(shown)} more pipelines; highest peak "
                      f"{max(max(row) for row in r.peak_memory) / scale:.4g}")

@@ -346,14 +346,25 @@ def _first_non_finite(data, path: str = "") -> str | None:
 
 
 def write_atomic(path: str | Path, text: str | bytes) -> None:
-    """Write a file so that a reader sees the old content or the new, never half of it."""
+    """Write a file so that a reader sees the old content or the new, never half of it: a
+    temporary file beside it, flushed to disk, given the usual permissions (0666 less the
+    umask; mkstemp makes 0600), then renamed over the target."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(text.encode() if isinstance(text, str) else text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
