@@ -110,3 +110,12 @@ def test_help_opens_with_examples(capsys):
         main(["workload", "--help"])
     assert exc.value.code == 0
     assert "lengthwise workload --profile lmsys" in capsys.readouterr().out
+
+
+def test_overlong_policy_says_how_many_sequences_it_dropped_or_cut(tmp_path, capsys):
+    path = tmp_path / "lengths.txt"
+    path.write_text("100\n5000\n9000\n300\n")
+    for policy, done in (("drop", "dropped"), ("truncate", "cut to the context length")):
+        assert main(["workload", "--lengths", str(path), "--context-length", "4096", "--overlong", policy]) == 0
+        err = capsys.readouterr().err
+        assert f"2 of 4 sequences are over --context-length 4,096 and were {done}" in err

@@ -14,6 +14,7 @@ tokenized by `--tokenizer DIR` or byte-level).
 from __future__ import annotations
 
 import argparse
+import sys
 
 from lengthwise.errors import UserError
 from lengthwise.workloads.lengths import OVERLONG_POLICIES
@@ -85,5 +86,8 @@ def batch_lengths_from_args(args: argparse.Namespace, batch_size: int) -> list[i
     if source.is_finite and len(source.lengths) < batch_size and not getattr(args, "resample", False):
         raise UserError(f"{source.name} holds {len(source.lengths)} sequences, fewer than the batch of {batch_size}: "
                         "lower --batch-size, or pass --resample to draw the batch from them with reuse")
+    note = source.overlong_note()
+    if note:
+        print(note, file=sys.stderr)
     sampler = GlobalBatchSampler(source, seed=args.seed, batch_size=batch_size)
     return list(sampler.next_batch().lengths)

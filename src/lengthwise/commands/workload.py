@@ -18,6 +18,7 @@ attention_share_below (each mapping "1024".."131072" to a fraction), source.
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 from lengthwise.plan.ir import json_text
@@ -43,8 +44,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--samples {args.samples} must be at least 1")
     source = lengths_source_from_args(args)
     lengths = source.describe_lengths(args.samples, args.seed)
-    stats = length_stats(lengths) | {"source": source.name}
+    stats = length_stats(lengths) | {"source": source.name,
+                                     "overlong": {"policy": source.overlong, "count": source.overlong_count}}
     print(json_text(stats, indent=2) if args.json else format_table(stats))
+    note = source.overlong_note()
+    if note and not args.json:
+        print(note, file=sys.stderr)
     if args.plot:
         write_atomic(args.plot, histogram_png(lengths, title=source.name))
     return 0

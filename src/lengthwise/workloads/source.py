@@ -39,6 +39,17 @@ class LengthSource:
     """Longest sequence allowed (tokens); None for no limit."""
     overlong: str = "error"
     """What happened to sequences over the context: error, truncate or drop."""
+    overlong_count: int = 0
+    """Finite sources: how many sequences were over the context length (dropped or cut)."""
+
+    def overlong_note(self) -> str | None:
+        """One line saying how many sequences the overlong policy dropped or cut, or None."""
+        if not self.overlong_count:
+            return None
+        done = "dropped" if self.overlong == "drop" else "cut to the context length"
+        total = self.overlong_count + (len(self.lengths) if self.overlong == "drop" else len(self.lengths) - self.overlong_count)
+        return (f"{self.name}: {self.overlong_count:,} of {total:,} sequences are over --context-length "
+                f"{self.context_length:,} and were {done} (--overlong {self.overlong})")
 
     @property
     def is_finite(self) -> bool:
@@ -102,5 +113,7 @@ def _finite(name, raw: np.ndarray, corpus, context_length, overlong) -> LengthSo
     if lengths.size == 0:
         raise UserError(f"every sequence of {name} is longer than --context-length "
                         f"{context_length} (shortest {int(raw.min())}); raise it")
+    over = int((raw > context_length).sum()) if context_length is not None else 0
     return LengthSource(name=name, lengths=lengths, corpus=corpus, context_length=context_length,
-                        overlong=overlong, seq_ids=overlong_keep(raw, context_length, overlong))
+                        overlong=overlong, seq_ids=overlong_keep(raw, context_length, overlong),
+                        overlong_count=over)
