@@ -129,7 +129,7 @@ def _write_plan(tmp_path, capsys, *extra) -> str:
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(map(str, [300, 40, 17, 90, 500, 60, 33])))
     path = tmp_path / "plan.json"
-    code, _, err = _run(["plan", "--planner", "packing", "--lengths", str(lengths), "--model", "tiny",
+    code, _, err = _run(["plan", "--planner", "packing", "--lengths", str(lengths), "--batch-size", "7", "--model", "tiny",
                          "--cluster", "cpu", "--out", str(path), *extra], capsys)
     assert code == 0, err
     return str(path)
