@@ -66,3 +66,42 @@ def test_simulator_imports_no_torch():
     code = ("import sys, lengthwise.sim, lengthwise.sim.gantt, lengthwise.commands.simulate; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pictures_name_what_they_show_and_what_they_leave_out(tmp_path, monkeypatch):
+    """The Gantt title names the planner and the plan (or the direct mode's chunk times) and says
+    simulated; the memory plot says how many pipelines it left out; direct-mode JSON counts no
+    tokens (raw chunk times have none)."""
+    from matplotlib.axes import Axes
+
+    import lengthwise.sim.gantt as gantt
+
+    titles = []
+    monkeypatch.setattr(gantt.Figure, "suptitle", lambda self, text, **kw: titles.append(text))
+
+    original = Axes.set_title
+    monkeypatch.setattr(Axes, "set_title", lambda self, text, **kw: (titles.append(text), original(self, text, **kw))[1])
+    assert main(["simulate", "--stages", "2", "--fwd", "2,1", "--gantt", str(tmp_path / "g.png")]) == 0
+    assert any("1f1b, 2 stages, chunk times 2,1: simulated step" in t for t in titles)
+    out = tmp_path / "many.json"
+    assert main(["plan", "--planner", "packing", "--lengths", str(_lengths(tmp_path)), "--batch-size", "12",
+                 "--model", "tiny", "--cluster", "cpu", "--dp", "6", "--out", str(out)]) == 0
+    assert main(["simulate", str(out), "--memory-plot", str(tmp_path / "m.png")]) == 0
+    assert any("4 of 6 pipelines shown (2 left out)" in t for t in titles)
+    assert _direct_json()["tokens"] == 0
+
+
+def _lengths(tmp_path):
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(str(20 + 3 * i) for i in range(12)))
+    return path
+
+
+def _direct_json():
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["simulate", "--stages", "2", "--fwd", "2,1", "--json"]) == 0
+    return json.loads(buf.getvalue())

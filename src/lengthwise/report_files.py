@@ -32,7 +32,8 @@ def draw_pictures(out: Path, setup: CompareSetup, rows: dict[str, PlannerRow], s
     for name, row in rows.items():
         first = row.runs[0] if row.runs else None
         if first is not None and first.result is not None and first.result.timeline is not None:
-            draw_gantt(first.result, out / f"gantt-{name}.png")
+            draw_gantt(first.result, out / f"gantt-{name}.png",
+                       label=f"{name}, batch 0 of {len(setup.batches)} (the report's table: mean over batches)")
             names.append(f"gantt-{name}.png")
     write_atomic(out / "speedup.png", speedup_png(summary["planners"]))
     return names + ["speedup.png"]

@@ -18,6 +18,8 @@ idle, reforward, dp_imbalance, dp_imbalance_spread, peak_memory, fits, tokens_pe
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from lengthwise.errors import UserError
 from lengthwise.paths import check_writable
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gantt or args.memory_plot:
         from lengthwise.sim.gantt import draw_gantt, draw_memory  # matplotlib only when drawing
         if args.gantt:
-            draw_gantt(result, args.gantt)
+            draw_gantt(result, args.gantt, label=_label(args))
         if args.memory_plot:
             draw_memory(result, args.memory_plot)
     return 0
@@ -122,6 +124,14 @@ def parse_groups(text: str | None) -> list[tuple[int, int]]:
             raise UserError(f"--groups part {part!r}: expected FIRST-LAST chunk indices like 2-3")
         out.append((int(first), int(last)))
     return out
+
+
+def _label(args: argparse.Namespace) -> str:
+    """What the chart shows: the plan's planner and file, or the direct mode's chunk times."""
+    if args.fwd is not None:
+        return f"{args.schedule}, {args.stages} stages, chunk times {args.fwd}"
+    planner = json.loads(Path(args.plan).read_text()).get("planner", "?")  # read and checked before
+    return f"{planner}, plan {Path(args.plan).name}"
 
 
 def format_result(r) -> str:

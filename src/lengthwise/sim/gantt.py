@@ -42,8 +42,9 @@ def shown_pipelines(result: SimResult, max_rows: int) -> list[int]:
     return sorted(out)
 
 
-def draw_gantt(result: SimResult, path, *, max_rows: int = 64, max_labels: int = 800) -> None:
-    """Write a Gantt chart PNG of the simulated step."""
+def draw_gantt(result: SimResult, path, *, max_rows: int = 64, max_labels: int = 800, label: str = "") -> None:
+    """Write a Gantt chart PNG of the simulated step; `label` heads the title (the planner and
+    the batch, e.g. "chunkflow, batch 0 of 4 (the report's table is the mean over them)")."""
     tl = result.timeline
     pipes = shown_pipelines(result, max_rows)
     row_of = _row_positions(tl.stage_offsets, pipes)
@@ -59,8 +60,9 @@ def draw_gantt(result: SimResult, path, *, max_rows: int = 64, max_labels: int =
     ax.set_xlim(0, span * 1.01)
     ax.set_xlabel(f"time ({result.time_unit})")
     shown = f"{len(pipes)} of {len(result.pipeline_makespan)} pipelines" if len(pipes) < len(result.pipeline_makespan) else ""
-    ax.set_title(f"step {result.step_time_s:.4g} {result.time_unit}, makespan {result.makespan:.4g}, "
-                 f"bubble ratio {result.bubble_ratio:.2%}  {shown}".strip(), fontsize=10)
+    head = f"{label}: " if label else ""
+    ax.set_title(f"{head}simulated step {result.step_time_s:.4g} {result.time_unit}, makespan "
+                 f"{result.makespan:.4g}, bubble ratio {result.bubble_ratio:.2%}  {shown}".strip(), fontsize=10)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper center",
               bbox_to_anchor=(0.5, -0.6 / height - 0.05), ncol=len(COLOURS), fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
@@ -156,7 +158,10 @@ def draw_memory(result: SimResult, path, *, max_pipelines: int = 4, max_lines: i
         ax.legend(fontsize=6, ncol=4, loc="upper right")
         ax.grid(alpha=0.3)
     fig.axes[-1].set_xlabel(f"time ({result.time_unit})")
-    fig.suptitle("memory held per stage (model states, activations, K/V state and gradients)", fontsize=10)
+    left = len(result.pipeline_makespan) - len(pipes)
+    more = f"; {len(pipes)} of {len(result.pipeline_makespan)} pipelines shown ({left} left out)" if left else ""
+    fig.suptitle(f"simulated memory held per stage (model states, activations, K/V state and gradients){more}",
+                 fontsize=10)
     _save(fig, path)
 
 

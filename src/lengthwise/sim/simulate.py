@@ -129,9 +129,8 @@ def simulate_times(fwd: list[float], stages: int, bwd_ratio: float = 2.0, schedu
 
     `groups` lists inclusive (first, last) chunk ranges that are slices of one sequence."""
     inp = direct_input(fwd, stages, bwd_ratio=bwd_ratio, schedule=schedule, groups=groups, k=k)
-    result = simulate_inputs([inp], time_unit="units", memory_unit="fwd-time units")
-    result.tokens = len(fwd)
-    return result
+    # raw chunk times carry no token counts: `tokens` stays 0 rather than counting chunks
+    return simulate_inputs([inp], time_unit="units", memory_unit="fwd-time units")
 
 
 def simulate_inputs(inputs: list[PipelineInput], *, time_unit: str, memory_unit: str) -> SimResult:
