@@ -127,3 +127,19 @@ def test_a_run_failing_at_start_leaves_no_run_folder(capsys, tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     assert "--resume nowhere: no such directory" in one_line_error(capsys, "--resume", "nowhere")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_train_says_when_documents_are_cut_and_reused(tmp_path, capsys):
+    """5 long documents at --context-length 128 become rows of their first 128 tokens, and 2
+    steps of 5 see each twice: both said with counts, not silently."""
+    from lengthwise.cli import main
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(5):
+        (docs / f"d{i}.txt").write_text("word " * 100)
+    assert main(["train", "--data", str(docs), "--steps", "2", "--batch-size", "5", "--context-length", "128",
+                 "--out", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "5 of 5 sequences are over --context-length 128 and were cut" in err
+    assert "use 10 sequences of 5, so each is trained on about 2.0 times" in err

@@ -171,6 +171,20 @@ def load_model(name: str, spec: ModelSpec, *, dtype: torch.dtype, device: torch.
     return model
 
 
+def data_notes(source: LengthSource, config: TrainConfig) -> list[str]:
+    """What the run does to its data that a user would not guess: documents cut or dropped at the
+    context length, and documents seen more than once (epochs), with counts."""
+    notes = [note] if (note := source.overlong_note()) else []
+    per_step = config.sampler_size.get("batch_size")
+    if per_step:
+        seen = per_step * config.steps
+        if seen > len(source.lengths):
+            notes.append(f"{source.name}: {config.steps} steps of {per_step} sequences use {seen:,} sequences of "
+                         f"{len(source.lengths):,}, so each is trained on about {seen / len(source.lengths):.1f} times "
+                         "(epochs)")
+    return notes
+
+
 def _check_vocab(source: LengthSource, spec: ModelSpec) -> None:
     vocab = source.corpus.vocab_size
     if vocab > spec.vocab:
@@ -216,6 +230,9 @@ def run_training(setup: Setup, executor: Executor, *, stop: StopRequest | None =
             trim_metrics(config.metrics, result.start_step)  # lines of steps past the checkpoint
         if executor.is_reporter and config.out is not None:
             print(f"lengthwise train: checkpoints and metrics in {config.out}/", file=sys.stderr)
+        if executor.is_reporter:
+            for line in data_notes(setup.source, config):
+                print(f"lengthwise train: {line}", file=sys.stderr)
         scheduler = make_scheduler(executor.optimizer, config, done=result.start_step)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lengthwise-plan") as pool:
             _loop(setup, executor, result, _Run(pool=pool, scheduler=scheduler, stop=stop))
