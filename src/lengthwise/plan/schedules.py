@@ -268,12 +268,50 @@ def action_needs(action: Action, stage: int, deps: Dependencies, pp: int) -> lis
     return needs
 
 
+def schedule_key(stages: list[list[Action]], deps: Dependencies, num_chunks: int, num_units: int) -> tuple:
+    """Everything a schedule's feasibility and task graph depend on, as one hashable value: the
+    actions (kind, chunk, recomputed layers) of every stage, the slice dependencies and the
+    chunk and unit counts — not the chunks' token counts. Pipelines of one plan (and plans of one
+    planner's search) repeat a few shapes, so proofs and task graphs are kept per key."""
+    return (tuple(tuple((a.kind, a.chunk, a.recompute_layers) for a in acts) for acts in stages),
+            deps, num_chunks, num_units)
+
+
+class ShapeCache(dict):
+    """A dict that forgets everything when it reaches `limit` entries (bounded memory; the
+    shapes of one plan or one search are what repeat)."""
+
+    def __init__(self, limit: int = 2048):
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key, value) -> None:
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = value
+
+
+_PROVEN = ShapeCache()
+"""Schedule keys already proven to run to the end."""
+
+
 def check_schedule(stages: list[list[Action]], chunks: list[Chunk],
                    backward_chunks: list[Chunk] | None = None) -> None:
     """Prove a schedule runs to the end: replay it in lock-step (each stage issues its next action
     once the action's dependencies finished in an earlier step). On failure raise UserError with
-    the step-by-rank grid, the failing actions marked `<-- ERROR HERE`."""
+    the step-by-rank grid, the failing actions marked `<-- ERROR HERE`. A schedule whose key
+    (`schedule_key`) was proven before is not replayed again."""
     deps = dependencies(chunks, backward_chunks)
+    units = len(chunks if backward_chunks is None else backward_chunks)
+    key = schedule_key(stages, deps, len(chunks), units)
+    if key in _PROVEN:
+        return
+    _replay_schedule(stages, chunks, backward_chunks, deps)
+    _PROVEN.put(key, True)
+
+
+def _replay_schedule(stages: list[list[Action]], chunks: list[Chunk], backward_chunks: list[Chunk] | None,
+                     deps: Dependencies) -> None:
     sizes = {FORWARD: len(chunks), FORWARD_NOGRAD: len(chunks),
              BACKWARD: len(chunks if backward_chunks is None else backward_chunks)}
     pp, done, pos, grid = len(stages), set(), [0] * len(stages), []

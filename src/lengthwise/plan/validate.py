@@ -242,29 +242,34 @@ def memory_overflow(pipe: PipelinePlan, cost: CostModel, *, num_layers: int, dp:
     fit its stage's GPU alone (invariant 7), or None. `dp` is the number of ranks holding a
     replica of a stage (pipelines times CP ranks), over which ZeRO shards model states. Planners call this to keep their plans valid."""
     layers = pipe.stage_layers(num_layers)
+    loads = [_cp_rank_loads(chunk, pipe.cp) for chunk in pipe.chunks]  # the same on every stage
     for s, actions in enumerate(pipe.stages):
         first, last = s == 0, s == pipe.pp - 1
         states = cost.model_state_bytes(layers=layers[s], tp=pipe.tp, dp=dp, zero=zero, first=first, last=last)
         recompute = {a.chunk: a.recompute_layers for a in actions if a.kind == FORWARD}
-        for c, chunk in enumerate(pipe.chunks):
+        per_token: dict[int, float] = {}  # activation bytes per row token, by recomputed layers
+        for c, chunk_loads in enumerate(loads):
             r = recompute.get(c, 0)
             if r > layers[s]:
                 raise UserError(f"{where}stage {s} F{c}.r{r}: recomputes {r} layers but the stage has {layers[s]}")
-            _, act, kv = max(_chunk_bytes(cost, tokens, context, layers[s], pipe.tp, r, last)
-                             for tokens, context in _cp_rank_loads(chunk, pipe.cp))
+            if r not in per_token:
+                per_token[r] = cost.activation_bytes_per_token(layers=layers[s], tp=pipe.tp, recompute_layers=r,
+                                                               head=last)
+            _, act, kv = max(_chunk_bytes(cost, per_token[r], tokens, context, layers[s], pipe.tp)
+                             for tokens, context in chunk_loads)
             need = states + act + kv
             if need > cost.capacity_bytes:
                 return ChunkOverflow(stage=s, chunk=c, need=need, activation=act, kv=kv, states=states)
     return None
 
 
-def _chunk_bytes(cost: CostModel, tokens: float, context: float, layers: int, tp: int,
-                 recompute: int, last: bool) -> tuple[float, float, float]:
-    """(total, activation, K/V-context) bytes of one CP rank's share of a chunk, held alone."""
-    # A one-segment probe row of the rank's token count: activations grow with row tokens.
-    probe = Chunk((Segment(0, 0, max(1, math.ceil(tokens))),))
-    act = cost.activation_bytes(probe, layers=layers, tp=tp, cp=1, recompute_layers=recompute, head=last)
-    # infinipipe eq. 9: earlier slices' K/V stay resident while this slice runs.
+def _chunk_bytes(cost: CostModel, per_token: float, tokens: float, context: float, layers: int,
+                 tp: int) -> tuple[float, float, float]:
+    """(total, activation, K/V-context) bytes of one CP rank's share of a chunk, held alone.
+    Activations grow with the rank's row tokens (`per_token`: CostModel.activation_bytes_per_token
+    of the stage; at least one token); infinipipe eq. 9: earlier slices' K/V stay resident while
+    this slice runs."""
+    act = per_token * max(1, math.ceil(tokens))
     kv = cost.kv_bytes(math.ceil(context), layers=layers, tp=tp, cp=1) if context else 0.0
     return act + kv, act, kv
 
@@ -272,6 +277,8 @@ def _chunk_bytes(cost: CostModel, tokens: float, context: float, layers: int, tp
 def _cp_rank_loads(chunk: Chunk, cp: int) -> list[tuple[float, float]]:
     """(row tokens, context tokens) per CP rank: sharded segments and padding split evenly,
     whole segments on their rank."""
+    if cp == 1:
+        return [(float(chunk.row_tokens), float(sum(seg.start for seg in chunk.segments)))]
     tokens, context = [0.0] * cp, [0.0] * cp
     for seg in chunk.segments:
         share = [seg.cp_rank] if seg.cp_rank != SHARDED and cp > 1 else range(cp)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, Action, Chunk
-from lengthwise.plan.schedules import Dependencies, check_schedule
+from lengthwise.plan.schedules import Dependencies, ShapeCache, check_schedule, schedule_key
 
 KIND_CODE = {FORWARD: 0, FORWARD_NOGRAD: 1, BACKWARD: 2}
 """Integer code of each action kind in task arrays (F=0, N=1, B=2)."""
@@ -48,13 +48,29 @@ class PipelineTasks:
     """[stage][unit] task of the unit's B."""
 
 
+_GRAPHS = ShapeCache()
+"""Task graphs by schedule key: they depend on the schedule's shape only, not on token counts."""
+
+
 def build_pipeline(stages: list[list[Action]], chunks: list[Chunk], backward_chunks: list[Chunk] | None,
                    deps: Dependencies) -> PipelineTasks:
     """Number one pipeline's tasks in a topological order by sweeping its stages.
 
     Sweeps alternate direction (forwards travel down, backwards up) and advance every stage as
     far as its dependencies allow. A schedule that stops making progress is handed to
-    check_schedule, which raises UserError with the step-by-rank grid."""
+    check_schedule, which raises UserError with the step-by-rank grid. The result is shared by
+    every pipeline of the same schedule key (`schedule_key`): callers must not modify it."""
+    units = len(chunks if backward_chunks is None else backward_chunks)
+    key = schedule_key(stages, deps, len(chunks), units)
+    cached = _GRAPHS.get(key)
+    if cached is None:
+        cached = _build_pipeline(stages, chunks, backward_chunks, deps)
+        _GRAPHS.put(key, cached)
+    return cached
+
+
+def _build_pipeline(stages: list[list[Action]], chunks: list[Chunk], backward_chunks: list[Chunk] | None,
+                    deps: Dependencies) -> PipelineTasks:
     pp = len(stages)
     grid = lambda n: [[-1] * n for _ in range(pp)]
     units = len(chunks if backward_chunks is None else backward_chunks)

@@ -90,13 +90,30 @@ class _PipelineCosts:
     def per_chunk(self, layers: int, head: bool) -> dict[str, np.ndarray]:
         key = (layers, head)
         if key not in self._cache:
-            cm, kw = self.cm, self.kw
+            cm = self.cm
             self._cache[key] = {
-                "fwd": np.array([cm.forward_time(c, layers=layers, head=head, **kw) for c in self.pipe.chunks]),
-                "bwd": np.array([cm.backward_time(u, layers=layers, head=head, **kw) for u in self.units]),
-                "act": np.array([cm.activation_bytes(c, layers=layers, head=head, **kw) for c in self.pipe.chunks]),
+                "fwd": self._each(cm.forward_time, self.pipe.chunks, layers=layers, head=head),
+                "bwd": self._each(cm.backward_time, self.units, layers=layers, head=head),
+                "act": self._each(cm.activation_bytes, self.pipe.chunks, layers=layers, head=head),
             }
         return self._cache[key]
+
+    def _each(self, fn, chunks: list[Chunk], **kw) -> np.ndarray:
+        """fn(chunk, **kw, tp, cp) of every chunk. Without CP a chunk's cost depends only on its
+        ChunkWork (row tokens, attention pairs), so values are shared by every chunk of equal
+        work across the plan's pipelines (padded rows, equal-length sequences)."""
+        kw = {**kw, **self.kw}
+        if self.pipe.cp > 1:
+            return np.array([fn(c, **kw) for c in chunks])
+        memo = self.shared.setdefault((fn.__name__, *sorted(kw.items())), {})
+        out = np.empty(len(chunks))
+        for i, c in enumerate(chunks):
+            key = work_key(c)
+            v = memo.get(key)
+            if v is None:
+                v = memo[key] = fn(c, **kw)
+            out[i] = v
+        return out
 
     def build(self) -> PipelineInput:
         pipe = self.pipe
@@ -192,10 +209,28 @@ class _PipelineCosts:
         return self.shared["dp_inter", s]
 
     def _model_flops(self) -> float:
-        L = self.plan.model.num_layers
+        L, cm = self.plan.model.num_layers, self.cm
         bare = lambda c: Chunk(c.segments) if c.pad_to else c
-        return (sum(self.cm.forward_flops(bare(c), layers=L, head=True) for c in self.pipe.chunks)
-                + sum(self.cm.backward_flops(bare(u), layers=L, head=True) for u in self.units))
+        memo = self.shared.setdefault("model_flops", {})  # by (tokens, pairs): padding excluded
+        sums = []
+        for units, fn in ((self.pipe.chunks, cm.forward_flops), (self.units, cm.backward_flops)):
+            values = []
+            for c in units:
+                key = (fn.__name__, c.num_tokens, c.attention_pairs)
+                v = memo.get(key)
+                if v is None:
+                    v = memo[key] = fn(bare(c), layers=L, head=True)
+                values.append(v)
+            sums.append(sum(values))
+        return sums[0] + sums[1]
+
+
+def work_key(chunk: Chunk) -> tuple:
+    """A hashable stand-in for chunk_work(chunk) (row tokens and attention pairs) that is cheap
+    to build: plain ints, no ChunkWork object."""
+    if chunk.pad_to > chunk.num_tokens and chunk.segments:
+        return ("padded", chunk.pad_to, len(chunk.segments))
+    return (chunk.num_tokens, chunk.attention_pairs)
 
 
 def _recompute_table(pipe: PipelinePlan) -> list[list[int]]:
