@@ -239,3 +239,25 @@ def test_split_to_multiple_keeps_items_and_reaches_a_multiple(sizes, k):
     bins = split_to_multiple(best_fit_decreasing(sizes, 2000), sizes, k)
     assert sorted(i for b in bins for i in b) == list(range(len(sizes)))
     assert len(bins) % k == 0 or all(len(b) == 1 for b in bins)
+
+
+def test_auto_validates_the_best_plan_first_and_falls_back_when_it_is_invalid(monkeypatch):
+    """auto validates lazily, best simulated plan first; an invalid best plan loses to the next."""
+    import lengthwise.planners.auto as auto
+
+    req = request([3000, 900, 300, 120, 60, 2] * 4, candidates=["packing", "token-balanced", "sorted"])
+    honest = get_planner("auto")(req)
+    checked = []
+
+    def picky(plan, cost=None):
+        checked.append(plan.planner)
+        if plan.planner == honest.metrics["chosen_planner"]:
+            raise UserError("planted defect")
+        validate_plan(plan, cost)
+
+    monkeypatch.setattr(auto, "validate_plan", picky)
+    fallback = get_planner("auto")(req)
+    assert checked[0] == honest.metrics["chosen_planner"]  # the best is checked first ...
+    assert fallback.metrics["chosen_planner"] not in (honest.metrics["chosen_planner"], None)
+    assert len(checked) == 2  # ... and only the runner-up after it
+    assert "planted defect" in fallback.metrics["auto"][honest.metrics["chosen_planner"]]["error"]

@@ -53,12 +53,15 @@ def max_peak(result: SimResult) -> float:
     return max((p for row in result.peak_memory for p in row), default=0.0)
 
 
-def try_planner(name: str, request: PlanRequest) -> Candidate:
-    """Plan, validate and simulate with one planner; a UserError becomes a skipped candidate."""
+def try_planner(name: str, request: PlanRequest, *, validate: bool = True) -> Candidate:
+    """Plan, validate and simulate with one planner; a UserError becomes a skipped candidate.
+    `validate=False` leaves validation to the caller (auto's `choose_valid` validates only the
+    plans in the running for its choice)."""
     started = time.perf_counter()
     try:
         plan = candidate_planner(name)(request)
-        validate_plan(plan, request.cost)
+        if validate:
+            validate_plan(plan, request.cost)
         result = simulate_plan(plan, request.cost)
         cand = Candidate(planner=name, plan=plan, result=result, scheme=request.scheme)
     except UserError as exc:
@@ -73,6 +76,22 @@ def choose_best(candidates: list[Candidate]) -> Candidate | None:
     if not usable:
         return None
     return min(usable, key=lambda c: (c.result.step_time_s, max_peak(c.result)))
+
+
+def choose_valid(candidates: list[Candidate], request: PlanRequest) -> Candidate | None:
+    """choose_best among the plans that pass validate_plan. Plans are validated best first and
+    the first valid one wins, so the choice is the one validating every candidate would make,
+    at the cost of one validation when the best plan is valid (the usual case)."""
+    while (best := choose_best(candidates)) is not None:
+        started = time.perf_counter()
+        try:
+            validate_plan(best.plan, request.cost)
+            return best
+        except UserError as exc:
+            best.plan, best.result, best.error = None, None, f"invalid plan: {exc}"
+        finally:
+            best.elapsed_ms += (time.perf_counter() - started) * 1e3
+    return None
 
 
 def candidate_planner(name: str):
@@ -100,8 +119,8 @@ def plan_auto(request: PlanRequest) -> StepPlan:
     names = opts["candidates"] or default_candidates()
     if "auto" in names:
         raise UserError("auto cannot be its own candidate: remove 'auto' from candidates")
-    tried = [try_planner(n, candidate_request(request, n, opts)) for n in names]
-    best = choose_best(tried)
+    tried = [try_planner(n, candidate_request(request, n, opts), validate=False) for n in names]
+    best = choose_valid(tried, request)
     if best is None:
         reasons = "; ".join(f"{c.planner}: {c.error or 'does not fit memory'}" for c in tried)
         raise UserError(f"no planner produced a plan that fits: {reasons}")
