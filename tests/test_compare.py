@@ -1,5 +1,6 @@
 """`lengthwise compare` and `auto`: every planner on the same batches; auto never loses."""
 
+import itertools
 import json
 
 import pytest
@@ -48,9 +49,9 @@ def test_every_planner_searches_the_same_scheme_list(monkeypatch):
     tried: dict[str, list[str]] = {}
     original = report.try_planner
 
-    def spy(name, request):
+    def spy(name, request, **kw):
         tried.setdefault(name, []).append(str(request.scheme))
-        return original(name, request)
+        return original(name, request, **kw)
 
     monkeypatch.setattr(report, "try_planner", spy)
     run_compare(setup)
@@ -58,7 +59,22 @@ def test_every_planner_searches_the_same_scheme_list(monkeypatch):
     selection = len(report.selection_batches(setup))
     assert len(schemes) > 1
     for name, seen in tried.items():
-        assert seen[:len(schemes) * selection] == [s for s in schemes for _ in range(selection)], name
+        # schemes in list order, each on every selection batch (chunkflow twice: its grid search,
+        # then the tuned point); the per-batch runs of the chosen scheme follow
+        groups = [(s, len(list(g))) for s, g in itertools.groupby(seen)]
+        assert [s for s, _ in groups][:len(schemes)] == schemes, name
+        assert all(n >= selection for _, n in groups), name
+
+
+def test_chunkflow_runs_every_batch_with_the_grid_point_it_tuned_on_the_selection_batches():
+    setup = small_setup(["chunkflow"])
+    rows = run_compare(setup)
+    row = rows["chunkflow"]
+    assert set(row.tuned) == {"chunk_size", "k"}
+    for run in row.runs:
+        assert run.plan.metrics["chunk_size"] == row.tuned["chunk_size"]
+        assert run.plan.metrics["k"] == row.tuned["k"]
+    assert summarise(rows)["planners"]["chunkflow"]["tuned"] == row.tuned
 
 
 def test_a_scheme_is_chosen_on_the_batch_with_the_longest_sequence():

@@ -1,10 +1,11 @@
 """`compare`: every planner on the same sampled global batches, model and cluster, simulated.
 
-For each planner, a small search picks its parallel scheme: candidate (tp, pp, cp) degrees
-whose model states fit, and — for planners that never split a sequence — whose pipelines hold
-the context length; each is planned and simulated on the first batch and the fastest scheme
-that fits memory is kept for all batches (stated per planner in the report). Hydraulis picks
-its own heterogeneous strategy inside the GPUs it is given.
+For each planner, a search picks its parallel scheme from one list shared by every planner
+(`candidate_schemes`): each scheme is planned and simulated on the selection batches (the first
+and the one holding the longest sequence) and the fastest that fits memory is kept for all
+batches (stated per planner in the report). ChunkFlow also tunes its (ChunkSize, K) there, by
+its own grid search (`tune`), unless the user fixed the chunk size. Hydraulis picks its own
+heterogeneous strategy inside the GPUs it is given.
 
 `auto` is computed from the other planners' plans of the same batch: the fastest that fits, so it
 is never slower than any planner it ran, by construction. Its planning time is the sum of the
@@ -62,6 +63,8 @@ class PlannerRow:
     runs: list[Candidate] = field(default_factory=list)
     chosen: Counter = field(default_factory=Counter)
     """For auto: how often each planner was chosen."""
+    tuned: dict = field(default_factory=dict)
+    """Options compare tuned for the planner on its scheme (Setting.tuned)."""
 
     def ok(self) -> list[Candidate]:
         return [r for r in self.runs if r.result is not None]
@@ -91,6 +94,8 @@ class PlannerRow:
         }
         if self.chosen:
             d["chosen"] = dict(self.chosen)
+        if self.tuned:
+            d["tuned"] = dict(self.tuned)
         return d
 
 
@@ -163,29 +168,67 @@ def _states_fit(cost: CostModel, s: ParallelScheme) -> bool:
     return True
 
 
-def request_for(setup: CompareSetup, lengths: list[int], scheme: ParallelScheme, planner: str) -> PlanRequest:
+def request_for(setup: CompareSetup, lengths: list[int], scheme: ParallelScheme, planner: str,
+                tuned: dict | None = None) -> PlanRequest:
     return PlanRequest(lengths=list(lengths), model=setup.model, cluster=setup.cluster, scheme=scheme,
                        cost=CostModel(model=setup.model, cluster=setup.cluster, profile=setup.profile),
                        context_length=setup.context_length, seed=setup.seed,
-                       options=dict(setup.options.get(planner, {})))
+                       options={**setup.options.get(planner, {}), **(tuned or {})})
+
+
+@dataclass(kw_only=True)
+class Setting:
+    """What compare runs a planner with on every batch: a scheme and the options it tuned."""
+
+    scheme: ParallelScheme
+    tuned: dict = field(default_factory=dict)
+    """Options compare chose by the planner's own search (ChunkFlow's ChunkSize and K)."""
+
 
 
 def pick_scheme(setup: CompareSetup, planner: str,
-                schemes: list[ParallelScheme]) -> tuple[ParallelScheme | None, list[Candidate]]:
+                schemes: list[ParallelScheme]) -> tuple[Setting | None, list[Candidate]]:
     """The planner's fastest scheme of `schemes` that fits on every selection batch (mean step
-    time over them), and the attempts made."""
+    time over them), with the options tuned on that scheme, and the attempts made."""
     if planner in setup.schemes:
-        return setup.schemes[planner], []
+        scheme = setup.schemes[planner]
+        return Setting(scheme=scheme, tuned=tune(setup, planner, scheme)[1]), []
     tries, best, best_time = [], None, float("inf")
     for scheme in schemes:
-        runs = [try_planner(planner, request_for(setup, setup.batches[b], scheme, planner))
-                for b in selection_batches(setup)]
+        runs, tuned = tune(setup, planner, scheme)
         tries += runs
         if all(r.result is not None and r.result.fits for r in runs):
             mean = statistics.fmean(r.result.step_time_s for r in runs)
             if mean < best_time:
-                best, best_time = scheme, mean
+                best, best_time = Setting(scheme=scheme, tuned=tuned), mean
     return best, tries
+
+
+def tune(setup: CompareSetup, planner: str, scheme: ParallelScheme) -> tuple[list[Candidate], dict]:
+    """The planner's runs on the selection batches under `scheme`, and the options tuned for it.
+
+    ChunkFlow, unless the user fixed its chunk size, runs its own (ChunkSize, K) grid search
+    (chunkflow §5: tuned once per workload, then fixed) on the selection batches; compare keeps
+    the grid point with the lowest mean simulated step time among those that fit on every
+    selection batch, and runs every batch with it. Other planners search inside each plan."""
+    batches = [setup.batches[b] for b in selection_batches(setup)]
+    if planner != "chunkflow" or "chunk_size" in setup.options.get(planner, {}):
+        return [try_planner(planner, request_for(setup, b, scheme, planner)) for b in batches], {}
+    searched = [try_planner(planner, request_for(setup, b, scheme, planner, {"chunk_size": "auto"}))
+                for b in batches]
+    if any(r.plan is None for r in searched):
+        return searched, {}
+    times: dict[tuple[int, int], list[float]] = {}
+    for r in searched:
+        for row in r.plan.metrics["grid"]:
+            if row["fits"]:
+                times.setdefault((row["chunk_size"], row["k"]), []).append(row[STEP_TIME_S])
+    common = {point: statistics.fmean(t) for point, t in times.items() if len(t) == len(batches)}
+    if not common:
+        return searched, {}
+    chunk_size, k = min(common, key=lambda p: (common[p], p[1], p[0]))
+    tuned = {"chunk_size": chunk_size, "k": k}
+    return [try_planner(planner, request_for(setup, b, scheme, planner, tuned)) for b in batches], tuned
 
 
 def run_compare(setup: CompareSetup, progress=None) -> dict[str, PlannerRow]:
@@ -193,14 +236,15 @@ def run_compare(setup: CompareSetup, progress=None) -> dict[str, PlannerRow]:
     names = [p for p in setup.planners if p != "auto"]
     schemes = candidate_schemes(setup)
     for name in names:
-        scheme, tries = pick_scheme(setup, name, schemes)
-        row = rows[name] = PlannerRow(planner=name, scheme=str(scheme) if scheme else "none fits")
-        if scheme is None:
+        setting, tries = pick_scheme(setup, name, schemes)
+        row = rows[name] = PlannerRow(planner=name, scheme=str(setting.scheme) if setting else "none fits",
+                                      tuned=setting.tuned if setting else {})
+        if setting is None:
             row.runs = tries[:1] or [Candidate(planner=name, error="no feasible parallel scheme")]
             _tick(progress, len(setup.batches))
             continue
         for lengths in setup.batches:
-            row.runs.append(try_planner(name, request_for(setup, lengths, scheme, name)))
+            row.runs.append(try_planner(name, request_for(setup, lengths, setting.scheme, name, setting.tuned)))
             _tick(progress, 1)
     if "auto" in setup.planners:
         rows["auto"] = auto_row(rows, len(setup.batches))

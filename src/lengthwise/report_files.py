@@ -73,6 +73,11 @@ def markdown(summary: dict, pictures: list[str]) -> str:
     if auto.get("chosen"):
         chosen = ", ".join(f"{k} {v}x" for k, v in sorted(auto["chosen"].items(), key=lambda kv: -kv[1]))
         lines += ["", f"`auto` chose: {chosen}."]
+    for name, r in summary["planners"].items():
+        if r.get("tuned"):
+            options = ", ".join(f"`{k}={v}`" for k, v in r["tuned"].items())
+            lines += ["", f"`{name}` ran every batch with {options}, chosen by its own search on the "
+                          "scheme-selection batches."]
     lines += [""] + [f"![{p}]({p})" for p in pictures]
     return "\n".join(lines) + "\n"
 

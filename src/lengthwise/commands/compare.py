@@ -156,4 +156,8 @@ def table_lines(planners: dict) -> str:
         rows.append(f"{name:<15}{r['scheme']:<18}{r['step_time_s']:>9.2f}{r['tokens_per_s']:>12,.0f}{speed:>9}{meg:>9}"
                     f"{r['bubble_ratio']:>8.1%}{dp:>11}{r[PEAK_MEMORY_GIB]:>9.1f}{str(r['fits']):>6}"
                     f"{r['planning_ms_mean']:>9.1f}")
+    for name, r in planners.items():
+        if r.get("tuned"):
+            options = ", ".join(f"{k}={v}" for k, v in r["tuned"].items())
+            rows.append(f"{name}: {options} (its own search on the scheme-selection batches, then fixed)")
     return "\n".join(rows)
