@@ -53,6 +53,15 @@ def chunk_work(chunk: Chunk) -> ChunkWork:
     return ChunkWork(chunk.num_tokens, chunk.attention_pairs)
 
 
+def work_key(chunk: Chunk) -> tuple:
+    """A hashable stand-in for chunk_work(chunk) that is cheap to build (plain ints, no
+    ChunkWork): chunks with equal keys cost the same FLOPs, seconds and activation bytes
+    (without CP, where placement on ranks does not matter)."""
+    if chunk.pad_to > chunk.num_tokens and chunk.segments:
+        return ("padded", chunk.pad_to, len(chunk.segments))
+    return (chunk.num_tokens, chunk.attention_pairs)
+
+
 def layer_forward_flops(model: ModelSpec, work: ChunkWork) -> tuple[float, float]:
     """(linear, attention) forward FLOPs of one decoder layer."""
     return 2.0 * matmul_params_per_layer(model) * work.tokens, 4.0 * model.q_dim * work.keys

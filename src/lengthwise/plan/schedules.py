@@ -130,10 +130,19 @@ def make_schedule(name: str, chunks: list[Chunk], pp: int, k: int | None = None)
         raise UserError(f"k must be at least 1 (activations kept per split sequence), got {k}")
     if name == "state-aware-1f1b" and k is None:
         k = 1
-    forwards, units, ready = _items(chunks, k)
-    if name == "gpipe":
-        return [forwards + [a for unit in units for a in unit] for _ in range(pp)]
-    return align_forward_order([_one_f_one_b(forwards, units, ready, warmup=pp - s - 1) for s in range(pp)])
+    # The schedule depends on the chunks only through their count and slice links: pipelines of
+    # one plan share a few shapes, so each shape is scheduled once (copies handed out).
+    key = (name, pp, k, len(chunks), _previous_slices(chunks))
+    cached = _SCHEDULES.get(key)
+    if cached is None:
+        forwards, units, ready = _items(chunks, k)
+        if name == "gpipe":
+            cached = [forwards + [a for unit in units for a in unit] for _ in range(pp)]
+        else:
+            cached = align_forward_order([_one_f_one_b(forwards, units, ready, warmup=pp - s - 1)
+                                          for s in range(pp)])
+        _SCHEDULES.put(key, cached)
+    return [list(stage) for stage in cached]
 
 
 def align_forward_order(stages: list[list[Action]]) -> list[list[Action]]:
@@ -292,6 +301,8 @@ class ShapeCache(dict):
 
 
 _PROVEN = ShapeCache()
+_SCHEDULES = ShapeCache()
+"""make_schedule's results by (name, pp, k, chunk count, slice links)."""
 """Schedule keys already proven to run to the end."""
 
 

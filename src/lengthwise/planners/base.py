@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from lengthwise.cost.flops import work_key
 from lengthwise.errors import UserError
 from lengthwise.metrics import PLANNING_MS
 from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
@@ -144,12 +145,18 @@ def plan_metrics(plan: StepPlan, cost: CostModel) -> dict[str, Any]:
     layers = plan.model.num_layers
     row = sum(c.row_tokens for p in plan.pipelines for c in p.chunks)
     real = sum(c.num_tokens for p in plan.pipelines for c in p.chunks)
+    flops: dict[tuple, float] = {}  # by work_key: equal work, equal FLOPs
+
+    def forward_flops(c: Chunk) -> float:
+        key = work_key(c)
+        if key not in flops:
+            flops[key] = cost.forward_flops(c, layers=layers, head=True)
+        return flops[key]
+
     return {
         "chunks_per_pipeline": [len(p.chunks) for p in plan.pipelines],
         "tokens_per_pipeline": [sum(c.num_tokens for c in p.chunks) for p in plan.pipelines],
-        "forward_flops_per_pipeline": [
-            sum(cost.forward_flops(c, layers=layers, head=True) for c in p.chunks) for p in plan.pipelines
-        ],
+        "forward_flops_per_pipeline": [sum(forward_flops(c) for c in p.chunks) for p in plan.pipelines],
         "padding_fraction": (row - real) / row if row else 0.0,
         "loss_tokens": plan.loss_tokens,
     }

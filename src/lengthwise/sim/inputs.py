@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lengthwise.cost import CostModel
+from lengthwise.cost.flops import work_key
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, dependencies, make_schedule
@@ -223,14 +224,6 @@ class _PipelineCosts:
                 values.append(v)
             sums.append(sum(values))
         return sums[0] + sums[1]
-
-
-def work_key(chunk: Chunk) -> tuple:
-    """A hashable stand-in for chunk_work(chunk) (row tokens and attention pairs) that is cheap
-    to build: plain ints, no ChunkWork object."""
-    if chunk.pad_to > chunk.num_tokens and chunk.segments:
-        return ("padded", chunk.pad_to, len(chunk.segments))
-    return (chunk.num_tokens, chunk.attention_pairs)
 
 
 def _recompute_table(pipe: PipelinePlan) -> list[list[int]]:
