@@ -146,7 +146,7 @@ class _PipelineCosts:
         L, head, C, U = self.layers[s], s == self.pipe.pp - 1, len(self.pipe.chunks), len(self.units)
         base = self.per_chunk(L, head)
         bwd = base["bwd"].copy()
-        for u in range(U):
+        for u in range(U if any(recompute) else 0):
             r = max((recompute[c] for c in self.deps.bwd_needs[u]), default=0)
             if r:  # backward re-runs the forward of r layers (InfiniPipe checkpointing)
                 bwd[u] = self.cm.backward_time(self.units[u], layers=L, head=head, recompute_layers=r, **self.kw)
