@@ -39,7 +39,8 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
 from lengthwise.plan.ir import StepPlan
@@ -95,7 +96,7 @@ def dryrun_rank(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat1
         memory.track_params(model)
         memory.track_external(optimizer)
         flops = LocalFlopCounter(display=False, custom_mapping=cpu_flash_flop_formulas())
-        with memory, flops, comm:
+        with memory, flops, comm, _shape_propagation_unobserved():
             run_rank_step(model, plan, tokens, mesh=mesh, backend=backend, dry=True)
             optimizer.step()
         peak = _peak_by_category(memory)
@@ -133,6 +134,26 @@ def fake_world(rank: int, world_size: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+@contextmanager
+def _shape_propagation_unobserved():
+    """Keep DTensor's sharding propagation out of the measurements. On the first call of an
+    operator at a new shape, DTensor runs the operator once on fake tensors of the GLOBAL shapes
+    to learn its output's metadata (`ShardingPropagator._propagate_tensor_meta_non_cached`);
+    that run computes nothing on the device, but the dispatch modes above would count its FLOPs
+    (an unsharded matmul) and its storages. It runs here with those modes suspended."""
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def unobserved(self, op_schema):
+        with _disable_current_modes():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = unobserved
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
 class _StorageTracker(MemTracker):
