@@ -55,9 +55,34 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return _RMSNorm.apply(x_TD, self.weight, self.eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm keeping only its input and the per-token reciprocal RMS for backward (what a
+    fused norm kernel keeps), not autograd's widened copy of the input (4 bytes per value in
+    bf16 runs) and its normalised output: the cost model's "norm input" (`cost/memory.py`).
+    Forward and backward are the same operations, in the same dtypes, that autograd would run
+    on the plain expression."""
+
+    @staticmethod
+    def forward(ctx, x_TD, weight_D, eps: float):
         wide_TD = x_TD.to(compute_dtype(x_TD.dtype))
-        wide_TD = wide_TD * torch.rsqrt(wide_TD.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * wide_TD.to(x_TD.dtype)
+        rstd_T1 = torch.rsqrt(wide_TD.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x_TD, weight_D, rstd_T1)
+        return weight_D * (wide_TD * rstd_T1).to(x_TD.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        x_TD, weight_D, rstd_T1 = ctx.saved_tensors
+        wide_TD = x_TD.to(compute_dtype(x_TD.dtype))
+        normed_TD = (wide_TD * rstd_T1).to(x_TD.dtype)
+        grad_weight = (grad_TD * normed_TD).sum_to_size(weight_D.shape)
+        grad_normed_TD = (grad_TD * weight_D).to(wide_TD.dtype)
+        grad_rstd_T1 = (grad_normed_TD * wide_TD).sum(-1, keepdim=True)
+        grad_mean_T1 = -0.5 * grad_rstd_T1 * rstd_T1.pow(3)
+        grad_wide_TD = grad_normed_TD * rstd_T1 + grad_mean_T1 / wide_TD.shape[-1] * (2.0 * wide_TD)
+        return grad_wide_TD.to(x_TD.dtype), grad_weight, None
 
 
 def inverse_frequencies(*, head_dim: int, theta: float, scaling, dtype: torch.dtype, device) -> torch.Tensor:
@@ -129,7 +154,24 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(spec.ffn, spec.hidden, bias=False, dtype=dtype)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+        return self.down_proj(_SiluMul.apply(self.gate_proj(x_TD), self.up_proj(x_TD)))
+
+
+class _SiluMul(torch.autograd.Function):
+    """silu(gate) * up keeping gate and up for backward and recomputing silu there (what a
+    fused SwiGLU keeps: the cost model's 3 x ffn with the product, which down_proj keeps), not
+    also autograd's copy of silu(gate). Same operations as autograd's on the expression."""
+
+    @staticmethod
+    def forward(ctx, gate_TF, up_TF):
+        ctx.save_for_backward(gate_TF, up_TF)
+        return F.silu(gate_TF) * up_TF
+
+    @staticmethod
+    def backward(ctx, grad_TF):
+        gate_TF, up_TF = ctx.saved_tensors
+        grad_gate_TF = torch.ops.aten.silu_backward(grad_TF * up_TF, gate_TF)
+        return grad_gate_TF, grad_TF * F.silu(gate_TF)
 
 
 class DecoderLayer(nn.Module):

@@ -5,8 +5,8 @@ sharded (ZeRO-3, or ZeRO-1/2-like), gradients reduced once per step.
     steps = FsdpSteps(model, plan, layout)      # per step, around the action loop
     steps.begin(); ... steps.before_action(i) ...; steps.end()
 
-Wrapping (torchtitan's): `fully_shard` on every decoder layer, then on the stage's root (its
-embedding, final norm and head, tied or not, form the root's group). The executor calls the
+Wrapping (torchtitan's): `fully_shard` on the embedding, on every decoder layer, on the final
+norm with the LM head, then on the stage's root (`shard_groups`). The executor calls the
 model's `embed`, `run_layers` and `head_logits`, not `forward`, so those are registered as
 FSDP forward methods (`register_fsdp_forward_method`).
 
@@ -56,8 +56,8 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, *, zero: int, param_dtype: tor
     policy = MixedPrecisionPolicy() if param_dtype is None else \
         MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     reshard = zero >= 3
-    for layer in model.model.layers.values():
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    for group in shard_groups(model):
+        fully_shard(group, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     for name in FORWARD_METHODS:
         register_fsdp_forward_method(model, name)
@@ -68,8 +68,37 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, *, zero: int, param_dtype: tor
     return model
 
 
+def shard_groups(model: CausalLM) -> list:
+    """The FSDP units below the root, in forward order: the embedding, each decoder layer,
+    the final norm with the LM head.
+
+    The embedding and the head are units of their own rather than the root's parameters
+    because the root's hooks wrap every root forward method: its post-backward (reduce-scatter
+    and reshard) fires where gradients leave `run_layers`, which on the first stage is before
+    the embedding's backward, so the embedding was all-gathered again and reduce-scattered a
+    second time in the last backward (one more vocabulary table per step); on the last stage
+    the head was all-gathered again after its reduce-scatter. As units of their own, each is
+    gathered and reduced once, around its own modules' forward and backward. A tied table
+    held by one stage for both ends stays in the root (one parameter cannot be in two units)."""
+    part, stack = model.part, model.model
+    tied_here = model.spec.tied_embeddings and part.last
+    groups: list = []
+    if part.first and not tied_here:
+        groups.append(stack.embed_tokens)
+    groups += list(stack.layers.values())
+    if part.last and not tied_here:
+        groups.append([stack.norm, model.lm_head])
+    return groups
+
+
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    """One module per FSDP unit (a unit of several modules, the norm with the head, once)."""
+    units, seen = [], set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and id(module._get_fsdp_state()) not in seen:
+            seen.add(id(module._get_fsdp_state()))
+            units.append(module)
+    return units
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
