@@ -1,15 +1,23 @@
 """Memory per GPU: model states, activations, K/V state.
 
-- Model states (hydraulis.txt B.1, ZeRO): bf16 weights (2 bytes/param), bf16 gradients (2) and an
-  fp32 master copy plus Adam's two moments (12). ZeRO-1 shards the 12 over the data-parallel
-  group, ZeRO-2 also the gradients, ZeRO-3 everything.
+- Model states (hydraulis.txt B.1, ZeRO), as the executor's FSDP2 holds them
+  (`runtime/parallel/fsdp.py`, measured by `lengthwise dryrun`): bf16 weights for compute (2
+  bytes/param), gradients accumulated over the step's backwards in fp32 (4: FSDP2 upcasts them to
+  its fp32 reduce dtype while gradient sync is off, as Megatron accumulates "main grads" in fp32;
+  the reduce-scatter sends them in fp32 too) and an fp32 master copy plus Adam's two moments
+  (12). ZeRO-1 shards the 12 over the data-parallel group, ZeRO-2 also the gradients, ZeRO-3
+  everything. (Under ZeRO-1 the reduced fp32 gradient shard, 4/dp, replaces each unit's whole
+  gradient at the step's last backward, so the whole 4 bounds it.)
 - Activations kept for backward, per token per layer, bf16, flash attention (no s^2 scores) and
   sequence parallelism (so everything divides by tp), the tensors each block saves:
   two RMSNorm inputs and outputs (4h), q, k, v after rotary (q + 2kv), the attention output (q),
-  SwiGLU gate, up and their product (3 ffn). A layer under full recomputation keeps only its
-  input (h) (infinipipe.txt eq. 5 calls the per-token figure M_token).
-- LM head on the last stage: fp32 logits kept for the loss's backward (4 * vocab bytes per token,
-  as the executor's cross-entropy upcasts them) plus the final hidden state.
+  SwiGLU gate, up and their product (3 ffn); in fp32, flash attention's log-sum-exp (one per
+  query head) and each norm's reciprocal RMS (the executor's norm and SwiGLU keep what fused
+  kernels keep, `runtime/model.py`). A layer under full recomputation keeps only its input (h)
+  (infinipipe.txt eq. 5 calls the per-token figure M_token).
+- LM head on the last stage: fp32 log-probabilities kept for the loss's backward (4 * vocab
+  bytes per token, as the executor's cross-entropy upcasts the logits), the final norm's input
+  and output (2h, bf16) and reciprocal RMS, and the label (int64).
 - K/V state of a split sequence (infinipipe.txt eq. 9-10): k and v of every context token on
   every layer of the stage, 2 * kv_dim values per token; its gradient buffer has the same size.
   With tp larger than the K/V heads, heads are replicated, so a rank holds at least one head.
@@ -20,7 +28,11 @@ from __future__ import annotations
 from lengthwise.specs import ModelSpec
 
 BYTES_BF16 = 2
+BYTES_FP32 = 4
+GRAD_BYTES_PER_PARAM = BYTES_FP32
+"""Gradients are accumulated over a step's backwards and reduced in fp32."""
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m and v
+LABEL_BYTES = 8  # int64 token ids
 
 
 def stage_params(model: ModelSpec, *, layers: int, tp: int, first: bool, last: bool) -> float:
@@ -35,7 +47,7 @@ def stage_params(model: ModelSpec, *, layers: int, tp: int, first: bool, last: b
 
 
 def state_bytes_per_param(dp: int, zero: int) -> float:
-    weights, grads, optim = BYTES_BF16, BYTES_BF16, OPTIMIZER_BYTES_PER_PARAM
+    weights, grads, optim = BYTES_BF16, GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
     if zero >= 1:
         optim /= dp
     if zero >= 2:
@@ -47,7 +59,7 @@ def state_bytes_per_param(dp: int, zero: int) -> float:
 
 def activation_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:
     values = 4 * model.hidden + 2 * model.q_dim + 2 * model.kv_dim + 3 * model.ffn
-    return values * BYTES_BF16 / tp
+    return (values * BYTES_BF16 + (model.num_heads + 2) * BYTES_FP32) / tp
 
 
 def checkpoint_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:
@@ -55,7 +67,7 @@ def checkpoint_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:
 
 
 def head_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
-    return (4 * model.vocab + BYTES_BF16 * model.hidden) / tp
+    return (BYTES_FP32 * (model.vocab + 1) + 2 * BYTES_BF16 * model.hidden + LABEL_BYTES) / tp
 
 
 def kv_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:

@@ -152,12 +152,13 @@ class CostModel:
 
     def grad_sync_time(self, *, layers: int, tp: int = 1, dp: int = 1, zero: int = 1, inter_node: bool = True,
                        first: bool = False, last: bool = False) -> float:
-        """Data-parallel gradient reduction of one stage's bf16 gradients (all-reduce, or
+        """Data-parallel gradient reduction of one stage's fp32 gradients (all-reduce, or
         reduce-scatter under ZeRO-2/3, whose parameter all-gather is charged too)."""
-        grad_bytes = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.BYTES_BF16
+        params = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
+        grad_bytes = params * mem.GRAD_BYTES_PER_PARAM
         if zero >= 2:
             t = self.collective_time("reduce_scatter", grad_bytes, ranks=dp, inter_node=inter_node)
-            return t + (self.collective_time("all_gather", grad_bytes, ranks=dp, inter_node=inter_node)
+            return t + (self.collective_time("all_gather", params * mem.BYTES_BF16, ranks=dp, inter_node=inter_node)
                         if zero == 3 else 0.0)
         return self.collective_time("all_reduce", grad_bytes, ranks=dp, inter_node=inter_node)
 

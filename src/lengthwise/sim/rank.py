@@ -27,14 +27,13 @@ from dataclasses import dataclass, field
 
 from lengthwise.cost import CostModel
 from lengthwise.cost.flops import head_forward_flops, layer_forward_flops
-from lengthwise.cost.memory import stage_params
+from lengthwise.cost.memory import GRAD_BYTES_PER_PARAM, stage_params
 from lengthwise.cost.model import rank_works
 from lengthwise.plan.ir import BACKWARD, FORWARD_NOGRAD, SHARDED, StepPlan
 
 ELEMENT_BYTES = 2
-"""The cost model counts activations, gradients and K/V in 16-bit elements."""
-FSDP_REDUCE_BYTES = 4
-"""FSDP2 reduces gradients in fp32 (`MixedPrecisionPolicy(reduce_dtype=float32)`)."""
+"""The cost model counts activations, weights and K/V in 16-bit elements; gradients are reduced
+in fp32 (`MixedPrecisionPolicy(reduce_dtype=float32)`, `cost.memory.GRAD_BYTES_PER_PARAM`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +97,7 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
                if (a.kind == BACKWARD and not first) or (a.kind != BACKWARD and not last))
     replicas = sum(1 for p in plan.pipelines if p.pp == pipe.pp) * pipe.cp
     params = stage_params(plan.model, layers=layers, tp=pipe.tp, first=first, last=last)
-    grads = params * ELEMENT_BYTES
+    grads = params * GRAD_BYTES_PER_PARAM
     kv_token_layer = cost.kv_bytes(1, layers=1, tp=pipe.tp)
     gathered = sum(kv_token_layer * layers * (s.num_tokens / pipe.cp) * (pipe.cp - 1)
                    for a in pipe.stages[place.stage] if a.kind != BACKWARD
@@ -110,7 +109,7 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
         # runs the same actions
         per_action = plan.zero >= 3 and len({_structure(p, place.stage) for p in plan.pipelines}) == 1
         gathers = len(pipe.stages[place.stage]) if per_action else 1
-        return {"send": send, "all_reduce": 0.0, "reduce_scatter": params * FSDP_REDUCE_BYTES,
+        return {"send": send, "all_reduce": 0.0, "reduce_scatter": grads,
                 "all_gather": gathered + gathers * params / replicas * ELEMENT_BYTES}
     return {"send": send, "all_reduce": grads if replicas > 1 else 0.0, "all_gather": gathered,
             "reduce_scatter": 0.0}
