@@ -36,14 +36,16 @@ LABEL_BYTES = 8  # int64 token ids
 
 
 def stage_params(model: ModelSpec, *, layers: int, tp: int, first: bool, last: bool) -> float:
-    """Parameters one GPU of a stage holds."""
-    params = layers * model.params_per_layer
+    """Parameters one GPU of a stage holds: the norms' weights whole on every TP rank (as
+    Megatron and the executor's tensor parallelism keep them), the rest split over tp."""
+    norms = layers * 2 * model.hidden + (model.hidden if last else 0)
+    split = layers * model.params_per_layer - layers * 2 * model.hidden
     table = model.vocab * model.hidden
     if first:
-        params += table
+        split += table
     if last:
-        params += model.hidden + (0 if (first and model.tied_embeddings) else table)
-    return params / tp
+        split += 0 if (first and model.tied_embeddings) else table
+    return split / tp + norms
 
 
 def state_bytes_per_param(dp: int, zero: int) -> float:
