@@ -221,14 +221,23 @@ def _peak_by_category(tracker: MemTracker) -> dict[str, int]:
 class LocalFlopCounter(FlopCounterMode):
     """FlopCounterMode counting what this rank computes: a DTensor operation (tensor
     parallelism) is let through to be split into the local operations on its shards, which are
-    then counted, instead of being counted once at its global shape (as MemTracker does it)."""
+    then counted, instead of being counted once at its global shape (as MemTracker does it).
+
+    Only the total is kept ("Global"): the per-module breakdown's ModuleTracker hooks every
+    module call's inputs and outputs until the counter exits, which kept the K/V gradients and
+    activations of finished backwards alive for the memory tracker to count (a small chunkflow
+    stage's peak read 28.5 MB instead of 24.6)."""
 
     def __enter__(self):
         self.flop_counts.clear()
-        self.mod_tracker.__enter__()
         self.mode = _LocalMode(self)
         self.mode.__enter__()
         return self
+
+    def __exit__(self, *args):
+        done = self.mode.__exit__(*args)
+        self.mode = None
+        return done
 
 
 class _LocalMode(_FlopCounterMode):
