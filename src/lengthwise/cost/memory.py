@@ -18,6 +18,10 @@
 - LM head on the last stage: fp32 log-probabilities kept for the loss's backward (4 * vocab
   bytes per token, as the executor's cross-entropy upcasts the logits), the final norm's input
   and output (2h, bf16) and reciprocal RMS, and the label (int64).
+- While a chunk's backward runs on the last stage, the loss's backward works on two fp32
+  [tokens, vocab] gradients at once (of the log-probabilities and of the logits): 8 * vocab
+  bytes per token on top of what the head keeps, freed when the head's backward ends (measured
+  by `lengthwise dryrun`; on Qwen2.5-7B's 152K vocabulary the largest transient of a step).
 - K/V state of a split sequence (infinipipe.txt eq. 9-10): k and v of every context token on
   every layer of the stage, 2 * kv_dim values per token; its gradient buffer has the same size.
   With tp larger than the K/V heads, heads are replicated, so a rank holds at least one head.
@@ -70,6 +74,11 @@ def checkpoint_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:
 
 def head_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
     return (BYTES_FP32 * (model.vocab + 1) + 2 * BYTES_BF16 * model.hidden + LABEL_BYTES) / tp
+
+
+def head_backward_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
+    """Working set of the loss's backward beyond what the head keeps (module docstring)."""
+    return 2 * BYTES_FP32 * model.vocab / tp
 
 
 def kv_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:

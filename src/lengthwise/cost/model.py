@@ -125,6 +125,11 @@ class CostModel:
                                                     head=head)
         return per_token * max(w.tokens for w in rank_works(chunk, cp))
 
+    def head_backward_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
+        """Bytes the loss's backward works on, on top of the kept activations, while the
+        chunk's backward runs on the last stage (busiest GPU of the CP group)."""
+        return mem.head_backward_bytes_per_token(self.model, tp) * max(w.tokens for w in rank_works(chunk, cp))
+
     def kv_bytes(self, num_tokens: int, *, layers: int, tp: int = 1, cp: int = 1) -> float:
         per = mem.kv_bytes_per_token_layer(self.model, tp)
         if self.profile and self.profile.kv_bytes_per_token_layer:

@@ -31,6 +31,7 @@ rank's share with a collective attention (`runtime/distributed/cp_stage.py`, `CP
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -133,6 +134,9 @@ class StageRunner:
         """Per cell forwarded with grad and not yet backwarded: what its backward needs."""
         self.frees = cell_last_uses(self.actions, self.cells, plan.lengths)
         self.next_index = 0
+        self.before_backward_cell: Callable[[int, int, int], None] | None = None
+        """Called with (action index, cell position, cells of the action) before each cell's
+        backward (FSDP2 turns gradient reduction on for the step's last one)."""
         self._param = next(model.parameters())
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self._param.device)
         """Detached sum of this stage's loss parts (last stage only); stays on the device so
@@ -273,7 +277,11 @@ class StageRunner:
         """`B u`: u's cells, later chunks first (one cell, chunk u, without backward_chunks)."""
         cells = self.cells.backward[action.chunk]
         grads = [None] * len(cells) if self.is_last else self._receive(action, cells, self.stage + 1)
-        input_grads = [self._backward_cell(action, cell, g) for cell, g in zip(cells, grads)]
+        input_grads = []
+        for position, (cell, g) in enumerate(zip(cells, grads)):
+            if self.before_backward_cell is not None:
+                self.before_backward_cell(self.next_index, position, len(cells))
+            input_grads.append(self._backward_cell(action, cell, g))
         if not self.is_first:
             self.transport.send(self._message(action, self.stage - 1), _joined(input_grads))
 

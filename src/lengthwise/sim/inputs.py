@@ -175,7 +175,10 @@ class _PipelineCosts:
             kept = [cm.activation_bytes(c, layers=L, head=head, recompute_layers=r, **self.kw) if r else full[i]
                     for i, (c, r) in enumerate(zip(pipe.chunks, recompute[s]))]
             act.append(list(kept))
-            extra.append(list(full - np.array(kept)))
+            # during its backward a chunk re-materialises the layers its forward did not keep,
+            # and on the last stage the loss's backward works on fp32 logit gradients
+            work = [cm.head_backward_bytes(c, **self.kw) if head else 0.0 for c in pipe.chunks]
+            extra.append(list(full - np.array(kept) + np.array(work)))
             nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD}
             transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
                               for i, c in enumerate(pipe.chunks)])

@@ -81,9 +81,10 @@ def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor]
     if is_fsdp(model):
         fsdp = FsdpSteps(model, plan, layout, zero=plan.zero)
         fsdp.begin()
+        runner.before_backward_cell = fsdp.before_backward_cell
     started = time.perf_counter()
     with loss_parallel_if(mesh.device_mesh):
-        run_actions(runner, after_action, before_action=None if fsdp is None else fsdp.before_action)
+        run_actions(runner, after_action)
     transport.finish()
     loop_s = time.perf_counter() - started
     if fsdp is not None:

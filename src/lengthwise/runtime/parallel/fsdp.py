@@ -28,8 +28,9 @@ run their own pipeline's actions. So:
 - ZeRO-1/2-like (`zero` < 3): `unshard()` once at the start of the step, no resharding after
   forward or backward until the last backward, which reshards.
 
-The last backward action must hold the same number of cells on every replica (each cell's
-backward reduce-scatters once); `FsdpSteps` checks this and names the stage otherwise.
+Gradients are reduce-scattered once a step, in the backward of the stage's last cell (a
+backward action of several cells, SlimPack's backward units, turns reduction on only before
+its last cell), so replicas may hold any number of cells in their last backward.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, StepPlan
 from lengthwise.runtime.cells import cell_map
 from lengthwise.runtime.distributed.mesh import PlanLayout
@@ -125,13 +125,7 @@ class FsdpSteps:
         structure = stage_structure(plan, place.pipeline, place.stage)
         replicas = [stage_structure(plan, p, place.stage) for p in range(len(plan.pipelines))]
         self.per_chunk = zero >= 3 and all(r == structure for r in replicas)
-        last_b = max(i for i, a in enumerate(self.actions) if a.kind == BACKWARD)
-        if any(_last_backward_cells(r) != structure[last_b][1] for r in replicas):
-            raise UserError(f"pipeline {place.pipeline} stage {place.stage}: its last backward unit has "
-                            f"{structure[last_b][1]} cells, other data-parallel replicas' differ; FSDP "
-                            f"reduces once per cell, so plan with equal last backward units or --zero 0")
-        self.last_backward = last_b
-        self.cells_of_last = range(structure[last_b][1])
+        self.last_backward = max(i for i, a in enumerate(self.actions) if a.kind == BACKWARD)
 
     def begin(self) -> None:
         for module in self.modules:
@@ -142,8 +136,10 @@ class FsdpSteps:
             for module in self.modules:
                 module.unshard()
 
-    def before_action(self, index: int) -> None:
-        if index == self.last_backward:
+    def before_backward_cell(self, index: int, position: int, cells: int) -> None:
+        """Before each cell's backward (`StageRunner.before_backward_cell`): the step's last
+        cell reduce-scatters every unit's accumulated gradient, once, and reshards."""
+        if index == self.last_backward and position == cells - 1:
             for module in self.modules:
                 module.set_requires_gradient_sync(True, recurse=False)
                 module.set_reshard_after_backward(True, recurse=False)
@@ -155,11 +151,5 @@ class FsdpSteps:
 
     def reduced_elements(self, group_size: int) -> int:
         """Gradient elements this rank handed to FSDP2's reduce-scatters (its unsharded
-        gradients, once per cell of the last backward; the all-gathers of parameters are not
-        counted)."""
-        cells = len(self.cells_of_last)
-        return cells * group_size * sum(p.to_local().numel() for p in self.model.parameters())
-
-
-def _last_backward_cells(structure: list[tuple[str, int, int]]) -> int:
-    return next(cells for kind, cells, _ in reversed(structure) if kind == BACKWARD)
+        gradients, once a step; the all-gathers of parameters are not counted)."""
+        return group_size * sum(p.to_local().numel() for p in self.model.parameters())
