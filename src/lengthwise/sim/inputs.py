@@ -168,17 +168,16 @@ class _PipelineCosts:
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
         dp, zero = len(self.plan.pipelines) * pipe.cp, self.plan.zero  # ZeRO shards over dp x cp
         splits = split_sequences(pipe.chunks, self.units)
-        act, extra, transient, kv, kv_grad, state = [], [], [], [], [], []
+        act, extra, transient, kv, kv_grad, state, work = [], [], [], [], [], [], []
         for s in range(S):
             L, head = self.layers[s], s == S - 1
             full = self.per_chunk(L, head)["act"]
             kept = [cm.activation_bytes(c, layers=L, head=head, recompute_layers=r, **self.kw) if r else full[i]
                     for i, (c, r) in enumerate(zip(pipe.chunks, recompute[s]))]
             act.append(list(kept))
-            # during its backward a chunk re-materialises the layers its forward did not keep,
-            # and on the last stage the loss's backward works on fp32 logit gradients
-            work = [cm.head_backward_bytes(c, **self.kw) if head else 0.0 for c in pipe.chunks]
-            extra.append(list(full - np.array(kept) + np.array(work)))
+            extra.append(list(full - np.array(kept)))
+            # on the last stage each backward unit's loss backward works on fp32 logit gradients
+            work.append([cm.head_backward_bytes(u, **self.kw) if head else 0.0 for u in self.units])
             nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD}
             transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
                               for i, c in enumerate(pipe.chunks)])
@@ -188,7 +187,7 @@ class _PipelineCosts:
             state.append(self._shared(cm.model_state_bytes, layers=L, tp=pipe.tp, dp=dp, zero=zero,
                                       first=s == 0, last=head))
         return MemorySizes(state=state, activation=act, recompute_extra=extra, nograd_transient=transient,
-                           kv=kv, kv_grad=kv_grad)
+                           kv=kv, kv_grad=kv_grad, backward_work=work)
 
     def _grad_sync(self) -> list[float]:
         # every CP rank holds the stage's weights too: gradients reduce over dp x cp

@@ -24,7 +24,7 @@ events at once with numpy (frees before allocations at equal times) and takes ru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,14 +42,16 @@ class MemorySizes:
     activation: list[list[float]]
     """[stage][chunk] activations held from F to B, as the stage's F action keeps them."""
     recompute_extra: list[list[float]]
-    """[stage][chunk] bytes held only while a B of the chunk runs: the layers its F did not keep
-    (recomputation), and on the last stage the loss's backward working set."""
+    """[stage][chunk] bytes re-materialised during the B of a chunk whose F recomputes layers."""
     nograd_transient: list[list[float]]
     """[stage][chunk] working set of the chunk's N while it runs."""
     kv: list[dict[int, float]]
     """[stage] bytes of K/V state per split sequence id, summed over its earlier slices."""
     kv_grad: list[dict[int, float]]
     """[stage] bytes of K/V gradient buffers per split sequence id."""
+    backward_work: list[list[float]] = field(default_factory=list)
+    """[stage][backward unit] bytes held only while the unit's B runs (the loss's backward on
+    the last stage); empty: none."""
 
 
 @dataclass(kw_only=True)
@@ -103,6 +105,9 @@ def memory_events(t: PipelineTasks, deps: Dependencies, sizes: MemorySizes,
              (bwd[:, pairs_u].ravel(), False, extra[:, pairs_c].ravel()),
              (bwd[:, pairs_u].ravel(), True, -extra[:, pairs_c].ravel()),
              (nograd[ran_nograd], False, transient[ran_nograd]), (nograd[ran_nograd], True, -transient[ran_nograd])]
+    if sizes.backward_work:
+        work = np.asarray(sizes.backward_work, dtype=np.float64)
+        parts += [(bwd, False, work), (bwd, True, -work)]
     parts += _split_events(t, sizes, splits)
     task = np.concatenate([np.asarray(p[0], dtype=np.int64).ravel() for p in parts])
     at_end = np.concatenate([np.full(np.size(p[0]), p[1]) for p in parts])

@@ -112,21 +112,23 @@ class UnitCosts:
         self._memo: dict[tuple[int, int], tuple[list[Chunk], np.ndarray]] = {}
 
     def table(self, stage: int, unit: list[Chunk]) -> np.ndarray:
-        """float64 [6, chunks]: activation bytes, bytes saved per recomputed layer, forward
-        seconds of one layer, then the three K/V rows of `kv_events`."""
+        """float64 [7, chunks]: activation bytes, bytes saved per recomputed layer, forward
+        seconds of one layer, the backward's working set (the loss's, last stage), then the
+        three K/V rows of `kv_events`."""
         key = (stage, id(unit))   # hashing segments is slow; the memo keeps the unit alive
         if key not in self._memo:
-            rows = np.array([self._chunk(stage, c) for c in unit], dtype=float).reshape(len(unit), 3).T
+            rows = np.array([self._chunk(stage, c) for c in unit], dtype=float).reshape(len(unit), 4).T
             kv = kv_events(split_slices(unit), self, stage, len(unit))
             self._memo[key] = (unit, np.vstack([rows, kv]))
         return self._memo[key][1]
 
-    def _chunk(self, stage: int, chunk: Chunk) -> tuple[float, float, float]:
+    def _chunk(self, stage: int, chunk: Chunk) -> tuple[float, float, float, float]:
         shape, cost = self.stages[stage], self.cost
         act = cost.activation_bytes(chunk, layers=shape.layers, head=shape.head, **self.kw)
         less = cost.activation_bytes(chunk, layers=shape.layers, head=shape.head, recompute_layers=1,
                                      **self.kw) if shape.layers else act
-        return act, act - less, cost.forward_time(chunk, layers=1, **self.kw)
+        work = cost.head_backward_bytes(chunk, **self.kw) if shape.head else 0.0
+        return act, act - less, cost.forward_time(chunk, layers=1, **self.kw), work
 
     def kv(self, stage: int, context: int) -> float:
         return self.cost.kv_bytes(context, layers=self.stages[stage].layers, **self.kw)
@@ -147,6 +149,9 @@ class StageMemory:
     kv: np.ndarray
     """float64 [3, n] K/V bytes allocated at each chunk's F, at its B's start, and (negative,
     freed) at its B's end."""
+    work: np.ndarray
+    """float64 [n] bytes each chunk's B works on while it runs (the loss's backward on the last
+    stage, `cost.head_backward_bytes`)."""
 
     @property
     def rows(self) -> np.ndarray:
@@ -160,8 +165,9 @@ class StageMemory:
         p = self.bpos[rows]
         # alive chunks (and K/V of earlier slices, minus what finished backwards freed) ...
         held = _prefix(self.fpos, kept + self.kv[0])(p) - _prefix(self.bpos, kept - self.kv[2])(p)
-        # ... plus what the backward re-materialises of its own F and the K/V gradients
-        return held + (self.act - kept)[rows] + _at_or_before(self.bpos, self.kv[1], p)
+        # ... plus what the backward re-materialises of its own F, its working set and the K/V
+        # gradients
+        return held + (self.act - kept + self.work)[rows] + _at_or_before(self.bpos, self.kv[1], p)
 
     def savings(self) -> np.ndarray:
         """float64 [n rows, n chunks] bytes one recomputed layer of each chunk saves at each
@@ -209,7 +215,7 @@ def group_memory(group: GroupSchedule, costs: UnitCosts) -> MemoryModel:
     for s in range(group.pp):
         table = np.concatenate([costs.table(s, u) for u in group.units], axis=1)
         fpos, bpos = group.positions(s)
-        stages.append(StageMemory(fpos=fpos, bpos=bpos, act=table[0], saving=table[1], kv=table[3:]))
+        stages.append(StageMemory(fpos=fpos, bpos=bpos, act=table[0], saving=table[1], work=table[3], kv=table[4:]))
         seconds.append(table[2])
     return MemoryModel(stages=stages, limit=np.array([costs.cost.capacity_bytes - st.states for st in costs.stages]),
                        max_layers=np.array([st.layers for st in costs.stages]),
