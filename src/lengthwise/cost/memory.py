@@ -15,13 +15,14 @@
   query head) and each norm's reciprocal RMS (the executor's norm and SwiGLU keep what fused
   kernels keep, `runtime/model.py`). A layer under full recomputation keeps only its input (h)
   (infinipipe.txt eq. 5 calls the per-token figure M_token).
-- LM head on the last stage: fp32 log-probabilities kept for the loss's backward (4 * vocab
-  bytes per token, as the executor's cross-entropy upcasts the logits), the final norm's input
-  and output (2h, bf16) and reciprocal RMS, and the label (int64).
-- While a chunk's backward runs on the last stage, the loss's backward works on two fp32
-  [tokens, vocab] gradients at once (of the log-probabilities and of the logits): 8 * vocab
-  bytes per token on top of what the head keeps, freed when the head's backward ends (measured
-  by `lengthwise dryrun`; on Qwen2.5-7B's 152K vocabulary the largest transient of a step).
+- LM head on the last stage: the fp32 softmax kept for the loss's backward (4 * vocab bytes per
+  token, as the executor's cross-entropy upcasts the logits), the final norm's input and output
+  (2h, bf16) and reciprocal RMS, and the label (int64).
+- While a chunk's backward runs on the last stage, the loss's backward turns the kept fp32
+  softmax into the logits' gradient in place and hands it on in bf16: 2 * vocab bytes per token
+  beside what the head keeps (`runtime/loss.py`; autograd's own cross-entropy worked on two more
+  fp32 [tokens, vocab] buffers, 8 * vocab, the largest transient of a step on Qwen2.5-7B's 152K
+  vocabulary). Measured by `lengthwise dryrun`.
 - K/V state of a split sequence (infinipipe.txt eq. 9-10): k and v of every context token on
   every layer of the stage, 2 * kv_dim values per token; its gradient buffer has the same size.
   With tp larger than the K/V heads, heads are replicated, so a rank holds at least one head.
@@ -78,7 +79,7 @@ def head_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
 
 def head_backward_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
     """Working set of the loss's backward beyond what the head keeps (module docstring)."""
-    return 2 * BYTES_FP32 * model.vocab / tp
+    return BYTES_BF16 * model.vocab / tp
 
 
 def kv_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:

@@ -267,7 +267,8 @@ class StageRunner:
             # reaches the row's graph, so that backward runs this rank's part of any collective.
             return 0.0 * h_TD.sum()
         labels = chunk_labels(chunk, self.token_ids).to(h_TD.device)
-        loss_part = token_loss_sum(self.model.head_logits(h_TD), labels) / self.plan.loss_tokens
+        shard = getattr(self.model, "vocab_shard", None)  # set by tensor parallelism
+        loss_part = token_loss_sum(self.model.head_logits(h_TD), labels, shard) / self.plan.loss_tokens
         self.loss_sum = self.loss_sum + loss_part.detach().double()
         return loss_part
 

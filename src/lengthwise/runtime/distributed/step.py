@@ -15,7 +15,6 @@ within float64 round-off, since the sums run in another order.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +22,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.attention import resolve_backend
@@ -83,8 +81,7 @@ def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor]
         fsdp.begin()
         runner.before_backward_cell = fsdp.before_backward_cell
     started = time.perf_counter()
-    with loss_parallel_if(mesh.device_mesh):
-        run_actions(runner, after_action)
+    run_actions(runner, after_action)
     transport.finish()
     loop_s = time.perf_counter() - started
     if fsdp is not None:
@@ -133,8 +130,6 @@ def run_actions(runner: StageRunner, after_action: Callable[[int], None] | None 
 def global_loss(runner: StageRunner, mesh: Mesh, *, counts: bool = True) -> float:
     """Sum of every last stage's loss parts (the other ranks, and TP ranks but the first, add 0)."""
     total = runner.loss_sum.detach()
-    if isinstance(total, DTensor):  # vocabulary-parallel loss: the same value on every TP rank
-        total = total.full_tensor()
     total = total.to(device=mesh.device, dtype=torch.float64).reshape(1)
     if not (runner.is_last and counts):
         total = torch.zeros_like(total)
@@ -181,9 +176,3 @@ def first_holders(model: CausalLM, plan: StepPlan, layout: PlanLayout) -> dict[s
 def _grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
     return param.grad if param.grad is not None else torch.zeros_like(param)
 
-
-def loss_parallel_if(device_mesh):
-    """Vocabulary-parallel cross-entropy (logits sharded over TP) for forward and backward."""
-    if device_mesh is not None and device_mesh["tp"].size() > 1:
-        return loss_parallel()
-    return contextlib.nullcontext()

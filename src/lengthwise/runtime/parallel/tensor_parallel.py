@@ -4,8 +4,9 @@ Per decoder layer: q/k/v and the SwiGLU gate/up projections column-parallel (eac
 computes its heads / its slice of the intermediate width), o_proj and down_proj row-parallel
 (partial sums all-reduced), norms replicated. The embedding is split by vocabulary rows
 (row-parallel, lookups of rows another rank holds give 0, summed over TP), the LM head by
-vocabulary columns, its logits left sharded for the vocabulary-parallel cross-entropy
-(`loss_parallel`, entered by the executor around forward and backward).
+vocabulary columns, its logits left sharded (each rank's columns, a plain tensor) for the
+vocabulary-parallel cross-entropy (`loss.token_loss_sum` with the `VocabShard` this sets as
+`model.vocab_shard`).
 
 A vocabulary that tp does not divide is padded to the next multiple (as Megatron does): the
 embedding and the head get zero rows no token reads, and the head's padded logits are set to
@@ -35,10 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lengthwise.errors import UserError
+from lengthwise.runtime.loss import VocabShard
 from lengthwise.runtime.model import CausalLM
 from lengthwise.specs import ModelSpec
 
@@ -93,9 +95,11 @@ def apply_tp(model: CausalLM, mesh: DeviceMesh) -> CausalLM:
         parallelize_module(model.model.embed_tokens, mesh,
                            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if model.part.last:
-        parallelize_module(model.lm_head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+        parallelize_module(model.lm_head, mesh, ColwiseParallel(output_layouts=Shard(-1)))
+        start = mesh.get_local_rank() * (padded // tp)
+        model.vocab_shard = VocabShard(group=mesh.get_group(), start=start)
         if padded != spec.vocab:
-            model.lm_head.register_forward_hook(functools.partial(_mask_padding, vocab=spec.vocab))
+            model.lm_head.register_forward_hook(functools.partial(_mask_padding, real=max(0, spec.vocab - start)))
     model.tie()  # both now hold vocabulary rows Shard(0): the head reuses the embedding's DTensor
     return model
 
@@ -112,12 +116,11 @@ def _pad_vocabulary(model: CausalLM, padded: int) -> None:
     model.tie()
 
 
-def _mask_padding(module, inputs, logits, *, vocab: int):
-    """-inf on the padded vocabulary columns (sharded like the logits)."""
-    padded = logits.shape[-1]
-    mask = torch.zeros(padded, dtype=logits.dtype, device=logits.device)
-    mask[vocab:] = float("-inf")
-    return logits + distribute_tensor(mask, logits.device_mesh, [Shard(0)], src_data_rank=None)
+def _mask_padding(module, inputs, logits, *, real: int):
+    """-inf on this rank's padded vocabulary columns (its columns from `real` on)."""
+    mask = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+    mask[real:] = float("-inf")
+    return logits + mask
 
 
 class _SumGradOver(torch.autograd.Function):
