@@ -113,7 +113,7 @@ def test_decoder_layer_keeps_the_cost_models_activation_bytes():
     """What autograd keeps of one bf16 decoder layer and of the LM head with its loss, per
     token, against `cost/memory.py`: the layer's figure leaves out only the chunk's rotary
     tables (4 x head_dim bytes per token, shared by every layer of the stage); the head's is
-    exact but for one scalar."""
+    exact."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -148,7 +148,18 @@ def test_decoder_layer_keeps_the_cost_models_activation_bytes():
         head = kept_bytes(lambda: token_loss_sum(model.head_logits(h), torch.zeros(tokens, dtype=torch.long)))
     rope_tables = 2 * SMALL.head_dim * 2
     assert layer / tokens == mem.activation_bytes_per_token_layer(SMALL) + rope_tables
-    assert head - 4 == tokens * mem.head_bytes_per_token(SMALL)  # and the fp32 scalar the sum reduces to
+    assert head == tokens * mem.head_bytes_per_token(SMALL)
+
+
+def test_dryrun_peak_memory_within_ten_percent_of_the_simulator(rows):
+    """The scale issue's memory target, at small size without tensor parallelism: model states
+    as FSDP2 holds them (bf16 compute copy, fp32 accumulated gradients, sharded fp32 master and
+    Adam), activations as the executor keeps them, K/V state, and the loss backward's working
+    set. (Under tensor parallelism the executor keeps norms and residuals whole on every TP
+    rank, while the cost model assumes sequence parallelism: not yet within 10% there.)"""
+    for rank, row in rows.items():
+        memory = row["peak_memory_gib"]
+        assert memory["measured"] == pytest.approx(memory["simulated"], rel=0.10), rank
 
 
 def test_dryrun_reports_peak_memory_by_category(rows):
