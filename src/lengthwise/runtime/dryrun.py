@@ -12,12 +12,18 @@ once. What the executor allocates and computes is then observed with PyTorch's o
 - memory: `torch.distributed._tools.mem_tracker.MemTracker`, which follows every storage and
   sorts it into parameters, gradients, optimizer states, activations (made in forward) and
   temporaries (made in backward). Its per-module snapshots assume each module runs once per
-  step, which a pipeline of chunks breaks, so only its storage accounting is used here.
+  step, which a pipeline of chunks breaks, so only its storage accounting is used here, and
+  without module hooks at all (the trackers' module hooks keep module inputs alive until they
+  exit, which would count storages the executor has freed). FSDP2's unsharded bf16 weights
+  and fp32 accumulated gradients are not module parameters to it: they appear under
+  activations and temporaries.
 - FLOPs: `torch.utils.flop_counter.FlopCounterMode`, with formulas added for the CPU
   flash-attention kernel that the `cpu-flash` backend calls (the counter knows the CUDA ones):
   causal calls count only the (query, key) pairs on or below the diagonal, the pairs the kernel
   computes and the cost model counts (`cost/flops.py`); backward counts 2.5 times the forward,
-  as flash backward recomputes the scores (slimpack.txt §2.2.2).
+  as flash backward recomputes the scores (slimpack.txt §2.2.2). DTensor's sharding
+  propagation, which runs an operator at its global shape to learn the output's shape, is kept
+  out of the counts (`_shape_propagation_unobserved`).
 - communication: a dispatch mode that adds up the bytes of every tensor handed to a c10d
   operation, by kind (send, all_reduce, all_gather, reduce_scatter, broadcast).
 
