@@ -77,7 +77,8 @@ def stage_flops(plan: StepPlan, cost: CostModel, place: RankPlace) -> float:
     last = place.stage == pipe.pp - 1
     total = 0.0
     for action in pipe.stages[place.stage]:
-        work = rank_works(_unit(pipe, action), pipe.cp)[place.cp_rank if pipe.cp > 1 else 0]
+        works = rank_works(_unit(pipe, action), pipe.cp)  # one entry when every rank's share is equal
+        work = works[place.cp_rank] if len(works) > 1 else works[0]
         lin, attn = layer_forward_flops(plan.model, work)
         # the executor's no-grad forward (N) keeps K/V only and never runs the head
         head = head_forward_flops(plan.model, work.tokens) if last and action.kind != FORWARD_NOGRAD else 0.0
