@@ -177,11 +177,42 @@ def test_sequence_over_context_length_is_named(name):
 
 @pytest.mark.parametrize("name", BASELINES)
 def test_sequence_over_pipeline_memory_names_the_limit(name):
-    req = request([10, 30000], "dp4-pp2")
+    req = request([10, 40000], "dp4-pp2", recompute="none")
     req.context_length = 65536
-    req.lengths = [10, 40000]
     limit = req.cost.max_seq_len(pp=2, dp=4)
     with pytest.raises(UserError, match=f"sequence 1 has 40000 tokens > {limit}, the longest one pipeline"):
+        get_planner(name)(req)
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_baselines_recompute_every_layer_only_when_the_longest_sequence_needs_it(name):
+    """recompute=auto, as a Megatron user would: none while it fits, full when it must."""
+    short = request([10, 3000, 700])
+    plan = get_planner(name)(short)
+    assert plan.options["recompute"] == "none"
+    assert all(a.recompute_layers == 0 for p in plan.pipelines for st in p.stages for a in st)
+
+    req = request([10, 40000, 700], "dp4-pp2")
+    req.context_length = 65536
+    assert 40000 > req.cost.max_seq_len(pp=2, dp=4)  # does not fit without recomputation
+    plan = get_planner(name)(req)
+    assert plan.options["recompute"] == "full"
+    layers = plan.pipelines[0].stage_layers(MODEL.num_layers)
+    for p in plan.pipelines:
+        for s, acts in enumerate(p.stages):
+            assert all(a.recompute_layers == layers[s] for a in acts if a.kind == "F")
+    assert_valid(plan, req)
+    from lengthwise.sim import simulate_plan
+    assert simulate_plan(plan, req.cost).fits
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_sequence_over_memory_even_with_recomputation_is_named(name):
+    req = request([10, 600000], "dp4-pp2")
+    req.context_length = 1 << 20
+    limit = req.cost.max_seq_len(pp=2, dp=4, recompute=True)
+    assert 600000 > limit
+    with pytest.raises(UserError, match=f"600000 tokens > {limit}, .* even with full recomputation"):
         get_planner(name)(req)
 
 
