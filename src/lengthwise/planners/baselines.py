@@ -22,6 +22,11 @@ are formed and spread over data-parallel ranks:
   token count, then each rank packs its share best-fit-decreasing. Equal tokens per rank, but
   not equal attention FLOPs.
 
+Cost, n sequences over D pipelines: padding O(n), packing and sorted O(n log n) (a sort, then
+best-fit by bisection over open bins), megatron O(n), token-balanced Karmarkar-Karp O(n log n)
+in the usual case (packing_utils) plus best-fit-decreasing per rank; schedules are made once per
+distinct pipeline shape.
+
 Every baseline takes `recompute` (none / full / auto, default auto): as a Megatron-LM user
 would, it recomputes every layer only when its longest sequence (megatron: a context-length
 micro-batch) does not fit 1F1B without it. Selective recomputation (Megatron's core-attention
