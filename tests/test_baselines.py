@@ -18,7 +18,7 @@ from lengthwise.planners.packing_utils import (
 )
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
 
-BASELINES = ("padding", "packing", "sorted", "token-balanced")
+BASELINES = ("padding", "packing", "static-cp", "sorted", "token-balanced")
 MODEL = MODEL_PRESETS["qwen2.5-1.5b"]
 CONTEXT = 32768
 SCHEMES = {
@@ -292,3 +292,14 @@ def test_auto_validates_the_best_plan_first_and_falls_back_when_it_is_invalid(mo
     assert fallback.metrics["chosen_planner"] not in (honest.metrics["chosen_planner"], None)
     assert len(checked) == 2  # ... and only the runner-up after it
     assert "planted defect" in fallback.metrics["auto"][honest.metrics["chosen_planner"]]["error"]
+
+
+def test_static_cp_gives_every_sequence_its_own_row_sharded_over_the_cp_group():
+    req = request([700, 30, 2500, 90, 1200, 15], "dp2-pp2-cp2")
+    plan = get_planner("static-cp")(req)
+    assert_valid(plan, req)
+    rows = [c for p in plan.pipelines for c in p.chunks]
+    assert sorted(seg.seq_id for c in rows for seg in c.segments) == list(range(6))
+    assert all(len(c.segments) == 1 and c.segments[0].cp_rank == -1 for c in rows)
+    assert [[c.segments[0].seq_id for c in p.chunks] for p in plan.pipelines] == [[0, 2, 4], [1, 3, 5]]
+    assert all(a.recompute_layers == 0 for p in plan.pipelines for st in p.stages for a in st)

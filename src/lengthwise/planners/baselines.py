@@ -1,6 +1,6 @@
-"""Four baseline planners: how trainers without length-aware planning build micro-batches.
+"""Baseline planners: how trainers without length-aware planning build micro-batches.
 
-All four keep every sequence whole, run a plain 1F1B schedule over the scheme's PP stages, and
+All of them keep every sequence whole, run a plain 1F1B schedule over the scheme's PP stages, and
 give each of the scheme's dp pipelines its own micro-batches. They differ in how micro-batches
 are formed and spread over data-parallel ranks:
 
@@ -18,11 +18,16 @@ are formed and spread over data-parallel ranks:
 - `sorted`: LongAlign's sorted batching (ChunkFlow §6 "smart batching"): sort by length, cut the
   sorted list into micro-batches of similar lengths that fit the token budget, pad each to its
   longest, deal the micro-batches to ranks in shuffled order. Little padding, same stragglers.
+- `static-cp`: DeepSpeed with Ulysses-style static context parallelism as Skrull measured it
+  (skrull §6: "DeepSpeed, ZeRO-2, DP=4, CP=8"): every sequence is its own micro-batch, sharded
+  over the whole CP group however short, dealt to the DP ranks in sampler order (a distributed
+  sampler), 1F1B over the stages. Many small rows: little memory and short bubbles, but short
+  sequences pay the CP exchange and small-GEMM efficiency.
 - `token-balanced`: verl-style balancing: Karmarkar-Karp splits the sequences over DP ranks by
   token count, then each rank packs its share best-fit-decreasing. Equal tokens per rank, but
   not equal attention FLOPs.
 
-Cost, n sequences over D pipelines: padding O(n), packing and sorted O(n log n) (a sort, then
+Cost, n sequences over D pipelines: padding and static-cp O(n), packing and sorted O(n log n) (a sort, then
 best-fit by bisection over open bins), megatron O(n), token-balanced Karmarkar-Karp O(n log n)
 in the usual case (packing_utils) plus best-fit-decreasing per rank; schedules are made once per
 distinct pipeline shape.
@@ -33,8 +38,8 @@ micro-batch) does not fit 1F1B without it. Selective recomputation (Megatron's c
 recomputation) is not offered: with flash attention the attention core saves no scores, so it
 frees nothing the cost model counts.
 
-Options: `PaddingOptions`, `PackingOptions`, `MegatronOptions`, `SortedOptions`,
-`TokenBalancedOptions` in planners/options.py.
+Options: `PaddingOptions`, `PackingOptions`, `MegatronOptions`, `StaticCPOptions`,
+`SortedOptions`, `TokenBalancedOptions` in planners/options.py.
 """
 
 from __future__ import annotations
@@ -162,6 +167,17 @@ def plan_megatron(request: PlanRequest) -> StepPlan:
     return finish_plan(request, pipelines, planner="megatron", started=started,
                        options={"recompute": "full" if recompute else "none",
                                 "micro_batch_tokens": request.context_length})
+
+
+def plan_static_cp(request: PlanRequest) -> StepPlan:
+    """One sequence per micro-batch, each sharded over the CP group, dealt in sampler order."""
+    started = time.perf_counter()
+    opts = take_options(request, "static-cp")
+    _, recompute = baseline_limit(request, opts["recompute"])
+    chunks = [packed_chunk([i], request.lengths) for i in range(len(request.lengths))]
+    pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, request.scheme.dp)), recompute)
+    return finish_plan(request, pipelines, planner="static-cp", started=started,
+                       options={"recompute": "full" if recompute else "none"})
 
 
 def next_fit(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -56,6 +56,14 @@ class MegatronOptions:
 
 
 @dataclass(kw_only=True, frozen=True)
+class StaticCPOptions:
+    recompute: str = option(
+        "auto", "activation recomputation: none, full (every layer keeps only its input), or auto, the "
+        "fastest that fits (none when it fits, else full), as a Megatron-LM user would choose",
+        metavar="none|full|auto")
+
+
+@dataclass(kw_only=True, frozen=True)
 class SortedOptions:
     micro_batch_size: int | None = option(
         None, "most sequences per micro-batch; default: as many as fill the token budget", metavar="N")
@@ -159,6 +167,7 @@ PLANNER_OPTIONS: dict[str, type] = {
     "padding": PaddingOptions,
     "packing": PackingOptions,
     "megatron": MegatronOptions,
+    "static-cp": StaticCPOptions,
     "sorted": SortedOptions,
     "token-balanced": TokenBalancedOptions,
     "chunkflow": ChunkFlowOptions,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from lengthwise.planners.base import Planner
 from lengthwise.planners.baselines import (plan_megatron, plan_packing, plan_padding, plan_sorted,
-                                           plan_token_balanced)
+                                           plan_static_cp, plan_token_balanced)
 from lengthwise.planners.chunkflow.planner import plan_chunkflow
 from lengthwise.planners.hydraulis.planner import plan_hydraulis
 from lengthwise.planners.infinipipe.planner import plan_infinipipe
@@ -18,6 +18,7 @@ CANDIDATE_PLANNERS: dict[str, Planner] = {
     "padding": plan_padding,
     "packing": plan_packing,
     "megatron": plan_megatron,
+    "static-cp": plan_static_cp,
     "sorted": plan_sorted,
     "token-balanced": plan_token_balanced,
     "chunkflow": plan_chunkflow,
