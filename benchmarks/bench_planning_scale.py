@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(args.one[0], int(args.one[1]), int(args.one[2]))))
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-    from lengthwise.planners import available_planners
+    from lengthwise.planners import PLANNER_NAMES
 
-    planners = args.planners.split(",") if args.planners else available_planners()
+    planners = args.planners.split(",") if args.planners else list(PLANNER_NAMES)
     settings = {"command": "lengthwise " + " ".join(plan_args("P", 4, 1)).replace("--dp 1", "--dp GPUS/4")
                 .replace("--batch-size 1", "--batch-size SEQUENCES"), "timeout_s": args.timeout}
     rows: list[dict] = []
