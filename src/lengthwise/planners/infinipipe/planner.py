@@ -37,8 +37,9 @@ score or why dropped), predicted_step_time_s.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from lengthwise.cost.flops import work_key
 from lengthwise.errors import UserError
 from lengthwise.metrics import PLANNING_MS, PREDICTED_STEP_TIME_S
 from lengthwise.plan.ir import PipelinePlan, StepPlan
@@ -134,21 +135,38 @@ class Candidate:
 
 
 def plan_candidate(batch: ChunkedBatch, request: PlanRequest, settings: Settings) -> Candidate | None:
-    """Steps 2-4 for one chunked batch; None when some pipeline cannot fit memory."""
+    """Steps 2-4 for one chunked batch; None when some pipeline cannot fit memory (a split
+    sequence that overflows alone makes every group holding it overflow, so its pipeline's
+    grouping is None)."""
     dp = request.scheme.dp
     lay = layout(request, dp)
-    if any(unit_need(u, request, lay, settings.solver)[0] > request.cost.capacity_bytes
-           for u in batch.units if u.num_chunks > 1):
-        return None   # a split sequence alone overflows: skip the DP
-    seconds = [sum(chunk_stage_seconds(c, request, lay.stages[0]) for c in u.chunks) for u in batch.units]
+    per_chunk = chunk_seconds_table(request, lay.stages[0])
+    chunk_s = [[per_chunk(c) for c in u.chunks] for u in batch.units]
+    seconds = [sum(row) for row in chunk_s]
     pipelines, estimate = [], 0.0
     for share in split_over_pipelines(batch.units, seconds, dp):
-        grouped = group_by_classes([batch.units[i] for i in share], request, lay, settings.solver)
+        grouped = group_by_classes([batch.units[i] for i in share], request, lay, settings.solver,
+                                   [t for i in share for t in chunk_s[i]])
         if grouped is None:
             return None
         pipelines.append(grouped[0])
         estimate = max(estimate, sum(seconds[i] for i in share) + grouped[1])
     return Candidate(batch=batch, pipelines=pipelines, estimate_s=estimate)
+
+
+def chunk_seconds_table(request: PlanRequest, shape):
+    """chunk -> `chunk_stage_seconds` on this stage, memoised by the chunk's work where that
+    decides its cost (no context parallelism: equal tokens and attention pairs, equal seconds)."""
+    if request.scheme.cp > 1:
+        return lambda c: chunk_stage_seconds(c, request, shape)
+    memo: dict = {}
+
+    def seconds(c) -> float:
+        key = work_key(c)
+        if key not in memo:
+            memo[key] = chunk_stage_seconds(c, request, shape)
+        return memo[key]
+    return seconds
 
 
 def to_pipeline(groups: list[GroupPlan], request: PlanRequest) -> PipelinePlan:
@@ -157,8 +175,8 @@ def to_pipeline(groups: list[GroupPlan], request: PlanRequest) -> PipelinePlan:
     for g in groups:
         offset = len(chunks)
         chunks += g.schedule.chunks
-        for s, acts in enumerate(with_recompute(g.schedule, g.ckpt.recompute)):
-            stages[s] += [replace(a, chunk=a.chunk + offset) for a in acts]
+        for s, acts in enumerate(with_recompute(g.schedule, g.ckpt.recompute, offset)):
+            stages[s] += acts
     return PipelinePlan(chunks=chunks, stages=stages, tp=request.scheme.tp, cp=request.scheme.cp,
                         schedule=SCHEDULE)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lengthwise.cost.flops import work_key
 from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk
 
 
@@ -60,13 +61,15 @@ class GroupSchedule:
         fpos = steps + np.searchsorted(issued, steps, side="right")
         return fpos, bpos
 
-    def stage_actions(self, stage: int, recompute: list[int] | None = None) -> list[Action]:
-        """The stage's action list, each F carrying its recomputed layers."""
+    def stage_actions(self, stage: int, recompute: list[int] | None = None, offset: int = 0) -> list[Action]:
+        """The stage's action list, each F carrying its recomputed layers; chunk indices are
+        shifted by `offset` (the chunks of earlier groups of the pipeline)."""
         fpos, bpos = self.positions(stage)
         acts: list[Action] = [Action(FORWARD, 0)] * (2 * len(self.chunks))
-        for k in range(len(self.chunks)):
-            acts[fpos[k]] = Action(FORWARD, k, int(recompute[k]) if recompute is not None else 0)
-            acts[bpos[k]] = Action(BACKWARD, k)
+        layers = [int(r) for r in recompute] if recompute is not None else [0] * len(self.chunks)
+        for k, (f, b, r) in enumerate(zip(fpos.tolist(), bpos.tolist(), layers), start=offset):
+            acts[f] = Action(FORWARD, k, r)
+            acts[b] = Action(BACKWARD, k)
         return acts
 
     @property
@@ -105,24 +108,39 @@ class StageShape:
 class UnitCosts:
     """Per-stage bytes and seconds of each unit's chunks, memoised: eq. 14's DP builds many
     groups from the same units. A split sequence lies wholly in one unit, so its K/V events
-    are the unit's own."""
+    are the unit's own. Stages of one shape (layers, LM head or not) share their tables, and
+    without context parallelism chunks of equal work (tokens, attention pairs) share their
+    costs (a mesh cuts every long sequence into the same slices)."""
 
     def __init__(self, cost, stages: list[StageShape], *, tp: int, cp: int):
         self.cost, self.stages, self.kw = cost, stages, {"tp": tp, "cp": cp}
-        self._memo: dict[tuple[int, int], tuple[list[Chunk], np.ndarray]] = {}
+        self._memo: dict[tuple, tuple[list[Chunk], np.ndarray]] = {}
+        self._chunks: dict[tuple, tuple[float, float, float]] = {}
 
     def table(self, stage: int, unit: list[Chunk]) -> np.ndarray:
         """float64 [6, chunks]: activation bytes, bytes saved per recomputed layer, forward
         seconds of one layer, then the three K/V rows of `kv_events`."""
-        key = (stage, id(unit))   # hashing segments is slow; the memo keeps the unit alive
+        shape = self.stages[stage]
+        key = (shape.layers, shape.head, id(unit))   # hashing segments is slow; the memo keeps the unit alive
         if key not in self._memo:
             rows = np.array([self._chunk(stage, c) for c in unit], dtype=float).reshape(len(unit), 3).T
-            kv = kv_events(split_slices(unit), self, stage, len(unit))
+            if len(unit) > 1:
+                kv = kv_events(split_slices(unit), self, stage, len(unit))
+            else:   # one chunk holds each of its sequences whole: no K/V state
+                kv = np.zeros((3, 1))
             self._memo[key] = (unit, np.vstack([rows, kv]))
         return self._memo[key][1]
 
     def _chunk(self, stage: int, chunk: Chunk) -> tuple[float, float, float]:
-        shape, cost = self.stages[stage], self.cost
+        shape = self.stages[stage]
+        key = (shape.layers, shape.head, work_key(chunk) if self.kw["cp"] == 1 else id(chunk))
+        found = self._chunks.get(key)
+        if found is None:
+            found = self._chunks[key] = self._chunk_costs(shape, chunk)
+        return found
+
+    def _chunk_costs(self, shape: StageShape, chunk: Chunk) -> tuple[float, float, float]:
+        cost = self.cost
         act = cost.activation_bytes(chunk, layers=shape.layers, head=shape.head, **self.kw)
         less = cost.activation_bytes(chunk, layers=shape.layers, head=shape.head, recompute_layers=1,
                                      **self.kw) if shape.layers else act
