@@ -74,6 +74,8 @@ PLANNER = "infinipipe"
 SCHEDULE = "elastic-1f1b"
 CHECKPOINTING = ("adaptive", "none", "full")
 SCORES = ("simulate", "estimate")
+SIMULATED = 3
+"""With score "simulate": how many of the best N by the DP's estimate are simulated."""
 MAX_SLICES = 256
 """Largest N the search tries: a 1M-token sequence in 4K-token slices; finer slices only lose
 GEMM efficiency, and a split sequence's memory barely shrinks with N (all its chunks are alive
@@ -201,22 +203,21 @@ def candidate_metrics(cand: Candidate) -> dict:
 
 # ---- step 5: the slice number ----
 
-def score(plan: StepPlan, cand: Candidate, request: PlanRequest, settings: Settings) -> float:
-    if settings.score == "estimate":
-        return cand.estimate_s
-    return simulate_plan(plan, request.cost).step_time_s
-
-
 def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, started: float) -> StepPlan:
-    """Step 5: the fixed N, or the best N of the search (infinipipe/search.py)."""
-    plans: dict[int, StepPlan] = {}
+    """Step 5: the fixed N, or the best N of the search (infinipipe/search.py).
+
+    The search compares N by the DP's estimate, which needs no plan objects; with score
+    "simulate" the SIMULATED best N by estimate are then built and simulated, and the fastest
+    simulated one is kept (the estimate leaves out gradient reduction and the exact bubbles, so
+    N within a few percent by estimate can swap places in the simulator)."""
+    cands: dict[int, Candidate] = {}
 
     def evaluate(n: int) -> float | str:
-        plan, why = plan_for(n, request, settings, fit, started)
-        if plan is None:
+        cand, why = candidate_for(n, request, settings, fit)
+        if cand is None:
             return why
-        plans[n] = plan
-        return plan.metrics[PREDICTED_STEP_TIME_S]
+        cands[n] = cand
+        return cand.estimate_s
 
     def too_many(n: int) -> bool:
         return n > MAX_SLICES or mesh_for(n, request, settings, fit) is None
@@ -228,24 +229,48 @@ def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, starte
         search = tune(evaluate, too_many, settings.slice_candidates)
     if search.best is None:
         raise infeasible_error(request, settings, fit, max(search.tried))
-    best = plans[search.best]
+    feasible = sorted(cands, key=lambda n: (cands[n].estimate_s, n))
+    shortlist = feasible[:SIMULATED] if settings.score == "simulate" else feasible[:1]
+    plans = {}
+    for n in shortlist:
+        plans[n] = candidate_plan(cands[n], request, settings, started)
+        plans[n].metrics[PREDICTED_STEP_TIME_S] = score(plans[n], cands[n], request, settings)
+    best = plans[min(shortlist, key=lambda n: (plans[n].metrics[PREDICTED_STEP_TIME_S], n))]
     best.metrics["candidates"] = {str(k): v for k, v in sorted(search.tried.items())}
+    if settings.score == "simulate":
+        best.metrics["simulated_candidates"] = {str(n): plans[n].metrics[PREDICTED_STEP_TIME_S]
+                                                for n in sorted(shortlist)}
     best.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
     return best
+
+
+def score(plan: StepPlan, cand: Candidate, request: PlanRequest, settings: Settings) -> float:
+    if settings.score == "estimate":
+        return cand.estimate_s
+    return simulate_plan(plan, request.cost).step_time_s
 
 
 def mesh_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost):
     return (balanced_mesh if settings.balanced else even_mesh)(max(request.lengths), n, fit)
 
 
-def plan_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost,
-             started: float) -> tuple[StepPlan | None, str]:
+def candidate_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost) -> tuple[Candidate | None, str]:
+    """Steps 1-4 for one N, or None and why it has no plan."""
     batch = balanced_chunking(request.lengths, n, fit, balanced=settings.balanced)
     if batch is None:
         return None, "too many slices"
     cand = plan_candidate(batch, request, settings)
     if cand is None:
         return None, "does not fit memory"
+    return cand, ""
+
+
+def plan_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost,
+             started: float) -> tuple[StepPlan | None, str]:
+    """The plan for one N, scored."""
+    cand, why = candidate_for(n, request, settings, fit)
+    if cand is None:
+        return None, why
     plan = candidate_plan(cand, request, settings, started)
     plan.metrics[PREDICTED_STEP_TIME_S] = score(plan, cand, request, settings)
     return plan, ""
