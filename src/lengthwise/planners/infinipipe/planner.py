@@ -36,7 +36,9 @@ score or why dropped), predicted_step_time_s.
 
 from __future__ import annotations
 
+import gc
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from lengthwise.cost.flops import work_key
@@ -142,6 +144,7 @@ def plan_candidate(batch: ChunkedBatch, request: PlanRequest, settings: Settings
     grouping is None)."""
     dp = request.scheme.dp
     lay = layout(request, dp)
+    lay.costs.prepare([u.chunks for u in batch.units])
     per_chunk = chunk_seconds_table(request, lay.stages[0])
     chunk_s = [[per_chunk(c) for c in u.chunks] for u in batch.units]
     seconds = [sum(row) for row in chunk_s]
@@ -291,8 +294,28 @@ def infeasible_error(request: PlanRequest, settings: Settings, fit: SliceCost, l
         "or lower --context-length")
 
 
+@contextmanager
+def collector_paused():
+    """CPython's cyclic garbage collector off for the duration. Planning allocates a few hundred
+    thousand small acyclic objects (segments, chunks, actions) per candidate N and keeps them
+    alive, so every generation-2 pass rescans all of them for nothing: with it on, planning
+    32,768 sequences took about twice as long. Reference counting still frees everything."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def plan_infinipipe(request: PlanRequest) -> StepPlan:
     """InfiniPipe for one global batch (infinipipe §3); options: `InfiniPipeOptions` (planners/options.py)."""
+    with collector_paused():
+        return _plan_infinipipe(request)
+
+
+def _plan_infinipipe(request: PlanRequest) -> StepPlan:
     started = time.perf_counter()
     settings = read_settings(request)
     check_lengths(request)

@@ -22,6 +22,7 @@ rows are only built for the MILP.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,6 +117,11 @@ class UnitCosts:
         self.cost, self.stages, self.kw = cost, stages, {"tp": tp, "cp": cp}
         self._memo: dict[tuple, tuple[list[Chunk], np.ndarray]] = {}
         self._chunks: dict[tuple, tuple[float, float, float]] = {}
+        self._prepared: list[list[Chunk]] = []
+        self._cols: dict[int, tuple[int, int]] = {}
+        self._batch: dict[tuple[int, bool], np.ndarray] = {}
+        self._last_key: tuple | None = None
+        self._last_index = np.zeros(0, dtype=np.int64)
 
     def table(self, stage: int, unit: list[Chunk]) -> np.ndarray:
         """float64 [6, chunks]: activation bytes, bytes saved per recomputed layer, forward
@@ -130,6 +136,51 @@ class UnitCosts:
                 kv = np.zeros((3, 1))
             self._memo[key] = (unit, np.vstack([rows, kv]))
         return self._memo[key][1]
+
+    def prepare(self, units: list[list[Chunk]]) -> None:
+        """Tables of many units at once: one cost lookup per chunk and one array per stage
+        shape, so `columns` gathers a group's tables with one index instead of one small array
+        per unit (the same numbers as `table`)."""
+        self._prepared = units     # keeps the ids below valid
+        self._cols = {}
+        at = 0
+        for u in units:
+            self._cols[id(u)] = (at, at + len(u))
+            at += len(u)
+        chunks = [c for u in units for c in u]
+        keys = [work_key(c) for c in chunks] if self.kw["cp"] == 1 else [id(c) for c in chunks]
+        self._batch = {}
+        for stage, shape in enumerate(self.stages):
+            if (shape.layers, shape.head) in self._batch:
+                continue
+            memo = self._chunks
+            rows = []
+            for c, k in zip(chunks, keys):
+                found = memo.get((shape.layers, shape.head, k))
+                if found is None:
+                    found = memo[shape.layers, shape.head, k] = self._chunk_costs(shape, c)
+                rows.append(found)
+            table = np.zeros((6, len(chunks)))
+            table[:3] = np.array(rows, dtype=float).reshape(len(chunks), 3).T
+            for u in units:
+                if len(u) > 1:
+                    a, b = self._cols[id(u)]
+                    table[3:, a:b] = kv_events(split_slices(u), self, stage, len(u))
+            self._batch[shape.layers, shape.head] = table
+
+    def columns(self, stage: int, units: list[list[Chunk]]) -> np.ndarray:
+        """float64 [6, chunks of all units]: their `table`s side by side."""
+        shape = self.stages[stage]
+        big = self._batch.get((shape.layers, shape.head))
+        if big is None or any(id(u) not in self._cols for u in units):
+            return np.concatenate([self.table(stage, u) for u in units], axis=1)
+        key = tuple(id(u) for u in units)
+        if self._last_key != key:
+            cols = [self._cols[id(u)] for u in units]
+            self._last_key = key
+            self._last_index = np.fromiter(itertools.chain.from_iterable(range(a, b) for a, b in cols), dtype=np.int64,
+                                           count=sum(b - a for a, b in cols))
+        return big[:, self._last_index]
 
     def _chunk(self, stage: int, chunk: Chunk) -> tuple[float, float, float]:
         shape = self.stages[stage]
@@ -225,7 +276,7 @@ def group_memory(group: GroupSchedule, costs: UnitCosts) -> MemoryModel:
     """The linear memory model of a group on every stage."""
     stages, seconds = [], []
     for s in range(group.pp):
-        table = np.concatenate([costs.table(s, u) for u in group.units], axis=1)
+        table = costs.columns(s, group.units)
         fpos, bpos = group.positions(s)
         stages.append(StageMemory(fpos=fpos, bpos=bpos, act=table[0], saving=table[1], kv=table[3:]))
         seconds.append(table[2])
