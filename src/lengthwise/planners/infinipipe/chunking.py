@@ -165,21 +165,29 @@ def pack_buckets(tails: list[Segment], short: list[int], lengths: list[int], mes
                for i, t in enumerate(tails)]
     open_ = _OpenBuckets(buckets)
     threshold = mesh.time_threshold
-    for seq_id in sorted(short, key=lambda i: (-lengths[i], i)):   # time grows with length
-        seg = Segment(seq_id, 0, lengths[seq_id])
-        seconds = fit.work(0, seg.stop)
-        open_.admit(mesh.token_threshold - seg.num_tokens, seconds, threshold)
-        if not open_.any_with_room():   # line 7: not even the emptiest bucket has room
-            bucket = Bucket(segments=[seg], time=seconds + fit.c, tokens=seg.num_tokens, order=len(buckets))
+    ids = np.asarray(short, dtype=np.int64)
+    sizes = np.asarray(lengths, dtype=np.int64)[ids]
+    order = np.lexsort((ids, -sizes))            # longest first (time grows with length), then by id
+    ids, sizes = ids[order].tolist(), sizes[order]
+    # fit.work(0, n) for every n at once: the same float operations on the same integers
+    times = (fit.a * (sizes * (sizes + 1) // 2) + fit.b * sizes).tolist()
+    admit, pop_best, put, c, room = open_.admit, open_.pop_best, open_.put, fit.c, mesh.token_threshold
+    for seq_id, n, seconds in zip(ids, sizes.tolist(), times):
+        seg = Segment(seq_id, 0, n)
+        admit(room - n, seconds, threshold)
+        if not (open_.admitting or open_.need_time):   # line 7: not even the emptiest bucket has room
+            bucket = Bucket(segments=[seg], time=seconds + c, tokens=n, order=len(buckets))
             buckets.append(bucket)
-            open_.put(bucket)
+            put(bucket)
             continue
         if not open_.admitting:         # line 16: raise T_t to the least value that admits a bucket
             threshold = open_.least_time() + seconds
-            open_.admit(mesh.token_threshold - seg.num_tokens, seconds, threshold)
-        best = open_.pop_best()         # line 9
-        best.add(seg, seconds)
-        open_.put(best)
+            admit(room - n, seconds, threshold)
+        best = pop_best()               # line 9
+        best.segments.append(seg)
+        best.time += seconds
+        best.tokens += n
+        put(best)
     return buckets, threshold
 
 
