@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from lengthwise.planners.base import PlanRequest
 from lengthwise.planners.infinipipe.chunking import Unit
 from lengthwise.planners.infinipipe.ckpt import (
+    Checkpointing,
     GroupPlan,
     Problem,
     answer_without_milp,
@@ -83,11 +84,36 @@ def chunk_stage_seconds(chunk, request: PlanRequest, shape: StageShape) -> float
     return request.cost.forward_time(chunk, **kw) + request.cost.backward_time(chunk, **kw)
 
 
+def one_group(units: list[Unit], lay: Layout):
+    """The 1F1B group of these units, longest units first."""
+    ordered = sorted(units, key=lambda u: (-u.num_chunks, -u.chunks[-1].segments[0].stop, u.seq_id))
+    return group_schedule([u.chunks for u in ordered], len(lay.stages))
+
+
 def group_problem(units: list[Unit], request: PlanRequest, lay: Layout) -> Problem:
     """One 1F1B group (longest units first) and its checkpointing problem (Algorithm 2)."""
-    ordered = sorted(units, key=lambda u: (-u.num_chunks, -u.chunks[-1].segments[0].stop, u.seq_id))
-    group = group_schedule([u.chunks for u in ordered], len(lay.stages))
+    group = one_group(units, lay)
     return checkpointing_problem(group, group_memory(group, lay.costs))
+
+
+def surely_fits(units: list[Unit], lay: Layout) -> bool:
+    """Whether every stage could hold all the units' activations, K/V state and K/V gradients
+    at once (a bound on every level of the memory model with no recomputation, so the group
+    needs none); False when unsure or when the units' tables were not prepared."""
+    for s, shape in enumerate(lay.stages):
+        held = lay.costs.held_at_most(s, [u.chunks for u in units])
+        if held is None or held > lay.costs.cost.capacity_bytes - shape.states:
+            return False
+    return True
+
+
+def without_recompute(units: list[Unit], lay: Layout) -> GroupPlan:
+    """The group with no recomputation, as `answer_without_milp` writes it when it fits."""
+    group = one_group(units, lay)
+    n, pp = len(group.chunks), group.pp
+    ckpt = Checkpointing(values=[0] * (n + pp - 1), recompute=[[0] * n for _ in range(pp)], seconds=0.0,
+                         status="none-needed")
+    return GroupPlan(schedule=group, ckpt=ckpt)
 
 
 def plan_group(units: list[Unit], request: PlanRequest, lay: Layout, solver: SolverOptions) -> GroupPlan:
@@ -174,6 +200,8 @@ def group_by_classes(units: list[Unit], request: PlanRequest, lay: Layout, solve
         chunk_seconds = [chunk_stage_seconds(c, request, lay.stages[0]) for u in units for c in u.chunks]
     mean = sum(chunk_seconds) / len(chunk_seconds)
     delta = (len(lay.stages) - 1) * mean   # one more warm-up and cool-down
+    if solver.mode != "full" and surely_fits(units, lay):
+        return [without_recompute(units, lay)], 0.0 + delta + 0.0
     whole = group_problem(units, request, lay)
     quick = answer_without_milp(whole, solver.mode)
     if quick is not None and quick.status == "none-needed":

@@ -22,6 +22,7 @@ rows are only built for the MILP.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -66,17 +67,24 @@ class GroupSchedule:
         """The stage's action list, each F carrying its recomputed layers; chunk indices are
         shifted by `offset` (the chunks of earlier groups of the pipeline)."""
         fpos, bpos = self.positions(stage)
-        acts: list[Action] = [Action(FORWARD, 0)] * (2 * len(self.chunks))
+        acts: list[Action] = [_action(FORWARD, 0, 0)] * (2 * len(self.chunks))
         layers = [int(r) for r in recompute] if recompute is not None else [0] * len(self.chunks)
         for k, (f, b, r) in enumerate(zip(fpos.tolist(), bpos.tolist(), layers), start=offset):
-            acts[f] = Action(FORWARD, k, r)
-            acts[b] = Action(BACKWARD, k)
+            acts[f] = _action(FORWARD, k, r)
+            acts[b] = _action(BACKWARD, k, 0)
         return acts
 
     @property
     def stages(self) -> list[list[Action]]:
         """Per stage actions without recomputation."""
         return [self.stage_actions(s) for s in range(self.pp)]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _action(kind: str, chunk: int, recompute: int) -> Action:
+    """Actions are immutable, so the pipelines of a plan share them (building a frozen
+    dataclass costs more than the dictionary lookup)."""
+    return Action(kind, chunk, recompute)
 
 
 def group_schedule(unit_chunks: list[list[Chunk]], pp: int) -> GroupSchedule:
@@ -120,6 +128,8 @@ class UnitCosts:
         self._prepared: list[list[Chunk]] = []
         self._cols: dict[int, tuple[int, int]] = {}
         self._batch: dict[tuple[int, bool], np.ndarray] = {}
+        self._held: dict[tuple[int, bool], list[float]] = {}
+        self._unit_index: dict[int, int] = {}
         self._last_key: tuple | None = None
         self._last_index = np.zeros(0, dtype=np.int64)
 
@@ -142,10 +152,11 @@ class UnitCosts:
         shape, so `columns` gathers a group's tables with one index instead of one small array
         per unit (the same numbers as `table`)."""
         self._prepared = units     # keeps the ids below valid
-        self._cols = {}
+        self._cols, self._unit_index = {}, {}
         at = 0
-        for u in units:
+        for i, u in enumerate(units):
             self._cols[id(u)] = (at, at + len(u))
+            self._unit_index[id(u)] = i
             at += len(u)
         chunks = [c for u in units for c in u]
         keys = [work_key(c) for c in chunks] if self.kw["cp"] == 1 else [id(c) for c in chunks]
@@ -167,6 +178,19 @@ class UnitCosts:
                     a, b = self._cols[id(u)]
                     table[3:, a:b] = kv_events(split_slices(u), self, stage, len(u))
             self._batch[shape.layers, shape.head] = table
+            starts = np.cumsum([0] + [len(u) for u in units])[:-1]
+            held = table[0] + table[3] + table[4]
+            self._held[shape.layers, shape.head] = (np.add.reduceat(held, starts) if len(units) else np.zeros(0)).tolist()
+
+    def held_at_most(self, stage: int, units: list[list[Chunk]]) -> float | None:
+        """Bytes of the units' activations, K/V state and K/V gradients together on the stage
+        (prepared units only, else None): no level of `StageMemory.levels` without
+        recomputation exceeds it, as levels add up some of these and subtract what was freed."""
+        shape = self.stages[stage]
+        sums = self._held.get((shape.layers, shape.head))
+        if sums is None or any(id(u) not in self._cols for u in units):
+            return None
+        return float(sum(sums[self._unit_index[id(u)]] for u in units))
 
     def columns(self, stage: int, units: list[list[Chunk]]) -> np.ndarray:
         """float64 [6, chunks of all units]: their `table`s side by side."""
