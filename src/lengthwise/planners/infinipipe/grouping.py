@@ -16,6 +16,12 @@ should be grouped together"). The paper solves an MILP per candidate group, n(n+
 (§3.3.4); we solve the LP relaxation of each first and MILPs only in bound order, stopping once
 no bound can beat the best found, which gives the same dp[i] (to the MILP gap) with a fraction
 of the MILPs. Groups needing no recomputation, or unable to fit, need no solver at all.
+
+Most pipelines never reach the DP: every group costs delta, so when the whole pipeline as one
+group needs no recomputation that group is eq. 14's optimum (`group_by_classes`), found with one
+group problem, or none when the units' activations and K/V fit on every stage all at once
+(`surely_fits`). Otherwise the DP builds a group's problem only once dp[k] + delta could still
+beat the best option found (`cheapest`).
 """
 
 from __future__ import annotations

@@ -24,8 +24,30 @@ Steps, each a function below or in a helper module:
    infinipipe/ckpt.py): per group, an MILP over n + pp - 1 integers solved by HiGHS picks the
    layers each chunk recomputes on each stage, written to the F actions (`F3.r2`).
 5. N (§3.2: "automatically tuned"; infinipipe/search.py): a ladder N = 1, 2, 3, 4, 6, 9, ...
-   then bisection around the best rung, each N scored by the simulator's step time (or the
-   DP's estimate); N whose chunks cannot fit memory are skipped.
+   then bisection around the best rung, each N scored by the DP's estimate (steps 1-4, no plan
+   objects); N whose chunks cannot fit memory are skipped. With score "simulate" (the default)
+   the SIMULATED best N by estimate are then built and simulated, and the fastest is kept.
+
+Cost, for n sequences, P data-parallel pipelines and the N_t values of N the search tries
+(N_t <= slice_candidates, 10; the six bench cases try 3-10):
+
+- per N: chunking O(n log n + S) for S segments (sorting, then a heap operation per short
+  sequence); chunk costs O(chunks) cost-model calls, memoised by (stage shape, chunk work);
+  Karmarkar-Karp / LPT over the u units, O(u log u) plus O(log P) per merge;
+- grouping: a pipeline whose units' activations and K/V fit on every stage all at once is one
+  group needing no recomputation (O(its units)); otherwise one group problem, O(m log m) for
+  its m chunks, and only when that group needs recomputation eq. 14's DP below;
+- simulation: SIMULATED plans simulated once each (the simulator's own cost, linear in
+  actions), not one per N tried.
+
+So a batch costs O(N_t (n log n + S) + P) plus SIMULATED simulations: near-linear in sequences
+and linear in pipelines. Where the paper forces worse: eq. 14 is a DP over the C distinct chunk
+counts of a pipeline (C <= N) that prices O(C^2) candidate groups, and each group's
+recomputation is Algorithm 2's MILP (NP-hard in general; HiGHS under milp_time_limit_s per
+solve). Groups are built lazily in bound order and most never reach HiGHS (grouping.py), and on
+the bench cases no pipeline needs recomputation, so no MILP runs; a memory-bound batch still
+pays O(C^2) group problems and up to that many MILPs per pipeline. N itself is a search because
+§3.2 gives no closed form for it: each N tried re-chunks the whole batch.
 
 Options: `InfiniPipeOptions` in planners/options.py (each with its default and meaning).
 
