@@ -103,14 +103,12 @@ def group_problem(units: list[Unit], request: PlanRequest, lay: Layout) -> Probl
 
 
 def surely_fits(units: list[Unit], lay: Layout) -> bool:
-    """Whether every stage could hold all the units' activations, K/V state and K/V gradients
-    at once (a bound on every level of the memory model with no recomputation, so the group
-    needs none); False when unsure or when the units' tables were not prepared."""
-    for s, shape in enumerate(lay.stages):
-        held = lay.costs.held_at_most(s, [u.chunks for u in units])
-        if held is None or held > lay.costs.cost.capacity_bytes - shape.states:
-            return False
-    return True
+    """Whether one group of these units needs no recomputation by a bound alone
+    (`UnitCosts.held_at_most`: its window's largest activations plus all its K/V), so that
+    neither the group's memory rows nor its levels are built; False when unsure."""
+    limit = lay.costs.cost.capacity_bytes
+    chunks = [u.chunks for u in units]
+    return all(lay.costs.held_at_most(s, chunks) <= limit - shape.states for s, shape in enumerate(lay.stages))
 
 
 def without_recompute(units: list[Unit], lay: Layout) -> GroupPlan:

@@ -128,8 +128,6 @@ class UnitCosts:
         self._prepared: list[list[Chunk]] = []
         self._cols: dict[int, tuple[int, int]] = {}
         self._batch: dict[tuple[int, bool], np.ndarray] = {}
-        self._held: dict[tuple[int, bool], list[float]] = {}
-        self._unit_index: dict[int, int] = {}
         self._last_key: tuple | None = None
         self._last_index = np.zeros(0, dtype=np.int64)
 
@@ -152,11 +150,10 @@ class UnitCosts:
         shape, so `columns` gathers a group's tables with one index instead of one small array
         per unit (the same numbers as `table`)."""
         self._prepared = units     # keeps the ids below valid
-        self._cols, self._unit_index = {}, {}
+        self._cols = {}
         at = 0
-        for i, u in enumerate(units):
+        for u in units:
             self._cols[id(u)] = (at, at + len(u))
-            self._unit_index[id(u)] = i
             at += len(u)
         chunks = [c for u in units for c in u]
         keys = [work_key(c) for c in chunks] if self.kw["cp"] == 1 else [id(c) for c in chunks]
@@ -178,19 +175,19 @@ class UnitCosts:
                     a, b = self._cols[id(u)]
                     table[3:, a:b] = kv_events(split_slices(u), self, stage, len(u))
             self._batch[shape.layers, shape.head] = table
-            starts = np.cumsum([0] + [len(u) for u in units])[:-1]
-            held = table[0] + table[3] + table[4]
-            self._held[shape.layers, shape.head] = (np.add.reduceat(held, starts) if len(units) else np.zeros(0)).tolist()
 
-    def held_at_most(self, stage: int, units: list[list[Chunk]]) -> float | None:
-        """Bytes of the units' activations, K/V state and K/V gradients together on the stage
-        (prepared units only, else None): no level of `StageMemory.levels` without
-        recomputation exceeds it, as levels add up some of these and subtract what was freed."""
-        shape = self.stages[stage]
-        sums = self._held.get((shape.layers, shape.head))
-        if sums is None or any(id(u) not in self._cols for u in units):
-            return None
-        return float(sum(sums[self._unit_index[id(u)]] for u in units))
+    def held_at_most(self, stage: int, units: list[list[Chunk]]) -> float:
+        """A bound on every level of `StageMemory.levels` without recomputation for one group of
+        these units on the stage. At the k-th backward start the chunks alive (forwarded, not yet
+        backwarded, its own included) number issued_k - k <= the window pp - s - 1 + N_prefill:
+        `positions` issues max(window + j, ready_j) forwards by backward j <= k, and
+        ready_j - k <= ready_j - j <= its unit's chunks <= N_prefill (units go backward one
+        after another). So a level is at most the window's largest activations plus every K/V
+        state and K/V gradient (frees only lower it)."""
+        table = self.columns(stage, units)
+        window = len(self.stages) - stage - 1 + max(len(u) for u in units)
+        largest = np.sort(table[0])[::-1][:window]
+        return float(largest.sum() + table[3].sum() + table[4].sum())
 
     def columns(self, stage: int, units: list[list[Chunk]]) -> np.ndarray:
         """float64 [6, chunks of all units]: their `table`s side by side."""
