@@ -128,6 +128,8 @@ class UnitCosts:
         self._prepared: list[list[Chunk]] = []
         self._cols: dict[int, tuple[int, int]] = {}
         self._batch: dict[tuple[int, bool], np.ndarray] = {}
+        self._seconds_pending: dict[tuple[int, bool], tuple[list[Chunk], list]] = {}
+        self._fwd1: dict = {}
         self._last_key: tuple | None = None
         self._last_index = np.zeros(0, dtype=np.int64)
 
@@ -146,9 +148,11 @@ class UnitCosts:
         return self._memo[key][1]
 
     def prepare(self, units: list[list[Chunk]]) -> None:
-        """Tables of many units at once: one cost lookup per chunk and one array per stage
-        shape, so `columns` gathers a group's tables with one index instead of one small array
-        per unit (the same numbers as `table`)."""
+        """Tables of many units at once, one array per stage shape, so `columns` gathers a
+        group's tables with one index instead of one small array per unit (the same numbers as
+        `table`). Without context parallelism the activation rows are the cost model's bytes
+        per token times each chunk's tokens (what `activation_bytes` computes), and the
+        one-layer forward seconds are looked up only when a group's memory model needs them."""
         self._prepared = units     # keeps the ids below valid
         self._cols = {}
         at = 0
@@ -156,20 +160,24 @@ class UnitCosts:
             self._cols[id(u)] = (at, at + len(u))
             at += len(u)
         chunks = [c for u in units for c in u]
+        per_token = self.kw["cp"] == 1 and not any(c.pad_to for c in chunks)
         keys = [work_key(c) for c in chunks] if self.kw["cp"] == 1 else [id(c) for c in chunks]
-        self._batch = {}
+        tokens = np.array([k[0] for k in keys], dtype=float) if per_token else None
+        self._batch, self._seconds_pending = {}, {}
         for stage, shape in enumerate(self.stages):
             if (shape.layers, shape.head) in self._batch:
                 continue
-            memo = self._chunks
-            rows = []
-            for c, k in zip(chunks, keys):
-                found = memo.get((shape.layers, shape.head, k))
-                if found is None:
-                    found = memo[shape.layers, shape.head, k] = self._chunk_costs(shape, c)
-                rows.append(found)
             table = np.zeros((6, len(chunks)))
-            table[:3] = np.array(rows, dtype=float).reshape(len(chunks), 3).T
+            if per_token:
+                per = self.cost.activation_bytes_per_token(layers=shape.layers, tp=self.kw["tp"], head=shape.head)
+                table[0] = per * tokens
+                if shape.layers:
+                    less = self.cost.activation_bytes_per_token(layers=shape.layers, tp=self.kw["tp"],
+                                                                recompute_layers=1, head=shape.head)
+                    table[1] = table[0] - less * tokens
+                self._seconds_pending[shape.layers, shape.head] = (chunks, keys)
+            else:
+                table[:3] = np.array([self._chunk(stage, c) for c in chunks], dtype=float).reshape(len(chunks), 3).T
             for u in units:
                 if len(u) > 1:
                     a, b = self._cols[id(u)]
@@ -184,7 +192,9 @@ class UnitCosts:
         ready_j - k <= ready_j - j <= its unit's chunks <= N_prefill (units go backward one
         after another). So a level is at most the window's largest activations plus every K/V
         state and K/V gradient (frees only lower it)."""
-        table = self.columns(stage, units)
+        table = self._gather(stage, units)
+        if table is None:
+            table = self.columns(stage, units)
         window = len(self.stages) - stage - 1 + max(len(u) for u in units)
         largest = np.sort(table[0])[::-1][:window]
         return float(largest.sum() + table[3].sum() + table[4].sum())
@@ -192,9 +202,24 @@ class UnitCosts:
     def columns(self, stage: int, units: list[list[Chunk]]) -> np.ndarray:
         """float64 [6, chunks of all units]: their `table`s side by side."""
         shape = self.stages[stage]
+        pending = self._seconds_pending.pop((shape.layers, shape.head), None)
+        if pending is not None:   # the one-layer forward seconds, first needed now
+            chunks, keys = pending
+            memo, kw, row = self._fwd1, self.kw, []
+            for c, k in zip(chunks, keys):
+                if k not in memo:
+                    memo[k] = self.cost.forward_time(c, layers=1, **kw)
+                row.append(memo[k])
+            self._batch[shape.layers, shape.head][2] = row
+        table = self._gather(stage, units)
+        return table if table is not None else np.concatenate([self.table(stage, u) for u in units], axis=1)
+
+    def _gather(self, stage: int, units: list[list[Chunk]]) -> np.ndarray | None:
+        """The prepared tables of these units side by side; None unless all were prepared."""
+        shape = self.stages[stage]
         big = self._batch.get((shape.layers, shape.head))
         if big is None or any(id(u) not in self._cols for u in units):
-            return np.concatenate([self.table(stage, u) for u in units], axis=1)
+            return None
         key = tuple(id(u) for u in units)
         if self._last_key != key:
             cols = [self._cols[id(u)] for u in units]
