@@ -187,10 +187,11 @@ def cheapest(i: int, options: list[Option], best: list[Option], delta: float, bu
 
 
 def group_by_classes(units: list[Unit], request: PlanRequest, lay: Layout, solver: SolverOptions,
-                     chunk_seconds: list[float] | None = None) -> tuple[list[GroupPlan], float] | None:
+                     chunk_seconds: list[float] | None = None,
+                     fits: bool | None = None) -> tuple[list[GroupPlan], float] | None:
     """Eq. 14 over the distinct chunk counts; None when no grouping fits memory.
     `chunk_seconds`: forward + backward seconds on stage 0 of every chunk of `units` in order
-    (computed when not given).
+    (computed when not given); `fits`: `surely_fits(units, lay)` when the caller knows it.
 
     Every group costs delta > 0 plus its recomputation, so when all units in one group need no
     recomputation that group is the optimum (any other grouping pays at least one delta more)
@@ -204,7 +205,7 @@ def group_by_classes(units: list[Unit], request: PlanRequest, lay: Layout, solve
         chunk_seconds = [chunk_stage_seconds(c, request, lay.stages[0]) for u in units for c in u.chunks]
     mean = sum(chunk_seconds) / len(chunk_seconds)
     delta = (len(lay.stages) - 1) * mean   # one more warm-up and cool-down
-    if solver.mode != "full" and surely_fits(units, lay):
+    if solver.mode != "full" and (fits if fits is not None else surely_fits(units, lay)):
         return [without_recompute(units, lay)], 0.0 + delta + 0.0
     whole = group_problem(units, request, lay)
     quick = answer_without_milp(whole, solver.mode)

@@ -174,9 +174,10 @@ def plan_candidate(batch: ChunkedBatch, request: PlanRequest, settings: Settings
     chunk_s = [[per_chunk(c) for c in u.chunks] for u in batch.units]
     seconds = [sum(row) for row in chunk_s]
     pipelines, estimate = [], 0.0
-    for share in split_over_pipelines(batch.units, seconds, dp):
+    shares = split_over_pipelines(batch.units, seconds, dp)
+    for share, fits in zip(shares, lay.costs.surely_fit(shares)):
         grouped = group_by_classes([batch.units[i] for i in share], request, lay, settings.solver,
-                                   [t for i in share for t in chunk_s[i]])
+                                   [t for i in share for t in chunk_s[i]], fits or None)
         if grouped is None:
             return None
         pipelines.append(grouped[0])

@@ -199,6 +199,30 @@ class UnitCosts:
         largest = np.sort(table[0])[::-1][:window]
         return float(largest.sum() + table[3].sum() + table[4].sum())
 
+    def surely_fit(self, shares: list[list[int]]) -> list[bool]:
+        """For each share (indices into the prepared units, one pipeline's units), whether one
+        group of them has `held_at_most` within capacity less model states on every stage: the
+        same bound for every pipeline at once, by one sort of all chunks per stage shape."""
+        units = self._prepared
+        sizes = np.array([len(u) for u in units], dtype=np.int64)
+        owner = np.zeros(len(units), dtype=np.int64)
+        for p, share in enumerate(shares):
+            owner[share] = p
+        prefill = np.zeros(len(shares), dtype=np.int64)
+        np.maximum.at(prefill, owner, sizes)
+        pid = np.repeat(owner, sizes)
+        ok = np.array([len(share) > 0 for share in shares])
+        for stage, shape in enumerate(self.stages):
+            table = self._batch[shape.layers, shape.head]
+            order = np.lexsort((-table[0], pid))        # by pipeline, largest activation first
+            pids, act = pid[order], table[0][order]
+            rank = np.arange(len(pids)) - np.searchsorted(pids, pids, side="left")
+            keep = rank < (len(self.stages) - stage - 1 + prefill)[pids]
+            held = np.bincount(pids[keep], weights=act[keep], minlength=len(shares))
+            held += np.bincount(pid, weights=table[3] + table[4], minlength=len(shares))
+            ok &= held <= self.cost.capacity_bytes - shape.states
+        return ok.tolist()
+
     def columns(self, stage: int, units: list[list[Chunk]]) -> np.ndarray:
         """float64 [6, chunks of all units]: their `table`s side by side."""
         shape = self.stages[stage]
