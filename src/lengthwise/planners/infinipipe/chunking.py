@@ -157,13 +157,18 @@ def pack_buckets(tails: list[Segment], short: list[int], lengths: list[int], mes
     Line 9 picks, among buckets with room for the sequence's tokens (T_m) and time (T_t), the
     lowest time per token. Sequences come longest first, so the room a bucket needs only
     shrinks (and T_t only rises): a bucket that admits one sequence admits every later one until
-    it is picked. `_OpenBuckets` keeps admitting buckets sorted by line 9's key and the others
-    in heaps by what they lack, so each sequence costs O(log buckets) instead of a scan of every
-    bucket; the buckets are the same.
+    it is picked. So every bucket is in exactly one place: `admitting` (room in tokens and time
+    for the current sequence, sorted by line 9's key: time per token, then creation order),
+    `need_tokens` (a heap by tokens) or `need_time` (room in tokens, a heap by time). A bucket
+    changes only when it is picked, so heap entries never go stale, and each sequence costs
+    O(log buckets) instead of a scan of every bucket; the buckets are the same.
     """
     buckets = [Bucket(segments=[t], time=fit.work(t.start, t.stop) + fit.c, tokens=t.num_tokens, order=i)
                for i, t in enumerate(tails)]
-    open_ = _OpenBuckets(buckets)
+    need_tokens = [(b.tokens, b.order, b) for b in buckets]
+    heapq.heapify(need_tokens)
+    need_time: list[tuple[float, int, Bucket]] = []
+    admitting: list[tuple[float, int, Bucket]] = []   # (time / tokens, order, bucket), sorted
     threshold = mesh.time_threshold
     ids = np.asarray(short, dtype=np.int64)
     sizes = np.asarray(lengths, dtype=np.int64)[ids]
@@ -171,60 +176,32 @@ def pack_buckets(tails: list[Segment], short: list[int], lengths: list[int], mes
     ids, sizes = ids[order].tolist(), sizes[order]
     # fit.work(0, n) for every n at once: the same float operations on the same integers
     times = (fit.a * (sizes * (sizes + 1) // 2) + fit.b * sizes).tolist()
-    admit, pop_best, put, c, room = open_.admit, open_.pop_best, open_.put, fit.c, mesh.token_threshold
+    push, pop, insort, c, room = heapq.heappush, heapq.heappop, bisect.insort, fit.c, mesh.token_threshold
     for seq_id, n, seconds in zip(ids, sizes.tolist(), times):
         seg = Segment(seq_id, 0, n)
-        admit(room - n, seconds, threshold)
-        if not (open_.admitting or open_.need_time):   # line 7: not even the emptiest bucket has room
-            bucket = Bucket(segments=[seg], time=seconds + c, tokens=n, order=len(buckets))
-            buckets.append(bucket)
-            put(bucket)
-            continue
-        if not open_.admitting:         # line 16: raise T_t to the least value that admits a bucket
-            threshold = open_.least_time() + seconds
-            admit(room - n, seconds, threshold)
-        best = pop_best()               # line 9
+        while need_tokens and need_tokens[0][0] <= room - n:     # now room in tokens
+            b = pop(need_tokens)[2]
+            push(need_time, (b.time, b.order, b))
+        while need_time and need_time[0][0] + seconds <= threshold:   # and in time
+            b = pop(need_time)[2]
+            insort(admitting, (b.time / b.tokens, b.order, b))   # orders differ: buckets never compared
+        if not admitting:
+            if not need_time:           # line 7: not even the emptiest bucket has room
+                bucket = Bucket(segments=[seg], time=seconds + c, tokens=n, order=len(buckets))
+                buckets.append(bucket)
+                push(need_tokens, (n, bucket.order, bucket))
+                continue
+            # line 16: raise T_t to the least value that admits a bucket
+            threshold = need_time[0][0] + seconds
+            while need_time and need_time[0][0] + seconds <= threshold:
+                b = pop(need_time)[2]
+                insort(admitting, (b.time / b.tokens, b.order, b))
+        best = admitting.pop(0)[2]      # line 9
         best.segments.append(seg)
         best.time += seconds
         best.tokens += n
-        put(best)
+        push(need_tokens, (best.tokens, best.order, best))
     return buckets, threshold
-
-
-class _OpenBuckets:
-    """Every bucket in exactly one place: `admitting` (room in tokens and time for the current
-    sequence, sorted by line 9's key: time per token, then order), `need_tokens` (a heap by
-    tokens) or `need_time` (room in tokens, a heap by time). A bucket's state changes only when
-    it is picked, so heap entries never go stale."""
-
-    def __init__(self, buckets: list[Bucket]):
-        self.admitting: list[tuple[float, int, Bucket]] = []
-        self.need_tokens: list[tuple[int, int, Bucket]] = []
-        self.need_time: list[tuple[float, int, Bucket]] = []
-        for b in buckets:
-            self.put(b)
-
-    def put(self, b: Bucket) -> None:
-        """A new or just-grown bucket, checked again at the next `admit`."""
-        heapq.heappush(self.need_tokens, (b.tokens, b.order, b))
-
-    def admit(self, max_tokens: int, seconds: float, threshold: float) -> None:
-        """Move the buckets that admit a sequence of `seconds` with `max_tokens` of room left."""
-        while self.need_tokens and self.need_tokens[0][0] <= max_tokens:
-            b = heapq.heappop(self.need_tokens)[2]
-            heapq.heappush(self.need_time, (b.time, b.order, b))
-        while self.need_time and self.need_time[0][0] + seconds <= threshold:
-            b = heapq.heappop(self.need_time)[2]
-            bisect.insort(self.admitting, (b.time / b.tokens, b.order, b), key=lambda e: e[:2])
-
-    def any_with_room(self) -> bool:
-        return bool(self.admitting or self.need_time)
-
-    def least_time(self) -> float:
-        return self.need_time[0][0]
-
-    def pop_best(self) -> Bucket:
-        return self.admitting.pop(0)[2]
 
 
 @dataclass(kw_only=True)
