@@ -63,7 +63,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from lengthwise.cost.flops import work_key
 from lengthwise.errors import UserError
 from lengthwise.metrics import PLANNING_MS, PREDICTED_STEP_TIME_S
 from lengthwise.plan.ir import PipelinePlan, StepPlan
@@ -170,8 +169,11 @@ def plan_candidate(batch: ChunkedBatch, request: PlanRequest, settings: Settings
     dp = request.scheme.dp
     lay = layout(request, dp)
     lay.costs.prepare([u.chunks for u in batch.units])
-    per_chunk = chunk_seconds_table(request, lay.stages[0])
-    chunk_s = [[per_chunk(c) for c in u.chunks] for u in batch.units]
+    flat = chunk_seconds([c for u in batch.units for c in u.chunks], lay.costs.keys, request, lay.stages[0])
+    chunk_s, at = [], 0
+    for u in batch.units:
+        chunk_s.append(flat[at:at + u.num_chunks])
+        at += u.num_chunks
     seconds = [sum(row) for row in chunk_s]
     pipelines, estimate = [], 0.0
     shares = split_over_pipelines(batch.units, seconds, dp)
@@ -185,19 +187,17 @@ def plan_candidate(batch: ChunkedBatch, request: PlanRequest, settings: Settings
     return Candidate(batch=batch, pipelines=pipelines, estimate_s=estimate)
 
 
-def chunk_seconds_table(request: PlanRequest, shape):
-    """chunk -> `chunk_stage_seconds` on this stage, memoised by the chunk's work where that
-    decides its cost (no context parallelism: equal tokens and attention pairs, equal seconds)."""
-    if request.scheme.cp > 1:
-        return lambda c: chunk_stage_seconds(c, request, shape)
+def chunk_seconds(chunks: list, keys: list, request: PlanRequest, shape) -> list[float]:
+    """`chunk_stage_seconds` of every chunk on this stage, once per key (`UnitCosts.keys`: the
+    chunk's work without context parallelism, where equal work costs equal seconds)."""
     memo: dict = {}
-
-    def seconds(c) -> float:
-        key = work_key(c)
-        if key not in memo:
-            memo[key] = chunk_stage_seconds(c, request, shape)
-        return memo[key]
-    return seconds
+    out = []
+    for c, k in zip(chunks, keys):
+        v = memo.get(k)
+        if v is None:
+            v = memo[k] = chunk_stage_seconds(c, request, shape)
+        out.append(v)
+    return out
 
 
 def to_pipeline(groups: list[GroupPlan], request: PlanRequest) -> PipelinePlan:

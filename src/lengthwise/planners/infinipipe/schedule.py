@@ -129,6 +129,9 @@ class UnitCosts:
         self._cols: dict[int, tuple[int, int]] = {}
         self._batch: dict[tuple[int, bool], np.ndarray] = {}
         self._seconds_pending: dict[tuple[int, bool], tuple[list[Chunk], list]] = {}
+        self.keys: list = []
+        """Per prepared chunk, in order: its work (tokens, attention pairs) without context
+        parallelism, where equal keys cost the same; else its id."""
         self._fwd1: dict = {}
         self._last_key: tuple | None = None
         self._last_index = np.zeros(0, dtype=np.int64)
@@ -161,9 +164,10 @@ class UnitCosts:
             at += len(u)
         chunks = [c for u in units for c in u]
         per_token = self.kw["cp"] == 1 and not any(c.pad_to for c in chunks)
-        keys = [work_key(c) for c in chunks] if self.kw["cp"] == 1 else [id(c) for c in chunks]
+        keys = self.keys = [work_key(c) for c in chunks] if self.kw["cp"] == 1 else [id(c) for c in chunks]
         tokens = np.array([k[0] for k in keys], dtype=float) if per_token else None
         self._batch, self._seconds_pending = {}, {}
+        splits = None
         for stage, shape in enumerate(self.stages):
             if (shape.layers, shape.head) in self._batch:
                 continue
@@ -178,10 +182,10 @@ class UnitCosts:
                 self._seconds_pending[shape.layers, shape.head] = (chunks, keys)
             else:
                 table[:3] = np.array([self._chunk(stage, c) for c in chunks], dtype=float).reshape(len(chunks), 3).T
-            for u in units:
-                if len(u) > 1:
-                    a, b = self._cols[id(u)]
-                    table[3:, a:b] = kv_events(split_slices(u), self, stage, len(u))
+            if splits is None:   # the same for every stage
+                splits = [(self._cols[id(u)], split_slices(u)) for u in units if len(u) > 1]
+            for (a, b), parts in splits:
+                table[3:, a:b] = kv_events(parts, self, stage, b - a)
             self._batch[shape.layers, shape.head] = table
 
     def held_at_most(self, stage: int, units: list[list[Chunk]]) -> float:
