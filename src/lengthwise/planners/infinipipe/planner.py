@@ -179,7 +179,7 @@ def plan_candidate(batch: ChunkedBatch, request: PlanRequest, settings: Settings
     shares = split_over_pipelines(batch.units, seconds, dp)
     for share, fits in zip(shares, lay.costs.surely_fit(shares)):
         grouped = group_by_classes([batch.units[i] for i in share], request, lay, settings.solver,
-                                   [t for i in share for t in chunk_s[i]], fits or None)
+                                   [t for i in share for t in chunk_s[i]], fits)
         if grouped is None:
             return None
         pipelines.append(grouped[0])
