@@ -177,7 +177,20 @@ def pack_buckets(tails: list[Segment], short: list[int], lengths: list[int], mes
     # fit.work(0, n) for every n at once: the same float operations on the same integers
     times = (fit.a * (sizes * (sizes + 1) // 2) + fit.b * sizes).tolist()
     push, pop, insort, c, room = heapq.heappush, heapq.heappop, bisect.insort, fit.c, mesh.token_threshold
-    for seq_id, n, seconds in zip(ids, sizes.tolist(), times):
+    sizes = sizes.tolist()
+    nexts = list(zip(sizes[1:], times[1:])) + [(None, None)]
+
+    def shelve(b: Bucket, n_next, s_next) -> None:
+        """Where the next sequence's admission would move a just-changed bucket (straight
+        there, skipping the heaps it would pass through)."""
+        if n_next is None or b.tokens > room - n_next:
+            push(need_tokens, (b.tokens, b.order, b))
+        elif b.time + s_next > threshold:
+            push(need_time, (b.time, b.order, b))
+        else:
+            insort(admitting, (b.time / b.tokens, b.order, b))
+
+    for seq_id, n, seconds, (n_next, s_next) in zip(ids, sizes, times, nexts):
         seg = Segment(seq_id, 0, n)
         while need_tokens and need_tokens[0][0] <= room - n:     # now room in tokens
             b = pop(need_tokens)[2]
@@ -189,7 +202,7 @@ def pack_buckets(tails: list[Segment], short: list[int], lengths: list[int], mes
             if not need_time:           # line 7: not even the emptiest bucket has room
                 bucket = Bucket(segments=[seg], time=seconds + c, tokens=n, order=len(buckets))
                 buckets.append(bucket)
-                push(need_tokens, (n, bucket.order, bucket))
+                shelve(bucket, n_next, s_next)
                 continue
             # line 16: raise T_t to the least value that admits a bucket
             threshold = need_time[0][0] + seconds
@@ -200,7 +213,7 @@ def pack_buckets(tails: list[Segment], short: list[int], lengths: list[int], mes
         best.segments.append(seg)
         best.time += seconds
         best.tokens += n
-        push(need_tokens, (best.tokens, best.order, best))
+        shelve(best, n_next, s_next)
     return buckets, threshold
 
 
