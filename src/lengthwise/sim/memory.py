@@ -65,14 +65,19 @@ class SplitSequence:
 
 def split_sequences(chunks: list[Chunk], units: list[Chunk]) -> list[SplitSequence]:
     """Sequences cut into more than one slice in a pipeline's forward chunks."""
+    cut = {seg.seq_id for ch in chunks for seg in ch.segments if seg.start}  # every cut has a later slice
+    if not cut:
+        return []
     slices: dict[int, list[tuple[int, int, int]]] = {}
     for c, ch in enumerate(chunks):
         for seg in ch.segments:
-            slices.setdefault(seg.seq_id, []).append((seg.start, seg.stop, c))
+            if seg.seq_id in cut:
+                slices.setdefault(seg.seq_id, []).append((seg.start, seg.stop, c))
     holders: dict[int, set[int]] = {}
     for u, ch in enumerate(units):
         for seg in ch.segments:
-            holders.setdefault(seg.seq_id, set()).add(u)
+            if seg.seq_id in cut:
+                holders.setdefault(seg.seq_id, set()).add(u)
     out = []
     for q, parts in slices.items():
         if len(parts) < 2:
