@@ -114,10 +114,11 @@ def even_mesh(longest: int, num_slices: int, fit: SliceCost) -> Mesh | None:
 def split_by_mesh(lengths: list[int], mesh: Mesh) -> tuple[dict[int, list[Segment]], list[int]]:
     """Line 2: seq_id -> its slices (the last is the tail slice) for long sequences, and the
     ids of short sequences (not longer than the first boundary)."""
-    inner = mesh.bounds[1:-1]
+    inner = list(mesh.bounds[1:-1])   # ascending: the cuts below n are a prefix
+    first = mesh.bounds[1]
     split, short = {}, []
     for seq_id, n in enumerate(lengths):
-        cuts = [x for x in inner if x < n] if n > mesh.bounds[1] else []
+        cuts = inner[:bisect.bisect_left(inner, n)] if n > first else []
         if not cuts:
             short.append(seq_id)
             continue
