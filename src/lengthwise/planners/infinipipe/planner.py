@@ -163,12 +163,15 @@ class Candidate:
 
 
 def plan_candidate(batch: ChunkedBatch, request: PlanRequest, settings: Settings) -> Candidate | None:
-    """Steps 2-4 for one chunked batch; None when some pipeline cannot fit memory (a split
-    sequence that overflows alone makes every group holding it overflow, so its pipeline's
-    grouping is None)."""
+    """Steps 2-4 for one chunked batch; None when some pipeline cannot fit memory. A split
+    sequence that overflows alone makes every group holding it overflow: checked first (exactly
+    only for the units a bound does not clear), so that no pipeline's DP runs in vain."""
     dp = request.scheme.dp
     lay = layout(request, dp)
     lay.costs.prepare([u.chunks for u in batch.units])
+    if any(unit_need(u, request, lay, settings.solver)[0] > request.cost.capacity_bytes
+           for u, clear in zip(batch.units, lay.costs.alone_surely_fits()) if u.num_chunks > 1 and not clear):
+        return None
     flat = chunk_seconds([c for u in batch.units for c in u.chunks], lay.costs.keys, request, lay.stages[0])
     chunk_s, at = [], 0
     for u in batch.units:

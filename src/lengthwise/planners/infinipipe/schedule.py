@@ -203,6 +203,20 @@ class UnitCosts:
         largest = np.sort(table[0])[::-1][:window]
         return float(largest.sum() + table[3].sum() + table[4].sum())
 
+    def alone_surely_fits(self) -> list[bool]:
+        """Per prepared unit, whether all of its chunks' activations and K/V fit every stage at
+        once: then it fits alone with no recomputation (its whole unit is within the window, so
+        this is `held_at_most` for the unit alone), and with any (recomputing only lowers
+        every level)."""
+        starts = np.cumsum([0] + [len(u) for u in self._prepared])[:-1]
+        ok = np.ones(len(self._prepared), dtype=bool)
+        if not len(starts):
+            return []
+        for shape in self.stages:
+            table = self._batch[shape.layers, shape.head]
+            ok &= np.add.reduceat(table[0] + table[3] + table[4], starts) <= self.cost.capacity_bytes - shape.states
+        return ok.tolist()
+
     def surely_fit(self, shares: list[list[int]]) -> list[bool]:
         """For each share (indices into the prepared units, one pipeline's units), whether one
         group of them has `held_at_most` within capacity less model states on every stage: the
