@@ -157,7 +157,7 @@ class UnitCosts:
         per token times each chunk's tokens (what `activation_bytes` computes), and the
         one-layer forward seconds are looked up only when a group's memory model needs them."""
         self._prepared = units     # keeps the ids below valid
-        self._cols = {}
+        self._cols, self._last_key = {}, None
         at = 0
         for u in units:
             self._cols[id(u)] = (at, at + len(u))
