@@ -31,16 +31,19 @@ Steps, each a function below or in a helper module:
 Cost, for n sequences, P data-parallel pipelines and the N_t values of N the search tries
 (N_t <= slice_candidates, 10; the six bench cases try 3-10):
 
-- per N: chunking O(n log n + S) for S segments (sorting, then a heap operation per short
-  sequence); chunk costs O(chunks) cost-model calls, memoised by (stage shape, chunk work);
-  Karmarkar-Karp / LPT over the u units, O(u log u) plus O(log P) per merge;
-- grouping: a pipeline whose units' activations and K/V fit on every stage all at once is one
-  group needing no recomputation (O(its units)); otherwise one group problem, O(m log m) for
-  its m chunks, and only when that group needs recomputation eq. 14's DP below;
+- per N: chunking O(n log n + S) for S segments (sorting, cuts by bisection, then O(log
+  buckets) heap work per short sequence); chunk costs, one cost-model call per distinct chunk
+  work (numpy for the activation bytes); Karmarkar-Karp / LPT over the u units, O(u log u)
+  plus O(log P) per merge;
+- memory: a split unit is checked alone (Algorithm 2's overflow test) only when its chunks'
+  activations and K/V do not fit all at once; a pipeline whose window's largest activations
+  plus all its K/V fit every stage (one sort of all chunks per stage shape, O(c log c) for
+  all pipelines together) is one group needing no recomputation; otherwise one group problem,
+  O(m log m) for its m chunks, and only when that group needs recomputation eq. 14's DP below;
 - simulation: SIMULATED plans simulated once each (the simulator's own cost, linear in
   actions), not one per N tried.
 
-So a batch costs O(N_t (n log n + S) + P) plus SIMULATED simulations: near-linear in sequences
+So a batch costs O(N_t (n log n + S + P)) plus SIMULATED simulations: near-linear in sequences
 and linear in pipelines. Where the paper forces worse: eq. 14 is a DP over the C distinct chunk
 counts of a pipeline (C <= N) that prices O(C^2) candidate groups, and each group's
 recomputation is Algorithm 2's MILP (NP-hard in general; HiGHS under milp_time_limit_s per
