@@ -61,9 +61,7 @@ score or why dropped), predicted_step_time_s.
 
 from __future__ import annotations
 
-import gc
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from lengthwise.errors import UserError
@@ -326,28 +324,9 @@ def infeasible_error(request: PlanRequest, settings: Settings, fit: SliceCost, l
         "or lower --context-length")
 
 
-@contextmanager
-def collector_paused():
-    """CPython's cyclic garbage collector off for the duration. Planning allocates a few hundred
-    thousand small acyclic objects (segments, chunks, actions) per candidate N and keeps them
-    alive, so every generation-2 pass rescans all of them for nothing: with it on, planning
-    32,768 sequences took about twice as long. Reference counting still frees everything."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def plan_infinipipe(request: PlanRequest) -> StepPlan:
-    """InfiniPipe for one global batch (infinipipe §3); options: `InfiniPipeOptions` (planners/options.py)."""
-    with collector_paused():
-        return _plan_infinipipe(request)
-
-
-def _plan_infinipipe(request: PlanRequest) -> StepPlan:
+    """InfiniPipe for one global batch (infinipipe §3); options: `InfiniPipeOptions` (planners/options.py).
+    The registry runs it with the garbage collector paused (planners/base.py `collector_paused`)."""
     started = time.perf_counter()
     settings = read_settings(request)
     check_lengths(request)
