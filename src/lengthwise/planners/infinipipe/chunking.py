@@ -151,9 +151,10 @@ class Bucket:
 
 
 def pack_buckets(tails: list[Segment], short: list[int], lengths: list[int], mesh: Mesh,
-                 fit: SliceCost) -> tuple[list[Bucket], float]:
+                 fit: SliceCost, whole: list[Segment] | None = None) -> tuple[list[Bucket], float]:
     """Lines 3-16: best fit of short sequences (longest time first) into tail-seeded buckets.
-    Returns the buckets and T_t after line 16's perturbations.
+    Returns the buckets and T_t after line 16's perturbations. `whole`: Segment(i, 0,
+    lengths[i]) for every i, made once for every N the search tries (segments are immutable).
 
     Line 9 picks, among buckets with room for the sequence's tokens (T_m) and time (T_t), the
     lowest time per token. Sequences come longest first, so the room a bucket needs only
@@ -192,7 +193,7 @@ def pack_buckets(tails: list[Segment], short: list[int], lengths: list[int], mes
             insort(admitting, (b.time / b.tokens, b.order, b))
 
     for seq_id, n, seconds, (n_next, s_next) in zip(ids, sizes, times, nexts):
-        seg = Segment(seq_id, 0, n)
+        seg = whole[seq_id] if whole is not None else Segment(seq_id, 0, n)
         while need_tokens and need_tokens[0][0] <= room - n:     # now room in tokens
             b = pop(need_tokens)[2]
             push(need_time, (b.time, b.order, b))
@@ -261,15 +262,16 @@ def make_units(split: dict[int, list[Segment]], buckets: list[Bucket]) -> list[U
     return units
 
 
-def balanced_chunking(lengths: list[int], num_slices: int, fit: SliceCost, *,
-                      balanced: bool = True) -> ChunkedBatch | None:
-    """Algorithm 1 for one slice number N (balanced=False: the even-split ablation)."""
+def balanced_chunking(lengths: list[int], num_slices: int, fit: SliceCost, *, balanced: bool = True,
+                      whole: list[Segment] | None = None) -> ChunkedBatch | None:
+    """Algorithm 1 for one slice number N (balanced=False: the even-split ablation); `whole` as
+    in `pack_buckets`."""
     mesh = (balanced_mesh if balanced else even_mesh)(max(lengths), num_slices, fit)
     if mesh is None:
         return None
     split, short = split_by_mesh(lengths, mesh)
     tails = [split[i][-1] for i in sorted(split)]
-    buckets, threshold = pack_buckets(tails, short, lengths, mesh, fit)
+    buckets, threshold = pack_buckets(tails, short, lengths, mesh, fit, whole)
     units = make_units(split, buckets)
     return ChunkedBatch(units=units, mesh=mesh, num_slices=num_slices, time_threshold=threshold,
                         stats={"split_sequences": len(split), "chunks": sum(u.num_chunks for u in units)})

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 
 from lengthwise.errors import UserError
 from lengthwise.metrics import PLANNING_MS, PREDICTED_STEP_TIME_S
-from lengthwise.plan.ir import PipelinePlan, StepPlan
+from lengthwise.plan.ir import PipelinePlan, Segment, StepPlan
 from lengthwise.planners.base import (
     PlanRequest,
     check_lengths,
@@ -244,9 +244,10 @@ def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, starte
     simulated one is kept (the estimate leaves out gradient reduction and the exact bubbles, so
     N within a few percent by estimate can swap places in the simulator)."""
     cands: dict[int, Candidate] = {}
+    whole = [Segment(i, 0, n) for i, n in enumerate(request.lengths)]
 
     def evaluate(n: int) -> float | str:
-        cand, why = candidate_for(n, request, settings, fit)
+        cand, why = candidate_for(n, request, settings, fit, whole)
         if cand is None:
             return why
         cands[n] = cand
@@ -287,9 +288,10 @@ def mesh_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost):
     return (balanced_mesh if settings.balanced else even_mesh)(max(request.lengths), n, fit)
 
 
-def candidate_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost) -> tuple[Candidate | None, str]:
-    """Steps 1-4 for one N, or None and why it has no plan."""
-    batch = balanced_chunking(request.lengths, n, fit, balanced=settings.balanced)
+def candidate_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost,
+                  whole: list[Segment] | None = None) -> tuple[Candidate | None, str]:
+    """Steps 1-4 for one N, or None and why it has no plan (`whole` as in `pack_buckets`)."""
+    batch = balanced_chunking(request.lengths, n, fit, balanced=settings.balanced, whole=whole)
     if batch is None:
         return None, "too many slices"
     cand = plan_candidate(batch, request, settings)
