@@ -144,8 +144,17 @@ def greedy_pack(load: PipelineLoad) -> Packing:
     work, lengths = load.work.tolist(), load.lengths.tolist()
     order = sorted(range(len(work)), key=lambda i: (-work[i], -lengths[i], i))
     tried = [("bfd", best_fit_decreasing(lengths, load.max_len))]
-    tried += [("lpt", _lpt(order, work, lengths, v, load.max_len)) for v in micro_batch_range(load)]
-    estimates = {k: _estimate(load, work, b) for k, (_, b) in enumerate(tried) if b is not None}
+    estimates = {0: _estimate(load, work, tried[0][1])}
+    counts = micro_batch_range(load)
+    floor = _estimate_floor(load, max(counts))
+    for v in counts:
+        # LPT at v bins cannot beat floor[v - 1]; skipping it when that is above the best so far
+        # leaves the choice (and the tie-break toward earlier entries) unchanged
+        if floor[v - 1] > min(estimates.values()) * (1 + 1e-9):
+            continue
+        tried.append(("lpt", _lpt(order, work, lengths, v, load.max_len)))
+        if tried[-1][1] is not None:
+            estimates[len(tried) - 1] = _estimate(load, work, tried[-1][1])
     for _, k in sorted((e, k) for k, e in estimates.items())[:KK_TRIES]:
         v = len(tried[k][1])
         if len(work) >= KK_MIN_PER_BIN * v:
@@ -155,6 +164,15 @@ def greedy_pack(load: PipelineLoad) -> Packing:
     # Each packing's estimate once (it sums every sequence's work); the first of equal ones wins.
     best = min(estimates, key=lambda k: (estimates[k], k))
     return _packing(load, tried[best][1], tried[best][0])
+
+
+def _estimate_floor(load: PipelineLoad, top: int) -> np.ndarray:
+    """[v - 1]: a lower bound on eq. 1 for any packing into at most v non-empty micro-batches,
+    v = 1..top: with b bins the heaviest holds at least max(total / b, largest w), so the
+    estimate is at least (that + c) (depth - 1 + b), minimised over b <= v."""
+    b = np.arange(1, top + 1, dtype=np.float64)
+    total, largest = float(load.work.sum()), float(load.work.max())
+    return np.minimum.accumulate((np.maximum(total / b, largest) + load.chunk_s) * (load.depth - 1 + b))
 
 
 def _within(bins: list[list[int]], lengths: list[int], cap: int) -> list[list[int]] | None:
