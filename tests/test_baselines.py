@@ -18,7 +18,7 @@ from lengthwise.planners.packing_utils import (
 )
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
 
-BASELINES = ("padding", "packing", "sorted", "token-balanced")
+BASELINES = ("padding", "packing", "static-cp", "sorted", "token-balanced")
 MODEL = MODEL_PRESETS["qwen2.5-1.5b"]
 CONTEXT = 32768
 SCHEMES = {
@@ -177,11 +177,42 @@ def test_sequence_over_context_length_is_named(name):
 
 @pytest.mark.parametrize("name", BASELINES)
 def test_sequence_over_pipeline_memory_names_the_limit(name):
-    req = request([10, 30000], "dp4-pp2")
+    req = request([10, 40000], "dp4-pp2", recompute="none")
     req.context_length = 65536
-    req.lengths = [10, 40000]
     limit = req.cost.max_seq_len(pp=2, dp=4)
     with pytest.raises(UserError, match=f"sequence 1 has 40000 tokens > {limit}, the longest one pipeline"):
+        get_planner(name)(req)
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_baselines_recompute_every_layer_only_when_the_longest_sequence_needs_it(name):
+    """recompute=auto, as a Megatron user would: none while it fits, full when it must."""
+    short = request([10, 3000, 700])
+    plan = get_planner(name)(short)
+    assert plan.options["recompute"] == "none"
+    assert all(a.recompute_layers == 0 for p in plan.pipelines for st in p.stages for a in st)
+
+    req = request([10, 40000, 700], "dp4-pp2")
+    req.context_length = 65536
+    assert 40000 > req.cost.max_seq_len(pp=2, dp=4)  # does not fit without recomputation
+    plan = get_planner(name)(req)
+    assert plan.options["recompute"] == "full"
+    layers = plan.pipelines[0].stage_layers(MODEL.num_layers)
+    for p in plan.pipelines:
+        for s, acts in enumerate(p.stages):
+            assert all(a.recompute_layers == layers[s] for a in acts if a.kind == "F")
+    assert_valid(plan, req)
+    from lengthwise.sim import simulate_plan
+    assert simulate_plan(plan, req.cost).fits
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_sequence_over_memory_even_with_recomputation_is_named(name):
+    req = request([10, 600000], "dp4-pp2")
+    req.context_length = 1 << 20
+    limit = req.cost.max_seq_len(pp=2, dp=4, recompute=True)
+    assert 600000 > limit
+    with pytest.raises(UserError, match=f"600000 tokens > {limit}, .* even with full recomputation"):
         get_planner(name)(req)
 
 
@@ -261,3 +292,14 @@ def test_auto_validates_the_best_plan_first_and_falls_back_when_it_is_invalid(mo
     assert fallback.metrics["chosen_planner"] not in (honest.metrics["chosen_planner"], None)
     assert len(checked) == 2  # ... and only the runner-up after it
     assert "planted defect" in fallback.metrics["auto"][honest.metrics["chosen_planner"]]["error"]
+
+
+def test_static_cp_gives_every_sequence_its_own_row_sharded_over_the_cp_group():
+    req = request([700, 30, 2500, 90, 1200, 15], "dp2-pp2-cp2")
+    plan = get_planner("static-cp")(req)
+    assert_valid(plan, req)
+    rows = [c for p in plan.pipelines for c in p.chunks]
+    assert sorted(seg.seq_id for c in rows for seg in c.segments) == list(range(6))
+    assert all(len(c.segments) == 1 and c.segments[0].cp_rank == -1 for c in rows)
+    assert [[c.segments[0].seq_id for c in p.chunks] for p in plan.pipelines] == [[0, 2, 4], [1, 3, 5]]
+    assert all(a.recompute_layers == 0 for p in plan.pipelines for st in p.stages for a in st)

@@ -28,12 +28,15 @@ def run(argv):
 results = {"--help": run(["--help"])}
 results.update({f"{name} --help": run([name, "--help"]) for name in COMMANDS})
 results.update({name: run([name]) for name in ("train", "verify", "profile")})
+results["compare --confirm"] = run(["compare", "--profile", "tiny", "--model", "tiny", "--cluster", "cpu",
+                                    "--gpus", "2", "--batch-size", "8", "--batches", "1", "--planners",
+                                    "packing", "--out", OUT, "--no-pictures", "--confirm"])
 print(json.dumps(results))
 """
 
 
-def test_help_and_planning_commands_run_without_torch_and_model_commands_say_what_to_install():
-    child = CHILD.replace("SRC", repr(str(SRC)))
+def test_help_and_planning_commands_run_without_torch_and_model_commands_say_what_to_install(tmp_path):
+    child = CHILD.replace("SRC", repr(str(SRC))).replace("OUT", repr(str(tmp_path / "report")))
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=True)
     results = json.loads(done.stdout)
     for name, result in results.items():

@@ -135,3 +135,18 @@ def test_compare_rejects_unknown_planner(capsys):
     assert main(["compare", "--planners", "packing,nosuch", "--profile", "tiny"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nosuch" in err[0]
+
+
+def test_confirm_dry_runs_the_winners_fullest_rank(tmp_path, capsys):
+    pytest.importorskip("torch")
+    code = main(["compare", "--profile", "tiny", "--model", "tiny", "--cluster", "cpu", "--gpus", "2",
+                 "--batch-size", "12", "--batches", "2", "--planners", "packing,megatron,chunkflow,auto",
+                 "--scheme", "dp1-tp1-pp2-cp1", "--out", str(tmp_path / "r"), "--json", "--no-pictures",
+                 "--confirm"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    c = summary["confirm"]
+    assert c["planner"] == "auto" and c["chosen_planner"] in ("packing", "megatron", "chunkflow")
+    assert c["measured_peak_gib"] > 0 and c["simulated_peak_gib"] > 0
+    assert c["fits"] == (c["measured_peak_gib"] <= c["capacity_gib"])
+    assert "Confirmed by a dry run" in (tmp_path / "r" / "report.md").read_text()

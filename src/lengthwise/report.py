@@ -28,7 +28,7 @@ from lengthwise.plan.ir import Chunk, Segment
 from lengthwise.planners.base import PlanRequest
 from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
 
-BASELINES = ("padding", "packing", "megatron", "sorted", "token-balanced")
+BASELINES = ("padding", "packing", "megatron", "static-cp", "sorted", "token-balanced")
 PAPERS_BASELINE = "megatron"
 """What ChunkFlow, InfiniPipe, SlimPack and Hydraulis measured against (`speedup_vs_megatron`)."""
 MAX_SCHEMES = 8

@@ -78,6 +78,14 @@ def markdown(summary: dict, pictures: list[str]) -> str:
             options = ", ".join(f"`{k}={v}`" for k, v in r["tuned"].items())
             lines += ["", f"`{name}` ran every batch with {options}, chosen by its own search on the "
                           "scheme-selection batches."]
+    c = summary.get("confirm")
+    if c and "error" not in c:
+        lines += ["", f"Confirmed by a dry run (fake tensors, the executor's own code): `{c['planner']}` "
+                      f"batch {c['batch']}, rank {c['rank']} ({c['place']}) measured a peak of "
+                      f"{c['measured_peak_gib']:.2f} GiB against {c['simulated_peak_gib']:.2f} GiB simulated and "
+                      f"{c['capacity_gib']:.1f} GiB usable: {'fits' if c['fits'] else 'does NOT fit'}."]
+    elif c:
+        lines += ["", f"Dry-run confirmation: {c['error']}"]
     lines += [""] + [f"![{p}]({p})" for p in pictures]
     return "\n".join(lines) + "\n"
 

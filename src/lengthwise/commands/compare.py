@@ -36,7 +36,7 @@ from lengthwise.commands.planner_flags import (
 from lengthwise.commands.profile import add_profile_file_arg, load_profile_file
 from lengthwise.errors import UserError
 from lengthwise.paths import check_writable
-from lengthwise.metrics import PEAK_MEMORY_GIB
+from lengthwise.metrics import GIB, PEAK_MEMORY_GIB
 from lengthwise.report import CompareSetup, all_planners, run_compare, summarise
 from lengthwise.report_files import write_report
 from lengthwise.specs import CLUSTER_PRESETS, ParallelScheme, cluster_preset, model_preset
@@ -66,6 +66,11 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="folder for report.md and pictures (default compare-report)")
     parser.add_argument("--no-pictures", action="store_true", help="write report.md without the PNGs")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--confirm", action="store_true",
+                        help="run the winner's fullest rank (highest simulated peak, on its fullest batch) "
+                             "through the executor under fake tensors, as `lengthwise dryrun` does, and say "
+                             "whether its measured peak memory fits a GPU (needs torch; a 7B rank takes about "
+                             "a minute)")
     add_profile_file_arg(parser)
     add_planner_option_args(parser)
     add_workload_args(parser)
@@ -74,15 +79,63 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_writable(Path(args.out) / "report.md", "--out")
+    if args.confirm:
+        require_torch()  # before the comparison, not after it
     setup = build_setup(args)
     total = len(setup.batches) * len([p for p in setup.planners if p != "auto"])
     with tqdm(total=total, desc="planning + simulating", unit="plan", disable=args.json, leave=False) as bar:
         rows = run_compare(setup, progress=bar)
     summary = summarise(rows)
     summary["setup"] = describe(setup, args)
+    if args.confirm:
+        summary["confirm"] = confirm_winner(rows, summary, setup)
     write_report(Path(args.out), setup, rows, summary, pictures=not args.no_pictures)
     print(json_text(summary) if args.json else format_table(summary, args.out))
     return 0
+
+
+def require_torch() -> None:
+    try:
+        import torch  # noqa: F401  (the dry run's executor)
+    except ImportError:
+        raise UserError("--confirm runs the executor under fake tensors and needs PyTorch: "
+                        "pip install torch==2.13.0, or drop --confirm") from None
+
+
+def confirm_winner(rows: dict, summary: dict, setup: CompareSetup) -> dict:
+    """Dry-run the rank of the winner's plans with the highest simulated peak memory.
+
+    The winner is the fastest planner whose plans all fit in simulation (`auto` when compared:
+    the per-batch best). Its batch with the highest simulated peak is taken, and in that plan
+    the (pipeline, stage) with the highest peak; its first rank runs the executor's own code
+    under fake tensors and the fake process group (`lengthwise dryrun`), measuring what it
+    allocates. Fits means the measured peak is within the GPU's usable memory (capacity less the
+    cost model's reserve)."""
+    require_torch()
+    from lengthwise.commands.dryrun import dryrun_rows
+    from lengthwise.cost import CostModel
+    from lengthwise.sim.rank import rank_places
+
+    fitting = {n: r for n, r in summary["planners"].items() if r.get("fits") and "error" not in r}
+    if not fitting:
+        return {"error": "no planner's plans fit in simulation: nothing to confirm"}
+    winner = "auto" if "auto" in fitting else min(fitting, key=lambda n: fitting[n]["step_time_s"])
+    runs = [(b, r) for b, r in enumerate(rows[winner].runs) if r.plan is not None and r.result is not None]
+    b, run = max(runs, key=lambda br: max(p for row in br[1].result.peak_memory for p in row))
+    peaks = run.result.peak_memory
+    p, s = max(((p, s) for p, row in enumerate(peaks) for s in range(len(row))), key=lambda ps: peaks[ps[0]][ps[1]])
+    rank = next(i for i, place in enumerate(rank_places(run.plan)) if (place.pipeline, place.stage) == (p, s))
+    out = {"planner": winner, "chosen_planner": run.plan.metrics.get("chosen_planner", run.plan.planner),
+           "batch": b, "rank": rank}
+    try:
+        row = dryrun_rows(run.plan, [rank])[str(rank)]
+    except UserError as exc:
+        return {**out, "error": f"not confirmed: {exc}"}
+    capacity = CostModel(model=setup.model, cluster=setup.cluster).capacity_bytes / GIB
+    measured = row["peak_memory_gib"]["measured"]
+    return {**out, "place": row["place"], "measured_peak_gib": measured,
+            "simulated_peak_gib": row["peak_memory_gib"]["simulated"], "capacity_gib": capacity,
+            "fits": measured <= capacity, "dryrun_s": row["dryrun_s"]}
 
 
 def build_setup(args: argparse.Namespace) -> CompareSetup:
@@ -138,8 +191,23 @@ def format_table(summary: dict, out: str) -> str:
     s = summary["setup"]
     head = (f"{s['workload']}, {s['model']} on {s['gpus']} x {s['cluster']}, context {s['context_length']:,}, "
             f"{s['batches']} batches (simulated)")
-    lines = [head, table_lines(summary["planners"]), f"report: {out}/report.md"]
+    lines = [head, table_lines(summary["planners"])]
+    if "confirm" in summary:
+        lines.append(confirm_line(summary["confirm"]))
+    lines.append(f"report: {out}/report.md")
     return "\n".join(lines)
+
+
+def confirm_line(c: dict) -> str:
+    who = c.get("planner", "")
+    if c.get("chosen_planner") and c["chosen_planner"] != who:
+        who = f"{who} ({c['chosen_planner']})"
+    if "error" in c:
+        return f"confirm: {who + ': ' if who else ''}{c['error']}"
+    verdict = "fits" if c["fits"] else "DOES NOT FIT"
+    return (f"confirm: {who}, batch {c['batch']}, rank {c['rank']} ({c['place']}): measured peak "
+            f"{c['measured_peak_gib']:.1f} GiB (simulated {c['simulated_peak_gib']:.1f}) of "
+            f"{c['capacity_gib']:.1f} GiB usable: {verdict} (dry run on fake tensors, {c['dryrun_s']:.0f} s)")
 
 
 def table_lines(planners: dict) -> str:

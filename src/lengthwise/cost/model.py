@@ -181,10 +181,14 @@ class CostModel:
 
     # ---- limits ----
     def max_seq_len(self, *, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, zero: int = 1,
-                    inflight: int | None = None) -> int:
+                    inflight: int | None = None, recompute: bool = False) -> int:
         """Longest sequence one pipeline of the scheme holds when every stage keeps `inflight`
         micro-batches of that length alive (default pp on the first stage, pp - s on stage s:
-        hydraulis.txt B.1 MaxLen; skrull.txt A.1 BucketSize with pp = 1)."""
+        hydraulis.txt B.1 MaxLen; skrull.txt A.1 BucketSize with pp = 1). With `recompute`
+        every layer keeps only its input (full recomputation) and the backward of one
+        micro-batch re-materialises what it dropped, as the simulator charges it
+        (sim/memory.py: the whole difference, an upper bound on the executor's per-layer
+        checkpointing)."""
         layers = split_layers(self.model.num_layers, pp)
         best = math.inf
         for s, n in enumerate(layers):
@@ -192,7 +196,12 @@ class CostModel:
             free = self.capacity_bytes - self.model_state_bytes(layers=n, tp=tp, dp=dp * cp, zero=zero,
                                                                 first=first, last=last)
             held = inflight if inflight is not None else pp - s
-            per_token = self.activation_bytes_per_token(layers=n, tp=tp, head=last) * held / cp
+            per_token = self.activation_bytes_per_token(layers=n, tp=tp, head=last,
+                                                        recompute_layers=n if recompute else 0) * held / cp
+            if recompute:
+                per_token += (self.activation_bytes_per_token(layers=n, tp=tp, head=last)
+                              - self.activation_bytes_per_token(layers=n, tp=tp, head=last,
+                                                                recompute_layers=n)) / cp
             best = min(best, free / per_token if free > 0 else 0)
         return int(best)
 

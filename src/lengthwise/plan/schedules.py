@@ -68,6 +68,8 @@ def dependencies(chunks: list[Chunk], backward_chunks: list[Chunk] | None = None
 
 
 def _previous_slices(chunks: list[Chunk]) -> tuple[tuple[int, ...], ...]:
+    if not any(seg.start for ch in chunks for seg in ch.segments):
+        return ((),) * len(chunks)  # no slice continues another
     ends = {(seg.seq_id, seg.stop): c for c, ch in enumerate(chunks) for seg in ch.segments}
     out = []
     for c, ch in enumerate(chunks):

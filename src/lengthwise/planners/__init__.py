@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from lengthwise.errors import UserError
 from lengthwise.planners.auto import plan_auto
-from lengthwise.planners.base import Planner, PlanRequest  # noqa: F401
+from lengthwise.planners.base import Planner, PlanRequest, collector_paused  # noqa: F401
 from lengthwise.planners.registry import CANDIDATE_PLANNERS
 
-PLANNERS: dict[str, Planner] = {**CANDIDATE_PLANNERS, "auto": plan_auto}
+PLANNERS: dict[str, Planner] = {**CANDIDATE_PLANNERS, "auto": collector_paused(plan_auto)}
 """Planner name -> planner function."""
 
 PLANNER_NAMES: tuple[str, ...] = tuple(PLANNERS)

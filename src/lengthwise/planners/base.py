@@ -8,6 +8,8 @@ lists into 1F1B pipelines (`pipelines_from_chunks`), read planner options strict
 
 from __future__ import annotations
 
+import functools
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -47,6 +49,26 @@ class PlanRequest:
 
 
 Planner = Callable[[PlanRequest], StepPlan]
+
+
+def collector_paused(planner: Planner) -> Planner:
+    """`planner` with Python's cyclic garbage collector paused while it runs (restored after,
+    also on error). A plan allocates some 10^5-10^6 small objects (segments, chunks, actions)
+    and none of them in cycles, yet each allocation burst triggers collections that walk all
+    of them: pausing saves about a fifth of the planning time at 32K sequences. Nested calls
+    (auto running the others) leave the collector to the outermost."""
+
+    @functools.wraps(planner)
+    def run(request: PlanRequest) -> StepPlan:
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return planner(request)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return run
 
 
 def take_options(request: PlanRequest, planner: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""Four baseline planners: how trainers without length-aware planning build micro-batches.
+"""Baseline planners: how trainers without length-aware planning build micro-batches.
 
-All four keep every sequence whole, run a plain 1F1B schedule over the scheme's PP stages, and
+All of them keep every sequence whole, run a plain 1F1B schedule over the scheme's PP stages, and
 give each of the scheme's dp pipelines its own micro-batches. They differ in how micro-batches
 are formed and spread over data-parallel ranks:
 
@@ -18,12 +18,28 @@ are formed and spread over data-parallel ranks:
 - `sorted`: LongAlign's sorted batching (ChunkFlow §6 "smart batching"): sort by length, cut the
   sorted list into micro-batches of similar lengths that fit the token budget, pad each to its
   longest, deal the micro-batches to ranks in shuffled order. Little padding, same stragglers.
+- `static-cp`: DeepSpeed with Ulysses-style static context parallelism as Skrull measured it
+  (skrull §6: "DeepSpeed, ZeRO-2, DP=4, CP=8"): every sequence is its own micro-batch, sharded
+  over the whole CP group however short, dealt to the DP ranks in sampler order (a distributed
+  sampler), 1F1B over the stages. Many small rows: little memory and short bubbles, but short
+  sequences pay the CP exchange and small-GEMM efficiency.
 - `token-balanced`: verl-style balancing: Karmarkar-Karp splits the sequences over DP ranks by
   token count, then each rank packs its share best-fit-decreasing. Equal tokens per rank, but
   not equal attention FLOPs.
 
-Options: `PaddingOptions`, `MegatronOptions`, `SortedOptions`, `TokenBalancedOptions` in
-planners/options.py.
+Cost, n sequences over D pipelines: padding and static-cp O(n), packing and sorted O(n log n) (a sort, then
+best-fit by bisection over open bins), megatron O(n), token-balanced Karmarkar-Karp O(n log n)
+in the usual case (packing_utils) plus best-fit-decreasing per rank; schedules are made once per
+distinct pipeline shape.
+
+Every baseline takes `recompute` (none / full / auto, default auto): as a Megatron-LM user
+would, it recomputes every layer only when its longest sequence (megatron: a context-length
+micro-batch) does not fit 1F1B without it. Selective recomputation (Megatron's core-attention
+recomputation) is not offered: with flash attention the attention core saves no scores, so it
+frees nothing the cost model counts.
+
+Options: `PaddingOptions`, `PackingOptions`, `MegatronOptions`, `StaticCPOptions`,
+`SortedOptions`, `TokenBalancedOptions` in planners/options.py.
 """
 
 from __future__ import annotations
@@ -36,7 +52,7 @@ from lengthwise.cost.model import split_layers
 from lengthwise.plan.ir import FORWARD, Action, Chunk, StepPlan
 from lengthwise.planners.base import (
     PlanRequest, check_lengths, check_request, finish_plan, pipelines_from_chunks, positive_int_option,
-    take_options, whole,
+    seq_len_limit, take_options, whole,
 )
 from lengthwise.planners.packing_utils import best_fit_decreasing, karmarkar_karp, split_to_multiple
 
@@ -73,7 +89,7 @@ def plan_padding(request: PlanRequest) -> StepPlan:
     """Fixed-size micro-batches in sampler order, padded to their longest (Hydraulis §2.2)."""
     started = time.perf_counter()
     opts = take_options(request, "padding")
-    limit = check_request(request)
+    limit, recompute = baseline_limit(request, opts["recompute"])
     lengths = request.lengths
     # Default: as many rows of the batch's longest sequence as one pipeline's memory holds.
     default = max(1, limit // max(lengths, default=1))
@@ -81,27 +97,57 @@ def plan_padding(request: PlanRequest) -> StepPlan:
     groups = [list(range(i, min(i + mbs, len(lengths)))) for i in range(0, len(lengths), mbs)]
     _check_padded_fits(groups, lengths, limit, mbs)
     chunks = [padded_chunk(g, lengths) for g in groups]
-    pipelines = pipelines_from_chunks(request, deal(chunks, request.scheme.dp))
+    pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, request.scheme.dp)), recompute)
     return finish_plan(request, pipelines, planner="padding", started=started,
-                       options={"micro_batch_size": mbs})
+                       options={"micro_batch_size": mbs, "recompute": "full" if recompute else "none"})
 
 
 def plan_packing(request: PlanRequest) -> StepPlan:
     """Best-fit-decreasing packs of the context length, an equal count per DP rank."""
     started = time.perf_counter()
-    take_options(request, "packing")
-    capacity = min(request.context_length, check_request(request))
+    opts = take_options(request, "packing")
+    limit, recompute = baseline_limit(request, opts["recompute"])
+    capacity = min(request.context_length, limit)
     lengths, dp = request.lengths, request.scheme.dp
     bins = split_to_multiple(best_fit_decreasing(lengths, capacity), lengths, dp)
     # The data loader sees packs in random order; ranks take consecutive ones.
     random.Random(request.seed).shuffle(bins)
     chunks = [packed_chunk(b, lengths) for b in bins]
-    pipelines = pipelines_from_chunks(request, deal(chunks, dp))
+    pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, dp)), recompute)
     return finish_plan(request, pipelines, planner="packing", started=started,
-                       options={"pack_tokens": capacity})
+                       options={"pack_tokens": capacity, "recompute": "full" if recompute else "none"})
 
 
 RECOMPUTE_CHOICES = ("none", "full", "auto")
+
+
+def baseline_limit(request: PlanRequest, choice: str) -> tuple[int, bool]:
+    """(tokens one pipeline holds, whether every layer recomputes) for a baseline's `recompute`
+    option: `none` keeps every activation, `full` keeps each layer's input only, `auto` is the
+    fastest that fits — none when the longest sequence fits without recomputation, else full —
+    as a Megatron-LM user would choose. UserError when the longest sequence fits neither way."""
+    if choice not in RECOMPUTE_CHOICES:
+        raise UserError(f"option recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {choice!r}")
+    check_lengths(request)
+    longest = max(request.lengths)
+    plain = seq_len_limit(request)
+    if choice == "none" or (choice == "auto" and longest <= plain):
+        return check_request(request), False
+    s = request.scheme
+    limit = int(request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp, zero=s.zero, recompute=True))
+    if longest > limit:
+        raise UserError(
+            f"sequence {request.lengths.index(longest)} has {longest} tokens > {limit}, the longest one "
+            f"pipeline of {s} can hold even with full recomputation: raise --tp, --pp or --cp, or use a "
+            "splitting planner")
+    return limit, True
+
+
+def with_recompute(request: PlanRequest, pipelines: list, recompute: bool) -> list:
+    """The pipelines, with every stage's forwards recomputing all its layers when `recompute`."""
+    if recompute:
+        _recompute_every_layer(request, pipelines)
+    return pipelines
 
 
 def plan_megatron(request: PlanRequest) -> StepPlan:
@@ -121,6 +167,17 @@ def plan_megatron(request: PlanRequest) -> StepPlan:
     return finish_plan(request, pipelines, planner="megatron", started=started,
                        options={"recompute": "full" if recompute else "none",
                                 "micro_batch_tokens": request.context_length})
+
+
+def plan_static_cp(request: PlanRequest) -> StepPlan:
+    """One sequence per micro-batch, each sharded over the CP group, dealt in sampler order."""
+    started = time.perf_counter()
+    opts = take_options(request, "static-cp")
+    _, recompute = baseline_limit(request, opts["recompute"])
+    chunks = [packed_chunk([i], request.lengths) for i in range(len(request.lengths))]
+    pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, request.scheme.dp)), recompute)
+    return finish_plan(request, pipelines, planner="static-cp", started=started,
+                       options={"recompute": "full" if recompute else "none"})
 
 
 def next_fit(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -159,8 +216,9 @@ def _fits_1f1b(request: PlanRequest, *, recompute: bool) -> bool:
         states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp * s.cp, zero=s.zero, first=first, last=last)
         per_token = cost.activation_bytes_per_token(layers=n, tp=s.tp, recompute_layers=n if recompute else 0,
                                                     head=last)
-        # under recomputation the backward re-materialises one layer's activations at a time
-        transient = cost.activation_bytes_per_token(layers=1, tp=s.tp) if recompute else 0.0
+        # under recomputation one micro-batch's backward re-materialises what it dropped, as the
+        # simulator charges it (sim/memory.py)
+        transient = cost.activation_bytes_per_token(layers=n, tp=s.tp, head=last) - per_token if recompute else 0.0
         tokens = request.context_length / s.cp
         if states + tokens * (per_token * (s.pp - stage) + transient) > cost.capacity_bytes:
             return False
@@ -192,27 +250,31 @@ def plan_sorted(request: PlanRequest) -> StepPlan:
     """LongAlign sorted batching: similar lengths per micro-batch, batches in random order."""
     started = time.perf_counter()
     opts = take_options(request, "sorted")
-    budget = min(request.context_length, check_request(request))
+    limit, recompute = baseline_limit(request, opts["recompute"])
+    budget = min(request.context_length, limit)
     mbs = positive_int_option(opts, "micro_batch_size")
     groups = _sorted_groups(request.lengths, budget, mbs)
     random.Random(request.seed).shuffle(groups)
     chunks = [padded_chunk(g, request.lengths) for g in groups]
-    pipelines = pipelines_from_chunks(request, deal(chunks, request.scheme.dp))
+    pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, request.scheme.dp)), recompute)
     return finish_plan(request, pipelines, planner="sorted", started=started,
-                       options={"micro_batch_size": mbs, "row_tokens": budget})
+                       options={"micro_batch_size": mbs, "row_tokens": budget,
+                                "recompute": "full" if recompute else "none"})
 
 
 def plan_token_balanced(request: PlanRequest) -> StepPlan:
     """Karmarkar-Karp over DP ranks by token count, then best-fit-decreasing packs per rank."""
     started = time.perf_counter()
     opts = take_options(request, "token-balanced")
-    capacity = min(request.context_length, check_request(request))
+    limit, recompute = baseline_limit(request, opts["recompute"])
+    capacity = min(request.context_length, limit)
     lengths = request.lengths
     shares = karmarkar_karp(lengths, request.scheme.dp, equal_count=bool(opts["equal_count"]))
     per_pipeline = []
     for share in shares:
         bins = best_fit_decreasing([lengths[i] for i in share], capacity)
         per_pipeline.append([packed_chunk([share[j] for j in b], lengths) for b in bins])
-    pipelines = pipelines_from_chunks(request, per_pipeline)
+    pipelines = with_recompute(request, pipelines_from_chunks(request, per_pipeline), recompute)
     return finish_plan(request, pipelines, planner="token-balanced", started=started,
-                       options={"pack_tokens": capacity, "equal_count": bool(opts["equal_count"])})
+                       options={"pack_tokens": capacity, "equal_count": bool(opts["equal_count"]),
+                                "recompute": "full" if recompute else "none"})

@@ -33,11 +33,18 @@ class PaddingOptions:
     micro_batch_size: int | None = option(
         None, "sequences per micro-batch, each padded to its longest; default: as many rows of the "
         "batch's longest sequence as one pipeline's memory holds under 1F1B", metavar="N")
+    recompute: str = option(
+        "auto", "activation recomputation: none, full (every layer keeps only its input), or auto, the "
+        "fastest that fits (none when it fits, else full), as a Megatron-LM user would choose",
+        metavar="none|full|auto")
 
 
 @dataclass(kw_only=True, frozen=True)
 class PackingOptions:
-    pass
+    recompute: str = option(
+        "auto", "activation recomputation: none, full (every layer keeps only its input), or auto, the "
+        "fastest that fits (none when it fits, else full), as a Megatron-LM user would choose",
+        metavar="none|full|auto")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -49,15 +56,31 @@ class MegatronOptions:
 
 
 @dataclass(kw_only=True, frozen=True)
+class StaticCPOptions:
+    recompute: str = option(
+        "auto", "activation recomputation: none, full (every layer keeps only its input), or auto, the "
+        "fastest that fits (none when it fits, else full), as a Megatron-LM user would choose",
+        metavar="none|full|auto")
+
+
+@dataclass(kw_only=True, frozen=True)
 class SortedOptions:
     micro_batch_size: int | None = option(
         None, "most sequences per micro-batch; default: as many as fill the token budget", metavar="N")
+    recompute: str = option(
+        "auto", "activation recomputation: none, full (every layer keeps only its input), or auto, the "
+        "fastest that fits (none when it fits, else full), as a Megatron-LM user would choose",
+        metavar="none|full|auto")
 
 
 @dataclass(kw_only=True, frozen=True)
 class TokenBalancedOptions:
     equal_count: bool = option(False, "give every data-parallel rank the same number of sequences",
                                metavar="BOOL")
+    recompute: str = option(
+        "auto", "activation recomputation: none, full (every layer keeps only its input), or auto, the "
+        "fastest that fits (none when it fits, else full), as a Megatron-LM user would choose",
+        metavar="none|full|auto")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -112,8 +135,9 @@ class InfiniPipeOptions:
                                      "'w/o wbc' ablation (equal-token slices)", metavar="BOOL")
     checkpointing: str = option("adaptive", "'adaptive' (the §3.3.3 MILP), 'none' (no recomputation) or "
                                 "'full' (every layer of every chunk recomputed)", metavar="MODE")
-    score: str = option("simulate", "how N candidates are compared: 'simulate' or 'estimate' (the DP's "
-                        "cost)", metavar="MODE")
+    score: str = option("simulate", "how the chosen N is picked: 'simulate' (the search compares N by the "
+                        "DP's estimate, then the simulator picks among the 2 best) or 'estimate' (the best "
+                        "by estimate)", metavar="MODE")
     milp_time_limit_s: float = option(0.1, "HiGHS seconds per checkpointing MILP; on time-out the better "
                                       "of the incumbent and the rounded LP optimum is used", metavar="SECONDS")
 
@@ -144,6 +168,7 @@ PLANNER_OPTIONS: dict[str, type] = {
     "padding": PaddingOptions,
     "packing": PackingOptions,
     "megatron": MegatronOptions,
+    "static-cp": StaticCPOptions,
     "sorted": SortedOptions,
     "token-balanced": TokenBalancedOptions,
     "chunkflow": ChunkFlowOptions,

@@ -49,6 +49,12 @@ How the options' defaults are chosen (`ChunkFlowOptions` in planners/options.py)
 - `k`: chunks of a group whose activations are kept at once (int >= 1, §4.2). Default 1; with
   chunk_size="auto" and no k, K is searched too.
 
+Cost per plan, n sequences and D pipelines: sorting and LPT placement O(n log n + n log D)
+(a heap of pipeline loads), Karmarkar-Karp when tried O(n log n) in the usual case, chunk
+construction best-fit-decreasing O(n log n) per pipeline, scheduling linear in chunks (one
+schedule per distinct pipeline shape). chunk_size="auto" multiplies this by the grid's points
+(about 6 chunk sizes x log2 of the longest group's chunk count) and adds a simulation per point.
+
 Metrics added to plan.metrics: chunk_size, k, dependent_groups, dependent_chunks,
 packed_chunks, packed_chunks_lower_bound, packed_chunks_global_lower_bound,
 predicted_pipeline_s (per pipeline: the sum of its units' costs, seconds), and after the grid

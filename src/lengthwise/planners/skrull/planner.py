@@ -38,6 +38,13 @@ GDS (Algorithm 2, as §4.3.2 describes it):
    short ones to run locally next to the sharded ones;
 4. run DACP on every micro-batch; when one fails, roll back: one more micro-batch, go to 3.
 
+Cost, n sequences over D data-parallel ranks: FLOPs estimates O(n), Karmarkar-Karp O(n log n)
+in the usual case (packing_utils), per rank a sort O(n_r log n_r) and DACP per micro-batch
+(shortest first, O(m log m) for m sequences and c ranks kept in arrays). The rollback of step 4
+re-deals a rank's sequences with one more micro-batch each time DACP fails, so a rank that needs
+R rollbacks costs R times its first attempt: the paper's algorithm, which we keep; R stays small
+because step 2 starts at the memory lower bound.
+
 Options: `SkrullOptions` in planners/options.py (each with its default and meaning).
 Deterministic; the seed is unused (no random choice).
 """
