@@ -192,9 +192,11 @@ def test_baselines_recompute_every_layer_only_when_the_longest_sequence_needs_it
     assert plan.options["recompute"] == "none"
     assert all(a.recompute_layers == 0 for p in plan.pipelines for st in p.stages for a in st)
 
-    req = request([10, 40000, 700], "dp4-pp2")
+    # fits only with recomputation (34.6K tokens without, 36.5K with: on the last stage the
+    # loss backward's bf16 logit gradient, 2 x 152K vocabulary bytes per token, is not recomputable)
+    req = request([10, 35500, 700], "dp4-pp2")
     req.context_length = 65536
-    assert 40000 > req.cost.max_seq_len(pp=2, dp=4)  # does not fit without recomputation
+    assert req.cost.max_seq_len(pp=2, dp=4) < 35500 <= req.cost.max_seq_len(pp=2, dp=4, recompute=True)
     plan = get_planner(name)(req)
     assert plan.options["recompute"] == "full"
     layers = plan.pipelines[0].stage_layers(MODEL.num_layers)

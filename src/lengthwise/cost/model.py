@@ -188,7 +188,8 @@ class CostModel:
         every layer keeps only its input (full recomputation) and the backward of one
         micro-batch re-materialises what it dropped, as the simulator charges it
         (sim/memory.py: the whole difference, an upper bound on the executor's per-layer
-        checkpointing)."""
+        checkpointing); the last stage also holds the loss backward's working set of one
+        micro-batch (`head_backward_bytes`)."""
         layers = split_layers(self.model.num_layers, pp)
         best = math.inf
         for s, n in enumerate(layers):
@@ -202,6 +203,8 @@ class CostModel:
                 per_token += (self.activation_bytes_per_token(layers=n, tp=tp, head=last)
                               - self.activation_bytes_per_token(layers=n, tp=tp, head=last,
                                                                 recompute_layers=n)) / cp
+            if last:  # the loss's backward working set while one micro-batch's backward runs
+                per_token += mem.head_backward_bytes_per_token(self.model, tp) / cp
             best = min(best, free / per_token if free > 0 else 0)
         return int(best)
 
