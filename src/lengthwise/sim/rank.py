@@ -29,11 +29,13 @@ from lengthwise.cost import CostModel
 from lengthwise.cost.flops import head_forward_flops, layer_forward_flops
 from lengthwise.cost.memory import GRAD_BYTES_PER_PARAM, stage_params
 from lengthwise.cost.model import rank_works
-from lengthwise.plan.ir import BACKWARD, FORWARD_NOGRAD, SHARDED, StepPlan
+from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, SHARDED, StepPlan
 
 ELEMENT_BYTES = 2
 """The cost model counts activations, weights and K/V in 16-bit elements; gradients are reduced
 in fp32 (`MixedPrecisionPolicy(reduce_dtype=float32)`, `cost.memory.GRAD_BYTES_PER_PARAM`)."""
+LOSS_REDUCE_BYTES = 12
+"""Per token, the vocabulary-parallel loss all-reduces three fp32 values over TP."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +105,10 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
     gathered = sum(kv_token_layer * layers * (s.num_tokens / pipe.cp) * (pipe.cp - 1)
                    for a in pipe.stages[place.stage] if a.kind != BACKWARD
                    for s in pipe.chunks[a.chunk].segments if s.cp_rank == SHARDED) if pipe.cp > 1 else 0.0
+    # the vocabulary-parallel loss (runtime/loss.py) all-reduces three fp32 values per token
+    # over TP (row maximum, target logit, exponential sum) in every forward that runs the head
+    loss = sum(LOSS_REDUCE_BYTES * _rank_tokens(pipe, a, place) for a in pipe.stages[place.stage]
+               if a.kind == FORWARD) if last and pipe.tp > 1 else 0.0
     if fsdp_sharded(plan):
         # FSDP2 (runtime/parallel/fsdp.py): the unsharded gradients go to one reduce-scatter in
         # fp32 at the stage's last backward; the bf16 compute copy of the weights is gathered
@@ -110,10 +116,16 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
         # runs the same actions
         per_action = plan.zero >= 3 and len({_structure(p, place.stage) for p in plan.pipelines}) == 1
         gathers = len(pipe.stages[place.stage]) if per_action else 1
-        return {"send": send, "all_reduce": 0.0, "reduce_scatter": grads,
+        return {"send": send, "all_reduce": loss, "reduce_scatter": grads,
                 "all_gather": gathered + gathers * params / replicas * ELEMENT_BYTES}
-    return {"send": send, "all_reduce": grads if replicas > 1 else 0.0, "all_gather": gathered,
+    return {"send": send, "all_reduce": (grads if replicas > 1 else 0.0) + loss, "all_gather": gathered,
             "reduce_scatter": 0.0}
+
+
+def _rank_tokens(pipe, action, place: RankPlace) -> float:
+    """Tokens of the action's unit this rank computes (its CP share)."""
+    works = rank_works(_unit(pipe, action), pipe.cp)
+    return (works[place.cp_rank] if len(works) > 1 else works[0]).tokens
 
 
 def fsdp_sharded(plan: StepPlan) -> bool:
