@@ -59,6 +59,7 @@ import math
 
 import numpy as np
 
+from lengthwise.cost.flops import work_key
 from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB
@@ -144,8 +145,9 @@ def cp_placement(chunks: list[Chunk], group: RankGroup, g: PrefixCost) -> dict[i
 
 
 def build_pipeline(request: PlanRequest, group: RankGroup, count: int, models, flops: np.ndarray,
-                   asymmetric: bool, lean: bool = False) -> PipelinePlan:
-    """Phase 2, asymmetric partitioning and the PackFlow schedule for one pipeline."""
+                   asymmetric: bool, lean: bool = False, *, check: bool = True) -> PipelinePlan:
+    """Phase 2, asymmetric partitioning and the PackFlow schedule for one pipeline (`check`:
+    check_backward_units on it; the sweep checks only the pipelines it keeps)."""
     gf, gb = models
     s = request.scheme
     stream = Stream.of(stream_order(group, flops), request.lengths)
@@ -159,7 +161,8 @@ def build_pipeline(request: PlanRequest, group: RankGroup, count: int, models, f
         return PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, s.pp), tp=s.tp, cp=cp,
                             schedule="1f1b")
     units = place_segments(backward_units(stream, backward_cuts(stream, gb, count), fcuts), rank_of)
-    check_backward_units(chunks, units)
+    if check:
+        check_backward_units(chunks, units)
     return PipelinePlan(chunks=chunks, stages=packflow_schedule(chunks, units, s.pp, lean=lean), tp=s.tp,
                         cp=cp, backward_chunks=units, schedule="packflow-1f1b" + ("-lean" if lean else ""))
 
@@ -222,13 +225,30 @@ def micropack_metrics(request: PlanRequest, pipes: list[PipelinePlan], models) -
     """Counts, budgets, forms and the spread of MicroPack seconds (whole model, LM head included)."""
     gf, gb = models
     cost, layers = request.cost, request.model.num_layers
-    fwd_t = [[cost.forward_time(c, layers=layers, tp=p.tp, cp=p.cp, head=True) for c in p.chunks] for p in pipes]
-    bwd_t = [[cost.backward_time(u, layers=layers, tp=p.tp, cp=p.cp, head=True) for u in p.bwd_units] for p in pipes]
+    memo: dict = {}
+
+    def seconds(fn, chunks: list[Chunk], tp: int, cp: int) -> list[float]:
+        # without CP a chunk's time depends only on its work (tokens, pairs): shared by equal chunks
+        if cp > 1:
+            return [fn(c, layers=layers, tp=tp, cp=cp, head=True) for c in chunks]
+        out = []
+        for c in chunks:
+            key = (fn.__name__, tp, work_key(c))
+            v = memo.get(key)
+            if v is None:
+                v = memo[key] = fn(c, layers=layers, tp=tp, cp=cp, head=True)
+            out.append(v)
+        return out
+
+    fwd_t = [seconds(cost.forward_time, p.chunks, p.tp, p.cp) for p in pipes]
+    bwd_t = [seconds(cost.backward_time, p.bwd_units, p.tp, p.cp) for p in pipes]
     tokens = [[c.num_tokens for c in p.chunks] for p in pipes]
     forms = [micropack_form(c, request.lengths) for p in pipes for c in p.chunks]
 
     def budget(g: PrefixCost, units: list[Chunk]) -> float:
-        return sum(float(g.slice(s.start, s.stop)) for c in units for s in c.segments) / len(units)
+        segs = [s for c in units for s in c.segments]
+        each = g.slice([s.start for s in segs], [s.stop for s in segs]).tolist()  # elementwise: same bits
+        return sum(each) / len(units)
 
     return {
         "micropacks": [len(p.chunks) for p in pipes],

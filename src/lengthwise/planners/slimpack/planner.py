@@ -25,6 +25,7 @@ import time
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS, PREDICTED_STEP_TIME_S, STEP_TIME_S
 from lengthwise.plan.ir import PipelinePlan, StepPlan
+from lengthwise.plan.validate import check_backward_units
 from lengthwise.planners.base import PlanRequest, check_lengths, finish_plan
 from lengthwise.planners.slimpack.build import (
     HOLD_SHARES,
@@ -92,6 +93,8 @@ def sweep(request: PlanRequest, groups, models, flops, opts) -> tuple[list[Pipel
             break
     chosen = choose_per_pipeline(candidates, capacity)
     pipes = [candidates[k]["pipelines"][p] for p, k in enumerate(chosen)]
+    for p, pipe in enumerate(pipes):
+        check_backward_units(pipe.chunks, pipe.backward_chunks or pipe.chunks, where=f"pipeline {p}: ")
     if len(set(chosen)) == 1:
         predicted = candidates[chosen[0]][STEP_TIME_S]
     else:
@@ -126,7 +129,7 @@ def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asy
     makespan and peak memory, and the whole step."""
     out: list[dict] = []
     for n in counts:
-        pipes = [build_pipeline(request, g, n, models, flops, asymmetric, lean) for g in groups]
+        pipes = [build_pipeline(request, g, n, models, flops, asymmetric, lean, check=False) for g in groups]
         result = simulate_plan(bare_plan(request, pipes), request.cost)
         out.append({"count": n, "lean": lean, "pipelines": pipes, "makespan": result.pipeline_makespan,
                     "peak": [max(row) for row in result.peak_memory], STEP_TIME_S: result.step_time_s,
