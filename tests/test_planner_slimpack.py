@@ -227,6 +227,30 @@ def test_backward_unit_waits_for_all_forwards_of_its_samples():
     check_schedule(pipe.stages, pipe.chunks, pipe.backward_chunks)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.integers(1, 64), st.booleans())
+@example([1, 1, 1], 7, False)
+@example([4000], 64, True)
+def test_readiness_read_off_the_cuts_is_the_dependency_scan(lengths, count, merged):
+    """backward_units_ready's per-unit forward prefix equals schedule.forwards_needed's scan of
+    the chunks, and its units equal backward_units' (the planner schedules from the former)."""
+    from lengthwise.planners.slimpack.cuts import (Stream, backward_cuts, backward_units, backward_units_ready,
+                                                   forward_chunks, forward_cuts)
+    from lengthwise.planners.slimpack.schedule import forwards_needed
+    gf, gb = flops_models(request([1]))
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if merged else list(range(len(lengths)))
+    stream = Stream.of(order, lengths)
+    n = min(count, stream.total_tokens)
+    fcuts, bcuts = forward_cuts(stream, gf, n), backward_cuts(stream, gb, n)
+    chunks = forward_chunks(stream, fcuts)
+    units, ready = backward_units_ready(stream, bcuts, fcuts)
+    assert units == backward_units(stream, bcuts, fcuts)
+    check_backward_units(chunks, units)
+    assert ready == forwards_needed(chunks, units)
+    assert sorted((s.seq_id, s.start, s.stop) for c in chunks for s in c.segments if s.stop > s.start) == \
+        sorted((s.seq_id, s.start, s.stop) for c in chunks for s in c.segments)
+
+
 def test_lean_schedule_holds_fewer_forwards_in_flight_than_steady():
     lengths = sample("github", 120, 128 * K, seed=9)
 

@@ -75,7 +75,7 @@ from lengthwise.planners.slimpack.cuts import (
     PrefixCost,
     Stream,
     backward_cuts,
-    backward_units,
+    backward_units_ready,
     check_backward_units,
     forward_chunks,
     forward_cuts,
@@ -160,10 +160,12 @@ def build_pipeline(request: PlanRequest, group: RankGroup, count: int, models, f
     if not asymmetric:
         return PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, s.pp), tp=s.tp, cp=cp,
                             schedule="1f1b")
-    units = place_segments(backward_units(stream, backward_cuts(stream, gb, count), fcuts), rank_of)
+    units, ready = backward_units_ready(stream, backward_cuts(stream, gb, count), fcuts)
+    units = place_segments(units, rank_of)
     if check:
         check_backward_units(chunks, units)
-    return PipelinePlan(chunks=chunks, stages=packflow_schedule(chunks, units, s.pp, lean=lean), tp=s.tp,
+    stages = packflow_schedule(chunks, units, s.pp, lean=lean, ready=ready)
+    return PipelinePlan(chunks=chunks, stages=stages, tp=s.tp,
                         cp=cp, backward_chunks=units, schedule="packflow-1f1b" + ("-lean" if lean else ""))
 
 

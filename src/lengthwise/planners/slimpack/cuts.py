@@ -162,9 +162,20 @@ def _forward_bounds(offsets: list[int], fcuts: list[int]) -> dict[int, list[int]
 def backward_units(stream: Stream, bcuts: np.ndarray, fcuts: np.ndarray) -> list[Chunk]:
     """Backward MicroPacks from backward-stream cuts, each token range split at the forward
     MicroPack boundaries so every backward segment lies in one forward segment."""
-    offsets, ids = stream.offsets.tolist(), stream.seq_ids.tolist()
-    bounds = _forward_bounds(offsets, fcuts.tolist())
-    units, j = [], 0
+    return backward_units_ready(stream, bcuts, fcuts)[0]
+
+
+def backward_units_ready(stream: Stream, bcuts: np.ndarray, fcuts: np.ndarray) -> tuple[list[Chunk], list[int]]:
+    """backward_units, and per unit how many forward MicroPacks (a prefix) must have run before
+    it (schedule.forwards_needed, read off the cuts: each backward segment lies in the forward
+    MicroPack holding its first token)."""
+    offsets, ids, cuts = stream.offsets.tolist(), stream.seq_ids.tolist(), fcuts.tolist()
+    bounds = _forward_bounds(offsets, cuts)
+    index, kept = [], 0  # forward MicroPack index of each cut interval (empty intervals are dropped)
+    for lo, hi in itertools.pairwise(cuts):
+        index.append(kept)
+        kept += hi > lo
+    units, ready, need, j = [], [], 0, 0
     for lo, hi in zip(bcuts[:-1].tolist(), bcuts[1:].tolist()):
         parts, j = _overlaps(offsets, lo, hi, j)
         segs = []
@@ -172,15 +183,17 @@ def backward_units(stream: Stream, bcuts: np.ndarray, fcuts: np.ndarray) -> list
             n = offsets[k + 1] - offsets[k]
             start, stop = n - rb, n - ra  # reversed walk: backward positions -> tokens
             inside = bounds.get(k)
+            edges = [start, stop]
             if inside:
-                edges = inside[bisect.bisect_right(inside, start):bisect.bisect_left(inside, stop)]
-                edges = [start, *edges, stop]
-                segs += [Segment(ids[k], a, b) for a, b in itertools.pairwise(edges)]
-            else:
-                segs.append(Segment(ids[k], start, stop))
+                edges[1:1] = inside[bisect.bisect_right(inside, start):bisect.bisect_left(inside, stop)]
+            for a, b in itertools.pairwise(edges):
+                segs.append(Segment(ids[k], a, b))
+                if b > a:
+                    need = max(need, index[bisect.bisect_right(cuts, offsets[k] + a) - 1] + 1)
         if segs:
             units.append(Chunk(tuple(segs)))
-    return units
+            ready.append(need)
+    return units, ready
 
 
 def place_segments(chunks: list[Chunk], rank_of: dict[int, int]) -> list[Chunk]:

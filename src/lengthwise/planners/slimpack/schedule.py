@@ -56,7 +56,10 @@ def packflow_stage(num_chunks: int, ready: list[int], warmup: int, *, lean: bool
     return out
 
 
-def packflow_schedule(chunks: list[Chunk], units: list[Chunk], pp: int, *, lean: bool = False) -> list[list[Action]]:
-    """Per-stage action lists; forward actions index `chunks`, backward actions index `units`."""
-    ready = forwards_needed(chunks, units)
+def packflow_schedule(chunks: list[Chunk], units: list[Chunk], pp: int, *, lean: bool = False,
+                      ready: list[int] | None = None) -> list[list[Action]]:
+    """Per-stage action lists; forward actions index `chunks`, backward actions index `units`.
+    `ready`: forwards_needed(chunks, units) when the caller knows it already (cuts.backward_units_ready)."""
+    if ready is None:
+        ready = forwards_needed(chunks, units)
     return [packflow_stage(len(chunks), ready, warmup=pp - s - 1, lean=lean) for s in range(pp)]
