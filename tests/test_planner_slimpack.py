@@ -320,6 +320,15 @@ def test_sweep_keeps_per_pipeline_the_fastest_count_that_fits():
     assert out.metrics["predicted_step_time_s"] == pytest.approx(result.step_time_s)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 3])
+def test_mixed_counts_step_time_is_composed_exactly(seed):
+    """Pipelines that keep different counts: the predicted step is composed from each pipeline's
+    own candidate simulation, and equals simulating the mixed plan, to the bit."""
+    out, req = plan(sample("github", 120, 64 * K, seed=seed), dp=4, pp=2, context=64 * K, model="llama2-7b", tp=4)
+    assert len(set(out.metrics["micropacks"])) > 1
+    assert out.metrics["predicted_step_time_s"] == simulate_plan(out, req.cost).step_time_s
+
+
 def test_plans_are_deterministic():
     lengths = sample("chatqa2", 64, 64 * K, seed=12)
 

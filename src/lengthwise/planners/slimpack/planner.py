@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS, PREDICTED_STEP_TIME_S, STEP_TIME_S
 from lengthwise.plan.ir import PipelinePlan, StepPlan
@@ -97,8 +99,10 @@ def sweep(request: PlanRequest, groups, models, flops, opts) -> tuple[list[Pipel
         check_backward_units(pipe.chunks, pipe.backward_chunks or pipe.chunks, where=f"pipeline {p}: ")
     if len(set(chosen)) == 1:
         predicted = candidates[chosen[0]][STEP_TIME_S]
-    else:
-        predicted = simulate_plan(bare_plan(request, pipes), request.cost).step_time_s
+    else:  # the mixed plan's step, composed from its pipelines' own simulations (no re-simulation)
+        predicted = composed_step_time([candidates[k]["ends"][p] for p, k in enumerate(chosen)],
+                                       [candidates[k]["sync"][p] for p, k in enumerate(chosen)],
+                                       [pipe.extra_comm_s for pipe in pipes])
     table = [{"micropacks": c["count"], "lean": c["lean"], STEP_TIME_S: c[STEP_TIME_S], "fits": c["fits"],
               PEAK_MEMORY_GIB: max(c["peak"]) / GIB} for c in candidates]
     return pipes, {"sweep": table, PREDICTED_STEP_TIME_S: predicted}
@@ -133,10 +137,30 @@ def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asy
         result = simulate_plan(bare_plan(request, pipes), request.cost)
         out.append({"count": n, "lean": lean, "pipelines": pipes, "makespan": result.pipeline_makespan,
                     "peak": [max(row) for row in result.peak_memory], STEP_TIME_S: result.step_time_s,
-                    "fits": bool(result.fits)})
+                    "fits": bool(result.fits), "ends": stage_ends(result), "sync": result.grad_sync})
         if past_the_best(out):
             break
     return out
+
+
+def stage_ends(result) -> list[np.ndarray]:
+    """[pipeline] float64 [stage] end of each stage's last action in a simulated step."""
+    t, offs = result.timeline, result.timeline.stage_offsets
+    gstage = np.asarray(offs[:-1], dtype=np.int64)[t.tasks.pipeline] + t.tasks.stage
+    end = np.zeros(offs[-1])
+    np.maximum.at(end, gstage, t.finish)
+    return [end[a:b] for a, b in zip(offs[:-1], offs[1:])]
+
+
+def composed_step_time(ends: list[np.ndarray], sync: list[list[float]], extra: list[float]) -> float:
+    """The step time simulate_plan gives a plan whose pipelines (all of one pp) were each
+    simulated in some other plan of the same pipeline count and GPU layout: pipelines run
+    independently, and only the gradient reductions join them (stage s of every pipeline starts
+    reducing when the slowest replica's stage s is done; lengthwise.sim.simulate). The same
+    maxima and sums of the same numbers, so the same float."""
+    aligned = np.max(np.stack(ends), axis=0)
+    return float(max((max(float(e.max(initial=0.0)), float((aligned + np.asarray(sy)).max(initial=0.0))) + x
+                      for e, sy, x in zip(ends, sync, extra)), default=0.0))
 
 
 def past_the_best(candidates: list[dict], patience: int = 2) -> bool:
