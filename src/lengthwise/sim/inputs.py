@@ -15,13 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from lengthwise.cost import CostModel
-from lengthwise.cost.flops import work_key
+from lengthwise.cost.flops import chunk_work, work_key
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
 from lengthwise.sim.memory import MemorySizes, split_sequences
 
 F, N, B = 0, 1, 2
+_VECTORISED = ("forward_time", "backward_time", "activation_bytes")
+"""CostModel methods _each evaluates for all chunks at once when cp = 1 (CostModel.works_time)."""
 
 
 @dataclass(kw_only=True)
@@ -108,6 +110,8 @@ class _PipelineCosts:
         kw = {**kw, **self.kw}
         if self.pipe.cp > 1:
             return np.array([fn(c, **kw) for c in chunks])
+        if getattr(fn, "__self__", None) is self.cm and fn.__name__ in _VECTORISED:
+            return self._each_at_once(fn.__name__, chunks, kw)
         memo = self.shared.setdefault((fn.__name__, *sorted(kw.items())), {})
         out = np.empty(len(chunks))
         for i, c in enumerate(chunks):
@@ -117,6 +121,26 @@ class _PipelineCosts:
                 v = memo[key] = fn(c, **kw)
             out[i] = v
         return out
+
+    def _works(self, chunks: list[Chunk]) -> tuple[np.ndarray, np.ndarray]:
+        """(row tokens, attention pairs) of every chunk as float64 arrays (chunk_work's, cp = 1)."""
+        key = ("works", id(chunks))
+        if key not in self._cache:
+            works = [(c.num_tokens, c.attention_pairs) if c.pad_to <= c.num_tokens or not c.segments
+                     else (lambda w: (w.tokens, w.keys))(chunk_work(c)) for c in chunks]
+            arr = np.array(works, dtype=np.float64).reshape(len(chunks), 2)
+            self._cache[key] = (arr[:, 0], arr[:, 1], chunks)  # chunks kept: the id stays theirs
+        tokens, keys, _ = self._cache[key]
+        return tokens, keys
+
+    def _each_at_once(self, name: str, chunks: list[Chunk], kw: dict) -> np.ndarray:
+        """_each for cp = 1 by the cost model's elementwise forms (the same floats, in one pass)."""
+        tokens, keys = self._works(chunks)
+        cm, layers, tp, head = self.cm, kw["layers"], kw["tp"], kw.get("head", False)
+        if name == "activation_bytes":
+            return cm.activation_bytes_per_token(layers=layers, tp=tp, head=head) * tokens
+        out = cm.works_time(tokens, keys, layers=layers, tp=tp, head=head, backward=name == "backward_time")
+        return out + 0.0 if name == "backward_time" else out  # backward_time adds its (zero) recompute
 
     def build(self) -> PipelineInput:
         pipe = self.pipe
