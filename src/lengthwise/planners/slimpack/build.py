@@ -82,7 +82,7 @@ from lengthwise.planners.slimpack.cuts import (
     micropack_form,
     place_segments,
 )
-from lengthwise.planners.slimpack.dp import RankGroup, assign_ranks, memory_ranks
+from lengthwise.planners.slimpack.dp import RankGroup, assign_ranks, memory_ranks, merge_sizes
 from lengthwise.planners.slimpack.schedule import packflow_schedule
 
 SCHEDULES = ("auto", "steady", "lean")
@@ -144,23 +144,32 @@ def cp_placement(chunks: list[Chunk], group: RankGroup, g: PrefixCost) -> dict[i
     return rank_of
 
 
+def prepare_stream(request: PlanRequest, group: RankGroup, flops: np.ndarray) -> tuple[Stream, dict]:
+    """What every count's build of one pipeline shares: its stream (§4.2 order) and the
+    segments made so far, by (sample, start, stop) (a sample most counts keep whole is one
+    Segment object across all of them)."""
+    return Stream.of(stream_order(group, flops), request.lengths), {}
+
+
 def build_pipeline(request: PlanRequest, group: RankGroup, count: int, models, flops: np.ndarray,
-                   asymmetric: bool, lean: bool = False, *, check: bool = True) -> PipelinePlan:
+                   asymmetric: bool, lean: bool = False, *, check: bool = True,
+                   prepared: tuple[Stream, dict] | None = None) -> PipelinePlan:
     """Phase 2, asymmetric partitioning and the PackFlow schedule for one pipeline (`check`:
-    check_backward_units on it; the sweep checks only the pipelines it keeps)."""
+    check_backward_units on it, the sweep checks only the pipelines it keeps; `prepared`:
+    prepare_stream's result for this group, shared by the sweep's counts)."""
     gf, gb = models
     s = request.scheme
-    stream = Stream.of(stream_order(group, flops), request.lengths)
+    stream, made = prepared or prepare_stream(request, group, flops)
     count = max(1, min(count, stream.total_tokens))
     fcuts = forward_cuts(stream, gf, count)
-    chunks = forward_chunks(stream, fcuts)
+    chunks = forward_chunks(stream, fcuts, made)
     rank_of = cp_placement(chunks, group, gf)
     chunks = place_segments(chunks, rank_of)
     cp = group.ranks
     if not asymmetric:
         return PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, s.pp), tp=s.tp, cp=cp,
                             schedule="1f1b")
-    units, ready = backward_units_ready(stream, backward_cuts(stream, gb, count), fcuts)
+    units, ready = backward_units_ready(stream, backward_cuts(stream, gb, count), fcuts, made)
     units = place_segments(units, rank_of)
     if check:
         check_backward_units(chunks, units)
@@ -293,9 +302,13 @@ def phase1_variants(request: PlanRequest, models, merge: bool,
     want = memory_ranks(lengths, memory_share_per_token(request, hold))
     floor = memory_ranks(lengths, memory_share_per_token(request, 1.0))
     ranks = request.scheme.dp * request.scheme.cp
-    variants = [assign_ranks(flops, want, floor, ranks, merge=merge)]
-    if merge:
-        memory_only = assign_ranks(flops, want, floor, ranks, merge=True, by_flops=False)
-        if merge_metrics(memory_only) != merge_metrics(variants[0]):
-            variants.append(memory_only)
+    if not merge:
+        variants = [assign_ranks(flops, want, floor, ranks, merge=False)]
+    else:
+        # the two variants differ exactly when their merged groups do: only then place twice
+        paper = merge_sizes(flops, want, floor, ranks, by_flops=True)
+        memory = merge_sizes(flops, want, floor, ranks, by_flops=False)
+        variants = [assign_ranks(flops, want, floor, ranks, merge=True, merged=paper)]
+        if memory != paper:
+            variants.append(assign_ranks(flops, want, floor, ranks, merge=True, merged=memory))
     return [[g for g in groups if g.seq_ids] for groups in variants], flops

@@ -135,14 +135,22 @@ def _overlaps(offsets: list[int], lo: int, hi: int, j: int) -> tuple[list[tuple[
     return out, first
 
 
-def forward_chunks(stream: Stream, cuts: np.ndarray) -> list[Chunk]:
-    """Forward MicroPacks from the cut positions (empty ones dropped)."""
+def forward_chunks(stream: Stream, cuts: np.ndarray, made: dict | None = None) -> list[Chunk]:
+    """Forward MicroPacks from the cut positions (empty ones dropped). `made`, when given,
+    holds segments by (sample, start, stop): those found there are reused, new ones added (for
+    backward_units_ready and other counts of the same stream: segments are frozen, and a
+    sample held whole is one object wherever it appears)."""
     offsets, ids = stream.offsets.tolist(), stream.seq_ids.tolist()
     chunks, j = [], 0
     for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
         parts, j = _overlaps(offsets, lo, hi, j)
         if parts:
-            chunks.append(Chunk(tuple(Segment(ids[k], a, b) for k, a, b in parts)))
+            if made is None:
+                segs = tuple(Segment(ids[k], a, b) for k, a, b in parts)
+            else:
+                segs = tuple(made.get(part) or made.setdefault(part, Segment(ids[part[0]], part[1], part[2]))
+                             for part in parts)
+            chunks.append(Chunk(segs))
     return chunks
 
 
@@ -165,10 +173,12 @@ def backward_units(stream: Stream, bcuts: np.ndarray, fcuts: np.ndarray) -> list
     return backward_units_ready(stream, bcuts, fcuts)[0]
 
 
-def backward_units_ready(stream: Stream, bcuts: np.ndarray, fcuts: np.ndarray) -> tuple[list[Chunk], list[int]]:
+def backward_units_ready(stream: Stream, bcuts: np.ndarray, fcuts: np.ndarray,
+                         made: dict | None = None) -> tuple[list[Chunk], list[int]]:
     """backward_units, and per unit how many forward MicroPacks (a prefix) must have run before
     it (schedule.forwards_needed, read off the cuts: each backward segment lies in the forward
-    MicroPack holding its first token)."""
+    MicroPack holding its first token). `made`: forward_chunks' segments, reused where equal."""
+    made = made or {}
     offsets, ids, cuts = stream.offsets.tolist(), stream.seq_ids.tolist(), fcuts.tolist()
     bounds = _forward_bounds(offsets, cuts)
     index, kept = [], 0  # forward MicroPack index of each cut interval (empty intervals are dropped)
@@ -187,7 +197,8 @@ def backward_units_ready(stream: Stream, bcuts: np.ndarray, fcuts: np.ndarray) -
             if inside:
                 edges[1:1] = inside[bisect.bisect_right(inside, start):bisect.bisect_left(inside, stop)]
             for a, b in itertools.pairwise(edges):
-                segs.append(Segment(ids[k], a, b))
+                seg = made.get((k, a, b))
+                segs.append(seg if seg is not None else Segment(ids[k], a, b))
                 if b > a:
                     need = max(need, index[bisect.bisect_right(cuts, offsets[k] + a) - 1] + 1)
         if segs:

@@ -88,14 +88,17 @@ def merge_sizes(flops: np.ndarray, mem_want: np.ndarray, mem_floor: np.ndarray, 
 
 
 def assign_ranks(flops: np.ndarray, mem_want: np.ndarray, mem_floor: np.ndarray, dp: int, *,
-                 merge: bool, by_flops: bool = True) -> list[RankGroup]:
+                 merge: bool, by_flops: bool = True,
+                 merged: list[tuple[list[int], int]] | None = None) -> list[RankGroup]:
     """Phase 1: rank groups with their sequences (outliers merged when `merge`; compute
-    outliers too when `by_flops`, see merge_sizes)."""
+    outliers too when `by_flops`, see merge_sizes; `merged`: merge_sizes' result when the
+    caller has it already)."""
     if not merge and (mem_floor > 1).any():
         i = int(np.argmax(mem_floor))
         raise UserError(f"sequence {i} needs {mem_floor[i]} merged DP ranks to hold its activations and "
                         "K/V state: enable dp_merge or raise --tp/--pp")
-    merged = merge_sizes(flops, mem_want, mem_floor, dp, by_flops=by_flops) if merge else []
+    if merged is None:
+        merged = merge_sizes(flops, mem_want, mem_floor, dp, by_flops=by_flops) if merge else []
     if not merged:
         return [RankGroup(ranks=1, seq_ids=sorted(g)) for g in _balanced(flops.tolist(), dp)]
     groups = [RankGroup(ranks=m, outliers=list(ids), seq_ids=list(ids)) for ids, m in merged]

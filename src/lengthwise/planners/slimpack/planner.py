@@ -38,6 +38,7 @@ from lengthwise.planners.slimpack.build import (
     merge_metrics,
     micropack_metrics,
     phase1_variants,
+    prepare_stream,
     read_options,
 )
 from lengthwise.sim import simulate_plan
@@ -132,8 +133,10 @@ def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asy
     """Every pipeline at every candidate count, simulated: per candidate its pipelines, per-pipeline
     makespan and peak memory, and the whole step."""
     out: list[dict] = []
+    prepared = [prepare_stream(request, g, flops) for g in groups]
     for n in counts:
-        pipes = [build_pipeline(request, g, n, models, flops, asymmetric, lean, check=False) for g in groups]
+        pipes = [build_pipeline(request, g, n, models, flops, asymmetric, lean, check=False, prepared=ready)
+                 for g, ready in zip(groups, prepared)]
         result = simulate_plan(bare_plan(request, pipes), request.cost)
         out.append({"count": n, "lean": lean, "pipelines": pipes, "makespan": result.pipeline_makespan,
                     "peak": [max(row) for row in result.peak_memory], STEP_TIME_S: result.step_time_s,
