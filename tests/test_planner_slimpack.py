@@ -251,6 +251,27 @@ def test_readiness_read_off_the_cuts_is_the_dependency_scan(lengths, count, merg
         sorted((s.seq_id, s.start, s.stop) for c in chunks for s in c.segments)
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=12),
+       st.lists(st.sampled_from([1.0, 2.0, 3.0, 1e9, 7e9, 0.1, 1e-3]), min_size=1, max_size=60))
+def test_weighted_lpt_by_heaps_is_the_scan(ranks, sizes):
+    """dp._weighted_lpt (a heap per group size) places every sample where the plain scan over
+    all groups by ((load + f) / ranks, index) does, ties included."""
+    from lengthwise.planners.slimpack.dp import _weighted_lpt
+    flops = np.asarray(sizes + [5.0] * len(ranks))
+    pre = list(range(len(sizes), len(flops)))  # one preloaded sample per merged group, as outliers are
+    groups = [RankGroup(ranks=r, seq_ids=[pre[g]] if r > 1 else []) for g, r in enumerate(ranks)]
+    order = sorted(range(len(sizes)), key=lambda i: (-flops[i], i))
+    _weighted_lpt(groups, order, flops)
+    want = [RankGroup(ranks=r, seq_ids=[pre[g]] if r > 1 else []) for g, r in enumerate(ranks)]
+    loads = [w.load(flops) for w in want]
+    for i in order:
+        g = min(range(len(want)), key=lambda k: ((loads[k] + flops[i]) / want[k].ranks, k))
+        want[g].seq_ids.append(i)
+        loads[g] += float(flops[i])
+    assert [g.seq_ids for g in groups] == [w.seq_ids for w in want]
+
+
 def test_lean_schedule_holds_fewer_forwards_in_flight_than_steady():
     lengths = sample("github", 120, 128 * K, seed=9)
 

@@ -12,10 +12,26 @@ may choose a different N"). The lean schedule is swept too when the steady one f
 every Phase-1 variant (with and without compute merges) is swept and the faster step wins; when
 none fits, memory outliers are merged over more ranks (the next HOLD share).
 
-Cost: every candidate count builds and simulates every pipeline, so a plan costs (candidates
-tried) x (cutting O(n log n) + simulating the step's actions): linear in sequences and ranks,
-with the simulator's per-action constant times about ten candidates dominating at 32,768
-sequences (benchmarks/results/planning_scale.json). A fixed `num_micropacks` skips the sweep.
+Cost, in sequences n, pipelines P (DP ranks after DP-Merge), stages pp and candidate counts C
+(at most ~2 log2(max_micropacks / pp) + 2 per schedule, Phase-1 variant and HOLD share; the sweep
+usually stops after 3-9):
+
+- Phase 1 (dp.py): O(n log n) sorting plus the balancing of packing_utils (Karmarkar-Karp and
+  LPT, about O(n log P)); with merged outliers the weighted LPT keeps a heap per merged-group
+  size, O(n R log P) for R distinct sizes; a memory outlier left without ranks scans the merged
+  groups (O(outliers x groups), only once the ranks run out).
+- Per pipeline, once per sweep: its stream (sort, O(S log S) for its S samples). Per pipeline and
+  count: cuts in numpy, O(S + N); MicroPacks and backward units by one pointer walk over the
+  stream, O(S + N) segments (each backward segment finds its forward MicroPack by bisection,
+  O(log N)), which also yields the PackFlow readiness; the schedule O(pp (N + units)).
+- The simulation of every candidate (§4.1.2 "each of them is evaluated by a high-fidelity
+  simulator", §5.1): O(n + P N pp) actions and segments per candidate, with the simulator's
+  per-action constant. This is what the paper forces: C full-plan simulations, so planning is
+  C times linear in the plan's size (n segments, P N MicroPacks), not better; it dominates every
+  case of benchmarks/bench_planning_scale.py. A plan whose pipelines keep different counts is
+  not simulated again: its step time is composed exactly from the candidates' per-pipeline
+  results (composed_step_time). A fixed `num_micropacks` skips the sweep (one build per pipeline,
+  plus the memory check of fitting_pipeline).
 """
 
 from __future__ import annotations
