@@ -187,8 +187,9 @@ def fitting_pipeline(request: PlanRequest, p: int, group: RankGroup, count: int,
     cost, layers, zero = request.cost, request.model.num_layers, request.scheme.zero
     tokens = sum(request.lengths[i] for i in group.seq_ids)
     n = max(count, min_fitting_count(request, tokens, group.ranks, pipelines))
+    prepared = prepare_stream(request, group, flops)
     while True:
-        pipe = build_pipeline(request, group, n, models, flops, asymmetric, lean)
+        pipe = build_pipeline(request, group, n, models, flops, asymmetric, lean, prepared=prepared)
         over = memory_overflow(pipe, cost, num_layers=layers, dp=pipelines, zero=zero)
         if over is None:
             return pipe

@@ -106,8 +106,10 @@ def sweep(request: PlanRequest, groups, models, flops, opts) -> tuple[list[Pipel
     counts = sweep_counts(request.scheme.pp, opts["max_micropacks"])
     capacity = request.cost.capacity_bytes
     candidates: list[dict] = []
+    prepared = [prepare_stream(request, g, flops) for g in groups]  # shared by every count and schedule
     for lean in schedule_variants(opts):
-        candidates += simulate_candidates(request, groups, counts, models, flops, opts["asymmetric"], lean)
+        candidates += simulate_candidates(request, groups, counts, models, flops, opts["asymmetric"], lean,
+                                          prepared)
         if all(any(c["peak"][p] <= capacity for c in candidates) for p in range(len(groups))):
             break
     chosen = choose_per_pipeline(candidates, capacity)
@@ -145,11 +147,12 @@ def sweep_counts(pp: int, top: int) -> list[int]:
     return counts + ([top] if top not in counts else [])
 
 
-def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asymmetric, lean) -> list[dict]:
+def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asymmetric, lean,
+                        prepared=None) -> list[dict]:
     """Every pipeline at every candidate count, simulated: per candidate its pipelines, per-pipeline
-    makespan and peak memory, and the whole step."""
+    makespan and peak memory, and the whole step (`prepared`: build.prepare_stream per group)."""
     out: list[dict] = []
-    prepared = [prepare_stream(request, g, flops) for g in groups]
+    prepared = prepared or [prepare_stream(request, g, flops) for g in groups]
     for n in counts:
         pipes = [build_pipeline(request, g, n, models, flops, asymmetric, lean, check=False, prepared=ready)
                  for g, ready in zip(groups, prepared)]
