@@ -45,8 +45,11 @@ _ACTIONS: dict[str, list[Action]] = {FORWARD: [], BACKWARD: []}
 
 
 def _actions(kind: str, upto: int) -> list[Action]:
+    """_ACTIONS[kind], at least `upto` long (grown by a new list, never in place: a list once
+    handed out stays index-true)."""
     made = _ACTIONS[kind]
-    made += [Action(kind, i) for i in range(len(made), upto)]
+    if len(made) < upto:
+        made = _ACTIONS[kind] = made + [Action(kind, i) for i in range(len(made), upto)]
     return made
 
 
