@@ -19,7 +19,7 @@ from lengthwise.cost.flops import chunk_work, work_key
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
-from lengthwise.sim.memory import MemorySizes, split_sequences
+from lengthwise.sim.memory import MemorySizes, SplitSequence, split_sequences
 
 F, N, B = 0, 1, 2
 _VECTORISED = ("forward_time", "backward_time", "activation_bytes")
@@ -55,6 +55,8 @@ class PipelineInput:
     """GPUs of the pipeline (tp * cp * pp)."""
     deps: Dependencies | None = None
     """The chunks' slice dependencies when already derived (else the engine derives them)."""
+    splits: list[SplitSequence] | None = None
+    """split_sequences of the chunks when already derived (else the engine derives them)."""
 
 
 def plan_inputs(plan: StepPlan, cm: CostModel) -> list[PipelineInput]:
@@ -157,7 +159,8 @@ class _PipelineCosts:
         return PipelineInput(stages=pipe.stages, chunks=pipe.chunks, backward_chunks=pipe.backward_chunks,
                              dur=dur, comm=comm, send=send, sizes=self._sizes(recompute),
                              grad_sync=self._grad_sync(), extra_comm=pipe.extra_comm_s,
-                             model_flops=self._model_flops(), num_gpus=pipe.num_gpus, deps=self.deps)
+                             model_flops=self._model_flops(), num_gpus=pipe.num_gpus, deps=self.deps,
+                             splits=self.splits)
 
     def _p2p(self, inter: bool) -> tuple[list[float], list[float]]:
         """Hand-off times of every chunk and unit over an intra- or inter-node link."""
@@ -193,7 +196,7 @@ class _PipelineCosts:
     def _sizes(self, recompute: list[list[int]]) -> MemorySizes:
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
         dp, zero = len(self.plan.pipelines) * pipe.cp, self.plan.zero  # ZeRO shards over dp x cp
-        splits = split_sequences(pipe.chunks, self.units)
+        splits = self.splits = split_sequences(pipe.chunks, self.units)
         act, extra, transient, kv, kv_grad, state = [], [], [], [], [], []
         for s in range(S):
             L, head = self.layers[s], s == S - 1
