@@ -115,9 +115,12 @@ def dispatch_many(lengths, candidates: list[PipelineArrays], *, trials: int, wor
     orders = np.concatenate([_orders(lengths, trials, rng) for _ in candidates])
     state = _Trials(len(orders), d)
     owner = np.zeros((len(orders), n), dtype=np.int64)
+    block = max(1, min(n, (1 << 20) // max(orders.shape[0] * d, 1)))  # w(l) of ~1M entries at a time
     for k in range(n):
+        if k % block == 0:  # the same arithmetic as seq_time per step, for `block` steps at once
+            times = p.seq_time(lengths[orders[:, k:k + block]].T)
         seq = orders[:, k]
-        owner[state.rows, seq] = state.place(p, lengths[seq])
+        owner[state.rows, seq] = state.place(p, lengths[seq], times[k % block])
     out = []
     for c in range(len(candidates)):
         best = c * trials + int(np.argmin(state.first[c * trials:(c + 1) * trials]))
@@ -141,11 +144,12 @@ class _Trials:
         self.top = np.zeros(rows, dtype=np.int64)
         self.first, self.second = np.zeros(rows), np.full(rows, -np.inf if d == 1 else 0.0)
 
-    def place(self, p: PipelineArrays, l: np.ndarray) -> np.ndarray:
+    def place(self, p: PipelineArrays, l: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
         """Put each row's sequence (length l) on the admissible pipeline where the largest bound
-        grows least (Alg. 1 l. 7-14); returns the pipelines chosen."""
+        grows least (Alg. 1 l. 7-14); returns the pipelines chosen. `w`: p.seq_time(l) when the
+        caller has it already."""
         col = l[:, None].astype(np.float64)
-        w = p.seq_time(l)
+        w = p.seq_time(l) if w is None else w
         fill = np.where(col > self.longest, w + p.chunk_s, self.fill)  # T(longest) after adding
         new = self.sum_w + w + p.chunk_s * np.ceil((self.sum_l + col) / p.max_len) + fill * (p.depth - 1)
         others = np.where(self.cols[None] == self.top[:, None], self.second[:, None], self.first[:, None])
