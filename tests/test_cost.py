@@ -178,3 +178,28 @@ def test_tensor_parallelism_pays_its_activation_collectives():
         exposed = getattr(cost, fn)(chunk, layers=4, tp=8) - getattr(hidden, fn)(chunk, layers=4, tp=8)
         assert exposed == pytest.approx(4 * per_layer)
     assert cost.forward_time(chunk, layers=4, tp=1) == hidden.forward_time(chunk, layers=4, tp=1)
+
+
+@pytest.mark.parametrize("fitted", [False, True])
+def test_works_time_is_the_scalar_time_to_the_bit(fitted):
+    """CostModel.works_time (the simulator's whole-pipeline tables at cp = 1) gives exactly the
+    floats forward_time / backward_time give chunk by chunk, padded and empty rows included."""
+    import numpy as np
+    cm = cost()
+    if fitted:
+        cm = dataclasses.replace(cm, profile=Profile(schemes={"tp1-cp1": SchemeFit(
+            fwd=(1e-12, 3e-7, 2e-5), bwd=(2.5e-12, 6e-7, 4e-5), head_fwd=(1e-6, 1e-5), head_bwd=(2e-6, 2e-5))}))
+    rng = np.random.default_rng(3)
+    chunks = [Chunk(tuple(Segment(i * 10 + k, int(a), int(a) + int(n)) for k, (a, n) in
+                          enumerate(zip(rng.integers(0, 9000, 3), rng.integers(1, 5000, 3)))))
+              for i in range(40)]
+    chunks += [Chunk((Segment(500, 0, 7), Segment(501, 0, 3)), pad_to=64), Chunk(())]
+    tokens = [max(c.num_tokens, c.pad_to) for c in chunks]
+    from lengthwise.cost.flops import chunk_work
+    keys = [chunk_work(c).keys if c.segments else 0 for c in chunks]
+    for tp in (1, 2):
+        for layers, head in ((7, False), (7, True), (0, True), (0, False)):
+            for backward, fn in ((False, cm.forward_time), (True, cm.backward_time)):
+                got = cm.works_time(tokens, keys, layers=layers, tp=tp, head=head, backward=backward)
+                want = [fn(c, layers=layers, tp=tp, head=head) for c in chunks]
+                assert (got + 0.0).tolist() == want

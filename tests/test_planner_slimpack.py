@@ -227,6 +227,51 @@ def test_backward_unit_waits_for_all_forwards_of_its_samples():
     check_schedule(pipe.stages, pipe.chunks, pipe.backward_chunks)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.integers(1, 64), st.booleans())
+@example([1, 1, 1], 7, False)
+@example([4000], 64, True)
+def test_readiness_read_off_the_cuts_is_the_dependency_scan(lengths, count, merged):
+    """backward_units_ready's per-unit forward prefix equals schedule.forwards_needed's scan of
+    the chunks, and its units equal backward_units' (the planner schedules from the former)."""
+    from lengthwise.planners.slimpack.cuts import (Stream, backward_cuts, backward_units, backward_units_ready,
+                                                   forward_chunks, forward_cuts)
+    from lengthwise.planners.slimpack.schedule import forwards_needed
+    gf, gb = flops_models(request([1]))
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if merged else list(range(len(lengths)))
+    stream = Stream.of(order, lengths)
+    n = min(count, stream.total_tokens)
+    fcuts, bcuts = forward_cuts(stream, gf, n), backward_cuts(stream, gb, n)
+    chunks = forward_chunks(stream, fcuts)
+    units, ready = backward_units_ready(stream, bcuts, fcuts)
+    assert units == backward_units(stream, bcuts, fcuts)
+    check_backward_units(chunks, units)
+    assert ready == forwards_needed(chunks, units)
+    assert sorted((s.seq_id, s.start, s.stop) for c in chunks for s in c.segments if s.stop > s.start) == \
+        sorted((s.seq_id, s.start, s.stop) for c in chunks for s in c.segments)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=12),
+       st.lists(st.sampled_from([1.0, 2.0, 3.0, 1e9, 7e9, 0.1, 1e-3]), min_size=1, max_size=60))
+def test_weighted_lpt_by_heaps_is_the_scan(ranks, sizes):
+    """dp._weighted_lpt (a heap per group size) places every sample where the plain scan over
+    all groups by ((load + f) / ranks, index) does, ties included."""
+    from lengthwise.planners.slimpack.dp import _weighted_lpt
+    flops = np.asarray(sizes + [5.0] * len(ranks))
+    pre = list(range(len(sizes), len(flops)))  # one preloaded sample per merged group, as outliers are
+    groups = [RankGroup(ranks=r, seq_ids=[pre[g]] if r > 1 else []) for g, r in enumerate(ranks)]
+    order = sorted(range(len(sizes)), key=lambda i: (-flops[i], i))
+    _weighted_lpt(groups, order, flops)
+    want = [RankGroup(ranks=r, seq_ids=[pre[g]] if r > 1 else []) for g, r in enumerate(ranks)]
+    loads = [w.load(flops) for w in want]
+    for i in order:
+        g = min(range(len(want)), key=lambda k: ((loads[k] + flops[i]) / want[k].ranks, k))
+        want[g].seq_ids.append(i)
+        loads[g] += float(flops[i])
+    assert [g.seq_ids for g in groups] == [w.seq_ids for w in want]
+
+
 def test_lean_schedule_holds_fewer_forwards_in_flight_than_steady():
     lengths = sample("github", 120, 128 * K, seed=9)
 
@@ -294,6 +339,15 @@ def test_sweep_keeps_per_pipeline_the_fastest_count_that_fits():
     fitting = [r["step_time_s"] for r in table if r["fits"]]
     assert result.step_time_s <= min(fitting) * (1 + 1e-9)
     assert out.metrics["predicted_step_time_s"] == pytest.approx(result.step_time_s)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3])
+def test_mixed_counts_step_time_is_composed_exactly(seed):
+    """Pipelines that keep different counts: the predicted step is composed from each pipeline's
+    own candidate simulation, and equals simulating the mixed plan, to the bit."""
+    out, req = plan(sample("github", 120, 64 * K, seed=seed), dp=4, pp=2, context=64 * K, model="llama2-7b", tp=4)
+    assert len(set(out.metrics["micropacks"])) > 1
+    assert out.metrics["predicted_step_time_s"] == simulate_plan(out, req.cost).step_time_s
 
 
 def test_plans_are_deterministic():

@@ -13,9 +13,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 import lengthwise.cost.memory as mem
 from lengthwise.cost.comm import CommModel
-from lengthwise.cost.flops import ChunkWork, chunk_work, head_forward_flops, layer_forward_flops
+from lengthwise.cost.flops import (
+    ChunkWork,
+    chunk_work,
+    head_forward_flops,
+    layer_forward_flops,
+    matmul_params_per_layer,
+)
 from lengthwise.cost.time import Profile, Throughput
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import SHARDED, Chunk
@@ -90,6 +98,41 @@ class CostModel:
         attn_s = layers * attn / tp / (peak * self.throughput.attention_mfu)
         tp_s = (1.0 - self.tp_comm_overlap) * layers * self.tp_comm_time(work.tokens, tp=tp)
         return lin_s + attn_s + tp_s + layers * self.throughput.layer_overhead_s
+
+    def works_time(self, tokens, keys, *, layers: int, tp: int = 1, head: bool = False,
+                   backward: bool = False) -> np.ndarray:
+        """_gpu_time of many whole-GPU works at once (cp = 1: forward_time / backward_time of
+        chunks with these row tokens and attention pairs): float64 array, element for element
+        the same arithmetic in the same order as the scalar path, so the same floats (the
+        simulator's per-chunk tables use it; tests/test_cost.py checks the equality)."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        keys = np.asarray(keys, dtype=np.float64)
+        if layers == 0 and not head:
+            return np.zeros(len(tokens))
+        fit = self.profile.fit_for(tp, 1) if self.profile else None
+        if fit is not None:
+            a, b, c = fit.bwd if backward else fit.fwd
+            hb, hc = fit.head_bwd if backward else fit.head_fwd
+            out = layers * (a * keys + b * tokens + c) + ((hb * tokens + hc) if head else 0.0)
+        else:
+            m, th = self.model, self.throughput
+            lin, attn = 2.0 * matmul_params_per_layer(m) * tokens, 4.0 * m.q_dim * keys
+            head_flops = 2.0 * m.hidden * m.vocab * tokens if head else 0.0
+            if backward:
+                lin, attn, head_flops = (lin * self.bwd_linear_ratio, attn * self.bwd_attn_ratio,
+                                         head_flops * self.bwd_linear_ratio)
+            peak = self.cluster.peak_tflops * 1e12
+            x = np.maximum(tokens, 1.0)
+            lin_eff = th.linear_mfu * x / (x + th.half_tokens * tp)
+            lin_s = (layers * lin + head_flops) / tp / (peak * lin_eff)
+            attn_s = layers * attn / tp / (peak * th.attention_mfu)
+            if tp > 1:
+                comm = {t: self.tp_comm_time(t, tp=tp) for t in set(tokens.tolist())}
+                tp_s = (1.0 - self.tp_comm_overlap) * layers * np.array([comm[t] for t in tokens.tolist()])
+            else:
+                tp_s = (1.0 - self.tp_comm_overlap) * layers * 0.0
+            out = lin_s + attn_s + tp_s + layers * th.layer_overhead_s
+        return np.where(tokens == 0, 0.0, out)
 
     def tp_comm_time(self, tokens: float, *, tp: int) -> float:
         """Seconds of one decoder layer's tensor-parallel activation collectives, forward or

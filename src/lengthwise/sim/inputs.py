@@ -15,13 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from lengthwise.cost import CostModel
-from lengthwise.cost.flops import work_key
+from lengthwise.cost.flops import chunk_work, work_key
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
-from lengthwise.sim.memory import MemorySizes, split_sequences
+from lengthwise.sim.memory import MemorySizes, SplitSequence, split_sequences
 
 F, N, B = 0, 1, 2
+_VECTORISED = ("forward_time", "backward_time", "activation_bytes")
+"""CostModel methods _each evaluates for all chunks at once when cp = 1 (CostModel.works_time)."""
 
 
 @dataclass(kw_only=True)
@@ -53,6 +55,8 @@ class PipelineInput:
     """GPUs of the pipeline (tp * cp * pp)."""
     deps: Dependencies | None = None
     """The chunks' slice dependencies when already derived (else the engine derives them)."""
+    splits: list[SplitSequence] | None = None
+    """split_sequences of the chunks when already derived (else the engine derives them)."""
 
 
 def plan_inputs(plan: StepPlan, cm: CostModel) -> list[PipelineInput]:
@@ -108,6 +112,8 @@ class _PipelineCosts:
         kw = {**kw, **self.kw}
         if self.pipe.cp > 1:
             return np.array([fn(c, **kw) for c in chunks])
+        if getattr(fn, "__self__", None) is self.cm and fn.__name__ in _VECTORISED:
+            return self._each_at_once(fn.__name__, chunks, kw)
         memo = self.shared.setdefault((fn.__name__, *sorted(kw.items())), {})
         out = np.empty(len(chunks))
         for i, c in enumerate(chunks):
@@ -117,6 +123,26 @@ class _PipelineCosts:
                 v = memo[key] = fn(c, **kw)
             out[i] = v
         return out
+
+    def _works(self, chunks: list[Chunk]) -> tuple[np.ndarray, np.ndarray]:
+        """(row tokens, attention pairs) of every chunk as float64 arrays (chunk_work's, cp = 1)."""
+        key = ("works", id(chunks))
+        if key not in self._cache:
+            works = [(c.num_tokens, c.attention_pairs) if c.pad_to <= c.num_tokens or not c.segments
+                     else (lambda w: (w.tokens, w.keys))(chunk_work(c)) for c in chunks]
+            arr = np.array(works, dtype=np.float64).reshape(len(chunks), 2)
+            self._cache[key] = (arr[:, 0], arr[:, 1], chunks)  # chunks kept: the id stays theirs
+        tokens, keys, _ = self._cache[key]
+        return tokens, keys
+
+    def _each_at_once(self, name: str, chunks: list[Chunk], kw: dict) -> np.ndarray:
+        """_each for cp = 1 by the cost model's elementwise forms (the same floats, in one pass)."""
+        tokens, keys = self._works(chunks)
+        cm, layers, tp, head = self.cm, kw["layers"], kw["tp"], kw.get("head", False)
+        if name == "activation_bytes":
+            return cm.activation_bytes_per_token(layers=layers, tp=tp, head=head) * tokens
+        out = cm.works_time(tokens, keys, layers=layers, tp=tp, head=head, backward=name == "backward_time")
+        return out + 0.0 if name == "backward_time" else out  # backward_time adds its (zero) recompute
 
     def build(self) -> PipelineInput:
         pipe = self.pipe
@@ -133,7 +159,8 @@ class _PipelineCosts:
         return PipelineInput(stages=pipe.stages, chunks=pipe.chunks, backward_chunks=pipe.backward_chunks,
                              dur=dur, comm=comm, send=send, sizes=self._sizes(recompute),
                              grad_sync=self._grad_sync(), extra_comm=pipe.extra_comm_s,
-                             model_flops=self._model_flops(), num_gpus=pipe.num_gpus, deps=self.deps)
+                             model_flops=self._model_flops(), num_gpus=pipe.num_gpus, deps=self.deps,
+                             splits=self.splits)
 
     def _p2p(self, inter: bool) -> tuple[list[float], list[float]]:
         """Hand-off times of every chunk and unit over an intra- or inter-node link."""
@@ -169,7 +196,7 @@ class _PipelineCosts:
     def _sizes(self, recompute: list[list[int]]) -> MemorySizes:
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
         dp, zero = len(self.plan.pipelines) * pipe.cp, self.plan.zero  # ZeRO shards over dp x cp
-        splits = split_sequences(pipe.chunks, self.units)
+        splits = self.splits = split_sequences(pipe.chunks, self.units)
         act, extra, transient, kv, kv_grad, state, work = [], [], [], [], [], [], []
         for s in range(S):
             L, head = self.layers[s], s == S - 1
@@ -178,7 +205,7 @@ class _PipelineCosts:
                     for i, (c, r) in enumerate(zip(pipe.chunks, recompute[s]))]
             act.append(list(kept))
             extra.append(list(full - np.array(kept)))
-            # on the last stage each backward unit's loss backward works on fp32 logit gradients
+            # on the last stage each backward unit's loss backward makes the bf16 logit gradient
             work.append([cm.head_backward_bytes(u, **self.kw) if head else 0.0 for u in self.units])
             nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD}
             transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0

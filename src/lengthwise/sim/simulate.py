@@ -182,7 +182,7 @@ def _sync_start(stage_end: np.ndarray, pps: list[int]) -> np.ndarray:
 def _replay_memory(inputs, pipes, all_deps, tasks, start, finish, gstage, G) -> MemoryCurves:
     ids, ends, deltas = [], [], []
     for i, (inp, pipe, deps) in enumerate(zip(inputs, pipes, all_deps)):
-        splits = split_sequences(inp.chunks, inp.backward_chunks or inp.chunks)
+        splits = inp.splits if inp.splits is not None else split_sequences(inp.chunks, inp.backward_chunks or inp.chunks)
         t, e, d = memory_events(pipe, deps, inp.sizes, splits)
         ids.append(t + tasks.offsets[i])
         ends.append(e)

@@ -115,9 +115,12 @@ def dispatch_many(lengths, candidates: list[PipelineArrays], *, trials: int, wor
     orders = np.concatenate([_orders(lengths, trials, rng) for _ in candidates])
     state = _Trials(len(orders), d)
     owner = np.zeros((len(orders), n), dtype=np.int64)
+    block = max(1, min(n, (1 << 20) // max(orders.shape[0] * d, 1)))  # w(l) of ~1M entries at a time
     for k in range(n):
+        if k % block == 0:  # what depends only on the sequences, for `block` steps at once
+            pre = Precomputed.of(p, lengths[orders[:, k:k + block]].T)
         seq = orders[:, k]
-        owner[state.rows, seq] = state.place(p, lengths[seq])
+        owner[state.rows, seq] = state.place(p, lengths[seq], pre.step(k % block))
     out = []
     for c in range(len(candidates)):
         best = c * trials + int(np.argmin(state.first[c * trials:(c + 1) * trials]))
@@ -131,6 +134,27 @@ def dispatch(lengths, p: PipelineArrays, *, trials: int, work_budget: float,
     return dispatch_many(lengths, [p], trials=trials, work_budget=work_budget, rng=rng)[0]
 
 
+@dataclass(frozen=True)
+class Precomputed:
+    """Terms of `_Trials.place` that depend on the sequences placed, not on the state, for a
+    block of steps (leading axis), computed with the same arithmetic as place's own."""
+
+    w: np.ndarray
+    """p.seq_time(l)."""
+    w_plus_c: np.ndarray
+    """w + p.chunk_s."""
+    admissible: np.ndarray
+    """p.max_len >= l."""
+
+    @classmethod
+    def of(cls, p: PipelineArrays, lengths: np.ndarray) -> Precomputed:
+        w = p.seq_time(lengths)
+        return cls(w=w, w_plus_c=w + p.chunk_s, admissible=p.max_len >= lengths[..., None].astype(np.float64))
+
+    def step(self, i: int) -> Precomputed:
+        return Precomputed(w=self.w[i], w_plus_c=self.w_plus_c[i], admissible=self.admissible[i])
+
+
 class _Trials:
     """Running eq. 2 terms of every (row, pipeline), and each row's two largest bounds
     (bounds only grow, so the top two are kept exactly without re-scanning)."""
@@ -140,16 +164,22 @@ class _Trials:
         self.rows, self.cols = np.arange(rows), np.arange(d)
         self.top = np.zeros(rows, dtype=np.int64)
         self.first, self.second = np.zeros(rows), np.full(rows, -np.inf if d == 1 else 0.0)
+        self.depth_less_one: np.ndarray | None = None
 
-    def place(self, p: PipelineArrays, l: np.ndarray) -> np.ndarray:
+    def place(self, p: PipelineArrays, l: np.ndarray, pre: Precomputed | None = None) -> np.ndarray:
         """Put each row's sequence (length l) on the admissible pipeline where the largest bound
-        grows least (Alg. 1 l. 7-14); returns the pipelines chosen."""
+        grows least (Alg. 1 l. 7-14); returns the pipelines chosen. `pre`: the terms that depend
+        on l only, when the caller has them already."""
         col = l[:, None].astype(np.float64)
-        w = p.seq_time(l)
-        fill = np.where(col > self.longest, w + p.chunk_s, self.fill)  # T(longest) after adding
-        new = self.sum_w + w + p.chunk_s * np.ceil((self.sum_l + col) / p.max_len) + fill * (p.depth - 1)
-        others = np.where(self.cols[None] == self.top[:, None], self.second[:, None], self.first[:, None])
-        worst = np.where(p.max_len >= col, np.maximum(new, others), np.inf)
+        pre = pre or Precomputed.of(p, l)
+        w = pre.w
+        fill = np.where(col > self.longest, pre.w_plus_c, self.fill)  # T(longest) after adding
+        if self.depth_less_one is None:
+            self.depth_less_one = p.depth - 1
+        new = self.sum_w + w + p.chunk_s * np.ceil((self.sum_l + col) / p.max_len) + fill * self.depth_less_one
+        others = np.repeat(self.first[:, None], new.shape[1], axis=1)  # every pipeline but the top ...
+        others[self.rows, self.top] = self.second  # ... sees the row's largest bound, the top the second
+        worst = np.where(pre.admissible, np.maximum(new, others), np.inf)
         least = worst.min(axis=1, keepdims=True)
         pick = np.where(worst <= least * (1 + 1e-12), new, np.inf).argmin(axis=1)
         at = (self.rows, pick)

@@ -59,6 +59,7 @@ import math
 
 import numpy as np
 
+from lengthwise.cost.flops import work_key
 from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB
@@ -74,14 +75,14 @@ from lengthwise.planners.slimpack.cuts import (
     PrefixCost,
     Stream,
     backward_cuts,
-    backward_units,
+    backward_units_ready,
     check_backward_units,
     forward_chunks,
     forward_cuts,
     micropack_form,
     place_segments,
 )
-from lengthwise.planners.slimpack.dp import RankGroup, assign_ranks, memory_ranks
+from lengthwise.planners.slimpack.dp import RankGroup, assign_ranks, memory_ranks, merge_sizes
 from lengthwise.planners.slimpack.schedule import packflow_schedule
 
 SCHEDULES = ("auto", "steady", "lean")
@@ -143,24 +144,37 @@ def cp_placement(chunks: list[Chunk], group: RankGroup, g: PrefixCost) -> dict[i
     return rank_of
 
 
+def prepare_stream(request: PlanRequest, group: RankGroup, flops: np.ndarray) -> tuple[Stream, dict]:
+    """What every count's build of one pipeline shares: its stream (§4.2 order) and the
+    segments made so far, by (sample, start, stop) (a sample most counts keep whole is one
+    Segment object across all of them)."""
+    return Stream.of(stream_order(group, flops), request.lengths), {}
+
+
 def build_pipeline(request: PlanRequest, group: RankGroup, count: int, models, flops: np.ndarray,
-                   asymmetric: bool, lean: bool = False) -> PipelinePlan:
-    """Phase 2, asymmetric partitioning and the PackFlow schedule for one pipeline."""
+                   asymmetric: bool, lean: bool = False, *, check: bool = True,
+                   prepared: tuple[Stream, dict] | None = None) -> PipelinePlan:
+    """Phase 2, asymmetric partitioning and the PackFlow schedule for one pipeline (`check`:
+    check_backward_units on it, the sweep checks only the pipelines it keeps; `prepared`:
+    prepare_stream's result for this group, shared by the sweep's counts)."""
     gf, gb = models
     s = request.scheme
-    stream = Stream.of(stream_order(group, flops), request.lengths)
+    stream, made = prepared or prepare_stream(request, group, flops)
     count = max(1, min(count, stream.total_tokens))
     fcuts = forward_cuts(stream, gf, count)
-    chunks = forward_chunks(stream, fcuts)
+    chunks = forward_chunks(stream, fcuts, made)
     rank_of = cp_placement(chunks, group, gf)
     chunks = place_segments(chunks, rank_of)
     cp = group.ranks
     if not asymmetric:
         return PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, s.pp), tp=s.tp, cp=cp,
                             schedule="1f1b")
-    units = place_segments(backward_units(stream, backward_cuts(stream, gb, count), fcuts), rank_of)
-    check_backward_units(chunks, units)
-    return PipelinePlan(chunks=chunks, stages=packflow_schedule(chunks, units, s.pp, lean=lean), tp=s.tp,
+    units, ready = backward_units_ready(stream, backward_cuts(stream, gb, count), fcuts, made)
+    units = place_segments(units, rank_of)
+    if check:
+        check_backward_units(chunks, units)
+    stages = packflow_schedule(chunks, units, s.pp, lean=lean, ready=ready)
+    return PipelinePlan(chunks=chunks, stages=stages, tp=s.tp,
                         cp=cp, backward_chunks=units, schedule="packflow-1f1b" + ("-lean" if lean else ""))
 
 
@@ -173,8 +187,9 @@ def fitting_pipeline(request: PlanRequest, p: int, group: RankGroup, count: int,
     cost, layers, zero = request.cost, request.model.num_layers, request.scheme.zero
     tokens = sum(request.lengths[i] for i in group.seq_ids)
     n = max(count, min_fitting_count(request, tokens, group.ranks, pipelines))
+    prepared = prepare_stream(request, group, flops)
     while True:
-        pipe = build_pipeline(request, group, n, models, flops, asymmetric, lean)
+        pipe = build_pipeline(request, group, n, models, flops, asymmetric, lean, prepared=prepared)
         over = memory_overflow(pipe, cost, num_layers=layers, dp=pipelines, zero=zero)
         if over is None:
             return pipe
@@ -222,13 +237,30 @@ def micropack_metrics(request: PlanRequest, pipes: list[PipelinePlan], models) -
     """Counts, budgets, forms and the spread of MicroPack seconds (whole model, LM head included)."""
     gf, gb = models
     cost, layers = request.cost, request.model.num_layers
-    fwd_t = [[cost.forward_time(c, layers=layers, tp=p.tp, cp=p.cp, head=True) for c in p.chunks] for p in pipes]
-    bwd_t = [[cost.backward_time(u, layers=layers, tp=p.tp, cp=p.cp, head=True) for u in p.bwd_units] for p in pipes]
+    memo: dict = {}
+
+    def seconds(fn, chunks: list[Chunk], tp: int, cp: int) -> list[float]:
+        # without CP a chunk's time depends only on its work (tokens, pairs): shared by equal chunks
+        if cp > 1:
+            return [fn(c, layers=layers, tp=tp, cp=cp, head=True) for c in chunks]
+        out = []
+        for c in chunks:
+            key = (fn.__name__, tp, work_key(c))
+            v = memo.get(key)
+            if v is None:
+                v = memo[key] = fn(c, layers=layers, tp=tp, cp=cp, head=True)
+            out.append(v)
+        return out
+
+    fwd_t = [seconds(cost.forward_time, p.chunks, p.tp, p.cp) for p in pipes]
+    bwd_t = [seconds(cost.backward_time, p.bwd_units, p.tp, p.cp) for p in pipes]
     tokens = [[c.num_tokens for c in p.chunks] for p in pipes]
     forms = [micropack_form(c, request.lengths) for p in pipes for c in p.chunks]
 
     def budget(g: PrefixCost, units: list[Chunk]) -> float:
-        return sum(float(g.slice(s.start, s.stop)) for c in units for s in c.segments) / len(units)
+        segs = [s for c in units for s in c.segments]
+        each = g.slice([s.start for s in segs], [s.stop for s in segs]).tolist()  # elementwise: same bits
+        return sum(each) / len(units)
 
     return {
         "micropacks": [len(p.chunks) for p in pipes],
@@ -271,9 +303,13 @@ def phase1_variants(request: PlanRequest, models, merge: bool,
     want = memory_ranks(lengths, memory_share_per_token(request, hold))
     floor = memory_ranks(lengths, memory_share_per_token(request, 1.0))
     ranks = request.scheme.dp * request.scheme.cp
-    variants = [assign_ranks(flops, want, floor, ranks, merge=merge)]
-    if merge:
-        memory_only = assign_ranks(flops, want, floor, ranks, merge=True, by_flops=False)
-        if merge_metrics(memory_only) != merge_metrics(variants[0]):
-            variants.append(memory_only)
+    if not merge:
+        variants = [assign_ranks(flops, want, floor, ranks, merge=False)]
+    else:
+        # the two variants differ exactly when their merged groups do: only then place twice
+        paper = merge_sizes(flops, want, floor, ranks, by_flops=True)
+        memory = merge_sizes(flops, want, floor, ranks, by_flops=False)
+        variants = [assign_ranks(flops, want, floor, ranks, merge=True, merged=paper)]
+        if memory != paper:
+            variants.append(assign_ranks(flops, want, floor, ranks, merge=True, merged=memory))
     return [[g for g in groups if g.seq_ids] for groups in variants], flops

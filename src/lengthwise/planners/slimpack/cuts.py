@@ -27,6 +27,7 @@ order.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 
@@ -117,58 +118,100 @@ def backward_cuts(stream: Stream, g: PrefixCost, pieces: int) -> np.ndarray:
     return np.concatenate([[0], stream.offsets[j] + stream.lengths[j] - x, [stream.total_tokens]])
 
 
-def _overlaps(stream: Stream, lo: int, hi: int) -> list[tuple[int, int, int]]:
-    """(sample j, a, b): the part [a, b) of sample j's own positions inside stream range [lo, hi)."""
-    out = []
-    j = int(np.searchsorted(stream.offsets, lo, side="right")) - 1
-    while j < len(stream.lengths) and stream.offsets[j] < hi:
-        off = int(stream.offsets[j])
-        a, b = max(lo, off) - off, min(hi, off + int(stream.lengths[j])) - off
+def _overlaps(offsets: list[int], lo: int, hi: int, j: int) -> tuple[list[tuple[int, int, int]], int]:
+    """(sample j, a, b) for the part [a, b) of each sample's own positions inside stream range
+    [lo, hi), and the sample holding `lo`. `j` is a sample at or before the one holding `lo`
+    (the cuts are sorted, so one pointer walks the stream once: O(samples + pieces) per stream)."""
+    last = len(offsets) - 1
+    while j < last and offsets[j + 1] <= lo:
+        j += 1
+    first, out = j, []
+    while j < last and offsets[j] < hi:
+        off = offsets[j]
+        a, b = max(lo, off) - off, min(hi, offsets[j + 1]) - off
         if b > a:
             out.append((j, a, b))
         j += 1
-    return out
+    return out, first
 
 
-def forward_chunks(stream: Stream, cuts: np.ndarray) -> list[Chunk]:
-    """Forward MicroPacks from the cut positions (empty ones dropped)."""
-    chunks = []
+def forward_chunks(stream: Stream, cuts: np.ndarray, made: dict | None = None) -> list[Chunk]:
+    """Forward MicroPacks from the cut positions (empty ones dropped). `made`, when given,
+    holds segments by (sample, start, stop): those found there are reused, new ones added (for
+    backward_units_ready and other counts of the same stream: segments are frozen, and a
+    sample held whole is one object wherever it appears)."""
+    offsets, ids = stream.offsets.tolist(), stream.seq_ids.tolist()
+    chunks, j = [], 0
     for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
-        segs = tuple(Segment(int(stream.seq_ids[j]), a, b) for j, a, b in _overlaps(stream, lo, hi))
-        if segs:
+        parts, j = _overlaps(offsets, lo, hi, j)
+        if parts:
+            if made is None:
+                segs = tuple(Segment(ids[k], a, b) for k, a, b in parts)
+            else:
+                segs = tuple(made.get(part) or made.setdefault(part, Segment(ids[part[0]], part[1], part[2]))
+                             for part in parts)
             chunks.append(Chunk(segs))
     return chunks
 
 
-def _forward_bounds(stream: Stream, fcuts: np.ndarray) -> list[list[int]]:
-    """Per sample: the token positions where its forward segments end inside it."""
-    bounds: list[list[int]] = [[] for _ in stream.lengths]
-    for p in fcuts.tolist():
-        j = int(np.searchsorted(stream.offsets, p, side="right")) - 1
-        if 0 <= j < len(stream.lengths) and stream.offsets[j] < p:
-            bounds[j].append(p - int(stream.offsets[j]))
+def _forward_bounds(offsets: list[int], fcuts: list[int]) -> dict[int, list[int]]:
+    """Per sample cut inside: the token positions where its forward segments end inside it
+    (ascending, as the cuts are)."""
+    bounds: dict[int, list[int]] = {}
+    j, last = 0, len(offsets) - 1
+    for p in fcuts:
+        while j < last and offsets[j + 1] <= p:
+            j += 1
+        if j < last and offsets[j] < p:
+            bounds.setdefault(j, []).append(p - offsets[j])
     return bounds
 
 
 def backward_units(stream: Stream, bcuts: np.ndarray, fcuts: np.ndarray) -> list[Chunk]:
     """Backward MicroPacks from backward-stream cuts, each token range split at the forward
     MicroPack boundaries so every backward segment lies in one forward segment."""
-    bounds = _forward_bounds(stream, fcuts)
-    units = []
+    return backward_units_ready(stream, bcuts, fcuts)[0]
+
+
+def backward_units_ready(stream: Stream, bcuts: np.ndarray, fcuts: np.ndarray,
+                         made: dict | None = None) -> tuple[list[Chunk], list[int]]:
+    """backward_units, and per unit how many forward MicroPacks (a prefix) must have run before
+    it (schedule.forwards_needed, read off the cuts: each backward segment lies in the forward
+    MicroPack holding its first token). `made`: forward_chunks' segments, reused where equal."""
+    made = made or {}
+    offsets, ids, cuts = stream.offsets.tolist(), stream.seq_ids.tolist(), fcuts.tolist()
+    bounds = _forward_bounds(offsets, cuts)
+    index, kept = [], 0  # forward MicroPack index of each cut interval (empty intervals are dropped)
+    for lo, hi in itertools.pairwise(cuts):
+        index.append(kept)
+        kept += hi > lo
+    units, ready, need, j = [], [], 0, 0
     for lo, hi in zip(bcuts[:-1].tolist(), bcuts[1:].tolist()):
+        parts, j = _overlaps(offsets, lo, hi, j)
         segs = []
-        for j, ra, rb in _overlaps(stream, lo, hi):
-            n = int(stream.lengths[j])
+        for k, ra, rb in parts:
+            n = offsets[k + 1] - offsets[k]
             start, stop = n - rb, n - ra  # reversed walk: backward positions -> tokens
-            edges = [start] + [e for e in bounds[j] if start < e < stop] + [stop]
-            segs += [Segment(int(stream.seq_ids[j]), a, b) for a, b in itertools.pairwise(edges)]
+            inside = bounds.get(k)
+            edges = [start, stop]
+            if inside:
+                edges[1:1] = inside[bisect.bisect_right(inside, start):bisect.bisect_left(inside, stop)]
+            for a, b in itertools.pairwise(edges):
+                seg = made.get((k, a, b))
+                segs.append(seg if seg is not None else Segment(ids[k], a, b))
+                if b > a:
+                    need = max(need, index[bisect.bisect_right(cuts, offsets[k] + a) - 1] + 1)
         if segs:
             units.append(Chunk(tuple(segs)))
-    return units
+            ready.append(need)
+    return units, ready
 
 
 def place_segments(chunks: list[Chunk], rank_of: dict[int, int]) -> list[Chunk]:
-    """The chunks with each segment's cp_rank set from rank_of (SHARDED when absent)."""
+    """The chunks with each segment's cp_rank set from rank_of (SHARDED when absent): the same
+    chunks when rank_of is empty."""
+    if not rank_of:
+        return chunks
     return [Chunk(tuple(Segment(s.seq_id, s.start, s.stop, rank_of.get(s.seq_id, SHARDED))
                         for s in c.segments), c.pad_to) for c in chunks]
 

@@ -22,6 +22,7 @@ every group is one rank and the better of Karmarkar-Karp and LPT is kept (packin
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,14 +89,17 @@ def merge_sizes(flops: np.ndarray, mem_want: np.ndarray, mem_floor: np.ndarray, 
 
 
 def assign_ranks(flops: np.ndarray, mem_want: np.ndarray, mem_floor: np.ndarray, dp: int, *,
-                 merge: bool, by_flops: bool = True) -> list[RankGroup]:
+                 merge: bool, by_flops: bool = True,
+                 merged: list[tuple[list[int], int]] | None = None) -> list[RankGroup]:
     """Phase 1: rank groups with their sequences (outliers merged when `merge`; compute
-    outliers too when `by_flops`, see merge_sizes)."""
+    outliers too when `by_flops`, see merge_sizes; `merged`: merge_sizes' result when the
+    caller has it already)."""
     if not merge and (mem_floor > 1).any():
         i = int(np.argmax(mem_floor))
         raise UserError(f"sequence {i} needs {mem_floor[i]} merged DP ranks to hold its activations and "
                         "K/V state: enable dp_merge or raise --tp/--pp")
-    merged = merge_sizes(flops, mem_want, mem_floor, dp, by_flops=by_flops) if merge else []
+    if merged is None:
+        merged = merge_sizes(flops, mem_want, mem_floor, dp, by_flops=by_flops) if merge else []
     if not merged:
         return [RankGroup(ranks=1, seq_ids=sorted(g)) for g in _balanced(flops.tolist(), dp)]
     groups = [RankGroup(ranks=m, outliers=list(ids), seq_ids=list(ids)) for ids, m in merged]
@@ -120,12 +124,34 @@ def _balanced(sizes: list[float], dp: int) -> list[list[int]]:
 
 
 def _weighted_lpt(groups: list[RankGroup], seq_ids: list[int], flops: np.ndarray) -> None:
-    """Largest first onto the group whose load per merged rank stays lowest."""
+    """Largest first onto the group whose load per merged rank stays lowest (ties: lowest
+    index). Groups of one size form one heap by (load, index): (load + f) / ranks never
+    decreases with the load, so a heap's best is among its lightest entries (those whose key
+    rounds equal to the lightest's are all looked at); O(n R log P) for R distinct sizes
+    (a few), not O(n P)."""
     loads = [g.load(flops) for g in groups]
+    heaps: dict[int, list[tuple[float, int]]] = {}
+    for k, g in enumerate(groups):
+        heaps.setdefault(g.ranks, []).append((loads[k], k))
+    for h in heaps.values():
+        heapq.heapify(h)
     for i in seq_ids:
-        g = min(range(len(groups)), key=lambda k: ((loads[k] + flops[i]) / groups[k].ranks, k))
+        f = float(flops[i])
+        best, found = None, {}
+        for r, h in heaps.items():
+            top = (h[0][0] + f) / r
+            taken = found[r] = []
+            while h and (h[0][0] + f) / r == top:  # every entry of the lightest key
+                taken.append(heapq.heappop(h))
+            k = min(k for _, k in taken)
+            if best is None or (top, k) < best:
+                best = (top, k)
+        g = best[1]
         groups[g].seq_ids.append(i)
-        loads[g] += float(flops[i])
+        loads[g] += f
+        for r, taken in found.items():
+            for load, k in taken:
+                heapq.heappush(heaps[r], (loads[k], k) if k == g else (load, k))
 
 
 def memory_ranks(lengths: np.ndarray, share_per_token: float) -> np.ndarray:

@@ -12,19 +12,38 @@ may choose a different N"). The lean schedule is swept too when the steady one f
 every Phase-1 variant (with and without compute merges) is swept and the faster step wins; when
 none fits, memory outliers are merged over more ranks (the next HOLD share).
 
-Cost: every candidate count builds and simulates every pipeline, so a plan costs (candidates
-tried) x (cutting O(n log n) + simulating the step's actions): linear in sequences and ranks,
-with the simulator's per-action constant times about ten candidates dominating at 32,768
-sequences (benchmarks/results/planning_scale.json). A fixed `num_micropacks` skips the sweep.
+Cost, in sequences n, pipelines P (DP ranks after DP-Merge), stages pp and candidate counts C
+(at most ~2 log2(max_micropacks / pp) + 2 per schedule, Phase-1 variant and HOLD share; the sweep
+usually stops after 3-9):
+
+- Phase 1 (dp.py): O(n log n) sorting plus the balancing of packing_utils (Karmarkar-Karp and
+  LPT, about O(n log P)); with merged outliers the weighted LPT keeps a heap per merged-group
+  size, O(n R log P) for R distinct sizes; a memory outlier left without ranks scans the merged
+  groups (O(outliers x groups), only once the ranks run out).
+- Per pipeline, once per sweep: its stream (sort, O(S log S) for its S samples). Per pipeline and
+  count: cuts in numpy, O(S + N); MicroPacks and backward units by one pointer walk over the
+  stream, O(S + N) segments (each backward segment finds its forward MicroPack by bisection,
+  O(log N)), which also yields the PackFlow readiness; the schedule O(pp (N + units)).
+- The simulation of every candidate (§4.1.2 "each of them is evaluated by a high-fidelity
+  simulator", §5.1): O(n + P N pp) actions and segments per candidate, with the simulator's
+  per-action constant. This is what the paper forces: C full-plan simulations, so planning is
+  C times linear in the plan's size (n segments, P N MicroPacks), not better; it dominates every
+  case of benchmarks/bench_planning_scale.py. A plan whose pipelines keep different counts is
+  not simulated again: its step time is composed exactly from the candidates' per-pipeline
+  results (composed_step_time). A fixed `num_micropacks` skips the sweep (one build per pipeline,
+  plus the memory check of fitting_pipeline).
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS, PREDICTED_STEP_TIME_S, STEP_TIME_S
 from lengthwise.plan.ir import PipelinePlan, StepPlan
+from lengthwise.plan.validate import check_backward_units
 from lengthwise.planners.base import PlanRequest, check_lengths, finish_plan
 from lengthwise.planners.slimpack.build import (
     HOLD_SHARES,
@@ -35,6 +54,7 @@ from lengthwise.planners.slimpack.build import (
     merge_metrics,
     micropack_metrics,
     phase1_variants,
+    prepare_stream,
     read_options,
 )
 from lengthwise.sim import simulate_plan
@@ -86,16 +106,22 @@ def sweep(request: PlanRequest, groups, models, flops, opts) -> tuple[list[Pipel
     counts = sweep_counts(request.scheme.pp, opts["max_micropacks"])
     capacity = request.cost.capacity_bytes
     candidates: list[dict] = []
+    prepared = [prepare_stream(request, g, flops) for g in groups]  # shared by every count and schedule
     for lean in schedule_variants(opts):
-        candidates += simulate_candidates(request, groups, counts, models, flops, opts["asymmetric"], lean)
+        candidates += simulate_candidates(request, groups, counts, models, flops, opts["asymmetric"], lean,
+                                          prepared)
         if all(any(c["peak"][p] <= capacity for c in candidates) for p in range(len(groups))):
             break
     chosen = choose_per_pipeline(candidates, capacity)
     pipes = [candidates[k]["pipelines"][p] for p, k in enumerate(chosen)]
+    for p, pipe in enumerate(pipes):
+        check_backward_units(pipe.chunks, pipe.backward_chunks or pipe.chunks, where=f"pipeline {p}: ")
     if len(set(chosen)) == 1:
         predicted = candidates[chosen[0]][STEP_TIME_S]
-    else:
-        predicted = simulate_plan(bare_plan(request, pipes), request.cost).step_time_s
+    else:  # the mixed plan's step, composed from its pipelines' own simulations (no re-simulation)
+        predicted = composed_step_time([candidates[k]["ends"][p] for p, k in enumerate(chosen)],
+                                       [candidates[k]["sync"][p] for p, k in enumerate(chosen)],
+                                       [pipe.extra_comm_s for pipe in pipes])
     table = [{"micropacks": c["count"], "lean": c["lean"], STEP_TIME_S: c[STEP_TIME_S], "fits": c["fits"],
               PEAK_MEMORY_GIB: max(c["peak"]) / GIB} for c in candidates]
     return pipes, {"sweep": table, PREDICTED_STEP_TIME_S: predicted}
@@ -121,19 +147,42 @@ def sweep_counts(pp: int, top: int) -> list[int]:
     return counts + ([top] if top not in counts else [])
 
 
-def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asymmetric, lean) -> list[dict]:
+def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asymmetric, lean,
+                        prepared=None) -> list[dict]:
     """Every pipeline at every candidate count, simulated: per candidate its pipelines, per-pipeline
-    makespan and peak memory, and the whole step."""
+    makespan and peak memory, and the whole step (`prepared`: build.prepare_stream per group)."""
     out: list[dict] = []
+    prepared = prepared or [prepare_stream(request, g, flops) for g in groups]
     for n in counts:
-        pipes = [build_pipeline(request, g, n, models, flops, asymmetric, lean) for g in groups]
+        pipes = [build_pipeline(request, g, n, models, flops, asymmetric, lean, check=False, prepared=ready)
+                 for g, ready in zip(groups, prepared)]
         result = simulate_plan(bare_plan(request, pipes), request.cost)
         out.append({"count": n, "lean": lean, "pipelines": pipes, "makespan": result.pipeline_makespan,
                     "peak": [max(row) for row in result.peak_memory], STEP_TIME_S: result.step_time_s,
-                    "fits": bool(result.fits)})
+                    "fits": bool(result.fits), "ends": stage_ends(result), "sync": result.grad_sync})
         if past_the_best(out):
             break
     return out
+
+
+def stage_ends(result) -> list[np.ndarray]:
+    """[pipeline] float64 [stage] end of each stage's last action in a simulated step."""
+    t, offs = result.timeline, result.timeline.stage_offsets
+    gstage = np.asarray(offs[:-1], dtype=np.int64)[t.tasks.pipeline] + t.tasks.stage
+    end = np.zeros(offs[-1])
+    np.maximum.at(end, gstage, t.finish)
+    return [end[a:b] for a, b in zip(offs[:-1], offs[1:])]
+
+
+def composed_step_time(ends: list[np.ndarray], sync: list[list[float]], extra: list[float]) -> float:
+    """The step time simulate_plan gives a plan whose pipelines (all of one pp) were each
+    simulated in some other plan of the same pipeline count and GPU layout: pipelines run
+    independently, and only the gradient reductions join them (stage s of every pipeline starts
+    reducing when the slowest replica's stage s is done; lengthwise.sim.simulate). The same
+    maxima and sums of the same numbers, so the same float."""
+    aligned = np.max(np.stack(ends), axis=0)
+    return float(max((max(float(e.max(initial=0.0)), float((aligned + np.asarray(sy)).max(initial=0.0))) + x
+                      for e, sy, x in zip(ends, sync, extra)), default=0.0))
 
 
 def past_the_best(candidates: list[dict], patience: int = 2) -> bool:

@@ -40,23 +40,41 @@ def forwards_needed(chunks: list[Chunk], units: list[Chunk]) -> list[int]:
     return out
 
 
+_ACTIONS: dict[str, list[Action]] = {FORWARD: [], BACKWARD: []}
+"""Action(kind, i) for i = 0, 1, ...: frozen, so every schedule shares one instance of each."""
+
+
+def _actions(kind: str, upto: int) -> list[Action]:
+    """_ACTIONS[kind], at least `upto` long (grown by a new list, never in place: a list once
+    handed out stays index-true)."""
+    made = _ACTIONS[kind]
+    if len(made) < upto:
+        made = _ACTIONS[kind] = made + [Action(kind, i) for i in range(len(made), upto)]
+    return made
+
+
 def packflow_stage(num_chunks: int, ready: list[int], warmup: int, *, lean: bool = False) -> list[Action]:
     """One stage: warm-up forwards, steady 1F1B (with injected forwards), cool-down backwards."""
     out: list[Action] = []
     issued = 0
+    forward, backward = _actions(FORWARD, num_chunks), _actions(BACKWARD, len(ready))
     for i, need_ready in enumerate(ready):
         # 1F1B slot, the unit's own dependency plus this stage's warm-up, and (steady) one more
         # forward than the last backward had
         need = max(warmup + i + 1, need_ready + warmup, 0 if lean else issued + 1)
         need = min(num_chunks, need)
-        out += [Action(FORWARD, c) for c in range(issued, need)]
+        if need > issued:
+            out += forward[issued:need]
         issued = max(issued, need)
-        out.append(Action(BACKWARD, i))
+        out.append(backward[i])
     assert issued == num_chunks, "every forward MicroPack must be read by some backward unit"
     return out
 
 
-def packflow_schedule(chunks: list[Chunk], units: list[Chunk], pp: int, *, lean: bool = False) -> list[list[Action]]:
-    """Per-stage action lists; forward actions index `chunks`, backward actions index `units`."""
-    ready = forwards_needed(chunks, units)
+def packflow_schedule(chunks: list[Chunk], units: list[Chunk], pp: int, *, lean: bool = False,
+                      ready: list[int] | None = None) -> list[list[Action]]:
+    """Per-stage action lists; forward actions index `chunks`, backward actions index `units`.
+    `ready`: forwards_needed(chunks, units) when the caller knows it already (cuts.backward_units_ready)."""
+    if ready is None:
+        ready = forwards_needed(chunks, units)
     return [packflow_stage(len(chunks), ready, warmup=pp - s - 1, lean=lean) for s in range(pp)]
