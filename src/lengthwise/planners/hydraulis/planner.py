@@ -108,6 +108,9 @@ class Evaluation:
     """Micro-batches of each pipeline (eq. 1)."""
     trials: int
     """Dispatch trials run."""
+    full: set[int]
+    """Pipelines whose packing is the full greedy one (the others are without Karmarkar-Karp
+    until `_complete`; the largest estimate is exact either way)."""
 
     @property
     def estimate_s(self) -> float:
@@ -123,6 +126,7 @@ def plan_hydraulis(request: PlanRequest) -> StepPlan:
     _check_lengths(request, space, num_gpus, opts)
     candidates = _candidates(request, opts, space, num_gpus)
     best, table = _choose(request, opts, candidates, num_gpus)
+    _complete(best)
     milp_count = _refine(best, opts)
     pipelines = _pipelines(request, best, num_gpus)
     plan = finish_plan(request, pipelines, planner="hydraulis", started=started, options=opts)
@@ -328,10 +332,36 @@ def _evaluate_all(request: PlanRequest, opts: dict, prepared: list, lengths: np.
     out = []
     for (_, strategy, pipes), disp in zip(prepared, runs):
         loads = [_load(lengths, disp.owner, j, s, m) for j, (s, m) in enumerate(pipes)]
+        packings, full = _slowest_packed(loads)
         out.append(Evaluation(strategy=strategy, pipelines=[s for s, _ in pipes], max_lens=[m for _, m in pipes],
                               exchange_s=_exchange(request, strategy, num_gpus), loads=loads,
-                              packings=[greedy_pack(load) for load in loads], trials=disp.trials))
+                              packings=packings, trials=disp.trials, full=full))
     return out
+
+
+def _slowest_packed(loads: list[PipelineLoad]) -> tuple[list, set[int]]:
+    """Every pipeline packed without Karmarkar-Karp (an upper bound on its full greedy packing),
+    then the full greedy for the pipelines from the slowest bound down until the next bound is
+    no more than the slowest full packing found: the largest estimate is then exactly that of
+    packing every pipeline fully. Returns the packings and the pipelines packed fully."""
+    packings = [greedy_pack(load, kk=False) for load in loads]
+    full: set[int] = set()
+    slowest = -np.inf
+    for j in sorted(range(len(loads)), key=lambda j: -packings[j].estimate_s):
+        if packings[j].estimate_s <= slowest:
+            break
+        packings[j] = greedy_pack(loads[j])
+        full.add(j)
+        slowest = max(slowest, packings[j].estimate_s)
+    return packings, full
+
+
+def _complete(ev: Evaluation) -> None:
+    """The chosen candidate's remaining pipelines packed fully (as if every one had been)."""
+    for j, load in enumerate(ev.loads):
+        if j not in ev.full:
+            ev.packings[j] = greedy_pack(load)
+            ev.full.add(j)
 
 
 def _load(lengths: np.ndarray, owner: np.ndarray, j: int, scheme: Scheme, max_len: int) -> PipelineLoad:
