@@ -177,11 +177,12 @@ class _Trials:
         if self.depth_less_one is None:
             self.depth_less_one = p.depth - 1
         new = self.sum_w + w + p.chunk_s * np.ceil((self.sum_l + col) / p.max_len) + fill * self.depth_less_one
-        others = np.repeat(self.first[:, None], new.shape[1], axis=1)  # every pipeline but the top ...
-        others[self.rows, self.top] = self.second  # ... sees the row's largest bound, the top the second
-        worst = np.where(pre.admissible, np.maximum(new, others), np.inf)
-        least = worst.min(axis=1, keepdims=True)
-        pick = np.where(worst <= least * (1 + 1e-12), new, np.inf).argmin(axis=1)
+        # The pipeline raising the largest bound least, ties to the least new bound (then the
+        # lowest index), is the admissible one with the least new bound: bounds only grow, so
+        # the top pipeline's new bound is at least the row's largest, and any other's largest
+        # after the move is max(its new bound, the row's largest) -- both orders agree, and so
+        # does the lowest index among equal new bounds.
+        pick = np.where(pre.admissible, new, np.inf).argmin(axis=1)
         at = (self.rows, pick)
         self.sum_w[at] += w[at]
         self.sum_l[at] += l
