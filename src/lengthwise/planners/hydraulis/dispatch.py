@@ -156,14 +156,12 @@ class Precomputed:
 
 
 class _Trials:
-    """Running eq. 2 terms of every (row, pipeline), and each row's two largest bounds
-    (bounds only grow, so the top two are kept exactly without re-scanning)."""
+    """Running eq. 2 terms of every (row, pipeline), and each row's largest bound."""
 
     def __init__(self, rows: int, d: int):
-        self.sum_w, self.sum_l, self.longest, self.fill, self.cost = (np.zeros((rows, d)) for _ in range(5))
+        self.sum_w, self.sum_l, self.longest, self.fill = (np.zeros((rows, d)) for _ in range(4))
         self.rows, self.cols = np.arange(rows), np.arange(d)
-        self.top = np.zeros(rows, dtype=np.int64)
-        self.first, self.second = np.zeros(rows), np.full(rows, -np.inf if d == 1 else 0.0)
+        self.first = np.zeros(rows)
         self.depth_less_one: np.ndarray | None = None
 
     def place(self, p: PipelineArrays, l: np.ndarray, pre: Precomputed | None = None) -> np.ndarray:
@@ -192,13 +190,7 @@ class _Trials:
         return pick
 
     def _raise(self, pick: np.ndarray, value: np.ndarray) -> None:
-        self.cost[self.rows, pick] = value
-        was_top = pick == self.top
-        overtakes = ~was_top & (value > self.first)
-        self.second = np.where(overtakes, self.first, np.where(~was_top, np.maximum(self.second, value),
-                                                               self.second))
-        self.first = np.where(was_top | overtakes, value, self.first)
-        self.top = np.where(overtakes, pick, self.top)
+        self.first = np.maximum(self.first, value)  # bounds only grow: the row's largest
 
 
 def lower_bound(lengths, schemes: list[Scheme], counts: list[int], max_lens: list[int]) -> float:
