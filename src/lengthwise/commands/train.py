@@ -124,8 +124,14 @@ def _add_runtime(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
     parser.add_argument("--dp", metavar="D", type=int, help="data-parallel pipelines in the plan (default 1)")
     parser.add_argument("--pp", metavar="P", type=int, help="pipeline stages in the plan (default 1)")
     parser.add_argument("--cp", metavar="C", type=int, help="context-parallel ranks per stage in the plan (default 1)")
+    parser.add_argument("--tp", metavar="T", type=int,
+                        help="tensor-parallel ranks per stage in the plan (default 1; each holds its shard "
+                             "with --nproc or torchrun)")
+    parser.add_argument("--zero", metavar="Z", type=int, choices=(0, 1, 2, 3),
+                        help="across processes: 0 = whole parameters on every replica, 1/2 = FSDP2 sharding "
+                             "gathered once per step (default 1), 3 = resharded after each forward (ZeRO-3)")
     parser.add_argument("--nproc", metavar="N", type=int,
-                        help="run on N local worker processes, N = dp * pp * cp (gloo on CPU, NCCL on CUDA)")
+                        help="run on N local worker processes, N = dp * pp * cp * tp (gloo on CPU, NCCL on CUDA)")
     parser.add_argument("--cluster", metavar="PRESET", help="cluster the planner sizes for (default cpu)")
     parser.add_argument("--threads", metavar="N", type=int,
                         help="CPU threads for torch (default 1 on CPU, torch's choice with CUDA)")
@@ -156,7 +162,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     config = load_toml(args.config) if args.config else TrainConfig()
     flags = {name: getattr(args, name) for name in (
         "model", "planner", "batch_size", "tokens_per_batch", "steps", "lr", "weight_decay",
-        "grad_clip", "dtype", "device", "backend", "threads", "dp", "pp", "cp", "nproc", "cluster", "metrics", "out",
+        "grad_clip", "dtype", "device", "backend", "threads", "dp", "pp", "cp", "tp", "zero", "nproc", "cluster",
+        "metrics", "out",
         "save_every", "resume", "progress", "data", "tokenizer", "text_field", "context_length",
         "overlong", "seed", "lr_schedule", "warmup_steps", "min_lr", "eval_every", "eval_sequences",
         "skip_nonfinite", "timeout", "token_cache")}
