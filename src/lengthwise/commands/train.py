@@ -31,12 +31,16 @@ gradient, before anything is saved (--skip-nonfinite skips such steps instead). 
 machine cannot hold is refused before training starts, with the estimate.
 
 With --nproc N (local workers: gloo on CPU, NCCL on CUDA with one GPU each) or under torchrun,
-the plan's dp x pp x cp ranks (N = dp * pp * cp) run the same loop, each its own pipeline stage:
-every rank plans the same batch (checked by a plan hash each step), AdamW updates the
-parameters the rank holds, clipping uses the global gradient norm, rank 0 alone writes metrics
-and the progress bar, and checkpoints are torch.distributed.checkpoint shards (plus the whole
-model as model.safetensors) that a run with the same N resumes exactly. Without either, one
-process runs every pipeline and stage of the plan.
+the plan's ranks (N = dp * pp * cp * tp) run the same loop, each building only its own part of
+the model: its pipeline stage's layers, split over the stage's --tp ranks (DTensor), sharded
+over the stage's data-parallel x CP ranks with FSDP2 (--zero 1 or 2: gathered once per step;
+3: ZeRO-3; 0: whole copies). Every rank plans the same batch (checked by a plan hash each
+step), AdamW updates the rank's shards (float32 master weights under bfloat16 compute with
+--dtype bfloat16), clipping uses the global gradient norm, rank 0 alone writes metrics and the
+progress bar, and checkpoints are torch.distributed.checkpoint shards (plus the whole model as
+model.safetensors, gathered to rank 0) that a run with the same pp, cp and tp resumes exactly,
+at the same or another dp (the shards are resharded). Without either, one process runs every
+pipeline and stage of the plan.
 
 A TOML --config takes the same settings by their long names with underscores (batch_size,
 tokens_per_batch, ...) and planner options as a table:

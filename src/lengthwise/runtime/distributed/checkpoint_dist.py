@@ -21,9 +21,11 @@ an untrusted source. Everything else is JSON or safetensors.
 Rewriting a step (a run resumed from an earlier one saves it again) first removes its manifest,
 then the old folder, so a kill in the middle never leaves old and new files under a manifest.
 
-Each rank saves only the parameters its stage holds (`dp.held_parameters`), keyed by their
-Hugging Face names; data-parallel and CP replicas hold identical values (gradients are summed
-before the update) and DCP writes each key once. The optimizer state is flattened per
+Each rank saves only the parameters it holds (its stage's; under FSDP2 / TP its DTensor
+shards, which DCP records with their global shapes and offsets), keyed by their Hugging Face
+names; replicas of a piece hold identical values (gradients are summed before the update) and
+DCP writes each piece once. Loading reshards: a run at another dp (other FSDP2 shards) reads
+the pieces it now holds (`load_checkpoint`'s `saved_rank`). The optimizer state is flattened per
 parameter (`flatten_optimizer_state_dict`), so stages with different parameters never write
 the same key with different contents (torchtitan does the same for pipeline stages).
 """

@@ -80,8 +80,8 @@ class TrainConfig:
     shard parameters, gradients and AdamW states with FSDP2, gathered once per step; 3 also
     reshards after each forward and backward (ZeRO-3)."""
     nproc: int | None = None
-    """Local worker processes to start, one per (pipeline, stage, CP rank, TP rank): dp * pp * cp * tp of
-    them, gloo on CPU, NCCL on CUDA (one GPU each). None: this process runs the whole plan
+    """Local worker processes to start, one per (pipeline, stage, CP rank, TP rank):
+    dp * pp * cp * tp of them, gloo on CPU, NCCL on CUDA (one GPU each). None: this process runs the whole plan
     (or, under torchrun, torchrun's processes do)."""
     cluster: str = "cpu"
     """Cluster preset the planners size chunks for (memory per GPU)."""

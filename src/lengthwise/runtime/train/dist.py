@@ -11,11 +11,12 @@ a function of the batch and the seed only), and hands it to a `RankExecutor`, wh
 
 - checks once per step that every rank holds the same plan (`dp.check_same_plan`: a 16-byte
   hash, all-gathered) and that the ranks' stages are those of the first step;
-- runs this rank's (pipeline, stage, CP rank) part (`step.run_rank_step`), which ends with each
-  gradient summed over the ranks holding its parameter;
-- clips with the global gradient norm (`dp.global_grad_norm`, each parameter counted once) and
-  steps AdamW over the parameters this rank holds (`dp.held_parameters`); every holder of a
-  parameter sees the same summed gradient, so the replicas stay equal;
+- runs this rank's (pipeline, stage, CP rank, TP rank) part (`step.run_rank_step`), which ends
+  with each gradient summed over the ranks holding its parameter (FSDP2's reduce-scatter into
+  each rank's shard, or `dp.GradReducer`);
+- clips with the global gradient norm (`dp.global_grad_norm`, each piece counted once) and
+  steps AdamW over the rank's own parameters (its shards); every holder of a piece sees the
+  same summed gradient, so replicas stay equal;
 - notes each action in its `RankStatus`, which the launcher shows if the rank dies;
 - checkpoints with `checkpoint_dist` (torch.distributed.checkpoint shards, plus each rank's
   sampler position and RNG states, sealed by a manifest), and rank 0 adds the gathered weights as config.json and
@@ -24,7 +25,8 @@ a function of the batch and the seed only), and hands it to a `RankExecutor`, wh
 Rank 0 alone writes the metrics and shows the progress bar. Resume is exact as on one process
 (tests/test_distributed_fault.py kills a rank mid-step under torchrun). The final weights equal a
 single-process run with the same plan settings up to the order of floating-point sums
-(tests/test_train_distributed.py: within 1e-10 in float64 after two AdamW steps).
+(tests/test_train_distributed.py: within 1e-10 in float64 after two AdamW steps;
+tests/test_train_parallel.py: dp2 x tp2, pp2 x tp2 and a dp4 -> dp2 resume).
 
 Each rank builds only its part of the model (`parallel/build.build_rank_model`, as `verify`
 does): its stage's layers (embedding on the first stage, norm and head on the last), split over
@@ -151,7 +153,7 @@ rank 0 writes the metrics and shows progress; caches and thread counts are per m
 
 def train_on_rank(config: TrainConfig, mesh: Mesh, *, after_action: AfterAction | None = None,
                   status: RankStatus | None = None) -> TrainResult:
-    """This rank's part of `config`, in an initialised process group of dp * pp * cp ranks."""
+    """This rank's part of `config`, in an initialised process group of dp * pp * cp * tp ranks."""
     with StopRequest(quiet=mesh.rank != 0) as stop:  # from here a signal waits for a step boundary
         check_same_settings(config.to_dict(), mesh.device, ignore=PER_PROCESS)
         setup = Setup(config, device=mesh.device, whole_model=False)

@@ -33,7 +33,7 @@ bit-identical (tests/test_train.py).
 Executors. The loop above is shared; what runs a step's plan is an executor (train/executor.py).
 `LocalExecutor`: this process runs every pipeline and stage (`run_step`), AdamW over all
 parameters, checkpoints in runtime/checkpoint.py. `train/dist.RankExecutor`: one rank of
-dp * pp * cp processes runs its stage (`run_rank_step`), AdamW over the parameters it holds,
+dp * pp * cp * tp processes runs its stage (`run_rank_step`), AdamW over its shards of it,
 clipping by the global norm, checkpoints through torch.distributed.checkpoint; only rank 0
 writes metrics and the progress bar.
 """
