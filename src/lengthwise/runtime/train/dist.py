@@ -72,6 +72,7 @@ from lengthwise.runtime.distributed.dp import (
 from lengthwise.runtime.distributed.agree import check_same_settings
 from lengthwise.runtime.distributed.launch import (
     RankStatus,
+    end_process_group,
     init_from_torchrun,
     spawn,
     under_torchrun,
@@ -125,7 +126,7 @@ def _train_under_torchrun(config: TrainConfig, after_action: AfterAction | None)
         result = train_on_rank(_torchrun_outputs(config), mesh, after_action=after_action,
                                status=RankStatus.for_torchrun())
     finally:
-        dist.destroy_process_group()
+        end_process_group()
     return result if mesh.rank == 0 else None
 
 
@@ -304,8 +305,9 @@ class RankExecutor:
         if any(saved.get(d, 1) != getattr(config, d) for d in degrees[1:]):
             then = " x ".join(f"{d}={saved.get(d, 1)}" for d in degrees)
             now = " x ".join(f"{d}={getattr(config, d)}" for d in degrees)
+            use = " ".join(f"--{d} {saved.get(d, 1)}" for d in degrees[1:])
             raise UserError(f"{path} was trained with {then}, this run has {now}: a resumed run may change "
-                            f"dp only; use --pp {saved.get('pp', 1)} --cp {saved.get('cp', 1)} --tp {saved.get('tp', 1)}")
+                            f"dp only; use {use}")
 
     def _saved_rank(self, nproc: int) -> int:
         """The rank of a checkpoint written by `nproc` processes at this rank's place, its pipeline

@@ -117,7 +117,8 @@ class Setup:
         self.spec = model_preset(config.model)
         self.scheme = ParallelScheme(dp=config.dp, pp=config.pp, cp=config.cp, tp=config.tp, zero=config.zero)
         self.scheme.validate(self.spec)
-        check_memory(estimate_memory(config, self.spec, nproc=config.nproc or 1), self.device)
+        need = estimate_memory(config, self.spec, nproc=config.nproc or 1, rank_part=not whole_model)
+        check_memory(need, self.device)
         self.model = load_model(config.model, self.spec, dtype=getattr(torch, config.dtype),
                                 device=self.device, seed=config.seed) if whole_model else None
         self.source = corpus_source(config.data, config.tokenizer, config.context_length,
