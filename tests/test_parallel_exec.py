@@ -44,7 +44,11 @@ SCENARIOS = {
     "sharded-load-dp2-pp2": ("chunkflow", LENGTHS, {"dp": 2, "pp": 2}, {"chunk_size": 32, "k": 1}),
     "recompute-zero3-dp2-pp2": ("hand", [40, 30, 50, 20], {"zero": 3}, {}),
     "bf16-zero3-dp2-pp2": ("chunkflow", LENGTHS, {"dp": 2, "pp": 2, "zero": 3}, {"chunk_size": 32, "k": 1}),
+    "packing-dp4-uneven": ("packing", [64] * 5, {"dp": 4}, {}),
 }
+"""packing-dp4-uneven: one replica runs two backward units, the others one; the embedding of a
+stage that also holds the head has its own FSDP group, else the replicas' reduce-scatters of
+the root group differ in size (`fsdp.own_embedding_group`)."""
 HAND_STAGES = ["F0.r1 F1.r1 B1 B0", "F0 F1.r2 B1 B0"]
 HAND_PIPELINES = [("0[0:20] 0[20:40]+1[0:30]", HAND_STAGES), ("2[0:50] 3[0:20]", HAND_STAGES)]
 """Planned recomputation (`F1.r2`: the stage's first 2 layers run again in backward) under

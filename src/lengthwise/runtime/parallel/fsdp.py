@@ -58,6 +58,8 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, *, zero: int, param_dtype: tor
     reshard = zero >= 3
     for layer in model.model.layers.values():
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    if own_embedding_group(model):
+        fully_shard(model.model.embed_tokens, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     for name in FORWARD_METHODS:
         register_fsdp_forward_method(model, name)
@@ -66,6 +68,17 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, *, zero: int, param_dtype: tor
         # A plain SUM (no NCCL PreMulSum, which gloo lacks): the factor is 1 anyway.
         module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def own_embedding_group(model: CausalLM) -> bool:
+    """Whether the (untied) embedding of a stage that also holds the head gets its own FSDP
+    group. The root's group is reduced when the gradient reaches the input of one of its
+    methods (`head_logits`, `run_layers`), before the embedding's backward: in the same group,
+    the embedding would join that reduce-scatter only on replicas that accumulated its gradient
+    in an earlier backward of the step, and replicas with one backward and with several (packing
+    dp 2 over 3 sequences) would call reduce-scatters of different sizes. Its own group is
+    reduced after its backward, at the end. A tied embedding is the head's weight: it stays."""
+    return hasattr(model.model, "embed_tokens") and model.part.last and not model.spec.tied_embeddings
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
@@ -101,6 +114,13 @@ class FsdpSteps:
             raise UserError(f"pipeline {place.pipeline} stage {place.stage}: its last backward unit has "
                             f"{structure[last_b][1]} cells, other data-parallel replicas' differ; FSDP "
                             f"reduces once per cell, so plan with equal last backward units or --zero 0")
+        part = model.part
+        if model.spec.tied_embeddings and part.first and part.last and \
+                len({_backwards(r) > 1 for r in replicas}) > 1:
+            raise UserError(f"pipeline {place.pipeline} stage {place.stage}: FSDP2 cannot reduce a tied embedding "
+                            "consistently when some data-parallel replicas run one backward unit in the step "
+                            "and others several (their reduce-scatters differ in size); use --zero 0, pp > 1, "
+                            "or a batch that gives every replica several micro-batches")
         self.last_backward = last_b
         self.cells_of_last = range(structure[last_b][1])
 
@@ -130,6 +150,10 @@ class FsdpSteps:
         counted)."""
         cells = len(self.cells_of_last)
         return cells * group_size * sum(p.to_local().numel() for p in self.model.parameters())
+
+
+def _backwards(structure: list[tuple[str, int, int]]) -> int:
+    return sum(kind == BACKWARD for kind, _, _ in structure)
 
 
 def _last_backward_cells(structure: list[tuple[str, int, int]]) -> int:

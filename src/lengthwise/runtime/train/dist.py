@@ -169,8 +169,10 @@ def layout_signature(plan: StepPlan, num_layers: int) -> list[tuple[int, int, tu
 class RankExecutor:
     """One rank's step, optimizer and checkpoints (the module docstring lists what a step does)."""
 
-    must_match = RESUME_MUST_MATCH + ("pp", "cp", "tp")
-    """Config fields a checkpoint must share with the run resuming it (dp may differ: resharding)."""
+    must_match = RESUME_MUST_MATCH
+    """Config fields a checkpoint must share with the run resuming it; pp, cp and tp too, checked
+    before anything loads (`_check_shape_of_run`, where checkpoints older than --tp count as
+    tp 1); dp may differ (resharding)."""
     result_model = None
     """No rank holds the whole trained model (the checkpoints do)."""
 
