@@ -2,7 +2,7 @@
 sequences, wall seconds, written to benchmarks/results/planning_scale.json.
 
     python benchmarks/bench_planning_scale.py                                  # the whole table
-    python benchmarks/bench_planning_scale.py --planners packing,skrull --gpus 64 --sequences 512
+    python benchmarks/bench_planning_scale.py --planners packing,skrull --gpus 64 --sequences 512   # replaces those rows
     nice -n 10 python benchmarks/bench_planning_scale.py --timeout 300
 
 The batch is the first one `lengthwise plan --profile lmsys --model qwen2.5-7b --pp 4
@@ -87,6 +87,10 @@ def machine() -> dict:
             "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
+PLANNER_ORDER: dict[str, int] = {}
+"""Row order of the table: the registry's planner order."""
+
+
 def write(path: Path, rows: list[dict], settings: dict) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
     from lengthwise.plan.ir import write_atomic
@@ -108,20 +112,36 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(args.one[0], int(args.one[1]), int(args.one[2]))))
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-    from lengthwise.planners import available_planners
+    from lengthwise.planners import PLANNER_NAMES
 
-    planners = args.planners.split(",") if args.planners else available_planners()
+    planners = args.planners.split(",") if args.planners else list(PLANNER_NAMES)
+    PLANNER_ORDER.update({name: i for i, name in enumerate(PLANNER_NAMES)})
     settings = {"command": "lengthwise " + " ".join(plan_args("P", 4, 1)).replace("--dp 1", "--dp GPUS/4")
                 .replace("--batch-size 1", "--batch-size SEQUENCES"), "timeout_s": args.timeout}
-    rows: list[dict] = []
+    # A run of some cases replaces those rows of an existing table and keeps the others (each row
+    # says when it was measured), so one planner can be re-measured without re-running them all.
+    rows = previous_rows(Path(args.out))
     for sequences in map(int, args.sequences.split(",")):
         for gpus in map(int, args.gpus.split(",")):
             for planner in planners:
-                row = run_case(planner, gpus, sequences, args.timeout)
-                rows.append(row)
+                row = {**run_case(planner, gpus, sequences, args.timeout),
+                       "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+                rows = [r for r in rows if case_key(r) != case_key(row)] + [row]
+                rows.sort(key=lambda r: (r["sequences"], r["gpus"], PLANNER_ORDER.get(r["planner"], 99)))
                 print(json.dumps(row), flush=True)
                 write(Path(args.out), rows, settings)
     return 0
+
+
+def case_key(row: dict) -> tuple:
+    return row["planner"], row["gpus"], row["sequences"]
+
+
+def previous_rows(path: Path) -> list[dict]:
+    try:
+        return list(json.loads(path.read_text())["rows"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 if __name__ == "__main__":

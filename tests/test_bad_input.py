@@ -29,7 +29,7 @@ def one_line_error(capsys, *argv: str) -> str:
 
 def test_unknown_planner_lists_the_valid_ones(capsys):
     err = one_line_error(capsys, "--planner", "fastest", "--profile", "lmsys", *SMALL)
-    assert "unknown planner 'fastest'" in err and "padding, packing, megatron, sorted, token-balanced" in err
+    assert "unknown planner 'fastest'" in err and "padding, packing, megatron, static-cp, sorted, token-balanced" in err
 
 
 def test_unknown_model_preset_lists_the_presets(capsys):

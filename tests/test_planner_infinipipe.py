@@ -245,6 +245,66 @@ def test_grouping_dp_is_no_worse_than_any_contiguous_partition():
     assert grouped[1] == pytest.approx(best, rel=1e-9)
 
 
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), pp=st.sampled_from([1, 2, 4]), num_slices=st.integers(1, 5))
+def test_the_no_recomputation_bound_is_above_every_level(seed, pp, num_slices):
+    """`held_at_most` (a window's largest activations plus all K/V) bounds every backward-start
+    level of the memory model without recomputation, on every stage, prepared or not; the
+    all-pipelines form agrees with the per-pipeline one."""
+    rng = np.random.default_rng(seed)
+    lengths = [int(x) for x in rng.integers(50, 3000, size=int(rng.integers(3, 30)))]
+    req = tiny_request(lengths, memory_gb=1.0, pp=pp, dp=2, num_slices=num_slices)
+    batch = balanced_chunking(lengths, num_slices, SliceCost.from_cost(req.cost, layers=4 // pp))
+    if batch is None:
+        return
+    halves = [list(range(0, len(batch.units), 2)), list(range(1, len(batch.units), 2))]
+    for prepared in (False, True):
+        lay = grouping.layout(req, 2)
+        if prepared:
+            lay.costs.prepare([u.chunks for u in batch.units])
+            assert lay.costs.surely_fit(halves) == [
+                bool(share) and grouping.surely_fits([batch.units[i] for i in share], lay) for share in halves]
+        for share in halves:
+            units = [batch.units[i] for i in share]
+            if not units:
+                continue
+            memory = grouping.group_problem(units, req, lay).memory
+            for s in range(pp):
+                bound = lay.costs.held_at_most(s, [u.chunks for u in units])
+                assert memory.stages[s].levels().max() <= bound * (1 + 1e-12)
+
+
+def test_grouping_by_the_bound_equals_grouping_by_the_memory_model():
+    """A pipeline the bound clears gets the same single group, checkpointing and cost as the
+    memory model gives it."""
+    lengths = sample("github", 60, 16 * K, seed=3)
+    req = request(lengths, dp=2, num_slices=4)
+    batch = balanced_chunking(lengths, 4, fit_7b()[1])
+    settings_ = ip.read_settings(req)
+    lay = grouping.layout(req, 2)
+    lay.costs.prepare([u.chunks for u in batch.units])
+    assert grouping.surely_fits(batch.units, lay)
+    fast = grouping.group_by_classes(batch.units, req, lay, settings_.solver)
+    exact = grouping.group_by_classes(batch.units, req, lay, settings_.solver, fits=False)
+    assert len(fast[0]) == len(exact[0]) == 1 and fast[1] == exact[1]
+    assert dataclasses.asdict(fast[0][0].ckpt) == dataclasses.asdict(exact[0][0].ckpt)
+    assert fast[0][0].schedule.chunks == exact[0][0].schedule.chunks
+    assert fast[0][0].schedule.stages == exact[0][0].schedule.stages
+
+
+@needs_sim
+def test_the_simulated_pick_is_the_fastest_of_the_best_by_estimate():
+    """With score simulate, the SIMULATED best N by the DP's estimate are simulated and the
+    plan is the fastest of them."""
+    lengths = sample("github", 96, 32 * K, seed=4)
+    out = plan(request(lengths, dp=2, score="simulate", slice_candidates=5))
+    est = {int(n): v for n, v in out.metrics["candidates"].items() if isinstance(v, float)}
+    sims = {int(n): v for n, v in out.metrics["simulated_candidates"].items()}
+    assert sorted(sims) == sorted(sorted(est, key=lambda n: (est[n], n))[:ip.SIMULATED])
+    assert out.metrics["num_slices"] == min(sims, key=lambda n: (sims[n], n))
+    assert out.metrics["predicted_step_time_s"] == min(sims.values())
+
+
 # ---- checkpointing (Algorithm 2) ----
 
 def tight_group(memory_gb=0.035, pp=2):

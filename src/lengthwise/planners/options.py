@@ -135,8 +135,9 @@ class InfiniPipeOptions:
                                      "'w/o wbc' ablation (equal-token slices)", metavar="BOOL")
     checkpointing: str = option("adaptive", "'adaptive' (the §3.3.3 MILP), 'none' (no recomputation) or "
                                 "'full' (every layer of every chunk recomputed)", metavar="MODE")
-    score: str = option("simulate", "how N candidates are compared: 'simulate' or 'estimate' (the DP's "
-                        "cost)", metavar="MODE")
+    score: str = option("simulate", "how the chosen N is picked: 'simulate' (the search compares N by the "
+                        "DP's estimate, then the simulator picks among the 2 best) or 'estimate' (the best "
+                        "by estimate)", metavar="MODE")
     milp_time_limit_s: float = option(0.1, "HiGHS seconds per checkpointing MILP; on time-out the better "
                                       "of the incumbent and the rounded LP optimum is used", metavar="SECONDS")
 

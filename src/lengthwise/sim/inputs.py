@@ -18,7 +18,7 @@ from lengthwise.cost import CostModel
 from lengthwise.cost.flops import work_key
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
-from lengthwise.plan.schedules import SCHEDULE_NAMES, dependencies, make_schedule
+from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
 from lengthwise.sim.memory import MemorySizes, split_sequences
 
 F, N, B = 0, 1, 2
@@ -51,6 +51,8 @@ class PipelineInput:
     """Forward + backward FLOPs of the pipeline's tokens, padding and recomputation excluded."""
     num_gpus: int = 1
     """GPUs of the pipeline (tp * cp * pp)."""
+    deps: Dependencies | None = None
+    """The chunks' slice dependencies when already derived (else the engine derives them)."""
 
 
 def plan_inputs(plan: StepPlan, cm: CostModel) -> list[PipelineInput]:
@@ -131,7 +133,7 @@ class _PipelineCosts:
         return PipelineInput(stages=pipe.stages, chunks=pipe.chunks, backward_chunks=pipe.backward_chunks,
                              dur=dur, comm=comm, send=send, sizes=self._sizes(recompute),
                              grad_sync=self._grad_sync(), extra_comm=pipe.extra_comm_s,
-                             model_flops=self._model_flops(), num_gpus=pipe.num_gpus)
+                             model_flops=self._model_flops(), num_gpus=pipe.num_gpus, deps=self.deps)
 
     def _p2p(self, inter: bool) -> tuple[list[float], list[float]]:
         """Hand-off times of every chunk and unit over an intra- or inter-node link."""

@@ -106,28 +106,36 @@ def memory_events(t: PipelineTasks, deps: Dependencies, sizes: MemorySizes,
              (bwd[:, pairs_u].ravel(), False, extra[:, pairs_c].ravel()),
              (bwd[:, pairs_u].ravel(), True, -extra[:, pairs_c].ravel()),
              (nograd[ran_nograd], False, transient[ran_nograd]), (nograd[ran_nograd], True, -transient[ran_nograd])]
-    parts += _split_events(t, sizes, splits)
+    if splits:
+        parts.append(_split_events(t, sizes, splits))
     task = np.concatenate([np.asarray(p[0], dtype=np.int64).ravel() for p in parts])
-    at_end = np.concatenate([np.full(np.size(p[0]), p[1]) for p in parts])
+    at_end = np.concatenate([np.broadcast_to(np.asarray(p[1], dtype=bool), np.shape(p[0])).ravel() for p in parts])
     delta = np.concatenate([np.asarray(p[2], dtype=np.float64).ravel() for p in parts])
     keep = delta != 0
     return task[keep], at_end[keep], delta[keep]
 
 
-def _split_events(t: PipelineTasks, sizes: MemorySizes, splits: list[SplitSequence]) -> list[tuple]:
+def _split_events(t: PipelineTasks, sizes: MemorySizes, splits: list[SplitSequence]) -> tuple[list, list, list]:
     """K/V state from each earlier slice's first forward to the sequence's last backward, and
-    K/V gradients from its first backward (the last slice) to its last, on every stage."""
-    out = []
+    K/V gradients from its first backward (the last slice) to its last, on every stage: the
+    events as three flat lists (task, at end, bytes)."""
+    task: list[int] = []
+    at_end: list[bool] = []
+    delta: list[float] = []
     for s in range(len(t.fwd_id)):
+        first, bwd, kv_s, grad_s = t.first_id[s], t.bwd_id[s], sizes.kv[s], sizes.kv_grad[s]
         for seq in splits:
-            b_ids = [t.bwd_id[s][u] for u in seq.units]
-            kv, grad = sizes.kv[s].get(seq.seq_id, 0.0), sizes.kv_grad[s].get(seq.seq_id, 0.0)
+            b_ids = [bwd[u] for u in seq.units]
+            last_b, first_b = max(b_ids), min(b_ids)
+            kv, grad = kv_s.get(seq.seq_id, 0.0), grad_s.get(seq.seq_id, 0.0)
             shares = [kv * tokens / max(seq.context, 1) for _, tokens in seq.first_fwd]
-            out.append(([t.first_id[s][c] for c, _ in seq.first_fwd], False, shares))
-            out.append(([max(b_ids)], True, [-sum(shares)]))
-            out.append(([min(b_ids)], False, [grad]))
-            out.append(([max(b_ids)], True, [-grad]))
-    return out
+            task += [first[c] for c, _ in seq.first_fwd]
+            at_end += [False] * len(shares)
+            delta += shares
+            task += [last_b, first_b, last_b]
+            at_end += [True, False, True]
+            delta += [-sum(shares), grad, -grad]
+    return task, at_end, delta
 
 
 def deps_users(deps: Dependencies, num_chunks: int) -> list[list[int]]:

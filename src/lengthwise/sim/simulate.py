@@ -135,7 +135,7 @@ def simulate_times(fwd: list[float], stages: int, bwd_ratio: float = 2.0, schedu
 
 def simulate_inputs(inputs: list[PipelineInput], *, time_unit: str, memory_unit: str) -> SimResult:
     """The engine: build the DAG of every pipeline, time it, replay memory, summarise."""
-    all_deps = [dependencies(p.chunks, p.backward_chunks) for p in inputs]
+    all_deps = [p.deps or dependencies(p.chunks, p.backward_chunks) for p in inputs]
     pipes = [build_pipeline(p.stages, p.chunks, p.backward_chunks, d) for p, d in zip(inputs, all_deps)]
     tasks = concatenate(pipes)
     dur, comm, send = _task_tables(inputs, tasks)

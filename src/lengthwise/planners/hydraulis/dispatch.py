@@ -97,13 +97,20 @@ def _stack(candidates: list[PipelineArrays], trials: int) -> PipelineArrays:
                           rows("max_len", 0.5))
 
 
+def trials_within(n: int, sizes: list[int], trials: int, work_budget: float) -> int:
+    """Trials per strategy that dispatch_many runs for n sequences on strategies of `sizes`
+    pipelines: `trials`, cut so n x widest x strategies x trials stays within `work_budget`,
+    never below one (the longest-first order)."""
+    return int(max(1, min(trials, work_budget // max(n * max(sizes) * len(sizes), 1))))
+
+
 def dispatch_many(lengths, candidates: list[PipelineArrays], *, trials: int, work_budget: float,
                   rng: np.random.Generator) -> list[Dispatch]:
     """Algorithm 1 for several strategies, all their trials at once (one numpy row each)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     n, d = len(lengths), max(c.size for c in candidates)
     assert all(lengths.max() <= c.max_len.max() for c in candidates), "a sequence no pipeline holds"
-    trials = int(max(1, min(trials, work_budget // max(n * d * len(candidates), 1))))
+    trials = trials_within(n, [c.size for c in candidates], trials, work_budget)
     p = _stack(candidates, trials)
     orders = np.concatenate([_orders(lengths, trials, rng) for _ in candidates])
     state = _Trials(len(orders), d)

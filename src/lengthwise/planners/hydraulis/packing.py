@@ -143,18 +143,47 @@ def greedy_pack(load: PipelineLoad) -> Packing:
         return Packing(bins=(), estimate_s=0.0, method="lpt")
     work, lengths = load.work.tolist(), load.lengths.tolist()
     order = sorted(range(len(work)), key=lambda i: (-work[i], -lengths[i], i))
-    tried = [("bfd", best_fit_decreasing(lengths, load.max_len))]
-    tried += [("lpt", _lpt(order, work, lengths, v, load.max_len)) for v in micro_batch_range(load)]
-    estimates = {k: _estimate(load, work, b) for k, (_, b) in enumerate(tried) if b is not None}
+    # Entries are keyed by their place in the textbook order (BFD, LPT for each V ascending,
+    # then KK): among equal estimates the earliest wins, whatever order they are computed in.
+    tried = {0: ("bfd", best_fit_decreasing(lengths, load.max_len))}
+    estimates = {0: _estimate(load, work, tried[0][1])}
+    counts = micro_batch_range(load)
+    floor = _estimate_floor(load, max(counts))
+    # LPT at v bins cannot beat floor[v - 1]: counts are tried from the lowest floor up and
+    # skipped once their floor is above the best estimate found, which leaves the choice as
+    # trying them all would
+    for v, pos in sorted(((v, pos) for pos, v in enumerate(counts, start=1)), key=lambda vp: floor[vp[0] - 1]):
+        if floor[v - 1] > min(estimates.values()) * (1 + 1e-9):
+            break
+        bins = _lpt(order, work, lengths, v, load.max_len)
+        if bins is not None:
+            tried[pos], estimates[pos] = ("lpt", bins), _estimate(load, work, bins)
+    first_kk = len(counts) + 1
     for _, k in sorted((e, k) for k, e in estimates.items())[:KK_TRIES]:
         v = len(tried[k][1])
         if len(work) >= KK_MIN_PER_BIN * v:
-            tried.append(("kk", _within(karmarkar_karp(work, v), lengths, load.max_len)))
-            if tried[-1][1] is not None:
-                estimates[len(tried) - 1] = _estimate(load, work, tried[-1][1])
+            bins = _within(karmarkar_karp(work, v), lengths, load.max_len)
+            if bins is not None:
+                tried[first_kk], estimates[first_kk] = ("kk", bins), _estimate(load, work, bins)
+            first_kk += 1
     # Each packing's estimate once (it sums every sequence's work); the first of equal ones wins.
     best = min(estimates, key=lambda k: (estimates[k], k))
     return _packing(load, tried[best][1], tried[best][0])
+
+
+def _estimate_floor(load: PipelineLoad, top: int) -> np.ndarray:
+    """[v - 1]: a lower bound on eq. 1 for LPT's packing into v micro-batches, v = 1..top. With
+    at least v sequences LPT leaves no micro-batch empty (the first v sequences each find an
+    empty one: it is the least busy and has room for any sequence), and the heaviest of v holds
+    at least max(total / v, largest w); so the estimate is at least (that + c) (depth - 1 + v).
+    With fewer sequences than v only b <= n bins fill: the minimum over b <= v is taken there."""
+    b = np.arange(1, top + 1, dtype=np.float64)
+    total, largest = float(load.work.sum()), float(load.work.max())
+    floor = (np.maximum(total / b, largest) + load.chunk_s) * (load.depth - 1 + b)
+    n = len(load.seq_ids)
+    if top > n:
+        floor[n:] = np.minimum.accumulate(floor)[n:]
+    return floor
 
 
 def _within(bins: list[list[int]], lengths: list[int], cap: int) -> list[list[int]] | None:

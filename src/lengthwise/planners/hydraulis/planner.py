@@ -55,6 +55,7 @@ from lengthwise.planners.hydraulis.dispatch import (
     PipelineArrays,
     dispatch_many,
     lower_bound,
+    trials_within,
 )
 from lengthwise.planners.hydraulis.packing import (
     Packing,
@@ -242,8 +243,11 @@ def _choose(request: PlanRequest, opts: dict, candidates: list[Strategy], num_gp
     screened = _evaluate_all(request, opts, feasible, lengths, num_gpus, trials=1)
     cut = min(ev.estimate_s for ev in screened)
     rest = [i for i, p in enumerate(feasible) if p[0] < cut]
-    full = _evaluate_all(request, opts, [feasible[i] for i in rest], lengths, num_gpus,
-                         trials=opts["trials"]) if rest else []
+    sizes = [len(feasible[i][2]) for i in rest]
+    if rest and trials_within(len(lengths), sizes, opts["trials"], opts["dispatch_work"]) > 1:
+        full = _evaluate_all(request, opts, [feasible[i] for i in rest], lengths, num_gpus, trials=opts["trials"])
+    else:  # one trial is the longest-first order the screen already ran: the same dispatch
+        full = [screened[i] for i in rest]
     final = dict(zip(rest, (min(screened[i], ev, key=lambda e: e.estimate_s) for i, ev in zip(rest, full))))
     rows = [_row(b, c, None, None) for b, c, pipes in prepared if pipes is None]
     rows += [_row(p[0], p[1], screened[i].estimate_s, final[i].estimate_s if i in final else None)

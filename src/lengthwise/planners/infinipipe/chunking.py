@@ -114,10 +114,11 @@ def even_mesh(longest: int, num_slices: int, fit: SliceCost) -> Mesh | None:
 def split_by_mesh(lengths: list[int], mesh: Mesh) -> tuple[dict[int, list[Segment]], list[int]]:
     """Line 2: seq_id -> its slices (the last is the tail slice) for long sequences, and the
     ids of short sequences (not longer than the first boundary)."""
-    inner = mesh.bounds[1:-1]
+    inner = list(mesh.bounds[1:-1])   # ascending: the cuts below n are a prefix
+    first = mesh.bounds[1]
     split, short = {}, []
     for seq_id, n in enumerate(lengths):
-        cuts = [x for x in inner if x < n] if n > mesh.bounds[1] else []
+        cuts = inner[:bisect.bisect_left(inner, n)] if n > first else []
         if not cuts:
             short.append(seq_id)
             continue
@@ -150,73 +151,72 @@ class Bucket:
 
 
 def pack_buckets(tails: list[Segment], short: list[int], lengths: list[int], mesh: Mesh,
-                 fit: SliceCost) -> tuple[list[Bucket], float]:
+                 fit: SliceCost, whole: list[Segment] | None = None) -> tuple[list[Bucket], float]:
     """Lines 3-16: best fit of short sequences (longest time first) into tail-seeded buckets.
-    Returns the buckets and T_t after line 16's perturbations.
+    Returns the buckets and T_t after line 16's perturbations. `whole`: Segment(i, 0,
+    lengths[i]) for every i, made once for every N the search tries (segments are immutable).
 
     Line 9 picks, among buckets with room for the sequence's tokens (T_m) and time (T_t), the
     lowest time per token. Sequences come longest first, so the room a bucket needs only
     shrinks (and T_t only rises): a bucket that admits one sequence admits every later one until
-    it is picked. `_OpenBuckets` keeps admitting buckets sorted by line 9's key and the others
-    in heaps by what they lack, so each sequence costs O(log buckets) instead of a scan of every
-    bucket; the buckets are the same.
+    it is picked. So every bucket is in exactly one place: `admitting` (room in tokens and time
+    for the current sequence, sorted by line 9's key: time per token, then creation order),
+    `need_tokens` (a heap by tokens) or `need_time` (room in tokens, a heap by time). A bucket
+    changes only when it is picked, so heap entries never go stale, and each sequence costs
+    O(log buckets) instead of a scan of every bucket; the buckets are the same.
     """
     buckets = [Bucket(segments=[t], time=fit.work(t.start, t.stop) + fit.c, tokens=t.num_tokens, order=i)
                for i, t in enumerate(tails)]
-    open_ = _OpenBuckets(buckets)
+    need_tokens = [(b.tokens, b.order, b) for b in buckets]
+    heapq.heapify(need_tokens)
+    need_time: list[tuple[float, int, Bucket]] = []
+    admitting: list[tuple[float, int, Bucket]] = []   # (time / tokens, order, bucket), sorted
     threshold = mesh.time_threshold
-    for seq_id in sorted(short, key=lambda i: (-lengths[i], i)):   # time grows with length
-        seg = Segment(seq_id, 0, lengths[seq_id])
-        seconds = fit.work(0, seg.stop)
-        open_.admit(mesh.token_threshold - seg.num_tokens, seconds, threshold)
-        if not open_.any_with_room():   # line 7: not even the emptiest bucket has room
-            bucket = Bucket(segments=[seg], time=seconds + fit.c, tokens=seg.num_tokens, order=len(buckets))
-            buckets.append(bucket)
-            open_.put(bucket)
-            continue
-        if not open_.admitting:         # line 16: raise T_t to the least value that admits a bucket
-            threshold = open_.least_time() + seconds
-            open_.admit(mesh.token_threshold - seg.num_tokens, seconds, threshold)
-        best = open_.pop_best()         # line 9
-        best.add(seg, seconds)
-        open_.put(best)
+    ids = np.asarray(short, dtype=np.int64)
+    sizes = np.asarray(lengths, dtype=np.int64)[ids]
+    order = np.lexsort((ids, -sizes))            # longest first (time grows with length), then by id
+    ids, sizes = ids[order].tolist(), sizes[order]
+    # fit.work(0, n) for every n at once: the same float operations on the same integers
+    times = (fit.a * (sizes * (sizes + 1) // 2) + fit.b * sizes).tolist()
+    push, pop, insort, c, room = heapq.heappush, heapq.heappop, bisect.insort, fit.c, mesh.token_threshold
+    sizes = sizes.tolist()
+    nexts = list(zip(sizes[1:], times[1:])) + [(None, None)]
+
+    def shelve(b: Bucket, n_next, s_next) -> None:
+        """Where the next sequence's admission would move a just-changed bucket (straight
+        there, skipping the heaps it would pass through)."""
+        if n_next is None or b.tokens > room - n_next:
+            push(need_tokens, (b.tokens, b.order, b))
+        elif b.time + s_next > threshold:
+            push(need_time, (b.time, b.order, b))
+        else:
+            insort(admitting, (b.time / b.tokens, b.order, b))
+
+    for seq_id, n, seconds, (n_next, s_next) in zip(ids, sizes, times, nexts):
+        seg = whole[seq_id] if whole is not None else Segment(seq_id, 0, n)
+        while need_tokens and need_tokens[0][0] <= room - n:     # now room in tokens
+            b = pop(need_tokens)[2]
+            push(need_time, (b.time, b.order, b))
+        while need_time and need_time[0][0] + seconds <= threshold:   # and in time
+            b = pop(need_time)[2]
+            insort(admitting, (b.time / b.tokens, b.order, b))   # orders differ: buckets never compared
+        if not admitting:
+            if not need_time:           # line 7: not even the emptiest bucket has room
+                bucket = Bucket(segments=[seg], time=seconds + c, tokens=n, order=len(buckets))
+                buckets.append(bucket)
+                shelve(bucket, n_next, s_next)
+                continue
+            # line 16: raise T_t to the least value that admits a bucket
+            threshold = need_time[0][0] + seconds
+            while need_time and need_time[0][0] + seconds <= threshold:
+                b = pop(need_time)[2]
+                insort(admitting, (b.time / b.tokens, b.order, b))
+        best = admitting.pop(0)[2]      # line 9
+        best.segments.append(seg)
+        best.time += seconds
+        best.tokens += n
+        shelve(best, n_next, s_next)
     return buckets, threshold
-
-
-class _OpenBuckets:
-    """Every bucket in exactly one place: `admitting` (room in tokens and time for the current
-    sequence, sorted by line 9's key: time per token, then order), `need_tokens` (a heap by
-    tokens) or `need_time` (room in tokens, a heap by time). A bucket's state changes only when
-    it is picked, so heap entries never go stale."""
-
-    def __init__(self, buckets: list[Bucket]):
-        self.admitting: list[tuple[float, int, Bucket]] = []
-        self.need_tokens: list[tuple[int, int, Bucket]] = []
-        self.need_time: list[tuple[float, int, Bucket]] = []
-        for b in buckets:
-            self.put(b)
-
-    def put(self, b: Bucket) -> None:
-        """A new or just-grown bucket, checked again at the next `admit`."""
-        heapq.heappush(self.need_tokens, (b.tokens, b.order, b))
-
-    def admit(self, max_tokens: int, seconds: float, threshold: float) -> None:
-        """Move the buckets that admit a sequence of `seconds` with `max_tokens` of room left."""
-        while self.need_tokens and self.need_tokens[0][0] <= max_tokens:
-            b = heapq.heappop(self.need_tokens)[2]
-            heapq.heappush(self.need_time, (b.time, b.order, b))
-        while self.need_time and self.need_time[0][0] + seconds <= threshold:
-            b = heapq.heappop(self.need_time)[2]
-            bisect.insort(self.admitting, (b.time / b.tokens, b.order, b), key=lambda e: e[:2])
-
-    def any_with_room(self) -> bool:
-        return bool(self.admitting or self.need_time)
-
-    def least_time(self) -> float:
-        return self.need_time[0][0]
-
-    def pop_best(self) -> Bucket:
-        return self.admitting.pop(0)[2]
 
 
 @dataclass(kw_only=True)
@@ -262,15 +262,16 @@ def make_units(split: dict[int, list[Segment]], buckets: list[Bucket]) -> list[U
     return units
 
 
-def balanced_chunking(lengths: list[int], num_slices: int, fit: SliceCost, *,
-                      balanced: bool = True) -> ChunkedBatch | None:
-    """Algorithm 1 for one slice number N (balanced=False: the even-split ablation)."""
+def balanced_chunking(lengths: list[int], num_slices: int, fit: SliceCost, *, balanced: bool = True,
+                      whole: list[Segment] | None = None) -> ChunkedBatch | None:
+    """Algorithm 1 for one slice number N (balanced=False: the even-split ablation); `whole` as
+    in `pack_buckets`."""
     mesh = (balanced_mesh if balanced else even_mesh)(max(lengths), num_slices, fit)
     if mesh is None:
         return None
     split, short = split_by_mesh(lengths, mesh)
     tails = [split[i][-1] for i in sorted(split)]
-    buckets, threshold = pack_buckets(tails, short, lengths, mesh, fit)
+    buckets, threshold = pack_buckets(tails, short, lengths, mesh, fit, whole)
     units = make_units(split, buckets)
     return ChunkedBatch(units=units, mesh=mesh, num_slices=num_slices, time_threshold=threshold,
                         stats={"split_sequences": len(split), "chunks": sum(u.num_chunks for u in units)})

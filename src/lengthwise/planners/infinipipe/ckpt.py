@@ -177,9 +177,10 @@ def brute_force_checkpointing(group: GroupSchedule, memory: MemoryModel) -> floa
     return best
 
 
-def with_recompute(group: GroupSchedule, recompute: list[list[int]]) -> list[list[Action]]:
-    """The group's stage actions with each F carrying its recomputed layers."""
-    return [group.stage_actions(s, recompute[s]) for s in range(group.pp)]
+def with_recompute(group: GroupSchedule, recompute: list[list[int]], offset: int = 0) -> list[list[Action]]:
+    """The group's stage actions with each F carrying its recomputed layers (chunk indices
+    shifted by `offset`)."""
+    return [group.stage_actions(s, recompute[s], offset) for s in range(group.pp)]
 
 
 @dataclass(kw_only=True)

@@ -16,6 +16,12 @@ should be grouped together"). The paper solves an MILP per candidate group, n(n+
 (§3.3.4); we solve the LP relaxation of each first and MILPs only in bound order, stopping once
 no bound can beat the best found, which gives the same dp[i] (to the MILP gap) with a fraction
 of the MILPs. Groups needing no recomputation, or unable to fit, need no solver at all.
+
+Most pipelines never reach the DP: every group costs delta, so when the whole pipeline as one
+group needs no recomputation that group is eq. 14's optimum (`group_by_classes`), found with one
+group problem, or none when the units' activations and K/V fit on every stage all at once
+(`surely_fits`). Otherwise the DP builds a group's problem only once dp[k] + delta could still
+beat the best option found (`cheapest`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 from lengthwise.planners.base import PlanRequest
 from lengthwise.planners.infinipipe.chunking import Unit
 from lengthwise.planners.infinipipe.ckpt import (
+    Checkpointing,
     GroupPlan,
     Problem,
     answer_without_milp,
@@ -83,11 +90,34 @@ def chunk_stage_seconds(chunk, request: PlanRequest, shape: StageShape) -> float
     return request.cost.forward_time(chunk, **kw) + request.cost.backward_time(chunk, **kw)
 
 
+def one_group(units: list[Unit], lay: Layout):
+    """The 1F1B group of these units, longest units first."""
+    ordered = sorted(units, key=lambda u: (-u.num_chunks, -u.chunks[-1].segments[0].stop, u.seq_id))
+    return group_schedule([u.chunks for u in ordered], len(lay.stages))
+
+
 def group_problem(units: list[Unit], request: PlanRequest, lay: Layout) -> Problem:
     """One 1F1B group (longest units first) and its checkpointing problem (Algorithm 2)."""
-    ordered = sorted(units, key=lambda u: (-u.num_chunks, -u.chunks[-1].segments[0].stop, u.seq_id))
-    group = group_schedule([u.chunks for u in ordered], len(lay.stages))
+    group = one_group(units, lay)
     return checkpointing_problem(group, group_memory(group, lay.costs))
+
+
+def surely_fits(units: list[Unit], lay: Layout) -> bool:
+    """Whether one group of these units needs no recomputation by a bound alone
+    (`UnitCosts.held_at_most`: its window's largest activations plus all its K/V), so that
+    neither the group's memory rows nor its levels are built; False when unsure."""
+    limit = lay.costs.cost.capacity_bytes
+    chunks = [u.chunks for u in units]
+    return all(lay.costs.held_at_most(s, chunks) <= limit - shape.states for s, shape in enumerate(lay.stages))
+
+
+def without_recompute(units: list[Unit], lay: Layout) -> GroupPlan:
+    """The group with no recomputation, as `answer_without_milp` writes it when it fits."""
+    group = one_group(units, lay)
+    n, pp = len(group.chunks), group.pp
+    ckpt = Checkpointing(values=[0] * (n + pp - 1), recompute=[[0] * n for _ in range(pp)], seconds=0.0,
+                         status="none-needed")
+    return GroupPlan(schedule=group, ckpt=ckpt)
 
 
 def plan_group(units: list[Unit], request: PlanRequest, lay: Layout, solver: SolverOptions) -> GroupPlan:
@@ -106,40 +136,40 @@ class Option:
     """k."""
     plan: GroupPlan | None = None
     problem: Problem | None = None
-    """Set while only a bound is known."""
+    """Set once built, while only a bound is known."""
     bound: str = "exact"
-    """How `cost` was found: "rows" (no solver), "lp" (the relaxation) or "exact"."""
+    """How `cost` was found: "unbuilt" (dp[k] + delta, T_ckpt >= 0), "rows" (no solver), "lp"
+    (the relaxation) or "exact"."""
 
 
-def options_for(i: int, best: list[Option], classes: list[int], members: dict, delta: float,
-                request: PlanRequest, lay: Layout, solver: SolverOptions) -> list[Option]:
-    """Every feasible group ending at class i: exact when no MILP is needed, else bounded."""
-    out = []
-    for k in range(i):
-        if best[k].cost == INF:
-            continue
-        problem = group_problem([u for n in classes[k:i] for u in members[n]], request, lay)
+def options_for(i: int, best: list[Option], delta: float) -> list[Option]:
+    """Every group ending at class i whose prefix is feasible, bounded by dp[k] + delta: its
+    problem is built only if the bound can still win (see `tighten`)."""
+    return [Option(cost=best[k].cost + delta, start=k, bound="unbuilt") for k in range(i) if best[k].cost < INF]
+
+
+def tighten(opt: Option, i: int, base: float, build, solver: SolverOptions) -> Option | None:
+    """The next bound of an option: unbuilt -> exact when no MILP is needed (None when the group
+    cannot fit), else rows -> LP relaxation -> the MILP's exact answer."""
+    if opt.bound == "unbuilt":
+        problem = build(opt.start, i)
         quick = answer_without_milp(problem, solver.mode)
         if quick is None:
-            out.append(Option(cost=best[k].cost + delta + row_bound(problem), start=k, problem=problem,
-                              bound="rows"))
-        elif quick.status != "infeasible":
-            out.append(Option(cost=best[k].cost + delta + quick.seconds, start=k,
-                              plan=GroupPlan(schedule=problem.group, ckpt=quick)))
-    return out
-
-
-def tighten(opt: Option, base: float, solver: SolverOptions) -> Option:
-    """The next bound of an option: rows -> LP relaxation -> the MILP's exact answer."""
+            return Option(cost=base + row_bound(problem), start=opt.start, problem=problem, bound="rows")
+        if quick.status == "infeasible":
+            return None
+        return Option(cost=base + quick.seconds, start=opt.start, plan=GroupPlan(schedule=problem.group, ckpt=quick))
     if opt.bound == "rows":
         return Option(cost=base + relaxation_bound(opt.problem), start=opt.start, problem=opt.problem, bound="lp")
     ckpt = solve_milp(opt.problem, solver.time_limit_s)
     return Option(cost=base + ckpt.seconds, start=opt.start, plan=GroupPlan(schedule=opt.problem.group, ckpt=ckpt))
 
 
-def cheapest(options: list[Option], best: list[Option], delta: float, solver: SolverOptions) -> Option:
+def cheapest(i: int, options: list[Option], best: list[Option], delta: float, build,
+             solver: SolverOptions) -> Option:
     """The cheapest option, tightening bounds lowest first until no bound can beat the best
-    exact cost found (branch and bound over eq. 14's choices; most groups never reach HiGHS)."""
+    exact cost found (branch and bound over eq. 14's choices): groups are built only while
+    their dp[k] + delta can still win, and most built ones never reach HiGHS."""
     found = Option(cost=INF, start=-1)
     heap = [(o.cost, o.start, o.bound, n, o) for n, o in enumerate(options)]
     heapq.heapify(heap)
@@ -149,26 +179,43 @@ def cheapest(options: list[Option], best: list[Option], delta: float, solver: So
         if opt.plan is not None:
             found = min(found, opt, key=lambda o: (o.cost, o.start))
             continue
-        opt = tighten(opt, best[opt.start].cost + delta, solver)
-        heapq.heappush(heap, (opt.cost, opt.start, opt.bound, count, opt))
-        count += 1
+        opt = tighten(opt, i, best[opt.start].cost + delta, build, solver)
+        if opt is not None:
+            heapq.heappush(heap, (opt.cost, opt.start, opt.bound, count, opt))
+            count += 1
     return found
 
 
-def group_by_classes(units: list[Unit], request: PlanRequest, lay: Layout,
-                     solver: SolverOptions) -> tuple[list[GroupPlan], float] | None:
-    """Eq. 14 over the distinct chunk counts; None when no grouping fits memory."""
+def group_by_classes(units: list[Unit], request: PlanRequest, lay: Layout, solver: SolverOptions,
+                     chunk_seconds: list[float] | None = None,
+                     fits: bool | None = None) -> tuple[list[GroupPlan], float] | None:
+    """Eq. 14 over the distinct chunk counts; None when no grouping fits memory.
+    `chunk_seconds`: forward + backward seconds on stage 0 of every chunk of `units` in order
+    (computed when not given); `fits`: `surely_fits(units, lay)` when the caller knows it.
+
+    Every group costs delta > 0 plus its recomputation, so when all units in one group need no
+    recomputation that group is the optimum (any other grouping pays at least one delta more)
+    and the DP is skipped: one group problem per pipeline instead of C(C+1)/2 (pp = 1, where
+    delta = 0, ties go to the single group too)."""
     if not units:    # more pipelines than units: this one stays empty
         return [], 0.0
     classes = sorted({u.num_chunks for u in units})
     members = {n: [u for u in units if u.num_chunks == n] for n in classes}
-    chunks = [c for u in units for c in u.chunks]
-    mean = sum(chunk_stage_seconds(c, request, lay.stages[0]) for c in chunks) / len(chunks)
+    if chunk_seconds is None:
+        chunk_seconds = [chunk_stage_seconds(c, request, lay.stages[0]) for u in units for c in u.chunks]
+    mean = sum(chunk_seconds) / len(chunk_seconds)
     delta = (len(lay.stages) - 1) * mean   # one more warm-up and cool-down
+    if solver.mode != "full" and (fits if fits is not None else surely_fits(units, lay)):
+        return [without_recompute(units, lay)], 0.0 + delta + 0.0
+    whole = group_problem(units, request, lay)
+    quick = answer_without_milp(whole, solver.mode)
+    if quick is not None and quick.status == "none-needed":
+        return [GroupPlan(schedule=whole.group, ckpt=quick)], 0.0 + delta + quick.seconds
+    build = lambda k, i: whole if (k, i) == (0, len(classes)) else \
+        group_problem([u for n in classes[k:i] for u in members[n]], request, lay)
     best = [Option(cost=0.0, start=-1)]
     for i in range(1, len(classes) + 1):
-        best.append(cheapest(options_for(i, best, classes, members, delta, request, lay, solver),
-                             best, delta, solver))
+        best.append(cheapest(i, options_for(i, best, delta), best, delta, build, solver))
     if best[-1].cost == INF:
         return None
     groups, i = [], len(classes)

@@ -24,8 +24,33 @@ Steps, each a function below or in a helper module:
    infinipipe/ckpt.py): per group, an MILP over n + pp - 1 integers solved by HiGHS picks the
    layers each chunk recomputes on each stage, written to the F actions (`F3.r2`).
 5. N (§3.2: "automatically tuned"; infinipipe/search.py): a ladder N = 1, 2, 3, 4, 6, 9, ...
-   then bisection around the best rung, each N scored by the simulator's step time (or the
-   DP's estimate); N whose chunks cannot fit memory are skipped.
+   then bisection around the best rung, each N scored by the DP's estimate (steps 1-4, no plan
+   objects); N whose chunks cannot fit memory are skipped. With score "simulate" (the default)
+   the SIMULATED best N by estimate are then built and simulated, and the fastest is kept.
+
+Cost, for n sequences, P data-parallel pipelines and the N_t values of N the search tries
+(N_t <= slice_candidates, 10; the six bench cases try 3-10):
+
+- per N: chunking O(n log n + S) for S segments (sorting, cuts by bisection, then O(log
+  buckets) heap work per short sequence); chunk costs, one cost-model call per distinct chunk
+  work (numpy for the activation bytes); Karmarkar-Karp / LPT over the u units, O(u log u)
+  plus O(log P) per merge;
+- memory: a split unit is checked alone (Algorithm 2's overflow test) only when its chunks'
+  activations and K/V do not fit all at once; a pipeline whose window's largest activations
+  plus all its K/V fit every stage (one sort of all chunks per stage shape, O(c log c) for
+  all pipelines together) is one group needing no recomputation; otherwise one group problem,
+  O(m log m) for its m chunks, and only when that group needs recomputation eq. 14's DP below;
+- simulation: SIMULATED plans simulated once each (the simulator's own cost, linear in
+  actions), not one per N tried.
+
+So a batch costs O(N_t (n log n + S + P)) plus SIMULATED simulations: near-linear in sequences
+and linear in pipelines. Where the paper forces worse: eq. 14 is a DP over the C distinct chunk
+counts of a pipeline (C <= N) that prices O(C^2) candidate groups, and each group's
+recomputation is Algorithm 2's MILP (NP-hard in general; HiGHS under milp_time_limit_s per
+solve). Groups are built lazily in bound order and most never reach HiGHS (grouping.py), and on
+the bench cases no pipeline needs recomputation, so no MILP runs; a memory-bound batch still
+pays O(C^2) group problems and up to that many MILPs per pipeline. N itself is a search because
+§3.2 gives no closed form for it: each N tried re-chunks the whole batch.
 
 Options: `InfiniPipeOptions` in planners/options.py (each with its default and meaning).
 
@@ -37,11 +62,11 @@ score or why dropped), predicted_step_time_s.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from lengthwise.errors import UserError
 from lengthwise.metrics import PLANNING_MS, PREDICTED_STEP_TIME_S
-from lengthwise.plan.ir import PipelinePlan, StepPlan
+from lengthwise.plan.ir import PipelinePlan, Segment, StepPlan
 from lengthwise.planners.base import (
     PlanRequest,
     check_lengths,
@@ -73,6 +98,11 @@ PLANNER = "infinipipe"
 SCHEDULE = "elastic-1f1b"
 CHECKPOINTING = ("adaptive", "none", "full")
 SCORES = ("simulate", "estimate")
+SIMULATED = 2
+"""With score "simulate": how many of the best N by the DP's estimate are simulated. On 18
+workloads (6 length profiles x 3 scales) the better of the two best by estimate was the fastest
+of the three best in all but one (0.15% slower), and the simulated best of the old full search
+(every N simulated) in all but one (0.9% faster)."""
 MAX_SLICES = 256
 """Largest N the search tries: a 1M-token sequence in 4K-token slices; finer slices only lose
 GEMM efficiency, and a split sequence's memory barely shrinks with N (all its chunks are alive
@@ -134,21 +164,44 @@ class Candidate:
 
 
 def plan_candidate(batch: ChunkedBatch, request: PlanRequest, settings: Settings) -> Candidate | None:
-    """Steps 2-4 for one chunked batch; None when some pipeline cannot fit memory."""
+    """Steps 2-4 for one chunked batch; None when some pipeline cannot fit memory. A split
+    sequence that overflows alone makes every group holding it overflow: checked first (exactly
+    only for the units a bound does not clear), so that no pipeline's DP runs in vain."""
     dp = request.scheme.dp
     lay = layout(request, dp)
+    lay.costs.prepare([u.chunks for u in batch.units])
     if any(unit_need(u, request, lay, settings.solver)[0] > request.cost.capacity_bytes
-           for u in batch.units if u.num_chunks > 1):
-        return None   # a split sequence alone overflows: skip the DP
-    seconds = [sum(chunk_stage_seconds(c, request, lay.stages[0]) for c in u.chunks) for u in batch.units]
+           for u, clear in zip(batch.units, lay.costs.alone_surely_fits()) if u.num_chunks > 1 and not clear):
+        return None
+    flat = chunk_seconds([c for u in batch.units for c in u.chunks], lay.costs.keys, request, lay.stages[0])
+    chunk_s, at = [], 0
+    for u in batch.units:
+        chunk_s.append(flat[at:at + u.num_chunks])
+        at += u.num_chunks
+    seconds = [sum(row) for row in chunk_s]
     pipelines, estimate = [], 0.0
-    for share in split_over_pipelines(batch.units, seconds, dp):
-        grouped = group_by_classes([batch.units[i] for i in share], request, lay, settings.solver)
+    shares = split_over_pipelines(batch.units, seconds, dp)
+    for share, fits in zip(shares, lay.costs.surely_fit(shares)):
+        grouped = group_by_classes([batch.units[i] for i in share], request, lay, settings.solver,
+                                   [t for i in share for t in chunk_s[i]], fits)
         if grouped is None:
             return None
         pipelines.append(grouped[0])
         estimate = max(estimate, sum(seconds[i] for i in share) + grouped[1])
     return Candidate(batch=batch, pipelines=pipelines, estimate_s=estimate)
+
+
+def chunk_seconds(chunks: list, keys: list, request: PlanRequest, shape) -> list[float]:
+    """`chunk_stage_seconds` of every chunk on this stage, once per key (`UnitCosts.keys`: the
+    chunk's work without context parallelism, where equal work costs equal seconds)."""
+    memo: dict = {}
+    out = []
+    for c, k in zip(chunks, keys):
+        v = memo.get(k)
+        if v is None:
+            v = memo[k] = chunk_stage_seconds(c, request, shape)
+        out.append(v)
+    return out
 
 
 def to_pipeline(groups: list[GroupPlan], request: PlanRequest) -> PipelinePlan:
@@ -157,8 +210,8 @@ def to_pipeline(groups: list[GroupPlan], request: PlanRequest) -> PipelinePlan:
     for g in groups:
         offset = len(chunks)
         chunks += g.schedule.chunks
-        for s, acts in enumerate(with_recompute(g.schedule, g.ckpt.recompute)):
-            stages[s] += [replace(a, chunk=a.chunk + offset) for a in acts]
+        for s, acts in enumerate(with_recompute(g.schedule, g.ckpt.recompute, offset)):
+            stages[s] += acts
     return PipelinePlan(chunks=chunks, stages=stages, tp=request.scheme.tp, cp=request.scheme.cp,
                         schedule=SCHEDULE)
 
@@ -183,22 +236,22 @@ def candidate_metrics(cand: Candidate) -> dict:
 
 # ---- step 5: the slice number ----
 
-def score(plan: StepPlan, cand: Candidate, request: PlanRequest, settings: Settings) -> float:
-    if settings.score == "estimate":
-        return cand.estimate_s
-    return simulate_plan(plan, request.cost).step_time_s
-
-
 def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, started: float) -> StepPlan:
-    """Step 5: the fixed N, or the best N of the search (infinipipe/search.py)."""
-    plans: dict[int, StepPlan] = {}
+    """Step 5: the fixed N, or the best N of the search (infinipipe/search.py).
+
+    The search compares N by the DP's estimate, which needs no plan objects; with score
+    "simulate" the SIMULATED best N by estimate are then built and simulated, and the fastest
+    simulated one is kept (the estimate leaves out gradient reduction and the exact bubbles, so
+    N within a few percent by estimate can swap places in the simulator)."""
+    cands: dict[int, Candidate] = {}
+    whole = [Segment(i, 0, n) for i, n in enumerate(request.lengths)]
 
     def evaluate(n: int) -> float | str:
-        plan, why = plan_for(n, request, settings, fit, started)
-        if plan is None:
+        cand, why = candidate_for(n, request, settings, fit, whole)
+        if cand is None:
             return why
-        plans[n] = plan
-        return plan.metrics[PREDICTED_STEP_TIME_S]
+        cands[n] = cand
+        return cand.estimate_s
 
     def too_many(n: int) -> bool:
         return n > MAX_SLICES or mesh_for(n, request, settings, fit) is None
@@ -210,24 +263,49 @@ def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, starte
         search = tune(evaluate, too_many, settings.slice_candidates)
     if search.best is None:
         raise infeasible_error(request, settings, fit, max(search.tried))
-    best = plans[search.best]
+    feasible = sorted(cands, key=lambda n: (cands[n].estimate_s, n))
+    shortlist = feasible[:SIMULATED] if settings.score == "simulate" else feasible[:1]
+    plans = {}
+    for n in shortlist:
+        plans[n] = candidate_plan(cands[n], request, settings, started)
+        plans[n].metrics[PREDICTED_STEP_TIME_S] = score(plans[n], cands[n], request, settings)
+    best = plans[min(shortlist, key=lambda n: (plans[n].metrics[PREDICTED_STEP_TIME_S], n))]
     best.metrics["candidates"] = {str(k): v for k, v in sorted(search.tried.items())}
+    if settings.score == "simulate":
+        best.metrics["simulated_candidates"] = {str(n): plans[n].metrics[PREDICTED_STEP_TIME_S]
+                                                for n in sorted(shortlist)}
     best.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
     return best
+
+
+def score(plan: StepPlan, cand: Candidate, request: PlanRequest, settings: Settings) -> float:
+    if settings.score == "estimate":
+        return cand.estimate_s
+    return simulate_plan(plan, request.cost).step_time_s
 
 
 def mesh_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost):
     return (balanced_mesh if settings.balanced else even_mesh)(max(request.lengths), n, fit)
 
 
-def plan_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost,
-             started: float) -> tuple[StepPlan | None, str]:
-    batch = balanced_chunking(request.lengths, n, fit, balanced=settings.balanced)
+def candidate_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost,
+                  whole: list[Segment] | None = None) -> tuple[Candidate | None, str]:
+    """Steps 1-4 for one N, or None and why it has no plan (`whole` as in `pack_buckets`)."""
+    batch = balanced_chunking(request.lengths, n, fit, balanced=settings.balanced, whole=whole)
     if batch is None:
         return None, "too many slices"
     cand = plan_candidate(batch, request, settings)
     if cand is None:
         return None, "does not fit memory"
+    return cand, ""
+
+
+def plan_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost,
+             started: float) -> tuple[StepPlan | None, str]:
+    """The plan for one N, scored."""
+    cand, why = candidate_for(n, request, settings, fit)
+    if cand is None:
+        return None, why
     plan = candidate_plan(cand, request, settings, started)
     plan.metrics[PREDICTED_STEP_TIME_S] = score(plan, cand, request, settings)
     return plan, ""
@@ -249,7 +327,8 @@ def infeasible_error(request: PlanRequest, settings: Settings, fit: SliceCost, l
 
 
 def plan_infinipipe(request: PlanRequest) -> StepPlan:
-    """InfiniPipe for one global batch (infinipipe §3); options: `InfiniPipeOptions` (planners/options.py)."""
+    """InfiniPipe for one global batch (infinipipe §3); options: `InfiniPipeOptions` (planners/options.py).
+    The registry runs it with the garbage collector paused (planners/base.py `collector_paused`)."""
     started = time.perf_counter()
     settings = read_settings(request)
     check_lengths(request)

@@ -22,10 +22,13 @@ rows are only built for the MILP.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
+from lengthwise.cost.flops import work_key
 from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk
 
 
@@ -60,19 +63,28 @@ class GroupSchedule:
         fpos = steps + np.searchsorted(issued, steps, side="right")
         return fpos, bpos
 
-    def stage_actions(self, stage: int, recompute: list[int] | None = None) -> list[Action]:
-        """The stage's action list, each F carrying its recomputed layers."""
+    def stage_actions(self, stage: int, recompute: list[int] | None = None, offset: int = 0) -> list[Action]:
+        """The stage's action list, each F carrying its recomputed layers; chunk indices are
+        shifted by `offset` (the chunks of earlier groups of the pipeline)."""
         fpos, bpos = self.positions(stage)
-        acts: list[Action] = [Action(FORWARD, 0)] * (2 * len(self.chunks))
-        for k in range(len(self.chunks)):
-            acts[fpos[k]] = Action(FORWARD, k, int(recompute[k]) if recompute is not None else 0)
-            acts[bpos[k]] = Action(BACKWARD, k)
+        acts: list[Action] = [_action(FORWARD, 0, 0)] * (2 * len(self.chunks))
+        layers = [int(r) for r in recompute] if recompute is not None else [0] * len(self.chunks)
+        for k, (f, b, r) in enumerate(zip(fpos.tolist(), bpos.tolist(), layers), start=offset):
+            acts[f] = _action(FORWARD, k, r)
+            acts[b] = _action(BACKWARD, k, 0)
         return acts
 
     @property
     def stages(self) -> list[list[Action]]:
         """Per stage actions without recomputation."""
         return [self.stage_actions(s) for s in range(self.pp)]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _action(kind: str, chunk: int, recompute: int) -> Action:
+    """Actions are immutable, so the pipelines of a plan share them (building a frozen
+    dataclass costs more than the dictionary lookup)."""
+    return Action(kind, chunk, recompute)
 
 
 def group_schedule(unit_chunks: list[list[Chunk]], pp: int) -> GroupSchedule:
@@ -105,24 +117,169 @@ class StageShape:
 class UnitCosts:
     """Per-stage bytes and seconds of each unit's chunks, memoised: eq. 14's DP builds many
     groups from the same units. A split sequence lies wholly in one unit, so its K/V events
-    are the unit's own."""
+    are the unit's own. Stages of one shape (layers, LM head or not) share their tables, and
+    without context parallelism chunks of equal work (tokens, attention pairs) share their
+    costs (a mesh cuts every long sequence into the same slices)."""
 
     def __init__(self, cost, stages: list[StageShape], *, tp: int, cp: int):
         self.cost, self.stages, self.kw = cost, stages, {"tp": tp, "cp": cp}
-        self._memo: dict[tuple[int, int], tuple[list[Chunk], np.ndarray]] = {}
+        self._memo: dict[tuple, tuple[list[Chunk], np.ndarray]] = {}
+        self._chunks: dict[tuple, tuple[float, float, float]] = {}
+        self._prepared: list[list[Chunk]] = []
+        self._cols: dict[int, tuple[int, int]] = {}
+        self._batch: dict[tuple[int, bool], np.ndarray] = {}
+        self._seconds_pending: dict[tuple[int, bool], tuple[list[Chunk], list]] = {}
+        self.keys: list = []
+        """Per prepared chunk, in order: its work (tokens, attention pairs) without context
+        parallelism, where equal keys cost the same; else its id."""
+        self._fwd1: dict = {}
+        self._last_key: tuple | None = None
+        self._last_index = np.zeros(0, dtype=np.int64)
 
     def table(self, stage: int, unit: list[Chunk]) -> np.ndarray:
         """float64 [6, chunks]: activation bytes, bytes saved per recomputed layer, forward
         seconds of one layer, then the three K/V rows of `kv_events`."""
-        key = (stage, id(unit))   # hashing segments is slow; the memo keeps the unit alive
+        shape = self.stages[stage]
+        key = (shape.layers, shape.head, id(unit))   # hashing segments is slow; the memo keeps the unit alive
         if key not in self._memo:
             rows = np.array([self._chunk(stage, c) for c in unit], dtype=float).reshape(len(unit), 3).T
-            kv = kv_events(split_slices(unit), self, stage, len(unit))
+            if len(unit) > 1:
+                kv = kv_events(split_slices(unit), self, stage, len(unit))
+            else:   # one chunk holds each of its sequences whole: no K/V state
+                kv = np.zeros((3, 1))
             self._memo[key] = (unit, np.vstack([rows, kv]))
         return self._memo[key][1]
 
+    def prepare(self, units: list[list[Chunk]]) -> None:
+        """Tables of many units at once, one array per stage shape, so `columns` gathers a
+        group's tables with one index instead of one small array per unit (the same numbers as
+        `table`). Without context parallelism the activation rows are the cost model's bytes
+        per token times each chunk's tokens (what `activation_bytes` computes), and the
+        one-layer forward seconds are looked up only when a group's memory model needs them."""
+        self._prepared = units     # keeps the ids below valid
+        self._cols, self._last_key = {}, None
+        at = 0
+        for u in units:
+            self._cols[id(u)] = (at, at + len(u))
+            at += len(u)
+        chunks = [c for u in units for c in u]
+        per_token = self.kw["cp"] == 1 and not any(c.pad_to for c in chunks)
+        keys = self.keys = [work_key(c) for c in chunks] if self.kw["cp"] == 1 else [id(c) for c in chunks]
+        tokens = np.array([k[0] for k in keys], dtype=float) if per_token else None
+        self._batch, self._seconds_pending = {}, {}
+        splits = None
+        for stage, shape in enumerate(self.stages):
+            if (shape.layers, shape.head) in self._batch:
+                continue
+            table = np.zeros((6, len(chunks)))
+            if per_token:
+                per = self.cost.activation_bytes_per_token(layers=shape.layers, tp=self.kw["tp"], head=shape.head)
+                table[0] = per * tokens
+                if shape.layers:
+                    less = self.cost.activation_bytes_per_token(layers=shape.layers, tp=self.kw["tp"],
+                                                                recompute_layers=1, head=shape.head)
+                    table[1] = table[0] - less * tokens
+                self._seconds_pending[shape.layers, shape.head] = (chunks, keys)
+            else:
+                table[:3] = np.array([self._chunk(stage, c) for c in chunks], dtype=float).reshape(len(chunks), 3).T
+            if splits is None:   # the same for every stage
+                splits = [(self._cols[id(u)], split_slices(u)) for u in units if len(u) > 1]
+            for (a, b), parts in splits:
+                table[3:, a:b] = kv_events(parts, self, stage, b - a)
+            self._batch[shape.layers, shape.head] = table
+
+    def held_at_most(self, stage: int, units: list[list[Chunk]]) -> float:
+        """A bound on every level of `StageMemory.levels` without recomputation for one group of
+        these units on the stage. At the k-th backward start the chunks alive (forwarded, not yet
+        backwarded, its own included) number issued_k - k <= the window pp - s - 1 + N_prefill:
+        `positions` issues max(window + j, ready_j) forwards by backward j <= k, and
+        ready_j - k <= ready_j - j <= its unit's chunks <= N_prefill (units go backward one
+        after another). So a level is at most the window's largest activations plus every K/V
+        state and K/V gradient (frees only lower it)."""
+        table = self._gather(stage, units)
+        if table is None:
+            table = self.columns(stage, units)
+        window = len(self.stages) - stage - 1 + max(len(u) for u in units)
+        largest = np.sort(table[0])[::-1][:window]
+        return float(largest.sum() + table[3].sum() + table[4].sum())
+
+    def alone_surely_fits(self) -> list[bool]:
+        """Per prepared unit, whether all of its chunks' activations and K/V fit every stage at
+        once: then it fits alone with no recomputation (its whole unit is within the window, so
+        this is `held_at_most` for the unit alone), and with any (recomputing only lowers
+        every level)."""
+        starts = np.cumsum([0] + [len(u) for u in self._prepared])[:-1]
+        ok = np.ones(len(self._prepared), dtype=bool)
+        if not len(starts):
+            return []
+        for shape in self.stages:
+            table = self._batch[shape.layers, shape.head]
+            ok &= np.add.reduceat(table[0] + table[3] + table[4], starts) <= self.cost.capacity_bytes - shape.states
+        return ok.tolist()
+
+    def surely_fit(self, shares: list[list[int]]) -> list[bool]:
+        """For each share (indices into the prepared units, one pipeline's units), whether one
+        group of them has `held_at_most` within capacity less model states on every stage: the
+        same bound for every pipeline at once, by one sort of all chunks per stage shape."""
+        units = self._prepared
+        sizes = np.array([len(u) for u in units], dtype=np.int64)
+        owner = np.zeros(len(units), dtype=np.int64)
+        for p, share in enumerate(shares):
+            owner[share] = p
+        prefill = np.zeros(len(shares), dtype=np.int64)
+        np.maximum.at(prefill, owner, sizes)
+        pid = np.repeat(owner, sizes)
+        ok = np.array([len(share) > 0 for share in shares])
+        for stage, shape in enumerate(self.stages):
+            table = self._batch[shape.layers, shape.head]
+            order = np.lexsort((-table[0], pid))        # by pipeline, largest activation first
+            pids, act = pid[order], table[0][order]
+            rank = np.arange(len(pids)) - np.searchsorted(pids, pids, side="left")
+            keep = rank < (len(self.stages) - stage - 1 + prefill)[pids]
+            held = np.bincount(pids[keep], weights=act[keep], minlength=len(shares))
+            held += np.bincount(pid, weights=table[3] + table[4], minlength=len(shares))
+            ok &= held <= self.cost.capacity_bytes - shape.states
+        return ok.tolist()
+
+    def columns(self, stage: int, units: list[list[Chunk]]) -> np.ndarray:
+        """float64 [6, chunks of all units]: their `table`s side by side."""
+        shape = self.stages[stage]
+        pending = self._seconds_pending.pop((shape.layers, shape.head), None)
+        if pending is not None:   # the one-layer forward seconds, first needed now
+            chunks, keys = pending
+            memo, kw, row = self._fwd1, self.kw, []
+            for c, k in zip(chunks, keys):
+                if k not in memo:
+                    memo[k] = self.cost.forward_time(c, layers=1, **kw)
+                row.append(memo[k])
+            self._batch[shape.layers, shape.head][2] = row
+        table = self._gather(stage, units)
+        return table if table is not None else np.concatenate([self.table(stage, u) for u in units], axis=1)
+
+    def _gather(self, stage: int, units: list[list[Chunk]]) -> np.ndarray | None:
+        """The prepared tables of these units side by side; None unless all were prepared."""
+        shape = self.stages[stage]
+        big = self._batch.get((shape.layers, shape.head))
+        if big is None or any(id(u) not in self._cols for u in units):
+            return None
+        key = tuple(id(u) for u in units)
+        if self._last_key != key:
+            cols = [self._cols[id(u)] for u in units]
+            self._last_key = key
+            self._last_index = np.fromiter(itertools.chain.from_iterable(range(a, b) for a, b in cols), dtype=np.int64,
+                                           count=sum(b - a for a, b in cols))
+        return big[:, self._last_index]
+
     def _chunk(self, stage: int, chunk: Chunk) -> tuple[float, float, float]:
-        shape, cost = self.stages[stage], self.cost
+        shape = self.stages[stage]
+        key = (shape.layers, shape.head, work_key(chunk) if self.kw["cp"] == 1 else id(chunk))
+        found = self._chunks.get(key)
+        if found is None:
+            found = self._chunks[key] = self._chunk_costs(shape, chunk)
+        return found
+
+    def _chunk_costs(self, shape: StageShape, chunk: Chunk) -> tuple[float, float, float]:
+        cost = self.cost
         act = cost.activation_bytes(chunk, layers=shape.layers, head=shape.head, **self.kw)
         less = cost.activation_bytes(chunk, layers=shape.layers, head=shape.head, recompute_layers=1,
                                      **self.kw) if shape.layers else act
@@ -207,7 +364,7 @@ def group_memory(group: GroupSchedule, costs: UnitCosts) -> MemoryModel:
     """The linear memory model of a group on every stage."""
     stages, seconds = [], []
     for s in range(group.pp):
-        table = np.concatenate([costs.table(s, u) for u in group.units], axis=1)
+        table = costs.columns(s, group.units)
         fpos, bpos = group.positions(s)
         stages.append(StageMemory(fpos=fpos, bpos=bpos, act=table[0], saving=table[1], kv=table[3:]))
         seconds.append(table[2])

@@ -11,15 +11,12 @@ its minimum, so the search is coarse then fine:
 2. Refinement: bisect between the best rung and its neighbours, moving to a better midpoint
    while there is one.
 
-At most `budget` feasible values of N are planned. Each is scored by `score(n)` (the simulator's step
-time, or the DP's estimate), which returns None when N is infeasible.
+At most `budget` feasible values of N are planned. Each is scored by `score(n)` (planner.py passes
+the DP's estimate), which returns a string saying why when N is infeasible.
 
-Cost: each N tried plans every pipeline (chunking and bucket packing O(n log n), eq. 14's DP
-over the C distinct chunk counts, O(C^2) groups per pipeline) and, with score "simulate",
-simulates the whole step; so planning is linear in sequences and in pipelines times the number
-of N tried, with no step quadratic in either. What remains at 32,768 sequences is the constant
-of planning and simulating each chunk in Python, N times over
-(benchmarks/results/planning_scale.json); score "estimate" skips the simulations.
+Cost: each N tried re-chunks the batch and groups every pipeline (planner.py's docstring gives
+the orders); the plan objects and the simulation are made only for the few best N afterwards,
+so the search itself never simulates.
 """
 
 from __future__ import annotations
