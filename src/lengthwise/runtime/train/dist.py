@@ -68,6 +68,7 @@ from lengthwise.runtime.distributed.dp import (
     check_same_plan,
     global_grad_norm,
     local,
+    match_grad_layouts,
 )
 from lengthwise.runtime.distributed.agree import check_same_settings
 from lengthwise.runtime.distributed.launch import (
@@ -205,6 +206,7 @@ class RankExecutor:
             done = run_rank_step(model, plan, prepared.token_ids, mesh=self.mesh, backend=self.config.backend,
                                  check_plan=False, after_action=hook)
         self.status.note(f"step {step}: gradient norm and optimizer step, after the actions of {self.layout.place}")
+        match_grad_layouts(model)
         grad_norm = global_grad_norm(model, plan, done.layout, device=self.mesh.device)
         outcome = StepOutcome(loss=done.loss, grad_norm=grad_norm, peak_memory_bytes=self._largest(peak.bytes),
                               memory_kind=peak.kind)
