@@ -31,12 +31,16 @@ gradient, before anything is saved (--skip-nonfinite skips such steps instead). 
 machine cannot hold is refused before training starts, with the estimate.
 
 With --nproc N (local workers: gloo on CPU, NCCL on CUDA with one GPU each) or under torchrun,
-the plan's dp x pp x cp ranks (N = dp * pp * cp) run the same loop, each its own pipeline stage:
-every rank plans the same batch (checked by a plan hash each step), AdamW updates the
-parameters the rank holds, clipping uses the global gradient norm, rank 0 alone writes metrics
-and the progress bar, and checkpoints are torch.distributed.checkpoint shards (plus the whole
-model as model.safetensors) that a run with the same N resumes exactly. Without either, one
-process runs every pipeline and stage of the plan.
+the plan's ranks (N = dp * pp * cp * tp) run the same loop, each building only its own part of
+the model: its pipeline stage's layers, split over the stage's --tp ranks (DTensor), sharded
+over the stage's data-parallel x CP ranks with FSDP2 (--zero 1 or 2: gathered once per step;
+3: ZeRO-3; 0: whole copies). Every rank plans the same batch (checked by a plan hash each
+step), AdamW updates the rank's shards (float32 master weights under bfloat16 compute with
+--dtype bfloat16), clipping uses the global gradient norm, rank 0 alone writes metrics and the
+progress bar, and checkpoints are torch.distributed.checkpoint shards (plus the whole model as
+model.safetensors, gathered to rank 0) that a run with the same pp, cp and tp resumes exactly,
+at the same or another dp (the shards are resharded). Without either, one process runs every
+pipeline and stage of the plan.
 
 A TOML --config takes the same settings by their long names with underscores (batch_size,
 tokens_per_batch, ...) and planner options as a table:
@@ -124,8 +128,14 @@ def _add_runtime(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
     parser.add_argument("--dp", metavar="D", type=int, help="data-parallel pipelines in the plan (default 1)")
     parser.add_argument("--pp", metavar="P", type=int, help="pipeline stages in the plan (default 1)")
     parser.add_argument("--cp", metavar="C", type=int, help="context-parallel ranks per stage in the plan (default 1)")
+    parser.add_argument("--tp", metavar="T", type=int,
+                        help="tensor-parallel ranks per stage in the plan (default 1; each holds its shard "
+                             "with --nproc or torchrun)")
+    parser.add_argument("--zero", metavar="Z", type=int, choices=(0, 1, 2, 3),
+                        help="across processes: 0 = whole parameters on every replica, 1/2 = FSDP2 sharding "
+                             "gathered once per step (default 1), 3 = resharded after each forward (ZeRO-3)")
     parser.add_argument("--nproc", metavar="N", type=int,
-                        help="run on N local worker processes, N = dp * pp * cp (gloo on CPU, NCCL on CUDA)")
+                        help="run on N local worker processes, N = dp * pp * cp * tp (gloo on CPU, NCCL on CUDA)")
     parser.add_argument("--cluster", metavar="PRESET", help="cluster the planner sizes for (default cpu)")
     parser.add_argument("--threads", metavar="N", type=int,
                         help="CPU threads for torch (default 1 on CPU, torch's choice with CUDA)")
@@ -156,7 +166,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     config = load_toml(args.config) if args.config else TrainConfig()
     flags = {name: getattr(args, name) for name in (
         "model", "planner", "batch_size", "tokens_per_batch", "steps", "lr", "weight_decay",
-        "grad_clip", "dtype", "device", "backend", "threads", "dp", "pp", "cp", "nproc", "cluster", "metrics", "out",
+        "grad_clip", "dtype", "device", "backend", "threads", "dp", "pp", "cp", "tp", "zero", "nproc", "cluster",
+        "metrics", "out",
         "save_every", "resume", "progress", "data", "tokenizer", "text_field", "context_length",
         "overlong", "seed", "lr_schedule", "warmup_steps", "min_lr", "eval_every", "eval_sequences",
         "skip_nonfinite", "timeout", "token_cache")}

@@ -130,7 +130,7 @@ def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
 
     import torch
 
-    from lengthwise.runtime.distributed.launch import init_from_torchrun, spawn
+    from lengthwise.runtime.distributed.launch import end_process_group, init_from_torchrun, spawn
     from lengthwise.runtime.distributed.mesh import check_world_size
     from lengthwise.runtime.distributed.verify_dist import VerifyJob, verify_worker
     from lengthwise.runtime.verify import VerifyResult
@@ -141,6 +141,7 @@ def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
     if _under_torchrun():
         mesh = init_from_torchrun(device=args.device, timeout_s=args.timeout)
         out = verify_worker(mesh.rank, job, mesh)
+        end_process_group()  # before the exit frees an FSDP2 model and its groups in any order
         if mesh.rank != 0:
             return 0
     else:

@@ -37,8 +37,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, model_config: 
         raise UserError(f"{folder} carries no config.json: give the model's config with --model-config")
     spec = ModelSpec.from_hf_config(config)
     tensors = read_tensors(folder) if (folder / WEIGHTS_NAME).is_file() else _dcp_weights(folder)
+    dtype = next(iter(tensors.values())).dtype if tensors else torch.float32  # kept as trained
     with torch.device("meta"):
-        model = CausalLM(spec)
+        model = CausalLM(spec, dtype=dtype)
     model = model.to_empty(device="cpu")
     load_state(model, tensors)
     out = Path(out)

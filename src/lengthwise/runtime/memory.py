@@ -16,13 +16,28 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage of a tensor, or of a DTensor's local piece (FSDP2 / TP parameters and the
+    activations of tensor-parallel layers); None for a tensor subclass without one of its own
+    (nothing to count: its data lives in tensors counted where they are saved)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
+    try:
+        storage = tensor.untyped_storage()
+        storage.data_ptr()
+    except RuntimeError:
+        return None
+    return storage
 
 
 class SavedTensorMeter:
     """Current and peak bytes of unique storages saved for backward inside the `with` block."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._excluded = {s.data_ptr() for t in exclude if (s := _storage(t)) is not None}
         self._refs: dict[int, int] = {}
         """storage pointer -> saved tensors holding it."""
         self._sizes: dict[int, int] = {}
@@ -38,7 +53,9 @@ class SavedTensorMeter:
         self._hooks.__exit__(*exc)
 
     def _pack(self, tensor: torch.Tensor):
-        storage = tensor.untyped_storage()
+        storage = _storage(tensor)
+        if storage is None:
+            return tensor
         ptr = storage.data_ptr()
         if ptr in self._excluded or storage.nbytes() == 0:
             return tensor

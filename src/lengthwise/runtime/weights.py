@@ -73,13 +73,24 @@ def _unpadded(name: str, shape: tuple[int, ...], vocab: int) -> tuple[int, ...]:
 
 def save_pretrained(model: CausalLM, directory: str | Path) -> None:
     """Write config.json and model.safetensors (atomically, each)."""
+    state = model.state_dict()
+    save_tensors_pretrained({name: state[name] for name in expected_names(model)}, model.spec, directory)
+
+
+def save_tensors_pretrained(tensors: dict[str, torch.Tensor], spec: ModelSpec, directory: str | Path) -> None:
+    """config.json and model.safetensors from whole tensors by their Hugging Face names (a
+    state dict gathered from the ranks of a distributed run: no model is built for it). Every
+    parameter of `spec` must be there (the tied head is not written); UserError naming the
+    first missing one."""
     from safetensors.torch import save
 
-    directory = Path(directory)
-    state = model.state_dict()
-    tensors = {name: state[name].detach().contiguous().cpu() for name in expected_names(model)}
-    write_atomic(directory / WEIGHTS_NAME, save(tensors, metadata={"format": "pt"}))
-    write_atomic(directory / "config.json", json.dumps(hf_config_dict(model.spec), indent=1))
+    names = parameter_names(spec)
+    for name in names:
+        if name not in tensors:
+            raise UserError(f"cannot write {directory}: the weights lack {name}")
+    write_atomic(Path(directory) / WEIGHTS_NAME,
+                 save({name: tensors[name].detach().contiguous().cpu() for name in names}, metadata={"format": "pt"}))
+    write_atomic(Path(directory) / "config.json", json.dumps(hf_config_dict(spec), indent=1))
 
 
 def load_weights(model: CausalLM, path: str | Path) -> None:

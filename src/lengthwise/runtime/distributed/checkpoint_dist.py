@@ -21,9 +21,11 @@ an untrusted source. Everything else is JSON or safetensors.
 Rewriting a step (a run resumed from an earlier one saves it again) first removes its manifest,
 then the old folder, so a kill in the middle never leaves old and new files under a manifest.
 
-Each rank saves only the parameters its stage holds (`dp.held_parameters`), keyed by their
-Hugging Face names; data-parallel and CP replicas hold identical values (gradients are summed
-before the update) and DCP writes each key once. The optimizer state is flattened per
+Each rank saves only the parameters it holds (its stage's; under FSDP2 / TP its DTensor
+shards, which DCP records with their global shapes and offsets), keyed by their Hugging Face
+names; replicas of a piece hold identical values (gradients are summed before the update) and
+DCP writes each piece once. Loading reshards: a run at another dp (other FSDP2 shards) reads
+the pieces it now holds (`load_checkpoint`'s `saved_rank`). The optimizer state is flattened per
 parameter (`flatten_optimizer_state_dict`), so stages with different parameters never write
 the same key with different contents (torchtitan does the same for pipeline stages).
 """
@@ -118,25 +120,63 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    held: dict[str, torch.nn.Parameter]) -> dict:
+                    held: dict[str, torch.nn.Parameter], check: Callable[[dict], None] | None = None,
+                    saved_rank: Callable[[int], int] | None = None) -> dict:
     """Collective: check `path` against its manifest (rank 0 hashes, every rank gets the
     verdict), load weights and optimizer state in place, restore this rank's RNGs; returns its
-    extras (step, sampler, ...)."""
+    extras (step, sampler, ...).
+
+    `check(extras)`: called on every rank with the saved rank 0's extras before anything is
+    loaded (the caller refuses a checkpoint of another pipeline shape there, by name). Saved by
+    another number of processes (another dp): DCP reshards the parameters and optimizer states;
+    `saved_rank(nproc)` names the saved rank whose RNG states this rank continues from, and the
+    extras must be the same on every saved rank (they are global: step, sampler position), or
+    the load is refused naming the field. Without `saved_rank`, the process count must match."""
     meta = _verified_meta(path)
     if meta.get("kind") == SINGLE:
         raise UserError(f"{path} is a single-process checkpoint; resume it without --nproc / torchrun")
-    if meta.get("nproc") != dist.get_world_size():
-        raise UserError(f"{path} was written by {meta.get('nproc')} processes, this run has "
-                        f"{dist.get_world_size()}; resume with --nproc {meta.get('nproc')} "
-                        f"(and the same --dp/--pp/--cp)")
+    nproc, world = meta.get("nproc"), dist.get_world_size()
+    if check is not None:
+        check(json.loads((path / "rank-0.json").read_text()))
+    if nproc != world and saved_rank is None:
+        raise UserError(f"{path} was written by {nproc} processes, this run has {world}; resume with "
+                        f"--nproc {nproc} (and the same --dp/--pp/--cp/--tp)")
+    source = dist.get_rank() if nproc == world else _resharded_source(path, nproc, saved_rank)
+    check_shapes(path, held)
     optim_state = get_optimizer_state_dict(model, optimizer, options=_FLAT)
     state = {"model": {n: p.detach() for n, p in held.items()}, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optim"], options=_FLAT)
-    rank = dist.get_rank()
-    extras = json.loads((path / f"rank-{rank}.json").read_text())
-    set_rng_state(extras.pop("rng"), load_file(path / f"rank-{rank}.safetensors"))
+    extras = json.loads((path / f"rank-{source}.json").read_text())
+    set_rng_state(extras.pop("rng"), load_file(path / f"rank-{source}.safetensors"))
     return extras
+
+
+def _resharded_source(path: Path, nproc: int, saved_rank: Callable[[int], int]) -> int:
+    """The saved rank this one continues from; UserError when the saved ranks' extras (other
+    than their RNG states) differ, since those cannot be split over another process count."""
+    extras = [json.loads((path / f"rank-{r}.json").read_text()) for r in range(nproc)]
+    for key in sorted({k for e in extras for k in e} - {"rng"}):
+        values = [json.dumps(e.get(key), sort_keys=True) for e in extras]
+        if len(set(values)) > 1:
+            odd = next(r for r, v in enumerate(values) if v != values[0])
+            raise UserError(f"{path}: its ranks saved different {key!r} (rank 0 and rank {odd} differ), which "
+                            f"cannot be resharded; resume with --nproc {nproc}")
+    return saved_rank(nproc)
+
+
+def check_shapes(path: Path, held: dict[str, torch.nn.Parameter]) -> None:
+    """UserError naming the first parameter whose shape in the checkpoint differs from this
+    model's (or which it lacks), before DCP loads anything. DCP's `.metadata` is read, which
+    only happens after the manifest check (module docstring)."""
+    tensors = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, param in held.items():
+        saved = tensors.get(f"model.{name}")
+        if saved is None:
+            raise UserError(f"{path} holds no {name} (shape {list(param.shape)}): is it a checkpoint of this model?")
+        if tuple(saved.size) != tuple(param.shape):
+            raise UserError(f"{path} holds {name} of shape {list(saved.size)}, this model's is {list(param.shape)}: "
+                            "resume with the model it was trained with")
 
 
 def _verified_meta(path: Path) -> dict:

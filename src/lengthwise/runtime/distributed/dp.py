@@ -154,6 +154,18 @@ def tp_sharded(param: torch.Tensor) -> bool:
     return param.placements[param.device_mesh.mesh_dim_names.index("tp")].is_shard()
 
 
+def match_grad_layouts(model: torch.nn.Module) -> None:
+    """Give every DTensor gradient its parameter's placements, so that each rank's local piece
+    of the gradient is the piece of the parameter it holds (what the norm and the optimizer
+    read). Without FSDP2, DTensor leaves some gradients in another layout: the vocabulary-
+    parallel embedding's (rows Shard(0) over TP) comes back Replicate, whole on every TP rank,
+    which `global_grad_norm` then counted tp times. Replicate to Shard is a local slice."""
+    for param in model.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 def global_grad_norm(model: CausalLM, plan: StepPlan, layout: PlanLayout, device=None) -> float:
     """2-norm of the whole model's gradient after the step's reductions (collective): each
     piece of each parameter counted once, by the lowest rank of its reduction class (and by TP

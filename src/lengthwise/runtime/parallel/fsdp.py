@@ -40,6 +40,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
+from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, StepPlan
 from lengthwise.runtime.cells import cell_map
 from lengthwise.runtime.distributed.mesh import PlanLayout
@@ -126,6 +127,13 @@ class FsdpSteps:
         replicas = [stage_structure(plan, p, place.stage) for p in range(len(plan.pipelines))]
         self.per_chunk = zero >= 3 and all(r == structure for r in replicas)
         self.last_backward = max(i for i, a in enumerate(self.actions) if a.kind == BACKWARD)
+        part = model.part
+        if model.spec.tied_embeddings and part.first and part.last and \
+                len({_backwards(r) > 1 for r in replicas}) > 1:
+            raise UserError(f"pipeline {place.pipeline} stage {place.stage}: FSDP2 cannot reduce a tied embedding "
+                            "consistently when some data-parallel replicas run one backward unit in the step "
+                            "and others several (their reduce-scatters differ in size); use --zero 0, pp > 1, "
+                            "or a batch that gives every replica several micro-batches")
 
     def begin(self) -> None:
         for module in self.modules:
@@ -153,3 +161,7 @@ class FsdpSteps:
         """Gradient elements this rank handed to FSDP2's reduce-scatters (its unsharded
         gradients, once a step; the all-gathers of parameters are not counted)."""
         return group_size * sum(p.to_local().numel() for p in self.model.parameters())
+
+
+def _backwards(structure: list[tuple[str, int, int]]) -> int:
+    return sum(kind == BACKWARD for kind, _, _ in structure)

@@ -72,9 +72,16 @@ class TrainConfig:
     """Pipeline stages in the plan (likewise)."""
     cp: int = 1
     """Context-parallel ranks per stage in the plan (likewise; one process runs all shares)."""
+    tp: int = 1
+    """Tensor-parallel ranks per stage in the plan (across processes each holds its shard of the
+    stage's layers, `runtime/parallel/tensor_parallel.py`; one process runs them whole)."""
+    zero: int = 1
+    """Across processes: 0 keeps whole parameters on every replica (gradients all-reduced); 1 / 2
+    shard parameters, gradients and AdamW states with FSDP2, gathered once per step; 3 also
+    reshards after each forward and backward (ZeRO-3)."""
     nproc: int | None = None
-    """Local worker processes to start, one per (pipeline, stage, CP rank): dp * pp * cp of
-    them, gloo on CPU, NCCL on CUDA (one GPU each). None: this process runs the whole plan
+    """Local worker processes to start, one per (pipeline, stage, CP rank, TP rank):
+    dp * pp * cp * tp of them, gloo on CPU, NCCL on CUDA (one GPU each). None: this process runs the whole plan
     (or, under torchrun, torchrun's processes do)."""
     cluster: str = "cpu"
     """Cluster preset the planners size chunks for (memory per GPU)."""
@@ -130,13 +137,15 @@ class TrainConfig:
 
     def validate(self) -> None:
         """UserError naming the first field out of range."""
-        _positive(self, "context_length", "steps", "dp", "pp", "cp", "nproc", "batch_size",
+        _positive(self, "context_length", "steps", "dp", "pp", "cp", "tp", "nproc", "batch_size",
                   "tokens_per_batch", "save_every", "threads", "eval_every")
         if self.nproc is not None:
             check_degrees(self, self.nproc, "--nproc")
         if self.batch_size is not None and self.tokens_per_batch is not None:
             raise UserError(f"give batch_size ({self.batch_size}) or tokens_per_batch "
                             f"({self.tokens_per_batch}), not both")
+        if self.zero not in (0, 1, 2, 3):
+            raise UserError(f"zero {self.zero}: use 0, 1, 2 or 3")
         if self.seed < 0:
             raise UserError(f"seed {self.seed} must be >= 0")
         _finite_numbers(self)
@@ -150,8 +159,8 @@ class TrainConfig:
 
     @property
     def num_ranks(self) -> int:
-        """Processes a distributed run of this config needs: dp * pp * cp."""
-        return self.dp * self.pp * self.cp
+        """Processes a distributed run of this config needs: dp * pp * cp * tp."""
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def sampler_size(self) -> dict[str, int]:
@@ -165,9 +174,10 @@ class TrainConfig:
 
 
 def check_degrees(config: TrainConfig, world_size: int, where: str) -> None:
-    """UserError showing the arithmetic when dp * pp * cp is not the number of processes."""
+    """UserError showing the arithmetic when dp * pp * cp * tp is not the number of processes."""
     if config.num_ranks != world_size:
-        raise UserError(f"dp({config.dp}) * pp({config.pp}) * cp({config.cp}) = {config.num_ranks} "
+        tp = f" * tp({config.tp})" if config.tp > 1 else ""
+        raise UserError(f"dp({config.dp}) * pp({config.pp}) * cp({config.cp}){tp} = {config.num_ranks} "
                         f"processes, {where} gives {world_size}: make them equal")
 
 

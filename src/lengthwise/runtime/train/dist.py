@@ -11,11 +11,12 @@ a function of the batch and the seed only), and hands it to a `RankExecutor`, wh
 
 - checks once per step that every rank holds the same plan (`dp.check_same_plan`: a 16-byte
   hash, all-gathered) and that the ranks' stages are those of the first step;
-- runs this rank's (pipeline, stage, CP rank) part (`step.run_rank_step`), which ends with each
-  gradient summed over the ranks holding its parameter;
-- clips with the global gradient norm (`dp.global_grad_norm`, each parameter counted once) and
-  steps AdamW over the parameters this rank holds (`dp.held_parameters`); every holder of a
-  parameter sees the same summed gradient, so the replicas stay equal;
+- runs this rank's (pipeline, stage, CP rank, TP rank) part (`step.run_rank_step`), which ends
+  with each gradient summed over the ranks holding its parameter (FSDP2's reduce-scatter into
+  each rank's shard, or `dp.GradReducer`);
+- clips with the global gradient norm (`dp.global_grad_norm`, each piece counted once) and
+  steps AdamW over the rank's own parameters (its shards); every holder of a piece sees the
+  same summed gradient, so replicas stay equal;
 - notes each action in its `RankStatus`, which the launcher shows if the rank dies;
 - checkpoints with `checkpoint_dist` (torch.distributed.checkpoint shards, plus each rank's
   sampler position and RNG states, sealed by a manifest), and rank 0 adds the gathered weights as config.json and
@@ -24,13 +25,30 @@ a function of the batch and the seed only), and hands it to a `RankExecutor`, wh
 Rank 0 alone writes the metrics and shows the progress bar. Resume is exact as on one process
 (tests/test_distributed_fault.py kills a rank mid-step under torchrun). The final weights equal a
 single-process run with the same plan settings up to the order of floating-point sums
-(tests/test_train_distributed.py: within 1e-10 in float64 after two AdamW steps).
+(tests/test_train_distributed.py: within 1e-10 in float64 after two AdamW steps;
+tests/test_train_parallel.py: dp2 x tp2, pp2 x tp2 and a dp4 -> dp2 resume).
 
-Each rank builds the whole model (seeded, so every copy starts equal) and updates only its
-stage's parameters: simple, and memory-bound for models whose full weights do not fit one
-device. Which parameters a rank holds comes from the first batch's plan and may not change;
-every planner with fixed dp / pp / cp and layers per stage keeps it, and a plan that moves
-stages is refused with the step named.
+Each rank builds only its part of the model (`parallel/build.build_rank_model`, as `verify`
+does): its stage's layers (embedding on the first stage, norm and head on the last), split over
+the stage's TP ranks with DTensor when tp > 1, and sharded over the stage's dp x cp ranks with
+FSDP2 when the plan's pipelines are uniform and zero >= 1 (ZeRO-3 with zero 3); seeded weights
+are the same values whatever the split, or read from a Hugging Face folder (--model DIR), each
+rank reading its stage's tensors. AdamW holds that rank's `model.parameters()` (its shards),
+and with --dtype bfloat16 under FSDP2 those are float32 master weights while forward and
+backward run in bfloat16 (`MixedPrecisionPolicy`). Heterogeneous plans (no uniform mesh) and
+zero 0 keep whole stage parameters on every replica (`dp.GradReducer`). Which stage a rank
+holds comes from the first batch's plan and may not change; every planner with fixed dp / pp /
+cp / tp and layers per stage keeps it, and a plan that moves stages is refused with the step
+named.
+
+No rank holds the whole model: the consolidated Hugging Face copy in each checkpoint, and rank
+0's model for the held-out loss, are built from a full state dict gathered to rank 0
+(`step.gather_grads_like`, each parameter's DTensor shards assembled first).
+
+A checkpoint resumes at another dp (same pp, cp and tp): DCP reshards the FSDP2 parameters and
+AdamW states, the per-rank extras must agree (sampler position, step), and each new rank takes
+the random-number states of the saved rank at its (pipeline mod old dp, stage, CP rank, TP
+rank) place (training draws from no global generator, so this choice changes no result).
 """
 
 from __future__ import annotations
@@ -49,18 +67,22 @@ import lengthwise.runtime.distributed.checkpoint_dist as checkpoint_dist
 from lengthwise.runtime.distributed.dp import (
     check_same_plan,
     global_grad_norm,
-    held_parameters,
+    local,
+    match_grad_layouts,
 )
 from lengthwise.runtime.distributed.agree import check_same_settings
 from lengthwise.runtime.distributed.launch import (
     RankStatus,
+    end_process_group,
     init_from_torchrun,
     spawn,
     under_torchrun,
 )
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.step import gather_grads_like, run_rank_step
-from lengthwise.runtime.model import CausalLM
+from lengthwise.runtime.model import CausalLM, meta_model, parameter_names
+from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
+from lengthwise.runtime.parallel.device_mesh import uniform_degrees
 from lengthwise.runtime.train.config import TrainConfig, check_degrees
 from lengthwise.runtime.train.executor import RESUME_MUST_MATCH, PreparedStep, StepOutcome
 from lengthwise.runtime.train.loop import (
@@ -69,12 +91,12 @@ from lengthwise.runtime.train.loop import (
     make_optimizer,
     resolve_device,
     run_training,
+    weights_folder,
 )
 from lengthwise.runtime.train.outputs import default_run_folder, with_outputs
-from lengthwise.runtime.train.schedule import first_nonfinite
 from lengthwise.runtime.train.signals import StopRequest
 from lengthwise.runtime.train.step import PeakMemory, is_padded
-from lengthwise.runtime.weights import load_state, save_pretrained
+from lengthwise.runtime.weights import load_state, save_tensors_pretrained
 from lengthwise.workloads.sampler import GlobalBatchSampler
 
 AfterAction = Callable[[int, int], None]
@@ -105,7 +127,7 @@ def _train_under_torchrun(config: TrainConfig, after_action: AfterAction | None)
         result = train_on_rank(_torchrun_outputs(config), mesh, after_action=after_action,
                                status=RankStatus.for_torchrun())
     finally:
-        dist.destroy_process_group()
+        end_process_group()
     return result if mesh.rank == 0 else None
 
 
@@ -133,10 +155,10 @@ rank 0 writes the metrics and shows progress; caches and thread counts are per m
 
 def train_on_rank(config: TrainConfig, mesh: Mesh, *, after_action: AfterAction | None = None,
                   status: RankStatus | None = None) -> TrainResult:
-    """This rank's part of `config`, in an initialised process group of dp * pp * cp ranks."""
+    """This rank's part of `config`, in an initialised process group of dp * pp * cp * tp ranks."""
     with StopRequest(quiet=mesh.rank != 0) as stop:  # from here a signal waits for a step boundary
         check_same_settings(config.to_dict(), mesh.device, ignore=PER_PROCESS)
-        setup = Setup(config, device=mesh.device)
+        setup = Setup(config, device=mesh.device, whole_model=False)
         return run_training(setup, RankExecutor(setup, mesh, after_action=after_action, status=status), stop=stop)
 
 
@@ -148,8 +170,10 @@ def layout_signature(plan: StepPlan, num_layers: int) -> list[tuple[int, int, tu
 class RankExecutor:
     """One rank's step, optimizer and checkpoints (the module docstring lists what a step does)."""
 
-    must_match = RESUME_MUST_MATCH + ("dp", "pp", "cp")
-    """Config fields a checkpoint must share with the run resuming it."""
+    must_match = RESUME_MUST_MATCH
+    """Config fields a checkpoint must share with the run resuming it; pp, cp and tp too, checked
+    before anything loads (`_check_shape_of_run`, where checkpoints older than --tp count as
+    tp 1); dp may differ (resharding)."""
     result_model = None
     """No rank holds the whole trained model (the checkpoints do)."""
 
@@ -157,15 +181,18 @@ class RankExecutor:
                  status: RankStatus | None = None):
         config = setup.config
         check_degrees(config, mesh.world_size, "the process group")
-        self.config, self.model, self.mesh, self.after_action = config, setup.model, mesh, after_action
+        self.config, self.mesh, self.after_action = config, mesh, after_action
         self.status = status or RankStatus(None)
         self.nproc, self.is_reporter = mesh.world_size, mesh.rank == 0
         self.first_plan = setup.plan(GlobalBatchSampler(setup.source, seed=config.seed,
                                                         **config.sampler_size).next_batch())
         self._check_unpadded(self.first_plan, 1)
-        self.layout = mesh.layout(self.first_plan)  # collective: creates the CP groups
-        self.held = held_parameters(self.model, self.first_plan, self.layout.place)
-        self.optimizer = make_optimizer(self.model, config, held=self.held.values())
+        self.status.note(f"building its part of the model for {config.model}")
+        self.model = build_rank_model(self.first_plan, mesh, **rank_model_args(config, self.first_plan))
+        self.layout = mesh.layout(self.first_plan)
+        self.held = dict(self.model.named_parameters())  # its stage's (shards of) parameters
+        self.optimizer = make_optimizer(self.model, config)
+        self._eval_model: CausalLM | None = None
 
     def step(self, prepared: PreparedStep, step: int) -> StepOutcome:
         plan, model = prepared.plan, self.model
@@ -179,17 +206,30 @@ class RankExecutor:
             done = run_rank_step(model, plan, prepared.token_ids, mesh=self.mesh, backend=self.config.backend,
                                  check_plan=False, after_action=hook)
         self.status.note(f"step {step}: gradient norm and optimizer step, after the actions of {self.layout.place}")
+        match_grad_layouts(model)
         grad_norm = global_grad_norm(model, plan, done.layout, device=self.mesh.device)
         outcome = StepOutcome(loss=done.loss, grad_norm=grad_norm, peak_memory_bytes=self._largest(peak.bytes),
                               memory_kind=peak.kind)
         if not outcome.finite:  # the loss and the norm are global: every rank skips the update
-            outcome.nonfinite_param = first_nonfinite(self.held.items())
+            outcome.nonfinite_param = self._first_nonfinite()
             return outcome
-        if self.config.grad_clip:  # the rule of clip_grad_norm_, with the norm over all ranks
-            torch.nn.utils.clip_grads_with_norm_(list(self.held.values()), self.config.grad_clip,
-                                                 torch.tensor(grad_norm, dtype=torch.float64))
+        if self.config.grad_clip:  # clip_grads_with_norm_'s rule on each rank's pieces, the norm over all ranks
+            coef = torch.clamp(self.config.grad_clip / (torch.tensor(grad_norm, dtype=torch.float64) + 1e-6), max=1.0)
+            for param in self.held.values():
+                if param.grad is not None:
+                    local(param.grad).mul_(coef.to(param.device))
         self.optimizer.step()
         return outcome
+
+    def _first_nonfinite(self) -> str | None:
+        """The first parameter, in model order, with a NaN or infinity in any rank's piece of its
+        gradient (collective)."""
+        mine = [name for name, p in self.held.items()
+                if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())]
+        every = [None] * self.mesh.world_size
+        dist.all_gather_object(every, mine)
+        bad = {name for names in every for name in names}
+        return next((name for name in parameter_names(self.model.spec) if name in bad), None)
 
     def agree_stop(self, requested: bool) -> bool:
         """Whether any rank was asked to stop (collective, at every step boundary), so that all
@@ -199,12 +239,25 @@ class RankExecutor:
         return bool(flag.item())
 
     def eval_model(self) -> CausalLM | None:
-        """Rank 0's model with every stage's current weights (collective); None elsewhere."""
-        weights = gather_grads_like(self.model, self.layout, self.first_plan, lambda p: p.detach().cpu())
+        """On rank 0, a whole model (built there once, for the held-out loss only) holding every
+        stage's current weights, gathered (collective); None elsewhere."""
+        weights = self._gather_weights()
         if weights is None:
             return None
-        load_state(self.model, weights)
-        return self.model
+        if self._eval_model is None:
+            self._eval_model = meta_model(self.model.spec, dtype=self.held_dtype).to_empty(device=self.mesh.device)
+            self._eval_model.tie()
+        load_state(self._eval_model, weights)
+        return self._eval_model
+
+    @property
+    def held_dtype(self) -> torch.dtype:
+        """The dtype of the parameters (the master weights under mixed precision)."""
+        return next(iter(self.held.values())).dtype
+
+    def _gather_weights(self) -> dict[str, torch.Tensor] | None:
+        """Every parameter of the whole model, whole, on rank 0 (None elsewhere; collective)."""
+        return gather_grads_like(self.model, self.layout, self.first_plan, lambda p: p.detach())
 
     def _check_unpadded(self, plan: StepPlan, step: int) -> None:
         if is_padded(plan):
@@ -241,10 +294,31 @@ class RankExecutor:
         return checkpoint_dist.latest_checkpoint(out)
 
     def load(self, path: Path) -> dict:
-        """Verify, then restore this rank's parameters, optimizer state and RNGs; returns its
-        trainer state."""
+        """Verify, then restore this rank's parameters, optimizer state and RNGs (resharded when
+        the checkpoint was written at another dp); returns its trainer state."""
         self.status.note(f"loading checkpoint {path}")
-        return checkpoint_dist.load_checkpoint(path, model=self.model, optimizer=self.optimizer, held=self.held)
+        return checkpoint_dist.load_checkpoint(path, model=self.model, optimizer=self.optimizer, held=self.held,
+                                               check=functools.partial(self._check_shape_of_run, path),
+                                               saved_rank=self._saved_rank)
+
+    def _check_shape_of_run(self, path: Path, extras: dict) -> None:
+        """UserError naming the degrees when the checkpoint's pp, cp or tp differ from this
+        run's (only dp may change: FSDP2 shards are resharded, stages and TP shards are not)."""
+        saved, config = extras.get("config", {}), self.config
+        degrees = ("dp", "pp", "cp", "tp")
+        if any(saved.get(d, 1) != getattr(config, d) for d in degrees[1:]):
+            then = " x ".join(f"{d}={saved.get(d, 1)}" for d in degrees)
+            now = " x ".join(f"{d}={getattr(config, d)}" for d in degrees)
+            use = " ".join(f"--{d} {saved.get(d, 1)}" for d in degrees[1:])
+            raise UserError(f"{path} was trained with {then}, this run has {now}: a resumed run may change "
+                            f"dp only; use {use}")
+
+    def _saved_rank(self, nproc: int) -> int:
+        """The rank of a checkpoint written by `nproc` processes at this rank's place, its pipeline
+        taken modulo the saved dp (ranks run pipeline by pipeline, `distributed/mesh.py`)."""
+        per_pipeline = self.config.pp * self.config.cp * self.config.tp
+        pipeline, within = divmod(self.mesh.rank, per_pipeline)
+        return (pipeline % (nproc // per_pipeline)) * per_pipeline + within
 
     def save(self, step: int, trainer: dict) -> Path:
         self.status.note(f"step {step}: saving its checkpoint")
@@ -253,9 +327,22 @@ class RankExecutor:
                                                also=self._save_weights)
 
     def _save_weights(self, path: Path) -> None:
-        """Rank 0 writes the whole model in Hugging Face format, each tensor from its lowest holder
-        (collective). Rank 0's copies of other stages' parameters are brought up to date on the way."""
-        weights = gather_grads_like(self.model, self.layout, self.first_plan, lambda p: p.detach().cpu())
+        """Rank 0 writes the whole model in Hugging Face format from the gathered full state dict,
+        each tensor from its lowest holder (collective)."""
+        weights = self._gather_weights()
         if weights is not None:
-            load_state(self.model, weights)
-            save_pretrained(self.model, path)
+            save_tensors_pretrained(weights, self.model.spec, path)
+
+
+def rank_model_args(config: TrainConfig, plan: StepPlan) -> dict:
+    """`build_rank_model`'s keywords for this run: weights seeded or from --model DIR; with
+    --dtype bfloat16 under FSDP2, float32 master weights and bfloat16 compute (without FSDP2,
+    bfloat16 parameters, as one process trains)."""
+    folder = weights_folder(config.model)
+    dtype = getattr(torch, config.dtype)
+    sharded = plan.zero > 0 and uniform_degrees(plan) is not None
+    param_dtype = None
+    if dtype == torch.bfloat16 and sharded:
+        dtype, param_dtype = torch.float32, torch.bfloat16
+    return {"dtype": dtype, "seed": None if folder else config.seed, "weights": folder,
+            "options": ParallelOptions(data_parallel="fsdp", param_dtype=param_dtype)}

@@ -3,7 +3,7 @@
 
 An executor owns what differs between one process and many: which part of the plan runs here,
 which parameters the optimizer updates, how the gradient norm is taken, and the checkpoint
-format. The distributed one, one rank of dp * pp * cp, is `runtime/train/dist.py`'s `RankExecutor`.
+format. The distributed one, one rank of dp * pp * cp * tp, is `runtime/train/dist.py`'s `RankExecutor`.
 """
 
 from __future__ import annotations

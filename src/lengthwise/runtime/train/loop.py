@@ -33,7 +33,7 @@ bit-identical (tests/test_train.py).
 Executors. The loop above is shared; what runs a step's plan is an executor (train/executor.py).
 `LocalExecutor`: this process runs every pipeline and stage (`run_step`), AdamW over all
 parameters, checkpoints in runtime/checkpoint.py. `train/dist.RankExecutor`: one rank of
-dp * pp * cp processes runs its stage (`run_rank_step`), AdamW over the parameters it holds,
+dp * pp * cp * tp processes runs its stage (`run_rank_step`), AdamW over its shards of it,
 clipping by the global norm, checkpoints through torch.distributed.checkpoint; only rank 0
 writes metrics and the progress bar.
 """
@@ -105,7 +105,9 @@ class TrainResult:
 class Setup:
     """Everything a run builds once: data, model, optimizer, and how to plan a batch."""
 
-    def __init__(self, config: TrainConfig, *, device: torch.device | None = None):
+    def __init__(self, config: TrainConfig, *, device: torch.device | None = None, whole_model: bool = True):
+        """`whole_model`: build the whole model here (one process); a rank of a distributed run
+        builds only its stage's part itself (`train/dist.RankExecutor`), `model` stays None."""
         config.validate()
         self.config = config
         self.planner = get_planner(config.planner)  # an unknown name fails before any work
@@ -113,11 +115,12 @@ class Setup:
         if config.threads is not None or self.device.type == "cpu":
             torch.set_num_threads(config.threads or 1)
         self.spec = model_preset(config.model)
-        self.scheme = ParallelScheme(dp=config.dp, pp=config.pp, cp=config.cp)
+        self.scheme = ParallelScheme(dp=config.dp, pp=config.pp, cp=config.cp, tp=config.tp, zero=config.zero)
         self.scheme.validate(self.spec)
-        check_memory(estimate_memory(config, self.spec, nproc=config.nproc or 1), self.device)
+        need = estimate_memory(config, self.spec, nproc=config.nproc or 1, rank_part=not whole_model)
+        check_memory(need, self.device)
         self.model = load_model(config.model, self.spec, dtype=getattr(torch, config.dtype),
-                                device=self.device, seed=config.seed)
+                                device=self.device, seed=config.seed) if whole_model else None
         self.source = corpus_source(config.data, config.tokenizer, config.context_length,
                                     config.overlong, text_field=config.text_field, cache_dir=config.token_cache)
         _check_vocab(self.source, self.spec)
@@ -160,15 +163,23 @@ def load_model(name: str, spec: ModelSpec, *, dtype: torch.dtype, device: torch.
                seed: int) -> CausalLM:
     """A preset or config.json: seeded random weights. A directory: its model.safetensors,
     read by Hugging Face names (runtime/weights.py)."""
-    if name in MODEL_PRESETS or not Path(name).is_dir():
+    if weights_folder(name) is None:
         return build_model(spec, dtype=dtype, device=device, seed=seed)
+    model = build_model(spec, dtype=dtype, device=device)  # every weight is overwritten
+    load_weights(model, name)
+    return model
+
+
+def weights_folder(name: str) -> str | None:
+    """`name` when --model names a folder of Hugging Face weights; None for a preset or a
+    config.json (seeded random weights). A folder without weights is a UserError."""
+    if name in MODEL_PRESETS or not Path(name).is_dir():
+        return None
     if not any((Path(name) / file).exists() for file in (WEIGHTS_NAME, INDEX_NAME)):
         raise UserError(f"--model {name}: the directory holds no {WEIGHTS_NAME}; give a "
                         f"directory with config.json and {WEIGHTS_NAME}, or a config.json "
                         f"file to start from random weights")
-    model = build_model(spec, dtype=dtype, device=device)  # every weight is overwritten
-    load_weights(model, name)
-    return model
+    return name
 
 
 def data_notes(source: LengthSource, config: TrainConfig) -> list[str]:

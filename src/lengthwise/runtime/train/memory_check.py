@@ -13,7 +13,13 @@ What a training process holds, and what this counts (an upper bound for each par
   at most max(context_length, chunk_size) tokens, K of them for ChunkFlow (chunkflow §4.2),
   at the per-token figures of cost/memory.py (which assume 2-byte values; scaled to the dtype).
 On CUDA the states and activations are on the GPU, the token ids in host memory; on CPU all in
-host memory, once per local process of a `--nproc` run (each rank builds the whole model).
+host memory, once per local process of a `--nproc` run.
+
+A rank of a distributed run holds one stage: at most ceil(layers / pp) layers plus the
+embedding, norm and head (an upper bound for every stage), split over tp, and its states
+sharded over dp x cp under FSDP2 (zero >= 1) while the whole stage's weights and gradients are
+gathered for the step (zero 1 / 2; ZeRO-3 gathers one layer at a time, still bounded by that).
+With --dtype bfloat16 under FSDP2 the sharded states are float32 and the gathered copies bf16.
 """
 
 from __future__ import annotations
@@ -53,17 +59,30 @@ class MemoryNeed:
                 + (f", times {self.processes} processes" if self.processes > 1 else ""))
 
 
-def estimate_memory(config: TrainConfig, spec: ModelSpec, *, nproc: int = 1) -> MemoryNeed:
-    """What `config` needs per process (module docstring)."""
+def estimate_memory(config: TrainConfig, spec: ModelSpec, *, nproc: int = 1, rank_part: bool = False) -> MemoryNeed:
+    """What `config` needs per process (module docstring); `rank_part`: each process is one rank
+    of a distributed run, holding its part of the model (else the whole model)."""
     value = DTYPE_BYTES[config.dtype]
     tokens = config.tokens_per_batch or (config.batch_size or 16) * config.context_length
     sequences = config.batch_size or 0  # a token budget's sequence count is unknown up front
     chunk = max(config.context_length, int(config.options.get("chunk_size") or 0))
     live = min(tokens, chunk * max(1, int(config.options.get("k") or 1)))
     per_token = (activation_bytes_per_token_layer(spec) * spec.num_layers + head_bytes_per_token(spec))
-    return MemoryNeed(states=4 * spec.num_params * value,
+    states = _rank_states(config, spec) if rank_part else 4 * spec.num_params * value
+    return MemoryNeed(states=states,
                       token_ids=2 * (tokens * ID_BYTES + sequences * SEQUENCE_BYTES),
                       activations=int(live * per_token * value / BYTES_BF16), processes=nproc)
+
+
+def _rank_states(config: TrainConfig, spec: ModelSpec) -> int:
+    """Model-state bytes of the fullest rank of a distributed run (module docstring)."""
+    stage = (-(-spec.num_layers // config.pp) * spec.params_per_layer + spec.embedding_params) / config.tp
+    value = DTYPE_BYTES[config.dtype]
+    if config.zero == 0:
+        return int(4 * stage * value)
+    master = 4 if config.dtype == "bfloat16" else value
+    shards = config.dp * config.cp
+    return int(4 * stage * master / shards + 2 * stage * value)  # sharded states + gathered weights, gradients
 
 
 def check_memory(need: MemoryNeed, device: torch.device) -> None:
