@@ -216,3 +216,26 @@ def exchange_time(cost: CostModel, scheme: Scheme, *, num_pipelines: int, num_gp
     gradient reduction plus, in a heterogeneous strategy, the LNK moves (`extra_comm_s`)."""
     link = link_time(cost, scheme, num_gpus=num_gpus) if heterogeneous else 0.0
     return sync_time(cost, scheme, num_pipelines=num_pipelines, num_gpus=num_gpus) + link
+
+
+def exchange_elements(held: list[int], *, world: int) -> float:
+    """Elements the optimisation-propagation exchange sends over the network per direction (pull
+    or push), summed over ranks, when each rank holds `held[r]` parameter elements and the
+    master state is dealt round-robin over `world` ranks (runtime/parallel/hetero.py): each rank
+    owns 1/world of what it holds and exchanges the rest. Exact when every held shard's row
+    width is a multiple of `world`; within a few elements per shard row otherwise."""
+    return sum(held) * (world - 1) / world
+
+
+def exchange_bytes(held: list[int], *, world: int, elem_bytes: int) -> float:
+    """Bytes of one step's exchange: a pull of weights and a push of gradients."""
+    return 2 * exchange_elements(held, world=world) * elem_bytes
+
+
+def allreduce_bytes(held: list[int], *, replicas: int, elem_bytes: int) -> float:
+    """Bytes a homogeneous ring all-reduce of the same gradients sends, summed over ranks (each
+    rank sends 2 (d - 1) / d of its shard over d replicas): the baseline the exchange is
+    compared with."""
+    if replicas <= 1:
+        return 0.0
+    return 2 * sum(held) * (replicas - 1) / replicas * elem_bytes
