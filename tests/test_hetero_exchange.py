@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lengthwise.planners.hydraulis.cost import allreduce_bytes, exchange_bytes
+from lengthwise.planners.hydraulis.cost import allreduce_bytes, exchange_bytes, exchange_elements
 from lengthwise.runtime.distributed.launch import spawn
 from lengthwise.runtime.parallel.hetero import WHOLE, HeteroExchange, Shard, shard_indices
 from tolerance import normwise_error, reduction_tolerance
 
-SHAPES = {"w": (8, 12), "v": (12, 8), "b": (12,)}
+SHAPES = {"w": (8, 12), "v": (12, 16), "b": (12,)}
 HOLDINGS = [
     {"w": Shard(0, 0, 2), "v": Shard(1, 0, 2), "b": WHOLE},  # pipeline 0, tp rank 0 (row / column)
     {"w": Shard(0, 1, 2), "v": Shard(1, 1, 2), "b": WHOLE},  # pipeline 0, tp rank 1
@@ -88,6 +88,59 @@ def test_exchange_reduces_mixed_tp_layouts_exactly():
     assert out["adam"] <= reduction_tolerance(torch.float64, 8)
     charge = exchange_bytes(out["held"], world=4, elem_bytes=8)
     assert abs(out["bytes"] - charge) <= 0.01 * charge
-    assert out["held"] == [48 + 48 + 12, 48 + 48 + 12, 96 + 12, 96]
+    assert out["held"] == [48 + 96 + 12, 48 + 96 + 12, 96 + 12, 192]
     # baseline of the same volume: a homogeneous all-reduce over the 2 pipelines
     assert allreduce_bytes(out["held"], replicas=2, elem_bytes=8) > 0
+
+
+# a second strategy over the same 4 ranks: one tp4 pipeline (row shards of w, column shards of v)
+SWITCHED = [{"w": Shard(0, r, 4), "v": Shard(1, r, 4), "b": WHOLE} for r in range(4)]
+
+
+def _switch_worker(rank: int):
+    """Step 1 on HOLDINGS, switch, step 2 on SWITCHED; against AdamW on whole parameters over
+    the same two summed gradients (= restarting from a checkpoint in the second strategy, since
+    the whole-parameter reference does not know the layout)."""
+    W = dist.get_world_size()
+    full = _full()
+    ex = HeteroExchange.for_shape(("switch", 0), SHAPES, HOLDINGS)
+    ex.init_master(full, torch.float64)
+    master = torch.nn.Parameter(ex.master)
+    opt = torch.optim.AdamW([master], lr=1e-2, weight_decay=0.1)
+    ref = {n: torch.nn.Parameter(full[n].clone()) for n in SHAPES}
+    ref_opt = torch.optim.AdamW(list(ref.values()), lr=1e-2, weight_decay=0.1)
+    err = 0.0
+    for step, holdings in enumerate([HOLDINGS, SWITCHED]):
+        if step:
+            ex = ex.switch(("switch", 1), SHAPES, holdings)
+            pulled = ex.unflatten_local(ex.last_pull)
+            for n, s in holdings[rank].items():  # the new layout's weights are the master's
+                whole = ref[n].data.reshape(-1)[shard_indices(SHAPES[n], s)]
+                err = max(err, normwise_error(pulled[n].reshape(-1), whole))
+        gens = [torch.Generator().manual_seed(1000 * step + r) for r in range(W)]
+        grads = [{n: torch.randn(shard_indices(SHAPES[n], s).numel(), generator=gens[r], dtype=torch.float64)
+                  for n, s in holdings[r].items()} for r in range(W)]
+        for n in SHAPES:
+            ref[n].grad = torch.zeros_like(ref[n])
+        for r in range(W):
+            for n, g in grads[r].items():
+                ref[n].grad.view(-1).index_add_(0, shard_indices(SHAPES[n], holdings[r][n]), g)
+        mine = grads[rank]
+        master.grad = ex.push(torch.cat([mine[n] for n in ex.held_names()]))
+        opt.step()
+        ref_opt.step()
+        for n in SHAPES:
+            err = max(err, normwise_error(ex.master_view(n), ref[n].data.reshape(-1)[rank::W]))
+    out = torch.tensor([err], dtype=torch.float64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return {"err": out.item(), "moved": ex.switch_cost["state_bytes_moved"],
+            "pull_bytes": ex.switch_cost["pull_bytes"]}
+
+
+def test_strategy_switch_moves_no_state_and_matches_whole_parameter_training():
+    out = spawn(_switch_worker, 4, timeout_s=120)
+    assert out["err"] <= reduction_tolerance(torch.float64, 8)
+    assert out["moved"] == 0
+    # the switch's first pull, rank 0 as owner: the charge of the symmetric tp4 layout (each rank
+    # holds 24 + 48 + 12 elements; every shard row a multiple of 4 wide) split evenly over 4 ranks
+    assert out["pull_bytes"] == exchange_elements([84] * 4, world=4) * 8 / 4

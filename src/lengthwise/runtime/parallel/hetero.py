@@ -32,8 +32,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+import time
+
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,25 @@ class HeteroExchange:
         if ex is None:
             ex = cls._cache[key] = cls(shapes, holdings, group=group, device=device)
         return ex
+
+    def switch(self, key, shapes, holdings) -> "HeteroExchange":
+        """A strategy switch: the exchange of the new plan shape, adopting this one's master
+        shard as is (the master layout depends only on the parameters and the world, so no
+        optimizer state moves; only the pulled slices change). Logs its measured cost: the
+        index maps' build (cached shapes cost nothing) and the first pull of the new layout."""
+        if dict(shapes) != self.shapes:
+            raise ValueError("a strategy switch keeps the parameters")
+        started = time.perf_counter()
+        new = type(self).for_shape(key, shapes, holdings, group=self.group, device=self.device)
+        new.master = self.master
+        built = time.perf_counter() - started
+        before = new.bytes_sent
+        new.last_pull = new.pull()
+        new.switch_cost = {"build_s": built, "pull_s": time.perf_counter() - started - built,
+                           "pull_bytes": new.bytes_sent - before, "state_bytes_moved": 0}
+        log.info("strategy switch to %s: maps %.4f s, first pull %.4f s (%d bytes sent), 0 bytes of "
+                 "optimizer state moved", key, built, new.switch_cost["pull_s"], new.switch_cost["pull_bytes"])
+        return new
 
     # ---------------------------------------------------------------- master state
     def init_master(self, full: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
