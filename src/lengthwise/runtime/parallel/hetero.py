@@ -229,3 +229,93 @@ class HeteroExchange:
         """Elements every rank holds (the exchange's per-rank volume before the 1/W it keeps)."""
         return [sum(self.numel[n] // s.parts for n, s in h.items() if n in self.shapes)
                 for h in self.holdings]
+
+
+# -------------------------------------------------------------------- executor wiring
+def hetero_tp_mesh(plan, layout, mesh):
+    """This rank's 1-D TP DeviceMesh in a heterogeneous plan, or None at tp 1 (collective: every
+    rank creates every TP group of the plan, in the same order)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for r, p in enumerate(layout.places):
+        if plan.pipelines[p.pipeline].tp > 1:
+            groups.setdefault((p.pipeline, p.stage, p.cp_rank), []).append((p.tp_rank, r))
+    rank_sets = [tuple(r for _, r in sorted(v)) for v in groups.values()]
+    mesh.ensure_groups(rank_sets)
+    place = layout.place
+    if plan.pipelines[place.pipeline].tp == 1:
+        return None
+    mine = next(s for s in rank_sets if layout.rank in s)
+    return DeviceMesh.from_group(mesh.group(mine), mesh.device.type, mesh_dim_names=("tp",))
+
+
+def _holding(param, tp_rank: int, pushes: bool):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        placement = param.placements[0]
+        if placement.is_shard() or param.to_local().shape != param.shape:
+            assert placement.is_shard(), (placement, param.shape, param.to_local().shape)
+            return (placement.dim % param.ndim, tp_rank, param.device_mesh.size(), True)
+    return (0, 0, 1, pushes)
+
+
+class HeteroReducer:
+    """Gradient sum of a heterogeneous plan through the exchange: every rank pushes its gradient
+    pieces (whole, or tp row / column shards) to the owners, who sum them, then pulls the summed
+    gradient of exactly the pieces it holds. Replicated parameters of a TP group push from TP rank
+    0 only (the others computed the same gradient), except replicated K/V weights, whose gradient
+    is a partial sum per TP rank. The holdings are all-gathered once per plan shape."""
+
+    def __init__(self, model, plan, layout, *, key):
+        from lengthwise.runtime.distributed.dp import held_parameters
+        from lengthwise.runtime.parallel.tensor_parallel import tp_partial_names
+
+        place = layout.place
+        tp = plan.pipelines[place.pipeline].tp
+        partial = tp_partial_names(model.spec, tp)
+        if model.spec.vocab % max(p.tp for p in plan.pipelines):
+            raise ValueError("heterogeneous tp needs a vocabulary every tp divides")
+        self.params = held_parameters(model, plan, place)
+        mine = {n: _holding(p, place.tp_rank, place.tp_rank == 0 or partial(n)) for n, p in self.params.items()}
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        all_holdings = [None] * dist.get_world_size()
+        dist.all_gather_object(all_holdings, (mine, shapes))
+        merged = {}
+        for _, sh in all_holdings:
+            merged.update(sh)
+        order = []  # the same on every rank: rank 0's names, then later ranks' new ones
+        for _, sh in all_holdings:
+            order += [n for n in sh if n not in order]
+        self.holdings = [{n: Shard(d, i, k) for n, (d, i, k, _) in h.items()} for h, _ in all_holdings]
+        self.pushes = {n: h[3] for n, h in mine.items()}
+        self.exchange = HeteroExchange.for_shape(key, {n: merged[n] for n in order}, self.holdings)
+
+    def reduce(self) -> int:
+        """Sum the held gradients in place; returns the bytes this rank sent."""
+        from torch.distributed.tensor import DTensor
+
+        from lengthwise.runtime.distributed.dp import local
+
+        ex = self.exchange
+        parts = []
+        for n in ex.held_names():
+            p = self.params[n]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                # e.g. the embedding's gradient comes back Replicate: take this rank's rows
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            g = local(p.grad).reshape(-1)
+            parts.append(g if self.pushes[n] else torch.zeros_like(g))
+        flat = torch.cat(parts) if parts else torch.zeros(0)
+        if flat.numel() != ex.local_size:
+            raise RuntimeError(f"rank {ex.rank}: {flat.numel()} gradient elements for {ex.local_size} held")
+        before = ex.bytes_sent
+        ex.master = ex.push(flat, dtype=flat.dtype)
+        summed = ex.unflatten_local(ex.pull())
+        for n, g in summed.items():
+            grad = self.params[n].grad
+            local(self.params[n].grad).copy_(g.view_as(local(self.params[n].grad)))
+        return ex.bytes_sent - before
