@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import pytest
 import torch
 
 from lengthwise.runtime.distributed.launch import spawn
@@ -17,24 +18,36 @@ from lengthwise.specs import cluster_preset, model_preset
 from plan_helpers import hand_plan
 
 
-def make_plan():
-    spec = model_preset("tiny")
-    plan = hand_plan(spec, [40, 30, 50, 20], [("0[0:40] 1[0:30]", ["F0 F1 B1 B0"]),
-                                              ("2[0:50] 3[0:20]", ["F0 F1 B1 B0", "F0 F1 B1 B0"])])
-    plan.pipelines[0] = dataclasses.replace(plan.pipelines[0], tp=2)
+PP1, PP2 = ["F0 F1 B1 B0"], ["F0 F1 B1 B0", "F0 F1 B1 B0"]
+CASES = {
+    # (tp2 x pp1) + (tp1 x pp2): 4 ranks
+    4: ([40, 30, 50, 20], [("0[0:40] 1[0:30]", PP1, 2), ("2[0:50] 3[0:20]", PP2, 1)]),
+    # (tp2 x pp2) + (tp1 x pp1) + (tp1 x pp1): 6 ranks, a split sequence on the tp2 pipeline
+    6: ([60, 30, 50, 20, 10], [("0[0:30] 0[30:60]+1[0:30]", PP2, 2), ("2[0:50] 3[0:20]", PP1, 1),
+                               ("4[0:10]", ["F0 B0"], 1)]),
+}
+
+
+def make_plan(nproc: int):
+    lengths, pipes = CASES[nproc]
+    plan = hand_plan(model_preset("tiny"), lengths, [(c, s) for c, s, _ in pipes])
+    for i, (_, _, tp) in enumerate(pipes):
+        plan.pipelines[i] = dataclasses.replace(plan.pipelines[i], tp=tp)
     plan = dataclasses.replace(plan, zero=0)
     plan.cluster = cluster_preset("cpu", plan.num_gpus)
     return plan
 
 
-def _worker(rank: int):
+def _worker(rank: int, nproc: int):
     mesh = Mesh.from_default_group(timeout_s=120)
-    job = VerifyJob(make_plan=make_plan, backend="reference", timeout_s=120, dtype=torch.float64)
+    job = VerifyJob(make_plan=functools.partial(make_plan, nproc), backend="reference", timeout_s=120,
+                    dtype=torch.float64)
     return verify_worker(rank, job, mesh)
 
 
-def test_tp2_pp1_beside_tp1_pp2_equals_the_oracle():
-    result = spawn(_worker, 4, timeout_s=300)
+@pytest.mark.parametrize("nproc", sorted(CASES))
+def test_heterogeneous_tp_equals_the_oracle(nproc):
+    result = spawn(_worker, nproc, nproc, timeout_s=300)
     assert result["passed"], result
     assert result["max_rel_grad_diff"] <= 1e-9
     assert abs(result["loss"] - result["reference_loss"]) <= 1e-9 * abs(result["reference_loss"])
