@@ -52,3 +52,23 @@ def test_heterogeneous_tp_equals_the_oracle(nproc):
     assert result["max_rel_grad_diff"] <= 1e-9
     assert abs(result["loss"] - result["reference_loss"]) <= 1e-9 * abs(result["reference_loss"])
     assert all(c["dp_elements"] > 0 for c in result["comm"])  # the exchange ran on every rank
+
+
+def test_verify_cli_runs_a_fixed_heterogeneous_hydraulis_strategy():
+    """`lengthwise verify --planner hydraulis --nproc 4 --pipelines tp2-pp1,tp1-pp2`."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
+    out = subprocess.run([sys.executable, "-m", "lengthwise", "verify", "--planner", "hydraulis", "--nproc", "4",
+                          "--pipelines", "tp2-pp1,tp1-pp2", "--json"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["passed"] and result["max_rel_grad_diff"] <= 1e-9
+    bad = subprocess.run([sys.executable, "-m", "lengthwise", "verify", "--planner", "hydraulis", "--nproc", "4",
+                          "--pipelines", "tp2-pq1"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr

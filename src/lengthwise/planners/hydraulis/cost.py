@@ -25,11 +25,13 @@ that is ZeRO-1 with dp = N / (TP * PP) in the cost model's terms.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from lengthwise.cost import CostModel, split_layers
+from lengthwise.errors import UserError
 from lengthwise.cost import memory as mem
 from lengthwise.plan.ir import Chunk, Segment
 from lengthwise.specs import ModelSpec
@@ -239,3 +241,15 @@ def allreduce_bytes(held: list[int], *, replicas: int, elem_bytes: int) -> float
     if replicas <= 1:
         return 0.0
     return 2 * sum(held) * (replicas - 1) / replicas * elem_bytes
+
+
+def parse_pipelines(text: str) -> list[tuple[int, int, int]]:
+    """`tp2-pp1,tp1-pp2-cp2` -> [(tp, pp, cp), ...], one per data-parallel pipeline."""
+    out = []
+    for item in text.split(","):
+        m = re.fullmatch(r"tp(\d+)-pp(\d+)(?:-cp(\d+))?", item.strip())
+        if not m or min(int(g) for g in m.groups() if g is not None) < 1:
+            raise UserError(f"pipeline scheme {item!r}: expected tpT-ppP or tpT-ppP-cpC with positive degrees, "
+                            "e.g. tp2-pp1,tp1-pp2")
+        out.append((int(m.group(1)), int(m.group(2)), int(m.group(3) or 1)))
+    return out
