@@ -10,7 +10,9 @@ Face checkpoint, only the stage's tensors, each rank keeping its own shard. Noth
 allocated beyond the rank's shard of its stage (plus one whole tensor while loading).
 
 `data_parallel="replicate"` keeps whole parameters on every replica and sums gradients with
-`distributed/dp.GradReducer` (also what heterogeneous plans, which have no uniform mesh, get).
+`distributed/dp.GradReducer` (also what heterogeneous plans, which have no uniform mesh, get;
+when some of their pipelines use tp > 1, each TP group gets its own 1-D mesh and gradients are
+summed through `parallel/hetero.HeteroReducer`, the optimisation-propagation exchange).
 """
 
 from __future__ import annotations
