@@ -21,11 +21,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from lengthwise.cost import CostModel, Profile
+from lengthwise.errors import UserError
 from lengthwise.metrics import BUBBLE_RATIO, DP_IMBALANCE, GIB, MFU, PEAK_MEMORY_GIB, STEP_TIME_S, TOKENS_PER_S
 from lengthwise.planners import PLANNER_NAMES
 from lengthwise.planners.auto import Candidate, choose_best, max_peak, try_planner
 from lengthwise.plan.ir import Chunk, Segment
 from lengthwise.planners.base import PlanRequest
+from lengthwise.planners.chunkflow.build import check_chunk_size_fits
 from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
 
 BASELINES = ("padding", "packing", "megatron", "static-cp", "sorted", "token-balanced")
@@ -204,6 +206,19 @@ def pick_scheme(setup: CompareSetup, planner: str,
     return best, tries
 
 
+def _accepted(setup: CompareSetup, scheme: ParallelScheme, batches: list[list[int]], chunk_size: int,
+              k: int) -> bool:
+    """Whether ChunkFlow takes (chunk_size, k) as given options on every selection batch: its
+    explicit-option memory check assumes max(K, pp - stage) full chunks in flight, while a
+    grid point is judged by simulating the chunks a batch happens to have."""
+    try:
+        for b in batches:
+            check_chunk_size_fits(request_for(setup, b, scheme, "chunkflow"), chunk_size, k)
+    except UserError:
+        return False
+    return True
+
+
 def tune(setup: CompareSetup, planner: str, scheme: ParallelScheme) -> tuple[list[Candidate], dict]:
     """The planner's runs on the selection batches under `scheme`, and the options tuned for it.
 
@@ -223,7 +238,8 @@ def tune(setup: CompareSetup, planner: str, scheme: ParallelScheme) -> tuple[lis
         for row in r.plan.metrics["grid"]:
             if row["fits"]:
                 times.setdefault((row["chunk_size"], row["k"]), []).append(row[STEP_TIME_S])
-    common = {point: statistics.fmean(t) for point, t in times.items() if len(t) == len(batches)}
+    common = {point: statistics.fmean(t) for point, t in times.items()
+              if len(t) == len(batches) and _accepted(setup, scheme, batches, *point)}
     if not common:
         return searched, {}
     chunk_size, k = min(common, key=lambda p: (common[p], p[1], p[0]))

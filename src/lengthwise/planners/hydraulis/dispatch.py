@@ -156,14 +156,12 @@ class Precomputed:
 
 
 class _Trials:
-    """Running eq. 2 terms of every (row, pipeline), and each row's two largest bounds
-    (bounds only grow, so the top two are kept exactly without re-scanning)."""
+    """Running eq. 2 terms of every (row, pipeline), and each row's largest bound."""
 
     def __init__(self, rows: int, d: int):
-        self.sum_w, self.sum_l, self.longest, self.fill, self.cost = (np.zeros((rows, d)) for _ in range(5))
+        self.sum_w, self.sum_l, self.longest, self.fill = (np.zeros((rows, d)) for _ in range(4))
         self.rows, self.cols = np.arange(rows), np.arange(d)
-        self.top = np.zeros(rows, dtype=np.int64)
-        self.first, self.second = np.zeros(rows), np.full(rows, -np.inf if d == 1 else 0.0)
+        self.first = np.zeros(rows)
         self.depth_less_one: np.ndarray | None = None
 
     def place(self, p: PipelineArrays, l: np.ndarray, pre: Precomputed | None = None) -> np.ndarray:
@@ -177,11 +175,12 @@ class _Trials:
         if self.depth_less_one is None:
             self.depth_less_one = p.depth - 1
         new = self.sum_w + w + p.chunk_s * np.ceil((self.sum_l + col) / p.max_len) + fill * self.depth_less_one
-        others = np.repeat(self.first[:, None], new.shape[1], axis=1)  # every pipeline but the top ...
-        others[self.rows, self.top] = self.second  # ... sees the row's largest bound, the top the second
-        worst = np.where(pre.admissible, np.maximum(new, others), np.inf)
-        least = worst.min(axis=1, keepdims=True)
-        pick = np.where(worst <= least * (1 + 1e-12), new, np.inf).argmin(axis=1)
+        # The pipeline raising the largest bound least, ties to the least new bound (then the
+        # lowest index), is the admissible one with the least new bound: bounds only grow, so
+        # the top pipeline's new bound is at least the row's largest, and any other's largest
+        # after the move is max(its new bound, the row's largest) -- both orders agree, and so
+        # does the lowest index among equal new bounds.
+        pick = np.where(pre.admissible, new, np.inf).argmin(axis=1)
         at = (self.rows, pick)
         self.sum_w[at] += w[at]
         self.sum_l[at] += l
@@ -191,13 +190,7 @@ class _Trials:
         return pick
 
     def _raise(self, pick: np.ndarray, value: np.ndarray) -> None:
-        self.cost[self.rows, pick] = value
-        was_top = pick == self.top
-        overtakes = ~was_top & (value > self.first)
-        self.second = np.where(overtakes, self.first, np.where(~was_top, np.maximum(self.second, value),
-                                                               self.second))
-        self.first = np.where(was_top | overtakes, value, self.first)
-        self.top = np.where(overtakes, pick, self.top)
+        self.first = np.maximum(self.first, value)  # bounds only grow: the row's largest
 
 
 def lower_bound(lengths, schemes: list[Scheme], counts: list[int], max_lens: list[int]) -> float:

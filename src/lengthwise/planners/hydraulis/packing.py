@@ -136,9 +136,11 @@ def _lpt(order: list[int], work: list[float], lengths: list[int], v: int, cap: i
     return [b for b in bins if b]
 
 
-def greedy_pack(load: PipelineLoad) -> Packing:
+def greedy_pack(load: PipelineLoad, *, kk: bool = True) -> Packing:
     """Best of fixed-length packing (BFD to MaxLen), LPT over the pruned V range, and
-    Karmarkar-Karp at the micro-batch count(s) where LPT did best."""
+    Karmarkar-Karp at the micro-batch count(s) where LPT did best. kk=False leaves out the
+    Karmarkar-Karp step: the result then bounds the full one from above (which only replaces
+    it when strictly better)."""
     if not load.seq_ids:
         return Packing(bins=(), estimate_s=0.0, method="lpt")
     work, lengths = load.work.tolist(), load.lengths.tolist()
@@ -159,7 +161,7 @@ def greedy_pack(load: PipelineLoad) -> Packing:
         if bins is not None:
             tried[pos], estimates[pos] = ("lpt", bins), _estimate(load, work, bins)
     first_kk = len(counts) + 1
-    for _, k in sorted((e, k) for k, e in estimates.items())[:KK_TRIES]:
+    for _, k in sorted((e, k) for k, e in estimates.items())[:KK_TRIES if kk else 0]:
         v = len(tried[k][1])
         if len(work) >= KK_MIN_PER_BIN * v:
             bins = _within(karmarkar_karp(work, v), lengths, load.max_len)
