@@ -92,7 +92,7 @@ def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor]
         from lengthwise.runtime.parallel.hetero import HeteroReducer  # heterogeneous tp: §5.2 exchange
 
         key = (plan.model, tuple((p.tp, p.pp, p.cp, tuple(p.layers_per_stage or ())) for p in plan.pipelines))
-        stats.dp_elements += HeteroReducer(model, plan, layout, key=key).reduce() // 8
+        stats.dp_elements += HeteroReducer(model, plan, layout, key=key).reduce()
     else:
         GradReducer(model=model, plan=plan, layout=layout, mesh=mesh, stats=stats,
                     sharded=fsdp is not None).reduce()

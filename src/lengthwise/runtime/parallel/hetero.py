@@ -293,7 +293,7 @@ class HeteroReducer:
         self.exchange = HeteroExchange.for_shape(key, {n: merged[n] for n in order}, self.holdings)
 
     def reduce(self) -> int:
-        """Sum the held gradients in place; returns the bytes this rank sent."""
+        """Sum the held gradients in place; returns the elements this rank sent (push + pull)."""
         from torch.distributed.tensor import DTensor
 
         from lengthwise.runtime.distributed.dp import local
@@ -318,4 +318,4 @@ class HeteroReducer:
         for n, g in summed.items():
             grad = self.params[n].grad
             local(self.params[n].grad).copy_(g.view_as(local(self.params[n].grad)))
-        return ex.bytes_sent - before
+        return (ex.bytes_sent - before) // flat.element_size()
