@@ -103,12 +103,18 @@ def build_plan(args: argparse.Namespace):
     model = model_preset(args.model_config)
     scheme = ParallelScheme(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, zero=args.zero)
     scheme.validate(model)
-    cluster = cluster_preset("cpu", scheme.num_gpus)
+    options = planner_options(args)
+    gpus = scheme.num_gpus
+    if options.get("pipelines") is not None:  # hydraulis' fixed heterogeneous strategy
+        from lengthwise.planners.hydraulis.cost import parse_pipelines
+
+        gpus = sum(tp * pp * cp for tp, pp, cp in parse_pipelines(str(options["pipelines"])))
+    cluster = cluster_preset("cpu", gpus)
     cost = CostModel(model=model, cluster=cluster)
     lengths = batch_lengths(args)
     request = PlanRequest(lengths=lengths, model=model, cluster=cluster, scheme=scheme, cost=cost,
                           context_length=args.context_length or default_context_length(lengths),
-                          seed=args.seed, options=planner_options(args))
+                          seed=args.seed, options=options)
     plan = get_planner(args.planner or "chunkflow")(request)
     validate_plan(plan, cost)
     return plan

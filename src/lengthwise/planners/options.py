@@ -117,6 +117,10 @@ class HydraulisOptions:
     max_pp: int = option(8, "largest pipeline degree in the scheme space", metavar="N")
     max_cp: int = option(8, "largest context-parallel degree in the scheme space", metavar="N")
     length_step: int = option(128, "the strategy DP's length grid, tokens (§7 footnote 4)", metavar="TOKENS")
+    pipelines: str | None = option(
+        None, "fix the strategy instead of searching: one scheme per data-parallel pipeline, e.g. "
+        "tp2-pp1,tp1-pp2 (cp optional: tp1-pp1-cp2); their GPUs must add up to the cluster's",
+        metavar="SCHEMES")
     pipeline_step: float = option(0.1, "the strategy DP's pipeline-count grid, pipelines", metavar="X")
     util_threshold: float = option(0.85, "efficiency that defines UtilLen (appendix C), in (0, 1)",
                                    metavar="X")

@@ -25,11 +25,13 @@ that is ZeRO-1 with dp = N / (TP * PP) in the cost model's terms.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from lengthwise.cost import CostModel, split_layers
+from lengthwise.errors import UserError
 from lengthwise.cost import memory as mem
 from lengthwise.plan.ir import Chunk, Segment
 from lengthwise.specs import ModelSpec
@@ -216,3 +218,38 @@ def exchange_time(cost: CostModel, scheme: Scheme, *, num_pipelines: int, num_gp
     gradient reduction plus, in a heterogeneous strategy, the LNK moves (`extra_comm_s`)."""
     link = link_time(cost, scheme, num_gpus=num_gpus) if heterogeneous else 0.0
     return sync_time(cost, scheme, num_pipelines=num_pipelines, num_gpus=num_gpus) + link
+
+
+def exchange_elements(held: list[int], *, world: int) -> float:
+    """Elements the optimisation-propagation exchange sends over the network per direction (pull
+    or push), summed over ranks, when each rank holds `held[r]` parameter elements and the
+    master state is dealt round-robin over `world` ranks (runtime/parallel/hetero.py): each rank
+    owns 1/world of what it holds and exchanges the rest. Exact when every held shard's row
+    width is a multiple of `world`; within a few elements per shard row otherwise."""
+    return sum(held) * (world - 1) / world
+
+
+def exchange_bytes(held: list[int], *, world: int, elem_bytes: int) -> float:
+    """Bytes of one step's exchange: a pull of weights and a push of gradients."""
+    return 2 * exchange_elements(held, world=world) * elem_bytes
+
+
+def allreduce_bytes(held: list[int], *, replicas: int, elem_bytes: int) -> float:
+    """Bytes a homogeneous ring all-reduce of the same gradients sends, summed over ranks (each
+    rank sends 2 (d - 1) / d of its shard over d replicas): the baseline the exchange is
+    compared with."""
+    if replicas <= 1:
+        return 0.0
+    return 2 * sum(held) * (replicas - 1) / replicas * elem_bytes
+
+
+def parse_pipelines(text: str) -> list[tuple[int, int, int]]:
+    """`tp2-pp1,tp1-pp2-cp2` -> [(tp, pp, cp), ...], one per data-parallel pipeline."""
+    out = []
+    for item in text.split(","):
+        m = re.fullmatch(r"tp(\d+)-pp(\d+)(?:-cp(\d+))?", item.strip())
+        if not m or min(int(g) for g in m.groups() if g is not None) < 1:
+            raise UserError(f"pipeline scheme {item!r}: expected tpT-ppP or tpT-ppP-cpC with positive degrees, "
+                            "e.g. tp2-pp1,tp1-pp2")
+        out.append((int(m.group(1)), int(m.group(2)), int(m.group(3) or 1)))
+    return out

@@ -58,6 +58,8 @@ from lengthwise.planners.hydraulis.cost import (
     Scheme,
     exchange_time,
     link_time,
+    make_scheme,
+    parse_pipelines,
     scheme_space,
 )
 from lengthwise.planners.hydraulis.dispatch import (
@@ -124,7 +126,10 @@ def plan_hydraulis(request: PlanRequest) -> StepPlan:
     num_gpus = request.cluster.num_gpus
     space = _space(request, opts, num_gpus)
     _check_lengths(request, space, num_gpus, opts)
-    candidates = _candidates(request, opts, space, num_gpus)
+    if opts["pipelines"] is not None:
+        candidates = [_fixed_strategy(request, opts, num_gpus)]
+    else:
+        candidates = _candidates(request, opts, space, num_gpus)
     best, table = _choose(request, opts, candidates, num_gpus)
     _complete(best)
     milp_count = _refine(best, opts)
@@ -133,6 +138,22 @@ def plan_hydraulis(request: PlanRequest) -> StepPlan:
     plan.zero = 1
     plan.metrics.update(_metrics(best, table, milp_count))
     return plan
+
+
+def _fixed_strategy(request: PlanRequest, opts: dict, num_gpus: int) -> Strategy:
+    """The strategy the `pipelines` option names (tp2-pp1,tp1-pp2: one scheme per pipeline)."""
+    degrees = parse_pipelines(opts["pipelines"])
+    total = sum(tp * pp * cp for tp, pp, cp in degrees)
+    if total != num_gpus:
+        raise UserError(f"pipelines {opts['pipelines']} use {total} GPUs, the cluster has {num_gpus}")
+    counts: dict[Scheme, int] = {}
+    for tp, pp, cp in degrees:
+        scheme = make_scheme(request.cost, tp=tp, pp=pp, cp=cp, num_gpus=num_gpus,
+                             threshold=opts["util_threshold"])
+        if scheme is None:
+            raise UserError(f"pipeline scheme tp{tp}-pp{pp}-cp{cp}: the model states alone overflow a GPU")
+        counts[scheme] = counts.get(scheme, 0) + 1
+    return Strategy.of(counts)
 
 
 def _options(request: PlanRequest) -> dict:

@@ -88,7 +88,14 @@ def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor]
         fsdp.end()
         stats.dp_elements += fsdp.reduced_elements(mesh.device_mesh["dp_cp"].size())
         stats.dp_buckets += len(fsdp.modules)
-    GradReducer(model=model, plan=plan, layout=layout, mesh=mesh, stats=stats, sharded=fsdp is not None).reduce()
+    if fsdp is None and mesh.device_mesh is None and any(p.tp > 1 for p in plan.pipelines):
+        from lengthwise.runtime.parallel.hetero import HeteroReducer  # heterogeneous tp: §5.2 exchange
+
+        key = (plan.model, tuple((p.tp, p.pp, p.cp, tuple(p.layers_per_stage or ())) for p in plan.pipelines))
+        stats.dp_elements += HeteroReducer(model, plan, layout, key=key).reduce()
+    else:
+        GradReducer(model=model, plan=plan, layout=layout, mesh=mesh, stats=stats,
+                    sharded=fsdp is not None).reduce()
     loss = float("nan") if dry else global_loss(runner, mesh, counts=layout.place.tp_rank == 0)
     sharding = "replicated" if fsdp is None else "fsdp-per-chunk" if fsdp.per_chunk else "fsdp-per-step"
     return RankStepResult(loss=loss, layout=layout, stats=stats, num_actions=len(runner.actions), loop_s=loop_s,

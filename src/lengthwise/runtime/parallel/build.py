@@ -10,7 +10,9 @@ Face checkpoint, only the stage's tensors, each rank keeping its own shard. Noth
 allocated beyond the rank's shard of its stage (plus one whole tensor while loading).
 
 `data_parallel="replicate"` keeps whole parameters on every replica and sums gradients with
-`distributed/dp.GradReducer` (also what heterogeneous plans, which have no uniform mesh, get).
+`distributed/dp.GradReducer` (also what heterogeneous plans, which have no uniform mesh, get;
+when some of their pipelines use tp > 1, each TP group gets its own 1-D mesh and gradients are
+summed through `parallel/hetero.HeteroReducer`, the optimisation-propagation exchange).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.model import CausalLM, init_weights, meta_model
 from lengthwise.runtime.parallel.device_mesh import plan_device_mesh, shard_mesh
 from lengthwise.runtime.parallel.fsdp import apply_fsdp
+from lengthwise.runtime.parallel.hetero import hetero_tp_mesh
 from lengthwise.runtime.parallel.tensor_parallel import apply_tp
 from lengthwise.runtime.weights import copy_whole, load_weights
 
@@ -65,9 +68,11 @@ def build_rank_model(plan: StepPlan, mesh: Mesh, *, dtype: torch.dtype = torch.f
         model = meta_model(plan.model, part=part, dtype=dtype)
     device_mesh = plan_device_mesh(plan, layout, mesh.device.type)
     tp = plan.pipelines[layout.place.pipeline].tp
-    if tp > 1 and device_mesh is None:
-        raise UserError(f"tensor parallelism (tp={tp}) needs every pipeline to have the same pp, cp, tp and "
-                        "layer split: plan with uniform pipelines")
+    tp_mesh = device_mesh["tp"] if device_mesh is not None and tp > 1 else None
+    if device_mesh is None and any(p.tp > 1 for p in plan.pipelines):
+        # heterogeneous pipelines (Hydraulis): each (pipeline, stage, cp rank) has its own TP group,
+        # created by every rank in the same order; gradients go through `hetero.HeteroReducer`
+        tp_mesh = hetero_tp_mesh(plan, layout, mesh)
     mesh.device_mesh = device_mesh
     mesh.compute_dtype = None
     sharded = device_mesh is not None and options.data_parallel == "fsdp" and plan.zero > 0
@@ -77,8 +82,8 @@ def build_rank_model(plan: StepPlan, mesh: Mesh, *, dtype: torch.dtype = torch.f
     # DeviceMesh keeps its rank tables as tensors: under a dry run's fake mode they must stay real
     # (fake parameters still dispatch to their own mode)
     with unset_fake_temporarily() if fake else contextlib.nullcontext():
-        if tp > 1:
-            apply_tp(model, device_mesh["tp"])
+        if tp_mesh is not None:
+            apply_tp(model, tp_mesh)
         if sharded:
             apply_fsdp(model, shard_mesh(device_mesh), zero=plan.zero, param_dtype=options.param_dtype)
             mesh.compute_dtype = options.param_dtype

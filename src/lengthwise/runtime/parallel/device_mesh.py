@@ -8,7 +8,8 @@ hold the same TP shard of a stage's parameters: FSDP2 shards and reduces over it
 of one process is the sum over data-parallel replicas and CP ranks, `distributed/dp.py`).
 
 Only plans whose pipelines share (pp, cp, tp) and the layer split have such a mesh;
-heterogeneous plans (Hydraulis) run replicated (`dp.GradReducer`).
+heterogeneous plans (Hydraulis) run replicated (`dp.GradReducer`), or, with tp > 1 in some
+pipeline, with one 1-D TP mesh per TP group and the exchange of `parallel/hetero.py`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,321 @@
+"""Heterogeneous pipelines: the optimisation-propagation exchange (hydraulis §5.2).
+
+In a Hydraulis plan each data-parallel pipeline has its own tp x pp x cp, so one parameter can be
+held whole by a rank of one pipeline and as tp row or column shards by ranks of another. No
+all-reduce over "the ranks holding a parameter" fits: their pieces have different shapes.
+
+Which layout owns the optimizer state, and why. The fp32 master weights and the AdamW moments
+live in one fixed layout that does not depend on the plan: every parameter is flattened and its
+elements are dealt round-robin over all ranks of the world (element i belongs to rank i mod W).
+The layout is the plan's no-one's: a strategy switch (a new set of pipeline schemes) then moves
+no optimizer state at all, only changes which slices each rank pulls (Hydraulis makes the same
+choice, sharding the master state over all N GPUs independently of the propagation schemes).
+Round-robin rather than contiguous ranges: any tp row or column shard whose width is a multiple
+of W then holds exactly 1/W of its elements on its own rank, so the exchange volume is exactly
+held * (W - 1) / W per rank and direction (`planners/hydraulis/cost.exchange_elements`), not a
+function of where a shard happens to fall.
+
+Each step:
+- `pull()`: every owner sends each rank the master elements that rank's propagation shards hold
+  (one all_to_all_single over mutually needed slices; no tags), cast to the propagation dtype.
+- `push(grads)`: after backward every rank sends its gradient slices back the same way; the owner
+  sums what it receives (index_add into its shard): the gradient of a single process running the
+  whole batch, since each rank's loss is already divided by the global loss-token count.
+- `step()`: AdamW on the owner's flat shard (elementwise, so the layout does not change results).
+
+The index maps of one plan shape (which rank holds which shard of which parameter) are computed
+once, from the holdings alone (every rank derives the same maps, nothing travels), and cached by
+`HeteroExchange.for_shape` while the shape repeats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The piece of a parameter a rank holds: `parts` even chunks along `dim`, chunk `index`
+    (parts 1: the whole parameter)."""
+
+    dim: int = 0
+    index: int = 0
+    parts: int = 1
+
+
+WHOLE = Shard()
+
+
+def shard_indices(shape: tuple[int, ...], shard: Shard) -> torch.Tensor:
+    """Flat indices into the whole parameter of the shard's elements, in the shard's own
+    row-major order."""
+    full = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64).view(shape)
+    if shard.parts == 1:
+        return full.reshape(-1)
+    if shape[shard.dim] % shard.parts:
+        raise ValueError(f"dimension {shard.dim} of {tuple(shape)} does not split into {shard.parts}")
+    return full.chunk(shard.parts, dim=shard.dim)[shard.index].reshape(-1)
+
+
+Holdings = dict[str, Shard]
+"""One rank's propagation layout: parameter name -> the shard it holds (absent: not held)."""
+
+
+class HeteroExchange:
+    """Master shards in the fixed round-robin layout and the pull/push of one plan shape."""
+
+    _cache: dict = {}
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], holdings: list[Holdings], *,
+                 group=None, device=None):
+        self.shapes = dict(shapes)
+        self.holdings = holdings
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if len(holdings) != self.world:
+            raise ValueError(f"{len(holdings)} holdings for {self.world} ranks")
+        self.device = device or torch.device("cpu")
+        W = self.world
+        names = list(self.shapes)
+        numel = {n: int(torch.Size(self.shapes[n]).numel()) for n in names}
+        # offsets of each parameter's owned elements inside every owner's flat shard
+        owned = {n: [(numel[n] - o + W - 1) // W for o in range(W)] for n in names}
+        self.shard_offset = {}
+        total = [0] * W
+        for n in names:
+            self.shard_offset[n] = list(total)
+            total = [t + c for t, c in zip(total, owned[n])]
+        self.shard_size = total[self.rank]
+        self.numel = numel
+
+        def rank_map(r: int):
+            # per held parameter (fixed order): flat indices, owner, position in owner's shard
+            idx, owner, pos = [], [], []
+            for n in names:
+                shard = holdings[r].get(n)
+                if shard is None:
+                    continue
+                flat = shard_indices(self.shapes[n], shard)
+                own = flat % W
+                base = torch.tensor(self.shard_offset[n], dtype=torch.int64)[own]
+                idx.append(flat)
+                owner.append(own)
+                pos.append(base + flat // W)
+            if not idx:
+                e = torch.zeros(0, dtype=torch.int64)
+                return e, e, e
+            return torch.cat(idx), torch.cat(owner), torch.cat(pos)
+
+        _, my_owner, _ = rank_map(self.rank)
+        self.local_size = my_owner.numel()
+        # what this rank sends on push / receives on pull: local positions grouped by owner
+        self.local_perm = torch.sort(my_owner, stable=True).indices
+        self.local_counts = torch.bincount(my_owner, minlength=W).tolist()
+        # what this rank, as owner, sends on pull / sums on push: for each rank r, the positions
+        # in its shard of the elements r holds and it owns, in r's send order
+        owner_pos, owner_counts = [], []
+        for r in range(W):
+            _, own, pos = rank_map(r)
+            mine = pos[own == self.rank]  # boolean mask keeps r's local order, = its sort order
+            owner_pos.append(mine)
+            owner_counts.append(mine.numel())
+        self.owner_pos = torch.cat(owner_pos).to(self.device)
+        self.owner_counts = owner_counts
+        self.local_perm = self.local_perm.to(self.device)
+        self.master: torch.Tensor | None = None
+        self.bytes_sent = 0
+        """Bytes this rank sent to other ranks (self-slices excluded), pulls and pushes."""
+
+    @classmethod
+    def for_shape(cls, key, shapes, holdings, *, group=None, device=None) -> "HeteroExchange":
+        """The exchange of a plan shape `key`, built once and reused while the shape repeats."""
+        ex = cls._cache.get(key)
+        if ex is None:
+            ex = cls._cache[key] = cls(shapes, holdings, group=group, device=device)
+        return ex
+
+    def switch(self, key, shapes, holdings) -> "HeteroExchange":
+        """A strategy switch: the exchange of the new plan shape, adopting this one's master
+        shard as is (the master layout depends only on the parameters and the world, so no
+        optimizer state moves; only the pulled slices change). Logs its measured cost: the
+        index maps' build (cached shapes cost nothing) and the first pull of the new layout."""
+        if dict(shapes) != self.shapes:
+            raise ValueError("a strategy switch keeps the parameters")
+        started = time.perf_counter()
+        new = type(self).for_shape(key, shapes, holdings, group=self.group, device=self.device)
+        new.master = self.master
+        built = time.perf_counter() - started
+        before = new.bytes_sent
+        new.last_pull = new.pull()
+        new.switch_cost = {"build_s": built, "pull_s": time.perf_counter() - started - built,
+                           "pull_bytes": new.bytes_sent - before, "state_bytes_moved": 0}
+        log.info("strategy switch to %s: maps %.4f s, first pull %.4f s (%d bytes sent), 0 bytes of "
+                 "optimizer state moved", key, built, new.switch_cost["pull_s"], new.switch_cost["pull_bytes"])
+        return new
+
+    # ---------------------------------------------------------------- master state
+    def init_master(self, full: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
+        """This rank's master shard from whole parameters (every rank passes the same values)."""
+        parts = [full[n].detach().reshape(-1)[self.rank::self.world].to(self.device, dtype)
+                 for n in self.shapes]
+        self.master = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=self.device)
+        return self.master
+
+    def master_view(self, name: str) -> torch.Tensor:
+        """This rank's owned elements of one parameter (flat indices rank, rank + W, ...)."""
+        start = self.shard_offset[name][self.rank]
+        return self.master[start:start + (self.numel[name] - self.rank + self.world - 1) // self.world]
+
+    # ---------------------------------------------------------------- exchange
+    def _all_to_all(self, send: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
+        recv = torch.empty(sum(recv_counts), dtype=send.dtype, device=send.device)
+        dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=list(recv_counts),
+                               input_split_sizes=list(send_counts), group=self.group)
+        self.bytes_sent += (send.numel() - send_counts[self.rank]) * send.element_size()
+        return recv
+
+    def pull(self, dtype=None) -> torch.Tensor:
+        """This rank's held elements (all held parameters' shards, flattened, in parameter
+        order) from the owners' master shards."""
+        dtype = dtype or self.master.dtype
+        send = self.master[self.owner_pos].to(dtype)
+        recv = self._all_to_all(send, self.owner_counts, self.local_counts)
+        out = torch.empty(self.local_size, dtype=dtype, device=self.device)
+        out[self.local_perm] = recv
+        return out
+
+    def push(self, local_grads: torch.Tensor, dtype=None) -> torch.Tensor:
+        """Sum every rank's gradient slices into the owners' shards; returns this rank's
+        summed gradient shard (laid out like `master`)."""
+        dtype = dtype or (self.master.dtype if self.master is not None else local_grads.dtype)
+        send = local_grads.reshape(-1)[self.local_perm].to(dtype)
+        recv = self._all_to_all(send, self.local_counts, self.owner_counts)
+        grad = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
+        grad.index_add_(0, self.owner_pos, recv)
+        return grad
+
+    # ---------------------------------------------------------------- local tensors
+    def held_names(self) -> list[str]:
+        mine = self.holdings[self.rank]
+        return [n for n in self.shapes if n in mine]
+
+    def flatten_local(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Concatenate this rank's held shards (local row-major) in parameter order."""
+        parts = [tensors[n].reshape(-1) for n in self.held_names()]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def unflatten_local(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Split a pulled buffer into this rank's held shards (shaped as held)."""
+        out, off = {}, 0
+        for n in self.held_names():
+            shape = list(self.shapes[n])
+            shard = self.holdings[self.rank][n]
+            shape[shard.dim] //= shard.parts
+            k = int(torch.Size(shape).numel())
+            out[n] = flat[off:off + k].view(shape)
+            off += k
+        return out
+
+    def held_elements(self) -> list[int]:
+        """Elements every rank holds (the exchange's per-rank volume before the 1/W it keeps)."""
+        return [sum(self.numel[n] // s.parts for n, s in h.items() if n in self.shapes)
+                for h in self.holdings]
+
+
+# -------------------------------------------------------------------- executor wiring
+def hetero_tp_mesh(plan, layout, mesh):
+    """This rank's 1-D TP DeviceMesh in a heterogeneous plan, or None at tp 1 (collective: every
+    rank creates every TP group of the plan, in the same order)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for r, p in enumerate(layout.places):
+        if plan.pipelines[p.pipeline].tp > 1:
+            groups.setdefault((p.pipeline, p.stage, p.cp_rank), []).append((p.tp_rank, r))
+    rank_sets = [tuple(r for _, r in sorted(v)) for v in groups.values()]
+    mesh.ensure_groups(rank_sets)
+    place = layout.place
+    if plan.pipelines[place.pipeline].tp == 1:
+        return None
+    mine = next(s for s in rank_sets if layout.rank in s)
+    return DeviceMesh.from_group(mesh.group(mine), mesh.device.type, mesh_dim_names=("tp",))
+
+
+def _holding(param, tp_rank: int, pushes: bool):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        placement = param.placements[0]
+        if placement.is_shard() or param.to_local().shape != param.shape:
+            assert placement.is_shard(), (placement, param.shape, param.to_local().shape)
+            return (placement.dim % param.ndim, tp_rank, param.device_mesh.size(), True)
+    return (0, 0, 1, pushes)
+
+
+class HeteroReducer:
+    """Gradient sum of a heterogeneous plan through the exchange: every rank pushes its gradient
+    pieces (whole, or tp row / column shards) to the owners, who sum them, then pulls the summed
+    gradient of exactly the pieces it holds. Replicated parameters of a TP group push from TP rank
+    0 only (the others computed the same gradient), except replicated K/V weights, whose gradient
+    is a partial sum per TP rank. The holdings are all-gathered once per plan shape."""
+
+    def __init__(self, model, plan, layout, *, key):
+        from lengthwise.runtime.distributed.dp import held_parameters
+        from lengthwise.runtime.parallel.tensor_parallel import tp_partial_names
+
+        place = layout.place
+        tp = plan.pipelines[place.pipeline].tp
+        partial = tp_partial_names(model.spec, tp)
+        if model.spec.vocab % max(p.tp for p in plan.pipelines):
+            raise ValueError("heterogeneous tp needs a vocabulary every tp divides")
+        self.params = held_parameters(model, plan, place)
+        mine = {n: _holding(p, place.tp_rank, place.tp_rank == 0 or partial(n)) for n, p in self.params.items()}
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        all_holdings = [None] * dist.get_world_size()
+        dist.all_gather_object(all_holdings, (mine, shapes))
+        merged = {}
+        for _, sh in all_holdings:
+            merged.update(sh)
+        order = []  # the same on every rank: rank 0's names, then later ranks' new ones
+        for _, sh in all_holdings:
+            order += [n for n in sh if n not in order]
+        self.holdings = [{n: Shard(d, i, k) for n, (d, i, k, _) in h.items()} for h, _ in all_holdings]
+        self.pushes = {n: h[3] for n, h in mine.items()}
+        self.exchange = HeteroExchange.for_shape(key, {n: merged[n] for n in order}, self.holdings)
+
+    def reduce(self) -> int:
+        """Sum the held gradients in place; returns the elements this rank sent (push + pull)."""
+        from torch.distributed.tensor import DTensor
+
+        from lengthwise.runtime.distributed.dp import local
+
+        ex = self.exchange
+        parts = []
+        for n in ex.held_names():
+            p = self.params[n]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                # e.g. the embedding's gradient comes back Replicate: take this rank's rows
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            g = local(p.grad).reshape(-1)
+            parts.append(g if self.pushes[n] else torch.zeros_like(g))
+        flat = torch.cat(parts) if parts else torch.zeros(0)
+        if flat.numel() != ex.local_size:
+            raise RuntimeError(f"rank {ex.rank}: {flat.numel()} gradient elements for {ex.local_size} held")
+        before = ex.bytes_sent
+        ex.master = ex.push(flat, dtype=flat.dtype)
+        summed = ex.unflatten_local(ex.pull())
+        for n, g in summed.items():
+            grad = self.params[n].grad
+            local(self.params[n].grad).copy_(g.view_as(local(self.params[n].grad)))
+        return (ex.bytes_sent - before) // flat.element_size()
