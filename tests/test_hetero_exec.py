@@ -72,3 +72,24 @@ def test_verify_cli_runs_a_fixed_heterogeneous_hydraulis_strategy():
     bad = subprocess.run([sys.executable, "-m", "lengthwise", "verify", "--planner", "hydraulis", "--nproc", "4",
                           "--pipelines", "tp2-pq1"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_a_vocabulary_some_tp_does_not_divide_is_named(tmp_path):
+    """The exchange maps one layout onto another; a padded vocabulary has no counterpart."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+              "intermediate_size": 344, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 32, "vocab_size": 261, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+              "tie_word_embeddings": False, "max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
+    out = subprocess.run([sys.executable, "-m", "lengthwise", "verify", "--planner", "hydraulis", "--nproc", "4",
+                          "--pipelines", "tp2-pp1,tp1-pp2", "--model-config", str(tmp_path / "config.json")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "261 tokens, which tp 2 does not divide" in out.stderr

@@ -72,6 +72,10 @@ def build_rank_model(plan: StepPlan, mesh: Mesh, *, dtype: torch.dtype = torch.f
     if device_mesh is None and any(p.tp > 1 for p in plan.pipelines):
         # heterogeneous pipelines (Hydraulis): each (pipeline, stage, cp rank) has its own TP group,
         # created by every rank in the same order; gradients go through `hetero.HeteroReducer`
+        odd = sorted({p.tp for p in plan.pipelines if plan.model.vocab % p.tp})
+        if odd:  # the exchange maps one layout onto another: a padded vocabulary has no counterpart
+            raise UserError(f"heterogeneous pipelines need every tp to divide the vocabulary: {plan.model.name} "
+                            f"has {plan.model.vocab} tokens, which tp {', '.join(map(str, odd))} does not divide")
         tp_mesh = hetero_tp_mesh(plan, layout, mesh)
     mesh.device_mesh = device_mesh
     mesh.compute_dtype = None
