@@ -8,7 +8,9 @@ a cell is a chunk. It talks to its neighbours only through a `Transport`. Action
 
 - `F c`: forward chunk c keeping activations, one cell after the other. Each segment with
   context reads the K/V of its sequence's earlier slices (in earlier chunks or cells) from the
-  store as *detached leaves* with requires_grad, so the graph of a cell ends at them.
+  store: per layer one view of the sequence's K/V buffer, `buffer[:start]`, *detached* and a
+  leaf with requires_grad, so the graph of a cell ends at it. The cell's slices that later
+  slices read are copied into their rows of the buffer.
 - `N c`: forward without grad (chunkflow's first pass when more than K slices are in flight):
   only the K/V of segments that later slices need is kept; a later `F c` re-forwards to
   rebuild the activations.
@@ -16,9 +18,10 @@ a cell is a chunk. It talks to its neighbours only through a `Transport`. Action
   first. A cell's roots are its stage output (the loss part on the last stage, else the
   activation with the gradient received from the next stage) and the K/V of its slices that
   later slices attended to, with the dK/dV those later slices' backwards accumulated:
-  `torch.autograd.backward([out, k, v, ...], [g_out, dk, dv, ...])`. Afterwards the leaves'
-  .grad go into the store for the earlier slices, and the input's gradient goes to the
-  previous stage.
+  `torch.autograd.backward([out, k, v, ...], [g_out, dk, dv, ...])` (dk, dv: views of the
+  slice's rows of the store's gradient accumulators). Afterwards the context leaves' .grad are
+  added into the accumulators' rows [:start] for the earlier slices, and the input's gradient
+  goes to the previous stage.
 
 One message per action: `F c` sends its cells' rows concatenated, `B u` the input gradients of
 its cells (`cells.py` gives the order). State is freed right after the last action of the
@@ -43,7 +46,7 @@ from lengthwise.runtime.attention import ChunkLayout
 from lengthwise.runtime.cells import CellMap, cell_last_uses, cell_map
 from lengthwise.runtime.loss import chunk_labels, chunk_positions, chunk_tokens, token_loss_sum
 from lengthwise.runtime.model import CausalLM
-from lengthwise.runtime.state import KV, KVStore, SliceKey, slice_key, stored_segments
+from lengthwise.runtime.state import KV, KVStore, SliceKey, slice_key, stored_prefix, stored_segments
 from lengthwise.runtime.transport import Message, Transport
 
 
@@ -57,8 +60,9 @@ class _Pending:
     """The loss part (last stage) or the activation sent on; None on a last stage with no head work."""
     own_kv: dict[SliceKey, list[KV]]
     """Graph-attached k, v per layer of the chunk's slices that later slices read."""
-    context_leaves: dict[SliceKey, list[KV]]
-    """Detached k, v leaves per layer of the earlier slices this chunk attended to."""
+    context_leaves: dict[int, tuple[int, list[KV]]]
+    """seq_id -> (c, per layer the detached k, v leaves of its context [0, c) that this
+    chunk attended to: views of the store's buffers)."""
 
 
 @dataclass(kw_only=True)
@@ -74,12 +78,11 @@ class Row:
     attention: Any
     """The attention backend's name, or a callable attention (runtime/model.py)."""
 
-    def kv_of(self, segment: Segment, kv: list[KV], grad: bool) -> list[KV]:
-        """Per layer, the K/V of whole segment `segment` of `computed` after the forward: its
-        rows of the row's K/V (copied out without grad, so the rest of the row can be freed)."""
+    def kv_of(self, segment: Segment, kv: list[KV]) -> list[KV]:
+        """Per layer, the K/V of whole segment `segment` of `computed` after the forward: views
+        of its rows of the row's K/V (the store copies them into its buffers)."""
         lo = dict(zip(self.chunk.segments, self.layout.q_offsets))[segment]
-        per_layer = [(k[lo:lo + segment.num_tokens], v[lo:lo + segment.num_tokens]) for k, v in kv]
-        return per_layer if grad else [(k.clone(), v.clone()) for k, v in per_layer]
+        return [(k[lo:lo + segment.num_tokens], v[lo:lo + segment.num_tokens]) for k, v in kv]
 
 
 class Rows(Protocol):
@@ -129,7 +132,7 @@ class StageRunner:
         self.cells: CellMap = cell_map(pipe)
         self.actions: list[Action] = pipe.stages[stage]
         self.token_ids = token_ids
-        self.store = KVStore()
+        self.store = KVStore(stored_prefix(list(self.cells.cells), plan.lengths))
         self.pending: dict[int, _Pending] = {}
         """Per cell forwarded with grad and not yet backwarded: what its backward needs."""
         self.frees = cell_last_uses(self.actions, self.cells, plan.lengths)
@@ -203,7 +206,7 @@ class StageRunner:
             h_TD, kv = self.model.run_layers(
                 h_TD, layers=self.layers, rope=rope, layout=row.layout, backend=row.attention,
                 contexts=self._contexts(row.chunk, leaves), recompute_layers=action.recompute_layers)
-            own_kv = self._keep_own_kv(row, kv, grad)
+            own_kv = self._keep_own_kv(row, kv)
             output = self._cell_output(action, row.chunk, h_TD)
         if grad:
             self.pending[cell] = _Pending(input_leaf=input_leaf, output=output,
@@ -229,29 +232,23 @@ class StageRunner:
         leaf = received.detach().requires_grad_(action.kind == FORWARD)
         return leaf, leaf
 
-    def _context_leaves(self, chunk: Chunk, grad: bool) -> dict[SliceKey, list[KV]]:
-        """Detached (k, v) leaves per layer of every earlier slice, in earlier chunks, that
-        the chunk attends to."""
-        leaves = {}
-        for seq_id, stop in _context_from_store(chunk).items():
-            for key in self.store.context_keys(seq_id, stop, where=self.where()):
-                leaves[key] = [(k.detach().requires_grad_(grad), v.detach().requires_grad_(grad))
-                               for k, v in self.store.kv(key)]
-        return leaves
+    def _context_leaves(self, chunk: Chunk, grad: bool) -> dict[int, tuple[int, list[KV]]]:
+        """seq_id -> (c, per layer the (k, v) leaf of its context [0, c) from earlier chunks,
+        one view of the store's buffers) for every sequence of the chunk with such a context."""
+        return {seq_id: (stop, self.store.context(seq_id, stop, grad=grad, where=self.where()))
+                for seq_id, stop in _context_from_store(chunk).items() if stop > 0}
 
-    def _contexts(self, chunk: Chunk, leaves: dict[SliceKey, list[KV]]):
-        """Per layer of the stage, per segment: the list of context (k, v) pieces."""
-        stops = _context_from_store(chunk)
-        keys_per_segment = [[key for key in leaves if key[0] == s.seq_id and key[2] <= stops[s.seq_id]]
-                            for s in chunk.segments]
-        return [[[leaves[key][j] for key in keys] for keys in keys_per_segment]
+    def _contexts(self, chunk: Chunk, leaves: dict[int, tuple[int, list[KV]]]):
+        """Per layer of the stage, per segment: its context pieces from the store, one view
+        or none (a later slice of the sequence in the same row adds the row's own K/V)."""
+        return [[[leaves[s.seq_id][1][j]] if s.seq_id in leaves else [] for s in chunk.segments]
                 for j in range(len(self.layers))]
 
-    def _keep_own_kv(self, row: Row, kv: list[KV], grad: bool):
+    def _keep_own_kv(self, row: Row, kv: list[KV]):
         """Store the K/V that later slices will read; return them (graph-attached) for backward."""
         own = {}
         for segment in stored_segments(row.computed, self.plan.lengths):
-            per_layer = row.kv_of(segment, kv, grad)
+            per_layer = row.kv_of(segment, kv)
             self.store.put(slice_key(segment), per_layer)
             own[slice_key(segment)] = per_layer
         return own
@@ -299,8 +296,8 @@ class StageRunner:
                 roots += [k, v]
                 grads += [dk, dv]
         torch.autograd.backward(roots, grads)
-        for key, leaves in pending.context_leaves.items():
-            self.store.add_grads(key, [(_grad_of(k), _grad_of(v)) for k, v in leaves])
+        for seq_id, (stop, leaves) in pending.context_leaves.items():
+            self.store.add_grads(seq_id, stop, [(_grad_of(k), _grad_of(v)) for k, v in leaves])
         return None if self.is_first else _grad_of(pending.input_leaf)
 
     def _message(self, action: Action, other: int) -> Message:

@@ -66,10 +66,10 @@ class CPRow(Row):
     sharded: dict[Segment, int]
     """Sharded segment -> its index in the attention's gathered K/V."""
 
-    def kv_of(self, segment: Segment, kv: list[KV], grad: bool) -> list[KV]:
+    def kv_of(self, segment: Segment, kv: list[KV]) -> list[KV]:
         if segment in self.sharded:
             return [layer_kv[self.sharded[segment]] for layer_kv in self.attention.gathered]
-        return super().kv_of(segment, kv, grad)
+        return super().kv_of(segment, kv)
 
 
 def _check_row(index: int, chunk: Chunk) -> None:
