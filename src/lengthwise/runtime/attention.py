@@ -2,14 +2,17 @@
 segments (`layout.py` says how a row is laid out). One function, `attend`, several backends:
 
 - `reference`: torch SDPA over the whole row with the row's explicit mask; runs everywhere,
-  any dtype; the yardstick for the others. (SDPA's own `is_causal` aligns top-left when
+  any dtype; the yardstick for the others. The kernel takes one packed K (and V) for the row,
+  so a segment's context view is concatenated with the row's own keys here (`pack_keys`),
+  a copy the other backends avoid. (SDPA's own `is_causal` aligns top-left when
   queries are fewer than keys, wrong for a slice with context, hence the mask.) It scores every
   query against every key of the row: twice the work causality needs for one document, far
   more for a row of many short ones. Its scores are recomputed in backward instead of kept, so
   saved memory is O(T) plus the context pieces (which are the K/V state itself).
 - `cpu-flash`: the same attention from CPU flash-attention calls that score only what each
   query may see, merged by their log-sum-exp (`flash_cpu.py`); CPU, any float dtype.
-- `varlen`: `torch.nn.attention.varlen.varlen_attn` (flash attention), CUDA, bf16/fp16.
+- `varlen`: `torch.nn.attention.varlen.varlen_attn` (flash attention), CUDA, bf16/fp16; it
+  too takes packed keys, so contexts are concatenated into them.
 - `auto`: varlen where it runs, else cpu-flash where it runs, else reference.
 
 Tensor legend: T query tokens of the row, K keys (contexts included), H query heads, G K/V
@@ -35,7 +38,9 @@ def attend(q_THE, k_TGE, v_TGE, context, layout: ChunkLayout, *, backend: str = 
 
     `context[i]` lists segment i's earlier (k, v) pieces [c, G, E] from other chunks, oldest
     first; with the row's own earlier slices (layout.row_context) they make layout.ctx_lens[i]
-    tokens."""
+    tokens. The stage passes at most one piece from its state store, a view of the
+    sequence's K/V buffer (`state.py`); context parallelism may add the segment's gathered
+    prefix as a second."""
     if callable(backend):  # a distributed attention (runtime/distributed/cp.py) that calls back here
         return backend(q_THE, k_TGE, v_TGE, context, layout)
     backend = resolve_backend(backend, q_THE.device, q_THE.dtype)

@@ -42,7 +42,8 @@ Cost, against running each forward chunk as one graph:
   boundary cuts, from the later piece's backward to its own (2 x tokens x kv-dim per layer,
   infinipipe eq. 10), also for a short sequence that only the backward grouping cuts (the
   simulator counts K/V state and gradients only for sequences the forward chunks split). The
-  K/V of earlier pieces kept as context are views of the activations, no copy.
+  K/V of earlier pieces kept as context are copied into the store's per-sequence buffers
+  (`state.py`), so a cell's graph-attached K/V and the stored copy coexist until its backward.
 """
 
 from __future__ import annotations

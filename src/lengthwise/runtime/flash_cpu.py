@@ -9,7 +9,10 @@ A row is cut into kernel calls (`_row_calls`):
 - consecutive short segments without context, at most `GROUP_TOKENS` together: one call under
   their block-diagonal bias (one call beats many tiny ones);
 - a segment with context: one call over its context keys without a mask (each of its queries
-  sees all of them) and one causal call over its own keys, merged by their log-sum-exps:
+  sees all of them) and one causal call over its own keys, merged by their log-sum-exps. The
+  context keys are the state store's view of the sequence's K/V buffer as they are, no copy;
+  only a context of several parts (a row's earlier slice of the same sequence, or a CP
+  segment's gathered prefix, after the store's view) is concatenated:
   lse = logaddexp(lse_1, lse_2), out = exp(lse_1 - lse) out_1 + exp(lse_2 - lse) out_2 (the
   identity ring attention rests on).
 
