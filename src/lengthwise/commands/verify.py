@@ -193,11 +193,14 @@ def summary(plan, result, dtype: str, backend: str) -> str:
     pipes = plan.pipelines
     oracle = ("Hugging Face transformers, each sequence alone" if result.oracle == "transformers"
               else "this package's model unpacked (transformers is not installed)")
+    shapes = sorted({(p.tp, p.pp, p.cp) for p in pipes})
+    layout = (f"{len(pipes)} pipeline(s) of tp{shapes[0][0]} x pp{shapes[0][1]} x cp{shapes[0][2]}"
+              if len(shapes) == 1 else
+              f"{len(pipes)} pipelines of their own schemes ({', '.join(f'tp{p.tp}-pp{p.pp}-cp{p.cp}' for p in pipes)})")
     return "\n".join([
         f"verify: {plan.planner} plan of {len(plan.lengths)} sequences ({sum(plan.lengths):,} tokens, "
-        f"longest {max(plan.lengths):,}) on {plan.model.name}: {len(pipes)} pipeline(s) x "
-        f"{max(p.pp for p in pipes)} stage(s), {sum(len(p.chunks) for p in pipes)} chunks, {dtype}, "
-        f"attention {backend}",
+        f"longest {max(plan.lengths):,}) on {plan.model.name}: {layout}, "
+        f"{sum(len(p.chunks) for p in pipes)} chunks, {dtype}, attention {backend}",
         f"  oracle: {oracle}",
         f"  loss {result.loss:.15g} vs {result.reference_loss:.15g} (relative difference {result.loss_rel_diff:.2e})",
         f"  largest gradient difference: absolute {result.max_abs_grad_diff:.3e}, relative "
