@@ -168,6 +168,24 @@ class CostModel:
                                                     head=head)
         return per_token * max(w.tokens for w in rank_works(chunk, cp))
 
+    def recompute_transient_bytes_per_token(self, *, tp: int = 1, recompute_layers: int = 0) -> float:
+        """Bytes per token a backward re-materialises at once when its forward recomputed
+        `recompute_layers` layers. The executor checkpoints layer by layer
+        (`runtime/model.run_layers`, non-reentrant `torch.utils.checkpoint` per layer), so the
+        backward reruns one layer's forward, consumes it and frees it before the next: one
+        layer's activations less the input it kept, whatever the count (0 with no recomputation)."""
+        if recompute_layers <= 0:
+            return 0.0
+        return (self.activation_bytes_per_token(layers=1, tp=tp)
+                - self.activation_bytes_per_token(layers=1, tp=tp, recompute_layers=1))
+
+    def recompute_transient_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1, recompute_layers: int = 0) -> float:
+        """`recompute_transient_bytes_per_token` for the chunk's busiest GPU of the CP group."""
+        if recompute_layers <= 0:
+            return 0.0
+        per_token = self.recompute_transient_bytes_per_token(tp=tp, recompute_layers=recompute_layers)
+        return per_token * max(w.tokens for w in rank_works(chunk, cp))
+
     def head_backward_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
         """Bytes the loss's backward works on, on top of the kept activations, while the
         chunk's backward runs on the last stage (busiest GPU of the CP group)."""
@@ -229,10 +247,9 @@ class CostModel:
         micro-batches of that length alive (default pp on the first stage, pp - s on stage s:
         hydraulis.txt B.1 MaxLen; skrull.txt A.1 BucketSize with pp = 1). With `recompute`
         every layer keeps only its input (full recomputation) and the backward of one
-        micro-batch re-materialises what it dropped, as the simulator charges it
-        (sim/memory.py: the whole difference, an upper bound on the executor's per-layer
-        checkpointing); the last stage also holds the loss backward's working set of one
-        micro-batch (`head_backward_bytes`)."""
+        micro-batch re-materialises one layer at a time, as the executor checkpoints and the
+        simulator charges it (`recompute_transient_bytes_per_token`); the last stage also holds
+        the loss backward's working set of one micro-batch (`head_backward_bytes`)."""
         layers = split_layers(self.model.num_layers, pp)
         best = math.inf
         for s, n in enumerate(layers):
@@ -243,9 +260,7 @@ class CostModel:
             per_token = self.activation_bytes_per_token(layers=n, tp=tp, head=last,
                                                         recompute_layers=n if recompute else 0) * held / cp
             if recompute:
-                per_token += (self.activation_bytes_per_token(layers=n, tp=tp, head=last)
-                              - self.activation_bytes_per_token(layers=n, tp=tp, head=last,
-                                                                recompute_layers=n)) / cp
+                per_token += self.recompute_transient_bytes_per_token(tp=tp, recompute_layers=n) / cp
             if last:  # the loss's backward working set while one micro-batch's backward runs
                 per_token += mem.head_backward_bytes_per_token(self.model, tp) / cp
             best = min(best, free / per_token if free > 0 else 0)

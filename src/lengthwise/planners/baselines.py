@@ -216,9 +216,9 @@ def _fits_1f1b(request: PlanRequest, *, recompute: bool) -> bool:
         states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp * s.cp, zero=s.zero, first=first, last=last)
         per_token = cost.activation_bytes_per_token(layers=n, tp=s.tp, recompute_layers=n if recompute else 0,
                                                     head=last)
-        # under recomputation one micro-batch's backward re-materialises what it dropped, as the
-        # simulator charges it (sim/memory.py)
-        transient = cost.activation_bytes_per_token(layers=n, tp=s.tp, head=last) - per_token if recompute else 0.0
+        # under recomputation one micro-batch's backward re-materialises one layer at a time, as
+        # the simulator charges it (sim/memory.py)
+        transient = cost.recompute_transient_bytes_per_token(tp=s.tp, recompute_layers=n if recompute else 0)
         tokens = request.context_length / s.cp
         if states + tokens * (per_token * (s.pp - stage) + transient) > cost.capacity_bytes:
             return False
