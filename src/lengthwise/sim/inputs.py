@@ -214,8 +214,8 @@ class _PipelineCosts:
             sizes = {q.seq_id: cm.kv_bytes(q.context, layers=L, **self.kw) for q in splits}
             kv.append(sizes)
             kv_grad.append(dict(sizes))  # K/V-gradient buffers are the size of the K/V they update
-            state.append(self._shared(cm.model_state_bytes, layers=L, tp=pipe.tp, dp=dp, zero=zero,
-                                      first=s == 0, last=head))
+            state.append(self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero,
+                                      layers=L).states)
         return MemorySizes(state=state, activation=act, recompute_extra=extra, nograd_transient=transient,
                            kv=kv, kv_grad=kv_grad, backward_work=work)
 
