@@ -59,6 +59,11 @@ class PipelineArrays:
     def size(self) -> int:
         return len(self.max_len)
 
+    def take(self, rows: np.ndarray) -> PipelineArrays:
+        """The stacked rows `rows` (see _stack)."""
+        return PipelineArrays(self.attn_s[rows], self.token_s[rows], self.chunk_s[rows], self.depth[rows],
+                              self.max_len[rows])
+
     def seq_time(self, lengths: np.ndarray) -> np.ndarray:
         """w_j(l) for every (row, pipeline): lengths broadcast against the pipeline axis."""
         l = lengths[..., None].astype(np.float64)
@@ -106,26 +111,103 @@ def trials_within(n: int, sizes: list[int], trials: int, work_budget: float) -> 
 
 def dispatch_many(lengths, candidates: list[PipelineArrays], *, trials: int, work_budget: float,
                   rng: np.random.Generator) -> list[Dispatch]:
-    """Algorithm 1 for several strategies, all their trials at once (one numpy row each)."""
+    """Algorithm 1 for several strategies, all their trials at once (one numpy row each): the
+    longest-first rows by runs of equal lengths (`_longest_first`), the random ones a sequence
+    per step (`_stepwise`)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    n, d = len(lengths), max(c.size for c in candidates)
+    n = len(lengths)
     assert all(lengths.max() <= c.max_len.max() for c in candidates), "a sequence no pipeline holds"
     trials = trials_within(n, [c.size for c in candidates], trials, work_budget)
     p = _stack(candidates, trials)
     orders = np.concatenate([_orders(lengths, trials, rng) for _ in candidates])
-    state = _Trials(len(orders), d)
     owner = np.zeros((len(orders), n), dtype=np.int64)
-    block = max(1, min(n, (1 << 20) // max(orders.shape[0] * d, 1)))  # w(l) of ~1M entries at a time
+    first = np.zeros(len(orders))
+    lpt = np.arange(len(candidates)) * trials  # row 0 of each candidate: the same longest-first order
+    owner[lpt], first[lpt] = _longest_first(p.take(lpt), lengths, orders[0])
+    rand = np.setdiff1d(np.arange(len(orders)), lpt)
+    if rand.size:
+        owner[rand], first[rand] = _stepwise(p.take(rand), lengths, orders[rand])
+    out = []
+    for c in range(len(candidates)):
+        best = c * trials + int(np.argmin(first[c * trials:(c + 1) * trials]))
+        out.append(Dispatch(owner=owner[best], objective_s=float(first[best]), trials=trials))
+    return out
+
+
+BLOCK_ENTRIES = 1 << 20
+"""w(l) is precomputed for about this many (step, row, pipeline) entries at a time."""
+
+
+def _stepwise(p: PipelineArrays, lengths: np.ndarray, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Algorithm 1 one sequence position per numpy step, each row in its own order; returns
+    the owner of every sequence per row and each row's largest bound."""
+    rows, n = orders.shape
+    state = _Trials(rows, p.max_len.shape[1])
+    owner = np.zeros((rows, n), dtype=np.int64)
+    block = max(1, min(n, BLOCK_ENTRIES // max(p.max_len.size, 1)))
     for k in range(n):
         if k % block == 0:  # what depends only on the sequences, for `block` steps at once
             pre = Precomputed.of(p, lengths[orders[:, k:k + block]].T)
         seq = orders[:, k]
         owner[state.rows, seq] = state.place(p, lengths[seq], pre.step(k % block))
-    out = []
-    for c in range(len(candidates)):
-        best = c * trials + int(np.argmin(state.first[c * trials:(c + 1) * trials]))
-        out.append(Dispatch(owner=owner[best], objective_s=float(state.first[best]), trials=trials))
-    return out
+    return owner, state.first
+
+
+def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Algorithm 1 for rows that all take the sequences in one order, a run of equal lengths
+    per numpy step; the same assignment as `_stepwise`, bit for bit.
+
+    For a run of k sequences of length l, each pipeline's successive bounds if it took 1, 2,
+    ... of them are fixed by its own state (eq. 2 with the same arithmetic as `_Trials.place`)
+    and never fall. Placing the run one sequence at a time onto the least new bound (ties to the
+    lowest pipeline) is then a k-way merge of those streams: the run's i-th sequence goes to the
+    i-th smallest (bound, pipeline, position) over all admissible pipelines. We compute the
+    first m bounds of every stream and keep the k smallest; if some pipeline had all m taken,
+    its next bound might be among them too and m doubles (each pipeline takes about k / D)."""
+    rows, d = p.max_len.shape
+    n = len(order)
+    ls = lengths[order]
+    starts = np.flatnonzero(np.r_[True, ls[1:] != ls[:-1]])
+    stops = np.r_[starts[1:], n]
+    sum_w, sum_l, longest, fill = (np.zeros((rows, d)) for _ in range(4))
+    first = np.zeros(rows)
+    owner = np.zeros((rows, n), dtype=np.int64)
+    depth_less_one = p.depth - 1
+    at_row = np.arange(rows)[:, None]
+    block = max(1, BLOCK_ENTRIES // max(rows * d, 1))
+    for u, (a, b) in enumerate(zip(starts.tolist(), stops.tolist())):
+        if u % block == 0:
+            pre = Precomputed.of(p, np.broadcast_to(ls[starts[u:u + block]][:, None], (len(starts[u:u + block]), rows)))
+        step = pre.step(u % block)
+        l, k = float(ls[a]), b - a
+        fill_after = np.where(l > longest, step.w_plus_c, fill)  # T(longest) once it holds a sequence of the run
+        fill_term = fill_after * depth_less_one
+        m = 1 if k == 1 else min(k, 2 * -(-k // max(int(step.admissible.sum(axis=1).min()), 1)) + 1)
+        while True:
+            counts = np.arange(1, m + 1, dtype=np.float64)
+            # sum_w after taking 1..m of the run: the same left-to-right additions as place's
+            sums = np.cumsum(np.concatenate([sum_w[..., None], np.broadcast_to(step.w[..., None], (rows, d, m))],
+                                            axis=-1), axis=-1)
+            new = (sums[..., 1:] + p.chunk_s[..., None] * np.ceil((sum_l[..., None] + counts * l) / p.max_len[..., None])
+                   + fill_term[..., None])
+            flat = np.where(step.admissible[..., None], new, np.inf).reshape(rows, d * m)
+            if k == 1:
+                taken = flat.argmin(axis=1)[:, None]
+            else:
+                taken = np.argsort(flat, axis=1, kind="stable")[:, :k]  # (bound, pipeline, position)
+            pipe = taken // m
+            took = np.bincount((at_row * d + pipe).ravel(), minlength=rows * d).reshape(rows, d)
+            if m == k or not (took == m).any():
+                break
+            m = min(k, 2 * m)
+        owner[at_row, order[a:b]] = pipe
+        first = np.maximum(first, np.take_along_axis(flat, taken[:, -1:], axis=1)[:, 0])
+        sum_w = np.take_along_axis(sums, took[..., None], axis=-1)[..., 0]
+        sum_l = sum_l + took * l
+        held = took > 0
+        longest = np.where(held, np.maximum(longest, l), longest)
+        fill = np.where(held, fill_after, fill)
+    return owner, first
 
 
 def dispatch(lengths, p: PipelineArrays, *, trials: int, work_budget: float,
