@@ -28,6 +28,7 @@ over D and S (one numpy step per sequence).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -161,9 +162,11 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
     ... of them are fixed by its own state (eq. 2 with the same arithmetic as `_Trials.place`)
     and never fall. Placing the run one sequence at a time onto the least new bound (ties to the
     lowest pipeline) is then a k-way merge of those streams: the run's i-th sequence goes to the
-    i-th smallest (bound, pipeline, position) over all admissible pipelines. We compute the
-    first m bounds of every stream and keep the k smallest; if some pipeline had all m taken,
-    its next bound might be among them too and m doubles (each pipeline takes about k / D)."""
+    i-th smallest (bound, pipeline, position) over all admissible pipelines. Only the k
+    pipelines with the least first bound can take any (their k first bounds are already k
+    candidates); we compute the first m bounds of their streams and keep the k smallest; if
+    some pipeline had all m taken, its next bound might be among them too and m doubles (each
+    takes about one: m starts at ceil(k / D) + 1). A run of one is a plain `_Trials.place`."""
     rows, d = p.max_len.shape
     n = len(order)
     ls = lengths[order]
@@ -173,7 +176,8 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
     first = np.zeros(rows)
     owner = np.zeros((rows, n), dtype=np.int64)
     depth_less_one = p.depth - 1
-    at_row = np.arange(rows)[:, None]
+    row_ids = np.arange(rows)
+    at_row = row_ids[:, None]
     block = max(1, BLOCK_ENTRIES // max(rows * d, 1))
     for u, (a, b) in enumerate(zip(starts.tolist(), stops.tolist())):
         if u % block == 0:
@@ -182,32 +186,65 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
         l, k = float(ls[a]), b - a
         fill_after = np.where(l > longest, step.w_plus_c, fill)  # T(longest) once it holds a sequence of the run
         fill_term = fill_after * depth_less_one
-        m = 1 if k == 1 else min(k, 2 * -(-k // max(int(step.admissible.sum(axis=1).min()), 1)) + 1)
+        # each pipeline's bound if it took one sequence of the run, as place computes it
+        new1 = np.where(step.admissible, sum_w + step.w + p.chunk_s * np.ceil((sum_l + l) / p.max_len) + fill_term,
+                        np.inf)
+        if k == 1:
+            pick = new1.argmin(axis=1)
+            at = (row_ids, pick)
+            owner[row_ids, order[a]] = pick
+            first = np.maximum(first, new1[at])
+            sum_w[at] += step.w[at]
+            sum_l[at] += l
+            longest[at] = np.maximum(longest[at], l)
+            fill[at] = fill_after[at]
+            continue
+        # Only the k pipelines with the least first bound can take any of the run (those k first
+        # bounds are k candidates already); kept in pipeline order for the tie-break.
+        kk = min(k, d)
+        cand = np.sort(np.argsort(new1, axis=1, kind="stable")[:, :kk], axis=1)
+        at = (at_row, cand)
+        w, c, cap, held_l, admissible = step.w[at], p.chunk_s[at], p.max_len[at], sum_l[at], step.admissible[at]
+        fill_c, start_w = fill_term[at], sum_w[at]
+        m = min(k, -(-k // kk) + 1)
         while True:
-            counts = np.arange(1, m + 1, dtype=np.float64)
-            # sum_w after taking 1..m of the run: the same left-to-right additions as place's
-            sums = np.cumsum(np.concatenate([sum_w[..., None], np.broadcast_to(step.w[..., None], (rows, d, m))],
-                                            axis=-1), axis=-1)
-            new = (sums[..., 1:] + p.chunk_s[..., None] * np.ceil((sum_l[..., None] + counts * l) / p.max_len[..., None])
-                   + fill_term[..., None])
-            flat = np.where(step.admissible[..., None], new, np.inf).reshape(rows, d * m)
-            if k == 1:
-                taken = flat.argmin(axis=1)[:, None]
-            else:
-                taken = np.argsort(flat, axis=1, kind="stable")[:, :k]  # (bound, pipeline, position)
-            pipe = taken // m
-            took = np.bincount((at_row * d + pipe).ravel(), minlength=rows * d).reshape(rows, d)
+            # sum_w after taking 0..m of the run: the same left-to-right additions as place's
+            sums = np.empty((rows, kk, m + 1))
+            sums[..., 0], sums[..., 1:] = start_w, w[..., None]
+            np.cumsum(sums, axis=-1, out=sums)
+            tokens = held_l[..., None] + _count(m) * l
+            new = sums[..., 1:] + c[..., None] * np.ceil(tokens / cap[..., None]) + fill_c[..., None]
+            flat = np.where(admissible[..., None], new, np.inf).reshape(rows, kk * m)
+            taken = np.argsort(flat, axis=1, kind="stable")[:, :k]  # (bound, pipeline, position)
+            slot = taken // m
+            took = np.bincount((at_row * kk + slot).ravel(), minlength=rows * kk).reshape(rows, kk)
             if m == k or not (took == m).any():
                 break
             m = min(k, 2 * m)
-        owner[at_row, order[a:b]] = pipe
-        first = np.maximum(first, np.take_along_axis(flat, taken[:, -1:], axis=1)[:, 0])
-        sum_w = np.take_along_axis(sums, took[..., None], axis=-1)[..., 0]
-        sum_l = sum_l + took * l
+        owner[at_row, order[a:b]] = cand[at_row, slot]
+        first = np.maximum(first, flat[row_ids, taken[:, -1]])
+        sum_w[at] = sums.reshape(rows * kk, m + 1)[_index(rows * kk), took.ravel()].reshape(rows, kk)
+        sum_l[at] = held_l + took * l
         held = took > 0
-        longest = np.where(held, np.maximum(longest, l), longest)
-        fill = np.where(held, fill_after, fill)
+        longest[at] = np.where(held, np.maximum(longest[at], l), longest[at])
+        fill[at] = np.where(held, fill_after[at], fill[at])
     return owner, first
+
+
+@functools.lru_cache(maxsize=64)
+def _count(m: int) -> np.ndarray:
+    """1, 2, ..., m as floats (read-only, shared)."""
+    out = np.arange(1, m + 1, dtype=np.float64)
+    out.flags.writeable = False
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _index(n: int) -> np.ndarray:
+    """0, 1, ..., n - 1 (read-only, shared)."""
+    out = np.arange(n)
+    out.flags.writeable = False
+    return out
 
 
 def dispatch(lengths, p: PipelineArrays, *, trials: int, work_budget: float,

@@ -72,6 +72,7 @@ from lengthwise.planners.hydraulis.packing import (
     Packing,
     PipelineLoad,
     greedy_pack,
+    lpt_bounds,
     milp_pack,
 )
 from lengthwise.planners.hydraulis.strategy import (
@@ -106,17 +107,17 @@ class Evaluation:
     """Slowest pipeline's optimization-propagation exchange, seconds."""
     loads: list[PipelineLoad]
     """Sequences dispatched to each pipeline (Algorithm 1)."""
-    packings: list[Packing]
-    """Micro-batches of each pipeline (eq. 1)."""
+    packings: list[Packing | None]
+    """Micro-batches of each pipeline (eq. 1); None for a pipeline not packed yet (see `full`)."""
     trials: int
     """Dispatch trials run."""
     full: set[int]
-    """Pipelines whose packing is the full greedy one (the others are without Karmarkar-Karp
-    until `_complete`; the largest estimate is exact either way)."""
+    """Pipelines packed (the others wait for `_complete`; their greedy estimate is at most the
+    largest of these, so the largest estimate is exact either way)."""
 
     @property
     def estimate_s(self) -> float:
-        return float(max(p.estimate_s for p in self.packings) + self.exchange_s)
+        return float(max(p.estimate_s for p in self.packings if p is not None) + self.exchange_s)
 
 
 def plan_hydraulis(request: PlanRequest) -> StepPlan:
@@ -361,15 +362,17 @@ def _evaluate_all(request: PlanRequest, opts: dict, prepared: list, lengths: np.
 
 
 def _slowest_packed(loads: list[PipelineLoad]) -> tuple[list, set[int]]:
-    """Every pipeline packed without Karmarkar-Karp (an upper bound on its full greedy packing),
-    then the full greedy for the pipelines from the slowest bound down until the next bound is
-    no more than the slowest full packing found: the largest estimate is then exactly that of
-    packing every pipeline fully. Returns the packings and the pipelines packed fully."""
-    packings = [greedy_pack(load, kk=False) for load in loads]
+    """The full greedy packing for the pipelines from the highest upper bound down (`lpt_bounds`:
+    LPT at one micro-batch count, all pipelines in one numpy pass) until the next bound is no
+    more than the slowest full packing found: the largest estimate is then exactly that of
+    packing every pipeline fully. Returns the packings (None where not packed yet) and the
+    pipelines packed."""
+    bounds = lpt_bounds(loads)
+    packings: list[Packing | None] = [None] * len(loads)
     full: set[int] = set()
     slowest = -np.inf
-    for j in sorted(range(len(loads)), key=lambda j: -packings[j].estimate_s):
-        if packings[j].estimate_s <= slowest:
+    for j in sorted(range(len(loads)), key=lambda j: -bounds[j]):
+        if bounds[j] <= slowest:
             break
         packings[j] = greedy_pack(loads[j])
         full.add(j)
@@ -378,7 +381,7 @@ def _slowest_packed(loads: list[PipelineLoad]) -> tuple[list, set[int]]:
 
 
 def _complete(ev: Evaluation) -> None:
-    """The chosen candidate's remaining pipelines packed fully (as if every one had been)."""
+    """The chosen candidate's remaining pipelines packed (as if every one had been)."""
     for j, load in enumerate(ev.loads):
         if j not in ev.full:
             ev.packings[j] = greedy_pack(load)
