@@ -135,6 +135,8 @@ def dispatch_many(lengths, candidates: list[PipelineArrays], *, trials: int, wor
     return out
 
 
+PLAIN_RUN = 2
+"""Runs of equal lengths up to this long are placed a sequence per step (fewer numpy calls)."""
 BLOCK_ENTRIES = 1 << 20
 """w(l) is precomputed for about this many (step, row, pipeline) entries at a time."""
 
@@ -171,6 +173,9 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
     n = len(order)
     ls = lengths[order]
     starts = np.flatnonzero(np.r_[True, ls[1:] != ls[:-1]])
+    sizes = np.diff(np.r_[starts, n])
+    # a run of up to PLAIN_RUN sequences costs fewer numpy calls one sequence at a time
+    starts = np.flatnonzero(np.r_[True, ls[1:] != ls[:-1]] | (np.repeat(sizes, sizes) <= PLAIN_RUN))
     stops = np.r_[starts[1:], n]
     sum_w, sum_l, longest, fill = (np.zeros((rows, d)) for _ in range(4))
     first = np.zeros(rows)

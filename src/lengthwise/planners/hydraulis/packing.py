@@ -206,31 +206,32 @@ def lpt_bounds(loads: list[PipelineLoad]) -> np.ndarray:
         counts.append(min(vs, key=lambda v: floor[v - 1]))  # the first of equal floors, as sorted() keeps
     p, width = len(busy_loads), max(counts)
     sizes = [len(loads[j].seq_ids) for j in busy_loads]
-    work = np.zeros((p, max(sizes)))
-    tokens = np.zeros((p, max(sizes)), dtype=np.int64)
+    # [step, pipeline], a pipeline's sequences in greedy_pack's order, then zero-token no-work
+    # fillers (they fit any bin and change nothing: no live mask needed)
+    work = np.zeros((max(sizes), p))
+    tokens = np.zeros((max(sizes), p), dtype=np.int64)
     for r, j in enumerate(busy_loads):
         load = loads[j]
-        order = np.lexsort((np.arange(sizes[r]), -load.lengths, -load.work))  # greedy_pack's order
-        work[r, :sizes[r]], tokens[r, :sizes[r]] = load.work[order], load.lengths[order]
-    v = np.asarray(counts)
-    busy = np.where(np.arange(width) < v[:, None], 0.0, np.inf)
-    room = np.tile(np.asarray([loads[j].max_len for j in busy_loads], dtype=np.int64)[:, None], (1, width))
-    held = np.zeros((p, width), dtype=np.int64)
-    fits = np.ones(p, dtype=bool)
-    rows = np.arange(p)
+        order = np.lexsort((np.arange(sizes[r]), -load.lengths, -load.work))
+        work[:sizes[r], r], tokens[:sizes[r], r] = load.work[order], load.lengths[order]
+    cap = np.asarray([loads[j].max_len for j in busy_loads], dtype=np.int64)
+    busy = np.where(np.arange(width) < np.asarray(counts)[:, None], 0.0, np.inf).ravel()
+    room = np.repeat(cap, width)
+    base = np.arange(p) * width
     for t in range(max(sizes)):
-        live = t < np.asarray(sizes)
-        open_ = np.where(room >= tokens[:, t:t + 1], busy, np.inf)
-        pick = open_.argmin(axis=1)  # least busy with room, lowest index on ties
-        fits &= ~live | np.isfinite(open_[rows, pick])
-        at = (rows[live], pick[live])
-        busy[at] += work[live, t]
-        room[at] -= tokens[live, t]
-        held[at] += 1
-    heaviest = np.where(held > 0, busy, -np.inf).max(axis=1)
+        # least busy with room, lowest index on ties; with no room anywhere bin 0's room goes
+        # negative, which marks the pipeline as one LPT cannot pack
+        pick = base + np.where(room.reshape(p, width) >= tokens[t, :, None], busy.reshape(p, width),
+                               np.inf).argmin(axis=1)
+        busy[pick] += work[t]
+        room[pick] -= tokens[t]
+    busy, room = busy.reshape(p, width), room.reshape(p, width)
+    used = room < cap[:, None]
+    heaviest = np.where(used, busy, -np.inf).max(axis=1)
     chunk = np.asarray([loads[j].chunk_s for j in busy_loads])
     depth = np.asarray([loads[j].depth for j in busy_loads], dtype=np.float64)
-    est = (heaviest + chunk) * (depth - 1 + (held > 0).sum(axis=1))
+    est = (heaviest + chunk) * (depth - 1 + used.sum(axis=1))
+    fits = (room >= 0).all(axis=1)
     out[busy_loads] = np.where(fits, est, np.inf)
     return out
 
