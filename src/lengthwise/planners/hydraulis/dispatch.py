@@ -177,11 +177,13 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
     # a run of up to PLAIN_RUN sequences costs fewer numpy calls one sequence at a time
     starts = np.flatnonzero(np.r_[True, ls[1:] != ls[:-1]] | (np.repeat(sizes, sizes) <= PLAIN_RUN))
     stops = np.r_[starts[1:], n]
-    sum_w, sum_l, longest, fill = (np.zeros((rows, d)) for _ in range(4))
+    sum_w, sum_l, fill = (np.zeros((rows, d)) for _ in range(3))
+    flat_w, flat_l, flat_fill = sum_w.reshape(-1), sum_l.reshape(-1), fill.reshape(-1)  # views
     first = np.zeros(rows)
     owner = np.zeros((rows, n), dtype=np.int64)
     depth_less_one = p.depth - 1
     row_ids = np.arange(rows)
+    base = row_ids * d
     at_row = row_ids[:, None]
     block = max(1, BLOCK_ENTRIES // max(rows * d, 1))
     for u, (a, b) in enumerate(zip(starts.tolist(), stops.tolist())):
@@ -189,20 +191,22 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
             pre = Precomputed.of(p, np.broadcast_to(ls[starts[u:u + block]][:, None], (len(starts[u:u + block]), rows)))
         step = pre.step(u % block)
         l, k = float(ls[a]), b - a
-        fill_after = np.where(l > longest, step.w_plus_c, fill)  # T(longest) once it holds a sequence of the run
+        # T(longest) after taking l: place's "w + c if l > longest else fill" is this maximum,
+        # as fill is T of the longest held (0 when empty) and T grows with l
+        fill_after = np.maximum(fill, step.w_plus_c)
         fill_term = fill_after * depth_less_one
         # each pipeline's bound if it took one sequence of the run, as place computes it
-        new1 = np.where(step.admissible, sum_w + step.w + p.chunk_s * np.ceil((sum_l + l) / p.max_len) + fill_term,
-                        np.inf)
+        with_w = sum_w + step.w
+        new1 = with_w + p.chunk_s * np.ceil((sum_l + l) / p.max_len)
+        new1 += fill_term
+        new1 = np.where(step.admissible, new1, np.inf)
         if k == 1:
-            pick = new1.argmin(axis=1)
-            at = (row_ids, pick)
-            owner[row_ids, order[a]] = pick
-            first = np.maximum(first, new1[at])
-            sum_w[at] += step.w[at]
-            sum_l[at] += l
-            longest[at] = np.maximum(longest[at], l)
-            fill[at] = fill_after[at]
+            idx = base + new1.argmin(axis=1)
+            owner[row_ids, order[a]] = idx - base
+            first = np.maximum(first, new1.ravel()[idx])
+            flat_w[idx] = with_w.ravel()[idx]
+            flat_l[idx] += l
+            flat_fill[idx] = fill_after.ravel()[idx]
             continue
         # Only the k pipelines with the least first bound can take any of the run (those k first
         # bounds are k candidates already); kept in pipeline order for the tie-break.
@@ -230,9 +234,7 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
         first = np.maximum(first, flat[row_ids, taken[:, -1]])
         sum_w[at] = sums.reshape(rows * kk, m + 1)[_index(rows * kk), took.ravel()].reshape(rows, kk)
         sum_l[at] = held_l + took * l
-        held = took > 0
-        longest[at] = np.where(held, np.maximum(longest[at], l), longest[at])
-        fill[at] = np.where(held, fill_after[at], fill[at])
+        fill[at] = np.where(took > 0, fill_after[at], fill[at])
     return owner, first
 
 
@@ -321,7 +323,7 @@ def lower_bound(lengths, schemes: list[Scheme], counts: list[int], max_lens: lis
     """A bound no dispatch of the strategy beats: GPU-seconds of the cheapest admissible scheme
     per sequence over the strategy's GPUs, or the longest sequence alone on its fastest scheme."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    fit = np.array([[m >= x for x in lengths] for m in max_lens])
+    fit = np.asarray(max_lens, dtype=np.int64)[:, None] >= lengths[None, :]
     gpu_s = np.stack([s.num_gpus * s.seq_time(lengths) for s in schemes])
     work = np.where(fit, gpu_s, np.inf).min(axis=0).sum()
     gpus = sum(s.num_gpus * n for s, n in zip(schemes, counts))

@@ -353,7 +353,8 @@ def _evaluate_all(request: PlanRequest, opts: dict, prepared: list, lengths: np.
                          rng=np.random.default_rng(request.seed))
     out = []
     for (_, strategy, pipes), disp in zip(prepared, runs):
-        loads = [_load(lengths, disp.owner, j, s, m) for j, (s, m) in enumerate(pipes)]
+        held = _by_owner(disp.owner, len(pipes))
+        loads = [_load(lengths, ids, s, m) for ids, (s, m) in zip(held, pipes)]
         packings, full = _slowest_packed(loads)
         out.append(Evaluation(strategy=strategy, pipelines=[s for s, _ in pipes], max_lens=[m for _, m in pipes],
                               exchange_s=_exchange(request, strategy, num_gpus), loads=loads,
@@ -388,9 +389,14 @@ def _complete(ev: Evaluation) -> None:
             ev.full.add(j)
 
 
-def _load(lengths: np.ndarray, owner: np.ndarray, j: int, scheme: Scheme, max_len: int) -> PipelineLoad:
-    ids = np.flatnonzero(owner == j)
-    return PipelineLoad(seq_ids=tuple(int(i) for i in ids), lengths=lengths[ids], work=scheme.seq_time(lengths[ids]),
+def _by_owner(owner: np.ndarray, pipelines: int) -> list[np.ndarray]:
+    """The sequence ids of each pipeline, ascending (one stable sort, not a scan per pipeline)."""
+    order = np.argsort(owner, kind="stable")
+    return np.split(order, np.cumsum(np.bincount(owner, minlength=pipelines))[:-1])
+
+
+def _load(lengths: np.ndarray, ids: np.ndarray, scheme: Scheme, max_len: int) -> PipelineLoad:
+    return PipelineLoad(seq_ids=tuple(ids.tolist()), lengths=lengths[ids], work=scheme.seq_time(lengths[ids]),
                         chunk_s=scheme.chunk_s, depth=scheme.pp, max_len=max_len, util_len=scheme.util_len)
 
 
