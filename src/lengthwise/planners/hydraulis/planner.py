@@ -26,11 +26,20 @@ seconds per batch (the paper spends about 1 s per batch on it with 10 processes,
 
 Pipelines of one plan have different (tp, pp, cp), each running plain 1F1B over its whole-sequence
 micro-batches. The plan's ZeRO stage is 1: optimizer states are sharded over all GPUs (§5.2).
-The simulator charges every plan a gradient all-reduce over its pipelines, which is the volume
-of §5.2's push and pull; a heterogeneous plan's pipelines add the LNK re-sharding as
-`extra_comm_s` (hydraulis/cost.py, link_time). Step time estimate = slowest pipeline (eq. 1) +
-slowest exchange. The exchange is outside the DP's latency, so the DP runs once per cap on
-it (schemes whose exchange exceeds the cap left out), and every cap's strategies are candidates.
+The simulator charges every plan a gradient all-reduce over its pipelines x cp ranks (inter-node
+per stage as the plan's GPUs fall), which is the volume of §5.2's push and pull; a heterogeneous
+plan's pipelines add the LNK re-sharding as `extra_comm_s` (hydraulis/cost.py, link_time). The
+estimate charges exactly that (cost.plan_exchange, on the pipelines in the plan's order): step
+time estimate = slowest pipeline (eq. 1) + slowest exchange. The exchange is outside the DP's
+latency, so the DP runs once per cap on it (schemes whose exchange exceeds the cap left out),
+and every cap's strategies are candidates.
+
+A strategy switch between batches is charged nothing, because it moves nothing: the executor
+(runtime/parallel/hetero.py) owns the fp32 master weights and Adam moments in one round-robin
+layout over all ranks that does not depend on the plan, so a new strategy only changes which
+slices each rank pulls and pushes, and every step's pull and push are charged already (the
+exchange above). What a switch adds is one-time: the process groups of a scheme not run before
+are created once and reused.
 
 Complexity (n sequences, D pipelines of the widest screened candidate, S candidates): the
 dispatch is O(n D S) work in n vectorised numpy steps (Algorithm 1 weighs every pipeline for
@@ -60,6 +69,7 @@ from lengthwise.planners.hydraulis.cost import (
     link_time,
     make_scheme,
     parse_pipelines,
+    plan_exchange,
     scheme_space,
 )
 from lengthwise.planners.hydraulis.dispatch import (
@@ -333,15 +343,15 @@ def _prepare(request: PlanRequest, strategy: Strategy, num_gpus: int, lengths: n
     if max(limits, default=0) < lengths.max():
         return np.inf, strategy, None
     schemes = [s for s, _ in strategy.parts]
-    exchange = _exchange(request, strategy, num_gpus)
+    pipes = _strategy_pipelines(strategy, limits)
     bound = lower_bound(lengths, schemes, [n for _, n in strategy.parts], limits)
-    return bound + exchange, strategy, _strategy_pipelines(strategy, limits)
+    return bound + _exchange(request, pipes, num_gpus), strategy, pipes
 
 
-def _exchange(request: PlanRequest, strategy: Strategy, num_gpus: int) -> float:
-    hetero = len(strategy.parts) > 1
-    return max(exchange_time(request.cost, s, num_pipelines=strategy.num_pipelines, num_gpus=num_gpus,
-                             heterogeneous=hetero) for s, _ in strategy.parts)
+def _exchange(request: PlanRequest, pipes: list[tuple[Scheme, int]], num_gpus: int) -> float:
+    """The slowest pipeline's exchange, exactly as the simulator charges the plan `_pipelines`
+    makes of these pipelines (same order, so the same GPUs and node spans)."""
+    return max(plan_exchange(request.cost, [s for s, _ in pipes], num_gpus=num_gpus))
 
 
 def _evaluate_all(request: PlanRequest, opts: dict, prepared: list, lengths: np.ndarray, num_gpus: int,
@@ -357,7 +367,7 @@ def _evaluate_all(request: PlanRequest, opts: dict, prepared: list, lengths: np.
         loads = [_load(lengths, ids, s, m) for ids, (s, m) in zip(held, pipes)]
         packings, full = _slowest_packed(loads)
         out.append(Evaluation(strategy=strategy, pipelines=[s for s, _ in pipes], max_lens=[m for _, m in pipes],
-                              exchange_s=_exchange(request, strategy, num_gpus), loads=loads,
+                              exchange_s=_exchange(request, pipes, num_gpus), loads=loads,
                               packings=packings, trials=disp.trials, full=full))
     return out
 
