@@ -12,18 +12,21 @@ random order, give each sequence to the admissible pipeline that least raises th
 maximum; repeat T times and keep the best trial.
 
 All trials of all candidate strategies run at once as numpy rows ([strategies x trials,
-pipelines] arrays, narrower strategies padded with pipelines that hold nothing), one sequence
-position per step: the step count is the batch's sequence count whatever the number of trials
-and candidates. Two choices of ours, both only able to help since the best trial is kept:
-trial 0 takes the sequences longest first (the LPT order), and among pipelines tying on the new
-maximum the one left least loaded wins (Algorithm 1 takes the first). The trial count is cut so
-that sequences x pipelines x trials x strategies stays within `work_budget`.
+pipelines] arrays, narrower strategies padded with pipelines that hold nothing). Two choices of
+ours, both only able to help since the best trial is kept: trial 0 takes the sequences longest
+first (the LPT order), and among pipelines tying on the new maximum the one left least loaded
+wins (Algorithm 1 takes the first). The trial count is cut so that sequences x pipelines x
+trials x strategies stays within `work_budget`.
 
 Cost: Algorithm 1 weighs every admissible pipeline for every sequence, so one trial of one
 strategy is O(n D) (n sequences, D pipelines); the paper's algorithm allows no less, as the
 pipeline that least raises the maximum bound depends on every pipeline's state. The work budget
 cuts trials, never below one per strategy, so a pass is O(n D S) for S strategies, vectorised
-over D and S (one numpy step per sequence).
+over D and S. The longest-first trials (one per strategy, all a pass runs on large batches)
+take a run of equal lengths per numpy step (`_longest_first`: an exact k-way merge, O(D + k m)
+per row for a run of k, m ~ k / D + 1), so they cost one numpy step per distinct length (a few
+thousand on 32K-sequence batches), not per sequence; random trials take one numpy step per
+sequence position.
 """
 
 from __future__ import annotations

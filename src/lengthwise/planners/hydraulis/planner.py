@@ -42,12 +42,16 @@ exchange above). What a switch adds is one-time: the process groups of a scheme 
 are created once and reused.
 
 Complexity (n sequences, D pipelines of the widest screened candidate, S candidates): the
-dispatch is O(n D S) work in n vectorised numpy steps (Algorithm 1 weighs every pipeline for
-every sequence; the paper's algorithm allows no less), packing O(n log n) per candidate (BFD,
-LPT over at most 16 micro-batch counts, Karmarkar-Karp), the proposal DP per histogram is cached.
-At 1024 GPUs x 32,768 sequences this is about 2.7 s on one core of our machine (the paper
-reports 3.9 s at 1024 GPUs with several processes); the n numpy steps of the dispatch and the
-Python packing of every pipeline of every screened candidate are what is left to cut.
+dispatch is O(n D S) work in one numpy step per distinct length (the longest-first trial) or
+per sequence (random trials; Algorithm 1 weighs every pipeline for every sequence, the paper's
+algorithm allows no less); the slowest pipeline's packing is found from one vectorised LPT bound
+per pipeline (O(n D V) work in at most n numpy steps, V the micro-batch count) and the full
+greedy packing, O(n log n) per pipeline (BFD, LPT over at most 16 micro-batch counts,
+Karmarkar-Karp), only for the pipelines whose bound exceeds the slowest packed so far, then for
+every pipeline of the chosen candidate; the proposal DP per histogram is cached. At 1024 GPUs x
+32,768 sequences this is about 1 s on one core of our machine (the paper reports 3.9 s at 1024
+GPUs with several processes); Karmarkar-Karp on pipelines of a thousand sequences and more
+(small clusters) is what is left to cut.
 
 Options: `HydraulisOptions` in planners/options.py (each with its default and meaning).
 """
