@@ -191,13 +191,14 @@ def _stage_bytes(cost: CostModel, scheme: Scheme) -> list[float]:
 
 
 def sync_time(cost: CostModel, scheme: Scheme, *, num_pipelines: int, num_gpus: int,
-              inter_node: list[bool] | None = None) -> float:
+              inter_node: list[bool] | None = None, ranks: int | None = None) -> float:
     """The gradient reduction the simulator charges each pipeline (sim/inputs.py: an all-reduce
     over the pipelines x cp ranks, as every CP rank holds the stage's weights; ZeRO-1), slowest
     stage, seconds. `inter_node[s]`: whether stage s's group spans nodes (`stage_groups_inter`;
-    default: whenever the cluster does). Its volume equals §5.2's push (reduce-scatter) plus
-    pull (all-gather) when the strategy is homogeneous, where LNK reduces to exactly those."""
-    ranks = num_pipelines * scheme.cp
+    default: whenever the cluster does); `ranks` overrides the group size. Its volume equals
+    §5.2's push (reduce-scatter) plus pull (all-gather) when the strategy is homogeneous, where
+    LNK reduces to exactly those."""
+    ranks = num_pipelines * scheme.cp if ranks is None else ranks
     if ranks <= 1:
         return 0.0
     layers = split_layers(cost.model.num_layers, scheme.pp)
@@ -225,11 +226,12 @@ def link_time(cost: CostModel, scheme: Scheme, *, num_gpus: int) -> float:
 
 
 def exchange_time(cost: CostModel, scheme: Scheme, *, num_pipelines: int, num_gpus: int,
-                  heterogeneous: bool, inter_node: list[bool] | None = None) -> float:
+                  heterogeneous: bool, inter_node: list[bool] | None = None, ranks: int | None = None) -> float:
     """Optimization-propagation exchange of one pipeline as the simulator will see it: its
     gradient reduction plus, in a heterogeneous strategy, the LNK moves (`extra_comm_s`)."""
     link = link_time(cost, scheme, num_gpus=num_gpus) if heterogeneous else 0.0
-    return sync_time(cost, scheme, num_pipelines=num_pipelines, num_gpus=num_gpus, inter_node=inter_node) + link
+    return sync_time(cost, scheme, num_pipelines=num_pipelines, num_gpus=num_gpus, inter_node=inter_node,
+                     ranks=ranks) + link
 
 
 def plan_exchange(cost: CostModel, schemes: list[Scheme], *, num_gpus: int) -> list[float]:

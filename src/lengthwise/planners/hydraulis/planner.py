@@ -237,8 +237,11 @@ def _candidates(request: PlanRequest, opts: dict, space: list[Scheme], num_gpus:
     """§7's proposal once per exchange cap, rounded; plus a homogeneous fallback if none holds
     the batch's longest sequence."""
     hist, targets, tokens = _histogram(request, opts, space)
+    # Caps only group schemes for the proposal runs (a candidate's estimate charges its exact
+    # exchange, `_exchange`); each scheme's level is its reduction over as many ranks as it
+    # would have pipelines, the grouping these caps were tuned with.
     costs = {s: exchange_time(request.cost, s, num_pipelines=num_gpus // s.num_gpus, num_gpus=num_gpus,
-                              heterogeneous=True) for s in space}
+                              heterogeneous=True, ranks=num_gpus // s.num_gpus) for s in space}
     caps = _caps(sorted(set(costs.values())))
     masks = tuple(tuple(costs[s] <= cap for s in space) for cap in caps)
     out: dict[Strategy, None] = {}
