@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lengthwise.cost import CostModel
-from lengthwise.cost.flops import chunk_work, work_key
+from lengthwise.cost.flops import ChunkWork, chunk_work, head_forward_flops, layer_forward_flops, work_key
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
@@ -85,6 +85,10 @@ class _Works:
     """float64: row tokens, padding included (chunk_work(chunk).tokens)."""
     row_keys: np.ndarray
     """float64: attention pairs, padding included (chunk_work(chunk).keys)."""
+    bare_tokens: np.ndarray
+    """float64: `tokens`."""
+    bare_pairs: np.ndarray
+    """float64: `pairs`."""
 
 
 def _plan_works(plan: StepPlan) -> list[tuple[_Works, _Works] | None]:
@@ -110,7 +114,8 @@ def _plan_works(plan: StepPlan) -> list[tuple[_Works, _Works] | None]:
         row_tokens[i], row_keys[i] = w.tokens, w.keys
     tokens_int, pairs_int = tokens.astype(np.int64).tolist(), pairs.astype(np.int64).tolist()
     bounds = np.cumsum([0] + [len(x) for x in lists]).tolist()
-    works = [_Works(tokens=tokens_int[a:b], pairs=pairs_int[a:b], row_tokens=row_tokens[a:b], row_keys=row_keys[a:b])
+    works = [_Works(tokens=tokens_int[a:b], pairs=pairs_int[a:b], row_tokens=row_tokens[a:b], row_keys=row_keys[a:b],
+                    bare_tokens=tokens[a:b], bare_pairs=pairs[a:b])
              for a, b in zip(bounds[:-1], bounds[1:])]
     return [(works[2 * i], works[2 * i + 1]) for i in range(len(plan.pipelines))]
 
@@ -357,6 +362,18 @@ class _PipelineCosts:
 
     def _model_flops(self) -> float:
         L, cm = self.plan.model.num_layers, self.cm
+        if (self.works is not None and type(cm).forward_flops is CostModel.forward_flops
+                and type(cm).backward_flops is CostModel.backward_flops):
+            # CostModel.forward_flops / backward_flops (whole model, head, padding excluded)
+            # elementwise over the chunks: the same operations in the same order, then summed
+            # one by one as below
+            fw, bw = self.works
+            lin, attn = layer_forward_flops(cm.model, ChunkWork(fw.bare_tokens, fw.bare_pairs))
+            fwd = L * (lin + attn) + head_forward_flops(cm.model, fw.bare_tokens)
+            lin, attn = layer_forward_flops(cm.model, ChunkWork(bw.bare_tokens, bw.bare_pairs))
+            bwd = (L * (lin * cm.bwd_linear_ratio + attn * cm.bwd_attn_ratio)
+                   + head_forward_flops(cm.model, bw.bare_tokens) * cm.bwd_linear_ratio)
+            return sum(fwd.tolist()) + sum(bwd.tolist())
         bare = lambda c: Chunk(c.segments) if c.pad_to else c
         memo = self.shared.setdefault("model_flops", {})  # by (tokens, pairs): padding excluded
         sums = []
