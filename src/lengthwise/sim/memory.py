@@ -35,7 +35,8 @@ from lengthwise.sim.dag import PipelineTasks
 
 @dataclass(kw_only=True)
 class MemorySizes:
-    """Sizes of one pipeline's allocations, per stage (bytes, or any consistent unit)."""
+    """Sizes of one pipeline's allocations, per stage (bytes, or any consistent unit). A per-chunk
+    or per-unit row may be a list or a float64 array (memory_events reads them as arrays)."""
 
     state: list[float]
     """[stage] model states held all step."""
