@@ -306,10 +306,12 @@ class _PipelineCosts:
             if any(recompute[s]):
                 kept = np.array([cm.activation_bytes(c, layers=L, head=head, recompute_layers=r, **self.kw) if r
                                  else full[i] for i, (c, r) in enumerate(zip(pipe.chunks, recompute[s]))])
-            else:
+                extra.append([cm.recompute_transient_bytes(c, recompute_layers=r, **self.kw)
+                              for c, r in zip(pipe.chunks, recompute[s])])
+            else:  # recompute_transient_bytes is 0 without recomputation
                 kept = full
+                extra.append(np.zeros(C))
             act.append(kept)
-            extra.append(full - kept)
             # on the last stage each backward unit's loss backward makes the bf16 logit gradient
             work.append(self._head_backward() if head else np.zeros(U))
             nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD}
@@ -319,8 +321,8 @@ class _PipelineCosts:
                 kv_of[L] = {q.seq_id: cm.kv_bytes(q.context, layers=L, **self.kw) for q in splits}
             kv.append(kv_of[L])
             kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
-            state.append(self._shared(cm.model_state_bytes, layers=L, tp=pipe.tp, dp=dp, zero=zero,
-                                      first=s == 0, last=head))
+            state.append(self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero,
+                                      layers=L).states)
         return MemorySizes(state=state, activation=act, recompute_extra=extra, nograd_transient=transient,
                            kv=kv, kv_grad=kv_grad, backward_work=work)
 
