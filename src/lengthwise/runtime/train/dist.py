@@ -35,11 +35,14 @@ FSDP2 when the plan's pipelines are uniform and zero >= 1 (ZeRO-3 with zero 3); 
 are the same values whatever the split, or read from a Hugging Face folder (--model DIR), each
 rank reading its stage's tensors. AdamW holds that rank's `model.parameters()` (its shards),
 and with --dtype bfloat16 under FSDP2 those are float32 master weights while forward and
-backward run in bfloat16 (`MixedPrecisionPolicy`). Heterogeneous plans (no uniform mesh) and
-zero 0 keep whole stage parameters on every replica (`dp.GradReducer`). Which stage a rank
-holds comes from the first batch's plan and may not change; every planner with fixed dp / pp /
-cp / tp and layers per stage keeps it, and a plan that moves stages is refused with the step
-named.
+backward run in bfloat16 (`MixedPrecisionPolicy`). Zero 0 keeps whole stage parameters on
+every replica (`dp.GradReducer`). Which stage a rank holds comes from the first batch's plan
+and may not change; every planner with fixed dp / pp / cp / tp and layers per stage keeps it,
+and a plan that moves stages is refused with the step named.
+
+--planner hydraulis runs on `dist_hetero.HeteroRankExecutor` instead (`rank_executor`): its
+pipelines may each have their own tp x pp x cp and change from step to step; the optimizer
+state is dealt element by element over all ranks and a strategy switch moves none of it.
 
 No rank holds the whole model: the consolidated Hugging Face copy in each checkpoint, and rank
 0's model for the held-out loss, are built from a full state dict gathered to rank 0
