@@ -204,7 +204,8 @@ class _PipelineCosts:
             kept = [cm.activation_bytes(c, layers=L, head=head, recompute_layers=r, **self.kw) if r else full[i]
                     for i, (c, r) in enumerate(zip(pipe.chunks, recompute[s]))]
             act.append(list(kept))
-            extra.append(list(full - np.array(kept)))
+            extra.append([cm.recompute_transient_bytes(c, recompute_layers=r, **self.kw)
+                          for c, r in zip(pipe.chunks, recompute[s])])
             # on the last stage each backward unit's loss backward makes the bf16 logit gradient
             work.append([cm.head_backward_bytes(u, **self.kw) if head else 0.0 for u in self.units])
             nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD}
@@ -213,8 +214,8 @@ class _PipelineCosts:
             sizes = {q.seq_id: cm.kv_bytes(q.context, layers=L, **self.kw) for q in splits}
             kv.append(sizes)
             kv_grad.append(dict(sizes))  # K/V-gradient buffers are the size of the K/V they update
-            state.append(self._shared(cm.model_state_bytes, layers=L, tp=pipe.tp, dp=dp, zero=zero,
-                                      first=s == 0, last=head))
+            state.append(self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero,
+                                      layers=L).states)
         return MemorySizes(state=state, activation=act, recompute_extra=extra, nograd_transient=transient,
                            kv=kv, kv_grad=kv_grad, backward_work=work)
 

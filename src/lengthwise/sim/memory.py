@@ -4,8 +4,9 @@ Each stage holds its model states for the whole step, plus allocations tied to t
 
 - activations of a chunk, from the start of its F to the end of the last B that consumes it
   (fewer bytes when the F keeps only checkpoints of `recompute_layers` layers; the B then
-  re-materialises the difference while it runs: a transient; on the last stage the B also
-  works on the loss's fp32 logit gradients, another transient);
+  re-materialises them one layer at a time, as the executor's per-layer checkpoints do: a
+  transient of one layer's activations, `CostModel.recompute_transient_bytes`; on the last
+  stage the B also works on the loss's fp32 logit gradients, another transient);
 - the working set of a no-grad forward (N): one layer's activations while it runs;
 - K/V state of a split sequence's earlier slices, from the slice's first forward to the
   sequence's last backward on the stage (later slices attend to it: infinipipe eq. 5);
@@ -42,7 +43,8 @@ class MemorySizes:
     activation: list[list[float]]
     """[stage][chunk] activations held from F to B, as the stage's F action keeps them."""
     recompute_extra: list[list[float]]
-    """[stage][chunk] bytes re-materialised during the B of a chunk whose F recomputes layers."""
+    """[stage][chunk] bytes re-materialised at once during the B of a chunk whose F recomputes
+    layers (one layer's)."""
     nograd_transient: list[list[float]]
     """[stage][chunk] working set of the chunk's N while it runs."""
     kv: list[dict[int, float]]
