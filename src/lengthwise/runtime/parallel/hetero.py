@@ -21,7 +21,13 @@ Each step:
 - `push(grads)`: after backward every rank sends its gradient slices back the same way; the owner
   sums what it receives (index_add into its shard): the gradient of a single process running the
   whole batch, since each rank's loss is already divided by the global loss-token count.
-- `step()`: AdamW on the owner's flat shard (elementwise, so the layout does not change results).
+- `step()`: AdamW on the owner's flat shard (elementwise, so the layout does not change results);
+  in training, one torch AdamW over per-parameter views of `master` (`train/dist_hetero.py`),
+  after which every rank pulls its next weights.
+
+The master starts from the propagation layout itself (`init_master_from_held`: every element
+pushed by its lowest holder only, the others push zeros), and parameters are laid out in the
+model's order whatever the strategy, so a switch adopts the master shard as it is.
 
 The index maps of one plan shape (which rank holds which shard of which parameter) are computed
 once, from the holdings alone (every rank derives the same maps, nothing travels), and cached by
