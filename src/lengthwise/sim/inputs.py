@@ -60,16 +60,41 @@ class PipelineInput:
     """split_sequences of the chunks when already derived (else the engine derives them)."""
 
 
-def plan_inputs(plan: StepPlan, cm: CostModel) -> list[PipelineInput]:
-    """PipelineInputs of every pipeline of a plan, GPUs assigned in pipeline order."""
+@dataclass(frozen=True, kw_only=True)
+class SliceStructure:
+    """What the simulator would otherwise read off one pipeline's segments, handed over by a
+    planner that knows it from its own cuts: the slice dependencies, the split sequences and
+    every segment's token range. Its chunks must be unpadded (pad_to 0)."""
+
+    deps: Dependencies
+    """dependencies(chunks, backward_chunks)."""
+    splits: list[SplitSequence]
+    """split_sequences(chunks, backward units)."""
+    fwd_counts: np.ndarray
+    """int64 [chunk] segments of each forward chunk."""
+    fwd_bounds: np.ndarray
+    """int64 [segment, 2] (start, stop) of every forward segment, chunk by chunk, in order."""
+    bwd_counts: np.ndarray
+    """int64 [unit] segments of each backward unit."""
+    bwd_bounds: np.ndarray
+    """int64 [segment, 2] (start, stop) of every backward segment, unit by unit, in order."""
+
+
+def plan_inputs(plan: StepPlan, cm: CostModel,
+                known: list[SliceStructure | None] | None = None) -> list[PipelineInput]:
+    """PipelineInputs of every pipeline of a plan, GPUs assigned in pipeline order. `known`: per
+    pipeline its SliceStructure where the caller has it (None: derived from the segments)."""
     offsets = np.cumsum([0] + [p.num_gpus for p in plan.pipelines]).tolist()
     if offsets[-1] > plan.cluster.num_gpus:
         raise UserError(f"the plan's pipelines use {offsets[-1]} GPUs but cluster {plan.cluster.name} "
                         f"has {plan.cluster.num_gpus}: use a plan made for this cluster")
+    known = known or [None] * len(plan.pipelines)
+    if len(known) != len(plan.pipelines):
+        raise ValueError(f"known has {len(known)} entries for {len(plan.pipelines)} pipelines")
     shared: dict = {}  # stage-level costs that pipelines of one scheme share
-    works = _plan_works(plan)
+    works = _plan_works(plan, known)
     tables = _batched_tables(plan, cm, works)
-    return [_PipelineCosts(plan, i, cm, offsets, shared, works[i], tables[i]).build()
+    return [_PipelineCosts(plan, i, cm, offsets, shared, works[i], tables[i], known[i]).build()
             for i in range(len(plan.pipelines))]
 
 
@@ -91,16 +116,35 @@ class _Works:
     """float64: `pairs`."""
 
 
-def _plan_works(plan: StepPlan) -> list[tuple[_Works, _Works] | None]:
+def _plan_works(plan: StepPlan, known: list[SliceStructure | None]) -> list[tuple[_Works, _Works] | None]:
     """Per pipeline, the works of its forward chunks and of its backward units, from every
     segment of the plan in one pass (numpy sums of integers, exact: the same numbers as
-    Chunk.num_tokens and chunk_work, without asking each chunk). None for every pipeline where
-    a sum could leave float64's exact integers (sequences of tens of millions of tokens)."""
+    Chunk.num_tokens and chunk_work, without asking each chunk; segment bounds from `known`
+    where given). None for every pipeline where a sum could leave float64's exact integers
+    (sequences of tens of millions of tokens)."""
     lists = [x for p in plan.pipelines for x in (p.chunks, p.bwd_units)]
     chunks = [c for x in lists for c in x]
-    counts = np.fromiter((len(c.segments) for c in chunks), dtype=np.int64, count=len(chunks))
-    flat = np.fromiter(itertools.chain.from_iterable((s.start, s.stop) for c in chunks for s in c.segments),
-                       dtype=np.int64, count=2 * int(counts.sum()))
+    count_parts, bound_parts = [], []
+    if all(k is None for k in known):  # one pass over every segment of the plan
+        counts = np.fromiter((len(c.segments) for c in chunks), dtype=np.int64, count=len(chunks))
+        count_parts.append(counts)
+        bound_parts.append(np.fromiter(itertools.chain.from_iterable((s.start, s.stop) for c in chunks
+                                                                     for s in c.segments),
+                                       dtype=np.int64, count=2 * int(counts.sum())))
+        known = []
+    for pipe, k in zip(plan.pipelines, known):
+        if k is not None:
+            count_parts += [k.fwd_counts, k.bwd_counts]
+            bound_parts += [k.fwd_bounds.ravel(), k.bwd_bounds.ravel()]
+            continue
+        for x in (pipe.chunks, pipe.bwd_units):
+            n = np.fromiter((len(c.segments) for c in x), dtype=np.int64, count=len(x))
+            count_parts.append(n)
+            bound_parts.append(np.fromiter(itertools.chain.from_iterable((s.start, s.stop) for c in x
+                                                                         for s in c.segments),
+                                           dtype=np.int64, count=2 * int(n.sum())))
+    counts = np.concatenate(count_parts).astype(np.int64) if count_parts else np.zeros(0, np.int64)
+    flat = np.concatenate(bound_parts).astype(np.int64) if bound_parts else np.zeros(0, np.int64)
     start, stop = flat[0::2], flat[1::2]
     if len(stop) and (int(stop.max()) >= 2**26 or int(stop.max()) ** 2 * len(stop) >= 2**53):
         return [None] * len(plan.pipelines)
@@ -108,7 +152,8 @@ def _plan_works(plan: StepPlan) -> list[tuple[_Works, _Works] | None]:
     tokens = np.bincount(owner, weights=stop - start, minlength=len(chunks))
     pairs = np.bincount(owner, weights=(stop * (stop + 1) - start * (start + 1)) // 2, minlength=len(chunks))
     row_tokens, row_keys = tokens.copy(), pairs.copy()
-    pads = np.fromiter((c.pad_to for c in chunks), dtype=np.int64, count=len(chunks))
+    pads = np.fromiter((c.pad_to for c in chunks), dtype=np.int64, count=len(chunks)) \
+        if not known or any(k is None for k in known) else np.zeros(len(chunks), np.int64)  # known: unpadded
     for i in np.flatnonzero((pads > tokens) & (counts > 0)).tolist():  # padded rows (chunk_work)
         w = chunk_work(chunks[i])
         row_tokens[i], row_keys[i] = w.tokens, w.keys
@@ -156,7 +201,8 @@ class _PipelineCosts:
     """Cost tables of one pipeline; per (layers, head) stage kind the per-chunk costs are cached."""
 
     def __init__(self, plan: StepPlan, index: int, cm: CostModel, offsets: list[int], shared: dict,
-                 works: tuple[_Works, _Works] | None = None, tables: dict | None = None):
+                 works: tuple[_Works, _Works] | None = None, tables: dict | None = None,
+                 known: SliceStructure | None = None):
         self.plan, self.pipe, self.cm, self.offsets, self.shared = plan, plan.pipelines[index], cm, offsets, shared
         self.works = works  # (forward chunks, backward units), _plan_works
         self.offset, pipe = offsets[index], self.pipe
@@ -164,7 +210,8 @@ class _PipelineCosts:
         if len(self.layers) != pipe.pp or any(n < 0 for n in self.layers):
             raise UserError(f"layers_per_stage {self.layers} does not match pp={pipe.pp}")
         self.units = pipe.bwd_units
-        self.deps = dependencies(pipe.chunks, pipe.backward_chunks)
+        self.known = known
+        self.deps = known.deps if known is not None else dependencies(pipe.chunks, pipe.backward_chunks)
         self.kw = {"tp": pipe.tp, "cp": pipe.cp}
         self._cache: dict = dict(tables or {})  # per_chunk tables batched over the plan (_batched_tables)
 
@@ -296,7 +343,8 @@ class _PipelineCosts:
     def _sizes(self, recompute: list[list[int]]) -> MemorySizes:
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
         dp, zero = len(self.plan.pipelines) * pipe.cp, self.plan.zero  # ZeRO shards over dp x cp
-        splits = self.splits = split_sequences(pipe.chunks, self.units)
+        splits = self.splits = self.known.splits if self.known is not None else split_sequences(pipe.chunks,
+                                                                                                self.units)
         act, extra, transient, kv, kv_grad, state, work = [], [], [], [], [], [], []
         kv_of: dict[int, dict] = {}  # stages of equal layer counts hold equal K/V
         C, U = len(pipe.chunks), len(self.units)

@@ -29,7 +29,7 @@ from lengthwise.cost import CostModel
 from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.schedules import dependencies
 from lengthwise.sim.dag import TaskArrays, build_pipeline, concatenate, evaluate
-from lengthwise.sim.inputs import PipelineInput, direct_input, plan_inputs
+from lengthwise.sim.inputs import PipelineInput, SliceStructure, direct_input, plan_inputs
 from lengthwise.sim.memory import MemoryCurves, memory_events, replay, split_sequences
 
 
@@ -111,9 +111,10 @@ class SimResult:
         return {k: v for k, v in vars(self).items() if k != "timeline"}
 
 
-def simulate_plan(plan: StepPlan, cm: CostModel) -> SimResult:
-    """Simulate one step of a plan with the cost model's times, transfers and memory."""
-    result = simulate_inputs(plan_inputs(plan, cm), time_unit="s", memory_unit="bytes")
+def simulate_plan(plan: StepPlan, cm: CostModel, known: list[SliceStructure | None] | None = None) -> SimResult:
+    """Simulate one step of a plan with the cost model's times, transfers and memory. `known`:
+    per pipeline the SliceStructure its planner already holds (None where not; inputs.py)."""
+    result = simulate_inputs(plan_inputs(plan, cm, known), time_unit="s", memory_unit="bytes")
     result.capacity_bytes = cm.capacity_bytes
     result.fits = all(p <= cm.capacity_bytes for row in result.peak_memory for p in row)
     result.tokens = sum(plan.lengths)

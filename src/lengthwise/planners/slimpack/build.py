@@ -66,6 +66,7 @@ from lengthwise.metrics import GIB
 from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
 from lengthwise.plan.schedules import make_schedule
 from lengthwise.plan.validate import memory_overflow
+from lengthwise.sim.inputs import SliceStructure
 from lengthwise.planners.base import (
     PlanRequest,
     positive_int_option,
@@ -75,12 +76,12 @@ from lengthwise.planners.slimpack.cuts import (
     PrefixCost,
     Stream,
     backward_cuts,
-    backward_units_ready,
     check_backward_units,
     forward_chunks,
     forward_cuts,
     micropack_form,
     place_segments,
+    stream_pieces,
 )
 from lengthwise.planners.slimpack.dp import RankGroup, assign_ranks, memory_ranks, merge_sizes
 from lengthwise.planners.slimpack.schedule import packflow_schedule
@@ -157,25 +158,33 @@ def build_pipeline(request: PlanRequest, group: RankGroup, count: int, models, f
     """Phase 2, asymmetric partitioning and the PackFlow schedule for one pipeline (`check`:
     check_backward_units on it, the sweep checks only the pipelines it keeps; `prepared`:
     prepare_stream's result for this group, shared by the sweep's counts)."""
+    return build_candidate(request, group, count, models, flops, asymmetric, lean, check=check,
+                           prepared=prepared)[0]
+
+
+def build_candidate(request: PlanRequest, group: RankGroup, count: int, models, flops: np.ndarray,
+                    asymmetric: bool, lean: bool = False, *, check: bool = True,
+                    prepared: tuple[Stream, dict] | None = None) -> tuple[PipelinePlan, SliceStructure | None]:
+    """build_pipeline, and the pipeline's SliceStructure for the simulator (None where it is
+    left to the simulator: without asymmetric partitioning, or with an empty MicroPack)."""
     gf, gb = models
     s = request.scheme
     stream, made = prepared or prepare_stream(request, group, flops)
     count = max(1, min(count, stream.total_tokens))
     fcuts = forward_cuts(stream, gf, count)
-    chunks = forward_chunks(stream, fcuts, made)
-    rank_of = cp_placement(chunks, group, gf)
-    chunks = place_segments(chunks, rank_of)
-    cp = group.ranks
     if not asymmetric:
-        return PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, s.pp), tp=s.tp, cp=cp,
-                            schedule="1f1b")
-    units, ready = backward_units_ready(stream, backward_cuts(stream, gb, count), fcuts, made)
-    units = place_segments(units, rank_of)
+        chunks = forward_chunks(stream, fcuts, made)
+        chunks = place_segments(chunks, cp_placement(chunks, group, gf))
+        return PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, s.pp), tp=s.tp, cp=group.ranks,
+                            schedule="1f1b"), None
+    chunks, units, ready, known = stream_pieces(stream, fcuts, backward_cuts(stream, gb, count), made)
+    rank_of = cp_placement(chunks, group, gf)
+    chunks, units = place_segments(chunks, rank_of), place_segments(units, rank_of)
     if check:
         check_backward_units(chunks, units)
     stages = packflow_schedule(chunks, units, s.pp, lean=lean, ready=ready)
-    return PipelinePlan(chunks=chunks, stages=stages, tp=s.tp,
-                        cp=cp, backward_chunks=units, schedule="packflow-1f1b" + ("-lean" if lean else ""))
+    return PipelinePlan(chunks=chunks, stages=stages, tp=s.tp, cp=group.ranks, backward_chunks=units,
+                        schedule="packflow-1f1b" + ("-lean" if lean else "")), known
 
 
 def fitting_pipeline(request: PlanRequest, p: int, group: RankGroup, count: int, models, flops: np.ndarray,

@@ -34,6 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from lengthwise.plan.ir import SHARDED, Chunk, Segment
+from lengthwise.plan.schedules import Dependencies
+from lengthwise.sim.inputs import SliceStructure
+from lengthwise.sim.memory import SplitSequence
 from lengthwise.plan.validate import check_backward_units  # noqa: F401  (re-exported)
 
 
@@ -205,6 +208,109 @@ def backward_units_ready(stream: Stream, bcuts: np.ndarray, fcuts: np.ndarray,
             units.append(Chunk(tuple(segs)))
             ready.append(need)
     return units, ready
+
+
+def stream_pieces(stream: Stream, fcuts: np.ndarray, bcuts: np.ndarray,
+                  made: dict | None = None) -> tuple[list[Chunk], list[Chunk], list[int], SliceStructure | None]:
+    """forward_chunks and backward_units_ready in one go, by numpy over the stream's elementary
+    intervals (every sample, forward and backward boundary), plus the SliceStructure the
+    simulator would otherwise read off the segments (slice dependencies, split sequences,
+    segment bounds). Equal cut positions (an empty MicroPack) take the pointer walks, without a
+    SliceStructure. `made`: whole-sample segments by sample, shared with other counts."""
+    made = {} if made is None else made
+    if len(fcuts) > 1 and not np.all(fcuts[1:] > fcuts[:-1]):
+        chunks = forward_chunks(stream, fcuts, made)
+        units, ready = backward_units_ready(stream, bcuts, fcuts, made)
+        return chunks, units, ready, None
+    offs, lens, ids = stream.offsets, stream.lengths, stream.seq_ids.tolist()
+    # forward: boundaries at every cut and sample start; each interval is one segment
+    e = np.union1d(fcuts, offs)
+    lo, hi = e[:-1], e[1:]
+    fk = np.searchsorted(offs, lo, side="right") - 1
+    fc = np.searchsorted(fcuts, lo, side="right") - 1  # cuts strictly increase: piece = chunk
+    fa, fb = lo - offs[fk], hi - offs[fk]
+    # backward positions: offset_k + r is token length_k - r; forward cuts inside a sample split it too
+    ck = np.searchsorted(offs, fcuts, side="right") - 1
+    inside = (ck < len(lens)) & (offs[np.minimum(ck, len(lens) - 1)] < fcuts)
+    mapped = offs[ck[inside]] + offs[ck[inside] + 1] - fcuts[inside]
+    e = np.union1d(np.union1d(bcuts, offs), mapped)
+    lo, hi = e[:-1], e[1:]
+    bk = np.searchsorted(offs, lo, side="right") - 1
+    piece = np.searchsorted(bcuts, lo, side="right") - 1
+    kept = np.cumsum(bcuts[1:] > bcuts[:-1]) - 1  # empty backward pieces are dropped
+    bu = kept[piece]
+    ba, bb = offs[bk + 1] - hi, offs[bk + 1] - lo
+    bc = np.searchsorted(fcuts, offs[bk] + ba, side="right") - 1  # forward MicroPack of its first token
+    order = np.lexsort((-lo, bk, bu))  # unit by unit, samples in stream order, tokens ascending
+    C, U = len(fcuts) - 1, int(kept[-1]) + 1 if len(kept) else 0
+
+    whole = made.setdefault("whole", {})
+
+    def segments(k: list[int], a: list[int], b: list[int]) -> list[Segment]:
+        out = []
+        for kk, aa, bb_ in zip(k, a, b):
+            if aa == 0 and bb_ == lens_l[kk]:
+                seg = whole.get(kk)
+                if seg is None:
+                    seg = whole[kk] = Segment(ids[kk], 0, bb_)
+            else:
+                seg = Segment(ids[kk], aa, bb_)
+            out.append(seg)
+        return out
+
+    lens_l = lens.tolist()
+    fsegs = segments(fk.tolist(), fa.tolist(), fb.tolist())
+    fcount = np.bincount(fc, minlength=C)
+    fstart = np.concatenate([[0], np.cumsum(fcount)]).tolist()
+    chunks = [Chunk(tuple(fsegs[i:j])) for i, j in zip(fstart[:-1], fstart[1:])]
+    bk_o, ba_o, bb_o, bu_o = bk[order], ba[order], bb[order], bu[order]
+    bsegs = segments(bk_o.tolist(), ba_o.tolist(), bb_o.tolist())
+    bcount = np.bincount(bu, minlength=U)
+    bstart = np.concatenate([[0], np.cumsum(bcount)]).tolist()
+    units = [Chunk(tuple(bsegs[i:j])) for i, j in zip(bstart[:-1], bstart[1:])]
+    top = np.full(U, -1, dtype=np.int64)
+    np.maximum.at(top, bu, bc)
+    ready = np.maximum.accumulate(top + 1).tolist() if U else []
+    known = _slice_structure(ids, fk, fa, fb, fc, bk, ba, bu, bc, C, U)
+    known = SliceStructure(deps=known[0], splits=known[1], fwd_counts=fcount, fwd_bounds=np.stack([fa, fb], axis=1),
+                           bwd_counts=bcount, bwd_bounds=np.stack([ba_o, bb_o], axis=1))
+    return chunks, units, ready, known
+
+
+def _slice_structure(ids: list[int], fk, fa, fb, fc, bk, ba, bu, bc, C: int, U: int):
+    """(Dependencies, split sequences) of forward segments (fk, fa, fb, fc: sample, start, stop,
+    chunk, in stream order) and backward segments (bk, ba, bu, bc: sample, start, unit, forward
+    chunk, in backward-stream order): plan.schedules.dependencies and sim.memory.split_sequences
+    of the chunks they make, read off the order. A forward segment starting inside its sample
+    continues the segment just before it; a backward one starting inside its sample continues
+    the one just after it in the backward stream (the sample's earlier tokens); each backward
+    segment reads the forward MicroPack holding it."""
+    fwd_after: list[tuple[int, ...]] = [()] * C
+    cont = np.flatnonzero(fa > 0)
+    for i, c, p in zip(cont.tolist(), fc[cont].tolist(), fc[cont - 1].tolist()):
+        fwd_after[c] = (p,)  # the chunk's first segment; its previous slice is in the chunk before
+    bcont = np.flatnonzero(ba > 0)
+    prev_u, this_u = bu[bcont + 1], bu[bcont]
+    link = np.unique((prev_u * U + this_u)[prev_u != this_u])
+    nexts: list[list[int]] = [[] for _ in range(U)]
+    for p, u in zip((link // U).tolist(), (link % U).tolist()):
+        nexts[p].append(u)
+    needs: list[list[int]] = [[] for _ in range(U)]
+    pairs = np.unique(bu * max(C, 1) + bc)
+    for u, c in zip((pairs // max(C, 1)).tolist(), (pairs % max(C, 1)).tolist()):
+        needs[u].append(c)
+    deps = Dependencies(fwd_after=tuple(fwd_after), bwd_after=tuple(map(tuple, nexts)),
+                        bwd_needs=tuple(map(tuple, needs)))
+    splits = []
+    cut = np.unique(fk[cont]).tolist()  # samples in stream order
+    if cut:
+        flo, fhi = np.searchsorted(fk, cut, side="left").tolist(), np.searchsorted(fk, cut, side="right").tolist()
+        blo, bhi = np.searchsorted(bk, cut, side="left").tolist(), np.searchsorted(bk, cut, side="right").tolist()
+        fc_l, fa_l, fn_l = fc.tolist(), fa.tolist(), (fb - fa).tolist()
+        for k, i, j, x, y in zip(cut, flo, fhi, blo, bhi):
+            splits.append(SplitSequence(seq_id=ids[k], first_fwd=list(zip(fc_l[i:j - 1], fn_l[i:j - 1])),
+                                        context=fa_l[j - 1], units=sorted(set(bu[x:y].tolist()))))
+    return deps, splits
 
 
 def place_segments(chunks: list[Chunk], rank_of: dict[int, int]) -> list[Chunk]:
