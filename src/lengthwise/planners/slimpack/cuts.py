@@ -224,7 +224,7 @@ def stream_pieces(stream: Stream, fcuts: np.ndarray, bcuts: np.ndarray,
         return chunks, units, ready, None
     offs, lens, ids = stream.offsets, stream.lengths, stream.seq_ids.tolist()
     # forward: boundaries at every cut and sample start; each interval is one segment
-    e = np.union1d(fcuts, offs)
+    e = e_fwd = _union(fcuts, offs)
     lo, hi = e[:-1], e[1:]
     fk = np.searchsorted(offs, lo, side="right") - 1
     fc = np.searchsorted(fcuts, lo, side="right") - 1  # cuts strictly increase: piece = chunk
@@ -233,7 +233,7 @@ def stream_pieces(stream: Stream, fcuts: np.ndarray, bcuts: np.ndarray,
     ck = np.searchsorted(offs, fcuts, side="right") - 1
     inside = (ck < len(lens)) & (offs[np.minimum(ck, len(lens) - 1)] < fcuts)
     mapped = offs[ck[inside]] + offs[ck[inside] + 1] - fcuts[inside]
-    e = np.union1d(np.union1d(bcuts, offs), mapped)
+    e = _union(bcuts, offs, mapped)
     lo, hi = e[:-1], e[1:]
     bk = np.searchsorted(offs, lo, side="right") - 1
     piece = np.searchsorted(bcuts, lo, side="right") - 1
@@ -243,29 +243,25 @@ def stream_pieces(stream: Stream, fcuts: np.ndarray, bcuts: np.ndarray,
     bc = np.searchsorted(fcuts, offs[bk] + ba, side="right") - 1  # forward MicroPack of its first token
     order = np.lexsort((-lo, bk, bu))  # unit by unit, samples in stream order, tokens ascending
     C, U = len(fcuts) - 1, int(kept[-1]) + 1 if len(kept) else 0
-
-    whole = made.setdefault("whole", {})
-
-    def segments(k: list[int], a: list[int], b: list[int]) -> list[Segment]:
-        out = []
-        for kk, aa, bb_ in zip(k, a, b):
-            if aa == 0 and bb_ == lens_l[kk]:
-                seg = whole.get(kk)
-                if seg is None:
-                    seg = whole[kk] = Segment(ids[kk], 0, bb_)
-            else:
-                seg = Segment(ids[kk], aa, bb_)
-            out.append(seg)
-        return out
-
-    lens_l = lens.tolist()
-    fsegs = segments(fk.tolist(), fa.tolist(), fb.tolist())
+    wholes = made.get("whole")
+    if wholes is None:  # one Segment per whole sample, shared by every count of the stream
+        wholes = made["whole"] = [Segment(q, 0, n) for q, n in zip(ids, lens.tolist())]
+    # forward segments: whole samples shared, slices made
+    fsegs = list(map(wholes.__getitem__, fk.tolist()))
+    part = np.flatnonzero((fa > 0) | (fb < lens[fk]))
+    for i, k, x, y in zip(part.tolist(), fk[part].tolist(), fa[part].tolist(), fb[part].tolist()):
+        fsegs[i] = Segment(ids[k], x, y)
     fcount = np.bincount(fc, minlength=C)
     fstart = np.concatenate([[0], np.cumsum(fcount)]).tolist()
     chunks = [Chunk(tuple(fsegs[i:j])) for i, j in zip(fstart[:-1], fstart[1:])]
-    bk_o, ba_o, bb_o, bu_o = bk[order], ba[order], bb[order], bu[order]
-    bsegs = segments(bk_o.tolist(), ba_o.tolist(), bb_o.tolist())
-    bcount = np.bincount(bu, minlength=U)
+    # backward segments: the forward segment holding each, itself where equal to it
+    sk, sa, sb, su = bk[order], ba[order], bb[order], bu[order]
+    fi = np.searchsorted(e_fwd, offs[sk] + sa, side="right") - 1
+    bsegs = list(map(fsegs.__getitem__, fi.tolist()))
+    part = np.flatnonzero((fa[fi] != sa) | (fb[fi] != sb))
+    for i, k, x, y in zip(part.tolist(), sk[part].tolist(), sa[part].tolist(), sb[part].tolist()):
+        bsegs[i] = Segment(ids[k], x, y)
+    bcount = np.bincount(su, minlength=U)
     bstart = np.concatenate([[0], np.cumsum(bcount)]).tolist()
     units = [Chunk(tuple(bsegs[i:j])) for i, j in zip(bstart[:-1], bstart[1:])]
     top = np.full(U, -1, dtype=np.int64)
@@ -273,8 +269,21 @@ def stream_pieces(stream: Stream, fcuts: np.ndarray, bcuts: np.ndarray,
     ready = np.maximum.accumulate(top + 1).tolist() if U else []
     known = _slice_structure(ids, fk, fa, fb, fc, bk, ba, bu, bc, C, U)
     known = SliceStructure(deps=known[0], splits=known[1], fwd_counts=fcount, fwd_bounds=np.stack([fa, fb], axis=1),
-                           bwd_counts=bcount, bwd_bounds=np.stack([ba_o, bb_o], axis=1))
+                           bwd_counts=bcount, bwd_bounds=np.stack([sa, sb], axis=1))
     return chunks, units, ready, known
+
+
+def _union(*arrays: np.ndarray) -> np.ndarray:
+    """Sorted distinct values of int64 arrays."""
+    e = np.sort(np.concatenate(arrays))
+    return e[np.concatenate([[True], e[1:] != e[:-1]])]
+
+
+def _grouped(keys: np.ndarray, width: int, n: int) -> tuple[tuple[int, ...], ...]:
+    """Sorted distinct keys row * width + column, as one tuple of columns per row 0..n-1."""
+    cols = (keys % width).tolist()
+    bounds = np.searchsorted(keys // width, np.arange(n + 1)).tolist()
+    return tuple(tuple(cols[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
 def _slice_structure(ids: list[int], fk, fa, fb, fc, bk, ba, bu, bc, C: int, U: int):
@@ -287,20 +296,15 @@ def _slice_structure(ids: list[int], fk, fa, fb, fc, bk, ba, bu, bc, C: int, U: 
     segment reads the forward MicroPack holding it."""
     fwd_after: list[tuple[int, ...]] = [()] * C
     cont = np.flatnonzero(fa > 0)
-    for i, c, p in zip(cont.tolist(), fc[cont].tolist(), fc[cont - 1].tolist()):
+    for c, p in zip(fc[cont].tolist(), fc[cont - 1].tolist()):
         fwd_after[c] = (p,)  # the chunk's first segment; its previous slice is in the chunk before
+    # backward segments in backward-stream order: the one after a segment starting inside its
+    # sample holds the sample's tokens just before
     bcont = np.flatnonzero(ba > 0)
     prev_u, this_u = bu[bcont + 1], bu[bcont]
     link = np.unique((prev_u * U + this_u)[prev_u != this_u])
-    nexts: list[list[int]] = [[] for _ in range(U)]
-    for p, u in zip((link // U).tolist(), (link % U).tolist()):
-        nexts[p].append(u)
-    needs: list[list[int]] = [[] for _ in range(U)]
-    pairs = np.unique(bu * max(C, 1) + bc)
-    for u, c in zip((pairs // max(C, 1)).tolist(), (pairs % max(C, 1)).tolist()):
-        needs[u].append(c)
-    deps = Dependencies(fwd_after=tuple(fwd_after), bwd_after=tuple(map(tuple, nexts)),
-                        bwd_needs=tuple(map(tuple, needs)))
+    deps = Dependencies(fwd_after=tuple(fwd_after), bwd_after=_grouped(link, U, U),
+                        bwd_needs=_grouped(np.unique(bu * C + bc), C, U))
     splits = []
     cut = np.unique(fk[cont]).tolist()  # samples in stream order
     if cut:
