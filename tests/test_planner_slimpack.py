@@ -402,3 +402,53 @@ def test_dp_merge_refuses_only_when_no_group_holds_the_floor():
     assert merge_sizes(flops, np.array([2, 3]), np.array([2, 3]), 4, by_flops=False) == [([1, 0], 3)]
     with pytest.raises(UserError, match="needs 3 merged DP ranks"):
         merge_sizes(flops, np.array([2, 3]), np.array([2, 3]), 2, by_flops=False)
+
+
+# ---- the numpy MicroPacks are the pointer walks' ----
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 3000), min_size=1, max_size=40), count=st.integers(1, 80),
+       seed=st.integers(0, 2**16))
+@example(lengths=[3, 1, 2], count=7, seed=0)  # more MicroPacks than one token's FLOPs allow: equal cuts
+def test_stream_pieces_match_the_walks_and_the_simulators_derivations(lengths, count, seed):
+    from lengthwise.plan.schedules import dependencies
+    from lengthwise.planners.slimpack.cuts import (Stream, backward_cuts, backward_units_ready, forward_chunks,
+                                                   forward_cuts, stream_pieces)
+    from lengthwise.sim.memory import split_sequences
+
+    req = request([1])
+    gf, gb = flops_models(req)
+    ids = np.random.default_rng(seed).permutation(len(lengths)).tolist()
+    stream = Stream.of(ids, lengths)
+    fcuts, bcuts = forward_cuts(stream, gf, count), backward_cuts(stream, gb, count)
+    chunks, units, ready, known = stream_pieces(stream, fcuts, bcuts, {})
+    assert chunks == forward_chunks(stream, fcuts)
+    assert (units, ready) == backward_units_ready(stream, bcuts, fcuts)
+    if known is None:  # only where two cuts coincide
+        assert np.any(np.diff(fcuts) == 0)
+        return
+    assert known.deps == dependencies(chunks, units)
+    assert known.splits == split_sequences(chunks, units)
+    for pieces, counts, bounds in ((chunks, known.fwd_counts, known.fwd_bounds),
+                                   (units, known.bwd_counts, known.bwd_bounds)):
+        assert counts.tolist() == [len(c.segments) for c in pieces]
+        assert bounds.tolist() == [[s.start, s.stop] for c in pieces for s in c.segments]
+
+
+def test_sweep_simulates_with_the_planners_slice_structure_as_without():
+    from lengthwise.planners.slimpack.build import build_candidate, prepare_stream
+    from lengthwise.planners.slimpack.build import bare_plan, phase1_variants
+
+    req = request(sample("github", 48, 32 * K), dp=3, pp=2, context=32 * K)
+    models = flops_models(req)
+    variants, flops = phase1_variants(req, models, True)
+    groups = variants[0]
+    for count in (2, 5, 11):
+        built = [build_candidate(req, g, count, models, flops, True, check=False,
+                                 prepared=prepare_stream(req, g, flops)) for g in groups]
+        assert any(k is not None for _, k in built)
+        step = bare_plan(req, [p for p, _ in built])
+        a = simulate_plan(step, req.cost, known=[k for _, k in built])
+        b = simulate_plan(step, req.cost)
+        assert a.to_dict() == b.to_dict()
+        assert np.array_equal(a.timeline.memory.level, b.timeline.memory.level)
