@@ -452,3 +452,26 @@ def test_sweep_simulates_with_the_planners_slice_structure_as_without():
         b = simulate_plan(step, req.cost)
         assert a.to_dict() == b.to_dict()
         assert np.array_equal(a.timeline.memory.level, b.timeline.memory.level)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams=st.lists(st.lists(st.integers(1, 2000), min_size=1, max_size=12), min_size=1, max_size=5),
+       count=st.integers(1, 30))
+def test_streams_pieces_of_several_streams_are_each_streams_own(streams, count):
+    from lengthwise.planners.slimpack.cuts import Stream, backward_cuts, forward_cuts, stream_pieces, streams_pieces
+
+    gf, gb = flops_models(request([1]))
+    lengths = [n for s in streams for n in s]
+    ids = np.cumsum([0] + [len(s) for s in streams]).tolist()
+    made = [Stream.of(list(range(a, b)), lengths) for a, b in zip(ids[:-1], ids[1:])]
+    fcuts = [forward_cuts(s, gf, count) for s in made]
+    bcuts = [backward_cuts(s, gb, count) for s in made]
+    together = streams_pieces(made, fcuts, bcuts, [{} for _ in made])
+    for s, f, b, got in zip(made, fcuts, bcuts, together):
+        alone = stream_pieces(s, f, b, {})
+        assert got[:3] == alone[:3]
+        assert (got[3] is None) == (alone[3] is None)
+        if got[3] is not None:
+            assert got[3].deps == alone[3].deps and got[3].splits == alone[3].splits
+            for name in ("fwd_counts", "fwd_bounds", "bwd_counts", "bwd_bounds"):
+                assert np.array_equal(getattr(got[3], name), getattr(alone[3], name))

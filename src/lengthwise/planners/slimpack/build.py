@@ -81,7 +81,7 @@ from lengthwise.planners.slimpack.cuts import (
     forward_cuts,
     micropack_form,
     place_segments,
-    stream_pieces,
+    streams_pieces,
 )
 from lengthwise.planners.slimpack.dp import RankGroup, assign_ranks, memory_ranks, merge_sizes
 from lengthwise.planners.slimpack.schedule import packflow_schedule
@@ -167,24 +167,40 @@ def build_candidate(request: PlanRequest, group: RankGroup, count: int, models, 
                     prepared: tuple[Stream, dict] | None = None) -> tuple[PipelinePlan, SliceStructure | None]:
     """build_pipeline, and the pipeline's SliceStructure for the simulator (None where it is
     left to the simulator: without asymmetric partitioning, or with an empty MicroPack)."""
+    return build_candidates(request, [group], count, models, flops, asymmetric, lean, check=check,
+                            prepared=[prepared or prepare_stream(request, group, flops)])[0]
+
+
+def build_candidates(request: PlanRequest, groups: list[RankGroup], count: int, models, flops: np.ndarray,
+                     asymmetric: bool, lean: bool = False, *, check: bool = True,
+                     prepared: list[tuple[Stream, dict]]) -> list[tuple[PipelinePlan, SliceStructure | None]]:
+    """build_candidate of every group at one count, the MicroPacks of all of them cut at once
+    (cuts.streams_pieces)."""
     gf, gb = models
     s = request.scheme
-    stream, made = prepared or prepare_stream(request, group, flops)
-    count = max(1, min(count, stream.total_tokens))
-    fcuts = forward_cuts(stream, gf, count)
+    streams = [stream for stream, _ in prepared]
+    counts = [max(1, min(count, stream.total_tokens)) for stream in streams]
+    fcuts = [forward_cuts(stream, gf, n) for stream, n in zip(streams, counts)]
     if not asymmetric:
-        chunks = forward_chunks(stream, fcuts, made)
-        chunks = place_segments(chunks, cp_placement(chunks, group, gf))
-        return PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, s.pp), tp=s.tp, cp=group.ranks,
-                            schedule="1f1b"), None
-    chunks, units, ready, known = stream_pieces(stream, fcuts, backward_cuts(stream, gb, count), made)
-    rank_of = cp_placement(chunks, group, gf)
-    chunks, units = place_segments(chunks, rank_of), place_segments(units, rank_of)
-    if check:
-        check_backward_units(chunks, units)
-    stages = packflow_schedule(chunks, units, s.pp, lean=lean, ready=ready)
-    return PipelinePlan(chunks=chunks, stages=stages, tp=s.tp, cp=group.ranks, backward_chunks=units,
-                        schedule="packflow-1f1b" + ("-lean" if lean else "")), known
+        out = []
+        for group, (stream, made), fc in zip(groups, prepared, fcuts):
+            chunks = forward_chunks(stream, fc, made)
+            chunks = place_segments(chunks, cp_placement(chunks, group, gf))
+            out.append((PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, s.pp), tp=s.tp,
+                                     cp=group.ranks, schedule="1f1b"), None))
+        return out
+    bcuts = [backward_cuts(stream, gb, n) for stream, n in zip(streams, counts)]
+    out = []
+    for group, (chunks, units, ready, known) in zip(groups, streams_pieces(streams, fcuts, bcuts,
+                                                                          [made for _, made in prepared])):
+        rank_of = cp_placement(chunks, group, gf)
+        chunks, units = place_segments(chunks, rank_of), place_segments(units, rank_of)
+        if check:
+            check_backward_units(chunks, units)
+        stages = packflow_schedule(chunks, units, s.pp, lean=lean, ready=ready)
+        out.append((PipelinePlan(chunks=chunks, stages=stages, tp=s.tp, cp=group.ranks, backward_chunks=units,
+                                 schedule="packflow-1f1b" + ("-lean" if lean else "")), known))
+    return out
 
 
 def fitting_pipeline(request: PlanRequest, p: int, group: RankGroup, count: int, models, flops: np.ndarray,

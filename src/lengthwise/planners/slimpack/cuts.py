@@ -210,48 +210,86 @@ def backward_units_ready(stream: Stream, bcuts: np.ndarray, fcuts: np.ndarray,
     return units, ready
 
 
-def stream_pieces(stream: Stream, fcuts: np.ndarray, bcuts: np.ndarray,
-                  made: dict | None = None) -> tuple[list[Chunk], list[Chunk], list[int], SliceStructure | None]:
-    """forward_chunks and backward_units_ready in one go, by numpy over the stream's elementary
-    intervals (every sample, forward and backward boundary), plus the SliceStructure the
-    simulator would otherwise read off the segments (slice dependencies, split sequences,
-    segment bounds). Equal cut positions (an empty MicroPack) take the pointer walks, without a
-    SliceStructure. `made`: whole-sample segments by sample, shared with other counts."""
-    made = {} if made is None else made
-    if len(fcuts) > 1 and not np.all(fcuts[1:] > fcuts[:-1]):
-        chunks = forward_chunks(stream, fcuts, made)
-        units, ready = backward_units_ready(stream, bcuts, fcuts, made)
-        return chunks, units, ready, None
-    offs, lens, ids = stream.offsets, stream.lengths, stream.seq_ids.tolist()
-    # forward: boundaries at every cut and sample start; each interval is one segment
-    e = e_fwd = _union(fcuts, offs)
-    lo, hi = e[:-1], e[1:]
+Pieces = tuple[list[Chunk], list[Chunk], list[int], "SliceStructure | None"]
+"""(forward MicroPacks, backward units, per unit the forward MicroPacks it waits for, the
+SliceStructure for the simulator)."""
+
+
+def stream_pieces(stream: Stream, fcuts: np.ndarray, bcuts: np.ndarray, made: dict | None = None) -> Pieces:
+    """forward_chunks and backward_units_ready in one go, plus the SliceStructure the simulator
+    would otherwise read off the segments (streams_pieces of one stream)."""
+    return streams_pieces([stream], [fcuts], [bcuts], [{} if made is None else made])[0]
+
+
+def streams_pieces(streams: list[Stream], fcuts: list[np.ndarray], bcuts: list[np.ndarray],
+                   made: list[dict]) -> list[Pieces]:
+    """stream_pieces of several streams (the pipelines of one candidate count) by numpy over
+    all of them at once: the streams laid end to end (each one's cuts shifted by the tokens
+    before it), cut at every sample start and forward and backward boundary into elementary
+    intervals, each one segment. A stream whose forward cuts repeat a position (an empty
+    MicroPack) takes the pointer walks instead, without a SliceStructure. `made[i]`: stream i's
+    whole-sample segments, shared with its other counts."""
+    out: list[Pieces | None] = [None] * len(streams)
+    batch = []
+    for i, (stream, fc) in enumerate(zip(streams, fcuts)):
+        if len(fc) > 1 and not np.all(fc[1:] > fc[:-1]):
+            out[i] = (forward_chunks(stream, fc, made[i]), *backward_units_ready(stream, bcuts[i], fc, made[i]), None)
+        else:
+            batch.append(i)
+    if batch:
+        for i, pieces in zip(batch, _pieces([streams[i] for i in batch], [fcuts[i] for i in batch],
+                                            [bcuts[i] for i in batch], [made[i] for i in batch])):
+            out[i] = pieces
+    return out
+
+
+def _pieces(streams: list[Stream], fcuts: list[np.ndarray], bcuts: list[np.ndarray], made: list[dict]) -> list[Pieces]:
+    P = len(streams)
+    totals = np.array([st.total_tokens for st in streams], dtype=np.int64)
+    base = np.concatenate([[0], np.cumsum(totals)]).astype(np.int64)
+    nS = np.array([len(st.lengths) for st in streams], dtype=np.int64)
+    # every sample start of every stream, then the end of the last: global sample k
+    offs = np.concatenate([st.offsets[:-1] + b for st, b in zip(streams, base[:-1].tolist())] + [base[-1:]])
+    lens = np.diff(offs)
+    wholes: list[Segment] = []
+    for st, m in zip(streams, made):
+        w = m.get("whole")
+        if w is None:  # one Segment per whole sample, shared by every count of the stream
+            w = m["whole"] = [Segment(q, 0, n) for q, n in zip(st.seq_ids.tolist(), st.lengths.tolist())]
+        wholes += w
+    ids = [seg.seq_id for seg in wholes]
+    FC = np.concatenate([fc[:-1] + b for fc, b in zip(fcuts, base[:-1].tolist())] + [base[-1:]])
+    BC = np.concatenate([bc[:-1] + b for bc, b in zip(bcuts, base[:-1].tolist())] + [base[-1:]])
+    nC = np.array([len(fc) - 1 for fc in fcuts], dtype=np.int64)
+    cstart = np.concatenate([[0], np.cumsum(nC)]).astype(np.int64)
+    # forward: each elementary interval is one segment; forward cuts strictly increase, so
+    # every piece is a MicroPack
+    e_fwd = _union(FC, offs)
+    lo, hi = e_fwd[:-1], e_fwd[1:]
     fk = np.searchsorted(offs, lo, side="right") - 1
-    fc = np.searchsorted(fcuts, lo, side="right") - 1  # cuts strictly increase: piece = chunk
+    fc = np.searchsorted(FC, lo, side="right") - 1
     fa, fb = lo - offs[fk], hi - offs[fk]
     # backward positions: offset_k + r is token length_k - r; forward cuts inside a sample split it too
-    ck = np.searchsorted(offs, fcuts, side="right") - 1
-    inside = (ck < len(lens)) & (offs[np.minimum(ck, len(lens) - 1)] < fcuts)
-    mapped = offs[ck[inside]] + offs[ck[inside] + 1] - fcuts[inside]
-    e = _union(bcuts, offs, mapped)
+    ck = np.minimum(np.searchsorted(offs, FC, side="right") - 1, len(lens) - 1)
+    inside = offs[ck] < FC
+    mapped = offs[ck[inside]] + offs[ck[inside] + 1] - FC[inside]
+    e = _union(BC, offs, mapped)
     lo, hi = e[:-1], e[1:]
     bk = np.searchsorted(offs, lo, side="right") - 1
-    piece = np.searchsorted(bcuts, lo, side="right") - 1
-    kept = np.cumsum(bcuts[1:] > bcuts[:-1]) - 1  # empty backward pieces are dropped
-    bu = kept[piece]
+    kept = np.cumsum(BC[1:] > BC[:-1]) - 1  # empty backward pieces are dropped
+    bu = kept[np.searchsorted(BC, lo, side="right") - 1]
     ba, bb = offs[bk + 1] - hi, offs[bk + 1] - lo
-    bc = np.searchsorted(fcuts, offs[bk] + ba, side="right") - 1  # forward MicroPack of its first token
+    bc = np.searchsorted(FC, offs[bk] + ba, side="right") - 1  # forward MicroPack of its first token
     order = np.lexsort((-lo, bk, bu))  # unit by unit, samples in stream order, tokens ascending
-    C, U = len(fcuts) - 1, int(kept[-1]) + 1 if len(kept) else 0
-    wholes = made.get("whole")
-    if wholes is None:  # one Segment per whole sample, shared by every count of the stream
-        wholes = made["whole"] = [Segment(q, 0, n) for q, n in zip(ids, lens.tolist())]
+    nU = np.bincount(np.searchsorted(base[1:], BC[np.flatnonzero(BC[1:] > BC[:-1])], side="right"),
+                     minlength=P).astype(np.int64)
+    ustart = np.concatenate([[0], np.cumsum(nU)]).astype(np.int64)
     # forward segments: whole samples shared, slices made
     fsegs = list(map(wholes.__getitem__, fk.tolist()))
     part = np.flatnonzero((fa > 0) | (fb < lens[fk]))
     for i, k, x, y in zip(part.tolist(), fk[part].tolist(), fa[part].tolist(), fb[part].tolist()):
         fsegs[i] = Segment(ids[k], x, y)
-    fcount = np.bincount(fc, minlength=C)
+    fcount = np.bincount(fc, minlength=int(cstart[-1]))
     fstart = np.concatenate([[0], np.cumsum(fcount)]).tolist()
     chunks = [Chunk(tuple(fsegs[i:j])) for i, j in zip(fstart[:-1], fstart[1:])]
     # backward segments: the forward segment holding each, itself where equal to it
@@ -261,16 +299,28 @@ def stream_pieces(stream: Stream, fcuts: np.ndarray, bcuts: np.ndarray,
     part = np.flatnonzero((fa[fi] != sa) | (fb[fi] != sb))
     for i, k, x, y in zip(part.tolist(), sk[part].tolist(), sa[part].tolist(), sb[part].tolist()):
         bsegs[i] = Segment(ids[k], x, y)
-    bcount = np.bincount(su, minlength=U)
+    bcount = np.bincount(su, minlength=int(ustart[-1]))
     bstart = np.concatenate([[0], np.cumsum(bcount)]).tolist()
     units = [Chunk(tuple(bsegs[i:j])) for i, j in zip(bstart[:-1], bstart[1:])]
-    top = np.full(U, -1, dtype=np.int64)
+    # per unit the forward MicroPacks it waits for: a running maximum (later streams' chunks
+    # all come after earlier streams', so one running maximum serves every stream)
+    unit_pipe = np.repeat(np.arange(P), nU)
+    top = np.full(int(ustart[-1]), -1, dtype=np.int64)
     np.maximum.at(top, bu, bc)
-    ready = np.maximum.accumulate(top + 1).tolist() if U else []
-    known = _slice_structure(ids, fk, fa, fb, fc, bk, ba, bu, bc, C, U)
-    known = SliceStructure(deps=known[0], splits=known[1], fwd_counts=fcount, fwd_bounds=np.stack([fa, fb], axis=1),
-                           bwd_counts=bcount, bwd_bounds=np.stack([sa, sb], axis=1))
-    return chunks, units, ready, known
+    ready = (np.maximum.accumulate(top + 1) - cstart[unit_pipe]).tolist()
+    deps, splits = _slice_structures(ids, fk, fa, fb, fc, bk, ba, bu, bc, cstart, ustart, np.concatenate(
+        [[0], np.cumsum(nS)]))
+    fb_start = np.concatenate([[0], np.cumsum(fcount)])
+    bb_start = np.concatenate([[0], np.cumsum(bcount)])
+    fbounds, bbounds = np.stack([fa, fb], axis=1), np.stack([sa, sb], axis=1)
+    out = []
+    for p in range(P):
+        c0, c1, u0, u1 = int(cstart[p]), int(cstart[p + 1]), int(ustart[p]), int(ustart[p + 1])
+        known = SliceStructure(deps=deps[p], splits=splits[p], fwd_counts=fcount[c0:c1],
+                               fwd_bounds=fbounds[fb_start[c0]:fb_start[c1]], bwd_counts=bcount[u0:u1],
+                               bwd_bounds=bbounds[bb_start[u0]:bb_start[u1]])
+        out.append((chunks[c0:c1], units[u0:u1], ready[u0:u1], known))
+    return out
 
 
 def _union(*arrays: np.ndarray) -> np.ndarray:
@@ -279,41 +329,51 @@ def _union(*arrays: np.ndarray) -> np.ndarray:
     return e[np.concatenate([[True], e[1:] != e[:-1]])]
 
 
-def _grouped(keys: np.ndarray, width: int, n: int) -> tuple[tuple[int, ...], ...]:
-    """Sorted distinct keys row * width + column, as one tuple of columns per row 0..n-1."""
-    cols = (keys % width).tolist()
-    bounds = np.searchsorted(keys // width, np.arange(n + 1)).tolist()
-    return tuple(tuple(cols[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
+def _grouped(rows: np.ndarray, cols: np.ndarray, n: int) -> list[tuple[int, ...]]:
+    """Distinct (row, col) pairs, sorted, as one tuple of columns per row 0..n-1."""
+    key = np.unique(rows * (int(cols.max(initial=0)) + 1) + cols) if len(rows) else np.zeros(0, np.int64)
+    width = int(cols.max(initial=0)) + 1
+    cols_l = (key % width).tolist()
+    bounds = np.searchsorted(key // width, np.arange(n + 1)).tolist()
+    return [tuple(cols_l[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _slice_structure(ids: list[int], fk, fa, fb, fc, bk, ba, bu, bc, C: int, U: int):
-    """(Dependencies, split sequences) of forward segments (fk, fa, fb, fc: sample, start, stop,
-    chunk, in stream order) and backward segments (bk, ba, bu, bc: sample, start, unit, forward
-    chunk, in backward-stream order): plan.schedules.dependencies and sim.memory.split_sequences
-    of the chunks they make, read off the order. A forward segment starting inside its sample
-    continues the segment just before it; a backward one starting inside its sample continues
-    the one just after it in the backward stream (the sample's earlier tokens); each backward
-    segment reads the forward MicroPack holding it."""
+def _slice_structures(ids: list[int], fk, fa, fb, fc, bk, ba, bu, bc, cstart, ustart, sstart):
+    """Per stream, (Dependencies, split sequences): plan.schedules.dependencies and
+    sim.memory.split_sequences of its chunks, read off the segments' order. Forward segments
+    (fk, fa, fb, fc: global sample, start, stop, chunk) come in stream order, backward ones
+    (bk, ba, bu, bc: sample, start, unit, forward chunk) in backward-stream order; cstart,
+    ustart, sstart: each stream's first chunk, unit and sample. A forward segment starting
+    inside its sample continues the segment just before it, in the chunk before (it is its
+    chunk's first); a backward one starting inside its sample continues the one just after it
+    in the backward stream (the sample's earlier tokens); each backward segment reads the
+    forward MicroPack holding it."""
+    P, C, U = len(cstart) - 1, int(cstart[-1]), int(ustart[-1])
+    chunk_pipe = np.repeat(np.arange(P), np.diff(cstart))
+    unit_pipe = np.repeat(np.arange(P), np.diff(ustart))
     fwd_after: list[tuple[int, ...]] = [()] * C
     cont = np.flatnonzero(fa > 0)
-    for c, p in zip(fc[cont].tolist(), fc[cont - 1].tolist()):
-        fwd_after[c] = (p,)  # the chunk's first segment; its previous slice is in the chunk before
-    # backward segments in backward-stream order: the one after a segment starting inside its
-    # sample holds the sample's tokens just before
+    for c, p in zip(fc[cont].tolist(), (fc[cont - 1] - cstart[chunk_pipe[fc[cont]]]).tolist()):
+        fwd_after[c] = (p,)
     bcont = np.flatnonzero(ba > 0)
     prev_u, this_u = bu[bcont + 1], bu[bcont]
-    link = np.unique((prev_u * U + this_u)[prev_u != this_u])
-    deps = Dependencies(fwd_after=tuple(fwd_after), bwd_after=_grouped(link, U, U),
-                        bwd_needs=_grouped(np.unique(bu * C + bc), C, U))
-    splits = []
-    cut = np.unique(fk[cont]).tolist()  # samples in stream order
-    if cut:
+    link = prev_u != this_u
+    bwd_after = _grouped(prev_u[link], this_u[link] - ustart[unit_pipe[this_u[link]]], U)
+    bwd_needs = _grouped(bu, bc - cstart[chunk_pipe[bc]], U)
+    deps = [Dependencies(fwd_after=tuple(fwd_after[cstart[p]:cstart[p + 1]]),
+                         bwd_after=tuple(bwd_after[ustart[p]:ustart[p + 1]]),
+                         bwd_needs=tuple(bwd_needs[ustart[p]:ustart[p + 1]])) for p in range(P)]
+    splits: list[list[SplitSequence]] = [[] for _ in range(P)]
+    cut = np.unique(fk[cont])  # samples in stream order
+    if len(cut):
+        pipe_of = (np.searchsorted(sstart, cut, side="right") - 1).tolist()
         flo, fhi = np.searchsorted(fk, cut, side="left").tolist(), np.searchsorted(fk, cut, side="right").tolist()
         blo, bhi = np.searchsorted(bk, cut, side="left").tolist(), np.searchsorted(bk, cut, side="right").tolist()
-        fc_l, fa_l, fn_l = fc.tolist(), fa.tolist(), (fb - fa).tolist()
-        for k, i, j, x, y in zip(cut, flo, fhi, blo, bhi):
-            splits.append(SplitSequence(seq_id=ids[k], first_fwd=list(zip(fc_l[i:j - 1], fn_l[i:j - 1])),
-                                        context=fa_l[j - 1], units=sorted(set(bu[x:y].tolist()))))
+        fc_l, fa_l, fn_l = (fc - cstart[chunk_pipe[fc]]).tolist(), fa.tolist(), (fb - fa).tolist()
+        bu_l = (bu - ustart[unit_pipe[bu]]).tolist()
+        for k, p, i, j, x, y in zip(cut.tolist(), pipe_of, flo, fhi, blo, bhi):
+            splits[p].append(SplitSequence(seq_id=ids[k], first_fwd=list(zip(fc_l[i:j - 1], fn_l[i:j - 1])),
+                                           context=fa_l[j - 1], units=sorted(set(bu_l[x:y]))))
     return deps, splits
 
 

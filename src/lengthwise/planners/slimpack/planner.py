@@ -48,7 +48,7 @@ from lengthwise.planners.base import PlanRequest, check_lengths, finish_plan
 from lengthwise.planners.slimpack.build import (
     HOLD_SHARES,
     bare_plan,
-    build_candidate,
+    build_candidates,
     fitting_pipeline,
     flops_models,
     merge_metrics,
@@ -154,8 +154,7 @@ def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asy
     out: list[dict] = []
     prepared = prepared or [prepare_stream(request, g, flops) for g in groups]
     for n in counts:
-        built = [build_candidate(request, g, n, models, flops, asymmetric, lean, check=False, prepared=ready)
-                 for g, ready in zip(groups, prepared)]
+        built = build_candidates(request, groups, n, models, flops, asymmetric, lean, check=False, prepared=prepared)
         pipes = [pipe for pipe, _ in built]
         result = simulate_plan(bare_plan(request, pipes), request.cost, known=[known for _, known in built])
         out.append({"count": n, "lean": lean, "pipelines": pipes, "makespan": result.pipeline_makespan,
