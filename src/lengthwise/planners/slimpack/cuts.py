@@ -251,13 +251,14 @@ def _pieces(streams: list[Stream], fcuts: list[np.ndarray], bcuts: list[np.ndarr
     # every sample start of every stream, then the end of the last: global sample k
     offs = np.concatenate([st.offsets[:-1] + b for st, b in zip(streams, base[:-1].tolist())] + [base[-1:]])
     lens = np.diff(offs)
-    wholes: list[Segment] = []
+    wholes = []
     for st, m in zip(streams, made):
         w = m.get("whole")
         if w is None:  # one Segment per whole sample, shared by every count of the stream
-            w = m["whole"] = [Segment(q, 0, n) for q, n in zip(st.seq_ids.tolist(), st.lengths.tolist())]
-        wholes += w
-    ids = [seg.seq_id for seg in wholes]
+            w = m["whole"] = _objects([Segment(q, 0, n) for q, n in zip(st.seq_ids.tolist(), st.lengths.tolist())])
+        wholes.append(w)
+    wholes = np.concatenate(wholes)
+    ids = np.concatenate([st.seq_ids for st in streams])
     FC = np.concatenate([fc[:-1] + b for fc, b in zip(fcuts, base[:-1].tolist())] + [base[-1:]])
     BC = np.concatenate([bc[:-1] + b for bc, b in zip(bcuts, base[:-1].tolist())] + [base[-1:]])
     nC = np.array([len(fc) - 1 for fc in fcuts], dtype=np.int64)
@@ -285,20 +286,20 @@ def _pieces(streams: list[Stream], fcuts: list[np.ndarray], bcuts: list[np.ndarr
                      minlength=P).astype(np.int64)
     ustart = np.concatenate([[0], np.cumsum(nU)]).astype(np.int64)
     # forward segments: whole samples shared, slices made
-    fsegs = list(map(wholes.__getitem__, fk.tolist()))
+    fobj = wholes[fk]
     part = np.flatnonzero((fa > 0) | (fb < lens[fk]))
-    for i, k, x, y in zip(part.tolist(), fk[part].tolist(), fa[part].tolist(), fb[part].tolist()):
-        fsegs[i] = Segment(ids[k], x, y)
+    fobj[part] = _objects(list(map(Segment, ids[fk[part]].tolist(), fa[part].tolist(), fb[part].tolist())))
+    fsegs = fobj.tolist()
     fcount = np.bincount(fc, minlength=int(cstart[-1]))
     fstart = np.concatenate([[0], np.cumsum(fcount)]).tolist()
     chunks = [Chunk(tuple(fsegs[i:j])) for i, j in zip(fstart[:-1], fstart[1:])]
     # backward segments: the forward segment holding each, itself where equal to it
     sk, sa, sb, su = bk[order], ba[order], bb[order], bu[order]
     fi = np.searchsorted(e_fwd, offs[sk] + sa, side="right") - 1
-    bsegs = list(map(fsegs.__getitem__, fi.tolist()))
+    bobj = fobj[fi]
     part = np.flatnonzero((fa[fi] != sa) | (fb[fi] != sb))
-    for i, k, x, y in zip(part.tolist(), sk[part].tolist(), sa[part].tolist(), sb[part].tolist()):
-        bsegs[i] = Segment(ids[k], x, y)
+    bobj[part] = _objects(list(map(Segment, ids[sk[part]].tolist(), sa[part].tolist(), sb[part].tolist())))
+    bsegs = bobj.tolist()
     bcount = np.bincount(su, minlength=int(ustart[-1]))
     bstart = np.concatenate([[0], np.cumsum(bcount)]).tolist()
     units = [Chunk(tuple(bsegs[i:j])) for i, j in zip(bstart[:-1], bstart[1:])]
@@ -308,7 +309,7 @@ def _pieces(streams: list[Stream], fcuts: list[np.ndarray], bcuts: list[np.ndarr
     top = np.full(int(ustart[-1]), -1, dtype=np.int64)
     np.maximum.at(top, bu, bc)
     ready = (np.maximum.accumulate(top + 1) - cstart[unit_pipe]).tolist()
-    deps, splits = _slice_structures(ids, fk, fa, fb, fc, bk, ba, bu, bc, cstart, ustart, np.concatenate(
+    deps, splits = _slice_structures(ids.tolist(), fk, fa, fb, fc, bk, ba, bu, bc, cstart, ustart, np.concatenate(
         [[0], np.cumsum(nS)]))
     fb_start = np.concatenate([[0], np.cumsum(fcount)])
     bb_start = np.concatenate([[0], np.cumsum(bcount)])
@@ -320,6 +321,13 @@ def _pieces(streams: list[Stream], fcuts: list[np.ndarray], bcuts: list[np.ndarr
                                fwd_bounds=fbounds[fb_start[c0]:fb_start[c1]], bwd_counts=bcount[u0:u1],
                                bwd_bounds=bbounds[bb_start[u0]:bb_start[u1]])
         out.append((chunks[c0:c1], units[u0:u1], ready[u0:u1], known))
+    return out
+
+
+def _objects(items: list) -> np.ndarray:
+    """A numpy object array holding `items` (for gathering and scattering them with numpy)."""
+    out = np.empty(len(items), dtype=object)
+    out[:] = items
     return out
 
 
@@ -368,12 +376,17 @@ def _slice_structures(ids: list[int], fk, fa, fb, fc, bk, ba, bu, bc, cstart, us
     if len(cut):
         pipe_of = (np.searchsorted(sstart, cut, side="right") - 1).tolist()
         flo, fhi = np.searchsorted(fk, cut, side="left").tolist(), np.searchsorted(fk, cut, side="right").tolist()
-        blo, bhi = np.searchsorted(bk, cut, side="left").tolist(), np.searchsorted(bk, cut, side="right").tolist()
         fc_l, fa_l, fn_l = (fc - cstart[chunk_pipe[fc]]).tolist(), fa.tolist(), (fb - fa).tolist()
-        bu_l = (bu - ustart[unit_pipe[bu]]).tolist()
-        for k, p, i, j, x, y in zip(cut.tolist(), pipe_of, flo, fhi, blo, bhi):
+        # distinct (sample, unit) pairs of the cut samples, sorted: each sample's units in order
+        is_cut = np.zeros(int(fk.max()) + 1, dtype=bool)
+        is_cut[cut] = True
+        sel = is_cut[bk]
+        held = np.unique(bk[sel] * U + bu[sel])
+        held_u = (held % U - ustart[unit_pipe[held % U]]).tolist()
+        hb = np.searchsorted(held // U, np.r_[cut, cut[-1] + 1]).tolist()
+        for n, (k, p, i, j) in enumerate(zip(cut.tolist(), pipe_of, flo, fhi)):
             splits[p].append(SplitSequence(seq_id=ids[k], first_fwd=list(zip(fc_l[i:j - 1], fn_l[i:j - 1])),
-                                           context=fa_l[j - 1], units=sorted(set(bu_l[x:y]))))
+                                           context=fa_l[j - 1], units=held_u[hb[n]:hb[n + 1]]))
     return deps, splits
 
 
