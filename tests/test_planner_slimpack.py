@@ -3,6 +3,7 @@ and backward MicroPacks with exact slice boundaries, the backward nesting rule, 
 the PackFlow schedule and the simulated sweep over the MicroPack count."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -475,3 +476,20 @@ def test_streams_pieces_of_several_streams_are_each_streams_own(streams, count):
             assert got[3].deps == alone[3].deps and got[3].splits == alone[3].splits
             for name in ("fwd_counts", "fwd_bounds", "bwd_counts", "bwd_bounds"):
                 assert np.array_equal(getattr(got[3], name), getattr(alone[3], name))
+
+
+def test_memory_budgets_come_from_the_cost_models_stage_budgets():
+    from lengthwise.planners.slimpack.build import memory_share_per_token, min_fitting_count
+
+    req = request([1], dp=4, pp=2)
+    cost, s = req.cost, req.scheme
+    budgets = cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=s.dp * s.cp, zero=s.zero)
+    for hold in (1.0, 0.5):  # a HOLD share scales the capacity, model states are held whole
+        want = max((b.activation_per_token + 2 * cost.kv_bytes(1, layers=b.layers, tp=s.tp))
+                   / (b.capacity * hold - b.states) for b in budgets)
+        assert memory_share_per_token(req, hold) == want
+    # model states sharded over the plan's pipelines x cp ranks; one rank's tokens per MicroPack
+    tokens, pipelines = 10**7, 3
+    most = min(b.free / b.activation_per_token
+               for b in cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=pipelines * s.cp, zero=s.zero))
+    assert min_fitting_count(req, tokens, 2, pipelines) == max(1, math.floor(tokens / (2 * most)))

@@ -60,7 +60,6 @@ import math
 import numpy as np
 
 from lengthwise.cost.flops import work_key
-from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB
 from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
@@ -106,18 +105,16 @@ def flops_models(request: PlanRequest) -> tuple[PrefixCost, PrefixCost]:
 def memory_share_per_token(request: PlanRequest, hold: float) -> float:
     """Share of a stage's free memory (`hold` of capacity, less model states) one token of a sample
     takes while the whole sample is in flight (activations, K/V state and K/V gradients), on the
-    tightest stage."""
+    tightest stage (CostModel.stage_budgets; every pipeline's dp x cp ranks hold a replica)."""
     s, cost = request.scheme, request.cost
     worst = 0.0
-    for stage, n in enumerate(split_layers(request.model.num_layers, s.pp)):
-        first, last = stage == 0, stage == s.pp - 1
-        states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp * s.cp, zero=s.zero, first=first, last=last)
-        free = cost.capacity_bytes * hold - states
+    for b in cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=s.dp * s.cp, zero=s.zero):
+        free = b.capacity * hold - b.states
         if free <= 0:
-            raise UserError(f"stage {stage} model states take {states / GIB:.1f} GiB, more than {hold:.0%} "
-                            f"of the {cost.capacity_bytes / GIB:.1f} GiB usable: raise --tp/--pp or the ZeRO stage")
-        per_token = (cost.activation_bytes_per_token(layers=n, tp=s.tp, head=last)
-                     + 2 * cost.kv_bytes(1, layers=n, tp=s.tp))
+            raise UserError(f"stage {b.stage} model states take {b.states / GIB:.1f} GiB, more than {hold:.0%} "
+                            f"of the {b.capacity / GIB:.1f} GiB usable: raise --tp/--pp or the ZeRO stage")
+        # K/V by the cost model's kv_bytes, which a measured profile may override
+        per_token = b.activation_per_token + 2 * cost.kv_bytes(1, layers=b.layers, tp=s.tp)
         worst = max(worst, per_token / free)
     return worst
 
@@ -230,12 +227,9 @@ def min_fitting_count(request: PlanRequest, tokens: int, cp: int, pipelines: int
     taking its activations on the tightest stage (K/V context only adds)."""
     s, cost = request.scheme, request.cost
     most = float("inf")  # tokens one rank can hold beside its model states
-    for stage, n in enumerate(split_layers(request.model.num_layers, s.pp)):
-        first, last = stage == 0, stage == s.pp - 1
-        free = cost.capacity_bytes - cost.model_state_bytes(layers=n, tp=s.tp, dp=pipelines * s.cp, zero=s.zero,
-                                                             first=first, last=last)
-        per_token = cost.activation_bytes_per_token(layers=n, tp=s.tp, head=last)
-        most = min(most, free / per_token if per_token > 0 else float("inf"))
+    for b in cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=pipelines * s.cp, zero=s.zero):
+        per_token = b.activation_per_token
+        most = min(most, b.free / per_token if per_token > 0 else float("inf"))
     if most <= 0:
         return 1  # nothing fits: fitting_pipeline reports the overflow
     return max(1, math.floor(tokens / (cp * most)))
