@@ -11,6 +11,7 @@ reduce-scatters their gradients, the same volume as the all-gather); the point-t
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -362,11 +363,14 @@ class _PipelineCosts:
             act.append(kept)
             # on the last stage each backward unit's loss backward makes the bf16 logit gradient
             work.append(self._head_backward() if head else np.zeros(U))
-            nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD}
+            nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD} \
+                if FORWARD_NOGRAD in map(_KIND, pipe.stages[s]) else ()
             transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
                               for i, c in enumerate(pipe.chunks)] if nograd else np.zeros(C))
-            if L not in kv_of:
-                kv_of[L] = {q.seq_id: cm.kv_bytes(q.context, layers=L, **self.kw) for q in splits}
+            if L not in kv_of:  # kv_bytes by context length, shared by the plan's pipelines of one tp, cp
+                memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
+                kv_of[L] = {q.seq_id: memo[q.context] if q.context in memo else
+                            memo.setdefault(q.context, cm.kv_bytes(q.context, layers=L, **self.kw)) for q in splits}
             kv.append(kv_of[L])
             kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
             state.append(self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero,
@@ -393,9 +397,13 @@ class _PipelineCosts:
         dp = len(self.plan.pipelines) * self.pipe.cp
         if dp <= 1:
             return [0.0] * self.pipe.pp
-        return [self._shared(self.cm.grad_sync_time, layers=L, tp=self.pipe.tp, dp=dp, zero=self.plan.zero,
-                             inter_node=self.dp_inter(s), first=s == 0, last=s == self.pipe.pp - 1)
-                for s, L in enumerate(self.layers)]
+        key = ("grad_sync", tuple(self.layers), self.pipe.tp, self.pipe.cp)  # the rest is the plan's
+        if key not in self.shared:
+            self.shared[key] = [self._shared(self.cm.grad_sync_time, layers=L, tp=self.pipe.tp, dp=dp,
+                                             zero=self.plan.zero, inter_node=self.dp_inter(s), first=s == 0,
+                                             last=s == self.pipe.pp - 1)
+                                for s, L in enumerate(self.layers)]
+        return list(self.shared[key])
 
     def _shared(self, fn, **kw) -> float:
         key = (fn.__name__, *sorted(kw.items()))
@@ -441,10 +449,16 @@ class _PipelineCosts:
         return sums[0] + sums[1]
 
 
+_RECOMPUTE = operator.attrgetter("recompute_layers")
+_KIND = operator.attrgetter("kind")
+
+
 def _recompute_table(pipe: PipelinePlan) -> list[list[int]]:
     """[stage][chunk] layers the chunk's F recomputes on that stage."""
     table = [[0] * len(pipe.chunks) for _ in range(pipe.pp)]
     for s, acts in enumerate(pipe.stages):
+        if not any(map(_RECOMPUTE, acts)):  # (a scan at C speed) no action recomputes: zeros
+            continue
         for a in acts:
             if a.kind == FORWARD and 0 <= a.chunk < len(pipe.chunks):
                 table[s][a.chunk] = a.recompute_layers
