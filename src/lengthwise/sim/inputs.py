@@ -124,9 +124,9 @@ def _plan_works(plan: StepPlan, known: list[SliceStructure | None]) -> list[tupl
     where given). None for every pipeline where a sum could leave float64's exact integers
     (sequences of tens of millions of tokens)."""
     lists = [x for p in plan.pipelines for x in (p.chunks, p.bwd_units)]
-    chunks = [c for x in lists for c in x]
     count_parts, bound_parts = [], []
     if all(k is None for k in known):  # one pass over every segment of the plan
+        chunks = [c for x in lists for c in x]
         counts = np.fromiter((len(c.segments) for c in chunks), dtype=np.int64, count=len(chunks))
         count_parts.append(counts)
         bound_parts.append(np.fromiter(itertools.chain.from_iterable((s.start, s.stop) for c in chunks
@@ -149,15 +149,17 @@ def _plan_works(plan: StepPlan, known: list[SliceStructure | None]) -> list[tupl
     start, stop = flat[0::2], flat[1::2]
     if len(stop) and (int(stop.max()) >= 2**26 or int(stop.max()) ** 2 * len(stop) >= 2**53):
         return [None] * len(plan.pipelines)
-    owner = np.repeat(np.arange(len(chunks)), counts)
-    tokens = np.bincount(owner, weights=stop - start, minlength=len(chunks))
-    pairs = np.bincount(owner, weights=(stop * (stop + 1) - start * (start + 1)) // 2, minlength=len(chunks))
+    n = len(counts)
+    owner = np.repeat(np.arange(n), counts)
+    tokens = np.bincount(owner, weights=stop - start, minlength=n)
+    pairs = np.bincount(owner, weights=(stop * (stop + 1) - start * (start + 1)) // 2, minlength=n)
     row_tokens, row_keys = tokens.copy(), pairs.copy()
-    pads = np.fromiter((c.pad_to for c in chunks), dtype=np.int64, count=len(chunks)) \
-        if not known or any(k is None for k in known) else np.zeros(len(chunks), np.int64)  # known: unpadded
-    for i in np.flatnonzero((pads > tokens) & (counts > 0)).tolist():  # padded rows (chunk_work)
-        w = chunk_work(chunks[i])
-        row_tokens[i], row_keys[i] = w.tokens, w.keys
+    if not known or any(k is None for k in known):  # a SliceStructure's chunks are unpadded
+        chunks = [c for x in lists for c in x]
+        pads = np.fromiter((c.pad_to for c in chunks), dtype=np.int64, count=n)
+        for i in np.flatnonzero((pads > tokens) & (counts > 0)).tolist():  # padded rows (chunk_work)
+            w = chunk_work(chunks[i])
+            row_tokens[i], row_keys[i] = w.tokens, w.keys
     tokens_int, pairs_int = tokens.astype(np.int64).tolist(), pairs.astype(np.int64).tolist()
     bounds = np.cumsum([0] + [len(x) for x in lists]).tolist()
     works = [_Works(tokens=tokens_int[a:b], pairs=pairs_int[a:b], row_tokens=row_tokens[a:b], row_keys=row_keys[a:b],
@@ -306,17 +308,16 @@ class _PipelineCosts:
             else:  # boundary bytes go by row tokens alone: one call per distinct count
                 memo = self.shared.setdefault(("p2p", inter, self.pipe.tp), {})
 
-                def times(chunks: list[Chunk], rows: np.ndarray) -> list[float]:
+                def times(rows: np.ndarray) -> list[float]:
                     out = []
-                    for c, r in zip(chunks, rows.tolist()):
+                    for r in rows.tolist():
                         v = memo.get(r)
                         if v is None:
-                            v = memo[r] = cm.p2p_time(cm.boundary_bytes(c, **kw), inter_node=inter)
+                            v = memo[r] = cm.p2p_time(cm.boundary_bytes(_row_of(r), **kw), inter_node=inter)
                         out.append(v)
                     return out
 
-                self._cache["p2p", inter] = (times(self.pipe.chunks, self.works[0].row_tokens),
-                                             times(self.units, self.works[1].row_tokens))
+                self._cache["p2p", inter] = (times(self.works[0].row_tokens), times(self.works[1].row_tokens))
         return self._cache["p2p", inter]
 
     def _stage_times(self, s: int, recompute: list[int], dur: np.ndarray, comm: np.ndarray) -> None:
@@ -385,10 +386,10 @@ class _PipelineCosts:
             return [cm.head_backward_bytes(u, **kw) for u in self.units]
         memo = self.shared.setdefault(("head_backward", self.pipe.tp), {})
         out = []
-        for u, r in zip(self.units, self.works[1].row_tokens.tolist()):
+        for r in self.works[1].row_tokens.tolist():
             v = memo.get(r)
             if v is None:
-                v = memo[r] = cm.head_backward_bytes(u, **kw)
+                v = memo[r] = cm.head_backward_bytes(_row_of(r), **kw)
             out.append(v)
         return out
 
@@ -447,6 +448,13 @@ class _PipelineCosts:
                 values.append(v)
             sums.append(sum(values))
         return sums[0] + sums[1]
+
+
+def _row_of(tokens: float) -> Chunk:
+    """A one-segment chunk of `tokens` row tokens: what a memo keyed by row tokens asks the
+    cost model on a miss (boundary and loss-backward bytes go by row tokens alone without CP),
+    so the pipeline's own chunks need not be looked at."""
+    return Chunk((Segment(0, 0, int(tokens)),))
 
 
 _RECOMPUTE = operator.attrgetter("recompute_layers")

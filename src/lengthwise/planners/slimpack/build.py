@@ -79,6 +79,7 @@ from lengthwise.planners.slimpack.cuts import (
     forward_chunks,
     forward_cuts,
     micropack_form,
+    materialized,
     place_segments,
     streams_pieces,
 )
@@ -164,15 +165,24 @@ def build_candidate(request: PlanRequest, group: RankGroup, count: int, models, 
                     prepared: tuple[Stream, dict] | None = None) -> tuple[PipelinePlan, SliceStructure | None]:
     """build_pipeline, and the pipeline's SliceStructure for the simulator (None where it is
     left to the simulator: without asymmetric partitioning, or with an empty MicroPack)."""
-    return build_candidates(request, [group], count, models, flops, asymmetric, lean, check=check,
-                            prepared=[prepared or prepare_stream(request, group, flops)])[0]
+    pipe, known = build_candidates(request, [group], count, models, flops, asymmetric, lean, check=check,
+                                   prepared=[prepared or prepare_stream(request, group, flops)])[0]
+    return materialize(pipe), known
+
+
+def materialize(pipe: PipelinePlan) -> PipelinePlan:
+    """The pipeline with plain lists of chunks (build_candidates leaves them LazyChunks)."""
+    pipe.chunks = materialized(pipe.chunks)
+    if pipe.backward_chunks is not None:
+        pipe.backward_chunks = materialized(pipe.backward_chunks)
+    return pipe
 
 
 def build_candidates(request: PlanRequest, groups: list[RankGroup], count: int, models, flops: np.ndarray,
                      asymmetric: bool, lean: bool = False, *, check: bool = True,
                      prepared: list[tuple[Stream, dict]]) -> list[tuple[PipelinePlan, SliceStructure | None]]:
     """build_candidate of every group at one count, the MicroPacks of all of them cut at once
-    (cuts.streams_pieces)."""
+    (cuts.streams_pieces); their chunks may be LazyChunks, made on first use (`materialize`)."""
     gf, gb = models
     s = request.scheme
     streams = [stream for stream, _ in prepared]

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -285,24 +286,11 @@ def _pieces(streams: list[Stream], fcuts: list[np.ndarray], bcuts: list[np.ndarr
     nU = np.bincount(np.searchsorted(base[1:], BC[np.flatnonzero(BC[1:] > BC[:-1])], side="right"),
                      minlength=P).astype(np.int64)
     ustart = np.concatenate([[0], np.cumsum(nU)]).astype(np.int64)
-    # forward segments: whole samples shared, slices made
-    fobj = wholes[fk]
-    part = np.flatnonzero((fa > 0) | (fb < lens[fk]))
-    fobj[part] = _objects(list(map(Segment, ids[fk[part]].tolist(), fa[part].tolist(), fb[part].tolist())))
-    fsegs = fobj.tolist()
     fcount = np.bincount(fc, minlength=int(cstart[-1]))
-    fstart = np.concatenate([[0], np.cumsum(fcount)]).tolist()
-    chunks = [Chunk(tuple(fsegs[i:j])) for i, j in zip(fstart[:-1], fstart[1:])]
-    # backward segments: the forward segment holding each, itself where equal to it
     sk, sa, sb, su = bk[order], ba[order], bb[order], bu[order]
-    fi = np.searchsorted(e_fwd, offs[sk] + sa, side="right") - 1
-    bobj = fobj[fi]
-    part = np.flatnonzero((fa[fi] != sa) | (fb[fi] != sb))
-    bobj[part] = _objects(list(map(Segment, ids[sk[part]].tolist(), sa[part].tolist(), sb[part].tolist())))
-    bsegs = bobj.tolist()
     bcount = np.bincount(su, minlength=int(ustart[-1]))
-    bstart = np.concatenate([[0], np.cumsum(bcount)]).tolist()
-    units = [Chunk(tuple(bsegs[i:j])) for i, j in zip(bstart[:-1], bstart[1:])]
+    fb_start = np.concatenate([[0], np.cumsum(fcount)])
+    bb_start = np.concatenate([[0], np.cumsum(bcount)])
     # per unit the forward MicroPacks it waits for: a running maximum (later streams' chunks
     # all come after earlier streams', so one running maximum serves every stream)
     unit_pipe = np.repeat(np.arange(P), nU)
@@ -311,17 +299,100 @@ def _pieces(streams: list[Stream], fcuts: list[np.ndarray], bcuts: list[np.ndarr
     ready = (np.maximum.accumulate(top + 1) - cstart[unit_pipe]).tolist()
     deps, splits = _slice_structures(ids.tolist(), fk, fa, fb, fc, bk, ba, bu, bc, cstart, ustart, np.concatenate(
         [[0], np.cumsum(nS)]))
-    fb_start = np.concatenate([[0], np.cumsum(fcount)])
-    bb_start = np.concatenate([[0], np.cumsum(bcount)])
     fbounds, bbounds = np.stack([fa, fb], axis=1), np.stack([sa, sb], axis=1)
+    # the forward segment holding each backward one (the backward segment is that object where equal)
+    fi = np.searchsorted(e_fwd, offs[sk] + sa, side="right") - 1
+    segs = _Segments(wholes=wholes, ids=ids, part=(fa > 0) | (fb < lens[fk]), fk=fk, fa=fa, fb=fb, fcount=fcount,
+                     fi=fi, bpart=(fa[fi] != sa) | (fb[fi] != sb), sk=sk, sa=sa, sb=sb, bcount=bcount)
     out = []
     for p in range(P):
         c0, c1, u0, u1 = int(cstart[p]), int(cstart[p + 1]), int(ustart[p]), int(ustart[p + 1])
+        f0, f1, b0, b1 = int(fb_start[c0]), int(fb_start[c1]), int(bb_start[u0]), int(bb_start[u1])
         known = SliceStructure(deps=deps[p], splits=splits[p], fwd_counts=fcount[c0:c1],
-                               fwd_bounds=fbounds[fb_start[c0]:fb_start[c1]], bwd_counts=bcount[u0:u1],
-                               bwd_bounds=bbounds[bb_start[u0]:bb_start[u1]])
-        out.append((chunks[c0:c1], units[u0:u1], ready[u0:u1], known))
+                               fwd_bounds=fbounds[f0:f1], bwd_counts=bcount[u0:u1], bwd_bounds=bbounds[b0:b1])
+        chunks = LazyChunks(c1 - c0, lambda c0=c0, c1=c1, f0=f0, f1=f1: segs.forward(c0, c1, f0, f1))
+        units = LazyChunks(u1 - u0, lambda c0=c0, u0=u0, u1=u1, f0=f0, b0=b0, b1=b1, chunks=chunks:
+                           segs.backward(chunks, u0, u1, f0, b0, b1))
+        out.append((chunks, units, ready[u0:u1], known))
     return out
+
+
+class LazyChunks(Sequence):
+    """A list of chunks made on first use (len() needs none): the sweep simulates every
+    candidate from its SliceStructure and keeps few, so most candidates' Segment and Chunk
+    objects are never made. `materialize` (or any access but len) makes them."""
+
+    def __init__(self, n: int, make):
+        self._n, self._make, self._items = n, make, None
+
+    def materialize(self) -> list[Chunk]:
+        if self._items is None:
+            self._items, self._make = self._make(), None
+        return self._items
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        return self.materialize()[i]
+
+    def __iter__(self):
+        return iter(self.materialize())
+
+    def __eq__(self, other) -> bool:
+        return self.materialize() == (other.materialize() if isinstance(other, LazyChunks) else other)
+
+    def __repr__(self) -> str:
+        return repr(self.materialize())
+
+
+def materialized(chunks):
+    """A plain list of `chunks` (LazyChunks made; anything else as it is)."""
+    return chunks.materialize() if isinstance(chunks, LazyChunks) else chunks
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Segments:
+    """Segment and Chunk objects of one streams_pieces batch, made stream by stream on demand:
+    whole samples are the stream's shared objects, slices are made; a backward segment equal
+    to the forward segment holding it is that object."""
+
+    wholes: np.ndarray
+    ids: np.ndarray
+    part: np.ndarray
+    fk: np.ndarray
+    fa: np.ndarray
+    fb: np.ndarray
+    fcount: np.ndarray
+    fi: np.ndarray
+    bpart: np.ndarray
+    sk: np.ndarray
+    sa: np.ndarray
+    sb: np.ndarray
+    bcount: np.ndarray
+    objects: dict = field(default_factory=dict)
+    """Forward segment objects by the stream's first segment, for its backward units."""
+
+    def forward(self, c0: int, c1: int, f0: int, f1: int) -> list[Chunk]:
+        obj = self.wholes[self.fk[f0:f1]]
+        part = np.flatnonzero(self.part[f0:f1]) + f0
+        obj[part - f0] = _objects(list(map(Segment, self.ids[self.fk[part]].tolist(), self.fa[part].tolist(),
+                                           self.fb[part].tolist())))
+        self.objects[f0] = obj
+        return _chunks(obj.tolist(), self.fcount[c0:c1])
+
+    def backward(self, chunks: LazyChunks, u0: int, u1: int, f0: int, b0: int, b1: int) -> list[Chunk]:
+        chunks.materialize()  # its segment objects
+        obj = self.objects[f0][self.fi[b0:b1] - f0]
+        part = np.flatnonzero(self.bpart[b0:b1]) + b0
+        obj[part - b0] = _objects(list(map(Segment, self.ids[self.sk[part]].tolist(), self.sa[part].tolist(),
+                                           self.sb[part].tolist())))
+        return _chunks(obj.tolist(), self.bcount[u0:u1])
+
+
+def _chunks(segs: list[Segment], counts: np.ndarray) -> list[Chunk]:
+    bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    return [Chunk(tuple(segs[i:j])) for i, j in zip(bounds[:-1], bounds[1:])]
 
 
 def _objects(items: list) -> np.ndarray:

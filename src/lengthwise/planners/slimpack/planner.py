@@ -50,6 +50,7 @@ from lengthwise.planners.slimpack.build import (
     bare_plan,
     build_candidates,
     fitting_pipeline,
+    materialize,
     flops_models,
     merge_metrics,
     micropack_metrics,
@@ -113,7 +114,7 @@ def sweep(request: PlanRequest, groups, models, flops, opts) -> tuple[list[Pipel
         if all(any(c["peak"][p] <= capacity for c in candidates) for p in range(len(groups))):
             break
     chosen = choose_per_pipeline(candidates, capacity)
-    pipes = [candidates[k]["pipelines"][p] for p, k in enumerate(chosen)]
+    pipes = [materialize(candidates[k]["pipelines"][p]) for p, k in enumerate(chosen)]
     for p, pipe in enumerate(pipes):
         check_backward_units(pipe.chunks, pipe.backward_chunks or pipe.chunks, where=f"pipeline {p}: ")
     if len(set(chosen)) == 1:
