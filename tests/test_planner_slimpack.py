@@ -458,8 +458,9 @@ def test_sweep_simulates_with_the_planners_slice_structure_as_without():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams=st.lists(st.lists(st.integers(1, 2000), min_size=1, max_size=12), min_size=1, max_size=5),
        count=st.integers(1, 30))
-def test_streams_pieces_of_several_streams_are_each_streams_own(streams, count):
-    from lengthwise.planners.slimpack.cuts import Stream, backward_cuts, forward_cuts, stream_pieces, streams_pieces
+def test_streams_cuts_and_pieces_of_several_streams_are_each_streams_own(streams, count):
+    from lengthwise.planners.slimpack.cuts import (Stream, backward_cuts, forward_cuts, stream_pieces, streams_cuts,
+                                                   streams_pieces)
 
     gf, gb = flops_models(request([1]))
     lengths = [n for s in streams for n in s]
@@ -467,6 +468,10 @@ def test_streams_pieces_of_several_streams_are_each_streams_own(streams, count):
     made = [Stream.of(list(range(a, b)), lengths) for a, b in zip(ids[:-1], ids[1:])]
     fcuts = [forward_cuts(s, gf, count) for s in made]
     bcuts = [backward_cuts(s, gb, count) for s in made]
+    counts = [min(count + i, s.total_tokens) for i, s in enumerate(made)]  # counts may differ
+    for g, backward, one in ((gf, False, forward_cuts), (gb, True, backward_cuts)):
+        for s, n, cuts in zip(made, counts, streams_cuts(made, g, counts, backward=backward, memo=[{} for _ in made])):
+            assert cuts.tolist() == one(s, g, n).tolist()
     together = streams_pieces(made, fcuts, bcuts, [{} for _ in made])
     for s, f, b, got in zip(made, fcuts, bcuts, together):
         alone = stream_pieces(s, f, b, {})

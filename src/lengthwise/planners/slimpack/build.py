@@ -81,6 +81,7 @@ from lengthwise.planners.slimpack.cuts import (
     micropack_form,
     materialized,
     place_segments,
+    streams_cuts,
     streams_pieces,
 )
 from lengthwise.planners.slimpack.dp import RankGroup, assign_ranks, memory_ranks, merge_sizes
@@ -187,7 +188,8 @@ def build_candidates(request: PlanRequest, groups: list[RankGroup], count: int, 
     s = request.scheme
     streams = [stream for stream, _ in prepared]
     counts = [max(1, min(count, stream.total_tokens)) for stream in streams]
-    fcuts = [forward_cuts(stream, gf, n) for stream, n in zip(streams, counts)]
+    memo = [made for _, made in prepared]
+    fcuts = streams_cuts(streams, gf, counts, backward=False, memo=memo)
     if not asymmetric:
         out = []
         for group, (stream, made), fc in zip(groups, prepared, fcuts):
@@ -196,7 +198,7 @@ def build_candidates(request: PlanRequest, groups: list[RankGroup], count: int, 
             out.append((PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, s.pp), tp=s.tp,
                                      cp=group.ranks, schedule="1f1b"), None))
         return out
-    bcuts = [backward_cuts(stream, gb, n) for stream, n in zip(streams, counts)]
+    bcuts = streams_cuts(streams, gb, counts, backward=True, memo=memo)
     out = []
     for group, (chunks, units, ready, known) in zip(groups, streams_pieces(streams, fcuts, bcuts,
                                                                           [made for _, made in prepared])):

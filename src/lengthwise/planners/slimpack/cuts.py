@@ -122,6 +122,45 @@ def backward_cuts(stream: Stream, g: PrefixCost, pieces: int) -> np.ndarray:
     return np.concatenate([[0], stream.offsets[j] + stream.lengths[j] - x, [stream.total_tokens]])
 
 
+def streams_cuts(streams: list[Stream], g: PrefixCost, pieces: list[int], *, backward: bool,
+                 memo: list[dict]) -> list[np.ndarray]:
+    """forward_cuts (backward_cuts with `backward`) of several streams, elementwise over all of
+    them at once (the same operations on the same numbers, so the same cuts); only the search
+    for the sample each target lands in runs stream by stream. `memo[i]`: stream i's prefix
+    sums of whole-sample FLOPs by cost model, shared by its counts."""
+    wholes, cums = [], []
+    for st, m in zip(streams, memo):
+        key = ("prefix", g)
+        if key not in m:
+            whole = g.of(st.lengths)
+            m[key] = (whole, np.concatenate([[0.0], np.cumsum(whole)]))
+        wholes.append(m[key][0])
+        cums.append(m[key][1])
+    n = np.asarray(pieces, dtype=np.int64) - 1  # targets per stream
+    pipe = np.repeat(np.arange(len(streams)), n)
+    k = np.arange(int(n.sum())) - np.repeat(np.concatenate([[0], np.cumsum(n)[:-1]]), n) + 1
+    totals = np.array([c[-1] for c in cums], dtype=np.float64)
+    targets = totals[pipe] * k / np.asarray(pieces, dtype=np.int64)[pipe]
+    bounds = np.concatenate([[0], np.cumsum(n)]).tolist()
+    j = np.concatenate([np.searchsorted(c, targets[a:b], side="right") for c, a, b in
+                        zip(cums, bounds[:-1], bounds[1:])]).astype(np.int64) - 1 if len(pipe) else \
+        np.zeros(0, np.int64)
+    sizes = np.array([len(st.lengths) for st in streams], dtype=np.int64)
+    j = np.clip(j, 0, sizes[pipe] - 1)
+    first = np.concatenate([[0], np.cumsum(sizes)[:-1]])[pipe] + j  # global sample
+    whole, cum = np.concatenate(wholes), np.concatenate([c[:-1] for c in cums])
+    lengths, offsets = np.concatenate([st.lengths for st in streams]), np.concatenate([st.offsets[:-1] for st in streams])
+    rest = targets - cum[first]
+    if backward:
+        x = np.clip(np.rint(g.inverse(whole[first] - rest)), 0, lengths[first]).astype(np.int64)
+        at = offsets[first] + lengths[first] - x
+    else:
+        x = np.clip(np.rint(g.inverse(rest)), 0, lengths[first]).astype(np.int64)
+        at = offsets[first] + x
+    return [np.concatenate([[0], at[a:b], [st.total_tokens]]).astype(np.int64)
+            for st, a, b in zip(streams, bounds[:-1], bounds[1:])]
+
+
 def _overlaps(offsets: list[int], lo: int, hi: int, j: int) -> tuple[list[tuple[int, int, int]], int]:
     """(sample j, a, b) for the part [a, b) of each sample's own positions inside stream range
     [lo, hi), and the sample holding `lo`. `j` is a sample at or before the one holding `lo`
