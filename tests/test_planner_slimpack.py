@@ -498,3 +498,16 @@ def test_memory_budgets_come_from_the_cost_models_stage_budgets():
     most = min(b.free / b.activation_per_token
                for b in cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=pipelines * s.cp, zero=s.zero))
     assert min_fitting_count(req, tokens, 2, pipelines) == max(1, math.floor(tokens / (2 * most)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(pp=st.integers(1, 6), lean=st.booleans(), data=st.data())
+def test_packflow_stages_at_once_are_each_stage_by_its_loop(pp, lean, data):
+    from lengthwise.planners.slimpack.schedule import packflow_stage, packflow_stages
+
+    chunks = data.draw(st.integers(1, 30))
+    steps = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=40))
+    ready = np.minimum(np.cumsum(steps), chunks).tolist()
+    ready[-1] = chunks  # the last unit reads the last forward MicroPack
+    assert packflow_stages(chunks, ready, pp, lean=lean) == [
+        packflow_stage(chunks, ready, warmup=pp - s - 1, lean=lean) for s in range(pp)]
