@@ -59,7 +59,8 @@ import math
 
 import numpy as np
 
-from lengthwise.cost.flops import work_key
+from lengthwise.cost import CostModel
+from lengthwise.cost.flops import chunk_work, work_key
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB
 from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
@@ -270,10 +271,18 @@ def micropack_metrics(request: PlanRequest, pipes: list[PipelinePlan], models) -
     cost, layers = request.cost, request.model.num_layers
     memo: dict = {}
 
+    standard = all(getattr(type(cost), name) is getattr(CostModel, name)
+                   for name in ("forward_time", "backward_time", "works_time"))
+
     def seconds(fn, chunks: list[Chunk], tp: int, cp: int) -> list[float]:
         # without CP a chunk's time depends only on its work (tokens, pairs): shared by equal chunks
         if cp > 1:
             return [fn(c, layers=layers, tp=tp, cp=cp, head=True) for c in chunks]
+        if standard:  # CostModel.works_time: the scalar path's arithmetic elementwise, the same floats
+            works = [chunk_work(c) for c in chunks]
+            out = cost.works_time([w.tokens for w in works], [w.keys for w in works], layers=layers, tp=tp,
+                                  head=True, backward=fn.__name__ == "backward_time")
+            return (out + 0.0).tolist()  # backward_time adds its (zero) recompute; no-op forward
         out = []
         for c in chunks:
             key = (fn.__name__, tp, work_key(c))
