@@ -21,7 +21,7 @@ from lengthwise.cost.flops import ChunkWork, chunk_work, head_forward_flops, lay
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
-from lengthwise.sim.memory import MemorySizes, SplitSequence, split_sequences
+from lengthwise.sim.memory import MemorySizes, SplitArrays, SplitSequence, split_sequences
 
 F, N, B = 0, 1, 2
 _VECTORISED = ("forward_time", "backward_time", "activation_bytes")
@@ -57,7 +57,7 @@ class PipelineInput:
     """GPUs of the pipeline (tp * cp * pp)."""
     deps: Dependencies | None = None
     """The chunks' slice dependencies when already derived (else the engine derives them)."""
-    splits: list[SplitSequence] | None = None
+    splits: list[SplitSequence] | SplitArrays | None = None
     """split_sequences of the chunks when already derived (else the engine derives them)."""
 
 
@@ -69,8 +69,8 @@ class SliceStructure:
 
     deps: Dependencies
     """dependencies(chunks, backward_chunks)."""
-    splits: list[SplitSequence]
-    """split_sequences(chunks, backward units)."""
+    splits: SplitArrays
+    """split_sequences(chunks, backward units), as arrays."""
     fwd_counts: np.ndarray
     """int64 [chunk] segments of each forward chunk."""
     fwd_bounds: np.ndarray
@@ -370,8 +370,10 @@ class _PipelineCosts:
                               for i, c in enumerate(pipe.chunks)] if nograd else np.zeros(C))
             if L not in kv_of:  # kv_bytes by context length, shared by the plan's pipelines of one tp, cp
                 memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
-                kv_of[L] = {q.seq_id: memo[q.context] if q.context in memo else
-                            memo.setdefault(q.context, cm.kv_bytes(q.context, layers=L, **self.kw)) for q in splits}
+                seqs = zip(splits.seq_id.tolist(), splits.context.tolist()) if isinstance(splits, SplitArrays) \
+                    else ((q.seq_id, q.context) for q in splits)
+                kv_of[L] = {q: memo[n] if n in memo else memo.setdefault(n, cm.kv_bytes(n, layers=L, **self.kw))
+                            for q, n in seqs}
             kv.append(kv_of[L])
             kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
             state.append(self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero,

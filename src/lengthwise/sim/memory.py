@@ -70,6 +70,51 @@ class SplitSequence:
     """Backward units holding any of its slices."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class SplitArrays:
+    """A pipeline's split sequences (SplitSequence each) as flat int64 arrays."""
+
+    seq_id: np.ndarray
+    """[sequence] its id."""
+    context: np.ndarray
+    """[sequence] SplitSequence.context."""
+    slices: np.ndarray
+    """[sequence] how many earlier slices (len(first_fwd))."""
+    slice_chunk: np.ndarray
+    """[slice] chunk of each earlier slice, sequence by sequence."""
+    slice_tokens: np.ndarray
+    """[slice] its tokens."""
+    holders: np.ndarray
+    """[sequence] how many backward units hold a slice of it (len(units))."""
+    holder_unit: np.ndarray
+    """[holder] those units, sequence by sequence, ascending."""
+
+    def __len__(self) -> int:
+        return len(self.seq_id)
+
+    @classmethod
+    def of(cls, splits: list[SplitSequence]) -> SplitArrays:
+        arr = lambda xs: np.array(xs, dtype=np.int64)
+        return cls(seq_id=arr([q.seq_id for q in splits]), context=arr([q.context for q in splits]),
+                   slices=arr([len(q.first_fwd) for q in splits]),
+                   slice_chunk=arr([c for q in splits for c, _ in q.first_fwd]),
+                   slice_tokens=arr([n for q in splits for _, n in q.first_fwd]),
+                   holders=arr([len(q.units) for q in splits]), holder_unit=arr([u for q in splits for u in q.units]))
+
+    def sequences(self) -> list[SplitSequence]:
+        sb = np.concatenate([[0], np.cumsum(self.slices)]).tolist()
+        hb = np.concatenate([[0], np.cumsum(self.holders)]).tolist()
+        c, n, u = self.slice_chunk.tolist(), self.slice_tokens.tolist(), self.holder_unit.tolist()
+        return [SplitSequence(seq_id=q, first_fwd=list(zip(c[sb[i]:sb[i + 1]], n[sb[i]:sb[i + 1]])), context=ctx,
+                              units=u[hb[i]:hb[i + 1]])
+                for i, (q, ctx) in enumerate(zip(self.seq_id.tolist(), self.context.tolist()))]
+
+
+def split_arrays(splits) -> SplitArrays:
+    """`splits` (a SplitSequence list or SplitArrays) as SplitArrays."""
+    return splits if isinstance(splits, SplitArrays) else SplitArrays.of(splits)
+
+
 def split_sequences(chunks: list[Chunk], units: list[Chunk]) -> list[SplitSequence]:
     """Sequences cut into more than one slice in a pipeline's forward chunks."""
     cut = {seg.seq_id for ch in chunks for seg in ch.segments if seg.start}  # every cut has a later slice
@@ -208,7 +253,7 @@ def replay(stage: np.ndarray, time: np.ndarray, delta: np.ndarray, base: np.ndar
 
 
 def plan_memory_events(pipes: list[PipelineTasks], all_deps: list[Dependencies], all_sizes: list[MemorySizes],
-                       all_splits: list[list[SplitSequence]], offsets: list[int]
+                       all_splits: list, offsets: list[int]
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """memory_events of every pipeline at once, task ids shifted by `offsets` (each pipeline's
     first task): the same events with the same values, each pipeline's in the same relative
@@ -297,29 +342,28 @@ def _id_arrays(t: PipelineTasks) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
 
 def _plan_split_events(S, C, U, fbase, bbase, first, bwd, all_sizes, all_splits):
     """_split_events of every pipeline (global task ids), in the same per-pipeline order."""
+    all_splits = [split_arrays(x) for x in all_splits]
     Q = np.array([len(x) for x in all_splits], dtype=np.int64)
     if not Q.any():
         return np.zeros(0, np.int64), np.zeros(0, bool), np.zeros(0)
-    splits = [q for x in all_splits for q in x]
-    slices = np.array([len(q.first_fwd) for q in splits], dtype=np.int64)
-    holders = np.array([len(q.units) for q in splits], dtype=np.int64)
-    slice_c = np.array([c for q in splits for c, _ in q.first_fwd], dtype=np.int64)
-    slice_tokens = np.array([t for q in splits for _, t in q.first_fwd], dtype=np.int64)
-    holder_u = np.array([u for q in splits for u in q.units], dtype=np.int64)
-    context = np.array([max(q.context, 1) for q in splits], dtype=np.int64)
+    cat = lambda name: np.concatenate([getattr(x, name) for x in all_splits]).astype(np.int64)
+    slices, holders, slice_c, slice_tokens = cat("slices"), cat("holders"), cat("slice_chunk"), cat("slice_tokens")
+    holder_u, context = cat("holder_unit"), np.maximum(cat("context"), 1)
+    nsplits = len(slices)
     qstart = _starts(Q)
     split_pipe = np.repeat(np.arange(len(Q)), Q)
     # [pipeline, stage, split] K/V and K/V-gradient bytes
-    kv = np.array([kv_s.get(q.seq_id, 0.0) for sz, x in zip(all_sizes, all_splits) for kv_s in sz.kv for q in x],
+    ids = [x.seq_id.tolist() for x in all_splits]
+    kv = np.array([kv_s.get(q, 0.0) for sz, x in zip(all_sizes, ids) for kv_s in sz.kv for q in x],
                   dtype=np.float64)
-    grad = np.array([g_s.get(q.seq_id, 0.0) for sz, x in zip(all_sizes, all_splits) for g_s in sz.kv_grad for q in x],
+    grad = np.array([g_s.get(q, 0.0) for sz, x in zip(all_sizes, ids) for g_s in sz.kv_grad for q in x],
                     dtype=np.float64)
     qsbase = _starts(S * Q)
     # last and first backward of each split sequence, per stage: its holders stage by stage
     H = np.bincount(split_pipe, weights=holders, minlength=len(Q)).astype(np.int64)
     pipe, s, h = _by_stage(S, H)
     h += np.repeat(_starts(H), S * H)
-    holder_q = np.repeat(np.arange(len(splits)), holders)
+    holder_q = np.repeat(np.arange(nsplits), holders)
     b = bwd[bbase[pipe] + s * U[pipe] + holder_u[h]]
     group = qsbase[pipe] + s * Q[pipe] + (holder_q[h] - qstart[pipe])
     at = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
@@ -328,7 +372,7 @@ def _plan_split_events(S, C, U, fbase, bbase, first, bwd, all_sizes, all_splits)
     NS = np.bincount(split_pipe, weights=slices, minlength=len(Q)).astype(np.int64)
     pipe, s, i = _by_stage(S, NS)
     i += np.repeat(_starts(NS), S * NS)
-    slice_q = np.repeat(np.arange(len(splits)), slices)
+    slice_q = np.repeat(np.arange(nsplits), slices)
     q = slice_q[i]
     kvi = qsbase[pipe] + s * Q[pipe] + (q - qstart[pipe])
     shares = kv[kvi] * slice_tokens[i] / context[q]
@@ -344,7 +388,7 @@ def _plan_split_events(S, C, U, fbase, bbase, first, bwd, all_sizes, all_splits)
     W = Q * 3 + NS
     pipe, s, col = _by_stage(S, W)
     per_q = slices + 3
-    col_q = np.repeat(np.arange(len(splits)), per_q)
+    col_q = np.repeat(np.arange(nsplits), per_q)
     within = np.arange(int(per_q.sum())) - np.repeat(_starts(per_q), per_q)
     col += np.repeat(_starts(W), S * W)
     cq, cw = col_q[col], within[col]

@@ -37,7 +37,7 @@ import numpy as np
 from lengthwise.plan.ir import SHARDED, Chunk, Segment
 from lengthwise.plan.schedules import Dependencies
 from lengthwise.sim.inputs import SliceStructure
-from lengthwise.sim.memory import SplitSequence
+from lengthwise.sim.memory import SplitArrays
 from lengthwise.plan.validate import check_backward_units  # noqa: F401  (re-exported)
 
 
@@ -336,7 +336,7 @@ def _pieces(streams: list[Stream], fcuts: list[np.ndarray], bcuts: list[np.ndarr
     top = np.full(int(ustart[-1]), -1, dtype=np.int64)
     np.maximum.at(top, bu, bc)
     ready = (np.maximum.accumulate(top + 1) - cstart[unit_pipe]).tolist()
-    deps, splits = _slice_structures(ids.tolist(), fk, fa, fb, fc, bk, ba, bu, bc, cstart, ustart, np.concatenate(
+    deps, splits = _slice_structures(ids, fk, fa, fb, fc, bk, ba, bu, bc, cstart, ustart, np.concatenate(
         [[0], np.cumsum(nS)]))
     fbounds, bbounds = np.stack([fa, fb], axis=1), np.stack([sa, sb], axis=1)
     # the forward segment holding each backward one (the backward segment is that object where equal)
@@ -456,7 +456,7 @@ def _grouped(rows: np.ndarray, cols: np.ndarray, n: int) -> list[tuple[int, ...]
     return [tuple(cols_l[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _slice_structures(ids: list[int], fk, fa, fb, fc, bk, ba, bu, bc, cstart, ustart, sstart):
+def _slice_structures(ids: np.ndarray, fk, fa, fb, fc, bk, ba, bu, bc, cstart, ustart, sstart):
     """Per stream, (Dependencies, split sequences): plan.schedules.dependencies and
     sim.memory.split_sequences of its chunks, read off the segments' order. Forward segments
     (fk, fa, fb, fc: global sample, start, stop, chunk) come in stream order, backward ones
@@ -481,22 +481,29 @@ def _slice_structures(ids: list[int], fk, fa, fb, fc, bk, ba, bu, bc, cstart, us
     deps = [Dependencies(fwd_after=tuple(fwd_after[cstart[p]:cstart[p + 1]]),
                          bwd_after=tuple(bwd_after[ustart[p]:ustart[p + 1]]),
                          bwd_needs=tuple(bwd_needs[ustart[p]:ustart[p + 1]])) for p in range(P)]
-    splits: list[list[SplitSequence]] = [[] for _ in range(P)]
-    cut = np.unique(fk[cont])  # samples in stream order
-    if len(cut):
-        pipe_of = (np.searchsorted(sstart, cut, side="right") - 1).tolist()
-        flo, fhi = np.searchsorted(fk, cut, side="left").tolist(), np.searchsorted(fk, cut, side="right").tolist()
-        fc_l, fa_l, fn_l = (fc - cstart[chunk_pipe[fc]]).tolist(), fa.tolist(), (fb - fa).tolist()
-        # distinct (sample, unit) pairs of the cut samples, sorted: each sample's units in order
-        is_cut = np.zeros(int(fk.max()) + 1, dtype=bool)
-        is_cut[cut] = True
-        sel = is_cut[bk]
-        held = np.unique(bk[sel] * U + bu[sel])
-        held_u = (held % U - ustart[unit_pipe[held % U]]).tolist()
-        hb = np.searchsorted(held // U, np.r_[cut, cut[-1] + 1]).tolist()
-        for n, (k, p, i, j) in enumerate(zip(cut.tolist(), pipe_of, flo, fhi)):
-            splits[p].append(SplitSequence(seq_id=ids[k], first_fwd=list(zip(fc_l[i:j - 1], fn_l[i:j - 1])),
-                                           context=fa_l[j - 1], units=held_u[hb[n]:hb[n + 1]]))
+    # split sequences: samples cut by a forward boundary, in stream order, stream by stream
+    cut = np.unique(fk[cont])
+    is_cut = np.zeros(int(sstart[-1]) + 1, dtype=bool)
+    is_cut[cut] = True
+    sel = is_cut[bk]
+    held = np.unique(bk[sel] * U + bu[sel])  # distinct (sample, unit): each sample's units ascending
+    held_k, held_u = held // U, held % U
+    earlier = np.flatnonzero(fk[:-1] == fk[1:])  # every forward segment but its sample's last
+    last = np.searchsorted(fk, cut, side="right") - 1
+    cut_pipe = np.searchsorted(sstart, cut, side="right") - 1
+    qb = np.searchsorted(cut_pipe, np.arange(P + 1)).tolist()  # each stream's split sequences
+    sl_pipe = chunk_pipe[fc[earlier]]
+    sb = np.searchsorted(sl_pipe, np.arange(P + 1)).tolist()
+    hb = np.searchsorted(unit_pipe[held_u], np.arange(P + 1)).tolist() if len(held_u) else [0] * (P + 1)
+    seq_id = ids[cut]
+    context, slices = fa[last], np.bincount(np.searchsorted(cut, fk[earlier]), minlength=len(cut))
+    holders = np.bincount(np.searchsorted(cut, held_k), minlength=len(cut))
+    slice_chunk, slice_tokens = fc[earlier] - cstart[sl_pipe], (fb - fa)[earlier]
+    holder_unit = held_u - ustart[unit_pipe[held_u]]
+    splits = [SplitArrays(seq_id=seq_id[qb[p]:qb[p + 1]], context=context[qb[p]:qb[p + 1]],
+                          slices=slices[qb[p]:qb[p + 1]], slice_chunk=slice_chunk[sb[p]:sb[p + 1]],
+                          slice_tokens=slice_tokens[sb[p]:sb[p + 1]], holders=holders[qb[p]:qb[p + 1]],
+                          holder_unit=holder_unit[hb[p]:hb[p + 1]]) for p in range(P)]
     return deps, splits
 
 
