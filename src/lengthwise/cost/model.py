@@ -29,6 +29,10 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import SHARDED, Chunk
 from lengthwise.specs import ClusterSpec, ModelSpec
 
+SP_COLLECTIVES_PER_LAYER = 2
+"""All-gathers (and as many reduce-scatters) of one decoder layer per direction under sequence
+parallelism: one before and one after the attention block, and the same for the MLP."""
+
 
 @dataclass(kw_only=True)
 class CostModel:
@@ -143,9 +147,14 @@ class CostModel:
         the transposed collectives, the same volume. Inside one node (tp <= GPUs per node)."""
         if tp <= 1 or tokens <= 0:
             return 0.0
-        nbytes = tokens * self.model.hidden * mem.BYTES_BF16
-        return 2 * (self.collective_time("all_gather", nbytes, ranks=tp, inter_node=False)
-                    + self.collective_time("reduce_scatter", nbytes, ranks=tp, inter_node=False))
+        nbytes = self.sp_collective_bytes(tokens)
+        return SP_COLLECTIVES_PER_LAYER * (self.collective_time("all_gather", nbytes, ranks=tp, inter_node=False)
+                                           + self.collective_time("reduce_scatter", nbytes, ranks=tp, inter_node=False))
+
+    def sp_collective_bytes(self, tokens: float) -> float:
+        """Gathered size of one sequence-parallel all-gather or reduce-scatter of `tokens` rows:
+        tokens x hidden bf16 values (`sim/rank.py` counts the executor's from it)."""
+        return tokens * self.model.hidden * mem.BYTES_BF16
 
     # ---- bytes per GPU ----
     @property
