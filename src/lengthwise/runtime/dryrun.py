@@ -94,8 +94,9 @@ class RankMeasurement:
 
 
 def dryrun_rank(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat16,
-                backend: str = "cpu-flash") -> RankMeasurement:
-    """Run `rank`'s part of one training step of `plan` on fake tensors and measure it."""
+                backend: str = "cpu-flash", sequence_parallel: bool = True) -> RankMeasurement:
+    """Run `rank`'s part of one training step of `plan` on fake tensors and measure it
+    (`sequence_parallel`: `parallel/build.ParallelOptions`)."""
     world_size = plan_world_size(plan)
     started = time.perf_counter()
     clear_bias_cache()  # cached masks are real tensors or another run's fake ones
@@ -103,7 +104,8 @@ def dryrun_rank(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat1
     with fake_world(rank, world_size), FakeTensorMode(allow_non_fake_inputs=True):
         mesh = Mesh.from_default_group(timeout_s=60)
         model = build_rank_model(plan, mesh, dtype=MASTER_DTYPE, fake=True,
-                                 options=ParallelOptions(param_dtype=dtype if _sharded(plan) else None))
+                                 options=ParallelOptions(param_dtype=dtype if _sharded(plan) else None,
+                                                         sequence_parallel=sequence_parallel))
         optimizer = _optimizer_in_steady_state(model)
         tokens = [torch.randint(0, plan.model.vocab, (n,)) for n in plan.lengths]
         memory, comm = _StorageTracker(), CommBytes()
