@@ -24,7 +24,10 @@ a cell is a chunk. It talks to its neighbours only through a `Transport`. Action
   goes to the previous stage.
 
 One message per action: `F c` sends its cells' rows concatenated, `B u` the input gradients of
-its cells (`cells.py` gives the order). State is freed right after the last action of the
+its cells (`cells.py` gives the order). Under sequence parallelism (`model.sequence_shards` > 1,
+`parallel/tensor_parallel.py`) a TP rank's rows of a cell are its share of the cell padded to a
+multiple of the shards, and it exchanges those with the same TP rank of the neighbour stage;
+the head's padding rows get the label IGNORE. State is freed right after the last action of the
 stage that needs it (`state.last_uses`).
 
 What this process computes of a cell is a `Row`, given by the runner's `rows` strategy:
