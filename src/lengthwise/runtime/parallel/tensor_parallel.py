@@ -20,7 +20,8 @@ r G / tp), as the cost model assumes. A rank's gradient of the replicated K/V we
 only its head, so those gradients are summed over TP (`tp_partial_names`, used by
 `distributed/dp.reduction_classes`), and so is the gradient flowing back into their input
 (Megatron's "copy to the tensor-parallel region": identity forward, all-reduce backward), as
-DTensor does for the column-parallel projections' input.
+DTensor does for the column-parallel projections' input; under sequence parallelism that sum is
+the reduce-scatter of the gathered input's gradient (`_local_with_partial_grad`).
 
 Sequence parallelism (Megatron-LM's, the default; `apply_tp(..., sequence_parallel=False)`
 turns it off). The residual stream between the blocks is split by rows (tokens) over TP: a
@@ -36,6 +37,12 @@ all-gathers the final norm's rows and leaves its logits split by vocabulary. The
 sees a batch dimension, so the sequence dimension is 0. Per layer and direction: two
 all-gathers and two reduce-scatters of T x hidden values (`cost/model.tp_comm_time`), and the
 pipeline sends each TP rank's rows only (`cost/model.boundary_bytes`).
+
+Memory: a rank keeps its rows of the residual stream and of the norms' inputs, but the
+projections keep the gathered normed input (whole, T x hidden) for their weight gradients, as
+DTensor's column-parallel linear does; Megatron gathers it again in backward instead, which
+`cost/memory.py` assumes (its norm outputs divided by tp): measured activations stay above the
+simulated by about 2 x hidden x (1 - 1/tp) values per token and layer.
 
 Attention needs the whole row: the gathered normed input is cut back to the row's T tokens
 (the rotary tables' length) before q/k/v, so rotary positions, the `ChunkLayout` of packed
