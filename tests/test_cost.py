@@ -203,3 +203,29 @@ def test_works_time_is_the_scalar_time_to_the_bit(fitted):
                 got = cm.works_time(tokens, keys, layers=layers, tp=tp, head=head, backward=backward)
                 want = [fn(c, layers=layers, tp=tp, head=head) for c in chunks]
                 assert (got + 0.0).tolist() == want
+
+
+def test_stage_budget_is_the_one_answer_to_what_fits_a_stage():
+    """`CostModel.stage_budgets` deals layers as `split_layers` does (28 layers over pp 3: 10, 9,
+    9), shards model states over dp x cp replicas, and InfiniPipe's layout, ChunkFlow's memory
+    rows, the baselines' limits and the validator read their states from it (InfiniPipe's layout
+    once gave every stage 28 // 3 layers)."""
+    from lengthwise.planners import PlanRequest
+    from lengthwise.planners.chunkflow.build import stage_memory_bytes
+    from lengthwise.planners.infinipipe.grouping import layout
+    from lengthwise.specs import ParallelScheme
+
+    cm = cost(gpus=24)
+    budgets = cm.stage_budgets(tp=2, pp=3, replicas=4 * 1, zero=1)
+    assert [b.layers for b in budgets] == [10, 9, 9]
+    assert [(b.first, b.last) for b in budgets] == [(True, False), (False, False), (False, True)]
+    for b in budgets:
+        assert b.states == cm.model_state_bytes(layers=b.layers, tp=2, dp=4, zero=1, first=b.first, last=b.last)
+        assert b.free == pytest.approx(cm.capacity_bytes - b.states)
+        assert b.remat_per_token == pytest.approx(cm.activation_bytes_per_token(layers=1, tp=2)
+                                                  - cm.activation_bytes_per_token(layers=1, tp=2, recompute_layers=1))
+    assert budgets[-1].head_backward_per_token > 0 == budgets[0].head_backward_per_token
+    request = PlanRequest(lengths=[1000] * 8, cost=cm, model=cm.model, cluster=cm.cluster, scheme=ParallelScheme(dp=4, tp=2, pp=3), context_length=4096)
+    lay = layout(request, 4)
+    assert [(st.layers, st.states) for st in lay.stages] == [(b.layers, b.states) for b in budgets]
+    assert [row[0] for row in stage_memory_bytes(request, 1024, 1, 1000)] == [b.states for b in budgets]

@@ -10,7 +10,7 @@ from lengthwise.cost import CostModel, Profile, SchemeFit
 from lengthwise.errors import UserError
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.planners.hydraulis.cost import Scheme, paper_max_len, scheme_space
+from lengthwise.planners.hydraulis.cost import Scheme, make_scheme, paper_max_len, plan_exchange, scheme_space
 from lengthwise.planners.hydraulis.dispatch import PipelineArrays, dispatch
 from lengthwise.planners.hydraulis.packing import (
     PipelineLoad,
@@ -22,6 +22,7 @@ from lengthwise.planners.hydraulis.packing import (
 )
 from lengthwise.planners.hydraulis.strategy import Histogram, propose, round_proposal
 from lengthwise.planners.packing_utils import best_fit_decreasing
+from lengthwise.sim.inputs import plan_inputs
 from lengthwise.specs import MODEL_PRESETS, ClusterSpec, ParallelScheme, cluster_preset
 
 K = 1024
@@ -111,6 +112,38 @@ def test_heterogeneous_plan_mixes_schemes_and_validates():
     assert p.num_gpus <= 16 and p.zero == 1
     # LNK re-sharding (§5.2) is charged to every pipeline of a heterogeneous strategy.
     assert all(q.extra_comm_s > 0 for q in p.pipelines)
+
+
+def simulator_exchange(p, cost) -> list[float]:
+    """What the simulator charges each pipeline for the exchange: its slowest stage's gradient
+    reduction plus its extra communication (sim/simulate.py's step end)."""
+    return [max(i.grad_sync) + i.extra_comm for i in plan_inputs(p, cost)]
+
+
+@pytest.mark.parametrize("pipelines", [
+    "tp2-pp1-cp2,tp2-pp1-cp2,tp1-pp2,tp1-pp2,tp1-pp1,tp1-pp1,tp1-pp1,tp1-pp1",  # cp > 1, across nodes
+    "tp4-pp2,tp2-pp2,tp2-pp2",  # stage groups within one node and across
+    "tp2-pp2,tp2-pp2,tp2-pp2,tp2-pp2",  # homogeneous: no LNK
+])
+def test_planner_charges_exactly_the_simulators_exchange(pipelines):
+    lengths = [9000, 6000] + [int(x) for x in np.random.default_rng(1).integers(50, 3000, 60)]
+    p, req = plan(lengths, pipelines=pipelines)
+    pipes = [(q.tp, q.pp, q.cp) for q in p.pipelines]
+    schemes = [make_scheme(req.cost, tp=tp, pp=pp, cp=cp, num_gpus=16, threshold=0.85) for tp, pp, cp in pipes]
+    charged = simulator_exchange(p, req.cost)
+    assert plan_exchange(req.cost, schemes, num_gpus=16) == charged
+    assert p.metrics["exchange_s"] == max(charged)
+    assert (len(set(pipes)) > 1) == all(q.extra_comm_s > 0 for q in p.pipelines)
+
+
+def test_chosen_heterogeneous_strategy_is_estimated_with_the_simulators_exchange():
+    lengths = [30000, 26000] + [int(x) for x in np.random.default_rng(0).integers(50, 2000, 150)]
+    req = heterogeneous_request(lengths)
+    p = get_planner("hydraulis")(req)
+    assert len({(q.tp, q.pp, q.cp) for q in p.pipelines}) > 1, p.metrics["strategy"]
+    charged = max(simulator_exchange(p, req.cost))
+    assert p.metrics["exchange_s"] == charged
+    assert p.metrics["estimated_step_s"] == max(p.metrics["estimated_pipeline_s"]) + charged
 
 
 def test_homogeneous_plan_charges_no_link_time():

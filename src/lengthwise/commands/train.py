@@ -42,6 +42,13 @@ model.safetensors, gathered to rank 0) that a run with the same pp, cp and tp re
 at the same or another dp (the shards are resharded). Without either, one process runs every
 pipeline and stage of the plan.
 
+--planner hydraulis across processes runs heterogeneous pipelines: --pipelines tp2-pp1,tp1-pp2
+fixes one scheme per pipeline (N = the sum of their tp * pp * cp; leave out --dp/--pp/--cp/--tp),
+otherwise the planner picks a strategy per batch over dp * pp * cp * tp GPUs and the ranks
+switch between steps. AdamW's float32 master weights and moments are dealt round-robin over all
+ranks (element i of each parameter on rank i mod N), each rank pulls its pipeline's weights
+every step, and a checkpoint resumes on N processes under any strategy.
+
 A TOML --config takes the same settings by their long names with underscores (batch_size,
 tokens_per_batch, ...) and planner options as a table:
 

@@ -34,6 +34,45 @@ SP_COLLECTIVES_PER_LAYER = 2
 parallelism: one before and one after the attention block, and the same for the MLP."""
 
 
+@dataclass(frozen=True)
+class StageBudget:
+    """What one GPU of a pipeline stage has to hold before any chunk, and the per-token sizes of
+    what chunks add: the one answer to "what fits on stage s" that the planners, the validator
+    and the simulator all use (`CostModel.stage_budgets`).
+
+    `replicas` GPUs hold a copy of the stage's weights (data-parallel pipelines times CP ranks);
+    ZeRO shards model states over them."""
+
+    stage: int
+    layers: int
+    first: bool
+    last: bool
+    tp: int
+    replicas: int
+    zero: int
+    states: float
+    """Model-state bytes: weights, gradients and optimizer states (`CostModel.model_state_bytes`)."""
+    capacity: float
+    """Usable bytes of a GPU (`CostModel.capacity_bytes`)."""
+    activation_per_token: float
+    """Bytes a chunk keeps per row token from its forward to its backward, no recomputation
+    (the LM head's too on the last stage)."""
+    recomputed_per_token: float
+    """The same when the forward recomputes every layer of the stage (keeps their inputs)."""
+    remat_per_token: float
+    """Bytes per token a backward re-materialises at once under recomputation (one layer)."""
+    kv_per_token: float
+    """K/V bytes per context token over the stage's layers (split sequences keep them)."""
+    head_backward_per_token: float
+    """The loss backward's working set per token (last stage; 0 elsewhere)."""
+
+    @property
+    def free(self) -> float:
+        """Bytes left for activations and K/V once model states are held (negative: even the
+        states do not fit)."""
+        return self.capacity - self.states
+
+
 @dataclass(kw_only=True)
 class CostModel:
     model: ModelSpec
@@ -177,6 +216,24 @@ class CostModel:
                                                     head=head)
         return per_token * max(w.tokens for w in rank_works(chunk, cp))
 
+    def recompute_transient_bytes_per_token(self, *, tp: int = 1, recompute_layers: int = 0) -> float:
+        """Bytes per token a backward re-materialises at once when its forward recomputed
+        `recompute_layers` layers. The executor checkpoints layer by layer
+        (`runtime/model.run_layers`, non-reentrant `torch.utils.checkpoint` per layer), so the
+        backward reruns one layer's forward, consumes it and frees it before the next: one
+        layer's activations less the input it kept, whatever the count (0 with no recomputation)."""
+        if recompute_layers <= 0:
+            return 0.0
+        return (self.activation_bytes_per_token(layers=1, tp=tp)
+                - self.activation_bytes_per_token(layers=1, tp=tp, recompute_layers=1))
+
+    def recompute_transient_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1, recompute_layers: int = 0) -> float:
+        """`recompute_transient_bytes_per_token` for the chunk's busiest GPU of the CP group."""
+        if recompute_layers <= 0:
+            return 0.0
+        per_token = self.recompute_transient_bytes_per_token(tp=tp, recompute_layers=recompute_layers)
+        return per_token * max(w.tokens for w in rank_works(chunk, cp))
+
     def head_backward_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
         """Bytes the loss's backward works on, on top of the kept activations, while the
         chunk's backward runs on the last stage (busiest GPU of the CP group)."""
@@ -232,42 +289,52 @@ class CostModel:
         return layers * self.collective_time("all_gather", kv_bytes, ranks=cp, inter_node=inter_node)
 
     # ---- limits ----
+    def stage_budget(self, *, stage: int, tp: int = 1, pp: int = 1, replicas: int = 1, zero: int = 1,
+                     layers: int | None = None) -> StageBudget:
+        """Stage `stage` of a tp x pp pipeline whose weights `replicas` GPUs hold (data-parallel
+        pipelines times CP ranks): layers as `split_layers` deals them unless given."""
+        n = split_layers(self.model.num_layers, pp)[stage] if layers is None else layers
+        first, last = stage == 0, stage == pp - 1
+        return StageBudget(
+            stage=stage, layers=n, first=first, last=last, tp=tp, replicas=replicas, zero=zero,
+            states=self.model_state_bytes(layers=n, tp=tp, dp=replicas, zero=zero, first=first, last=last),
+            capacity=self.capacity_bytes,
+            activation_per_token=self.activation_bytes_per_token(layers=n, tp=tp, head=last),
+            recomputed_per_token=self.activation_bytes_per_token(layers=n, tp=tp, head=last, recompute_layers=n),
+            remat_per_token=self.recompute_transient_bytes_per_token(tp=tp, recompute_layers=n),
+            kv_per_token=n * mem.kv_bytes_per_token_layer(self.model, tp),
+            head_backward_per_token=mem.head_backward_bytes_per_token(self.model, tp) if last else 0.0)
+
+    def stage_budgets(self, *, tp: int = 1, pp: int = 1, replicas: int = 1, zero: int = 1) -> list[StageBudget]:
+        """`stage_budget` of every stage of the pipeline."""
+        return [self.stage_budget(stage=s, tp=tp, pp=pp, replicas=replicas, zero=zero) for s in range(pp)]
+
     def max_seq_len(self, *, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, zero: int = 1,
                     inflight: int | None = None, recompute: bool = False) -> int:
         """Longest sequence one pipeline of the scheme holds when every stage keeps `inflight`
         micro-batches of that length alive (default pp on the first stage, pp - s on stage s:
         hydraulis.txt B.1 MaxLen; skrull.txt A.1 BucketSize with pp = 1). With `recompute`
         every layer keeps only its input (full recomputation) and the backward of one
-        micro-batch re-materialises what it dropped, as the simulator charges it
-        (sim/memory.py: the whole difference, an upper bound on the executor's per-layer
-        checkpointing); the last stage also holds the loss backward's working set of one
-        micro-batch (`head_backward_bytes`)."""
-        layers = split_layers(self.model.num_layers, pp)
+        micro-batch re-materialises one layer at a time, as the executor checkpoints and the
+        simulator charges it (`recompute_transient_bytes_per_token`); the last stage also holds
+        the loss backward's working set of one micro-batch (`head_backward_bytes`)."""
         best = math.inf
-        for s, n in enumerate(layers):
-            first, last = s == 0, s == pp - 1
-            free = self.capacity_bytes - self.model_state_bytes(layers=n, tp=tp, dp=dp * cp, zero=zero,
-                                                                first=first, last=last)
-            held = inflight if inflight is not None else pp - s
-            per_token = self.activation_bytes_per_token(layers=n, tp=tp, head=last,
-                                                        recompute_layers=n if recompute else 0) * held / cp
-            if recompute:
-                per_token += (self.activation_bytes_per_token(layers=n, tp=tp, head=last)
-                              - self.activation_bytes_per_token(layers=n, tp=tp, head=last,
-                                                                recompute_layers=n)) / cp
-            if last:  # the loss's backward working set while one micro-batch's backward runs
-                per_token += mem.head_backward_bytes_per_token(self.model, tp) / cp
-            best = min(best, free / per_token if free > 0 else 0)
+        for b in self.stage_budgets(tp=tp, pp=pp, replicas=dp * cp, zero=zero):
+            held = inflight if inflight is not None else pp - b.stage
+            kept = b.recomputed_per_token if recompute else b.activation_per_token
+            # plus one backward's re-materialised layer, and on the last stage the loss's
+            # backward working set while one micro-batch's backward runs
+            per_token = (kept * held + (b.remat_per_token if recompute else 0.0) + b.head_backward_per_token) / cp
+            best = min(best, b.free / per_token if b.free > 0 else 0)
         return int(best)
 
     def check_states_fit(self, *, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, zero: int = 1) -> None:
         """UserError when model states alone overflow a GPU of some stage (ZeRO shards them over
         the dp x cp ranks that hold a replica of the stage's weights)."""
-        for s, n in enumerate(split_layers(self.model.num_layers, pp)):
-            need = self.model_state_bytes(layers=n, tp=tp, dp=dp * cp, zero=zero, first=s == 0, last=s == pp - 1)
-            if need > self.capacity_bytes:
+        for b in self.stage_budgets(tp=tp, pp=pp, replicas=dp * cp, zero=zero):
+            if b.free < 0:
                 raise UserError(
-                    f"{self.model.name} does not fit: stage {s} needs {need / 2**30:.1f} GiB of model states per GPU"
+                    f"{self.model.name} does not fit: stage {b.stage} needs {b.states / 2**30:.1f} GiB of model states per GPU"
                     f" (tp={tp}, pp={pp}, dp={dp}, cp={cp}, zero={zero}) but a GPU has {self.capacity_bytes / 2**30:.1f} GiB"
                     " usable; raise --tp/--pp or the ZeRO stage"
                 )

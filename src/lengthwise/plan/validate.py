@@ -244,8 +244,8 @@ def memory_overflow(pipe: PipelinePlan, cost: CostModel, *, num_layers: int, dp:
     layers = pipe.stage_layers(num_layers)
     loads = [_cp_rank_loads(chunk, pipe.cp) for chunk in pipe.chunks]  # the same on every stage
     for s, actions in enumerate(pipe.stages):
-        first, last = s == 0, s == pipe.pp - 1
-        states = cost.model_state_bytes(layers=layers[s], tp=pipe.tp, dp=dp, zero=zero, first=first, last=last)
+        last = s == pipe.pp - 1
+        states = cost.stage_budget(stage=s, tp=pipe.tp, pp=pipe.pp, replicas=dp, zero=zero, layers=layers[s]).states
         recompute = {a.chunk: a.recompute_layers for a in actions if a.kind == FORWARD}
         per_token: dict[int, float] = {}  # activation bytes per row token, by recomputed layers
         for c, chunk_loads in enumerate(loads):

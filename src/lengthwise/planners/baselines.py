@@ -210,17 +210,13 @@ def _megatron_recompute(request: PlanRequest, choice: str) -> bool:
 
 def _fits_1f1b(request: PlanRequest, *, recompute: bool) -> bool:
     s, cost = request.scheme, request.cost
-    layers = split_layers(request.model.num_layers, s.pp)
-    for stage, n in enumerate(layers):
-        first, last = stage == 0, stage == s.pp - 1
-        states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp * s.cp, zero=s.zero, first=first, last=last)
-        per_token = cost.activation_bytes_per_token(layers=n, tp=s.tp, recompute_layers=n if recompute else 0,
-                                                    head=last)
-        # under recomputation one micro-batch's backward re-materialises what it dropped, as the
-        # simulator charges it (sim/memory.py)
-        transient = cost.activation_bytes_per_token(layers=n, tp=s.tp, head=last) - per_token if recompute else 0.0
+    for b in cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=s.dp * s.cp, zero=s.zero):
+        per_token = b.recomputed_per_token if recompute else b.activation_per_token
+        # under recomputation one micro-batch's backward re-materialises one layer at a time, as
+        # the simulator charges it (sim/memory.py)
+        transient = b.remat_per_token if recompute else 0.0
         tokens = request.context_length / s.cp
-        if states + tokens * (per_token * (s.pp - stage) + transient) > cost.capacity_bytes:
+        if tokens * (per_token * (s.pp - b.stage) + transient) > b.free:
             return False
     return True
 

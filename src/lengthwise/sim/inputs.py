@@ -10,12 +10,13 @@ reduce-scatters their gradients, the same volume as the all-gather); the point-t
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
 from lengthwise.cost import CostModel
-from lengthwise.cost.flops import chunk_work, work_key
+from lengthwise.cost.flops import ChunkWork, chunk_work, head_forward_flops, layer_forward_flops, work_key
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
@@ -66,14 +67,98 @@ def plan_inputs(plan: StepPlan, cm: CostModel) -> list[PipelineInput]:
         raise UserError(f"the plan's pipelines use {offsets[-1]} GPUs but cluster {plan.cluster.name} "
                         f"has {plan.cluster.num_gpus}: use a plan made for this cluster")
     shared: dict = {}  # stage-level costs that pipelines of one scheme share
-    return [_PipelineCosts(plan, i, cm, offsets, shared).build() for i in range(len(plan.pipelines))]
+    works = _plan_works(plan)
+    tables = _batched_tables(plan, cm, works)
+    return [_PipelineCosts(plan, i, cm, offsets, shared, works[i], tables[i]).build()
+            for i in range(len(plan.pipelines))]
+
+
+@dataclass(kw_only=True)
+class _Works:
+    """What one decoder layer is asked by each chunk of a list (chunk_work's numbers, cp = 1)."""
+
+    tokens: list[int]
+    """Tokens of each chunk, padding excluded (Chunk.num_tokens)."""
+    pairs: list[int]
+    """Causal attention pairs of each chunk, padding excluded (Chunk.attention_pairs)."""
+    row_tokens: np.ndarray
+    """float64: row tokens, padding included (chunk_work(chunk).tokens)."""
+    row_keys: np.ndarray
+    """float64: attention pairs, padding included (chunk_work(chunk).keys)."""
+    bare_tokens: np.ndarray
+    """float64: `tokens`."""
+    bare_pairs: np.ndarray
+    """float64: `pairs`."""
+
+
+def _plan_works(plan: StepPlan) -> list[tuple[_Works, _Works] | None]:
+    """Per pipeline, the works of its forward chunks and of its backward units, from every
+    segment of the plan in one pass (numpy sums of integers, exact: the same numbers as
+    Chunk.num_tokens and chunk_work, without asking each chunk). None for every pipeline where
+    a sum could leave float64's exact integers (sequences of tens of millions of tokens)."""
+    lists = [x for p in plan.pipelines for x in (p.chunks, p.bwd_units)]
+    chunks = [c for x in lists for c in x]
+    counts = np.fromiter((len(c.segments) for c in chunks), dtype=np.int64, count=len(chunks))
+    flat = np.fromiter(itertools.chain.from_iterable((s.start, s.stop) for c in chunks for s in c.segments),
+                       dtype=np.int64, count=2 * int(counts.sum()))
+    start, stop = flat[0::2], flat[1::2]
+    if len(stop) and (int(stop.max()) >= 2**26 or int(stop.max()) ** 2 * len(stop) >= 2**53):
+        return [None] * len(plan.pipelines)
+    owner = np.repeat(np.arange(len(chunks)), counts)
+    tokens = np.bincount(owner, weights=stop - start, minlength=len(chunks))
+    pairs = np.bincount(owner, weights=(stop * (stop + 1) - start * (start + 1)) // 2, minlength=len(chunks))
+    row_tokens, row_keys = tokens.copy(), pairs.copy()
+    pads = np.fromiter((c.pad_to for c in chunks), dtype=np.int64, count=len(chunks))
+    for i in np.flatnonzero((pads > tokens) & (counts > 0)).tolist():  # padded rows (chunk_work)
+        w = chunk_work(chunks[i])
+        row_tokens[i], row_keys[i] = w.tokens, w.keys
+    tokens_int, pairs_int = tokens.astype(np.int64).tolist(), pairs.astype(np.int64).tolist()
+    bounds = np.cumsum([0] + [len(x) for x in lists]).tolist()
+    works = [_Works(tokens=tokens_int[a:b], pairs=pairs_int[a:b], row_tokens=row_tokens[a:b], row_keys=row_keys[a:b],
+                    bare_tokens=tokens[a:b], bare_pairs=pairs[a:b])
+             for a, b in zip(bounds[:-1], bounds[1:])]
+    return [(works[2 * i], works[2 * i + 1]) for i in range(len(plan.pipelines))]
+
+
+def _batched_tables(plan: StepPlan, cm: CostModel, works) -> list[dict]:
+    """_PipelineCosts.per_chunk of every pipeline without CP, for all pipelines of one tp and
+    stage kind (layers, head) in one works_time call each (elementwise: the same floats as one
+    call per pipeline). Per pipeline: {(layers, head): {"fwd", "bwd", "act"}}."""
+    kinds: dict[tuple, list[int]] = {}
+    for i, pipe in enumerate(plan.pipelines):
+        if pipe.cp > 1 or works[i] is None:
+            continue
+        layers = pipe.stage_layers(plan.model.num_layers)
+        if len(layers) != pipe.pp or any(n < 0 for n in layers):
+            continue  # _PipelineCosts reports it
+        for s, n in enumerate(layers):
+            members = kinds.setdefault((pipe.tp, n, s == pipe.pp - 1), [])
+            if not members or members[-1] != i:
+                members.append(i)
+    out: list[dict] = [{} for _ in plan.pipelines]
+    for (tp, layers, head), members in kinds.items():
+        fw = [works[i][0] for i in members]
+        bw = [works[i][1] for i in members]
+        ct, ck = np.concatenate([w.row_tokens for w in fw]), np.concatenate([w.row_keys for w in fw])
+        ut, uk = np.concatenate([w.row_tokens for w in bw]), np.concatenate([w.row_keys for w in bw])
+        fwd = cm.works_time(ct, ck, layers=layers, tp=tp, head=head, backward=False)
+        bwd = cm.works_time(ut, uk, layers=layers, tp=tp, head=head, backward=True) + 0.0  # (zero) recompute
+        act = cm.activation_bytes_per_token(layers=layers, tp=tp, head=head) * ct
+        cb = np.cumsum([0] + [len(w.row_tokens) for w in fw]).tolist()
+        ub = np.cumsum([0] + [len(w.row_tokens) for w in bw]).tolist()
+        for k, i in enumerate(members):
+            out[i][layers, head] = {"fwd": fwd[cb[k]:cb[k + 1]], "bwd": bwd[ub[k]:ub[k + 1]],
+                                    "act": act[cb[k]:cb[k + 1]]}
+    return out
 
 
 class _PipelineCosts:
     """Cost tables of one pipeline; per (layers, head) stage kind the per-chunk costs are cached."""
 
-    def __init__(self, plan: StepPlan, index: int, cm: CostModel, offsets: list[int], shared: dict):
+    def __init__(self, plan: StepPlan, index: int, cm: CostModel, offsets: list[int], shared: dict,
+                 works: tuple[_Works, _Works] | None = None, tables: dict | None = None):
         self.plan, self.pipe, self.cm, self.offsets, self.shared = plan, plan.pipelines[index], cm, offsets, shared
+        self.works = works  # (forward chunks, backward units), _plan_works
         self.offset, pipe = offsets[index], self.pipe
         self.layers = pipe.stage_layers(plan.model.num_layers)
         if len(self.layers) != pipe.pp or any(n < 0 for n in self.layers):
@@ -81,7 +166,7 @@ class _PipelineCosts:
         self.units = pipe.bwd_units
         self.deps = dependencies(pipe.chunks, pipe.backward_chunks)
         self.kw = {"tp": pipe.tp, "cp": pipe.cp}
-        self._cache: dict = {}
+        self._cache: dict = dict(tables or {})  # per_chunk tables batched over the plan (_batched_tables)
 
     def node(self, gpu: int) -> int:
         return gpu // self.plan.cluster.gpus_per_node
@@ -166,9 +251,24 @@ class _PipelineCosts:
         """Hand-off times of every chunk and unit over an intra- or inter-node link."""
         if ("p2p", inter) not in self._cache:
             cm, kw = self.cm, self.kw
-            self._cache["p2p", inter] = (
-                [cm.p2p_time(cm.boundary_bytes(c, **kw), inter_node=inter) for c in self.pipe.chunks],
-                [cm.p2p_time(cm.boundary_bytes(u, **kw), inter_node=inter) for u in self.units])
+            if self.works is None or self.pipe.cp > 1:
+                self._cache["p2p", inter] = (
+                    [cm.p2p_time(cm.boundary_bytes(c, **kw), inter_node=inter) for c in self.pipe.chunks],
+                    [cm.p2p_time(cm.boundary_bytes(u, **kw), inter_node=inter) for u in self.units])
+            else:  # boundary bytes go by row tokens alone: one call per distinct count
+                memo = self.shared.setdefault(("p2p", inter, self.pipe.tp), {})
+
+                def times(chunks: list[Chunk], rows: np.ndarray) -> list[float]:
+                    out = []
+                    for c, r in zip(chunks, rows.tolist()):
+                        v = memo.get(r)
+                        if v is None:
+                            v = memo[r] = cm.p2p_time(cm.boundary_bytes(c, **kw), inter_node=inter)
+                        out.append(v)
+                    return out
+
+                self._cache["p2p", inter] = (times(self.pipe.chunks, self.works[0].row_tokens),
+                                             times(self.units, self.works[1].row_tokens))
         return self._cache["p2p", inter]
 
     def _stage_times(self, s: int, recompute: list[int], dur: np.ndarray, comm: np.ndarray) -> None:
@@ -198,25 +298,47 @@ class _PipelineCosts:
         dp, zero = len(self.plan.pipelines) * pipe.cp, self.plan.zero  # ZeRO shards over dp x cp
         splits = self.splits = split_sequences(pipe.chunks, self.units)
         act, extra, transient, kv, kv_grad, state, work = [], [], [], [], [], [], []
+        kv_of: dict[int, dict] = {}  # stages of equal layer counts hold equal K/V
+        C, U = len(pipe.chunks), len(self.units)
         for s in range(S):
             L, head = self.layers[s], s == S - 1
             full = self.per_chunk(L, head)["act"]
-            kept = [cm.activation_bytes(c, layers=L, head=head, recompute_layers=r, **self.kw) if r else full[i]
-                    for i, (c, r) in enumerate(zip(pipe.chunks, recompute[s]))]
-            act.append(list(kept))
-            extra.append(list(full - np.array(kept)))
+            if any(recompute[s]):
+                kept = np.array([cm.activation_bytes(c, layers=L, head=head, recompute_layers=r, **self.kw) if r
+                                 else full[i] for i, (c, r) in enumerate(zip(pipe.chunks, recompute[s]))])
+                extra.append([cm.recompute_transient_bytes(c, recompute_layers=r, **self.kw)
+                              for c, r in zip(pipe.chunks, recompute[s])])
+            else:  # recompute_transient_bytes is 0 without recomputation
+                kept = full
+                extra.append(np.zeros(C))
+            act.append(kept)
             # on the last stage each backward unit's loss backward makes the bf16 logit gradient
-            work.append([cm.head_backward_bytes(u, **self.kw) if head else 0.0 for u in self.units])
+            work.append(self._head_backward() if head else np.zeros(U))
             nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD}
             transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
-                              for i, c in enumerate(pipe.chunks)])
-            sizes = {q.seq_id: cm.kv_bytes(q.context, layers=L, **self.kw) for q in splits}
-            kv.append(sizes)
-            kv_grad.append(dict(sizes))  # K/V-gradient buffers are the size of the K/V they update
-            state.append(self._shared(cm.model_state_bytes, layers=L, tp=pipe.tp, dp=dp, zero=zero,
-                                      first=s == 0, last=head))
+                              for i, c in enumerate(pipe.chunks)] if nograd else np.zeros(C))
+            if L not in kv_of:
+                kv_of[L] = {q.seq_id: cm.kv_bytes(q.context, layers=L, **self.kw) for q in splits}
+            kv.append(kv_of[L])
+            kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
+            state.append(self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero,
+                                      layers=L).states)
         return MemorySizes(state=state, activation=act, recompute_extra=extra, nograd_transient=transient,
                            kv=kv, kv_grad=kv_grad, backward_work=work)
+
+    def _head_backward(self) -> list[float]:
+        """cm.head_backward_bytes of every backward unit (without CP: one call per row-token count)."""
+        cm, kw = self.cm, self.kw
+        if self.works is None or self.pipe.cp > 1:
+            return [cm.head_backward_bytes(u, **kw) for u in self.units]
+        memo = self.shared.setdefault(("head_backward", self.pipe.tp), {})
+        out = []
+        for u, r in zip(self.units, self.works[1].row_tokens.tolist()):
+            v = memo.get(r)
+            if v is None:
+                v = memo[r] = cm.head_backward_bytes(u, **kw)
+            out.append(v)
+        return out
 
     def _grad_sync(self) -> list[float]:
         # every CP rank holds the stage's weights too: gradients reduce over dp x cp
@@ -242,13 +364,27 @@ class _PipelineCosts:
 
     def _model_flops(self) -> float:
         L, cm = self.plan.model.num_layers, self.cm
+        if (self.works is not None and type(cm).forward_flops is CostModel.forward_flops
+                and type(cm).backward_flops is CostModel.backward_flops):
+            # CostModel.forward_flops / backward_flops (whole model, head, padding excluded)
+            # elementwise over the chunks: the same operations in the same order, then summed
+            # one by one as below
+            fw, bw = self.works
+            lin, attn = layer_forward_flops(cm.model, ChunkWork(fw.bare_tokens, fw.bare_pairs))
+            fwd = L * (lin + attn) + head_forward_flops(cm.model, fw.bare_tokens)
+            lin, attn = layer_forward_flops(cm.model, ChunkWork(bw.bare_tokens, bw.bare_pairs))
+            bwd = (L * (lin * cm.bwd_linear_ratio + attn * cm.bwd_attn_ratio)
+                   + head_forward_flops(cm.model, bw.bare_tokens) * cm.bwd_linear_ratio)
+            return sum(fwd.tolist()) + sum(bwd.tolist())
         bare = lambda c: Chunk(c.segments) if c.pad_to else c
         memo = self.shared.setdefault("model_flops", {})  # by (tokens, pairs): padding excluded
         sums = []
-        for units, fn in ((self.pipe.chunks, cm.forward_flops), (self.units, cm.backward_flops)):
+        for k, (units, fn) in enumerate(((self.pipe.chunks, cm.forward_flops), (self.units, cm.backward_flops))):
             values = []
-            for c in units:
-                key = (fn.__name__, c.num_tokens, c.attention_pairs)
+            works = zip(self.works[k].tokens, self.works[k].pairs) if self.works is not None else \
+                ((c.num_tokens, c.attention_pairs) for c in units)
+            for c, (tokens, pairs) in zip(units, works):
+                key = (fn.__name__, tokens, pairs)
                 v = memo.get(key)
                 if v is None:
                     v = memo[key] = fn(bare(c), layers=L, head=True)

@@ -4,8 +4,9 @@ Each stage holds its model states for the whole step, plus allocations tied to t
 
 - activations of a chunk, from the start of its F to the end of the last B that consumes it
   (fewer bytes when the F keeps only checkpoints of `recompute_layers` layers; the B then
-  re-materialises the difference while it runs: a transient; on the last stage the B also
-  works on the loss's fp32 logit gradients, another transient);
+  re-materialises them one layer at a time, as the executor's per-layer checkpoints do: a
+  transient of one layer's activations, `CostModel.recompute_transient_bytes`; on the last
+  stage the B also works on the loss's fp32 logit gradients, another transient);
 - the working set of a no-grad forward (N): one layer's activations while it runs;
 - K/V state of a split sequence's earlier slices, from the slice's first forward to the
   sequence's last backward on the stage (later slices attend to it: infinipipe eq. 5);
@@ -35,14 +36,16 @@ from lengthwise.sim.dag import PipelineTasks
 
 @dataclass(kw_only=True)
 class MemorySizes:
-    """Sizes of one pipeline's allocations, per stage (bytes, or any consistent unit)."""
+    """Sizes of one pipeline's allocations, per stage (bytes, or any consistent unit). A per-chunk
+    or per-unit row may be a list or a float64 array (memory_events reads them as arrays)."""
 
     state: list[float]
     """[stage] model states held all step."""
     activation: list[list[float]]
     """[stage][chunk] activations held from F to B, as the stage's F action keeps them."""
     recompute_extra: list[list[float]]
-    """[stage][chunk] bytes re-materialised during the B of a chunk whose F recomputes layers."""
+    """[stage][chunk] bytes re-materialised at once during the B of a chunk whose F recomputes
+    layers (one layer's)."""
     nograd_transient: list[list[float]]
     """[stage][chunk] working set of the chunk's N while it runs."""
     kv: list[dict[int, float]]
@@ -106,43 +109,63 @@ def memory_events(t: PipelineTasks, deps: Dependencies, sizes: MemorySizes,
     np.maximum.at(release, (slice(None), pairs_c), bwd[:, pairs_u])  # last backward reading the chunk
     read = release >= 0
     ran_nograd = nograd >= 0
-    parts = [(fwd[read], False, act[read]), (release[read], True, -act[read]),
-             (bwd[:, pairs_u].ravel(), False, extra[:, pairs_c].ravel()),
-             (bwd[:, pairs_u].ravel(), True, -extra[:, pairs_c].ravel()),
-             (nograd[ran_nograd], False, transient[ran_nograd]), (nograd[ran_nograd], True, -transient[ran_nograd])]
-    if sizes.backward_work:
+    parts = [(fwd[read], False, act[read]), (release[read], True, -act[read])]
+    # parts whose bytes are all zero are left out: the zero events would be dropped below anyway
+    if extra.any():
+        parts += [(bwd[:, pairs_u].ravel(), False, extra[:, pairs_c].ravel()),
+                  (bwd[:, pairs_u].ravel(), True, -extra[:, pairs_c].ravel())]
+    if ran_nograd.any():
+        parts += [(nograd[ran_nograd], False, transient[ran_nograd]), (nograd[ran_nograd], True, -transient[ran_nograd])]
+    if len(sizes.backward_work):
         work = np.asarray(sizes.backward_work, dtype=np.float64)
         parts += [(bwd, False, work), (bwd, True, -work)]
     if splits:
         parts.append(_split_events(t, sizes, splits))
     task = np.concatenate([np.asarray(p[0], dtype=np.int64).ravel() for p in parts])
-    at_end = np.concatenate([np.broadcast_to(np.asarray(p[1], dtype=bool), np.shape(p[0])).ravel() for p in parts])
+    at_end = np.concatenate([p[1] if isinstance(p[1], np.ndarray) else np.full(np.size(p[0]), p[1]) for p in parts])
     delta = np.concatenate([np.asarray(p[2], dtype=np.float64).ravel() for p in parts])
     keep = delta != 0
     return task[keep], at_end[keep], delta[keep]
 
 
-def _split_events(t: PipelineTasks, sizes: MemorySizes, splits: list[SplitSequence]) -> tuple[list, list, list]:
+def _split_events(t: PipelineTasks, sizes: MemorySizes,
+                  splits: list[SplitSequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """K/V state from each earlier slice's first forward to the sequence's last backward, and
     K/V gradients from its first backward (the last slice) to its last, on every stage: the
-    events as three flat lists (task, at end, bytes)."""
-    task: list[int] = []
-    at_end: list[bool] = []
-    delta: list[float] = []
-    for s in range(len(t.fwd_id)):
-        first, bwd, kv_s, grad_s = t.first_id[s], t.bwd_id[s], sizes.kv[s], sizes.kv_grad[s]
-        for seq in splits:
-            b_ids = [bwd[u] for u in seq.units]
-            last_b, first_b = max(b_ids), min(b_ids)
-            kv, grad = kv_s.get(seq.seq_id, 0.0), grad_s.get(seq.seq_id, 0.0)
-            shares = [kv * tokens / max(seq.context, 1) for _, tokens in seq.first_fwd]
-            task += [first[c] for c, _ in seq.first_fwd]
-            at_end += [False] * len(shares)
-            delta += shares
-            task += [last_b, first_b, last_b]
-            at_end += [True, False, True]
-            delta += [-sum(shares), grad, -grad]
-    return task, at_end, delta
+    events (task, at end, bytes) as flat arrays, stage by stage, sequence by sequence, each
+    sequence's slices' allocations, then the K/V release, gradient allocation and release."""
+    S, Q = len(t.fwd_id), len(splits)
+    first = np.asarray(t.first_id, dtype=np.int64).reshape(S, -1)
+    bwd = np.asarray(t.bwd_id, dtype=np.int64).reshape(S, -1)
+    slices = [len(q.first_fwd) for q in splits]
+    holders = [len(q.units) for q in splits]
+    slice_q = np.repeat(np.arange(Q), slices)
+    slice_c = np.array([c for q in splits for c, _ in q.first_fwd], dtype=np.int64)
+    slice_tokens = np.array([n for q in splits for _, n in q.first_fwd], dtype=np.int64)
+    context = np.array([max(q.context, 1) for q in splits], dtype=np.int64)
+    b = bwd[:, [u for q in splits for u in q.units]]
+    at = np.cumsum([0] + holders[:-1])
+    last_b, first_b = np.maximum.reduceat(b, at, axis=1), np.minimum.reduceat(b, at, axis=1)
+    kv = np.array([[kv_s.get(q.seq_id, 0.0) for q in splits] for kv_s in sizes.kv], dtype=np.float64)
+    grad = np.array([[g_s.get(q.seq_id, 0.0) for q in splits] for g_s in sizes.kv_grad], dtype=np.float64)
+    shares = kv[:, slice_q] * slice_tokens / context[slice_q]  # [stage, slice]
+    bounds = np.cumsum([0] + slices).tolist()
+    freed = np.array([[-sum(row[a:b]) for a, b in zip(bounds[:-1], bounds[1:])] for row in shares.tolist()],
+                     dtype=np.float64).reshape(S, Q)  # summed one by one, in slice order
+    # columns of one stage's events: per sequence its slices, then the three K/V events
+    block = np.cumsum([0] + [k + 3 for k in slices])
+    width = int(block[-1])
+    slice_col = np.repeat(block[:-1], slices) + (np.arange(len(slice_q)) - np.repeat(np.array(bounds[:-1]), slices))
+    tail = block[1:] - 3
+    task = np.empty((S, width), dtype=np.int64)
+    delta = np.empty((S, width), dtype=np.float64)
+    at_end = np.zeros(width, dtype=bool)
+    task[:, slice_col], delta[:, slice_col] = first[:, slice_c], shares
+    task[:, tail], delta[:, tail] = last_b, freed
+    task[:, tail + 1], delta[:, tail + 1] = first_b, grad
+    task[:, tail + 2], delta[:, tail + 2] = last_b, -grad
+    at_end[tail] = at_end[tail + 2] = True
+    return task.ravel(), np.tile(at_end, S), delta.ravel()
 
 
 def deps_users(deps: Dependencies, num_chunks: int) -> list[list[int]]:

@@ -68,7 +68,6 @@ import time
 from dataclasses import dataclass
 
 from lengthwise.cost.flops import causal_keys
-from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB, PLANNING_MS
 from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
@@ -212,14 +211,11 @@ def stage_memory_bytes(request: PlanRequest, chunk_size: int, k: int, longest: i
     """
     s, cost = request.scheme, request.cost
     chunk = Chunk((Segment(0, 0, chunk_size),))
-    layers = split_layers(request.model.num_layers, s.pp)
     rows = []
-    for stage, n in enumerate(layers):
-        first, last = stage == 0, stage == s.pp - 1
-        states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp * s.cp, zero=s.zero, first=first, last=last)
-        kv = 2 * cost.kv_bytes(longest, layers=n, tp=s.tp, cp=s.cp) if longest > chunk_size else 0.0
-        act = max(k, s.pp - stage) * cost.activation_bytes(chunk, layers=n, tp=s.tp, cp=s.cp, head=last)
-        rows.append((states, kv, act))
+    for b in cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=s.dp * s.cp, zero=s.zero):
+        kv = 2 * cost.kv_bytes(longest, layers=b.layers, tp=s.tp, cp=s.cp) if longest > chunk_size else 0.0
+        act = max(k, s.pp - b.stage) * cost.activation_bytes(chunk, layers=b.layers, tp=s.tp, cp=s.cp, head=b.last)
+        rows.append((b.states, kv, act))
     return rows
 
 

@@ -190,16 +190,29 @@ def _stage_bytes(cost: CostModel, scheme: Scheme) -> list[float]:
             * mem.BYTES_BF16 for s, n in enumerate(layers)]
 
 
-def sync_time(cost: CostModel, scheme: Scheme, *, num_pipelines: int, num_gpus: int) -> float:
-    """The gradient reduction the simulator charges each pipeline (an all-reduce over the
-    pipelines, ZeRO-1), slowest stage, seconds. Its volume equals §5.2's push (reduce-scatter)
-    plus pull (all-gather) when the strategy is homogeneous, where LNK reduces to exactly those."""
-    if num_pipelines <= 1:
+def sync_time(cost: CostModel, scheme: Scheme, *, num_pipelines: int, num_gpus: int,
+              inter_node: list[bool] | None = None, ranks: int | None = None) -> float:
+    """The gradient reduction the simulator charges each pipeline (sim/inputs.py: an all-reduce
+    over the pipelines x cp ranks, as every CP rank holds the stage's weights; ZeRO-1), slowest
+    stage, seconds. `inter_node[s]`: whether stage s's group spans nodes (`stage_groups_inter`;
+    default: whenever the cluster does); `ranks` overrides the group size. Its volume equals
+    §5.2's push (reduce-scatter) plus pull (all-gather) when the strategy is homogeneous, where
+    LNK reduces to exactly those."""
+    ranks = num_pipelines * scheme.cp if ranks is None else ranks
+    if ranks <= 1:
         return 0.0
-    inter = num_gpus > cost.cluster.gpus_per_node
     layers = split_layers(cost.model.num_layers, scheme.pp)
-    return max(cost.grad_sync_time(layers=n, tp=scheme.tp, dp=num_pipelines, zero=1, inter_node=inter,
+    inter = inter_node if inter_node is not None else [num_gpus > cost.cluster.gpus_per_node] * scheme.pp
+    return max(cost.grad_sync_time(layers=n, tp=scheme.tp, dp=ranks, zero=1, inter_node=inter[s],
                                    first=s == 0, last=s == scheme.pp - 1) for s, n in enumerate(layers))
+
+
+def stage_groups_inter(schemes: list[Scheme], *, gpus_per_node: int) -> list[bool]:
+    """For each stage index, whether its data-parallel group (that stage of every pipeline that
+    has one) spans nodes, pipelines taking GPUs in order (how sim/inputs.py places a plan)."""
+    offsets = np.cumsum([0] + [s.num_gpus for s in schemes]).tolist()
+    return [len({(off + s * q.tp * q.cp) // gpus_per_node for off, q in zip(offsets, schemes) if s < q.pp}) > 1
+            for s in range(max(q.pp for q in schemes))]
 
 
 def link_time(cost: CostModel, scheme: Scheme, *, num_gpus: int) -> float:
@@ -213,11 +226,23 @@ def link_time(cost: CostModel, scheme: Scheme, *, num_gpus: int) -> float:
 
 
 def exchange_time(cost: CostModel, scheme: Scheme, *, num_pipelines: int, num_gpus: int,
-                  heterogeneous: bool) -> float:
+                  heterogeneous: bool, inter_node: list[bool] | None = None, ranks: int | None = None) -> float:
     """Optimization-propagation exchange of one pipeline as the simulator will see it: its
     gradient reduction plus, in a heterogeneous strategy, the LNK moves (`extra_comm_s`)."""
     link = link_time(cost, scheme, num_gpus=num_gpus) if heterogeneous else 0.0
-    return sync_time(cost, scheme, num_pipelines=num_pipelines, num_gpus=num_gpus) + link
+    return sync_time(cost, scheme, num_pipelines=num_pipelines, num_gpus=num_gpus, inter_node=inter_node,
+                     ranks=ranks) + link
+
+
+def plan_exchange(cost: CostModel, schemes: list[Scheme], *, num_gpus: int) -> list[float]:
+    """`exchange_time` of every pipeline of a plan whose pipelines run `schemes` in this order
+    (GPUs assigned in order): exactly the simulator's charge, its stage reductions' slowest plus
+    `extra_comm_s`."""
+    inter = stage_groups_inter(schemes, gpus_per_node=cost.cluster.gpus_per_node)
+    hetero = len(set(schemes)) > 1
+    each = {s: exchange_time(cost, s, num_pipelines=len(schemes), num_gpus=num_gpus, heterogeneous=hetero,
+                             inter_node=inter[:s.pp]) for s in set(schemes)}  # pipelines of a scheme alike
+    return [each[s] for s in schemes]
 
 
 def exchange_elements(held: list[int], *, world: int) -> float:

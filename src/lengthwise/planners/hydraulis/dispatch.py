@@ -12,22 +12,26 @@ random order, give each sequence to the admissible pipeline that least raises th
 maximum; repeat T times and keep the best trial.
 
 All trials of all candidate strategies run at once as numpy rows ([strategies x trials,
-pipelines] arrays, narrower strategies padded with pipelines that hold nothing), one sequence
-position per step: the step count is the batch's sequence count whatever the number of trials
-and candidates. Two choices of ours, both only able to help since the best trial is kept:
-trial 0 takes the sequences longest first (the LPT order), and among pipelines tying on the new
-maximum the one left least loaded wins (Algorithm 1 takes the first). The trial count is cut so
-that sequences x pipelines x trials x strategies stays within `work_budget`.
+pipelines] arrays, narrower strategies padded with pipelines that hold nothing). Two choices of
+ours, both only able to help since the best trial is kept: trial 0 takes the sequences longest
+first (the LPT order), and among pipelines tying on the new maximum the one left least loaded
+wins (Algorithm 1 takes the first). The trial count is cut so that sequences x pipelines x
+trials x strategies stays within `work_budget`.
 
 Cost: Algorithm 1 weighs every admissible pipeline for every sequence, so one trial of one
 strategy is O(n D) (n sequences, D pipelines); the paper's algorithm allows no less, as the
 pipeline that least raises the maximum bound depends on every pipeline's state. The work budget
 cuts trials, never below one per strategy, so a pass is O(n D S) for S strategies, vectorised
-over D and S (one numpy step per sequence).
+over D and S. The longest-first trials (one per strategy, all a pass runs on large batches)
+take a run of equal lengths per numpy step (`_longest_first`: an exact k-way merge, O(D + k m)
+per row for a run of k, m ~ k / D + 1), so they cost one numpy step per distinct length (a few
+thousand on 32K-sequence batches), not per sequence; random trials take one numpy step per
+sequence position.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -58,6 +62,11 @@ class PipelineArrays:
     @property
     def size(self) -> int:
         return len(self.max_len)
+
+    def take(self, rows: np.ndarray) -> PipelineArrays:
+        """The stacked rows `rows` (see _stack)."""
+        return PipelineArrays(self.attn_s[rows], self.token_s[rows], self.chunk_s[rows], self.depth[rows],
+                              self.max_len[rows])
 
     def seq_time(self, lengths: np.ndarray) -> np.ndarray:
         """w_j(l) for every (row, pipeline): lengths broadcast against the pipeline axis."""
@@ -106,25 +115,145 @@ def trials_within(n: int, sizes: list[int], trials: int, work_budget: float) -> 
 
 def dispatch_many(lengths, candidates: list[PipelineArrays], *, trials: int, work_budget: float,
                   rng: np.random.Generator) -> list[Dispatch]:
-    """Algorithm 1 for several strategies, all their trials at once (one numpy row each)."""
+    """Algorithm 1 for several strategies, all their trials at once (one numpy row each): the
+    longest-first rows by runs of equal lengths (`_longest_first`), the random ones a sequence
+    per step (`_stepwise`)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    n, d = len(lengths), max(c.size for c in candidates)
+    n = len(lengths)
     assert all(lengths.max() <= c.max_len.max() for c in candidates), "a sequence no pipeline holds"
     trials = trials_within(n, [c.size for c in candidates], trials, work_budget)
     p = _stack(candidates, trials)
     orders = np.concatenate([_orders(lengths, trials, rng) for _ in candidates])
-    state = _Trials(len(orders), d)
     owner = np.zeros((len(orders), n), dtype=np.int64)
-    block = max(1, min(n, (1 << 20) // max(orders.shape[0] * d, 1)))  # w(l) of ~1M entries at a time
+    first = np.zeros(len(orders))
+    lpt = np.arange(len(candidates)) * trials  # row 0 of each candidate: the same longest-first order
+    owner[lpt], first[lpt] = _longest_first(p.take(lpt), lengths, orders[0])
+    rand = np.setdiff1d(np.arange(len(orders)), lpt)
+    if rand.size:
+        owner[rand], first[rand] = _stepwise(p.take(rand), lengths, orders[rand])
+    out = []
+    for c in range(len(candidates)):
+        best = c * trials + int(np.argmin(first[c * trials:(c + 1) * trials]))
+        out.append(Dispatch(owner=owner[best], objective_s=float(first[best]), trials=trials))
+    return out
+
+
+PLAIN_RUN = 2
+"""Runs of equal lengths up to this long are placed a sequence per step (fewer numpy calls)."""
+BLOCK_ENTRIES = 1 << 20
+"""w(l) is precomputed for about this many (step, row, pipeline) entries at a time."""
+
+
+def _stepwise(p: PipelineArrays, lengths: np.ndarray, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Algorithm 1 one sequence position per numpy step, each row in its own order; returns
+    the owner of every sequence per row and each row's largest bound."""
+    rows, n = orders.shape
+    state = _Trials(rows, p.max_len.shape[1])
+    owner = np.zeros((rows, n), dtype=np.int64)
+    block = max(1, min(n, BLOCK_ENTRIES // max(p.max_len.size, 1)))
     for k in range(n):
         if k % block == 0:  # what depends only on the sequences, for `block` steps at once
             pre = Precomputed.of(p, lengths[orders[:, k:k + block]].T)
         seq = orders[:, k]
         owner[state.rows, seq] = state.place(p, lengths[seq], pre.step(k % block))
-    out = []
-    for c in range(len(candidates)):
-        best = c * trials + int(np.argmin(state.first[c * trials:(c + 1) * trials]))
-        out.append(Dispatch(owner=owner[best], objective_s=float(state.first[best]), trials=trials))
+    return owner, state.first
+
+
+def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Algorithm 1 for rows that all take the sequences in one order, a run of equal lengths
+    per numpy step; the same assignment as `_stepwise`, bit for bit.
+
+    For a run of k sequences of length l, each pipeline's successive bounds if it took 1, 2,
+    ... of them are fixed by its own state (eq. 2 with the same arithmetic as `_Trials.place`)
+    and never fall. Placing the run one sequence at a time onto the least new bound (ties to the
+    lowest pipeline) is then a k-way merge of those streams: the run's i-th sequence goes to the
+    i-th smallest (bound, pipeline, position) over all admissible pipelines. Only the k
+    pipelines with the least first bound can take any (their k first bounds are already k
+    candidates); we compute the first m bounds of their streams and keep the k smallest; if
+    some pipeline had all m taken, its next bound might be among them too and m doubles (each
+    takes about one: m starts at ceil(k / D) + 1). A run of one is a plain `_Trials.place`."""
+    rows, d = p.max_len.shape
+    n = len(order)
+    ls = lengths[order]
+    starts = np.flatnonzero(np.r_[True, ls[1:] != ls[:-1]])
+    sizes = np.diff(np.r_[starts, n])
+    # a run of up to PLAIN_RUN sequences costs fewer numpy calls one sequence at a time
+    starts = np.flatnonzero(np.r_[True, ls[1:] != ls[:-1]] | (np.repeat(sizes, sizes) <= PLAIN_RUN))
+    stops = np.r_[starts[1:], n]
+    sum_w, sum_l, fill = (np.zeros((rows, d)) for _ in range(3))
+    flat_w, flat_l, flat_fill = sum_w.reshape(-1), sum_l.reshape(-1), fill.reshape(-1)  # views
+    first = np.zeros(rows)
+    owner = np.zeros((rows, n), dtype=np.int64)
+    depth_less_one = p.depth - 1
+    row_ids = np.arange(rows)
+    base = row_ids * d
+    at_row = row_ids[:, None]
+    block = max(1, BLOCK_ENTRIES // max(rows * d, 1))
+    for u, (a, b) in enumerate(zip(starts.tolist(), stops.tolist())):
+        if u % block == 0:
+            pre = Precomputed.of(p, np.broadcast_to(ls[starts[u:u + block]][:, None], (len(starts[u:u + block]), rows)))
+        step = pre.step(u % block)
+        l, k = float(ls[a]), b - a
+        # T(longest) after taking l: place's "w + c if l > longest else fill" is this maximum,
+        # as fill is T of the longest held (0 when empty) and T grows with l
+        fill_after = np.maximum(fill, step.w_plus_c)
+        fill_term = fill_after * depth_less_one
+        # each pipeline's bound if it took one sequence of the run, as place computes it
+        with_w = sum_w + step.w
+        new1 = with_w + p.chunk_s * np.ceil((sum_l + l) / p.max_len)
+        new1 += fill_term
+        new1 = np.where(step.admissible, new1, np.inf)
+        if k == 1:
+            idx = base + new1.argmin(axis=1)
+            owner[row_ids, order[a]] = idx - base
+            first = np.maximum(first, new1.ravel()[idx])
+            flat_w[idx] = with_w.ravel()[idx]
+            flat_l[idx] += l
+            flat_fill[idx] = fill_after.ravel()[idx]
+            continue
+        # Only the k pipelines with the least first bound can take any of the run (those k first
+        # bounds are k candidates already); kept in pipeline order for the tie-break.
+        kk = min(k, d)
+        cand = np.sort(np.argsort(new1, axis=1, kind="stable")[:, :kk], axis=1)
+        at = (at_row, cand)
+        w, c, cap, held_l, admissible = step.w[at], p.chunk_s[at], p.max_len[at], sum_l[at], step.admissible[at]
+        fill_c, start_w = fill_term[at], sum_w[at]
+        m = min(k, -(-k // kk) + 1)
+        while True:
+            # sum_w after taking 0..m of the run: the same left-to-right additions as place's
+            sums = np.empty((rows, kk, m + 1))
+            sums[..., 0], sums[..., 1:] = start_w, w[..., None]
+            np.cumsum(sums, axis=-1, out=sums)
+            tokens = held_l[..., None] + _count(m) * l
+            new = sums[..., 1:] + c[..., None] * np.ceil(tokens / cap[..., None]) + fill_c[..., None]
+            flat = np.where(admissible[..., None], new, np.inf).reshape(rows, kk * m)
+            taken = np.argsort(flat, axis=1, kind="stable")[:, :k]  # (bound, pipeline, position)
+            slot = taken // m
+            took = np.bincount((at_row * kk + slot).ravel(), minlength=rows * kk).reshape(rows, kk)
+            if m == k or not (took == m).any():
+                break
+            m = min(k, 2 * m)
+        owner[at_row, order[a:b]] = cand[at_row, slot]
+        first = np.maximum(first, flat[row_ids, taken[:, -1]])
+        sum_w[at] = sums.reshape(rows * kk, m + 1)[_index(rows * kk), took.ravel()].reshape(rows, kk)
+        sum_l[at] = held_l + took * l
+        fill[at] = np.where(took > 0, fill_after[at], fill[at])
+    return owner, first
+
+
+@functools.lru_cache(maxsize=64)
+def _count(m: int) -> np.ndarray:
+    """1, 2, ..., m as floats (read-only, shared)."""
+    out = np.arange(1, m + 1, dtype=np.float64)
+    out.flags.writeable = False
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _index(n: int) -> np.ndarray:
+    """0, 1, ..., n - 1 (read-only, shared)."""
+    out = np.arange(n)
+    out.flags.writeable = False
     return out
 
 
@@ -197,7 +326,7 @@ def lower_bound(lengths, schemes: list[Scheme], counts: list[int], max_lens: lis
     """A bound no dispatch of the strategy beats: GPU-seconds of the cheapest admissible scheme
     per sequence over the strategy's GPUs, or the longest sequence alone on its fastest scheme."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    fit = np.array([[m >= x for x in lengths] for m in max_lens])
+    fit = np.asarray(max_lens, dtype=np.int64)[:, None] >= lengths[None, :]
     gpu_s = np.stack([s.num_gpus * s.seq_time(lengths) for s in schemes])
     work = np.where(fit, gpu_s, np.inf).min(axis=0).sum()
     gpus = sum(s.num_gpus * n for s, n in zip(schemes, counts))

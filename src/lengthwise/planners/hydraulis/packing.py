@@ -188,6 +188,54 @@ def _estimate_floor(load: PipelineLoad, top: int) -> np.ndarray:
     return floor
 
 
+def lpt_bounds(loads: list[PipelineLoad]) -> np.ndarray:
+    """An upper bound on `greedy_pack(load).estimate_s` for every load, all loads at once: LPT's
+    estimate at the micro-batch count of the range with the lowest floor (the count greedy_pack
+    tries first; its LPT packing is one of those greedy_pack takes the best of), inf where LPT
+    finds no room. One numpy step per sequence of the largest load, the loads side by side, with
+    the arithmetic of `_lpt` and `_estimate` (so a bound equal to the greedy estimate is equal
+    to it bit for bit)."""
+    out = np.zeros(len(loads))
+    busy_loads = [j for j, load in enumerate(loads) if load.seq_ids]
+    if not busy_loads:
+        return out
+    counts = []
+    for j in busy_loads:
+        vs = micro_batch_range(loads[j])
+        floor = _estimate_floor(loads[j], max(vs))
+        counts.append(min(vs, key=lambda v: floor[v - 1]))  # the first of equal floors, as sorted() keeps
+    p, width = len(busy_loads), max(counts)
+    sizes = [len(loads[j].seq_ids) for j in busy_loads]
+    # [step, pipeline], a pipeline's sequences in greedy_pack's order, then zero-token no-work
+    # fillers (they fit any bin and change nothing: no live mask needed)
+    work = np.zeros((max(sizes), p))
+    tokens = np.zeros((max(sizes), p), dtype=np.int64)
+    for r, j in enumerate(busy_loads):
+        load = loads[j]
+        order = np.lexsort((np.arange(sizes[r]), -load.lengths, -load.work))
+        work[:sizes[r], r], tokens[:sizes[r], r] = load.work[order], load.lengths[order]
+    cap = np.asarray([loads[j].max_len for j in busy_loads], dtype=np.int64)
+    busy = np.where(np.arange(width) < np.asarray(counts)[:, None], 0.0, np.inf).ravel()
+    room = np.repeat(cap, width)
+    base = np.arange(p) * width
+    for t in range(max(sizes)):
+        # least busy with room, lowest index on ties; with no room anywhere bin 0's room goes
+        # negative, which marks the pipeline as one LPT cannot pack
+        pick = base + np.where(room.reshape(p, width) >= tokens[t, :, None], busy.reshape(p, width),
+                               np.inf).argmin(axis=1)
+        busy[pick] += work[t]
+        room[pick] -= tokens[t]
+    busy, room = busy.reshape(p, width), room.reshape(p, width)
+    used = room < cap[:, None]
+    heaviest = np.where(used, busy, -np.inf).max(axis=1)
+    chunk = np.asarray([loads[j].chunk_s for j in busy_loads])
+    depth = np.asarray([loads[j].depth for j in busy_loads], dtype=np.float64)
+    est = (heaviest + chunk) * (depth - 1 + used.sum(axis=1))
+    fits = (room >= 0).all(axis=1)
+    out[busy_loads] = np.where(fits, est, np.inf)
+    return out
+
+
 def _within(bins: list[list[int]], lengths: list[int], cap: int) -> list[list[int]] | None:
     """The bins if every one holds at most `cap` tokens, else None."""
     return bins if all(sum(lengths[i] for i in b) <= cap for b in bins) else None

@@ -26,19 +26,32 @@ seconds per batch (the paper spends about 1 s per batch on it with 10 processes,
 
 Pipelines of one plan have different (tp, pp, cp), each running plain 1F1B over its whole-sequence
 micro-batches. The plan's ZeRO stage is 1: optimizer states are sharded over all GPUs (§5.2).
-The simulator charges every plan a gradient all-reduce over its pipelines, which is the volume
-of §5.2's push and pull; a heterogeneous plan's pipelines add the LNK re-sharding as
-`extra_comm_s` (hydraulis/cost.py, link_time). Step time estimate = slowest pipeline (eq. 1) +
-slowest exchange. The exchange is outside the DP's latency, so the DP runs once per cap on
-it (schemes whose exchange exceeds the cap left out), and every cap's strategies are candidates.
+The simulator charges every plan a gradient all-reduce over its pipelines x cp ranks (inter-node
+per stage as the plan's GPUs fall), which is the volume of §5.2's push and pull; a heterogeneous
+plan's pipelines add the LNK re-sharding as `extra_comm_s` (hydraulis/cost.py, link_time). The
+estimate charges exactly that (cost.plan_exchange, on the pipelines in the plan's order): step
+time estimate = slowest pipeline (eq. 1) + slowest exchange. The exchange is outside the DP's
+latency, so the DP runs once per cap on it (schemes whose exchange exceeds the cap left out),
+and every cap's strategies are candidates.
+
+A strategy switch between batches is charged nothing, because it moves nothing: the executor
+(runtime/parallel/hetero.py) owns the fp32 master weights and Adam moments in one round-robin
+layout over all ranks that does not depend on the plan, so a new strategy only changes which
+slices each rank pulls and pushes, and every step's pull and push are charged already (the
+exchange above). What a switch adds is one-time: the process groups of a scheme not run before
+are created once and reused.
 
 Complexity (n sequences, D pipelines of the widest screened candidate, S candidates): the
-dispatch is O(n D S) work in n vectorised numpy steps (Algorithm 1 weighs every pipeline for
-every sequence; the paper's algorithm allows no less), packing O(n log n) per candidate (BFD,
-LPT over at most 16 micro-batch counts, Karmarkar-Karp), the proposal DP per histogram is cached.
-At 1024 GPUs x 32,768 sequences this is about 2.7 s on one core of our machine (the paper
-reports 3.9 s at 1024 GPUs with several processes); the n numpy steps of the dispatch and the
-Python packing of every pipeline of every screened candidate are what is left to cut.
+dispatch is O(n D S) work in one numpy step per distinct length (the longest-first trial) or
+per sequence (random trials; Algorithm 1 weighs every pipeline for every sequence, the paper's
+algorithm allows no less); the slowest pipeline's packing is found from one vectorised LPT bound
+per pipeline (O(n D V) work in at most n numpy steps, V the micro-batch count) and the full
+greedy packing, O(n log n) per pipeline (BFD, LPT over at most 16 micro-batch counts,
+Karmarkar-Karp), only for the pipelines whose bound exceeds the slowest packed so far, then for
+every pipeline of the chosen candidate; the proposal DP per histogram is cached. At 1024 GPUs x
+32,768 sequences this is about 1 s on one core of our machine (the paper reports 3.9 s at 1024
+GPUs with several processes); Karmarkar-Karp on pipelines of a thousand sequences and more
+(small clusters) is what is left to cut.
 
 Options: `HydraulisOptions` in planners/options.py (each with its default and meaning).
 """
@@ -60,6 +73,7 @@ from lengthwise.planners.hydraulis.cost import (
     link_time,
     make_scheme,
     parse_pipelines,
+    plan_exchange,
     scheme_space,
 )
 from lengthwise.planners.hydraulis.dispatch import (
@@ -72,6 +86,7 @@ from lengthwise.planners.hydraulis.packing import (
     Packing,
     PipelineLoad,
     greedy_pack,
+    lpt_bounds,
     milp_pack,
 )
 from lengthwise.planners.hydraulis.strategy import (
@@ -106,17 +121,17 @@ class Evaluation:
     """Slowest pipeline's optimization-propagation exchange, seconds."""
     loads: list[PipelineLoad]
     """Sequences dispatched to each pipeline (Algorithm 1)."""
-    packings: list[Packing]
-    """Micro-batches of each pipeline (eq. 1)."""
+    packings: list[Packing | None]
+    """Micro-batches of each pipeline (eq. 1); None for a pipeline not packed yet (see `full`)."""
     trials: int
     """Dispatch trials run."""
     full: set[int]
-    """Pipelines whose packing is the full greedy one (the others are without Karmarkar-Karp
-    until `_complete`; the largest estimate is exact either way)."""
+    """Pipelines packed (the others wait for `_complete`; their greedy estimate is at most the
+    largest of these, so the largest estimate is exact either way)."""
 
     @property
     def estimate_s(self) -> float:
-        return float(max(p.estimate_s for p in self.packings) + self.exchange_s)
+        return float(max(p.estimate_s for p in self.packings if p is not None) + self.exchange_s)
 
 
 def plan_hydraulis(request: PlanRequest) -> StepPlan:
@@ -222,8 +237,11 @@ def _candidates(request: PlanRequest, opts: dict, space: list[Scheme], num_gpus:
     """§7's proposal once per exchange cap, rounded; plus a homogeneous fallback if none holds
     the batch's longest sequence."""
     hist, targets, tokens = _histogram(request, opts, space)
+    # Caps only group schemes for the proposal runs (a candidate's estimate charges its exact
+    # exchange, `_exchange`); each scheme's level is its reduction over as many ranks as it
+    # would have pipelines, the grouping these caps were tuned with.
     costs = {s: exchange_time(request.cost, s, num_pipelines=num_gpus // s.num_gpus, num_gpus=num_gpus,
-                              heterogeneous=True) for s in space}
+                              heterogeneous=True, ranks=num_gpus // s.num_gpus) for s in space}
     caps = _caps(sorted(set(costs.values())))
     masks = tuple(tuple(costs[s] <= cap for s in space) for cap in caps)
     out: dict[Strategy, None] = {}
@@ -332,15 +350,15 @@ def _prepare(request: PlanRequest, strategy: Strategy, num_gpus: int, lengths: n
     if max(limits, default=0) < lengths.max():
         return np.inf, strategy, None
     schemes = [s for s, _ in strategy.parts]
-    exchange = _exchange(request, strategy, num_gpus)
+    pipes = _strategy_pipelines(strategy, limits)
     bound = lower_bound(lengths, schemes, [n for _, n in strategy.parts], limits)
-    return bound + exchange, strategy, _strategy_pipelines(strategy, limits)
+    return bound + _exchange(request, pipes, num_gpus), strategy, pipes
 
 
-def _exchange(request: PlanRequest, strategy: Strategy, num_gpus: int) -> float:
-    hetero = len(strategy.parts) > 1
-    return max(exchange_time(request.cost, s, num_pipelines=strategy.num_pipelines, num_gpus=num_gpus,
-                             heterogeneous=hetero) for s, _ in strategy.parts)
+def _exchange(request: PlanRequest, pipes: list[tuple[Scheme, int]], num_gpus: int) -> float:
+    """The slowest pipeline's exchange, exactly as the simulator charges the plan `_pipelines`
+    makes of these pipelines (same order, so the same GPUs and node spans)."""
+    return max(plan_exchange(request.cost, [s for s, _ in pipes], num_gpus=num_gpus))
 
 
 def _evaluate_all(request: PlanRequest, opts: dict, prepared: list, lengths: np.ndarray, num_gpus: int,
@@ -352,24 +370,27 @@ def _evaluate_all(request: PlanRequest, opts: dict, prepared: list, lengths: np.
                          rng=np.random.default_rng(request.seed))
     out = []
     for (_, strategy, pipes), disp in zip(prepared, runs):
-        loads = [_load(lengths, disp.owner, j, s, m) for j, (s, m) in enumerate(pipes)]
+        held = _by_owner(disp.owner, len(pipes))
+        loads = [_load(lengths, ids, s, m) for ids, (s, m) in zip(held, pipes)]
         packings, full = _slowest_packed(loads)
         out.append(Evaluation(strategy=strategy, pipelines=[s for s, _ in pipes], max_lens=[m for _, m in pipes],
-                              exchange_s=_exchange(request, strategy, num_gpus), loads=loads,
+                              exchange_s=_exchange(request, pipes, num_gpus), loads=loads,
                               packings=packings, trials=disp.trials, full=full))
     return out
 
 
 def _slowest_packed(loads: list[PipelineLoad]) -> tuple[list, set[int]]:
-    """Every pipeline packed without Karmarkar-Karp (an upper bound on its full greedy packing),
-    then the full greedy for the pipelines from the slowest bound down until the next bound is
-    no more than the slowest full packing found: the largest estimate is then exactly that of
-    packing every pipeline fully. Returns the packings and the pipelines packed fully."""
-    packings = [greedy_pack(load, kk=False) for load in loads]
+    """The full greedy packing for the pipelines from the highest upper bound down (`lpt_bounds`:
+    LPT at one micro-batch count, all pipelines in one numpy pass) until the next bound is no
+    more than the slowest full packing found: the largest estimate is then exactly that of
+    packing every pipeline fully. Returns the packings (None where not packed yet) and the
+    pipelines packed."""
+    bounds = lpt_bounds(loads)
+    packings: list[Packing | None] = [None] * len(loads)
     full: set[int] = set()
     slowest = -np.inf
-    for j in sorted(range(len(loads)), key=lambda j: -packings[j].estimate_s):
-        if packings[j].estimate_s <= slowest:
+    for j in sorted(range(len(loads)), key=lambda j: -bounds[j]):
+        if bounds[j] <= slowest:
             break
         packings[j] = greedy_pack(loads[j])
         full.add(j)
@@ -378,16 +399,21 @@ def _slowest_packed(loads: list[PipelineLoad]) -> tuple[list, set[int]]:
 
 
 def _complete(ev: Evaluation) -> None:
-    """The chosen candidate's remaining pipelines packed fully (as if every one had been)."""
+    """The chosen candidate's remaining pipelines packed (as if every one had been)."""
     for j, load in enumerate(ev.loads):
         if j not in ev.full:
             ev.packings[j] = greedy_pack(load)
             ev.full.add(j)
 
 
-def _load(lengths: np.ndarray, owner: np.ndarray, j: int, scheme: Scheme, max_len: int) -> PipelineLoad:
-    ids = np.flatnonzero(owner == j)
-    return PipelineLoad(seq_ids=tuple(int(i) for i in ids), lengths=lengths[ids], work=scheme.seq_time(lengths[ids]),
+def _by_owner(owner: np.ndarray, pipelines: int) -> list[np.ndarray]:
+    """The sequence ids of each pipeline, ascending (one stable sort, not a scan per pipeline)."""
+    order = np.argsort(owner, kind="stable")
+    return np.split(order, np.cumsum(np.bincount(owner, minlength=pipelines))[:-1])
+
+
+def _load(lengths: np.ndarray, ids: np.ndarray, scheme: Scheme, max_len: int) -> PipelineLoad:
+    return PipelineLoad(seq_ids=tuple(ids.tolist()), lengths=lengths[ids], work=scheme.seq_time(lengths[ids]),
                         chunk_s=scheme.chunk_s, depth=scheme.pp, max_len=max_len, util_len=scheme.util_len)
 
 

@@ -129,7 +129,8 @@ def row_bound(problem: Problem) -> float:
         return 0.0
     with np.errstate(divide="ignore", invalid="ignore"):
         per_second = np.where(a < 0, -a / problem.weights[cols][None, :], 0.0)
-    return float(np.max(-ub / per_second.max(axis=1)))
+        # a row no wave can relieve needs infinite seconds: the group is infeasible
+        return float(np.max(-ub / per_second.max(axis=1)))
 
 
 def relaxation_bound(problem: Problem) -> float:

@@ -76,11 +76,8 @@ class Layout:
 
 def layout(request: PlanRequest, dp: int) -> Layout:
     s, cost = request.scheme, request.cost
-    per = request.model.num_layers // s.pp
-    stages = [StageShape(layers=per, head=i == s.pp - 1,
-                         states=cost.model_state_bytes(layers=per, tp=s.tp, dp=dp * s.cp, zero=s.zero,
-                                                       first=i == 0, last=i == s.pp - 1))
-              for i in range(s.pp)]
+    stages = [StageShape(layers=b.layers, head=b.last, states=b.states)
+              for b in cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=dp * s.cp, zero=s.zero)]
     return Layout(stages=stages, tp=s.tp, cp=s.cp, dp=dp, costs=UnitCosts(cost, stages, tp=s.tp, cp=s.cp))
 
 

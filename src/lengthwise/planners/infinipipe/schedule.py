@@ -335,14 +335,20 @@ class StageMemory:
         p = self.bpos[rows]
         # alive chunks (and K/V of earlier slices, minus what finished backwards freed) ...
         held = _prefix(self.fpos, kept + self.kv[0])(p) - _prefix(self.bpos, kept - self.kv[2])(p)
-        # ... plus what the backward re-materialises of its own F and the K/V gradients
-        own = self.act - kept if self.work is None else self.act - kept + self.work
-        # (and, on the head's stage, the loss backward's working set)
+        # ... plus what the backward re-materialises of its own F, one recomputed layer at a time
+        # (the executor checkpoints per layer: `CostModel.recompute_transient_bytes`), and the K/V
+        # gradients (and, on the head's stage, the loss backward's working set)
+        remat = self.saving * np.minimum(recompute, 1.0) if recompute is not None else 0.0
+        own = remat + (self.work if self.work is not None else 0.0) + np.zeros_like(self.act)
         return held + own[rows] + _at_or_before(self.bpos, self.kv[1], p)
 
     def savings(self) -> np.ndarray:
         """float64 [n rows, n chunks] bytes one recomputed layer of each chunk saves at each
-        backward start (eq. 19's F[k] on the chunks alive there, 0 for the backward's own)."""
+        backward start (eq. 19's F[k] on the chunks alive there, 0 for the backward's own).
+
+        Linear for the MILP, so conservative for the backward's own chunk: `levels` charges it
+        its kept bytes plus one re-materialised layer, at most its full activations, which is
+        what this row assumes it holds (the plan is then checked with `levels`)."""
         rows = self.rows
         p = self.bpos[rows][:, None]
         alive = (self.fpos[None, :] < p) & (self.bpos[None, :] > p)

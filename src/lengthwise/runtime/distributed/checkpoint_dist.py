@@ -70,16 +70,18 @@ def checkpoint_path(folder: str | Path, step: int) -> Path:
 
 def save_checkpoint(folder: str | Path, *, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     held: dict[str, torch.nn.Parameter], extras: dict | None = None,
-                    also: Callable[[Path], None] | None = None) -> Path:
+                    also: Callable[[Path], None] | None = None, state: dict | None = None) -> Path:
     """Collective: every rank calls it after the optimizer step of `step`. `also(path)`, when
     given, is called on every rank after the folder is cleared and before the manifest (rank 0's
-    Hugging Face copy of the weights goes there)."""
+    Hugging Face copy of the weights goes there). `state`: the tensors DCP saves instead of the
+    held parameters and the optimizer's state dict (a Hydraulis run's round-robin shards)."""
     path = checkpoint_path(folder, step)
     if dist.get_rank() == 0:
         _clear(path)
     dist.barrier()
-    state = {"model": {n: p.detach() for n, p in held.items()},
-             "optim": get_optimizer_state_dict(model, optimizer, options=_FLAT)}
+    if state is None:
+        state = {"model": {n: p.detach() for n, p in held.items()},
+                 "optim": get_optimizer_state_dict(model, optimizer, options=_FLAT)}
     dcp.save(state, checkpoint_id=str(path))
     plain, tensors = rng_state()
     rank = dist.get_rank()
@@ -121,7 +123,7 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     held: dict[str, torch.nn.Parameter], check: Callable[[dict], None] | None = None,
-                    saved_rank: Callable[[int], int] | None = None) -> dict:
+                    saved_rank: Callable[[int], int] | None = None, state: dict | None = None) -> dict:
     """Collective: check `path` against its manifest (rank 0 hashes, every rank gets the
     verdict), load weights and optimizer state in place, restore this rank's RNGs; returns its
     extras (step, sampler, ...).
@@ -131,7 +133,10 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
     another number of processes (another dp): DCP reshards the parameters and optimizer states;
     `saved_rank(nproc)` names the saved rank whose RNG states this rank continues from, and the
     extras must be the same on every saved rank (they are global: step, sampler position), or
-    the load is refused naming the field. Without `saved_rank`, the process count must match."""
+    the load is refused naming the field. Without `saved_rank`, the process count must match.
+
+    `state`: the nested dict of tensors `save_checkpoint` was given instead of the model and
+    optimizer; loaded into those tensors in place (sizes checked first)."""
     meta = _verified_meta(path)
     if meta.get("kind") == SINGLE:
         raise UserError(f"{path} is a single-process checkpoint; resume it without --nproc / torchrun")
@@ -142,14 +147,37 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
         raise UserError(f"{path} was written by {nproc} processes, this run has {world}; resume with "
                         f"--nproc {nproc} (and the same --dp/--pp/--cp/--tp)")
     source = dist.get_rank() if nproc == world else _resharded_source(path, nproc, saved_rank)
-    check_shapes(path, held)
-    optim_state = get_optimizer_state_dict(model, optimizer, options=_FLAT)
-    state = {"model": {n: p.detach() for n, p in held.items()}, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optim"], options=_FLAT)
+    if state is not None:
+        _load_in_place(path, state)
+    else:
+        check_shapes(path, held)
+        optim_state = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+        state = {"model": {n: p.detach() for n, p in held.items()}, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optim"], options=_FLAT)
     extras = json.loads((path / f"rank-{source}.json").read_text())
     set_rng_state(extras.pop("rng"), load_file(path / f"rank-{source}.safetensors"))
     return extras
+
+
+def _load_in_place(path: Path, state: dict) -> None:
+    """DCP-load `state` (one level of nesting, tensors) into its own tensors; UserError naming
+    the first tensor the checkpoint lacks or holds at another size."""
+    tensors = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for group, items in state.items():
+        for key, tensor in items.items():
+            saved = tensors.get(f"{group}.{key}")
+            if saved is None or tuple(getattr(saved, "size", ())) != tuple(tensor.shape):
+                found = "holds no" if saved is None else f"holds another size of ({list(saved.size)})"
+                raise UserError(f"{path} {found} {group}.{key} (size {list(tensor.shape)}): is it a checkpoint "
+                                "of this model and run?")
+    loaded = {group: dict(items) for group, items in state.items()}
+    dcp.load(loaded, checkpoint_id=str(path))
+    with torch.no_grad():
+        for group, items in state.items():
+            for key, tensor in items.items():
+                if loaded[group][key] is not tensor:  # DCP may hand back a new tensor instead of filling ours
+                    tensor.copy_(loaded[group][key])
 
 
 def _resharded_source(path: Path, nproc: int, saved_rank: Callable[[int], int]) -> int:

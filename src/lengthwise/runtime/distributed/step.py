@@ -62,11 +62,14 @@ class RankStepResult:
 
 def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor], *, mesh: Mesh,
                   backend: str = "auto", check_plan: bool = True,
-                  after_action: Callable[[int], None] | None = None, dry: bool = False) -> RankStepResult:
+                  after_action: Callable[[int], None] | None = None, dry: bool = False,
+                  reduce_grads: bool = True) -> RankStepResult:
     """Forward and backward of this rank's part of `plan`, gradients summed across ranks.
     `after_action(index)` runs after each action (progress, fault injection in tests). `dry`:
     a dry run on fake tensors (`runtime/dryrun.py`), where no value can be read back: the input
-    and plan checks are skipped and the loss is not formed (NaN)."""
+    and plan checks are skipped and the loss is not formed (NaN). `reduce_grads=False` leaves
+    each rank's own gradients unsummed (the caller sums them: `train/dist.HeteroRankExecutor`
+    pushes them straight to the owners of the optimizer state)."""
     if not dry:
         check_executable(plan, model.spec, token_ids)
     if check_plan and not dry:
@@ -90,7 +93,9 @@ def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor]
         stats.dp_buckets += len(fsdp.modules)
     if fsdp is None:  # sequence-parallel norms' gradients are partial over TP: summed here (FSDP2 does it itself)
         match_grad_layouts(model)
-    if fsdp is None and mesh.device_mesh is None and any(p.tp > 1 for p in plan.pipelines):
+    if not reduce_grads:
+        assert fsdp is None, "FSDP2 sums its gradients itself"
+    elif fsdp is None and mesh.device_mesh is None and any(p.tp > 1 for p in plan.pipelines):
         from lengthwise.runtime.parallel.hetero import HeteroReducer  # heterogeneous tp: §5.2 exchange
 
         key = (plan.model, tuple((p.tp, p.pp, p.cp, tuple(p.layers_per_stage or ())) for p in plan.pipelines))

@@ -21,7 +21,13 @@ Each step:
 - `push(grads)`: after backward every rank sends its gradient slices back the same way; the owner
   sums what it receives (index_add into its shard): the gradient of a single process running the
   whole batch, since each rank's loss is already divided by the global loss-token count.
-- `step()`: AdamW on the owner's flat shard (elementwise, so the layout does not change results).
+- `step()`: AdamW on the owner's flat shard (elementwise, so the layout does not change results);
+  in training, one torch AdamW over per-parameter views of `master` (`train/dist_hetero.py`),
+  after which every rank pulls its next weights.
+
+The master starts from the propagation layout itself (`init_master_from_held`: every element
+pushed by its lowest holder only, the others push zeros), and parameters are laid out in the
+model's order whatever the strategy, so a switch adopts the master shard as it is.
 
 The index maps of one plan shape (which rank holds which shard of which parameter) are computed
 once, from the holdings alone (every rank derives the same maps, nothing travels), and cached by
@@ -148,8 +154,8 @@ class HeteroExchange:
         shard as is (the master layout depends only on the parameters and the world, so no
         optimizer state moves; only the pulled slices change). Logs its measured cost: the
         index maps' build (cached shapes cost nothing) and the first pull of the new layout."""
-        if dict(shapes) != self.shapes:
-            raise ValueError("a strategy switch keeps the parameters")
+        if list(dict(shapes).items()) != list(self.shapes.items()):  # same names, shapes and order
+            raise ValueError("a strategy switch keeps the parameters (and their order)")
         started = time.perf_counter()
         new = type(self).for_shape(key, shapes, holdings, group=self.group, device=self.device)
         new.master = self.master
@@ -168,6 +174,33 @@ class HeteroExchange:
         parts = [full[n].detach().reshape(-1)[self.rank::self.world].to(self.device, dtype)
                  for n in self.shapes]
         self.master = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=self.device)
+        return self.master
+
+    def first_holder_mask(self) -> torch.Tensor:
+        """Boolean mask over this rank's held elements (local flat layout, as `flatten_local`):
+        True where no lower rank holds the element. Pushing held values times this mask sums
+        exactly one copy of every element (the others add zeros): the master from the
+        propagation layout, bit for bit, whatever the layout."""
+        W = self.world
+        mask = []
+        for n in self.shapes:
+            covered = torch.zeros(self.numel[n], dtype=torch.bool)
+            for r in range(W):
+                shard = self.holdings[r].get(n)
+                if shard is None:
+                    continue
+                idx = shard_indices(self.shapes[n], shard)
+                if r == self.rank:
+                    mask.append(~covered[idx])
+                covered[idx] = True
+        return torch.cat(mask).to(self.device) if mask else torch.zeros(0, dtype=torch.bool, device=self.device)
+
+    def init_master_from_held(self, local_values: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+        """This rank's master shard from the held pieces of every rank (collective; each element
+        taken from its lowest holder, so every rank's pieces may come from another layout)."""
+        mask = self.first_holder_mask()
+        values = torch.where(mask, local_values.reshape(-1).to(dtype), torch.zeros((), dtype=dtype))
+        self.master = self.push(values, dtype=dtype)
         return self.master
 
     def master_view(self, name: str) -> torch.Tensor:
@@ -270,6 +303,7 @@ class HeteroReducer:
 
     def __init__(self, model, plan, layout, *, key):
         from lengthwise.runtime.distributed.dp import held_parameters
+        from lengthwise.runtime.model import parameter_names
         from lengthwise.runtime.parallel.tensor_parallel import tp_partial_names
 
         place = layout.place
@@ -285,15 +319,15 @@ class HeteroReducer:
         merged = {}
         for _, sh in all_holdings:
             merged.update(sh)
-        order = []  # the same on every rank: rank 0's names, then later ranks' new ones
-        for _, sh in all_holdings:
-            order += [n for n in sh if n not in order]
+        # the model's own order, so that the master layout is the same under every strategy
+        order = [n for n in parameter_names(model.spec) if n in merged]
         self.holdings = [{n: Shard(d, i, k) for n, (d, i, k, _) in h.items()} for h, _ in all_holdings]
         self.pushes = {n: h[3] for n, h in mine.items()}
         self.exchange = HeteroExchange.for_shape(key, {n: merged[n] for n in order}, self.holdings)
 
-    def reduce(self) -> int:
-        """Sum the held gradients in place; returns the elements this rank sent (push + pull)."""
+    def local_grads(self) -> torch.Tensor:
+        """This rank's gradient pieces, flattened in the exchange's order (zeros for the TP
+        replicas that do not push); a held parameter without a gradient counts as zeros."""
         from torch.distributed.tensor import DTensor
 
         from lengthwise.runtime.distributed.dp import local
@@ -312,6 +346,30 @@ class HeteroReducer:
         flat = torch.cat(parts) if parts else torch.zeros(0)
         if flat.numel() != ex.local_size:
             raise RuntimeError(f"rank {ex.rank}: {flat.numel()} gradient elements for {ex.local_size} held")
+        return flat
+
+    def local_values(self) -> torch.Tensor:
+        """This rank's held parameter pieces, flattened in the exchange's order."""
+        from lengthwise.runtime.distributed.dp import local
+
+        parts = [local(self.params[n]).detach().reshape(-1) for n in self.exchange.held_names()]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def load_values(self, flat: torch.Tensor) -> None:
+        """Copy a pulled buffer into the held parameters (each rank's own pieces)."""
+        from lengthwise.runtime.distributed.dp import local
+
+        with torch.no_grad():
+            for n, value in self.exchange.unflatten_local(flat).items():
+                target = local(self.params[n])
+                target.copy_(value.view_as(target))
+
+    def reduce(self) -> int:
+        """Sum the held gradients in place; returns the elements this rank sent (push + pull)."""
+        from lengthwise.runtime.distributed.dp import local
+
+        ex = self.exchange
+        flat = self.local_grads()
         before = ex.bytes_sent
         ex.master = ex.push(flat, dtype=flat.dtype)
         summed = ex.unflatten_local(ex.pull())

@@ -158,8 +158,23 @@ class TrainConfig:
                 raise UserError(f"{name} {getattr(self, name)!r}: use one of {', '.join(choices)}")
 
     @property
+    def pipeline_schemes(self) -> list[tuple[int, int, int]] | None:
+        """(tp, pp, cp) of every pipeline when the planner's `pipelines` option fixes a
+        heterogeneous strategy (hydraulis: tp2-pp1,tp1-pp2); None otherwise."""
+        text = self.options.get("pipelines")
+        if text is None:
+            return None
+        from lengthwise.planners.hydraulis.cost import parse_pipelines  # planning core: no torch
+
+        return parse_pipelines(str(text))
+
+    @property
     def num_ranks(self) -> int:
-        """Processes a distributed run of this config needs: dp * pp * cp * tp."""
+        """Processes a distributed run of this config needs: dp * pp * cp * tp, or the GPUs of
+        the pipelines option's schemes."""
+        schemes = self.pipeline_schemes
+        if schemes is not None:
+            return sum(tp * pp * cp for tp, pp, cp in schemes)
         return self.dp * self.pp * self.cp * self.tp
 
     @property
@@ -175,6 +190,14 @@ class TrainConfig:
 
 def check_degrees(config: TrainConfig, world_size: int, where: str) -> None:
     """UserError showing the arithmetic when dp * pp * cp * tp is not the number of processes."""
+    if config.pipeline_schemes is not None:
+        if config.dp * config.pp * config.cp * config.tp != 1:
+            raise UserError(f"--pipelines {config.options['pipelines']} fixes every pipeline's tp, pp and cp; "
+                            f"leave out --dp/--pp/--cp/--tp")
+        if config.num_ranks != world_size:
+            raise UserError(f"--pipelines {config.options['pipelines']} uses {config.num_ranks} processes, "
+                            f"{where} gives {world_size}: make them equal")
+        return
     if config.num_ranks != world_size:
         tp = f" * tp({config.tp})" if config.tp > 1 else ""
         raise UserError(f"dp({config.dp}) * pp({config.pp}) * cp({config.cp}){tp} = {config.num_ranks} "

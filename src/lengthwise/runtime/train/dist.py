@@ -35,11 +35,14 @@ FSDP2 when the plan's pipelines are uniform and zero >= 1 (ZeRO-3 with zero 3); 
 are the same values whatever the split, or read from a Hugging Face folder (--model DIR), each
 rank reading its stage's tensors. AdamW holds that rank's `model.parameters()` (its shards),
 and with --dtype bfloat16 under FSDP2 those are float32 master weights while forward and
-backward run in bfloat16 (`MixedPrecisionPolicy`). Heterogeneous plans (no uniform mesh) and
-zero 0 keep whole stage parameters on every replica (`dp.GradReducer`). Which stage a rank
-holds comes from the first batch's plan and may not change; every planner with fixed dp / pp /
-cp / tp and layers per stage keeps it, and a plan that moves stages is refused with the step
-named.
+backward run in bfloat16 (`MixedPrecisionPolicy`). Zero 0 keeps whole stage parameters on
+every replica (`dp.GradReducer`). Which stage a rank holds comes from the first batch's plan
+and may not change; every planner with fixed dp / pp / cp / tp and layers per stage keeps it,
+and a plan that moves stages is refused with the step named.
+
+--planner hydraulis runs on `dist_hetero.HeteroRankExecutor` instead (`rank_executor`): its
+pipelines may each have their own tp x pp x cp and change from step to step; the optimizer
+state is dealt element by element over all ranks and a strategy switch moves none of it.
 
 No rank holds the whole model: the consolidated Hugging Face copy in each checkpoint, and rank
 0's model for the held-out loss, are built from a full state dict gathered to rank 0
@@ -98,6 +101,10 @@ from lengthwise.runtime.train.signals import StopRequest
 from lengthwise.runtime.train.step import PeakMemory, is_padded
 from lengthwise.runtime.weights import load_state, save_tensors_pretrained
 from lengthwise.workloads.sampler import GlobalBatchSampler
+
+ROUND_ROBIN = "round-robin"
+"""A checkpoint's `optimizer_layout` extra when its optimizer state is dealt element by element
+over all ranks (`dist_hetero.HeteroRankExecutor`)."""
 
 AfterAction = Callable[[int, int], None]
 """Called as after_action(step, action_index) after each action of this rank (fault tests)."""
@@ -159,7 +166,18 @@ def train_on_rank(config: TrainConfig, mesh: Mesh, *, after_action: AfterAction 
     with StopRequest(quiet=mesh.rank != 0) as stop:  # from here a signal waits for a step boundary
         check_same_settings(config.to_dict(), mesh.device, ignore=PER_PROCESS)
         setup = Setup(config, device=mesh.device, whole_model=False)
-        return run_training(setup, RankExecutor(setup, mesh, after_action=after_action, status=status), stop=stop)
+        return run_training(setup, rank_executor(setup, mesh, after_action=after_action, status=status), stop=stop)
+
+
+def rank_executor(setup: Setup, mesh: Mesh, **kwargs) -> "RankExecutor":
+    """The executor of this run: `dist_hetero.HeteroRankExecutor` (round-robin optimizer
+    state, strategy switches) for Hydraulis, whose pipelines may differ from each other and
+    from step to step; `RankExecutor` otherwise."""
+    if setup.config.planner == "hydraulis":
+        from lengthwise.runtime.train.dist_hetero import HeteroRankExecutor
+
+        return HeteroRankExecutor(setup, mesh, **kwargs)
+    return RankExecutor(setup, mesh, **kwargs)
 
 
 def layout_signature(plan: StepPlan, num_layers: int) -> list[tuple[int, int, tuple[int, ...]]]:
@@ -187,12 +205,17 @@ class RankExecutor:
         self.first_plan = setup.plan(GlobalBatchSampler(setup.source, seed=config.seed,
                                                         **config.sampler_size).next_batch())
         self._check_unpadded(self.first_plan, 1)
+        self._eval_model: CausalLM | None = None
+        self._build()
+
+    def _build(self) -> None:
+        """This rank's model, layout and optimizer for the first plan."""
+        config, mesh = self.config, self.mesh
         self.status.note(f"building its part of the model for {config.model}")
         self.model = build_rank_model(self.first_plan, mesh, **rank_model_args(config, self.first_plan))
         self.layout = mesh.layout(self.first_plan)
         self.held = dict(self.model.named_parameters())  # its stage's (shards of) parameters
         self.optimizer = make_optimizer(self.model, config)
-        self._eval_model: CausalLM | None = None
 
     def step(self, prepared: PreparedStep, step: int) -> StepOutcome:
         plan, model = prepared.plan, self.model
@@ -305,6 +328,9 @@ class RankExecutor:
         """UserError naming the degrees when the checkpoint's pp, cp or tp differ from this
         run's (only dp may change: FSDP2 shards are resharded, stages and TP shards are not)."""
         saved, config = extras.get("config", {}), self.config
+        if extras.get("optimizer_layout") == ROUND_ROBIN:
+            raise UserError(f"{path} holds a Hydraulis run's round-robin optimizer state; resume it with "
+                            f"--planner hydraulis and --nproc {extras.get('nproc')}")
         degrees = ("dp", "pp", "cp", "tp")
         if any(saved.get(d, 1) != getattr(config, d) for d in degrees[1:]):
             then = " x ".join(f"{d}={saved.get(d, 1)}" for d in degrees)

@@ -60,6 +60,8 @@ class StepOutcome:
     nonfinite_param: str | None = None
     """When the loss or gradient norm is not finite (the optimizer did not step): the first
     parameter, in model order, whose gradient is; None if only the loss is."""
+    switch: dict | None = None
+    """The cost of a strategy switch before the step, if there was one (`train/dist_hetero.py`)."""
 
     @property
     def finite(self) -> bool:

@@ -138,13 +138,15 @@ class Setup:
         return PreparedStep(batch=batch, plan=plan, token_ids=token_ids, sampler_state=sampler_state,
                          planning_ms=(time.perf_counter() - started) * 1e3)
 
-    def plan(self, batch: GlobalBatch) -> StepPlan:
-        """The validated plan of `batch`: a function of the batch and the run's seed only."""
-        cluster = cluster_preset(self.config.cluster, self.scheme.num_gpus)
+    def plan(self, batch: GlobalBatch, *, options: dict | None = None) -> StepPlan:
+        """The validated plan of `batch`: a function of the batch and the run's seed only.
+        `options`: planner options instead of the run's (a test switching strategies)."""
+        cluster = cluster_preset(self.config.cluster, self.config.num_ranks)
         cost = CostModel(model=self.spec, cluster=cluster)
+        options = dict(self.config.options if options is None else options)
         request = PlanRequest(lengths=list(batch.lengths), model=self.spec, cluster=cluster,
                               scheme=self.scheme, cost=cost, context_length=self.config.context_length,
-                              seed=self.config.seed + batch.index, options=dict(self.config.options))
+                              seed=self.config.seed + batch.index, options=options)
         plan = self.planner(request)
         validate_plan(plan, cost)
         return plan
@@ -333,6 +335,7 @@ def _run_step(setup: Setup, executor: Executor, prepared: PreparedStep, step: in
                         planner=prepared.plan.planner,
                         padding_fraction=float(prepared.plan.metrics.get("padding_fraction", 0.0)))
     record.skipped = not outcome.finite
+    record.switch = outcome.switch
     if record.skipped:
         record.nonfinite_param = outcome.nonfinite_param
     return record

@@ -57,6 +57,9 @@ class StepRecord:
     """The loss or gradient norm was not finite and the update was skipped (skip_nonfinite)."""
     nonfinite_param: str | None = None
     """On a skipped step: the first parameter whose gradient was not finite, if any."""
+    switch: dict | None = None
+    """When the step's plan changed the parallel strategy (Hydraulis across processes): what
+    the switch cost (`train/dist_hetero.py`)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -70,7 +73,8 @@ class StepRecord:
                 "wait_ms": self.wait_ms, "grad_norm": json_number(self.grad_norm), "planner": self.planner,
                 "padding_fraction": self.padding_fraction, "lr": self.lr,
                 **({"eval_loss": self.eval_loss} if self.eval_loss is not None else {}),
-                **({"skipped": True} if self.skipped else {})}
+                **({"skipped": True} if self.skipped else {}),
+                **({"switch": self.switch} if self.switch is not None else {})}
 
 
 class Reporter:

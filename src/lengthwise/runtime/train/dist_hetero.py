@@ -1,0 +1,260 @@
+"""`lengthwise train --planner hydraulis` across processes: heterogeneous pipelines, optimizer
+state dealt round-robin over all ranks, strategy switches between steps (hydraulis §5.2).
+
+    lengthwise train --planner hydraulis --nproc 4 --pipelines tp2-pp1,tp1-pp2 --dtype float64
+
+Two layouts per rank (`parallel/hetero.py` explains why):
+
+- propagation: the rank's part of the plan's current strategy (its pipeline's stage, whole or
+  as tp row / column shards), in the run's dtype, built by `parallel/build.build_rank_model`
+  without FSDP2 (every pipeline may have another tp x pp x cp);
+- optimisation: for every parameter, elements rank, rank + W, rank + 2W, ... of the flattened
+  whole parameter (W ranks): the master weights (float32, float64 for a float64 run) and
+  AdamW's two moments, one `torch.optim.AdamW` over per-parameter views of one flat master
+  shard (weight decay on matrices only, as one process trains).
+
+A step: the rank runs its actions with its own gradients left unsummed (`run_rank_step(...,
+reduce_grads=False)`), pushes them to the owners (one all_to_all; the owner's index_add is the
+sum over pipelines, TP replicas push zeros), takes the gradient norm over the owned shards
+(each element counted once), clips, steps AdamW on its shard, and pulls its next propagation
+weights (one all_to_all). Nothing is all-reduced; the masters never travel.
+
+Strategy switch. When a batch's plan has other pipelines than the previous one (Hydraulis picks
+a strategy per batch; a test fixes them), the rank builds its part of the new strategy on the
+meta device, materialises it without initialising, builds the new exchange maps (cached per
+strategy) and pulls its weights from the masters. The masters and AdamW states stay where they
+are: the round-robin layout depends only on the parameters and W. Rank 0 logs each switch on
+stderr with its measured cost (seconds, bytes pulled over all ranks, and the bytes of optimizer
+state that moved, counted by comparing every state tensor's storage before and after: 0), and
+the step's metrics line carries the same record under "switch".
+
+Checkpoints hold the round-robin shards (master, exp_avg, exp_avg_sq, step per parameter, keyed
+by rank) through torch.distributed.checkpoint (`checkpoint_dist`, same manifest, RNG and
+sampler extras), plus the whole model as model.safetensors gathered from the masters to rank 0.
+A resumed run needs the same number of processes (the layout depends on W) but may use another
+strategy: it pulls its propagation weights from the loaded masters.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import StepPlan
+import lengthwise.runtime.distributed.checkpoint_dist as checkpoint_dist
+from lengthwise.runtime.distributed.dp import check_same_plan
+from lengthwise.runtime.distributed.step import run_rank_step
+from lengthwise.runtime.model import parameter_names
+from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
+from lengthwise.runtime.parallel.hetero import HeteroExchange, HeteroReducer
+from lengthwise.runtime.train.dist import ROUND_ROBIN, RankExecutor
+from lengthwise.runtime.train.executor import PreparedStep, StepOutcome
+from lengthwise.runtime.train.loop import weights_folder
+from lengthwise.runtime.train.step import PeakMemory
+from lengthwise.runtime.weights import save_tensors_pretrained
+
+
+def strategy_key(plan: StepPlan) -> tuple:
+    """What fixes every rank's propagation layout: each pipeline's tp, pp, cp and layers per stage."""
+    return (plan.model, tuple((p.tp, p.pp, p.cp, tuple(p.stage_layers(plan.model.num_layers)))
+                              for p in plan.pipelines))
+
+
+def strategy_name(plan: StepPlan) -> str:
+    """tp2-pp1,tp1-pp2 (the pipelines option's grammar)."""
+    return ",".join(f"tp{p.tp}-pp{p.pp}" + (f"-cp{p.cp}" if p.cp > 1 else "") for p in plan.pipelines)
+
+
+class HeteroRankExecutor(RankExecutor):
+    """One rank of a Hydraulis run (the module docstring lists what a step does)."""
+
+    def _build(self) -> None:
+        config, plan = self.config, self.first_plan
+        self.dtype = getattr(torch, config.dtype)
+        self.master_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self.switches: list[dict] = []
+        folder = weights_folder(config.model)
+        self._propagation(plan, seed=None if folder else config.seed, weights=folder)
+        ex = self.exchange
+        ex.init_master_from_held(self.reducer.local_values(), dtype=self.master_dtype)
+        self.master = ex.master
+        # one AdamW parameter per model parameter: a view of this rank's elements of it
+        self.views = {n: torch.nn.Parameter(ex.master_view(n)) for n in ex.shapes}
+        matrices = [v for n, v in self.views.items() if len(ex.shapes[n]) >= 2]
+        vectors = [v for n, v in self.views.items() if len(ex.shapes[n]) < 2]
+        self.optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": config.weight_decay},
+                                            {"params": vectors, "weight_decay": 0.0}], lr=config.lr)
+        for view in self.views.values():  # the state AdamW's first step would create, so checkpoints can load into it
+            self.optimizer.state[view] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(view),
+                                          "exp_avg_sq": torch.zeros_like(view)}
+
+    def _propagation(self, plan: StepPlan, *, seed: int | None, weights: str | None) -> None:
+        """This rank's part of `plan`'s strategy and the exchange of that strategy (collective)."""
+        odd = sorted({p.tp for p in plan.pipelines if plan.model.vocab % p.tp})
+        if odd:
+            raise UserError(f"--planner hydraulis across processes needs every tp to divide the vocabulary: "
+                            f"{plan.model.name} has {plan.model.vocab} tokens, which tp "
+                            f"{', '.join(map(str, odd))} does not divide")
+        self.status.note(f"building its part of strategy {strategy_name(plan)}")
+        self.model = build_rank_model(plan, self.mesh, dtype=self.dtype, seed=seed, weights=weights,
+                                      options=ParallelOptions(data_parallel="replicate"))
+        self.layout = self.mesh.layout(plan)
+        self.held = dict(self.model.named_parameters())
+        self.plan_now = plan
+        self.reducer = HeteroReducer(self.model, plan, self.layout, key=strategy_key(plan))
+
+    @property
+    def exchange(self) -> HeteroExchange:
+        return self.reducer.exchange
+
+    # ---------------------------------------------------------------- a step
+    def step(self, prepared: PreparedStep, step: int) -> StepOutcome:
+        plan = prepared.plan
+        check_same_plan(plan, self.mesh.device)
+        self._check_unpadded(plan, step)
+        switch = None
+        if strategy_key(plan) != strategy_key(self.plan_now):
+            switch = self._switch(plan, step)
+        self.model.zero_grad(set_to_none=True)
+        hook = functools.partial(self._after_action, plan, step)
+        self.status.note(f"step {step}: starting the actions of {self.layout.place}")
+        with PeakMemory(self.model) as peak:
+            done = run_rank_step(self.model, plan, prepared.token_ids, mesh=self.mesh, backend=self.config.backend,
+                                 check_plan=False, after_action=hook, reduce_grads=False)
+        self.status.note(f"step {step}: gradient push, optimizer step on its round-robin shard, weight pull")
+        grad = self.exchange.push(self.reducer.local_grads(), dtype=self.master_dtype)
+        squares = grad.double().pow(2).sum().reshape(1).to(self.mesh.device)
+        dist.all_reduce(squares)
+        grad_norm = float(squares.sqrt().item())
+        outcome = StepOutcome(loss=done.loss, grad_norm=grad_norm, peak_memory_bytes=self._largest(peak.bytes),
+                              memory_kind=peak.kind, switch=switch)
+        if not outcome.finite:  # the loss and the norm are global: every rank skips the update
+            outcome.nonfinite_param = self._first_nonfinite_owned(grad)
+            return outcome
+        if self.config.grad_clip:  # clip_grads_with_norm_'s rule, the norm over all ranks
+            coef = torch.clamp(self.config.grad_clip / (torch.tensor(grad_norm, dtype=torch.float64) + 1e-6), max=1.0)
+            grad.mul_(coef.to(grad.dtype))
+        ex = self.exchange
+        for name, view in self.views.items():
+            start = ex.shard_offset[name][ex.rank]
+            view.grad = grad[start:start + view.numel()]
+        self.optimizer.step()
+        self.reducer.load_values(ex.pull(dtype=self.dtype))
+        return outcome
+
+    def _switch(self, plan: StepPlan, step: int) -> dict:
+        """Rebuild this rank's propagation part for `plan`'s strategy and pull its weights from
+        the masters, which stay where they are (collective). Returns the measured cost."""
+        before = self._state_storage()
+        old = strategy_name(self.plan_now)
+        started = time.perf_counter()
+        previous = self.exchange
+        self._propagation(plan, seed=None, weights=None)  # materialised, not initialised: the pull fills it
+        built = time.perf_counter() - started
+        ex = previous.switch(strategy_key(plan), self.exchange.shapes, self.reducer.holdings)
+        assert ex is self.exchange and ex.master is self.master
+        self.reducer.load_values(ex.last_pull.to(self.dtype))
+        seconds = time.perf_counter() - started
+        after = self._state_storage()
+        moved = sum(n for key, n in before.items() if key not in after)
+        totals = torch.tensor([ex.switch_cost["pull_bytes"], moved, seconds], dtype=torch.float64,
+                              device=self.mesh.device)
+        dist.all_reduce(totals[:2])
+        dist.all_reduce(totals[2:], op=dist.ReduceOp.MAX)
+        record = {"step": step, "from": old, "to": strategy_name(plan), "seconds": round(float(totals[2]), 6),
+                  "build_s": round(built, 6), "weight_bytes_pulled": int(totals[0]),
+                  "optimizer_state_bytes_moved": int(totals[1])}
+        self.switches.append(record)
+        if self.is_reporter:
+            print(f"lengthwise train: step {step}: strategy {old} -> {record['to']} in {record['seconds']:.3f} s, "
+                  f"{record['weight_bytes_pulled']:,} bytes of weights pulled, "
+                  f"{record['optimizer_state_bytes_moved']:,} bytes of optimizer state moved", file=sys.stderr)
+        return record
+
+    def _state_storage(self) -> dict[tuple[int, int], int]:
+        """(storage address, bytes) of the masters and of every AdamW state tensor: what a
+        switch would have to move if the state's layout depended on the strategy."""
+        tensors = [self.master] + [t for s in self.optimizer.state.values() for t in s.values()
+                                   if isinstance(t, torch.Tensor)]
+        return {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()): t.untyped_storage().nbytes()
+                for t in tensors}
+
+    def _first_nonfinite_owned(self, grad: torch.Tensor) -> str | None:
+        """The first parameter, in model order, with a NaN or infinity in any owner's shard of
+        its summed gradient (collective)."""
+        ex = self.exchange
+        mine = [n for n in ex.shapes
+                if not bool(torch.isfinite(grad[ex.shard_offset[n][ex.rank]:][:self.views[n].numel()]).all())]
+        every = [None] * self.mesh.world_size
+        dist.all_gather_object(every, mine)
+        bad = {name for names in every for name in names}
+        return next((name for name in parameter_names(self.model.spec) if name in bad), None)
+
+    # ---------------------------------------------------------------- weights and checkpoints
+    @property
+    def held_dtype(self) -> torch.dtype:
+        return self.master_dtype
+
+    def _gather_weights(self) -> dict[str, torch.Tensor] | None:
+        """Every parameter, whole, on rank 0 from the owners' master shards (collective)."""
+        ex = self.exchange
+        shards = [None] * self.mesh.world_size if self.mesh.rank == 0 else None
+        dist.gather_object(self.master.detach().cpu(), shards, dst=0)
+        if self.mesh.rank != 0:
+            return None
+        W, out = self.mesh.world_size, {}
+        for name, shape in ex.shapes.items():
+            flat = torch.empty(ex.numel[name], dtype=self.master_dtype)
+            for r, shard in enumerate(shards):
+                start = ex.shard_offset[name][r]
+                flat[r::W] = shard[start:start + (ex.numel[name] - r + W - 1) // W]
+            out[name] = flat.view(shape)
+        return out
+
+    def _dcp_state(self) -> dict:
+        """This rank's round-robin shards, keyed by rank and parameter (each rank its own keys)."""
+        rank, state = self.mesh.rank, {}
+        for name, view in self.views.items():
+            saved = self.optimizer.state[view]
+            state[f"rank{rank}.{name}.master"] = view.data
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                state[f"rank{rank}.{name}.{key}"] = saved[key]
+        return {"round_robin": state}
+
+    def save(self, step: int, trainer: dict) -> Path:
+        self.status.note(f"step {step}: saving its checkpoint")
+        extras = {**trainer, "optimizer_layout": ROUND_ROBIN, "nproc": self.mesh.world_size,
+                  "strategy": strategy_name(self.plan_now)}
+        return checkpoint_dist.save_checkpoint(self.config.out, step=step, model=self.model, optimizer=self.optimizer,
+                                               held=self.held, extras=extras, also=self._save_weights,
+                                               state=self._dcp_state())
+
+    def _save_weights(self, path: Path) -> None:
+        weights = self._gather_weights()
+        if weights is not None:
+            save_tensors_pretrained(weights, self.model.spec, path)
+
+    def load(self, path: Path) -> dict:
+        """Restore the round-robin shards (same number of processes, any strategy), pull this
+        rank's propagation weights from them, restore the RNGs; returns the trainer state."""
+        self.status.note(f"loading checkpoint {path}")
+        extras = checkpoint_dist.load_checkpoint(path, model=self.model, optimizer=self.optimizer, held=self.held,
+                                                 check=functools.partial(self._check_round_robin, path),
+                                                 state=self._dcp_state())
+        self.reducer.load_values(self.exchange.pull(dtype=self.dtype))
+        return extras
+
+    def _check_round_robin(self, path: Path, extras: dict) -> None:
+        if extras.get("optimizer_layout") != ROUND_ROBIN:
+            raise UserError(f"{path} holds per-stage optimizer state (a run of --planner "
+                            f"{extras.get('config', {}).get('planner')}); --planner hydraulis across processes "
+                            f"resumes only its own checkpoints")
+        if extras.get("nproc") != self.mesh.world_size:
+            raise UserError(f"{path} deals its optimizer state over {extras.get('nproc')} processes, this run "
+                            f"has {self.mesh.world_size}; resume with as many (any --pipelines of that size)")

@@ -1,0 +1,96 @@
+"""benchmarks/compare_suite.py's first table: each paper's planner beside the paper's own figure.
+
+The script lives in benchmarks/ (not a package): it is loaded from its file. markdown() and
+paper_comparison() run on hand-made results, so nothing is simulated here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+PAPERS = ("chunkflow", "skrull", "hydraulis", "infinipipe", "slimpack")
+
+
+@pytest.fixture
+def suite(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location("compare_suite", BENCH / "compare_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "compare_suite", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def result(scenario: str, paper: str, mean: float | None) -> dict:
+    interval = None if mean is None else {"mean": mean, "low": mean - 0.1, "high": mean + 0.1, "batches": 4}
+    row = {"scheme": "dp4-tp1-pp1-cp8", "intervals": {"vs_paper_baseline": interval, "vs_megatron": interval,
+                                                       "vs_best_baseline": interval}}
+    return {"scenario": scenario, "paper": paper, "fixed_scheme": "dp4-tp1-pp1-cp8",
+            "planners": {paper: row, "auto": row}}
+
+
+def first_table(text: str) -> dict[str, list[str]]:
+    """Scenario -> the cells of its row in the markdown's first table."""
+    lines = text.split("\n\n")[1].splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = dict(zip(header, cells))
+    return header, rows
+
+
+def test_first_table_sets_each_speedup_beside_the_papers_figure(suite, monkeypatch):
+    figure = suite.PaperFigure
+    monkeypatch.setattr(suite, "PAPER_FIGURES", {
+        "a-value": figure(2.0, "value", "skrull.txt line 1", "same setting"),
+        "a-far": figure(4.0, "up to", "chunkflow.txt line 2", "maximum over settings"),
+        "a-range": figure((1.5, 2.5), "range", "hydraulis.txt line 3", "spread over settings"),
+        "no-figure": figure(None, "none", "", "no matching setting"),
+    })
+    monkeypatch.setattr(suite, "EXPLANATIONS", {"a-far": "the modelled effect, 2.0x"})
+    results = [result("a-value", "skrull", 2.5), result("a-far", "chunkflow", 2.0),
+               result("a-range", "hydraulis", 3.0), result("no-figure", "slimpack", 1.2),
+               result("a-range-unfit", "hydraulis", None)]
+    header, rows = first_table(suite.markdown(results))
+    assert header[-4:] == ["paper's figure", "ours / paper", "within ±30%", "explanation"]
+    # 2.5 / 2.0 = 1.25, inside ±30%; 2.0 / 4.0 = 0.5, outside
+    assert [rows["a-value"][k] for k in header[-4:]] == ["2.00x", "1.25", "yes", ""]
+    assert [rows["a-far"][k] for k in header[-4:]] == ["up to 4.00x", "0.50", "no",
+                                                        "the modelled effect, 2.0x"]
+    # a range: the ratio against each end; 3.0 <= 1.3 * 2.5 so it is within
+    assert [rows["a-range"][k] for k in header[-4:]] == ["1.50-2.50x", "1.20-2.00", "yes", ""]
+    assert [rows["no-figure"][k] for k in header[-4:-2]] == ["-", "-"]
+    assert rows["no-figure"]["within ±30%"] == "n/a"
+    assert rows["a-range-unfit"]["within ±30%"] == "n/a"
+    assert rows["a-range-unfit"]["paper's figure"] == "-"  # not in the patched PAPER_FIGURES
+
+
+def test_comparison_keys_for_the_json_rows(suite, monkeypatch):
+    monkeypatch.setattr(suite, "PAPER_FIGURES", {
+        "r": suite.PaperFigure((1.32, 2.66), "range", "hydraulis.txt line 287", "note")})
+    row = suite.paper_comparison(result("r", "hydraulis", 1.0))
+    assert row["paper_figure"] == [1.32, 2.66] and row["paper_source"] == "hydraulis.txt line 287"
+    assert row["ours_over_paper"] == pytest.approx([1.0 / 2.66, 1.0 / 1.32])
+    assert row["within_tolerance"] is True  # 1.0 >= 0.7 * 1.32
+    assert suite.paper_comparison(result("r", "hydraulis", 0.9))["within_tolerance"] is False
+    missing = suite.paper_comparison(result("other", "hydraulis", 1.0))
+    assert missing["paper_figure"] is None and missing["ours_over_paper"] is None
+    assert missing["within_tolerance"] is None
+
+
+def test_every_scenario_has_a_cited_figure_from_its_own_paper(suite):
+    for name, paper, *_ in suite.SCENARIOS:
+        figure = suite.PAPER_FIGURES[name]
+        assert figure.kind in ("value", "average", "up to", "range", "none")
+        assert figure.note
+        if figure.value is None:
+            assert figure.kind == "none"
+            continue
+        assert figure.source.startswith(f"{paper}.txt ") and "line" in figure.source
+        low, high = figure.value if isinstance(figure.value, tuple) else (figure.value, figure.value)
+        assert 1.0 < low <= high and (figure.kind == "range") == isinstance(figure.value, tuple)
