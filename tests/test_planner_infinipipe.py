@@ -425,3 +425,21 @@ def test_bad_options_are_user_errors():
 def test_a_sequence_that_cannot_fit_names_itself():
     with pytest.raises(UserError, match=r"sequence 1 \(4000000 tokens.* needs .* GiB on stage"):
         get_planner("infinipipe")(tiny_request([100, 4_000_000], memory_gb=0.05, pp=2))
+
+
+def test_rows_no_recomputation_relieves_make_the_group_infeasible():
+    """A stage over its limit where no wave can recompute anything (the chunks alive there save
+    nothing) is infeasible: an infinite bound and no solution, not a numpy error (chunkflow's
+    256K setting reached this once recomputation re-materialised one layer at a time)."""
+    import numpy as np
+
+    from lengthwise.planners.infinipipe.ckpt import Problem, row_bound
+
+    class Rows:
+        upper, weights, relaxed = np.array([3.0]), np.array([1.0]), None
+
+        def rows(self):
+            return np.zeros(0, dtype=int), np.zeros((2, 0)), np.array([-1.0, -2.0])
+
+    assert row_bound(Rows()) == np.inf
+    assert Problem.solve(Rows(), integral=True) == (None, np.inf)

@@ -276,6 +276,24 @@ class CostModel:
                         if zero == 3 else 0.0)
         return self.collective_time("all_reduce", grad_bytes, ranks=dp, inter_node=inter_node)
 
+    def exchange_bytes(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False,
+                       world: int = 1) -> float:
+        """Bytes one GPU of a stage sends in a heterogeneous plan's optimisation-propagation
+        exchange (runtime/parallel/hetero.py): the master state is dealt round-robin over all
+        `world` GPUs, so the GPU owns 1/world of the bf16 weights it holds and pulls the rest,
+        then pushes its bf16 gradients of that rest back: twice (world - 1) / world of its held
+        bytes, one all-to-all each way."""
+        if world <= 1:
+            return 0.0
+        held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.BYTES_BF16
+        return 2 * held * (world - 1) / world
+
+    def exchange_time(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False, world: int = 1,
+                      inter_node: bool = True) -> float:
+        """Seconds of `exchange_bytes`: a pull and a push, each one all-to-all over the world."""
+        held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.BYTES_BF16
+        return 2 * self.collective_time("all_to_all", held, ranks=world, inter_node=inter_node)
+
     def cp_comm_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, inter_node: bool = False) -> float:
         """Forward K/V all-gather of the chunk's sharded segments over the CP group, every layer
         (skrull.txt eq. 15: volume = tokens * 2 * kv_dim); the backward reduce-scatters the K/V
