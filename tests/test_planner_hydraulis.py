@@ -104,7 +104,7 @@ def test_every_token_planned_once_on_adversarial_batches(case):
 
 
 def test_heterogeneous_plan_mixes_schemes_and_validates():
-    lengths = [30000, 26000] + [int(x) for x in np.random.default_rng(0).integers(50, 2000, 150)]
+    lengths = [24000, 20000] + [int(x) for x in np.random.default_rng(0).integers(50, 2000, 150)]
     req = heterogeneous_request(lengths)
     p = get_planner("hydraulis")(req)
     validate_plan(p, req.cost)
@@ -159,7 +159,7 @@ def test_a_heterogeneous_plan_is_charged_the_executors_exchange_not_an_all_reduc
 
 
 def test_chosen_heterogeneous_strategy_is_estimated_with_the_simulators_exchange():
-    lengths = [30000, 26000] + [int(x) for x in np.random.default_rng(0).integers(50, 2000, 150)]
+    lengths = [24000, 20000] + [int(x) for x in np.random.default_rng(0).integers(50, 2000, 150)]
     req = heterogeneous_request(lengths)
     p = get_planner("hydraulis")(req)
     assert len({(q.tp, q.pp, q.cp) for q in p.pipelines}) > 1, p.metrics["strategy"]

@@ -174,7 +174,9 @@ def test_every_plan_validates(lengths, dp, pp, ckpt, balanced):
 
 def test_a_single_million_token_outlier_is_split_and_planned():
     lengths = [1 << 20] + sample("commoncrawl", 63, 8 * K, seed=1)
-    out = plan(request(lengths, slice_candidates=2))
+    # 96 GB GPUs: on 80 GB the last stage's K/V state and gradients of the million tokens, with
+    # the gathered norm outputs tp8 keeps whole, leave under 3 GiB for anything else
+    out = plan(request(lengths, slice_candidates=2, memory_gb=96.0))
     pieces = [s for p in out.pipelines for c in p.chunks for s in c.segments if s.seq_id == 0]
     assert len(pieces) == out.metrics["num_slices"] > 1
     assert [s.start for s in sorted(pieces)] == out.metrics["mesh"][:-1]
