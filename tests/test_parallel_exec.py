@@ -4,7 +4,7 @@ give the loss and every gradient of the single-process Hugging Face oracle.
 One group of 4 worker processes runs every scenario in turn (`verify_dist.verify_worker`: each
 rank builds only its stage, parallelised by `parallel/build.build_rank_model`; rank 0 builds the
 whole model with the same seed for the oracle): dp 2 x tp 2 and pp 2 x tp 2 (chunkflow, split
-sequences: K/V state kept per TP shard), the latter with a vocabulary of 259 padded to 260 and with tied
+sequences: K/V state kept per TP shard; sequence parallelism, and once without it), the latter with a vocabulary of 259 padded to 260 and with tied
 embeddings (first and last stage sum the head's gradient), tied embeddings under ZeRO-3, tp 4 over 2 K/V heads (replicated K/V projections), FSDP2 ZeRO-3 over dp 2 x cp 2 (Skrull, sharded and
 local sequences), planned recomputation under ZeRO-3 (dp 2 x pp 2, hand plan), bf16 compute
 over float32 master weights, and dp 2 x pp 2 loading each stage from a sharded safetensors
@@ -36,6 +36,7 @@ SKRULL_LENGTHS = [150, 40, 17, 60, 5, 90, 33, 12]
 SCENARIOS = {
     "dp2-tp2": ("chunkflow", LENGTHS, {"dp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
     "pp2-tp2": ("chunkflow", LENGTHS, {"pp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
+    "pp2-tp2-nosp": ("chunkflow", LENGTHS, {"pp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
     "tp4-gqa": ("chunkflow", LENGTHS, {"tp": 4}, {"chunk_size": 48, "k": 1}),
     "pp2-tp2-vocab259": ("chunkflow", LENGTHS, {"pp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
     "tied-pp2-tp2": ("chunkflow", LENGTHS, {"pp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
@@ -46,7 +47,9 @@ SCENARIOS = {
     "bf16-zero3-dp2-pp2": ("chunkflow", LENGTHS, {"dp": 2, "pp": 2, "zero": 3}, {"chunk_size": 32, "k": 1}),
     "packing-dp4-uneven": ("packing", [64] * 5, {"dp": 4}, {}),
 }
-"""packing-dp4-uneven: one replica runs two backward units, the others one; the embedding of a
+"""pp2-tp2-nosp: tensor parallelism without sequence parallelism (whole activations on every
+TP rank); every other tp scenario splits the residual stream's rows over TP, with chunks of 47
+and 5 tokens padded to a multiple of tp. packing-dp4-uneven: one replica runs two backward units, the others one; the embedding of a
 stage that also holds the head has its own FSDP group, else the replicas' reduce-scatters of
 the root group differ in size (`fsdp.shard_groups`)."""
 HAND_STAGES = ["F0.r1 F1.r1 B1 B0", "F0 F1.r2 B1 B0"]
@@ -95,7 +98,8 @@ def four_rank_worker(rank: int, folder: str) -> dict | None:
         weights = folder if name.startswith("sharded-load") else None
         job = VerifyJob(make_plan=functools.partial(make_plan, name), backend="reference", weights=weights,
                         timeout_s=120, dtype=torch.float32 if name == BF16 else torch.float64,
-                        param_dtype=torch.bfloat16 if name == BF16 else None)
+                        param_dtype=torch.bfloat16 if name == BF16 else None,
+                        sequence_parallel=not name.endswith("nosp"))
         results[name] = verify_worker(rank, job, mesh)
     return results
 
@@ -131,6 +135,22 @@ def test_bf16_compute_with_float32_master_weights(four_ranks):
     assert result["tolerance"] == 1e-1 and result["passed"], result
     assert result["max_rel_grad_diff"] > 1e-6  # it did compute in bf16, not float32
     assert abs(result["loss"] - result["reference_loss"]) <= 1e-2 * abs(result["reference_loss"])
+
+
+def test_sequence_parallel_stages_send_their_rows_only(four_ranks):
+    """With sequence parallelism each TP rank of a stage sends its rows of every chunk, the
+    chunk padded to a multiple of tp (47 tokens: 24 rows each); without, the whole chunk."""
+    from lengthwise.plan.ir import BACKWARD
+    from lengthwise.runtime.cells import cell_map
+
+    plan, hidden = make_plan("pp2-tp2"), model_preset("tiny").hidden
+    pipe = plan.pipelines[0]
+    cells = cell_map(pipe)
+    rows = [[c.num_tokens for cell in cells.cells_of(a) for c in [cells.cells[cell]]]
+            for a in pipe.stages[0] if a.kind != BACKWARD]  # stage 0 sends forward only
+    assert any(n % 2 for r in rows for n in r)  # some chunk needs padding
+    assert four_ranks["pp2-tp2"]["comm"][0]["p2p_elements"] == hidden * sum(-(-n // 2) for r in rows for n in r)
+    assert four_ranks["pp2-tp2-nosp"]["comm"][0]["p2p_elements"] == hidden * sum(n for r in rows for n in r)
 
 
 def test_tp_that_does_not_divide_the_heads_is_named():

@@ -104,19 +104,20 @@ def test_every_token_planned_once_on_adversarial_batches(case):
 
 
 def test_heterogeneous_plan_mixes_schemes_and_validates():
-    lengths = [30000, 26000] + [int(x) for x in np.random.default_rng(0).integers(50, 2000, 150)]
+    lengths = [24000, 20000] + [int(x) for x in np.random.default_rng(0).integers(50, 2000, 150)]
     req = heterogeneous_request(lengths)
     p = get_planner("hydraulis")(req)
     validate_plan(p, req.cost)
     assert len({(q.tp, q.pp, q.cp) for q in p.pipelines}) > 1, p.metrics["strategy"]
     assert p.num_gpus <= 16 and p.zero == 1
-    # LNK re-sharding (§5.2) is charged to every pipeline of a heterogeneous strategy.
-    assert all(q.extra_comm_s > 0 for q in p.pipelines)
+    # §5.2's exchange is charged to every pipeline of a heterogeneous strategy, from the plan's
+    # shape (the simulator's gradient term), not as extra communication
+    assert all(max(i.grad_sync) > 0 and i.extra_comm == 0 for i in plan_inputs(p, req.cost))
 
 
 def simulator_exchange(p, cost) -> list[float]:
     """What the simulator charges each pipeline for the exchange: its slowest stage's gradient
-    reduction plus its extra communication (sim/simulate.py's step end)."""
+    reduction or exchange plus its extra communication (sim/simulate.py's step end)."""
     return [max(i.grad_sync) + i.extra_comm for i in plan_inputs(p, cost)]
 
 
@@ -133,11 +134,32 @@ def test_planner_charges_exactly_the_simulators_exchange(pipelines):
     charged = simulator_exchange(p, req.cost)
     assert plan_exchange(req.cost, schemes, num_gpus=16) == charged
     assert p.metrics["exchange_s"] == max(charged)
-    assert (len(set(pipes)) > 1) == all(q.extra_comm_s > 0 for q in p.pipelines)
+    assert all(q.extra_comm_s == 0 for q in p.pipelines)
+
+
+def test_a_heterogeneous_plan_is_charged_the_executors_exchange_not_an_all_reduce():
+    """Each GPU of a heterogeneous plan pulls its stage's bf16 weights and pushes their
+    gradients, one all-to-all each over every GPU, less the 1/W it owns: the bytes
+    `exchange_bytes` counts for the executor (runtime/parallel/hetero.py), priced as two
+    all-to-alls; no all-reduce on top (the simulator once charged both)."""
+    import lengthwise.cost.memory as mem
+    from lengthwise.planners.hydraulis.cost import exchange_bytes
+
+    lengths = [9000, 6000] + [int(x) for x in np.random.default_rng(1).integers(50, 3000, 60)]
+    p, req = plan(lengths, pipelines="tp4-pp2,tp2-pp2,tp2-pp2")
+    cm, world = req.cost, p.num_gpus
+    for q, inputs in zip(p.pipelines, plan_inputs(p, cm)):
+        layers = q.stage_layers(cm.model.num_layers)
+        for s, n in enumerate(layers):
+            held = mem.stage_params(cm.model, layers=n, tp=q.tp, first=s == 0, last=s == q.pp - 1)
+            sent = cm.exchange_bytes(layers=n, tp=q.tp, first=s == 0, last=s == q.pp - 1, world=world)
+            assert sent == pytest.approx(exchange_bytes([held], world=world, elem_bytes=2))
+            seconds = 2 * cm.collective_time("all_to_all", held * 2, ranks=world, inter_node=world > 8)
+            assert inputs.grad_sync[s] == pytest.approx(seconds)
 
 
 def test_chosen_heterogeneous_strategy_is_estimated_with_the_simulators_exchange():
-    lengths = [30000, 26000] + [int(x) for x in np.random.default_rng(0).integers(50, 2000, 150)]
+    lengths = [24000, 20000] + [int(x) for x in np.random.default_rng(0).integers(50, 2000, 150)]
     req = heterogeneous_request(lengths)
     p = get_planner("hydraulis")(req)
     assert len({(q.tp, q.pp, q.cp) for q in p.pipelines}) > 1, p.metrics["strategy"]
@@ -146,10 +168,13 @@ def test_chosen_heterogeneous_strategy_is_estimated_with_the_simulators_exchange
     assert p.metrics["estimated_step_s"] == max(p.metrics["estimated_pipeline_s"]) + charged
 
 
-def test_homogeneous_plan_charges_no_link_time():
-    p, _ = plan([20000, 9000, 3000] + [500] * 40)
-    if len({(q.tp, q.pp, q.cp) for q in p.pipelines}) == 1:
-        assert all(q.extra_comm_s == 0 for q in p.pipelines)
+def test_homogeneous_plan_is_charged_an_all_reduce():
+    p, req = plan([20000, 9000, 3000] + [500] * 40, pipelines="tp2-pp2,tp2-pp2,tp2-pp2,tp2-pp2")
+    cm, half = req.cost, req.cost.model.num_layers // 2
+    for inputs in plan_inputs(p, cm):
+        reduce = {cm.grad_sync_time(layers=half, tp=2, dp=4, zero=p.zero, inter_node=inter, first=True)
+                  for inter in (False, True)}
+        assert inputs.grad_sync[0] in reduce and inputs.extra_comm == 0
 
 
 # ---- MaxLen ----

@@ -30,6 +30,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="ranks to run, comma-separated, or 'all' (default 0)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="parameter and activation dtype of the run (default bfloat16)")
+    parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                        help="run tensor parallelism without sequence parallelism (whole activations on every "
+                             "TP rank), which the simulator does not model")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
 
 
@@ -40,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
     ranks = parse_ranks(args.ranks, len(rank_places(plan)))
-    rows = dryrun_rows(plan, ranks, dtype=args.dtype)
+    rows = dryrun_rows(plan, ranks, dtype=args.dtype, sequence_parallel=args.sequence_parallel)
     if args.json:
         print(json_text({"ranks": rows}))
     else:
@@ -48,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def dryrun_rows(plan, ranks: list[int], *, dtype: str = "bfloat16") -> dict[str, dict]:
+def dryrun_rows(plan, ranks: list[int], *, dtype: str = "bfloat16",
+                sequence_parallel: bool = True) -> dict[str, dict]:
     """Rank -> measured and simulated values side by side (`side_by_side`)."""
     from lengthwise.cost import CostModel
     from lengthwise.sim.rank import rank_prediction
@@ -59,7 +63,8 @@ def dryrun_rows(plan, ranks: list[int], *, dtype: str = "bfloat16") -> dict[str,
     from lengthwise.runtime.dryrun import dryrun_rank
     cost = CostModel(model=plan.model, cluster=plan.cluster)
     peaks = simulate_plan(plan, cost).peak_memory
-    return {str(rank): side_by_side(dryrun_rank(plan, rank, dtype=getattr(torch, dtype)),
+    return {str(rank): side_by_side(dryrun_rank(plan, rank, dtype=getattr(torch, dtype),
+                                                sequence_parallel=sequence_parallel),
                                     rank_prediction(plan, cost, rank=rank, peak_memory=peaks))
             for rank in ranks}
 

@@ -50,6 +50,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", metavar="C", type=int, default=1, help="context-parallel ranks per stage (default 1)")
     parser.add_argument("--tp", metavar="T", type=int, default=1,
                         help="tensor-parallel ranks per stage (default 1; needs --nproc or torchrun)")
+    parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                        help="with --tp > 1: keep whole activations on every TP rank (all-reduce after each "
+                             "block) instead of splitting the residual stream's rows over TP (the default)")
     parser.add_argument("--zero", metavar="Z", type=int, default=1, choices=(0, 1, 2, 3),
                         help="across processes: 3 = FSDP2 resharding after each forward (ZeRO-3), 1/2 = "
                              "FSDP2 sharding states only, 0 = whole replicas (default 1)")
@@ -143,7 +146,8 @@ def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
 
     job = VerifyJob(make_plan=functools.partial(build_plan, args), dtype=getattr(torch, args.dtype),
                     backend=backend, seed=args.seed, oracle=args.oracle, timeout_s=args.timeout,
-                    data_parallel="replicate" if args.zero == 0 else "fsdp")
+                    data_parallel="replicate" if args.zero == 0 else "fsdp",
+                    sequence_parallel=args.sequence_parallel)
     if _under_torchrun():
         mesh = init_from_torchrun(device=args.device, timeout_s=args.timeout)
         out = verify_worker(mesh.rank, job, mesh)

@@ -8,16 +8,22 @@
   (12). ZeRO-1 shards the 12 over the data-parallel group, ZeRO-2 also the gradients, ZeRO-3
   everything. (Under ZeRO-1 the reduced fp32 gradient shard, 4/dp, replaces each unit's whole
   gradient at the step's last backward, so the whole 4 bounds it.)
-- Activations kept for backward, per token per layer, bf16, flash attention (no s^2 scores) and
-  sequence parallelism (so everything divides by tp), the tensors each block saves:
-  two RMSNorm inputs and outputs (4h), q, k, v after rotary (q + 2kv), the attention output (q),
-  SwiGLU gate, up and their product (3 ffn); in fp32, flash attention's log-sum-exp (one per
-  query head) and each norm's reciprocal RMS (the executor's norm and SwiGLU keep what fused
-  kernels keep, `runtime/model.py`). A layer under full recomputation keeps only its input (h)
-  (infinipipe.txt eq. 5 calls the per-token figure M_token).
+- Activations kept for backward, per token per layer, bf16, flash attention (no s^2 scores), the
+  tensors each block saves: two RMSNorm inputs and outputs (4h), q, k, v after rotary
+  (q + 2kv), the attention output (q), SwiGLU gate, up and their product (3 ffn); in fp32, flash
+  attention's log-sum-exp (one per query head) and each norm's reciprocal RMS (the executor's
+  norm and SwiGLU keep what fused kernels keep, `runtime/model.py`). Under tensor parallelism
+  with sequence parallelism (the executor's default, `runtime/parallel/tensor_parallel.py`)
+  everything divides by tp except the two norm outputs: the attention and MLP inputs are
+  gathered to the whole sequence and DTensor's column-parallel projections keep that gathered
+  input for their weight gradients (Megatron-LM re-gathers it in backward instead; we count
+  what our executor keeps: 2h whole, as `lengthwise dryrun` measures). A layer under full
+  recomputation keeps only its input (h / tp) (infinipipe.txt eq. 5 calls the per-token figure
+  M_token).
 - LM head on the last stage: the fp32 softmax kept for the loss's backward (4 * vocab bytes per
   token, as the executor's cross-entropy upcasts the logits), the final norm's input and output
-  (2h, bf16) and reciprocal RMS, and the label (int64).
+  (2h, bf16; the output, the head's input, gathered whole under sequence parallelism) and
+  reciprocal RMS, and the label (int64).
 - While a chunk's backward runs on the last stage, the loss's backward turns the kept fp32
   softmax into the logits' gradient in place and hands it on in bf16: 2 * vocab bytes per token
   beside what the head keeps (`runtime/loss.py`; autograd's own cross-entropy worked on two more
@@ -65,8 +71,9 @@ def state_bytes_per_param(dp: int, zero: int) -> float:
 
 
 def activation_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:
-    values = 4 * model.hidden + 2 * model.q_dim + 2 * model.kv_dim + 3 * model.ffn
-    return (values * BYTES_BF16 + (model.num_heads + 2) * BYTES_FP32) / tp
+    sharded = 2 * model.hidden + 2 * model.q_dim + 2 * model.kv_dim + 3 * model.ffn
+    gathered = 2 * model.hidden  # the norm outputs the projections keep whole (module docstring)
+    return (sharded * BYTES_BF16 + (model.num_heads + 2) * BYTES_FP32) / tp + gathered * BYTES_BF16
 
 
 def checkpoint_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:
@@ -74,7 +81,8 @@ def checkpoint_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:
 
 
 def head_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
-    return (BYTES_FP32 * (model.vocab + 1) + 2 * BYTES_BF16 * model.hidden + LABEL_BYTES) / tp
+    # the final norm's input is sharded under sequence parallelism, its output (the head's input) whole
+    return (BYTES_FP32 * (model.vocab + 1) + BYTES_BF16 * model.hidden + LABEL_BYTES) / tp + BYTES_BF16 * model.hidden
 
 
 def head_backward_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:

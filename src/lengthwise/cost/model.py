@@ -29,6 +29,10 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import SHARDED, Chunk
 from lengthwise.specs import ClusterSpec, ModelSpec
 
+SP_COLLECTIVES_PER_LAYER = 2
+"""All-gathers (and as many reduce-scatters) of one decoder layer per direction under sequence
+parallelism: one before and one after the attention block, and the same for the MLP."""
+
 
 @dataclass(frozen=True)
 class StageBudget:
@@ -182,9 +186,14 @@ class CostModel:
         the transposed collectives, the same volume. Inside one node (tp <= GPUs per node)."""
         if tp <= 1 or tokens <= 0:
             return 0.0
-        nbytes = tokens * self.model.hidden * mem.BYTES_BF16
-        return 2 * (self.collective_time("all_gather", nbytes, ranks=tp, inter_node=False)
-                    + self.collective_time("reduce_scatter", nbytes, ranks=tp, inter_node=False))
+        nbytes = self.sp_collective_bytes(tokens)
+        return SP_COLLECTIVES_PER_LAYER * (self.collective_time("all_gather", nbytes, ranks=tp, inter_node=False)
+                                           + self.collective_time("reduce_scatter", nbytes, ranks=tp, inter_node=False))
+
+    def sp_collective_bytes(self, tokens: float) -> float:
+        """Gathered size of one sequence-parallel all-gather or reduce-scatter of `tokens` rows:
+        tokens x hidden bf16 values (`sim/rank.py` counts the executor's from it)."""
+        return tokens * self.model.hidden * mem.BYTES_BF16
 
     # ---- bytes per GPU ----
     @property
@@ -266,6 +275,24 @@ class CostModel:
             return t + (self.collective_time("all_gather", params * mem.BYTES_BF16, ranks=dp, inter_node=inter_node)
                         if zero == 3 else 0.0)
         return self.collective_time("all_reduce", grad_bytes, ranks=dp, inter_node=inter_node)
+
+    def exchange_bytes(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False,
+                       world: int = 1) -> float:
+        """Bytes one GPU of a stage sends in a heterogeneous plan's optimisation-propagation
+        exchange (runtime/parallel/hetero.py): the master state is dealt round-robin over all
+        `world` GPUs, so the GPU owns 1/world of the bf16 weights it holds and pulls the rest,
+        then pushes its bf16 gradients of that rest back: twice (world - 1) / world of its held
+        bytes, one all-to-all each way."""
+        if world <= 1:
+            return 0.0
+        held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.BYTES_BF16
+        return 2 * held * (world - 1) / world
+
+    def exchange_time(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False, world: int = 1,
+                      inter_node: bool = True) -> float:
+        """Seconds of `exchange_bytes`: a pull and a push, each one all-to-all over the world."""
+        held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.BYTES_BF16
+        return 2 * self.collective_time("all_to_all", held, ranks=world, inter_node=inter_node)
 
     def cp_comm_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, inter_node: bool = False) -> float:
         """Forward K/V all-gather of the chunk's sharded segments over the CP group, every layer

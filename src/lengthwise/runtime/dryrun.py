@@ -70,6 +70,13 @@ COMM_KINDS = {"send": "send", "allreduce_": "all_reduce", "allgather_": "all_gat
               "reduce_scatter_tensor_coalesced_": "reduce_scatter", "broadcast_": "broadcast"}
 """c10d operation -> kind. Receives are not counted: every byte received is sent by a peer."""
 
+TP_COMM_KINDS = {"all_gather_into_tensor": "tp_all_gather", "reduce_scatter_tensor": "tp_reduce_scatter",
+                 "all_reduce": "tp_all_reduce", "all_to_all_single": "tp_all_to_all"}
+"""Functional collective (`_c10d_functional`) -> kind. In the executor only DTensor issues
+them, i.e. tensor parallelism: sequence parallelism's all-gathers and reduce-scatters of
+activations, and the TP sums of the sequence-parallel norms' partial weight gradients (FSDP2
+and the rest call c10d directly, counted under `COMM_KINDS`)."""
+
 
 @dataclass(kw_only=True)
 class RankMeasurement:
@@ -87,15 +94,18 @@ class RankMeasurement:
 
 
 def dryrun_rank(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat16,
-                backend: str = "cpu-flash") -> RankMeasurement:
-    """Run `rank`'s part of one training step of `plan` on fake tensors and measure it."""
+                backend: str = "cpu-flash", sequence_parallel: bool = True) -> RankMeasurement:
+    """Run `rank`'s part of one training step of `plan` on fake tensors and measure it
+    (`sequence_parallel`: `parallel/build.ParallelOptions`)."""
     world_size = plan_world_size(plan)
     started = time.perf_counter()
     clear_bias_cache()  # cached masks are real tensors or another run's fake ones
+    _forget_sharding_propagation()
     with fake_world(rank, world_size), FakeTensorMode(allow_non_fake_inputs=True):
         mesh = Mesh.from_default_group(timeout_s=60)
         model = build_rank_model(plan, mesh, dtype=MASTER_DTYPE, fake=True,
-                                 options=ParallelOptions(param_dtype=dtype if _sharded(plan) else None))
+                                 options=ParallelOptions(param_dtype=dtype if _sharded(plan) else None,
+                                                         sequence_parallel=sequence_parallel))
         optimizer = _optimizer_in_steady_state(model)
         tokens = [torch.randint(0, plan.model.vocab, (n,)) for n in plan.lengths]
         memory, comm = _StorageTracker(), CommBytes()
@@ -107,6 +117,7 @@ def dryrun_rank(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat1
             optimizer.step()
         peak = _peak_by_category(memory)
     clear_bias_cache()
+    _forget_sharding_propagation()
     return RankMeasurement(rank=rank, world_size=world_size, peak_memory_bytes=sum(peak.values()),
                            memory_bytes=peak, flops=int(flops.get_total_flops()), comm_bytes=dict(comm.bytes),
                            seconds=time.perf_counter() - started)
@@ -140,6 +151,16 @@ def fake_world(rank: int, world_size: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def _forget_sharding_propagation() -> None:
+    """Empty DTensor's sharding-propagation caches. Their keys compare device meshes by shape
+    and dimension names, so another rank's run (a TP group of other ranks, in a fake world
+    since destroyed) would hand its cached output specs, with that run's mesh and dead process
+    groups, to this one."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
 
 @contextmanager
@@ -262,9 +283,13 @@ class CommBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         namespace, _, name = func.name().partition("::")
-        kind = COMM_KINDS.get(name.split(".")[0]) if namespace == "c10d" else None
-        if kind is not None:
+        name = name.split(".")[0]
+        if namespace == "c10d" and name in COMM_KINDS:
+            kind = COMM_KINDS[name]
             self.bytes[kind] = self.bytes.get(kind, 0) + _sent_bytes(kind, args)
+        elif namespace == "_c10d_functional" and name in TP_COMM_KINDS:
+            kind = TP_COMM_KINDS[name]  # the input is this rank's share (all-gather) or whole input
+            self.bytes[kind] = self.bytes.get(kind, 0) + _nbytes(args[0])
         return func(*args, **(kwargs or {}))
 
 

@@ -231,6 +231,10 @@ class CausalLM(nn.Module):
         self.model = DecoderStack(spec, self.part, dtype)
         if self.part.last:
             self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False, dtype=dtype)
+        self.sequence_shards = 1
+        """Ranks the residual stream's rows are split over (sequence parallelism, set by tensor
+        parallelism from outside): `embed` and the layers return this rank's rows of the chunk
+        padded to a multiple of it, `head_logits` takes them and returns every padded row."""
         self.tie()
 
     def tie(self) -> None:

@@ -24,7 +24,10 @@ a cell is a chunk. It talks to its neighbours only through a `Transport`. Action
   goes to the previous stage.
 
 One message per action: `F c` sends its cells' rows concatenated, `B u` the input gradients of
-its cells (`cells.py` gives the order). State is freed right after the last action of the
+its cells (`cells.py` gives the order). Under sequence parallelism (`model.sequence_shards` > 1,
+`parallel/tensor_parallel.py`) a TP rank's rows of a cell are its share of the cell padded to a
+multiple of the shards, and it exchanges those with the same TP rank of the neighbour stage;
+the head's padding rows get the label IGNORE. State is freed right after the last action of the
 stage that needs it (`state.last_uses`).
 
 What this process computes of a cell is a `Row`, given by the runner's `rows` strategy:
@@ -44,7 +47,7 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk, Segment, StepPlan
 from lengthwise.runtime.attention import ChunkLayout
 from lengthwise.runtime.cells import CellMap, cell_last_uses, cell_map
-from lengthwise.runtime.loss import chunk_labels, chunk_positions, chunk_tokens, token_loss_sum
+from lengthwise.runtime.loss import IGNORE, chunk_labels, chunk_positions, chunk_tokens, token_loss_sum
 from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.state import KV, KVStore, SliceKey, slice_key, stored_prefix, stored_segments
 from lengthwise.runtime.transport import Message, Transport
@@ -221,8 +224,10 @@ class StageRunner:
         return list(torch.split(whole, rows))
 
     def _cell_rows(self, cell: int) -> int:
-        """Rows of the cell's part of a message: what this process computes of it."""
-        return self.rows.share(cell, self.cells.cells[cell]).num_tokens
+        """Rows of the cell's part of a message: what this process computes of it (its rows of
+        it under sequence parallelism, `model.sequence_shards`)."""
+        tokens = self.rows.share(cell, self.cells.cells[cell]).num_tokens
+        return -(-tokens // self.model.sequence_shards)
 
     def _cell_input(self, action: Action, chunk: Chunk, received: torch.Tensor | None):
         if self.is_first:
@@ -265,7 +270,10 @@ class StageRunner:
             return 0.0 * h_TD.sum()
         labels = chunk_labels(chunk, self.token_ids).to(h_TD.device)
         shard = getattr(self.model, "vocab_shard", None)  # set by tensor parallelism
-        loss_part = token_loss_sum(self.model.head_logits(h_TD), labels, shard) / self.plan.loss_tokens
+        logits = self.model.head_logits(h_TD)
+        if logits.shape[0] > labels.shape[0]:  # sequence parallelism's padding rows predict nothing
+            labels = torch.cat([labels, labels.new_full((logits.shape[0] - labels.shape[0],), IGNORE)])
+        loss_part = token_loss_sum(logits, labels, shard) / self.plan.loss_tokens
         self.loss_sum = self.loss_sum + loss_part.detach().double()
         return loss_part
 

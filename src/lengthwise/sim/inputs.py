@@ -396,6 +396,13 @@ class _PipelineCosts:
         return out
 
     def _grad_sync(self) -> list[float]:
+        if heterogeneous(self.plan):
+            # pipelines with other tp x pp x cp: the executor's exchange with the round-robin
+            # master state over every GPU (runtime/parallel/hetero.py), no all-reduce
+            world = sum(q.num_gpus for q in self.plan.pipelines)
+            inter = self.node(0) != self.node(world - 1)
+            return [self._shared(self.cm.exchange_time, layers=L, tp=self.pipe.tp, world=world, inter_node=inter,
+                                 first=s == 0, last=s == self.pipe.pp - 1) for s, L in enumerate(self.layers)]
         # every CP rank holds the stage's weights too: gradients reduce over dp x cp
         dp = len(self.plan.pipelines) * self.pipe.cp
         if dp <= 1:
@@ -513,3 +520,9 @@ def _direct_chunks(n: int, groups: list[tuple[int, int]]) -> list[Chunk]:
         for i in range(first, last + 1):
             seq_of[i] = first
     return [Chunk((Segment(seq_of[i], i - seq_of[i], i - seq_of[i] + 1),)) for i in range(n)]
+
+
+def heterogeneous(plan) -> bool:
+    """Whether the plan's pipelines differ in tp, pp or cp (Hydraulis): the executor then
+    exchanges gradients and weights with a round-robin master state instead of all-reducing."""
+    return len({(q.tp, q.pp, q.cp) for q in plan.pipelines}) > 1

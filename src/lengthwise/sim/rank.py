@@ -16,6 +16,15 @@
   `all_gather` its weight shard in bf16, once a step (or around every action under ZeRO-3);
   replicated, `all_reduce` the gradient buffers over the replicas holding the stage (data
   parallel pipelines times CP ranks); `all_gather` also counts the K/V a CP rank contributes.
+  Tensor parallelism with sequence parallelism (the cost model's `tp_comm_time`), counted
+  apart as the dry run sees DTensor's collectives: per decoder layer and direction
+  `SP_COLLECTIVES_PER_LAYER` all-gathers (`tp_all_gather`, this rank's 1/tp share of the
+  gathered rows) and as many reduce-scatters (`tp_reduce_scatter`, the whole input), each of
+  `sp_collective_bytes(tokens)`; the embedding's lookup reduce-scatter (first stage) and the LM
+  head's input gather (last stage) once per forward that runs them, transposed in backward;
+  layers an `F.rN` recomputes gather and scatter again. `tp_all_reduce`: the
+  sequence-parallel norms' partial weight gradients summed over TP once a step, in fp32. (The
+  executor pads a row to a multiple of tp; those at most tp - 1 rows are not counted.)
 
 Ranks are numbered as the executor lays them out (`runtime/distributed/mesh.py`): pipeline by
 pipeline, stage by stage, CP rank innermost.
@@ -28,7 +37,7 @@ from dataclasses import dataclass, field
 from lengthwise.cost import CostModel
 from lengthwise.cost.flops import head_forward_flops, layer_forward_flops
 from lengthwise.cost.memory import GRAD_BYTES_PER_PARAM, stage_params
-from lengthwise.cost.model import rank_works
+from lengthwise.cost.model import SP_COLLECTIVES_PER_LAYER, rank_works
 from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, SHARDED, StepPlan
 
 ELEMENT_BYTES = 2
@@ -109,6 +118,7 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
     # over TP (row maximum, target logit, exponential sum) in every forward that runs the head
     loss = sum(LOSS_REDUCE_BYTES * _rank_tokens(pipe, a, place) for a in pipe.stages[place.stage]
                if a.kind == FORWARD) if last and pipe.tp > 1 else 0.0
+    tp = tp_comm_bytes(plan, cost, place)
     if fsdp_sharded(plan):
         # FSDP2 (runtime/parallel/fsdp.py): the unsharded gradients go to one reduce-scatter in
         # fp32 at the stage's last backward; the bf16 compute copy of the weights is gathered
@@ -117,9 +127,33 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
         per_action = plan.zero >= 3 and len({_structure(p, place.stage) for p in plan.pipelines}) == 1
         gathers = len(pipe.stages[place.stage]) if per_action else 1
         return {"send": send, "all_reduce": loss, "reduce_scatter": grads,
-                "all_gather": gathered + gathers * params / replicas * ELEMENT_BYTES}
+                "all_gather": gathered + gathers * params / replicas * ELEMENT_BYTES, **tp}
     return {"send": send, "all_reduce": (grads if replicas > 1 else 0.0) + loss, "all_gather": gathered,
-            "reduce_scatter": 0.0}
+            "reduce_scatter": 0.0, **tp}
+
+
+def tp_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[str, float]:
+    """Bytes this rank hands to tensor parallelism's collectives in the step (sequence
+    parallelism; none when tp is 1)."""
+    pipe = plan.pipelines[place.pipeline]
+    if pipe.tp == 1:
+        return {}
+    layers = pipe.stage_layers(plan.model.num_layers)[place.stage]
+    first, last = place.stage == 0, place.stage == pipe.pp - 1
+    gathered = scattered = 0.0
+    for action in pipe.stages[place.stage]:
+        volume = cost.sp_collective_bytes(_rank_tokens(pipe, action, place))
+        if action.kind == BACKWARD:  # the forward's collectives transposed
+            gathers, scatters = SP_COLLECTIVES_PER_LAYER * layers + first, SP_COLLECTIVES_PER_LAYER * layers + last
+        else:
+            runs = layers + (min(action.recompute_layers, layers) if action.kind == FORWARD else 0)
+            head = last and action.kind == FORWARD  # the no-grad forward never runs the head
+            gathers, scatters = SP_COLLECTIVES_PER_LAYER * runs + head, SP_COLLECTIVES_PER_LAYER * runs + first
+        gathered += gathers * volume
+        scattered += scatters * volume
+    norms = 2 * layers + (1 if last else 0)
+    return {"tp_all_gather": gathered / pipe.tp, "tp_reduce_scatter": scattered,
+            "tp_all_reduce": norms * plan.model.hidden * GRAD_BYTES_PER_PARAM}
 
 
 def _rank_tokens(pipe, action, place: RankPlace) -> float:

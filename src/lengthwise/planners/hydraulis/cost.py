@@ -183,13 +183,6 @@ def _schemes(cost, tps, pps, cps, num_gpus, threshold) -> list[Scheme]:
     return out
 
 
-def _stage_bytes(cost: CostModel, scheme: Scheme) -> list[float]:
-    """BF16 bytes of weights (or gradients) one GPU of each stage holds."""
-    layers = split_layers(cost.model.num_layers, scheme.pp)
-    return [mem.stage_params(cost.model, layers=n, tp=scheme.tp, first=s == 0, last=s == scheme.pp - 1)
-            * mem.BYTES_BF16 for s, n in enumerate(layers)]
-
-
 def sync_time(cost: CostModel, scheme: Scheme, *, num_pipelines: int, num_gpus: int,
               inter_node: list[bool] | None = None, ranks: int | None = None) -> float:
     """The gradient reduction the simulator charges each pipeline (sim/inputs.py: an all-reduce
@@ -216,28 +209,33 @@ def stage_groups_inter(schemes: list[Scheme], *, gpus_per_node: int) -> list[boo
 
 
 def link_time(cost: CostModel, scheme: Scheme, *, num_gpus: int) -> float:
-    """LNK re-sharding of one pipeline's slowest stage in a heterogeneous strategy (§5.2): its
-    weights after the pull and its gradients before the push move between the propagation
-    sharding and the optimizer's, modelled as one all-to-all each over all N GPUs. Charged in
-    full (§5.3 hides most of it behind compute: hydraulis Table 1, 1.71 s -> 1.18 s)."""
+    """§5.2's exchange of one pipeline's slowest stage in a heterogeneous strategy, as the
+    executor runs it (runtime/parallel/hetero.py) and the simulator charges it (sim/inputs.py):
+    the master state is dealt round-robin over all N GPUs, so each GPU pulls its bf16 weights and
+    pushes its bf16 gradients with one all-to-all each over the N GPUs (`CostModel.exchange_time`);
+    nothing is all-reduced. Charged in full (§5.3 hides most of it behind compute: hydraulis
+    Table 1, 1.71 s -> 1.18 s; the executor does not overlap it yet)."""
     inter = num_gpus > cost.cluster.gpus_per_node
-    return max(2 * cost.collective_time("all_to_all", b, ranks=num_gpus, inter_node=inter)
-               for b in _stage_bytes(cost, scheme))
+    layers = split_layers(cost.model.num_layers, scheme.pp)
+    return max(cost.exchange_time(layers=n, tp=scheme.tp, first=s == 0, last=s == scheme.pp - 1, world=num_gpus,
+                                  inter_node=inter) for s, n in enumerate(layers))
 
 
 def exchange_time(cost: CostModel, scheme: Scheme, *, num_pipelines: int, num_gpus: int,
                   heterogeneous: bool, inter_node: list[bool] | None = None, ranks: int | None = None) -> float:
-    """Optimization-propagation exchange of one pipeline as the simulator will see it: its
-    gradient reduction plus, in a heterogeneous strategy, the LNK moves (`extra_comm_s`)."""
-    link = link_time(cost, scheme, num_gpus=num_gpus) if heterogeneous else 0.0
+    """Optimization-propagation exchange of one pipeline as the simulator will see it: in a
+    heterogeneous strategy the round-robin exchange (`link_time`), otherwise the gradient
+    all-reduce of a homogeneous plan (`sync_time`)."""
+    if heterogeneous:
+        return link_time(cost, scheme, num_gpus=num_gpus)
     return sync_time(cost, scheme, num_pipelines=num_pipelines, num_gpus=num_gpus, inter_node=inter_node,
-                     ranks=ranks) + link
+                     ranks=ranks)
 
 
 def plan_exchange(cost: CostModel, schemes: list[Scheme], *, num_gpus: int) -> list[float]:
     """`exchange_time` of every pipeline of a plan whose pipelines run `schemes` in this order
-    (GPUs assigned in order): exactly the simulator's charge, its stage reductions' slowest plus
-    `extra_comm_s`."""
+    (GPUs assigned in order): exactly the simulator's charge, the slowest stage's reduction (a
+    homogeneous plan) or exchange (a heterogeneous one)."""
     inter = stage_groups_inter(schemes, gpus_per_node=cost.cluster.gpus_per_node)
     hetero = len(set(schemes)) > 1
     each = {s: exchange_time(cost, s, num_pipelines=len(schemes), num_gpus=num_gpus, heterogeneous=hetero,

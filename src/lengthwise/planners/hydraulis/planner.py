@@ -26,10 +26,11 @@ seconds per batch (the paper spends about 1 s per batch on it with 10 processes,
 
 Pipelines of one plan have different (tp, pp, cp), each running plain 1F1B over its whole-sequence
 micro-batches. The plan's ZeRO stage is 1: optimizer states are sharded over all GPUs (§5.2).
-The simulator charges every plan a gradient all-reduce over its pipelines x cp ranks (inter-node
-per stage as the plan's GPUs fall), which is the volume of §5.2's push and pull; a heterogeneous
-plan's pipelines add the LNK re-sharding as `extra_comm_s` (hydraulis/cost.py, link_time). The
-estimate charges exactly that (cost.plan_exchange, on the pipelines in the plan's order): step
+The simulator charges a homogeneous plan a gradient all-reduce over its pipelines x cp ranks
+(inter-node per stage as the plan's GPUs fall), and a heterogeneous plan the executor's
+exchange with the round-robin master state: one all-to-all pull and one push of each stage's
+bf16 weights over every GPU (hydraulis/cost.py link_time, CostModel.exchange_time; §5.2's push,
+LNK and pull in one move, nothing all-reduced). The estimate charges exactly that (cost.plan_exchange, on the pipelines in the plan's order): step
 time estimate = slowest pipeline (eq. 1) + slowest exchange. The exchange is outside the DP's
 latency, so the DP runs once per cap on it (schemes whose exchange exceeds the cap left out),
 and every cap's strategies are candidates.
@@ -69,12 +70,12 @@ from lengthwise.plan.schedules import make_schedule
 from lengthwise.planners.base import PlanRequest, finish_plan, take_options, whole
 from lengthwise.planners.hydraulis.cost import (
     Scheme,
-    exchange_time,
     link_time,
     make_scheme,
     parse_pipelines,
     plan_exchange,
     scheme_space,
+    sync_time,
 )
 from lengthwise.planners.hydraulis.dispatch import (
     PipelineArrays,
@@ -240,8 +241,9 @@ def _candidates(request: PlanRequest, opts: dict, space: list[Scheme], num_gpus:
     # Caps only group schemes for the proposal runs (a candidate's estimate charges its exact
     # exchange, `_exchange`); each scheme's level is its reduction over as many ranks as it
     # would have pipelines, the grouping these caps were tuned with.
-    costs = {s: exchange_time(request.cost, s, num_pipelines=num_gpus // s.num_gpus, num_gpus=num_gpus,
-                              heterogeneous=True, ranks=num_gpus // s.num_gpus) for s in space}
+    costs = {s: sync_time(request.cost, s, num_pipelines=num_gpus // s.num_gpus, num_gpus=num_gpus,
+                          ranks=num_gpus // s.num_gpus) + link_time(request.cost, s, num_gpus=num_gpus)
+             for s in space}
     caps = _caps(sorted(set(costs.values())))
     masks = tuple(tuple(costs[s] <= cap for s in space) for cap in caps)
     out: dict[Strategy, None] = {}
@@ -435,14 +437,13 @@ def _refine(ev: Evaluation, opts: dict) -> int:
 
 
 def _pipelines(request: PlanRequest, ev: Evaluation, num_gpus: int) -> list[PipelinePlan]:
-    """One 1F1B PipelinePlan per pipeline of the chosen strategy, LNK moves as extra_comm_s."""
-    hetero = len(ev.strategy.parts) > 1
+    """One 1F1B PipelinePlan per pipeline of the chosen strategy (the simulator charges the
+    exchange from the plan's shape: sim/inputs.py)."""
     out = []
     for scheme, load, packing in zip(ev.pipelines, ev.loads, ev.packings):
         chunks = [Chunk(whole([load.seq_ids[i] for i in b], request.lengths)) for b in packing.bins]
-        link = link_time(request.cost, scheme, num_gpus=num_gpus) if hetero else 0.0
         out.append(PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, scheme.pp), tp=scheme.tp,
-                                cp=scheme.cp, schedule="1f1b", extra_comm_s=link))
+                                cp=scheme.cp, schedule="1f1b"))
     return out
 
 

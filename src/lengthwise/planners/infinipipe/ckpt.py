@@ -88,6 +88,8 @@ class Problem:
     def solve(self, *, integral: bool, time_limit_s: float = 1.0):
         """HiGHS on the reduced eq. 20: (full C or None, objective)."""
         cols, a, ub = self.rows()
+        if not len(cols):  # nothing over the limit (C = 0), or rows no recomputation relieves
+            return (np.zeros_like(self.upper), 0.0) if not len(ub) else (None, np.inf)
         res = milp(self.weights[cols], integrality=np.full(len(cols), 1 if integral else 0),
                    bounds=Bounds(np.zeros(len(cols)), self.upper[cols]), constraints=LinearConstraint(a, -np.inf, ub),
                    options={"time_limit": time_limit_s, "mip_rel_gap": MIP_GAP})
@@ -127,6 +129,8 @@ def row_bound(problem: Problem) -> float:
     cols, a, ub = problem.rows()
     if not len(ub):
         return 0.0
+    if not len(cols):  # rows over the limit that no wave's recomputation relieves
+        return np.inf
     with np.errstate(divide="ignore", invalid="ignore"):
         per_second = np.where(a < 0, -a / problem.weights[cols][None, :], 0.0)
         # a row no wave can relieve needs infinite seconds: the group is infeasible

@@ -27,7 +27,7 @@ from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.attention import resolve_backend
 from lengthwise.runtime.checks import check_executable
 from lengthwise.runtime.distributed.cp_stage import CPRows
-from lengthwise.runtime.distributed.dp import GradReducer, check_same_plan, holds
+from lengthwise.runtime.distributed.dp import GradReducer, check_same_plan, holds, match_grad_layouts
 from lengthwise.runtime.distributed.mesh import Mesh, PlanLayout
 from lengthwise.runtime.distributed.p2p import DistributedTransport, ReceiveTimeout
 from lengthwise.runtime.distributed.stats import CommStats
@@ -91,6 +91,8 @@ def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor]
         fsdp.end()
         stats.dp_elements += fsdp.reduced_elements(mesh.device_mesh["dp_cp"].size())
         stats.dp_buckets += len(fsdp.modules)
+    if fsdp is None:  # sequence-parallel norms' gradients are partial over TP: summed here (FSDP2 does it itself)
+        match_grad_layouts(model)
     if not reduce_grads:
         assert fsdp is None, "FSDP2 sums its gradients itself"
     elif fsdp is None and mesh.device_mesh is None and any(p.tp > 1 for p in plan.pipelines):

@@ -57,13 +57,16 @@ class VerifyJob:
     weights: str | None = None
     """A Hugging Face checkpoint to start from instead of seeded weights (each rank reads its
     stage's tensors)."""
+    sequence_parallel: bool = True
+    """Under tp > 1, split the residual stream's rows over TP (`parallel/build.ParallelOptions`)."""
 
 
 def verify_worker(rank: int, job: VerifyJob, mesh: Mesh | None = None) -> dict | None:
     """Run on every rank (inside `spawn` or torchrun); rank 0 returns the result dict."""
     mesh = mesh or Mesh.from_default_group(timeout_s=job.timeout_s)
     plan = job.make_plan()
-    options = ParallelOptions(data_parallel=job.data_parallel, param_dtype=job.param_dtype)
+    options = ParallelOptions(data_parallel=job.data_parallel, param_dtype=job.param_dtype,
+                              sequence_parallel=job.sequence_parallel)
     seed = None if job.weights else job.seed
     model = build_rank_model(plan, mesh, dtype=job.dtype, seed=seed, weights=job.weights, options=options)
     token_ids = random_tokens(plan.lengths, plan.model.vocab, job.seed + 1)

@@ -47,6 +47,9 @@ class ParallelOptions:
     all-reduce per step)."""
     param_dtype: torch.dtype | None = None
     """Compute dtype under FSDP2 (bfloat16) while the master weights stay in `dtype`."""
+    sequence_parallel: bool = True
+    """Under tp > 1, split the residual stream's rows over TP (Megatron's sequence parallelism,
+    `parallel/tensor_parallel.py`); False keeps whole activations on every TP rank."""
 
 
 def build_rank_model(plan: StepPlan, mesh: Mesh, *, dtype: torch.dtype = torch.float32, seed: int | None = None,
@@ -87,7 +90,7 @@ def build_rank_model(plan: StepPlan, mesh: Mesh, *, dtype: torch.dtype = torch.f
     # (fake parameters still dispatch to their own mode)
     with unset_fake_temporarily() if fake else contextlib.nullcontext():
         if tp_mesh is not None:
-            apply_tp(model, tp_mesh)
+            apply_tp(model, tp_mesh, sequence_parallel=options.sequence_parallel)
         if sharded:
             apply_fsdp(model, shard_mesh(device_mesh), zero=plan.zero, param_dtype=options.param_dtype)
             mesh.compute_dtype = options.param_dtype

@@ -20,11 +20,50 @@ r G / tp), as the cost model assumes. A rank's gradient of the replicated K/V we
 only its head, so those gradients are summed over TP (`tp_partial_names`, used by
 `distributed/dp.reduction_classes`), and so is the gradient flowing back into their input
 (Megatron's "copy to the tensor-parallel region": identity forward, all-reduce backward), as
-DTensor does for the column-parallel projections' input.
+DTensor does for the column-parallel projections' input; under sequence parallelism that sum is
+the reduce-scatter of the gathered input's gradient (`_local_with_partial_grad`).
 
-Activations between layers and between stages stay whole on every TP rank, so the pipeline
-transport, the K/V state store and CP's gathers work on each TP rank's own heads unchanged:
-the K/V state of a split sequence is kept per TP shard.
+Sequence parallelism (Megatron-LM's, the default; `apply_tp(..., sequence_parallel=False)`
+turns it off). The residual stream between the blocks is split by rows (tokens) over TP: a
+rank holds rows [r T/tp, (r+1) T/tp) of the chunk, runs the RMSNorms on them
+(`SequenceParallel`, norm weights replicated DTensors whose gradients come back partial and
+are summed over TP: by FSDP2, or by `distributed/dp.match_grad_layouts`), and each block
+all-gathers its normed input before the column-parallel projections (`PrepareModuleInput`,
+kept a DTensor so that the projections' partial input gradients are summed once, by the
+reduce-scatter that is the all-gather's backward) and reduce-scatters its row-parallel output
+(`RowwiseParallel(output_layouts=Shard(0))`) back to the rank's rows instead of all-reducing
+it. The embedding reduce-scatters its vocabulary-partial lookups the same way; the LM head
+all-gathers the final norm's rows and leaves its logits split by vocabulary. The model never
+sees a batch dimension, so the sequence dimension is 0. Per layer and direction: two
+all-gathers and two reduce-scatters of T x hidden values (`cost/model.tp_comm_time`), and the
+pipeline sends each TP rank's rows only (`cost/model.boundary_bytes`).
+
+Memory: a rank keeps its rows of the residual stream and of the norms' inputs, but the
+projections keep the gathered normed input (whole, T x hidden) for their weight gradients, as
+DTensor's column-parallel linear does; Megatron gathers it again in backward instead, which
+`cost/memory.py` assumes (its norm outputs divided by tp): measured activations stay above the
+simulated by about 2 x hidden x (1 - 1/tp) values per token and layer.
+
+Attention needs the whole row: the gathered normed input is cut back to the row's T tokens
+(the rotary tables' length) before q/k/v, so rotary positions, the `ChunkLayout` of packed
+documents, the K/V context of split sequences and the K/V state store see exactly the tokens
+they see without sequence parallelism (each TP rank its own heads, as before).
+
+Rows not divisible by tp: the chunk is padded at its end to the next multiple of tp with
+masked tokens, which contribute nothing. The embedding is looked up at a token id no TP rank
+holds (the padded vocabulary's size), so a padding row is exactly zero; it stays zero through
+every layer (attention drops it before q/k/v and pads its output with zeros, RMSNorm and the
+bias-free MLP map 0 to 0), and its label is IGNORE (`stage.py`), so neither the loss nor any
+gradient changes. The cost is at most tp - 1 rows of norm, MLP and head work per chunk, and a
+zero-padded copy of the attention output when T is not a multiple of tp. (Falling back to no
+sequence parallelism for such chunks would change the activations' layout between chunks and
+stages; refusing them would refuse most packed rows.) `model.sequence_shards` tells the
+executor how many row shards the residual stream has (`stage.py` sizes the messages by it).
+
+Without sequence parallelism, activations between layers and between stages stay whole on
+every TP rank (the blocks' outputs are all-reduced). In both modes the pipeline transport,
+the K/V state store and CP's gathers work on each TP rank's own heads unchanged: the K/V state
+of a split sequence is kept per TP shard.
 """
 
 from __future__ import annotations
@@ -34,10 +73,17 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from lengthwise.errors import UserError
 from lengthwise.runtime.loss import VocabShard
@@ -49,6 +95,24 @@ LAYER_PLAN = {
     "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
     "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
 }
+"""Per decoder layer without sequence parallelism: blocks take and return whole activations."""
+
+ROWS = Shard(0)
+"""The residual stream's rows (tokens) split over TP: sequence parallelism's layout."""
+
+SP_LAYER_PLAN = {
+    "input_layernorm": SequenceParallel(sequence_dim=0),
+    # self_attn(x, rope, layout, context, backend): gather x's rows, leave the rest alone
+    "self_attn": PrepareModuleInput(input_layouts=(ROWS, None, None, None, None),
+                                    desired_input_layouts=(Replicate(), None, None, None, None)),
+    "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=ROWS),
+    "post_attention_layernorm": SequenceParallel(sequence_dim=0),
+    "mlp": PrepareModuleInput(input_layouts=(ROWS,), desired_input_layouts=(Replicate(),)),
+    "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(output_layouts=ROWS),
+}
+"""Per decoder layer with sequence parallelism (torchtitan's plan, sequence dimension 0)."""
 
 
 def check_tp(spec: ModelSpec, tp: int) -> None:
@@ -72,36 +136,96 @@ def tp_partial_names(spec: ModelSpec, tp: int) -> Callable[[str], bool]:
         name.split(".")[-2] in ("k_proj", "v_proj")
 
 
-def apply_tp(model: CausalLM, mesh: DeviceMesh) -> CausalLM:
+def apply_tp(model: CausalLM, mesh: DeviceMesh, *, sequence_parallel: bool = True) -> CausalLM:
     """Parallelise `model` (one stage, on the meta device or materialised) over the 1-D TP
-    mesh, in place."""
+    mesh, in place; with `sequence_parallel` the residual stream is split by rows over TP
+    (module docstring)."""
     spec, tp = model.spec, mesh.size()
     check_tp(spec, tp)
-    plan = dict(LAYER_PLAN)
-    if kv_replicated(spec, tp):
+    plan = dict(SP_LAYER_PLAN if sequence_parallel else LAYER_PLAN)
+    replicated = kv_replicated(spec, tp)
+    if replicated:
         del plan["self_attn.k_proj"], plan["self_attn.v_proj"]
         head = mesh.get_local_rank() * spec.num_kv_heads // tp
         keep = functools.partial(_keep_columns, start=head * spec.head_dim, stop=(head + 1) * spec.head_dim)
     for layer in model.model.layers.values():
         parallelize_module(layer, mesh, plan)
-        if kv_replicated(spec, tp):
+        if sequence_parallel:
+            layer.self_attn.register_forward_pre_hook(_rows_of_the_row)  # after the gather
+            layer.self_attn.o_proj.register_forward_pre_hook(functools.partial(_pad_rows, tp=tp), prepend=True)
+        if replicated:
             for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.register_forward_pre_hook(functools.partial(_sum_grad_over, group=mesh.get_group()))
+                if sequence_parallel:  # the input is the gathered DTensor: its gradient here is a partial sum
+                    proj.register_forward_pre_hook(_local_with_partial_grad)
+                else:
+                    proj.register_forward_pre_hook(functools.partial(_sum_grad_over, group=mesh.get_group()))
                 proj.register_forward_hook(keep)
     padded = -(-spec.vocab // tp) * tp
     if padded != spec.vocab:
         _pad_vocabulary(model, padded)
+    outputs = ROWS if sequence_parallel else Replicate()
     if hasattr(model.model, "embed_tokens"):
-        parallelize_module(model.model.embed_tokens, mesh,
-                           RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        embed = model.model.embed_tokens
+        parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=outputs))
+        if sequence_parallel:  # padding tokens no rank holds: their rows are zero
+            embed.register_forward_pre_hook(functools.partial(_pad_tokens, tp=tp, fill=padded), prepend=True)
     if model.part.last:
-        parallelize_module(model.lm_head, mesh, ColwiseParallel(output_layouts=Shard(-1)))
+        if sequence_parallel:
+            parallelize_module(model.model.norm, mesh, SequenceParallel(sequence_dim=0))
+        parallelize_module(model.lm_head, mesh, ColwiseParallel(input_layouts=outputs, output_layouts=Shard(-1)))
         start = mesh.get_local_rank() * (padded // tp)
         model.vocab_shard = VocabShard(group=mesh.get_group(), start=start)
         if padded != spec.vocab:
             model.lm_head.register_forward_hook(functools.partial(_mask_padding, real=max(0, spec.vocab - start)))
+    model.sequence_shards = tp if sequence_parallel else 1
     model.tie()  # both now hold vocabulary rows Shard(0): the head reuses the embedding's DTensor
     return model
+
+
+def sequence_rows(tokens: int, shards: int) -> int:
+    """Rows of a `tokens`-token chunk that one rank holds when the residual stream is split over
+    `shards` ranks (the chunk padded to a multiple of `shards`)."""
+    return -(-tokens // shards)
+
+
+def _pad_tokens(module, inputs, *, tp: int, fill: int):
+    """Forward pre-hook of the embedding: the row's token ids padded to a multiple of tp with
+    `fill`, an id outside every rank's vocabulary rows (their lookups are 0 on every rank)."""
+    tokens_T = inputs[0]
+    pad = -tokens_T.shape[0] % tp
+    if pad == 0:
+        return None
+    return (torch.cat([tokens_T, tokens_T.new_full((pad,), fill)]), *inputs[1:])
+
+
+def _rows_of_the_row(module, inputs):
+    """Forward pre-hook of self-attention after the gather: the row's own T tokens (the
+    rotary tables' length), without the padding rows."""
+    x_TD, rope = inputs[0], inputs[1]
+    tokens = rope[0].shape[0]
+    if x_TD.shape[0] == tokens:
+        return None
+    return (x_TD[:tokens], *inputs[1:])
+
+
+def _pad_rows(module, inputs, *, tp: int):
+    """Forward pre-hook of o_proj, before its input becomes a DTensor: zero rows up to a
+    multiple of tp, so that its reduce-scatter hands every rank the same number of rows."""
+    x_TX = inputs[0]
+    pad = -x_TX.shape[0] % tp
+    if pad == 0:
+        return None
+    return (F.pad(x_TX, (0, 0, 0, pad)), *inputs[1:])
+
+
+def _local_with_partial_grad(module, inputs):
+    """Forward pre-hook of a replicated K/V projection under sequence parallelism: the gathered
+    input as a plain tensor, its gradient from this rank (its K/V head) marked partial, so it is
+    summed over TP by the gather's reduce-scatter with the query projection's."""
+    x = inputs[0]
+    if not isinstance(x, DTensor):
+        return None
+    return (x.to_local(grad_placements=(Partial(),)), *inputs[1:])
 
 
 def _pad_vocabulary(model: CausalLM, padded: int) -> None:
