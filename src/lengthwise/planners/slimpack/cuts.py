@@ -23,6 +23,12 @@ of one (same sequence, same CP placement), so a backward unit reads the activati
 forward MicroPacks and never stitches one segment out of two. A unit may hold several adjacent
 segments of one sequence (one per forward MicroPack it reaches into); they are listed in token
 order.
+
+Two implementations, the same MicroPacks: the pointer walks (forward_chunks,
+backward_units_ready: one stream, O(samples + pieces)) and numpy over many streams at once
+(streams_cuts, streams_pieces: every sample start and every forward and backward boundary of
+every stream sorted into elementary intervals, each one segment; the sweep's path, which also
+hands the simulator the slice structure it would otherwise re-derive from the segments).
 """
 
 from __future__ import annotations
