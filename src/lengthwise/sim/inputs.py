@@ -95,8 +95,34 @@ def plan_inputs(plan: StepPlan, cm: CostModel,
     shared: dict = {}  # stage-level costs that pipelines of one scheme share
     works = _plan_works(plan, known)
     tables = _batched_tables(plan, cm, works)
-    return [_PipelineCosts(plan, i, cm, offsets, shared, works[i], tables[i], known[i]).build()
+    flops = _batched_model_flops(cm, works)
+    return [_PipelineCosts(plan, i, cm, offsets, shared, works[i], tables[i], known[i], flops[i]).build()
             for i in range(len(plan.pipelines))]
+
+
+def _batched_model_flops(cm: CostModel, works) -> list[float | None]:
+    """_PipelineCosts._model_flops of every pipeline with works, elementwise over all of their
+    chunks at once (the same operations on the same numbers), each pipeline's then summed one by
+    one in its order; None where the pipeline has no works or the cost model is not CostModel's."""
+    if (type(cm).forward_flops is not CostModel.forward_flops or type(cm).backward_flops is not CostModel.backward_flops
+            or all(w is None for w in works)):
+        return [None] * len(works)
+    L, have = cm.model.num_layers, [i for i, w in enumerate(works) if w is not None]
+    fw = ChunkWork(np.concatenate([works[i][0].bare_tokens for i in have]),
+                   np.concatenate([works[i][0].bare_pairs for i in have]))
+    bw = ChunkWork(np.concatenate([works[i][1].bare_tokens for i in have]),
+                   np.concatenate([works[i][1].bare_pairs for i in have]))
+    lin, attn = layer_forward_flops(cm.model, fw)
+    fwd = (L * (lin + attn) + head_forward_flops(cm.model, fw.tokens)).tolist()
+    lin, attn = layer_forward_flops(cm.model, bw)
+    bwd = (L * (lin * cm.bwd_linear_ratio + attn * cm.bwd_attn_ratio)
+           + head_forward_flops(cm.model, bw.tokens) * cm.bwd_linear_ratio).tolist()
+    fb = np.cumsum([0] + [len(works[i][0].bare_tokens) for i in have]).tolist()
+    bb = np.cumsum([0] + [len(works[i][1].bare_tokens) for i in have]).tolist()
+    out: list[float | None] = [None] * len(works)
+    for k, i in enumerate(have):
+        out[i] = sum(fwd[fb[k]:fb[k + 1]]) + sum(bwd[bb[k]:bb[k + 1]])
+    return out
 
 
 @dataclass(kw_only=True)
@@ -205,7 +231,7 @@ class _PipelineCosts:
 
     def __init__(self, plan: StepPlan, index: int, cm: CostModel, offsets: list[int], shared: dict,
                  works: tuple[_Works, _Works] | None = None, tables: dict | None = None,
-                 known: SliceStructure | None = None):
+                 known: SliceStructure | None = None, flops: float | None = None):
         self.plan, self.pipe, self.cm, self.offsets, self.shared = plan, plan.pipelines[index], cm, offsets, shared
         self.works = works  # (forward chunks, backward units), _plan_works
         self.offset, pipe = offsets[index], self.pipe
@@ -214,6 +240,7 @@ class _PipelineCosts:
             raise UserError(f"layers_per_stage {self.layers} does not match pp={pipe.pp}")
         self.units = pipe.bwd_units
         self.known = known
+        self.model_flops = flops
         self.deps = known.deps if known is not None else dependencies(pipe.chunks, pipe.backward_chunks)
         self.kw = {"tp": pipe.tp, "cp": pipe.cp}
         self._cache: dict = dict(tables or {})  # per_chunk tables batched over the plan (_batched_tables)
@@ -323,6 +350,10 @@ class _PipelineCosts:
     def _stage_times(self, s: int, recompute: list[int], dur: np.ndarray, comm: np.ndarray) -> None:
         L, head, C, U = self.layers[s], s == self.pipe.pp - 1, len(self.pipe.chunks), len(self.units)
         base = self.per_chunk(L, head)
+        if self.pipe.cp <= 1 and not any(recompute):  # no CP exchange (comm stays zero), no recomputation
+            dur[F, :C] = dur[N, :C] = base["fwd"]
+            dur[B, :U] = base["bwd"]
+            return
         bwd = base["bwd"].copy()
         for u in range(U if any(recompute) else 0):
             r = max((recompute[c] for c in self.deps.bwd_needs[u]), default=0)
@@ -435,6 +466,8 @@ class _PipelineCosts:
             # CostModel.forward_flops / backward_flops (whole model, head, padding excluded)
             # elementwise over the chunks: the same operations in the same order, then summed
             # one by one as below
+            if self.model_flops is not None:  # computed for every pipeline at once (_batched_model_flops)
+                return self.model_flops
             fw, bw = self.works
             lin, attn = layer_forward_flops(cm.model, ChunkWork(fw.bare_tokens, fw.bare_pairs))
             fwd = L * (lin + attn) + head_forward_flops(cm.model, fw.bare_tokens)
