@@ -427,7 +427,9 @@ class _PipelineCosts:
         return out
 
     def _grad_sync(self) -> list[float]:
-        if heterogeneous(self.plan):
+        if "heterogeneous" not in self.shared:  # once per plan, not once per pipeline (O(pipelines) each)
+            self.shared["heterogeneous"] = heterogeneous(self.plan)
+        if self.shared["heterogeneous"]:
             # pipelines with other tp x pp x cp: the executor's exchange with the round-robin
             # master state over every GPU (runtime/parallel/hetero.py), no all-reduce
             world = sum(q.num_gpus for q in self.plan.pipelines)
