@@ -292,8 +292,22 @@ def micropack_metrics(request: PlanRequest, pipes: list[PipelinePlan], models) -
             out.append(v)
         return out
 
-    fwd_t = [seconds(cost.forward_time, p.chunks, p.tp, p.cp) for p in pipes]
-    bwd_t = [seconds(cost.backward_time, p.bwd_units, p.tp, p.cp) for p in pipes]
+    def all_seconds(fn, lists: list[list[Chunk]]) -> list[list[float]]:
+        """seconds of every pipeline's list; without CP, one works_time call per tp for all."""
+        out: list = [None] * len(pipes)
+        if standard:
+            for tp in {p.tp for p in pipes if p.cp == 1}:
+                mine = [i for i, p in enumerate(pipes) if p.cp == 1 and p.tp == tp]
+                works = [chunk_work(c) for i in mine for c in lists[i]]
+                each = (cost.works_time([w.tokens for w in works], [w.keys for w in works], layers=layers, tp=tp,
+                                        head=True, backward=fn.__name__ == "backward_time") + 0.0).tolist()
+                bounds = np.cumsum([0] + [len(lists[i]) for i in mine]).tolist()
+                for k, i in enumerate(mine):
+                    out[i] = each[bounds[k]:bounds[k + 1]]
+        return [o if o is not None else seconds(fn, lists[i], pipes[i].tp, pipes[i].cp) for i, o in enumerate(out)]
+
+    fwd_t = all_seconds(cost.forward_time, [p.chunks for p in pipes])
+    bwd_t = all_seconds(cost.backward_time, [p.bwd_units for p in pipes])
     tokens = [[c.num_tokens for c in p.chunks] for p in pipes]
     forms = [micropack_form(c, request.lengths) for p in pipes for c in p.chunks]
 
