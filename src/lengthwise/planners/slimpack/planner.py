@@ -41,9 +41,10 @@ usually stops after 3-9):
   candidates' per-pipeline results (composed_step_time). A fixed `num_micropacks` skips the
   sweep (one build per pipeline, plus the memory check of fitting_pipeline).
 
-Measured (benchmarks/bench_planning_scale.py, qwen2.5-7b pp 4, 32,768 sequences, CPU seconds on
-a shared 2-core machine, the same plans): 1024 GPUs 2.2-3.4 s (3.9-5.4 s before batching the
-pipelines of a count), 4096 GPUs 2.5-3.3 s (4.9-5.3 s), 64 GPUs 0.7-0.8 s (1.7-2.0 s).
+Measured (benchmarks/bench_planning_scale.py, qwen2.5-7b pp 4, 32,768 sequences, CPU seconds,
+alternating runs on a shared 2-core machine at load 2-3, the same plans): 64 GPUs 0.73 s (1.82 s
+before the pipelines of a count were cut and simulated together), 1024 GPUs 2.13 s (4.2-4.4 s),
+4096 GPUs 2.3 s (5.0-5.3 s).
 """
 
 from __future__ import annotations
