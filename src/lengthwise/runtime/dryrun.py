@@ -30,7 +30,11 @@ once. What the executor allocates and computes is then observed with PyTorch's o
 The step runs as the distributed executor runs it (`run_rank_step`): this rank's stage built
 alone (`parallel.build.build_rank_model`: tensor parallelism, FSDP2 over dp x cp with fp32
 master weights and compute in the run's dtype), its actions, the gradient reduction, then an
-AdamW step whose states exist already (steady state). A value the executor would read back
+AdamW step whose states exist already (steady state). A heterogeneous plan (pipelines of other
+tp x pp x cp, Hydraulis) runs as `train/dist_hetero.py` runs it instead: the stage in the run's
+dtype without FSDP2, its gradients left local, then the push of the bf16 gradients to the owners
+of the round-robin fp32 master shard, AdamW on that shard and the pull of the bf16 weights
+(`_HeteroOptimisation`: the exchange's tensors at their sizes, its maps under "other"). A value the executor would read back
 from the device (a loss to print) does not exist under fake tensors, so the loss is not formed.
 """
 

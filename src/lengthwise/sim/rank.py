@@ -25,6 +25,11 @@
   layers an `F.rN` recomputes gather and scatter again. `tp_all_reduce`: the
   sequence-parallel norms' partial weight gradients summed over TP once a step, in fp32. (The
   executor pads a row to a multiple of tp; those at most tp - 1 rows are not counted.)
+  Heterogeneous plans (`runtime/train/dist_hetero.py`): `all_to_all` the push of bf16 gradients
+  and the pull of bf16 weights (`CostModel.exchange_sent_bytes`), `all_reduce` the gradient
+  norm's one fp64 value, `tp_all_reduce` in bf16 (the stage's own dtype), no reduce-scatter.
+  Their peak is the larger of the simulator's and the step end's (`step_end_bytes`).
+  Not counted anywhere yet: the reduce-scatter of K/V gradients over CP in backward.
 
 Ranks are numbered as the executor lays them out (`runtime/distributed/mesh.py`): pipeline by
 pipeline, stage by stage, CP rank innermost.
