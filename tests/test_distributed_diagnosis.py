@@ -15,7 +15,7 @@ from lengthwise.errors import UserError
 from lengthwise.runtime.distributed.launch import spawn
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.train.config import TrainConfig
-from lengthwise.runtime.train.dist import train_distributed, train_on_rank
+from lengthwise.runtime.train.dist_launch import train_distributed, train_on_rank
 
 
 def tiny(**changes) -> TrainConfig:

@@ -95,7 +95,7 @@ def _kill_once(out: Path):
 
 def _worker(argv: list[str]) -> int:
     """One torchrun worker: `lengthwise train ARGV` with the fault hook."""
-    from lengthwise.runtime.train.dist import train_distributed
+    from lengthwise.runtime.train.dist_launch import train_distributed
 
     config = config_from_args(build_parser(only="train").parse_args(["train", *argv]))
     result = train_distributed(config, after_action=_kill_once(Path(config.out)))

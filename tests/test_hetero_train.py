@@ -67,7 +67,7 @@ def _switching_rank(rank: int, config, strategies: tuple[str, ...]) -> list[dict
     """One rank of `config`, planning batch i with the strategy strategies[i] (the run's own
     planner and options otherwise); returns the switches it measured."""
     from lengthwise.runtime.distributed.mesh import Mesh
-    from lengthwise.runtime.train.dist import rank_executor
+    from lengthwise.runtime.train.dist_launch import rank_executor
     from lengthwise.runtime.train.loop import Setup, run_training
     from lengthwise.runtime.train.signals import StopRequest
 

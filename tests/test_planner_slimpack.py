@@ -3,6 +3,7 @@ and backward MicroPacks with exact slice boundaries, the backward nesting rule, 
 the PackFlow schedule and the simulated sweep over the MicroPack count."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -402,3 +403,111 @@ def test_dp_merge_refuses_only_when_no_group_holds_the_floor():
     assert merge_sizes(flops, np.array([2, 3]), np.array([2, 3]), 4, by_flops=False) == [([1, 0], 3)]
     with pytest.raises(UserError, match="needs 3 merged DP ranks"):
         merge_sizes(flops, np.array([2, 3]), np.array([2, 3]), 2, by_flops=False)
+
+
+# ---- the numpy MicroPacks are the pointer walks' ----
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 3000), min_size=1, max_size=40), count=st.integers(1, 80),
+       seed=st.integers(0, 2**16))
+@example(lengths=[3, 1, 2], count=7, seed=0)  # more MicroPacks than one token's FLOPs allow: equal cuts
+def test_stream_pieces_match_the_walks_and_the_simulators_derivations(lengths, count, seed):
+    from lengthwise.plan.schedules import dependencies
+    from lengthwise.planners.slimpack.cuts import (Stream, backward_cuts, backward_units_ready, forward_chunks,
+                                                   forward_cuts, stream_pieces)
+    from lengthwise.sim.memory import split_sequences
+
+    req = request([1])
+    gf, gb = flops_models(req)
+    ids = np.random.default_rng(seed).permutation(len(lengths)).tolist()
+    stream = Stream.of(ids, lengths)
+    fcuts, bcuts = forward_cuts(stream, gf, count), backward_cuts(stream, gb, count)
+    chunks, units, ready, known = stream_pieces(stream, fcuts, bcuts, {})
+    assert chunks == forward_chunks(stream, fcuts)
+    assert (units, ready) == backward_units_ready(stream, bcuts, fcuts)
+    if known is None:  # only where two cuts coincide
+        assert np.any(np.diff(fcuts) == 0)
+        return
+    assert known.deps == dependencies(chunks, units)
+    assert known.splits.sequences() == split_sequences(chunks, units)
+    for pieces, counts, bounds in ((chunks, known.fwd_counts, known.fwd_bounds),
+                                   (units, known.bwd_counts, known.bwd_bounds)):
+        assert counts.tolist() == [len(c.segments) for c in pieces]
+        assert bounds.tolist() == [[s.start, s.stop] for c in pieces for s in c.segments]
+
+
+def test_sweep_simulates_with_the_planners_slice_structure_as_without():
+    from lengthwise.planners.slimpack.build import build_candidate, prepare_stream
+    from lengthwise.planners.slimpack.build import bare_plan, phase1_variants
+
+    req = request(sample("github", 48, 32 * K), dp=3, pp=2, context=32 * K)
+    models = flops_models(req)
+    variants, flops = phase1_variants(req, models, True)
+    groups = variants[0]
+    for count in (2, 5, 11):
+        built = [build_candidate(req, g, count, models, flops, True, check=False,
+                                 prepared=prepare_stream(req, g, flops)) for g in groups]
+        assert any(k is not None for _, k in built)
+        step = bare_plan(req, [p for p, _ in built])
+        a = simulate_plan(step, req.cost, known=[k for _, k in built])
+        b = simulate_plan(step, req.cost)
+        assert a.to_dict() == b.to_dict()
+        assert np.array_equal(a.timeline.memory.level, b.timeline.memory.level)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams=st.lists(st.lists(st.integers(1, 2000), min_size=1, max_size=12), min_size=1, max_size=5),
+       count=st.integers(1, 30))
+def test_streams_cuts_and_pieces_of_several_streams_are_each_streams_own(streams, count):
+    from lengthwise.planners.slimpack.cuts import (Stream, backward_cuts, forward_cuts, stream_pieces, streams_cuts,
+                                                   streams_pieces)
+
+    gf, gb = flops_models(request([1]))
+    lengths = [n for s in streams for n in s]
+    ids = np.cumsum([0] + [len(s) for s in streams]).tolist()
+    made = [Stream.of(list(range(a, b)), lengths) for a, b in zip(ids[:-1], ids[1:])]
+    fcuts = [forward_cuts(s, gf, count) for s in made]
+    bcuts = [backward_cuts(s, gb, count) for s in made]
+    counts = [min(count + i, s.total_tokens) for i, s in enumerate(made)]  # counts may differ
+    for g, backward, one in ((gf, False, forward_cuts), (gb, True, backward_cuts)):
+        for s, n, cuts in zip(made, counts, streams_cuts(made, g, counts, backward=backward, memo=[{} for _ in made])):
+            assert cuts.tolist() == one(s, g, n).tolist()
+    together = streams_pieces(made, fcuts, bcuts, [{} for _ in made])
+    for s, f, b, got in zip(made, fcuts, bcuts, together):
+        alone = stream_pieces(s, f, b, {})
+        assert got[:3] == alone[:3]
+        assert (got[3] is None) == (alone[3] is None)
+        if got[3] is not None:
+            assert got[3].deps == alone[3].deps and got[3].splits.sequences() == alone[3].splits.sequences()
+            for name in ("fwd_counts", "fwd_bounds", "bwd_counts", "bwd_bounds"):
+                assert np.array_equal(getattr(got[3], name), getattr(alone[3], name))
+
+
+def test_memory_budgets_come_from_the_cost_models_stage_budgets():
+    from lengthwise.planners.slimpack.build import memory_share_per_token, min_fitting_count
+
+    req = request([1], dp=4, pp=2)
+    cost, s = req.cost, req.scheme
+    budgets = cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=s.dp * s.cp, zero=s.zero)
+    for hold in (1.0, 0.5):  # a HOLD share scales the capacity, model states are held whole
+        want = max((b.activation_per_token + 2 * cost.kv_bytes(1, layers=b.layers, tp=s.tp))
+                   / (b.capacity * hold - b.states) for b in budgets)
+        assert memory_share_per_token(req, hold) == want
+    # model states sharded over the plan's pipelines x cp ranks; one rank's tokens per MicroPack
+    tokens, pipelines = 10**7, 3
+    most = min(b.free / b.activation_per_token
+               for b in cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=pipelines * s.cp, zero=s.zero))
+    assert min_fitting_count(req, tokens, 2, pipelines) == max(1, math.floor(tokens / (2 * most)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(pp=st.integers(1, 6), lean=st.booleans(), data=st.data())
+def test_packflow_stages_at_once_are_each_stage_by_its_loop(pp, lean, data):
+    from lengthwise.planners.slimpack.schedule import packflow_stage, packflow_stages
+
+    chunks = data.draw(st.integers(1, 30))
+    steps = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=40))
+    ready = np.minimum(np.cumsum(steps), chunks).tolist()
+    ready[-1] = chunks  # the last unit reads the last forward MicroPack
+    assert packflow_stages(chunks, ready, pp, lean=lean) == [
+        packflow_stage(chunks, ready, warmup=pp - s - 1, lean=lean) for s in range(pp)]

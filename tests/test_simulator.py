@@ -175,3 +175,17 @@ def test_malformed_schedule_in_a_plan_is_a_user_error(text, problem):
     plan = make_plan([chunks], pp=1, stages=[[Action.parse(a) for a in text.split()]])
     with pytest.raises(UserError, match=problem):
         simulate_plan(plan, CostModel(model=plan.model, cluster=plan.cluster))
+
+
+@settings(max_examples=30, deadline=None)
+@given(plan=random_plans())
+def test_model_flops_of_all_pipelines_at_once_are_each_pipelines_own(plan):
+    from lengthwise.sim.inputs import _batched_model_flops, _PipelineCosts, _plan_works
+
+    cm = CostModel(model=plan.model, cluster=plan.cluster)
+    works = _plan_works(plan, [None] * len(plan.pipelines))
+    batched = _batched_model_flops(cm, works)
+    offsets = np.cumsum([0] + [p.num_gpus for p in plan.pipelines]).tolist()
+    for i, flops in enumerate(batched):
+        own = _PipelineCosts(plan, i, cm, offsets, {}, works[i])._model_flops()
+        assert flops == own

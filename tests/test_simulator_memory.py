@@ -7,7 +7,8 @@ import json
 
 import numpy as np
 import pytest
-from test_simulator import make_plan, split, task_lookup, whole
+from hypothesis import given, settings
+from test_simulator import make_plan, random_plans, split, task_lookup, whole
 
 from lengthwise.cost import CostModel
 from lengthwise.plan.ir import Action, Chunk, Segment
@@ -168,3 +169,62 @@ def test_throughput_mfu_and_fit_follow_their_definitions():
     d = json.loads(json.dumps(r.to_dict()))
     assert {"makespan", "step_time_s", "bubble_ratio", "reforward_counted_as_busy", "peak_memory",
             "dp_imbalance", "fits", "tokens_per_s", "mfu"} <= set(d)
+
+
+# ---- the batched replay is the per-pipeline replay ----
+
+def per_pipeline_replay(plan, cm):
+    """The memory curves built pipeline by pipeline (memory.memory_events), as the engine did
+    before it built every pipeline's events at once."""
+    from lengthwise.sim.dag import build_pipeline, concatenate, evaluate
+    from lengthwise.sim.inputs import plan_inputs
+    from lengthwise.sim.memory import memory_events, replay, split_sequences
+    from lengthwise.sim.simulate import _task_tables
+
+    inputs = plan_inputs(plan, cm)
+    deps = [p.deps for p in inputs]
+    pipes = [build_pipeline(p.stages, p.chunks, p.backward_chunks, d) for p, d in zip(inputs, deps)]
+    tasks = concatenate(pipes)
+    dur, _, send = _task_tables(inputs, tasks)
+    start, finish = evaluate(tasks, dur, send)
+    offs = np.cumsum([0] + [len(p.stages) for p in inputs])
+    gstage = offs[:-1][tasks.pipeline] + tasks.stage
+    ids, ends, deltas = [], [], []
+    for i, (inp, pipe, d) in enumerate(zip(inputs, pipes, deps)):
+        t, e, x = memory_events(pipe, d, inp.sizes, split_sequences(inp.chunks, inp.backward_chunks or inp.chunks))
+        ids.append(t + tasks.offsets[i])
+        ends.append(e)
+        deltas.append(x)
+    tid, at_end = np.concatenate(ids), np.concatenate(ends)
+    time = np.where(at_end, finish[tid], start[tid])
+    base = np.concatenate([np.asarray(p.sizes.state, dtype=np.float64) for p in inputs])
+    return replay(gstage[tid], time, np.concatenate(deltas), base)
+
+
+def assert_same_curves(a, b):
+    for name in ("stage", "time", "level", "base", "peak"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+
+
+@settings(max_examples=40, deadline=None)
+@given(plan=random_plans())
+def test_batched_memory_replay_is_the_per_pipeline_replay(plan):
+    # split sequences, no-grad forwards (state-aware K), several pipelines of different shapes
+    cm = cost(plan)
+    assert_same_curves(simulate_plan(plan, cm).timeline.memory, per_pipeline_replay(plan, cm))
+
+
+def test_batched_memory_replay_with_recomputation_and_slimpack_units():
+    from test_planner_slimpack import plan as slimpack_plan, sample
+
+    chunks = split(0, [0, 300, 700, 1000]) + [whole(1, 200)]
+    plain = make_plan([chunks], pp=2).pipelines[0].stages
+    stages = [[Action(a.kind, a.chunk, 2 if a.kind == "F" else 0) for a in acts] for acts in plain]
+    plan = make_plan([chunks, [whole(2, 500), whole(3, 64)]], pp=2)  # a second pipeline without recomputation
+    plan.pipelines[0] = make_plan([chunks], pp=2, stages=stages).pipelines[0]
+    assert any(a.recompute_layers for acts in plan.pipelines[0].stages for a in acts)
+    cm = cost(plan)
+    assert_same_curves(simulate_plan(plan, cm).timeline.memory, per_pipeline_replay(plan, cm))
+    out, req = slimpack_plan(sample("github", 64, 32 * 1024), dp=4, pp=2, context=32 * 1024)
+    assert any(p.backward_chunks is not None for p in out.pipelines)
+    assert_same_curves(simulate_plan(out, req.cost).timeline.memory, per_pipeline_replay(out, req.cost))

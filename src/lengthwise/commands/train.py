@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         config = with_outputs(config)
     with StopRequest(forward_to_children=distributed) as stop:  # signals during set-up count too
         if distributed:
-            from lengthwise.runtime.train.dist import train_distributed
+            from lengthwise.runtime.train.dist_launch import train_distributed
 
             result = train_distributed(config)
             if result is None:  # a rank other than 0: rank 0 reports

@@ -20,7 +20,7 @@ neighbouring stage that hands over the activation or its gradient.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -46,6 +46,10 @@ class PipelineTasks:
     """[stage][chunk] task of the chunk's N, -1 when absent."""
     bwd_id: list[list[int]]
     """[stage][unit] task of the unit's B."""
+    columns: tuple | None = field(default=None, repr=False, compare=False)
+    """`rows` as numpy columns once concatenate has asked (_columns)."""
+    id_arrays: tuple | None = field(default=None, repr=False, compare=False)
+    """(fwd_id, first_id, nograd_id, bwd_id) as int64 arrays once the memory replay has asked."""
 
 
 _GRAPHS = ShapeCache()
@@ -166,26 +170,38 @@ class TaskArrays:
 
 
 def concatenate(pipes: list[PipelineTasks]) -> TaskArrays:
-    """Flatten per-pipeline task rows into global arrays with shifted task ids."""
+    """Flatten per-pipeline task rows into global arrays with shifted task ids (each distinct
+    graph's rows turned into arrays once: pipelines of one schedule key share them)."""
     offsets = np.cumsum([0] + [len(p.rows) for p in pipes]).tolist()
     total = offsets[-1]
-    rows = [r for p in pipes for r in p.rows]
-    # one comprehension per column: zip(*rows) with ~1e5 arguments is several times slower
-    stage, kind, index, _, refwd, cross, local, level = ([r[i] for r in rows] for i in range(8))
+    cols = [_columns(p) for p in pipes]
     shift = np.repeat(np.asarray(offsets[:-1], dtype=np.int64), np.diff(offsets))
-    cross = np.asarray(cross, dtype=np.int64)
+    join = lambda i: np.concatenate([c[i] for c in cols]) if cols else np.zeros(0, np.int64)
+    stage, kind, index, refwd, cross, level, counts, flat = (join(i) for i in range(8))
     cross = np.where(cross < 0, total, cross + shift)
-    counts = np.fromiter(map(len, local), dtype=np.int64, count=total)
     width = int(counts.max(initial=0)) or 1
-    flat = np.fromiter(itertools.chain.from_iterable(local), dtype=np.int64, count=int(counts.sum()))
     row_of = np.repeat(np.arange(total), counts)
     col_of = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
     local_arr = np.full((total, width), total, dtype=np.int64)
     local_arr[row_of, col_of] = flat + shift[row_of]
     return TaskArrays(pipeline=np.repeat(np.arange(len(pipes), dtype=np.int32), np.diff(offsets)),
-                      stage=np.asarray(stage, dtype=np.int32), kind=np.asarray(kind, dtype=np.int8),
-                      index=np.asarray(index, dtype=np.int32), reforward=np.asarray(refwd, dtype=bool),
-                      cross=cross, local=local_arr, level=np.asarray(level, dtype=np.int64), offsets=offsets)
+                      stage=stage.astype(np.int32), kind=kind.astype(np.int8), index=index.astype(np.int32),
+                      reforward=refwd.astype(bool), cross=cross, local=local_arr, level=level, offsets=offsets)
+
+
+def _columns(t: PipelineTasks) -> tuple[np.ndarray, ...]:
+    """t.rows as int64 columns (stage, kind, index, re-forward, cross, level, same-stage
+    predecessor counts, the predecessors flattened), made once per graph."""
+    cols = t.columns
+    if cols is None:
+        rows, n = t.rows, len(t.rows)
+        # one comprehension per column: zip(*rows) with ~1e5 arguments is several times slower
+        stage, kind, index, _, refwd, cross, local, level = ([r[i] for r in rows] for i in range(8))
+        counts = np.fromiter(map(len, local), dtype=np.int64, count=n)
+        flat = np.fromiter(itertools.chain.from_iterable(local), dtype=np.int64, count=int(counts.sum()))
+        cols = tuple(np.asarray(x, dtype=np.int64).reshape(-1) for x in (stage, kind, index, refwd, cross, level))
+        cols = t.columns = cols + (counts, flat)
+    return cols
 
 
 def evaluate(tasks: TaskArrays, dur: np.ndarray, send: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -11,6 +11,7 @@ reduce-scatters their gradients, the same volume as the all-gather); the point-t
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,7 @@ from lengthwise.cost.flops import ChunkWork, chunk_work, head_forward_flops, lay
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
-from lengthwise.sim.memory import MemorySizes, SplitSequence, split_sequences
+from lengthwise.sim.memory import MemorySizes, SplitArrays, SplitSequence, split_sequences
 
 F, N, B = 0, 1, 2
 _VECTORISED = ("forward_time", "backward_time", "activation_bytes")
@@ -56,21 +57,72 @@ class PipelineInput:
     """GPUs of the pipeline (tp * cp * pp)."""
     deps: Dependencies | None = None
     """The chunks' slice dependencies when already derived (else the engine derives them)."""
-    splits: list[SplitSequence] | None = None
+    splits: list[SplitSequence] | SplitArrays | None = None
     """split_sequences of the chunks when already derived (else the engine derives them)."""
 
 
-def plan_inputs(plan: StepPlan, cm: CostModel) -> list[PipelineInput]:
-    """PipelineInputs of every pipeline of a plan, GPUs assigned in pipeline order."""
+@dataclass(frozen=True, kw_only=True)
+class SliceStructure:
+    """What the simulator would otherwise read off one pipeline's segments, handed over by a
+    planner that knows it from its own cuts: the slice dependencies, the split sequences and
+    every segment's token range. Its chunks must be unpadded (pad_to 0)."""
+
+    deps: Dependencies
+    """dependencies(chunks, backward_chunks)."""
+    splits: SplitArrays
+    """split_sequences(chunks, backward units), as arrays."""
+    fwd_counts: np.ndarray
+    """int64 [chunk] segments of each forward chunk."""
+    fwd_bounds: np.ndarray
+    """int64 [segment, 2] (start, stop) of every forward segment, chunk by chunk, in order."""
+    bwd_counts: np.ndarray
+    """int64 [unit] segments of each backward unit."""
+    bwd_bounds: np.ndarray
+    """int64 [segment, 2] (start, stop) of every backward segment, unit by unit, in order."""
+
+
+def plan_inputs(plan: StepPlan, cm: CostModel,
+                known: list[SliceStructure | None] | None = None) -> list[PipelineInput]:
+    """PipelineInputs of every pipeline of a plan, GPUs assigned in pipeline order. `known`: per
+    pipeline its SliceStructure where the caller has it (None: derived from the segments)."""
     offsets = np.cumsum([0] + [p.num_gpus for p in plan.pipelines]).tolist()
     if offsets[-1] > plan.cluster.num_gpus:
         raise UserError(f"the plan's pipelines use {offsets[-1]} GPUs but cluster {plan.cluster.name} "
                         f"has {plan.cluster.num_gpus}: use a plan made for this cluster")
+    known = known or [None] * len(plan.pipelines)
+    if len(known) != len(plan.pipelines):
+        raise ValueError(f"known has {len(known)} entries for {len(plan.pipelines)} pipelines")
     shared: dict = {}  # stage-level costs that pipelines of one scheme share
-    works = _plan_works(plan)
+    works = _plan_works(plan, known)
     tables = _batched_tables(plan, cm, works)
-    return [_PipelineCosts(plan, i, cm, offsets, shared, works[i], tables[i]).build()
+    flops = _batched_model_flops(cm, works)
+    return [_PipelineCosts(plan, i, cm, offsets, shared, works[i], tables[i], known[i], flops[i]).build()
             for i in range(len(plan.pipelines))]
+
+
+def _batched_model_flops(cm: CostModel, works) -> list[float | None]:
+    """_PipelineCosts._model_flops of every pipeline with works, elementwise over all of their
+    chunks at once (the same operations on the same numbers), each pipeline's then summed one by
+    one in its order; None where the pipeline has no works or the cost model is not CostModel's."""
+    if (type(cm).forward_flops is not CostModel.forward_flops or type(cm).backward_flops is not CostModel.backward_flops
+            or all(w is None for w in works)):
+        return [None] * len(works)
+    L, have = cm.model.num_layers, [i for i, w in enumerate(works) if w is not None]
+    fw = ChunkWork(np.concatenate([works[i][0].bare_tokens for i in have]),
+                   np.concatenate([works[i][0].bare_pairs for i in have]))
+    bw = ChunkWork(np.concatenate([works[i][1].bare_tokens for i in have]),
+                   np.concatenate([works[i][1].bare_pairs for i in have]))
+    lin, attn = layer_forward_flops(cm.model, fw)
+    fwd = (L * (lin + attn) + head_forward_flops(cm.model, fw.tokens)).tolist()
+    lin, attn = layer_forward_flops(cm.model, bw)
+    bwd = (L * (lin * cm.bwd_linear_ratio + attn * cm.bwd_attn_ratio)
+           + head_forward_flops(cm.model, bw.tokens) * cm.bwd_linear_ratio).tolist()
+    fb = np.cumsum([0] + [len(works[i][0].bare_tokens) for i in have]).tolist()
+    bb = np.cumsum([0] + [len(works[i][1].bare_tokens) for i in have]).tolist()
+    out: list[float | None] = [None] * len(works)
+    for k, i in enumerate(have):
+        out[i] = sum(fwd[fb[k]:fb[k + 1]]) + sum(bwd[bb[k]:bb[k + 1]])
+    return out
 
 
 @dataclass(kw_only=True)
@@ -91,27 +143,49 @@ class _Works:
     """float64: `pairs`."""
 
 
-def _plan_works(plan: StepPlan) -> list[tuple[_Works, _Works] | None]:
+def _plan_works(plan: StepPlan, known: list[SliceStructure | None]) -> list[tuple[_Works, _Works] | None]:
     """Per pipeline, the works of its forward chunks and of its backward units, from every
     segment of the plan in one pass (numpy sums of integers, exact: the same numbers as
-    Chunk.num_tokens and chunk_work, without asking each chunk). None for every pipeline where
-    a sum could leave float64's exact integers (sequences of tens of millions of tokens)."""
+    Chunk.num_tokens and chunk_work, without asking each chunk; segment bounds from `known`
+    where given). None for every pipeline where a sum could leave float64's exact integers
+    (sequences of tens of millions of tokens)."""
     lists = [x for p in plan.pipelines for x in (p.chunks, p.bwd_units)]
-    chunks = [c for x in lists for c in x]
-    counts = np.fromiter((len(c.segments) for c in chunks), dtype=np.int64, count=len(chunks))
-    flat = np.fromiter(itertools.chain.from_iterable((s.start, s.stop) for c in chunks for s in c.segments),
-                       dtype=np.int64, count=2 * int(counts.sum()))
+    count_parts, bound_parts = [], []
+    if all(k is None for k in known):  # one pass over every segment of the plan
+        chunks = [c for x in lists for c in x]
+        counts = np.fromiter((len(c.segments) for c in chunks), dtype=np.int64, count=len(chunks))
+        count_parts.append(counts)
+        bound_parts.append(np.fromiter(itertools.chain.from_iterable((s.start, s.stop) for c in chunks
+                                                                     for s in c.segments),
+                                       dtype=np.int64, count=2 * int(counts.sum())))
+        known = []
+    for pipe, k in zip(plan.pipelines, known):
+        if k is not None:
+            count_parts += [k.fwd_counts, k.bwd_counts]
+            bound_parts += [k.fwd_bounds.ravel(), k.bwd_bounds.ravel()]
+            continue
+        for x in (pipe.chunks, pipe.bwd_units):
+            n = np.fromiter((len(c.segments) for c in x), dtype=np.int64, count=len(x))
+            count_parts.append(n)
+            bound_parts.append(np.fromiter(itertools.chain.from_iterable((s.start, s.stop) for c in x
+                                                                         for s in c.segments),
+                                           dtype=np.int64, count=2 * int(n.sum())))
+    counts = np.concatenate(count_parts).astype(np.int64) if count_parts else np.zeros(0, np.int64)
+    flat = np.concatenate(bound_parts).astype(np.int64) if bound_parts else np.zeros(0, np.int64)
     start, stop = flat[0::2], flat[1::2]
     if len(stop) and (int(stop.max()) >= 2**26 or int(stop.max()) ** 2 * len(stop) >= 2**53):
         return [None] * len(plan.pipelines)
-    owner = np.repeat(np.arange(len(chunks)), counts)
-    tokens = np.bincount(owner, weights=stop - start, minlength=len(chunks))
-    pairs = np.bincount(owner, weights=(stop * (stop + 1) - start * (start + 1)) // 2, minlength=len(chunks))
+    n = len(counts)
+    owner = np.repeat(np.arange(n), counts)
+    tokens = np.bincount(owner, weights=stop - start, minlength=n)
+    pairs = np.bincount(owner, weights=(stop * (stop + 1) - start * (start + 1)) // 2, minlength=n)
     row_tokens, row_keys = tokens.copy(), pairs.copy()
-    pads = np.fromiter((c.pad_to for c in chunks), dtype=np.int64, count=len(chunks))
-    for i in np.flatnonzero((pads > tokens) & (counts > 0)).tolist():  # padded rows (chunk_work)
-        w = chunk_work(chunks[i])
-        row_tokens[i], row_keys[i] = w.tokens, w.keys
+    if not known or any(k is None for k in known):  # a SliceStructure's chunks are unpadded
+        chunks = [c for x in lists for c in x]
+        pads = np.fromiter((c.pad_to for c in chunks), dtype=np.int64, count=n)
+        for i in np.flatnonzero((pads > tokens) & (counts > 0)).tolist():  # padded rows (chunk_work)
+            w = chunk_work(chunks[i])
+            row_tokens[i], row_keys[i] = w.tokens, w.keys
     tokens_int, pairs_int = tokens.astype(np.int64).tolist(), pairs.astype(np.int64).tolist()
     bounds = np.cumsum([0] + [len(x) for x in lists]).tolist()
     works = [_Works(tokens=tokens_int[a:b], pairs=pairs_int[a:b], row_tokens=row_tokens[a:b], row_keys=row_keys[a:b],
@@ -156,7 +230,8 @@ class _PipelineCosts:
     """Cost tables of one pipeline; per (layers, head) stage kind the per-chunk costs are cached."""
 
     def __init__(self, plan: StepPlan, index: int, cm: CostModel, offsets: list[int], shared: dict,
-                 works: tuple[_Works, _Works] | None = None, tables: dict | None = None):
+                 works: tuple[_Works, _Works] | None = None, tables: dict | None = None,
+                 known: SliceStructure | None = None, flops: float | None = None):
         self.plan, self.pipe, self.cm, self.offsets, self.shared = plan, plan.pipelines[index], cm, offsets, shared
         self.works = works  # (forward chunks, backward units), _plan_works
         self.offset, pipe = offsets[index], self.pipe
@@ -164,7 +239,9 @@ class _PipelineCosts:
         if len(self.layers) != pipe.pp or any(n < 0 for n in self.layers):
             raise UserError(f"layers_per_stage {self.layers} does not match pp={pipe.pp}")
         self.units = pipe.bwd_units
-        self.deps = dependencies(pipe.chunks, pipe.backward_chunks)
+        self.known = known
+        self.model_flops = flops
+        self.deps = known.deps if known is not None else dependencies(pipe.chunks, pipe.backward_chunks)
         self.kw = {"tp": pipe.tp, "cp": pipe.cp}
         self._cache: dict = dict(tables or {})  # per_chunk tables batched over the plan (_batched_tables)
 
@@ -258,22 +335,25 @@ class _PipelineCosts:
             else:  # boundary bytes go by row tokens alone: one call per distinct count
                 memo = self.shared.setdefault(("p2p", inter, self.pipe.tp), {})
 
-                def times(chunks: list[Chunk], rows: np.ndarray) -> list[float]:
+                def times(rows: np.ndarray) -> list[float]:
                     out = []
-                    for c, r in zip(chunks, rows.tolist()):
+                    for r in rows.tolist():
                         v = memo.get(r)
                         if v is None:
-                            v = memo[r] = cm.p2p_time(cm.boundary_bytes(c, **kw), inter_node=inter)
+                            v = memo[r] = cm.p2p_time(cm.boundary_bytes(_row_of(r), **kw), inter_node=inter)
                         out.append(v)
                     return out
 
-                self._cache["p2p", inter] = (times(self.pipe.chunks, self.works[0].row_tokens),
-                                             times(self.units, self.works[1].row_tokens))
+                self._cache["p2p", inter] = (times(self.works[0].row_tokens), times(self.works[1].row_tokens))
         return self._cache["p2p", inter]
 
     def _stage_times(self, s: int, recompute: list[int], dur: np.ndarray, comm: np.ndarray) -> None:
         L, head, C, U = self.layers[s], s == self.pipe.pp - 1, len(self.pipe.chunks), len(self.units)
         base = self.per_chunk(L, head)
+        if self.pipe.cp <= 1 and not any(recompute):  # no CP exchange (comm stays zero), no recomputation
+            dur[F, :C] = dur[N, :C] = base["fwd"]
+            dur[B, :U] = base["bwd"]
+            return
         bwd = base["bwd"].copy()
         for u in range(U if any(recompute) else 0):
             r = max((recompute[c] for c in self.deps.bwd_needs[u]), default=0)
@@ -296,7 +376,8 @@ class _PipelineCosts:
     def _sizes(self, recompute: list[list[int]]) -> MemorySizes:
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
         dp, zero = len(self.plan.pipelines) * pipe.cp, self.plan.zero  # ZeRO shards over dp x cp
-        splits = self.splits = split_sequences(pipe.chunks, self.units)
+        splits = self.splits = self.known.splits if self.known is not None else split_sequences(pipe.chunks,
+                                                                                                self.units)
         act, extra, transient, kv, kv_grad, state, work = [], [], [], [], [], [], []
         kv_of: dict[int, dict] = {}  # stages of equal layer counts hold equal K/V
         C, U = len(pipe.chunks), len(self.units)
@@ -314,11 +395,16 @@ class _PipelineCosts:
             act.append(kept)
             # on the last stage each backward unit's loss backward makes the bf16 logit gradient
             work.append(self._head_backward() if head else np.zeros(U))
-            nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD}
+            nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD} \
+                if FORWARD_NOGRAD in map(_KIND, pipe.stages[s]) else ()
             transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
                               for i, c in enumerate(pipe.chunks)] if nograd else np.zeros(C))
-            if L not in kv_of:
-                kv_of[L] = {q.seq_id: cm.kv_bytes(q.context, layers=L, **self.kw) for q in splits}
+            if L not in kv_of:  # kv_bytes by context length, shared by the plan's pipelines of one tp, cp
+                memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
+                seqs = zip(splits.seq_id.tolist(), splits.context.tolist()) if isinstance(splits, SplitArrays) \
+                    else ((q.seq_id, q.context) for q in splits)
+                kv_of[L] = {q: memo[n] if n in memo else memo.setdefault(n, cm.kv_bytes(n, layers=L, **self.kw))
+                            for q, n in seqs}
             kv.append(kv_of[L])
             kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
             if heterogeneous(self.plan):  # bf16 stage weights and gradients, 1/W of the masters and moments
@@ -337,15 +423,17 @@ class _PipelineCosts:
             return [cm.head_backward_bytes(u, **kw) for u in self.units]
         memo = self.shared.setdefault(("head_backward", self.pipe.tp), {})
         out = []
-        for u, r in zip(self.units, self.works[1].row_tokens.tolist()):
+        for r in self.works[1].row_tokens.tolist():
             v = memo.get(r)
             if v is None:
-                v = memo[r] = cm.head_backward_bytes(u, **kw)
+                v = memo[r] = cm.head_backward_bytes(_row_of(r), **kw)
             out.append(v)
         return out
 
     def _grad_sync(self) -> list[float]:
-        if heterogeneous(self.plan):
+        if "heterogeneous" not in self.shared:  # once per plan, not once per pipeline (O(pipelines) each)
+            self.shared["heterogeneous"] = heterogeneous(self.plan)
+        if self.shared["heterogeneous"]:
             # pipelines with other tp x pp x cp: the executor's exchange with the round-robin
             # master state over every GPU (runtime/parallel/hetero.py), no all-reduce
             world = sum(q.num_gpus for q in self.plan.pipelines)
@@ -356,9 +444,13 @@ class _PipelineCosts:
         dp = len(self.plan.pipelines) * self.pipe.cp
         if dp <= 1:
             return [0.0] * self.pipe.pp
-        return [self._shared(self.cm.grad_sync_time, layers=L, tp=self.pipe.tp, dp=dp, zero=self.plan.zero,
-                             inter_node=self.dp_inter(s), first=s == 0, last=s == self.pipe.pp - 1)
-                for s, L in enumerate(self.layers)]
+        key = ("grad_sync", tuple(self.layers), self.pipe.tp, self.pipe.cp)  # the rest is the plan's
+        if key not in self.shared:
+            self.shared[key] = [self._shared(self.cm.grad_sync_time, layers=L, tp=self.pipe.tp, dp=dp,
+                                             zero=self.plan.zero, inter_node=self.dp_inter(s), first=s == 0,
+                                             last=s == self.pipe.pp - 1)
+                                for s, L in enumerate(self.layers)]
+        return list(self.shared[key])
 
     def _shared(self, fn, **kw) -> float:
         key = (fn.__name__, *sorted(kw.items()))
@@ -380,6 +472,8 @@ class _PipelineCosts:
             # CostModel.forward_flops / backward_flops (whole model, head, padding excluded)
             # elementwise over the chunks: the same operations in the same order, then summed
             # one by one as below
+            if self.model_flops is not None:  # computed for every pipeline at once (_batched_model_flops)
+                return self.model_flops
             fw, bw = self.works
             lin, attn = layer_forward_flops(cm.model, ChunkWork(fw.bare_tokens, fw.bare_pairs))
             fwd = L * (lin + attn) + head_forward_flops(cm.model, fw.bare_tokens)
@@ -404,10 +498,23 @@ class _PipelineCosts:
         return sums[0] + sums[1]
 
 
+def _row_of(tokens: float) -> Chunk:
+    """A one-segment chunk of `tokens` row tokens: what a memo keyed by row tokens asks the
+    cost model on a miss (boundary and loss-backward bytes go by row tokens alone without CP),
+    so the pipeline's own chunks need not be looked at."""
+    return Chunk((Segment(0, 0, int(tokens)),))
+
+
+_RECOMPUTE = operator.attrgetter("recompute_layers")
+_KIND = operator.attrgetter("kind")
+
+
 def _recompute_table(pipe: PipelinePlan) -> list[list[int]]:
     """[stage][chunk] layers the chunk's F recomputes on that stage."""
     table = [[0] * len(pipe.chunks) for _ in range(pipe.pp)]
     for s, acts in enumerate(pipe.stages):
+        if not any(map(_RECOMPUTE, acts)):  # (a scan at C speed) no action recomputes: zeros
+            continue
         for a in acts:
             if a.kind == FORWARD and 0 <= a.chunk < len(pipe.chunks):
                 table[s][a.chunk] = a.recompute_layers

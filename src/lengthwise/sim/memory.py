@@ -70,6 +70,51 @@ class SplitSequence:
     """Backward units holding any of its slices."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class SplitArrays:
+    """A pipeline's split sequences (SplitSequence each) as flat int64 arrays."""
+
+    seq_id: np.ndarray
+    """[sequence] its id."""
+    context: np.ndarray
+    """[sequence] SplitSequence.context."""
+    slices: np.ndarray
+    """[sequence] how many earlier slices (len(first_fwd))."""
+    slice_chunk: np.ndarray
+    """[slice] chunk of each earlier slice, sequence by sequence."""
+    slice_tokens: np.ndarray
+    """[slice] its tokens."""
+    holders: np.ndarray
+    """[sequence] how many backward units hold a slice of it (len(units))."""
+    holder_unit: np.ndarray
+    """[holder] those units, sequence by sequence, ascending."""
+
+    def __len__(self) -> int:
+        return len(self.seq_id)
+
+    @classmethod
+    def of(cls, splits: list[SplitSequence]) -> SplitArrays:
+        arr = lambda xs: np.array(xs, dtype=np.int64)
+        return cls(seq_id=arr([q.seq_id for q in splits]), context=arr([q.context for q in splits]),
+                   slices=arr([len(q.first_fwd) for q in splits]),
+                   slice_chunk=arr([c for q in splits for c, _ in q.first_fwd]),
+                   slice_tokens=arr([n for q in splits for _, n in q.first_fwd]),
+                   holders=arr([len(q.units) for q in splits]), holder_unit=arr([u for q in splits for u in q.units]))
+
+    def sequences(self) -> list[SplitSequence]:
+        sb = np.concatenate([[0], np.cumsum(self.slices)]).tolist()
+        hb = np.concatenate([[0], np.cumsum(self.holders)]).tolist()
+        c, n, u = self.slice_chunk.tolist(), self.slice_tokens.tolist(), self.holder_unit.tolist()
+        return [SplitSequence(seq_id=q, first_fwd=list(zip(c[sb[i]:sb[i + 1]], n[sb[i]:sb[i + 1]])), context=ctx,
+                              units=u[hb[i]:hb[i + 1]])
+                for i, (q, ctx) in enumerate(zip(self.seq_id.tolist(), self.context.tolist()))]
+
+
+def split_arrays(splits) -> SplitArrays:
+    """`splits` (a SplitSequence list or SplitArrays) as SplitArrays."""
+    return splits if isinstance(splits, SplitArrays) else SplitArrays.of(splits)
+
+
 def split_sequences(chunks: list[Chunk], units: list[Chunk]) -> list[SplitSequence]:
     """Sequences cut into more than one slice in a pipeline's forward chunks."""
     cut = {seg.seq_id for ch in chunks for seg in ch.segments if seg.start}  # every cut has a later slice
@@ -205,3 +250,157 @@ def replay(stage: np.ndarray, time: np.ndarray, delta: np.ndarray, base: np.ndar
     if len(stage):
         np.maximum.at(peak, stage, level)
     return MemoryCurves(stage=stage, time=time, level=level, base=base, peak=peak)
+
+
+def plan_memory_events(pipes: list[PipelineTasks], all_deps: list[Dependencies], all_sizes: list[MemorySizes],
+                       all_splits: list, offsets: list[int]
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """memory_events of every pipeline at once, task ids shifted by `offsets` (each pipeline's
+    first task): the same events with the same values, each pipeline's in the same relative
+    order (replay's stable sort then sums them in the same order), built part by part over all
+    pipelines with numpy instead of pipeline by pipeline."""
+    P = len(pipes)
+    if P == 0:
+        return np.zeros(0, np.int64), np.zeros(0, bool), np.zeros(0)
+    ids = [_id_arrays(t) for t in pipes]
+    S = np.array([f.shape[0] for f, _, _, _ in ids], dtype=np.int64)
+    C = np.array([f.shape[1] for f, _, _, _ in ids], dtype=np.int64)
+    U = np.array([b.shape[1] for _, _, _, b in ids], dtype=np.int64)
+    off = np.asarray(offsets[:P], dtype=np.int64)
+    fsize, bsize = S * C, S * U
+    fbase, bbase = _starts(fsize), _starts(bsize)
+    # [pipeline, stage, chunk] and [pipeline, stage, unit] tables, flattened, global task ids
+    fwd = np.concatenate([f.ravel() for f, _, _, _ in ids]) + np.repeat(off, fsize)
+    first = np.concatenate([f.ravel() for _, f, _, _ in ids]) + np.repeat(off, fsize)
+    nograd_local = np.concatenate([n.ravel() for _, _, n, _ in ids])
+    nograd = nograd_local + np.repeat(off, fsize)
+    bwd = np.concatenate([b.ravel() for _, _, _, b in ids]) + np.repeat(off, bsize)
+    act = _rows([sz.activation for sz in all_sizes], fsize)
+    extra = _rows([sz.recompute_extra for sz in all_sizes], fsize)
+    transient = _rows([sz.nograd_transient for sz in all_sizes], fsize)
+    work = _rows([sz.backward_work if len(sz.backward_work) else None for sz in all_sizes], bsize)
+    # (chunk, unit) reads, stage by stage within each pipeline
+    pc, pu, n = [], [], []
+    for deps, num_chunks in zip(all_deps, C.tolist()):
+        users = deps_users(deps, num_chunks)
+        pc += [c for c, us in enumerate(users) for _ in us]
+        pu += [u for us in users for u in us]
+        n.append(sum(map(len, users)))
+    n = np.asarray(n, dtype=np.int64)
+    pipe, s, k = _by_stage(S, n)
+    k += np.repeat(_starts(n), S * n)
+    cidx = fbase[pipe] + s * C[pipe] + np.asarray(pc, dtype=np.int64)[k]
+    uidx = bbase[pipe] + s * U[pipe] + np.asarray(pu, dtype=np.int64)[k]
+    release = np.full(len(fwd), -1, dtype=np.int64)
+    np.maximum.at(release, cidx, bwd[uidx])  # last backward reading the chunk
+    read = release >= 0
+    ran = nograd_local >= 0
+    parts = [(fwd[read], False, act[read]), (release[read], True, -act[read]),
+             (bwd[uidx], False, extra[cidx]), (bwd[uidx], True, -extra[cidx]),
+             (nograd[ran], False, transient[ran]), (nograd[ran], True, -transient[ran]),
+             (bwd, False, work), (bwd, True, -work)]
+    parts.append(_plan_split_events(S, C, U, fbase, bbase, first, bwd, all_sizes, all_splits))
+    task = np.concatenate([p[0] for p in parts])
+    at_end = np.concatenate([p[1] if isinstance(p[1], np.ndarray) else np.full(len(p[0]), p[1]) for p in parts])
+    delta = np.concatenate([np.asarray(p[2], dtype=np.float64) for p in parts])
+    keep = delta != 0
+    return task[keep], at_end[keep], delta[keep]
+
+
+def _starts(sizes: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+
+
+def _by_stage(S: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For blocks of S[p] x n[p] entries (stage-major): each entry's block, stage, and index
+    within the stage (0..n[p]-1)."""
+    sizes = S * n
+    pipe = np.repeat(np.arange(len(S)), sizes)
+    j = np.arange(int(sizes.sum())) - np.repeat(_starts(sizes), sizes)
+    width = np.maximum(n[pipe], 1)
+    return pipe, j // width, j % width
+
+
+def _rows(tables: list, sizes: np.ndarray) -> np.ndarray:
+    """[pipeline][stage][i] numbers (None: zeros), flattened."""
+    out = []
+    for rows, size in zip(tables, sizes.tolist()):
+        if rows is None:
+            out.append(np.zeros(size))
+        else:
+            out += [np.asarray(r, dtype=np.float64).ravel() for r in rows]
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def _id_arrays(t: PipelineTasks) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(fwd_id, first_id, nograd_id, bwd_id) as int64 arrays, made once per graph."""
+    if t.id_arrays is None:
+        t.id_arrays = tuple(np.asarray(x, dtype=np.int64).reshape(len(x), len(x[0]) if x else 0)
+                            for x in (t.fwd_id, t.first_id, t.nograd_id, t.bwd_id))
+    return t.id_arrays
+
+
+def _plan_split_events(S, C, U, fbase, bbase, first, bwd, all_sizes, all_splits):
+    """_split_events of every pipeline (global task ids), in the same per-pipeline order."""
+    all_splits = [split_arrays(x) for x in all_splits]
+    Q = np.array([len(x) for x in all_splits], dtype=np.int64)
+    if not Q.any():
+        return np.zeros(0, np.int64), np.zeros(0, bool), np.zeros(0)
+    cat = lambda name: np.concatenate([getattr(x, name) for x in all_splits]).astype(np.int64)
+    slices, holders, slice_c, slice_tokens = cat("slices"), cat("holders"), cat("slice_chunk"), cat("slice_tokens")
+    holder_u, context = cat("holder_unit"), np.maximum(cat("context"), 1)
+    nsplits = len(slices)
+    qstart = _starts(Q)
+    split_pipe = np.repeat(np.arange(len(Q)), Q)
+    # [pipeline, stage, split] K/V and K/V-gradient bytes
+    ids = [x.seq_id.tolist() for x in all_splits]
+    kv = np.array([kv_s.get(q, 0.0) for sz, x in zip(all_sizes, ids) for kv_s in sz.kv for q in x],
+                  dtype=np.float64)
+    grad = np.array([g_s.get(q, 0.0) for sz, x in zip(all_sizes, ids) for g_s in sz.kv_grad for q in x],
+                    dtype=np.float64)
+    qsbase = _starts(S * Q)
+    # last and first backward of each split sequence, per stage: its holders stage by stage
+    H = np.bincount(split_pipe, weights=holders, minlength=len(Q)).astype(np.int64)
+    pipe, s, h = _by_stage(S, H)
+    h += np.repeat(_starts(H), S * H)
+    holder_q = np.repeat(np.arange(nsplits), holders)
+    b = bwd[bbase[pipe] + s * U[pipe] + holder_u[h]]
+    group = qsbase[pipe] + s * Q[pipe] + (holder_q[h] - qstart[pipe])
+    at = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    last_b, first_b = np.maximum.reduceat(b, at), np.minimum.reduceat(b, at)
+    # each earlier slice's share of the K/V, per stage
+    NS = np.bincount(split_pipe, weights=slices, minlength=len(Q)).astype(np.int64)
+    pipe, s, i = _by_stage(S, NS)
+    i += np.repeat(_starts(NS), S * NS)
+    slice_q = np.repeat(np.arange(nsplits), slices)
+    q = slice_q[i]
+    kvi = qsbase[pipe] + s * Q[pipe] + (q - qstart[pipe])
+    shares = kv[kvi] * slice_tokens[i] / context[q]
+    task_slice = first[fbase[pipe] + s * C[pipe] + slice_c[i]]
+    # freed K/V: the shares summed one by one in slice order (a sequential running sum per row)
+    rank = np.arange(len(i)) - np.repeat(np.flatnonzero(np.r_[True, kvi[1:] != kvi[:-1]]),
+                                         np.diff(np.r_[np.flatnonzero(np.r_[True, kvi[1:] != kvi[:-1]]), len(i)]))
+    grid = np.zeros((len(kv), int(slices.max(initial=0)) or 1))
+    grid[kvi, rank] = shares
+    freed = -np.cumsum(grid, axis=1)[:, -1]
+    # columns of one stage: per split its slices, then the K/V release, gradient allocation
+    # and release; rows stage by stage
+    W = Q * 3 + NS
+    pipe, s, col = _by_stage(S, W)
+    per_q = slices + 3
+    col_q = np.repeat(np.arange(nsplits), per_q)
+    within = np.arange(int(per_q.sum())) - np.repeat(_starts(per_q), per_q)
+    col += np.repeat(_starts(W), S * W)
+    cq, cw = col_q[col], within[col]
+    kq = qsbase[pipe] + s * Q[pipe] + (cq - qstart[pipe])
+    is_slice = cw < slices[cq]
+    kind = np.where(is_slice, 0, cw - slices[cq] + 1)  # 0 slice, 1 K/V release, 2 gradient, 3 its release
+    # the slice's entry among `shares`: rows of (pipeline, stage), slices of the pipeline in order
+    sl = _starts(slices)[cq] + np.minimum(cw, np.maximum(slices[cq] - 1, 0))
+    share_row = _starts(S * NS)[pipe] + s * NS[pipe] + (sl - _starts(NS)[pipe])
+    share_row = np.where(is_slice, share_row, 0)
+    task = np.where(is_slice, task_slice[share_row] if len(task_slice) else 0,
+                    np.where(kind == 2, first_b[kq], last_b[kq]))
+    delta = np.where(is_slice, shares[share_row] if len(shares) else 0.0,
+                     np.where(kind == 1, freed[kq], np.where(kind == 2, grad[kq], -grad[kq])))
+    return task.astype(np.int64), (kind == 1) | (kind == 3), delta

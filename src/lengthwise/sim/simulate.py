@@ -31,8 +31,8 @@ from lengthwise.cost import CostModel
 from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.schedules import dependencies
 from lengthwise.sim.dag import TaskArrays, build_pipeline, concatenate, evaluate
-from lengthwise.sim.inputs import PipelineInput, direct_input, plan_inputs
-from lengthwise.sim.memory import MemoryCurves, memory_events, replay, split_sequences
+from lengthwise.sim.inputs import PipelineInput, SliceStructure, direct_input, plan_inputs
+from lengthwise.sim.memory import MemoryCurves, plan_memory_events, replay, split_sequences
 
 
 @dataclass(kw_only=True)
@@ -113,9 +113,10 @@ class SimResult:
         return {k: v for k, v in vars(self).items() if k != "timeline"}
 
 
-def simulate_plan(plan: StepPlan, cm: CostModel) -> SimResult:
-    """Simulate one step of a plan with the cost model's times, transfers and memory."""
-    result = simulate_inputs(plan_inputs(plan, cm), time_unit="s", memory_unit="bytes")
+def simulate_plan(plan: StepPlan, cm: CostModel, known: list[SliceStructure | None] | None = None) -> SimResult:
+    """Simulate one step of a plan with the cost model's times, transfers and memory. `known`:
+    per pipeline the SliceStructure its planner already holds (None where not; inputs.py)."""
+    result = simulate_inputs(plan_inputs(plan, cm, known), time_unit="s", memory_unit="bytes")
     result.capacity_bytes = cm.capacity_bytes
     result.fits = all(p <= cm.capacity_bytes for row in result.peak_memory for p in row)
     result.tokens = sum(plan.lengths)
@@ -182,18 +183,12 @@ def _sync_start(stage_end: np.ndarray, pps: list[int]) -> np.ndarray:
 
 
 def _replay_memory(inputs, pipes, all_deps, tasks, start, finish, gstage, G) -> MemoryCurves:
-    ids, ends, deltas = [], [], []
-    for i, (inp, pipe, deps) in enumerate(zip(inputs, pipes, all_deps)):
-        splits = inp.splits if inp.splits is not None else split_sequences(inp.chunks, inp.backward_chunks or inp.chunks)
-        t, e, d = memory_events(pipe, deps, inp.sizes, splits)
-        ids.append(t + tasks.offsets[i])
-        ends.append(e)
-        deltas.append(d)
-    tid = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-    at_end = np.concatenate(ends) if ends else np.zeros(0, bool)
+    splits = [inp.splits if inp.splits is not None else split_sequences(inp.chunks, inp.backward_chunks or inp.chunks)
+              for inp in inputs]
+    tid, at_end, delta = plan_memory_events(pipes, all_deps, [inp.sizes for inp in inputs], splits, tasks.offsets)
     time = np.where(at_end, finish[tid], start[tid])
     base = np.concatenate([np.asarray(p.sizes.state, dtype=np.float64) for p in inputs])
-    return replay(gstage[tid], time, np.concatenate(deltas) if deltas else np.zeros(0), base)
+    return replay(gstage[tid], time, delta, base)
 
 
 def _summarise(inputs, timeline: Timeline, busy, refwd, sync, pipe_end, step_time, time_unit, memory_unit):

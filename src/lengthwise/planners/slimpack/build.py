@@ -59,13 +59,14 @@ import math
 
 import numpy as np
 
-from lengthwise.cost.flops import work_key
-from lengthwise.cost.model import split_layers
+from lengthwise.cost import CostModel
+from lengthwise.cost.flops import chunk_work, work_key
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB
 from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
 from lengthwise.plan.schedules import make_schedule
 from lengthwise.plan.validate import memory_overflow
+from lengthwise.sim.inputs import SliceStructure
 from lengthwise.planners.base import (
     PlanRequest,
     positive_int_option,
@@ -75,12 +76,14 @@ from lengthwise.planners.slimpack.cuts import (
     PrefixCost,
     Stream,
     backward_cuts,
-    backward_units_ready,
     check_backward_units,
     forward_chunks,
     forward_cuts,
     micropack_form,
+    materialized,
     place_segments,
+    streams_cuts,
+    streams_pieces,
 )
 from lengthwise.planners.slimpack.dp import RankGroup, assign_ranks, memory_ranks, merge_sizes
 from lengthwise.planners.slimpack.schedule import packflow_schedule
@@ -105,18 +108,16 @@ def flops_models(request: PlanRequest) -> tuple[PrefixCost, PrefixCost]:
 def memory_share_per_token(request: PlanRequest, hold: float) -> float:
     """Share of a stage's free memory (`hold` of capacity, less model states) one token of a sample
     takes while the whole sample is in flight (activations, K/V state and K/V gradients), on the
-    tightest stage."""
+    tightest stage (CostModel.stage_budgets; every pipeline's dp x cp ranks hold a replica)."""
     s, cost = request.scheme, request.cost
     worst = 0.0
-    for stage, n in enumerate(split_layers(request.model.num_layers, s.pp)):
-        first, last = stage == 0, stage == s.pp - 1
-        states = cost.model_state_bytes(layers=n, tp=s.tp, dp=s.dp * s.cp, zero=s.zero, first=first, last=last)
-        free = cost.capacity_bytes * hold - states
+    for b in cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=s.dp * s.cp, zero=s.zero):
+        free = b.capacity * hold - b.states
         if free <= 0:
-            raise UserError(f"stage {stage} model states take {states / GIB:.1f} GiB, more than {hold:.0%} "
-                            f"of the {cost.capacity_bytes / GIB:.1f} GiB usable: raise --tp/--pp or the ZeRO stage")
-        per_token = (cost.activation_bytes_per_token(layers=n, tp=s.tp, head=last)
-                     + 2 * cost.kv_bytes(1, layers=n, tp=s.tp))
+            raise UserError(f"stage {b.stage} model states take {b.states / GIB:.1f} GiB, more than {hold:.0%} "
+                            f"of the {b.capacity / GIB:.1f} GiB usable: raise --tp/--pp or the ZeRO stage")
+        # K/V by the cost model's kv_bytes, which a measured profile may override
+        per_token = b.activation_per_token + 2 * cost.kv_bytes(1, layers=b.layers, tp=s.tp)
         worst = max(worst, per_token / free)
     return worst
 
@@ -157,25 +158,59 @@ def build_pipeline(request: PlanRequest, group: RankGroup, count: int, models, f
     """Phase 2, asymmetric partitioning and the PackFlow schedule for one pipeline (`check`:
     check_backward_units on it, the sweep checks only the pipelines it keeps; `prepared`:
     prepare_stream's result for this group, shared by the sweep's counts)."""
+    return build_candidate(request, group, count, models, flops, asymmetric, lean, check=check,
+                           prepared=prepared)[0]
+
+
+def build_candidate(request: PlanRequest, group: RankGroup, count: int, models, flops: np.ndarray,
+                    asymmetric: bool, lean: bool = False, *, check: bool = True,
+                    prepared: tuple[Stream, dict] | None = None) -> tuple[PipelinePlan, SliceStructure | None]:
+    """build_pipeline, and the pipeline's SliceStructure for the simulator (None where it is
+    left to the simulator: without asymmetric partitioning, or with an empty MicroPack)."""
+    pipe, known = build_candidates(request, [group], count, models, flops, asymmetric, lean, check=check,
+                                   prepared=[prepared or prepare_stream(request, group, flops)])[0]
+    return materialize(pipe), known
+
+
+def materialize(pipe: PipelinePlan) -> PipelinePlan:
+    """The pipeline with plain lists of chunks (build_candidates leaves them LazyChunks)."""
+    pipe.chunks = materialized(pipe.chunks)
+    if pipe.backward_chunks is not None:
+        pipe.backward_chunks = materialized(pipe.backward_chunks)
+    return pipe
+
+
+def build_candidates(request: PlanRequest, groups: list[RankGroup], count: int, models, flops: np.ndarray,
+                     asymmetric: bool, lean: bool = False, *, check: bool = True,
+                     prepared: list[tuple[Stream, dict]]) -> list[tuple[PipelinePlan, SliceStructure | None]]:
+    """build_candidate of every group at one count, the MicroPacks of all of them cut at once
+    (cuts.streams_pieces); their chunks may be LazyChunks, made on first use (`materialize`)."""
     gf, gb = models
     s = request.scheme
-    stream, made = prepared or prepare_stream(request, group, flops)
-    count = max(1, min(count, stream.total_tokens))
-    fcuts = forward_cuts(stream, gf, count)
-    chunks = forward_chunks(stream, fcuts, made)
-    rank_of = cp_placement(chunks, group, gf)
-    chunks = place_segments(chunks, rank_of)
-    cp = group.ranks
+    streams = [stream for stream, _ in prepared]
+    counts = [max(1, min(count, stream.total_tokens)) for stream in streams]
+    memo = [made for _, made in prepared]
+    fcuts = streams_cuts(streams, gf, counts, backward=False, memo=memo)
     if not asymmetric:
-        return PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, s.pp), tp=s.tp, cp=cp,
-                            schedule="1f1b")
-    units, ready = backward_units_ready(stream, backward_cuts(stream, gb, count), fcuts, made)
-    units = place_segments(units, rank_of)
-    if check:
-        check_backward_units(chunks, units)
-    stages = packflow_schedule(chunks, units, s.pp, lean=lean, ready=ready)
-    return PipelinePlan(chunks=chunks, stages=stages, tp=s.tp,
-                        cp=cp, backward_chunks=units, schedule="packflow-1f1b" + ("-lean" if lean else ""))
+        out = []
+        for group, (stream, made), fc in zip(groups, prepared, fcuts):
+            chunks = forward_chunks(stream, fc, made)
+            chunks = place_segments(chunks, cp_placement(chunks, group, gf))
+            out.append((PipelinePlan(chunks=chunks, stages=make_schedule("1f1b", chunks, s.pp), tp=s.tp,
+                                     cp=group.ranks, schedule="1f1b"), None))
+        return out
+    bcuts = streams_cuts(streams, gb, counts, backward=True, memo=memo)
+    out = []
+    for group, (chunks, units, ready, known) in zip(groups, streams_pieces(streams, fcuts, bcuts,
+                                                                          [made for _, made in prepared])):
+        rank_of = cp_placement(chunks, group, gf)
+        chunks, units = place_segments(chunks, rank_of), place_segments(units, rank_of)
+        if check:
+            check_backward_units(chunks, units)
+        stages = packflow_schedule(chunks, units, s.pp, lean=lean, ready=ready)
+        out.append((PipelinePlan(chunks=chunks, stages=stages, tp=s.tp, cp=group.ranks, backward_chunks=units,
+                                 schedule="packflow-1f1b" + ("-lean" if lean else "")), known))
+    return out
 
 
 def fitting_pipeline(request: PlanRequest, p: int, group: RankGroup, count: int, models, flops: np.ndarray,
@@ -205,12 +240,9 @@ def min_fitting_count(request: PlanRequest, tokens: int, cp: int, pipelines: int
     taking its activations on the tightest stage (K/V context only adds)."""
     s, cost = request.scheme, request.cost
     most = float("inf")  # tokens one rank can hold beside its model states
-    for stage, n in enumerate(split_layers(request.model.num_layers, s.pp)):
-        first, last = stage == 0, stage == s.pp - 1
-        free = cost.capacity_bytes - cost.model_state_bytes(layers=n, tp=s.tp, dp=pipelines * s.cp, zero=s.zero,
-                                                             first=first, last=last)
-        per_token = cost.activation_bytes_per_token(layers=n, tp=s.tp, head=last)
-        most = min(most, free / per_token if per_token > 0 else float("inf"))
+    for b in cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=pipelines * s.cp, zero=s.zero):
+        per_token = b.activation_per_token
+        most = min(most, b.free / per_token if per_token > 0 else float("inf"))
     if most <= 0:
         return 1  # nothing fits: fitting_pipeline reports the overflow
     return max(1, math.floor(tokens / (cp * most)))
@@ -239,10 +271,18 @@ def micropack_metrics(request: PlanRequest, pipes: list[PipelinePlan], models) -
     cost, layers = request.cost, request.model.num_layers
     memo: dict = {}
 
+    standard = all(getattr(type(cost), name) is getattr(CostModel, name)
+                   for name in ("forward_time", "backward_time", "works_time"))
+
     def seconds(fn, chunks: list[Chunk], tp: int, cp: int) -> list[float]:
         # without CP a chunk's time depends only on its work (tokens, pairs): shared by equal chunks
         if cp > 1:
             return [fn(c, layers=layers, tp=tp, cp=cp, head=True) for c in chunks]
+        if standard:  # CostModel.works_time: the scalar path's arithmetic elementwise, the same floats
+            works = [chunk_work(c) for c in chunks]
+            out = cost.works_time([w.tokens for w in works], [w.keys for w in works], layers=layers, tp=tp,
+                                  head=True, backward=fn.__name__ == "backward_time")
+            return (out + 0.0).tolist()  # backward_time adds its (zero) recompute; no-op forward
         out = []
         for c in chunks:
             key = (fn.__name__, tp, work_key(c))
@@ -252,8 +292,22 @@ def micropack_metrics(request: PlanRequest, pipes: list[PipelinePlan], models) -
             out.append(v)
         return out
 
-    fwd_t = [seconds(cost.forward_time, p.chunks, p.tp, p.cp) for p in pipes]
-    bwd_t = [seconds(cost.backward_time, p.bwd_units, p.tp, p.cp) for p in pipes]
+    def all_seconds(fn, lists: list[list[Chunk]]) -> list[list[float]]:
+        """seconds of every pipeline's list; without CP, one works_time call per tp for all."""
+        out: list = [None] * len(pipes)
+        if standard:
+            for tp in {p.tp for p in pipes if p.cp == 1}:
+                mine = [i for i, p in enumerate(pipes) if p.cp == 1 and p.tp == tp]
+                works = [chunk_work(c) for i in mine for c in lists[i]]
+                each = (cost.works_time([w.tokens for w in works], [w.keys for w in works], layers=layers, tp=tp,
+                                        head=True, backward=fn.__name__ == "backward_time") + 0.0).tolist()
+                bounds = np.cumsum([0] + [len(lists[i]) for i in mine]).tolist()
+                for k, i in enumerate(mine):
+                    out[i] = each[bounds[k]:bounds[k + 1]]
+        return [o if o is not None else seconds(fn, lists[i], pipes[i].tp, pipes[i].cp) for i, o in enumerate(out)]
+
+    fwd_t = all_seconds(cost.forward_time, [p.chunks for p in pipes])
+    bwd_t = all_seconds(cost.backward_time, [p.bwd_units for p in pipes])
     tokens = [[c.num_tokens for c in p.chunks] for p in pipes]
     forms = [micropack_form(c, request.lengths) for p in pipes for c in p.chunks]
 

@@ -20,18 +20,31 @@ usually stops after 3-9):
   LPT, about O(n log P)); with merged outliers the weighted LPT keeps a heap per merged-group
   size, O(n R log P) for R distinct sizes; a memory outlier left without ranks scans the merged
   groups (O(outliers x groups), only once the ranks run out).
-- Per pipeline, once per sweep: its stream (sort, O(S log S) for its S samples). Per pipeline and
-  count: cuts in numpy, O(S + N); MicroPacks and backward units by one pointer walk over the
-  stream, O(S + N) segments (each backward segment finds its forward MicroPack by bisection,
-  O(log N)), which also yields the PackFlow readiness; the schedule O(pp (N + units)).
+- Per pipeline, once per sweep: its stream (sort, O(S log S) for its S samples) and its
+  whole-sample FLOPs prefix sums. Per count, every pipeline at once (build.build_candidates):
+  the cuts by numpy over all streams (cuts.streams_cuts; only the search for the sample a
+  target lands in runs stream by stream), then MicroPacks and backward units by numpy over the
+  streams laid end to end (cuts.streams_pieces: sorting the n + P N sample and cut positions
+  into elementary intervals, each one segment, O((n + P N) log(n + P N))), which also yields
+  the PackFlow readiness, the slice dependencies and the split sequences the simulator needs
+  (a SliceStructure per pipeline); the PackFlow schedule of all stages of a pipeline by numpy,
+  O(pp (N + units)). The Segment and Chunk objects of a candidate are made only for the
+  pipelines that keep it (LazyChunks): the simulator reads the SliceStructure instead.
 - The simulation of every candidate (§4.1.2 "each of them is evaluated by a high-fidelity
   simulator", §5.1): O(n + P N pp) actions and segments per candidate, with the simulator's
-  per-action constant. This is what the paper forces: C full-plan simulations, so planning is
-  C times linear in the plan's size (n segments, P N MicroPacks), not better; it dominates every
-  case of benchmarks/bench_planning_scale.py. A plan whose pipelines keep different counts is
-  not simulated again: its step time is composed exactly from the candidates' per-pipeline
-  results (composed_step_time). A fixed `num_micropacks` skips the sweep (one build per pipeline,
-  plus the memory check of fitting_pipeline).
+  per-action constant (its task graph per distinct pipeline shape, its memory events for all
+  pipelines at once). This is what the paper forces: C full-plan simulations, so planning is
+  C times linear in the plan's size (n segments, P N MicroPacks), not better; the task graphs
+  of the pipelines (pure Python, one per distinct schedule and dependency shape) are now the
+  largest single item in benchmarks/bench_planning_scale.py. A plan whose pipelines keep
+  different counts is not simulated again: its step time is composed exactly from the
+  candidates' per-pipeline results (composed_step_time). A fixed `num_micropacks` skips the
+  sweep (one build per pipeline, plus the memory check of fitting_pipeline).
+
+Measured (benchmarks/bench_planning_scale.py, qwen2.5-7b pp 4, 32,768 sequences, CPU seconds,
+alternating runs on a shared 2-core machine at load 2-3, the same plans): 64 GPUs 0.73 s (1.82 s
+before the pipelines of a count were cut and simulated together), 1024 GPUs 2.13 s (4.2-4.4 s),
+4096 GPUs 2.3 s (5.0-5.3 s).
 """
 
 from __future__ import annotations
@@ -48,8 +61,9 @@ from lengthwise.planners.base import PlanRequest, check_lengths, finish_plan
 from lengthwise.planners.slimpack.build import (
     HOLD_SHARES,
     bare_plan,
-    build_pipeline,
+    build_candidates,
     fitting_pipeline,
+    materialize,
     flops_models,
     merge_metrics,
     micropack_metrics,
@@ -113,7 +127,7 @@ def sweep(request: PlanRequest, groups, models, flops, opts) -> tuple[list[Pipel
         if all(any(c["peak"][p] <= capacity for c in candidates) for p in range(len(groups))):
             break
     chosen = choose_per_pipeline(candidates, capacity)
-    pipes = [candidates[k]["pipelines"][p] for p, k in enumerate(chosen)]
+    pipes = [materialize(candidates[k]["pipelines"][p]) for p, k in enumerate(chosen)]
     for p, pipe in enumerate(pipes):
         check_backward_units(pipe.chunks, pipe.backward_chunks or pipe.chunks, where=f"pipeline {p}: ")
     if len(set(chosen)) == 1:
@@ -154,9 +168,9 @@ def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asy
     out: list[dict] = []
     prepared = prepared or [prepare_stream(request, g, flops) for g in groups]
     for n in counts:
-        pipes = [build_pipeline(request, g, n, models, flops, asymmetric, lean, check=False, prepared=ready)
-                 for g, ready in zip(groups, prepared)]
-        result = simulate_plan(bare_plan(request, pipes), request.cost)
+        built = build_candidates(request, groups, n, models, flops, asymmetric, lean, check=False, prepared=prepared)
+        pipes = [pipe for pipe, _ in built]
+        result = simulate_plan(bare_plan(request, pipes), request.cost, known=[known for _, known in built])
         out.append({"count": n, "lean": lean, "pipelines": pipes, "makespan": result.pipeline_makespan,
                     "peak": [max(row) for row in result.peak_memory], STEP_TIME_S: result.step_time_s,
                     "fits": bool(result.fits), "ends": stage_ends(result), "sync": result.grad_sync})

@@ -26,6 +26,8 @@ plan --planner slimpack --schedule steady|lean` prints each one's simulated step
 
 from __future__ import annotations
 
+import numpy as np
+
 from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk
 from lengthwise.plan.schedules import dependencies
 
@@ -77,4 +79,29 @@ def packflow_schedule(chunks: list[Chunk], units: list[Chunk], pp: int, *, lean:
     `ready`: forwards_needed(chunks, units) when the caller knows it already (cuts.backward_units_ready)."""
     if ready is None:
         ready = forwards_needed(chunks, units)
-    return [packflow_stage(len(chunks), ready, warmup=pp - s - 1, lean=lean) for s in range(pp)]
+    if not ready:  # packflow_stage reports a schedule that runs no backward
+        return [packflow_stage(len(chunks), ready, warmup=pp - s - 1, lean=lean) for s in range(pp)]
+    return packflow_stages(len(chunks), ready, pp, lean=lean)
+
+
+def packflow_stages(num_chunks: int, ready: list[int], pp: int, *, lean: bool = False) -> list[list[Action]]:
+    """packflow_stage of every stage at once with numpy. Forwards issued by unit i on a stage
+    with `w` warm-up forwards, a_i = max(w + i + 1, ready_i + w) capped at the chunk count C:
+    steady issues max(a_i, issued_{i-1} + 1), so issued_i = min(C, i + max_{j<=i} (a_j - j));
+    lean issues a_i, so issued_i = max_{j<=i} min(C, a_j). Unit i's backward follows them, at
+    position issued_i + i of the stage."""
+    C, U = num_chunks, len(ready)
+    i = np.arange(U)
+    w = (pp - 1 - np.arange(pp))[:, None]
+    a = np.maximum(w + i + 1, np.asarray(ready, dtype=np.int64) + w)
+    if lean:
+        issued = np.maximum.accumulate(np.minimum(a, C), axis=1)
+    else:
+        issued = np.minimum(C, i + np.maximum.accumulate(a - i, axis=1))
+    assert (issued[:, -1] == C).all(), "every forward MicroPack must be read by some backward unit"
+    is_b = np.zeros((pp, C + U), dtype=bool)
+    is_b[np.arange(pp)[:, None], issued + i] = True
+    index = np.where(is_b, C + np.cumsum(is_b, axis=1) - 1, np.cumsum(~is_b, axis=1) - 1)
+    actions = np.empty(C + U, dtype=object)
+    actions[:C], actions[C:] = _actions(FORWARD, C)[:C], _actions(BACKWARD, U)[:U]
+    return actions[index].tolist()
