@@ -65,6 +65,10 @@ SCENARIOS = {
     "llama70b-256-hydraulis": Scenario(model="llama-70b", cluster="h100", profile="commoncrawl",
                                        planner="hydraulis", context_length=131072, batch_size=512,
                                        scheme={"dp": 8, "tp": 8, "pp": 4}),
+    # Hydraulis' own setting: LLaMA-32B on 64 A800s at 32K context, a batch of ~200K tokens
+    # (144 sequences: 196,113 tokens at seed 0); the scheme only sizes the cluster
+    "llama32b-64-hydraulis": Scenario(model="llama-32b", cluster="a800", profile="commoncrawl", planner="hydraulis",
+                                      context_length=32768, batch_size=144, scheme={"dp": 4, "tp": 8, "pp": 2}),
 }
 
 

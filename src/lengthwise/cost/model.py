@@ -253,6 +253,49 @@ class CostModel:
         params = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
         return params * mem.state_bytes_per_param(dp, zero)
 
+    def hetero_state_bytes(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False,
+                           world: int = 1) -> float:
+        """Model-state bytes one GPU of a heterogeneous plan holds, as the executor lays them out
+        (`runtime/train/dist_hetero.py`, `runtime/parallel/hetero.py`): its stage's weights in
+        the run's dtype (bf16, 2 bytes per held parameter), their gradients in the same dtype
+        (2: autograd accumulates them in the parameters' bf16 and they stay local, unsummed,
+        until the push), and for 1/world of the WHOLE model's parameters (round-robin elements
+        rank, rank + world, ...) the fp32 master weights and AdamW's two moments (12), whatever
+        stage the GPU runs. Not counted: the exchange's int64 index maps, which the executor
+        also keeps (8 bytes per held element and per element it owns of what every GPU holds:
+        `lengthwise dryrun` reports them as "other"), and the push's and pull's transient
+        buffers at the step's end."""
+        held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
+        return held * 2 * mem.BYTES_BF16 + mem.OPTIMIZER_BYTES_PER_PARAM * self.model.num_params / world
+
+    def exchange_transient_bytes(self, *, held: float, received: float, world: int = 1) -> float:
+        """Largest working set of a heterogeneous plan's step end beyond `hetero_state_bytes`
+        (`train/dist_hetero.py`; activations are freed by then): a GPU holding `held` parameter
+        elements and receiving, as owner, `received` (about every GPU's held elements / world),
+        with a master shard of s = whole-model parameters / world. The push holds the flattened
+        bf16 gradients and their owner-ordered copy (4 bytes per held element), the received
+        bf16 slices and their fp32 upcast (6 per received) and the fp32 summed shard (4s); the
+        gradient norm squares a float64 copy of the shard (4s + 16s); the pull gathers the fp32
+        masters it owns and casts them to bf16 (6 per received) beside the shard, then receives
+        and reorders the bf16 weights (4 per held)."""
+        shard = self.model.num_params / world
+        push = 4 * held + 6 * received + 4 * shard
+        norm = 20 * shard
+        pull = 4 * shard + max(6 * received, 2 * received + 4 * held)
+        return max(push, norm, pull)
+
+    def exchange_sent_bytes(self, *, held: float, held_by_all: float, world: int) -> float:
+        """Bytes one GPU hands to the exchange's two all-to-alls in a step, less what it sends
+        itself, for a GPU holding `held` parameter elements when all `world` GPUs hold
+        `held_by_all` together: on the push its bf16 gradients but the 1/world it owns; on the
+        pull, as owner, the bf16 weights it owns of what every other GPU holds,
+        (held_by_all - held) / world. Exact when every held shard's row width is a multiple of
+        `world`, within a few elements per shard row otherwise. (`exchange_bytes` counts
+        instead what passes the GPU's link, sent on the push and received on the pull.)"""
+        if world <= 1:
+            return 0.0
+        return (held * (world - 1) / world + (held_by_all - held) / world) * mem.BYTES_BF16
+
     def boundary_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
         # Hidden states between stages, scattered over tp with sequence parallelism.
         return chunk.row_tokens / cp * self.model.hidden * mem.BYTES_BF16 / tp
@@ -278,11 +321,12 @@ class CostModel:
 
     def exchange_bytes(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False,
                        world: int = 1) -> float:
-        """Bytes one GPU of a stage sends in a heterogeneous plan's optimisation-propagation
-        exchange (runtime/parallel/hetero.py): the master state is dealt round-robin over all
-        `world` GPUs, so the GPU owns 1/world of the bf16 weights it holds and pulls the rest,
-        then pushes its bf16 gradients of that rest back: twice (world - 1) / world of its held
-        bytes, one all-to-all each way."""
+        """Bytes that pass one GPU of a stage's link in a heterogeneous plan's
+        optimisation-propagation exchange (runtime/parallel/hetero.py): the master state is
+        dealt round-robin over all `world` GPUs, so the GPU owns 1/world of the bf16 weights it
+        holds and pulls (receives) the rest, then pushes (sends) its bf16 gradients of that
+        rest back: twice (world - 1) / world of its held bytes, one all-to-all each way. (What
+        it sends on the pull, as owner, is `exchange_sent_bytes`' other half.)"""
         if world <= 1:
             return 0.0
         held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.BYTES_BF16

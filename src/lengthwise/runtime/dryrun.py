@@ -30,7 +30,11 @@ once. What the executor allocates and computes is then observed with PyTorch's o
 The step runs as the distributed executor runs it (`run_rank_step`): this rank's stage built
 alone (`parallel.build.build_rank_model`: tensor parallelism, FSDP2 over dp x cp with fp32
 master weights and compute in the run's dtype), its actions, the gradient reduction, then an
-AdamW step whose states exist already (steady state). A value the executor would read back
+AdamW step whose states exist already (steady state). A heterogeneous plan (pipelines of other
+tp x pp x cp, Hydraulis) runs as `train/dist_hetero.py` runs it instead: the stage in the run's
+dtype without FSDP2, its gradients left local, then the push of the bf16 gradients to the owners
+of the round-robin fp32 master shard, AdamW on that shard and the pull of the bf16 weights
+(`_HeteroOptimisation`: the exchange's tensors at their sizes, its maps under "other"). A value the executor would read back
 from the device (a loss to print) does not exist under fake tensors, so the loss is not formed.
 """
 
@@ -42,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
@@ -55,6 +59,7 @@ from lengthwise.runtime.distributed.step import run_rank_step
 from lengthwise.runtime.layout import clear_bias_cache
 from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
+from lengthwise.sim.inputs import heterogeneous
 
 MEMORY_CATEGORIES = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients",
                      "Optstate": "optimizer", "Activation": "activations", "Temp": "temporaries",
@@ -64,7 +69,7 @@ MEMORY_CATEGORIES = {"Parameter": "parameters", "Buffer": "parameters", "Gradien
 MASTER_DTYPE = torch.float32
 """Weights and optimizer states are kept in fp32 (master weights); FSDP2 computes in the run's dtype."""
 
-COMM_KINDS = {"send": "send", "allreduce_": "all_reduce", "allgather_": "all_gather",
+COMM_KINDS = {"send": "send", "alltoall_base_": "all_to_all", "allreduce_": "all_reduce", "allgather_": "all_gather",
               "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
               "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
               "reduce_scatter_tensor_coalesced_": "reduce_scatter", "broadcast_": "broadcast"}
@@ -101,20 +106,33 @@ def dryrun_rank(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat1
     started = time.perf_counter()
     clear_bias_cache()  # cached masks are real tensors or another run's fake ones
     _forget_sharding_propagation()
+    hetero = heterogeneous(plan)
     with fake_world(rank, world_size), FakeTensorMode(allow_non_fake_inputs=True):
         mesh = Mesh.from_default_group(timeout_s=60)
-        model = build_rank_model(plan, mesh, dtype=MASTER_DTYPE, fake=True,
-                                 options=ParallelOptions(param_dtype=dtype if _sharded(plan) else None,
-                                                         sequence_parallel=sequence_parallel))
-        optimizer = _optimizer_in_steady_state(model)
+        if hetero:  # the propagation part in the run's dtype; the optimisation part apart
+            model = build_rank_model(plan, mesh, dtype=dtype, fake=True,
+                                     options=ParallelOptions(data_parallel="replicate",
+                                                             sequence_parallel=sequence_parallel))
+            exchange = _HeteroOptimisation(model, plan, mesh)
+            optimizer = exchange.optimizer
+        else:
+            model = build_rank_model(plan, mesh, dtype=MASTER_DTYPE, fake=True,
+                                     options=ParallelOptions(param_dtype=dtype if _sharded(plan) else None,
+                                                             sequence_parallel=sequence_parallel))
+            optimizer = _optimizer_in_steady_state(model)
         tokens = [torch.randint(0, plan.model.vocab, (n,)) for n in plan.lengths]
         memory, comm = _StorageTracker(), CommBytes()
         memory.track_params(model)
         memory.track_external(optimizer)
+        if hetero:
+            exchange.track(memory)
         flops = LocalFlopCounter(display=False, custom_mapping=cpu_flash_flop_formulas())
         with memory, flops, comm, _shape_propagation_unobserved():
-            run_rank_step(model, plan, tokens, mesh=mesh, backend=backend, dry=True)
-            optimizer.step()
+            run_rank_step(model, plan, tokens, mesh=mesh, backend=backend, dry=True, reduce_grads=not hetero)
+            if hetero:
+                exchange.step()
+            else:
+                optimizer.step()
         peak = _peak_by_category(memory)
     clear_bias_cache()
     _forget_sharding_propagation()
@@ -127,6 +145,101 @@ def _sharded(plan: StepPlan) -> bool:
     """Whether the executor runs FSDP2 for this plan (then compute is in the run's dtype over
     fp32 master weights); otherwise parameters are kept in fp32 and computed in fp32."""
     return plan.zero > 0 and len({(p.pp, p.tp, p.cp) for p in plan.pipelines}) == 1
+
+
+class _HeteroOptimisation:
+    """The optimisation part of a heterogeneous plan's rank as `train/dist_hetero.py` keeps it,
+    at its exact sizes, and its step: push, AdamW on the owned shard, pull.
+
+    The executor's `parallel/hetero.HeteroExchange` cannot run here: its maps are built from
+    every rank's holdings (an all-gather of Python objects, which the fake process group does
+    not carry) and from real index values. So its tensors are allocated at their sizes instead:
+    the fp32 master shard (elements rank, rank + W, ... of every flattened parameter of the
+    whole model) with AdamW's two moments per parameter view, in steady state; the int64 maps
+    (`local_perm`, one per held element, and `owner_pos`, one per element this rank owns of
+    what every rank holds, `sim.rank.held_by_all` / W: exact up to a few elements per shard
+    row), tracked as "other". Each all-to-all carries the executor's total, dealt evenly over
+    the ranks (the executor's split depends on the other ranks' holdings; what this rank keeps
+    for itself, its own 1/W, differs by a few elements per shard row). As in the executor, the
+    gradients travel in the run's dtype and are summed and stepped in fp32; AdamW runs without
+    foreach, as the other dry runs' optimizers (a GPU's foreach AdamW would add transients of
+    the shard's size). Clipping scales the shard in place (no allocation) and is left out."""
+
+    def __init__(self, model: CausalLM, plan: StepPlan, mesh: Mesh) -> None:
+        from lengthwise.runtime.distributed.dp import held_parameters
+        from lengthwise.runtime.model import StagePart, meta_model
+        from lengthwise.sim.rank import held_by_all
+
+        W, rank = mesh.world_size, mesh.rank
+        with unset_fake_temporarily():
+            whole = {n: p.shape for n, p in meta_model(plan.model, part=StagePart.whole(plan.model)).named_parameters()}
+        owned = {n: max(0, (shape.numel() - rank + W - 1) // W) for n, shape in whole.items()}
+        self.world, self.rank = W, rank
+        self.params = held_parameters(model, plan, mesh.layout(plan).place)
+        self.held = sum(_local(p).numel() for p in self.params.values())
+        self.received = int(held_by_all(plan)) // W  # elements every rank holds that this rank owns
+        self.master = torch.empty(sum(owned.values()), dtype=MASTER_DTYPE)
+        self.views, start = {}, 0
+        for name, k in owned.items():
+            self.views[name] = torch.nn.Parameter(self.master[start:start + k])
+            start += k
+        matrices = [v for n, v in self.views.items() if len(whole[n]) >= 2]
+        vectors = [v for n, v in self.views.items() if len(whole[n]) < 2]
+        self.optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},
+                                            {"params": vectors, "weight_decay": 0.0}], lr=1e-4, foreach=False)
+        for view in self.views.values():
+            self.optimizer.state[view] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(view),
+                                          "exp_avg_sq": torch.zeros_like(view)}
+        self.local_perm = torch.zeros(self.held, dtype=torch.int64)
+        self.owner_pos = torch.zeros(self.received, dtype=torch.int64)
+
+    def track(self, tracker: MemTracker) -> None:
+        from torch.distributed._tools.mem_tracker import _MemRefType
+
+        tracker._update_and_maybe_create_winfos(self.master, _MemRefType.OPT)  # the views' storage
+        tracker.track_external(self.local_perm, self.owner_pos)
+
+    def _even(self, n: int) -> list[int]:
+        return [n // self.world + (1 if j < n % self.world else 0) for j in range(self.world)]
+
+    def step(self) -> None:
+        """`HeteroRankExecutor.step` after the actions."""
+        # push (`HeteroReducer.local_grads`, `HeteroExchange.push`)
+        flat = torch.cat([_local(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.params.values()])
+        send = flat[self.local_perm]
+        recv = torch.empty(self.received, dtype=send.dtype)
+        dist.all_to_all_single(recv, send, output_split_sizes=self._even(self.received),
+                               input_split_sizes=self._even(self.held))
+        grad = torch.zeros(self.master.numel(), dtype=MASTER_DTYPE)
+        grad.index_add_(0, self.owner_pos, recv.to(MASTER_DTYPE))
+        del flat, send, recv  # the executor's push returns
+        squares = grad.double().pow(2).sum().reshape(1)
+        dist.all_reduce(squares)
+        start = 0
+        for view in self.views.values():
+            view.grad = grad[start:start + view.numel()]
+            start += view.numel()
+        self.optimizer.step()
+        # pull (`HeteroExchange.pull`, `HeteroReducer.load_values`)
+        dtype = next(iter(self.params.values())).dtype
+        send = self.master[self.owner_pos].to(dtype)
+        recv = torch.empty(self.held, dtype=dtype)
+        dist.all_to_all_single(recv, send, output_split_sizes=self._even(self.held),
+                               input_split_sizes=self._even(self.received))
+        out = torch.empty(self.held, dtype=dtype)
+        out[self.local_perm] = recv
+        del send, recv  # the executor's pull returns
+        start = 0
+        with torch.no_grad():
+            for p in self.params.values():
+                target = _local(p)
+                target.copy_(out[start:start + target.numel()].view_as(target))
+                start += target.numel()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _optimizer_in_steady_state(model: CausalLM) -> torch.optim.Optimizer:
@@ -298,6 +411,10 @@ def _sent_bytes(kind: str, args) -> int:
     share for an all-gather; its whole input for a reduce-scatter."""
     if kind in ("all_gather", "reduce_scatter"):
         return _nbytes(args[1])
+    if kind == "all_to_all":  # (output, input, group, output splits, input splits): what leaves the rank
+        send, group = args[1], dist.ProcessGroup.unbox(args[2])
+        own = args[4][group.rank()] if args[4] else send.numel() // group.size()
+        return (send.numel() - own) * send.element_size()
     return _nbytes(args[0])
 
 

@@ -407,8 +407,12 @@ class _PipelineCosts:
                             for q, n in seqs}
             kv.append(kv_of[L])
             kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
-            state.append(self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero,
-                                      layers=L).states)
+            if heterogeneous(self.plan):  # bf16 stage weights and gradients, 1/W of the masters and moments
+                state.append(self._shared(cm.hetero_state_bytes, layers=L, tp=pipe.tp, first=s == 0, last=head,
+                                          world=sum(q.num_gpus for q in self.plan.pipelines)))
+            else:
+                state.append(self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero,
+                                          layers=L).states)
         return MemorySizes(state=state, activation=act, recompute_extra=extra, nograd_transient=transient,
                            kv=kv, kv_grad=kv_grad, backward_work=work)
 

@@ -25,6 +25,11 @@
   layers an `F.rN` recomputes gather and scatter again. `tp_all_reduce`: the
   sequence-parallel norms' partial weight gradients summed over TP once a step, in fp32. (The
   executor pads a row to a multiple of tp; those at most tp - 1 rows are not counted.)
+  Heterogeneous plans (`runtime/train/dist_hetero.py`): `all_to_all` the push of bf16 gradients
+  and the pull of bf16 weights (`CostModel.exchange_sent_bytes`), `all_reduce` the gradient
+  norm's one fp64 value, `tp_all_reduce` in bf16 (the stage's own dtype), no reduce-scatter.
+  Their peak is the larger of the simulator's and the step end's (`step_end_bytes`).
+  Not counted anywhere yet: the reduce-scatter of K/V gradients over CP in backward.
 
 Ranks are numbered as the executor lays them out (`runtime/distributed/mesh.py`): pipeline by
 pipeline, stage by stage, CP rank innermost.
@@ -43,6 +48,8 @@ from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, SHARDED, StepP
 ELEMENT_BYTES = 2
 """The cost model counts activations, weights and K/V in 16-bit elements; gradients are reduced
 in fp32 (`MixedPrecisionPolicy(reduce_dtype=float32)`, `cost.memory.GRAD_BYTES_PER_PARAM`)."""
+NORM_REDUCE_BYTES = 8
+"""A heterogeneous plan's executor all-reduces the square of the gradient norm, one fp64 value."""
 LOSS_REDUCE_BYTES = 12
 """Per token, the vocabulary-parallel loss all-reduces three fp32 values over TP."""
 
@@ -77,7 +84,8 @@ def rank_prediction(plan: StepPlan, cost: CostModel, *, rank: int, peak_memory: 
     """Predictions for `rank`; `peak_memory` is the simulator's [pipeline][stage] peak
     (`simulate_plan(plan, cost).peak_memory`), computed once for all ranks."""
     place = rank_places(plan)[rank]
-    return RankPrediction(rank=rank, place=place, peak_memory_bytes=peak_memory[place.pipeline][place.stage],
+    return RankPrediction(rank=rank, place=place, peak_memory_bytes=max(peak_memory[place.pipeline][place.stage],
+                                                                         step_end_bytes(plan, cost, place)),
                           flops=stage_flops(plan, cost, place), comm_bytes=stage_comm_bytes(plan, cost, place))
 
 
@@ -119,6 +127,16 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
     loss = sum(LOSS_REDUCE_BYTES * _rank_tokens(pipe, a, place) for a in pipe.stages[place.stage]
                if a.kind == FORWARD) if last and pipe.tp > 1 else 0.0
     tp = tp_comm_bytes(plan, cost, place)
+    if len({(p.tp, p.pp, p.cp) for p in plan.pipelines}) > 1:
+        # heterogeneous pipelines (runtime/train/dist_hetero.py): bf16 gradients and weights
+        # exchanged with the round-robin owners, one all-to-all each way, and one fp64 all-reduce
+        # of the gradient norm's square; the TP norms' partial gradients are summed in bf16
+        world = sum(p.num_gpus for p in plan.pipelines)
+        exchange = cost.exchange_sent_bytes(held=params, held_by_all=held_by_all(plan), world=world)
+        if tp:
+            tp["tp_all_reduce"] *= ELEMENT_BYTES / GRAD_BYTES_PER_PARAM
+        return {"send": send, "all_reduce": loss + NORM_REDUCE_BYTES, "all_gather": gathered, "reduce_scatter": 0.0,
+                "all_to_all": exchange, **tp}
     if fsdp_sharded(plan):
         # FSDP2 (runtime/parallel/fsdp.py): the unsharded gradients go to one reduce-scatter in
         # fp32 at the stage's last backward; the bf16 compute copy of the weights is gathered
@@ -130,6 +148,28 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
                 "all_gather": gathered + gathers * params / replicas * ELEMENT_BYTES, **tp}
     return {"send": send, "all_reduce": (grads if replicas > 1 else 0.0) + loss, "all_gather": gathered,
             "reduce_scatter": 0.0, **tp}
+
+
+def step_end_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> float:
+    """Bytes a rank of a heterogeneous plan holds at its step end, after every activation is
+    freed: its model states and the exchange's working set (`CostModel.exchange_transient_bytes`),
+    which the simulator's timeline does not carry. 0 for other plans."""
+    if len({(p.tp, p.pp, p.cp) for p in plan.pipelines}) <= 1:
+        return 0.0
+    pipe = plan.pipelines[place.pipeline]
+    layers = pipe.stage_layers(plan.model.num_layers)[place.stage]
+    first, last = place.stage == 0, place.stage == pipe.pp - 1
+    world = sum(p.num_gpus for p in plan.pipelines)
+    held = stage_params(plan.model, layers=layers, tp=pipe.tp, first=first, last=last)
+    states = cost.hetero_state_bytes(layers=layers, tp=pipe.tp, first=first, last=last, world=world)
+    return states + cost.exchange_transient_bytes(held=held, received=held_by_all(plan) / world, world=world)
+
+
+def held_by_all(plan: StepPlan) -> float:
+    """Parameter elements every GPU of the plan holds together (each TP rank its shards and
+    whole norms, every CP rank the whole stage)."""
+    return sum(p.cp * p.tp * stage_params(plan.model, layers=n, tp=p.tp, first=s == 0, last=s == p.pp - 1)
+               for p in plan.pipelines for s, n in enumerate(p.stage_layers(plan.model.num_layers)))
 
 
 def tp_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[str, float]:

@@ -79,7 +79,8 @@ def build_rank_model(plan: StepPlan, mesh: Mesh, *, dtype: torch.dtype = torch.f
         if odd:  # the exchange maps one layout onto another: a padded vocabulary has no counterpart
             raise UserError(f"heterogeneous pipelines need every tp to divide the vocabulary: {plan.model.name} "
                             f"has {plan.model.vocab} tokens, which tp {', '.join(map(str, odd))} does not divide")
-        tp_mesh = hetero_tp_mesh(plan, layout, mesh)
+        with unset_fake_temporarily() if fake else contextlib.nullcontext():  # its rank table stays real
+            tp_mesh = hetero_tp_mesh(plan, layout, mesh)
     mesh.device_mesh = device_mesh
     mesh.compute_dtype = None
     sharded = device_mesh is not None and options.data_parallel == "fsdp" and plan.zero > 0

@@ -228,12 +228,16 @@ class HeteroExchange:
 
     def push(self, local_grads: torch.Tensor, dtype=None) -> torch.Tensor:
         """Sum every rank's gradient slices into the owners' shards; returns this rank's
-        summed gradient shard (laid out like `master`)."""
+        summed gradient shard (laid out like `master`), summed in `dtype`. The slices travel in
+        their own dtype when `dtype` holds every value of it exactly (bf16 gradients summed in
+        fp32: half the bytes of upcasting before the send, the same sums bit for bit)."""
         dtype = dtype or (self.master.dtype if self.master is not None else local_grads.dtype)
-        send = local_grads.reshape(-1)[self.local_perm].to(dtype)
+        send = local_grads.reshape(-1)[self.local_perm]
+        if torch.promote_types(send.dtype, dtype) != dtype:
+            send = send.to(dtype)
         recv = self._all_to_all(send, self.local_counts, self.owner_counts)
         grad = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
-        grad.index_add_(0, self.owner_pos, recv)
+        grad.index_add_(0, self.owner_pos, recv.to(dtype))
         return grad
 
     # ---------------------------------------------------------------- local tensors
