@@ -407,9 +407,9 @@ class _PipelineCosts:
                             for q, n in seqs}
             kv.append(kv_of[L])
             kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
-            if heterogeneous(self.plan):  # bf16 stage weights and gradients, 1/W of the masters and moments
+            if self._heterogeneous():  # bf16 stage weights and gradients, 1/W of the masters and moments
                 state.append(self._shared(cm.hetero_state_bytes, layers=L, tp=pipe.tp, first=s == 0, last=head,
-                                          world=sum(q.num_gpus for q in self.plan.pipelines)))
+                                          world=self.plan.num_gpus))
             else:
                 state.append(self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero,
                                           layers=L).states)
@@ -430,10 +430,13 @@ class _PipelineCosts:
             out.append(v)
         return out
 
-    def _grad_sync(self) -> list[float]:
+    def _heterogeneous(self) -> bool:
         if "heterogeneous" not in self.shared:  # once per plan, not once per pipeline (O(pipelines) each)
             self.shared["heterogeneous"] = heterogeneous(self.plan)
-        if self.shared["heterogeneous"]:
+        return self.shared["heterogeneous"]
+
+    def _grad_sync(self) -> list[float]:
+        if self._heterogeneous():
             # pipelines with other tp x pp x cp: the executor's exchange with the round-robin
             # master state over every GPU (runtime/parallel/hetero.py), no all-reduce
             world = sum(q.num_gpus for q in self.plan.pipelines)
