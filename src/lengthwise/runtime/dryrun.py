@@ -59,6 +59,7 @@ from lengthwise.runtime.distributed.step import run_rank_step
 from lengthwise.runtime.layout import clear_bias_cache
 from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
+from lengthwise.runtime.parallel.hetero import index_dtype
 from lengthwise.sim.inputs import heterogeneous
 
 MEMORY_CATEGORIES = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients",
@@ -155,7 +156,7 @@ class _HeteroOptimisation:
     every rank's holdings (an all-gather of Python objects, which the fake process group does
     not carry) and from real index values. So its tensors are allocated at their sizes instead:
     the fp32 master shard (elements rank, rank + W, ... of every flattened parameter of the
-    whole model) with AdamW's two moments per parameter view, in steady state; the int64 maps
+    whole model) with AdamW's two moments per parameter view, in steady state; the index maps (int32 where they fit, as the executor's)
     (`local_perm`, one per held element, and `owner_pos`, one per element this rank owns of
     what every rank holds, `sim.rank.held_by_all` / W: exact up to a few elements per shard
     row), tracked as "other". Each all-to-all carries the executor's total, dealt evenly over
@@ -190,8 +191,8 @@ class _HeteroOptimisation:
         for view in self.views.values():
             self.optimizer.state[view] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(view),
                                           "exp_avg_sq": torch.zeros_like(view)}
-        self.local_perm = torch.zeros(self.held, dtype=torch.int64)
-        self.owner_pos = torch.zeros(self.received, dtype=torch.int64)
+        self.local_perm = torch.zeros(self.held, dtype=index_dtype(self.held))
+        self.owner_pos = torch.zeros(self.received, dtype=index_dtype(self.received))
 
     def track(self, tracker: MemTracker) -> None:
         from torch.distributed._tools.mem_tracker import _MemRefType

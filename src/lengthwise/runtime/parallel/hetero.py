@@ -134,9 +134,12 @@ class HeteroExchange:
             mine = pos[own == self.rank]  # boolean mask keeps r's local order, = its sort order
             owner_pos.append(mine)
             owner_counts.append(mine.numel())
-        self.owner_pos = torch.cat(owner_pos).to(self.device)
+        # the maps are as long as what the rank holds and owns: int32 where positions fit (half
+        # of int64's memory; PyTorch indexes and index_adds with either)
+        positions = torch.cat(owner_pos)
+        self.owner_pos = positions.to(self.device, index_dtype(int(positions.max()) + 1 if positions.numel() else 0))
         self.owner_counts = owner_counts
-        self.local_perm = self.local_perm.to(self.device)
+        self.local_perm = self.local_perm.to(self.device, index_dtype(self.local_size))
         self.master: torch.Tensor | None = None
         self.bytes_sent = 0
         """Bytes this rank sent to other ranks (self-slices excluded), pulls and pushes."""
@@ -378,6 +381,10 @@ class HeteroReducer:
         ex.master = ex.push(flat, dtype=flat.dtype)
         summed = ex.unflatten_local(ex.pull())
         for n, g in summed.items():
-            grad = self.params[n].grad
             local(self.params[n].grad).copy_(g.view_as(local(self.params[n].grad)))
         return (ex.bytes_sent - before) // flat.element_size()
+
+
+def index_dtype(size: int) -> torch.dtype:
+    """The narrowest index dtype addressing `size` positions: int32 below 2**31, else int64."""
+    return torch.int32 if size < 2**31 else torch.int64
