@@ -364,7 +364,7 @@ class CostModel:
             activation_per_token=self.activation_bytes_per_token(layers=n, tp=tp, head=last),
             recomputed_per_token=self.activation_bytes_per_token(layers=n, tp=tp, head=last, recompute_layers=n),
             remat_per_token=self.recompute_transient_bytes_per_token(tp=tp, recompute_layers=n),
-            kv_per_token=n * mem.kv_bytes_per_token_layer(self.model, tp),
+            kv_per_token=self.kv_bytes(1, layers=n, tp=tp),  # a measured profile's K/V size too
             head_backward_per_token=mem.head_backward_bytes_per_token(self.model, tp) if last else 0.0)
 
     def stage_budgets(self, *, tp: int = 1, pp: int = 1, replicas: int = 1, zero: int = 1) -> list[StageBudget]:
