@@ -261,8 +261,8 @@ class CostModel:
         (2: autograd accumulates them in the parameters' bf16 and they stay local, unsummed,
         until the push), and for 1/world of the WHOLE model's parameters (round-robin elements
         rank, rank + world, ...) the fp32 master weights and AdamW's two moments (12), whatever
-        stage the GPU runs. Not counted: the exchange's int64 index maps, which the executor
-        also keeps (8 bytes per held element and per element it owns of what every GPU holds:
+        stage the GPU runs. Not counted: the exchange's index maps, which the executor also keeps
+        (int32, or int64 past 2**31 positions, per held element and per element it owns of what every GPU holds:
         `lengthwise dryrun` reports them as "other"), and the push's and pull's transient
         buffers at the step's end."""
         held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
