@@ -106,3 +106,25 @@ def _worker(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(_worker(sys.argv[1:]))
+
+
+def _say_rank(rank: int) -> int:
+    print(f"worker {rank} on stdout", flush=True)
+    print(f"worker {rank} on stderr", file=sys.stderr, flush=True)
+    return rank
+
+
+def test_local_workers_write_to_the_callers_current_streams(capfd):
+    """Workers forked from the fork server (started once, with the streams of that moment) still
+    write to the streams the caller has now: a caller that redirected its output, or a test
+    capturing it, sees every rank's lines."""
+    from lengthwise.runtime.distributed.launch import spawn
+
+    with capfd.disabled():  # the server (if not running yet) starts with uncaptured streams
+        assert spawn(_say_rank, 2) == 0
+    capfd.readouterr()
+    assert spawn(_say_rank, 2) == 0  # forked from that server, under capture
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        assert f"worker {rank} on stdout" in out
+        assert f"worker {rank} on stderr" in err
