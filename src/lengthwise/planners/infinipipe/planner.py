@@ -64,6 +64,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
+from lengthwise.cost import CostModel
 from lengthwise.errors import UserError
 from lengthwise.metrics import PLANNING_MS, PREDICTED_STEP_TIME_S
 from lengthwise.plan.ir import PipelinePlan, Segment, StepPlan
@@ -194,6 +197,13 @@ def plan_candidate(batch: ChunkedBatch, request: PlanRequest, settings: Settings
 def chunk_seconds(chunks: list, keys: list, request: PlanRequest, shape) -> list[float]:
     """`chunk_stage_seconds` of every chunk on this stage, once per key (`UnitCosts.keys`: the
     chunk's work without context parallelism, where equal work costs equal seconds)."""
+    cost, kw = request.cost, {"layers": shape.layers, "tp": request.scheme.tp, "head": shape.head}
+    if (request.scheme.cp == 1 and type(cost).forward_time is CostModel.forward_time
+            and type(cost).backward_time is CostModel.backward_time and all(type(k[0]) is int for k in keys)):
+        # forward_time + backward_time of (tokens, pairs) works elementwise: the same floats
+        tokens, pairs = np.array(keys, dtype=np.float64).reshape(len(keys), 2).T
+        return (cost.works_time(tokens, pairs, backward=False, **kw)
+                + cost.works_time(tokens, pairs, backward=True, **kw)).tolist()
     memo: dict = {}
     out = []
     for c, k in zip(chunks, keys):

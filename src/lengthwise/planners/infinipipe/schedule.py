@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 
+from lengthwise.cost import CostModel
 from lengthwise.cost.flops import work_key
 from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk
 
@@ -102,6 +104,23 @@ def group_schedule(unit_chunks: list[list[Chunk]], pp: int) -> GroupSchedule:
                          prefill=max((len(u) for u in unit_chunks), default=1), pp=pp, f2b=f2b)
 
 
+_SEGMENTS, _START, _STOP = (operator.attrgetter(name) for name in ("segments", "start", "stop"))
+
+
+def unpadded_works(chunks: list[Chunk]) -> tuple[list[int], list[int]] | None:
+    """(Chunk.num_tokens, Chunk.attention_pairs) of every chunk, as int64 sums over all their
+    segments at once (exact: the same integers); None where a sum could leave int64."""
+    counts = np.fromiter(map(len, map(_SEGMENTS, chunks)), dtype=np.int64, count=len(chunks))
+    segments = list(itertools.chain.from_iterable(map(_SEGMENTS, chunks)))
+    start = np.fromiter(map(_START, segments), dtype=np.int64, count=len(segments))
+    stop = np.fromiter(map(_STOP, segments), dtype=np.int64, count=len(segments))
+    if len(stop) and int(stop.max()) ** 2 * len(stop) >= 2**62:   # the running sums below stay in int64
+        return None
+    ends = np.cumsum(counts)
+    per_chunk = lambda x: np.diff(np.concatenate([[0], np.cumsum(x)])[np.concatenate([[0], ends])])
+    return per_chunk(stop - start).tolist(), per_chunk((stop * (stop + 1) - start * (start + 1)) // 2).tolist()
+
+
 @dataclass(kw_only=True)
 class StageShape:
     """What one stage of the pipeline holds besides its chunks."""
@@ -164,10 +183,18 @@ class UnitCosts:
             at += len(u)
         chunks = [c for u in units for c in u]
         per_token = self.kw["cp"] == 1 and not any(c.pad_to for c in chunks)
-        keys = self.keys = [work_key(c) for c in chunks] if self.kw["cp"] == 1 else [id(c) for c in chunks]
+        works = unpadded_works(chunks) if per_token else None
+        if works is not None:   # work_key of unpadded chunks, summed over all segments at once
+            keys = self.keys = list(zip(*works))
+        else:
+            keys = self.keys = [work_key(c) for c in chunks] if self.kw["cp"] == 1 else [id(c) for c in chunks]
         tokens = np.array([k[0] for k in keys], dtype=float) if per_token else None
         self._batch, self._seconds_pending = {}, {}
-        self._most_work = self.work(chunks) if chunks else 0.0
+        if works is not None and chunks and type(self.cost).head_backward_bytes is CostModel.head_backward_bytes:
+            # bytes per token times the chunk's tokens without CP: the most tokens give the most
+            self._most_work = self.work([chunks[int(np.argmax(tokens))]])
+        else:
+            self._most_work = self.work(chunks) if chunks else 0.0
         splits = None
         for stage, shape in enumerate(self.stages):
             if (shape.layers, shape.head) in self._batch:
