@@ -5,10 +5,10 @@ its stage (schedule edge) and its data dependencies (plan/schedules.action_needs
 s-1 -> s, backward s+1 -> s, forward slice i -> i+1, backward slice i+1 -> i. A data edge that
 crosses stages carries the sender's point-to-point transfer time.
 
-Timing is two passes. `build_pipeline` walks the schedule once (pure Python, no durations) and
-numbers the tasks in a topological order, giving each a *level* one above its deepest
-predecessor. `evaluate` then computes finish times level by level with numpy over all pipelines
-at once: tasks of one level never depend on each other, so
+Timing is two passes. `build_pipelines` numbers the tasks stage by stage and gives each a
+*level* one above its deepest predecessor (no durations; numpy over every new schedule shape at
+once, `_build_graphs`). `evaluate` then computes finish times level by level with numpy over all
+pipelines at once: tasks of one level never depend on each other, so
 
     finish[t] = max(max_j finish[local[t, j]], finish[cross[t]] + send[cross[t]]) + dur[t]
 
@@ -20,7 +20,7 @@ neighbouring stage that hands over the activation or its gradient.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,23 +33,29 @@ KIND_CODE = {FORWARD: 0, FORWARD_NOGRAD: 1, BACKWARD: 2}
 
 @dataclass(kw_only=True)
 class PipelineTasks:
-    """One pipeline's tasks in topological order, with lookup tables by (stage, chunk)."""
+    """One pipeline's tasks, numbered stage by stage in schedule order, with their levels and
+    lookup tables by (stage, chunk)."""
 
-    rows: list[tuple]
-    """Per task: (stage, kind code, chunk or unit, recompute layers, is re-forward, cross-stage
-    predecessor or -1, same-stage predecessors (schedule edge first), level)."""
-    fwd_id: list[list[int]]
-    """[stage][chunk] task of the chunk's F (its last forward), -1 when absent."""
-    first_id: list[list[int]]
-    """[stage][chunk] task of the chunk's first forward (N or F)."""
-    nograd_id: list[list[int]]
-    """[stage][chunk] task of the chunk's N, -1 when absent."""
-    bwd_id: list[list[int]]
-    """[stage][unit] task of the unit's B."""
-    columns: tuple | None = field(default=None, repr=False, compare=False)
-    """`rows` as numpy columns once concatenate has asked (_columns)."""
-    id_arrays: tuple | None = field(default=None, repr=False, compare=False)
-    """(fwd_id, first_id, nograd_id, bwd_id) as int64 arrays once the memory replay has asked."""
+    columns: tuple[np.ndarray, ...]
+    """int64 columns, one entry per task: stage, kind code, chunk or unit, is re-forward,
+    cross-stage predecessor (-1 for none), level; then each task's count of same-stage
+    predecessors (slice edges, then the schedule edge) and those predecessors flattened."""
+    fwd_id: np.ndarray
+    """int64 [stage, chunk] task of the chunk's F (its last forward)."""
+    first_id: np.ndarray
+    """int64 [stage, chunk] task of the chunk's first forward (N or F)."""
+    nograd_id: np.ndarray
+    """int64 [stage, chunk] task of the chunk's N, -1 when absent."""
+    bwd_id: np.ndarray
+    """int64 [stage, unit] task of the unit's B."""
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.columns[0])
+
+    @property
+    def id_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return self.fwd_id, self.first_id, self.nograd_id, self.bwd_id
 
 
 _GRAPHS = ShapeCache()
@@ -58,91 +64,166 @@ _GRAPHS = ShapeCache()
 
 def build_pipeline(stages: list[list[Action]], chunks: list[Chunk], backward_chunks: list[Chunk] | None,
                    deps: Dependencies) -> PipelineTasks:
-    """Number one pipeline's tasks in a topological order by sweeping its stages.
-
-    Sweeps alternate direction (forwards travel down, backwards up) and advance every stage as
-    far as its dependencies allow. A schedule that stops making progress is handed to
-    check_schedule, which raises UserError with the step-by-rank grid. The result is shared by
-    every pipeline of the same schedule key (`schedule_key`): callers must not modify it."""
-    units = len(chunks if backward_chunks is None else backward_chunks)
-    key = schedule_key(stages, deps, len(chunks), units)
-    cached = _GRAPHS.get(key)
-    if cached is None:
-        cached = _build_pipeline(stages, chunks, backward_chunks, deps)
-        _GRAPHS.put(key, cached)
-    return cached
+    """One pipeline's task graph (`build_pipelines`)."""
+    return build_pipelines([(stages, chunks, backward_chunks, deps)])[0]
 
 
-def _build_pipeline(stages: list[list[Action]], chunks: list[Chunk], backward_chunks: list[Chunk] | None,
-                    deps: Dependencies) -> PipelineTasks:
-    pp = len(stages)
-    grid = lambda n: [[-1] * n for _ in range(pp)]
-    units = len(chunks if backward_chunks is None else backward_chunks)
-    t = PipelineTasks(rows=[], fwd_id=grid(len(chunks)), first_id=grid(len(chunks)),
-                      nograd_id=grid(len(chunks)), bwd_id=grid(units))
-    lowered = [[(KIND_CODE[a.kind], a.chunk, a.recompute_layers) for a in acts] for acts in stages]
-    limits = (len(chunks), len(chunks), units)
-    if any(not 0 <= c < limits[code] for acts in lowered for code, c, _ in acts):
-        check_schedule(stages, chunks, backward_chunks)  # raises, naming the bad index
-    ctx = [(lowered[s], t.first_id[s], (t.fwd_id[s], t.nograd_id[s], t.bwd_id[s]),
-            (t.fwd_id[s - 1], t.nograd_id[s - 1]) if s > 0 else None, t.bwd_id[s + 1] if s + 1 < pp else None)
-           for s in range(pp)]
-    pos, last, left, up = [0] * pp, [-1] * pp, sum(map(len, stages)), True
-    levels: list[int] = []
-    while left:
-        moved = 0
-        for s in (range(pp) if up else range(pp - 1, -1, -1)):
-            if pos[s] < len(lowered[s]):
-                moved += _advance(t.rows, levels, ctx[s], s, pos, last, deps)
-        if not moved:
-            check_schedule(stages, chunks, backward_chunks)
-            raise AssertionError("schedule stuck but check_schedule passed")
-        left -= moved
-        up = not up
-    ran_nograd = sum(i >= 0 for row in t.nograd_id for i in row)
-    if len(t.rows) != pp * (len(chunks) + units) + ran_nograd or any(-1 in row for row in t.bwd_id):
-        check_schedule(stages, chunks, backward_chunks)  # a missing or repeated action: raises
-        raise AssertionError("malformed schedule passed check_schedule")
-    return t
+def build_pipelines(specs: list[tuple]) -> list[PipelineTasks]:
+    """The task graph of each (stages, chunks, backward_chunks, deps). A graph is shared by every
+    pipeline of the same schedule key (`schedule_key`): callers must not modify it. The graphs
+    of keys not seen before are built together (`_build_graphs`). A schedule that cannot run to
+    the end is handed to check_schedule, which raises UserError with the step-by-rank grid."""
+    keys = [schedule_key(stages, deps, len(chunks), len(chunks if bwd is None else bwd))
+            for stages, chunks, bwd, deps in specs]
+    found: dict = {}
+    todo: dict = {}
+    for key, spec in zip(keys, specs):
+        if key not in found and key not in todo:
+            cached = _GRAPHS.get(key)
+            if cached is None:
+                todo[key] = spec
+            else:
+                found[key] = cached
+    for key, graph in zip(todo, _build_graphs(list(todo.values()), [k[0] for k in todo])):
+        _GRAPHS.put(key, graph)
+        found[key] = graph
+    return [found[key] for key in keys]
 
 
-def _advance(rows: list, levels: list[int], ctx: tuple, s: int, pos: list[int], lasts: list[int],
-             deps: Dependencies) -> int:
-    """Issue stage s's actions while their dependencies have been issued; return how many.
-    `ctx` holds the stage's lowered actions (kind code, chunk, recompute) and its id tables and
-    its neighbours'. The hot loop of the simulator, hence the local names."""
-    acts, first, mine, above, below = ctx
-    p0 = p = pos[s]
-    last, n = lasts[s], len(acts)
-    needs, after, fwd_after = deps.bwd_needs, deps.bwd_after, deps.fwd_after
-    while p < n:
-        code, c, recompute = acts[p]
-        if code == 2:
-            local = [mine[0][f] for f in needs[c]] + [mine[2][v] for v in after[c]] if after[c] else \
-                [mine[0][f] for f in needs[c]]
-            x = below[c] if below is not None else -2
-        else:
-            local = [first[q] for q in fwd_after[c]] if fwd_after[c] else []
-            x = above[code][c] if above is not None else -2
-        if x == -1 or -1 in local:
+def _build_graphs(specs: list[tuple], lowered: list[tuple]) -> list[PipelineTasks]:
+    """Task graphs of many pipelines at once with numpy (`lowered`: each schedule's actions as
+    (kind, chunk, recompute) tuples per stage, its schedule_key's first part).
+
+    Tasks are numbered stage by stage. A task's predecessors are the stage's previous action
+    (schedule edge), its data dependencies on the same stage (plan/schedules.action_needs:
+    earlier slices, the chunks a backward unit reads, the units holding later slices) and the
+    task on the neighbouring stage that hands over its input (`cross`). Its level is one above
+    its deepest predecessor: along a stage levels rise by at least one per task, so the
+    same-stage predecessors never decide it, and
+
+        level[i] = max(level[i - 1], level[cross[i]]) + 1 = i + max_{j <= i} (level[cross[j]] + 1 - j)
+
+    for the i-th task of a stage: a running maximum per stage given the cross levels. Starting
+    from no cross edges and repeating this (each time over every task of every graph) raises
+    the levels to the longest paths, in as many rounds as the deepest path changes stages plus
+    one (under ten on SlimPack's and InfiniPipe's schedules). A schedule runs to the end exactly
+    when every predecessor exists, the same-stage ones come earlier on their stage, and the
+    graph has no cycle (levels would grow past the task count); else check_schedule raises."""
+    if not specs:
+        return []
+    pp = np.array([len(st) for st, _, _, _ in specs], dtype=np.int64)
+    C = np.array([len(ch) for _, ch, _, _ in specs], dtype=np.int64)
+    U = np.array([len(ch if bwd is None else bwd) for _, ch, bwd, _ in specs], dtype=np.int64)
+    lane_len = np.array([len(acts) for st in lowered for acts in st], dtype=np.int64)
+    flat = [a for st in lowered for acts in st for a in acts]
+    code = np.array([KIND_CODE[k] for k, _, _ in flat], dtype=np.int64)
+    idx = np.array([c for _, c, _ in flat], dtype=np.int64)
+    n = len(flat)
+    lane = np.repeat(np.arange(len(lane_len)), lane_len)
+    lane_graph = np.repeat(np.arange(len(specs)), pp)
+    lane_stage = np.arange(len(lane_len)) - np.repeat(_starts(pp), pp)
+    g, s = lane_graph[lane], lane_stage[lane]
+    tasks = np.bincount(lane_graph, weights=lane_len, minlength=len(specs)).astype(np.int64)
+    gbase = _starts(tasks)
+    tid = np.arange(n) - gbase[g]                       # numbered stage by stage within the graph
+    pos = np.arange(n) - _starts(lane_len)[lane]        # place on its stage
+    bad = np.zeros(len(specs), dtype=bool)              # graphs whose schedule cannot run
+    is_b = code == 2
+    out_of_range = (idx < 0) | (idx >= np.where(is_b, U[g], C[g]))
+    bad[g[out_of_range]] = True
+    idx = np.where(out_of_range, 0, idx)
+    # [graph, stage, chunk] and [graph, stage, unit] tables of task ids, flattened
+    fbase, bbase = _starts(pp * C), _starts(pp * U)
+    fslot = np.where(is_b, 0, fbase[g] + s * C[g] + idx)
+    bslot = np.where(is_b, bbase[g] + s * U[g] + idx, 0)
+    tables = []
+    for kind, slot, size in ((0, fslot, int((pp * C).sum())), (1, fslot, int((pp * C).sum())),
+                             (2, bslot, int((pp * U).sum()))):
+        mine = (code == kind) & ~out_of_range
+        count = np.bincount(slot[mine], minlength=size)
+        owner = np.repeat(np.arange(len(specs)), pp * (U if kind == 2 else C))
+        bad[owner[(count > 1) | ((count == 0) & (kind != 1))]] = True   # an action missing or repeated
+        table = np.full(size, -1, dtype=np.int64)
+        table[slot[mine]] = tid[mine]
+        tables.append(table)
+    fwd_tab, nograd_tab, bwd_tab = tables
+    first_tab = np.where((nograd_tab >= 0) & (nograd_tab < fwd_tab), nograd_tab, fwd_tab)
+    refwd = (code == 0) & (nograd_tab[fslot] >= 0) & (nograd_tab[fslot] < tid)
+    # the neighbouring stage's task handing over the input: F or N from above, B from below
+    up = ~is_b & (s > 0)
+    down = is_b & (s + 1 < pp[g])
+    cross = np.full(n, -1, dtype=np.int64)
+    above = fslot[up] - C[g[up]]
+    cross[up] = np.where(code[up] == 0, fwd_tab[above], nograd_tab[above])
+    cross[down] = bwd_tab[bslot[down] + U[g[down]]]
+    bad[g[(up | down) & (cross < 0)]] = True
+    # same-stage predecessors: slice edges (data dependencies), then the schedule edge
+    deps = [d for _, _, _, d in specs]
+    if any((len(d.bwd_needs), len(d.bwd_after), len(d.fwd_after)) != (u, u, c)
+           for d, u, c in zip(deps, U.tolist(), C.tolist())):
+        raise ValueError("dependencies do not match the pipeline's chunks and backward units")
+    need, after, fa = (_csr([getattr(d, name) for d in deps]) for name in ("bwd_needs", "bwd_after", "fwd_after"))
+    unit = np.where(is_b, _starts(U)[g] + idx, 0)       # the task's unit or chunk, numbered over all graphs
+    chunk = np.where(is_b, 0, _starts(C)[g] + idx)
+    pick = lambda row_len, at, mask: np.where(mask, np.append(row_len, 0)[np.where(mask, at, len(row_len))], 0)
+    n_need, n_after, n_fa = pick(need[0], unit, is_b), pick(after[0], unit, is_b), pick(fa[0], chunk, ~is_b)
+    has_prev = pos > 0
+    counts = n_need + n_after + n_fa + has_prev
+    start = _starts(counts)
+    local = np.full(int(counts.sum()), -1, dtype=np.int64)
+    for lens, (row_len, values), ids, table, base, width, skip in (
+            (n_need, need, unit, fwd_tab, fbase, C, 0 * n_need), (n_after, after, unit, bwd_tab, bbase, U, n_need),
+            (n_fa, fa, chunk, first_tab, fbase, C, 0 * n_fa)):
+        t = np.repeat(np.arange(n), lens)
+        k = np.arange(len(t)) - np.repeat(_starts(lens), lens)
+        ref = values[_starts(row_len)[ids[t]] + k]          # the chunk or unit depended on
+        local[start[t] + skip[t] + k] = table[base[g[t]] + s[t] * width[g[t]] + ref]
+    t = np.flatnonzero(has_prev)
+    local[start[t] + counts[t] - 1] = tid[t] - 1
+    owner = np.repeat(np.arange(n), counts)
+    late = (local < 0) | (local >= tid[owner])          # absent, or later on the stage: never issued
+    bad[g[owner[late]]] = True
+    # levels: running maxima per stage, repeated until no cross edge raises one
+    width = 4 * (int(tasks.max()) + 2)
+    shift = lane * width                                # keeps each stage's running maximum its own
+    glob = np.where(cross >= 0, cross + gbase[g], n)
+    level = pos.copy()
+    for _ in range(int(tasks.max()) + 2):   # around a cycle levels rise every round, past its graph's tasks
+        new = np.maximum.accumulate(np.append(level, -1)[glob] + 1 - pos + shift) - shift + pos
+        if np.array_equal(new, level):
             break
-        if last >= 0:
-            local.append(last)
-        lv = levels[x] if x >= 0 else -1
-        for q in local:
-            if levels[q] > lv:
-                lv = levels[q]
-        lv += 1
-        tid = len(levels)
-        rows.append((s, code, c, recompute, code == 0 and mine[1][c] >= 0, x if x >= 0 else -1, local, lv))
-        levels.append(lv)
-        mine[code][c] = tid
-        if code != 2 and first[c] < 0:
-            first[c] = tid
-        last = tid
-        p += 1
-    pos[s], lasts[s] = p, last
-    return p - p0
+        level = new
+    bad[g[level >= tasks[g]]] = True                    # a path longer than the graph: a cycle
+    for i in np.flatnonzero(bad).tolist():
+        stages, chunks, bwd, _ = specs[i]
+        check_schedule(stages, chunks, bwd)             # raises, naming the bad action
+        raise AssertionError("schedule cannot run but check_schedule passed")
+    cols = (s, code, idx, refwd.astype(np.int64), cross, level)
+    out = []
+    tb = np.r_[gbase, n].tolist()
+    lb = np.r_[np.append(_starts(counts), len(local))[gbase], len(local)].tolist()
+    fb, bb = np.r_[fbase, len(fwd_tab)].tolist(), np.r_[bbase, len(bwd_tab)].tolist()
+    for i in range(len(specs)):
+        a, b = tb[i], tb[i + 1]
+        out.append(PipelineTasks(
+            columns=tuple(c[a:b].copy() for c in cols) + (counts[a:b].copy(), local[lb[i]:lb[i + 1]].copy()),
+            fwd_id=fwd_tab[fb[i]:fb[i + 1]].reshape(int(pp[i]), int(C[i])).copy(),
+            first_id=first_tab[fb[i]:fb[i + 1]].reshape(int(pp[i]), int(C[i])).copy(),
+            nograd_id=nograd_tab[fb[i]:fb[i + 1]].reshape(int(pp[i]), int(C[i])).copy(),
+            bwd_id=bwd_tab[bb[i]:bb[i + 1]].reshape(int(pp[i]), int(U[i])).copy()))
+    return out
+
+
+def _starts(sizes: np.ndarray) -> np.ndarray:
+    """Exclusive running sum: where each block of `sizes` starts."""
+    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(sizes) else np.zeros(0, np.int64)
+
+
+def _csr(rows_of_graphs: list[tuple[tuple[int, ...], ...]]) -> tuple[np.ndarray, np.ndarray]:
+    """(length of each row, the rows' values flattened) over the rows of every graph in turn."""
+    rows = [r for rows in rows_of_graphs for r in rows]
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    return lens, np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lens.sum()))
 
 
 @dataclass(kw_only=True)
@@ -170,11 +251,10 @@ class TaskArrays:
 
 
 def concatenate(pipes: list[PipelineTasks]) -> TaskArrays:
-    """Flatten per-pipeline task rows into global arrays with shifted task ids (each distinct
-    graph's rows turned into arrays once: pipelines of one schedule key share them)."""
-    offsets = np.cumsum([0] + [len(p.rows) for p in pipes]).tolist()
+    """Flatten per-pipeline task columns into global arrays with shifted task ids."""
+    offsets = np.cumsum([0] + [p.num_tasks for p in pipes]).tolist()
     total = offsets[-1]
-    cols = [_columns(p) for p in pipes]
+    cols = [p.columns for p in pipes]
     shift = np.repeat(np.asarray(offsets[:-1], dtype=np.int64), np.diff(offsets))
     join = lambda i: np.concatenate([c[i] for c in cols]) if cols else np.zeros(0, np.int64)
     stage, kind, index, refwd, cross, level, counts, flat = (join(i) for i in range(8))
@@ -187,21 +267,6 @@ def concatenate(pipes: list[PipelineTasks]) -> TaskArrays:
     return TaskArrays(pipeline=np.repeat(np.arange(len(pipes), dtype=np.int32), np.diff(offsets)),
                       stage=stage.astype(np.int32), kind=kind.astype(np.int8), index=index.astype(np.int32),
                       reforward=refwd.astype(bool), cross=cross, local=local_arr, level=level, offsets=offsets)
-
-
-def _columns(t: PipelineTasks) -> tuple[np.ndarray, ...]:
-    """t.rows as int64 columns (stage, kind, index, re-forward, cross, level, same-stage
-    predecessor counts, the predecessors flattened), made once per graph."""
-    cols = t.columns
-    if cols is None:
-        rows, n = t.rows, len(t.rows)
-        # one comprehension per column: zip(*rows) with ~1e5 arguments is several times slower
-        stage, kind, index, _, refwd, cross, local, level = ([r[i] for r in rows] for i in range(8))
-        counts = np.fromiter(map(len, local), dtype=np.int64, count=n)
-        flat = np.fromiter(itertools.chain.from_iterable(local), dtype=np.int64, count=int(counts.sum()))
-        cols = tuple(np.asarray(x, dtype=np.int64).reshape(-1) for x in (stage, kind, index, refwd, cross, level))
-        cols = t.columns = cols + (counts, flat)
-    return cols
 
 
 def evaluate(tasks: TaskArrays, dur: np.ndarray, send: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -333,10 +333,7 @@ def _rows(tables: list, sizes: np.ndarray) -> np.ndarray:
 
 
 def _id_arrays(t: PipelineTasks) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(fwd_id, first_id, nograd_id, bwd_id) as int64 arrays, made once per graph."""
-    if t.id_arrays is None:
-        t.id_arrays = tuple(np.asarray(x, dtype=np.int64).reshape(len(x), len(x[0]) if x else 0)
-                            for x in (t.fwd_id, t.first_id, t.nograd_id, t.bwd_id))
+    """(fwd_id, first_id, nograd_id, bwd_id), int64 [stage, chunk or unit] each."""
     return t.id_arrays
 
 

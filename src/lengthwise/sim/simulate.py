@@ -30,7 +30,7 @@ import numpy as np
 from lengthwise.cost import CostModel
 from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.schedules import dependencies
-from lengthwise.sim.dag import TaskArrays, build_pipeline, concatenate, evaluate
+from lengthwise.sim.dag import TaskArrays, build_pipelines, concatenate, evaluate
 from lengthwise.sim.inputs import PipelineInput, SliceStructure, direct_input, plan_inputs
 from lengthwise.sim.memory import MemoryCurves, plan_memory_events, replay, split_sequences
 
@@ -139,7 +139,7 @@ def simulate_times(fwd: list[float], stages: int, bwd_ratio: float = 2.0, schedu
 def simulate_inputs(inputs: list[PipelineInput], *, time_unit: str, memory_unit: str) -> SimResult:
     """The engine: build the DAG of every pipeline, time it, replay memory, summarise."""
     all_deps = [p.deps or dependencies(p.chunks, p.backward_chunks) for p in inputs]
-    pipes = [build_pipeline(p.stages, p.chunks, p.backward_chunks, d) for p, d in zip(inputs, all_deps)]
+    pipes = build_pipelines([(p.stages, p.chunks, p.backward_chunks, d) for p, d in zip(inputs, all_deps)])
     tasks = concatenate(pipes)
     dur, comm, send = _task_tables(inputs, tasks)
     start, finish = evaluate(tasks, dur, send)
