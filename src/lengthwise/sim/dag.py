@@ -127,11 +127,8 @@ def _build_graphs(specs: list[tuple], lowered: list[tuple]) -> list[PipelineTask
     gbase = _starts(tasks)
     tid = np.arange(n) - gbase[g]                       # numbered stage by stage within the graph
     pos = np.arange(n) - _starts(lane_len)[lane]        # place on its stage
-    bad = np.zeros(len(specs), dtype=bool)              # graphs whose schedule cannot run
     is_b = code == 2
-    out_of_range = (idx < 0) | (idx >= np.where(is_b, U[g], C[g]))
-    bad[g[out_of_range]] = True
-    idx = np.where(out_of_range, 0, idx)
+    _reject(specs, g[(idx < 0) | (idx >= np.where(is_b, U[g], C[g]))])   # an index out of range
     # [graph, stage, chunk] and [graph, stage, unit] tables of task ids, flattened
     fbase, bbase = _starts(pp * C), _starts(pp * U)
     fslot = np.where(is_b, 0, fbase[g] + s * C[g] + idx)
@@ -139,16 +136,18 @@ def _build_graphs(specs: list[tuple], lowered: list[tuple]) -> list[PipelineTask
     tables = []
     for kind, slot, size in ((0, fslot, int((pp * C).sum())), (1, fslot, int((pp * C).sum())),
                              (2, bslot, int((pp * U).sum()))):
-        mine = (code == kind) & ~out_of_range
+        mine = code == kind
         count = np.bincount(slot[mine], minlength=size)
         owner = np.repeat(np.arange(len(specs)), pp * (U if kind == 2 else C))
-        bad[owner[(count > 1) | ((count == 0) & (kind != 1))]] = True   # an action missing or repeated
+        _reject(specs, owner[(count > 1) | ((count == 0) & (kind != 1))])   # an action missing or repeated
         table = np.full(size, -1, dtype=np.int64)
         table[slot[mine]] = tid[mine]
         tables.append(table)
     fwd_tab, nograd_tab, bwd_tab = tables
     first_tab = np.where((nograd_tab >= 0) & (nograd_tab < fwd_tab), nograd_tab, fwd_tab)
-    refwd = (code == 0) & (nograd_tab[fslot] >= 0) & (nograd_tab[fslot] < tid)
+    refwd = np.zeros(n, dtype=bool)                     # an F after the chunk's N on its stage
+    f = np.flatnonzero(code == 0)
+    refwd[f] = (nograd_tab[fslot[f]] >= 0) & (nograd_tab[fslot[f]] < tid[f])
     # the neighbouring stage's task handing over the input: F or N from above, B from below
     up = ~is_b & (s > 0)
     down = is_b & (s + 1 < pp[g])
@@ -156,7 +155,7 @@ def _build_graphs(specs: list[tuple], lowered: list[tuple]) -> list[PipelineTask
     above = fslot[up] - C[g[up]]
     cross[up] = np.where(code[up] == 0, fwd_tab[above], nograd_tab[above])
     cross[down] = bwd_tab[bslot[down] + U[g[down]]]
-    bad[g[(up | down) & (cross < 0)]] = True
+    bad = g[(up | down) & (cross < 0)]                  # the neighbour never runs it
     # same-stage predecessors: slice edges (data dependencies), then the schedule edge
     deps = [d for _, _, _, d in specs]
     if any((len(d.bwd_needs), len(d.bwd_after), len(d.fwd_after)) != (u, u, c)
@@ -182,7 +181,7 @@ def _build_graphs(specs: list[tuple], lowered: list[tuple]) -> list[PipelineTask
     local[start[t] + counts[t] - 1] = tid[t] - 1
     owner = np.repeat(np.arange(n), counts)
     late = (local < 0) | (local >= tid[owner])          # absent, or later on the stage: never issued
-    bad[g[owner[late]]] = True
+    _reject(specs, np.r_[bad, g[owner[late]]])
     # levels: running maxima per stage, repeated until no cross edge raises one
     width = 4 * (int(tasks.max()) + 2)
     shift = lane * width                                # keeps each stage's running maximum its own
@@ -193,11 +192,7 @@ def _build_graphs(specs: list[tuple], lowered: list[tuple]) -> list[PipelineTask
         if np.array_equal(new, level):
             break
         level = new
-    bad[g[level >= tasks[g]]] = True                    # a path longer than the graph: a cycle
-    for i in np.flatnonzero(bad).tolist():
-        stages, chunks, bwd, _ = specs[i]
-        check_schedule(stages, chunks, bwd)             # raises, naming the bad action
-        raise AssertionError("schedule cannot run but check_schedule passed")
+    _reject(specs, g[level >= tasks[g]])                # a path longer than the graph: a cycle
     cols = (s, code, idx, refwd.astype(np.int64), cross, level)
     out = []
     tb = np.r_[gbase, n].tolist()
@@ -212,6 +207,15 @@ def _build_graphs(specs: list[tuple], lowered: list[tuple]) -> list[PipelineTask
             nograd_id=nograd_tab[fb[i]:fb[i + 1]].reshape(int(pp[i]), int(C[i])).copy(),
             bwd_id=bwd_tab[bb[i]:bb[i + 1]].reshape(int(pp[i]), int(U[i])).copy()))
     return out
+
+
+def _reject(specs: list[tuple], bad: np.ndarray) -> None:
+    """Hand the first graph named in `bad` (its schedule cannot run) to check_schedule, which
+    raises UserError naming the action."""
+    if len(bad):
+        stages, chunks, backward_chunks, _ = specs[int(bad.min())]
+        check_schedule(stages, chunks, backward_chunks)
+        raise AssertionError("schedule cannot run but check_schedule passed")
 
 
 def _starts(sizes: np.ndarray) -> np.ndarray:
