@@ -20,12 +20,13 @@ neighbouring stage that hands over the activation or its gradient.
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 
 from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, Action, Chunk
-from lengthwise.plan.schedules import Dependencies, ShapeCache, check_schedule, schedule_key
+from lengthwise.plan.schedules import Dependencies, ShapeCache, check_schedule
 
 KIND_CODE = {FORWARD: 0, FORWARD_NOGRAD: 1, BACKWARD: 2}
 """Integer code of each action kind in task arrays (F=0, N=1, B=2)."""
@@ -59,7 +60,7 @@ class PipelineTasks:
 
 
 _GRAPHS = ShapeCache()
-"""Task graphs by schedule key: they depend on the schedule's shape only, not on token counts."""
+"""Task graphs by `_graph_key`: they depend on the schedule's shape only, not on token counts."""
 
 
 def build_pipeline(stages: list[list[Action]], chunks: list[Chunk], backward_chunks: list[Chunk] | None,
@@ -70,10 +71,10 @@ def build_pipeline(stages: list[list[Action]], chunks: list[Chunk], backward_chu
 
 def build_pipelines(specs: list[tuple]) -> list[PipelineTasks]:
     """The task graph of each (stages, chunks, backward_chunks, deps). A graph is shared by every
-    pipeline of the same schedule key (`schedule_key`): callers must not modify it. The graphs
+    pipeline of the same schedule shape (`_graph_key`): callers must not modify it. The graphs
     of keys not seen before are built together (`_build_graphs`). A schedule that cannot run to
     the end is handed to check_schedule, which raises UserError with the step-by-rank grid."""
-    keys = [schedule_key(stages, deps, len(chunks), len(chunks if bwd is None else bwd))
+    keys = [_graph_key(stages, deps, len(chunks), len(chunks if bwd is None else bwd))
             for stages, chunks, bwd, deps in specs]
     found: dict = {}
     todo: dict = {}
@@ -84,15 +85,26 @@ def build_pipelines(specs: list[tuple]) -> list[PipelineTasks]:
                 todo[key] = spec
             else:
                 found[key] = cached
-    for key, graph in zip(todo, _build_graphs(list(todo.values()), [k[0] for k in todo])):
+    for key, graph in zip(todo, _build_graphs(list(todo.values()), [k[:2] for k in todo])):
         _GRAPHS.put(key, graph)
         found[key] = graph
     return [found[key] for key in keys]
 
 
+_FIELDS = operator.attrgetter("kind", "chunk", "recompute_layers")
+
+
+def _graph_key(stages: list[list[Action]], deps: Dependencies, num_chunks: int, num_units: int) -> tuple:
+    """What a schedule's task graph depends on (schedule_key's content, read with one attrgetter
+    call per action): the stages' lengths, every action's (kind, chunk, recomputed layers) stage
+    after stage, the slice dependencies and the chunk and unit counts."""
+    return (tuple(map(len, stages)), tuple(map(_FIELDS, itertools.chain.from_iterable(stages))), deps, num_chunks,
+            num_units)
+
+
 def _build_graphs(specs: list[tuple], lowered: list[tuple]) -> list[PipelineTasks]:
-    """Task graphs of many pipelines at once with numpy (`lowered`: each schedule's actions as
-    (kind, chunk, recompute) tuples per stage, its schedule_key's first part).
+    """Task graphs of many pipelines at once with numpy (`lowered`: per schedule, its stages'
+    lengths and its actions' (kind, chunk, recompute) stage after stage, as in `_graph_key`).
 
     Tasks are numbered stage by stage. A task's predecessors are the stage's previous action
     (schedule edge), its data dependencies on the same stage (plan/schedules.action_needs:
@@ -114,8 +126,8 @@ def _build_graphs(specs: list[tuple], lowered: list[tuple]) -> list[PipelineTask
     pp = np.array([len(st) for st, _, _, _ in specs], dtype=np.int64)
     C = np.array([len(ch) for _, ch, _, _ in specs], dtype=np.int64)
     U = np.array([len(ch if bwd is None else bwd) for _, ch, bwd, _ in specs], dtype=np.int64)
-    lane_len = np.array([len(acts) for st in lowered for acts in st], dtype=np.int64)
-    flat = [a for st in lowered for acts in st for a in acts]
+    lane_len = np.array([n for lens, _ in lowered for n in lens], dtype=np.int64)
+    flat = [a for _, acts in lowered for a in acts]
     code = np.array([KIND_CODE[k] for k, _, _ in flat], dtype=np.int64)
     idx = np.array([c for _, c, _ in flat], dtype=np.int64)
     n = len(flat)
