@@ -95,9 +95,33 @@ def plan_inputs(plan: StepPlan, cm: CostModel,
     shared: dict = {}  # stage-level costs that pipelines of one scheme share
     works = _plan_works(plan, known)
     tables = _batched_tables(plan, cm, works)
+    _batched_row_costs(plan, cm, works, tables)
     flops = _batched_model_flops(cm, works)
     return [_PipelineCosts(plan, i, cm, offsets, shared, works[i], tables[i], known[i], flops[i]).build()
             for i in range(len(plan.pipelines))]
+
+
+def _batched_row_costs(plan: StepPlan, cm: CostModel, works, tables: list[dict]) -> None:
+    """_PipelineCosts._p2p (both links) and _head_backward of every pipeline without CP, added to
+    its `tables` entry: without CP both go by row tokens alone, so the cost model is asked once
+    per distinct row-token count of the plan (the same calls as their per-pipeline memos)."""
+    by_tp: dict[int, list[int]] = {}
+    for i, pipe in enumerate(plan.pipelines):
+        if pipe.cp <= 1 and works[i] is not None:
+            by_tp.setdefault(pipe.tp, []).append(i)
+    for tp, members in by_tp.items():
+        rows = [w.row_tokens for i in members for w in works[i]]   # each pipeline's chunks, then its units
+        values, at = np.unique(np.concatenate(rows), return_inverse=True)
+        chunks = [_row_of(r) for r in values.tolist()]
+        each = {("p2p", inter): np.array([cm.p2p_time(cm.boundary_bytes(c, tp=tp, cp=1), inter_node=inter)
+                                          for c in chunks], dtype=np.float64)[at] for inter in (False, True)}
+        each["head_backward"] = np.array([cm.head_backward_bytes(c, tp=tp, cp=1) for c in chunks],
+                                         dtype=np.float64)[at]
+        bounds = np.cumsum([0] + [len(r) for r in rows]).tolist()
+        for k, i in enumerate(members):
+            a, b, c = bounds[2 * k], bounds[2 * k + 1], bounds[2 * k + 2]
+            for name, v in each.items():
+                tables[i][name] = (v[a:b], v[b:c]) if name != "head_backward" else v[b:c]
 
 
 def _batched_model_flops(cm: CostModel, works) -> list[float | None]:
@@ -419,6 +443,8 @@ class _PipelineCosts:
     def _head_backward(self) -> list[float]:
         """cm.head_backward_bytes of every backward unit (without CP: one call per row-token count)."""
         cm, kw = self.cm, self.kw
+        if "head_backward" in self._cache:  # computed for every pipeline at once (_batched_row_costs)
+            return self._cache["head_backward"]
         if self.works is None or self.pipe.cp > 1:
             return [cm.head_backward_bytes(u, **kw) for u in self.units]
         memo = self.shared.setdefault(("head_backward", self.pipe.tp), {})
