@@ -49,6 +49,9 @@ class PipelineTasks:
     """int64 [stage, chunk] task of the chunk's N, -1 when absent."""
     bwd_id: np.ndarray
     """int64 [stage, unit] task of the unit's B."""
+    reads: tuple[np.ndarray, np.ndarray]
+    """(chunk, unit) int64 pairs: each backward unit reading each forward chunk's activations
+    (Dependencies.bwd_needs), by chunk, then unit."""
 
     @property
     def num_tasks(self) -> int:
@@ -206,6 +209,12 @@ def _build_graphs(specs: list[tuple], lowered: list[tuple]) -> list[PipelineTask
         level = new
     _reject(specs, g[level >= tasks[g]])                # a path longer than the graph: a cycle
     cols = (s, code, idx, refwd.astype(np.int64), cross, level)
+    # the reads of each graph, by chunk then unit
+    read_u = np.repeat(np.arange(len(need[0])), need[0])
+    read_g = np.repeat(np.arange(len(specs)), U)[read_u]
+    order = np.lexsort((read_u, need[1], read_g))
+    read_c, read_u, read_g = need[1][order], (read_u - _starts(U)[read_g])[order], read_g[order]
+    rb = np.searchsorted(read_g, np.arange(len(specs) + 1)).tolist()
     out = []
     tb = np.r_[gbase, n].tolist()
     lb = np.r_[np.append(_starts(counts), len(local))[gbase], len(local)].tolist()
@@ -217,7 +226,8 @@ def _build_graphs(specs: list[tuple], lowered: list[tuple]) -> list[PipelineTask
             fwd_id=fwd_tab[fb[i]:fb[i + 1]].reshape(int(pp[i]), int(C[i])).copy(),
             first_id=first_tab[fb[i]:fb[i + 1]].reshape(int(pp[i]), int(C[i])).copy(),
             nograd_id=nograd_tab[fb[i]:fb[i + 1]].reshape(int(pp[i]), int(C[i])).copy(),
-            bwd_id=bwd_tab[bb[i]:bb[i + 1]].reshape(int(pp[i]), int(U[i])).copy()))
+            bwd_id=bwd_tab[bb[i]:bb[i + 1]].reshape(int(pp[i]), int(U[i])).copy(),
+            reads=(read_c[rb[i]:rb[i + 1]], read_u[rb[i]:rb[i + 1]])))
     return out
 
 

@@ -252,8 +252,7 @@ def replay(stage: np.ndarray, time: np.ndarray, delta: np.ndarray, base: np.ndar
     return MemoryCurves(stage=stage, time=time, level=level, base=base, peak=peak)
 
 
-def plan_memory_events(pipes: list[PipelineTasks], all_deps: list[Dependencies], all_sizes: list[MemorySizes],
-                       all_splits: list, offsets: list[int]
+def plan_memory_events(pipes: list[PipelineTasks], all_sizes: list[MemorySizes], all_splits: list, offsets: list[int]
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """memory_events of every pipeline at once, task ids shifted by `offsets` (each pipeline's
     first task): the same events with the same values, each pipeline's in the same relative
@@ -279,18 +278,15 @@ def plan_memory_events(pipes: list[PipelineTasks], all_deps: list[Dependencies],
     extra = _rows([sz.recompute_extra for sz in all_sizes], fsize)
     transient = _rows([sz.nograd_transient for sz in all_sizes], fsize)
     work = _rows([sz.backward_work if len(sz.backward_work) else None for sz in all_sizes], bsize)
-    # (chunk, unit) reads, stage by stage within each pipeline
-    pc, pu, n = [], [], []
-    for deps, num_chunks in zip(all_deps, C.tolist()):
-        users = deps_users(deps, num_chunks)
-        pc += [c for c, us in enumerate(users) for _ in us]
-        pu += [u for us in users for u in us]
-        n.append(sum(map(len, users)))
-    n = np.asarray(n, dtype=np.int64)
+    # (chunk, unit) reads (deps_users, by chunk then unit: each graph's `reads`), stage by stage
+    # within each pipeline
+    pc = np.concatenate([t.reads[0] for t in pipes])
+    pu = np.concatenate([t.reads[1] for t in pipes])
+    n = np.array([len(t.reads[0]) for t in pipes], dtype=np.int64)
     pipe, s, k = _by_stage(S, n)
     k += np.repeat(_starts(n), S * n)
-    cidx = fbase[pipe] + s * C[pipe] + np.asarray(pc, dtype=np.int64)[k]
-    uidx = bbase[pipe] + s * U[pipe] + np.asarray(pu, dtype=np.int64)[k]
+    cidx = fbase[pipe] + s * C[pipe] + pc[k]
+    uidx = bbase[pipe] + s * U[pipe] + pu[k]
     release = np.full(len(fwd), -1, dtype=np.int64)
     np.maximum.at(release, cidx, bwd[uidx])  # last backward reading the chunk
     read = release >= 0
@@ -328,8 +324,8 @@ def _rows(tables: list, sizes: np.ndarray) -> np.ndarray:
         if rows is None:
             out.append(np.zeros(size))
         else:
-            out += [np.asarray(r, dtype=np.float64).ravel() for r in rows]
-    return np.concatenate(out) if out else np.zeros(0)
+            out += rows
+    return np.concatenate(out, dtype=np.float64) if out else np.zeros(0)
 
 
 def _id_arrays(t: PipelineTasks) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

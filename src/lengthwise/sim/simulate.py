@@ -156,7 +156,7 @@ def simulate_inputs(inputs: list[PipelineInput], *, time_unit: str, memory_unit:
     sync_start = _sync_start(stage_end, [len(p.stages) for p in inputs])
     step_end = np.array([max(pipe_end[i], (sync_start + sync)[a:b].max(initial=0.0)) + inputs[i].extra_comm
                          for i, (a, b) in enumerate(zip(stage_offsets[:-1], stage_offsets[1:]))])
-    memory = _replay_memory(inputs, pipes, all_deps, tasks, start, finish, gstage, G)
+    memory = _replay_memory(inputs, pipes, tasks, start, finish, gstage, G)
     timeline = Timeline(tasks=tasks, start=start, finish=finish, comm=comm, send=send, stage_offsets=stage_offsets,
                         sync_start=sync_start, sync_end=sync_start + sync, memory=memory)
     return _summarise(inputs, timeline, busy, refwd, sync, pipe_end, float(step_end.max(initial=0.0)),
@@ -182,10 +182,10 @@ def _sync_start(stage_end: np.ndarray, pps: list[int]) -> np.ndarray:
     return np.full_like(stage_end, stage_end.max(initial=0.0))
 
 
-def _replay_memory(inputs, pipes, all_deps, tasks, start, finish, gstage, G) -> MemoryCurves:
+def _replay_memory(inputs, pipes, tasks, start, finish, gstage, G) -> MemoryCurves:
     splits = [inp.splits if inp.splits is not None else split_sequences(inp.chunks, inp.backward_chunks or inp.chunks)
               for inp in inputs]
-    tid, at_end, delta = plan_memory_events(pipes, all_deps, [inp.sizes for inp in inputs], splits, tasks.offsets)
+    tid, at_end, delta = plan_memory_events(pipes, [inp.sizes for inp in inputs], splits, tasks.offsets)
     time = np.where(at_end, finish[tid], start[tid])
     base = np.concatenate([np.asarray(p.sizes.state, dtype=np.float64) for p in inputs])
     return replay(gstage[tid], time, delta, base)
