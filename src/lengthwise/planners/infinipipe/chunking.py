@@ -182,16 +182,6 @@ def pack_buckets(tails: list[Segment], short: list[int], lengths: list[int], mes
     sizes = sizes.tolist()
     nexts = list(zip(sizes[1:], times[1:])) + [(None, None)]
 
-    def shelve(b: Bucket, n_next, s_next) -> None:
-        """Where the next sequence's admission would move a just-changed bucket (straight
-        there, skipping the heaps it would pass through)."""
-        if n_next is None or b.tokens > room - n_next:
-            push(need_tokens, (b.tokens, b.order, b))
-        elif b.time + s_next > threshold:
-            push(need_time, (b.time, b.order, b))
-        else:
-            insort(admitting, (b.time / b.tokens, b.order, b))
-
     for seq_id, n, seconds, (n_next, s_next) in zip(ids, sizes, times, nexts):
         seg = whole[seq_id] if whole is not None else Segment(seq_id, 0, n)
         while need_tokens and need_tokens[0][0] <= room - n:     # now room in tokens
@@ -200,22 +190,27 @@ def pack_buckets(tails: list[Segment], short: list[int], lengths: list[int], mes
         while need_time and need_time[0][0] + seconds <= threshold:   # and in time
             b = pop(need_time)[2]
             insort(admitting, (b.time / b.tokens, b.order, b))   # orders differ: buckets never compared
-        if not admitting:
-            if not need_time:           # line 7: not even the emptiest bucket has room
-                bucket = Bucket(segments=[seg], time=seconds + c, tokens=n, order=len(buckets))
-                buckets.append(bucket)
-                shelve(bucket, n_next, s_next)
-                continue
-            # line 16: raise T_t to the least value that admits a bucket
-            threshold = need_time[0][0] + seconds
-            while need_time and need_time[0][0] + seconds <= threshold:
-                b = pop(need_time)[2]
-                insort(admitting, (b.time / b.tokens, b.order, b))
-        best = admitting.pop(0)[2]      # line 9
-        best.segments.append(seg)
-        best.time += seconds
-        best.tokens += n
-        shelve(best, n_next, s_next)
+        if not admitting and not need_time:     # line 7: not even the emptiest bucket has room
+            b = Bucket(segments=[seg], time=seconds + c, tokens=n, order=len(buckets))
+            buckets.append(b)
+        else:
+            if not admitting:   # line 16: raise T_t to the least value that admits a bucket
+                threshold = need_time[0][0] + seconds
+                while need_time and need_time[0][0] + seconds <= threshold:
+                    b = pop(need_time)[2]
+                    insort(admitting, (b.time / b.tokens, b.order, b))
+            b = admitting.pop(0)[2]     # line 9
+            b.segments.append(seg)
+            b.time += seconds
+            b.tokens += n
+        # where the next sequence's admission would move the changed bucket (straight there,
+        # skipping the heaps it would pass through)
+        if n_next is None or b.tokens > room - n_next:
+            push(need_tokens, (b.tokens, b.order, b))
+        elif b.time + s_next > threshold:
+            push(need_time, (b.time, b.order, b))
+        else:
+            insort(admitting, (b.time / b.tokens, b.order, b))
     return buckets, threshold
 
 
@@ -252,13 +247,14 @@ class ChunkedBatch:
 
 def make_units(split: dict[int, list[Segment]], buckets: list[Bucket]) -> list[Unit]:
     """Line 17: hybrid chunks close their sequence's unit; batched chunks are units of their own."""
-    hybrid = {b.segments[0].seq_id: b for b in buckets if b.has_tail}
+    tails = [b.has_tail for b in buckets]
+    hybrid = {b.segments[0].seq_id: b for b, tail in zip(buckets, tails) if tail}
     units = []
     for seq_id in sorted(split, key=lambda i: (-split[i][-1].stop, i)):
         chunks = [Chunk((seg,)) for seg in split[seq_id][:-1]]
         chunks.append(Chunk(tuple(hybrid[seq_id].segments)))
         units.append(Unit(chunks=chunks, seq_id=seq_id))
-    units += [Unit(chunks=[Chunk(tuple(b.segments))]) for b in buckets if not b.has_tail]
+    units += [Unit(chunks=[Chunk(tuple(b.segments))]) for b, tail in zip(buckets, tails) if not tail]
     return units
 
 
