@@ -89,7 +89,7 @@ def chunk_stage_seconds(chunk, request: PlanRequest, shape: StageShape) -> float
 
 def one_group(units: list[Unit], lay: Layout):
     """The 1F1B group of these units, longest units first."""
-    ordered = sorted(units, key=lambda u: (-u.num_chunks, -u.chunks[-1].segments[0].stop, u.seq_id))
+    ordered = sorted(units, key=lambda u: (-len(u.chunks), -u.chunks[-1].segments[0].stop, u.seq_id))
     return group_schedule([u.chunks for u in ordered], len(lay.stages))
 
 
@@ -196,8 +196,6 @@ def group_by_classes(units: list[Unit], request: PlanRequest, lay: Layout, solve
     delta = 0, ties go to the single group too)."""
     if not units:    # more pipelines than units: this one stays empty
         return [], 0.0
-    classes = sorted({u.num_chunks for u in units})
-    members = {n: [u for u in units if u.num_chunks == n] for n in classes}
     if chunk_seconds is None:
         chunk_seconds = [chunk_stage_seconds(c, request, lay.stages[0]) for u in units for c in u.chunks]
     mean = sum(chunk_seconds) / len(chunk_seconds)
@@ -208,6 +206,8 @@ def group_by_classes(units: list[Unit], request: PlanRequest, lay: Layout, solve
     quick = answer_without_milp(whole, solver.mode)
     if quick is not None and quick.status == "none-needed":
         return [GroupPlan(schedule=whole.group, ckpt=quick)], 0.0 + delta + quick.seconds
+    classes = sorted({u.num_chunks for u in units})
+    members = {n: [u for u in units if u.num_chunks == n] for n in classes}
     build = lambda k, i: whole if (k, i) == (0, len(classes)) else \
         group_problem([u for n in classes[k:i] for u in members[n]], request, lay)
     best = [Option(cost=0.0, start=-1)]
