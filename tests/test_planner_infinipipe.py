@@ -445,3 +445,42 @@ def test_rows_no_recomputation_relieves_make_the_group_infeasible():
 
     assert row_bound(Rows()) == np.inf
     assert Problem.solve(Rows(), integral=True) == (None, np.inf)
+
+
+@st.composite
+def unit_lists(draw):
+    """Units of chunks holding slices of sequences cut anywhere (several split sequences per unit,
+    slices of two sequences in one chunk, slices out of token order), and whole sequences."""
+    units, seq = [], 0
+    for _ in range(draw(st.integers(1, 6))):
+        chunks = [[] for _ in range(draw(st.integers(1, 4)))]
+        for _ in range(draw(st.integers(1, 3))):
+            length = draw(st.integers(2, 3000))
+            cuts = sorted(set(draw(st.lists(st.integers(1, length - 1), max_size=len(chunks) - 1))))
+            edges = [0] + cuts + [length]
+            places = draw(st.permutations(range(len(chunks))))
+            for (a, b), c in zip(itertools.pairwise(edges), places):
+                chunks[c].append(Segment(seq, a, b))
+            seq += 1
+        units.append([Chunk(tuple(c)) for c in chunks if c])
+    return units
+
+
+@settings(max_examples=60, deadline=None)
+@given(units=unit_lists(), cp=st.sampled_from([1, 2]))
+def test_kv_rows_of_all_units_at_once_are_each_units_own(units, cp):
+    """UnitCosts.prepare's K/V rows (every split unit at once) are kv_events of each unit, bit for
+    bit, on every stage shape."""
+    from lengthwise.planners.infinipipe.schedule import kv_events, split_slices
+
+    req = request([4 * K] * 4, pp=4, tp=8)
+    lay = grouping.layout(req, 1)
+    costs = type(lay.costs)(req.cost, lay.stages, tp=8, cp=cp)
+    costs.prepare(units)
+    for stage in range(len(lay.stages)):
+        at = 0
+        table = costs.columns(stage, units)
+        for u in units:
+            own = kv_events(split_slices(u), costs, stage, len(u)) if len(u) > 1 else np.zeros((3, 1))
+            assert np.array_equal(table[3:, at:at + len(u)], own)
+            at += len(u)

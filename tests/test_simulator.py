@@ -189,3 +189,72 @@ def test_model_flops_of_all_pipelines_at_once_are_each_pipelines_own(plan):
     for i, flops in enumerate(batched):
         own = _PipelineCosts(plan, i, cm, offsets, {}, works[i])._model_flops()
         assert flops == own
+
+
+# ---- task graphs and slice structures built for many pipelines at once ----
+
+@settings(max_examples=40, deadline=None)
+@given(plan=random_plans())
+def test_task_levels_are_one_above_the_deepest_predecessor(plan):
+    """Every level is 1 + the highest level among the task's predecessors (the stage's previous
+    task, the cross-stage hand-over, the same-stage slice dependencies), 0 without any: the
+    longest-path levels the timing runs by, whichever order the graphs number their tasks in."""
+    from lengthwise.sim.dag import build_pipelines
+
+    graphs = build_pipelines([(p.stages, p.chunks, p.backward_chunks, dependencies(p.chunks, p.backward_chunks))
+                              for p in plan.pipelines])
+    for t in graphs:
+        stage, _, _, _, cross, level, counts, flat = t.columns
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        for i in range(t.num_tasks):
+            preds = flat[starts[i]:starts[i + 1]].tolist() + ([int(cross[i])] if cross[i] >= 0 else [])
+            assert all(stage[q] == stage[i] for q in flat[starts[i]:starts[i + 1]])
+            assert level[i] == 1 + max((level[q] for q in preds), default=-1)
+
+
+def test_stuck_schedule_among_good_pipelines_raises_the_grid():
+    chunks = [whole(0, 8), whole(1, 8)]
+    good = [[Action.parse(a) for a in "F0 F1 B0 B1".split()], [Action.parse(a) for a in "F0 B0 F1 B1".split()]]
+    stuck = [[Action.parse(a) for a in "F0 F1 B1 B0".split()], [Action.parse(a) for a in "F0 B0 B1 F1".split()]]
+    plan = make_plan([chunks, chunks, chunks], pp=2, stages=good)
+    plan.pipelines[1].stages = stuck
+    with pytest.raises(UserError, match="<-- ERROR HERE"):
+        simulate_plan(plan, CostModel(model=plan.model, cluster=plan.cluster))
+
+
+def assert_structure_is_derived(pipe: PipelinePlan, known) -> None:
+    from lengthwise.sim.memory import SplitArrays, split_sequences
+
+    assert known.deps == dependencies(pipe.chunks)
+    ref = SplitArrays.of(split_sequences(pipe.chunks, pipe.chunks))
+    for name in ("seq_id", "context", "slices", "slice_chunk", "slice_tokens", "holders", "holder_unit"):
+        assert np.array_equal(getattr(known.splits, name), getattr(ref, name)), name
+    assert known.fwd_counts.tolist() == [len(c.segments) for c in pipe.chunks]
+    assert known.fwd_bounds.tolist() == [[s.start, s.stop] for c in pipe.chunks for s in c.segments]
+
+
+@settings(max_examples=40, deadline=None)
+@given(plan=random_plans())
+def test_slice_structures_read_off_all_segments_are_each_pipelines_own(plan):
+    from lengthwise.sim.inputs import derived_structures
+
+    for pipe, known in zip(plan.pipelines, derived_structures(plan.pipelines, [None] * len(plan.pipelines))):
+        assert_structure_is_derived(pipe, known)
+
+
+def test_slice_structures_keep_the_last_end_and_leave_a_broken_pipeline_to_dependencies():
+    from lengthwise.sim.inputs import derived_structures
+
+    seg = Segment
+    # sequence 0 cut into three slices, its first slice held twice (the later chunk is the one a
+    # continuing slice follows), sequence 1 cut in two beside it, a short sequence
+    twice = [Chunk((seg(0, 0, 4), seg(1, 0, 3))), Chunk((seg(0, 4, 9), seg(1, 3, 6))), Chunk((seg(0, 0, 4),)),
+             Chunk((seg(2, 0, 5), seg(0, 9, 12)))]
+    broken = [Chunk((seg(3, 0, 4),)), Chunk((seg(3, 6, 9),))]   # 3[6:9] continues no slice
+    pipes = [PipelinePlan(chunks=c, stages=[[]]) for c in (twice, broken)]
+    known = derived_structures(pipes, [None, None])
+    assert_structure_is_derived(pipes[0], known[0])
+    assert known[0].deps.fwd_after[1] == (2, 0)
+    assert known[1] is None
+    with pytest.raises(UserError, match="continues sequence 3"):
+        dependencies(broken)
