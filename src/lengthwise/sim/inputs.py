@@ -519,12 +519,12 @@ class _PipelineCosts:
 
     def _sizes(self, recompute: list[list[int]]) -> MemorySizes:
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
-        dp, zero = len(self.plan.pipelines) * pipe.cp, self.plan.zero  # ZeRO shards over dp x cp
         splits = self.splits = self.known.splits if self.known is not None else split_sequences(pipe.chunks,
                                                                                                 self.units)
-        act, extra, transient, kv, kv_grad, state, work = [], [], [], [], [], [], []
+        act, extra, transient, kv, kv_grad, work = [], [], [], [], [], []
         kv_of: dict[int, dict] = {}  # stages of equal layer counts hold equal K/V
         C, U = len(pipe.chunks), len(self.units)
+        zeros = self._zeros
         for s in range(S):
             L, head = self.layers[s], s == S - 1
             full = self.per_chunk(L, head)["act"]
@@ -535,14 +535,14 @@ class _PipelineCosts:
                               for c, r in zip(pipe.chunks, recompute[s])])
             else:  # recompute_transient_bytes is 0 without recomputation
                 kept = full
-                extra.append(np.zeros(C))
+                extra.append(zeros(C))
             act.append(kept)
             # on the last stage each backward unit's loss backward makes the bf16 logit gradient
-            work.append(self._head_backward() if head else np.zeros(U))
+            work.append(self._head_backward() if head else zeros(U))
             nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD} \
                 if FORWARD_NOGRAD in map(_KIND, pipe.stages[s]) else ()
             transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
-                              for i, c in enumerate(pipe.chunks)] if nograd else np.zeros(C))
+                              for i, c in enumerate(pipe.chunks)] if nograd else zeros(C))
             if L not in kv_of:  # kv_bytes by context length, shared by the plan's pipelines of one tp, cp
                 memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
                 seqs = zip(splits.seq_id.tolist(), splits.context.tolist()) if isinstance(splits, SplitArrays) \
@@ -551,14 +551,31 @@ class _PipelineCosts:
                             for q, n in seqs}
             kv.append(kv_of[L])
             kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
-            if self._heterogeneous():  # bf16 stage weights and gradients, 1/W of the masters and moments
-                state.append(self._shared(cm.hetero_state_bytes, layers=L, tp=pipe.tp, first=s == 0, last=head,
-                                          world=self.plan.num_gpus))
-            else:
-                state.append(self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero,
-                                          layers=L).states)
-        return MemorySizes(state=state, activation=act, recompute_extra=extra, nograd_transient=transient,
+        return MemorySizes(state=self._states(), activation=act, recompute_extra=extra, nograd_transient=transient,
                            kv=kv, kv_grad=kv_grad, backward_work=work)
+
+    def _states(self) -> list[float]:
+        """[stage] model-state bytes, shared by the plan's pipelines of one shape."""
+        pipe, cm, S = self.pipe, self.cm, self.pipe.pp
+        dp, zero = len(self.plan.pipelines) * pipe.cp, self.plan.zero  # ZeRO shards over dp x cp
+        key = ("states", pipe.tp, pipe.cp, tuple(self.layers))
+        if key not in self.shared:
+            if self._heterogeneous():  # bf16 stage weights and gradients, 1/W of the masters and moments
+                self.shared[key] = [self._shared(cm.hetero_state_bytes, layers=L, tp=pipe.tp, first=s == 0,
+                                                 last=s == S - 1, world=self.plan.num_gpus)
+                                    for s, L in enumerate(self.layers)]
+            else:
+                self.shared[key] = [self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero,
+                                                 layers=L).states for s, L in enumerate(self.layers)]
+        return list(self.shared[key])
+
+    def _zeros(self, n: int) -> np.ndarray:
+        """A read-only float64 zero row of n entries, shared by the plan's pipelines."""
+        key = ("zeros", n)
+        if key not in self.shared:
+            row = self.shared[key] = np.zeros(n)
+            row.flags.writeable = False
+        return self.shared[key]
 
     def _head_backward(self) -> list[float]:
         """cm.head_backward_bytes of every backward unit (without CP: one call per row-token count)."""
