@@ -115,16 +115,14 @@ def split_by_mesh(lengths: list[int], mesh: Mesh) -> tuple[dict[int, list[Segmen
     """Line 2: seq_id -> its slices (the last is the tail slice) for long sequences, and the
     ids of short sequences (not longer than the first boundary)."""
     inner = list(mesh.bounds[1:-1])   # ascending: the cuts below n are a prefix
-    first = mesh.bounds[1]
-    split, short = {}, []
-    for seq_id, n in enumerate(lengths):
-        cuts = inner[:bisect.bisect_left(inner, n)] if n > first else []
-        if not cuts:
-            short.append(seq_id)
-            continue
-        edges = [0] + cuts + [n]
+    sizes = np.asarray(lengths, dtype=np.int64)
+    # how many inner boundaries lie below each length (bisect_left), none at or below the first
+    cut = np.where(sizes > mesh.bounds[1], np.searchsorted(np.asarray(inner, dtype=np.int64), sizes, side="left"), 0)
+    split = {}
+    for seq_id, k, n in zip(*(x.tolist() for x in (np.flatnonzero(cut), cut[cut > 0], sizes[cut > 0]))):
+        edges = [0] + inner[:k] + [n]
         split[seq_id] = [Segment(seq_id, s, e) for s, e in pairwise(edges)]
-    return split, short
+    return split, np.flatnonzero(cut == 0).tolist()
 
 
 @dataclass(kw_only=True)
