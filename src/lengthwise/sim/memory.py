@@ -333,6 +333,24 @@ def _id_arrays(t: PipelineTasks) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
     return t.id_arrays
 
 
+def _looked_up(tables: list[dict], ids: list[int], like: tuple | None = None) -> list[np.ndarray]:
+    """[stage] float64 [split] each table's bytes of each split sequence (0 where absent), one
+    pass per distinct table: stages of one layer count share theirs. `like`: (tables, rows)
+    already looked up, reused for an equal table (the same numbers)."""
+    done: dict[int, np.ndarray] = {}
+    out = []
+    for s, table in enumerate(tables):
+        row = done.get(id(table))
+        if row is None:
+            if like is not None and table == like[0][s]:
+                row = like[1][s]
+            else:
+                row = np.array([table.get(q, 0.0) for q in ids], dtype=np.float64)
+            done[id(table)] = row
+        out.append(row)
+    return out
+
+
 def _plan_split_events(S, C, U, fbase, bbase, first, bwd, all_sizes, all_splits):
     """_split_events of every pipeline (global task ids), in the same per-pipeline order."""
     all_splits = [split_arrays(x) for x in all_splits]
@@ -346,11 +364,13 @@ def _plan_split_events(S, C, U, fbase, bbase, first, bwd, all_sizes, all_splits)
     qstart = _starts(Q)
     split_pipe = np.repeat(np.arange(len(Q)), Q)
     # [pipeline, stage, split] K/V and K/V-gradient bytes
-    ids = [x.seq_id.tolist() for x in all_splits]
-    kv = np.array([kv_s.get(q, 0.0) for sz, x in zip(all_sizes, ids) for kv_s in sz.kv for q in x],
-                  dtype=np.float64)
-    grad = np.array([g_s.get(q, 0.0) for sz, x in zip(all_sizes, ids) for g_s in sz.kv_grad for q in x],
-                    dtype=np.float64)
+    kv, grad = [], []
+    for sz, x in zip(all_sizes, all_splits):
+        if len(x):
+            rows = _looked_up(sz.kv, x.seq_id.tolist())
+            kv += rows
+            grad += _looked_up(sz.kv_grad, x.seq_id.tolist(), like=(sz.kv, rows))
+    kv, grad = np.concatenate(kv), np.concatenate(grad)
     qsbase = _starts(S * Q)
     # last and first backward of each split sequence, per stage: its holders stage by stage
     H = np.bincount(split_pipe, weights=holders, minlength=len(Q)).astype(np.int64)
