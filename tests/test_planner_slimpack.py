@@ -511,3 +511,21 @@ def test_packflow_stages_at_once_are_each_stage_by_its_loop(pp, lean, data):
     ready[-1] = chunks  # the last unit reads the last forward MicroPack
     assert packflow_stages(chunks, ready, pp, lean=lean) == [
         packflow_stage(chunks, ready, warmup=pp - s - 1, lean=lean) for s in range(pp)]
+
+
+@st.composite
+def packflow_pipelines(draw):
+    """(forward MicroPacks, per backward unit the forward prefix it needs) of one pipeline."""
+    chunks = draw(st.integers(1, 20))
+    ready = sorted(draw(st.lists(st.integers(1, chunks), min_size=1, max_size=25)))
+    ready[-1] = chunks
+    return chunks, ready
+
+
+@settings(max_examples=80, deadline=None)
+@given(pipes=st.lists(packflow_pipelines(), min_size=1, max_size=8), pp=st.integers(1, 6), lean=st.booleans())
+def test_packflow_schedules_of_many_pipelines_are_each_pipelines_own(pipes, pp, lean):
+    from lengthwise.planners.slimpack.schedule import packflow_stages, packflow_stages_many
+
+    many = packflow_stages_many([c for c, _ in pipes], [r for _, r in pipes], pp, lean=lean)
+    assert many == [packflow_stages(c, r, pp, lean=lean) for c, r in pipes]

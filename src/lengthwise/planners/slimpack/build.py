@@ -86,7 +86,7 @@ from lengthwise.planners.slimpack.cuts import (
     streams_pieces,
 )
 from lengthwise.planners.slimpack.dp import RankGroup, assign_ranks, memory_ranks, merge_sizes
-from lengthwise.planners.slimpack.schedule import packflow_schedule
+from lengthwise.planners.slimpack.schedule import packflow_schedule, packflow_stages_many
 
 SCHEDULES = ("auto", "steady", "lean")
 HOLD_SHARES = (0.75, 0.5, 0.25)
@@ -200,14 +200,18 @@ def build_candidates(request: PlanRequest, groups: list[RankGroup], count: int, 
                                      cp=group.ranks, schedule="1f1b"), None))
         return out
     bcuts = streams_cuts(streams, gb, counts, backward=True, memo=memo)
+    pieces = streams_pieces(streams, fcuts, bcuts, [made for _, made in prepared])
+    # the PackFlow schedules of every pipeline with backward units at once
+    some = [k for k, (_, _, ready, _) in enumerate(pieces) if ready]
+    schedules = dict(zip(some, packflow_stages_many([len(pieces[k][0]) for k in some], [pieces[k][2] for k in some],
+                                                    s.pp, lean=lean)))
     out = []
-    for group, (chunks, units, ready, known) in zip(groups, streams_pieces(streams, fcuts, bcuts,
-                                                                          [made for _, made in prepared])):
+    for k, (group, (chunks, units, ready, known)) in enumerate(zip(groups, pieces)):
         rank_of = cp_placement(chunks, group, gf)
         chunks, units = place_segments(chunks, rank_of), place_segments(units, rank_of)
         if check:
             check_backward_units(chunks, units)
-        stages = packflow_schedule(chunks, units, s.pp, lean=lean, ready=ready)
+        stages = schedules.get(k) or packflow_schedule(chunks, units, s.pp, lean=lean, ready=ready)
         out.append((PipelinePlan(chunks=chunks, stages=stages, tp=s.tp, cp=group.ranks, backward_chunks=units,
                                  schedule="packflow-1f1b" + ("-lean" if lean else "")), known))
     return out

@@ -105,3 +105,41 @@ def packflow_stages(num_chunks: int, ready: list[int], pp: int, *, lean: bool = 
     actions = np.empty(C + U, dtype=object)
     actions[:C], actions[C:] = _actions(FORWARD, C)[:C], _actions(BACKWARD, U)[:U]
     return actions[index].tolist()
+
+
+def packflow_stages_many(num_chunks: list[int], ready: list[list[int]], pp: int, *,
+                         lean: bool = False) -> list[list[list[Action]]]:
+    """packflow_stages of many pipelines (each with at least one backward unit) at once: the
+    same arithmetic over every pipeline's units laid end to end, the running maxima restarted at
+    each pipeline (each one's values lifted above all before it), so the same action lists."""
+    P = len(num_chunks)
+    C = np.asarray(num_chunks, dtype=np.int64)
+    U = np.array([len(r) for r in ready], dtype=np.int64)
+    ustart = np.concatenate([[0], np.cumsum(U)[:-1]]).astype(np.int64)
+    pipe = np.repeat(np.arange(P), U)                            # each unit's pipeline
+    i = np.arange(int(U.sum())) - ustart[pipe]                   # and its index there
+    r = np.fromiter((x for row in ready for x in row), dtype=np.int64, count=int(U.sum()))
+    w = (pp - 1 - np.arange(pp))[:, None]
+    a = np.maximum(w + i + 1, r + w)
+    lift = pipe * (2 * (int(C.max(initial=0)) + int(U.max(initial=0)) + pp + 2))   # every value below is >= 0
+    if lean:
+        issued = np.maximum.accumulate(np.minimum(a, C[pipe]) + lift, axis=1) - lift
+    else:
+        issued = np.minimum(C[pipe], i + np.maximum.accumulate(a - i + lift, axis=1) - lift)
+    assert (issued[:, ustart + U - 1] == C).all(), "every forward MicroPack must be read by some backward unit"
+    # per pipeline a [stage, C + U] block: which places hold a backward, then which action each is
+    width = C + U
+    base = np.concatenate([[0], np.cumsum(pp * width)[:-1]]).astype(np.int64)
+    row = base[pipe] + np.arange(pp)[:, None] * width[pipe]      # each (stage, unit)'s row start
+    is_b = np.zeros(int((pp * width).sum()), dtype=bool)
+    is_b[row + issued + i] = True
+    rows = np.repeat(np.arange(P * pp), np.repeat(width, pp))    # row of each place
+    starts = np.concatenate([[0], np.cumsum(np.repeat(width, pp))[:-1]])
+    nb = np.cumsum(is_b) - np.concatenate([[0], np.cumsum(is_b)])[starts][rows]   # backwards up to here
+    at = np.arange(len(is_b)) - starts[rows]                     # place within the row
+    owner = rows // pp
+    fwd = np.asarray(_actions(FORWARD, int(C.max(initial=0))) + [None], dtype=object)
+    bwd = np.asarray(_actions(BACKWARD, int(U.max(initial=0))) + [None], dtype=object)
+    acts = np.where(is_b, bwd[np.where(is_b, nb - 1, -1)], fwd[np.where(is_b, -1, at - nb)]).tolist()
+    bounds = np.concatenate([[0], np.cumsum(np.repeat(width, pp))]).tolist()
+    return [[acts[bounds[p * pp + s]:bounds[p * pp + s + 1]] for s in range(pp)] for p in range(P)]
