@@ -31,10 +31,11 @@ Steps, each a function below or in a helper module:
 Cost, for n sequences, P data-parallel pipelines and the N_t values of N the search tries
 (N_t <= slice_candidates, 10; the six bench cases try 3-10):
 
-- per N: chunking O(n log n + S) for S segments (sorting, cuts by bisection, then O(log
-  buckets) heap work per short sequence); chunk costs, one cost-model call per distinct chunk
-  work (numpy for the activation bytes); Karmarkar-Karp / LPT over the u units, O(u log u)
-  plus O(log P) per merge;
+- per N: chunking O(n log n + S) for S segments (sorting, cuts by a search per sequence, then
+  O(log buckets) heap work per short sequence); chunk works (tokens, attention pairs) and the
+  split units' K/V rows by numpy over all S segments, chunk seconds and activation bytes by
+  the cost model's elementwise forms (works_time; without CP, else one call per distinct chunk
+  work); Karmarkar-Karp / LPT over the u units, O(u log u) plus O(log P) per merge;
 - memory: a split unit is checked alone (Algorithm 2's overflow test) only when its chunks'
   activations and K/V do not fit all at once; a pipeline whose window's largest activations
   plus all its K/V fit every stage (one sort of all chunks per stage shape, O(c log c) for

@@ -34,9 +34,10 @@ usually stops after 3-9):
   simulator", §5.1): O(n + P N pp) actions and segments per candidate, with the simulator's
   per-action constant (its task graph per distinct pipeline shape, its memory events for all
   pipelines at once). This is what the paper forces: C full-plan simulations, so planning is
-  C times linear in the plan's size (n segments, P N MicroPacks), not better; the task graphs
-  of the pipelines (pure Python, one per distinct schedule and dependency shape) are now the
-  largest single item in benchmarks/bench_planning_scale.py. A plan whose pipelines keep
+  C times linear in the plan's size (n segments, P N MicroPacks), not better. The simulator's
+  task graphs (one per distinct schedule and dependency shape, those of a candidate built
+  together with numpy), its per-pipeline cost tables and its memory replay (one sort of every
+  allocation event) now share most of that time. A plan whose pipelines keep
   different counts is not simulated again: its step time is composed exactly from the
   candidates' per-pipeline results (composed_step_time). A fixed `num_micropacks` skips the
   sweep (one build per pipeline, plus the memory check of fitting_pipeline).
