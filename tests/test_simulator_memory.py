@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_simulator import make_plan, random_plans, split, task_lookup, whole
 
 from lengthwise.cost import CostModel
@@ -228,3 +229,15 @@ def test_batched_memory_replay_with_recomputation_and_slimpack_units():
     out, req = slimpack_plan(sample("github", 64, 32 * 1024), dp=4, pp=2, context=32 * 1024)
     assert any(p.backward_chunks is not None for p in out.pipelines)
     assert_same_curves(simulate_plan(out, req.cost).timeline.memory, per_pipeline_replay(out, req.cost))
+
+
+@settings(max_examples=60, deadline=None)
+@given(events=st.lists(st.tuples(st.integers(0, 40000), st.sampled_from([0.0, -0.0, 0.5, 1.0, 1e-300, 2.5, 7.0]),
+                                 st.floats(-4.0, 4.0)), max_size=60))
+def test_event_order_is_lexsort_of_stage_time_and_frees_first(events):
+    from lengthwise.sim.memory import _event_order
+
+    stage = np.array([e[0] for e in events], dtype=np.int64)
+    time = np.array([e[1] for e in events], dtype=np.float64)
+    delta = np.array([e[2] for e in events], dtype=np.float64)
+    assert np.array_equal(_event_order(stage, time, delta), np.lexsort((delta > 0, time, stage)))
