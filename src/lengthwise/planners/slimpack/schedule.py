@@ -137,7 +137,6 @@ def packflow_stages_many(num_chunks: list[int], ready: list[list[int]], pp: int,
     starts = np.concatenate([[0], np.cumsum(np.repeat(width, pp))[:-1]])
     nb = np.cumsum(is_b) - np.concatenate([[0], np.cumsum(is_b)])[starts][rows]   # backwards up to here
     at = np.arange(len(is_b)) - starts[rows]                     # place within the row
-    owner = rows // pp
     fwd = np.asarray(_actions(FORWARD, int(C.max(initial=0))) + [None], dtype=object)
     bwd = np.asarray(_actions(BACKWARD, int(U.max(initial=0))) + [None], dtype=object)
     acts = np.where(is_b, bwd[np.where(is_b, nb - 1, -1)], fwd[np.where(is_b, -1, at - nb)]).tolist()
