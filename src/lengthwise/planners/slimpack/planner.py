@@ -43,9 +43,10 @@ usually stops after 3-9):
   sweep (one build per pipeline, plus the memory check of fitting_pipeline).
 
 Measured (benchmarks/bench_planning_scale.py, qwen2.5-7b pp 4, 32,768 sequences, CPU seconds,
-alternating runs on a shared 2-core machine at load 2-3, the same plans): 64 GPUs 0.73 s (1.82 s
-before the pipelines of a count were cut and simulated together), 1024 GPUs 2.13 s (4.2-4.4 s),
-4096 GPUs 2.3 s (5.0-5.3 s).
+the least of six runs alternating with the code before, on a shared 2-core machine, the same
+plans): 64 GPUs 0.63 s, 1024 GPUs 1.6 s, 4096 GPUs 2.0 s, after the simulator built a
+candidate's task graphs together with numpy (0.72, 2.2 and 2.1 s before; 1.82, 4.2-4.4 and
+5.0-5.3 s before the pipelines of a count were cut and simulated together).
 """
 
 from __future__ import annotations
