@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+import lengthwise.cost.memory as mem
 from lengthwise.cost import CostModel, Profile, SchemeFit
 from lengthwise.cost.comm import SKRULL_H100_TABLE_US, SKRULL_SIZES_MB
 from lengthwise.cost.flops import causal_keys
@@ -130,6 +131,21 @@ def test_cp_comm_only_for_sharded_segments():
     shard = Chunk((Segment(0, 0, 4096, cp_rank=SHARDED),))
     assert cm.cp_comm_time(local, layers=4, cp=4) == 0.0
     assert cm.cp_comm_time(shard, layers=4, cp=4) > 0.0
+    assert cm.cp_grad_comm_time(local, layers=4, cp=4) == 0.0
+    assert cm.cp_grad_comm_time(shard, layers=4, cp=1) == 0.0
+
+
+def test_cp_gradient_reduce_scatter_prices_the_gathered_kv_bytes():
+    """The backward's reduce-scatter of the K/V gradients: per layer the whole K/V of the
+    sharded segments' own tokens (a slice's context is not in it), priced as a reduce-scatter
+    over the CP group, across nodes when the group spans them."""
+    cm = cost()
+    chunk = Chunk((Segment(0, 1024, 5120, cp_rank=SHARDED), Segment(1, 0, 300, cp_rank=2)))
+    per_layer = 4096 * mem.kv_bytes_per_token_layer(cm.model, 2)
+    assert cm.cp_kv_layer_bytes(chunk, tp=2) == per_layer
+    for inter in (False, True):
+        assert cm.cp_grad_comm_time(chunk, layers=4, tp=2, cp=4, inter_node=inter) == pytest.approx(
+            4 * cm.collective_time("reduce_scatter", per_layer, ranks=4, inter_node=inter))
 
 
 def test_profile_overrides_analytic_time_and_round_trips():

@@ -120,16 +120,21 @@ def test_handoffs_use_the_inter_node_link_where_stages_cross_nodes():
 
 
 def test_sharded_segments_pay_cp_exchange_once_forward_once_backward():
+    """The forward all-gathers the K/V of sharded segments, the backward reduce-scatters their
+    gradients (the same bytes, priced as a reduce-scatter)."""
     chunk = Chunk((Segment(0, 0, 512),))  # SHARDED over the CP group by default
     plan = make_plan([[chunk]], pp=1, cp=2)
     cm = cost(plan)
     r = simulate_plan(plan, cm)
-    cp = cm.cp_comm_time(chunk, layers=4, cp=2)
-    assert cp > 0
+    gather = cm.cp_comm_time(chunk, layers=4, cp=2)
+    scatter = cm.cp_grad_comm_time(chunk, layers=4, cp=2)
+    assert gather > 0 and scatter > 0
+    assert scatter == pytest.approx(4 * cm.collective_time("reduce_scatter", cm.cp_kv_layer_bytes(chunk),
+                                                            ranks=2, inter_node=False))
     fwd = cm.forward_time(chunk, layers=4, cp=2, head=True)
     bwd = cm.backward_time(chunk, layers=4, cp=2, head=True)
-    assert r.makespan == pytest.approx(fwd + cp + bwd + cp)
-    assert r.timeline.comm.tolist() == pytest.approx([cp, cp])
+    assert r.makespan == pytest.approx(fwd + gather + bwd + scatter)
+    assert r.timeline.comm.tolist() == pytest.approx([gather, scatter])
 
 
 def test_gradient_reduction_waits_for_the_slowest_replica_of_each_stage():

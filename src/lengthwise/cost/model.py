@@ -340,8 +340,8 @@ class CostModel:
 
     def cp_comm_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, inter_node: bool = False) -> float:
         """Forward K/V all-gather of the chunk's sharded segments over the CP group, every layer
-        (skrull.txt eq. 15: volume = tokens * 2 * kv_dim); the backward reduce-scatters the K/V
-        gradients, the same volume again (runtime/distributed/cp.py keeps the gathered K/V)."""
+        (skrull.txt eq. 15: volume = tokens * 2 * kv_dim, here with each segment's context
+        before it). The backward's reduce-scatter of the K/V gradients is `cp_grad_comm_time`."""
         if cp <= 1:
             return 0.0
         sharded = sum(s.num_tokens + s.start for s in chunk.segments if s.cp_rank == SHARDED)
@@ -349,6 +349,28 @@ class CostModel:
             return 0.0
         kv_bytes = sharded * mem.kv_bytes_per_token_layer(self.model, tp)
         return layers * self.collective_time("all_gather", kv_bytes, ranks=cp, inter_node=inter_node)
+
+    def cp_kv_layer_bytes(self, chunk: Chunk, *, tp: int = 1) -> float:
+        """Bytes per layer of the K/V of the chunk's sharded segments, whole (all CP ranks'
+        pieces; a segment's context from earlier chunks is not in it): what the executor's
+        per-layer all-gather assembles, each CP rank contributing 1/cp, and what its backward
+        hands to the reduce-scatter of the K/V gradients (runtime/distributed/cp.py `_GatherKV`,
+        which pads a segment to a multiple of 2 cp rows, at most 2 cp - 1 rows more)."""
+        sharded = sum(s.num_tokens for s in chunk.segments if s.cp_rank == SHARDED)
+        return self.kv_bytes(sharded, layers=1, tp=tp) if sharded else 0.0
+
+    def cp_grad_comm_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1,
+                          inter_node: bool = False) -> float:
+        """Seconds of the backward's reduce-scatter of the K/V gradients of the chunk's sharded
+        segments over the CP group, every layer: the transpose of the forward's all-gather, on
+        `cp_kv_layer_bytes` (the executor keeps the gathered K/V from the forward, so the
+        backward gathers nothing again)."""
+        if cp <= 1:
+            return 0.0
+        nbytes = self.cp_kv_layer_bytes(chunk, tp=tp)
+        if nbytes == 0:
+            return 0.0
+        return layers * self.collective_time("reduce_scatter", nbytes, ranks=cp, inter_node=inter_node)
 
     # ---- limits ----
     def stage_budget(self, *, stage: int, tp: int = 1, pp: int = 1, replicas: int = 1, zero: int = 1,

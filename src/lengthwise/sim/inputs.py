@@ -3,9 +3,10 @@ time, and its memory sizes — from a StepPlan and the cost model, or from raw f
 
 GPU placement (for choosing intra- or inter-node links): pipelines take GPUs in order; pipeline
 p's stage s holds GPUs [offset_p + s*tp*cp, offset_p + (s+1)*tp*cp), node = gpu // gpus_per_node.
-Context-parallel K/V exchange of SHARDED segments is paid inside the action (cm.cp_comm_time in
-F and N, and once more in B: the executor keeps the gathered K/V from the forward and
-reduce-scatters their gradients, the same volume as the all-gather); the point-to-point hand-off between stages is an edge delay.
+Context-parallel K/V exchange of SHARDED segments is paid inside the action: the all-gather
+in F and N (cm.cp_comm_time), the reduce-scatter of the K/V gradients in B
+(cm.cp_grad_comm_time: the executor keeps the gathered K/V from the forward); the
+point-to-point hand-off between stages is an edge delay.
 """
 
 from __future__ import annotations
@@ -359,19 +360,19 @@ class _PipelineCosts:
             r = max((recompute[c] for c in self.deps.bwd_needs[u]), default=0)
             if r:  # backward re-runs the forward of r layers (InfiniPipe checkpointing)
                 bwd[u] = self.cm.backward_time(self.units[u], layers=L, head=head, recompute_layers=r, **self.kw)
-        cp_f = self._cp_times(s, L, self.pipe.chunks)
-        cp_b = self._cp_times(s, L, self.units)   # backward reduce-scatters the K/V gradients
+        cp_f = self._cp_times(s, L, self.pipe.chunks, self.cm.cp_comm_time)
+        cp_b = self._cp_times(s, L, self.units, self.cm.cp_grad_comm_time)  # the K/V gradients' reduce-scatter
         dur[F, :C] = dur[N, :C] = base["fwd"] + cp_f
         dur[B, :U] = bwd + cp_b
         comm[F, :C] = comm[N, :C] = cp_f
         comm[B, :U] = cp_b
 
-    def _cp_times(self, s: int, layers: int, chunks: list[Chunk]) -> np.ndarray:
+    def _cp_times(self, s: int, layers: int, chunks: list[Chunk], term) -> np.ndarray:
         if self.pipe.cp <= 1:
             return np.zeros(len(chunks))
         lo, hi = self.stage_gpus(s)
         inter = self.node(lo) != self.node(hi)
-        return np.array([self.cm.cp_comm_time(c, layers=layers, inter_node=inter, **self.kw) for c in chunks])
+        return np.array([term(c, layers=layers, inter_node=inter, **self.kw) for c in chunks])
 
     def _sizes(self, recompute: list[list[int]]) -> MemorySizes:
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
