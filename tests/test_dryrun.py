@@ -113,7 +113,7 @@ def test_dryrun_tp_flops_and_collectives_match_the_cost_model(tp_rows):
 def test_dryrun_tp_sequence_parallel_bytes_equal_the_simulators_charge(tp_rows):
     """Sequence parallelism as the cost model charges it (`tp_comm_time`): per layer and
     direction two all-gathers and two reduce-scatters of tokens x hidden bf16 values, plus the
-    embedding's and the head's, and the norms' weight gradients summed over TP once a step; the
+    embedding's and the head's (`sp_edge_comm_time`), and the norms' weight gradients summed over TP once a step; the
     activations sent between stages are each TP rank's rows (they were whole, tp times the
     simulated bytes, before the residual stream was split). Every row of this plan is a
     multiple of tp, so no padding row is sent or gathered: exact."""

@@ -137,6 +137,24 @@ def test_sharded_segments_pay_cp_exchange_once_forward_once_backward():
     assert r.timeline.comm.tolist() == pytest.approx([gather, scatter])
 
 
+def test_tp_stages_pay_the_embedding_and_head_collectives():
+    """Under tp the first stage's actions pay the embedding's sequence-parallel collective and
+    the last stage's the LM head's (`CostModel.sp_edge_comm_time`); a one-stage pipeline both."""
+    chunk = Chunk((Segment(0, 0, 512),))
+    for pp in (1, 2):
+        plan = make_plan([[chunk]], pp=pp, tp=2)
+        cm = cost(plan)
+        r = simulate_plan(plan, cm)
+        layers = plan.pipelines[0].stage_layers(plan.model.num_layers)
+        want = 0.0
+        for s, n in enumerate(layers):
+            kw = {"layers": n, "tp": 2, "head": s == pp - 1, "embed": s == 0}
+            want += cm.forward_time(chunk, **kw) + cm.backward_time(chunk, **kw)
+            assert cm.sp_edge_comm_time(512, tp=2, head=kw["head"], embed=kw["embed"]) > 0
+        send = r.timeline.send.sum()
+        assert r.makespan == pytest.approx(want + send)
+
+
 def test_gradient_reduction_waits_for_the_slowest_replica_of_each_stage():
     light = [whole(0, 64), whole(1, 64)]
     heavy = [whole(2, 256), whole(3, 256), whole(4, 256)]

@@ -23,7 +23,8 @@
   `SP_COLLECTIVES_PER_LAYER` all-gathers (`tp_all_gather`, this rank's 1/tp share of the
   gathered rows) and as many reduce-scatters (`tp_reduce_scatter`, the whole input), each of
   `sp_collective_bytes(tokens)`; the embedding's lookup reduce-scatter (first stage) and the LM
-  head's input gather (last stage) once per forward that runs them, transposed in backward;
+  head's input gather (last stage) once per forward that runs them, transposed in backward
+  (priced by `sp_edge_comm_time`);
   layers an `F.rN` recomputes gather and scatter again. `tp_all_reduce`: the
   sequence-parallel norms' partial weight gradients summed over TP once a step, in fp32. (The
   executor pads a row to a multiple of tp; those at most tp - 1 rows are not counted.)
