@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+import lengthwise.cost.memory as mem
 from lengthwise.cost import CostModel, Profile, SchemeFit
 from lengthwise.cost.comm import SKRULL_H100_TABLE_US, SKRULL_SIZES_MB
 from lengthwise.cost.flops import causal_keys
@@ -130,6 +131,21 @@ def test_cp_comm_only_for_sharded_segments():
     shard = Chunk((Segment(0, 0, 4096, cp_rank=SHARDED),))
     assert cm.cp_comm_time(local, layers=4, cp=4) == 0.0
     assert cm.cp_comm_time(shard, layers=4, cp=4) > 0.0
+    assert cm.cp_grad_comm_time(local, layers=4, cp=4) == 0.0
+    assert cm.cp_grad_comm_time(shard, layers=4, cp=1) == 0.0
+
+
+def test_cp_gradient_reduce_scatter_prices_the_gathered_kv_bytes():
+    """The backward's reduce-scatter of the K/V gradients: per layer the whole K/V of the
+    sharded segments' own tokens (a slice's context is not in it), priced as a reduce-scatter
+    over the CP group, across nodes when the group spans them."""
+    cm = cost()
+    chunk = Chunk((Segment(0, 1024, 5120, cp_rank=SHARDED), Segment(1, 0, 300, cp_rank=2)))
+    per_layer = 4096 * mem.kv_bytes_per_token_layer(cm.model, 2)
+    assert cm.cp_kv_layer_bytes(chunk, tp=2) == per_layer
+    for inter in (False, True):
+        assert cm.cp_grad_comm_time(chunk, layers=4, tp=2, cp=4, inter_node=inter) == pytest.approx(
+            4 * cm.collective_time("reduce_scatter", per_layer, ranks=4, inter_node=inter))
 
 
 def test_profile_overrides_analytic_time_and_round_trips():
@@ -180,6 +196,33 @@ def test_tensor_parallelism_pays_its_activation_collectives():
     assert cost.forward_time(chunk, layers=4, tp=1) == hidden.forward_time(chunk, layers=4, tp=1)
 
 
+def test_tensor_parallelism_pays_the_embedding_and_head_collectives():
+    """The first stage's embedding reduce-scatters its vocabulary-parallel output to the ranks'
+    rows (backward: all-gathers the gradient), the last stage's LM head all-gathers its input
+    (backward: reduce-scatters its gradient), each one collective of tokens x hidden bf16
+    values per forward or backward; a middle stage pays neither, tp 1 nothing."""
+    from lengthwise.specs import cluster_preset, model_preset
+
+    spec = model_preset("llama2-7b")
+    cost = CostModel(model=spec, cluster=cluster_preset("h100", 8))
+    hidden = dataclasses.replace(cost, tp_comm_overlap=1.0)
+    chunk = Chunk((Segment(0, 0, 8192),))
+    nbytes = 8192 * spec.hidden * 2
+    gather = cost.collective_time("all_gather", nbytes, ranks=8, inter_node=False)
+    scatter = cost.collective_time("reduce_scatter", nbytes, ranks=8, inter_node=False)
+    layers = 4 * cost.tp_comm_time(8192, tp=8)
+    for fn, (head_s, embed_s) in (("forward_time", (gather, scatter)), ("backward_time", (scatter, gather))):
+        for head, embed, edge in ((False, False, 0.0), (True, False, head_s), (False, True, embed_s),
+                                  (True, True, head_s + embed_s)):
+            kw = {"layers": 4, "tp": 8, "head": head, "embed": embed}
+            exposed = getattr(cost, fn)(chunk, **kw) - getattr(hidden, fn)(chunk, **kw)
+            assert exposed == pytest.approx(layers + edge), (fn, head, embed)
+            assert cost.sp_edge_comm_time(8192, tp=8, head=head, embed=embed,
+                                          backward=fn == "backward_time") == pytest.approx(edge)
+        assert getattr(cost, fn)(chunk, layers=4, tp=1, head=True, embed=True) == \
+            getattr(hidden, fn)(chunk, layers=4, tp=1, head=True, embed=True)
+
+
 @pytest.mark.parametrize("fitted", [False, True])
 def test_works_time_is_the_scalar_time_to_the_bit(fitted):
     """CostModel.works_time (the simulator's whole-pipeline tables at cp = 1) gives exactly the
@@ -198,10 +241,11 @@ def test_works_time_is_the_scalar_time_to_the_bit(fitted):
     from lengthwise.cost.flops import chunk_work
     keys = [chunk_work(c).keys if c.segments else 0 for c in chunks]
     for tp in (1, 2):
-        for layers, head in ((7, False), (7, True), (0, True), (0, False)):
+        for layers, head, embed in ((7, False, False), (7, True, False), (0, True, False), (0, False, False),
+                                    (7, False, True), (7, True, True), (0, False, True)):
             for backward, fn in ((False, cm.forward_time), (True, cm.backward_time)):
-                got = cm.works_time(tokens, keys, layers=layers, tp=tp, head=head, backward=backward)
-                want = [fn(c, layers=layers, tp=tp, head=head) for c in chunks]
+                got = cm.works_time(tokens, keys, layers=layers, tp=tp, head=head, embed=embed, backward=backward)
+                want = [fn(c, layers=layers, tp=tp, head=head, embed=embed) for c in chunks]
                 assert (got + 0.0).tolist() == want
 
 

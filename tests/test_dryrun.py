@@ -113,7 +113,7 @@ def test_dryrun_tp_flops_and_collectives_match_the_cost_model(tp_rows):
 def test_dryrun_tp_sequence_parallel_bytes_equal_the_simulators_charge(tp_rows):
     """Sequence parallelism as the cost model charges it (`tp_comm_time`): per layer and
     direction two all-gathers and two reduce-scatters of tokens x hidden bf16 values, plus the
-    embedding's and the head's, and the norms' weight gradients summed over TP once a step; the
+    embedding's and the head's (`sp_edge_comm_time`), and the norms' weight gradients summed over TP once a step; the
     activations sent between stages are each TP rank's rows (they were whole, tp times the
     simulated bytes, before the residual stream was split). Every row of this plan is a
     multiple of tp, so no padding row is sent or gathered: exact."""
@@ -122,6 +122,52 @@ def test_dryrun_tp_sequence_parallel_bytes_equal_the_simulators_charge(tp_rows):
         for kind in ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce", "send"):
             assert comm[kind]["simulated"] > 0, (rank, kind)
             assert comm[kind]["measured"] == pytest.approx(comm[kind]["simulated"], rel=1e-12), (rank, kind)
+
+
+@pytest.fixture(scope="module")
+def cp_rows(tmp_path_factory):
+    """`lengthwise dryrun --json` of the first and last rank of a Skrull plan over pp 2 x cp 4:
+    sequences 0 (1,605 tokens) and 1 (800) sharded over the CP group, the rest whole on one CP
+    rank each."""
+    from lengthwise.plan.ir import SHARDED
+
+    scheme = ParallelScheme(dp=1, pp=2, cp=4)
+    cluster = cluster_preset("h100", scheme.num_gpus)
+    plan = get_planner("skrull")(PlanRequest(
+        lengths=[1605, 800, 240, 160, 96, 64, 400, 48], model=SMALL, cluster=cluster, scheme=scheme,
+        cost=CostModel(model=SMALL, cluster=cluster), context_length=2048, seed=0, options={"bucket_size": 500}))
+    sharded = [s for c in plan.pipelines[0].chunks for s in c.segments if s.cp_rank == SHARDED]
+    assert sorted(s.num_tokens for s in sharded) == [800, 1605]
+    path = tmp_path_factory.mktemp("dryrun_cp") / "plan.json"
+    plan.save(path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["dryrun", str(path), "--ranks", "0,7", "--json"]) == 0
+    return plan, sharded, json.loads(out.getvalue())["ranks"]
+
+
+def test_dryrun_cp_kv_exchange_bytes_match_the_cost_model(cp_rows):
+    """Context parallelism as `sim/rank.cp_comm_bytes` counts it: per layer, each forward's
+    all-gather takes this rank's 1/cp of the sharded segments' K/V, and the backward hands the
+    whole K/V gradient to the reduce-scatter (once uncounted: the simulated reduce-scatter was
+    FSDP2's gradients alone). The executor pads a sharded segment to a multiple of 2 cp rows
+    (1,605 -> 1,608 here), so the measured CP bytes exceed the cost model's by at most
+    (2 cp - 1) rows per segment over the sharded tokens (0.6%); FSDP2's share is exact."""
+    from lengthwise.sim.rank import cp_comm_bytes, rank_places
+
+    plan, sharded, rows = cp_rows
+    cp = plan.pipelines[0].cp
+    bound = (2 * cp - 1) * len(sharded) / sum(s.num_tokens for s in sharded)
+    assert bound < 0.01
+    cost = CostModel(model=plan.model, cluster=plan.cluster)
+    for rank, row in rows.items():
+        cp_kinds = dict(zip(("all_gather", "reduce_scatter"), cp_comm_bytes(plan, cost, rank_places(plan)[int(rank)])))
+        for kind, cp_part in cp_kinds.items():
+            pair = row["comm_bytes"][kind]
+            assert cp_part > 0.1 * pair["simulated"], (rank, kind)  # a sizeable part of the kind
+            others = pair["simulated"] - cp_part  # FSDP2's weight gather / gradient reduce-scatter
+            assert pair["measured"] - others == pytest.approx(cp_part, rel=bound), (rank, kind)
+            assert pair["measured"] >= pair["simulated"], (rank, kind)  # the padding rows only add
 
 
 def test_decoder_layer_keeps_the_cost_models_activation_bytes():

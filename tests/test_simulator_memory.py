@@ -121,16 +121,39 @@ def test_handoffs_use_the_inter_node_link_where_stages_cross_nodes():
 
 
 def test_sharded_segments_pay_cp_exchange_once_forward_once_backward():
+    """The forward all-gathers the K/V of sharded segments, the backward reduce-scatters their
+    gradients (the same bytes, priced as a reduce-scatter)."""
     chunk = Chunk((Segment(0, 0, 512),))  # SHARDED over the CP group by default
     plan = make_plan([[chunk]], pp=1, cp=2)
     cm = cost(plan)
     r = simulate_plan(plan, cm)
-    cp = cm.cp_comm_time(chunk, layers=4, cp=2)
-    assert cp > 0
+    gather = cm.cp_comm_time(chunk, layers=4, cp=2)
+    scatter = cm.cp_grad_comm_time(chunk, layers=4, cp=2)
+    assert gather > 0 and scatter > 0
+    assert scatter == pytest.approx(4 * cm.collective_time("reduce_scatter", cm.cp_kv_layer_bytes(chunk),
+                                                            ranks=2, inter_node=False))
     fwd = cm.forward_time(chunk, layers=4, cp=2, head=True)
     bwd = cm.backward_time(chunk, layers=4, cp=2, head=True)
-    assert r.makespan == pytest.approx(fwd + cp + bwd + cp)
-    assert r.timeline.comm.tolist() == pytest.approx([cp, cp])
+    assert r.makespan == pytest.approx(fwd + gather + bwd + scatter)
+    assert r.timeline.comm.tolist() == pytest.approx([gather, scatter])
+
+
+def test_tp_stages_pay_the_embedding_and_head_collectives():
+    """Under tp the first stage's actions pay the embedding's sequence-parallel collective and
+    the last stage's the LM head's (`CostModel.sp_edge_comm_time`); a one-stage pipeline both."""
+    chunk = Chunk((Segment(0, 0, 512),))
+    for pp in (1, 2):
+        plan = make_plan([[chunk]], pp=pp, tp=2)
+        cm = cost(plan)
+        r = simulate_plan(plan, cm)
+        layers = plan.pipelines[0].stage_layers(plan.model.num_layers)
+        want = 0.0
+        for s, n in enumerate(layers):
+            kw = {"layers": n, "tp": 2, "head": s == pp - 1, "embed": s == 0}
+            want += cm.forward_time(chunk, **kw) + cm.backward_time(chunk, **kw)
+            assert cm.sp_edge_comm_time(512, tp=2, head=kw["head"], embed=kw["embed"]) > 0
+        send = r.timeline.send.sum()
+        assert r.makespan == pytest.approx(want + send)
 
 
 def test_gradient_reduction_waits_for_the_slowest_replica_of_each_stage():

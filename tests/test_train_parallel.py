@@ -149,3 +149,42 @@ def test_bf16_trains_float32_master_weights_under_fsdp2(tmp_path):
     reference = [r.loss for r in single_process("--steps", "2", "--dp", "2", "--dtype", "float32").records]
     assert losses(tmp_path) == pytest.approx(reference, rel=1e-2)
     assert losses(tmp_path) != pytest.approx(reference, rel=1e-6)  # it did compute in bf16
+
+
+def test_no_sequence_parallel_reaches_the_rank_models_options():
+    """--no-sequence-parallel is parsed into the config, and the config into the options every
+    rank's model is built with (`parallel/build.ParallelOptions`); the default keeps it on."""
+    from lengthwise.commands.train import resume_command
+    from lengthwise.runtime.train.dist import rank_model_args
+
+    from lengthwise.runtime.train.loop import Setup
+    from lengthwise.workloads.sampler import GlobalBatchSampler
+
+    def config(*argv: str):
+        return config_from_args(build_parser(only="train").parse_args(["train", *ARGS, "--tp", "2", *argv]))
+
+    plain, off = config(), config("--no-sequence-parallel")
+    assert plain.sequence_parallel and not off.sequence_parallel
+    setup = Setup(off, whole_model=False)
+    plan = setup.plan(GlobalBatchSampler(setup.source, seed=off.seed, **off.sampler_size).next_batch())
+    assert rank_model_args(off, plan)["options"].sequence_parallel is False
+    assert rank_model_args(plain, plan)["options"].sequence_parallel is True
+    assert "--no-sequence-parallel" in resume_command(off).split()  # a resumed run keeps it off
+    assert "sequence" not in resume_command(plain)
+
+
+def test_no_sequence_parallel_with_hydraulis_is_a_usage_error(capsys):
+    """Hydraulis' heterogeneous executor builds its TP pipelines with sequence parallelism only."""
+    assert main(["train", *ARGS, "--planner", "hydraulis", "--nproc", "2", "--tp", "2",
+                 "--no-sequence-parallel"]) == 2
+    assert "--planner hydraulis runs its tensor-parallel pipelines with sequence parallelism only" in \
+        capsys.readouterr().err
+
+
+def test_tp2_without_sequence_parallel_reaches_the_single_process_weights(tmp_path):
+    """Two TP ranks keeping whole activations (an all-reduce after each block instead of
+    sequence parallelism's gathers and scatters) train to one process's weights."""
+    assert distributed(tmp_path, "--steps", "2", "--nproc", "2", "--tp", "2", "--no-sequence-parallel") == 0
+    reference = single_process("--steps", "2", "--tp", "2")
+    assert_close_weights(read_tensors(tmp_path / "step-000002"), reference.model.state_dict())
+    assert losses(tmp_path) == pytest.approx([r.loss for r in reference.records], rel=TOLERANCE)

@@ -154,7 +154,8 @@ def scheme_estimate(cost: CostModel, s: ParallelScheme, lengths: list[int], cont
         chunk = Chunk(tuple(Segment(i, 0, n) for i, n in enumerate(share)))
         busy = (cost.forward_time(chunk, layers=layers, tp=s.tp, cp=s.cp)
                 + cost.backward_time(chunk, layers=layers, tp=s.tp, cp=s.cp)
-                + 2 * cost.cp_comm_time(chunk, layers=layers, tp=s.tp, cp=s.cp))
+                + cost.cp_comm_time(chunk, layers=layers, tp=s.tp, cp=s.cp)
+                + cost.cp_grad_comm_time(chunk, layers=layers, tp=s.tp, cp=s.cp))
         micro = max(1, -(-sum(share) // context_length))
         slowest = max(slowest, busy * (micro + s.pp - 1) / micro)
     sync = cost.grad_sync_time(layers=layers, tp=s.tp, dp=s.dp * s.cp, zero=s.zero, first=True,

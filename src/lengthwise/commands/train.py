@@ -32,8 +32,9 @@ machine cannot hold is refused before training starts, with the estimate.
 
 With --nproc N (local workers: gloo on CPU, NCCL on CUDA with one GPU each) or under torchrun,
 the plan's ranks (N = dp * pp * cp * tp) run the same loop, each building only its own part of
-the model: its pipeline stage's layers, split over the stage's --tp ranks (DTensor), sharded
-over the stage's data-parallel x CP ranks with FSDP2 (--zero 1 or 2: gathered once per step;
+the model: its pipeline stage's layers, split over the stage's --tp ranks (DTensor; with the
+residual stream's rows split over them too unless --no-sequence-parallel), sharded over the
+stage's data-parallel x CP ranks with FSDP2 (--zero 1 or 2: gathered once per step;
 3: ZeRO-3; 0: whole copies). Every rank plans the same batch (checked by a plan hash each
 step), AdamW updates the rank's shards (float32 master weights under bfloat16 compute with
 --dtype bfloat16), clipping uses the global gradient norm, rank 0 alone writes metrics and the
@@ -138,6 +139,9 @@ def _add_runtime(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
     parser.add_argument("--tp", metavar="T", type=int,
                         help="tensor-parallel ranks per stage in the plan (default 1; each holds its shard "
                              "with --nproc or torchrun)")
+    parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false", default=None,
+                        help="with --tp > 1 across processes: keep whole activations on every TP rank (all-reduce "
+                             "after each block) instead of splitting the residual stream's rows over TP (the default)")
     parser.add_argument("--zero", metavar="Z", type=int, choices=(0, 1, 2, 3),
                         help="across processes: 0 = whole parameters on every replica, 1/2 = FSDP2 sharding "
                              "gathered once per step (default 1), 3 = resharded after each forward (ZeRO-3)")
@@ -173,7 +177,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     config = load_toml(args.config) if args.config else TrainConfig()
     flags = {name: getattr(args, name) for name in (
         "model", "planner", "batch_size", "tokens_per_batch", "steps", "lr", "weight_decay",
-        "grad_clip", "dtype", "device", "backend", "threads", "dp", "pp", "cp", "tp", "zero", "nproc", "cluster",
+        "grad_clip", "dtype", "device", "backend", "threads", "dp", "pp", "cp", "tp", "sequence_parallel", "zero", "nproc", "cluster",
         "metrics", "out",
         "save_every", "resume", "progress", "data", "tokenizer", "text_field", "context_length",
         "overlong", "seed", "lr_schedule", "warmup_steps", "min_lr", "eval_every", "eval_sequences",
@@ -224,7 +228,7 @@ def resume_command(config: TrainConfig, *, from_out: bool = True) -> str:
             continue  # the default
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
-            words.append(flag if value else f"--no-{name}")
+            words.append(flag if value else "--no-" + name.replace("_", "-"))
         else:
             words += [flag, str(value)]
     for key, value in config.options.items():

@@ -107,19 +107,24 @@ class CostModel:
         return body + (head_forward_flops(self.model, work.tokens) * self.bwd_linear_ratio if head else 0.0)
 
     # ---- seconds on one stage ----
-    def forward_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False) -> float:
-        return max(self._gpu_time(w, layers, tp, head, backward=False) for w in rank_works(chunk, cp))
+    def forward_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False,
+                     embed: bool = False) -> float:
+        """Forward seconds of a stage of `layers` layers, with the LM head (`head`: the last
+        stage) and the embedding (`embed`: the first stage; under tensor parallelism its
+        sequence-parallel collective, `sp_edge_comm_time`)."""
+        return max(self._gpu_time(w, layers, tp, head, backward=False, embed=embed) for w in rank_works(chunk, cp))
 
     def backward_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False,
-                      recompute_layers: int = 0) -> float:
+                      recompute_layers: int = 0, embed: bool = False) -> float:
         """Backward seconds, plus the forward of `recompute_layers` layers rerun first."""
-        return max(self._gpu_time(w, layers, tp, head, backward=True)
+        return max(self._gpu_time(w, layers, tp, head, backward=True, embed=embed)
                    + (self._gpu_time(w, recompute_layers, tp, False, backward=False) if recompute_layers else 0.0)
                    for w in rank_works(chunk, cp))
 
-    def _gpu_time(self, work: ChunkWork, layers: int, tp: int, head: bool, backward: bool) -> float:
+    def _gpu_time(self, work: ChunkWork, layers: int, tp: int, head: bool, backward: bool,
+                  embed: bool = False) -> float:
         """Seconds for one GPU of a tp group running `work` (its share of the chunk)."""
-        if work.tokens == 0 or (layers == 0 and not head):
+        if work.tokens == 0 or (layers == 0 and not head and not (embed and tp > 1)):
             return 0.0
         fit = self.profile.fit_for(tp, 1) if self.profile else None
         if fit is not None:
@@ -127,9 +132,10 @@ class CostModel:
             hb, hc = fit.head_bwd if backward else fit.head_fwd
             body = layers * (a * work.keys + b * work.tokens + c)
             return body + ((hb * work.tokens + hc) if head else 0.0)
-        return self._analytic_time(work, layers, tp, head, backward)
+        return self._analytic_time(work, layers, tp, head, backward, embed)
 
-    def _analytic_time(self, work: ChunkWork, layers: int, tp: int, head: bool, backward: bool) -> float:
+    def _analytic_time(self, work: ChunkWork, layers: int, tp: int, head: bool, backward: bool,
+                       embed: bool = False) -> float:
         lin, attn = layer_forward_flops(self.model, work)
         head_flops = head_forward_flops(self.model, work.tokens) if head else 0.0
         if backward:
@@ -140,17 +146,20 @@ class CostModel:
         lin_s = (layers * lin + head_flops) / tp / (peak * lin_eff)
         attn_s = layers * attn / tp / (peak * self.throughput.attention_mfu)
         tp_s = (1.0 - self.tp_comm_overlap) * layers * self.tp_comm_time(work.tokens, tp=tp)
+        if tp > 1 and (head or embed):
+            tp_s += (1.0 - self.tp_comm_overlap) * self.sp_edge_comm_time(work.tokens, tp=tp, head=head, embed=embed,
+                                                                           backward=backward)
         return lin_s + attn_s + tp_s + layers * self.throughput.layer_overhead_s
 
     def works_time(self, tokens, keys, *, layers: int, tp: int = 1, head: bool = False,
-                   backward: bool = False) -> np.ndarray:
+                   backward: bool = False, embed: bool = False) -> np.ndarray:
         """_gpu_time of many whole-GPU works at once (cp = 1: forward_time / backward_time of
         chunks with these row tokens and attention pairs): float64 array, element for element
         the same arithmetic in the same order as the scalar path, so the same floats (the
         simulator's per-chunk tables use it; tests/test_cost.py checks the equality)."""
         tokens = np.asarray(tokens, dtype=np.float64)
         keys = np.asarray(keys, dtype=np.float64)
-        if layers == 0 and not head:
+        if layers == 0 and not head and not (embed and tp > 1):
             return np.zeros(len(tokens))
         fit = self.profile.fit_for(tp, 1) if self.profile else None
         if fit is not None:
@@ -172,6 +181,10 @@ class CostModel:
             if tp > 1:
                 comm = {t: self.tp_comm_time(t, tp=tp) for t in set(tokens.tolist())}
                 tp_s = (1.0 - self.tp_comm_overlap) * layers * np.array([comm[t] for t in tokens.tolist()])
+                if head or embed:
+                    edge = {t: self.sp_edge_comm_time(t, tp=tp, head=head, embed=embed, backward=backward)
+                            for t in comm}
+                    tp_s += (1.0 - self.tp_comm_overlap) * np.array([edge[t] for t in tokens.tolist()])
             else:
                 tp_s = (1.0 - self.tp_comm_overlap) * layers * 0.0
             out = lin_s + attn_s + tp_s + layers * th.layer_overhead_s
@@ -183,12 +196,30 @@ class CostModel:
         SequenceParallel / ColwiseParallel / RowwiseParallel plan follows): before the attention
         and the MLP block an all-gather of the sequence-sharded activations, after each a
         reduce-scatter, each of tokens x hidden bf16 values (the gathered size). Backward runs
-        the transposed collectives, the same volume. Inside one node (tp <= GPUs per node)."""
+        the transposed collectives, the same volume. Inside one node (tp <= GPUs per node). The
+        embedding's and the LM head's collectives are `sp_edge_comm_time`."""
         if tp <= 1 or tokens <= 0:
             return 0.0
         nbytes = self.sp_collective_bytes(tokens)
         return SP_COLLECTIVES_PER_LAYER * (self.collective_time("all_gather", nbytes, ranks=tp, inter_node=False)
                                            + self.collective_time("reduce_scatter", nbytes, ranks=tp, inter_node=False))
+
+    def sp_edge_comm_time(self, tokens: float, *, tp: int, head: bool = False, embed: bool = False,
+                          backward: bool = False) -> float:
+        """Seconds of the sequence-parallel collectives at the ends of the model, once per
+        forward or backward of the stage that holds them: the embedding's (first stage) output,
+        partial sums of the vocabulary-parallel lookup, reduce-scattered to each rank's rows,
+        and the LM head's (last stage) input all-gathered from them; backward runs the
+        transposes (the embedding's gradient all-gathered, the head's input gradient
+        reduce-scattered). Each of `sp_collective_bytes(tokens)`, inside one node."""
+        if tp <= 1 or tokens <= 0 or not (head or embed):
+            return 0.0
+        nbytes = self.sp_collective_bytes(tokens)
+        gather = self.collective_time("all_gather", nbytes, ranks=tp, inter_node=False)
+        scatter = self.collective_time("reduce_scatter", nbytes, ranks=tp, inter_node=False)
+        if backward:
+            return (scatter if head else 0.0) + (gather if embed else 0.0)
+        return (gather if head else 0.0) + (scatter if embed else 0.0)
 
     def sp_collective_bytes(self, tokens: float) -> float:
         """Gathered size of one sequence-parallel all-gather or reduce-scatter of `tokens` rows:
@@ -340,8 +371,8 @@ class CostModel:
 
     def cp_comm_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, inter_node: bool = False) -> float:
         """Forward K/V all-gather of the chunk's sharded segments over the CP group, every layer
-        (skrull.txt eq. 15: volume = tokens * 2 * kv_dim); the backward reduce-scatters the K/V
-        gradients, the same volume again (runtime/distributed/cp.py keeps the gathered K/V)."""
+        (skrull.txt eq. 15: volume = tokens * 2 * kv_dim, here with each segment's context
+        before it). The backward's reduce-scatter of the K/V gradients is `cp_grad_comm_time`."""
         if cp <= 1:
             return 0.0
         sharded = sum(s.num_tokens + s.start for s in chunk.segments if s.cp_rank == SHARDED)
@@ -349,6 +380,28 @@ class CostModel:
             return 0.0
         kv_bytes = sharded * mem.kv_bytes_per_token_layer(self.model, tp)
         return layers * self.collective_time("all_gather", kv_bytes, ranks=cp, inter_node=inter_node)
+
+    def cp_kv_layer_bytes(self, chunk: Chunk, *, tp: int = 1) -> float:
+        """Bytes per layer of the K/V of the chunk's sharded segments, whole (all CP ranks'
+        pieces; a segment's context from earlier chunks is not in it): what the executor's
+        per-layer all-gather assembles, each CP rank contributing 1/cp, and what its backward
+        hands to the reduce-scatter of the K/V gradients (runtime/distributed/cp.py `_GatherKV`,
+        which pads a segment to a multiple of 2 cp rows, at most 2 cp - 1 rows more)."""
+        sharded = sum(s.num_tokens for s in chunk.segments if s.cp_rank == SHARDED)
+        return self.kv_bytes(sharded, layers=1, tp=tp) if sharded else 0.0
+
+    def cp_grad_comm_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1,
+                          inter_node: bool = False) -> float:
+        """Seconds of the backward's reduce-scatter of the K/V gradients of the chunk's sharded
+        segments over the CP group, every layer: the transpose of the forward's all-gather, on
+        `cp_kv_layer_bytes` (the executor keeps the gathered K/V from the forward, so the
+        backward gathers nothing again)."""
+        if cp <= 1:
+            return 0.0
+        nbytes = self.cp_kv_layer_bytes(chunk, tp=tp)
+        if nbytes == 0:
+            return 0.0
+        return layers * self.collective_time("reduce_scatter", nbytes, ranks=cp, inter_node=inter_node)
 
     # ---- limits ----
     def stage_budget(self, *, stage: int, tp: int = 1, pp: int = 1, replicas: int = 1, zero: int = 1,

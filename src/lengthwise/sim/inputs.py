@@ -3,9 +3,10 @@ time, and its memory sizes — from a StepPlan and the cost model, or from raw f
 
 GPU placement (for choosing intra- or inter-node links): pipelines take GPUs in order; pipeline
 p's stage s holds GPUs [offset_p + s*tp*cp, offset_p + (s+1)*tp*cp), node = gpu // gpus_per_node.
-Context-parallel K/V exchange of SHARDED segments is paid inside the action (cm.cp_comm_time in
-F and N, and once more in B: the executor keeps the gathered K/V from the forward and
-reduce-scatters their gradients, the same volume as the all-gather); the point-to-point hand-off between stages is an edge delay.
+Context-parallel K/V exchange of SHARDED segments is paid inside the action: the all-gather
+in F and N (cm.cp_comm_time), the reduce-scatter of the K/V gradients in B
+(cm.cp_grad_comm_time: the executor keeps the gathered K/V from the forward); the
+point-to-point hand-off between stages is an edge delay.
 """
 
 from __future__ import annotations
@@ -340,8 +341,8 @@ def _plan_works(plan: StepPlan, known: list[SliceStructure | None]) -> list[tupl
 
 def _batched_tables(plan: StepPlan, cm: CostModel, works) -> list[dict]:
     """_PipelineCosts.per_chunk of every pipeline without CP, for all pipelines of one tp and
-    stage kind (layers, head) in one works_time call each (elementwise: the same floats as one
-    call per pipeline). Per pipeline: {(layers, head): {"fwd", "bwd", "act"}}."""
+    stage kind (layers, head, embed) in one works_time call each (elementwise: the same floats as
+    one call per pipeline). Per pipeline: {(layers, head, embed): {"fwd", "bwd", "act"}}."""
     kinds: dict[tuple, list[int]] = {}
     for i, pipe in enumerate(plan.pipelines):
         if pipe.cp > 1 or works[i] is None:
@@ -350,28 +351,30 @@ def _batched_tables(plan: StepPlan, cm: CostModel, works) -> list[dict]:
         if len(layers) != pipe.pp or any(n < 0 for n in layers):
             continue  # _PipelineCosts reports it
         for s, n in enumerate(layers):
-            members = kinds.setdefault((pipe.tp, n, s == pipe.pp - 1), [])
+            members = kinds.setdefault((pipe.tp, n, s == pipe.pp - 1, s == 0), [])
             if not members or members[-1] != i:
                 members.append(i)
     out: list[dict] = [{} for _ in plan.pipelines]
-    for (tp, layers, head), members in kinds.items():
+    for (tp, layers, head, embed), members in kinds.items():
         fw = [works[i][0] for i in members]
         bw = [works[i][1] for i in members]
         ct, ck = np.concatenate([w.row_tokens for w in fw]), np.concatenate([w.row_keys for w in fw])
         ut, uk = np.concatenate([w.row_tokens for w in bw]), np.concatenate([w.row_keys for w in bw])
-        fwd = cm.works_time(ct, ck, layers=layers, tp=tp, head=head, backward=False)
-        bwd = cm.works_time(ut, uk, layers=layers, tp=tp, head=head, backward=True) + 0.0  # (zero) recompute
+        fwd = cm.works_time(ct, ck, layers=layers, tp=tp, head=head, embed=embed, backward=False)
+        bwd = cm.works_time(ut, uk, layers=layers, tp=tp, head=head, embed=embed,
+                            backward=True) + 0.0  # (zero) recompute
         act = cm.activation_bytes_per_token(layers=layers, tp=tp, head=head) * ct
         cb = np.cumsum([0] + [len(w.row_tokens) for w in fw]).tolist()
         ub = np.cumsum([0] + [len(w.row_tokens) for w in bw]).tolist()
         for k, i in enumerate(members):
-            out[i][layers, head] = {"fwd": fwd[cb[k]:cb[k + 1]], "bwd": bwd[ub[k]:ub[k + 1]],
+            out[i][layers, head, embed] = {"fwd": fwd[cb[k]:cb[k + 1]], "bwd": bwd[ub[k]:ub[k + 1]],
                                     "act": act[cb[k]:cb[k + 1]]}
     return out
 
 
 class _PipelineCosts:
-    """Cost tables of one pipeline; per (layers, head) stage kind the per-chunk costs are cached."""
+    """Cost tables of one pipeline; per (layers, head, embed) stage kind the per-chunk costs are
+    cached (head: the last stage's LM head, embed: the first stage's embedding)."""
 
     def __init__(self, plan: StepPlan, index: int, cm: CostModel, offsets: list[int], shared: dict,
                  works: tuple[_Works, _Works] | None = None, tables: dict | None = None,
@@ -400,13 +403,13 @@ class _PipelineCosts:
         """Whether the hand-off between stages s and s+1 crosses nodes."""
         return self.node(self.stage_gpus(s)[0]) != self.node(self.stage_gpus(s + 1)[1])
 
-    def per_chunk(self, layers: int, head: bool) -> dict[str, np.ndarray]:
-        key = (layers, head)
+    def per_chunk(self, layers: int, head: bool, embed: bool = False) -> dict[str, np.ndarray]:
+        key = (layers, head, embed)
         if key not in self._cache:
             cm = self.cm
             self._cache[key] = {
-                "fwd": self._each(cm.forward_time, self.pipe.chunks, layers=layers, head=head),
-                "bwd": self._each(cm.backward_time, self.units, layers=layers, head=head),
+                "fwd": self._each(cm.forward_time, self.pipe.chunks, layers=layers, head=head, embed=embed),
+                "bwd": self._each(cm.backward_time, self.units, layers=layers, head=head, embed=embed),
                 "act": self._each(cm.activation_bytes, self.pipe.chunks, layers=layers, head=head),
             }
         return self._cache[key]
@@ -447,7 +450,8 @@ class _PipelineCosts:
         cm, layers, tp, head = self.cm, kw["layers"], kw["tp"], kw.get("head", False)
         if name == "activation_bytes":
             return cm.activation_bytes_per_token(layers=layers, tp=tp, head=head) * tokens
-        out = cm.works_time(tokens, keys, layers=layers, tp=tp, head=head, backward=name == "backward_time")
+        out = cm.works_time(tokens, keys, layers=layers, tp=tp, head=head, embed=kw.get("embed", False),
+                            backward=name == "backward_time")
         return out + 0.0 if name == "backward_time" else out  # backward_time adds its (zero) recompute
 
     def build(self) -> PipelineInput:
@@ -493,7 +497,7 @@ class _PipelineCosts:
 
     def _stage_times(self, s: int, recompute: list[int], dur: np.ndarray, comm: np.ndarray) -> None:
         L, head, C, U = self.layers[s], s == self.pipe.pp - 1, len(self.pipe.chunks), len(self.units)
-        base = self.per_chunk(L, head)
+        base = self.per_chunk(L, head, s == 0)
         if self.pipe.cp <= 1 and not any(recompute):  # no CP exchange (comm stays zero), no recomputation
             dur[F, :C] = dur[N, :C] = base["fwd"]
             dur[B, :U] = base["bwd"]
@@ -502,20 +506,21 @@ class _PipelineCosts:
         for u in range(U if any(recompute) else 0):
             r = max((recompute[c] for c in self.deps.bwd_needs[u]), default=0)
             if r:  # backward re-runs the forward of r layers (InfiniPipe checkpointing)
-                bwd[u] = self.cm.backward_time(self.units[u], layers=L, head=head, recompute_layers=r, **self.kw)
-        cp_f = self._cp_times(s, L, self.pipe.chunks)
-        cp_b = self._cp_times(s, L, self.units)   # backward reduce-scatters the K/V gradients
+                bwd[u] = self.cm.backward_time(self.units[u], layers=L, head=head, recompute_layers=r, embed=s == 0,
+                                               **self.kw)
+        cp_f = self._cp_times(s, L, self.pipe.chunks, self.cm.cp_comm_time)
+        cp_b = self._cp_times(s, L, self.units, self.cm.cp_grad_comm_time)  # the K/V gradients' reduce-scatter
         dur[F, :C] = dur[N, :C] = base["fwd"] + cp_f
         dur[B, :U] = bwd + cp_b
         comm[F, :C] = comm[N, :C] = cp_f
         comm[B, :U] = cp_b
 
-    def _cp_times(self, s: int, layers: int, chunks: list[Chunk]) -> np.ndarray:
+    def _cp_times(self, s: int, layers: int, chunks: list[Chunk], term) -> np.ndarray:
         if self.pipe.cp <= 1:
             return np.zeros(len(chunks))
         lo, hi = self.stage_gpus(s)
         inter = self.node(lo) != self.node(hi)
-        return np.array([self.cm.cp_comm_time(c, layers=layers, inter_node=inter, **self.kw) for c in chunks])
+        return np.array([term(c, layers=layers, inter_node=inter, **self.kw) for c in chunks])
 
     def _sizes(self, recompute: list[list[int]]) -> MemorySizes:
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
@@ -527,7 +532,7 @@ class _PipelineCosts:
         zeros = self._zeros
         for s in range(S):
             L, head = self.layers[s], s == S - 1
-            full = self.per_chunk(L, head)["act"]
+            full = self.per_chunk(L, head, s == 0)["act"]
             if any(recompute[s]):
                 kept = np.array([cm.activation_bytes(c, layers=L, head=head, recompute_layers=r, **self.kw) if r
                                  else full[i] for i, (c, r) in enumerate(zip(pipe.chunks, recompute[s]))])

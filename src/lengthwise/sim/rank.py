@@ -15,13 +15,16 @@
   stages; under FSDP2 (`fsdp_sharded`) `reduce_scatter` the stage's fp32 gradients and
   `all_gather` its weight shard in bf16, once a step (or around every action under ZeRO-3);
   replicated, `all_reduce` the gradient buffers over the replicas holding the stage (data
-  parallel pipelines times CP ranks); `all_gather` also counts the K/V a CP rank contributes.
+  parallel pipelines times CP ranks). Context parallelism (`cp_comm_bytes`): `all_gather` also
+  counts the K/V a CP rank contributes to each forward's gathers, `reduce_scatter` the K/V
+  gradients each backward hands to their reduce-scatter.
   Tensor parallelism with sequence parallelism (the cost model's `tp_comm_time`), counted
   apart as the dry run sees DTensor's collectives: per decoder layer and direction
   `SP_COLLECTIVES_PER_LAYER` all-gathers (`tp_all_gather`, this rank's 1/tp share of the
   gathered rows) and as many reduce-scatters (`tp_reduce_scatter`, the whole input), each of
   `sp_collective_bytes(tokens)`; the embedding's lookup reduce-scatter (first stage) and the LM
-  head's input gather (last stage) once per forward that runs them, transposed in backward;
+  head's input gather (last stage) once per forward that runs them, transposed in backward
+  (priced by `sp_edge_comm_time`);
   layers an `F.rN` recomputes gather and scatter again. `tp_all_reduce`: the
   sequence-parallel norms' partial weight gradients summed over TP once a step, in fp32. (The
   executor pads a row to a multiple of tp; those at most tp - 1 rows are not counted.)
@@ -29,7 +32,6 @@
   and the pull of bf16 weights (`CostModel.exchange_sent_bytes`), `all_reduce` the gradient
   norm's one fp64 value, `tp_all_reduce` in bf16 (the stage's own dtype), no reduce-scatter.
   Their peak is the larger of the simulator's and the step end's (`step_end_bytes`).
-  Not counted anywhere yet: the reduce-scatter of K/V gradients over CP in backward.
 
 Ranks are numbered as the executor lays them out (`runtime/distributed/mesh.py`): pipeline by
 pipeline, stage by stage, CP rank innermost.
@@ -43,7 +45,7 @@ from lengthwise.cost import CostModel
 from lengthwise.cost.flops import head_forward_flops, layer_forward_flops
 from lengthwise.cost.memory import GRAD_BYTES_PER_PARAM, stage_params
 from lengthwise.cost.model import SP_COLLECTIVES_PER_LAYER, rank_works
-from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, SHARDED, StepPlan
+from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, StepPlan
 
 ELEMENT_BYTES = 2
 """The cost model counts activations, weights and K/V in 16-bit elements; gradients are reduced
@@ -118,10 +120,7 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
     replicas = sum(1 for p in plan.pipelines if p.pp == pipe.pp) * pipe.cp
     params = stage_params(plan.model, layers=layers, tp=pipe.tp, first=first, last=last)
     grads = params * GRAD_BYTES_PER_PARAM
-    kv_token_layer = cost.kv_bytes(1, layers=1, tp=pipe.tp)
-    gathered = sum(kv_token_layer * layers * (s.num_tokens / pipe.cp) * (pipe.cp - 1)
-                   for a in pipe.stages[place.stage] if a.kind != BACKWARD
-                   for s in pipe.chunks[a.chunk].segments if s.cp_rank == SHARDED) if pipe.cp > 1 else 0.0
+    gathered, kv_grads = cp_comm_bytes(plan, cost, place)
     # the vocabulary-parallel loss (runtime/loss.py) all-reduces three fp32 values per token
     # over TP (row maximum, target logit, exponential sum) in every forward that runs the head
     loss = sum(LOSS_REDUCE_BYTES * _rank_tokens(pipe, a, place) for a in pipe.stages[place.stage]
@@ -135,8 +134,8 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
         exchange = cost.exchange_sent_bytes(held=params, held_by_all=held_by_all(plan), world=world)
         if tp:
             tp["tp_all_reduce"] *= ELEMENT_BYTES / GRAD_BYTES_PER_PARAM
-        return {"send": send, "all_reduce": loss + NORM_REDUCE_BYTES, "all_gather": gathered, "reduce_scatter": 0.0,
-                "all_to_all": exchange, **tp}
+        return {"send": send, "all_reduce": loss + NORM_REDUCE_BYTES, "all_gather": gathered,
+                "reduce_scatter": kv_grads, "all_to_all": exchange, **tp}
     if fsdp_sharded(plan):
         # FSDP2 (runtime/parallel/fsdp.py): the unsharded gradients go to one reduce-scatter in
         # fp32 at the stage's last backward; the bf16 compute copy of the weights is gathered
@@ -144,10 +143,29 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
         # runs the same actions
         per_action = plan.zero >= 3 and len({_structure(p, place.stage) for p in plan.pipelines}) == 1
         gathers = len(pipe.stages[place.stage]) if per_action else 1
-        return {"send": send, "all_reduce": loss, "reduce_scatter": grads,
+        return {"send": send, "all_reduce": loss, "reduce_scatter": grads + kv_grads,
                 "all_gather": gathered + gathers * params / replicas * ELEMENT_BYTES, **tp}
     return {"send": send, "all_reduce": (grads if replicas > 1 else 0.0) + loss, "all_gather": gathered,
-            "reduce_scatter": 0.0, **tp}
+            "reduce_scatter": kv_grads, **tp}
+
+
+def cp_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) bytes this rank hands to context parallelism in the step:
+    per layer, its 1/cp share of the K/V of every sharded segment of each forward (F and N), and
+    in each backward the whole K/V gradient of its unit's sharded segments
+    (`CostModel.cp_kv_layer_bytes`, the volumes `cp_comm_time` and `cp_grad_comm_time` price)."""
+    pipe = plan.pipelines[place.pipeline]
+    if pipe.cp <= 1:
+        return 0.0, 0.0
+    layers = pipe.stage_layers(plan.model.num_layers)[place.stage]
+    gathered = scattered = 0.0
+    for action in pipe.stages[place.stage]:
+        volume = layers * cost.cp_kv_layer_bytes(_unit(pipe, action), tp=pipe.tp)
+        if action.kind == BACKWARD:
+            scattered += volume
+        else:
+            gathered += volume / pipe.cp
+    return gathered, scattered
 
 
 def step_end_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> float:

@@ -75,6 +75,10 @@ class TrainConfig:
     tp: int = 1
     """Tensor-parallel ranks per stage in the plan (across processes each holds its shard of the
     stage's layers, `runtime/parallel/tensor_parallel.py`; one process runs them whole)."""
+    sequence_parallel: bool = True
+    """Across processes with tp > 1: split the residual stream's rows over the TP ranks
+    (sequence parallelism, `runtime/parallel/tensor_parallel.py`); False keeps whole activations
+    on every TP rank, all-reduced after each block. One process runs the layers whole either way."""
     zero: int = 1
     """Across processes: 0 keeps whole parameters on every replica (gradients all-reduced); 1 / 2
     shard parameters, gradients and AdamW states with FSDP2, gathered once per step; 3 also
@@ -144,6 +148,9 @@ class TrainConfig:
         if self.batch_size is not None and self.tokens_per_batch is not None:
             raise UserError(f"give batch_size ({self.batch_size}) or tokens_per_batch "
                             f"({self.tokens_per_batch}), not both")
+        if not self.sequence_parallel and self.planner == "hydraulis":
+            raise UserError("sequence_parallel off (--no-sequence-parallel): --planner hydraulis runs its "
+                            "tensor-parallel pipelines with sequence parallelism only; leave it on")
         if self.zero not in (0, 1, 2, 3):
             raise UserError(f"zero {self.zero}: use 0, 1, 2 or 3")
         if self.seed < 0:

@@ -276,7 +276,8 @@ class RankExecutor:
 def rank_model_args(config: TrainConfig, plan: StepPlan) -> dict:
     """`build_rank_model`'s keywords for this run: weights seeded or from --model DIR; with
     --dtype bfloat16 under FSDP2, float32 master weights and bfloat16 compute (without FSDP2,
-    bfloat16 parameters, as one process trains)."""
+    bfloat16 parameters, as one process trains); tensor parallelism with or without sequence
+    parallelism as config.sequence_parallel says."""
     folder = weights_folder(config.model)
     dtype = getattr(torch, config.dtype)
     sharded = plan.zero > 0 and uniform_degrees(plan) is not None
@@ -284,4 +285,5 @@ def rank_model_args(config: TrainConfig, plan: StepPlan) -> dict:
     if dtype == torch.bfloat16 and sharded:
         dtype, param_dtype = torch.float32, torch.bfloat16
     return {"dtype": dtype, "seed": None if folder else config.seed, "weights": folder,
-            "options": ParallelOptions(data_parallel="fsdp", param_dtype=param_dtype)}
+            "options": ParallelOptions(data_parallel="fsdp", param_dtype=param_dtype,
+                                       sequence_parallel=config.sequence_parallel)}
