@@ -13,7 +13,13 @@ choice, sharding the master state over all N GPUs independently of the propagati
 Round-robin rather than contiguous ranges: any tp row or column shard whose width is a multiple
 of W then holds exactly 1/W of its elements on its own rank, so the exchange volume is exactly
 held * (W - 1) / W per rank and direction (`planners/hydraulis/cost.exchange_elements`), not a
-function of where a shard happens to fall.
+function of where a shard happens to fall. Against a ring all-reduce over the d ranks holding an
+element (every CP rank and pipeline counts), 2 (d - 1) / d of what each holds, that is
+(W - 1) / W * d / (d - 1): 1.97x, 1.48x, 1.31x, 1.23x for d = 2, 3, 4, 5 at W = 64. No
+layout that leaves the owner out of the holders does better than d / (d - 1): each holder's
+term must leave it on the push and the sum reach it on the pull (d transfers each way, where an
+all-reduce among the holders needs d - 1). Owners among the holders would mean owners that
+change with the strategy, so a switch would move optimizer state (12 bytes per element).
 
 Each step:
 - `pull()`: every owner sends each rank the master elements that rank's propagation shards hold
