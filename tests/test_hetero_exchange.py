@@ -144,3 +144,42 @@ def test_strategy_switch_moves_no_state_and_matches_whole_parameter_training():
     # the switch's first pull, rank 0 as owner: the charge of the symmetric tp4 layout (each rank
     # holds 24 + 48 + 12 elements; every shard row a multiple of 4 wide) split evenly over 4 ranks
     assert out["pull_bytes"] == exchange_elements([84] * 4, world=4) * 8 / 4
+
+
+# 3 ranks and row lengths 3 does not divide (14, 20): an owner's elements of a column shard shift
+# from row to row, repeating every 3 rows (`blocks`' row phases)
+ODD_SHAPES = {"a": (5, 14), "b": (6, 4, 5), "c": (9,)}
+ODD_HOLDINGS = [
+    {"a": Shard(1, 0, 2), "b": Shard(1, 1, 2), "c": WHOLE},
+    {"a": Shard(1, 1, 2), "b": WHOLE},
+    {"a": WHOLE, "b": Shard(1, 0, 2), "c": WHOLE},
+]
+
+
+def _odd_worker(rank: int):
+    W = dist.get_world_size()
+    full = {n: torch.randn(s, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+            for n, s in ODD_SHAPES.items()}
+    grads = [{n: torch.randn(shard_indices(ODD_SHAPES[n], s).numel(), generator=torch.Generator().manual_seed(r),
+                             dtype=torch.float64) for n, s in ODD_HOLDINGS[r].items()} for r in range(W)]
+    ex = HeteroExchange(ODD_SHAPES, ODD_HOLDINGS)
+    held = torch.cat([full[n].reshape(-1)[shard_indices(ODD_SHAPES[n], ODD_HOLDINGS[rank][n])]
+                      for n in ex.held_names()])
+    ok = {"init": torch.equal(ex.init_master_from_held(held, dtype=torch.float64),
+                              torch.cat([full[n].reshape(-1)[rank::W] for n in ODD_SHAPES]))}
+    ok["pull"] = torch.equal(ex.pull(), held)
+    # the owner sums from zero in rank order, as scattering every rank's terms in rank order does
+    expected = {n: torch.zeros(s, dtype=torch.float64).reshape(-1) for n, s in ODD_SHAPES.items()}
+    for r in range(W):
+        for n, g in grads[r].items():
+            expected[n].index_add_(0, shard_indices(ODD_SHAPES[n], ODD_HOLDINGS[r][n]), g)
+    pushed = ex.push(torch.cat([grads[rank][n] for n in ex.held_names()]))
+    ok["push"] = torch.equal(pushed, torch.cat([expected[n][rank::W] for n in ODD_SHAPES]))
+    every = [None] * W
+    dist.all_gather_object(every, ok)
+    return every
+
+
+def test_exchange_is_exact_when_the_world_does_not_divide_the_rows():
+    for rank, ok in enumerate(spawn(_odd_worker, 3, timeout_s=120)):
+        assert ok == {"init": True, "pull": True, "push": True}, rank

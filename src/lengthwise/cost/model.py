@@ -292,10 +292,8 @@ class CostModel:
         (2: autograd accumulates them in the parameters' bf16 and they stay local, unsummed,
         until the push), and for 1/world of the WHOLE model's parameters (round-robin elements
         rank, rank + world, ...) the fp32 master weights and AdamW's two moments (12), whatever
-        stage the GPU runs. Not counted: the exchange's index maps, which the executor also keeps
-        (int32, or int64 past 2**31 positions, per held element and per element it owns of what every GPU holds:
-        `lengthwise dryrun` reports them as "other"), and the push's and pull's transient
-        buffers at the step's end."""
+        stage the GPU runs. The exchange keeps no index maps (it copies strided blocks); its
+        push's and pull's buffers at the step's end are `exchange_transient_bytes`."""
         held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
         return held * 2 * mem.BYTES_BF16 + mem.OPTIMIZER_BYTES_PER_PARAM * self.model.num_params / world
 
@@ -304,15 +302,17 @@ class CostModel:
         (`train/dist_hetero.py`; activations are freed by then): a GPU holding `held` parameter
         elements and receiving, as owner, `received` (about every GPU's held elements / world),
         with a master shard of s = whole-model parameters / world. The push holds the flattened
-        bf16 gradients and their owner-ordered copy (4 bytes per held element), the received
-        bf16 slices and their fp32 upcast (6 per received) and the fp32 summed shard (4s); the
-        gradient norm squares a float64 copy of the shard (4s + 16s); the pull gathers the fp32
-        masters it owns and casts them to bf16 (6 per received) beside the shard, then receives
-        and reorders the bf16 weights (4 per held)."""
+        bf16 gradients (2 bytes per held element) and the received bf16 slices (2 per received)
+        throughout, beside first the owner-ordered send buffer (2 per held), released after the
+        all-to-all, then the fp32 summed shard (4s) the received slices are added into in place;
+        the gradient norm squares a float64 copy of the shard (4s + 16s); the pull, beside the
+        shard, fills a bf16 send buffer from the masters it owns (2 per received) and receives
+        the bf16 weights (2 per held), then releases the send buffer and reorders the weights
+        into a copy (2 per held)."""
         shard = self.model.num_params / world
-        push = 4 * held + 6 * received + 4 * shard
+        push = 2 * held + 2 * received + max(2 * held, 4 * shard)
         norm = 20 * shard
-        pull = 4 * shard + max(6 * received, 2 * received + 4 * held)
+        pull = 4 * shard + max(2 * received + 2 * held, 4 * held)
         return max(push, norm, pull)
 
     def exchange_sent_bytes(self, *, held: float, held_by_all: float, world: int) -> float:

@@ -34,8 +34,8 @@ AdamW step whose states exist already (steady state). A heterogeneous plan (pipe
 tp x pp x cp, Hydraulis) runs as `train/dist_hetero.py` runs it instead: the stage in the run's
 dtype without FSDP2, its gradients left local, then the push of the bf16 gradients to the owners
 of the round-robin fp32 master shard, AdamW on that shard and the pull of the bf16 weights
-(`_HeteroOptimisation`: the exchange's tensors at their sizes, its maps under "other"). A value the executor would read back
-from the device (a loss to print) does not exist under fake tensors, so the loss is not formed.
+(`_HeteroOptimisation`: the exchange's tensors at their sizes; it keeps no index maps). A value the
+executor would read back from the device (a loss to print) does not exist under fake tensors, so the loss is not formed.
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ from lengthwise.runtime.distributed.step import run_rank_step
 from lengthwise.runtime.layout import clear_bias_cache
 from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
-from lengthwise.runtime.parallel.hetero import index_dtype
 from lengthwise.sim.inputs import heterogeneous
 
 MEMORY_CATEGORIES = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients",
@@ -152,19 +151,24 @@ class _HeteroOptimisation:
     """The optimisation part of a heterogeneous plan's rank as `train/dist_hetero.py` keeps it,
     at its exact sizes, and its step: push, AdamW on the owned shard, pull.
 
-    The executor's `parallel/hetero.HeteroExchange` cannot run here: its maps are built from
-    every rank's holdings (an all-gather of Python objects, which the fake process group does
-    not carry) and from real index values. So its tensors are allocated at their sizes instead:
-    the fp32 master shard (elements rank, rank + W, ... of every flattened parameter of the
-    whole model) with AdamW's two moments per parameter view, in steady state; the index maps (int32 where they fit, as the executor's)
-    (`local_perm`, one per held element, and `owner_pos`, one per element this rank owns of
-    what every rank holds, `sim.rank.held_by_all` / W: exact up to a few elements per shard
-    row), tracked as "other". Each all-to-all carries the executor's total, dealt evenly over
-    the ranks (the executor's split depends on the other ranks' holdings; what this rank keeps
-    for itself, its own 1/W, differs by a few elements per shard row). As in the executor, the
-    gradients travel in the run's dtype and are summed and stepped in fp32; AdamW runs without
-    foreach, as the other dry runs' optimizers (a GPU's foreach AdamW would add transients of
-    the shard's size). Clipping scales the shard in place (no allocation) and is left out."""
+    The executor's `parallel/hetero.HeteroExchange` cannot run here: its blocks (which strided
+    grid of which piece goes to which owner) are built from every rank's holdings, an
+    all-gather of Python objects, which the fake process group does not carry. So its tensors
+    are allocated at their sizes instead: the fp32 master shard (elements rank, rank + W, ... of
+    every flattened parameter of the whole model) with AdamW's two moments per parameter view,
+    in steady state, and the push's and pull's buffers in the executor's order of allocation
+    and release: the flattened gradients, the send buffer (one per held element), the receive
+    buffer (one per element this rank owns of what every rank holds, `sim.rank.held_by_all` /
+    W: exact up to a few elements per shard row) and the fp32 summed shard; on the pull, the
+    send buffer of the received size, the receive buffer and the unpermuted copy of the held
+    size. The executor's strided block copies and in-place sums allocate nothing; one copy of
+    the whole buffer stands for them here. Each all-to-all carries the executor's total, dealt
+    evenly over the ranks (the executor's split depends on the other ranks' holdings; what
+    this rank keeps for itself, its own 1/W, differs by a few elements per shard row). As in
+    the executor, the gradients travel in the run's dtype and are summed and stepped in fp32;
+    AdamW runs without foreach, as the other dry runs' optimizers (a GPU's foreach AdamW would
+    add transients of the shard's size). Clipping scales the shard in place (no allocation)
+    and is left out."""
 
     def __init__(self, model: CausalLM, plan: StepPlan, mesh: Mesh) -> None:
         from lengthwise.runtime.distributed.dp import held_parameters
@@ -191,14 +195,11 @@ class _HeteroOptimisation:
         for view in self.views.values():
             self.optimizer.state[view] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(view),
                                           "exp_avg_sq": torch.zeros_like(view)}
-        self.local_perm = torch.zeros(self.held, dtype=index_dtype(self.held))
-        self.owner_pos = torch.zeros(self.received, dtype=index_dtype(self.received))
 
     def track(self, tracker: MemTracker) -> None:
         from torch.distributed._tools.mem_tracker import _MemRefType
 
         tracker._update_and_maybe_create_winfos(self.master, _MemRefType.OPT)  # the views' storage
-        tracker.track_external(self.local_perm, self.owner_pos)
 
     def _even(self, n: int) -> list[int]:
         return [n // self.world + (1 if j < n % self.world else 0) for j in range(self.world)]
@@ -208,13 +209,16 @@ class _HeteroOptimisation:
         # push (`HeteroReducer.local_grads`, `HeteroExchange.push`)
         flat = torch.cat([_local(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in self.params.values()])
-        send = flat[self.local_perm]
+        send = torch.empty(self.held, dtype=flat.dtype)
+        send.copy_(flat)  # the blocks, owner by owner
         recv = torch.empty(self.received, dtype=send.dtype)
         dist.all_to_all_single(recv, send, output_split_sizes=self._even(self.received),
                                input_split_sizes=self._even(self.held))
+        del send
         grad = torch.zeros(self.master.numel(), dtype=MASTER_DTYPE)
-        grad.index_add_(0, self.owner_pos, recv.to(MASTER_DTYPE))
-        del flat, send, recv  # the executor's push returns
+        k = min(grad.numel(), recv.numel())
+        grad[:k].add_(recv[:k])  # the blocks' in-place sums, rank by rank
+        del flat, recv  # the executor's push returns
         squares = grad.double().pow(2).sum().reshape(1)
         dist.all_reduce(squares)
         start = 0
@@ -224,13 +228,16 @@ class _HeteroOptimisation:
         self.optimizer.step()
         # pull (`HeteroExchange.pull`, `HeteroReducer.load_values`)
         dtype = next(iter(self.params.values())).dtype
-        send = self.master[self.owner_pos].to(dtype)
+        send = torch.empty(self.received, dtype=dtype)
+        k = min(send.numel(), self.master.numel())
+        send[:k].copy_(self.master[:k])  # the master's blocks, rank by rank
         recv = torch.empty(self.held, dtype=dtype)
         dist.all_to_all_single(recv, send, output_split_sizes=self._even(self.held),
                                input_split_sizes=self._even(self.received))
+        del send
         out = torch.empty(self.held, dtype=dtype)
-        out[self.local_perm] = recv
-        del send, recv  # the executor's pull returns
+        out.copy_(recv)  # the blocks, owner by owner
+        del recv  # the executor's pull returns
         start = 0
         with torch.no_grad():
             for p in self.params.values():

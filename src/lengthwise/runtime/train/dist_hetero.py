@@ -14,14 +14,14 @@ Two layouts per rank (`parallel/hetero.py` explains why):
   shard (weight decay on matrices only, as one process trains).
 
 A step: the rank runs its actions with its own gradients left unsummed (`run_rank_step(...,
-reduce_grads=False)`), pushes them to the owners (one all_to_all; the owner's index_add is the
+reduce_grads=False)`), pushes them to the owners (one all_to_all; the owner's sum, rank by rank, is the
 sum over pipelines, TP replicas push zeros), takes the gradient norm over the owned shards
 (each element counted once), clips, steps AdamW on its shard, and pulls its next propagation
 weights (one all_to_all). Nothing is all-reduced; the masters never travel.
 
 Strategy switch. When a batch's plan has other pipelines than the previous one (Hydraulis picks
 a strategy per batch; a test fixes them), the rank builds its part of the new strategy on the
-meta device, materialises it without initialising, builds the new exchange maps (cached per
+meta device, materialises it without initialising, builds the new exchange's blocks (cached per
 strategy) and pulls its weights from the masters. The masters and AdamW states stay where they
 are: the round-robin layout depends only on the parameters and W. Rank 0 logs each switch on
 stderr with its measured cost (seconds, bytes pulled over all ranks, and the bytes of optimizer
