@@ -3,9 +3,10 @@ count fits (the longest sequence's activations are a floor, all its slices are f
 its backward), "auto" plans again with each stage's forwards recomputing part or all of its
 layers; otherwise it is exactly the plan without recomputation.
 
-The tight case: the 4-layer `tiny` model on two stages of GPUs with 0.019 GiB each, one
-pipeline (dp 1, cp 1) of four sequences of 500-1024 tokens. No MicroPack count fits it without recomputation,
-one of the two layers of each stage recomputed does."""
+The tight cases: the 4-layer `tiny` model (two layers a stage) on two stages of GPUs of about
+0.02 GiB each, one pipeline (dp 1, cp 1). No MicroPack count fits either without recomputation;
+in TIGHT, recomputing one layer of each stage fits only at 32 MicroPacks and both layers (8
+MicroPacks) are faster; in PARTIAL, one layer a stage fits and is faster than both."""
 
 from __future__ import annotations
 
@@ -19,23 +20,32 @@ from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.planners.slimpack.build import flops_models, phase1_variants, prepare_stream
 from lengthwise.planners.slimpack.planner import recompute_levels, simulate_candidates
 from lengthwise.sim import simulate_plan
-from lengthwise.specs import MODEL_PRESETS, ClusterSpec, ParallelScheme, cluster_preset
+from lengthwise.specs import MODEL_PRESETS, ClusterSpec, ModelSpec, ParallelScheme, cluster_preset
 
 TIGHT_LENGTHS = [1024, 1000, 750, 500]
 TIGHT_GIB = 0.019
+PARTIAL_LENGTHS = [1024] + [200] * 20
+PARTIAL_GIB = 0.018
+SMALL = ModelSpec(name="small", num_layers=4, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn=48,
+                  vocab=64)
+"""For the executor: the tight case again, on a narrower model and fewer tokens."""
 
 
 def request(lengths, *, memory_gib=None, model="tiny", dp=1, tp=1, pp=2, cp=1, **options) -> PlanRequest:
     scheme = ParallelScheme(dp=dp, tp=tp, pp=pp, cp=cp)
     cluster = (cluster_preset("h100", scheme.num_gpus) if memory_gib is None else
                ClusterSpec(name="small", num_gpus=scheme.num_gpus, gpu_memory_gb=memory_gib))
-    cost = CostModel(model=MODEL_PRESETS[model], cluster=cluster)
+    cost = CostModel(model=model if isinstance(model, ModelSpec) else MODEL_PRESETS[model], cluster=cluster)
     return PlanRequest(lengths=list(lengths), model=cost.model, cluster=cluster, scheme=scheme, cost=cost,
                        context_length=max(lengths), options=options)
 
 
 def tight(**options) -> PlanRequest:
     return request(TIGHT_LENGTHS, memory_gib=TIGHT_GIB, **options)
+
+
+def partial(**options) -> PlanRequest:
+    return request(PARTIAL_LENGTHS, memory_gib=PARTIAL_GIB, **options)
 
 
 def forward_recompute(plan) -> set[tuple[int, int]]:
@@ -50,26 +60,32 @@ def comparable(plan) -> dict:
     return d
 
 
-def test_without_recompute_the_tight_batch_fits_no_count():
+@pytest.mark.parametrize("make", [tight, partial])
+def test_without_recompute_the_tight_batches_fit_no_count(make):
     with pytest.raises(UserError, match="pipeline 0 fits no MicroPack count") as err:
-        get_planner("slimpack")(tight(recompute="none"))
+        get_planner("slimpack")(make(recompute="none"))
     assert "\n" not in str(err.value)
 
 
-def test_auto_recomputes_the_fewest_layers_that_fit_and_the_plan_is_valid():
-    req = tight()  # recompute defaults to auto
+@pytest.mark.parametrize("make,level,name", [(tight, [2, 2], "full"), (partial, [1, 1], "partial")])
+def test_auto_keeps_the_fastest_recompute_level_that_fits_and_the_plan_is_valid(make, level, name):
+    req = make()  # recompute defaults to auto
     plan = get_planner("slimpack")(req)
     validate_plan(plan, req.cost)
-    # tiny has 4 layers, 2 per stage: the levels are none, 1 of 2 and 2 of 2; none fits no count
+    # tiny has 4 layers, 2 per stage: the levels are none, 1 of 2 and 2 of 2
     assert recompute_levels(req, "auto") == [[0, 0], [1, 1], [2, 2]]
-    assert plan.metrics["recompute_layers"] == [1, 1]
-    assert plan.options["recompute"] == "partial"
-    assert forward_recompute(plan) == {(0, 1), (1, 1)}
-    assert any(".r1" in text for pipe in plan.to_dict()["pipelines"] for text in pipe["stages"])
+    tried = plan.metrics["recompute_levels"]
+    assert [t["recompute_layers"] for t in tried] == [[0, 0], [1, 1], [2, 2]]
+    assert [t["fits"] for t in tried] == [False, True, True]
+    fastest = min(tried[1:], key=lambda t: t["step_time_s"])
+    assert fastest["recompute_layers"] == level == plan.metrics["recompute_layers"]
+    assert fastest["step_time_s"] == plan.metrics["predicted_step_time_s"]
+    assert plan.options["recompute"] == name
+    assert forward_recompute(plan) == {(0, level[0]), (1, level[1])}
+    assert any(f".r{level[0]}" in text for pipe in plan.to_dict()["pipelines"] for text in pipe["stages"])
     result = simulate_plan(plan, req.cost)
     assert result.fits and max(max(row) for row in result.peak_memory) <= req.cost.capacity_bytes
     assert result.step_time_s == plan.metrics["predicted_step_time_s"]
-    assert any(row["fits"] for row in plan.metrics["sweep"])
 
 
 def test_full_recomputes_every_layer_of_every_stage():
@@ -108,7 +124,7 @@ def test_the_sweep_simulates_the_recompute_it_plans():
     plain, half, full = one(None), one([1, 1]), one([2, 2])
     assert plain["peak"][0] > half["peak"][0] > full["peak"][0]
     assert plain[STEP] < half[STEP] < full[STEP]
-    assert not plain["fits"] and half["fits"] and full["fits"]
+    assert not plain["fits"] and full["fits"]
 
 
 STEP = "step_time_s"
@@ -159,13 +175,16 @@ def test_recompute_in_a_merged_pipeline_lands_on_cp_sharded_micropacks():
 
 def test_tight_recompute_plan_trains_exactly():
     """The one-process executor runs the recomputing plan: loss and gradients as transformers'
-    (or the unpacked model's) on each sequence alone, within float64's tolerance."""
+    (or the unpacked model's) on each sequence alone, within float64's tolerance (verify_plan's)."""
     torch = pytest.importorskip("torch")
     from lengthwise.runtime.verify import verify_plan
 
-    req = tight()
+    req = request([300, 280, 200, 100], memory_gib=0.00104, model=SMALL)
+    with pytest.raises(UserError, match="fits no MicroPack count"):
+        get_planner("slimpack")(request([300, 280, 200, 100], memory_gib=0.00104, model=SMALL, recompute="none"))
     plan = get_planner("slimpack")(req)
-    assert plan.metrics["recompute_layers"] == [1, 1]
+    validate_plan(plan, req.cost)
+    assert plan.metrics["recompute_layers"] == [2, 2] and len(plan.pipelines[0].chunks) > 1
     result = verify_plan(plan, dtype=torch.float64, seed=0)
     assert result.passed, result.to_dict()
 

@@ -159,7 +159,7 @@ class SlimPackOptions:
     recompute: str = option(
         "auto", "activation recomputation (slimpack §6.1 recomputes as memory requires): none; full (every "
         "forward recomputes all its stage's layers); or auto: none whenever some MicroPack count fits, else "
-        "the fewest of 1/4, 1/2, 3/4 or all of each stage's layers that fits. The executor refuses "
+        "the fastest in simulation of 1/4, 1/2, 3/4 or all of each stage's layers that fit. The executor refuses "
         "recomputing a MicroPack with CP-sharded segments (a DP-Merged outlier's)", metavar="none|full|auto")
 
 

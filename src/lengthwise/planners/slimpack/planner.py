@@ -17,7 +17,9 @@ SlimPack and its baseline alike): all slices of a causal sequence are forwarded 
 backward, so the longest sequence's activations are a floor that no MicroPack count lowers.
 "auto" plans exactly as without recomputation whenever that fits; only when no count, schedule,
 Phase-1 variant or HOLD share fits does it plan again, every forward recomputing r of its
-stage's layers for r = 1/4, 1/2, 3/4 and all of them (rounded up), the first that fits. The
+stage's layers for r = 1/4, 1/2, 3/4 and all of them (rounded up): from the fewest that fit
+up, the fastest simulated step wins (the fewest that fit often fit only at the largest counts,
+where per-MicroPack costs outweigh the re-run forwards; plan.metrics["recompute_levels"]). The
 recompute is written into every candidate's forward actions (F3.r5) before the candidate is
 simulated, so the sweep sees the smaller activations and the re-run forwards. The level is in
 plan.options["recompute"] ("none", "partial" or "full") and plan.metrics["recompute_layers"]
@@ -280,17 +282,32 @@ def choose_per_pipeline(candidates: list[dict], capacity: float) -> list[int]:
 
 
 def plan_recomputing(request: PlanRequest, models, opts, levels: list[list[int]]):
-    """plan_by_simulation at the first recompute level (recompute_levels) that fits:
-    (groups, pipelines, metrics, level). Fitting nowhere raises the last level's error."""
-    error = None
+    """plan_by_simulation at each recompute level (recompute_levels) in turn: (groups, pipelines,
+    metrics, level). Without recomputation when that fits (the plan is then exactly the one of
+    "none"); else, from the fewest recomputed layers that fit up to all of them, the level whose
+    plan the simulator finds fastest (ties: fewer layers). The fewest that fit often leave only
+    the largest MicroPack counts or the lean schedule within memory; more recomputation then
+    buys back more than its re-run forwards cost. Fitting nowhere raises the last level's error."""
+    best, error, tried = None, None, []
     for level in levels:
         try:
-            return (*plan_by_simulation(request, models, opts, level if any(level) else None), level)
+            groups, pipes, extra = plan_by_simulation(request, models, opts, level if any(level) else None)
         except UserError as exc:
             error = exc
-    if len(levels) > 1:
-        raise UserError(f"{error} (also recomputing every layer)") from None
-    raise error
+            tried.append({"recompute_layers": level, "fits": False})
+            continue
+        tried.append({"recompute_layers": level, "fits": True, STEP_TIME_S: extra[PREDICTED_STEP_TIME_S]})
+        if best is None or extra[PREDICTED_STEP_TIME_S] < best[2][PREDICTED_STEP_TIME_S]:
+            best = (groups, pipes, extra, level)
+        if not any(level):
+            break
+    if best is None:
+        if len(levels) > 1:
+            raise UserError(f"{error} (also recomputing every layer)") from None
+        raise error
+    if len(tried) > 1:
+        best[2]["recompute_levels"] = tried
+    return best
 
 
 def plan_slimpack(request: PlanRequest) -> StepPlan:
