@@ -159,8 +159,9 @@ class SlimPackOptions:
     recompute: str = option(
         "auto", "activation recomputation (slimpack §6.1 recomputes as memory requires): none; full (every "
         "forward recomputes all its stage's layers); or auto: none whenever some MicroPack count fits, else "
-        "the fastest in simulation of 1/4, 1/2, 3/4 or all of each stage's layers that fit. The executor refuses "
-        "recomputing a MicroPack with CP-sharded segments (a DP-Merged outlier's)", metavar="none|full|auto")
+        "the fastest in simulation of 1/4, 1/2, 3/4 or all of each stage's layers that fit. The "
+        "distributed executor refuses recomputing a MicroPack with CP-sharded segments (a DP-Merged "
+        "outlier's, cp > 1)", metavar="none|full|auto")
 
 
 @dataclass(kw_only=True, frozen=True)

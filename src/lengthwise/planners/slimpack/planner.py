@@ -25,8 +25,10 @@ simulated, so the sweep sees the smaller activations and the re-run forwards. Th
 plan.options["recompute"] ("none", "partial" or "full") and plan.metrics["recompute_layers"]
 (per stage). With a fixed num_micropacks, "full" recomputes every layer of the pipelines built
 (their count still fits each MicroPack alone without recomputation) and "auto" never recomputes.
-The executor refuses recomputation of a MicroPack with CP-sharded segments (runtime/distributed/
-cp_stage.py): a plan that recomputes in a DP-Merged pipeline (cp > 1) is for the simulator only.
+The distributed executor refuses recomputation of a MicroPack with CP-sharded segments
+(runtime/distributed/cp_stage.py): a plan that recomputes in a DP-Merged pipeline (cp > 1) runs
+in the simulator and on the one-process executor (`lengthwise verify` without --nproc), not
+across processes; without DP-Merge (every pipeline cp 1) it runs on either.
 
 Cost, in sequences n, pipelines P (DP ranks after DP-Merge), stages pp and candidate counts C
 (at most ~2 log2(max_micropacks / pp) + 2 per schedule, Phase-1 variant and HOLD share; the sweep
@@ -70,9 +72,9 @@ import time
 
 import numpy as np
 
+from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS, PREDICTED_STEP_TIME_S, STEP_TIME_S
-from lengthwise.cost.model import split_layers
 from lengthwise.plan.ir import FORWARD, Action, PipelinePlan, StepPlan
 from lengthwise.plan.validate import check_backward_units
 from lengthwise.planners.base import PlanRequest, check_lengths, finish_plan
