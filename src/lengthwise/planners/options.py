@@ -156,6 +156,12 @@ class SlimPackOptions:
     dp_merge: bool = option(True, "merge data-parallel ranks for outliers (slimpack §4.1.1)", metavar="BOOL")
     schedule: str = option("auto", "'steady', 'lean' or 'auto' (steady, lean for the pipelines steady "
                            "fits at no MicroPack count)", metavar="NAME")
+    recompute: str = option(
+        "auto", "activation recomputation (slimpack §6.1 recomputes as memory requires): none; full (every "
+        "forward recomputes all its stage's layers); or auto: none whenever some MicroPack count fits, else "
+        "the fastest in simulation of 1/4, 1/2, 3/4 or all of each stage's layers that fit. The "
+        "distributed executor refuses recomputing a MicroPack with CP-sharded segments (a DP-Merged "
+        "outlier's, cp > 1)", metavar="none|full|auto")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -12,6 +12,24 @@ may choose a different N"). The lean schedule is swept too when the steady one f
 every Phase-1 variant (with and without compute merges) is swept and the faster step wins; when
 none fits, memory outliers are merged over more ranks (the next HOLD share).
 
+Recomputation (option `recompute`; slimpack §6.1 turns recomputation on as memory requires, for
+SlimPack and its baseline alike): all slices of a causal sequence are forwarded before its
+backward, so the longest sequence's activations are a floor that no MicroPack count lowers.
+"auto" plans exactly as without recomputation whenever that fits; only when no count, schedule,
+Phase-1 variant or HOLD share fits does it plan again, every forward recomputing r of its
+stage's layers for r = 1/4, 1/2, 3/4 and all of them (rounded up): from the fewest that fit
+up, the fastest simulated step wins (the fewest that fit often fit only at the largest counts,
+where per-MicroPack costs outweigh the re-run forwards; plan.metrics["recompute_levels"]). The
+recompute is written into every candidate's forward actions (F3.r5) before the candidate is
+simulated, so the sweep sees the smaller activations and the re-run forwards. The level is in
+plan.options["recompute"] ("none", "partial" or "full") and plan.metrics["recompute_layers"]
+(per stage). With a fixed num_micropacks, "full" recomputes every layer of the pipelines built
+(their count still fits each MicroPack alone without recomputation) and "auto" never recomputes.
+The distributed executor refuses recomputation of a MicroPack with CP-sharded segments
+(runtime/distributed/cp_stage.py): a plan that recomputes in a DP-Merged pipeline (cp > 1) runs
+in the simulator and on the one-process executor (`lengthwise verify` without --nproc), not
+across processes; without DP-Merge (every pipeline cp 1) it runs on either.
+
 Cost, in sequences n, pipelines P (DP ranks after DP-Merge), stages pp and candidate counts C
 (at most ~2 log2(max_micropacks / pp) + 2 per schedule, Phase-1 variant and HOLD share; the sweep
 usually stops after 3-9):
@@ -51,13 +69,15 @@ candidate's task graphs together with numpy (0.72, 2.2 and 2.1 s before; 1.82, 4
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 
+from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS, PREDICTED_STEP_TIME_S, STEP_TIME_S
-from lengthwise.plan.ir import PipelinePlan, StepPlan
+from lengthwise.plan.ir import FORWARD, Action, PipelinePlan, StepPlan
 from lengthwise.plan.validate import check_backward_units
 from lengthwise.planners.base import PlanRequest, check_lengths, finish_plan
 from lengthwise.planners.slimpack.build import (
@@ -76,10 +96,44 @@ from lengthwise.planners.slimpack.build import (
 from lengthwise.sim import simulate_plan
 
 SWEEP_RATIO = 2 ** 0.5
+RECOMPUTE_CHOICES = ("none", "full", "auto")
+RECOMPUTE_SHARES = (0.25, 0.5, 0.75, 1.0)
+"""Shares of each stage's layers "auto" recomputes, in order, when nothing fits without."""
 
 
-def plan_by_simulation(request: PlanRequest, models, opts):
-    """Phase-1 variants swept at the first HOLD share that lets every pipeline fit in simulation."""
+def recompute_levels(request: PlanRequest, choice: str) -> list[list[int]]:
+    """Layers each stage's forwards recompute, per level to try in order: [none] for "none",
+    [all] for "full"; "auto": none, then RECOMPUTE_SHARES of each stage's layers (rounded up,
+    repeated levels dropped), ending at all of them."""
+    if choice not in RECOMPUTE_CHOICES:
+        raise UserError(f"slimpack option recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {choice!r}")
+    layers = split_layers(request.model.num_layers, request.scheme.pp)
+    if choice != "auto":
+        return [layers if choice == "full" else [0] * len(layers)]
+    levels = [[0] * len(layers)]
+    for share in RECOMPUTE_SHARES:
+        level = [min(n, math.ceil(share * n - 1e-9)) for n in layers]
+        if level not in levels:
+            levels.append(level)
+    return levels
+
+
+def with_recompute(pipes: list[PipelinePlan], level: list[int] | None) -> list[PipelinePlan]:
+    """The pipelines, every forward on stage s recomputing level[s] layers (in place; none: as is)."""
+    if level and any(level):
+        for pipe in pipes:
+            pipe.stages = [[Action(FORWARD, a.chunk, level[s]) if a.kind == FORWARD else a for a in actions]
+                           for s, actions in enumerate(pipe.stages)]
+    return pipes
+
+
+def recompute_name(level: list[int], layers: list[int]) -> str:
+    return "none" if not any(level) else "full" if level == layers else "partial"
+
+
+def plan_by_simulation(request: PlanRequest, models, opts, recompute: list[int] | None = None):
+    """Phase-1 variants swept at the first HOLD share that lets every pipeline fit in simulation
+    (`recompute`: layers every forward of stage s recomputes, None for none)."""
     tried, error = set(), None
     for hold in HOLD_SHARES:
         try:
@@ -92,18 +146,18 @@ def plan_by_simulation(request: PlanRequest, models, opts):
             continue
         tried.add(key)
         try:
-            return best_variant(request, variants, models, flops, opts)
+            return best_variant(request, variants, models, flops, opts, recompute)
         except UserError as exc:
             error = exc
     raise error
 
 
-def best_variant(request: PlanRequest, variants, models, flops, opts):
+def best_variant(request: PlanRequest, variants, models, flops, opts, recompute: list[int] | None = None):
     """Sweep every Phase-1 variant; keep the one with the shortest simulated step."""
     best, error, tried = None, None, []
     for groups in variants:
         try:
-            pipes, extra = sweep(request, groups, models, flops, opts)
+            pipes, extra = sweep(request, groups, models, flops, opts, recompute)
         except UserError as exc:  # this variant fits no count; another may
             error = exc
             continue
@@ -116,7 +170,8 @@ def best_variant(request: PlanRequest, variants, models, flops, opts):
     return best
 
 
-def sweep(request: PlanRequest, groups, models, flops, opts) -> tuple[list[PipelinePlan], dict]:
+def sweep(request: PlanRequest, groups, models, flops, opts,
+          recompute: list[int] | None = None) -> tuple[list[PipelinePlan], dict]:
     """Step 5: simulate every candidate count (the lean schedule too where the steady one fits
     no count, or when asked for), keep per pipeline the fastest candidate that fits."""
     counts = sweep_counts(request.scheme.pp, opts["max_micropacks"])
@@ -125,7 +180,7 @@ def sweep(request: PlanRequest, groups, models, flops, opts) -> tuple[list[Pipel
     prepared = [prepare_stream(request, g, flops) for g in groups]  # shared by every count and schedule
     for lean in schedule_variants(opts):
         candidates += simulate_candidates(request, groups, counts, models, flops, opts["asymmetric"], lean,
-                                          prepared)
+                                          prepared, recompute=recompute)
         if all(any(c["peak"][p] <= capacity for c in candidates) for p in range(len(groups))):
             break
     chosen = choose_per_pipeline(candidates, capacity)
@@ -164,14 +219,15 @@ def sweep_counts(pp: int, top: int) -> list[int]:
 
 
 def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asymmetric, lean,
-                        prepared=None) -> list[dict]:
+                        prepared=None, *, recompute: list[int] | None = None) -> list[dict]:
     """Every pipeline at every candidate count, simulated: per candidate its pipelines, per-pipeline
-    makespan and peak memory, and the whole step (`prepared`: build.prepare_stream per group)."""
+    makespan and peak memory, and the whole step (`prepared`: build.prepare_stream per group;
+    `recompute`: layers every forward of stage s recomputes, written into the actions first)."""
     out: list[dict] = []
     prepared = prepared or [prepare_stream(request, g, flops) for g in groups]
     for n in counts:
         built = build_candidates(request, groups, n, models, flops, asymmetric, lean, check=False, prepared=prepared)
-        pipes = [pipe for pipe, _ in built]
+        pipes = with_recompute([pipe for pipe, _ in built], recompute)
         result = simulate_plan(bare_plan(request, pipes), request.cost, known=[known for _, known in built])
         out.append({"count": n, "lean": lean, "pipelines": pipes, "makespan": result.pipeline_makespan,
                     "peak": [max(row) for row in result.peak_memory], STEP_TIME_S: result.step_time_s,
@@ -229,6 +285,35 @@ def choose_per_pipeline(candidates: list[dict], capacity: float) -> list[int]:
     return chosen
 
 
+def plan_recomputing(request: PlanRequest, models, opts, levels: list[list[int]]):
+    """plan_by_simulation at each recompute level (recompute_levels) in turn: (groups, pipelines,
+    metrics, level). Without recomputation when that fits (the plan is then exactly the one of
+    "none"); else, from the fewest recomputed layers that fit up to all of them, the level whose
+    plan the simulator finds fastest (ties: fewer layers). The fewest that fit often leave only
+    the largest MicroPack counts or the lean schedule within memory; more recomputation then
+    buys back more than its re-run forwards cost. Fitting nowhere raises the last level's error."""
+    best, error, tried = None, None, []
+    for level in levels:
+        try:
+            groups, pipes, extra = plan_by_simulation(request, models, opts, level if any(level) else None)
+        except UserError as exc:
+            error = exc
+            tried.append({"recompute_layers": level, "fits": False})
+            continue
+        tried.append({"recompute_layers": level, "fits": True, STEP_TIME_S: extra[PREDICTED_STEP_TIME_S]})
+        if best is None or extra[PREDICTED_STEP_TIME_S] < best[2][PREDICTED_STEP_TIME_S]:
+            best = (groups, pipes, extra, level)
+        if not any(level):
+            break
+    if best is None:
+        if len(levels) > 1:
+            raise UserError(f"{error} (also recomputing every layer)") from None
+        raise error
+    if len(tried) > 1:
+        best[2]["recompute_levels"] = tried
+    return best
+
+
 def plan_slimpack(request: PlanRequest) -> StepPlan:
     """SlimPack for one global batch (slimpack §4-§5); options: `SlimPackOptions` (planners/options.py)."""
     started = time.perf_counter()
@@ -237,19 +322,24 @@ def plan_slimpack(request: PlanRequest) -> StepPlan:
     s = request.scheme
     request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, zero=s.zero)
     models = flops_models(request)
+    levels = recompute_levels(request, opts["recompute"])
     extra: dict = {}
     if opts["num_micropacks"] is not None:
         variants, flops = phase1_variants(request, models, opts["dp_merge"])
         groups, lean = variants[0], opts["schedule"] == "lean"
-        pipes = [fitting_pipeline(request, p, g, opts["num_micropacks"], models, flops, opts["asymmetric"], lean,
-                                  pipelines=len(groups))
-                 for p, g in enumerate(groups)]
+        level = levels[0] if opts["recompute"] == "auto" else levels[-1]
+        pipes = with_recompute([fitting_pipeline(request, p, g, opts["num_micropacks"], models, flops,
+                                                 opts["asymmetric"], lean, pipelines=len(groups))
+                                for p, g in enumerate(groups)], level)
     else:
-        groups, pipes, extra = plan_by_simulation(request, models, opts)
-    plan = finish_plan(request, pipes, planner="slimpack", started=started, options=opts)
+        groups, pipes, extra, level = plan_recomputing(request, models, opts, levels)
+    layers = split_layers(request.model.num_layers, s.pp)
+    plan = finish_plan(request, pipes, planner="slimpack", started=started,
+                       options={**opts, "recompute": recompute_name(level, layers)})
     plan.metrics.update(micropack_metrics(request, pipes, models))
     plan.metrics["dp_merge"] = merge_metrics(groups)
     plan.metrics.update(extra)
+    plan.metrics["recompute_layers"] = list(level)
     plan.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
     return plan
 
