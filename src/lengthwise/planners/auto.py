@@ -2,11 +2,36 @@
 fits memory (ties broken toward less memory). None of the five papers does this step; each
 wins on some workloads and loses on others, and the simulator is cheap enough to ask.
 
-Options: `AutoOptions` in planners/options.py (candidates, schemes, candidate_options).
+Options: `AutoOptions` in planners/options.py (candidates, schemes, candidate_options, and the
+preselection's preselect_above, preselect, proxy_factor, proxy_sequences, min_proxy_pipelines).
+
+At scale the full search costs the sum of every candidate's planning and simulation (9.2 CPU
+seconds at 1024 GPUs x 32,768 sequences, 11.6 at 4096: benchmarks/results/planning_scale.json), so a batch of more than
+`preselect_above` sequences is preselected instead:
+
+1. A proxy of the batch: the sequences sorted by length (longest first, ties by index), every
+   k-th of them kept (so the longest one always is, and each length stratum keeps 1/k of its
+   sequences), planned on dp/k pipelines of the same tp, pp, cp and ZeRO stage, the cluster and
+   cost model resized to match. Each pipeline sees about as many sequences of the same length
+   mix as at full size, which is what the planners' choices depend on. (ZeRO shards model
+   states over fewer replicas there, so the proxy's memory is slightly tighter, never looser.)
+2. Every candidate plans and simulates the proxy; they are ranked fitting plans first by step
+   time (then peak memory), then plans that do not fit, then failures.
+3. Only the best `preselect` plan the full batch; while none of them gives a valid plan that
+   fits, the next in the proxy's order does, so preselection fails only where the full search
+   would. The choice among the full-size plans is the full search's rule.
+
+k defaults to the largest divisor of dp (of every candidate's dp when schemes differ, so each
+shrinks exactly) that keeps at least `proxy_sequences` sequences and `min_proxy_pipelines`
+pipelines; where none exceeds 1 the full search runs. Every step is deterministic, so every
+rank computes the same plan. benchmarks/bench_auto_preselect.py measures the quality this
+costs (the full search's pick against the preselected one's simulated step time).
 
 Planning time is the sum of what it runs (planners, validation and simulation), recorded in
 `metrics[PLANNING_MS]`; `metrics["auto"]` holds each candidate's simulated step time or the
-reason it was skipped.
+reason it was skipped; when preselected, each candidate's entry also has `proxy` (its proxy
+figures, rank and time) and `full_size` (whether it planned the full batch), and
+`metrics["auto_proxy"]` the proxy's k, sequences, scheme and candidate order.
 """
 
 from __future__ import annotations
