@@ -21,7 +21,7 @@ from lengthwise.workloads.sampler import GlobalBatchSampler
 from lengthwise.workloads.source import profile_source
 
 CANDIDATES = ["padding", "packing", "megatron", "sorted", "token-balanced", "chunkflow"]
-PROXY = {"preselect_above": 100, "proxy_factor": 4, "preselect": 1}
+PROXY = {"preselect_above": 100, "proxy_factor": 4, "preselect": 1, "preselect_margin": 0.0}
 
 
 def batch(n: int, seed: int = 0) -> list[int]:
@@ -159,10 +159,23 @@ def test_an_invalid_preselected_plan_falls_back_too(lengths, monkeypatch):
     assert "planted defect" in plan.metrics["auto"][order[0]]["error"]
 
 
-@pytest.mark.parametrize("name,value", [("preselect", 0), ("proxy_factor", -2), ("preselect_above", "x"),
-                                        ("min_proxy_pipelines", 0)])
-def test_bad_preselection_options_are_one_line_errors(lengths, name, value):
-    with pytest.raises(UserError, match=f"option {name} must be a positive integer") as exc:
+def test_a_close_call_on_the_proxy_is_settled_at_full_size(lengths):
+    plan = plan_auto(make_request(lengths, **{**PROXY, "preselect_margin": 10.0}))
+    figures, order = plan.metrics["auto"], plan.metrics["auto_proxy"]["order"]
+    fitting = [n for n in order if figures[n]["proxy"].get("fits")]
+    assert len(fitting) >= 2
+    # every fitting candidate is within 1000% of the fastest here, so all plan the full batch
+    assert [n for n in order if figures[n]["full_size"]] == fitting
+    times = {n: figures[n]["step_time_s"] for n in fitting if figures[n].get("fits")}
+    assert plan.metrics["chosen_planner"] == min(times, key=times.get)
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("preselect", 0, "must be a positive integer"), ("proxy_factor", -2, "must be a positive integer"),
+    ("preselect_above", "x", "must be a positive integer"), ("min_proxy_pipelines", 0, "must be a positive integer"),
+    ("preselect_margin", -0.1, "must be a fraction >= 0")])
+def test_bad_preselection_options_are_one_line_errors(lengths, name, value, message):
+    with pytest.raises(UserError, match=f"option {name} {message}") as exc:
         plan_auto(make_request(lengths, **{name: value}))
     assert "\n" not in str(exc.value)
 

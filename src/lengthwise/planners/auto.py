@@ -3,11 +3,12 @@ fits memory (ties broken toward less memory). None of the five papers does this 
 wins on some workloads and loses on others, and the simulator is cheap enough to ask.
 
 Options: `AutoOptions` in planners/options.py (candidates, schemes, candidate_options, and the
-preselection's preselect_above, preselect, proxy_factor, proxy_sequences, min_proxy_pipelines).
+preselection's preselect_above, preselect, preselect_margin, proxy_factor, proxy_sequences,
+min_proxy_pipelines).
 
 At scale the full search costs the sum of every candidate's planning and simulation (9.2 CPU
-seconds at 1024 GPUs x 32,768 sequences, 11.6 at 4096: benchmarks/results/planning_scale.json), so a batch of more than
-`preselect_above` sequences is preselected instead:
+seconds at 1024 GPUs x 32,768 sequences, 11.6 at 4096: benchmarks/results/planning_scale.json),
+so a batch of more than `preselect_above` sequences is preselected instead:
 
 1. A proxy of the batch: the sequences sorted by length (longest first, ties by index), every
    k-th of them kept (so the longest one always is, and each length stratum keeps 1/k of its
@@ -17,9 +18,10 @@ seconds at 1024 GPUs x 32,768 sequences, 11.6 at 4096: benchmarks/results/planni
    states over fewer replicas there, so the proxy's memory is slightly tighter, never looser.)
 2. Every candidate plans and simulates the proxy; they are ranked fitting plans first by step
    time (then peak memory), then plans that do not fit, then failures.
-3. Only the best `preselect` plan the full batch; while none of them gives a valid plan that
-   fits, the next in the proxy's order does, so preselection fails only where the full search
-   would. The choice among the full-size plans is the full search's rule.
+3. Only the best `preselect` plan the full batch, with any other whose proxy step time is
+   within `preselect_margin` of the proxy's best (a close call); while none of them gives a
+   valid plan that fits, the next in the proxy's order does, so preselection fails only where
+   the full search would. The choice among the full-size plans is the full search's rule.
 
 k defaults to the largest divisor of dp (of every candidate's dp when schemes differ, so each
 shrinks exactly) that keeps at least `proxy_sequences` sequences and `min_proxy_pipelines`
@@ -183,6 +185,14 @@ class Proxy:
     figures: dict[str, dict]
     """Per candidate: its proxy summary (step time, fits, peak) or error, its rank, its time."""
 
+    def close_calls(self, margin: float) -> list[str]:
+        """The fitting candidates whose proxy step time is within `margin` of the fastest's."""
+        fitting = [n for n in self.order if self.figures[n].get("fits")]
+        if not fitting:
+            return []
+        bound = self.figures[fitting[0]]["step_time_s"] * (1.0 + margin)
+        return [n for n in fitting if self.figures[n]["step_time_s"] <= bound]
+
     def describe(self) -> dict:
         return {"k": self.k, "sequences": self.sequences, "scheme": str(self.scheme), "order": self.order}
 
@@ -192,6 +202,9 @@ def proxy_factor(request: PlanRequest, opts: dict, names: list[str]) -> int:
     `preselect_above` sequences, or when no k > 1 meets the default's floors."""
     for name in ("preselect_above", "preselect", "proxy_sequences", "min_proxy_pipelines"):
         positive_int_option(opts, name)
+    margin = opts["preselect_margin"]
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < math.inf:
+        raise UserError(f"option preselect_margin must be a fraction >= 0, got {margin!r}")
     given = positive_int_option(opts, "proxy_factor")
     if len(request.lengths) <= opts["preselect_above"]:
         return 1
@@ -254,10 +267,11 @@ def preselected_search(request: PlanRequest, opts: dict, names: list[str], k: in
     the next ones in the proxy's order, one at a time, while none gives a valid plan that fits.
     Returns (best or None, the full-size candidates, the proxy)."""
     proxy = rank_on_proxy(request, opts, names, k)
+    first = max(opts["preselect"], len(proxy.close_calls(opts["preselect_margin"])))
     tried: list[Candidate] = []
     best = None
     for i, n in enumerate(proxy.order):
         tried.append(try_planner(n, candidate_request(request, n, opts), validate=False))
-        if i + 1 >= opts["preselect"] and (best := choose_valid(tried, request)) is not None:
+        if i + 1 >= first and (best := choose_valid(tried, request)) is not None:
             break
     return best, tried, proxy
