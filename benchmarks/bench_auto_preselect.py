@@ -19,6 +19,7 @@ sampling and the cost model are outside). Workloads:
   long-tail   the same with `--profile chunkflow-eval --context-length 131072` (a few sequences
               of 32K-128K tokens among short ones: the proxy must keep the longest, which only
               the splitting planners can place)
+  lmsys-no-hydraulis  lmsys with every candidate but hydraulis: a close call on the proxy
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ SEQUENCES = 32768
 WORKLOADS = {
     "lmsys": ["--profile", "lmsys", "--context-length", "8192"],
     "long-tail": ["--profile", "chunkflow-eval", "--context-length", "131072"],
+    "lmsys-no-hydraulis": ["--profile", "lmsys", "--context-length", "8192"],
 }
+CANDIDATES = {"lmsys-no-hydraulis": "every planner but hydraulis"}
+"""Workloads that restrict auto's candidates (hydraulis wins the others by 10% or more, so
+without it the proxy must separate infinipipe and slimpack, within 0.1% of each other)."""
 FULL = {"preselect_above": 10**9}
 """auto's options for the full search: no batch is above this."""
 
@@ -64,6 +69,11 @@ def run_one(workload: str, gpus: int, seed: int, mode: str) -> dict:
     from lengthwise.planners import get_planner
 
     request = build_request(build_parser("plan").parse_args(plan_args(workload, gpus, seed)))
+    if workload in CANDIDATES:
+        from lengthwise.planners.auto import default_candidates
+
+        request.options = {**request.options,
+                           "candidates": [n for n in default_candidates() if n != "hydraulis"]}
     if mode == "full":
         request.options = {**request.options, **FULL}
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -139,7 +149,7 @@ def machine() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: lmsys, long-tail")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {', '.join(WORKLOADS)}")
     parser.add_argument("--gpus", default="1024,4096", help="comma-separated GPU counts (pp 4, dp GPUS/4)")
     parser.add_argument("--seeds", default="0,1,2,3", help="comma-separated batch seeds")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before one planning is killed")
@@ -154,10 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     from lengthwise.planners.options import option_defaults
 
     defaults = {k: v for k, v in option_defaults("auto").items()
-                if k in ("preselect_above", "preselect", "proxy_factor", "proxy_sequences", "min_proxy_pipelines")}
+                if k in ("preselect_above", "preselect", "preselect_margin", "proxy_factor", "proxy_sequences",
+                         "min_proxy_pipelines")}
     settings = {"commands": {w: "lengthwise " + " ".join(plan_args(w, 4, 0)).replace("--dp 1", "--dp GPUS/4")
                              .replace("--seed 0", "--seed SEED") for w in WORKLOADS},
-                "full_search_options": FULL, "preselect_options": defaults, "timeout_s": args.timeout}
+                "candidates": CANDIDATES, "full_search_options": FULL, "preselect_options": defaults, "timeout_s": args.timeout}
     rows: list[dict] = []
     for workload in args.workloads.split(","):
         if workload not in WORKLOADS:
