@@ -172,6 +172,21 @@ class AutoOptions:
                                                 "the request's scheme", flag=None, factory=dict)
     candidate_options: dict[str, dict[str, Any]] = option(help="{planner: {option: value}} passed to that "
                                                           "candidate", flag=None, factory=dict)
+    preselect_above: int = option(
+        8192, "batches of more sequences than this are first planned by every candidate on a proxy "
+        "(every k-th sequence by length on dp/k pipelines) and only the best `preselect` of them at full "
+        "size; at or below it every candidate plans the full batch", metavar="N")
+    preselect: int = option(1, "candidates planned at full size after the proxy's ranking (the next ones "
+                            "in its order too while none of them gives a valid plan that fits)", metavar="N")
+    preselect_margin: float = option(
+        0.02, "also plan at full size every candidate whose proxy step time is within this fraction of "
+        "the proxy's fastest (a close call is settled on the full batch)", metavar="X")
+    proxy_factor: int | None = option(
+        None, "the proxy's k: it keeps every k-th sequence, longest first, on dp/k pipelines of the same "
+        "tp, pp and cp; default: the largest divisor of dp that leaves at least proxy_sequences sequences "
+        "and min_proxy_pipelines pipelines (no preselection when that is 1)", metavar="K")
+    proxy_sequences: int = option(2048, "fewest sequences the default proxy keeps", metavar="N")
+    min_proxy_pipelines: int = option(8, "fewest data-parallel pipelines the default proxy keeps", metavar="N")
 
 
 PLANNER_OPTIONS: dict[str, type] = {
