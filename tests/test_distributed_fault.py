@@ -1,4 +1,4 @@
-"""Tier 3: `lengthwise train` on 4 processes (dp2 x pp2, chunkflow, gloo, float64) survives a rank
+"""Tier 3: `lengthwise train` on 2 processes (pp2, chunkflow, gloo, float64) survives a rank
 killed in the middle of a step: torchrun restarts the group, training resumes from the last
 complete checkpoint (torch.distributed.checkpoint), and ends at the weights of a run never
 interrupted.
@@ -11,9 +11,10 @@ A second run without restarts checks torchrun's failure summary: the killed rank
 signal and last action (lengthwise's status note, kept in the worker's error file).
 
 The uninterrupted reference is single-process `train` of the same plans: equal up to the order
-of floating-point sums (measured: largest weight difference 1.6e-15, losses identical). The
-test takes about 45 s on 2 shared CPU cores, most of it starting 4 processes twice; the private
-training loop it replaced took about 32 s.
+of floating-point sums (measured: largest weight difference 1.6e-15, losses identical). Two
+processes, not the dp2 x pp2 of 4 it once used: most of its time is starting processes twice
+(about 30 s with 4), and resuming a data-parallel run is covered by
+tests/test_train_distributed.py and tests/test_train_parallel.py.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from lengthwise.runtime.train.loop import train
 from lengthwise.runtime.weights import read_tensors
 
 TRAIN_ARGS = ["--dtype", "float64", "--context-length", "96", "--batch-size", "6", "--steps", "3",
-              "--dp", "2", "--pp", "2", "--chunk-size", "32", "--k", "1", "--lr", "1e-3",
+              "--dp", "1", "--pp", "2", "--chunk-size", "32", "--k", "1", "--lr", "1e-3",
               "--threads", "1", "--no-progress"]
 FAIL_AT = (2, 1, 3)
 """(step, rank, action index): step 2, rank 1 (pipeline 0, stage 1), after its 4th action."""
@@ -44,7 +45,7 @@ FAULT_MARKER = "fault-injected"
 
 def test_killed_rank_resumes_from_checkpoint_to_uninterrupted_weights(tmp_path):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "1", __file__, *TRAIN_ARGS, "--out", str(out), "--save-every", "1",
                "--metrics", str(out / "metrics.jsonl")]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
@@ -64,10 +65,10 @@ def test_killed_rank_resumes_from_checkpoint_to_uninterrupted_weights(tmp_path):
 
 def test_torchrun_summary_names_the_killed_rank_and_its_last_action(tmp_path):
     """No restart: torchrun's failure summary shows rank 1's signal and what it last did (its
-    error file holds lengthwise's status note). Two processes: --dp 1 overrides the 2 above."""
+    error file holds lengthwise's status note)."""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", "0", __file__, *TRAIN_ARGS, "--dp", "1", "--out", str(out)]
+               "--max-restarts", "0", __file__, *TRAIN_ARGS, "--out", str(out)]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     start = done.stderr.index("rank      : 1 (local_rank: 1)")  # rank 1's entry (root cause or not)
