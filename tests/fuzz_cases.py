@@ -229,7 +229,7 @@ def lengths_case(data: bytes, tmp: Path, planner: str) -> dict | None:
     check_outcome(*run_cli(["workload", "--lengths", str(path), "--json"]), json_out=True)
     plan = check_outcome(*run_cli(["plan", "--planner", planner, "--lengths", str(path), "--batch-size", "16",
                                    "--context-length", "4096", "--overlong", "truncate", "--model", MODEL,
-                                   "--dp", "2", "--json"]), json_out=True)
+                                   "--dp", "2", "--resample", "--json"]), json_out=True)
     if plan is not None:
         assert all(1 <= n <= 4096 for n in plan["lengths"]), plan["lengths"]
     return plan
