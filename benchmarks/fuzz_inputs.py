@@ -1,6 +1,7 @@
 """The input fuzz suite at 1,000 cases per kind (tests/test_fuzz_inputs.py runs 60): mutated plan,
-lengths and profile files through the CLI; counts successes, one-line errors and failures
-(tracebacks, non-finite output, inconsistent results) and writes benchmarks/results/fuzz_inputs.json.
+lengths and profile files and training settings (a `--config` file and flags) through the CLI;
+counts successes, one-line errors and failures (tracebacks, non-finite output, inconsistent
+results) and writes benchmarks/results/fuzz_inputs.json.
 
     python benchmarks/fuzz_inputs.py                      # 1,000 per kind, a few minutes
     python benchmarks/fuzz_inputs.py --examples 100 --kinds plans
@@ -28,7 +29,7 @@ from hypothesis import strategies as st  # noqa: E402
 import fuzz_cases as fc  # noqa: E402
 from lengthwise.plan.ir import write_atomic  # noqa: E402
 
-KINDS = ("plans", "lengths", "profiles")
+KINDS = ("plans", "lengths", "profiles", "settings")
 
 
 def run_kind(kind: str, examples: int) -> dict:
@@ -54,6 +55,8 @@ def run_kind(kind: str, examples: int) -> dict:
         "lengths": given(data=fc.lengths_files(), planner=st.sampled_from(fc.PLANNERS_FOR_LENGTHS))(
             lambda data, planner: record(lambda tmp: fc.lengths_case(data, tmp, planner))),
         "profiles": given(doc=fc.mutated_profiles())(lambda doc: record(lambda tmp: fc.profile_case(doc, tmp))),
+        "settings": given(case=fc.training_settings())(
+            lambda case: record(lambda tmp: fc.settings_case(*case, tmp))),
     }
     test = settings(max_examples=examples, deadline=None, database=None, derandomize=True,
                     suppress_health_check=list(HealthCheck))(strategies[kind])

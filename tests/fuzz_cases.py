@@ -1,7 +1,7 @@
 """Mutated input files and what running the CLI on them must end in (shared by
 test_fuzz_inputs.py, at a few dozen cases per kind, and benchmarks/fuzz_inputs.py, at 1,000).
 
-Three kinds of input, each a file the CLI reads:
+Four kinds of input, each a file or flags the CLI reads:
 
 - plans: real plans (packing, ChunkFlow with split sequences, Skrull with CP placement, SlimPack
   with backward units, InfiniPipe with recomputation) with 1-3 mutations at random places in
@@ -10,7 +10,11 @@ Three kinds of input, each a file the CLI reads:
 - lengths files: lines of integers in and out of range, other numbers, other text, bytes that
   are not UTF-8, run through `workload` and `plan`;
 - cost profiles: a valid profile with the same kinds of mutations, run through `plan
-  --profile-file` and `simulate --profile-file`.
+  --profile-file` and `simulate --profile-file`;
+- training settings: a `--config` TOML file of known and unknown keys with values of every type
+  (NaN, infinities, negatives, huge integers, strings, lists) and `train` flags drawn the same
+  way, run through `lengthwise train` up to the point where training would start (the training
+  loops are replaced by a stand-in that records the validated settings).
 
 Every case must end in success or a one-line error with exit status 2 (no traceback, no
 "bug in lengthwise" message), and a success must print only finite numbers and a result
@@ -27,6 +31,7 @@ import math
 import re
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from unittest import mock
 
 from hypothesis import strategies as st
 
@@ -251,3 +256,91 @@ def profile_case(doc: dict, tmp: Path) -> dict | None:
 
 
 PLANNERS_FOR_LENGTHS = ["packing", "chunkflow", "token-balanced", "skrull", "padding", "sorted"]
+
+
+# ---- training settings ----
+
+SETTING_FLAGS = {
+    "--lr": float, "--weight-decay": float, "--grad-clip": float, "--min-lr": float, "--timeout": float,
+    "--warmup-steps": int, "--steps": int, "--batch-size": int, "--tokens-per-batch": int,
+    "--context-length": int, "--dp": int, "--pp": int, "--cp": int, "--tp": int, "--zero": int,
+    "--nproc": int, "--seed": int, "--threads": int, "--save-every": int, "--eval-every": int,
+    "--eval-sequences": int, "--dtype": str, "--device": str, "--lr-schedule": str, "--overlong": str,
+    "--planner": str,
+}
+"""`train` flags with a value, and the type their valid values have (paths are left out: the
+case gives --out itself)."""
+SETTING_TEXT = ["nan", "NaN", "inf", "-inf", "1e308", "1e999", "-1", "0", "1", "2", "3", "4", "1e-3", "0.1",
+                "-0.0", str(2**63), str(2**31), "1.5", "", "x", "float64", "bfloat16", "cosine", "constant",
+                "drop", "truncate", "packing", "chunkflow", "hydraulis", "auto", "cpu", "cuda"]
+
+
+@st.composite
+def training_settings(draw) -> tuple[str, list[str]]:
+    """(TOML text, flags): a config file of 0-6 keys and 0-6 flags, each with a weird value."""
+    from lengthwise.runtime.train.config import FIELDS
+
+    keys = draw(st.lists(st.one_of(st.sampled_from(sorted(FIELDS)), st.sampled_from(["lr_", "options", "x"])),
+                         max_size=6, unique=True))
+    lines = []
+    for key in keys:
+        value = draw(st.one_of(st.sampled_from(["nan", "inf", "-inf", "-1", "0", "1", "2", "1e-3", "1.5e308",
+                                                str(2**63 - 1), "true", "false", '"x"', '""', "[]", "[1, 2]",
+                                                "{a = 1}", '"float64"', '"auto"', '"cosine"']),
+                               st.integers(-(2**63), 2**63 - 1).map(str),
+                               st.floats(allow_nan=True, allow_infinity=True).map(_toml_float)))
+        lines.append(f"{key} = {value}")
+    if draw(st.integers(0, 9)) == 0:
+        lines.append(draw(st.sampled_from(["[section]", "lr = ", "= 1", "lr = 1\nlr = 2", "\x00"])))
+    flags = []
+    for flag in draw(st.lists(st.sampled_from(sorted(SETTING_FLAGS)), max_size=6, unique=True)):
+        flags += [flag, draw(st.one_of(st.sampled_from(SETTING_TEXT), st.integers(-5, 10**6).map(str)))]
+    if draw(st.integers(0, 4)) == 0:
+        flags.append(draw(st.sampled_from(["--no-sequence-parallel", "--skip-nonfinite", "--no-progress"])))
+    return "\n".join(lines) + "\n", flags
+
+
+def _toml_float(x: float) -> str:
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return repr(x)
+
+
+class _Accepted(Exception):
+    """Raised by the stand-in training loop: the settings got through validation."""
+
+    def __init__(self, config):
+        super().__init__("accepted")
+        self.config = config
+
+
+def _stand_in(config, *args, **kwargs):
+    raise _Accepted(config)
+
+
+def settings_case(toml_text: str, flags: list[str], tmp: Path) -> dict | None:
+    """`train --config FILE FLAGS --out DIR` to where training would start: success (the settings
+    the loop would get, checked in range and finite) or a one-line error with exit 2."""
+    config_path = tmp / "train.toml"
+    config_path.write_text(toml_text, encoding="utf-8", errors="surrogateescape")
+    argv = ["train", "--config", str(config_path), *flags, "--out", str(tmp / "run"), "--no-progress"]
+    with mock.patch("lengthwise.runtime.train.loop.train", _stand_in), \
+            mock.patch("lengthwise.runtime.train.dist_launch.train_distributed", _stand_in):
+        try:
+            code, out, err = run_cli(argv)
+            check_outcome(code, out, err, json_out=False)
+            assert code == 2, f"train {flags} exited {code} without reaching the training loop"
+            return None
+        except _Accepted as accepted:
+            config = accepted.config
+    for name in ("lr", "weight_decay", "grad_clip", "min_lr", "timeout"):
+        value = getattr(config, name)
+        assert isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, (name, value)
+    assert config.lr > 0 and config.min_lr <= config.lr, (config.lr, config.min_lr)
+    for name in ("steps", "dp", "pp", "cp", "tp", "context_length", "eval_sequences"):
+        assert isinstance(getattr(config, name), int) and getattr(config, name) >= 1, (name, getattr(config, name))
+    assert config.warmup_steps >= 0 and config.seed >= 0 and config.zero in (0, 1, 2, 3), config
+    config.validate()  # what the loop got passes validation again
+    return config.to_dict()

@@ -1,4 +1,4 @@
-"""Fuzzed plan, lengths and profile files: success or a one-line error with exit 2, never a
+"""Fuzzed plan, lengths and profile files and training settings: success or a one-line error with exit 2, never a
 traceback, never a non-finite number or an inconsistent result (cases in fuzz_cases.py).
 
 FUZZ_EXAMPLES cases per kind keep this file to seconds; `python benchmarks/fuzz_inputs.py` runs
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuzz_cases import (PLANNERS_FOR_LENGTHS, lengths_case, lengths_files, mutated_plans, mutated_profiles,
-                        plan_case, profile_case)
+                        plan_case, profile_case, settings_case, training_settings)
 
 FUZZ_EXAMPLES = 60
 FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
@@ -40,3 +40,10 @@ def test_fuzzed_lengths_files_end_in_a_result_or_one_line(data, planner):
 def test_mutated_profiles_end_in_a_result_or_one_line(doc):
     with tempfile.TemporaryDirectory() as tmp:
         profile_case(doc, Path(tmp))
+
+
+@FUZZ
+@given(case=training_settings())
+def test_fuzzed_training_settings_end_in_validated_settings_or_one_line(case):
+    with tempfile.TemporaryDirectory() as tmp:
+        settings_case(*case, Path(tmp))
