@@ -84,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
     backend = resolve_backend(args.backend, torch.device(args.device), dtype)
     plan = build_plan(args)
     if args.nproc is not None or _under_torchrun():
+        from lengthwise.runtime.parallel.build import check_hetero_vocabulary
+        from lengthwise.sim.inputs import heterogeneous
+
+        if heterogeneous(plan):
+            check_hetero_vocabulary(plan)  # before any process starts
         return run_distributed(args, plan, backend)
     if args.tp > 1:
         raise UserError(f"--tp {args.tp} runs across processes: add --nproc {plan_world(plan)} (or launch with torchrun)")

@@ -75,10 +75,7 @@ def build_rank_model(plan: StepPlan, mesh: Mesh, *, dtype: torch.dtype = torch.f
     if device_mesh is None and any(p.tp > 1 for p in plan.pipelines):
         # heterogeneous pipelines (Hydraulis): each (pipeline, stage, cp rank) has its own TP group,
         # created by every rank in the same order; gradients go through `hetero.HeteroReducer`
-        odd = sorted({p.tp for p in plan.pipelines if plan.model.vocab % p.tp})
-        if odd:  # the exchange maps one layout onto another: a padded vocabulary has no counterpart
-            raise UserError(f"heterogeneous pipelines need every tp to divide the vocabulary: {plan.model.name} "
-                            f"has {plan.model.vocab} tokens, which tp {', '.join(map(str, odd))} does not divide")
+        check_hetero_vocabulary(plan)
         with unset_fake_temporarily() if fake else contextlib.nullcontext():  # its rank table stays real
             tp_mesh = hetero_tp_mesh(plan, layout, mesh)
     mesh.device_mesh = device_mesh
@@ -102,3 +99,13 @@ def build_rank_model(plan: StepPlan, mesh: Mesh, *, dtype: torch.dtype = torch.f
     elif weights is not None:
         load_weights(model, weights)
     return model
+
+
+def check_hetero_vocabulary(plan) -> None:
+    """UserError when a tp of a heterogeneous plan (pipelines of different shapes) does not
+    divide the vocabulary: the exchange maps one layout onto another, and a padded vocabulary
+    has no counterpart. Launchers call it before starting processes."""
+    odd = sorted({p.tp for p in plan.pipelines if plan.model.vocab % p.tp})
+    if odd:
+        raise UserError(f"heterogeneous pipelines need every tp to divide the vocabulary: {plan.model.name} "
+                        f"has {plan.model.vocab} tokens, which tp {', '.join(map(str, odd))} does not divide")
