@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from lengthwise.cost.flops import work_key
 from lengthwise.errors import UserError
 from lengthwise.metrics import PLANNING_MS
-from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
+from lengthwise.plan.ir import FORWARD, Action, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import make_schedule
 from lengthwise.planners.options import option_defaults
 from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
@@ -182,3 +182,13 @@ def plan_metrics(plan: StepPlan, cost: CostModel) -> dict[str, Any]:
         "padding_fraction": (row - real) / row if row else 0.0,
         "loss_tokens": plan.loss_tokens,
     }
+
+
+def recompute_forwards(pipelines: list[PipelinePlan], layers: list[int] | None) -> list[PipelinePlan]:
+    """The pipelines, every forward on stage s recomputing `layers[s]` of that stage's layers
+    (`F3.r5`; in place). None or all zeros leave them as they are."""
+    if layers and any(layers):
+        for pipe in pipelines:
+            pipe.stages = [[Action(FORWARD, a.chunk, layers[s]) if a.kind == FORWARD else a for a in actions]
+                           for s, actions in enumerate(pipe.stages)]
+    return pipelines

@@ -49,10 +49,10 @@ import time
 
 from lengthwise.errors import UserError
 from lengthwise.cost.model import split_layers
-from lengthwise.plan.ir import FORWARD, Action, Chunk, StepPlan
+from lengthwise.plan.ir import Chunk, StepPlan
 from lengthwise.planners.base import (
     PlanRequest, check_lengths, check_request, finish_plan, pipelines_from_chunks, positive_int_option,
-    seq_len_limit, take_options, whole,
+    recompute_forwards, seq_len_limit, take_options, whole,
 )
 from lengthwise.planners.packing_utils import best_fit_decreasing, karmarkar_karp, split_to_multiple
 
@@ -222,10 +222,7 @@ def _fits_1f1b(request: PlanRequest, *, recompute: bool) -> bool:
 
 
 def _recompute_every_layer(request: PlanRequest, pipelines) -> None:
-    layers = split_layers(request.model.num_layers, request.scheme.pp)
-    for pipe in pipelines:
-        pipe.stages = [[Action(a.kind, a.chunk, layers[s]) if a.kind == FORWARD else a for a in actions]
-                       for s, actions in enumerate(pipe.stages)]
+    recompute_forwards(pipelines, split_layers(request.model.num_layers, request.scheme.pp))
 
 
 def _sorted_groups(lengths: list[int], budget: int, mbs: int | None) -> list[list[int]]:

@@ -77,9 +77,9 @@ import numpy as np
 from lengthwise.cost.model import split_layers
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS, PREDICTED_STEP_TIME_S, STEP_TIME_S
-from lengthwise.plan.ir import FORWARD, Action, PipelinePlan, StepPlan
+from lengthwise.plan.ir import PipelinePlan, StepPlan
 from lengthwise.plan.validate import check_backward_units
-from lengthwise.planners.base import PlanRequest, check_lengths, finish_plan
+from lengthwise.planners.base import PlanRequest, check_lengths, finish_plan, recompute_forwards
 from lengthwise.planners.slimpack.build import (
     HOLD_SHARES,
     bare_plan,
@@ -116,15 +116,6 @@ def recompute_levels(request: PlanRequest, choice: str) -> list[list[int]]:
         if level not in levels:
             levels.append(level)
     return levels
-
-
-def with_recompute(pipes: list[PipelinePlan], level: list[int] | None) -> list[PipelinePlan]:
-    """The pipelines, every forward on stage s recomputing level[s] layers (in place; none: as is)."""
-    if level and any(level):
-        for pipe in pipes:
-            pipe.stages = [[Action(FORWARD, a.chunk, level[s]) if a.kind == FORWARD else a for a in actions]
-                           for s, actions in enumerate(pipe.stages)]
-    return pipes
 
 
 def recompute_name(level: list[int], layers: list[int]) -> str:
@@ -227,7 +218,7 @@ def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asy
     prepared = prepared or [prepare_stream(request, g, flops) for g in groups]
     for n in counts:
         built = build_candidates(request, groups, n, models, flops, asymmetric, lean, check=False, prepared=prepared)
-        pipes = with_recompute([pipe for pipe, _ in built], recompute)
+        pipes = recompute_forwards([pipe for pipe, _ in built], recompute)
         result = simulate_plan(bare_plan(request, pipes), request.cost, known=[known for _, known in built])
         out.append({"count": n, "lean": lean, "pipelines": pipes, "makespan": result.pipeline_makespan,
                     "peak": [max(row) for row in result.peak_memory], STEP_TIME_S: result.step_time_s,
@@ -328,7 +319,7 @@ def plan_slimpack(request: PlanRequest) -> StepPlan:
         variants, flops = phase1_variants(request, models, opts["dp_merge"])
         groups, lean = variants[0], opts["schedule"] == "lean"
         level = levels[0] if opts["recompute"] == "auto" else levels[-1]
-        pipes = with_recompute([fitting_pipeline(request, p, g, opts["num_micropacks"], models, flops,
+        pipes = recompute_forwards([fitting_pipeline(request, p, g, opts["num_micropacks"], models, flops,
                                                  opts["asymmetric"], lean, pipelines=len(groups))
                                 for p, g in enumerate(groups)], level)
     else:
