@@ -268,7 +268,14 @@ def test_stage_budget_is_the_one_answer_to_what_fits_a_stage():
         assert b.free == pytest.approx(cm.capacity_bytes - b.states)
         assert b.remat_per_token == pytest.approx(cm.activation_bytes_per_token(layers=1, tp=2)
                                                   - cm.activation_bytes_per_token(layers=1, tp=2, recompute_layers=1))
-    assert budgets[-1].head_backward_per_token > 0 == budgets[0].head_backward_per_token
+    # the loss's backward on the last stage, one layer's SwiGLU backward elsewhere
+    assert budgets[-1].backward_work_per_token == mem.head_backward_bytes_per_token(cm.model, 2)
+    assert budgets[0].backward_work_per_token == 3 * cm.model.ffn * 2 / 2
+    # fp32 gradients of the stage's parameters, the first stage's embedding whole on both TP ranks
+    for b in budgets:
+        whole_table = cm.model.vocab * cm.model.hidden / 2 if b.first else 0
+        held = mem.stage_params(cm.model, layers=b.layers, tp=2, first=b.first, last=b.last)
+        assert b.grads == pytest.approx(4 * (held + whole_table), rel=1e-12)
     request = PlanRequest(lengths=[1000] * 8, cost=cm, model=cm.model, cluster=cm.cluster, scheme=ParallelScheme(dp=4, tp=2, pp=3), context_length=4096)
     lay = layout(request, 4)
     assert [(st.layers, st.states) for st in lay.stages] == [(b.layers, b.states) for b in budgets]

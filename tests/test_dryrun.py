@@ -347,3 +347,86 @@ def _whole_model_numels(spec) -> list[int]:
     from lengthwise.runtime.model import StagePart, meta_model
 
     return [p.numel() for p in meta_model(spec, part=StagePart.whole(spec)).parameters()]
+
+
+def _peak_bytes_per_token(run, tokens: tuple[int, int]) -> float:
+    """Growth per token of the highest level of what `run(t)` allocates (forward and backward,
+    every category) between two token counts, measured as `lengthwise dryrun` measures: its
+    storage tracker outside its FLOP counter, on fake tensors. Terms that do not grow with the
+    tokens (weights and their gradients) cancel."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lengthwise.runtime.dryrun import LocalFlopCounter, _StorageTracker, cpu_flash_flop_formulas
+
+    peaks = []
+    for t in tokens:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            tracker = _StorageTracker()
+            with tracker, LocalFlopCounter(display=False, custom_mapping=cpu_flash_flop_formulas()):
+                run(t)
+        peaks.append(sum(v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()
+                         if str(k) != "Total"))
+        del tracker
+    return (peaks[1] - peaks[0]) / (tokens[1] - tokens[0])
+
+
+def test_a_layers_backward_holds_three_ffn_buffers_beyond_its_activations():
+    """A decoder layer's backward peaks in the SwiGLU backward: beside what the layer kept (less
+    the product, freed by the down projection's backward) it holds the product's gradient, the
+    gate's (one silu_backward kernel), silu(gate) and the up projection's gradient, four
+    [tokens, ffn] bf16 buffers: `layer_backward_bytes_per_token`, 3 x ffn x 2 bytes per token
+    beyond the kept activations. (The dry run measured silu_backward as its composite
+    decomposition, six more [tokens, ffn] buffers, until it let operators with their own kernel
+    run as that kernel.) Exact per token, with the layer's output and its gradient, which the
+    caller holds here (2 x hidden x 2 bytes), and the chunk's rotary tables (2 x head_dim x 2),
+    outside the layer's figure. LLaMA's ffn = 3.5 x hidden: at SMALL's 2 x hidden the
+    post-attention norm's fp32 backward is the higher moment (no preset is that narrow)."""
+    import dataclasses
+
+    import torch
+
+    import lengthwise.cost.memory as mem
+    from lengthwise.plan.ir import Chunk, Segment
+    from lengthwise.runtime.layout import ChunkLayout
+    from lengthwise.runtime.model import CausalLM, StagePart
+
+    spec = dataclasses.replace(SMALL, ffn=896)
+
+    def run(tokens: int) -> None:
+        model = CausalLM(spec, StagePart(layers=range(1), first=False, last=False), torch.bfloat16)
+        h = torch.randn(tokens, spec.hidden, dtype=torch.bfloat16, requires_grad=True)
+        rope = model.rope(torch.arange(tokens), torch.bfloat16)
+        layout = ChunkLayout.from_chunk(Chunk(segments=(Segment(seq_id=0, start=0, stop=tokens),)))
+        out, _ = model.run_layers(h, layers=range(1), rope=rope, layout=layout, contexts=[[[]]], backend="cpu-flash")
+        out.backward(torch.ones_like(out))
+
+    caller = 2 * (2 * spec.hidden) + 2 * spec.head_dim * 2  # output and its gradient; rotary tables
+    per_token = _peak_bytes_per_token(run, (512, 1024))
+    assert mem.layer_backward_bytes_per_token(spec) == 3 * spec.ffn * 2
+    assert per_token == mem.activation_bytes_per_token_layer(spec) + mem.layer_backward_bytes_per_token(spec) + caller
+
+
+def test_the_lm_heads_working_set_is_its_bf16_logits_or_their_gradient():
+    """The LM head with its loss peaks twice at the same height: in the forward, the bf16 logits
+    beside their fp32 copy (`head_forward_bytes_per_token`), and in the backward, the fp32
+    softmax beside the bf16 logit gradient made from it (`head_backward_bytes_per_token`):
+    2 x vocab bytes per token beyond what the head keeps (`head_bytes_per_token`). Up to the
+    loss's per-token index and reduction vectors (int64 rows and columns, a handful of fp32
+    maxima and sums: under 64 bytes a token, against 6 x vocab)."""
+    import torch
+
+    import lengthwise.cost.memory as mem
+    from lengthwise.runtime.loss import token_loss_sum
+    from lengthwise.runtime.model import CausalLM, StagePart
+
+    def run(tokens: int) -> None:
+        model = CausalLM(SMALL, StagePart(layers=range(0), first=False, last=True), torch.bfloat16)
+        h = torch.randn(tokens, SMALL.hidden, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.zeros(tokens, dtype=torch.long)
+        token_loss_sum(model.head_logits(h), labels).backward()
+
+    per_token = _peak_bytes_per_token(run, (2048, 4096))
+    assert mem.head_forward_bytes_per_token(SMALL) == mem.head_backward_bytes_per_token(SMALL) == 2 * SMALL.vocab
+    expected = mem.head_bytes_per_token(SMALL) + mem.head_forward_bytes_per_token(SMALL)
+    assert expected <= per_token <= expected + 64

@@ -52,6 +52,9 @@ class StageBudget:
     zero: int
     states: float
     """Model-state bytes: weights, gradients and optimizer states (`CostModel.model_state_bytes`)."""
+    grads: float
+    """The gradients' part of `states`, which comes into being in the stage's first backward
+    (`CostModel.grad_bytes`; the simulator allocates it there, planners count it all step)."""
     capacity: float
     """Usable bytes of a GPU (`CostModel.capacity_bytes`)."""
     activation_per_token: float
@@ -63,8 +66,9 @@ class StageBudget:
     """Bytes per token a backward re-materialises at once under recomputation (one layer)."""
     kv_per_token: float
     """K/V bytes per context token over the stage's layers (split sequences keep them)."""
-    head_backward_per_token: float
-    """The loss backward's working set per token (last stage; 0 elsewhere)."""
+    backward_work_per_token: float
+    """The backward's working set per token beyond the kept activations: the loss's on the
+    last stage, one decoder layer's elsewhere (`CostModel.backward_work_bytes`)."""
 
     @property
     def free(self) -> float:
@@ -270,6 +274,19 @@ class CostModel:
         chunk's backward runs on the last stage (busiest GPU of the CP group)."""
         return mem.head_backward_bytes_per_token(self.model, tp) * max(w.tokens for w in rank_works(chunk, cp))
 
+    def backward_work_bytes(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False) -> float:
+        """Largest working set of the chunk's backward on a stage of `layers` layers (`head`:
+        the last stage), on top of its kept activations (busiest GPU of the CP group): the
+        loss's backward on the last stage, one layer's SwiGLU backward elsewhere
+        (`cost/memory.py`)."""
+        per_token = mem.backward_work_bytes_per_token(self.model, tp, layers=layers, head=head)
+        return per_token * max(w.tokens for w in rank_works(chunk, cp)) if per_token else 0.0
+
+    def head_forward_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
+        """Bytes beside the kept activations while the chunk's forward runs the LM head: its
+        bf16 logits, alive while the loss makes their fp32 copy (busiest GPU of the CP group)."""
+        return mem.head_forward_bytes_per_token(self.model, tp) * max(w.tokens for w in rank_works(chunk, cp))
+
     def kv_bytes(self, num_tokens: int, *, layers: int, tp: int = 1, cp: int = 1) -> float:
         per = mem.kv_bytes_per_token_layer(self.model, tp)
         if self.profile and self.profile.kv_bytes_per_token_layer:
@@ -282,20 +299,34 @@ class CostModel:
         number of ranks holding a replica of the stage's weights, over which ZeRO shards: data
         parallel pipelines times CP ranks (each CP rank holds the whole stage)."""
         params = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
-        return params * mem.state_bytes_per_param(dp, zero)
+        return params * mem.state_bytes_per_param(dp, zero, grads=False) + self.grad_bytes(
+            layers=layers, tp=tp, dp=dp, zero=zero, first=first, last=last)
+
+    def grad_bytes(self, *, layers: int, tp: int = 1, dp: int = 1, zero: int = 1,
+                   first: bool = False, last: bool = False) -> float:
+        """The gradients' part of `model_state_bytes`: fp32 accumulators of `mem.grad_params`
+        elements (the embedding's whole table on the first stage), sharded under ZeRO-2/3."""
+        grads = mem.grad_params(self.model, layers=layers, tp=tp, first=first, last=last)
+        return grads * mem.GRAD_BYTES_PER_PARAM / (dp if zero >= 2 else 1)
 
     def hetero_state_bytes(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False,
                            world: int = 1) -> float:
         """Model-state bytes one GPU of a heterogeneous plan holds, as the executor lays them out
         (`runtime/train/dist_hetero.py`, `runtime/parallel/hetero.py`): its stage's weights in
         the run's dtype (bf16, 2 bytes per held parameter), their gradients in the same dtype
-        (2: autograd accumulates them in the parameters' bf16 and they stay local, unsummed,
-        until the push), and for 1/world of the WHOLE model's parameters (round-robin elements
+        (`hetero_grad_bytes`: autograd accumulates them in the parameters' bf16 and they stay
+        local, unsummed, until the push), and for 1/world of the WHOLE model's parameters (round-robin elements
         rank, rank + world, ...) the fp32 master weights and AdamW's two moments (12), whatever
         stage the GPU runs. The exchange keeps no index maps (it copies strided blocks); its
         push's and pull's buffers at the step's end are `exchange_transient_bytes`."""
         held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
-        return held * 2 * mem.BYTES_BF16 + mem.OPTIMIZER_BYTES_PER_PARAM * self.model.num_params / world
+        return (held * mem.BYTES_BF16 + self.hetero_grad_bytes(layers=layers, tp=tp, first=first, last=last)
+                + mem.OPTIMIZER_BYTES_PER_PARAM * self.model.num_params / world)
+
+    def hetero_grad_bytes(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False) -> float:
+        """The gradients' part of `hetero_state_bytes`: bf16, of `mem.grad_params` elements (the
+        embedding's whole table on the first stage, until `dp.match_grad_layouts` slices it)."""
+        return mem.grad_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.BYTES_BF16
 
     def exchange_transient_bytes(self, *, held: float, received: float, world: int = 1) -> float:
         """Largest working set of a heterogeneous plan's step end beyond `hetero_state_bytes`
@@ -413,12 +444,13 @@ class CostModel:
         return StageBudget(
             stage=stage, layers=n, first=first, last=last, tp=tp, replicas=replicas, zero=zero,
             states=self.model_state_bytes(layers=n, tp=tp, dp=replicas, zero=zero, first=first, last=last),
+            grads=self.grad_bytes(layers=n, tp=tp, dp=replicas, zero=zero, first=first, last=last),
             capacity=self.capacity_bytes,
             activation_per_token=self.activation_bytes_per_token(layers=n, tp=tp, head=last),
             recomputed_per_token=self.activation_bytes_per_token(layers=n, tp=tp, head=last, recompute_layers=n),
             remat_per_token=self.recompute_transient_bytes_per_token(tp=tp, recompute_layers=n),
             kv_per_token=self.kv_bytes(1, layers=n, tp=tp),  # a measured profile's K/V size too
-            head_backward_per_token=mem.head_backward_bytes_per_token(self.model, tp) if last else 0.0)
+            backward_work_per_token=mem.backward_work_bytes_per_token(self.model, tp, layers=n, head=last))
 
     def stage_budgets(self, *, tp: int = 1, pp: int = 1, replicas: int = 1, zero: int = 1) -> list[StageBudget]:
         """`stage_budget` of every stage of the pipeline."""
@@ -431,15 +463,16 @@ class CostModel:
         hydraulis.txt B.1 MaxLen; skrull.txt A.1 BucketSize with pp = 1). With `recompute`
         every layer keeps only its input (full recomputation) and the backward of one
         micro-batch re-materialises one layer at a time, as the executor checkpoints and the
-        simulator charges it (`recompute_transient_bytes_per_token`); the last stage also holds
-        the loss backward's working set of one micro-batch (`head_backward_bytes`)."""
+        simulator charges it (`recompute_transient_bytes_per_token`); every stage also holds
+        the backward's working set of one micro-batch (`backward_work_bytes`: the loss's on the
+        last stage, one layer's elsewhere)."""
         best = math.inf
         for b in self.stage_budgets(tp=tp, pp=pp, replicas=dp * cp, zero=zero):
             held = inflight if inflight is not None else pp - b.stage
             kept = b.recomputed_per_token if recompute else b.activation_per_token
-            # plus one backward's re-materialised layer, and on the last stage the loss's
-            # backward working set while one micro-batch's backward runs
-            per_token = (kept * held + (b.remat_per_token if recompute else 0.0) + b.head_backward_per_token) / cp
+            # plus one backward's re-materialised layer and its working set (the loss's on the
+            # last stage) while one micro-batch's backward runs
+            per_token = (kept * held + (b.remat_per_token if recompute else 0.0) + b.backward_work_per_token) / cp
             best = min(best, b.free / per_token if b.free > 0 else 0)
         return int(best)
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import lengthwise.cost.memory as mem
 from lengthwise.cost import CostModel
 from lengthwise.cost.flops import ChunkWork, chunk_work, head_forward_flops, layer_forward_flops, work_key
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
+from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
 from lengthwise.sim.memory import MemorySizes, SplitArrays, SplitSequence, split_sequences
 
@@ -223,9 +224,9 @@ def _first(sizes: np.ndarray) -> np.ndarray:
 
 
 def _batched_row_costs(plan: StepPlan, cm: CostModel, works, tables: list[dict]) -> None:
-    """_PipelineCosts._p2p (both links) and _head_backward of every pipeline without CP, added to
-    its `tables` entry: without CP both go by row tokens alone, so the cost model is asked once
-    per distinct row-token count of the plan (the same calls as their per-pipeline memos)."""
+    """_PipelineCosts._p2p (both links) of every pipeline without CP, added to its `tables`
+    entry: without CP it goes by row tokens alone, so the cost model is asked once per distinct
+    row-token count of the plan (the same calls as the per-pipeline memo)."""
     by_tp: dict[int, list[int]] = {}
     for i, pipe in enumerate(plan.pipelines):
         if pipe.cp <= 1 and works[i] is not None:
@@ -236,13 +237,11 @@ def _batched_row_costs(plan: StepPlan, cm: CostModel, works, tables: list[dict])
         chunks = [_row_of(r) for r in values.tolist()]
         each = {("p2p", inter): np.array([cm.p2p_time(cm.boundary_bytes(c, tp=tp, cp=1), inter_node=inter)
                                           for c in chunks], dtype=np.float64)[at] for inter in (False, True)}
-        each["head_backward"] = np.array([cm.head_backward_bytes(c, tp=tp, cp=1) for c in chunks],
-                                         dtype=np.float64)[at]
         bounds = np.cumsum([0] + [len(r) for r in rows]).tolist()
         for k, i in enumerate(members):
             a, b, c = bounds[2 * k], bounds[2 * k + 1], bounds[2 * k + 2]
             for name, v in each.items():
-                tables[i][name] = (v[a:b], v[b:c]) if name != "head_backward" else v[b:c]
+                tables[i][name] = (v[a:b], v[b:c])
 
 
 def _batched_model_flops(cm: CostModel, works) -> list[float | None]:
@@ -526,7 +525,7 @@ class _PipelineCosts:
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
         splits = self.splits = self.known.splits if self.known is not None else split_sequences(pipe.chunks,
                                                                                                 self.units)
-        act, extra, transient, kv, kv_grad, work = [], [], [], [], [], []
+        act, extra, transient, kv, kv_grad, work, fwork = [], [], [], [], [], [], []
         kv_of: dict[int, dict] = {}  # stages of equal layer counts hold equal K/V
         C, U = len(pipe.chunks), len(self.units)
         zeros = self._zeros
@@ -542,8 +541,14 @@ class _PipelineCosts:
                 kept = full
                 extra.append(zeros(C))
             act.append(kept)
-            # on the last stage each backward unit's loss backward makes the bf16 logit gradient
-            work.append(self._head_backward() if head else zeros(U))
+            # each backward unit's working set (the loss backward's bf16 logit gradient on the
+            # last stage, a layer's SwiGLU backward elsewhere), and the head forward's bf16 logits
+            work.append(self._per_token_row(cm.backward_work_bytes, self.units, 1,
+                                            mem.backward_work_bytes_per_token(cm.model, pipe.tp, layers=L, head=head),
+                                            layers=L, head=head))
+            fwork.append(self._per_token_row(cm.head_forward_bytes, pipe.chunks, 0,
+                                             mem.head_forward_bytes_per_token(cm.model, pipe.tp)) if head
+                         else zeros(C))
             nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD} \
                 if FORWARD_NOGRAD in map(_KIND, pipe.stages[s]) else ()
             transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
@@ -556,23 +561,63 @@ class _PipelineCosts:
                             for q, n in seqs}
             kv.append(kv_of[L])
             kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
-        return MemorySizes(state=self._states(), activation=act, recompute_extra=extra, nograd_transient=transient,
-                           kv=kv, kv_grad=kv_grad, backward_work=work)
+        states, grads = self._states()
+        if S:
+            work[0] = self._embedding_backward(work[0], act[0], extra[0], grads[0])
+        return MemorySizes(state=[a - g for a, g in zip(states, grads)], grads=grads, activation=act,
+                           recompute_extra=extra, nograd_transient=transient, kv=kv, kv_grad=kv_grad,
+                           backward_work=work, forward_work=fwork)
 
-    def _states(self) -> list[float]:
-        """[stage] model-state bytes, shared by the plan's pipelines of one shape."""
+    def _embedding_backward(self, work, act, extra, grads: float) -> np.ndarray:
+        """The first stage's backward working sets (`work`, counted from the level at each B's
+        start, beside the layer it re-materialises, `extra`) raised to the moment its
+        embedding's backward runs, at the B's end: the whole table's bf16 gradient
+        (`mem.embedding_backward_bytes`) beside the other chunks' activations, the B's own and
+        its re-materialised layer freed by then (`act`: those whose last reader the B is), and
+        beside every gradient in the stage's first B, which makes them (`grads`; a
+        heterogeneous plan's autograd keeps that first bf16 table as the gradient itself)."""
+        pipe, U = self.pipe, len(self.units)
+        order = [a.chunk for a in pipe.stages[0] if a.kind == BACKWARD]
+        if not order:
+            return work
+        act, extra = np.asarray(act, dtype=np.float64), np.asarray(extra, dtype=np.float64)
+        if pipe.backward_chunks is None:  # each unit is its chunk, the only one it reads
+            released, remat = act.copy(), extra
+        else:
+            pos = np.zeros(U, dtype=np.int64)
+            pos[order] = np.arange(len(order))
+            released, remat = np.zeros(U), np.zeros(U)
+            readers: dict[int, list[int]] = {}
+            for u, needs in enumerate(self.deps.bwd_needs):
+                for c in needs:
+                    readers.setdefault(c, []).append(u)
+                    remat[u] += extra[c]
+            for c, us in readers.items():
+                released[max(us, key=pos.__getitem__)] += act[c]
+        table = mem.embedding_backward_bytes(self.cm.model)
+        end = table - released - remat
+        end[order[0]] += grads - (table if self._heterogeneous() else 0.0)
+        return np.maximum(np.asarray(work, dtype=np.float64), end)
+
+    def _states(self) -> tuple[list[float], list[float]]:
+        """[stage] model-state bytes and [stage] their gradients' part, shared by the plan's
+        pipelines of one shape."""
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
         dp, zero = len(self.plan.pipelines) * pipe.cp, self.plan.zero  # ZeRO shards over dp x cp
         key = ("states", pipe.tp, pipe.cp, tuple(self.layers))
         if key not in self.shared:
             if self._heterogeneous():  # bf16 stage weights and gradients, 1/W of the masters and moments
-                self.shared[key] = [self._shared(cm.hetero_state_bytes, layers=L, tp=pipe.tp, first=s == 0,
-                                                 last=s == S - 1, world=self.plan.num_gpus)
-                                    for s, L in enumerate(self.layers)]
+                self.shared[key] = (
+                    [self._shared(cm.hetero_state_bytes, layers=L, tp=pipe.tp, first=s == 0, last=s == S - 1,
+                                  world=self.plan.num_gpus) for s, L in enumerate(self.layers)],
+                    [self._shared(cm.hetero_grad_bytes, layers=L, tp=pipe.tp, first=s == 0, last=s == S - 1)
+                     for s, L in enumerate(self.layers)])
             else:
-                self.shared[key] = [self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero,
-                                                 layers=L).states for s, L in enumerate(self.layers)]
-        return list(self.shared[key])
+                budgets = [self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero, layers=L)
+                           for s, L in enumerate(self.layers)]
+                self.shared[key] = ([b.states for b in budgets], [b.grads for b in budgets])
+        states, grads = self.shared[key]
+        return list(states), list(grads)
 
     def _zeros(self, n: int) -> np.ndarray:
         """A read-only float64 zero row of n entries, shared by the plan's pipelines."""
@@ -582,21 +627,18 @@ class _PipelineCosts:
             row.flags.writeable = False
         return self.shared[key]
 
-    def _head_backward(self) -> list[float]:
-        """cm.head_backward_bytes of every backward unit (without CP: one call per row-token count)."""
-        cm, kw = self.cm, self.kw
-        if "head_backward" in self._cache:  # computed for every pipeline at once (_batched_row_costs)
-            return self._cache["head_backward"]
-        if self.works is None or self.pipe.cp > 1:
-            return [cm.head_backward_bytes(u, **kw) for u in self.units]
-        memo = self.shared.setdefault(("head_backward", self.pipe.tp), {})
-        out = []
-        for r in self.works[1].row_tokens.tolist():
-            v = memo.get(r)
-            if v is None:
-                v = memo[r] = cm.head_backward_bytes(_row_of(r), **kw)
-            out.append(v)
-        return out
+    def _per_token_row(self, method, chunks: list[Chunk], side: int, per_token: float, **kwargs):
+        """`method(c, **kwargs, tp, cp)` of every chunk of `chunks` (the forward chunks, `side`
+        0, or the backward units, 1), a CostModel method that is `per_token` bytes times the
+        chunk's tokens on its busiest CP rank: without CP that product over the row tokens at
+        once (the same floats), unless a subclass redefines the method."""
+        cm = self.cm
+        if self.works is None or self.pipe.cp > 1 or getattr(type(cm), method.__name__) is not \
+                getattr(CostModel, method.__name__):
+            return [method(c, **kwargs, **self.kw) for c in chunks]
+        if not per_token:
+            return self._zeros(len(chunks))
+        return per_token * self.works[side].row_tokens
 
     def _heterogeneous(self) -> bool:
         if "heterogeneous" not in self.shared:  # once per plan, not once per pipeline (O(pipelines) each)
