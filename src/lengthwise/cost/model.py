@@ -246,10 +246,36 @@ class CostModel:
 
     def activation_bytes(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1,
                          recompute_layers: int = 0, head: bool = False) -> float:
-        """Bytes held from the chunk's forward to its backward on the busiest GPU of the CP group."""
+        """Bytes held from the chunk's forward to its backward on the busiest GPU of the CP
+        group: per token, and without CP the attention output's padded copy of each layer that
+        keeps its activations (`attention_pad_bytes`)."""
+        if cp <= 1:
+            return float(self.activation_bytes_rows(chunk_work(chunk).tokens, layers=layers, tp=tp,
+                                                    recompute_layers=recompute_layers, head=head))
         per_token = self.activation_bytes_per_token(layers=layers, tp=tp, recompute_layers=recompute_layers,
                                                     head=head)
         return per_token * max(w.tokens for w in rank_works(chunk, cp))
+
+    def activation_bytes_rows(self, tokens, *, layers: int, tp: int = 1, recompute_layers: int = 0,
+                              head: bool = False):
+        """`activation_bytes` of chunks without CP of these row tokens (a number or a float64
+        array, elementwise: the same floats)."""
+        per_token = self.activation_bytes_per_token(layers=layers, tp=tp, recompute_layers=recompute_layers,
+                                                    head=head)
+        return per_token * tokens + (layers - recompute_layers) * self.attention_pad_bytes(tokens, tp=tp)
+
+    def attention_pad_bytes(self, tokens, *, tp: int = 1):
+        """Bytes one layer keeps beyond its per-token figure for a row of `tokens` that tp does
+        not divide (a number or an array, elementwise): the row is padded to the next multiple of
+        tp (`runtime/parallel/tensor_parallel.py`), and the output projection keeps a padded copy
+        of the attention output, whose unpadded original flash attention keeps too: q_dim / tp
+        bf16 values per padded row (Qwen2.5-7B at tp 2: 4% of a layer's activations). The other
+        tensors gain at most tp - 1 rows, left out. Under CP (rows padded otherwise) none."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        if tp <= 1:
+            return np.zeros_like(tokens)
+        padded = np.ceil(tokens / tp) * tp
+        return np.where(padded > tokens, padded * (self.model.q_dim * mem.BYTES_BF16 / tp), 0.0)
 
     def recompute_transient_bytes_per_token(self, *, tp: int = 1, recompute_layers: int = 0) -> float:
         """Bytes per token a backward re-materialises at once when its forward recomputed
@@ -266,6 +292,9 @@ class CostModel:
         """`recompute_transient_bytes_per_token` for the chunk's busiest GPU of the CP group."""
         if recompute_layers <= 0:
             return 0.0
+        if cp <= 1:  # the re-materialised layer's activations, its padded attention output's copy too
+            return float(self.activation_bytes_rows(chunk_work(chunk).tokens, layers=1, tp=tp)
+                         - self.activation_bytes_rows(chunk_work(chunk).tokens, layers=1, tp=tp, recompute_layers=1))
         per_token = self.recompute_transient_bytes_per_token(tp=tp, recompute_layers=recompute_layers)
         return per_token * max(w.tokens for w in rank_works(chunk, cp))
 

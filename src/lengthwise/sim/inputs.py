@@ -362,7 +362,7 @@ def _batched_tables(plan: StepPlan, cm: CostModel, works) -> list[dict]:
         fwd = cm.works_time(ct, ck, layers=layers, tp=tp, head=head, embed=embed, backward=False)
         bwd = cm.works_time(ut, uk, layers=layers, tp=tp, head=head, embed=embed,
                             backward=True) + 0.0  # (zero) recompute
-        act = cm.activation_bytes_per_token(layers=layers, tp=tp, head=head) * ct
+        act = cm.activation_bytes_rows(ct, layers=layers, tp=tp, head=head)
         cb = np.cumsum([0] + [len(w.row_tokens) for w in fw]).tolist()
         ub = np.cumsum([0] + [len(w.row_tokens) for w in bw]).tolist()
         for k, i in enumerate(members):
@@ -448,7 +448,7 @@ class _PipelineCosts:
         tokens, keys = self._works(chunks)
         cm, layers, tp, head = self.cm, kw["layers"], kw["tp"], kw.get("head", False)
         if name == "activation_bytes":
-            return cm.activation_bytes_per_token(layers=layers, tp=tp, head=head) * tokens
+            return cm.activation_bytes_rows(tokens, layers=layers, tp=tp, head=head)
         out = cm.works_time(tokens, keys, layers=layers, tp=tp, head=head, embed=kw.get("embed", False),
                             backward=name == "backward_time")
         return out + 0.0 if name == "backward_time" else out  # backward_time adds its (zero) recompute

@@ -282,12 +282,11 @@ class UnitCosts:
                 continue
             table = np.zeros((6, len(chunks)))
             if per_token:
-                per = self.cost.activation_bytes_per_token(layers=shape.layers, tp=self.kw["tp"], head=shape.head)
-                table[0] = per * tokens
+                table[0] = self.cost.activation_bytes_rows(tokens, layers=shape.layers, tp=self.kw["tp"],
+                                                           head=shape.head)
                 if shape.layers:
-                    less = self.cost.activation_bytes_per_token(layers=shape.layers, tp=self.kw["tp"],
-                                                                recompute_layers=1, head=shape.head)
-                    table[1] = table[0] - less * tokens
+                    table[1] = table[0] - self.cost.activation_bytes_rows(tokens, layers=shape.layers, tp=self.kw["tp"],
+                                                                          recompute_layers=1, head=shape.head)
                 self._seconds_pending[shape.layers, shape.head] = (chunks, keys)
             else:
                 table[:3] = np.array([self._chunk(stage, c) for c in chunks], dtype=float).reshape(len(chunks), 3).T
