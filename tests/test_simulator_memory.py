@@ -297,3 +297,35 @@ def test_event_order_is_lexsort_of_stage_time_and_frees_first(events):
     time = np.array([e[1] for e in events], dtype=np.float64)
     delta = np.array([e[2] for e in events], dtype=np.float64)
     assert np.array_equal(_event_order(stage, time, delta), np.lexsort((delta > 0, time, stage)))
+
+
+def test_backward_units_free_their_cells_one_by_one():
+    """With backward units apart from the forward chunks (SlimPack), each cell, the part of a
+    chunk one unit holds, is its own row: its activations are made by the chunk's F and freed by
+    its unit's B (runtime/cells.py). One chunk of two 128-token sequences backwarded by two
+    units, one sequence each: while the second B runs the stage holds the second sequence's
+    cell only, beside the gradients the first B made, and its working set (the loss's, or the
+    embedding's bf16 table once the cell is freed); the whole chunk's 256 tokens were held
+    until the last B before."""
+    from lengthwise.plan.ir import PipelinePlan, StepPlan
+    from test_simulator import cluster
+
+    chunk = Chunk((Segment(0, 0, 128), Segment(1, 0, 128)))
+    units = [Chunk((Segment(1, 0, 128),)), Chunk((Segment(0, 0, 128),))]
+    stages = [[Action("F", 0), Action("B", 0), Action("B", 1)]]
+    plan = StepPlan(planner="test", model=TINY, cluster=cluster(1, 8), lengths=[128, 128],
+                    pipelines=[PipelinePlan(chunks=[chunk], stages=stages, backward_chunks=units)])
+    cm = cost(plan)
+    r = simulate_plan(plan, cm)
+    mem, b1 = r.timeline.memory, task_lookup(r)[0, 0, 2, 1]
+    at = np.flatnonzero(mem.time == r.timeline.start[b1])[-1]   # after B0's frees and B1's allocations
+    grad = grads(cm, plan, 1)[0]
+    cell = cm.activation_bytes(Chunk((Segment(0, 0, 128),)), layers=4, head=True)
+    work = max(cm.backward_work_bytes(units[1], layers=4, head=True), 2 * TINY.vocab * TINY.hidden - cell)
+    assert mem.level[at] == pytest.approx(states(cm, plan, 1)[0] + cell + work)
+    # B0, the stage's first: both cells, no gradient yet; at its end (its embedding backward)
+    # its cell is freed and every gradient made
+    first = max(cm.backward_work_bytes(units[0], layers=4, head=True), 2 * TINY.vocab * TINY.hidden + grad - cell)
+    b0 = task_lookup(r)[0, 0, 2, 0]
+    assert mem.level[np.flatnonzero(mem.time == r.timeline.start[b0])[-1]] == pytest.approx(
+        states(cm, plan, 1)[0] - grad + 2 * cell + first)

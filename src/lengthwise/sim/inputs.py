@@ -24,6 +24,7 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
 from lengthwise.sim.memory import MemorySizes, SplitArrays, SplitSequence, split_sequences
+from lengthwise.sim.memory import deps_users as _users
 
 F, N, B = 0, 1, 2
 _VECTORISED = ("forward_time", "backward_time", "activation_bytes")
@@ -525,7 +526,8 @@ class _PipelineCosts:
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
         splits = self.splits = self.known.splits if self.known is not None else split_sequences(pipe.chunks,
                                                                                                 self.units)
-        act, extra, transient, kv, kv_grad, work, fwork = [], [], [], [], [], [], []
+        act, extra, transient, kv, kv_grad, work, fwork, cell_act = [], [], [], [], [], [], [], []
+        cells = self._cells()
         kv_of: dict[int, dict] = {}  # stages of equal layer counts hold equal K/V
         C, U = len(pipe.chunks), len(self.units)
         zeros = self._zeros
@@ -540,6 +542,15 @@ class _PipelineCosts:
             else:  # recompute_transient_bytes is 0 without recomputation
                 kept = full
                 extra.append(zeros(C))
+            if cells is not None:  # each cell is its own row: kept, re-materialised and worked on apart
+                kept, extra[-1], w, fw = self._cell_sizes(cells, L, head, recompute[s])
+                cell_act.append(kept)
+                kept = np.bincount(cells[0], weights=kept, minlength=C)
+                act.append(kept)
+                work.append(w)
+                fwork.append(fw)
+                self._stage_rest(s, L, splits, kv_of, kv, kv_grad, transient, zeros, C)
+                continue
             act.append(kept)
             # each backward unit's working set (the loss backward's bf16 logit gradient on the
             # last stage, a layer's SwiGLU backward elsewhere), and the head forward's bf16 logits
@@ -549,26 +560,80 @@ class _PipelineCosts:
             fwork.append(self._per_token_row(cm.head_forward_bytes, pipe.chunks, 0,
                                              mem.head_forward_bytes_per_token(cm.model, pipe.tp)) if head
                          else zeros(C))
-            nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD} \
-                if FORWARD_NOGRAD in map(_KIND, pipe.stages[s]) else ()
-            transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
-                              for i, c in enumerate(pipe.chunks)] if nograd else zeros(C))
-            if L not in kv_of:  # kv_bytes by context length, shared by the plan's pipelines of one tp, cp
-                memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
-                seqs = zip(splits.seq_id.tolist(), splits.context.tolist()) if isinstance(splits, SplitArrays) \
-                    else ((q.seq_id, q.context) for q in splits)
-                kv_of[L] = {q: memo[n] if n in memo else memo.setdefault(n, cm.kv_bytes(n, layers=L, **self.kw))
-                            for q, n in seqs}
-            kv.append(kv_of[L])
-            kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
+            self._stage_rest(s, L, splits, kv_of, kv, kv_grad, transient, zeros, C)
         states, grads = self._states()
         if S:
-            work[0] = self._embedding_backward(work[0], act[0], extra[0], grads[0])
+            work[0] = self._embedding_backward(work[0], act[0], extra[0], grads[0], cell_act[0] if cells else None,
+                                               cells)
         return MemorySizes(state=[a - g for a, g in zip(states, grads)], grads=grads, activation=act,
                            recompute_extra=extra, nograd_transient=transient, kv=kv, kv_grad=kv_grad,
-                           backward_work=work, forward_work=fwork)
+                           backward_work=work, forward_work=fwork, cell_activation=cell_act)
 
-    def _embedding_backward(self, work, act, extra, grads: float) -> np.ndarray:
+    def _stage_rest(self, s, L, splits, kv_of, kv, kv_grad, transient, zeros, C) -> None:
+        """Stage s's no-grad forward transients and K/V sizes (appended to the lists)."""
+        pipe, cm = self.pipe, self.cm
+        nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD} \
+            if FORWARD_NOGRAD in map(_KIND, pipe.stages[s]) else ()
+        transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
+                          for i, c in enumerate(pipe.chunks)] if nograd else zeros(C))
+        if L not in kv_of:  # kv_bytes by context length, shared by the plan's pipelines of one tp, cp
+            memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
+            seqs = zip(splits.seq_id.tolist(), splits.context.tolist()) if isinstance(splits, SplitArrays) \
+                else ((q.seq_id, q.context) for q in splits)
+            kv_of[L] = {q: memo[n] if n in memo else memo.setdefault(n, cm.kv_bytes(n, layers=L, **self.kw))
+                        for q, n in seqs}
+        kv.append(kv_of[L])
+        kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
+
+    def _cells(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(chunk, unit, tokens) of every cell, the part of a forward chunk that one backward
+        unit holds (`runtime/cells.py`), in the order of the (chunk, unit) reads (by chunk,
+        then unit); None when the units are the chunks, or under CP (there chunks are counted
+        whole, released at their last reader's end: an upper bound)."""
+        pipe = self.pipe
+        if pipe.backward_chunks is None or pipe.cp > 1:
+            return None
+        by_seq: dict[int, list[tuple[int, int, int]]] = {}
+        for c, ch in enumerate(pipe.chunks):
+            for seg in ch.segments:
+                by_seq.setdefault(seg.seq_id, []).append((seg.start, seg.stop, c))
+        overlap: dict[tuple[int, int], int] = {}
+        for u, unit in enumerate(pipe.backward_chunks):
+            for seg in unit.segments:
+                for a, b, c in by_seq.get(seg.seq_id, ()):
+                    n = min(b, seg.stop) - max(a, seg.start)
+                    if n > 0:
+                        overlap[c, u] = overlap.get((c, u), 0) + n
+        pairs = [(c, u) for c, us in enumerate(_users(self.deps, len(pipe.chunks))) for u in us]
+        arr = lambda xs: np.array(xs, dtype=np.int64)
+        return arr([c for c, _ in pairs]), arr([u for _, u in pairs]), \
+            np.array([overlap.get(p, 0) for p in pairs], dtype=np.float64)
+
+    def _cell_sizes(self, cells, L: int, head: bool, recompute: list[int]):
+        """A stage's sizes by cell: each cell's kept activations [cell] (its own row: padded
+        apart), each chunk's re-materialisation events folded into its units' working sets
+        (zeros [chunk]), each unit's working set [unit] (its cells' backwards run one after
+        another: the largest cell's loss or layer working set, with its re-materialised layer)
+        and each chunk's forward working set [chunk] (its largest cell's LM head logits)."""
+        cm, tp = self.cm, self.pipe.tp
+        chunk_of, unit_of, tokens = cells
+        r = np.asarray(recompute, dtype=np.int64)[chunk_of] if len(chunk_of) else np.zeros(0, np.int64)
+        kept = np.zeros(len(tokens))
+        remat = np.zeros(len(tokens))
+        for k in np.unique(r).tolist():
+            at = r == k
+            kept[at] = cm.activation_bytes_rows(tokens[at], layers=L, tp=tp, recompute_layers=k, head=head)
+            if k:
+                remat[at] = (cm.activation_bytes_rows(tokens[at], layers=1, tp=tp)
+                             - cm.activation_bytes_rows(tokens[at], layers=1, tp=tp, recompute_layers=1))
+        per_token = mem.backward_work_bytes_per_token(cm.model, tp, layers=L, head=head)
+        work = np.zeros(len(self.units))
+        np.maximum.at(work, unit_of, remat + per_token * tokens)
+        fwork = np.zeros(len(self.pipe.chunks))
+        if head:
+            np.maximum.at(fwork, chunk_of, mem.head_forward_bytes_per_token(cm.model, tp) * tokens)
+        return kept, self._zeros(len(self.pipe.chunks)), work, fwork
+    def _embedding_backward(self, work, act, extra, grads: float, cell_act=None, cells=None) -> np.ndarray:
         """The first stage's backward working sets (`work`, counted from the level at each B's
         start, beside the layer it re-materialises, `extra`) raised to the moment its
         embedding's backward runs, at the B's end: the whole table's bf16 gradient
@@ -581,7 +646,12 @@ class _PipelineCosts:
         if not order:
             return work
         act, extra = np.asarray(act, dtype=np.float64), np.asarray(extra, dtype=np.float64)
-        if pipe.backward_chunks is None:  # each unit is its chunk, the only one it reads
+        if cells is not None:  # each cell's backward ends in the embedding's: its first cell's
+            released = np.full(U, np.inf)       # (the smallest, at most) is all it has freed then
+            np.minimum.at(released, cells[1], cell_act)
+            released[~np.isfinite(released)] = 0.0
+            remat = np.zeros(U)  # folded into `work`, freed with its cell
+        elif pipe.backward_chunks is None:  # each unit is its chunk, the only one it reads
             released, remat = act.copy(), extra
         else:
             pos = np.zeros(U, dtype=np.int64)

@@ -21,10 +21,12 @@ highest at one of its ends, which the events below hold. Plus allocations tied t
 - K/V gradients of a split sequence, from the start of its last slice's backward to the end of
   its first slice's (earlier slices receive them: infinipipe eq. 9-10).
 
-With separate backward units (SlimPack §4.1.2) the executor frees a chunk's activations in
-parts, each backward unit its own tokens' (runtime/cells.py), so the chunk-level release here is
-an upper bound; and K/V gradients of a sequence that only the backward grouping cuts are not
-counted (a few tokens' K/V per cut).
+With separate backward units (SlimPack §4.1.2) the executor runs each cell, the part of a
+forward chunk that one backward unit holds, as a row of its own and frees its activations when
+that unit's backward ends (runtime/cells.py): a chunk's activations are allocated at its F as
+the sum of its cells' (`MemorySizes.cell_activation`) and freed cell by cell (under CP chunks
+are released whole at their last reader's end, an upper bound); K/V gradients of a sequence
+that only the backward grouping cuts are not counted (a few tokens' K/V per cut).
 
 Tasks on one stage are numbered in schedule order, so "the last backward" is the largest task
 id, which needs no timing. Events are `(task, at_end, bytes)`; `replay` sorts all stages'
@@ -69,6 +71,10 @@ class MemorySizes:
     grads: list[float] = field(default_factory=list)
     """[stage] gradient bytes allocated at the end of the stage's first B and held to the
     step's end (not part of `state`); empty: none."""
+    cell_activation: list = field(default_factory=list)
+    """[stage][(chunk, unit) read, by chunk then unit] bytes of each cell's activations, freed
+    at the end of that unit's B (`activation` is then each chunk's sum of them); empty: each
+    chunk's activations are freed whole at the end of the last B reading them."""
 
 
 @dataclass(kw_only=True)
@@ -168,7 +174,11 @@ def memory_events(t: PipelineTasks, deps: Dependencies, sizes: MemorySizes,
     np.maximum.at(release, (slice(None), pairs_c), bwd[:, pairs_u])  # last backward reading the chunk
     read = release >= 0
     ran_nograd = nograd >= 0
-    parts = [(fwd[read], False, act[read]), (release[read], True, -act[read])]
+    if len(sizes.cell_activation):  # each cell freed at the end of its unit's B
+        cells = np.asarray(sizes.cell_activation, dtype=np.float64).reshape(len(fwd), -1)
+        parts = [(fwd[read], False, act[read]), (bwd[:, pairs_u].ravel(), True, -cells.ravel())]
+    else:
+        parts = [(fwd[read], False, act[read]), (release[read], True, -act[read])]
     # parts whose bytes are all zero are left out: the zero events would be dropped below anyway
     if extra.any():
         parts += [(bwd[:, pairs_u].ravel(), False, extra[:, pairs_c].ravel()),
@@ -323,7 +333,11 @@ def plan_memory_events(pipes: list[PipelineTasks], all_sizes: list[MemorySizes],
     np.maximum.at(release, cidx, bwd[uidx])  # last backward reading the chunk
     read = release >= 0
     ran = nograd_local >= 0
-    parts = [(fwd[read], False, act[read]), (release[read], True, -act[read]),
+    if any(len(sz.cell_activation) for sz in all_sizes):  # cells freed one by one (memory_events)
+        freed = _cell_releases(pipe, s, k - _starts(n)[pipe], n, cidx, uidx, act, bwd, release, all_sizes)
+    else:
+        freed = (release[read], True, -act[read])
+    parts = [(fwd[read], False, act[read]), freed,
              (bwd[uidx], False, extra[cidx]), (bwd[uidx], True, -extra[cidx]),
              (nograd[ran], False, transient[ran]), (nograd[ran], True, -transient[ran]),
              (bwd, False, work), (bwd, True, -work), (fwd, False, fwork), (fwd, True, -fwork),
@@ -334,6 +348,25 @@ def plan_memory_events(pipes: list[PipelineTasks], all_sizes: list[MemorySizes],
     delta = np.concatenate([np.asarray(p[2], dtype=np.float64) for p in parts])
     keep = delta != 0
     return task[keep], at_end[keep], delta[keep]
+
+
+def _cell_releases(pipe, s, local, n, cidx, uidx, act, bwd, release, all_sizes):
+    """The frees of the reads' activations, read by read (by pipeline, stage, chunk, then unit;
+    `local`: each read's index among its pipeline's `n` reads): a cell's bytes at the end of its
+    unit's B where the pipeline has cells, else each chunk's whole at its last read's position,
+    at the latest of its reads' backwards (memory_events' events, in its order)."""
+    celled = np.array([len(sz.cell_activation) > 0 for sz in all_sizes], dtype=bool)[pipe]
+    last = np.r_[cidx[1:] != cidx[:-1], True] if len(cidx) else np.zeros(0, dtype=bool)
+    keep = celled | last
+    values = np.zeros(len(cidx))
+    for p, sz in enumerate(all_sizes):
+        if len(sz.cell_activation):
+            at = np.flatnonzero(pipe == p)
+            table = np.asarray(sz.cell_activation, dtype=np.float64).reshape(-1, int(n[p]))
+            values[at] = table[s[at], local[at]]
+    amount = np.where(celled, -values, -act[cidx])
+    task = np.where(celled, bwd[uidx], release[cidx])
+    return task[keep], True, amount[keep]
 
 
 def _first_backward_grads(S, U, bbase, bwd, all_sizes) -> tuple[np.ndarray, bool, np.ndarray]:
