@@ -5,9 +5,17 @@
   bytes/param), gradients accumulated over the step's backwards in fp32 (4: FSDP2 upcasts them to
   its fp32 reduce dtype while gradient sync is off, as Megatron accumulates "main grads" in fp32;
   the reduce-scatter sends them in fp32 too) and an fp32 master copy plus Adam's two moments
-  (12). ZeRO-1 shards the 12 over the data-parallel group, ZeRO-2 also the gradients, ZeRO-3
-  everything. (Under ZeRO-1 the reduced fp32 gradient shard, 4/dp, replaces each unit's whole
-  gradient at the step's last backward, so the whole 4 bounds it.)
+  (12). ZeRO-1 shards the 12 over the data-parallel group, ZeRO-3 also the bf16 weights (the
+  executor reshards them after each forward and backward when every replica runs the same
+  actions, `parallel/fsdp.py`; the unit it gathers for the running layer is left out). The
+  gradients are not sharded at any stage while the step accumulates them: the executor keeps
+  FSDP2's gradient sync off until each stage's last backward
+  (`set_requires_gradient_sync(False)`, one reduce-scatter a step instead of one per backward
+  unit), so FSDP2 accumulates every unit's gradient unsharded, in fp32, over the step's
+  backwards whatever the ZeRO stage, and the reduced shard (4/dp) replaces it only at the last
+  backward. A dry run measures the same peak for one plan at ZeRO-1, 2 and 3 (`tests/
+  test_dryrun.py`); ZeRO-2 saves nothing in this executor, and the cost model charges the
+  whole 4 at every stage.
 - Gradients come into being in a step, not before it: the optimizer frees them at the step's
   end (`zero_grad(set_to_none=True)`) and each FSDP unit's fp32 accumulator is made by its first
   backward of the next step. A stage holds none of them through its warm-up forwards; the
@@ -96,12 +104,12 @@ def grad_params(model: ModelSpec, *, layers: int, tp: int, first: bool, last: bo
 
 
 def state_bytes_per_param(dp: int, zero: int, *, grads: bool = True) -> float:
-    """Bytes per stage parameter of its weights, optimizer states and (`grads`) gradients."""
+    """Bytes per stage parameter of its weights, optimizer states and (`grads`) gradients, as
+    the executor holds them while it accumulates the step's gradients (module docstring: the
+    gradients whole at every ZeRO stage)."""
     weights, grads, optim = BYTES_BF16, GRAD_BYTES_PER_PARAM if grads else 0.0, OPTIMIZER_BYTES_PER_PARAM
     if zero >= 1:
         optim /= dp
-    if zero >= 2:
-        grads /= dp
     if zero >= 3:
         weights /= dp
     return weights + grads + optim

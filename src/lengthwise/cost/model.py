@@ -334,9 +334,9 @@ class CostModel:
     def grad_bytes(self, *, layers: int, tp: int = 1, dp: int = 1, zero: int = 1,
                    first: bool = False, last: bool = False) -> float:
         """The gradients' part of `model_state_bytes`: fp32 accumulators of `mem.grad_params`
-        elements (the embedding's whole table on the first stage), sharded under ZeRO-2/3."""
-        grads = mem.grad_params(self.model, layers=layers, tp=tp, first=first, last=last)
-        return grads * mem.GRAD_BYTES_PER_PARAM / (dp if zero >= 2 else 1)
+        elements (the embedding's whole table on the first stage), unsharded at every ZeRO stage
+        while the step accumulates them (`cost/memory.py`; `dp` and `zero` change nothing)."""
+        return mem.grad_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.GRAD_BYTES_PER_PARAM
 
     def hetero_state_bytes(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False,
                            world: int = 1) -> float:
