@@ -40,9 +40,8 @@ pipeline sends each TP rank's rows only (`cost/model.boundary_bytes`).
 
 Memory: a rank keeps its rows of the residual stream and of the norms' inputs, but the
 projections keep the gathered normed input (whole, T x hidden) for their weight gradients, as
-DTensor's column-parallel linear does; Megatron gathers it again in backward instead, which
-`cost/memory.py` assumes (its norm outputs divided by tp): measured activations stay above the
-simulated by about 2 x hidden x (1 - 1/tp) values per token and layer.
+DTensor's column-parallel linear does (Megatron gathers it again in backward instead);
+`cost/memory.py` counts it whole, as kept here.
 
 Attention needs the whole row: the gathered normed input is cut back to the row's T tokens
 (the rotary tables' length) before q/k/v, so rotary positions, the `ChunkLayout` of packed
