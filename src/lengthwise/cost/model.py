@@ -327,9 +327,17 @@ class CostModel:
             return 0.0
         return (held * (world - 1) / world + (held_by_all - held) / world) * mem.BYTES_BF16
 
-    def boundary_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
-        # Hidden states between stages, scattered over tp with sequence parallelism.
-        return chunk.row_tokens / cp * self.model.hidden * mem.BYTES_BF16 / tp
+    def boundary_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1, cp_rank: int | None = None) -> float:
+        """Hidden states one rank hands to the next stage, scattered over tp with sequence
+        parallelism. Under CP each rank sends its own rows: 1/cp of the sharded segments plus
+        the segments placed whole on it (`rank_works`); `cp_rank` None gives the busiest rank's,
+        which is what a stage waits for."""
+        if cp <= 1 or chunk.pad_to > chunk.num_tokens or all(s.cp_rank == SHARDED for s in chunk.segments):
+            rows = chunk.row_tokens / cp
+        else:
+            works = rank_works(chunk, cp)
+            rows = works[cp_rank].tokens if cp_rank is not None else max(w.tokens for w in works)
+        return rows * self.model.hidden * mem.BYTES_BF16 / tp
 
     # ---- communication seconds ----
     def p2p_time(self, nbytes: float, *, inter_node: bool) -> float:
