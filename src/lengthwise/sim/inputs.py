@@ -24,7 +24,6 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
 from lengthwise.sim.memory import MemorySizes, SplitArrays, SplitSequence, split_sequences
-from lengthwise.sim.memory import deps_users as _users
 
 F, N, B = 0, 1, 2
 _VECTORISED = ("forward_time", "backward_time", "activation_bytes")
@@ -82,6 +81,10 @@ class SliceStructure:
     """int64 [unit] segments of each backward unit."""
     bwd_bounds: np.ndarray
     """int64 [segment, 2] (start, stop) of every backward segment, unit by unit, in order."""
+    cells: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    """(chunk, unit, tokens) int64 arrays of every cell, the part of a forward chunk one backward
+    unit holds, by chunk then unit (the order of the (chunk, unit) reads), where the backward
+    units are not the chunks; None: read off the segments when needed."""
 
 
 def plan_inputs(plan: StepPlan, cm: CostModel,
@@ -106,6 +109,26 @@ def plan_inputs(plan: StepPlan, cm: CostModel,
 
 
 _SEGMENT_FIELDS = operator.attrgetter("seq_id", "start", "stop")
+
+
+def segment_cells(chunks: list[Chunk], units: list[Chunk]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(chunk, unit, tokens) of every cell of these forward chunks and backward units, by chunk
+    then unit: every backward segment lies in one forward segment of its sequence
+    (`plan.validate.check_backward_units`), found by (sequence, start) order."""
+    def table(xs):
+        counts = np.fromiter((len(x.segments) for x in xs), dtype=np.int64, count=len(xs))
+        flat = np.fromiter(itertools.chain.from_iterable(map(_SEGMENT_FIELDS, (s for x in xs for s in x.segments))),
+                           dtype=np.int64, count=3 * int(counts.sum())).reshape(-1, 3)
+        return np.repeat(np.arange(len(xs)), counts), flat
+    owner_f, fwd = table(chunks)
+    owner_b, bwd = table(units)
+    order = np.lexsort((fwd[:, 1], fwd[:, 0]))
+    keys = fwd[order, 0] * 2**32 + fwd[order, 1]
+    holder = order[np.searchsorted(keys, bwd[:, 0] * 2**32 + bwd[:, 1], side="right") - 1]
+    cell = owner_f[holder] * max(len(units), 1) + owner_b
+    uniq, at = np.unique(cell, return_inverse=True)
+    tokens = np.bincount(at, weights=(bwd[:, 2] - bwd[:, 1]).astype(np.float64), minlength=len(uniq))
+    return uniq // max(len(units), 1), uniq % max(len(units), 1), tokens
 
 
 def derived_structures(pipes: list[PipelinePlan], known: list[SliceStructure | None]) -> list[SliceStructure | None]:
@@ -545,8 +568,7 @@ class _PipelineCosts:
             if cells is not None:  # each cell is its own row: kept, re-materialised and worked on apart
                 kept, extra[-1], w, fw = self._cell_sizes(cells, L, head, recompute[s])
                 cell_act.append(kept)
-                kept = np.bincount(cells[0], weights=kept, minlength=C)
-                act.append(kept)
+                act.append(self._chunk_sums(cells, kept, C))
                 work.append(w)
                 fwork.append(fw)
                 self._stage_rest(s, L, splits, kv_of, kv, kv_grad, transient, zeros, C)
@@ -593,21 +615,23 @@ class _PipelineCosts:
         pipe = self.pipe
         if pipe.backward_chunks is None or pipe.cp > 1:
             return None
-        by_seq: dict[int, list[tuple[int, int, int]]] = {}
-        for c, ch in enumerate(pipe.chunks):
-            for seg in ch.segments:
-                by_seq.setdefault(seg.seq_id, []).append((seg.start, seg.stop, c))
-        overlap: dict[tuple[int, int], int] = {}
-        for u, unit in enumerate(pipe.backward_chunks):
-            for seg in unit.segments:
-                for a, b, c in by_seq.get(seg.seq_id, ()):
-                    n = min(b, seg.stop) - max(a, seg.start)
-                    if n > 0:
-                        overlap[c, u] = overlap.get((c, u), 0) + n
-        pairs = [(c, u) for c, us in enumerate(_users(self.deps, len(pipe.chunks))) for u in us]
-        arr = lambda xs: np.array(xs, dtype=np.int64)
-        return arr([c for c, _ in pairs]), arr([u for _, u in pairs]), \
-            np.array([overlap.get(p, 0) for p in pairs], dtype=np.float64)
+        if self.known is not None and self.known.cells is not None:
+            c, u, n = self.known.cells
+            cells = c, u, n.astype(np.float64)
+        else:
+            cells = segment_cells(pipe.chunks, pipe.backward_chunks)
+        # one cell per (chunk, unit) read, in the reads' order (else: chunks released whole)
+        reads = [(c, u) for u, needs in enumerate(self.deps.bwd_needs) for c in needs]
+        if len(reads) != len(cells[0]) or sorted(reads) != list(zip(cells[0].tolist(), cells[1].tolist())):
+            return None
+        return cells
+
+    def _chunk_sums(self, cells, kept: np.ndarray, C: int) -> np.ndarray:
+        """Each chunk's activations, its cells' summed (shared by stages of equal cell sizes)."""
+        key = ("chunk sums", id(kept))
+        if key not in self._cache:
+            self._cache[key] = (kept, np.bincount(cells[0], weights=kept, minlength=C))
+        return self._cache[key][1]
 
     def _cell_sizes(self, cells, L: int, head: bool, recompute: list[int]):
         """A stage's sizes by cell: each cell's kept activations [cell] (its own row: padded
@@ -615,24 +639,33 @@ class _PipelineCosts:
         (zeros [chunk]), each unit's working set [unit] (its cells' backwards run one after
         another: the largest cell's loss or layer working set, with its re-materialised layer)
         and each chunk's forward working set [chunk] (its largest cell's LM head logits)."""
+        key = ("cells", L, head, tuple(recompute) if any(recompute) else None)
+        if key in self._cache:  # stages of one shape and recomputation share them
+            return self._cache[key]
         cm, tp = self.cm, self.pipe.tp
         chunk_of, unit_of, tokens = cells
-        r = np.asarray(recompute, dtype=np.int64)[chunk_of] if len(chunk_of) else np.zeros(0, np.int64)
-        kept = np.zeros(len(tokens))
         remat = np.zeros(len(tokens))
-        for k in np.unique(r).tolist():
-            at = r == k
-            kept[at] = cm.activation_bytes_rows(tokens[at], layers=L, tp=tp, recompute_layers=k, head=head)
-            if k:
-                remat[at] = (cm.activation_bytes_rows(tokens[at], layers=1, tp=tp)
-                             - cm.activation_bytes_rows(tokens[at], layers=1, tp=tp, recompute_layers=1))
+        if not any(recompute):
+            kept = cm.activation_bytes_rows(tokens, layers=L, tp=tp, head=head)
+        else:
+            r = np.asarray(recompute, dtype=np.int64)[chunk_of]
+            kept = np.zeros(len(tokens))
+            for k in np.unique(r).tolist():
+                at = r == k
+                kept[at] = cm.activation_bytes_rows(tokens[at], layers=L, tp=tp, recompute_layers=k, head=head)
+                if k:
+                    remat[at] = (cm.activation_bytes_rows(tokens[at], layers=1, tp=tp)
+                                 - cm.activation_bytes_rows(tokens[at], layers=1, tp=tp, recompute_layers=1))
         per_token = mem.backward_work_bytes_per_token(cm.model, tp, layers=L, head=head)
         work = np.zeros(len(self.units))
         np.maximum.at(work, unit_of, remat + per_token * tokens)
-        fwork = np.zeros(len(self.pipe.chunks))
+        fwork = self._zeros(len(self.pipe.chunks))
         if head:
+            fwork = np.zeros(len(self.pipe.chunks))
             np.maximum.at(fwork, chunk_of, mem.head_forward_bytes_per_token(cm.model, tp) * tokens)
-        return kept, self._zeros(len(self.pipe.chunks)), work, fwork
+        out = self._cache[key] = (kept, self._zeros(len(self.pipe.chunks)), work, fwork)
+        return out
+
     def _embedding_backward(self, work, act, extra, grads: float, cell_act=None, cells=None) -> np.ndarray:
         """The first stage's backward working sets (`work`, counted from the level at each B's
         start, beside the layer it re-materialises, `extra`) raised to the moment its
