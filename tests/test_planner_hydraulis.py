@@ -138,24 +138,40 @@ def test_planner_charges_exactly_the_simulators_exchange(pipelines):
 
 
 def test_a_heterogeneous_plan_is_charged_the_executors_exchange_not_an_all_reduce():
-    """Each GPU of a heterogeneous plan pulls its stage's bf16 weights and pushes their
-    gradients, one all-to-all each over every GPU, less the 1/W it owns: the bytes
-    `exchange_bytes` counts for the executor (runtime/parallel/hetero.py), priced as two
-    all-to-alls; no all-reduce on top (the simulator once charged both)."""
+    """Each GPU of a heterogeneous plan pushes the bf16 gradients of what it holds and does not
+    own to the owners (each element owned by one of its holders) and pulls their weights back:
+    held - owned elements each way, the volume of a ring all-reduce among each element's holders.
+    The cost model's count equals the executor's layout (runtime/parallel/hetero.ExchangeLayout)
+    within rounding, priced as two all-to-alls among the holders; no all-reduce on top (the
+    simulator once charged both)."""
     import lengthwise.cost.memory as mem
-    from lengthwise.planners.hydraulis.cost import exchange_bytes
+    from lengthwise.runtime.parallel.hetero import ExchangeLayout, plan_pipelines, strategy_holdings, whole_shapes
 
     lengths = [9000, 6000] + [int(x) for x in np.random.default_rng(1).integers(50, 3000, 60)]
     p, req = plan(lengths, pipelines="tp4-pp2,tp2-pp2,tp2-pp2")
     cm, world = req.cost, p.num_gpus
+    shapes = whole_shapes(cm.model)
+    holdings, dims = strategy_holdings(cm.model, plan_pipelines(p), list(shapes))
+    layout = ExchangeLayout(shapes, holdings, dims=dims)
+    holders = cm.hetero_holders([(q.tp, q.pp, q.cp) for q in p.pipelines])
+    assert holders.split == 3
+    rank = 0
     for q, inputs in zip(p.pipelines, plan_inputs(p, cm)):
         layers = q.stage_layers(cm.model.num_layers)
         for s, n in enumerate(layers):
-            held = mem.stage_params(cm.model, layers=n, tp=q.tp, first=s == 0, last=s == q.pp - 1)
-            sent = cm.exchange_bytes(layers=n, tp=q.tp, first=s == 0, last=s == q.pp - 1, world=world)
-            assert sent == pytest.approx(exchange_bytes([held], world=world, elem_bytes=2))
-            seconds = 2 * cm.collective_time("all_to_all", held * 2, ranks=world, inter_node=world > 8)
+            stage = dict(layers=n, tp=q.tp, first=s == 0, last=s == q.pp - 1)
+            held, owned = layout.local_size[rank], layout.shard_size[rank]  # the stage's TP rank 0
+            assert held == mem.stage_params(cm.model, **stage)
+            # within rounding: 3 holders share each 1024-column band of a row-parallel weight,
+            # 342 or 341 columns each, every row
+            assert cm.hetero_owned(**stage, holders=holders) == pytest.approx(owned, rel=1e-3)
+            sent = cm.exchange_bytes(**stage, holders=holders)
+            assert sent == pytest.approx(2 * (held - owned) * 2, rel=1e-3)
+            # about 2 (d - 1) / d of the held bf16 bytes, d = 3 holders of the split weights
+            assert sent == pytest.approx(2 * 2 / 3 * held * 2, rel=1e-3)
+            seconds = 2 * cm.collective_time("all_to_all", sent / 2 * 3 / 2, ranks=3, inter_node=world > 8)
             assert inputs.grad_sync[s] == pytest.approx(seconds)
+            rank += q.tp * q.cp
 
 
 def test_chosen_heterogeneous_strategy_is_estimated_with_the_simulators_exchange():
