@@ -174,6 +174,35 @@ def test_a_heterogeneous_plan_is_charged_the_executors_exchange_not_an_all_reduc
             rank += q.tp * q.cp
 
 
+def test_a_strategy_switch_is_charged_when_the_previous_batch_ran_another():
+    """With the `previous` option (the training loop passes the strategy the last batch ran), a
+    candidate with other pipelines pays the switch: the optimizer state's move to the new owners
+    and the new layout's weight pull (cost.switch_time); the previous strategy itself pays
+    nothing."""
+    from lengthwise.planners.hydraulis.cost import parse_pipelines, pipelines_name, switch_time
+
+    lengths = [9000, 6000] + [int(x) for x in np.random.default_rng(1).integers(50, 3000, 60)]
+    first, req = plan(lengths)
+    chosen = pipelines_name(first.pipelines)
+    assert first.metrics["switch_s"] == 0
+    same, _ = plan(lengths, previous=chosen)
+    assert pipelines_name(same.pipelines) == chosen and same.metrics["switch_s"] == 0
+    assert same.metrics["estimated_step_s"] == first.metrics["estimated_step_s"]
+    other = "tp8-pp2" if chosen != "tp8-pp2" else "tp4-pp4"
+    moved, _ = plan(lengths, previous=other)
+    now = [(q.tp, q.pp, q.cp) for q in moved.pipelines]
+    charge = switch_time(req.cost, parse_pipelines(other), now, num_gpus=16)
+    assert (charge > 0) == (pipelines_name(moved.pipelines) != other)
+    assert moved.metrics["switch_s"] == charge
+    assert moved.metrics["estimated_step_s"] == pytest.approx(
+        max(moved.metrics["estimated_pipeline_s"]) + moved.metrics["exchange_s"] + charge)
+    # at least the 12 bytes of every element one GPU owns, at the inter-node link's bandwidth
+    owned = req.cost.hetero_owned(layers=MODEL.num_layers // 2, tp=8, first=True, holders=req.cost.hetero_holders(
+        parse_pipelines(other)))
+    assert switch_time(req.cost, parse_pipelines(other), [(2, 2, 1)] * 4, num_gpus=16) > \
+        12 * owned / (req.cluster.inter_bw_gbps * 1e9)
+
+
 def test_chosen_heterogeneous_strategy_is_estimated_with_the_simulators_exchange():
     lengths = [24000, 20000] + [int(x) for x in np.random.default_rng(0).integers(50, 2000, 150)]
     req = heterogeneous_request(lengths)

@@ -1,5 +1,6 @@
-"""`lengthwise train --planner hydraulis` across processes: heterogeneous pipelines, optimizer
-state dealt round-robin over all ranks, strategy switches between steps (hydraulis §5.2).
+"""`lengthwise train --planner hydraulis` across processes: heterogeneous pipelines, each element's
+optimizer state owned by one of the ranks holding it, strategy switches between steps
+(hydraulis §5.2).
 
     lengthwise train --planner hydraulis --nproc 4 --pipelines tp2-pp1,tp1-pp2 --dtype float64
 
@@ -8,31 +9,38 @@ Two layouts per rank (`parallel/hetero.py` explains why):
 - propagation: the rank's part of the plan's current strategy (its pipeline's stage, whole or
   as tp row / column shards), in the run's dtype, built by `parallel/build.build_rank_model`
   without FSDP2 (every pipeline may have another tp x pp x cp);
-- optimisation: for every parameter, elements rank, rank + W, rank + 2W, ... of the flattened
-  whole parameter (W ranks): the master weights (float32, float64 for a float64 run) and
-  AdamW's two moments, one `torch.optim.AdamW` over per-parameter views of one flat master
-  shard (weight decay on matrices only, as one process trains).
+- optimisation: of every element it holds, the ones it owns (every h-th column of each band of
+  columns its h holders share): the master weights (float32, float64 for a float64 run) and
+  AdamW's two moments, flat, one `torch.optim.AdamW` over per-parameter views of the flat
+  master shard, the moments views of two flat buffers laid out alike (weight decay on
+  matrices only, as one process trains).
 
 A step: the rank runs its actions with its own gradients left unsummed (`run_rank_step(...,
-reduce_grads=False)`), pushes them to the owners (one all_to_all; the owner's sum, rank by rank, is the
-sum over pipelines, TP replicas push zeros), takes the gradient norm over the owned shards
-(each element counted once), clips, steps AdamW on its shard, and pulls its next propagation
-weights (one all_to_all). Nothing is all-reduced; the masters never travel.
+reduce_grads=False)`), pushes them to the owners (one all_to_all; the owner's sum, rank by rank,
+is the sum over pipelines, TP replicas push zeros), takes the gradient norm over the owned
+shards (each element counted once), clips, steps AdamW on its shard, and pulls its next
+propagation weights (one all_to_all). Nothing is all-reduced; the masters never travel in a
+step. The two all-to-alls carry what a reduce-scatter and an all-gather among each element's
+holders carry.
 
 Strategy switch. When a batch's plan has other pipelines than the previous one (Hydraulis picks
-a strategy per batch; a test fixes them), the rank builds its part of the new strategy on the
-meta device, materialises it without initialising, builds the new exchange's blocks (cached per
-strategy) and pulls its weights from the masters. The masters and AdamW states stay where they
-are: the round-robin layout depends only on the parameters and W. Rank 0 logs each switch on
-stderr with its measured cost (seconds, bytes pulled over all ranks, and the bytes of optimizer
-state that moved, counted by comparing every state tensor's storage before and after: 0), and
-the step's metrics line carries the same record under "switch".
+a strategy per batch, charging the switch: `planners/hydraulis/planner.py`; a test fixes them),
+the rank builds its part of the new strategy on the meta device, materialises it without
+initialising, builds the new exchange's blocks (cached per strategy), moves the masters and both
+AdamW moments from their old owners to their new ones in one all_to_all
+(`HeteroExchange.switch`; the optimizer object stays, its parameters become views of the moved
+shard and keep their step counts) and pulls its weights from the new owners. Rank 0 logs each
+switch on stderr with its measured cost (seconds, those of the move, bytes of optimizer state
+moved and of weights pulled over all ranks), and the step's metrics line carries the same
+record under "switch".
 
-Checkpoints hold the round-robin shards (master, exp_avg, exp_avg_sq, step per parameter, keyed
-by rank) through torch.distributed.checkpoint (`checkpoint_dist`, same manifest, RNG and
-sampler extras), plus the whole model as model.safetensors gathered from the masters to rank 0.
-A resumed run needs the same number of processes (the layout depends on W) but may use another
-strategy: it pulls its propagation weights from the loaded masters.
+Checkpoints hold the owned shards (master, exp_avg, exp_avg_sq, step per parameter, keyed by
+rank) through torch.distributed.checkpoint (`checkpoint_dist`, same manifest, RNG and sampler
+extras) with the saved strategy's pipelines (`exchange_pipelines`), plus the whole model as
+model.safetensors gathered from the masters to rank 0. A resumed run needs the same number of
+processes (the layout depends on the ranks) but may use another strategy: it loads the shards
+into the saved strategy's layout and moves them to its own owners as a switch does, then pulls
+its propagation weights.
 """
 
 from __future__ import annotations
