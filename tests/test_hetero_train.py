@@ -21,17 +21,19 @@ Not run here, too slow for the suite (2 shared CPU cores):
 
 - 8 ranks, a context-parallel pipeline beside two tp pipelines and a pp pipeline, 3 steps;
   largest weight difference from single-process training of the same plans 8.4e-13 relative
-  (52 s wall, 40 s user CPU on 2 cores):
+  (37 s wall on 2 shared cores):
 
       lengthwise train --planner hydraulis --nproc 8 --pipelines tp1-pp1-cp2,tp2-pp1,tp2-pp1,tp1-pp2 \\
           --dtype float64 --context-length 96 --batch-size 8 --steps 3 --lr 1e-2 --threads 1 --out OUT
 
-- the planner choosing each batch's strategy itself on 4 ranks (cp4 for step 1, 4 x dp for
-  steps 2-3, cp4 again for step 4: two switches); 3.2e-12 relative after 4 steps (46 s wall,
-  measured with the earlier round-robin layout):
+- the planner choosing each batch's strategy itself on 4 ranks, charging switches (cp4 for
+  step 1, 4 x dp for steps 2-3, cp4 again for step 4: two switches, each moving 0 bytes of
+  optimizer state, since every rank holds, and so owns the same quarter of, every element in
+  both strategies); 1.0e-12 relative after 4 steps, and resuming step 2's checkpoint to step 4
+  gives the same weights bit for bit:
 
-      lengthwise train --planner hydraulis --nproc 4 --dp 4 --dtype float64 --context-length 512 \\
-          --batch-size 8 --steps 4 --lr 1e-2 --threads 1 --out OUT
+      lengthwise train --planner hydraulis --nproc 4 --dp 4 --dtype float64 --context-length 1024 \\
+          --batch-size 8 --steps 4 --save-every 2 --lr 1e-2 --threads 1 --out OUT
 
   each compared with the same command without --nproc (one process runs the same plans).
 """
