@@ -201,6 +201,12 @@ def test_a_strategy_switch_is_charged_when_the_previous_batch_ran_another():
         parse_pipelines(other)))
     assert switch_time(req.cost, parse_pipelines(other), [(2, 2, 1)] * 4, num_gpus=16) > \
         12 * owned / (req.cluster.inter_bw_gbps * 1e9)
+    # every GPU holding the same pieces in both (CP ranks hold the whole stage): owners unchanged,
+    # nothing moves, only the new layout's pull is charged
+    cp2, dp8 = [(2, 1, 2)] * 4, [(2, 1, 1)] * 8
+    pull = req.cost.exchange_time(layers=MODEL.num_layers, tp=2, first=True, last=True,
+                                  holders=req.cost.hetero_holders(dp8), inter_node=True) / 2
+    assert switch_time(req.cost, cp2, dp8, num_gpus=16) == pytest.approx(pull)
 
 
 def test_chosen_heterogeneous_strategy_is_estimated_with_the_simulators_exchange():

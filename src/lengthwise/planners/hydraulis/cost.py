@@ -265,7 +265,8 @@ def switch_time(cost: CostModel, old: list[tuple[int, int, int]], new: list[tupl
     pieces' bf16 weights (one pull of the new layout's exchange). Charged as if every element
     changed owner (an upper bound: an element whose owner holds it in both strategies and is
     picked again stays), at the fullest GPU's owned state, the larger of what it sends and
-    receives."""
+    receives; nothing moves when every GPU holds the same pieces in both (the owners follow
+    from the holdings alone: e.g. 4 x tp1-pp1 and tp1-pp1-cp4), then only the pull is charged."""
     if list(old) == list(new):
         return 0.0
 
@@ -275,11 +276,21 @@ def switch_time(cost: CostModel, old: list[tuple[int, int, int]], new: list[tupl
             for s, n in enumerate(split_layers(cost.model.num_layers, pp)):
                 yield dict(layers=n, tp=tp, first=s == 0, last=s == pp - 1, holders=holders)
 
-    owned = max(cost.hetero_owned(**kw) for p in (old, new) for kw in stages(p))
+    def holdings(pipelines):  # what each GPU holds, in rank order (tp rank innermost)
+        out = []
+        for tp, pp, cp in pipelines:
+            layers = split_layers(cost.model.num_layers, pp)
+            out += [(tp, sum(layers[:s]), n, s == 0, s == pp - 1, t) for s, n in enumerate(layers)
+                    for _ in range(cp) for t in range(tp)]
+        return out
+
     inter = num_gpus > cost.cluster.gpus_per_node
-    state = mem.OPTIMIZER_BYTES_PER_PARAM * owned
-    move = cost.collective_time("all_to_all", state * num_gpus / max(1, num_gpus - 1), ranks=num_gpus,
-                                inter_node=inter)
+    move = 0.0
+    if holdings(old) != holdings(new):
+        owned = max(cost.hetero_owned(**kw) for p in (old, new) for kw in stages(p))
+        state = mem.OPTIMIZER_BYTES_PER_PARAM * owned
+        move = cost.collective_time("all_to_all", state * num_gpus / max(1, num_gpus - 1), ranks=num_gpus,
+                                    inter_node=inter)
     pull = max(cost.exchange_time(**kw, inter_node=inter) / 2 for kw in stages(new))
     return move + pull
 

@@ -42,9 +42,10 @@ they change with the strategy, and the executor (runtime/parallel/hetero.py) mov
 masters and Adam moments to the new owners in one all-to-all and pulls the new layout's weights
 (logged with its measured seconds and bytes). With the `previous` option (the training loop
 passes the strategy the last batch ran), a candidate whose pipelines differ from it is charged
-that move and pull (cost.switch_time, counting every element as moved: an upper bound) on top
-of its estimate, so the planner switches only when the new strategy saves more than the switch
-costs. The process groups of a scheme not run before are created once and reused.
+that move and pull (cost.switch_time, counting every element as moved, an upper bound, or
+none when every GPU holds the same pieces in both) on top of its estimate, so the planner
+switches only when the new strategy saves more than the switch costs. The process groups of a
+scheme not run before are created once and reused.
 
 Complexity (n sequences, D pipelines of the widest screened candidate, S candidates): the
 dispatch is O(n D S) work in one numpy step per distinct length (the longest-first trial) or
