@@ -168,6 +168,10 @@ def test_dryrun_cp_kv_exchange_bytes_match_the_cost_model(cp_rows):
             others = pair["simulated"] - cp_part  # FSDP2's weight gather / gradient reduce-scatter
             assert pair["measured"] - others == pytest.approx(cp_part, rel=bound), (rank, kind)
             assert pair["measured"] >= pair["simulated"], (rank, kind)  # the padding rows only add
+        # stage-to-stage sends: each CP rank its own rows (1/cp of the sharded segments and the
+        # segments placed whole on it), not an even 1/cp of the chunk
+        send = row["comm_bytes"]["send"]
+        assert send["measured"] == pytest.approx(send["simulated"], rel=bound), rank
 
 
 def test_decoder_layer_keeps_the_cost_models_activation_bytes():

@@ -17,14 +17,10 @@ reduction is over a step's tokens times the hidden width, as in tests/test_train
 (about 1.1e-11 relative to each tensor's largest weight, well below 1e-9; measured
 8.1e-13 after 3 steps).
 
+- 8 ranks, a context-parallel pipeline beside two tp pipelines and a pp pipeline, 3 steps
+  (`test_a_cp2_pipeline_beside_tp_and_pp_pipelines_trains_exactly`).
+
 Not run here, too slow for the suite (2 shared CPU cores):
-
-- 8 ranks, a context-parallel pipeline beside two tp pipelines and a pp pipeline, 3 steps;
-  largest weight difference from single-process training of the same plans 8.4e-13 relative
-  (37 s wall on 2 shared cores):
-
-      lengthwise train --planner hydraulis --nproc 8 --pipelines tp1-pp1-cp2,tp2-pp1,tp2-pp1,tp1-pp2 \\
-          --dtype float64 --context-length 96 --batch-size 8 --steps 3 --lr 1e-2 --threads 1 --out OUT
 
 - the planner choosing each batch's strategy itself on 4 ranks, charging switches (cp4 for
   step 1, 4 x dp for steps 2-3, cp4 again for step 4: two switches, each moving 0 bytes of
@@ -151,3 +147,18 @@ def test_pipelines_and_degrees_are_checked_in_one_line(capsys):
     assert err.count("\n") == 2 and "Traceback" not in err
     assert f"--pipelines {HETERO} uses 4 processes, --nproc gives 2" in err
     assert "leave out --dp/--pp/--cp/--tp" in err
+
+
+def test_a_cp2_pipeline_beside_tp_and_pp_pipelines_trains_exactly(tmp_path):
+    """8 ranks: tp1-pp1-cp2 (ranks 0, 1), two tp2-pp1 pipelines and a tp1-pp2 one, 3 steps of 8
+    documents; weights and losses equal one process running the same plans."""
+    strategy = ["--pipelines", "tp1-pp1-cp2,tp2-pp1,tp2-pp1,tp1-pp2", "--batch-size", "8", "--steps", "3"]
+    assert main(["train", *ARGS, *strategy, "--nproc", "8", "--out", str(tmp_path),
+                 "--metrics", str(tmp_path / "metrics.jsonl")]) == 0
+    reference = train(config_of(*strategy))
+    tolerance = reduction_tolerance(torch.float64, 8 * CONTEXT * HIDDEN)
+    expected, trained = reference.model.state_dict(), read_tensors(tmp_path / "step-000003")
+    assert trained.keys() == expected.keys()
+    for name, tensor in trained.items():
+        assert (tensor - expected[name]).abs().max() <= tolerance * expected[name].abs().max(), name
+    assert [m["loss"] for m in metrics(tmp_path)] == pytest.approx([r.loss for r in reference.records], rel=tolerance)

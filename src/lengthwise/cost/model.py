@@ -368,9 +368,17 @@ class CostModel:
         passes the GPU's link, sent on the push and received on the pull: the same.)"""
         return 2 * (held - owned) * mem.BYTES_BF16
 
-    def boundary_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
-        # Hidden states between stages, scattered over tp with sequence parallelism.
-        return chunk.row_tokens / cp * self.model.hidden * mem.BYTES_BF16 / tp
+    def boundary_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1, cp_rank: int | None = None) -> float:
+        """Hidden states one rank hands to the next stage, scattered over tp with sequence
+        parallelism. Under CP each rank sends its own rows: 1/cp of the sharded segments plus
+        the segments placed whole on it (`rank_works`); `cp_rank` None gives the busiest rank's,
+        which is what a stage waits for."""
+        if cp <= 1 or chunk.pad_to > chunk.num_tokens or all(s.cp_rank == SHARDED for s in chunk.segments):
+            rows = chunk.row_tokens / cp
+        else:
+            works = rank_works(chunk, cp)
+            rows = works[cp_rank].tokens if cp_rank is not None else max(w.tokens for w in works)
+        return rows * self.model.hidden * mem.BYTES_BF16 / tp
 
     # ---- communication seconds ----
     def p2p_time(self, nbytes: float, *, inter_node: bool) -> float:
@@ -416,15 +424,16 @@ class CostModel:
 
     def cp_comm_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, inter_node: bool = False) -> float:
         """Forward K/V all-gather of the chunk's sharded segments over the CP group, every layer
-        (skrull.txt eq. 15: volume = tokens * 2 * kv_dim, here with each segment's context
-        before it). The backward's reduce-scatter of the K/V gradients is `cp_grad_comm_time`."""
+        (skrull.txt eq. 15: volume = tokens * 2 * kv_dim) on `cp_kv_layer_bytes`: the chunk's own
+        rows only, since the gathered K/V of a split sequence's earlier chunks stays in the
+        executor's per-layer state and is not gathered again. The backward's reduce-scatter of
+        the K/V gradients is `cp_grad_comm_time`."""
         if cp <= 1:
             return 0.0
-        sharded = sum(s.num_tokens + s.start for s in chunk.segments if s.cp_rank == SHARDED)
-        if sharded == 0:
+        nbytes = self.cp_kv_layer_bytes(chunk, tp=tp)
+        if nbytes == 0:
             return 0.0
-        kv_bytes = sharded * mem.kv_bytes_per_token_layer(self.model, tp)
-        return layers * self.collective_time("all_gather", kv_bytes, ranks=cp, inter_node=inter_node)
+        return layers * self.collective_time("all_gather", nbytes, ranks=cp, inter_node=inter_node)
 
     def cp_kv_layer_bytes(self, chunk: Chunk, *, tp: int = 1) -> float:
         """Bytes per layer of the K/V of the chunk's sharded segments, whole (all CP ranks'
