@@ -313,20 +313,30 @@ def hetero_rows(tmp_path_factory):
 
 def test_dryrun_heterogeneous_rank_holds_the_executors_layout(hetero_rows):
     """A heterogeneous plan runs as `train/dist_hetero.py` runs it: the stage in bf16 without
-    FSDP2 (2 bytes per held parameter), and fp32 master weights with AdamW's two moments for
-    elements rank, rank + W, ... of every parameter of the whole model (12 bytes each, about
-    1/W of the model whatever the stage). The exchange keeps no index maps (nothing under
-    "other"), and the measured peak, reached in the step-end exchange
-    (`CostModel.exchange_transient_bytes`), is within 10% of the simulated one."""
+    FSDP2 (2 bytes per held parameter), and fp32 master weights with AdamW's two moments for the
+    elements the rank owns (12 bytes each): about 1/d of what it holds, each element owned by one
+    of its d holders (`parallel/hetero.ExchangeLayout`), as the cost model counts them
+    (`CostModel.hetero_owned`). The exchange keeps no index maps (nothing under "other"), and the
+    measured peak, reached in the step-end exchange (`CostModel.exchange_transient_bytes`), is
+    within 10% of the simulated one."""
+    from lengthwise.runtime.parallel.hetero import ExchangeLayout, plan_pipelines, strategy_holdings, whole_shapes
+    from lengthwise.sim.rank import rank_places, stage_owned
+
     plan, rows = hetero_rows
-    world = plan.num_gpus
+    shapes = whole_shapes(SMALL)
+    holdings, dims = strategy_holdings(SMALL, plan_pipelines(plan), list(shapes))
+    layout = ExchangeLayout(shapes, holdings, dims=dims)
+    cost = CostModel(model=plan.model, cluster=plan.cluster)
     for rank, row in rows.items():
         r = int(rank)
-        numels = _whole_model_numels(SMALL)
-        owned = sum(max(0, (n - r + world - 1) // world) for n in numels)
+        owned = layout.shard_size[r]
+        # the cost model's count, exact up to the norms: 256 elements held by 3 ranks (both TP
+        # ranks and a tp1 rank), owned 86, 85, 85 (one element off per norm and rank)
+        norms = 2 * SMALL.num_layers + 1
+        assert abs(owned - stage_owned(plan, cost, rank_places(plan)[r])) <= norms, rank
         memory = {k: v * 2**30 for k, v in row["memory_gib"].items()}
         # and each parameter's fp32 step count
-        assert memory["optimizer"] == pytest.approx(12 * owned + 4 * len(numels), rel=1e-12), rank
+        assert memory["optimizer"] == pytest.approx(12 * owned + 4 * len(shapes), rel=1e-12), rank
         assert memory.get("other", 0) == 0, rank
         peak = row["peak_memory_gib"]
         assert peak["measured"] == pytest.approx(peak["simulated"], rel=0.10), rank
@@ -335,8 +345,7 @@ def test_dryrun_heterogeneous_rank_holds_the_executors_layout(hetero_rows):
 def test_dryrun_heterogeneous_flops_and_exchange_bytes_match_the_cost_model(hetero_rows):
     """FLOPs as the cost model counts them; the two all-to-alls (bf16 gradients pushed to their
     owners, bf16 weights pulled from them) carry what `CostModel.exchange_sent_bytes` says this
-    rank sends, within 1% (the executor's per-owner split depends on every rank's holdings;
-    the dry run deals the same totals evenly); nothing is all-reduced but the gradient norm."""
+    rank sends, within 1% (exactly here); nothing is all-reduced but the gradient norm."""
     _, rows = hetero_rows
     for rank, row in rows.items():
         assert row["flops"]["measured"] == pytest.approx(row["flops"]["simulated"], rel=1e-6), rank

@@ -77,6 +77,19 @@ class StageBudget:
         return self.capacity - self.states
 
 
+@dataclass(frozen=True)
+class ExchangeHolders:
+    """How many GPUs of a heterogeneous strategy hold one element (`CostModel.hetero_holders`):
+    one per (pipeline, CP rank) for the tp-split weights, every TP rank of those for the norms
+    (held whole on each; K/V projections replicated over TP count as split, as `stage_params`
+    counts them), and for the embedding table the first and the last stage of each pipeline
+    when it is tied."""
+
+    split: int
+    replicated: int
+    table: int
+
+
 @dataclass(kw_only=True)
 class CostModel:
     model: ModelSpec
@@ -338,54 +351,82 @@ class CostModel:
         while the step accumulates them (`cost/memory.py`; `dp` and `zero` change nothing)."""
         return mem.grad_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.GRAD_BYTES_PER_PARAM
 
+    def hetero_holders(self, pipelines) -> "ExchangeHolders":
+        """How many GPUs hold each element of a heterogeneous strategy whose pipelines have the
+        (tp, pp, cp) of `pipelines` (`ExchangeHolders`)."""
+        pipelines = [tuple(p)[:3] for p in pipelines]
+        tied = self.model.tied_embeddings
+        return ExchangeHolders(split=sum(cp for _, _, cp in pipelines),
+                               replicated=sum(tp * cp for tp, _, cp in pipelines),
+                               table=sum(cp * (2 if tied and pp > 1 else 1) for _, pp, cp in pipelines))
+
+    def hetero_owned(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False,
+                     holders: "ExchangeHolders") -> float:
+        """Parameter elements one GPU of a stage owns in a heterogeneous plan
+        (runtime/parallel/hetero.py: every element owned by one of its h holders, each holder
+        owning 1/h of what it holds): its tp-split weights over `holders.split`, its whole norms
+        over `holders.replicated`, its embedding table (tied: on the first and the last stage)
+        over `holders.table`. Exact when h divides every held band's width."""
+        m = self.model
+        norms = layers * 2 * m.hidden + (m.hidden if last else 0)
+        split = (layers * m.params_per_layer - layers * 2 * m.hidden) / tp / holders.split
+        table = m.vocab * m.hidden / tp
+        if first:
+            split += table / holders.table
+        if last and not (first and m.tied_embeddings):
+            split += table / (holders.table if m.tied_embeddings else holders.split)
+        return split + norms / holders.replicated
+
     def hetero_state_bytes(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False,
-                           world: int = 1) -> float:
+                           holders: "ExchangeHolders") -> float:
         """Model-state bytes one GPU of a heterogeneous plan holds, as the executor lays them out
         (`runtime/train/dist_hetero.py`, `runtime/parallel/hetero.py`): its stage's weights in
         the run's dtype (bf16, 2 bytes per held parameter), their gradients in the same dtype
         (`hetero_grad_bytes`: autograd accumulates them in the parameters' bf16 and they stay
-        local, unsummed, until the push), and for 1/world of the WHOLE model's parameters (round-robin elements
-        rank, rank + world, ...) the fp32 master weights and AdamW's two moments (12), whatever
-        stage the GPU runs. The exchange keeps no index maps (it copies strided blocks); its
-        push's and pull's buffers at the step's end are `exchange_transient_bytes`."""
+        local, unsummed, until the push), and for the elements it owns (`hetero_owned`, about 1/d
+        of what it holds, d holders) the fp32 master weights and AdamW's two moments (12). The
+        exchange keeps no index maps (it copies strided blocks); its push's and pull's buffers at
+        the step's end are `exchange_transient_bytes`."""
         held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
+        owned = self.hetero_owned(layers=layers, tp=tp, first=first, last=last, holders=holders)
         return (held * mem.BYTES_BF16 + self.hetero_grad_bytes(layers=layers, tp=tp, first=first, last=last)
-                + mem.OPTIMIZER_BYTES_PER_PARAM * self.model.num_params / world)
+                + mem.OPTIMIZER_BYTES_PER_PARAM * owned)
 
     def hetero_grad_bytes(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False) -> float:
         """The gradients' part of `hetero_state_bytes`: bf16, of `mem.grad_params` elements (the
         embedding's whole table on the first stage, until `dp.match_grad_layouts` slices it)."""
         return mem.grad_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.BYTES_BF16
 
-    def exchange_transient_bytes(self, *, held: float, received: float, world: int = 1) -> float:
+    @staticmethod
+    def exchange_transient_bytes(*, held: float, owned: float) -> float:
         """Largest working set of a heterogeneous plan's step end beyond `hetero_state_bytes`
         (`train/dist_hetero.py`; activations are freed by then): a GPU holding `held` parameter
-        elements and receiving, as owner, `received` (about every GPU's held elements / world),
-        with a master shard of s = whole-model parameters / world. The push holds the flattened
-        bf16 gradients (2 bytes per held element) and the received bf16 slices (2 per received)
-        throughout, beside first the owner-ordered send buffer (2 per held), released after the
-        all-to-all, then the fp32 summed shard (4s) the received slices are added into in place;
-        the gradient norm squares a float64 copy of the shard (4s + 16s); the pull, beside the
-        shard, fills a bf16 send buffer from the masters it owns (2 per received) and receives
-        the bf16 weights (2 per held), then releases the send buffer and reorders the weights
-        into a copy (2 per held)."""
-        shard = self.model.num_params / world
-        push = 2 * held + 2 * received + max(2 * held, 4 * shard)
-        norm = 20 * shard
-        pull = 4 * shard + max(2 * received + 2 * held, 4 * held)
+        elements and owning `owned` of them (its master shard), receiving as owner each owned
+        element from each of its holders, itself included: `held` in all (owned_c x h_c = held_c
+        for every holder count h_c). The push holds the flattened bf16 gradients (2 bytes per held
+        element) and the received bf16 slices (2 per received) throughout, beside first the
+        owner-ordered send buffer (2 per held), released after the all-to-all, then the fp32
+        summed shard (4 per owned) the received slices are added into in place; the gradient
+        norm squares a float64 copy of the shard (4 + 16 per owned); the pull, beside the shard,
+        fills a bf16 send buffer from the masters it owns (2 per received) and receives the bf16
+        weights (2 per held), then releases the send buffer and reorders the weights into a copy
+        (2 per held)."""
+        received = held
+        push = 2 * held + 2 * received + max(2 * held, 4 * owned)
+        norm = 20 * owned
+        pull = 4 * owned + max(2 * received + 2 * held, 4 * held)
         return max(push, norm, pull)
 
-    def exchange_sent_bytes(self, *, held: float, held_by_all: float, world: int) -> float:
+    @staticmethod
+    def exchange_sent_bytes(*, held: float, owned: float) -> float:
         """Bytes one GPU hands to the exchange's two all-to-alls in a step, less what it sends
-        itself, for a GPU holding `held` parameter elements when all `world` GPUs hold
-        `held_by_all` together: on the push its bf16 gradients but the 1/world it owns; on the
-        pull, as owner, the bf16 weights it owns of what every other GPU holds,
-        (held_by_all - held) / world. Exact when every held shard's row width is a multiple of
-        `world`, within a few elements per shard row otherwise. (`exchange_bytes` counts
-        instead what passes the GPU's link, sent on the push and received on the pull.)"""
-        if world <= 1:
-            return 0.0
-        return (held * (world - 1) / world + (held_by_all - held) / world) * mem.BYTES_BF16
+        itself, for a GPU holding `held` parameter elements and owning `owned` of them: on the
+        push its bf16 gradients of the elements others own (held - owned); on the pull, as owner,
+        each owned element's bf16 weight to its h - 1 other holders: sum of owned_c (h_c - 1) =
+        held - owned again. Exact when every held band's width is a multiple of its holder count,
+        within a column per shard row and segment otherwise. (`exchange_bytes` counts instead what
+        passes the GPU's link, sent on the push and received on the pull: the same.)"""
+        return 2 * (held - owned) * mem.BYTES_BF16
 
     def boundary_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1, cp_rank: int | None = None) -> float:
         """Hidden states one rank hands to the next stage, scattered over tp with sequence
@@ -419,23 +460,27 @@ class CostModel:
         return self.collective_time("all_reduce", grad_bytes, ranks=dp, inter_node=inter_node)
 
     def exchange_bytes(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False,
-                       world: int = 1) -> float:
+                       holders: "ExchangeHolders") -> float:
         """Bytes that pass one GPU of a stage's link in a heterogeneous plan's
-        optimisation-propagation exchange (runtime/parallel/hetero.py): the master state is
-        dealt round-robin over all `world` GPUs, so the GPU owns 1/world of the bf16 weights it
-        holds and pulls (receives) the rest, then pushes (sends) its bf16 gradients of that
-        rest back: twice (world - 1) / world of its held bytes, one all-to-all each way. (What
-        it sends on the pull, as owner, is `exchange_sent_bytes`' other half.)"""
-        if world <= 1:
-            return 0.0
-        held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.BYTES_BF16
-        return 2 * held * (world - 1) / world
+        optimisation-propagation exchange (runtime/parallel/hetero.py): every element is owned by
+        one of its holders, so the GPU pushes its bf16 gradients of the elements it holds but
+        does not own and pulls their weights back: twice (held - owned) bf16 values, a
+        reduce-scatter and an all-gather among each element's holders (2 (d - 1) / d of the held
+        bytes at d holders: a ring all-reduce's volume)."""
+        held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
+        owned = self.hetero_owned(layers=layers, tp=tp, first=first, last=last, holders=holders)
+        return 2 * (held - owned) * mem.BYTES_BF16
 
-    def exchange_time(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False, world: int = 1,
-                      inter_node: bool = True) -> float:
-        """Seconds of `exchange_bytes`: a pull and a push, each one all-to-all over the world."""
-        held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.BYTES_BF16
-        return 2 * self.collective_time("all_to_all", held, ranks=world, inter_node=inter_node)
+    def exchange_time(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False,
+                      holders: "ExchangeHolders", inter_node: bool = True) -> float:
+        """Seconds of `exchange_bytes`: a push and a pull, each one all-to-all in which the GPU
+        sends (held - owned) bf16 values, priced as an all-to-all among the d = `holders.split`
+        holders of its weights (whose ring share (d - 1) / d of the buffer is what it sends)."""
+        d = holders.split
+        sent = self.exchange_bytes(layers=layers, tp=tp, first=first, last=last, holders=holders) / 2
+        if sent <= 0 or d <= 1:
+            return 0.0
+        return 2 * self.collective_time("all_to_all", sent * d / (d - 1), ranks=d, inter_node=inter_node)
 
     def cp_comm_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, inter_node: bool = False) -> float:
         """Forward K/V all-gather of the chunk's sharded segments over the CP group, every layer

@@ -709,10 +709,11 @@ class _PipelineCosts:
         dp, zero = len(self.plan.pipelines) * pipe.cp, self.plan.zero  # ZeRO shards over dp x cp
         key = ("states", pipe.tp, pipe.cp, tuple(self.layers))
         if key not in self.shared:
-            if self._heterogeneous():  # bf16 stage weights and gradients, 1/W of the masters and moments
+            if self._heterogeneous():  # bf16 stage weights and gradients, the owned masters and moments
+                holders = self._holders()
                 self.shared[key] = (
                     [self._shared(cm.hetero_state_bytes, layers=L, tp=pipe.tp, first=s == 0, last=s == S - 1,
-                                  world=self.plan.num_gpus) for s, L in enumerate(self.layers)],
+                                  holders=holders) for s, L in enumerate(self.layers)],
                     [self._shared(cm.hetero_grad_bytes, layers=L, tp=pipe.tp, first=s == 0, last=s == S - 1)
                      for s, L in enumerate(self.layers)])
             else:
@@ -743,6 +744,12 @@ class _PipelineCosts:
             return self._zeros(len(chunks))
         return per_token * self.works[side].row_tokens
 
+    def _holders(self):
+        """How many GPUs hold each element of the plan (`CostModel.hetero_holders`), once per plan."""
+        if "holders" not in self.shared:
+            self.shared["holders"] = self.cm.hetero_holders([(q.tp, q.pp, q.cp) for q in self.plan.pipelines])
+        return self.shared["holders"]
+
     def _heterogeneous(self) -> bool:
         if "heterogeneous" not in self.shared:  # once per plan, not once per pipeline (O(pipelines) each)
             self.shared["heterogeneous"] = heterogeneous(self.plan)
@@ -750,12 +757,13 @@ class _PipelineCosts:
 
     def _grad_sync(self) -> list[float]:
         if self._heterogeneous():
-            # pipelines with other tp x pp x cp: the executor's exchange with the round-robin
-            # master state over every GPU (runtime/parallel/hetero.py), no all-reduce
+            # pipelines with other tp x pp x cp: the executor's exchange with owners among each
+            # element's holders (runtime/parallel/hetero.py), no all-reduce
             world = sum(q.num_gpus for q in self.plan.pipelines)
             inter = self.node(0) != self.node(world - 1)
-            return [self._shared(self.cm.exchange_time, layers=L, tp=self.pipe.tp, world=world, inter_node=inter,
-                                 first=s == 0, last=s == self.pipe.pp - 1) for s, L in enumerate(self.layers)]
+            return [self._shared(self.cm.exchange_time, layers=L, tp=self.pipe.tp, holders=self._holders(),
+                                 inter_node=inter, first=s == 0, last=s == self.pipe.pp - 1)
+                    for s, L in enumerate(self.layers)]
         # every CP rank holds the stage's weights too: gradients reduce over dp x cp
         dp = len(self.plan.pipelines) * self.pipe.cp
         if dp <= 1:
@@ -879,5 +887,6 @@ def _direct_chunks(n: int, groups: list[tuple[int, int]]) -> list[Chunk]:
 
 def heterogeneous(plan) -> bool:
     """Whether the plan's pipelines differ in tp, pp or cp (Hydraulis): the executor then
-    exchanges gradients and weights with a round-robin master state instead of all-reducing."""
+    exchanges gradients and weights with owners among each element's holders instead of
+    all-reducing."""
     return len({(q.tp, q.pp, q.cp) for q in plan.pipelines}) > 1

@@ -135,6 +135,25 @@ def tp_partial_names(spec: ModelSpec, tp: int) -> Callable[[str], bool]:
         name.split(".")[-2] in ("k_proj", "v_proj")
 
 
+def tp_shard_dim(spec: ModelSpec, name: str, tp: int | None) -> int | None:
+    """The dimension `apply_tp` splits parameter `name` along over `tp` ranks (None: every TP
+    rank holds it whole: tp 1, the norms, K/V projections replicated over TP). `tp` None: the
+    dimension whenever it is split."""
+    if tp is not None and tp <= 1:
+        return None
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):  # vocabulary rows
+        return 0
+    if not name.startswith("model.layers."):
+        return None
+    module, _, kind = name.split(".", 3)[3].rpartition(".")
+    style = LAYER_PLAN.get(module)
+    if style is None or (tp is not None and tp_partial_names(spec, tp)(name)):
+        return None
+    if isinstance(style, ColwiseParallel):  # output features: the weight's rows and the bias
+        return 0
+    return 1 if kind == "weight" else None  # RowwiseParallel: the weight's input columns
+
+
 def apply_tp(model: CausalLM, mesh: DeviceMesh, *, sequence_parallel: bool = True) -> CausalLM:
     """Parallelise `model` (one stage, on the meta device or materialised) over the 1-D TP
     mesh, in place; with `sequence_parallel` the residual stream is split by rows over TP
