@@ -178,7 +178,11 @@ def test_cp_time_and_memory_follow_the_busiest_rank():
     assert cm.forward_time(skewed, layers=4, cp=2) > cm.forward_time(balanced, layers=4, cp=2)
     assert cm.activation_bytes(skewed, layers=4, cp=2) == 2 * cm.activation_bytes(balanced, layers=4, cp=2)
     sharded = Chunk((Segment(0, 0, 8192),))
-    assert cm.activation_bytes(sharded, layers=4, cp=2) == cm.activation_bytes(balanced, layers=4, cp=2)
+    # as many tokens per rank; each layer of the sharded one also keeps the K/V its all-gather
+    # assembled, whole (all 8,192 tokens' k and v), for its backward
+    gathered = 8192 * mem.kv_bytes_per_token_layer(cm.model)
+    assert cm.cp_kv_layer_bytes(sharded) == gathered and cm.cp_kv_layer_bytes(balanced) == 0
+    assert cm.activation_bytes(sharded, layers=4, cp=2) == cm.activation_bytes(balanced, layers=4, cp=2) + 4 * gathered
 
 
 def test_tensor_parallelism_pays_its_activation_collectives():

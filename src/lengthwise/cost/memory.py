@@ -64,6 +64,10 @@
 - The LM head's forward holds the bf16 logits while the cross-entropy makes its fp32 copy:
   2 * vocab / tp bytes per token beside the head's kept tensors, as large as the loss
   backward's working set (`head_forward_bytes_per_token`).
+- Under context parallelism a layer also keeps, for its backward, the K/V its all-gather
+  assembled of the chunk's sharded segments: whole (every CP rank's rows), 2 * kv_dim / tp
+  values per sharded token (`CostModel.cp_kv_layer_bytes`; 5.6 GiB of a LLaMA-32B cp2 rank's
+  48.7 GiB peak, measured by `lengthwise dryrun`).
 - K/V state of a split sequence (infinipipe.txt eq. 9-10): k and v of every context token on
   every layer of the stage, 2 * kv_dim values per token; its gradient buffer has the same size.
   With tp larger than the K/V heads, heads are replicated, so a rank holds at least one head.

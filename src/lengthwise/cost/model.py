@@ -261,13 +261,16 @@ class CostModel:
                          recompute_layers: int = 0, head: bool = False) -> float:
         """Bytes held from the chunk's forward to its backward on the busiest GPU of the CP
         group: per token, and without CP the attention output's padded copy of each layer that
-        keeps its activations (`attention_pad_bytes`)."""
+        keeps its activations (`attention_pad_bytes`); under CP each such layer also keeps the
+        K/V its all-gather assembled of the chunk's sharded segments, whole, for its backward
+        (`cp_kv_layer_bytes`: the executor gathers nothing again there)."""
         if cp <= 1:
             return float(self.activation_bytes_rows(chunk_work(chunk).tokens, layers=layers, tp=tp,
                                                     recompute_layers=recompute_layers, head=head))
         per_token = self.activation_bytes_per_token(layers=layers, tp=tp, recompute_layers=recompute_layers,
                                                     head=head)
-        return per_token * max(w.tokens for w in rank_works(chunk, cp))
+        gathered = (layers - recompute_layers) * self.cp_kv_layer_bytes(chunk, tp=tp)
+        return per_token * max(w.tokens for w in rank_works(chunk, cp)) + gathered
 
     def activation_bytes_rows(self, tokens, *, layers: int, tp: int = 1, recompute_layers: int = 0,
                               head: bool = False):
@@ -309,7 +312,7 @@ class CostModel:
             return float(self.activation_bytes_rows(chunk_work(chunk).tokens, layers=1, tp=tp)
                          - self.activation_bytes_rows(chunk_work(chunk).tokens, layers=1, tp=tp, recompute_layers=1))
         per_token = self.recompute_transient_bytes_per_token(tp=tp, recompute_layers=recompute_layers)
-        return per_token * max(w.tokens for w in rank_works(chunk, cp))
+        return per_token * max(w.tokens for w in rank_works(chunk, cp)) + self.cp_kv_layer_bytes(chunk, tp=tp)
 
     def head_backward_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
         """Bytes the loss's backward works on, on top of the kept activations, while the
