@@ -13,9 +13,9 @@
   (`set_requires_gradient_sync(False)`, one reduce-scatter a step instead of one per backward
   unit), so FSDP2 accumulates every unit's gradient unsharded, in fp32, over the step's
   backwards whatever the ZeRO stage, and the reduced shard (4/dp) replaces it only at the last
-  backward. A dry run measures the same peak for one plan at ZeRO-1, 2 and 3 (`tests/
-  test_dryrun.py`); ZeRO-2 saves nothing in this executor, and the cost model charges the
-  whole 4 at every stage.
+  backward. A dry run measures the same peak for one plan at ZeRO-1 and ZeRO-2
+  (`tests/test_dryrun.py`): ZeRO-2 saves nothing in this executor, and the cost model charges
+  the whole 4 at every stage.
 - Gradients come into being in a step, not before it: the optimizer frees them at the step's
   end (`zero_grad(set_to_none=True)`) and each FSDP unit's fp32 accumulator is made by its first
   backward of the next step. A stage holds none of them through its warm-up forwards; the
@@ -43,7 +43,9 @@
   input for their weight gradients (Megatron-LM re-gathers it in backward instead; we count
   what our executor keeps: 2h whole, as `lengthwise dryrun` measures). A layer under full
   recomputation keeps only its input (h / tp) (infinipipe.txt eq. 5 calls the per-token figure
-  M_token).
+  M_token). A row tp does not divide is padded to the next multiple, and the output projection
+  keeps a padded copy of the attention output beside flash attention's unpadded one
+  (`CostModel.attention_pad_bytes`, per chunk: not a per-token figure).
 - LM head on the last stage: the fp32 softmax kept for the loss's backward (4 * vocab bytes per
   token, as the executor's cross-entropy upcasts the logits), the final norm's input and output
   (2h, bf16; the output, the head's input, gathered whole under sequence parallelism) and
