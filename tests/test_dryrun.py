@@ -369,7 +369,6 @@ def _peak_bytes_per_token(run, tokens: tuple[int, int]) -> float:
     every category) between two token counts, measured as `lengthwise dryrun` measures: its
     storage tracker outside its FLOP counter, on fake tensors. Terms that do not grow with the
     tokens (weights and their gradients) cancel."""
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lengthwise.runtime.dryrun import LocalFlopCounter, _StorageTracker, cpu_flash_flop_formulas

@@ -552,7 +552,7 @@ class _PipelineCosts:
         act, extra, transient, kv, kv_grad, work, fwork, cell_act = [], [], [], [], [], [], [], []
         cells = self._cells()
         kv_of: dict[int, dict] = {}  # stages of equal layer counts hold equal K/V
-        C, U = len(pipe.chunks), len(self.units)
+        C = len(pipe.chunks)
         zeros = self._zeros
         for s in range(S):
             L, head = self.layers[s], s == S - 1
