@@ -551,7 +551,9 @@ class CostModel:
         micro-batch re-materialises one layer at a time, as the executor checkpoints and the
         simulator charges it (`recompute_transient_bytes_per_token`); every stage also holds
         the backward's working set of one micro-batch (`backward_work_bytes`: the loss's on the
-        last stage, one layer's elsewhere)."""
+        last stage, one layer's elsewhere). Under CP a micro-batch's tokens spread over the cp
+        ranks, but each layer keeps the K/V of the whole sequence that its all-gather assembled
+        (`activation_bytes`)."""
         best = math.inf
         for b in self.stage_budgets(tp=tp, pp=pp, replicas=dp * cp, zero=zero):
             held = inflight if inflight is not None else pp - b.stage
@@ -559,6 +561,8 @@ class CostModel:
             # plus one backward's re-materialised layer and its working set (the loss's on the
             # last stage) while one micro-batch's backward runs
             per_token = (kept * held + (b.remat_per_token if recompute else 0.0) + b.backward_work_per_token) / cp
+            if cp > 1 and not recompute:  # each layer keeps the K/V its all-gather assembled, whole
+                per_token += held * b.kv_per_token
             best = min(best, b.free / per_token if b.free > 0 else 0)
         return int(best)
 
