@@ -12,6 +12,7 @@ from lengthwise.plan.ir import SHARDED, Chunk, Segment
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.planners.skrull.dacp import DacpCost, dacp, refine_by_objective
+from lengthwise.planners.skrull.planner import kv_bucket_ratio, longest_in_cp_group
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
 
 QWEN = MODEL_PRESETS["qwen2.5-0.5b"]
@@ -32,13 +33,19 @@ def plan(*args, **kwargs):
     return out
 
 
-def per_rank_tokens(chunk: Chunk, cp: int) -> list[int]:
-    """Tokens each CP rank holds, counted independently of the planner (larger shard)."""
+def per_rank_tokens(chunk: Chunk, cp: int, kv_ratio: float = 0.0) -> list[int]:
+    """Bucket tokens each CP rank holds, counted independently of the planner (larger shard,
+    plus the sharded sequence's whole gathered K/V at `kv_ratio` bucket tokens per token)."""
     held = [0] * cp
     for seg in chunk.segments:
         for r in range(cp) if seg.cp_rank == SHARDED else [seg.cp_rank]:
-            held[r] += math.ceil(seg.num_tokens / cp) if seg.cp_rank == SHARDED else seg.num_tokens
+            held[r] += (math.ceil(seg.num_tokens / cp) + math.ceil(seg.num_tokens * kv_ratio)
+                        if seg.cp_rank == SHARDED else seg.num_tokens)
     return held
+
+
+def kv_ratio(dp: int = 1, cp: int = 1, pp: int = 1) -> float:
+    return kv_bucket_ratio(request([1], dp=dp, cp=cp, pp=pp))
 
 
 def mixed_lengths(limit):
@@ -50,27 +57,35 @@ def mixed_lengths(limit):
 @given(data=st.data(), dp=st.integers(1, 3), cp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2]),
        bucket=st.integers(500, 3000), refine=st.booleans())
 def test_plans_validate_and_no_rank_exceeds_bucket_size(data, dp, cp, pp, bucket, refine):
-    lengths = data.draw(mixed_lengths(cp * bucket))
+    ratio = kv_ratio(dp, cp, pp)
+    lengths = data.draw(mixed_lengths(longest_in_cp_group(cp, bucket, ratio)))
     out = plan(lengths, dp=dp, cp=cp, pp=pp, bucket=bucket, refine=refine)
     assert out.metrics["bucket_size"] == bucket
     for pipe in out.pipelines:
         assert (pipe.cp, pipe.pp) == (cp, pp)
         for chunk in pipe.chunks:
-            assert max(per_rank_tokens(chunk, cp)) <= bucket, str(chunk)
+            assert max(per_rank_tokens(chunk, cp, ratio)) <= bucket, str(chunk)
+
+
+FULL = -1
+"""Stands for the longest sequence the CP group holds sharded (`longest_in_cp_group`)."""
 
 
 @pytest.mark.parametrize("lengths", [
-    [8 * 2000] * 6,                     # every sequence exactly c x BucketSize
+    [FULL] * 6,                         # every sequence exactly the group's limit
     [1] * 50,                           # nothing but one-token sequences
     [2000] * 17,                        # each exactly BucketSize
-    [8 * 2000] + [3] * 40,              # one giant among crumbs
-    [2001, 1999, 2000, 4000, 1, 7999],  # around the local / sharded boundary
+    [FULL] + [3] * 40,                  # one giant among crumbs
+    [2001, 1999, 2000, 4000, 1, 7000],  # around the local / sharded boundary
 ])
 def test_adversarial_batches_validate_within_bucket(lengths):
-    out = plan(lengths, dp=2, cp=8, bucket=2000)
+    ratio = kv_ratio(2, 8)
+    full = longest_in_cp_group(8, 2000, ratio)
+    assert 7000 < full < 8 * 2000
+    out = plan([full if n == FULL else n for n in lengths], dp=2, cp=8, bucket=2000)
     for pipe in out.pipelines:
         for chunk in pipe.chunks:
-            assert max(per_rank_tokens(chunk, 8)) <= 2000
+            assert max(per_rank_tokens(chunk, 8, ratio)) <= 2000
 
 
 def test_default_bucket_size_is_memory_model_limit():
@@ -86,7 +101,7 @@ def test_plans_at_memory_limit_pass_the_memory_check():
     bucket = req.cost.max_seq_len(pp=1, cp=1, dp=1 * 4, zero=2)  # states shard over dp x cp
     # the longest sequence the CP group holds sharded: less than 4 buckets, since every rank also
     # keeps the whole sequence's gathered K/V per layer
-    longest = req.cost.max_seq_len(pp=1, cp=4, dp=1, zero=2)
+    longest = longest_in_cp_group(4, bucket, kv_bucket_ratio(req))
     assert bucket < longest < 4 * bucket
     out = plan([longest, bucket, bucket // 2, bucket // 2, 17], dp=1, cp=4)
     assert out.metrics["bucket_size"] == bucket
@@ -100,8 +115,10 @@ def test_every_sequence_stays_whole():
 
 
 def test_sequence_longer_than_cp_times_bucket_is_user_error():
-    with pytest.raises(UserError, match=r"sequence 2 has 8001 tokens > cp\(4\) x BucketSize\(2000\) = 8000"):
-        plan([10, 20, 8001], cp=4, bucket=2000)
+    full = longest_in_cp_group(4, 2000, kv_ratio(1, 4))
+    with pytest.raises(UserError, match=rf"sequence 2 has {full + 1} tokens > {full} tokens one CP group holds "
+                                        r"\(cp\(4\) x BucketSize\(2000\)"):
+        plan([10, 20, full + 1], cp=4, bucket=2000)
 
 
 def test_bucket_size_above_memory_is_user_error():

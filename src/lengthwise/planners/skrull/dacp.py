@@ -57,9 +57,11 @@ if TYPE_CHECKING:
     from lengthwise.cost import CostModel
 
 
-def shard_tokens(num_tokens: int, cp: int) -> int:
-    """Tokens of a distributed sequence that one CP rank holds (the larger shard)."""
-    return -(-num_tokens // cp)
+def shard_tokens(num_tokens: int, cp: int, kv_ratio: float = 0.0) -> int:
+    """Bucket tokens a distributed sequence takes on each CP rank: the larger shard, plus the
+    K/V of the whole sequence that every layer keeps after its all-gather (the executor's, for
+    the backward), `kv_ratio` bucket tokens per token of the sequence (`kv_bucket_ratio`)."""
+    return -(-num_tokens // cp) + (math.ceil(num_tokens * kv_ratio) if kv_ratio else 0)
 
 
 @dataclass(kw_only=True)
@@ -75,10 +77,12 @@ class Buckets:
     """Sequence ids held whole by each CP rank."""
     placement: dict[int, int] = field(default_factory=dict)
     """seq_id -> CP rank holding it whole, or SHARDED."""
+    kv_ratio: float = 0.0
+    """Bucket tokens per token of a distributed sequence for its gathered K/V (`shard_tokens`)."""
 
     @classmethod
-    def empty(cls, cp: int, bucket_size: int) -> Buckets:
-        return cls(remain=[bucket_size] * cp, loads=[0.0] * cp, local=[[] for _ in range(cp)])
+    def empty(cls, cp: int, bucket_size: int, kv_ratio: float = 0.0) -> Buckets:
+        return cls(remain=[bucket_size] * cp, loads=[0.0] * cp, local=[[] for _ in range(cp)], kv_ratio=kv_ratio)
 
 
 def update_local(b: Buckets, seq: int, rank: int, tokens: int, flops: float) -> None:
@@ -92,7 +96,7 @@ def update_local(b: Buckets, seq: int, rank: int, tokens: int, flops: float) -> 
 def update_all(b: Buckets, seq: int, tokens: int, flops: float) -> None:
     """Algorithm 3 UpdateAll: every rank holds one shard and runs 1/c of the work (eq. 4)."""
     cp = len(b.remain)
-    share = shard_tokens(tokens, cp)
+    share = shard_tokens(tokens, cp, b.kv_ratio)
     for r in range(cp):
         b.remain[r] -= share
         b.loads[r] += flops / cp
@@ -132,18 +136,18 @@ def place_sequence(b: Buckets, seq: int, lengths: dict[int, int], flops: dict[in
     if b.remain[roomiest] >= tokens:  # lines 10-12
         update_local(b, seq, roomiest, tokens, work)
         return True
-    if not roll_back(b, shard_tokens(tokens, cp), lengths, flops):  # lines 14-18
+    if not roll_back(b, shard_tokens(tokens, cp, b.kv_ratio), lengths, flops):  # lines 14-18
         return False
     update_all(b, seq, tokens, work)
     return True
 
 
 def dacp(seq_ids: list[int], lengths: dict[int, int], flops: dict[int, float], *, cp: int,
-         bucket_size: int) -> dict[int, int] | None:
+         bucket_size: int, kv_ratio: float = 0.0) -> dict[int, int] | None:
     """DACP placement of one micro-batch (seq_id -> CP rank or SHARDED), or None when it fails.
 
     `lengths` and `flops` map seq_id to tokens and training FLOPs (eq. 13-14)."""
-    b = Buckets.empty(cp, bucket_size)
+    b = Buckets.empty(cp, bucket_size, kv_ratio)
     for seq in sorted(seq_ids, key=lambda i: (lengths[i], i)):  # ascending (Algorithm 1 line 2)
         if not place_sequence(b, seq, lengths, flops):
             return None
@@ -157,9 +161,9 @@ def dacp_chunk(placement: dict[int, int], lengths: dict[int, int]) -> Chunk:
     return Chunk(tuple(Segment(i, 0, lengths[i], placement[i]) for i in order))
 
 
-def rank_tokens(chunk: Chunk, cp: int) -> list[int]:
-    """Tokens each CP rank holds for a chunk: left side of constraint (7)."""
-    sharded = sum(shard_tokens(s.num_tokens, cp) for s in chunk.segments if s.cp_rank == SHARDED)
+def rank_tokens(chunk: Chunk, cp: int, kv_ratio: float = 0.0) -> list[int]:
+    """Bucket tokens each CP rank holds for a chunk: left side of constraint (7)."""
+    sharded = sum(shard_tokens(s.num_tokens, cp, kv_ratio) for s in chunk.segments if s.cp_rank == SHARDED)
     held = [sharded] * cp
     for s in chunk.segments:
         if s.cp_rank != SHARDED:
@@ -189,6 +193,8 @@ class DacpCost:
     """CP degree c."""
     inter_node: bool
     """Whether the CP group spans nodes (slower K/V exchange)."""
+    kv_ratio: float = 0.0
+    """Bucket tokens per token of a distributed sequence for its gathered K/V (`shard_tokens`)."""
 
     def comp_s(self, segments: list[Segment], *, cp: int) -> float:
         """T_comp of segments spread over cp ranks (cp = 1: one rank's local sequences)."""
@@ -235,7 +241,7 @@ def rank_costs(chunk: Chunk, model: DacpCost) -> RankCosts:
         chunk = Chunk(tuple(Segment(s.seq_id, s.start, s.stop, SHARDED) for s in chunk.segments))
     local = [[s for s in chunk.segments if s.cp_rank == r] for r in range(model.cp)]
     dist = [s for s in chunk.segments if s.cp_rank == SHARDED]
-    rc = RankCosts(local=local, dist=dist, held=rank_tokens(chunk, model.cp),
+    rc = RankCosts(local=local, dist=dist, held=rank_tokens(chunk, model.cp, model.kv_ratio),
                    local_s=[model.comp_s(segs, cp=1) for segs in local])
     rc.comm_s = model.comm_s(rc.dist_tokens)
     return rc
@@ -248,7 +254,7 @@ def shard_largest_on_slowest(rc: RankCosts, model: DacpCost, bucket_size: int) -
     if rc.local_s[slowest] <= rc.comm_s:
         return None
     victim = max(rc.local[slowest], key=lambda s: (s.num_tokens, s.seq_id))
-    share = shard_tokens(victim.num_tokens, model.cp)
+    share = shard_tokens(victim.num_tokens, model.cp, model.kv_ratio)
     held = [h + share - (victim.num_tokens if r == slowest else 0) for r, h in enumerate(rc.held)]
     if max(held) > bucket_size:
         return None

@@ -94,13 +94,40 @@ def choose_bucket_size(request: PlanRequest, option: int | None) -> int:
     return option or limit
 
 
-def check_fits_cp_group(lengths: list[int], cp: int, bucket: int) -> None:
-    """A sequence must fit the CP group sharded: ceil(s / c) <= BucketSize."""
+def kv_bucket_ratio(request: PlanRequest) -> float:
+    """Bucket tokens per token of a distributed sequence for the K/V every layer keeps whole
+    after its all-gather (`CostModel.activation_bytes`): on each stage, those bytes over the
+    per-token bytes BucketSize is counted in (`CostModel.max_seq_len` at cp 1); 0 without CP."""
+    s = request.scheme
+    if s.cp <= 1:
+        return 0.0
+    ratios = []
+    for b in request.cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=s.dp * s.cp, zero=s.zero):
+        held = s.pp - b.stage
+        ratios.append(held * b.kv_per_token / (b.activation_per_token * held + b.backward_work_per_token))
+    return max(ratios)
+
+
+def longest_in_cp_group(cp: int, bucket: int, kv_ratio: float = 0.0) -> int:
+    """The longest sequence the CP group holds sharded (`shard_tokens` within BucketSize)."""
+    longest = int(bucket / (1 / cp + kv_ratio))
+    while shard_tokens(longest + 1, cp, kv_ratio) <= bucket:
+        longest += 1
+    while longest > 0 and shard_tokens(longest, cp, kv_ratio) > bucket:
+        longest -= 1
+    return longest
+
+
+def check_fits_cp_group(lengths: list[int], cp: int, bucket: int, kv_ratio: float = 0.0) -> None:
+    """A sequence must fit the CP group sharded: ceil(s / c), plus the K/V of the whole sequence
+    every layer keeps after its all-gather, <= BucketSize."""
     for seq_id, n in enumerate(lengths):
-        if shard_tokens(n, cp) > bucket:
+        if shard_tokens(n, cp, kv_ratio) > bucket:
+            longest = longest_in_cp_group(cp, bucket, kv_ratio)
             raise UserError(
-                f"sequence {seq_id} has {n} tokens > cp({cp}) x BucketSize({bucket}) = {cp * bucket} "
-                f"tokens one CP group holds: raise --cp or --tp, or use a splitting planner (chunkflow)"
+                f"sequence {seq_id} has {n} tokens > {longest} tokens one CP group holds (cp({cp}) x "
+                f"BucketSize({bucket}), less the sequence's K/V every rank keeps whole after each layer's "
+                f"all-gather): raise --cp or --tp, or use a splitting planner (chunkflow)"
             )
 
 
@@ -136,7 +163,7 @@ def try_micro_batches(groups: list[list[int]], lengths: dict[int, int], flops: d
     """DACP on every micro-batch; None as soon as one fails (Algorithm 2 line 8)."""
     chunks = []
     for group in groups:
-        placement = dacp(group, lengths, flops, cp=model.cp, bucket_size=bucket)
+        placement = dacp(group, lengths, flops, cp=model.cp, bucket_size=bucket, kv_ratio=model.kv_ratio)
         if placement is None:
             return None
         if refine:
@@ -166,7 +193,7 @@ def dacp_cost(request: PlanRequest) -> DacpCost:
     """The DACP objective's cost terms for the scheme's CP groups (all layers: pp = 1 view)."""
     s = request.scheme
     return DacpCost(cost=request.cost, layers=request.model.num_layers, tp=s.tp, cp=s.cp,
-                    inter_node=s.tp * s.cp > request.cluster.gpus_per_node)
+                    inter_node=s.tp * s.cp > request.cluster.gpus_per_node, kv_ratio=kv_bucket_ratio(request))
 
 
 def global_data_scheduling(request: PlanRequest, bucket: int, refine: bool) -> tuple[list[list[Chunk]], int]:
@@ -202,7 +229,7 @@ def plan_skrull(request: PlanRequest) -> StepPlan:
     started = time.perf_counter()
     opts = take_options(request, "skrull")
     bucket = choose_bucket_size(request, positive_int_option(opts, "bucket_size"))
-    check_fits_cp_group(request.lengths, request.scheme.cp, bucket)
+    check_fits_cp_group(request.lengths, request.scheme.cp, bucket, kv_bucket_ratio(request))
     check_request(request)
     refine = opts["refine"]
     if not isinstance(refine, bool):
