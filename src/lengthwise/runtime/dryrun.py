@@ -47,12 +47,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch._guards import active_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import _is_leaf as _is_pytree_leaf, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
 from lengthwise.plan.ir import StepPlan
@@ -397,6 +397,19 @@ class _StorageTracker(MemTracker):
             self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
         return out
 
+    def device_of(self, args):
+        """`run` for `prim.device` (no tensor out, no storage changed; the peak is still
+        updated, as after any operation: a gradient hook may have grown the memory since),
+        answered as the fake mode's dispatch answers it, without its dispatch."""
+        fake = _active_fake_mode()
+        if fake is None or len(args) != 1 or not isinstance(args[0], FakeTensor):
+            out = _DEVICE(*args)
+        else:
+            out = _FAKE_DEVICE(args)
+        if fake is self._fake_mode_on_entry:
+            self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
+        return out
+
     def _update_peak_stats(self, peak_state) -> None:
         """MemTracker's, for a tracker without module snapshots (none are taken here): the
         snapshot's keys are enums and "Total", its values ints, so a dict copy is its deep copy."""
@@ -410,6 +423,8 @@ class _StorageTracker(MemTracker):
 
 
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+_DEVICE = torch.ops.prim.device.default
+_FAKE_DEVICE = _DISPATCH_META_HANDLERS[_DEVICE]
 
 
 def _active_fake_mode():
@@ -421,13 +436,14 @@ def _active_fake_mode():
 def _each_tensor(value, reftype, track) -> None:
     """`track(reftype, t)` for every tensor in an operation's output, in pytree order (what
     MemTracker's `tree_map_only(torch.Tensor, ...)` visits): a tensor, or tuples and lists
-    of them (returned structs are tuples); anything else through pytree."""
+    of them; other containers through pytree; a leaf that is no tensor (a device, a c10d
+    work handle) holds none."""
     if isinstance(value, torch.Tensor):
         track(reftype, value)
-    elif type(value) in (tuple, list) or isinstance(value, tuple) and hasattr(value, "n_fields"):
+    elif type(value) is tuple or type(value) is list:
         for item in value:
             _each_tensor(item, reftype, track)
-    elif value is not None and not isinstance(value, (int, float, bool)):
+    elif not _is_pytree_leaf(value):  # returned structs, sizes
         tree_map_only(torch.Tensor, lambda t: track(reftype, t), value)
 
 
@@ -485,6 +501,8 @@ class _Measuring(TorchDispatchMode):
         self._decomposes: dict = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # two thirds of all calls (autograd and views ask tensors' devices)
+            return self.memory.device_of(args)
         kwargs = kwargs or {}
         self.comm.count(func, args)
         if DTensor in types or func in _NOT_COUNTED:
