@@ -52,7 +52,7 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRef
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import _is_leaf as _is_pytree_leaf, tree_map_only
+from torch.utils._pytree import tree_is_leaf, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
 from lengthwise.plan.ir import StepPlan
@@ -443,7 +443,7 @@ def _each_tensor(value, reftype, track) -> None:
     elif type(value) is tuple or type(value) is list:
         for item in value:
             _each_tensor(item, reftype, track)
-    elif not _is_pytree_leaf(value):  # returned structs, sizes
+    elif not tree_is_leaf(value):  # returned structs, sizes
         tree_map_only(torch.Tensor, lambda t: track(reftype, t), value)
 
 
