@@ -387,14 +387,15 @@ class _StorageTracker(MemTracker):
         else:
             out = func(*args, **kwargs)
         if fake is self._fake_mode_on_entry:
+            backward = torch._C._current_graph_task_id() != -1  # `_NoModuleHooks.is_bw`
             if self._in_opt:
                 reftype = _MemRefType.OPT
-            elif torch._C._current_graph_task_id() != -1 and not self._in_ac:  # backward
+            elif backward and not self._in_ac:
                 reftype = _MemRefType.TEMP
             else:
                 reftype = _MemRefType.ACT
             _each_tensor(out, reftype, self._track)
-            self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
+            self._new_peak(backward)
         return out
 
     def device_of(self, args):
@@ -407,14 +408,15 @@ class _StorageTracker(MemTracker):
         else:
             out = _FAKE_DEVICE(args)
         if fake is self._fake_mode_on_entry:
-            self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
+            self._new_peak(torch._C._current_graph_task_id() != -1)
         return out
 
-    def _update_peak_stats(self, peak_state) -> None:
-        """MemTracker's, for a tracker without module snapshots (none are taken here): the
-        snapshot's keys are enums and "Total", its values ints, so a dict copy is its deep copy."""
+    def _new_peak(self, backward: bool) -> None:
+        """MemTracker's `_update_peak_stats`, for a tracker without module snapshots (none are
+        taken here): the snapshot's keys are enums and "Total", its values ints, so a dict copy
+        is its deep copy."""
         if self.memory_tracking:
-            return super()._update_peak_stats(peak_state)
+            return self._update_peak_stats(_ModState.PEAK_BW if backward else _ModState.PEAK_FW)
         for dev, snap in self._curr_mem_snap.items():
             total = snap[_TOTAL_KEY]
             if self._peak_mem.get(dev, 0) < total:
@@ -498,48 +500,48 @@ class _Measuring(TorchDispatchMode):
     def __init__(self, memory: _StorageTracker, flops: LocalFlopCounter, comm: CommBytes) -> None:
         super().__init__()
         self.memory, self.flops, self.comm = memory, flops, comm
-        self._decomposes: dict = {}
+        self._ops: dict[int, tuple] = {}
+        """id(operator) -> (operator, its communication kind or None, handed on untouched,
+        decomposable, has a FLOP formula): what the three modes looked up per call, looked up
+        once per operator (operators live as long as the process)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE:  # two thirds of all calls (autograd and views ask tensors' devices)
             return self.memory.device_of(args)
         kwargs = kwargs or {}
-        self.comm.count(func, args)
-        if DTensor in types or func in _NOT_COUNTED:
+        op = self._ops.get(id(func))
+        if op is None:
+            op = self._ops[id(func)] = self._describe(func)
+        _, comm, untouched, decomposes, counted = op
+        if comm is not None:
+            self.comm.add(comm, args)
+        if untouched or DTensor in types:
             return NotImplemented
-        if func is not torch.ops.prim.device.default and self._can_decompose(func):
+        if decomposes:
             with self:
                 out = func.decompose(*args, **kwargs)
                 if out is not NotImplemented:
                     return out
         out = self.memory.run(func, args, kwargs)
-        return self.flops.count(func, out, args, kwargs)
+        if counted:
+            self.flops.count(func, out, args, kwargs)
+        return out
 
-    def _can_decompose(self, func) -> bool:
-        """Whether `func.decompose` would run a CompositeImplicitAutograd kernel (it returns
-        NotImplemented otherwise), per operator."""
-        known = self._decomposes.get(func)
-        if known is None:
-            key = torch._C.DispatchKey.CompositeImplicitAutograd
-            known = self._decomposes[func] = (
-                key in getattr(func, "py_kernels", {})
-                or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key))
-        return known
+    def _describe(self, func) -> tuple:
+        key = torch._C.DispatchKey.CompositeImplicitAutograd
+        decomposes = func is not _DEVICE and (key in getattr(func, "py_kernels", {}) or
+                                              torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key))
+        return (func, _comm_kind(func), func in _NOT_COUNTED, decomposes,
+                func._overloadpacket in self.flops.flop_registry)
 
 
 class CommBytes:
-    """Bytes of the tensors handed to each kind of c10d operation (`count`, per operation)."""
+    """Bytes of the tensors handed to each kind of c10d operation (`add`, per operation)."""
 
     def __init__(self) -> None:
         self.bytes: dict[str, int] = {}
-        self._kinds: dict = {}
 
-    def count(self, func, args) -> None:
-        kind = self._kinds.get(func, False)
-        if kind is False:
-            kind = self._kinds[func] = _comm_kind(func)
-        if kind is None:
-            return
+    def add(self, kind: str, args) -> None:
         if kind.startswith("tp_"):  # the input is this rank's share (all-gather) or whole input
             self.bytes[kind] = self.bytes.get(kind, 0) + _nbytes(args[0])
         else:
