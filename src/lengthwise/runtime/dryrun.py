@@ -24,8 +24,15 @@ once. What the executor allocates and computes is then observed with PyTorch's o
   as flash backward recomputes the scores (slimpack.txt §2.2.2). DTensor's sharding
   propagation, which runs an operator at its global shape to learn the output's shape, is kept
   out of the counts (`_shape_propagation_unobserved`).
-- communication: a dispatch mode that adds up the bytes of every tensor handed to a c10d
-  operation, by kind (send, all_reduce, all_gather, reduce_scatter, broadcast).
+- communication: the bytes of every tensor handed to a c10d operation, by kind (send,
+  all_reduce, all_gather, reduce_scatter, broadcast).
+
+The three share one dispatch mode (`_Measuring`), which does per operation what the three
+modes stacked did (communication outermost, FLOPs, memory innermost), with one dispatch to the
+fake mode instead of three: a LLaMA-70B rank's step dispatches millions of operations, about
+two thirds of them `prim.device` queries from autograd and views, and the fake mode's own
+work per operation is what remains of the cost (tests/test_dryrun.py checks the numbers
+against the stacked modes).
 
 The step runs as the distributed executor runs it (`run_rank_step`): this rank's stage built
 alone (`parallel.build.build_rank_model`: tensor parallelism, FSDP2 over dp x cp with fp32
@@ -399,14 +406,12 @@ class _StorageTracker(MemTracker):
         return out
 
     def device_of(self, args):
-        """`run` for `prim.device` (no tensor out, no storage changed; the peak is still
-        updated, as after any operation: a gradient hook may have grown the memory since),
-        answered as the fake mode's dispatch answers it, without its dispatch."""
+        """`run` for `prim.device` of a fake tensor (no tensor out, no storage changed; the
+        peak is still updated, as after any operation: a gradient hook may have grown the
+        memory since), answered as the fake mode's dispatch (or, outside it, the fake tensor's)
+        answers it, without the dispatch."""
         fake = _active_fake_mode()
-        if fake is None or len(args) != 1 or not isinstance(args[0], FakeTensor):
-            out = _DEVICE(*args)
-        else:
-            out = _FAKE_DEVICE(args)
+        out = _FAKE_DEVICE(args)
         if fake is self._fake_mode_on_entry:
             self._new_peak(torch._C._current_graph_task_id() != -1)
         return out
@@ -506,8 +511,8 @@ class _Measuring(TorchDispatchMode):
         once per operator (operators live as long as the process)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE:  # two thirds of all calls (autograd and views ask tensors' devices)
-            return self.memory.device_of(args)
+        if func is _DEVICE and len(args) == 1 and isinstance(args[0], FakeTensor):
+            return self.memory.device_of(args)  # two thirds of all calls: autograd and views ask
         kwargs = kwargs or {}
         op = self._ops.get(id(func))
         if op is None:
