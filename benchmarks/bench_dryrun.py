@@ -7,7 +7,8 @@ CPU under fake tensors and the fake process group, measured beside the simulator
 Each scenario plans one global batch sampled from the paper's length profile with
 `lengthwise plan`'s own code, then runs `lengthwise dryrun`'s measurement for a few ranks
 (default: the first and last stage of the pipeline holding the batch's longest sequence) and
-writes every row, with the plan's shape, to benchmarks/results/dryrun.json. The targets
+writes every row, with the plan's shape and the command that ran it, into
+benchmarks/results/dryrun.json, beside the rows of scenarios not run this time. The targets
 (issue "Executor III"): simulated peak memory within 10% of measured on every rank, FLOPs
 within 2%, communication bytes within 1%, and one rank in under 5 minutes here.
 """
@@ -119,8 +120,15 @@ def main() -> None:
             print(f"{name:24s} rank {rank:>4s}: peak {mem['measured']:7.2f} GiB measured, {mem['simulated']:7.2f} "
                   f"simulated; FLOPs x{row['flops']['measured'] / max(row['flops']['simulated'], 1):.4f}; "
                   f"{row['dryrun_s']:.0f} s", flush=True)
-    write_atomic(Path(args.out), json.dumps({"command": "python " + " ".join(sys.argv), "torch": torch.__version__,
-                                  "machine": platform.processor() or platform.machine(), "results": rows}, indent=1))
+    command = "python " + " ".join(sys.argv)
+    for row in rows.values():
+        row["command"] = command
+    out = Path(args.out)
+    kept = json.loads(out.read_text()) if out.exists() else {}
+    merged = {**kept.get("results", {}), **rows}  # the other scenarios' rows stay as they were measured
+    write_atomic(out, json.dumps({"command": kept.get("command", command), "torch": torch.__version__,
+                                  "machine": platform.processor() or platform.machine(), "results": merged},
+                                 indent=1))
 
 
 if __name__ == "__main__":

@@ -142,33 +142,64 @@ FIDELITY_TOLERANCE = 0.30
 
 _UP_TO = "the paper's figure is its best setting, not this one"
 EXPLANATIONS: dict[str, str] = {
-    "chunkflow-32k": f"{_UP_TO}: at 256K context (next row) our chunkflow reaches 4.29x; at 32K megatron's "
-                     "context-length micro-batches are packed, so only their imbalance is left to win "
-                     "(megatron 1.24 s, chunkflow 0.70 s a step)",
+    "chunkflow-32k": _UP_TO + ": at 256K context (next row) our chunkflow reaches {chunkflow-256k}; at 32K "
+                     "megatron's context-length micro-batches are packed, so only their imbalance is left to "
+                     "win (megatron {baseline_s:.2f} s, chunkflow {paper_s:.2f} s a step)",
     "chunkflow-256k": "the paper's best setting is a long-context one like this",
-    "chunkflow-32k-searched": "the searched scheme gives megatron context parallelism (cp4): whole sequences "
-                              "without pipeline bubbles, 1.24 s -> 0.56 s a step, the same as chunkflow's; the "
-                              "paper fixed Megatron-LM's scheme (its Table 3)",
-    "chunkflow-256k-searched": "as above at cp8: megatron 4.44 s -> 0.59 s a step, chunkflow 0.67 s",
+    "chunkflow-32k-searched": "the searched scheme gives megatron context parallelism ({baseline_scheme}): whole "
+                              "sequences without pipeline bubbles, {baseline_s:.2f} s a step against chunkflow's "
+                              "{paper_s:.2f} s; the paper fixed Megatron-LM's scheme (its Table 3)",
+    "chunkflow-256k-searched": "as above ({baseline_scheme}): megatron {baseline_s:.2f} s a step, chunkflow "
+                               "{paper_s:.2f} s",
     "skrull-lmsys-0.5b": "the paper's 5.50x averages three datasets (up to 7.54x); not explained yet beyond "
-                         "that: our static-cp shards every sequence over cp8 and pays 0.18 s against skrull's "
-                         "0.07 s",
-    "skrull-chatqa2-0.5b": "not explained yet: ChatQA2's long documents leave static-cp 0.56 s against "
-                           "skrull's 0.41 s; the paper's 5.50x is the three-dataset average",
-    "skrull-chatqa2-7b": "not explained yet: static-cp 3.72 s against skrull's 3.23 s; the paper calls this "
-                         "setting's gain limited",
-    "infinipipe-cc-7b-32": f"{_UP_TO}; our megatron takes its fastest recomputation and a searched scheme "
-                           "(dp4-tp4-cp2, 3.10 s), not the paper's fixed one",
-    "infinipipe-github-13b-32": f"{_UP_TO}; megatron at a searched scheme (dp4-tp2-cp4, 27.4 s a step)",
-    "slimpack-github-7b-128": f"{_UP_TO}; megatron at a searched scheme (dp8-tp8-cp2, 5.47 s a step)",
-    "slimpack-cc-70b-256": f"{_UP_TO}; megatron at a searched scheme (tp4-pp8-cp8, 5.00 s a step)",
+                         "that: our static-cp shards every sequence over cp8 and pays {baseline_s:.3f} s against "
+                         "skrull's {paper_s:.3f} s",
+    "skrull-chatqa2-0.5b": "not explained yet: ChatQA2's long documents leave static-cp {baseline_s:.2f} s against "
+                           "skrull's {paper_s:.2f} s; the paper's 5.50x is the three-dataset average",
+    "skrull-chatqa2-7b": "not explained yet: static-cp {baseline_s:.2f} s against skrull's {paper_s:.2f} s; the "
+                         "paper calls this setting's gain limited",
+    "infinipipe-cc-7b-32": _UP_TO + "; our megatron takes its fastest recomputation and a searched scheme "
+                           "({baseline_scheme}, {baseline_s:.2f} s a step), not the paper's fixed one",
+    "infinipipe-github-13b-32": _UP_TO + "; megatron at a searched scheme ({baseline_scheme}, {baseline_s:.1f} s "
+                                "a step)",
+    "slimpack-github-7b-128": _UP_TO + "; megatron at a searched scheme ({baseline_scheme}, {baseline_s:.2f} s "
+                              "a step)",
+    "slimpack-cc-70b-256": _UP_TO + "; megatron at a searched scheme ({baseline_scheme}, {baseline_s:.2f} s a "
+                           "step)",
 }
 """Scenario -> one short sentence naming the modelled effect that explains the gap between our
-speedup and the paper's, with a number (from the committed run: step times are the suite's mean
-simulated step over its batches). Where no effect is identified the entry says so."""
+speedup and the paper's, with a number. The numbers are filled in from the run itself
+(`explanation`): the paper's baseline's scheme and mean simulated step (baseline_scheme,
+baseline_s), the paper's planner's (paper_scheme, paper_s), and {other-scenario} for another
+scenario's mean speedup of its paper's planner over its paper's baseline. Where no effect is
+identified the entry says so."""
 
 
-def paper_comparison(result: dict) -> dict:
+def headline_speedups(results: list[dict]) -> dict[str, str]:
+    """Scenario -> its paper's planner's mean speedup over its paper's baseline, as printed."""
+    out = {}
+    for r in results:
+        interval = r["planners"].get(r["paper"], {}).get("intervals", {}).get("vs_paper_baseline")
+        if interval:
+            out[r["scenario"]] = f"{interval['mean']:.2f}x"
+    return out
+
+
+def explanation(result: dict, others: dict[str, str] | None = None) -> str:
+    """EXPLANATIONS' sentence for one scenario, its numbers taken from `result`."""
+    text = EXPLANATIONS.get(result["scenario"], "")
+    if not text:
+        return ""
+    planners = result["planners"]
+    base, mine = planners.get(paper_baseline(result["paper"]), {}), planners.get(result["paper"], {})
+    fields = {"baseline_scheme": base.get("scheme", "-"), "baseline_s": base.get("step_time_s") or math.nan,
+              "paper_scheme": mine.get("scheme", "-"), "paper_s": mine.get("step_time_s") or math.nan}
+    for name in (spec[0] for spec in SCENARIOS):
+        text = text.replace("{" + name + "}", (others or {}).get(name, "n/a"))
+    return text.format(**fields)
+
+
+def paper_comparison(result: dict, others: dict[str, str] | None = None) -> dict:
     """The paper's figure for one scenario's result, the ratio of our mean speedup over the
     paper's baseline to it, and whether that is within FIDELITY_TOLERANCE. For a range the ratio
     is a (against the high end, against the low end) pair, and "within" means inside the range
@@ -191,7 +222,7 @@ def paper_comparison(result: dict) -> dict:
             "paper_source": figure.source if figure else None,
             "paper_note": figure.note if figure else "no entry in PAPER_FIGURES",
             "ours_over_paper": ratio, "within_tolerance": within,
-            "explanation": EXPLANATIONS.get(result["scenario"], "")}
+            "explanation": explanation(result, others)}
 
 
 def sample_batches(profile: str, context: int, seed: int, count: int, size: dict) -> list[list[int]]:
@@ -282,7 +313,7 @@ def markdown(results: list[dict]) -> str:
         mine = r["planners"].get(r["paper"], {})
         auto = r["planners"].get("auto", {})
         scheme = r["fixed_scheme"] or f"searched ({mine.get('scheme', '-')})"
-        comparison = paper_comparison(r)
+        comparison = paper_comparison(r, headline_speedups(results))
         within = {True: "yes", False: "no", None: "n/a"}[comparison["within_tolerance"]]
         out.append(f"| {r['scenario']} | {scheme} | {r['paper']} | {base} | "
                    f"{_cell(mine.get('intervals', {}).get('vs_paper_baseline'))} | "
@@ -314,7 +345,7 @@ def main(argv=None) -> int:
     stem = "compare_suite" if not args.only else f"compare_suite_{args.only}"
     if args.render:  # the saved run's numbers, this file's figures and explanations
         saved = json.loads((RESULTS / f"{stem}.json").read_text())
-        results = [{**r, **paper_comparison(r)} for r in saved["results"]]
+        results = [{**r, **paper_comparison(r, headline_speedups(saved["results"]))} for r in saved["results"]]
         write_atomic(RESULTS / f"{stem}.json", json.dumps({**saved, "results": results}, indent=1))
         write_atomic(RESULTS / f"{stem}.md", markdown(results))
         print(markdown(results))
@@ -324,7 +355,8 @@ def main(argv=None) -> int:
     for spec in chosen:
         print(f"{spec[0]} ...", file=sys.stderr, flush=True)
         result = run_scenario(spec, args.batches, args.seed)
-        results.append({**result, **paper_comparison(result)})
+        results.append(result)
+    results = [{**r, **paper_comparison(r, headline_speedups(results))} for r in results]
     meta = {"command": "python benchmarks/compare_suite.py " + " ".join(argv or sys.argv[1:]),
             "simulated": True, "python": platform.python_version(), "machine": platform.machine()}
     write_atomic(RESULTS / f"{stem}.json", json.dumps({"meta": meta, "results": results}, indent=1))

@@ -138,24 +138,75 @@ def test_planner_charges_exactly_the_simulators_exchange(pipelines):
 
 
 def test_a_heterogeneous_plan_is_charged_the_executors_exchange_not_an_all_reduce():
-    """Each GPU of a heterogeneous plan pulls its stage's bf16 weights and pushes their
-    gradients, one all-to-all each over every GPU, less the 1/W it owns: the bytes
-    `exchange_bytes` counts for the executor (runtime/parallel/hetero.py), priced as two
-    all-to-alls; no all-reduce on top (the simulator once charged both)."""
+    """Each GPU of a heterogeneous plan pushes the bf16 gradients of what it holds and does not
+    own to the owners (each element owned by one of its holders) and pulls their weights back:
+    held - owned elements each way, the volume of a ring all-reduce among each element's holders.
+    The cost model's count equals the executor's layout (runtime/parallel/hetero.ExchangeLayout)
+    within rounding, priced as two all-to-alls among the holders; no all-reduce on top (the
+    simulator once charged both)."""
     import lengthwise.cost.memory as mem
-    from lengthwise.planners.hydraulis.cost import exchange_bytes
+    from lengthwise.runtime.parallel.hetero import ExchangeLayout, plan_pipelines, strategy_holdings, whole_shapes
 
     lengths = [9000, 6000] + [int(x) for x in np.random.default_rng(1).integers(50, 3000, 60)]
     p, req = plan(lengths, pipelines="tp4-pp2,tp2-pp2,tp2-pp2")
     cm, world = req.cost, p.num_gpus
+    shapes = whole_shapes(cm.model)
+    holdings, dims = strategy_holdings(cm.model, plan_pipelines(p), list(shapes))
+    layout = ExchangeLayout(shapes, holdings, dims=dims)
+    holders = cm.hetero_holders([(q.tp, q.pp, q.cp) for q in p.pipelines])
+    assert holders.split == 3
+    rank = 0
     for q, inputs in zip(p.pipelines, plan_inputs(p, cm)):
         layers = q.stage_layers(cm.model.num_layers)
         for s, n in enumerate(layers):
-            held = mem.stage_params(cm.model, layers=n, tp=q.tp, first=s == 0, last=s == q.pp - 1)
-            sent = cm.exchange_bytes(layers=n, tp=q.tp, first=s == 0, last=s == q.pp - 1, world=world)
-            assert sent == pytest.approx(exchange_bytes([held], world=world, elem_bytes=2))
-            seconds = 2 * cm.collective_time("all_to_all", held * 2, ranks=world, inter_node=world > 8)
+            stage = dict(layers=n, tp=q.tp, first=s == 0, last=s == q.pp - 1)
+            held, owned = layout.local_size[rank], layout.shard_size[rank]  # the stage's TP rank 0
+            assert held == mem.stage_params(cm.model, **stage)
+            # within rounding: 3 holders share each 1024-column band of a row-parallel weight,
+            # 342 or 341 columns each, every row
+            assert cm.hetero_owned(**stage, holders=holders) == pytest.approx(owned, rel=1e-3)
+            sent = cm.exchange_bytes(**stage, holders=holders)
+            assert sent == pytest.approx(2 * (held - owned) * 2, rel=1e-3)
+            # about 2 (d - 1) / d of the held bf16 bytes, d = 3 holders of the split weights
+            assert sent == pytest.approx(2 * 2 / 3 * held * 2, rel=1e-3)
+            seconds = 2 * cm.collective_time("all_to_all", sent / 2 * 3 / 2, ranks=3, inter_node=world > 8)
             assert inputs.grad_sync[s] == pytest.approx(seconds)
+            rank += q.tp * q.cp
+
+
+def test_a_strategy_switch_is_charged_when_the_previous_batch_ran_another():
+    """With the `previous` option (the training loop passes the strategy the last batch ran), a
+    candidate with other pipelines pays the switch: the optimizer state's move to the new owners
+    and the new layout's weight pull (cost.switch_time); the previous strategy itself pays
+    nothing."""
+    from lengthwise.planners.hydraulis.cost import parse_pipelines, pipelines_name, switch_time
+
+    lengths = [9000, 6000] + [int(x) for x in np.random.default_rng(1).integers(50, 3000, 60)]
+    first, req = plan(lengths)
+    chosen = pipelines_name(first.pipelines)
+    assert first.metrics["switch_s"] == 0
+    same, _ = plan(lengths, previous=chosen)
+    assert pipelines_name(same.pipelines) == chosen and same.metrics["switch_s"] == 0
+    assert same.metrics["estimated_step_s"] == first.metrics["estimated_step_s"]
+    other = "tp8-pp2" if chosen != "tp8-pp2" else "tp4-pp4"
+    moved, _ = plan(lengths, previous=other)
+    now = [(q.tp, q.pp, q.cp) for q in moved.pipelines]
+    charge = switch_time(req.cost, parse_pipelines(other), now, num_gpus=16)
+    assert (charge > 0) == (pipelines_name(moved.pipelines) != other)
+    assert moved.metrics["switch_s"] == charge
+    assert moved.metrics["estimated_step_s"] == pytest.approx(
+        max(moved.metrics["estimated_pipeline_s"]) + moved.metrics["exchange_s"] + charge)
+    # at least the 12 bytes of every element one GPU owns, at the inter-node link's bandwidth
+    owned = req.cost.hetero_owned(layers=MODEL.num_layers // 2, tp=8, first=True, holders=req.cost.hetero_holders(
+        parse_pipelines(other)))
+    assert switch_time(req.cost, parse_pipelines(other), [(2, 2, 1)] * 4, num_gpus=16) > \
+        12 * owned / (req.cluster.inter_bw_gbps * 1e9)
+    # every GPU holding the same pieces in both (CP ranks hold the whole stage): owners unchanged,
+    # nothing moves, only the new layout's pull is charged
+    cp2, dp8 = [(2, 1, 2)] * 4, [(2, 1, 1)] * 8
+    pull = req.cost.exchange_time(layers=MODEL.num_layers, tp=2, first=True, last=True,
+                                  holders=req.cost.hetero_holders(dp8), inter_node=True) / 2
+    assert switch_time(req.cost, cp2, dp8, num_gpus=16) == pytest.approx(pull)
 
 
 def test_chosen_heterogeneous_strategy_is_estimated_with_the_simulators_exchange():

@@ -316,18 +316,34 @@ def tight_group(memory_gb=0.035, pp=2):
     batch = balanced_chunking(req.lengths, 3, fit)
     lay = grouping.layout(req, 1)
     group = group_schedule([u.chunks for u in batch.units], pp)
-    return req, lay, group, group_memory(group, lay.costs)
+    return req, lay, group, group_memory(group, lay.costs, first_group=True)  # the pipeline's only group
 
 
 def test_milp_finds_the_cheapest_feasible_recomputation():
-    for gb in (0.02, 0.03, 0.035, 0.04):
+    """The MILP's answer fits (`Problem.fits`, the exact levels) and is within the MIP gap of the
+    cheapest answer to its linear rows (`Problem.rows`), found here by enumeration. Those rows
+    charge each backward's own chunk its full activations (`StageMemory.savings`), more than the
+    exact level's kept bytes plus one re-materialised layer, so the exact optimum can be cheaper
+    where such a row binds (at 0.025 GB and, since the cost model charges every stage's backward
+    its working set, 0.03 GB); elsewhere the two agree."""
+    for gb in (0.02, 0.025, 0.03, 0.035, 0.04):
         _, _, group, memory = tight_group(gb)
         ckpt = solve_checkpointing(group, memory)
         brute = brute_force_checkpointing(group, memory)
+        problem = checkpointing_problem(group, memory)
+        cols, a, ub = problem.rows()
+        linear = min((float(np.dot(problem.weights, v)) for v in itertools.product(
+            *(range(int(h) + 1) for h in problem.upper)) if np.all(a @ np.asarray(v, float)[cols] <= ub + 1e-9)),
+            default=np.inf)
         if ckpt.status == "infeasible":
             assert brute == np.inf
+        elif linear == np.inf:  # the rows forbid even full recomputation, which the levels allow
+            assert problem.fits(problem.upper) and ckpt.values == problem.upper.tolist()
         else:
-            assert brute <= ckpt.seconds <= brute * (1 + MIP_GAP) + 1e-12
+            assert problem.fits(ckpt.values)
+            assert brute <= linear <= ckpt.seconds <= linear * (1 + MIP_GAP) + 1e-12
+        if gb >= 0.035:
+            assert ckpt.seconds == pytest.approx(brute)
 
 
 def test_the_tight_group_needs_some_but_not_full_recomputation():
@@ -391,7 +407,9 @@ def test_every_planned_stage_peak_is_the_simulators_peak(dp, pp):
     assert any(r for groups in cand.pipelines for g in groups for row in g.ckpt.recompute for r in row)
     for p, groups in enumerate(cand.pipelines):
         for s in range(pp):
-            predicted = max(group_memory(g.schedule, lay.costs).peak(s, g.ckpt.recompute[s]) for g in groups)
+            # the pipeline's first group makes the gradients in its first backward on each stage
+            predicted = max(group_memory(g.schedule, lay.costs, first_group=i == 0).peak(s, g.ckpt.recompute[s])
+                            for i, g in enumerate(groups))
             assert result.peak_memory[p][s] == pytest.approx(predicted + lay.stages[s].states, rel=1e-9)
     assert result.fits
 

@@ -84,7 +84,11 @@ def test_default_bucket_size_is_memory_model_limit():
 def test_plans_at_memory_limit_pass_the_memory_check():
     req = request([1], dp=1, cp=4)
     bucket = req.cost.max_seq_len(pp=1, cp=1, dp=1 * 4, zero=2)  # states shard over dp x cp
-    out = plan([4 * bucket, bucket, bucket // 2, bucket // 2, 17], dp=1, cp=4)
+    # the longest sequence the CP group holds sharded: less than 4 buckets, since every rank also
+    # keeps the whole sequence's gathered K/V per layer
+    longest = req.cost.max_seq_len(pp=1, cp=4, dp=1, zero=2)
+    assert bucket < longest < 4 * bucket
+    out = plan([longest, bucket, bucket // 2, bucket // 2, 17], dp=1, cp=4)
     assert out.metrics["bucket_size"] == bucket
 
 

@@ -434,6 +434,10 @@ def test_stream_pieces_match_the_walks_and_the_simulators_derivations(lengths, c
                                    (units, known.bwd_counts, known.bwd_bounds)):
         assert counts.tolist() == [len(c.segments) for c in pieces]
         assert bounds.tolist() == [[s.start, s.stop] for c in pieces for s in c.segments]
+    # the cells (a MicroPack's part one backward unit holds) the simulator frees one by one
+    from lengthwise.sim.inputs import segment_cells
+    assert [x.tolist() for x in known.cells] == [x.tolist() for x in segment_cells(chunks, units)]
+    assert known.cells[2].sum() == sum(c.num_tokens for c in chunks)
 
 
 def test_sweep_simulates_with_the_planners_slice_structure_as_without():
@@ -481,6 +485,7 @@ def test_streams_cuts_and_pieces_of_several_streams_are_each_streams_own(streams
             assert got[3].deps == alone[3].deps and got[3].splits.sequences() == alone[3].splits.sequences()
             for name in ("fwd_counts", "fwd_bounds", "bwd_counts", "bwd_bounds"):
                 assert np.array_equal(getattr(got[3], name), getattr(alone[3], name))
+            assert all(np.array_equal(x, y) for x, y in zip(got[3].cells, alone[3].cells))
 
 
 def test_memory_budgets_come_from_the_cost_models_stage_budgets():

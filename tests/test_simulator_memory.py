@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_simulator import make_plan, random_plans, split, task_lookup, whole
+from test_simulator import TINY, make_plan, random_plans, split, task_lookup, whole
 
 from lengthwise.cost import CostModel
 from lengthwise.plan.ir import Action, Chunk, Segment
@@ -25,6 +25,13 @@ def cost(plan) -> CostModel:
 def states(cm: CostModel, plan, pp: int) -> list[float]:
     layers = plan.pipelines[0].stage_layers(plan.model.num_layers)
     return [cm.model_state_bytes(layers=n, dp=len(plan.pipelines), first=s == 0, last=s == pp - 1)
+            for s, n in enumerate(layers)]
+
+
+def grads(cm: CostModel, plan, pp: int) -> list[float]:
+    """The gradients' part of `states`, made in each stage's first backward."""
+    layers = plan.pipelines[0].stage_layers(plan.model.num_layers)
+    return [cm.grad_bytes(layers=n, dp=len(plan.pipelines), first=s == 0, last=s == pp - 1)
             for s, n in enumerate(layers)]
 
 
@@ -50,12 +57,26 @@ def test_1f1b_equal_chunks_peak_at_p_minus_s_activations(pp, m):
     plan = make_plan([[whole(i, 64) for i in range(m)]], pp=pp)
     cm = cost(plan)
     result = simulate_plan(plan, cm)
+    chunk = plan.pipelines[0].chunks[0]
     for s, n in enumerate(plan.pipelines[0].stage_layers(TINY_LAYERS)):
-        chunk = plan.pipelines[0].chunks[0]
-        act = cm.activation_bytes(chunk, layers=n, head=s == pp - 1)
-        # the last stage's backward also works on the loss's fp32 logit gradients of one chunk
-        work = cm.head_backward_bytes(chunk) if s == pp - 1 else 0.0
-        assert result.peak_memory[0][s] == pytest.approx(states(cm, plan, pp)[s] + min(pp - s, m) * act + work)
+        first, last, held = s == 0, s == pp - 1, min(pp - s, m)
+        grad = grads(cm, plan, pp)[s]
+        base = states(cm, plan, pp)[s] - grad  # no gradient before the stage's first backward
+        act = cm.activation_bytes(chunk, layers=n, head=last)
+        # the loss's backward on the last stage (its bf16 logit gradient), a layer's SwiGLU
+        # backward elsewhere; the LM head's bf16 logits in the forward
+        work = cm.backward_work_bytes(chunk, layers=n, head=last)
+        head = cm.head_forward_bytes(chunk) if last else 0.0
+        assert work > 0 and (head > 0) == last
+        moments = [base + held * act + head,  # the last warm-up forward's LM head
+                   base + held * act + work]  # B0 starts
+        if first:  # B0's embedding backward: B0's chunk freed, every gradient made, the bf16 table
+            moments.append(base + (held - 1) * act + grad + 2 * TINY.vocab * TINY.hidden)
+        if m > held:  # the steady state holds `held` chunks again, beside the gradients
+            moments += [base + grad + held * act + head, base + grad + held * act + work]
+        elif held > 1:  # B1 starts
+            moments.append(base + grad + (held - 1) * act + work)
+        assert result.peak_memory[0][s] == pytest.approx(max(moments))
 
 
 def test_state_aware_k1_keeps_one_split_activation():
@@ -82,16 +103,28 @@ def test_split_sequence_holds_kv_state_and_kv_gradients():
     r = simulate_plan(plan, cm)
     acts = [cm.activation_bytes(c, layers=4, head=True) for c in chunks]
     work = [cm.head_backward_bytes(c) for c in chunks]  # the loss's backward, while a B runs
+    assert work == [cm.backward_work_bytes(c, layers=4, head=True) for c in chunks]
     kv = cm.kv_bytes(96, layers=4)
-    # while B1 runs: both chunks' activations, slice 0's K/V, and the K/V-gradient buffer
-    assert r.peak_memory[0][0] == pytest.approx(states(cm, plan, 1)[0] + sum(acts) + 2 * kv + work[1])
+    grad = grads(cm, plan, 1)[0]
+    base = states(cm, plan, 1)[0] - grad
+    table = 2 * TINY.vocab * TINY.hidden  # the embedding's bf16 gradient at each B's end
+    # F0 F1 B1 B0. While B1 runs: both chunks' activations, slice 0's K/V and the K/V-gradient
+    # buffer, no gradient yet; at B1's end (its embedding backward) chunk 1 is freed and every
+    # gradient made; B0 then holds them all beside chunk 0.
+    moments = [base + sum(acts) + 2 * kv + work[1], base + acts[0] + 2 * kv + grad + table,
+               base + acts[0] + 2 * kv + grad + max(work[0], table - acts[0])]
+    assert r.peak_memory[0][0] == pytest.approx(max(moments))
+    # state-aware with k = 1 re-forwards slice 0 after B1 (no grad: K/V only), then F0 B0
     rerun = simulate_plan(make_plan([chunks], pp=1, schedule="state-aware-1f1b", k=1), cm)
-    assert rerun.peak_memory[0][0] == pytest.approx(states(cm, plan, 1)[0] + max(a + w for a, w in zip(acts, work))
-                                                    + 2 * kv)
+    moments = [base + acts[1] + kv + kv + work[1], base + kv + kv + grad + table,
+               base + acts[0] + 2 * kv + grad + max(work[0], table - acts[0])]
+    assert rerun.peak_memory[0][0] == pytest.approx(max(moments))
 
 
 def test_recomputed_layers_shrink_activations_and_lengthen_backward():
-    chunks = [whole(0, 128), whole(1, 128)]
+    # chunks long enough that B0's start (both chunks held) is each plan's peak, not the
+    # gradients made by B0 (the tiny model's 3 MB) beside one chunk
+    chunks = [whole(0, 2048), whole(1, 2048)]
     gpipe = [[Action.parse(a) for a in "F0 F1 B0 B1".split()]]
     redo = [[Action.parse(a) for a in "F0.r2 F1.r2 B0 B1".split()]]
     plain, ckpt = (make_plan([chunks], pp=1, stages=s) for s in (gpipe, redo))
@@ -264,3 +297,35 @@ def test_event_order_is_lexsort_of_stage_time_and_frees_first(events):
     time = np.array([e[1] for e in events], dtype=np.float64)
     delta = np.array([e[2] for e in events], dtype=np.float64)
     assert np.array_equal(_event_order(stage, time, delta), np.lexsort((delta > 0, time, stage)))
+
+
+def test_backward_units_free_their_cells_one_by_one():
+    """With backward units apart from the forward chunks (SlimPack), each cell, the part of a
+    chunk one unit holds, is its own row: its activations are made by the chunk's F and freed by
+    its unit's B (runtime/cells.py). One chunk of two 128-token sequences backwarded by two
+    units, one sequence each: while the second B runs the stage holds the second sequence's
+    cell only, beside the gradients the first B made, and its working set (the loss's, or the
+    embedding's bf16 table once the cell is freed); the whole chunk's 256 tokens were held
+    until the last B before."""
+    from lengthwise.plan.ir import PipelinePlan, StepPlan
+    from test_simulator import cluster
+
+    chunk = Chunk((Segment(0, 0, 128), Segment(1, 0, 128)))
+    units = [Chunk((Segment(1, 0, 128),)), Chunk((Segment(0, 0, 128),))]
+    stages = [[Action("F", 0), Action("B", 0), Action("B", 1)]]
+    plan = StepPlan(planner="test", model=TINY, cluster=cluster(1, 8), lengths=[128, 128],
+                    pipelines=[PipelinePlan(chunks=[chunk], stages=stages, backward_chunks=units)])
+    cm = cost(plan)
+    r = simulate_plan(plan, cm)
+    mem, b1 = r.timeline.memory, task_lookup(r)[0, 0, 2, 1]
+    at = np.flatnonzero(mem.time == r.timeline.start[b1])[-1]   # after B0's frees and B1's allocations
+    grad = grads(cm, plan, 1)[0]
+    cell = cm.activation_bytes(Chunk((Segment(0, 0, 128),)), layers=4, head=True)
+    work = max(cm.backward_work_bytes(units[1], layers=4, head=True), 2 * TINY.vocab * TINY.hidden - cell)
+    assert mem.level[at] == pytest.approx(states(cm, plan, 1)[0] + cell + work)
+    # B0, the stage's first: both cells, no gradient yet; at its end (its embedding backward)
+    # its cell is freed and every gradient made
+    first = max(cm.backward_work_bytes(units[0], layers=4, head=True), 2 * TINY.vocab * TINY.hidden + grad - cell)
+    b0 = task_lookup(r)[0, 0, 2, 0]
+    assert mem.level[np.flatnonzero(mem.time == r.timeline.start[b0])[-1]] == pytest.approx(
+        states(cm, plan, 1)[0] - grad + 2 * cell + first)

@@ -3,10 +3,14 @@ count fits (the longest sequence's activations are a floor, all its slices are f
 its backward), "auto" plans again with each stage's forwards recomputing part or all of its
 layers; otherwise it is exactly the plan without recomputation.
 
-The tight cases: the 4-layer `tiny` model (two layers a stage) on two stages of GPUs of about
-0.02 GiB each, one pipeline (dp 1, cp 1). No MicroPack count fits either without recomputation;
-in TIGHT, recomputing one layer of each stage fits only at 32 MicroPacks and both layers (8
-MicroPacks) are faster; in PARTIAL, one layer a stage fits and is faster than both."""
+The tight cases, one pipeline (dp 1, cp 1) of two stages, two layers a stage. No MicroPack count
+fits either without recomputation. TIGHT: the 4-layer `tiny` model on GPUs of 0.019 GiB;
+recomputing one layer of each stage fits only at 32 MicroPacks and both layers (8 MicroPacks)
+are faster. PARTIAL: the narrower SMALL model on GPUs of 0.00259 GiB, where one layer a stage
+fits and is faster than both. (PARTIAL was `tiny` on 0.018 GiB until the simulator counted the
+gradients from each stage's first backward and freed SlimPack's cells one by one: `tiny`'s
+gradients, 8% of such a GPU, then left no memory at which the planner's floor, which counts them
+all step, passes and the simulator still needs recomputation.)"""
 
 from __future__ import annotations
 
@@ -25,10 +29,10 @@ from lengthwise.specs import MODEL_PRESETS, ClusterSpec, ModelSpec, ParallelSche
 TIGHT_LENGTHS = [1024, 1000, 750, 500]
 TIGHT_GIB = 0.019
 PARTIAL_LENGTHS = [1024] + [200] * 20
-PARTIAL_GIB = 0.018
+PARTIAL_GIB = 0.00259
 SMALL = ModelSpec(name="small", num_layers=4, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn=48,
                   vocab=64)
-"""For the executor: the tight case again, on a narrower model and fewer tokens."""
+"""For PARTIAL and the executor (the tight case again, on fewer tokens)."""
 
 
 def request(lengths, *, memory_gib=None, model="tiny", dp=1, tp=1, pp=2, cp=1, **options) -> PlanRequest:
@@ -45,7 +49,7 @@ def tight(**options) -> PlanRequest:
 
 
 def partial(**options) -> PlanRequest:
-    return request(PARTIAL_LENGTHS, memory_gib=PARTIAL_GIB, **options)
+    return request(PARTIAL_LENGTHS, memory_gib=PARTIAL_GIB, model=SMALL, **options)
 
 
 def forward_recompute(plan) -> set[tuple[int, int]]:

@@ -46,9 +46,10 @@ pipeline and stage of the plan.
 --planner hydraulis across processes runs heterogeneous pipelines: --pipelines tp2-pp1,tp1-pp2
 fixes one scheme per pipeline (N = the sum of their tp * pp * cp; leave out --dp/--pp/--cp/--tp),
 otherwise the planner picks a strategy per batch over dp * pp * cp * tp GPUs and the ranks
-switch between steps. AdamW's float32 master weights and moments are dealt round-robin over all
-ranks (element i of each parameter on rank i mod N), each rank pulls its pipeline's weights
-every step, and a checkpoint resumes on N processes under any strategy.
+switch between steps. AdamW's float32 master weights and moments of each element are kept by
+one of the ranks holding it (a reduce-scatter and an all-gather among the holders each step; a
+strategy switch moves them to the new owners), and a checkpoint resumes on N processes under
+any strategy.
 
 A TOML --config takes the same settings by their long names with underscores (batch_size,
 tokens_per_batch, ...) and planner options as a table:

@@ -5,9 +5,33 @@
   bytes/param), gradients accumulated over the step's backwards in fp32 (4: FSDP2 upcasts them to
   its fp32 reduce dtype while gradient sync is off, as Megatron accumulates "main grads" in fp32;
   the reduce-scatter sends them in fp32 too) and an fp32 master copy plus Adam's two moments
-  (12). ZeRO-1 shards the 12 over the data-parallel group, ZeRO-2 also the gradients, ZeRO-3
-  everything. (Under ZeRO-1 the reduced fp32 gradient shard, 4/dp, replaces each unit's whole
-  gradient at the step's last backward, so the whole 4 bounds it.)
+  (12). ZeRO-1 shards the 12 over the data-parallel group, ZeRO-3 also the bf16 weights (the
+  executor reshards them after each forward and backward when every replica runs the same
+  actions, `parallel/fsdp.py`; the unit it gathers for the running layer is left out). The
+  gradients are not sharded at any stage while the step accumulates them: the executor keeps
+  FSDP2's gradient sync off until each stage's last backward
+  (`set_requires_gradient_sync(False)`, one reduce-scatter a step instead of one per backward
+  unit), so FSDP2 accumulates every unit's gradient unsharded, in fp32, over the step's
+  backwards whatever the ZeRO stage, and the reduced shard (4/dp) replaces it only at the last
+  backward. A dry run measures the same peak for one plan at ZeRO-1 and ZeRO-2
+  (`tests/test_dryrun.py`): ZeRO-2 saves nothing in this executor, and the cost model charges
+  the whole 4 at every stage.
+- Gradients come into being in a step, not before it: the optimizer frees them at the step's
+  end (`zero_grad(set_to_none=True)`) and each FSDP unit's fp32 accumulator is made by its first
+  backward of the next step. A stage holds none of them through its warm-up forwards; the
+  simulator allocates them at the end of the stage's first backward (`sim/memory.py`), which is
+  exact before and after it and an upper bound inside it (the accumulators grow layer by layer
+  as the chunk's activations are freed layer by layer, so the level is highest at one end).
+- The first stage's embedding gradient is the whole table on every TP rank: DTensor hands the
+  vocabulary-parallel embedding's gradient back Replicate, and it is accumulated so until the
+  reduction (FSDP2's, or `distributed/dp.match_grad_layouts`) slices the rank's rows
+  (`grad_params`: vocab x hidden, not vocab x hidden / tp, measured by `lengthwise dryrun`).
+  At the end of each backward on the first stage the embedding's backward makes that gradient
+  in bf16 before it is added into the accumulator (FSDP2 adds it into its fp32 one, or makes
+  the fp32 one from it in the stage's first backward): vocab x hidden x 2 bytes beside all the
+  gradients and the other chunks' activations, once the chunk's own are freed
+  (`embedding_backward_bytes`; 1 GiB for Qwen2.5-7B, and the peak of a first stage whose
+  chunks are short).
 - Activations kept for backward, per token per layer, bf16, flash attention (no s^2 scores), the
   tensors each block saves: two RMSNorm inputs and outputs (4h), q, k, v after rotary
   (q + 2kv), the attention output (q), SwiGLU gate, up and their product (3 ffn); in fp32, flash
@@ -19,7 +43,9 @@
   input for their weight gradients (Megatron-LM re-gathers it in backward instead; we count
   what our executor keeps: 2h whole, as `lengthwise dryrun` measures). A layer under full
   recomputation keeps only its input (h / tp) (infinipipe.txt eq. 5 calls the per-token figure
-  M_token).
+  M_token). A row tp does not divide is padded to the next multiple, and the output projection
+  keeps a padded copy of the attention output beside flash attention's unpadded one
+  (`CostModel.attention_pad_bytes`, per chunk: not a per-token figure).
 - LM head on the last stage: the fp32 softmax kept for the loss's backward (4 * vocab bytes per
   token, as the executor's cross-entropy upcasts the logits), the final norm's input and output
   (2h, bf16; the output, the head's input, gathered whole under sequence parallelism) and
@@ -29,6 +55,21 @@
   beside what the head keeps (`runtime/loss.py`; autograd's own cross-entropy worked on two more
   fp32 [tokens, vocab] buffers, 8 * vocab, the largest transient of a step on Qwen2.5-7B's 152K
   vocabulary). Measured by `lengthwise dryrun`.
+- While a decoder layer's backward runs, beside the chunk's kept activations: the SwiGLU
+  backward (`runtime/model._SiluMul`) holds the product's gradient from the down projection,
+  the gate's gradient (one silu_backward kernel), silu(gate) recomputed and the up
+  projection's gradient, four [tokens, ffn / tp] bf16 buffers, once the down projection has
+  freed the product it kept: 3 * ffn / tp values per token beyond the kept activations, the
+  largest working set of a layer's backward (attention's gradients are q + 2kv wide). On the
+  last stage the loss's backward comes first and the layers' after the head's kept tensors
+  are freed (`backward_work_bytes_per_token`).
+- The LM head's forward holds the bf16 logits while the cross-entropy makes its fp32 copy:
+  2 * vocab / tp bytes per token beside the head's kept tensors, as large as the loss
+  backward's working set (`head_forward_bytes_per_token`).
+- Under context parallelism a layer also keeps, for its backward, the K/V its all-gather
+  assembled of the chunk's sharded segments: whole (every CP rank's rows), 2 * kv_dim / tp
+  values per sharded token (`CostModel.cp_kv_layer_bytes`; 5.6 GiB of a LLaMA-32B cp2 rank's
+  48.7 GiB peak, measured by `lengthwise dryrun`).
 - K/V state of a split sequence (infinipipe.txt eq. 9-10): k and v of every context token on
   every layer of the stage, 2 * kv_dim values per token; its gradient buffer has the same size.
   With tp larger than the K/V heads, heads are replicated, so a rank holds at least one head.
@@ -59,12 +100,22 @@ def stage_params(model: ModelSpec, *, layers: int, tp: int, first: bool, last: b
     return split / tp + norms
 
 
-def state_bytes_per_param(dp: int, zero: int) -> float:
-    weights, grads, optim = BYTES_BF16, GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
+def grad_params(model: ModelSpec, *, layers: int, tp: int, first: bool, last: bool) -> float:
+    """Gradient elements one GPU of a stage accumulates in a step: `stage_params`, except that
+    the embedding's gradient is the whole table on every TP rank (module docstring)."""
+    params = stage_params(model, layers=layers, tp=tp, first=first, last=last)
+    if first and tp > 1:
+        params += model.vocab * model.hidden * (1 - 1 / tp)
+    return params
+
+
+def state_bytes_per_param(dp: int, zero: int, *, grads: bool = True) -> float:
+    """Bytes per stage parameter of its weights, optimizer states and (`grads`) gradients, as
+    the executor holds them while it accumulates the step's gradients (module docstring: the
+    gradients whole at every ZeRO stage)."""
+    weights, grads, optim = BYTES_BF16, GRAD_BYTES_PER_PARAM if grads else 0.0, OPTIMIZER_BYTES_PER_PARAM
     if zero >= 1:
         optim /= dp
-    if zero >= 2:
-        grads /= dp
     if zero >= 3:
         weights /= dp
     return weights + grads + optim
@@ -88,6 +139,33 @@ def head_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
 def head_backward_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
     """Working set of the loss's backward beyond what the head keeps (module docstring)."""
     return BYTES_BF16 * model.vocab / tp
+
+
+def embedding_backward_bytes(model: ModelSpec) -> float:
+    """The embedding's gradient as its backward makes it, at the end of each backward on the
+    first stage: the whole table in bf16 on every TP rank, before it is added into the
+    accumulated gradient (module docstring)."""
+    return model.vocab * model.hidden * BYTES_BF16
+
+
+def head_forward_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
+    """The bf16 logits beside the head's kept tensors while the loss makes its fp32 copy."""
+    return BYTES_BF16 * model.vocab / tp
+
+
+def layer_backward_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
+    """Working set of one decoder layer's backward beyond the kept activations (module docstring)."""
+    return 3 * model.ffn * BYTES_BF16 / tp
+
+
+def backward_work_bytes_per_token(model: ModelSpec, tp: int = 1, *, layers: int, head: bool) -> float:
+    """Largest working set of a stage's backward beyond its kept activations, per token: one
+    layer's (none without layers), and on the last stage the loss's, after which the head's
+    kept tensors are freed before the layers' backward runs."""
+    layer = layer_backward_bytes_per_token(model, tp) if layers > 0 else 0.0
+    if not head:
+        return layer
+    return max(head_backward_bytes_per_token(model, tp), layer - head_bytes_per_token(model, tp))
 
 
 def kv_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:

@@ -52,6 +52,9 @@ class StageBudget:
     zero: int
     states: float
     """Model-state bytes: weights, gradients and optimizer states (`CostModel.model_state_bytes`)."""
+    grads: float
+    """The gradients' part of `states`, which comes into being in the stage's first backward
+    (`CostModel.grad_bytes`; the simulator allocates it there, planners count it all step)."""
     capacity: float
     """Usable bytes of a GPU (`CostModel.capacity_bytes`)."""
     activation_per_token: float
@@ -63,14 +66,28 @@ class StageBudget:
     """Bytes per token a backward re-materialises at once under recomputation (one layer)."""
     kv_per_token: float
     """K/V bytes per context token over the stage's layers (split sequences keep them)."""
-    head_backward_per_token: float
-    """The loss backward's working set per token (last stage; 0 elsewhere)."""
+    backward_work_per_token: float
+    """The backward's working set per token beyond the kept activations: the loss's on the
+    last stage, one decoder layer's elsewhere (`CostModel.backward_work_bytes`)."""
 
     @property
     def free(self) -> float:
         """Bytes left for activations and K/V once model states are held (negative: even the
         states do not fit)."""
         return self.capacity - self.states
+
+
+@dataclass(frozen=True)
+class ExchangeHolders:
+    """How many GPUs of a heterogeneous strategy hold one element (`CostModel.hetero_holders`):
+    one per (pipeline, CP rank) for the tp-split weights, every TP rank of those for the norms
+    (held whole on each; K/V projections replicated over TP count as split, as `stage_params`
+    counts them), and for the embedding table the first and the last stage of each pipeline
+    when it is tied."""
+
+    split: int
+    replicated: int
+    table: int
 
 
 @dataclass(kw_only=True)
@@ -242,10 +259,39 @@ class CostModel:
 
     def activation_bytes(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1,
                          recompute_layers: int = 0, head: bool = False) -> float:
-        """Bytes held from the chunk's forward to its backward on the busiest GPU of the CP group."""
+        """Bytes held from the chunk's forward to its backward on the busiest GPU of the CP
+        group: per token, and without CP the attention output's padded copy of each layer that
+        keeps its activations (`attention_pad_bytes`); under CP each such layer also keeps the
+        K/V its all-gather assembled of the chunk's sharded segments, whole, for its backward
+        (`cp_kv_layer_bytes`: the executor gathers nothing again there)."""
+        if cp <= 1:
+            return float(self.activation_bytes_rows(chunk_work(chunk).tokens, layers=layers, tp=tp,
+                                                    recompute_layers=recompute_layers, head=head))
         per_token = self.activation_bytes_per_token(layers=layers, tp=tp, recompute_layers=recompute_layers,
                                                     head=head)
-        return per_token * max(w.tokens for w in rank_works(chunk, cp))
+        gathered = (layers - recompute_layers) * self.cp_kv_layer_bytes(chunk, tp=tp)
+        return per_token * max(w.tokens for w in rank_works(chunk, cp)) + gathered
+
+    def activation_bytes_rows(self, tokens, *, layers: int, tp: int = 1, recompute_layers: int = 0,
+                              head: bool = False):
+        """`activation_bytes` of chunks without CP of these row tokens (a number or a float64
+        array, elementwise: the same floats)."""
+        per_token = self.activation_bytes_per_token(layers=layers, tp=tp, recompute_layers=recompute_layers,
+                                                    head=head)
+        return per_token * tokens + (layers - recompute_layers) * self.attention_pad_bytes(tokens, tp=tp)
+
+    def attention_pad_bytes(self, tokens, *, tp: int = 1):
+        """Bytes one layer keeps beyond its per-token figure for a row of `tokens` that tp does
+        not divide (a number or an array, elementwise): the row is padded to the next multiple of
+        tp (`runtime/parallel/tensor_parallel.py`), and the output projection keeps a padded copy
+        of the attention output, whose unpadded original flash attention keeps too: q_dim / tp
+        bf16 values per padded row (Qwen2.5-7B at tp 2: 4% of a layer's activations). The other
+        tensors gain at most tp - 1 rows, left out. Under CP (rows padded otherwise) none."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        if tp <= 1:
+            return np.zeros_like(tokens)
+        padded = np.ceil(tokens / tp) * tp
+        return np.where(padded > tokens, padded * (self.model.q_dim * mem.BYTES_BF16 / tp), 0.0)
 
     def recompute_transient_bytes_per_token(self, *, tp: int = 1, recompute_layers: int = 0) -> float:
         """Bytes per token a backward re-materialises at once when its forward recomputed
@@ -262,13 +308,29 @@ class CostModel:
         """`recompute_transient_bytes_per_token` for the chunk's busiest GPU of the CP group."""
         if recompute_layers <= 0:
             return 0.0
+        if cp <= 1:  # the re-materialised layer's activations, its padded attention output's copy too
+            return float(self.activation_bytes_rows(chunk_work(chunk).tokens, layers=1, tp=tp)
+                         - self.activation_bytes_rows(chunk_work(chunk).tokens, layers=1, tp=tp, recompute_layers=1))
         per_token = self.recompute_transient_bytes_per_token(tp=tp, recompute_layers=recompute_layers)
-        return per_token * max(w.tokens for w in rank_works(chunk, cp))
+        return per_token * max(w.tokens for w in rank_works(chunk, cp)) + self.cp_kv_layer_bytes(chunk, tp=tp)
 
     def head_backward_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
         """Bytes the loss's backward works on, on top of the kept activations, while the
         chunk's backward runs on the last stage (busiest GPU of the CP group)."""
         return mem.head_backward_bytes_per_token(self.model, tp) * max(w.tokens for w in rank_works(chunk, cp))
+
+    def backward_work_bytes(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False) -> float:
+        """Largest working set of the chunk's backward on a stage of `layers` layers (`head`:
+        the last stage), on top of its kept activations (busiest GPU of the CP group): the
+        loss's backward on the last stage, one layer's SwiGLU backward elsewhere
+        (`cost/memory.py`)."""
+        per_token = mem.backward_work_bytes_per_token(self.model, tp, layers=layers, head=head)
+        return per_token * max(w.tokens for w in rank_works(chunk, cp)) if per_token else 0.0
+
+    def head_forward_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
+        """Bytes beside the kept activations while the chunk's forward runs the LM head: its
+        bf16 logits, alive while the loss makes their fp32 copy (busiest GPU of the CP group)."""
+        return mem.head_forward_bytes_per_token(self.model, tp) * max(w.tokens for w in rank_works(chunk, cp))
 
     def kv_bytes(self, num_tokens: int, *, layers: int, tp: int = 1, cp: int = 1) -> float:
         per = mem.kv_bytes_per_token_layer(self.model, tp)
@@ -282,54 +344,104 @@ class CostModel:
         number of ranks holding a replica of the stage's weights, over which ZeRO shards: data
         parallel pipelines times CP ranks (each CP rank holds the whole stage)."""
         params = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
-        return params * mem.state_bytes_per_param(dp, zero)
+        return params * mem.state_bytes_per_param(dp, zero, grads=False) + self.grad_bytes(
+            layers=layers, tp=tp, dp=dp, zero=zero, first=first, last=last)
+
+    def grad_bytes(self, *, layers: int, tp: int = 1, dp: int = 1, zero: int = 1,
+                   first: bool = False, last: bool = False) -> float:
+        """The gradients' part of `model_state_bytes`: fp32 accumulators of `mem.grad_params`
+        elements (the embedding's whole table on the first stage), unsharded at every ZeRO stage
+        while the step accumulates them (`cost/memory.py`; `dp` and `zero` change nothing)."""
+        return mem.grad_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.GRAD_BYTES_PER_PARAM
+
+    def hetero_holders(self, pipelines) -> "ExchangeHolders":
+        """How many GPUs hold each element of a heterogeneous strategy whose pipelines have the
+        (tp, pp, cp) of `pipelines` (`ExchangeHolders`)."""
+        pipelines = [tuple(p)[:3] for p in pipelines]
+        tied = self.model.tied_embeddings
+        return ExchangeHolders(split=sum(cp for _, _, cp in pipelines),
+                               replicated=sum(tp * cp for tp, _, cp in pipelines),
+                               table=sum(cp * (2 if tied and pp > 1 else 1) for _, pp, cp in pipelines))
+
+    def hetero_owned(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False,
+                     holders: "ExchangeHolders") -> float:
+        """Parameter elements one GPU of a stage owns in a heterogeneous plan
+        (runtime/parallel/hetero.py: every element owned by one of its h holders, each holder
+        owning 1/h of what it holds): its tp-split weights over `holders.split`, its whole norms
+        over `holders.replicated`, its embedding table (tied: on the first and the last stage)
+        over `holders.table`. Exact when h divides every held band's width."""
+        m = self.model
+        norms = layers * 2 * m.hidden + (m.hidden if last else 0)
+        split = (layers * m.params_per_layer - layers * 2 * m.hidden) / tp / holders.split
+        table = m.vocab * m.hidden / tp
+        if first:
+            split += table / holders.table
+        if last and not (first and m.tied_embeddings):
+            split += table / (holders.table if m.tied_embeddings else holders.split)
+        return split + norms / holders.replicated
 
     def hetero_state_bytes(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False,
-                           world: int = 1) -> float:
+                           holders: "ExchangeHolders") -> float:
         """Model-state bytes one GPU of a heterogeneous plan holds, as the executor lays them out
         (`runtime/train/dist_hetero.py`, `runtime/parallel/hetero.py`): its stage's weights in
         the run's dtype (bf16, 2 bytes per held parameter), their gradients in the same dtype
-        (2: autograd accumulates them in the parameters' bf16 and they stay local, unsummed,
-        until the push), and for 1/world of the WHOLE model's parameters (round-robin elements
-        rank, rank + world, ...) the fp32 master weights and AdamW's two moments (12), whatever
-        stage the GPU runs. The exchange keeps no index maps (it copies strided blocks); its
-        push's and pull's buffers at the step's end are `exchange_transient_bytes`."""
+        (`hetero_grad_bytes`: autograd accumulates them in the parameters' bf16 and they stay
+        local, unsummed, until the push), and for the elements it owns (`hetero_owned`, about 1/d
+        of what it holds, d holders) the fp32 master weights and AdamW's two moments (12). The
+        exchange keeps no index maps (it copies strided blocks); its push's and pull's buffers at
+        the step's end are `exchange_transient_bytes`."""
         held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
-        return held * 2 * mem.BYTES_BF16 + mem.OPTIMIZER_BYTES_PER_PARAM * self.model.num_params / world
+        owned = self.hetero_owned(layers=layers, tp=tp, first=first, last=last, holders=holders)
+        return (held * mem.BYTES_BF16 + self.hetero_grad_bytes(layers=layers, tp=tp, first=first, last=last)
+                + mem.OPTIMIZER_BYTES_PER_PARAM * owned)
 
-    def exchange_transient_bytes(self, *, held: float, received: float, world: int = 1) -> float:
+    def hetero_grad_bytes(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False) -> float:
+        """The gradients' part of `hetero_state_bytes`: bf16, of `mem.grad_params` elements (the
+        embedding's whole table on the first stage, until `dp.match_grad_layouts` slices it)."""
+        return mem.grad_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.BYTES_BF16
+
+    @staticmethod
+    def exchange_transient_bytes(*, held: float, owned: float) -> float:
         """Largest working set of a heterogeneous plan's step end beyond `hetero_state_bytes`
         (`train/dist_hetero.py`; activations are freed by then): a GPU holding `held` parameter
-        elements and receiving, as owner, `received` (about every GPU's held elements / world),
-        with a master shard of s = whole-model parameters / world. The push holds the flattened
-        bf16 gradients (2 bytes per held element) and the received bf16 slices (2 per received)
-        throughout, beside first the owner-ordered send buffer (2 per held), released after the
-        all-to-all, then the fp32 summed shard (4s) the received slices are added into in place;
-        the gradient norm squares a float64 copy of the shard (4s + 16s); the pull, beside the
-        shard, fills a bf16 send buffer from the masters it owns (2 per received) and receives
-        the bf16 weights (2 per held), then releases the send buffer and reorders the weights
-        into a copy (2 per held)."""
-        shard = self.model.num_params / world
-        push = 2 * held + 2 * received + max(2 * held, 4 * shard)
-        norm = 20 * shard
-        pull = 4 * shard + max(2 * received + 2 * held, 4 * held)
+        elements and owning `owned` of them (its master shard), receiving as owner each owned
+        element from each of its holders, itself included: `held` in all (owned_c x h_c = held_c
+        for every holder count h_c). The push holds the flattened bf16 gradients (2 bytes per held
+        element) and the received bf16 slices (2 per received) throughout, beside first the
+        owner-ordered send buffer (2 per held), released after the all-to-all, then the fp32
+        summed shard (4 per owned) the received slices are added into in place; the gradient
+        norm squares a float64 copy of the shard (4 + 16 per owned); the pull, beside the shard,
+        fills a bf16 send buffer from the masters it owns (2 per received) and receives the bf16
+        weights (2 per held), then releases the send buffer and reorders the weights into a copy
+        (2 per held)."""
+        received = held
+        push = 2 * held + 2 * received + max(2 * held, 4 * owned)
+        norm = 20 * owned
+        pull = 4 * owned + max(2 * received + 2 * held, 4 * held)
         return max(push, norm, pull)
 
-    def exchange_sent_bytes(self, *, held: float, held_by_all: float, world: int) -> float:
+    @staticmethod
+    def exchange_sent_bytes(*, held: float, owned: float) -> float:
         """Bytes one GPU hands to the exchange's two all-to-alls in a step, less what it sends
-        itself, for a GPU holding `held` parameter elements when all `world` GPUs hold
-        `held_by_all` together: on the push its bf16 gradients but the 1/world it owns; on the
-        pull, as owner, the bf16 weights it owns of what every other GPU holds,
-        (held_by_all - held) / world. Exact when every held shard's row width is a multiple of
-        `world`, within a few elements per shard row otherwise. (`exchange_bytes` counts
-        instead what passes the GPU's link, sent on the push and received on the pull.)"""
-        if world <= 1:
-            return 0.0
-        return (held * (world - 1) / world + (held_by_all - held) / world) * mem.BYTES_BF16
+        itself, for a GPU holding `held` parameter elements and owning `owned` of them: on the
+        push its bf16 gradients of the elements others own (held - owned); on the pull, as owner,
+        each owned element's bf16 weight to its h - 1 other holders: sum of owned_c (h_c - 1) =
+        held - owned again. Exact when every held band's width is a multiple of its holder count,
+        within a column per shard row and segment otherwise. (`exchange_bytes` counts instead what
+        passes the GPU's link, sent on the push and received on the pull: the same.)"""
+        return 2 * (held - owned) * mem.BYTES_BF16
 
-    def boundary_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
-        # Hidden states between stages, scattered over tp with sequence parallelism.
-        return chunk.row_tokens / cp * self.model.hidden * mem.BYTES_BF16 / tp
+    def boundary_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1, cp_rank: int | None = None) -> float:
+        """Hidden states one rank hands to the next stage, scattered over tp with sequence
+        parallelism. Under CP each rank sends its own rows: 1/cp of the sharded segments plus
+        the segments placed whole on it (`rank_works`); `cp_rank` None gives the busiest rank's,
+        which is what a stage waits for."""
+        if cp <= 1 or chunk.pad_to > chunk.num_tokens or all(s.cp_rank == SHARDED for s in chunk.segments):
+            rows = chunk.row_tokens / cp
+        else:
+            works = rank_works(chunk, cp)
+            rows = works[cp_rank].tokens if cp_rank is not None else max(w.tokens for w in works)
+        return rows * self.model.hidden * mem.BYTES_BF16 / tp
 
     # ---- communication seconds ----
     def p2p_time(self, nbytes: float, *, inter_node: bool) -> float:
@@ -351,35 +463,40 @@ class CostModel:
         return self.collective_time("all_reduce", grad_bytes, ranks=dp, inter_node=inter_node)
 
     def exchange_bytes(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False,
-                       world: int = 1) -> float:
+                       holders: "ExchangeHolders") -> float:
         """Bytes that pass one GPU of a stage's link in a heterogeneous plan's
-        optimisation-propagation exchange (runtime/parallel/hetero.py): the master state is
-        dealt round-robin over all `world` GPUs, so the GPU owns 1/world of the bf16 weights it
-        holds and pulls (receives) the rest, then pushes (sends) its bf16 gradients of that
-        rest back: twice (world - 1) / world of its held bytes, one all-to-all each way. (What
-        it sends on the pull, as owner, is `exchange_sent_bytes`' other half.)"""
-        if world <= 1:
-            return 0.0
-        held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.BYTES_BF16
-        return 2 * held * (world - 1) / world
+        optimisation-propagation exchange (runtime/parallel/hetero.py): every element is owned by
+        one of its holders, so the GPU pushes its bf16 gradients of the elements it holds but
+        does not own and pulls their weights back: twice (held - owned) bf16 values, a
+        reduce-scatter and an all-gather among each element's holders (2 (d - 1) / d of the held
+        bytes at d holders: a ring all-reduce's volume)."""
+        held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
+        owned = self.hetero_owned(layers=layers, tp=tp, first=first, last=last, holders=holders)
+        return 2 * (held - owned) * mem.BYTES_BF16
 
-    def exchange_time(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False, world: int = 1,
-                      inter_node: bool = True) -> float:
-        """Seconds of `exchange_bytes`: a pull and a push, each one all-to-all over the world."""
-        held = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last) * mem.BYTES_BF16
-        return 2 * self.collective_time("all_to_all", held, ranks=world, inter_node=inter_node)
+    def exchange_time(self, *, layers: int, tp: int = 1, first: bool = False, last: bool = False,
+                      holders: "ExchangeHolders", inter_node: bool = True) -> float:
+        """Seconds of `exchange_bytes`: a push and a pull, each one all-to-all in which the GPU
+        sends (held - owned) bf16 values, priced as an all-to-all among the d = `holders.split`
+        holders of its weights (whose ring share (d - 1) / d of the buffer is what it sends)."""
+        d = holders.split
+        sent = self.exchange_bytes(layers=layers, tp=tp, first=first, last=last, holders=holders) / 2
+        if sent <= 0 or d <= 1:
+            return 0.0
+        return 2 * self.collective_time("all_to_all", sent * d / (d - 1), ranks=d, inter_node=inter_node)
 
     def cp_comm_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, inter_node: bool = False) -> float:
         """Forward K/V all-gather of the chunk's sharded segments over the CP group, every layer
-        (skrull.txt eq. 15: volume = tokens * 2 * kv_dim, here with each segment's context
-        before it). The backward's reduce-scatter of the K/V gradients is `cp_grad_comm_time`."""
+        (skrull.txt eq. 15: volume = tokens * 2 * kv_dim) on `cp_kv_layer_bytes`: the chunk's own
+        rows only, since the gathered K/V of a split sequence's earlier chunks stays in the
+        executor's per-layer state and is not gathered again. The backward's reduce-scatter of
+        the K/V gradients is `cp_grad_comm_time`."""
         if cp <= 1:
             return 0.0
-        sharded = sum(s.num_tokens + s.start for s in chunk.segments if s.cp_rank == SHARDED)
-        if sharded == 0:
+        nbytes = self.cp_kv_layer_bytes(chunk, tp=tp)
+        if nbytes == 0:
             return 0.0
-        kv_bytes = sharded * mem.kv_bytes_per_token_layer(self.model, tp)
-        return layers * self.collective_time("all_gather", kv_bytes, ranks=cp, inter_node=inter_node)
+        return layers * self.collective_time("all_gather", nbytes, ranks=cp, inter_node=inter_node)
 
     def cp_kv_layer_bytes(self, chunk: Chunk, *, tp: int = 1) -> float:
         """Bytes per layer of the K/V of the chunk's sharded segments, whole (all CP ranks'
@@ -413,12 +530,13 @@ class CostModel:
         return StageBudget(
             stage=stage, layers=n, first=first, last=last, tp=tp, replicas=replicas, zero=zero,
             states=self.model_state_bytes(layers=n, tp=tp, dp=replicas, zero=zero, first=first, last=last),
+            grads=self.grad_bytes(layers=n, tp=tp, dp=replicas, zero=zero, first=first, last=last),
             capacity=self.capacity_bytes,
             activation_per_token=self.activation_bytes_per_token(layers=n, tp=tp, head=last),
             recomputed_per_token=self.activation_bytes_per_token(layers=n, tp=tp, head=last, recompute_layers=n),
             remat_per_token=self.recompute_transient_bytes_per_token(tp=tp, recompute_layers=n),
             kv_per_token=self.kv_bytes(1, layers=n, tp=tp),  # a measured profile's K/V size too
-            head_backward_per_token=mem.head_backward_bytes_per_token(self.model, tp) if last else 0.0)
+            backward_work_per_token=mem.backward_work_bytes_per_token(self.model, tp, layers=n, head=last))
 
     def stage_budgets(self, *, tp: int = 1, pp: int = 1, replicas: int = 1, zero: int = 1) -> list[StageBudget]:
         """`stage_budget` of every stage of the pipeline."""
@@ -431,15 +549,20 @@ class CostModel:
         hydraulis.txt B.1 MaxLen; skrull.txt A.1 BucketSize with pp = 1). With `recompute`
         every layer keeps only its input (full recomputation) and the backward of one
         micro-batch re-materialises one layer at a time, as the executor checkpoints and the
-        simulator charges it (`recompute_transient_bytes_per_token`); the last stage also holds
-        the loss backward's working set of one micro-batch (`head_backward_bytes`)."""
+        simulator charges it (`recompute_transient_bytes_per_token`); every stage also holds
+        the backward's working set of one micro-batch (`backward_work_bytes`: the loss's on the
+        last stage, one layer's elsewhere). Under CP a micro-batch's tokens spread over the cp
+        ranks, but each layer keeps the K/V of the whole sequence that its all-gather assembled
+        (`activation_bytes`)."""
         best = math.inf
         for b in self.stage_budgets(tp=tp, pp=pp, replicas=dp * cp, zero=zero):
             held = inflight if inflight is not None else pp - b.stage
             kept = b.recomputed_per_token if recompute else b.activation_per_token
-            # plus one backward's re-materialised layer, and on the last stage the loss's
-            # backward working set while one micro-batch's backward runs
-            per_token = (kept * held + (b.remat_per_token if recompute else 0.0) + b.head_backward_per_token) / cp
+            # plus one backward's re-materialised layer and its working set (the loss's on the
+            # last stage) while one micro-batch's backward runs
+            per_token = (kept * held + (b.remat_per_token if recompute else 0.0) + b.backward_work_per_token) / cp
+            if cp > 1 and not recompute:  # each layer keeps the K/V its all-gather assembled, whole
+                per_token += held * b.kv_per_token
             best = min(best, b.free / per_token if b.free > 0 else 0)
         return int(best)
 

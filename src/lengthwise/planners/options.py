@@ -121,6 +121,10 @@ class HydraulisOptions:
         None, "fix the strategy instead of searching: one scheme per data-parallel pipeline, e.g. "
         "tp2-pp1,tp1-pp2 (cp optional: tp1-pp1-cp2); their GPUs must add up to the cluster's",
         metavar="SCHEMES")
+    previous: str | None = option(
+        None, "the strategy the previous batch ran (the pipelines grammar; the training loop passes it): "
+        "a candidate with other pipelines is charged the switch's optimizer-state move and weight pull",
+        metavar="SCHEMES")
     pipeline_step: float = option(0.1, "the strategy DP's pipeline-count grid, pipelines", metavar="X")
     util_threshold: float = option(0.85, "efficiency that defines UtilLen (appendix C), in (0, 1)",
                                    metavar="X")

@@ -37,8 +37,8 @@ Cost, against running each forward chunk as one graph:
   rows cut into 2, 4 and 8 pieces against whole rows). Backwarding whole retained chunk graphs once per touching unit (linear
   superposition, also exact) would instead repeat about m_c times each chunk's backward.
 - memory: activations of a cell are freed by its unit's backward, so a chunk's activations go
-  in parts, never later than the last unit touching it (the simulator keeps all of them until
-  then: an upper bound). Extra: the K/V *gradients* of a piece whose sequence a backward
+  in parts, never later than the last unit touching it (the simulator frees them cell by cell
+  too, `sim/memory.py`; under CP it keeps a chunk's until its last unit: an upper bound). Extra: the K/V *gradients* of a piece whose sequence a backward
   boundary cuts, from the later piece's backward to its own (2 x tokens x kv-dim per layer,
   infinipipe eq. 10), also for a short sequence that only the backward grouping cuts (the
   simulator counts K/V state and gradients only for sequences the forward chunks split). The

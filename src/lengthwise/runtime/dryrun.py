@@ -23,7 +23,9 @@ once. What the executor allocates and computes is then observed with PyTorch's o
   computes and the cost model counts (`cost/flops.py`); backward counts 2.5 times the forward,
   as flash backward recomputes the scores (slimpack.txt §2.2.2). DTensor's sharding
   propagation, which runs an operator at its global shape to learn the output's shape, is kept
-  out of the counts (`_shape_propagation_unobserved`).
+  out of the counts (`_shape_propagation_unobserved`). An operator that has its own kernel
+  runs as that kernel, not as the counter's decomposition of it (`_runs_as_one_kernel`), so
+  the memory tracker sees the executor's allocations, not the decomposition's intermediates.
 - communication: the bytes of every tensor handed to a c10d operation, by kind (send,
   all_reduce, all_gather, reduce_scatter, broadcast).
 
@@ -39,9 +41,9 @@ alone (`parallel.build.build_rank_model`: tensor parallelism, FSDP2 over dp x cp
 master weights and compute in the run's dtype), its actions, the gradient reduction, then an
 AdamW step whose states exist already (steady state). A heterogeneous plan (pipelines of other
 tp x pp x cp, Hydraulis) runs as `train/dist_hetero.py` runs it instead: the stage in the run's
-dtype without FSDP2, its gradients left local, then the push of the bf16 gradients to the owners
-of the round-robin fp32 master shard, AdamW on that shard and the pull of the bf16 weights
-(`_HeteroOptimisation`: the exchange's tensors at their sizes; it keeps no index maps). A value the
+dtype without FSDP2, its gradients left local, then the push of the bf16 gradients to their
+owners among the holders, AdamW on the owned fp32 master shard and the pull of the bf16 weights
+(`_HeteroOptimisation`: the executor's exchange itself; it keeps no index maps). A value the
 executor would read back from the device (a loss to print) does not exist under fake tensors, so the loss is not formed.
 """
 
@@ -158,47 +160,29 @@ def _sharded(plan: StepPlan) -> bool:
 
 class _HeteroOptimisation:
     """The optimisation part of a heterogeneous plan's rank as `train/dist_hetero.py` keeps it,
-    at its exact sizes, and its step: push, AdamW on the owned shard, pull.
-
-    The executor's `parallel/hetero.HeteroExchange` cannot run here: its blocks (which strided
-    grid of which piece goes to which owner) are built from every rank's holdings, an
-    all-gather of Python objects, which the fake process group does not carry. So its tensors
-    are allocated at their sizes instead: the fp32 master shard (elements rank, rank + W, ... of
-    every flattened parameter of the whole model) with AdamW's two moments per parameter view,
-    in steady state, and the push's and pull's buffers in the executor's order of allocation
-    and release: the flattened gradients, the send buffer (one per held element), the receive
-    buffer (one per element this rank owns of what every rank holds, `sim.rank.held_by_all` /
-    W: exact up to a few elements per shard row) and the fp32 summed shard; on the pull, the
-    send buffer of the received size, the receive buffer and the unpermuted copy of the held
-    size. The executor's strided block copies and in-place sums allocate nothing; one copy of
-    the whole buffer stands for them here. Each all-to-all carries the executor's total, dealt
-    evenly over the ranks (the executor's split depends on the other ranks' holdings; what
-    this rank keeps for itself, its own 1/W, differs by a few elements per shard row). As in
-    the executor, the gradients travel in the run's dtype and are summed and stepped in fp32;
-    AdamW runs without foreach, as the other dry runs' optimizers (a GPU's foreach AdamW would
-    add transients of the shard's size). Clipping scales the shard in place (no allocation)
-    and is left out."""
+    and its step: push, AdamW on the owned shard, pull, through the executor's own
+    `parallel/hetero.HeteroExchange` (its layout follows from the plan alone,
+    `strategy_holdings`, so nothing is gathered): the fp32 master shard of the elements this
+    rank owns with AdamW's two moments per parameter view, in steady state, and the push's and
+    pull's buffers allocated and released as the executor does, split over the ranks exactly as
+    its all-to-alls are. As in the executor, the gradients travel in the run's dtype and are
+    summed and stepped in fp32; AdamW runs without foreach, as the other dry runs' optimizers
+    (a GPU's foreach AdamW would add transients of the shard's size). Clipping scales the shard
+    in place (no allocation) and is left out."""
 
     def __init__(self, model: CausalLM, plan: StepPlan, mesh: Mesh) -> None:
         from lengthwise.runtime.distributed.dp import held_parameters
-        from lengthwise.runtime.model import StagePart, meta_model
-        from lengthwise.sim.rank import held_by_all
+        from lengthwise.runtime.parallel.hetero import HeteroExchange, plan_pipelines, strategy_holdings, whole_shapes
 
-        W, rank = mesh.world_size, mesh.rank
         with unset_fake_temporarily():
-            whole = {n: p.shape for n, p in meta_model(plan.model, part=StagePart.whole(plan.model)).named_parameters()}
-        owned = {n: max(0, (shape.numel() - rank + W - 1) // W) for n, shape in whole.items()}
-        self.world, self.rank = W, rank
+            shapes = whole_shapes(plan.model)
+            holdings, dims = strategy_holdings(plan.model, plan_pipelines(plan), list(shapes))
+            self.exchange = ex = HeteroExchange(shapes, holdings, dims=dims, device=mesh.device)
         self.params = held_parameters(model, plan, mesh.layout(plan).place)
-        self.held = sum(_local(p).numel() for p in self.params.values())
-        self.received = int(held_by_all(plan)) // W  # elements every rank holds that this rank owns
-        self.master = torch.empty(sum(owned.values()), dtype=MASTER_DTYPE)
-        self.views, start = {}, 0
-        for name, k in owned.items():
-            self.views[name] = torch.nn.Parameter(self.master[start:start + k])
-            start += k
-        matrices = [v for n, v in self.views.items() if len(whole[n]) >= 2]
-        vectors = [v for n, v in self.views.items() if len(whole[n]) < 2]
+        self.master = ex.master = torch.empty(ex.shard_size, dtype=MASTER_DTYPE, device=mesh.device)
+        self.views = {n: torch.nn.Parameter(ex.master_view(n)) for n in shapes}
+        matrices = [v for n, v in self.views.items() if len(shapes[n]) >= 2]
+        vectors = [v for n, v in self.views.items() if len(shapes[n]) < 2]
         self.optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},
                                             {"params": vectors, "weight_decay": 0.0}], lr=1e-4, foreach=False)
         for view in self.views.values():
@@ -210,47 +194,27 @@ class _HeteroOptimisation:
 
         tracker._update_and_maybe_create_winfos(self.master, _MemRefType.OPT)  # the views' storage
 
-    def _even(self, n: int) -> list[int]:
-        return [n // self.world + (1 if j < n % self.world else 0) for j in range(self.world)]
-
     def step(self) -> None:
         """`HeteroRankExecutor.step` after the actions."""
+        ex = self.exchange
         # push (`HeteroReducer.local_grads`, `HeteroExchange.push`)
-        flat = torch.cat([_local(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self.params.values()])
-        send = torch.empty(self.held, dtype=flat.dtype)
-        send.copy_(flat)  # the blocks, owner by owner
-        recv = torch.empty(self.received, dtype=send.dtype)
-        dist.all_to_all_single(recv, send, output_split_sizes=self._even(self.received),
-                               input_split_sizes=self._even(self.held))
-        del send
-        grad = torch.zeros(self.master.numel(), dtype=MASTER_DTYPE)
-        k = min(grad.numel(), recv.numel())
-        grad[:k].add_(recv[:k])  # the blocks' in-place sums, rank by rank
-        del flat, recv  # the executor's push returns
+        grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.params.items()}
+        flat = torch.cat([_local(grads[n]).reshape(-1) for n in ex.held_names()])
+        del grads
+        grad = ex.push(flat, dtype=MASTER_DTYPE)
+        del flat  # the executor's push returns
         squares = grad.double().pow(2).sum().reshape(1)
         dist.all_reduce(squares)
-        start = 0
-        for view in self.views.values():
-            view.grad = grad[start:start + view.numel()]
-            start += view.numel()
+        for name, view in self.views.items():
+            view.grad = ex.master_view(name, grad)
         self.optimizer.step()
         # pull (`HeteroExchange.pull`, `HeteroReducer.load_values`)
         dtype = next(iter(self.params.values())).dtype
-        send = torch.empty(self.received, dtype=dtype)
-        k = min(send.numel(), self.master.numel())
-        send[:k].copy_(self.master[:k])  # the master's blocks, rank by rank
-        recv = torch.empty(self.held, dtype=dtype)
-        dist.all_to_all_single(recv, send, output_split_sizes=self._even(self.held),
-                               input_split_sizes=self._even(self.received))
-        del send
-        out = torch.empty(self.held, dtype=dtype)
-        out.copy_(recv)  # the blocks, owner by owner
-        del recv  # the executor's pull returns
+        out = ex.pull(dtype=dtype)
         start = 0
         with torch.no_grad():
-            for p in self.params.values():
-                target = _local(p)
+            for n in ex.held_names():
+                target = _local(self.params[n])
                 target.copy_(out[start:start + target.numel()].view_as(target))
                 start += target.numel()
 
@@ -533,11 +497,28 @@ class _Measuring(TorchDispatchMode):
         return out
 
     def _describe(self, func) -> tuple:
+        # FlopCounterMode's tests, in its order: an operator that runs as its own kernel is run
+        # uncounted (`_runs_as_one_kernel`; none has a formula: the registry is keyed by packet,
+        # so no overload is "in" it); metadata queries are handed on; a composite is decomposed.
+        one_kernel = _runs_as_one_kernel(func) and func not in self.flops.flop_registry
         key = torch._C.DispatchKey.CompositeImplicitAutograd
-        decomposes = func is not _DEVICE and (key in getattr(func, "py_kernels", {}) or
-                                              torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key))
-        return (func, _comm_kind(func), func in _NOT_COUNTED, decomposes,
-                func._overloadpacket in self.flops.flop_registry)
+        decomposes = not one_kernel and func is not _DEVICE and (
+            key in getattr(func, "py_kernels", {}) or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key))
+        return (func, _comm_kind(func), func in _NOT_COUNTED and not one_kernel, decomposes,
+                not one_kernel and func._overloadpacket in self.flops.flop_registry)
+
+
+def _runs_as_one_kernel(func) -> bool:
+    """Whether the executor runs `func` as its own kernel although it also has a composite
+    decomposition. FlopCounterMode decomposes every operator it has no formula for, to count
+    the matmuls a composite may hide; for such an operator that decomposition is not what runs
+    (`aten.silu_backward`, the SwiGLU backward's: one CPU or CUDA kernel writing one output, but
+    decomposed into sigmoid, 1 - sigmoid, products and sums), and the memory tracker outside the
+    counter saw its intermediates: six more [tokens, ffn / tp] buffers at a layer's backward, up
+    to 2.5 GiB of a Qwen2.5-7B rank's measured peak that no device allocates."""
+    return (isinstance(func, torch._ops.OpOverload) and func.namespace == "aten"
+            and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CPU")
+            and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"))
 
 
 class CommBytes:

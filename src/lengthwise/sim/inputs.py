@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import lengthwise.cost.memory as mem
 from lengthwise.cost import CostModel
 from lengthwise.cost.flops import ChunkWork, chunk_work, head_forward_flops, layer_forward_flops, work_key
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
+from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
 from lengthwise.sim.memory import MemorySizes, SplitArrays, SplitSequence, split_sequences
 
@@ -80,6 +81,10 @@ class SliceStructure:
     """int64 [unit] segments of each backward unit."""
     bwd_bounds: np.ndarray
     """int64 [segment, 2] (start, stop) of every backward segment, unit by unit, in order."""
+    cells: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    """(chunk, unit, tokens) int64 arrays of every cell, the part of a forward chunk one backward
+    unit holds, by chunk then unit (the order of the (chunk, unit) reads), where the backward
+    units are not the chunks; None: read off the segments when needed."""
 
 
 def plan_inputs(plan: StepPlan, cm: CostModel,
@@ -104,6 +109,26 @@ def plan_inputs(plan: StepPlan, cm: CostModel,
 
 
 _SEGMENT_FIELDS = operator.attrgetter("seq_id", "start", "stop")
+
+
+def segment_cells(chunks: list[Chunk], units: list[Chunk]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(chunk, unit, tokens) of every cell of these forward chunks and backward units, by chunk
+    then unit: every backward segment lies in one forward segment of its sequence
+    (`plan.validate.check_backward_units`), found by (sequence, start) order."""
+    def table(xs):
+        counts = np.fromiter((len(x.segments) for x in xs), dtype=np.int64, count=len(xs))
+        flat = np.fromiter(itertools.chain.from_iterable(map(_SEGMENT_FIELDS, (s for x in xs for s in x.segments))),
+                           dtype=np.int64, count=3 * int(counts.sum())).reshape(-1, 3)
+        return np.repeat(np.arange(len(xs)), counts), flat
+    owner_f, fwd = table(chunks)
+    owner_b, bwd = table(units)
+    order = np.lexsort((fwd[:, 1], fwd[:, 0]))
+    keys = fwd[order, 0] * 2**32 + fwd[order, 1]
+    holder = order[np.searchsorted(keys, bwd[:, 0] * 2**32 + bwd[:, 1], side="right") - 1]
+    cell = owner_f[holder] * max(len(units), 1) + owner_b
+    uniq, at = np.unique(cell, return_inverse=True)
+    tokens = np.bincount(at, weights=(bwd[:, 2] - bwd[:, 1]).astype(np.float64), minlength=len(uniq))
+    return uniq // max(len(units), 1), uniq % max(len(units), 1), tokens
 
 
 def derived_structures(pipes: list[PipelinePlan], known: list[SliceStructure | None]) -> list[SliceStructure | None]:
@@ -223,9 +248,9 @@ def _first(sizes: np.ndarray) -> np.ndarray:
 
 
 def _batched_row_costs(plan: StepPlan, cm: CostModel, works, tables: list[dict]) -> None:
-    """_PipelineCosts._p2p (both links) and _head_backward of every pipeline without CP, added to
-    its `tables` entry: without CP both go by row tokens alone, so the cost model is asked once
-    per distinct row-token count of the plan (the same calls as their per-pipeline memos)."""
+    """_PipelineCosts._p2p (both links) of every pipeline without CP, added to its `tables`
+    entry: without CP it goes by row tokens alone, so the cost model is asked once per distinct
+    row-token count of the plan (the same calls as the per-pipeline memo)."""
     by_tp: dict[int, list[int]] = {}
     for i, pipe in enumerate(plan.pipelines):
         if pipe.cp <= 1 and works[i] is not None:
@@ -236,13 +261,11 @@ def _batched_row_costs(plan: StepPlan, cm: CostModel, works, tables: list[dict])
         chunks = [_row_of(r) for r in values.tolist()]
         each = {("p2p", inter): np.array([cm.p2p_time(cm.boundary_bytes(c, tp=tp, cp=1), inter_node=inter)
                                           for c in chunks], dtype=np.float64)[at] for inter in (False, True)}
-        each["head_backward"] = np.array([cm.head_backward_bytes(c, tp=tp, cp=1) for c in chunks],
-                                         dtype=np.float64)[at]
         bounds = np.cumsum([0] + [len(r) for r in rows]).tolist()
         for k, i in enumerate(members):
             a, b, c = bounds[2 * k], bounds[2 * k + 1], bounds[2 * k + 2]
             for name, v in each.items():
-                tables[i][name] = (v[a:b], v[b:c]) if name != "head_backward" else v[b:c]
+                tables[i][name] = (v[a:b], v[b:c])
 
 
 def _batched_model_flops(cm: CostModel, works) -> list[float | None]:
@@ -363,7 +386,7 @@ def _batched_tables(plan: StepPlan, cm: CostModel, works) -> list[dict]:
         fwd = cm.works_time(ct, ck, layers=layers, tp=tp, head=head, embed=embed, backward=False)
         bwd = cm.works_time(ut, uk, layers=layers, tp=tp, head=head, embed=embed,
                             backward=True) + 0.0  # (zero) recompute
-        act = cm.activation_bytes_per_token(layers=layers, tp=tp, head=head) * ct
+        act = cm.activation_bytes_rows(ct, layers=layers, tp=tp, head=head)
         cb = np.cumsum([0] + [len(w.row_tokens) for w in fw]).tolist()
         ub = np.cumsum([0] + [len(w.row_tokens) for w in bw]).tolist()
         for k, i in enumerate(members):
@@ -449,7 +472,7 @@ class _PipelineCosts:
         tokens, keys = self._works(chunks)
         cm, layers, tp, head = self.cm, kw["layers"], kw["tp"], kw.get("head", False)
         if name == "activation_bytes":
-            return cm.activation_bytes_per_token(layers=layers, tp=tp, head=head) * tokens
+            return cm.activation_bytes_rows(tokens, layers=layers, tp=tp, head=head)
         out = cm.works_time(tokens, keys, layers=layers, tp=tp, head=head, embed=kw.get("embed", False),
                             backward=name == "backward_time")
         return out + 0.0 if name == "backward_time" else out  # backward_time adds its (zero) recompute
@@ -526,9 +549,10 @@ class _PipelineCosts:
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
         splits = self.splits = self.known.splits if self.known is not None else split_sequences(pipe.chunks,
                                                                                                 self.units)
-        act, extra, transient, kv, kv_grad, work = [], [], [], [], [], []
+        act, extra, transient, kv, kv_grad, work, fwork, cell_act = [], [], [], [], [], [], [], []
+        cells = self._cells()
         kv_of: dict[int, dict] = {}  # stages of equal layer counts hold equal K/V
-        C, U = len(pipe.chunks), len(self.units)
+        C = len(pipe.chunks)
         zeros = self._zeros
         for s in range(S):
             L, head = self.layers[s], s == S - 1
@@ -541,38 +565,163 @@ class _PipelineCosts:
             else:  # recompute_transient_bytes is 0 without recomputation
                 kept = full
                 extra.append(zeros(C))
+            if cells is not None:  # each cell is its own row: kept, re-materialised and worked on apart
+                kept, extra[-1], w, fw = self._cell_sizes(cells, L, head, recompute[s])
+                cell_act.append(kept)
+                act.append(self._chunk_sums(cells, kept, C))
+                work.append(w)
+                fwork.append(fw)
+                self._stage_rest(s, L, splits, kv_of, kv, kv_grad, transient, zeros, C)
+                continue
             act.append(kept)
-            # on the last stage each backward unit's loss backward makes the bf16 logit gradient
-            work.append(self._head_backward() if head else zeros(U))
-            nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD} \
-                if FORWARD_NOGRAD in map(_KIND, pipe.stages[s]) else ()
-            transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
-                              for i, c in enumerate(pipe.chunks)] if nograd else zeros(C))
-            if L not in kv_of:  # kv_bytes by context length, shared by the plan's pipelines of one tp, cp
-                memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
-                seqs = zip(splits.seq_id.tolist(), splits.context.tolist()) if isinstance(splits, SplitArrays) \
-                    else ((q.seq_id, q.context) for q in splits)
-                kv_of[L] = {q: memo[n] if n in memo else memo.setdefault(n, cm.kv_bytes(n, layers=L, **self.kw))
-                            for q, n in seqs}
-            kv.append(kv_of[L])
-            kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
-        return MemorySizes(state=self._states(), activation=act, recompute_extra=extra, nograd_transient=transient,
-                           kv=kv, kv_grad=kv_grad, backward_work=work)
+            # each backward unit's working set (the loss backward's bf16 logit gradient on the
+            # last stage, a layer's SwiGLU backward elsewhere), and the head forward's bf16 logits
+            work.append(self._per_token_row(cm.backward_work_bytes, self.units, 1,
+                                            mem.backward_work_bytes_per_token(cm.model, pipe.tp, layers=L, head=head),
+                                            layers=L, head=head))
+            fwork.append(self._per_token_row(cm.head_forward_bytes, pipe.chunks, 0,
+                                             mem.head_forward_bytes_per_token(cm.model, pipe.tp)) if head
+                         else zeros(C))
+            self._stage_rest(s, L, splits, kv_of, kv, kv_grad, transient, zeros, C)
+        states, grads = self._states()
+        if S:
+            work[0] = self._embedding_backward(work[0], act[0], extra[0], grads[0], cell_act[0] if cells else None,
+                                               cells)
+        return MemorySizes(state=[a - g for a, g in zip(states, grads)], grads=grads, activation=act,
+                           recompute_extra=extra, nograd_transient=transient, kv=kv, kv_grad=kv_grad,
+                           backward_work=work, forward_work=fwork, cell_activation=cell_act)
 
-    def _states(self) -> list[float]:
-        """[stage] model-state bytes, shared by the plan's pipelines of one shape."""
+    def _stage_rest(self, s, L, splits, kv_of, kv, kv_grad, transient, zeros, C) -> None:
+        """Stage s's no-grad forward transients and K/V sizes (appended to the lists)."""
+        pipe, cm = self.pipe, self.cm
+        nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD} \
+            if FORWARD_NOGRAD in map(_KIND, pipe.stages[s]) else ()
+        transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
+                          for i, c in enumerate(pipe.chunks)] if nograd else zeros(C))
+        if L not in kv_of:  # kv_bytes by context length, shared by the plan's pipelines of one tp, cp
+            memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
+            seqs = zip(splits.seq_id.tolist(), splits.context.tolist()) if isinstance(splits, SplitArrays) \
+                else ((q.seq_id, q.context) for q in splits)
+            kv_of[L] = {q: memo[n] if n in memo else memo.setdefault(n, cm.kv_bytes(n, layers=L, **self.kw))
+                        for q, n in seqs}
+        kv.append(kv_of[L])
+        kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
+
+    def _cells(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(chunk, unit, tokens) of every cell, the part of a forward chunk that one backward
+        unit holds (`runtime/cells.py`), in the order of the (chunk, unit) reads (by chunk,
+        then unit); None when the units are the chunks, or under CP (there chunks are counted
+        whole, released at their last reader's end: an upper bound)."""
+        pipe = self.pipe
+        if pipe.backward_chunks is None or pipe.cp > 1:
+            return None
+        if self.known is not None and self.known.cells is not None:
+            c, u, n = self.known.cells
+            cells = c, u, n.astype(np.float64)
+        else:
+            cells = segment_cells(pipe.chunks, pipe.backward_chunks)
+        # one cell per (chunk, unit) read, in the reads' order (else: chunks released whole)
+        reads = [(c, u) for u, needs in enumerate(self.deps.bwd_needs) for c in needs]
+        if len(reads) != len(cells[0]) or sorted(reads) != list(zip(cells[0].tolist(), cells[1].tolist())):
+            return None
+        return cells
+
+    def _chunk_sums(self, cells, kept: np.ndarray, C: int) -> np.ndarray:
+        """Each chunk's activations, its cells' summed (shared by stages of equal cell sizes)."""
+        key = ("chunk sums", id(kept))
+        if key not in self._cache:
+            self._cache[key] = (kept, np.bincount(cells[0], weights=kept, minlength=C))
+        return self._cache[key][1]
+
+    def _cell_sizes(self, cells, L: int, head: bool, recompute: list[int]):
+        """A stage's sizes by cell: each cell's kept activations [cell] (its own row: padded
+        apart), each chunk's re-materialisation events folded into its units' working sets
+        (zeros [chunk]), each unit's working set [unit] (its cells' backwards run one after
+        another: the largest cell's loss or layer working set, with its re-materialised layer)
+        and each chunk's forward working set [chunk] (its largest cell's LM head logits)."""
+        key = ("cells", L, head, tuple(recompute) if any(recompute) else None)
+        if key in self._cache:  # stages of one shape and recomputation share them
+            return self._cache[key]
+        cm, tp = self.cm, self.pipe.tp
+        chunk_of, unit_of, tokens = cells
+        remat = np.zeros(len(tokens))
+        if not any(recompute):
+            kept = cm.activation_bytes_rows(tokens, layers=L, tp=tp, head=head)
+        else:
+            r = np.asarray(recompute, dtype=np.int64)[chunk_of]
+            kept = np.zeros(len(tokens))
+            for k in np.unique(r).tolist():
+                at = r == k
+                kept[at] = cm.activation_bytes_rows(tokens[at], layers=L, tp=tp, recompute_layers=k, head=head)
+                if k:
+                    remat[at] = (cm.activation_bytes_rows(tokens[at], layers=1, tp=tp)
+                                 - cm.activation_bytes_rows(tokens[at], layers=1, tp=tp, recompute_layers=1))
+        per_token = mem.backward_work_bytes_per_token(cm.model, tp, layers=L, head=head)
+        work = np.zeros(len(self.units))
+        np.maximum.at(work, unit_of, remat + per_token * tokens)
+        fwork = self._zeros(len(self.pipe.chunks))
+        if head:
+            fwork = np.zeros(len(self.pipe.chunks))
+            np.maximum.at(fwork, chunk_of, mem.head_forward_bytes_per_token(cm.model, tp) * tokens)
+        out = self._cache[key] = (kept, self._zeros(len(self.pipe.chunks)), work, fwork)
+        return out
+
+    def _embedding_backward(self, work, act, extra, grads: float, cell_act=None, cells=None) -> np.ndarray:
+        """The first stage's backward working sets (`work`, counted from the level at each B's
+        start, beside the layer it re-materialises, `extra`) raised to the moment its
+        embedding's backward runs, at the B's end: the whole table's bf16 gradient
+        (`mem.embedding_backward_bytes`) beside the other chunks' activations, the B's own and
+        its re-materialised layer freed by then (`act`: those whose last reader the B is), and
+        beside every gradient in the stage's first B, which makes them (`grads`; a
+        heterogeneous plan's autograd keeps that first bf16 table as the gradient itself)."""
+        pipe, U = self.pipe, len(self.units)
+        order = [a.chunk for a in pipe.stages[0] if a.kind == BACKWARD]
+        if not order:
+            return work
+        act, extra = np.asarray(act, dtype=np.float64), np.asarray(extra, dtype=np.float64)
+        if cells is not None:  # each cell's backward ends in the embedding's: its first cell's
+            released = np.full(U, np.inf)       # (the smallest, at most) is all it has freed then
+            np.minimum.at(released, cells[1], cell_act)
+            released[~np.isfinite(released)] = 0.0
+            remat = np.zeros(U)  # folded into `work`, freed with its cell
+        elif pipe.backward_chunks is None:  # each unit is its chunk, the only one it reads
+            released, remat = act.copy(), extra
+        else:
+            pos = np.zeros(U, dtype=np.int64)
+            pos[order] = np.arange(len(order))
+            released, remat = np.zeros(U), np.zeros(U)
+            readers: dict[int, list[int]] = {}
+            for u, needs in enumerate(self.deps.bwd_needs):
+                for c in needs:
+                    readers.setdefault(c, []).append(u)
+                    remat[u] += extra[c]
+            for c, us in readers.items():
+                released[max(us, key=pos.__getitem__)] += act[c]
+        table = mem.embedding_backward_bytes(self.cm.model)
+        end = table - released - remat
+        end[order[0]] += grads - (table if self._heterogeneous() else 0.0)
+        return np.maximum(np.asarray(work, dtype=np.float64), end)
+
+    def _states(self) -> tuple[list[float], list[float]]:
+        """[stage] model-state bytes and [stage] their gradients' part, shared by the plan's
+        pipelines of one shape."""
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
         dp, zero = len(self.plan.pipelines) * pipe.cp, self.plan.zero  # ZeRO shards over dp x cp
         key = ("states", pipe.tp, pipe.cp, tuple(self.layers))
         if key not in self.shared:
-            if self._heterogeneous():  # bf16 stage weights and gradients, 1/W of the masters and moments
-                self.shared[key] = [self._shared(cm.hetero_state_bytes, layers=L, tp=pipe.tp, first=s == 0,
-                                                 last=s == S - 1, world=self.plan.num_gpus)
-                                    for s, L in enumerate(self.layers)]
+            if self._heterogeneous():  # bf16 stage weights and gradients, the owned masters and moments
+                holders = self._holders()
+                self.shared[key] = (
+                    [self._shared(cm.hetero_state_bytes, layers=L, tp=pipe.tp, first=s == 0, last=s == S - 1,
+                                  holders=holders) for s, L in enumerate(self.layers)],
+                    [self._shared(cm.hetero_grad_bytes, layers=L, tp=pipe.tp, first=s == 0, last=s == S - 1)
+                     for s, L in enumerate(self.layers)])
             else:
-                self.shared[key] = [self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero,
-                                                 layers=L).states for s, L in enumerate(self.layers)]
-        return list(self.shared[key])
+                budgets = [self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero, layers=L)
+                           for s, L in enumerate(self.layers)]
+                self.shared[key] = ([b.states for b in budgets], [b.grads for b in budgets])
+        states, grads = self.shared[key]
+        return list(states), list(grads)
 
     def _zeros(self, n: int) -> np.ndarray:
         """A read-only float64 zero row of n entries, shared by the plan's pipelines."""
@@ -582,21 +731,24 @@ class _PipelineCosts:
             row.flags.writeable = False
         return self.shared[key]
 
-    def _head_backward(self) -> list[float]:
-        """cm.head_backward_bytes of every backward unit (without CP: one call per row-token count)."""
-        cm, kw = self.cm, self.kw
-        if "head_backward" in self._cache:  # computed for every pipeline at once (_batched_row_costs)
-            return self._cache["head_backward"]
-        if self.works is None or self.pipe.cp > 1:
-            return [cm.head_backward_bytes(u, **kw) for u in self.units]
-        memo = self.shared.setdefault(("head_backward", self.pipe.tp), {})
-        out = []
-        for r in self.works[1].row_tokens.tolist():
-            v = memo.get(r)
-            if v is None:
-                v = memo[r] = cm.head_backward_bytes(_row_of(r), **kw)
-            out.append(v)
-        return out
+    def _per_token_row(self, method, chunks: list[Chunk], side: int, per_token: float, **kwargs):
+        """`method(c, **kwargs, tp, cp)` of every chunk of `chunks` (the forward chunks, `side`
+        0, or the backward units, 1), a CostModel method that is `per_token` bytes times the
+        chunk's tokens on its busiest CP rank: without CP that product over the row tokens at
+        once (the same floats), unless a subclass redefines the method."""
+        cm = self.cm
+        if self.works is None or self.pipe.cp > 1 or getattr(type(cm), method.__name__) is not \
+                getattr(CostModel, method.__name__):
+            return [method(c, **kwargs, **self.kw) for c in chunks]
+        if not per_token:
+            return self._zeros(len(chunks))
+        return per_token * self.works[side].row_tokens
+
+    def _holders(self):
+        """How many GPUs hold each element of the plan (`CostModel.hetero_holders`), once per plan."""
+        if "holders" not in self.shared:
+            self.shared["holders"] = self.cm.hetero_holders([(q.tp, q.pp, q.cp) for q in self.plan.pipelines])
+        return self.shared["holders"]
 
     def _heterogeneous(self) -> bool:
         if "heterogeneous" not in self.shared:  # once per plan, not once per pipeline (O(pipelines) each)
@@ -605,12 +757,13 @@ class _PipelineCosts:
 
     def _grad_sync(self) -> list[float]:
         if self._heterogeneous():
-            # pipelines with other tp x pp x cp: the executor's exchange with the round-robin
-            # master state over every GPU (runtime/parallel/hetero.py), no all-reduce
+            # pipelines with other tp x pp x cp: the executor's exchange with owners among each
+            # element's holders (runtime/parallel/hetero.py), no all-reduce
             world = sum(q.num_gpus for q in self.plan.pipelines)
             inter = self.node(0) != self.node(world - 1)
-            return [self._shared(self.cm.exchange_time, layers=L, tp=self.pipe.tp, world=world, inter_node=inter,
-                                 first=s == 0, last=s == self.pipe.pp - 1) for s, L in enumerate(self.layers)]
+            return [self._shared(self.cm.exchange_time, layers=L, tp=self.pipe.tp, holders=self._holders(),
+                                 inter_node=inter, first=s == 0, last=s == self.pipe.pp - 1)
+                    for s, L in enumerate(self.layers)]
         # every CP rank holds the stage's weights too: gradients reduce over dp x cp
         dp = len(self.plan.pipelines) * self.pipe.cp
         if dp <= 1:
@@ -734,5 +887,6 @@ def _direct_chunks(n: int, groups: list[tuple[int, int]]) -> list[Chunk]:
 
 def heterogeneous(plan) -> bool:
     """Whether the plan's pipelines differ in tp, pp or cp (Hydraulis): the executor then
-    exchanges gradients and weights with a round-robin master state instead of all-reducing."""
+    exchanges gradients and weights with owners among each element's holders instead of
+    all-reducing."""
     return len({(q.tp, q.pp, q.cp) for q in plan.pipelines}) > 1

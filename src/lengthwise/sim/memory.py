@@ -1,22 +1,32 @@
 """Memory replay: what each stage holds along the simulated timeline (infinipipe.txt §3.1).
 
-Each stage holds its model states for the whole step, plus allocations tied to tasks:
+Each stage holds its model states for the whole step, but for their gradients, which come into
+being in the stage's first backward (the optimizer frees them at every step's end; each FSDP
+unit's fp32 accumulator is made by its first backward): allocated at that backward's end, held to
+the step's end. Exact before and after it; inside it the accumulators grow layer by layer while
+the chunk's activations are freed layer by layer, both about linearly, so the level there is
+highest at one of its ends, which the events below hold. Plus allocations tied to tasks:
 
 - activations of a chunk, from the start of its F to the end of the last B that consumes it
   (fewer bytes when the F keeps only checkpoints of `recompute_layers` layers; the B then
   re-materialises them one layer at a time, as the executor's per-layer checkpoints do: a
   transient of one layer's activations, `CostModel.recompute_transient_bytes`; on the last
   stage the B also works on the loss's fp32 logit gradients, another transient);
+- the working set of each B beyond the kept activations (the loss's backward on the last stage,
+  one layer's SwiGLU backward elsewhere: `CostModel.backward_work_bytes`), and on the last stage
+  that of each F's LM head (its bf16 logits beside their fp32 copy), while the task runs;
 - the working set of a no-grad forward (N): one layer's activations while it runs;
 - K/V state of a split sequence's earlier slices, from the slice's first forward to the
   sequence's last backward on the stage (later slices attend to it: infinipipe eq. 5);
 - K/V gradients of a split sequence, from the start of its last slice's backward to the end of
   its first slice's (earlier slices receive them: infinipipe eq. 9-10).
 
-With separate backward units (SlimPack §4.1.2) the executor frees a chunk's activations in
-parts, each backward unit its own tokens' (runtime/cells.py), so the chunk-level release here is
-an upper bound; and K/V gradients of a sequence that only the backward grouping cuts are not
-counted (a few tokens' K/V per cut).
+With separate backward units (SlimPack §4.1.2) the executor runs each cell, the part of a
+forward chunk that one backward unit holds, as a row of its own and frees its activations when
+that unit's backward ends (runtime/cells.py): a chunk's activations are allocated at its F as
+the sum of its cells' (`MemorySizes.cell_activation`) and freed cell by cell (under CP chunks
+are released whole at their last reader's end, an upper bound); K/V gradients of a sequence
+that only the backward grouping cuts are not counted (a few tokens' K/V per cut).
 
 Tasks on one stage are numbered in schedule order, so "the last backward" is the largest task
 id, which needs no timing. Events are `(task, at_end, bytes)`; `replay` sorts all stages'
@@ -54,7 +64,17 @@ class MemorySizes:
     """[stage] bytes of K/V gradient buffers per split sequence id."""
     backward_work: list[list[float]] = field(default_factory=list)
     """[stage][backward unit] bytes held only while the unit's B runs (the loss's backward on
+    the last stage, a layer's backward elsewhere); empty: none."""
+    forward_work: list[list[float]] = field(default_factory=list)
+    """[stage][chunk] bytes held only while the chunk's F runs (the LM head's bf16 logits on
     the last stage); empty: none."""
+    grads: list[float] = field(default_factory=list)
+    """[stage] gradient bytes allocated at the end of the stage's first B and held to the
+    step's end (not part of `state`); empty: none."""
+    cell_activation: list = field(default_factory=list)
+    """[stage][(chunk, unit) read, by chunk then unit] bytes of each cell's activations, freed
+    at the end of that unit's B (`activation` is then each chunk's sum of them); empty: each
+    chunk's activations are freed whole at the end of the last B reading them."""
 
 
 @dataclass(kw_only=True)
@@ -154,7 +174,11 @@ def memory_events(t: PipelineTasks, deps: Dependencies, sizes: MemorySizes,
     np.maximum.at(release, (slice(None), pairs_c), bwd[:, pairs_u])  # last backward reading the chunk
     read = release >= 0
     ran_nograd = nograd >= 0
-    parts = [(fwd[read], False, act[read]), (release[read], True, -act[read])]
+    if len(sizes.cell_activation):  # each cell freed at the end of its unit's B
+        cells = np.asarray(sizes.cell_activation, dtype=np.float64).reshape(len(fwd), -1)
+        parts = [(fwd[read], False, act[read]), (bwd[:, pairs_u].ravel(), True, -cells.ravel())]
+    else:
+        parts = [(fwd[read], False, act[read]), (release[read], True, -act[read])]
     # parts whose bytes are all zero are left out: the zero events would be dropped below anyway
     if extra.any():
         parts += [(bwd[:, pairs_u].ravel(), False, extra[:, pairs_c].ravel()),
@@ -164,6 +188,11 @@ def memory_events(t: PipelineTasks, deps: Dependencies, sizes: MemorySizes,
     if len(sizes.backward_work):
         work = np.asarray(sizes.backward_work, dtype=np.float64)
         parts += [(bwd, False, work), (bwd, True, -work)]
+    if len(sizes.forward_work):
+        fwork = np.asarray(sizes.forward_work, dtype=np.float64)
+        parts += [(fwd, False, fwork), (fwd, True, -fwork)]
+    if len(sizes.grads) and bwd.shape[1]:
+        parts.append((bwd.min(axis=1), True, np.asarray(sizes.grads, dtype=np.float64)))
     if splits:
         parts.append(_split_events(t, sizes, splits))
     task = np.concatenate([np.asarray(p[0], dtype=np.int64).ravel() for p in parts])
@@ -290,6 +319,7 @@ def plan_memory_events(pipes: list[PipelineTasks], all_sizes: list[MemorySizes],
     extra = _rows([sz.recompute_extra for sz in all_sizes], fsize)
     transient = _rows([sz.nograd_transient for sz in all_sizes], fsize)
     work = _rows([sz.backward_work if len(sz.backward_work) else None for sz in all_sizes], bsize)
+    fwork = _rows([sz.forward_work if len(sz.forward_work) else None for sz in all_sizes], fsize)
     # (chunk, unit) reads (deps_users, by chunk then unit: each graph's `reads`), stage by stage
     # within each pipeline
     pc = np.concatenate([t.reads[0] for t in pipes])
@@ -303,16 +333,54 @@ def plan_memory_events(pipes: list[PipelineTasks], all_sizes: list[MemorySizes],
     np.maximum.at(release, cidx, bwd[uidx])  # last backward reading the chunk
     read = release >= 0
     ran = nograd_local >= 0
-    parts = [(fwd[read], False, act[read]), (release[read], True, -act[read]),
+    if any(len(sz.cell_activation) for sz in all_sizes):  # cells freed one by one (memory_events)
+        freed = _cell_releases(pipe, s, k - _starts(n)[pipe], n, cidx, uidx, act, bwd, release, all_sizes)
+    else:
+        freed = (release[read], True, -act[read])
+    parts = [(fwd[read], False, act[read]), freed,
              (bwd[uidx], False, extra[cidx]), (bwd[uidx], True, -extra[cidx]),
              (nograd[ran], False, transient[ran]), (nograd[ran], True, -transient[ran]),
-             (bwd, False, work), (bwd, True, -work)]
+             (bwd, False, work), (bwd, True, -work), (fwd, False, fwork), (fwd, True, -fwork),
+             _first_backward_grads(S, U, bbase, bwd, all_sizes)]
     parts.append(_plan_split_events(S, C, U, fbase, bbase, first, bwd, all_sizes, all_splits))
     task = np.concatenate([p[0] for p in parts])
     at_end = np.concatenate([p[1] if isinstance(p[1], np.ndarray) else np.full(len(p[0]), p[1]) for p in parts])
     delta = np.concatenate([np.asarray(p[2], dtype=np.float64) for p in parts])
     keep = delta != 0
     return task[keep], at_end[keep], delta[keep]
+
+
+def _cell_releases(pipe, s, local, n, cidx, uidx, act, bwd, release, all_sizes):
+    """The frees of the reads' activations, read by read (by pipeline, stage, chunk, then unit;
+    `local`: each read's index among its pipeline's `n` reads): a cell's bytes at the end of its
+    unit's B where the pipeline has cells, else each chunk's whole at its last read's position,
+    at the latest of its reads' backwards (memory_events' events, in its order)."""
+    celled = np.array([len(sz.cell_activation) > 0 for sz in all_sizes], dtype=bool)[pipe]
+    last = np.r_[cidx[1:] != cidx[:-1], True] if len(cidx) else np.zeros(0, dtype=bool)
+    keep = celled | last
+    values = np.zeros(len(cidx))
+    for p, sz in enumerate(all_sizes):
+        if len(sz.cell_activation):
+            at = np.flatnonzero(pipe == p)
+            table = np.asarray(sz.cell_activation, dtype=np.float64).reshape(-1, int(n[p]))
+            values[at] = table[s[at], local[at]]
+    amount = np.where(celled, -values, -act[cidx])
+    task = np.where(celled, bwd[uidx], release[cidx])
+    return task[keep], True, amount[keep]
+
+
+def _first_backward_grads(S, U, bbase, bwd, all_sizes) -> tuple[np.ndarray, bool, np.ndarray]:
+    """The gradients' allocation at the end of each stage's first B, every pipeline's stages
+    in order (none where a pipeline has no backward unit or no gradient sizes)."""
+    task, grads = [], []
+    for p, sz in enumerate(all_sizes):
+        if len(sz.grads) and U[p]:
+            block = bwd[bbase[p]:bbase[p] + S[p] * U[p]].reshape(int(S[p]), int(U[p]))
+            task.append(block.min(axis=1))
+            grads.append(np.asarray(sz.grads, dtype=np.float64))
+    if not task:
+        return np.zeros(0, np.int64), True, np.zeros(0)
+    return np.concatenate(task), True, np.concatenate(grads)
 
 
 def _starts(sizes: np.ndarray) -> np.ndarray:

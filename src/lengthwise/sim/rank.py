@@ -29,8 +29,8 @@
   sequence-parallel norms' partial weight gradients summed over TP once a step, in fp32. (The
   executor pads a row to a multiple of tp; those at most tp - 1 rows are not counted.)
   Heterogeneous plans (`runtime/train/dist_hetero.py`): `all_to_all` the push of bf16 gradients
-  and the pull of bf16 weights (`CostModel.exchange_sent_bytes`), `all_reduce` the gradient
-  norm's one fp64 value, `tp_all_reduce` in bf16 (the stage's own dtype), no reduce-scatter.
+  to their owners and the pull of bf16 weights from them (`CostModel.exchange_sent_bytes`),
+  `all_reduce` the gradient norm's one fp64 value, `tp_all_reduce` in bf16 (the stage's own dtype), no reduce-scatter.
   Their peak is the larger of the simulator's and the step end's (`step_end_bytes`).
 
 Ranks are numbered as the executor lays them out (`runtime/distributed/mesh.py`): pipeline by
@@ -115,7 +115,7 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
     pipe = plan.pipelines[place.pipeline]
     layers = pipe.stage_layers(plan.model.num_layers)[place.stage]
     first, last = place.stage == 0, place.stage == pipe.pp - 1
-    send = sum(cost.boundary_bytes(_unit(pipe, a), tp=pipe.tp, cp=pipe.cp) for a in pipe.stages[place.stage]
+    send = sum(cost.boundary_bytes(_unit(pipe, a), tp=pipe.tp, cp=pipe.cp, cp_rank=place.cp_rank) for a in pipe.stages[place.stage]
                if (a.kind == BACKWARD and not first) or (a.kind != BACKWARD and not last))
     replicas = sum(1 for p in plan.pipelines if p.pp == pipe.pp) * pipe.cp
     params = stage_params(plan.model, layers=layers, tp=pipe.tp, first=first, last=last)
@@ -127,11 +127,11 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
                if a.kind == FORWARD) if last and pipe.tp > 1 else 0.0
     tp = tp_comm_bytes(plan, cost, place)
     if len({(p.tp, p.pp, p.cp) for p in plan.pipelines}) > 1:
-        # heterogeneous pipelines (runtime/train/dist_hetero.py): bf16 gradients and weights
-        # exchanged with the round-robin owners, one all-to-all each way, and one fp64 all-reduce
-        # of the gradient norm's square; the TP norms' partial gradients are summed in bf16
-        world = sum(p.num_gpus for p in plan.pipelines)
-        exchange = cost.exchange_sent_bytes(held=params, held_by_all=held_by_all(plan), world=world)
+        # heterogeneous pipelines (runtime/train/dist_hetero.py): bf16 gradients pushed to their
+        # owners among the holders and bf16 weights pulled back, one all-to-all each way, and one
+        # fp64 all-reduce of the gradient norm's square; the TP norms' partial gradients are
+        # summed in bf16
+        exchange = cost.exchange_sent_bytes(held=params, owned=stage_owned(plan, cost, place))
         if tp:
             tp["tp_all_reduce"] *= ELEMENT_BYTES / GRAD_BYTES_PER_PARAM
         return {"send": send, "all_reduce": loss + NORM_REDUCE_BYTES, "all_gather": gathered,
@@ -177,17 +177,20 @@ def step_end_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> float:
     pipe = plan.pipelines[place.pipeline]
     layers = pipe.stage_layers(plan.model.num_layers)[place.stage]
     first, last = place.stage == 0, place.stage == pipe.pp - 1
-    world = sum(p.num_gpus for p in plan.pipelines)
     held = stage_params(plan.model, layers=layers, tp=pipe.tp, first=first, last=last)
-    states = cost.hetero_state_bytes(layers=layers, tp=pipe.tp, first=first, last=last, world=world)
-    return states + cost.exchange_transient_bytes(held=held, received=held_by_all(plan) / world, world=world)
+    holders = cost.hetero_holders([(p.tp, p.pp, p.cp) for p in plan.pipelines])
+    states = cost.hetero_state_bytes(layers=layers, tp=pipe.tp, first=first, last=last, holders=holders)
+    return states + cost.exchange_transient_bytes(held=held, owned=stage_owned(plan, cost, place))
 
 
-def held_by_all(plan: StepPlan) -> float:
-    """Parameter elements every GPU of the plan holds together (each TP rank its shards and
-    whole norms, every CP rank the whole stage)."""
-    return sum(p.cp * p.tp * stage_params(plan.model, layers=n, tp=p.tp, first=s == 0, last=s == p.pp - 1)
-               for p in plan.pipelines for s, n in enumerate(p.stage_layers(plan.model.num_layers)))
+def stage_owned(plan: StepPlan, cost: CostModel, place: RankPlace) -> float:
+    """Parameter elements a rank of a heterogeneous plan owns (`CostModel.hetero_owned`: about
+    1/d of what it holds, d holders of each element)."""
+    pipe = plan.pipelines[place.pipeline]
+    layers = pipe.stage_layers(plan.model.num_layers)[place.stage]
+    holders = cost.hetero_holders([(p.tp, p.pp, p.cp) for p in plan.pipelines])
+    return cost.hetero_owned(layers=layers, tp=pipe.tp, first=place.stage == 0, last=place.stage == pipe.pp - 1,
+                             holders=holders)
 
 
 def tp_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[str, float]:

@@ -16,7 +16,7 @@ Choices, stated once:
   stage 0 finishes last, so mostly stage 0's reduction is exposed). Pipelines with different
   pp are not aligned by stage, so then every reduction starts after the last backward anywhere.
   A heterogeneous plan (pipelines differing in tp, pp or cp) reduces nothing: its stages pay
-  the executor's exchange with the round-robin master state instead (sim/inputs.py,
+  the executor's exchange with owners among each element's holders instead (sim/inputs.py,
   `CostModel.exchange_time`), at the same moment. `extra_comm_s` of a pipeline is added after.
 - Point-to-point transfers delay the receiver and do not occupy either stage.
 """

@@ -15,6 +15,7 @@ Empty or whitespace-only documents are skipped: they hold nothing to learn.
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -154,7 +155,10 @@ def stdlib_files() -> list[Path]:
     site-packages are left out (test data holds deliberately broken encodings)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
-    files = [p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts)]
+    files = []
+    for folder, subfolders, names in os.walk(root):  # pruned: site-packages alone can hold 10^5 files
+        subfolders[:] = [s for s in subfolders if s not in skip]
+        files += [Path(folder) / n for n in names if n.endswith(".py")]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 

@@ -19,7 +19,9 @@ profile both work. UtilLen(P) (appendix C) is the row length at which the GEMM p
 
 MaxLen(P) follows B.1: FP32 master weights and Adam moments are fully sharded over all N GPUs
 (optimization-propagation disaggregation, §5.2), BF16 weights and gradients follow the scheme;
-that is ZeRO-1 with dp = N / (TP * PP) in the cost model's terms.
+that is ZeRO-1 with dp = N / (TP * PP) in the cost model's terms. The executor shards them over
+each element's holders instead (runtime/parallel/hetero.py: ZeRO-1 over the strategy's
+pipelines x CP ranks), which the planner's per-strategy limit applies (planner._part_limits).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lengthwise.cost import CostModel, split_layers
+from lengthwise.cost.model import ExchangeHolders
 from lengthwise.errors import UserError
 from lengthwise.cost import memory as mem
 from lengthwise.plan.ir import Chunk, Segment
@@ -208,26 +211,34 @@ def stage_groups_inter(schemes: list[Scheme], *, gpus_per_node: int) -> list[boo
             for s in range(max(q.pp for q in schemes))]
 
 
-def link_time(cost: CostModel, scheme: Scheme, *, num_gpus: int) -> float:
-    """§5.2's exchange of one pipeline's slowest stage in a heterogeneous strategy, as the
-    executor runs it (runtime/parallel/hetero.py) and the simulator charges it (sim/inputs.py):
-    the master state is dealt round-robin over all N GPUs, so each GPU pulls its bf16 weights and
-    pushes its bf16 gradients with one all-to-all each over the N GPUs (`CostModel.exchange_time`);
-    nothing is all-reduced. Charged in full (§5.3 hides most of it behind compute: hydraulis
-    Table 1, 1.71 s -> 1.18 s; the executor does not overlap it yet)."""
+def link_time(cost: CostModel, scheme: Scheme, *, num_gpus: int, holders: ExchangeHolders) -> float:
+    """§5.2's exchange of one pipeline's slowest stage in a heterogeneous strategy whose
+    elements have `holders` holders, as the executor runs it (runtime/parallel/hetero.py) and
+    the simulator charges it (sim/inputs.py): every element is owned by one of its holders, so
+    each GPU pushes the bf16 gradients of what it holds and others own and pulls their weights
+    back, one all-to-all each way (`CostModel.exchange_time`: the volume of a ring all-reduce
+    among the holders); nothing is all-reduced. Charged in full (§5.3 hides most of it behind
+    compute: hydraulis Table 1, 1.71 s -> 1.18 s; the executor does not overlap it yet)."""
     inter = num_gpus > cost.cluster.gpus_per_node
     layers = split_layers(cost.model.num_layers, scheme.pp)
-    return max(cost.exchange_time(layers=n, tp=scheme.tp, first=s == 0, last=s == scheme.pp - 1, world=num_gpus,
+    return max(cost.exchange_time(layers=n, tp=scheme.tp, first=s == 0, last=s == scheme.pp - 1, holders=holders,
                                   inter_node=inter) for s, n in enumerate(layers))
 
 
+def scheme_holders(cost: CostModel, schemes) -> ExchangeHolders:
+    """`CostModel.hetero_holders` of a strategy whose pipelines run `schemes`."""
+    return cost.hetero_holders([(s.tp, s.pp, s.cp) for s in schemes])
+
+
 def exchange_time(cost: CostModel, scheme: Scheme, *, num_pipelines: int, num_gpus: int,
-                  heterogeneous: bool, inter_node: list[bool] | None = None, ranks: int | None = None) -> float:
+                  heterogeneous: bool, inter_node: list[bool] | None = None, ranks: int | None = None,
+                  holders: ExchangeHolders | None = None) -> float:
     """Optimization-propagation exchange of one pipeline as the simulator will see it: in a
-    heterogeneous strategy the round-robin exchange (`link_time`), otherwise the gradient
-    all-reduce of a homogeneous plan (`sync_time`)."""
+    heterogeneous strategy (`holders` of its elements) the exchange among each element's
+    holders (`link_time`), otherwise the gradient all-reduce of a homogeneous plan
+    (`sync_time`)."""
     if heterogeneous:
-        return link_time(cost, scheme, num_gpus=num_gpus)
+        return link_time(cost, scheme, num_gpus=num_gpus, holders=holders)
     return sync_time(cost, scheme, num_pipelines=num_pipelines, num_gpus=num_gpus, inter_node=inter_node,
                      ranks=ranks)
 
@@ -238,23 +249,63 @@ def plan_exchange(cost: CostModel, schemes: list[Scheme], *, num_gpus: int) -> l
     homogeneous plan) or exchange (a heterogeneous one)."""
     inter = stage_groups_inter(schemes, gpus_per_node=cost.cluster.gpus_per_node)
     hetero = len(set(schemes)) > 1
+    holders = scheme_holders(cost, schemes)
     each = {s: exchange_time(cost, s, num_pipelines=len(schemes), num_gpus=num_gpus, heterogeneous=hetero,
-                             inter_node=inter[:s.pp]) for s in set(schemes)}  # pipelines of a scheme alike
+                             inter_node=inter[:s.pp], holders=holders)
+            for s in set(schemes)}  # pipelines of a scheme alike
     return [each[s] for s in schemes]
 
 
-def exchange_elements(held: list[int], *, world: int) -> float:
+def switch_time(cost: CostModel, old: list[tuple[int, int, int]], new: list[tuple[int, int, int]], *,
+                num_gpus: int) -> float:
+    """Seconds a strategy switch from pipelines `old` to `new` ((tp, pp, cp) each, in rank
+    order) costs the executor (runtime/parallel/hetero.HeteroExchange.switch), 0 when they are
+    the same: the fp32 master and AdamW's two moments (12 bytes per element) move from the old
+    owners to the new ones in one all-to-all over every GPU, then every GPU pulls its new
+    pieces' bf16 weights (one pull of the new layout's exchange). Charged as if every element
+    changed owner (an upper bound: an element whose owner holds it in both strategies and is
+    picked again stays), at the fullest GPU's owned state, the larger of what it sends and
+    receives; nothing moves when every GPU holds the same pieces in both (the owners follow
+    from the holdings alone: e.g. 4 x tp1-pp1 and tp1-pp1-cp4), then only the pull is charged."""
+    if list(old) == list(new):
+        return 0.0
+
+    def stages(pipelines):
+        holders = cost.hetero_holders(pipelines)
+        for tp, pp, _ in pipelines:
+            for s, n in enumerate(split_layers(cost.model.num_layers, pp)):
+                yield dict(layers=n, tp=tp, first=s == 0, last=s == pp - 1, holders=holders)
+
+    def holdings(pipelines):  # what each GPU holds, in rank order (tp rank innermost)
+        out = []
+        for tp, pp, cp in pipelines:
+            layers = split_layers(cost.model.num_layers, pp)
+            out += [(tp, sum(layers[:s]), n, s == 0, s == pp - 1, t) for s, n in enumerate(layers)
+                    for _ in range(cp) for t in range(tp)]
+        return out
+
+    inter = num_gpus > cost.cluster.gpus_per_node
+    move = 0.0
+    if holdings(old) != holdings(new):
+        owned = max(cost.hetero_owned(**kw) for p in (old, new) for kw in stages(p))
+        state = mem.OPTIMIZER_BYTES_PER_PARAM * owned
+        move = cost.collective_time("all_to_all", state * num_gpus / max(1, num_gpus - 1), ranks=num_gpus,
+                                    inter_node=inter)
+    pull = max(cost.exchange_time(**kw, inter_node=inter) / 2 for kw in stages(new))
+    return move + pull
+
+
+def exchange_elements(held: list[int], owned: list[int]) -> float:
     """Elements the optimisation-propagation exchange sends over the network per direction (pull
-    or push), summed over ranks, when each rank holds `held[r]` parameter elements and the
-    master state is dealt round-robin over `world` ranks (runtime/parallel/hetero.py): each rank
-    owns 1/world of what it holds and exchanges the rest. Exact when every held shard's row
-    width is a multiple of `world`; within a few elements per shard row otherwise."""
-    return sum(held) * (world - 1) / world
+    or push), summed over ranks, when each rank holds `held[r]` parameter elements and owns
+    `owned[r]` of them (runtime/parallel/hetero.py): each holder pushes what others own, and each
+    owner pulls back to the other holders, sum of owned_r (h - 1) = the same total."""
+    return float(sum(held) - sum(owned))
 
 
-def exchange_bytes(held: list[int], *, world: int, elem_bytes: int) -> float:
+def exchange_bytes(held: list[int], owned: list[int], *, elem_bytes: int) -> float:
     """Bytes of one step's exchange: a pull of weights and a push of gradients."""
-    return 2 * exchange_elements(held, world=world) * elem_bytes
+    return 2 * exchange_elements(held, owned) * elem_bytes
 
 
 def allreduce_bytes(held: list[int], *, replicas: int, elem_bytes: int) -> float:
@@ -264,6 +315,11 @@ def allreduce_bytes(held: list[int], *, replicas: int, elem_bytes: int) -> float
     if replicas <= 1:
         return 0.0
     return 2 * sum(held) * (replicas - 1) / replicas * elem_bytes
+
+
+def pipelines_name(pipelines) -> str:
+    """tp2-pp1,tp1-pp2 (the pipelines option's grammar) of pipelines with tp, pp and cp, in order."""
+    return ",".join(f"tp{p.tp}-pp{p.pp}" + (f"-cp{p.cp}" if p.cp > 1 else "") for p in pipelines)
 
 
 def parse_pipelines(text: str) -> list[tuple[int, int, int]]:

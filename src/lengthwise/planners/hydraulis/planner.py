@@ -25,22 +25,27 @@ step 4, the greedy for ranking: solving it for every candidate's every pipeline 
 seconds per batch (the paper spends about 1 s per batch on it with 10 processes, Table 2).
 
 Pipelines of one plan have different (tp, pp, cp), each running plain 1F1B over its whole-sequence
-micro-batches. The plan's ZeRO stage is 1: optimizer states are sharded over all GPUs (§5.2).
-The simulator charges a homogeneous plan a gradient all-reduce over its pipelines x cp ranks
-(inter-node per stage as the plan's GPUs fall), and a heterogeneous plan the executor's
-exchange with the round-robin master state: one all-to-all pull and one push of each stage's
-bf16 weights over every GPU (hydraulis/cost.py link_time, CostModel.exchange_time; §5.2's push,
-LNK and pull in one move, nothing all-reduced). The estimate charges exactly that (cost.plan_exchange, on the pipelines in the plan's order): step
-time estimate = slowest pipeline (eq. 1) + slowest exchange. The exchange is outside the DP's
-latency, so the DP runs once per cap on it (schemes whose exchange exceeds the cap left out),
-and every cap's strategies are candidates.
+micro-batches. The plan's ZeRO stage is 1: optimizer states are sharded (§5.2), by the executor
+over each element's holders. The simulator charges a homogeneous plan a gradient all-reduce over
+its pipelines x cp ranks (inter-node per stage as the plan's GPUs fall), and a heterogeneous plan
+the executor's exchange, whose owners are among the holders: one all-to-all push of each stage's
+bf16 gradients to the owners and one pull of the bf16 weights back, the volume of a ring
+all-reduce among each element's holders (hydraulis/cost.py link_time, CostModel.exchange_time;
+§5.2's push, LNK and pull in one move). The estimate charges exactly that (cost.plan_exchange, on
+the pipelines in the plan's order): step time estimate = slowest pipeline (eq. 1) + slowest
+exchange (+ a strategy switch, below). The exchange is outside the DP's latency, so the DP runs
+once per cap on it (schemes whose exchange exceeds the cap left out), and every cap's strategies
+are candidates.
 
-A strategy switch between batches is charged nothing, because it moves nothing: the executor
-(runtime/parallel/hetero.py) owns the fp32 master weights and Adam moments in one round-robin
-layout over all ranks that does not depend on the plan, so a new strategy only changes which
-slices each rank pulls and pushes, and every step's pull and push are charged already (the
-exchange above). What a switch adds is one-time: the process groups of a scheme not run before
-are created once and reused.
+A strategy switch between batches moves optimizer state: the owners are among the holders, so
+they change with the strategy, and the executor (runtime/parallel/hetero.py) moves the fp32
+masters and Adam moments to the new owners in one all-to-all and pulls the new layout's weights
+(logged with its measured seconds and bytes). With the `previous` option (the training loop
+passes the strategy the last batch ran), a candidate whose pipelines differ from it is charged
+that move and pull (cost.switch_time, counting every element as moved, an upper bound, or
+none when every GPU holds the same pieces in both) on top of its estimate, so the planner
+switches only when the new strategy saves more than the switch costs. The process groups of a
+scheme not run before are created once and reused.
 
 Complexity (n sequences, D pipelines of the widest screened candidate, S candidates): the
 dispatch is O(n D S) work in one numpy step per distinct length (the longest-first trial) or
@@ -74,7 +79,9 @@ from lengthwise.planners.hydraulis.cost import (
     make_scheme,
     parse_pipelines,
     plan_exchange,
+    scheme_holders,
     scheme_space,
+    switch_time,
     sync_time,
 )
 from lengthwise.planners.hydraulis.dispatch import (
@@ -120,6 +127,8 @@ class Evaluation:
     """Micro-batch token limit of each pipeline within this strategy."""
     exchange_s: float
     """Slowest pipeline's optimization-propagation exchange, seconds."""
+    switch_s: float
+    """A strategy switch from the `previous` option's pipelines to these, seconds (0: none)."""
     loads: list[PipelineLoad]
     """Sequences dispatched to each pipeline (Algorithm 1)."""
     packings: list[Packing | None]
@@ -132,7 +141,7 @@ class Evaluation:
 
     @property
     def estimate_s(self) -> float:
-        return float(max(p.estimate_s for p in self.packings if p is not None) + self.exchange_s)
+        return float(max(p.estimate_s for p in self.packings if p is not None) + self.exchange_s + self.switch_s)
 
 
 def plan_hydraulis(request: PlanRequest) -> StepPlan:
@@ -242,7 +251,9 @@ def _candidates(request: PlanRequest, opts: dict, space: list[Scheme], num_gpus:
     # exchange, `_exchange`); each scheme's level is its reduction over as many ranks as it
     # would have pipelines, the grouping these caps were tuned with.
     costs = {s: sync_time(request.cost, s, num_pipelines=num_gpus // s.num_gpus, num_gpus=num_gpus,
-                          ranks=num_gpus // s.num_gpus) + link_time(request.cost, s, num_gpus=num_gpus)
+                          ranks=num_gpus // s.num_gpus)
+             + link_time(request.cost, s, num_gpus=num_gpus,
+                         holders=scheme_holders(request.cost, [s] * max(1, num_gpus // s.num_gpus)))
              for s in space}
     caps = _caps(sorted(set(costs.values())))
     masks = tuple(tuple(costs[s] <= cap for s in space) for cap in caps)
@@ -354,13 +365,23 @@ def _prepare(request: PlanRequest, strategy: Strategy, num_gpus: int, lengths: n
     schemes = [s for s, _ in strategy.parts]
     pipes = _strategy_pipelines(strategy, limits)
     bound = lower_bound(lengths, schemes, [n for _, n in strategy.parts], limits)
-    return bound + _exchange(request, pipes, num_gpus), strategy, pipes
+    return bound + _exchange(request, pipes, num_gpus) + _switch(request, pipes, num_gpus), strategy, pipes
 
 
 def _exchange(request: PlanRequest, pipes: list[tuple[Scheme, int]], num_gpus: int) -> float:
     """The slowest pipeline's exchange, exactly as the simulator charges the plan `_pipelines`
     makes of these pipelines (same order, so the same GPUs and node spans)."""
     return max(plan_exchange(request.cost, [s for s, _ in pipes], num_gpus=num_gpus))
+
+
+def _switch(request: PlanRequest, pipes: list[tuple[Scheme, int]], num_gpus: int) -> float:
+    """The switch from the `previous` option's pipelines to these (cost.switch_time; 0 without
+    the option)."""
+    previous = request.options.get("previous")
+    if not previous:
+        return 0.0
+    return switch_time(request.cost, parse_pipelines(previous), [(s.tp, s.pp, s.cp) for s, _ in pipes],
+                       num_gpus=num_gpus)
 
 
 def _evaluate_all(request: PlanRequest, opts: dict, prepared: list, lengths: np.ndarray, num_gpus: int,
@@ -376,7 +397,8 @@ def _evaluate_all(request: PlanRequest, opts: dict, prepared: list, lengths: np.
         loads = [_load(lengths, ids, s, m) for ids, (s, m) in zip(held, pipes)]
         packings, full = _slowest_packed(loads)
         out.append(Evaluation(strategy=strategy, pipelines=[s for s, _ in pipes], max_lens=[m for _, m in pipes],
-                              exchange_s=_exchange(request, pipes, num_gpus), loads=loads,
+                              exchange_s=_exchange(request, pipes, num_gpus),
+                              switch_s=_switch(request, pipes, num_gpus), loads=loads,
                               packings=packings, trials=disp.trials, full=full))
     return out
 
@@ -457,6 +479,7 @@ def _metrics(ev: Evaluation, table: list[dict], milp_count: int) -> dict:
         "estimated_step_s": ev.estimate_s,
         "estimated_pipeline_s": [p.estimate_s for p in ev.packings],
         "exchange_s": ev.exchange_s,
+        "switch_s": ev.switch_s,
         "dispatch_trials": ev.trials,
         "packing_methods": {m: methods.count(m) for m in sorted(set(methods))},
         "milp_improved_pipelines": milp_count,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from lengthwise.cost.memory import embedding_backward_bytes
 from lengthwise.planners.base import PlanRequest
 from lengthwise.planners.infinipipe.chunking import Unit
 from lengthwise.planners.infinipipe.ckpt import (
@@ -76,7 +77,8 @@ class Layout:
 
 def layout(request: PlanRequest, dp: int) -> Layout:
     s, cost = request.scheme, request.cost
-    stages = [StageShape(layers=b.layers, head=b.last, states=b.states)
+    stages = [StageShape(layers=b.layers, head=b.last, states=b.states, grads=b.grads,
+                         table=embedding_backward_bytes(cost.model) if b.first else 0.0)
               for b in cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=dp * s.cp, zero=s.zero)]
     return Layout(stages=stages, tp=s.tp, cp=s.cp, dp=dp, costs=UnitCosts(cost, stages, tp=s.tp, cp=s.cp))
 

@@ -204,6 +204,11 @@ class StageShape:
     """Whether the stage runs the LM head (the last stage)."""
     states: float
     """Model-state bytes (weights, gradients, optimizer) held all step."""
+    grads: float = 0.0
+    """The gradients' part of `states`, made by the stage's first backward (none before it)."""
+    table: float = 0.0
+    """The first stage's embedding gradient as its backward makes it at each backward's end
+    (`cost.memory.embedding_backward_bytes`); 0 elsewhere."""
 
 
 class UnitCosts:
@@ -264,23 +269,24 @@ class UnitCosts:
             keys = self.keys = [work_key(c) for c in chunks] if self.kw["cp"] == 1 else [id(c) for c in chunks]
         tokens = np.array([k[0] for k in keys], dtype=float) if per_token else None
         self._batch, self._seconds_pending = {}, {}
-        if works is not None and chunks and type(self.cost).head_backward_bytes is CostModel.head_backward_bytes:
+        # per stage shape, the largest backward working set of the prepared chunks
+        if works is not None and chunks and type(self.cost).backward_work_bytes is CostModel.backward_work_bytes:
             # bytes per token times the chunk's tokens without CP: the most tokens give the most
-            self._most_work = self.work([chunks[int(np.argmax(tokens))]])
+            most = [chunks[int(np.argmax(tokens))]]
         else:
-            self._most_work = self.work(chunks) if chunks else 0.0
+            most = chunks
+        self._most_work = {(sh.layers, sh.head): self.work(sh, most) if most else 0.0 for sh in self.stages}
         splits = None
         for stage, shape in enumerate(self.stages):
             if (shape.layers, shape.head) in self._batch:
                 continue
             table = np.zeros((6, len(chunks)))
             if per_token:
-                per = self.cost.activation_bytes_per_token(layers=shape.layers, tp=self.kw["tp"], head=shape.head)
-                table[0] = per * tokens
+                table[0] = self.cost.activation_bytes_rows(tokens, layers=shape.layers, tp=self.kw["tp"],
+                                                           head=shape.head)
                 if shape.layers:
-                    less = self.cost.activation_bytes_per_token(layers=shape.layers, tp=self.kw["tp"],
-                                                                recompute_layers=1, head=shape.head)
-                    table[1] = table[0] - less * tokens
+                    table[1] = table[0] - self.cost.activation_bytes_rows(tokens, layers=shape.layers, tp=self.kw["tp"],
+                                                                          recompute_layers=1, head=shape.head)
                 self._seconds_pending[shape.layers, shape.head] = (chunks, keys)
             else:
                 table[:3] = np.array([self._chunk(stage, c) for c in chunks], dtype=float).reshape(len(chunks), 3).T
@@ -303,7 +309,8 @@ class UnitCosts:
             table = self.columns(stage, units)
         window = len(self.stages) - stage - 1 + max(len(u) for u in units)
         largest = np.sort(table[0])[::-1][:window]
-        work = self.work([c for u in units for c in u]) if self.stages[stage].head else 0.0
+        shape = self.stages[stage]
+        work = max(self.work(shape, [c for u in units for c in u]), shape.table)
         return float(largest.sum() + table[3].sum() + table[4].sum() + work)
 
     def alone_surely_fits(self) -> list[bool]:
@@ -317,7 +324,8 @@ class UnitCosts:
             return []
         for shape in self.stages:
             table = self._batch[shape.layers, shape.head]
-            work = self._most_work if shape.head else 0.0   # one backward at a time; the largest bounds it
+            # one backward at a time: the largest bounds it (or the embedding's gradient at its end)
+            work = max(self._most_work[shape.layers, shape.head], shape.table)
             ok &= np.add.reduceat(table[0] + table[3] + table[4], starts) + work <= self.cost.capacity_bytes - shape.states
         return ok.tolist()
 
@@ -342,7 +350,7 @@ class UnitCosts:
             keep = rank < (len(self.stages) - stage - 1 + prefill)[pids]
             held = np.bincount(pids[keep], weights=act[keep], minlength=len(shares))
             held += np.bincount(pid, weights=table[3] + table[4], minlength=len(shares))
-            held += self._most_work if shape.head else 0.0
+            held += max(self._most_work[shape.layers, shape.head], shape.table)
             ok &= held <= self.cost.capacity_bytes - shape.states
         return ok.tolist()
 
@@ -393,16 +401,17 @@ class UnitCosts:
     def kv(self, stage: int, context: int) -> float:
         return self.cost.kv_bytes(context, layers=self.stages[stage].layers, **self.kw)
 
-    def work(self, chunks: list[Chunk]) -> float:
-        """The largest working set of one chunk's backward on the LM-head stage (the loss's,
-        `cost.head_backward_bytes`); backwards run one at a time, so it bounds them all."""
-        return max(self.cost.head_backward_bytes(c, **self.kw) for c in chunks)
+    def work(self, shape: StageShape, chunks: list[Chunk]) -> float:
+        """The largest working set of one chunk's backward on a stage of this shape beyond its
+        kept activations (`cost.backward_work_bytes`: the loss's on the LM-head stage, one
+        layer's SwiGLU backward elsewhere); backwards run one at a time, so it bounds them all."""
+        return max(self.cost.backward_work_bytes(c, layers=shape.layers, head=shape.head, **self.kw) for c in chunks)
 
     def work_row(self, stage: int, chunks: list[Chunk]) -> np.ndarray:
-        """float64 [chunks] each chunk's backward working set on the stage (0 off the head)."""
-        if not self.stages[stage].head:
-            return np.zeros(len(chunks))
-        return np.array([self.cost.head_backward_bytes(c, **self.kw) for c in chunks], dtype=float)
+        """float64 [chunks] each chunk's backward working set on the stage."""
+        shape = self.stages[stage]
+        return np.array([self.cost.backward_work_bytes(c, layers=shape.layers, head=shape.head, **self.kw)
+                         for c in chunks], dtype=float)
 
 
 @dataclass(kw_only=True)
@@ -422,7 +431,13 @@ class StageMemory:
     freed) at its B's end."""
     work: np.ndarray | None = None
     """float64 [n] bytes each chunk's B works on while it runs (the loss's backward on the LM
-    head's stage, `cost.head_backward_bytes`); None: nothing."""
+    head's stage, one layer's elsewhere: `cost.backward_work_bytes`); None: nothing."""
+    grads: float = 0.0
+    """Gradient bytes (part of the model states the limit leaves out) that the stage's first
+    backward makes: not yet held at its start, all held from its end (`StageShape.grads`)."""
+    table: float = 0.0
+    """The embedding's gradient at each backward's end (first stage, `StageShape.table`):
+    then the backward's own chunk is freed and, after the first backward, every gradient made."""
 
     @property
     def rows(self) -> np.ndarray:
@@ -438,10 +453,17 @@ class StageMemory:
         held = _prefix(self.fpos, kept + self.kv[0])(p) - _prefix(self.bpos, kept - self.kv[2])(p)
         # ... plus what the backward re-materialises of its own F, one recomputed layer at a time
         # (the executor checkpoints per layer: `CostModel.recompute_transient_bytes`), and the K/V
-        # gradients (and, on the head's stage, the loss backward's working set)
+        # gradients, and the backward's working set (the loss's on the head's stage)
         remat = self.saving * np.minimum(recompute, 1.0) if recompute is not None else 0.0
         own = remat + (self.work if self.work is not None else 0.0) + np.zeros_like(self.act)
-        return held + own[rows] + _at_or_before(self.bpos, self.kv[1], p)
+        first = rows[:1]
+        if self.table:  # the embedding's backward at the end: its own chunk freed, the table made
+            end = self.table - kept + np.zeros_like(self.act)
+            end[first] += self.grads   # and, in the first backward, every gradient
+            own = np.maximum(own, end)
+        level = held + own[rows] + _at_or_before(self.bpos, self.kv[1], p)
+        level[:1] -= self.grads   # no gradient before the first backward's end
+        return level
 
     def savings(self) -> np.ndarray:
         """float64 [n rows, n chunks] bytes one recomputed layer of each chunk saves at each
@@ -487,14 +509,19 @@ class MemoryModel:
         return float(self.stages[stage].levels(np.asarray(recompute, float)).max(initial=0.0))
 
 
-def group_memory(group: GroupSchedule, costs: UnitCosts) -> MemoryModel:
-    """The linear memory model of a group on every stage."""
+def group_memory(group: GroupSchedule, costs: UnitCosts, *, first_group: bool = False) -> MemoryModel:
+    """The linear memory model of a group on every stage. `first_group`: the group opens its
+    pipeline's step, so its first backward on each stage makes the gradients, which no stage
+    holds before (`StageShape.grads`); a later group holds them throughout. The planner builds
+    groups before it orders them and charges every group as a later one, which bounds the
+    first from above."""
     stages, seconds = [], []
     for s in range(group.pp):
         table = costs.columns(s, group.units)
         fpos, bpos = group.positions(s)
-        work = costs.work_row(s, [c for u in group.units for c in u]) if costs.stages[s].head else None
-        stages.append(StageMemory(fpos=fpos, bpos=bpos, act=table[0], saving=table[1], kv=table[3:], work=work))
+        work = costs.work_row(s, [c for u in group.units for c in u])
+        stages.append(StageMemory(fpos=fpos, bpos=bpos, act=table[0], saving=table[1], kv=table[3:], work=work,
+                                  grads=costs.stages[s].grads if first_group else 0.0, table=costs.stages[s].table))
         seconds.append(table[2])
     return MemoryModel(stages=stages, limit=np.array([costs.cost.capacity_bytes - st.states for st in costs.stages]),
                        max_layers=np.array([st.layers for st in costs.stages]),

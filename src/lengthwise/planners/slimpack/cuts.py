@@ -349,12 +349,20 @@ def _pieces(streams: list[Stream], fcuts: list[np.ndarray], bcuts: list[np.ndarr
     fi = np.searchsorted(e_fwd, offs[sk] + sa, side="right") - 1
     segs = _Segments(wholes=wholes, ids=ids, part=(fa > 0) | (fb < lens[fk]), fk=fk, fa=fa, fb=fb, fcount=fcount,
                      fi=fi, bpart=(fa[fi] != sa) | (fb[fi] != sb), sk=sk, sa=sa, sb=sb, bcount=bcount)
+    # cells (the part of a MicroPack one backward unit holds: the simulator frees each with its
+    # unit), by chunk then unit over all streams: each backward segment lies in forward segment fi
+    cell_key, at = np.unique(fc[fi] * max(int(ustart[-1]), 1) + su, return_inverse=True)
+    cell_tokens = np.bincount(at, weights=sb - sa, minlength=len(cell_key)).astype(np.int64)
+    cell_chunk, cell_unit = cell_key // max(int(ustart[-1]), 1), cell_key % max(int(ustart[-1]), 1)
+    cell_start = np.searchsorted(cell_chunk, cstart)
     out = []
     for p in range(P):
         c0, c1, u0, u1 = int(cstart[p]), int(cstart[p + 1]), int(ustart[p]), int(ustart[p + 1])
         f0, f1, b0, b1 = int(fb_start[c0]), int(fb_start[c1]), int(bb_start[u0]), int(bb_start[u1])
+        k0, k1 = int(cell_start[p]), int(cell_start[p + 1])
         known = SliceStructure(deps=deps[p], splits=splits[p], fwd_counts=fcount[c0:c1],
-                               fwd_bounds=fbounds[f0:f1], bwd_counts=bcount[u0:u1], bwd_bounds=bbounds[b0:b1])
+                               fwd_bounds=fbounds[f0:f1], bwd_counts=bcount[u0:u1], bwd_bounds=bbounds[b0:b1],
+                               cells=(cell_chunk[k0:k1] - c0, cell_unit[k0:k1] - u0, cell_tokens[k0:k1]))
         chunks = LazyChunks(c1 - c0, lambda c0=c0, c1=c1, f0=f0, f1=f1: segs.forward(c0, c1, f0, f1))
         units = LazyChunks(u1 - u0, lambda c0=c0, u0=u0, u1=u1, f0=f0, b0=b0, b1=b1, chunks=chunks:
                            segs.backward(chunks, u0, u1, f0, b0, b1))

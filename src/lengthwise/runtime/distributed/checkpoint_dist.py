@@ -74,7 +74,7 @@ def save_checkpoint(folder: str | Path, *, step: int, model: torch.nn.Module, op
     """Collective: every rank calls it after the optimizer step of `step`. `also(path)`, when
     given, is called on every rank after the folder is cleared and before the manifest (rank 0's
     Hugging Face copy of the weights goes there). `state`: the tensors DCP saves instead of the
-    held parameters and the optimizer's state dict (a Hydraulis run's round-robin shards)."""
+    held parameters and the optimizer's state dict (a Hydraulis run's owned shards)."""
     path = checkpoint_path(folder, step)
     if dist.get_rank() == 0:
         _clear(path)

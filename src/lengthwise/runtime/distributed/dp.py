@@ -97,11 +97,17 @@ def stage_part(plan: StepPlan, place: Place) -> StagePart:
 def holds(name: str, plan: StepPlan, place: Place, model: CausalLM) -> bool:
     """Whether the rank at `place` computes a gradient for parameter `name`."""
     pipe = plan.pipelines[place.pipeline]
-    first, last = place.stage == 0, place.stage == pipe.pp - 1
+    return stage_holds(name, layers=stage_layer_range(plan, place, model.spec.num_layers), first=place.stage == 0,
+                       last=place.stage == pipe.pp - 1, tied=model.spec.tied_embeddings)
+
+
+def stage_holds(name: str, *, layers: range, first: bool, last: bool, tied: bool) -> bool:
+    """Whether a stage with decoder layers `layers` (the first and / or the last stage) holds
+    parameter `name`."""
     if name.startswith("model.layers."):
-        return int(name.split(".")[2]) in stage_layer_range(plan, place, model.spec.num_layers)
+        return int(name.split(".")[2]) in layers
     if name == "model.embed_tokens.weight":
-        return first or (last and model.spec.tied_embeddings)
+        return first or (last and tied)
     assert name in ("model.norm.weight", "lm_head.weight"), name
     return last
 

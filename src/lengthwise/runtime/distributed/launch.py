@@ -152,7 +152,7 @@ def spawn(fn, nproc: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, backend: 
 
 
 PRELOAD = ["numpy", "scipy.optimize", "torch", "torch.distributed", "torch.distributed.checkpoint",
-           "torch.distributed.fsdp", "torch.distributed.tensor.parallel"]
+           "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch._dynamo"]
 """What the fork server imports once, before it forks any worker: third-party libraries only.
 This package is imported by each worker from the caller's `sys.path` (the server's could differ,
 and a worker must run the caller's code)."""

@@ -4,47 +4,59 @@ In a Hydraulis plan each data-parallel pipeline has its own tp x pp x cp, so one
 held whole by a rank of one pipeline and as tp row or column shards by ranks of another. No
 all-reduce over "the ranks holding a parameter" fits: their pieces have different shapes.
 
-Which layout owns the optimizer state, and why. The fp32 master weights and the AdamW moments
-live in one fixed layout that does not depend on the plan: every parameter is flattened and its
-elements are dealt round-robin over all ranks of the world (element i belongs to rank i mod W).
-The layout is the plan's no-one's: a strategy switch (a new set of pipeline schemes) then moves
-no optimizer state at all, only changes which slices each rank pulls (Hydraulis makes the same
-choice, sharding the master state over all N GPUs independently of the propagation schemes).
-Round-robin rather than contiguous ranges: any tp row or column shard whose width is a multiple
-of W then holds exactly 1/W of its elements on its own rank, so the exchange volume is exactly
-held * (W - 1) / W per rank and direction (`planners/hydraulis/cost.exchange_elements`), not a
-function of where a shard happens to fall. Against a ring all-reduce over the d ranks holding an
-element (every CP rank and pipeline counts), 2 (d - 1) / d of what each holds, that is
-(W - 1) / W * d / (d - 1): 1.97x, 1.48x, 1.31x, 1.23x for d = 2, 3, 4, 5 at W = 64. No
-layout that leaves the owner out of the holders does better than d / (d - 1): each holder's
-term must leave it on the push and the sum reach it on the pull (d transfers each way, where an
-all-reduce among the holders needs d - 1). Owners among the holders would mean owners that
-change with the strategy, so a switch would move optimizer state (12 bytes per element).
+Which ranks own the optimizer state. Every element's owner is one of its holders. The holders
+of an element are the ranks whose propagation pieces contain it: one rank per (pipeline, CP
+rank) for a tp-split parameter (d of them, the same d for every layer, since every pipeline
+holds every layer once per CP rank), every TP rank of a pipeline for a TP-replicated one (the
+norms; K/V projections replicated over TP), both the first and the last stage of a pipeline
+for a tied embedding. The owner holds the fp32 master element and AdamW's two moments.
 
-Each step:
-- `pull()`: every owner sends each rank the master elements that rank's propagation shards hold
-  (one all_to_all_single over mutually needed slices; no tags), cast to the propagation dtype.
-- `push(grads)`: after backward every rank sends its gradient slices back the same way; the owner
-  sums what it receives into its shard, rank by rank: the gradient of a single process running the
-  whole batch, since each rank's loss is already divided by the global loss-token count.
-- `step()`: AdamW on the owner's flat shard (elementwise, so the layout does not change results);
-  in training, one torch AdamW over per-parameter views of `master` (`train/dist_hetero.py`),
-  after which every rank pulls its next weights.
+The layout (`ExchangeLayout`, computed from every rank's holdings alone: every rank derives
+the same, nothing travels). A parameter is seen as a rows x length row-major matrix split at
+its TP dimension (rows: the product of the dimensions before it; a parameter nobody splits, or
+one split along its first dimension, is one row), so that every rank's piece is a band of
+columns, all rows. The column boundaries of every holder's band cut the columns into segments
+of one holder set H (ranks ascending, h of them); column j of a segment is owned by H[j mod h].
+An owner's elements of a segment are thus every h-th column of it, all rows: a strided grid in
+the holder's flattened piece (strides width, h) and a contiguous block in the owner's master
+shard (parameter by parameter in the model's order, segment by segment). Each rank owns about
+1/h of what it holds, and ZeRO-1 over the d holders is what it stores: 12 bytes per owned
+element, held / d of them (not 1/W of the whole model).
+
+Volume. Each step is a reduce-scatter and an all-gather among the holders of each element, as
+one all-to-all each way over the world (most splits empty):
+- `push(grads)`: every holder sends its gradient of the elements others own to their owners;
+  the owner sums what it receives (its own slice included) from zero, rank by rank: the
+  gradient of a single process running the whole batch, since each rank's loss is already
+  divided by the global loss-token count, and the same sums on every device.
+- `step()`: AdamW on the owner's flat shard (elementwise, so the layout does not change
+  results); in training, one torch AdamW over per-parameter views of `master`
+  (`train/dist_hetero.py`), after which every rank pulls its next weights.
+- `pull()`: every owner sends its updated elements to their other holders, cast to the
+  propagation dtype.
+Per element and direction h - 1 transfers, exactly the 2 (h - 1) / h of a ring all-reduce
+among the h holders over both directions: per rank, held - owned each way
+(`planners/hydraulis/cost.exchange_elements`). (The previous layout dealt elements round-robin
+over all W ranks, owner outside the holders: (W - 1) / W * h / (h - 1) of that, 1.97x at h = 2.)
+
+Strategy switches. The owners depend on the strategy, so a switch moves the master and both
+moments from the old owners to the new ones: one all-to-all (`HeteroExchange.switch`), 12 bytes
+per element whose owner changes (every element whose owner stays is a local copy). The blocks
+of a move are again strided grids on both sides: an old owner's columns (every h-th of an old
+segment) meet a new owner's (every h'-th of a new segment) at every lcm(h, h')-th column of
+their overlap. Both layouts must see each parameter at the same TP dimension (the executor
+passes it from the model: `tensor_parallel.tp_shard_dim`).
 
 The master starts from the propagation layout itself (`init_master_from_held`: every element
 pushed by its lowest holder only, the others push zeros), and parameters are laid out in the
-model's order whatever the strategy, so a switch adopts the master shard as it is.
+model's order whatever the strategy.
 
-No index maps. A rank's shard of a parameter is a block of columns of the parameter seen as a
-matrix (`piece`), and the elements of it that one owner owns are a strided grid on both sides
-(`blocks`): every W-th column of every row, or of every P-th row when W does not divide the row
-length. Push and pull copy these grids between the flattened pieces, the all-to-all buffers and
-the master shard as strided views, so besides the buffers the exchange keeps only a few Python
-tuples per held parameter and owner. The blocks of one plan shape are computed once, from the
-holdings alone (every rank derives the same, nothing travels), and cached by
-`HeteroExchange.for_shape` while the shape repeats. (Index maps, one int32 or int64 position
-per held element and per element owned of what every rank holds, took 39 GiB of an 80 GB GPU
-in Hydraulis' own LLaMA-32B setting on 64 GPUs; the blocks give the same sums bit for bit.)
+No index maps. Push, pull and the switch's move copy strided grids between the flattened
+pieces, the all-to-all buffers and the master shard as views; the exchange keeps only a few
+Python tuples per held parameter, segment and owner. The blocks of one plan shape are computed
+once and cached by `HeteroExchange.for_shape` while the shape repeats. (Index maps, one int32
+or int64 position per held element and per element owned of what every rank holds, took
+39 GiB of an 80 GB GPU in Hydraulis' own LLaMA-32B setting on 64 GPUs.)
 """
 
 from __future__ import annotations
@@ -86,26 +98,32 @@ def shard_indices(shape: tuple[int, ...], shard: Shard) -> torch.Tensor:
     return full.chunk(shard.parts, dim=shard.dim)[shard.index].reshape(-1)
 
 
-def piece(shape: tuple[int, ...], shard: Shard) -> tuple[int, int, int, int]:
+def piece(shape: tuple[int, ...], shard: Shard, dim: int | None = None) -> tuple[int, int, int, int]:
     """(rows, length, first, width): the shard's elements are columns first .. first + width - 1
     of the whole parameter seen as a rows x length row-major matrix (rows: the product of the
-    dimensions before the split one), in the shard's own row-major order. A whole parameter or
-    a split of its first dimension is one contiguous row."""
+    dimensions before `dim`, the shard's own split dimension by default), in the shard's own
+    row-major order. A whole parameter is every column (one row when `dim` is None)."""
     numel = int(torch.Size(shape).numel())
-    if shard.parts == 1 or numel == 0:
+    dim = shard.dim if dim is None and shard.parts > 1 else dim
+    if numel == 0 or dim is None:
         return 1, numel, 0, numel
-    if shape[shard.dim] % shard.parts:
-        raise ValueError(f"dimension {shard.dim} of {tuple(shape)} does not split into {shard.parts}")
-    rows = int(torch.Size(shape[:shard.dim]).numel())
+    rows = int(torch.Size(shape[:dim]).numel())
     length = numel // rows
+    if shard.parts == 1:
+        return rows, length, 0, length
+    if shard.dim != dim:
+        raise ValueError(f"a shard of dimension {shard.dim} of {tuple(shape)} seen at dimension {dim}")
+    if shape[dim] % shard.parts:
+        raise ValueError(f"dimension {dim} of {tuple(shape)} does not split into {shard.parts}")
     width = length // shard.parts
     return rows, length, shard.index * width, width
 
 
 class Block(NamedTuple):
-    """Elements of one held piece that one owner owns, in one row phase: a rows x cols grid,
-    at `local_offset` with strides `local_stride` in the holder's flattened pieces and at
-    `master_offset` with strides `master_stride` in the owner's master shard."""
+    """Elements of one held piece that one owner owns (or, in a switch, that one old owner
+    hands one new owner): a rows x cols grid at `local_offset` with strides `local_stride` on
+    the sending or holding side and at `master_offset` with strides `master_stride` in the
+    owner's master shard."""
 
     size: tuple[int, int]
     local_offset: int
@@ -118,36 +136,179 @@ class Block(NamedTuple):
         return self.size[0] * self.size[1]
 
 
-def blocks(shape_piece: tuple[int, int, int, int], world: int, owners, *, local_offset: int,
-           master_offsets: list[int]) -> list[tuple[int, Block]]:
-    """(owner, block) of a held piece for each owner in `owners`, row phase by row phase.
-
-    Element (i, j) of the piece is element f = i * length + first + j of the whole parameter,
-    owned by f mod W at position f // W of the owner's part of that parameter. Along a row the
-    owners repeat every W columns; from row to row the pattern shifts by length mod W, so it
-    repeats every P = W / gcd(length, W) rows (1 when W divides the row length). Rows
-    i0, i0 + P, ... and columns j0, j0 + W, ... of owner o are thus a strided grid on both
-    sides: in the piece, strides (P * width, W); in the owner's part, consecutive positions
-    along a row and length / gcd(length, W) apart from row to row."""
-    rows, length, first, width = shape_piece
-    W = world
-    g = math.gcd(length, W)
-    P = W // g
-    out = []
-    for i0 in range(min(P, rows)):
-        m = (rows - i0 + P - 1) // P
-        for o in owners:
-            j0 = (o - first - i0 * length) % W
-            if j0 >= width:
-                continue
-            f = i0 * length + first + j0
-            out.append((o, Block((m, (width - j0 + W - 1) // W), local_offset + i0 * width + j0, (P * width, W),
-                                 master_offsets[o] + f // W, (length // g, 1))))
-    return out
-
-
 Holdings = dict[str, Shard]
 """One rank's propagation layout: parameter name -> the shard it holds (absent: not held)."""
+
+
+class Segment(NamedTuple):
+    """Columns start .. stop - 1 of a parameter's matrix view, held by the ranks `holders`
+    (ascending); column j is owned by holders[j mod len(holders)]."""
+
+    start: int
+    stop: int
+    holders: tuple[int, ...]
+
+    def owned(self, k: int) -> tuple[int, int]:
+        """(first column, count) of the columns the k-th holder owns (every h-th)."""
+        h = len(self.holders)
+        j0 = self.start + (k - self.start) % h
+        return j0, max(0, (self.stop - j0 + h - 1) // h)
+
+
+class ParamLayout(NamedTuple):
+    rows: int
+    length: int
+    dim: int | None
+    """The dimension the matrix view splits at (None: one row, nobody splits it)."""
+    segments: tuple[Segment, ...]
+
+
+class ExchangeLayout:
+    """Who holds and who owns every element of every parameter, for `holdings[r]` of each rank r
+    (module docstring); `dims`: the dimension each parameter is seen at (its TP split, so that
+    two strategies see it alike); by default the holdings' split dimension, else one row."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], holdings: list[Holdings], *,
+                 dims: dict[str, int | None] | None = None):
+        self.shapes = {n: tuple(s) for n, s in shapes.items()}
+        self.holdings = holdings
+        self.world = W = len(holdings)
+        self.numel = {n: int(torch.Size(s).numel()) for n, s in self.shapes.items()}
+        self.params: dict[str, ParamLayout] = {}
+        self.pieces: dict[str, dict[int, tuple[int, int, int, int]]] = {}
+        for n, shape in self.shapes.items():
+            split = {h[n].dim for h in holdings if n in h and h[n].parts > 1}
+            dim = dims[n] if dims is not None and n in dims else (min(split) if split else None)
+            if split - {dim}:
+                raise ValueError(f"{n} is split along dimensions {sorted(split)}, seen at {dim}")
+            pieces = {r: piece(shape, h[n], dim) for r, h in enumerate(holdings) if n in h}
+            rows, length = piece(shape, WHOLE, dim)[:2]
+            cuts = sorted({0, length} | {c for _, _, f, w in pieces.values() for c in (f, f + w)})
+            segments = []
+            for a, b in zip(cuts, cuts[1:]):
+                held_by = tuple(r for r, (_, _, f, w) in pieces.items() if f <= a and b <= f + w)
+                if not held_by:
+                    raise ValueError(f"columns {a} .. {b - 1} of {n} {shape} are held by no rank")
+                segments.append(Segment(a, b, held_by))
+            self.params[n] = ParamLayout(rows, length, dim, tuple(segments))
+            self.pieces[n] = pieces
+        # each owner's master shard: parameter by parameter, segment by segment, a rows x count
+        # block of the columns it owns
+        self.base: dict[tuple[str, int], int] = {}  # (name, segment) -> block start in its owner's part
+        self.owned_count = {n: [0] * W for n in self.shapes}
+        for n, p in self.params.items():
+            for s, seg in enumerate(p.segments):
+                for k, o in enumerate(seg.holders):
+                    count = seg.owned(k)[1]
+                    if count:
+                        self.base[n, s, o] = self.owned_count[n][o]
+                        self.owned_count[n][o] += p.rows * count
+        self.shard_offset: dict[str, list[int]] = {}
+        total = [0] * W
+        for n in self.shapes:
+            self.shard_offset[n] = list(total)
+            total = [t + c for t, c in zip(total, self.owned_count[n])]
+        self.shard_size = total
+        # each rank's held pieces, flattened in parameter order
+        self.local_offset: list[dict[str, int]] = []
+        self.local_size: list[int] = []
+        for r, h in enumerate(holdings):
+            offsets, at = {}, 0
+            for n in self.shapes:
+                if n in h:
+                    offsets[n] = at
+                    rows, _, _, width = self.pieces[n][r]
+                    at += rows * width
+            self.local_offset.append(offsets)
+            self.local_size.append(at)
+
+    def _block(self, n: str, s: int, k: int, holder: int) -> Block | None:
+        p = self.params[n]
+        seg = p.segments[s]
+        j0, count = seg.owned(k)
+        if not count:
+            return None
+        rows, _, first, width = self.pieces[n][holder]
+        owner = seg.holders[k]
+        return Block((p.rows, count), self.local_offset[holder][n] + j0 - first, (width, len(seg.holders)),
+                     self.shard_offset[n][owner] + self.base[n, s, owner], (count, 1))
+
+    def held_blocks(self, rank: int) -> list[list[Block]]:
+        """For each owner, the blocks of `rank`'s pieces it owns, in parameter then segment order."""
+        out: list[list[Block]] = [[] for _ in range(self.world)]
+        for n, p in self.params.items():
+            for s, seg in enumerate(p.segments):
+                if rank in seg.holders:
+                    for k, o in enumerate(seg.holders):
+                        b = self._block(n, s, k, rank)
+                        if b is not None:
+                            out[o].append(b)
+        return out
+
+    def owned_blocks(self, rank: int) -> list[list[Block]]:
+        """For each holder, the blocks of its pieces `rank` owns, in the holder's order."""
+        out: list[list[Block]] = [[] for _ in range(self.world)]
+        for n, p in self.params.items():
+            for s, seg in enumerate(p.segments):
+                if rank in seg.holders:
+                    k = seg.holders.index(rank)
+                    for r in seg.holders:
+                        b = self._block(n, s, k, r)
+                        if b is not None:
+                            out[r].append(b)
+        return out
+
+    def owned_indices(self, name: str, rank: int) -> torch.Tensor:
+        """Flat indices into the whole parameter of `rank`'s owned elements, in its master order."""
+        p = self.params[name]
+        parts = []
+        for s, seg in enumerate(p.segments):
+            if rank in seg.holders:
+                j0, count = seg.owned(seg.holders.index(rank))
+                if count:
+                    cols = j0 + len(seg.holders) * torch.arange(count, dtype=torch.int64)
+                    parts.append((torch.arange(p.rows, dtype=torch.int64)[:, None] * p.length + cols).reshape(-1))
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def held_elements(self) -> list[int]:
+        """Elements every rank holds."""
+        return list(self.local_size)
+
+    def moves(self, new: "ExchangeLayout", rank: int) -> tuple[list[list[Block]], list[list[Block]]]:
+        """A switch from this layout to `new`: (what `rank` sends each new owner, as old owner;
+        what it receives from each old owner, as new owner), as blocks whose `local` side is the
+        old master shard and `master` side the new one, in one order on both sides."""
+        if list(self.shapes.items()) != list(new.shapes.items()):
+            raise ValueError("a strategy switch keeps the parameters (and their order)")
+        send: list[list[Block]] = [[] for _ in range(self.world)]
+        recv: list[list[Block]] = [[] for _ in range(self.world)]
+        for n, p in self.params.items():
+            q = new.params[n]
+            if (p.rows, p.length) != (q.rows, q.length):
+                raise ValueError(f"{n} is seen at dimension {p.dim} by one strategy and {q.dim} by the other")
+            for s, a in enumerate(p.segments):
+                for t, b in enumerate(q.segments):
+                    lo, hi = max(a.start, b.start), min(a.stop, b.stop)
+                    if lo >= hi:
+                        continue
+                    ha, hb = len(a.holders), len(b.holders)
+                    step = ha * hb // math.gcd(ha, hb)
+                    for x in range(lo, min(hi, lo + step)):
+                        old, now = a.holders[x % ha], b.holders[x % hb]
+                        if rank not in (old, now):
+                            continue
+                        j0a, ja = a.owned(x % ha)[0], b.owned(x % hb)[0]
+                        count = (hi - x + step - 1) // step
+                        block = Block((p.rows, count),
+                                      self.shard_offset[n][old] + self.base[n, s, old] + (x - j0a) // ha,
+                                      (a.owned(x % ha)[1], step // ha),
+                                      new.shard_offset[n][now] + new.base[n, t, now] + (x - ja) // hb,
+                                      (b.owned(x % hb)[1], step // hb))
+                        if old == rank:
+                            send[now].append(block)
+                        if now == rank:
+                            recv[old].append(block)
+        return send, recv
 
 
 def _strided(flat: torch.Tensor, size, stride, offset: int) -> torch.Tensor:
@@ -156,96 +317,104 @@ def _strided(flat: torch.Tensor, size, stride, offset: int) -> torch.Tensor:
 
 
 class HeteroExchange:
-    """Master shards in the fixed round-robin layout and the pull/push of one plan shape."""
+    """This rank's master shard in the owned-by-holders layout (module docstring) and the
+    push and pull of one plan shape."""
 
     _cache: dict = {}
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], holdings: list[Holdings], *,
-                 group=None, device=None):
-        self.shapes = dict(shapes)
-        self.holdings = holdings
+                 dims: dict[str, int | None] | None = None, group=None, device=None):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if len(holdings) != self.world:
             raise ValueError(f"{len(holdings)} holdings for {self.world} ranks")
+        self.layout = layout = ExchangeLayout(shapes, holdings, dims=dims)
+        self.shapes, self.holdings, self.numel = layout.shapes, holdings, layout.numel
         self.device = device or torch.device("cpu")
-        W = self.world
-        names = list(self.shapes)
-        numel = {n: int(torch.Size(self.shapes[n]).numel()) for n in names}
-        # offsets of each parameter's owned elements inside every owner's flat shard
-        owned = {n: [(numel[n] - o + W - 1) // W for o in range(W)] for n in names}
-        self.shard_offset = {}
-        total = [0] * W
-        for n in names:
-            self.shard_offset[n] = list(total)
-            total = [t + c for t, c in zip(total, owned[n])]
-        self.shard_size = total[self.rank]
-        self.numel = numel
-
-        def rank_blocks(r: int, owners) -> list[tuple[int, Block]]:
-            # r's held pieces in parameter order, each row phase by row phase
-            out, offset = [], 0
-            for n in names:
-                shard = holdings[r].get(n)
-                if shard is None:
-                    continue
-                p = piece(self.shapes[n], shard)
-                out += blocks(p, W, owners, local_offset=offset, master_offsets=self.shard_offset[n])
-                offset += p[0] * p[3]
-            return out
-
-        # No index maps: what a rank sends each owner and what an owner sums from each rank are
-        # strided grids of the flattened pieces and of the master shard (`blocks`), computed
-        # from the holdings alone (every rank derives the same, nothing travels).
+        self.shard_offset = layout.shard_offset
+        self.shard_size = layout.shard_size[self.rank]
         # as holder: the blocks of every owner, in the order both sides use on the wire
-        self.held_blocks: list[list[Block]] = [[] for _ in range(W)]
-        for o, b in rank_blocks(self.rank, range(W)):
-            self.held_blocks[o].append(b)
-        self.local_size = sum(math.prod(piece(self.shapes[n], s)[::3]) for n, s in holdings[self.rank].items()
-                              if n in self.shapes)
+        self.held_blocks = layout.held_blocks(self.rank)
+        self.local_size = layout.local_size[self.rank]
         self.local_counts = [sum(b.numel for b in bs) for bs in self.held_blocks]
         # as owner: for each rank r, the blocks of what r holds and this rank owns, in r's order
-        self.owned_blocks: list[list[Block]] = [[b for _, b in rank_blocks(r, (self.rank,))] for r in range(W)]
+        self.owned_blocks = layout.owned_blocks(self.rank)
         self.owner_counts = [sum(b.numel for b in bs) for bs in self.owned_blocks]
         self.master: torch.Tensor | None = None
         self.bytes_sent = 0
-        """Bytes this rank sent to other ranks (self-slices excluded), pulls and pushes."""
+        """Bytes this rank sent to other ranks (self-slices excluded): pulls, pushes and moves."""
 
     @classmethod
-    def for_shape(cls, key, shapes, holdings, *, group=None, device=None) -> "HeteroExchange":
+    def for_shape(cls, key, shapes, holdings, *, dims=None, group=None, device=None) -> "HeteroExchange":
         """The exchange of a plan shape `key`, built once and reused while the shape repeats."""
         ex = cls._cache.get(key)
         if ex is None:
-            ex = cls._cache[key] = cls(shapes, holdings, group=group, device=device)
+            ex = cls._cache[key] = cls(shapes, holdings, dims=dims, group=group, device=device)
         return ex
 
-    def switch(self, key, shapes, holdings) -> "HeteroExchange":
-        """A strategy switch: the exchange of the new plan shape, adopting this one's master
-        shard as is (the master layout depends only on the parameters and the world, so no
-        optimizer state moves; only the pulled slices change). Logs its measured cost: the
-        blocks' build (cached shapes cost nothing) and the first pull of the new layout."""
-        if list(dict(shapes).items()) != list(self.shapes.items()):  # same names, shapes and order
-            raise ValueError("a strategy switch keeps the parameters (and their order)")
+    def switch(self, key, shapes, holdings, *, dims=None, state: tuple[torch.Tensor, ...] = ()) -> "HeteroExchange":
+        """A strategy switch (collective): the exchange of the new plan shape, with this one's
+        master shard and the tensors `state` laid out like it (AdamW's moments) moved to the new
+        owners in one all-to-all (`moved`: the moved `state`), then the new layout's first pull
+        (`last_pull`). Logs and keeps (`switch_cost`) its measured cost: the blocks' build
+        (cached shapes cost nothing), the move (seconds, bytes this rank sent), the pull."""
         started = time.perf_counter()
-        new = type(self).for_shape(key, shapes, holdings, group=self.group, device=self.device)
-        new.master = self.master
+        new = type(self).for_shape(key, shapes, holdings, dims=dims, group=self.group, device=self.device)
+        send, recv = self.layout.moves(new.layout, self.rank)
         built = time.perf_counter() - started
+        tensors = (self.master, *state)
         before = new.bytes_sent
+        moved = new.move(tensors, send, recv)
+        new.master, new.moved = moved[0], tuple(moved[1:])
+        move_s = time.perf_counter() - started - built
+        state_bytes = new.bytes_sent - before
         new.last_pull = new.pull()
-        new.switch_cost = {"build_s": built, "pull_s": time.perf_counter() - started - built,
-                           "pull_bytes": new.bytes_sent - before, "state_bytes_moved": 0}
-        log.info("strategy switch to %s: blocks %.4f s, first pull %.4f s (%d bytes sent), 0 bytes of "
-                 "optimizer state moved", key, built, new.switch_cost["pull_s"], new.switch_cost["pull_bytes"])
+        new.switch_cost = {"build_s": built, "move_s": move_s, "state_bytes_moved": state_bytes,
+                           "pull_s": time.perf_counter() - started - built - move_s,
+                           "pull_bytes": new.bytes_sent - before - state_bytes}
+        log.info("strategy switch to %s: blocks %.4f s, %d bytes of optimizer state moved in %.4f s, first pull "
+                 "%.4f s (%d bytes sent)", key, built, state_bytes, move_s, new.switch_cost["pull_s"],
+                 new.switch_cost["pull_bytes"])
         return new
+
+    def move(self, tensors, send: list[list[Block]], recv: list[list[Block]]) -> list[torch.Tensor]:
+        """`tensors` (laid out like the old master shard, one dtype) in this layout, moved by the
+        blocks of `ExchangeLayout.moves`: one all-to-all for all of them."""
+        dtype = tensors[0].dtype
+        k = len(tensors)
+        send_counts = [k * sum(b.numel for b in bs) for bs in send]
+        recv_counts = [k * sum(b.numel for b in bs) for bs in recv]
+        buffer = torch.empty(sum(send_counts), dtype=dtype, device=self.device)
+        at = 0
+        for bs in send:
+            for t in tensors:
+                flat = t.contiguous()
+                for b in bs:
+                    buffer[at:at + b.numel].view(b.size).copy_(_strided(flat, b.size, b.local_stride, b.local_offset))
+                    at += b.numel
+        got = self._all_to_all(buffer, send_counts, recv_counts)
+        del buffer
+        out = [torch.zeros(self.shard_size, dtype=dtype, device=self.device) for _ in tensors]
+        at = 0
+        for bs in recv:
+            for t in out:
+                for b in bs:
+                    _strided(t, b.size, b.master_stride, b.master_offset).copy_(got[at:at + b.numel].view(b.size))
+                    at += b.numel
+        return out
 
     # ---------------------------------------------------------------- master state
     def init_master(self, full: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
         """This rank's master shard from whole parameters (every rank passes the same values)."""
-        parts = [full[n].detach().reshape(-1)[self.rank::self.world].to(self.device, dtype)
-                 for n in self.shapes]
+        parts = [full[n].detach().reshape(-1)[self.owned_indices(n)].to(self.device, dtype) for n in self.shapes]
         self.master = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=self.device)
         return self.master
+
+    def owned_indices(self, name: str, rank: int | None = None) -> torch.Tensor:
+        """Flat indices into the whole parameter of a rank's owned elements (this rank's by
+        default), in master order (for tests and for gathering whole weights)."""
+        return self.layout.owned_indices(name, self.rank if rank is None else rank)
 
     def first_holder_mask(self) -> torch.Tensor:
         """Boolean mask over this rank's held elements (local flat layout, as `flatten_local`):
@@ -254,18 +423,17 @@ class HeteroExchange:
         propagation layout, bit for bit, whatever the layout."""
         mask = []
         for n in self.shapes:
-            covered = None
-            for r in range(self.world):
-                shard = self.holdings[r].get(n)
-                if shard is None:
-                    continue
-                rows, length, first, width = piece(self.shapes[n], shard)
-                if covered is None:
-                    covered = torch.zeros(rows * length, dtype=torch.bool)
-                region = covered.view(rows, length)[:, first:first + width]
-                if r == self.rank:
-                    mask.append((~region).reshape(-1))
-                region.fill_(True)
+            pieces = self.layout.pieces[n]
+            if self.rank not in pieces:
+                continue
+            rows, length = self.layout.params[n].rows, self.layout.params[n].length
+            covered = torch.zeros(rows, length, dtype=torch.bool)
+            for r in range(self.rank):
+                if r in pieces:
+                    _, _, first, width = pieces[r]
+                    covered[:, first:first + width] = True
+            _, _, first, width = pieces[self.rank]
+            mask.append((~covered[:, first:first + width]).reshape(-1))
         return torch.cat(mask).to(self.device) if mask else torch.zeros(0, dtype=torch.bool, device=self.device)
 
     def init_master_from_held(self, local_values: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
@@ -276,10 +444,12 @@ class HeteroExchange:
         self.master = self.push(values, dtype=dtype)
         return self.master
 
-    def master_view(self, name: str) -> torch.Tensor:
-        """This rank's owned elements of one parameter (flat indices rank, rank + W, ...)."""
+    def master_view(self, name: str, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's owned elements of one parameter in `flat` (the master by default), in
+        master order (`owned_indices`)."""
+        flat = self.master if flat is None else flat
         start = self.shard_offset[name][self.rank]
-        return self.master[start:start + (self.numel[name] - self.rank + self.world - 1) // self.world]
+        return flat[start:start + self.layout.owned_count[name][self.rank]]
 
     # ---------------------------------------------------------------- exchange
     def _all_to_all(self, send: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
@@ -354,9 +524,50 @@ class HeteroExchange:
         return out
 
     def held_elements(self) -> list[int]:
-        """Elements every rank holds (the exchange's per-rank volume before the 1/W it keeps)."""
-        return [sum(self.numel[n] // s.parts for n, s in h.items() if n in self.shapes)
-                for h in self.holdings]
+        """Elements every rank holds."""
+        return self.layout.held_elements()
+
+    def owned_elements(self) -> list[int]:
+        """Elements every rank owns (the size of its master shard)."""
+        return list(self.layout.shard_size)
+
+
+# -------------------------------------------------------------------- holdings of a strategy
+def strategy_holdings(spec, pipelines, names) -> tuple[list[Holdings], dict[str, int | None]]:
+    """Every rank's holdings under a strategy, from the model and the strategy alone (ranks
+    laid out as `distributed/mesh.plan_places`: pipeline, stage, CP rank, TP rank innermost),
+    and the dimension each parameter is seen at (its TP split, `tensor_parallel.tp_shard_dim`,
+    whatever the strategy). `pipelines`: (tp, pp, cp, layers per stage) of each pipeline;
+    `names`: the parameters, in the model's order."""
+    from lengthwise.runtime.distributed.dp import stage_holds
+    from lengthwise.runtime.parallel.tensor_parallel import tp_shard_dim
+
+    dims = {n: tp_shard_dim(spec, n, None) for n in names}
+    out: list[Holdings] = []
+    for tp, pp, cp, stage_layers in pipelines:
+        start = 0
+        for s, count in enumerate(stage_layers):
+            layers = range(start, start + count)
+            start += count
+            held = [n for n in names if stage_holds(n, layers=layers, first=s == 0, last=s == pp - 1,
+                                                     tied=spec.tied_embeddings)]
+            split = {n: tp_shard_dim(spec, n, tp) for n in held}
+            for _ in range(cp):
+                for t in range(tp):
+                    out.append({n: WHOLE if split[n] is None else Shard(split[n], t, tp) for n in held})
+    return out, dims
+
+
+def whole_shapes(spec) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the whole model and its shape, in the model's order."""
+    from lengthwise.runtime.model import StagePart, meta_model
+
+    return {n: tuple(p.shape) for n, p in meta_model(spec, part=StagePart.whole(spec)).named_parameters()}
+
+
+def plan_pipelines(plan) -> tuple[tuple[int, int, int, tuple[int, ...]], ...]:
+    """(tp, pp, cp, layers per stage) of each pipeline of `plan`: what fixes every rank's holdings."""
+    return tuple((p.tp, p.pp, p.cp, tuple(p.stage_layers(plan.model.num_layers))) for p in plan.pipelines)
 
 
 # -------------------------------------------------------------------- executor wiring
@@ -378,15 +589,15 @@ def hetero_tp_mesh(plan, layout, mesh):
     return DeviceMesh.from_group(mesh.group(mine), mesh.device.type, mesh_dim_names=("tp",))
 
 
-def _holding(param, tp_rank: int, pushes: bool):
+def _holding(param, tp_rank: int) -> Shard:
     from torch.distributed.tensor import DTensor
 
     if isinstance(param, DTensor):
         placement = param.placements[0]
         if placement.is_shard() or param.to_local().shape != param.shape:
             assert placement.is_shard(), (placement, param.shape, param.to_local().shape)
-            return (placement.dim % param.ndim, tp_rank, param.device_mesh.size(), True)
-    return (0, 0, 1, pushes)
+            return Shard(placement.dim % param.ndim, tp_rank, param.device_mesh.size())
+    return WHOLE
 
 
 class HeteroReducer:
@@ -394,11 +605,11 @@ class HeteroReducer:
     pieces (whole, or tp row / column shards) to the owners, who sum them, then pulls the summed
     gradient of exactly the pieces it holds. Replicated parameters of a TP group push from TP rank
     0 only (the others computed the same gradient), except replicated K/V weights, whose gradient
-    is a partial sum per TP rank. The holdings are all-gathered once per plan shape."""
+    is a partial sum per TP rank. Every rank's holdings follow from the plan alone
+    (`strategy_holdings`); this rank's are checked against its parameters' TP placements."""
 
     def __init__(self, model, plan, layout, *, key):
         from lengthwise.runtime.distributed.dp import held_parameters
-        from lengthwise.runtime.model import parameter_names
         from lengthwise.runtime.parallel.tensor_parallel import tp_partial_names
 
         place = layout.place
@@ -407,18 +618,15 @@ class HeteroReducer:
         if model.spec.vocab % max(p.tp for p in plan.pipelines):
             raise ValueError("heterogeneous tp needs a vocabulary every tp divides")
         self.params = held_parameters(model, plan, place)
-        mine = {n: _holding(p, place.tp_rank, place.tp_rank == 0 or partial(n)) for n, p in self.params.items()}
-        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        all_holdings = [None] * dist.get_world_size()
-        dist.all_gather_object(all_holdings, (mine, shapes))
-        merged = {}
-        for _, sh in all_holdings:
-            merged.update(sh)
-        # the model's own order, so that the master layout is the same under every strategy
-        order = [n for n in parameter_names(model.spec) if n in merged]
-        self.holdings = [{n: Shard(d, i, k) for n, (d, i, k, _) in h.items()} for h, _ in all_holdings]
-        self.pushes = {n: h[3] for n, h in mine.items()}
-        self.exchange = HeteroExchange.for_shape(key, {n: merged[n] for n in order}, self.holdings)
+        shapes = whole_shapes(model.spec)
+        self.holdings, dims = strategy_holdings(model.spec, plan_pipelines(plan), list(shapes))
+        mine = {n: _holding(p, place.tp_rank) for n, p in self.params.items()}
+        if mine != self.holdings[layout.rank]:
+            raise RuntimeError(f"rank {layout.rank}: its parameters' TP layout {mine} is not the strategy's "
+                               f"{self.holdings[layout.rank]}")
+        self.pushes = {n: place.tp_rank == 0 or partial(n) or s.parts > 1 for n, s in mine.items()}
+        self.exchange = HeteroExchange.for_shape(key, shapes, self.holdings, dims=dims,
+                                                 device=next(iter(self.params.values())).device)
 
     def local_grads(self) -> torch.Tensor:
         """This rank's gradient pieces, flattened in the exchange's order (zeros for the TP
@@ -471,4 +679,3 @@ class HeteroReducer:
         for n, g in summed.items():
             local(self.params[n].grad).copy_(g.view_as(local(self.params[n].grad)))
         return (ex.bytes_sent - before) // flat.element_size()
-

@@ -40,9 +40,8 @@ pipeline sends each TP rank's rows only (`cost/model.boundary_bytes`).
 
 Memory: a rank keeps its rows of the residual stream and of the norms' inputs, but the
 projections keep the gathered normed input (whole, T x hidden) for their weight gradients, as
-DTensor's column-parallel linear does; Megatron gathers it again in backward instead, which
-`cost/memory.py` assumes (its norm outputs divided by tp): measured activations stay above the
-simulated by about 2 x hidden x (1 - 1/tp) values per token and layer.
+DTensor's column-parallel linear does (Megatron gathers it again in backward instead);
+`cost/memory.py` counts it whole, as kept here.
 
 Attention needs the whole row: the gathered normed input is cut back to the row's T tokens
 (the rotary tables' length) before q/k/v, so rotary positions, the `ChunkLayout` of packed
@@ -134,6 +133,25 @@ def tp_partial_names(spec: ModelSpec, tp: int) -> Callable[[str], bool]:
     replicated = kv_replicated(spec, tp)
     return lambda name: replicated and name.startswith("model.layers.") and \
         name.split(".")[-2] in ("k_proj", "v_proj")
+
+
+def tp_shard_dim(spec: ModelSpec, name: str, tp: int | None) -> int | None:
+    """The dimension `apply_tp` splits parameter `name` along over `tp` ranks (None: every TP
+    rank holds it whole: tp 1, the norms, K/V projections replicated over TP). `tp` None: the
+    dimension whenever it is split."""
+    if tp is not None and tp <= 1:
+        return None
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):  # vocabulary rows
+        return 0
+    if not name.startswith("model.layers."):
+        return None
+    module, _, kind = name.split(".", 3)[3].rpartition(".")
+    style = LAYER_PLAN.get(module)
+    if style is None or (tp is not None and tp_partial_names(spec, tp)(name)):
+        return None
+    if isinstance(style, ColwiseParallel):  # output features: the weight's rows and the bias
+        return 0
+    return 1 if kind == "weight" else None  # RowwiseParallel: the weight's input columns
 
 
 def apply_tp(model: CausalLM, mesh: DeviceMesh, *, sequence_parallel: bool = True) -> CausalLM:

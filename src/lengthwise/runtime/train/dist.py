@@ -86,8 +86,11 @@ from lengthwise.runtime.weights import load_state, save_tensors_pretrained
 from lengthwise.workloads.sampler import GlobalBatchSampler
 
 ROUND_ROBIN = "round-robin"
-"""A checkpoint's `optimizer_layout` extra when its optimizer state is dealt element by element
-over all ranks (`dist_hetero.HeteroRankExecutor`)."""
+"""A checkpoint's `optimizer_layout` extra when its optimizer state was dealt element by element
+over all ranks (the Hydraulis executor's layout before OWNED_BY_HOLDERS)."""
+OWNED_BY_HOLDERS = "owned-by-holders"
+"""A checkpoint's `optimizer_layout` extra when each element's optimizer state is owned by one of
+the ranks holding it (`dist_hetero.HeteroRankExecutor`, `parallel/hetero.py`)."""
 
 AfterAction = Callable[[int, int], None]
 """Called as after_action(step, action_index) after each action of this rank (fault tests)."""
@@ -241,8 +244,8 @@ class RankExecutor:
         """UserError naming the degrees when the checkpoint's pp, cp or tp differ from this
         run's (only dp may change: FSDP2 shards are resharded, stages and TP shards are not)."""
         saved, config = extras.get("config", {}), self.config
-        if extras.get("optimizer_layout") == ROUND_ROBIN:
-            raise UserError(f"{path} holds a Hydraulis run's round-robin optimizer state; resume it with "
+        if extras.get("optimizer_layout") in (ROUND_ROBIN, OWNED_BY_HOLDERS):
+            raise UserError(f"{path} holds a Hydraulis run's optimizer state; resume it with "
                             f"--planner hydraulis and --nproc {extras.get('nproc')}")
         degrees = ("dp", "pp", "cp", "tp")
         if any(saved.get(d, 1) != getattr(config, d) for d in degrees[1:]):

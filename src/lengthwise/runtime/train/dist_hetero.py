@@ -1,5 +1,6 @@
-"""`lengthwise train --planner hydraulis` across processes: heterogeneous pipelines, optimizer
-state dealt round-robin over all ranks, strategy switches between steps (hydraulis §5.2).
+"""`lengthwise train --planner hydraulis` across processes: heterogeneous pipelines, each element's
+optimizer state owned by one of the ranks holding it, strategy switches between steps
+(hydraulis §5.2).
 
     lengthwise train --planner hydraulis --nproc 4 --pipelines tp2-pp1,tp1-pp2 --dtype float64
 
@@ -8,31 +9,38 @@ Two layouts per rank (`parallel/hetero.py` explains why):
 - propagation: the rank's part of the plan's current strategy (its pipeline's stage, whole or
   as tp row / column shards), in the run's dtype, built by `parallel/build.build_rank_model`
   without FSDP2 (every pipeline may have another tp x pp x cp);
-- optimisation: for every parameter, elements rank, rank + W, rank + 2W, ... of the flattened
-  whole parameter (W ranks): the master weights (float32, float64 for a float64 run) and
-  AdamW's two moments, one `torch.optim.AdamW` over per-parameter views of one flat master
-  shard (weight decay on matrices only, as one process trains).
+- optimisation: of every element it holds, the ones it owns (every h-th column of each band of
+  columns its h holders share): the master weights (float32, float64 for a float64 run) and
+  AdamW's two moments, flat, one `torch.optim.AdamW` over per-parameter views of the flat
+  master shard, the moments views of two flat buffers laid out alike (weight decay on
+  matrices only, as one process trains).
 
 A step: the rank runs its actions with its own gradients left unsummed (`run_rank_step(...,
-reduce_grads=False)`), pushes them to the owners (one all_to_all; the owner's sum, rank by rank, is the
-sum over pipelines, TP replicas push zeros), takes the gradient norm over the owned shards
-(each element counted once), clips, steps AdamW on its shard, and pulls its next propagation
-weights (one all_to_all). Nothing is all-reduced; the masters never travel.
+reduce_grads=False)`), pushes them to the owners (one all_to_all; the owner's sum, rank by rank,
+is the sum over pipelines, TP replicas push zeros), takes the gradient norm over the owned
+shards (each element counted once), clips, steps AdamW on its shard, and pulls its next
+propagation weights (one all_to_all). Nothing is all-reduced; the masters never travel in a
+step. The two all-to-alls carry what a reduce-scatter and an all-gather among each element's
+holders carry.
 
 Strategy switch. When a batch's plan has other pipelines than the previous one (Hydraulis picks
-a strategy per batch; a test fixes them), the rank builds its part of the new strategy on the
-meta device, materialises it without initialising, builds the new exchange's blocks (cached per
-strategy) and pulls its weights from the masters. The masters and AdamW states stay where they
-are: the round-robin layout depends only on the parameters and W. Rank 0 logs each switch on
-stderr with its measured cost (seconds, bytes pulled over all ranks, and the bytes of optimizer
-state that moved, counted by comparing every state tensor's storage before and after: 0), and
-the step's metrics line carries the same record under "switch".
+a strategy per batch, charging the switch: `planners/hydraulis/planner.py`; a test fixes them),
+the rank builds its part of the new strategy on the meta device, materialises it without
+initialising, builds the new exchange's blocks (cached per strategy), moves the masters and both
+AdamW moments from their old owners to their new ones in one all_to_all
+(`HeteroExchange.switch`; the optimizer object stays, its parameters become views of the moved
+shard and keep their step counts) and pulls its weights from the new owners. Rank 0 logs each
+switch on stderr with its measured cost (seconds, those of the move, bytes of optimizer state
+moved and of weights pulled over all ranks), and the step's metrics line carries the same
+record under "switch".
 
-Checkpoints hold the round-robin shards (master, exp_avg, exp_avg_sq, step per parameter, keyed
-by rank) through torch.distributed.checkpoint (`checkpoint_dist`, same manifest, RNG and
-sampler extras), plus the whole model as model.safetensors gathered from the masters to rank 0.
-A resumed run needs the same number of processes (the layout depends on W) but may use another
-strategy: it pulls its propagation weights from the loaded masters.
+Checkpoints hold the owned shards (master, exp_avg, exp_avg_sq, step per parameter, keyed by
+rank) through torch.distributed.checkpoint (`checkpoint_dist`, same manifest, RNG and sampler
+extras) with the saved strategy's pipelines (`exchange_pipelines`), plus the whole model as
+model.safetensors gathered from the masters to rank 0. A resumed run needs the same number of
+processes (the layout depends on the ranks) but may use another strategy: it loads the shards
+into the saved strategy's layout and moves them to its own owners as a switch does, then pulls
+its propagation weights.
 """
 
 from __future__ import annotations
@@ -47,13 +55,14 @@ import torch.distributed as dist
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
+from lengthwise.planners.hydraulis.cost import pipelines_name
 import lengthwise.runtime.distributed.checkpoint_dist as checkpoint_dist
 from lengthwise.runtime.distributed.dp import check_same_plan
 from lengthwise.runtime.distributed.step import run_rank_step
 from lengthwise.runtime.model import parameter_names
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
-from lengthwise.runtime.parallel.hetero import HeteroExchange, HeteroReducer
-from lengthwise.runtime.train.dist import ROUND_ROBIN, RankExecutor
+from lengthwise.runtime.parallel.hetero import HeteroExchange, HeteroReducer, plan_pipelines, strategy_holdings
+from lengthwise.runtime.train.dist import OWNED_BY_HOLDERS, ROUND_ROBIN, RankExecutor
 from lengthwise.runtime.train.executor import PreparedStep, StepOutcome
 from lengthwise.runtime.train.loop import weights_folder
 from lengthwise.runtime.train.step import PeakMemory
@@ -62,13 +71,12 @@ from lengthwise.runtime.weights import save_tensors_pretrained
 
 def strategy_key(plan: StepPlan) -> tuple:
     """What fixes every rank's propagation layout: each pipeline's tp, pp, cp and layers per stage."""
-    return (plan.model, tuple((p.tp, p.pp, p.cp, tuple(p.stage_layers(plan.model.num_layers)))
-                              for p in plan.pipelines))
+    return (plan.model, plan_pipelines(plan))
 
 
 def strategy_name(plan: StepPlan) -> str:
     """tp2-pp1,tp1-pp2 (the pipelines option's grammar)."""
-    return ",".join(f"tp{p.tp}-pp{p.pp}" + (f"-cp{p.cp}" if p.cp > 1 else "") for p in plan.pipelines)
+    return pipelines_name(plan.pipelines)
 
 
 class HeteroRankExecutor(RankExecutor):
@@ -79,20 +87,38 @@ class HeteroRankExecutor(RankExecutor):
         self.dtype = getattr(torch, config.dtype)
         self.master_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         self.switches: list[dict] = []
+        self.optimizer = None
         folder = weights_folder(config.model)
         self._propagation(plan, seed=None if folder else config.seed, weights=folder)
+        master = self.exchange.init_master_from_held(self.reducer.local_values(), dtype=self.master_dtype)
+        self._adopt(master, torch.zeros_like(master), torch.zeros_like(master), steps=None)
+
+    def _adopt(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+               steps: dict[str, torch.Tensor] | None) -> None:
+        """Make `master` and the two moments (laid out like it, in the current exchange's layout)
+        the optimizer's: one AdamW parameter per model parameter, a view of this rank's owned
+        elements of it, its moments views of the flat moments; `steps`: each parameter's AdamW
+        step count (None: 0). The optimizer object stays (the LR scheduler holds it)."""
         ex = self.exchange
-        ex.init_master_from_held(self.reducer.local_values(), dtype=self.master_dtype)
-        self.master = ex.master
-        # one AdamW parameter per model parameter: a view of this rank's elements of it
+        ex.master = self.master = master
+        self.exp_avg, self.exp_avg_sq = exp_avg, exp_avg_sq
         self.views = {n: torch.nn.Parameter(ex.master_view(n)) for n in ex.shapes}
         matrices = [v for n, v in self.views.items() if len(ex.shapes[n]) >= 2]
         vectors = [v for n, v in self.views.items() if len(ex.shapes[n]) < 2]
-        self.optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": config.weight_decay},
-                                            {"params": vectors, "weight_decay": 0.0}], lr=config.lr)
-        for view in self.views.values():  # the state AdamW's first step would create, so checkpoints can load into it
-            self.optimizer.state[view] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(view),
-                                          "exp_avg_sq": torch.zeros_like(view)}
+        if self.optimizer is None:  # weight decay on matrices only, as one process trains
+            self.optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": self.config.weight_decay},
+                                                {"params": vectors, "weight_decay": 0.0}], lr=self.config.lr)
+        else:
+            for group, params in zip(self.optimizer.param_groups, (matrices, vectors)):
+                group["params"] = params
+            self.optimizer.state.clear()
+        for n, view in self.views.items():  # the state AdamW's first step would create, so checkpoints can load into it
+            self.optimizer.state[view] = {"step": torch.tensor(0.0) if steps is None else steps[n],
+                                          "exp_avg": ex.master_view(n, exp_avg),
+                                          "exp_avg_sq": ex.master_view(n, exp_avg_sq)}
+
+    def _steps(self) -> dict[str, torch.Tensor]:
+        return {n: self.optimizer.state[v]["step"] for n, v in self.views.items()}
 
     def _propagation(self, plan: StepPlan, *, seed: int | None, weights: str | None) -> None:
         """This rank's part of `plan`'s strategy and the exchange of that strategy (collective)."""
@@ -127,7 +153,7 @@ class HeteroRankExecutor(RankExecutor):
         with PeakMemory(self.model) as peak:
             done = run_rank_step(self.model, plan, prepared.token_ids, mesh=self.mesh, backend=self.config.backend,
                                  check_plan=False, after_action=hook, reduce_grads=False)
-        self.status.note(f"step {step}: gradient push, optimizer step on its round-robin shard, weight pull")
+        self.status.note(f"step {step}: gradient push, optimizer step on its owned shard, weight pull")
         grad = self.exchange.push(self.reducer.local_grads(), dtype=self.master_dtype)
         squares = grad.double().pow(2).sum().reshape(1).to(self.mesh.device)
         dist.all_reduce(squares)
@@ -142,55 +168,48 @@ class HeteroRankExecutor(RankExecutor):
             grad.mul_(coef.to(grad.dtype))
         ex = self.exchange
         for name, view in self.views.items():
-            start = ex.shard_offset[name][ex.rank]
-            view.grad = grad[start:start + view.numel()]
+            view.grad = ex.master_view(name, grad)
         self.optimizer.step()
         self.reducer.load_values(ex.pull(dtype=self.dtype))
         return outcome
 
     def _switch(self, plan: StepPlan, step: int) -> dict:
-        """Rebuild this rank's propagation part for `plan`'s strategy and pull its weights from
-        the masters, which stay where they are (collective). Returns the measured cost."""
-        before = self._state_storage()
+        """Rebuild this rank's propagation part for `plan`'s strategy, move the masters and AdamW
+        moments to the new owners and pull its weights from them (collective). Returns the
+        measured cost."""
         old = strategy_name(self.plan_now)
         started = time.perf_counter()
-        previous = self.exchange
+        previous, steps = self.exchange, self._steps()
         self._propagation(plan, seed=None, weights=None)  # materialised, not initialised: the pull fills it
         built = time.perf_counter() - started
-        ex = previous.switch(strategy_key(plan), self.exchange.shapes, self.reducer.holdings)
-        assert ex is self.exchange and ex.master is self.master
+        previous.master = self.master
+        ex = previous.switch(strategy_key(plan), self.exchange.shapes, self.reducer.holdings,
+                             state=(self.exp_avg, self.exp_avg_sq))
+        assert ex is self.exchange
+        self._adopt(ex.master, *ex.moved, steps=steps)
         self.reducer.load_values(ex.last_pull.to(self.dtype))
         seconds = time.perf_counter() - started
-        after = self._state_storage()
-        moved = sum(n for key, n in before.items() if key not in after)
-        totals = torch.tensor([ex.switch_cost["pull_bytes"], moved, seconds], dtype=torch.float64,
-                              device=self.mesh.device)
+        cost = ex.switch_cost
+        totals = torch.tensor([cost["pull_bytes"], cost["state_bytes_moved"], seconds, cost["move_s"]],
+                              dtype=torch.float64, device=self.mesh.device)
         dist.all_reduce(totals[:2])
         dist.all_reduce(totals[2:], op=dist.ReduceOp.MAX)
         record = {"step": step, "from": old, "to": strategy_name(plan), "seconds": round(float(totals[2]), 6),
-                  "build_s": round(built, 6), "weight_bytes_pulled": int(totals[0]),
-                  "optimizer_state_bytes_moved": int(totals[1])}
+                  "build_s": round(built, 6), "move_s": round(float(totals[3]), 6),
+                  "weight_bytes_pulled": int(totals[0]), "optimizer_state_bytes_moved": int(totals[1])}
         self.switches.append(record)
         if self.is_reporter:
             print(f"lengthwise train: step {step}: strategy {old} -> {record['to']} in {record['seconds']:.3f} s, "
-                  f"{record['weight_bytes_pulled']:,} bytes of weights pulled, "
-                  f"{record['optimizer_state_bytes_moved']:,} bytes of optimizer state moved", file=sys.stderr)
+                  f"{record['optimizer_state_bytes_moved']:,} bytes of optimizer state moved to the new owners "
+                  f"({record['move_s']:.3f} s), {record['weight_bytes_pulled']:,} bytes of weights pulled",
+                  file=sys.stderr)
         return record
-
-    def _state_storage(self) -> dict[tuple[int, int], int]:
-        """(storage address, bytes) of the masters and of every AdamW state tensor: what a
-        switch would have to move if the state's layout depended on the strategy."""
-        tensors = [self.master] + [t for s in self.optimizer.state.values() for t in s.values()
-                                   if isinstance(t, torch.Tensor)]
-        return {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()): t.untyped_storage().nbytes()
-                for t in tensors}
 
     def _first_nonfinite_owned(self, grad: torch.Tensor) -> str | None:
         """The first parameter, in model order, with a NaN or infinity in any owner's shard of
         its summed gradient (collective)."""
         ex = self.exchange
-        mine = [n for n in ex.shapes
-                if not bool(torch.isfinite(grad[ex.shard_offset[n][ex.rank]:][:self.views[n].numel()]).all())]
+        mine = [n for n in ex.shapes if not bool(torch.isfinite(ex.master_view(n, grad)).all())]
         every = [None] * self.mesh.world_size
         dist.all_gather_object(every, mine)
         bad = {name for names in every for name in names}
@@ -208,32 +227,36 @@ class HeteroRankExecutor(RankExecutor):
         dist.gather_object(self.master.detach().cpu(), shards, dst=0)
         if self.mesh.rank != 0:
             return None
-        W, out = self.mesh.world_size, {}
+        out = {}
         for name, shape in ex.shapes.items():
             flat = torch.empty(ex.numel[name], dtype=self.master_dtype)
             for r, shard in enumerate(shards):
                 start = ex.shard_offset[name][r]
-                flat[r::W] = shard[start:start + (ex.numel[name] - r + W - 1) // W]
+                index = ex.owned_indices(name, r)
+                flat[index] = shard[start:start + index.numel()]
             out[name] = flat.view(shape)
         return out
 
-    def _dcp_state(self) -> dict:
-        """This rank's round-robin shards, keyed by rank and parameter (each rank its own keys)."""
+    def _dcp_state(self, ex: HeteroExchange, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                   steps: dict[str, torch.Tensor]) -> dict:
+        """This rank's owned shards in `ex`'s layout, keyed by rank and parameter (each rank its
+        own keys)."""
         rank, state = self.mesh.rank, {}
-        for name, view in self.views.items():
-            saved = self.optimizer.state[view]
-            state[f"rank{rank}.{name}.master"] = view.data
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                state[f"rank{rank}.{name}.{key}"] = saved[key]
-        return {"round_robin": state}
+        for name in ex.shapes:
+            state[f"rank{rank}.{name}.master"] = ex.master_view(name, master)
+            state[f"rank{rank}.{name}.exp_avg"] = ex.master_view(name, exp_avg)
+            state[f"rank{rank}.{name}.exp_avg_sq"] = ex.master_view(name, exp_avg_sq)
+            state[f"rank{rank}.{name}.step"] = steps[name]
+        return {"owned": state}
 
     def save(self, step: int, trainer: dict) -> Path:
         self.status.note(f"step {step}: saving its checkpoint")
-        extras = {**trainer, "optimizer_layout": ROUND_ROBIN, "nproc": self.mesh.world_size,
-                  "strategy": strategy_name(self.plan_now)}
+        extras = {**trainer, "optimizer_layout": OWNED_BY_HOLDERS, "nproc": self.mesh.world_size,
+                  "strategy": strategy_name(self.plan_now),
+                  "exchange_pipelines": [[*p[:3], list(p[3])] for p in plan_pipelines(self.plan_now)]}
+        state = self._dcp_state(self.exchange, self.master, self.exp_avg, self.exp_avg_sq, self._steps())
         return checkpoint_dist.save_checkpoint(self.config.out, step=step, model=self.model, optimizer=self.optimizer,
-                                               held=self.held, extras=extras, also=self._save_weights,
-                                               state=self._dcp_state())
+                                               held=self.held, extras=extras, also=self._save_weights, state=state)
 
     def _save_weights(self, path: Path) -> None:
         weights = self._gather_weights()
@@ -241,17 +264,43 @@ class HeteroRankExecutor(RankExecutor):
             save_tensors_pretrained(weights, self.model.spec, path)
 
     def load(self, path: Path) -> dict:
-        """Restore the round-robin shards (same number of processes, any strategy), pull this
-        rank's propagation weights from them, restore the RNGs; returns the trainer state."""
+        """Restore the owned shards (same number of processes, any strategy: saved under another
+        one, they load in the saved strategy's layout and move to this one's owners, as a switch
+        moves them), pull this rank's propagation weights from them, restore the RNGs; returns
+        the trainer state."""
         self.status.note(f"loading checkpoint {path}")
+        state: dict = {}
+        loading: dict = {}
+
+        def check(extras: dict) -> None:  # before anything loads: the tensors to load into, in the saved layout
+            self._check_layout(path, extras)
+            saved = tuple((tp, pp, cp, tuple(layers)) for tp, pp, cp, layers in extras["exchange_pipelines"])
+            model = self.plan_now.model
+            holdings, dims = strategy_holdings(model, saved, list(self.exchange.shapes))
+            ex = HeteroExchange.for_shape((model, saved), self.exchange.shapes, holdings, dims=dims,
+                                          group=self.exchange.group, device=self.exchange.device)
+            buffers = [torch.zeros(ex.shard_size, dtype=self.master_dtype, device=self.master.device) for _ in range(3)]
+            steps = {n: torch.tensor(0.0) for n in ex.shapes}
+            loading.update(exchange=ex, buffers=buffers, steps=steps)
+            state.update(self._dcp_state(ex, *buffers, steps))
+
         extras = checkpoint_dist.load_checkpoint(path, model=self.model, optimizer=self.optimizer, held=self.held,
-                                                 check=functools.partial(self._check_round_robin, path),
-                                                 state=self._dcp_state())
+                                                 check=check, state=state)
+        saved, buffers = loading["exchange"], loading["buffers"]
+        if saved is not self.exchange:
+            send, recv = saved.layout.moves(self.exchange.layout, self.mesh.rank)
+            buffers = self.exchange.move(buffers, send, recv)
+        self._adopt(*buffers, steps=loading["steps"])
         self.reducer.load_values(self.exchange.pull(dtype=self.dtype))
         return extras
 
-    def _check_round_robin(self, path: Path, extras: dict) -> None:
-        if extras.get("optimizer_layout") != ROUND_ROBIN:
+    def _check_layout(self, path: Path, extras: dict) -> None:
+        layout = extras.get("optimizer_layout")
+        if layout == ROUND_ROBIN:
+            raise UserError(f"{path} holds its optimizer state round-robin over all ranks, the layout of an "
+                            f"earlier lengthwise; this one owns each element among its holders and cannot "
+                            f"resume it: restart from its model.safetensors (--model {path})")
+        if layout != OWNED_BY_HOLDERS:
             raise UserError(f"{path} holds per-stage optimizer state (a run of --planner "
                             f"{extras.get('config', {}).get('planner')}); --planner hydraulis across processes "
                             f"resumes only its own checkpoints")

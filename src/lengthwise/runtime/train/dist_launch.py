@@ -88,8 +88,8 @@ def train_on_rank(config: TrainConfig, mesh: Mesh, *, after_action: AfterAction 
 
 
 def rank_executor(setup: Setup, mesh: Mesh, **kwargs) -> "RankExecutor":
-    """The executor of this run: `dist_hetero.HeteroRankExecutor` (round-robin optimizer
-    state, strategy switches) for Hydraulis, whose pipelines may differ from each other and
+    """The executor of this run: `dist_hetero.HeteroRankExecutor` (optimizer state owned by
+    the ranks holding it, strategy switches) for Hydraulis, whose pipelines may differ from each other and
     from step to step; `RankExecutor` otherwise."""
     if setup.config.planner == "hydraulis":
         return HeteroRankExecutor(setup, mesh, **kwargs)

@@ -56,6 +56,7 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
+from lengthwise.planners.hydraulis.cost import pipelines_name
 from lengthwise.runtime.model import CausalLM, build_model
 from lengthwise.runtime.train.config import TrainConfig
 from lengthwise.runtime.train.executor import Executor, LocalExecutor, PreparedStep
@@ -129,6 +130,8 @@ class Setup:
         if config.eval_every is not None:
             self.source, self.eval_ids = hold_out(self.source, count=config.eval_sequences, seed=config.seed)
         self.sampler = GlobalBatchSampler(self.source, seed=config.seed, **config.sampler_size)
+        self.previous_strategy: str | None = None
+        """The pipelines of the last plan (--planner hydraulis; a resumed run: the checkpoint's)."""
 
     def prepare(self, batch: GlobalBatch, sampler_state: dict) -> PreparedStep:
         """Token ids and the validated plan of `batch` (runs on the worker thread)."""
@@ -139,16 +142,23 @@ class Setup:
                          planning_ms=(time.perf_counter() - started) * 1e3)
 
     def plan(self, batch: GlobalBatch, *, options: dict | None = None) -> StepPlan:
-        """The validated plan of `batch`: a function of the batch and the run's seed only.
+        """The validated plan of `batch`: a function of the batch and the run's seed only, and
+        for --planner hydraulis choosing its strategy also of the strategy planned before it
+        (`previous_strategy`, passed as the `previous` option: a switch is charged).
         `options`: planner options instead of the run's (a test switching strategies)."""
         cluster = cluster_preset(self.config.cluster, self.config.num_ranks)
         cost = CostModel(model=self.spec, cluster=cluster)
         options = dict(self.config.options if options is None else options)
+        hydraulis = self.config.planner == "hydraulis"
+        if hydraulis and self.previous_strategy is not None and not options.get("pipelines"):
+            options.setdefault("previous", self.previous_strategy)
         request = PlanRequest(lengths=list(batch.lengths), model=self.spec, cluster=cluster,
                               scheme=self.scheme, cost=cost, context_length=self.config.context_length,
                               seed=self.config.seed + batch.index, options=options)
         plan = self.planner(request)
         validate_plan(plan, cost)
+        if hydraulis:
+            self.previous_strategy = pipelines_name(plan.pipelines)
         return plan
 
 
@@ -268,6 +278,8 @@ def _resume(setup: Setup, executor: Executor, path: Path) -> int:
             raise UserError(f"checkpoint {path} was trained with {key}={saved.get(key)!r}, this run "
                             f"has {getattr(setup.config, key)!r}; resume with the same value")
     setup.sampler.load_state_dict(trainer["sampler"])
+    if trainer.get("strategy") is not None:  # a Hydraulis run plans its next batch from the saved strategy
+        setup.previous_strategy = trainer["strategy"]
     changes = apply_settings(executor.optimizer, setup.config, saved)
     if changes and executor.is_reporter:
         print(f"lengthwise train: resuming {path} with {', '.join(changes)}", file=sys.stderr)
@@ -369,4 +381,6 @@ def _checkpoint_due(config: TrainConfig, step: int) -> bool:
 def _save(setup: Setup, executor: Executor, step: int, prepared: PreparedStep, record: StepRecord) -> Path:
     trainer = {"sampler": prepared.sampler_state, "config": setup.config.to_dict(),
                "loss": record.loss if math.isfinite(record.loss) else None}
+    if setup.config.planner == "hydraulis":  # the strategy the resumed run's next plan switches from
+        trainer["strategy"] = pipelines_name(prepared.plan.pipelines)
     return executor.save(step, trainer)

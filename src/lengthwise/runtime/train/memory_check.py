@@ -20,8 +20,9 @@ embedding, norm and head (an upper bound for every stage), split over tp, and it
 sharded over dp x cp under FSDP2 (zero >= 1) while the whole stage's weights and gradients are
 gathered for the step (zero 1 / 2; ZeRO-3 gathers one layer at a time, still bounded by that).
 With --dtype bfloat16 under FSDP2 the sharded states are float32 and the gathered copies bf16.
-A Hydraulis rank holds its part of the current strategy's stage plus 1/W of the float32 masters
-and AdamW moments (`train/dist_hetero.py`).
+A Hydraulis rank holds its part of the current strategy's stage plus the float32 masters and
+AdamW moments of the elements of it that it owns, 1/d of them for d holders
+(`train/dist_hetero.py`).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _rank_states(config: TrainConfig, spec: ModelSpec) -> int:
     """Model-state bytes of the fullest rank of a distributed run (module docstring)."""
     value = DTYPE_BYTES[config.dtype]
     if config.planner == "hydraulis":
-        return _round_robin_states(config, spec, value)
+        return _hetero_states(config, spec, value)
     stage = (-(-spec.num_layers // config.pp) * spec.params_per_layer + spec.embedding_params) / config.tp
     if config.zero == 0:
         return int(4 * stage * value)
@@ -89,16 +90,19 @@ def _rank_states(config: TrainConfig, spec: ModelSpec) -> int:
     return int(4 * stage * master / shards + 2 * stage * value)  # sharded states + gathered weights, gradients
 
 
-def _round_robin_states(config: TrainConfig, spec: ModelSpec, value: int) -> int:
+def _hetero_states(config: TrainConfig, spec: ModelSpec, value: int) -> int:
     """A Hydraulis rank (`train/dist_hetero.py`): its largest propagation part's weights and
     gradients in the run's dtype (the fullest stage over the --pipelines schemes; the whole
-    model when the planner picks strategies itself), plus its 1/W of the masters, the two AdamW
-    moments and the pushed gradient (float32, float64 for a float64 run)."""
+    model when the planner picks strategies itself), plus, for the elements it owns (1/d of what
+    it holds, d = the pipelines x CP ranks holding each element; all N ranks as one-GPU
+    pipelines when the planner picks), the masters, the two AdamW moments and the pushed
+    gradient (float32, float64 for a float64 run)."""
     schemes = config.pipeline_schemes or [(1, 1, 1)]
+    holders = sum(cp for _, _, cp in config.pipeline_schemes) if config.pipeline_schemes else config.num_ranks
     stage = max((-(-spec.num_layers // pp) * spec.params_per_layer + spec.embedding_params) / tp
                 for tp, pp, _ in schemes)
     master = 8 if config.dtype == "float64" else 4
-    return int(2 * stage * value + 4 * spec.num_params * master / config.num_ranks)
+    return int(2 * stage * value + 4 * stage * master / holders)
 
 
 def check_memory(need: MemoryNeed, device: torch.device) -> None:
