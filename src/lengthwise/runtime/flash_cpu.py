@@ -114,33 +114,41 @@ def _row_calls(layout: ChunkLayout) -> tuple[tuple[_Call, ...], ...]:
     return tuple(ranges)
 
 
-def _keys(call: _Call, layout: ChunkLayout, own_TGE: torch.Tensor, pieces: list[torch.Tensor]):
-    """The keys (or values) a call scores against."""
+def _keys(call: _Call, layout: ChunkLayout, own_TGE: torch.Tensor, own_1GTE: torch.Tensor,
+          pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The keys (or values) a call scores against, heads first [1, G, K, E]: the row's own
+    (`own_1GTE`, the heads-first view of `own_TGE`) or the segment's context."""
     if not call.context:
-        return own_TGE[call.lo:call.hi]
-    return cat_tokens(key_parts(own_TGE, pieces, layout, call.segment)[:-1])
+        return _rows(own_1GTE, call)
+    return _heads_first(cat_tokens(key_parts(own_TGE, pieces, layout, call.segment)[:-1]))
 
 
-def _kernel(q_tHE, k_KGE, v_KGE, call: _Call):
-    """Output [t, H, E] and log-sum-exp [H, t] of one call."""
-    bias = None if call.group is None else call.group.bias(q_tHE.device, q_tHE.dtype)
+def _kernel(q_1HtE, k_1GKE, v_1GKE, call: _Call):
+    """Output [t, H, E] and log-sum-exp [H, t] of one call (inputs heads first)."""
+    bias = None if call.group is None else call.group.bias(q_1HtE.device, q_1HtE.dtype)
     out_1HtE, lse_1Ht = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        _heads_first(q_tHE), _heads_first(k_KGE), _heads_first(v_KGE), 0.0, call.causal, attn_mask=bias)
+        q_1HtE, k_1GKE, v_1GKE, 0.0, call.causal, attn_mask=bias)
     return out_1HtE[0].transpose(0, 1), lse_1Ht[0]
 
 
-def _kernel_backward(g_tHE, q_tHE, k_KGE, v_KGE, out_tHE, lse_Ht, call: _Call):
-    """Gradients of q, k, v of one call, given the merged output and log-sum-exp."""
-    bias = None if call.group is None else call.group.bias(q_tHE.device, q_tHE.dtype)
-    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _heads_first(g_tHE), _heads_first(q_tHE), _heads_first(k_KGE), _heads_first(v_KGE),
-        _heads_first(out_tHE), lse_Ht[None].contiguous(), 0.0, call.causal, attn_mask=bias)
-    return [g[0].transpose(0, 1) for g in grads]
+def _kernel_backward(g_1HtE, q_1HtE, k_1GKE, v_1GKE, out_1HtE, lse_Ht, call: _Call):
+    """Gradients of q, k, v of one call, heads first, given the merged output and
+    log-sum-exp (inputs heads first)."""
+    bias = None if call.group is None else call.group.bias(q_1HtE.device, q_1HtE.dtype)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g_1HtE, q_1HtE, k_1GKE, v_1GKE, out_1HtE, lse_Ht[None].contiguous(), 0.0, call.causal, attn_mask=bias)
 
 
 def _heads_first(x_TNE: torch.Tensor) -> torch.Tensor:
     """[tokens, heads, dim] -> the kernel's [1, heads, tokens, dim], a view (it takes strides)."""
     return x_TNE.transpose(0, 1)[None]
+
+
+def _rows(x_1NTE: torch.Tensor, call: _Call) -> torch.Tensor:
+    """The call's rows lo:hi of a heads-first view: the same view as `_heads_first(x[lo:hi])`,
+    taken once per row instead of three views per call (each view is an operation, which a
+    dry run's fake tensors make the cost that matters)."""
+    return x_1NTE.narrow(2, call.lo, call.hi - call.lo)
 
 
 def _merge(parts):
@@ -156,14 +164,15 @@ class _FlashCPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layout, num_pieces, q_THE, k_TGE, v_TGE, *flat):
         context = unflatten_context(flat, num_pieces)
+        q_1HTE, k_1GTE, v_1GTE = _heads_first(q_THE), _heads_first(k_TGE), _heads_first(v_TGE)
         outs, lses = [], []
         for calls in _row_calls(layout):
             parts = []
             for call in calls:
                 pieces = context[call.segment]
-                k = _keys(call, layout, k_TGE, [kv[0] for kv in pieces])
-                v = _keys(call, layout, v_TGE, [kv[1] for kv in pieces])
-                parts.append(_kernel(q_THE[call.lo:call.hi], k, v, call))
+                k = _keys(call, layout, k_TGE, k_1GTE, [kv[0] for kv in pieces])
+                v = _keys(call, layout, v_TGE, v_1GTE, [kv[1] for kv in pieces])
+                parts.append(_kernel(_rows(q_1HTE, call), k, v, call))
             out, lse = parts[0] if len(parts) == 1 else _merge(parts)
             outs.append(out)
             lses.append(lse)
@@ -179,19 +188,24 @@ class _FlashCPU(torch.autograd.Function):
         context = unflatten_context(flat, num_pieces)
         first_piece = [2 * n for n in accumulate(num_pieces, initial=0)]
         dq, dk, dv = torch.zeros_like(q_THE), torch.zeros_like(k_TGE), torch.zeros_like(v_TGE)
+        # heads-first views, each taken once (`_rows`); the sums into dq, dk, dv go through them
+        g_1HTE, q_1HTE, out_1HTE = _heads_first(g_THE), _heads_first(q_THE), _heads_first(out_THE)
+        k_1GTE, v_1GTE = _heads_first(k_TGE), _heads_first(v_TGE)
+        dq_1HTE, dk_1GTE, dv_1GTE = _heads_first(dq), _heads_first(dk), _heads_first(dv)
         dflat: list[torch.Tensor | None] = [None] * len(flat)
         for calls in _row_calls(layout):
             for call in calls:
                 lo, hi, pieces = call.lo, call.hi, context[call.segment]
-                k = _keys(call, layout, k_TGE, [kv[0] for kv in pieces])
-                v = _keys(call, layout, v_TGE, [kv[1] for kv in pieces])
-                gq, gk, gv = _kernel_backward(g_THE[lo:hi], q_THE[lo:hi], k, v, out_THE[lo:hi],
+                k = _keys(call, layout, k_TGE, k_1GTE, [kv[0] for kv in pieces])
+                v = _keys(call, layout, v_TGE, v_1GTE, [kv[1] for kv in pieces])
+                gq, gk, gv = _kernel_backward(_rows(g_1HTE, call), _rows(q_1HTE, call), k, v, _rows(out_1HTE, call),
                                               lse_HT[:, lo:hi], call)
-                dq[lo:hi] += gq
+                _rows(dq_1HTE, call).add_(gq)
                 if not call.context:
-                    dk[lo:hi] += gk
-                    dv[lo:hi] += gv
+                    _rows(dk_1GTE, call).add_(gk)
+                    _rows(dv_1GTE, call).add_(gv)
                     continue
+                gk, gv = gk[0].transpose(0, 1), gv[0].transpose(0, 1)  # [K, G, E], as the context's pieces
                 # Context keys: the store's pieces, then the row's earlier slices of the sequence.
                 sizes = [kv[0].shape[0] for kv in pieces]
                 sizes += [layout.q_lens[j] for j in layout.row_context[call.segment]]
