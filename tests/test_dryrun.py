@@ -135,7 +135,7 @@ def cp_rows(tmp_path_factory):
     cluster = cluster_preset("h100", scheme.num_gpus)
     plan = get_planner("skrull")(PlanRequest(
         lengths=[1605, 800, 240, 160, 96, 64, 400, 48], model=SMALL, cluster=cluster, scheme=scheme,
-        cost=CostModel(model=SMALL, cluster=cluster), context_length=2048, seed=0, options={"bucket_size": 500}))
+        cost=CostModel(model=SMALL, cluster=cluster), context_length=2048, seed=0, options={"bucket_size": 520}))
     sharded = [s for c in plan.pipelines[0].chunks for s in c.segments if s.cp_rank == SHARDED]
     assert sorted(s.num_tokens for s in sharded) == [800, 1605]
     path = tmp_path_factory.mktemp("dryrun_cp") / "plan.json"
