@@ -42,7 +42,7 @@ SCENARIOS = {
     "dp2-cp2-skrull": ("skrull", SKRULL_LENGTHS, {"dp": 2, "cp": 2}, {"bucket_size": 100}),
     "dp2-cp2-chunkflow": ("chunkflow", LENGTHS, {"dp": 2, "cp": 2}, {"chunk_size": 48, "k": 1}),
     "dp2-pp2-slimpack": ("slimpack", LENGTHS + [90], {"dp": 2, "pp": 2}, {"asymmetric": True}),
-    "pp2-cp2-skrull": ("skrull", SKRULL_LENGTHS, {"pp": 2, "cp": 2}, {"bucket_size": 80}),
+    "pp2-cp2-skrull": ("skrull", SKRULL_LENGTHS, {"pp": 2, "cp": 2}, {"bucket_size": 90}),
     "pp2-cp2-empty-rows": ("hand", [13, 5, 4, 3, 1], {"pp": 2, "cp": 2}, {}),
     **{f"dp2-pp2-{planner}": (planner, LENGTHS + [90, 44], {"dp": 2, "pp": 2}, {})
        for planner in ("padding", "packing", "sorted", "token-balanced", "infinipipe", "hydraulis", "auto")},
