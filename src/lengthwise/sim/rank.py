@@ -142,6 +142,10 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
         # from the shards once a step, or around every action under ZeRO-3 when every replica
         # runs the same actions
         per_action = plan.zero >= 3 and len({_structure(p, place.stage) for p in plan.pipelines}) == 1
+        if tp and sum(a.kind == BACKWARD for a in pipe.stages[place.stage]) == 1:
+            # one backward: the norms' partial gradients are summed over TP as they come, in
+            # bf16; with more, FSDP2 accumulates them in fp32 first and the sum runs on those
+            tp["tp_all_reduce"] *= ELEMENT_BYTES / GRAD_BYTES_PER_PARAM
         gathers = len(pipe.stages[place.stage]) if per_action else 1
         return {"send": send, "all_reduce": loss, "reduce_scatter": grads + kv_grads,
                 "all_gather": gathered + gathers * params / replicas * ELEMENT_BYTES, **tp}
