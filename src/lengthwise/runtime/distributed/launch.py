@@ -190,6 +190,7 @@ def _detach_fd(dup) -> int:
 
 def _worker(rank: int, fn, nproc: int, folder: str, timeout_s: float, args: tuple, backend: str,
             with_status: bool, streams: tuple[int, int] = ()) -> None:
+    gc.freeze()  # what the fork server imported lives as long as the worker: keep it out of collections
     for target, fd in enumerate(streams, start=1):
         if fd != target:  # spawn passes the descriptor under its own number
             os.dup2(fd, target)
