@@ -19,6 +19,27 @@ from lengthwise.specs import ModelSpec, ParallelScheme, cluster_preset
 
 SMALL = ModelSpec(name="small", num_layers=4, hidden=256, num_heads=8, num_kv_heads=4, head_dim=32, ffn=512,
                   vocab=1024)
+MEASURED: dict[tuple[str, int], tuple] = {}
+"""(fixture, rank) -> (plan, keyword arguments, RankMeasurement) of each rank the fixtures'
+`lengthwise dryrun` commands ran, as the command measured it (`dryrun_cli`)."""
+
+
+def dryrun_cli(path, ranks: str, name: str) -> dict:
+    """`lengthwise dryrun PATH --ranks RANKS --json`, parsed; each rank's measurement is kept
+    in MEASURED under `name`."""
+    import lengthwise.runtime.dryrun as dryrun
+
+    measure = dryrun.dryrun_rank
+
+    def recording(plan, rank, **kwargs):
+        MEASURED[name, rank] = (plan, kwargs, measure(plan, rank, **kwargs))
+        return MEASURED[name, rank][2]
+
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+        patch.setattr(dryrun, "dryrun_rank", recording)
+        assert main(["dryrun", str(path), "--ranks", ranks, "--json"]) == 0
+    return json.loads(out.getvalue())["ranks"]
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +113,7 @@ def tp_rows(tmp_path_factory):
         options={"chunk_size": 256, "k": 1}))
     path = tmp_path_factory.mktemp("dryrun_tp") / "plan.json"
     plan.save(path)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(["dryrun", str(path), "--ranks", "0,7", "--json"]) == 0
-    return json.loads(out.getvalue())["ranks"]
+    return dryrun_cli(path, "0,7", "tp")
 
 
 def test_dryrun_tp_flops_and_collectives_match_the_cost_model(tp_rows):
@@ -140,10 +158,7 @@ def cp_rows(tmp_path_factory):
     assert sorted(s.num_tokens for s in sharded) == [800, 1605]
     path = tmp_path_factory.mktemp("dryrun_cp") / "plan.json"
     plan.save(path)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(["dryrun", str(path), "--ranks", "0,7", "--json"]) == 0
-    return plan, sharded, json.loads(out.getvalue())["ranks"]
+    return plan, sharded, dryrun_cli(path, "0,7", "cp")
 
 
 def test_dryrun_cp_kv_exchange_bytes_match_the_cost_model(cp_rows):
@@ -305,10 +320,7 @@ def hetero_rows(tmp_path_factory):
     plan.cluster = cluster_preset("h100", plan.num_gpus)
     path = tmp_path_factory.mktemp("dryrun_hetero") / "plan.json"
     plan.save(path)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(["dryrun", str(path), "--ranks", "0,3", "--json"]) == 0
-    return plan, json.loads(out.getvalue())["ranks"]
+    return plan, dryrun_cli(path, "0,3", "hetero")
 
 
 def test_dryrun_heterogeneous_rank_holds_the_executors_layout(hetero_rows):
@@ -519,26 +531,19 @@ class _StackedModes:
 
 
 @pytest.mark.parametrize("case", ["tp", "cp", "hetero"])
-def test_dryrun_one_mode_measures_what_the_stacked_modes_measured(case, cp_rows, hetero_rows, monkeypatch):
+def test_dryrun_one_mode_measures_what_the_stacked_modes_measured(case, tp_rows, cp_rows, hetero_rows, monkeypatch):
     """The memory, FLOP and communication measurements share one dispatch mode (for speed: a
     LLaMA-70B rank's step dispatches millions of operations); the peak and its categories, the
     FLOPs and the bytes by kind equal, exactly, those of PyTorch's own modes stacked, on FSDP2
-    with tensor and sequence parallelism, on context parallelism and on a heterogeneous plan."""
+    with tensor and sequence parallelism, on context parallelism and on a heterogeneous plan.
+    The one-mode measurement is the one `lengthwise dryrun` took in the fixtures (last rank of
+    the dp2 x pp2 x tp2 and of the pp2 x cp4 plans, rank 0 of the heterogeneous one); the
+    stacked modes run the same plan and rank again."""
     import lengthwise.runtime.dryrun as dryrun
 
-    if case == "tp":
-        scheme = ParallelScheme(dp=2, pp=2, tp=2)
-        cluster = cluster_preset("h100", scheme.num_gpus)
-        plan = get_planner("chunkflow")(PlanRequest(
-            lengths=[900, 300, 700, 400, 280, 520], model=SMALL, cluster=cluster, scheme=scheme,
-            cost=CostModel(model=SMALL, cluster=cluster), context_length=1024, seed=0,
-            options={"chunk_size": 256, "k": 1}))
-        rank = 7
-    else:
-        plan, rank = (cp_rows[0], 7) if case == "cp" else (hetero_rows[0], 0)
-    ours = dryrun.dryrun_rank(plan, rank)
+    plan, kwargs, ours = MEASURED[case, 0 if case == "hetero" else 7]
     monkeypatch.setattr(dryrun, "_Measuring", _StackedModes)
-    stacked = dryrun.dryrun_rank(plan, rank)
+    stacked = dryrun.dryrun_rank(plan, ours.rank, **kwargs)
     assert ours.peak_memory_bytes == stacked.peak_memory_bytes > 0
     assert ours.memory_bytes == stacked.memory_bytes
     assert ours.flops == stacked.flops > 0
