@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,37 +99,43 @@ def _run_desync(rank: int, mesh: Mesh) -> str:
     return "no error"
 
 
-def _run_silent_downstream(rank: int) -> str | None:
+def _run_silent_downstream(rank: int, folder: Path) -> str | None:
     """dp2 x pp2; rank 1 (pipeline 0, stage 1) never answers, rank 0 sends F0 and waits for the
-    gradient of B0 (2 s time-out); ranks 2 and 3 stop after the plan check. Last scenario: the
-    timed-out link stays broken."""
-    mesh = Mesh.from_default_group(timeout_s=2)
+    gradient of B0 (1 s time-out); ranks 2 and 3 stop after the plan check. Rank 1 stays alive
+    until rank 0 has given up (a file rank 0 writes then). Last scenario: the timed-out link
+    stays broken."""
+    mesh = Mesh.from_default_group(timeout_s=1)
     spec = model_preset("tiny")
     plan = hand_plan(spec, [12, 5], [("0[0:12]", ["F0 B0", "F0 B0"]), ("1[0:5]", ["F0 B0", "F0 B0"])])
+    gave_up = folder / "rank-0-gave-up"
     if rank != 0:
         check_same_plan(plan)
         mesh.layout(plan)
-        time.sleep(mesh.timeout_s + 2 if rank == 1 else 0)  # rank 1: alive, but silent
+        deadline = time.monotonic() + 120
+        while rank == 1 and not gave_up.exists() and time.monotonic() < deadline:  # alive, but silent
+            time.sleep(0.01)
         return None
     model = build_model(spec, dtype=torch.float64, seed=0)
     try:
         run_rank_step(model, plan, random_tokens(plan.lengths, spec.vocab, 1), mesh=mesh, backend="reference")
     except StepFailed as exc:
         return str(exc)
+    finally:
+        gave_up.touch()
     return "no error"
 
 
-def four_rank_worker(rank: int) -> dict | None:
+def four_rank_worker(rank: int, folder: str) -> dict | None:
     mesh = Mesh.from_default_group(timeout_s=60)
     out = {name: _run_scenario(rank, mesh, name) for name in SCENARIOS}
     out["desync"] = _run_desync(rank, mesh)
-    out["silent-downstream"] = _run_silent_downstream(rank)
+    out["silent-downstream"] = _run_silent_downstream(rank, Path(folder))
     return out if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
-def four_ranks() -> dict:
-    return spawn(four_rank_worker, 4, timeout_s=120)
+def four_ranks(tmp_path_factory) -> dict:
+    return spawn(four_rank_worker, 4, str(tmp_path_factory.mktemp("silent")), timeout_s=120)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -186,4 +193,4 @@ def test_desynchronised_sampler_is_caught_by_plan_hash(four_ranks):
 def test_receive_that_never_comes_names_stage_and_action(four_ranks):
     message = four_ranks["silent-downstream"]
     assert message.startswith("pipeline 0 stage 0 action 1 (B0): ")
-    assert "(time-out 2 s) waiting for the gradient of B0 from stage 1 (rank 1" in message
+    assert "(time-out 1 s) waiting for the gradient of B0 from stage 1 (rank 1" in message
