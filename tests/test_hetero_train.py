@@ -1,12 +1,12 @@
 """Tier 3: `lengthwise train --planner hydraulis` across processes with heterogeneous pipelines
 (runtime/train/dist_hetero.py): 4 gloo ranks in float64, tiny model.
 
-- Three steps with pipeline 0 = tp2 x pp1 (ranks 0, 1) and pipeline 1 = tp1 x pp2 (ranks 2, 3),
+- Two steps with pipeline 0 = tp2 x pp1 (ranks 0, 1) and pipeline 1 = tp1 x pp2 (ranks 2, 3),
   AdamW on each rank's owned shard of the float32/float64 masters (each element owned by one of
   its holders), weights pulled back into the propagation layout every step: the weights equal
   single-process training of the same plans.
-- A fourth step under another strategy (one tp2 x pp2 pipeline): switching inside the run (the
-  masters and moments moved to the new owners) equals resuming the third step's checkpoint with
+- A third step under another strategy (one tp2 x pp2 pipeline): switching inside the run (the
+  masters and moments moved to the new owners) equals resuming the second step's checkpoint with
   `--pipelines tp2-pp2` (loaded in the saved layout, then moved the same way), bit for bit, and
   the switch is logged with its cost: the optimizer state moved (3 x 8 bytes per element whose
   owner changed) and the weights pulled (every held element but those the rank owns).
@@ -17,7 +17,7 @@ reduction is over a step's tokens times the hidden width, as in tests/test_train
 (about 1.1e-11 relative to each tensor's largest weight, well below 1e-9; measured
 8.1e-13 after 3 steps).
 
-- 8 ranks, a context-parallel pipeline beside two tp pipelines and a pp pipeline, 3 steps
+- 8 ranks, a context-parallel pipeline beside two tp pipelines and a pp pipeline, 2 steps
   (`test_a_cp2_pipeline_beside_tp_and_pp_pipelines_trains_exactly`).
 
 Not run here, too slow for the suite (2 shared CPU cores):
@@ -86,40 +86,40 @@ def metrics(out) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def switching_run(tmp_path_factory):
-    """Steps 1-3 with HETERO, step 4 with SWITCHED, checkpoints after steps 3 and 4."""
+    """Steps 1-2 with HETERO, step 3 with SWITCHED, checkpoints after steps 2 and 3."""
     out = tmp_path_factory.mktemp("hetero")
-    config = config_of("--pipelines", HETERO, "--steps", "4", "--save-every", "3", "--nproc", "4",
+    config = config_of("--pipelines", HETERO, "--steps", "3", "--save-every", "2", "--nproc", "4",
                        "--out", str(out), "--metrics", str(out / "metrics.jsonl"))
-    switches = spawn(_switching_rank, 4, config, (HETERO, HETERO, HETERO, SWITCHED), timeout_s=300)
+    switches = spawn(_switching_rank, 4, config, (HETERO, HETERO, SWITCHED), timeout_s=300)
     return out, switches
 
 
 def test_heterogeneous_pipelines_train_to_the_single_process_weights(switching_run):
     out, _ = switching_run
-    reference = train(config_of("--pipelines", HETERO, "--steps", "3"))
+    reference = train(config_of("--pipelines", HETERO, "--steps", "2"))
     expected = reference.model.state_dict()
-    trained = read_tensors(out / "step-000003")
+    trained = read_tensors(out / "step-000002")
     assert trained.keys() == expected.keys()
     for name, tensor in trained.items():
         assert (tensor - expected[name]).abs().max() <= TOLERANCE * expected[name].abs().max(), name
-    assert [m["loss"] for m in metrics(out)[:3]] == pytest.approx([r.loss for r in reference.records], rel=TOLERANCE)
+    assert [m["loss"] for m in metrics(out)[:2]] == pytest.approx([r.loss for r in reference.records], rel=TOLERANCE)
 
 
 def test_a_strategy_switch_equals_resuming_in_the_new_strategy(switching_run, tmp_path):
     out, switches = switching_run
-    shutil.copytree(out / "step-000003", tmp_path / "step-000003")
-    assert main(["train", *ARGS, "--pipelines", SWITCHED, "--steps", "4", "--nproc", "4", "--out", str(tmp_path),
+    shutil.copytree(out / "step-000002", tmp_path / "step-000002")
+    assert main(["train", *ARGS, "--pipelines", SWITCHED, "--steps", "3", "--nproc", "4", "--out", str(tmp_path),
                  "--metrics", str(tmp_path / "metrics.jsonl")]) == 0
-    resumed, switched = read_tensors(tmp_path / "step-000004"), read_tensors(out / "step-000004")
+    resumed, switched = read_tensors(tmp_path / "step-000003"), read_tensors(out / "step-000003")
     for name, tensor in resumed.items():
         assert torch.equal(switched[name], tensor), name
-    assert metrics(tmp_path)[0]["loss"] == metrics(out)[3]["loss"]
+    assert metrics(tmp_path)[0]["loss"] == metrics(out)[2]["loss"]
     # the switch, as measured and logged before step 4: the float64 master and both moments of
     # every element whose owner changed moved to its new owner (counted here from the two
     # layouts' owned elements), and every rank pulled its tp2 x pp2 weights but those it owns
     [switch] = switches
-    assert metrics(out)[3]["switch"] == switch
-    assert (switch["step"], switch["from"], switch["to"]) == (4, HETERO, SWITCHED)
+    assert metrics(out)[2]["switch"] == switch
+    assert (switch["step"], switch["from"], switch["to"]) == (3, HETERO, SWITCHED)
     old, new = _layout([(2, 1, 1, (4,)), (1, 2, 1, (2, 2))]), _layout([(2, 2, 1, (2, 2))])
     changed = sum(int((~torch.isin(old.owned_indices(n, r), new.owned_indices(n, r))).sum())
                   for n in old.shapes for r in range(4))
@@ -150,14 +150,14 @@ def test_pipelines_and_degrees_are_checked_in_one_line(capsys):
 
 
 def test_a_cp2_pipeline_beside_tp_and_pp_pipelines_trains_exactly(tmp_path):
-    """8 ranks: tp1-pp1-cp2 (ranks 0, 1), two tp2-pp1 pipelines and a tp1-pp2 one, 3 steps of 8
+    """8 ranks: tp1-pp1-cp2 (ranks 0, 1), two tp2-pp1 pipelines and a tp1-pp2 one, 2 steps of 8
     documents; weights and losses equal one process running the same plans."""
-    strategy = ["--pipelines", "tp1-pp1-cp2,tp2-pp1,tp2-pp1,tp1-pp2", "--batch-size", "8", "--steps", "3"]
+    strategy = ["--pipelines", "tp1-pp1-cp2,tp2-pp1,tp2-pp1,tp1-pp2", "--batch-size", "8", "--steps", "2"]
     assert main(["train", *ARGS, *strategy, "--nproc", "8", "--out", str(tmp_path),
                  "--metrics", str(tmp_path / "metrics.jsonl")]) == 0
     reference = train(config_of(*strategy))
     tolerance = reduction_tolerance(torch.float64, 8 * CONTEXT * HIDDEN)
-    expected, trained = reference.model.state_dict(), read_tensors(tmp_path / "step-000003")
+    expected, trained = reference.model.state_dict(), read_tensors(tmp_path / "step-000002")
     assert trained.keys() == expected.keys()
     for name, tensor in trained.items():
         assert (tensor - expected[name]).abs().max() <= tolerance * expected[name].abs().max(), name
