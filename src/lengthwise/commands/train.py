@@ -190,11 +190,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if config.nproc is not None:  # the workers' fork server imports torch while this process does
+        from lengthwise.runtime.distributed.forkserver import start_fork_server
+
+        start_fork_server()
     from lengthwise.runtime.distributed.launch import under_torchrun
     from lengthwise.runtime.train.loop import train
     from lengthwise.runtime.train.signals import EXIT_INTERRUPTED, StopRequest
 
-    config = config_from_args(args)
     distributed = config.nproc is not None or under_torchrun()
     if not under_torchrun():  # under torchrun rank 0 names the folder for all (dist.py)
         config = with_outputs(config)

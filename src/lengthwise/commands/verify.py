@@ -75,6 +75,10 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.nproc is not None:  # the workers' fork server imports torch while this process does
+        from lengthwise.runtime.distributed.forkserver import start_fork_server
+
+        start_fork_server()
     import torch
 
     from lengthwise.runtime.attention import resolve_backend

@@ -9,7 +9,8 @@ mesh.py (which rank runs which pipeline/stage/CP rank; process groups, cached) ;
 time-out) ; dp.py (same plan on every rank, gradient sums over the ranks holding each
 parameter) ; agree.py (rank 0's JSON broadcast, the same training settings on every rank) ;
 cp.py (head-tail sharding, K/V all-gather attention) <- cp_stage.py (the rows one
-CP rank computes: a StageRunner's `rows`) <- step.py (one rank's step) <- launch.py (torchrun or local workers) <-
+CP rank computes: a StageRunner's `rows`) <- step.py (one rank's step) ; forkserver.py (the server local workers fork from, torch-free)
+<- launch.py (torchrun or local workers) <-
 verify_dist.py (distributed run vs the oracle), checkpoint_dist.py (torch.distributed.checkpoint
 plus sampler and RNG per rank, sealed by a manifest). Training across processes (`lengthwise train --nproc` or under
 torchrun) is runtime/train/dist.py.
