@@ -35,11 +35,12 @@ from lengthwise.plan.ir import write_atomic
 from lengthwise.runtime.train.loop import train
 from lengthwise.runtime.weights import read_tensors
 
-TRAIN_ARGS = ["--dtype", "float64", "--context-length", "96", "--batch-size", "6", "--steps", "3",
+TRAIN_ARGS = ["--dtype", "float64", "--context-length", "96", "--batch-size", "6", "--steps", "2",
               "--dp", "1", "--pp", "2", "--chunk-size", "32", "--k", "1", "--lr", "1e-3",
               "--threads", "1", "--no-progress"]
 FAIL_AT = (2, 1, 3)
-"""(step, rank, action index): step 2, rank 1 (pipeline 0, stage 1), after its 4th action."""
+"""(step, rank, action index): step 2 (the last), rank 1 (pipeline 0, stage 1), after its 4th action:
+the restarted group resumes from step 1's checkpoint."""
 FAULT_MARKER = "fault-injected"
 
 
@@ -51,15 +52,15 @@ def test_killed_rank_resumes_from_checkpoint_to_uninterrupted_weights(tmp_path):
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / FAULT_MARKER).read_text().startswith("step 2 rank 1 action 3")
-    assert "steps 2-3 of 3 (resumed from" in done.stdout and "step-000001)" in done.stdout
+    assert "steps 2-2 of 2 (resumed from" in done.stdout and "step-000001)" in done.stdout
 
     reference = _train_single_process()
-    weights, expected = read_tensors(out / "step-000003"), reference.model.state_dict()
+    weights, expected = read_tensors(out / "step-000002"), reference.model.state_dict()
     assert weights.keys() == expected.keys()
     for name, tensor in expected.items():
         assert (weights[name] - tensor).abs().max() <= 1e-12, name
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in logged] == [1, 2, 3]  # step 2 of the killed attempt never ended
+    assert [line["step"] for line in logged] == [1, 2]  # step 2 of the killed attempt never ended
     assert [line["loss"] for line in logged] == pytest.approx([r.loss for r in reference.records], rel=1e-12)
 
 
