@@ -3,8 +3,9 @@
 The fork server that local workers are started from (`runtime/distributed/forkserver.py`)
 imports torch and its distributed packages once, seconds of CPU. Started by the first test that
 starts workers, it makes that test wait for the imports; started once collection is done, it
-imports on the other core while the first tests run. Only when the collected tests imported
-torch: a run of the planning tests alone starts no server.
+imports on the other core while the first tests run. It imports transformers' models too: the
+distributed verification tests compare with them on rank 0 (`forkserver.ORACLE`). Only when the
+collected tests imported torch: a run of the planning tests alone starts no server.
 
 It starts under pytest's capture, as it did inside the first such test: its output and that of
 multiprocessing's resource tracker (which names the semaphores of workers a test killed when
@@ -23,10 +24,10 @@ def pytest_collection_finish(session) -> None:
 
     capture = session.config.pluginmanager.getplugin("capturemanager")
     if capture is None or not capture.is_globally_capturing():
-        start_fork_server()
+        start_fork_server(oracle=True)
         return
     capture.resume_global_capture()
     try:
-        start_fork_server()
+        start_fork_server(oracle=True)
     finally:
         capture.suspend_global_capture()

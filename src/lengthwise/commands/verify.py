@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None:  # the workers' fork server imports torch while this process does
         from lengthwise.runtime.distributed.forkserver import start_fork_server
 
-        start_fork_server()
+        start_fork_server(oracle=args.oracle != "unpacked")
     import torch
 
     from lengthwise.runtime.attention import resolve_backend

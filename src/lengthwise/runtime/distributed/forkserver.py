@@ -18,13 +18,20 @@ This package is imported by each worker from the caller's `sys.path` (the server
 and a worker must run the caller's code)."""
 
 
+ORACLE = ["transformers", "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2"]
+"""The transformers models the verification oracle builds (`runtime/verify.build_hf_twin`),
+imported by the server too when the workers will compare with them: rank 0 would otherwise
+import them (a second or two) while the other ranks wait. Missing ones are skipped."""
+
+
 def available() -> bool:
     return "forkserver" in multiprocessing.get_all_start_methods()
 
 
-def start_fork_server() -> None:
-    """Start the server (it begins importing PRELOAD at once) unless it runs already; nothing
-    where the platform has no fork server. Later starts of workers reuse it."""
+def start_fork_server(*, oracle: bool = False) -> None:
+    """Start the server (it begins importing PRELOAD, and ORACLE with `oracle`, at once) unless
+    it runs already; nothing where the platform has no fork server. Later starts of workers
+    reuse it."""
     if available():
-        multiprocessing.set_forkserver_preload(PRELOAD)  # takes effect when the server first starts
+        multiprocessing.set_forkserver_preload(PRELOAD + (ORACLE if oracle else []))  # when the server first starts
         multiprocessing.forkserver.ensure_running()
