@@ -7,17 +7,23 @@ imports on the other core while the first tests run. It imports transformers' mo
 distributed verification tests compare with them on rank 0 (`forkserver.ORACLE`). Only when the
 collected tests imported torch: a run of the planning tests alone starts no server.
 
-It starts under pytest's capture, as it did inside the first such test: its output and that of
+What collection imported (torch, transformers, the test modules: some 10^6 objects) lives to the
+end of the session: it is frozen out of the cyclic collector, whose full collections during the
+tests would otherwise walk all of it (a few tenths of a second each).
+
+The server starts under pytest's capture, as it did inside the first such test: its output and that of
 multiprocessing's resource tracker (which names the semaphores of workers a test killed when
 the session ends) go to the capture, not the terminal.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 
 
 def pytest_collection_finish(session) -> None:
+    gc.freeze()
     if "torch" not in sys.modules:
         return
     from lengthwise.runtime.distributed.forkserver import start_fork_server
