@@ -35,7 +35,9 @@ from lengthwise.workloads.sampler import GlobalBatchSampler
 
 RESULTS = Path(__file__).parent / "results"
 
-# name, paper, profile, model, cluster, gpus, context, batch (sequences or tokens), fixed scheme
+# name, paper, profile, model, cluster, gpus, context, batch (sequences or tokens), fixed scheme: one
+# for every planner but hydraulis (which picks its strategies itself), a {planner: scheme} dict
+# for those planners only (the paper's baseline at the paper's scheme), or None (all searched)
 SCENARIOS = [
     # chunkflow table 3: Megatron-LM's (and ChunkFlow's) <TP, SP, PP> for 7B, 4 + 4 with SP, PP 1 at
     # 32K and PP 4 at 256K; the -searched rows let every planner search the scheme list instead
@@ -56,10 +58,28 @@ SCENARIOS = [
     # skrull §6: 7B on ChatQA2 needed <DP=2, CP=16, BatchSize=40> for memory
     ("skrull-chatqa2-7b", "skrull", "chatqa2", "qwen2.5-7b", "h100", 32, 131072, {"batch_size": 40},
      ParallelScheme(dp=2, cp=16, zero=2)),
-    ("hydraulis-cc-7b-16", "hydraulis", "commoncrawl", "llama2-7b", "a800", 16, 32768, {"token_budget": 200_000}, None),
-    ("hydraulis-github-13b-32", "hydraulis", "github", "llama2-13b", "a800", 32, 32768, {"token_budget": 200_000}, None),
-    ("infinipipe-cc-7b-32", "infinipipe", "commoncrawl", "llama2-7b", "h100", 32, 65536, {"batch_size": 512}, None),
-    ("infinipipe-github-13b-32", "infinipipe", "github", "llama2-13b", "h100", 32, 131072, {"batch_size": 512}, None),
+    # hydraulis Table 3 (lines 598-614): Megatron-LM's scheme at 32K (F2 & F3) for LLaMA 7B on 16
+    # A800s and 13B on 32; Hydraulis picks its own strategies
+    ("hydraulis-cc-7b-16", "hydraulis", "commoncrawl", "llama2-7b", "a800", 16, 32768, {"token_budget": 200_000},
+     {"megatron": ParallelScheme(dp=2, tp=4, pp=2)}),
+    ("hydraulis-github-13b-32", "hydraulis", "github", "llama2-13b", "a800", 32, 32768, {"token_budget": 200_000},
+     {"megatron": ParallelScheme(dp=4, tp=8)}),
+    ("hydraulis-cc-7b-16-searched", "hydraulis", "commoncrawl", "llama2-7b", "a800", 16, 32768,
+     {"token_budget": 200_000}, None),
+    ("hydraulis-github-13b-32-searched", "hydraulis", "github", "llama2-13b", "a800", 32, 32768,
+     {"token_budget": 200_000}, None),
+    # infinipipe §5.1-5.2 (lines 341-356): 32 A800s, batch 512, 48K and 96K contexts; Figure 8's caption
+    # fixes Megatron-LM at TP 8 with CP 2 for 7B and CP 4 for the larger models
+    ("infinipipe-cc-7b-32", "infinipipe", "commoncrawl", "llama2-7b", "a800", 32, 49152, {"batch_size": 512},
+     {"megatron": ParallelScheme(dp=2, tp=8, cp=2)}),
+    ("infinipipe-github-13b-32", "infinipipe", "github", "llama2-13b", "a800", 32, 98304, {"batch_size": 512},
+     {"megatron": ParallelScheme(dp=1, tp=8, cp=4)}),
+    ("infinipipe-cc-7b-32-searched", "infinipipe", "commoncrawl", "llama2-7b", "a800", 32, 49152,
+     {"batch_size": 512}, None),
+    ("infinipipe-github-13b-32-searched", "infinipipe", "github", "llama2-13b", "a800", 32, 98304,
+     {"batch_size": 512}, None),
+    # slimpack §6.1 (lines 181-183) does not give Megatron-LM's scheme ("according to model scale"):
+    # searched for every planner
     ("slimpack-github-7b-128", "slimpack", "github", "llama2-7b", "h100", 128, 131072, {"batch_size": 512}, None),
     ("slimpack-cc-70b-256", "slimpack", "commoncrawl", "llama-70b", "h100", 256, 65536, {"batch_size": 512}, None),
 ]
@@ -115,7 +135,7 @@ _HYDRAULIS = PaperFigure(
 _INFINIPIPE = PaperFigure(
     2.60, "up to", "infinipipe.txt §5.2, Figure 8 (line 356); setting lines 341-349",
     "maximum over GPT 7B/13B/30B, CommonCrawl/GitHub and several context lengths at batch 512 on 32 A800s; "
-    "Figure 8's per-setting bars are not in the text; the scenario runs H100s")
+    "Figure 8's per-setting bars are not in the text")
 _SLIMPACK = PaperFigure(
     2.8, "up to", "slimpack.txt §1 contributions (line 21); settings §6.1-6.2 (lines 183, 190)",
     "maximum over Llama 7B-150B, three datasets, 64K-256K, 128-256 GPUs, batch 512-2048 against Megatron-LM "
@@ -136,14 +156,23 @@ PAPER_FIGURES: dict[str, PaperFigure] = {
     "skrull-chatqa2-7b": _SKRULL_7B._replace(
         note=_SKRULL_7B.note + "; the paper calls ChatQA2 7B's speedup limited; <DP=2, CP=16>, batch 40"),
     "hydraulis-cc-7b-16": _HYDRAULIS._replace(
-        note=_HYDRAULIS.note + "; 7B on 16 GPUs with CommonCrawl is one of its settings, 200K tokens is "
-        "§8.3's default (line 313)"),
+        note=_HYDRAULIS.note + "; 7B on 16 GPUs with CommonCrawl is one of its settings, Megatron-LM at Table 3's "
+        "DP2TP4PP2 for 32K, 200K tokens is §8.3's default (line 313)"),
     "hydraulis-github-13b-32": _HYDRAULIS._replace(
-        note=_HYDRAULIS.note + "; 13B on 32 GPUs with GitHub is one of its settings"),
+        note=_HYDRAULIS.note + "; 13B on 32 GPUs with GitHub is one of its settings, Megatron-LM at Table 3's DP4TP8 "
+        "for 32K"),
+    "hydraulis-cc-7b-16-searched": _HYDRAULIS._replace(
+        note=_HYDRAULIS.note + "; as hydraulis-cc-7b-16 with Megatron-LM's scheme searched, not Table 3's"),
+    "hydraulis-github-13b-32-searched": _HYDRAULIS._replace(
+        note=_HYDRAULIS.note + "; as hydraulis-github-13b-32 with Megatron-LM's scheme searched, not Table 3's"),
     "infinipipe-cc-7b-32": _INFINIPIPE._replace(
-        note=_INFINIPIPE.note + "; 64K is not among the context lengths §5.2 names (48K, 96K: line 367)"),
+        note=_INFINIPIPE.note + "; 48K (line 367), Megatron-LM at TP 8 x CP 2 as Figure 8's caption fixes it"),
     "infinipipe-github-13b-32": _INFINIPIPE._replace(
-        note=_INFINIPIPE.note + "; 128K is not among the context lengths §5.2 names (48K, 96K: line 367)"),
+        note=_INFINIPIPE.note + "; 96K (line 367), Megatron-LM at TP 8 x CP 4 as Figure 8's caption fixes it"),
+    "infinipipe-cc-7b-32-searched": _INFINIPIPE._replace(
+        note=_INFINIPIPE.note + "; as infinipipe-cc-7b-32 with Megatron-LM's scheme searched"),
+    "infinipipe-github-13b-32-searched": _INFINIPIPE._replace(
+        note=_INFINIPIPE.note + "; as infinipipe-github-13b-32 with Megatron-LM's scheme searched"),
     "slimpack-github-7b-128": _SLIMPACK._replace(note=_SLIMPACK.note + "; 7B on 128 GPUs is one of its settings"),
     "slimpack-cc-70b-256": _SLIMPACK._replace(note=_SLIMPACK.note + "; 70B on 256 GPUs is one of its settings"),
 }
@@ -264,20 +293,33 @@ def sample_batches(profile: str, context: int, seed: int, count: int, size: dict
     return [list(map(int, sampler.next_batch().lengths)) for _ in range(count)]
 
 
+def fixed_schemes(scheme, planners: list[str]) -> dict[str, ParallelScheme]:
+    """A scenario's fixed schemes per planner (see SCENARIOS); the others search."""
+    if isinstance(scheme, dict):
+        return {p: s for p, s in scheme.items() if p in planners}
+    return {p: scheme for p in planners if p != "hydraulis"} if scheme else {}
+
+
+def scheme_text(scheme) -> str | None:
+    if isinstance(scheme, dict):
+        return "; ".join(f"{p} {s}" for p, s in scheme.items())
+    return str(scheme) if scheme else None
+
+
 def run_scenario(spec, batches: int, seed: int) -> dict:
     name, paper, profile, model, cluster, gpus, context, size, scheme = spec
     planners = all_planners()
     setup = CompareSetup(model=model_preset(model), cluster=cluster_preset(cluster, gpus), context_length=context,
                          batches=sample_batches(profile, context, seed, batches, size), planners=planners,
-                         seed=seed, zero=scheme.zero if scheme else 1,
-                         schemes={p: scheme for p in planners if p != "hydraulis"} if scheme else {})
+                         seed=seed, zero=scheme.zero if isinstance(scheme, ParallelScheme) else 1,
+                         schemes=fixed_schemes(scheme, planners))
     started = time.perf_counter()
     rows = run_compare(setup)
     summary = summarise(rows)
     for planner, row in rows.items():
         summary["planners"][planner]["intervals"] = speedup_intervals(rows, row, paper_baseline(paper))
     return {"scenario": name, "paper": paper, "profile": profile, "model": model, "cluster": cluster, "gpus": gpus,
-            "context_length": context, "batch": size, "fixed_scheme": str(scheme) if scheme else None,
+            "context_length": context, "batch": size, "fixed_scheme": scheme_text(scheme),
             "seconds": time.perf_counter() - started, **summary}
 
 
@@ -347,6 +389,8 @@ def markdown(results: list[dict]) -> str:
         mine = r["planners"].get(r["paper"], {})
         auto = r["planners"].get("auto", {})
         scheme = r["fixed_scheme"] or f"searched ({mine.get('scheme', '-')})"
+        if r["fixed_scheme"] and f"{r['paper']} " not in r["fixed_scheme"] and r["fixed_scheme"].startswith(base):
+            scheme += f"; {r['paper']} searched ({mine.get('scheme', '-')})"
         comparison = paper_comparison(r, headline_speedups(results))
         within = {True: "yes", False: "no", None: "n/a"}[comparison["within_tolerance"]]
         out.append(f"| {r['scenario']} | {scheme} | {r['paper']} | {base} | "
