@@ -322,3 +322,17 @@ def test_megatron_shrinks_its_micro_batches_to_what_full_recomputation_holds():
     assert max(c.num_tokens for p in plan.pipelines for c in p.chunks) <= limit
     assert_valid(plan, req)
     assert simulate_plan(plan, req.cost).fits
+
+
+def test_megatron_micro_batch_size_runs_unpacked_sequences_in_sampler_order():
+    """ChunkFlow's Megatron-LM (§6.1: micro-batch size 1): one sequence per micro-batch, dealt
+    round-robin to the DP ranks, recomputation chosen for a context-length sequence."""
+    lengths = [700, 300, 1500, 90, 2000, 5, 12000, 64]
+    req = request(lengths, "dp4-pp2", micro_batch_size=1)
+    plan = get_planner("megatron")(req)
+    assert [[[s.seq_id for s in c.segments] for c in p.chunks] for p in plan.pipelines] == [[[0], [4]], [[1], [5]], [[2], [6]], [[3], [7]]]
+    fits_plain = req.context_length <= req.cost.max_seq_len(pp=2, dp=4)
+    assert plan.options["recompute"] == ("none" if fits_plain else "full")
+    assert_valid(plan, req)
+    two = get_planner("megatron")(request(lengths, "dp4-pp2", micro_batch_size=2))
+    assert [[c.row_tokens for c in p.chunks] for p in two.pipelines] == [[1400], [3000], [4000], [24000]]

@@ -15,7 +15,10 @@ are formed and spread over data-parallel ranks:
   comparisons: the scheme it is given, micro-batches of packed samples of the context length
   filled in sampler order (no sorting), the same count per DP rank, 1F1B, and full activation
   recomputation when a context-length micro-batch does not fit without it (`recompute`); where
-  it does not fit even so, micro-batches of the longest length that fits.
+  it does not fit even so, micro-batches of the longest length that fits. With
+  `micro_batch_size` N, micro-batches of N sequences in sampler order instead, unpacked and
+  padded to their longest, memory sized for N context-length sequences (ChunkFlow's Megatron-LM
+  ran N = 1: chunkflow.txt §6.1).
 - `sorted`: LongAlign's sorted batching (ChunkFlow §6 "smart batching"): sort by length, cut the
   sorted list into micro-batches of similar lengths that fit the token budget, pad each to its
   longest, deal the micro-batches to ranks in shuffled order. Little padding, same stragglers.
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
 from lengthwise.errors import UserError
 from lengthwise.cost.model import split_layers
@@ -152,21 +156,33 @@ def with_recompute(request: PlanRequest, pipelines: list, recompute: bool) -> li
 
 
 def plan_megatron(request: PlanRequest) -> StepPlan:
-    """Megatron-LM's packed micro-batches of the context length, recomputing when it must."""
+    """Megatron-LM's packed micro-batches of the context length (or `micro_batch_size` unpacked
+    sequences), recomputing when it must."""
     started = time.perf_counter()
     opts = take_options(request, "megatron")
     if opts["recompute"] not in RECOMPUTE_CHOICES:
         raise UserError(f"option recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {opts['recompute']!r}")
-    recompute, capacity = _megatron_setting(request, opts["recompute"])
     lengths, dp = request.lengths, request.scheme.dp
-    bins = split_to_multiple(next_fit(lengths, capacity), lengths, dp)
-    chunks = [packed_chunk(b, lengths) for b in bins]
+    mbs = positive_int_option(opts, "micro_batch_size")
+    if mbs is None:
+        recompute, capacity = _megatron_setting(request, opts["recompute"])
+        bins = split_to_multiple(next_fit(lengths, capacity), lengths, dp)
+        chunks = [packed_chunk(b, lengths) for b in bins]
+        shape = {"micro_batch_tokens": capacity}
+    else:
+        # memory is sized for a micro-batch of mbs context-length sequences, as Megatron-LM's
+        # --micro-batch-size and --seq-length do
+        sized = replace(request, context_length=mbs * request.context_length)
+        recompute, capacity = _megatron_setting(sized, opts["recompute"])
+        groups = [list(range(i, min(i + mbs, len(lengths)))) for i in range(0, len(lengths), mbs)]
+        _check_padded_fits(groups, lengths, capacity, mbs)
+        chunks = [padded_chunk(g, lengths) for g in groups]
+        shape = {"micro_batch_size": mbs}
     pipelines = pipelines_from_chunks(request, deal(chunks, dp))
     if recompute:
         _recompute_every_layer(request, pipelines)
     return finish_plan(request, pipelines, planner="megatron", started=started,
-                       options={"recompute": "full" if recompute else "none",
-                                "micro_batch_tokens": capacity})
+                       options={"recompute": "full" if recompute else "none", **shape})
 
 
 def plan_static_cp(request: PlanRequest) -> StepPlan:
