@@ -336,3 +336,9 @@ def test_megatron_micro_batch_size_runs_unpacked_sequences_in_sampler_order():
     assert_valid(plan, req)
     two = get_planner("megatron")(request(lengths, "dp4-pp2", micro_batch_size=2))
     assert [[c.row_tokens for c in p.chunks] for p in two.pipelines] == [[1400], [3000], [4000], [24000]]
+
+
+def test_megatron_micro_batches_still_refuse_a_sequence_over_the_context():
+    req = request([100, CONTEXT + 1], "dp4-pp2", micro_batch_size=2)
+    with pytest.raises(UserError, match=f"sequence 1 has {CONTEXT + 1} tokens > context length"):
+        get_planner("megatron")(req)

@@ -162,6 +162,7 @@ def plan_megatron(request: PlanRequest) -> StepPlan:
     opts = take_options(request, "megatron")
     if opts["recompute"] not in RECOMPUTE_CHOICES:
         raise UserError(f"option recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {opts['recompute']!r}")
+    check_lengths(request)
     lengths, dp = request.lengths, request.scheme.dp
     mbs = positive_int_option(opts, "micro_batch_size")
     if mbs is None:
