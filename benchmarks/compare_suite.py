@@ -35,7 +35,9 @@ from lengthwise.workloads.sampler import GlobalBatchSampler
 
 RESULTS = Path(__file__).parent / "results"
 
-# name, paper, profile, model, cluster, gpus, context, batch (sequences or tokens), fixed scheme
+# name, paper, profile, model, cluster, gpus, context, batch (sequences or tokens), fixed scheme: one
+# for every planner but hydraulis (which picks its strategies itself), a {planner: scheme} dict
+# for those planners only (the paper's baseline at the paper's scheme), or None (all searched)
 SCENARIOS = [
     # chunkflow table 3: Megatron-LM's (and ChunkFlow's) <TP, SP, PP> for 7B, 4 + 4 with SP, PP 1 at
     # 32K and PP 4 at 256K; the -searched rows let every planner search the scheme list instead
@@ -51,13 +53,33 @@ SCENARIOS = [
      ParallelScheme(dp=4, cp=8, zero=2)),
     ("skrull-chatqa2-0.5b", "skrull", "chatqa2", "qwen2.5-0.5b", "h100", 32, 131072, {"batch_size": 64},
      ParallelScheme(dp=4, cp=8, zero=2)),
+    ("skrull-lmsys-7b", "skrull", "lmsys-skrull", "qwen2.5-7b", "h100", 32, 131072, {"batch_size": 64},
+     ParallelScheme(dp=4, cp=8, zero=2)),
     # skrull §6: 7B on ChatQA2 needed <DP=2, CP=16, BatchSize=40> for memory
     ("skrull-chatqa2-7b", "skrull", "chatqa2", "qwen2.5-7b", "h100", 32, 131072, {"batch_size": 40},
      ParallelScheme(dp=2, cp=16, zero=2)),
-    ("hydraulis-cc-7b-16", "hydraulis", "commoncrawl", "llama2-7b", "a800", 16, 32768, {"token_budget": 200_000}, None),
-    ("hydraulis-github-13b-32", "hydraulis", "github", "llama2-13b", "a800", 32, 32768, {"token_budget": 200_000}, None),
-    ("infinipipe-cc-7b-32", "infinipipe", "commoncrawl", "llama2-7b", "h100", 32, 65536, {"batch_size": 512}, None),
-    ("infinipipe-github-13b-32", "infinipipe", "github", "llama2-13b", "h100", 32, 131072, {"batch_size": 512}, None),
+    # hydraulis Table 3 (lines 598-614): Megatron-LM's scheme at 32K (F2 & F3) for LLaMA 7B on 16
+    # A800s and 13B on 32; Hydraulis picks its own strategies
+    ("hydraulis-cc-7b-16", "hydraulis", "commoncrawl", "llama2-7b", "a800", 16, 32768, {"token_budget": 200_000},
+     {"megatron": ParallelScheme(dp=2, tp=4, pp=2)}),
+    ("hydraulis-github-13b-32", "hydraulis", "github", "llama2-13b", "a800", 32, 32768, {"token_budget": 200_000},
+     {"megatron": ParallelScheme(dp=4, tp=8)}),
+    ("hydraulis-cc-7b-16-searched", "hydraulis", "commoncrawl", "llama2-7b", "a800", 16, 32768,
+     {"token_budget": 200_000}, None),
+    ("hydraulis-github-13b-32-searched", "hydraulis", "github", "llama2-13b", "a800", 32, 32768,
+     {"token_budget": 200_000}, None),
+    # infinipipe §5.1-5.2 (lines 341-356): 32 A800s, batch 512, 48K and 96K contexts; Figure 8's caption
+    # fixes Megatron-LM at TP 8 with CP 2 for 7B and CP 4 for the larger models
+    ("infinipipe-cc-7b-32", "infinipipe", "commoncrawl", "llama2-7b", "a800", 32, 49152, {"batch_size": 512},
+     {"megatron": ParallelScheme(dp=2, tp=8, cp=2)}),
+    ("infinipipe-github-13b-32", "infinipipe", "github", "llama2-13b", "a800", 32, 98304, {"batch_size": 512},
+     {"megatron": ParallelScheme(dp=1, tp=8, cp=4)}),
+    ("infinipipe-cc-7b-32-searched", "infinipipe", "commoncrawl", "llama2-7b", "a800", 32, 49152,
+     {"batch_size": 512}, None),
+    ("infinipipe-github-13b-32-searched", "infinipipe", "github", "llama2-13b", "a800", 32, 98304,
+     {"batch_size": 512}, None),
+    # slimpack §6.1 (lines 181-183) does not give Megatron-LM's scheme ("according to model scale"):
+    # searched for every planner
     ("slimpack-github-7b-128", "slimpack", "github", "llama2-7b", "h100", 128, 131072, {"batch_size": 512}, None),
     ("slimpack-cc-70b-256", "slimpack", "commoncrawl", "llama-70b", "h100", 256, 65536, {"batch_size": 512}, None),
 ]
@@ -66,6 +88,14 @@ SCENARIOS = [
 PAPER_BASELINE = {"skrull": "static-cp"}
 """What each paper measured against, where it is not `megatron`: Skrull compared with DeepSpeed
 (ZeRO-2, static context parallelism over every sequence)."""
+
+
+PAPER_BASELINE_OPTIONS = {"chunkflow": {"megatron": {"micro_batch_size": 1}}}
+"""Planner options the paper-setting rows (those with a fixed scheme) give the paper's baseline:
+ChunkFlow's Megatron-LM ran a micro-batch size of 1 (chunkflow.txt §6.1, line 214), one
+unpacked sequence per micro-batch. The -searched rows run every baseline at its defaults
+(megatron packs context-length micro-batches) on its best scheme: the strongest baselines, not
+the papers' own."""
 
 
 def paper_baseline(paper: str) -> str:
@@ -95,6 +125,17 @@ _SKRULL_05B = PaperFigure(
     5.50, "average", "skrull.txt §5, Figure 3 (line 95); setting line 92",
     "mean over Qwen2.5-0.5B on Wikipedia, LMsysChat1M and ChatQA2 (per-dataset bars not in the text); "
     "same 32 H100s, <DP=4, CP=8>, batch 64, ZeRO-2")
+_SKRULL_7B = PaperFigure(
+    2.03, "average", "skrull.txt §5, Figure 3 (line 95); settings line 92",
+    "mean over Qwen2.5-7B on Wikipedia, LMsysChat1M and ChatQA2 (per-dataset bars not in the text); "
+    "same 32 H100s, ZeRO-2")
+SKRULL_DATASET_MEANS = {
+    "skrull-0.5b": ("skrull-lmsys-0.5b", "skrull-lmsys-0.5b", "skrull-chatqa2-0.5b"),
+    "skrull-7b": ("skrull-lmsys-7b", "skrull-lmsys-7b", "skrull-chatqa2-7b"),
+}
+"""The paper's Figure 3 averages over Wikipedia, LMsysChat1M and ChatQA2 per model; its
+Wikipedia and LMsysChat1M have the same long-tail shape (skrull.txt line 95, Table 1: 87.9% and
+87.1% under 1K, 99.3% and 99.4% under 4K), so the LMSys scenario stands for both."""
 _HYDRAULIS = PaperFigure(
     (1.32, 2.66), "range", "hydraulis.txt §8.2, Figure 10 (line 287; also 17, 47); configs Table 3 (lines 598-614)",
     "spread over all Figure 10 settings (7B/13B/32B, CommonCrawl/GitHub, 8-64 A800s) and over the best of "
@@ -102,7 +143,7 @@ _HYDRAULIS = PaperFigure(
 _INFINIPIPE = PaperFigure(
     2.60, "up to", "infinipipe.txt §5.2, Figure 8 (line 356); setting lines 341-349",
     "maximum over GPT 7B/13B/30B, CommonCrawl/GitHub and several context lengths at batch 512 on 32 A800s; "
-    "Figure 8's per-setting bars are not in the text; the scenario runs H100s")
+    "Figure 8's per-setting bars are not in the text")
 _SLIMPACK = PaperFigure(
     2.8, "up to", "slimpack.txt §1 contributions (line 21); settings §6.1-6.2 (lines 183, 190)",
     "maximum over Llama 7B-150B, three datasets, 64K-256K, 128-256 GPUs, batch 512-2048 against Megatron-LM "
@@ -118,19 +159,28 @@ PAPER_FIGURES: dict[str, PaperFigure] = {
         note=_SKRULL_05B.note + "; long-tail datasets gain more than ChatQA2 (line 95)"),
     "skrull-chatqa2-0.5b": _SKRULL_05B._replace(
         note=_SKRULL_05B.note + "; the paper says ChatQA2 leaves less room than the long-tail datasets (line 95)"),
-    "skrull-chatqa2-7b": PaperFigure(
-        2.03, "average", "skrull.txt §5, Figure 3 (line 95); setting line 92",
-        "mean over Qwen2.5-7B's three datasets (per-dataset bars not in the text), the paper calls ChatQA2 7B's "
-        "speedup limited; same 32 H100s, <DP=2, CP=16>, batch 40, ZeRO-2"),
+    "skrull-lmsys-7b": _SKRULL_7B._replace(
+        note=_SKRULL_7B.note + "; <DP=4, CP=8>, batch 64 as for 0.5B; long-tail datasets gain more (line 95)"),
+    "skrull-chatqa2-7b": _SKRULL_7B._replace(
+        note=_SKRULL_7B.note + "; the paper calls ChatQA2 7B's speedup limited; <DP=2, CP=16>, batch 40"),
     "hydraulis-cc-7b-16": _HYDRAULIS._replace(
-        note=_HYDRAULIS.note + "; 7B on 16 GPUs with CommonCrawl is one of its settings, 200K tokens is "
-        "§8.3's default (line 313)"),
+        note=_HYDRAULIS.note + "; 7B on 16 GPUs with CommonCrawl is one of its settings, Megatron-LM at Table 3's "
+        "DP2TP4PP2 for 32K, 200K tokens is §8.3's default (line 313)"),
     "hydraulis-github-13b-32": _HYDRAULIS._replace(
-        note=_HYDRAULIS.note + "; 13B on 32 GPUs with GitHub is one of its settings"),
+        note=_HYDRAULIS.note + "; 13B on 32 GPUs with GitHub is one of its settings, Megatron-LM at Table 3's DP4TP8 "
+        "for 32K"),
+    "hydraulis-cc-7b-16-searched": _HYDRAULIS._replace(
+        note=_HYDRAULIS.note + "; as hydraulis-cc-7b-16 with Megatron-LM's scheme searched, not Table 3's"),
+    "hydraulis-github-13b-32-searched": _HYDRAULIS._replace(
+        note=_HYDRAULIS.note + "; as hydraulis-github-13b-32 with Megatron-LM's scheme searched, not Table 3's"),
     "infinipipe-cc-7b-32": _INFINIPIPE._replace(
-        note=_INFINIPIPE.note + "; 64K is not among the context lengths §5.2 names (48K, 96K: line 367)"),
+        note=_INFINIPIPE.note + "; 48K (line 367), Megatron-LM at TP 8 x CP 2 as Figure 8's caption fixes it"),
     "infinipipe-github-13b-32": _INFINIPIPE._replace(
-        note=_INFINIPIPE.note + "; 128K is not among the context lengths §5.2 names (48K, 96K: line 367)"),
+        note=_INFINIPIPE.note + "; 96K (line 367), Megatron-LM at TP 8 x CP 4 as Figure 8's caption fixes it"),
+    "infinipipe-cc-7b-32-searched": _INFINIPIPE._replace(
+        note=_INFINIPIPE.note + "; as infinipipe-cc-7b-32 with Megatron-LM's scheme searched"),
+    "infinipipe-github-13b-32-searched": _INFINIPIPE._replace(
+        note=_INFINIPIPE.note + "; as infinipipe-github-13b-32 with Megatron-LM's scheme searched"),
     "slimpack-github-7b-128": _SLIMPACK._replace(note=_SLIMPACK.note + "; 7B on 128 GPUs is one of its settings"),
     "slimpack-cc-70b-256": _SLIMPACK._replace(note=_SLIMPACK.note + "; 70B on 256 GPUs is one of its settings"),
 }
@@ -141,27 +191,41 @@ FIDELITY_TOLERANCE = 0.30
 """How far our simulated speedup may sit from the paper's figure (as a fraction of it)."""
 
 _UP_TO = "the paper's figure is its best setting, not this one"
+_SKRULL_SYNC = ("skrull computes a step {compute_ratio:.1f}x faster (static-cp {baseline_compute_s:.3f} s, skrull "
+                "{paper_compute_s:.3f} s), but the ZeRO-2 gradient reduction over dp x cp after the last backward, "
+                "{baseline_sync_s:.3f} s and {paper_sync_s:.3f} s, is charged once a step to both; DeepSpeed, the "
+                "paper's baseline, reduces after every micro-batch ({baseline_micro_batches:.0f} a DP rank here, "
+                "not modelled)")
 EXPLANATIONS: dict[str, str] = {
-    "chunkflow-32k": _UP_TO + ": at 256K context (next row) our chunkflow reaches {chunkflow-256k}; at 32K "
-                     "megatron's context-length micro-batches are packed, so only their imbalance is left to "
-                     "win (megatron {baseline_s:.2f} s, chunkflow {paper_s:.2f} s a step)",
+    "chunkflow-32k": _UP_TO + " (Qwen2.5 7B to 72B at 32K and 256K; the bars per setting are not in its text, "
+                     "and only 7B runs here): megatron runs one sequence per micro-batch as the paper's did "
+                     "({baseline_micro_batches:.0f} a DP rank, {baseline_s:.2f} s a step), chunkflow packs them into "
+                     "chunks ({paper_s:.2f} s); at 256K (next row) {chunkflow-256k}",
     "chunkflow-256k": "the paper's best setting is a long-context one like this",
-    "chunkflow-32k-searched": "the searched scheme gives megatron context parallelism ({baseline_scheme}): whole "
-                              "sequences without pipeline bubbles, {baseline_s:.2f} s a step against chunkflow's "
-                              "{paper_s:.2f} s; the paper fixed Megatron-LM's scheme (its Table 3)",
+    "chunkflow-32k-searched": "the searched scheme gives megatron context parallelism ({baseline_scheme}) and packed "
+                              "context-length micro-batches, where the paper's ran its Table 3 scheme and one "
+                              "sequence per micro-batch: {baseline_s:.2f} s a step against chunkflow's "
+                              "{paper_s:.2f} s",
     "chunkflow-256k-searched": "as above ({baseline_scheme}): megatron {baseline_s:.2f} s a step, chunkflow "
                                "{paper_s:.2f} s",
-    "skrull-lmsys-0.5b": "the paper's 5.50x averages three datasets (up to 7.54x); not explained yet beyond "
-                         "that: our static-cp shards every sequence over cp8 and pays {baseline_s:.3f} s against "
-                         "skrull's {paper_s:.3f} s",
-    "skrull-chatqa2-0.5b": "not explained yet: ChatQA2's long documents leave static-cp {baseline_s:.2f} s against "
-                           "skrull's {paper_s:.2f} s; the paper's 5.50x is the three-dataset average",
-    "skrull-chatqa2-7b": "not explained yet: static-cp {baseline_s:.2f} s against skrull's {paper_s:.2f} s; the "
-                         "paper calls this setting's gain limited",
-    "infinipipe-cc-7b-32": _UP_TO + "; our megatron takes its fastest recomputation and a searched scheme "
-                           "({baseline_scheme}, {baseline_s:.2f} s a step), not the paper's fixed one",
-    "infinipipe-github-13b-32": _UP_TO + "; megatron at a searched scheme ({baseline_scheme}, {baseline_s:.1f} s "
-                                "a step)",
+    "skrull-lmsys-0.5b": "the paper's 5.50x is a mean over three datasets, ours {mean:skrull-0.5b} (Wikipedia "
+                         "taken as LMSys, as the paper does); " + _SKRULL_SYNC,
+    "skrull-chatqa2-0.5b": "ChatQA2's long documents are sharded by both planners; the 5.50x is the three-dataset "
+                           "mean, ours {mean:skrull-0.5b}; " + _SKRULL_SYNC,
+    "skrull-lmsys-7b": "the paper's 2.03x is a mean over three datasets, ours {mean:skrull-7b} (Wikipedia taken "
+                       "as LMSys); " + _SKRULL_SYNC,
+    "skrull-chatqa2-7b": "the paper calls this setting's gain limited; the 2.03x is the three-dataset mean, ours "
+                         "{mean:skrull-7b}; " + _SKRULL_SYNC,
+    "infinipipe-cc-7b-32": _UP_TO + " (the paper's bars per setting are not in its text; 30B is not run here); "
+                           "megatron at the paper's scheme ({baseline_scheme}) takes {baseline_s:.2f} s a step, "
+                           "infinipipe {paper_s:.2f} s at {paper_scheme}; the 13B row reaches "
+                           "{infinipipe-github-13b-32}",
+    "infinipipe-github-13b-32": _UP_TO + "; megatron at the paper's scheme ({baseline_scheme}) takes "
+                                "{baseline_s:.1f} s a step, infinipipe {paper_s:.1f} s at {paper_scheme}",
+    "infinipipe-cc-7b-32-searched": _UP_TO + "; megatron at a searched scheme ({baseline_scheme}, "
+                                    "{baseline_s:.2f} s a step)",
+    "infinipipe-github-13b-32-searched": _UP_TO + "; megatron at a searched scheme ({baseline_scheme}, "
+                                         "{baseline_s:.1f} s a step)",
     "slimpack-github-7b-128": _UP_TO + "; megatron at a searched scheme ({baseline_scheme}, {baseline_s:.2f} s "
                               "a step)",
     "slimpack-cc-70b-256": _UP_TO + "; megatron at a searched scheme ({baseline_scheme}, {baseline_s:.2f} s a "
@@ -170,18 +234,26 @@ EXPLANATIONS: dict[str, str] = {
 """Scenario -> one short sentence naming the modelled effect that explains the gap between our
 speedup and the paper's, with a number. The numbers are filled in from the run itself
 (`explanation`): the paper's baseline's scheme and mean simulated step (baseline_scheme,
-baseline_s), the paper's planner's (paper_scheme, paper_s), and {other-scenario} for another
-scenario's mean speedup of its paper's planner over its paper's baseline. Where no effect is
+baseline_s), the paper's planner's (paper_scheme, paper_s), each one's mean compute time (the
+simulated makespan, before the gradient reduction that ends the step: baseline_compute_s,
+paper_compute_s, their ratio compute_ratio) and what the step adds after it (baseline_sync_s,
+paper_sync_s), the baseline's mean micro-batches per pipeline (baseline_micro_batches),
+{other-scenario} for another scenario's mean speedup of its paper's planner over its paper's
+baseline, and {mean:NAME} for the mean of SKRULL_DATASET_MEANS[NAME]. Where no effect is
 identified the entry says so."""
 
 
 def headline_speedups(results: list[dict]) -> dict[str, str]:
     """Scenario -> its paper's planner's mean speedup over its paper's baseline, as printed."""
-    out = {}
+    values = {}
     for r in results:
         interval = r["planners"].get(r["paper"], {}).get("intervals", {}).get("vs_paper_baseline")
         if interval:
-            out[r["scenario"]] = f"{interval['mean']:.2f}x"
+            values[r["scenario"]] = interval["mean"]
+    out = {name: f"{v:.2f}x" for name, v in values.items()}
+    for name, members in SKRULL_DATASET_MEANS.items():
+        if all(m in values for m in members):
+            out["mean:" + name] = f"{statistics.fmean(values[m] for m in members):.2f}x"
     return out
 
 
@@ -193,8 +265,15 @@ def explanation(result: dict, others: dict[str, str] | None = None) -> str:
     planners = result["planners"]
     base, mine = planners.get(paper_baseline(result["paper"]), {}), planners.get(result["paper"], {})
     fields = {"baseline_scheme": base.get("scheme", "-"), "baseline_s": base.get("step_time_s") or math.nan,
-              "paper_scheme": mine.get("scheme", "-"), "paper_s": mine.get("step_time_s") or math.nan}
-    for name in (spec[0] for spec in SCENARIOS):
+              "paper_scheme": mine.get("scheme", "-"), "paper_s": mine.get("step_time_s") or math.nan,
+              "baseline_compute_s": base.get("compute_time_s") or math.nan,
+              "paper_compute_s": mine.get("compute_time_s") or math.nan,
+              "baseline_micro_batches": base.get("micro_batches") or math.nan}
+    fields["compute_ratio"] = fields["baseline_compute_s"] / fields["paper_compute_s"]
+    fields["baseline_sync_s"] = fields["baseline_s"] - fields["baseline_compute_s"]
+    fields["paper_sync_s"] = fields["paper_s"] - fields["paper_compute_s"]
+    names = [spec[0] for spec in SCENARIOS] + ["mean:" + name for name in SKRULL_DATASET_MEANS]
+    for name in names:
         text = text.replace("{" + name + "}", (others or {}).get(name, "n/a"))
     return text.format(**fields)
 
@@ -230,20 +309,34 @@ def sample_batches(profile: str, context: int, seed: int, count: int, size: dict
     return [list(map(int, sampler.next_batch().lengths)) for _ in range(count)]
 
 
+def fixed_schemes(scheme, planners: list[str]) -> dict[str, ParallelScheme]:
+    """A scenario's fixed schemes per planner (see SCENARIOS); the others search."""
+    if isinstance(scheme, dict):
+        return {p: s for p, s in scheme.items() if p in planners}
+    return {p: scheme for p in planners if p != "hydraulis"} if scheme else {}
+
+
+def scheme_text(scheme) -> str | None:
+    if isinstance(scheme, dict):
+        return "; ".join(f"{p} {s}" for p, s in scheme.items())
+    return str(scheme) if scheme else None
+
+
 def run_scenario(spec, batches: int, seed: int) -> dict:
     name, paper, profile, model, cluster, gpus, context, size, scheme = spec
     planners = all_planners()
     setup = CompareSetup(model=model_preset(model), cluster=cluster_preset(cluster, gpus), context_length=context,
                          batches=sample_batches(profile, context, seed, batches, size), planners=planners,
-                         seed=seed, zero=scheme.zero if scheme else 1,
-                         schemes={p: scheme for p in planners if p != "hydraulis"} if scheme else {})
+                         seed=seed, zero=scheme.zero if isinstance(scheme, ParallelScheme) else 1,
+                         schemes=fixed_schemes(scheme, planners),
+                         options=PAPER_BASELINE_OPTIONS.get(paper, {}) if scheme else {})
     started = time.perf_counter()
     rows = run_compare(setup)
     summary = summarise(rows)
     for planner, row in rows.items():
         summary["planners"][planner]["intervals"] = speedup_intervals(rows, row, paper_baseline(paper))
     return {"scenario": name, "paper": paper, "profile": profile, "model": model, "cluster": cluster, "gpus": gpus,
-            "context_length": context, "batch": size, "fixed_scheme": str(scheme) if scheme else None,
+            "context_length": context, "batch": size, "fixed_scheme": scheme_text(scheme),
             "seconds": time.perf_counter() - started, **summary}
 
 
@@ -313,6 +406,8 @@ def markdown(results: list[dict]) -> str:
         mine = r["planners"].get(r["paper"], {})
         auto = r["planners"].get("auto", {})
         scheme = r["fixed_scheme"] or f"searched ({mine.get('scheme', '-')})"
+        if r["fixed_scheme"] and f"{r['paper']} " not in r["fixed_scheme"] and r["fixed_scheme"].startswith(base):
+            scheme += f"; {r['paper']} searched ({mine.get('scheme', '-')})"
         comparison = paper_comparison(r, headline_speedups(results))
         within = {True: "yes", False: "no", None: "n/a"}[comparison["within_tolerance"]]
         out.append(f"| {r['scenario']} | {scheme} | {r['paper']} | {base} | "

@@ -18,7 +18,7 @@ from lengthwise.planners.packing_utils import (
 )
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
 
-BASELINES = ("padding", "packing", "static-cp", "sorted", "token-balanced")
+BASELINES = ("padding", "packing", "megatron", "static-cp", "sorted", "token-balanced")
 MODEL = MODEL_PRESETS["qwen2.5-1.5b"]
 CONTEXT = 32768
 SCHEMES = {
@@ -305,3 +305,40 @@ def test_static_cp_gives_every_sequence_its_own_row_sharded_over_the_cp_group():
     assert all(len(c.segments) == 1 and c.segments[0].cp_rank == -1 for c in rows)
     assert [[c.segments[0].seq_id for c in p.chunks] for p in plan.pipelines] == [[0, 2, 4], [1, 3, 5]]
     assert all(a.recompute_layers == 0 for p in plan.pipelines for st in p.stages for a in st)
+
+
+def test_megatron_shrinks_its_micro_batches_to_what_full_recomputation_holds():
+    """A Megatron-LM user whose context-length micro-batch does not fit even with full
+    recomputation lowers --seq-length to the memory: packs of at most that many tokens, and the
+    simulated plan fits."""
+    from lengthwise.sim import simulate_plan
+
+    req = request([1000] * 4, "dp4-pp2")
+    limit = req.cost.max_seq_len(pp=2, dp=4, recompute=True)
+    req.context_length = 2 * limit
+    req.lengths = [limit - 5000, 3000, 4000, limit // 2, limit // 3, 700] * 2
+    plan = get_planner("megatron")(req)
+    assert plan.options["recompute"] == "full" and plan.options["micro_batch_tokens"] == limit
+    assert max(c.num_tokens for p in plan.pipelines for c in p.chunks) <= limit
+    assert_valid(plan, req)
+    assert simulate_plan(plan, req.cost).fits
+
+
+def test_megatron_micro_batch_size_runs_unpacked_sequences_in_sampler_order():
+    """ChunkFlow's Megatron-LM (§6.1: micro-batch size 1): one sequence per micro-batch, dealt
+    round-robin to the DP ranks, recomputation chosen for a context-length sequence."""
+    lengths = [700, 300, 1500, 90, 2000, 5, 12000, 64]
+    req = request(lengths, "dp4-pp2", micro_batch_size=1)
+    plan = get_planner("megatron")(req)
+    assert [[[s.seq_id for s in c.segments] for c in p.chunks] for p in plan.pipelines] == [[[0], [4]], [[1], [5]], [[2], [6]], [[3], [7]]]
+    fits_plain = req.context_length <= req.cost.max_seq_len(pp=2, dp=4)
+    assert plan.options["recompute"] == ("none" if fits_plain else "full")
+    assert_valid(plan, req)
+    two = get_planner("megatron")(request(lengths, "dp4-pp2", micro_batch_size=2))
+    assert [[c.row_tokens for c in p.chunks] for p in two.pipelines] == [[1400], [3000], [4000], [24000]]
+
+
+def test_megatron_micro_batches_still_refuse_a_sequence_over_the_context():
+    req = request([100, CONTEXT + 1], "dp4-pp2", micro_batch_size=2)
+    with pytest.raises(UserError, match=f"sequence 1 has {CONTEXT + 1} tokens > context length"):
+        get_planner("megatron")(req)

@@ -94,3 +94,19 @@ def test_every_scenario_has_a_cited_figure_from_its_own_paper(suite):
         assert figure.source.startswith(f"{paper}.txt ") and "line" in figure.source
         low, high = figure.value if isinstance(figure.value, tuple) else (figure.value, figure.value)
         assert 1.0 < low <= high and (figure.kind == "range") == isinstance(figure.value, tuple)
+
+
+def test_explanations_take_their_numbers_from_the_run(suite, monkeypatch):
+    """The skrull sentences: compute ratio and what the step adds after the makespan come from
+    the planners' means, the three-dataset mean from the scenarios' speedups (LMSys twice, as it
+    stands for Wikipedia too)."""
+    monkeypatch.setattr(suite, "EXPLANATIONS", {"s": "{compute_ratio:.1f}x; {baseline_sync_s:.2f} s, "
+                                                     "{paper_sync_s:.2f} s; {baseline_micro_batches:.0f}; "
+                                                     "{mean:skrull-0.5b}"})
+    rows = [result(name, "skrull", mean) for name, mean in
+            (("skrull-lmsys-0.5b", 3.0), ("skrull-chatqa2-0.5b", 1.5))]
+    r = result("s", "skrull", 2.0)
+    r["planners"]["static-cp"] = {"step_time_s": 0.5, "compute_time_s": 0.4, "micro_batches": 16.0}
+    r["planners"]["skrull"].update({"step_time_s": 0.15, "compute_time_s": 0.1})
+    text = suite.explanation(r, suite.headline_speedups(rows))
+    assert text == "4.0x; 0.10 s, 0.05 s; 16; 2.50x"

@@ -534,3 +534,23 @@ def test_packflow_schedules_of_many_pipelines_are_each_pipelines_own(pipes, pp, 
 
     many = packflow_stages_many([c for c, _ in pipes], [r for _, r in pipes], pp, lean=lean)
     assert many == [packflow_stages(c, r, pp, lean=lean) for c, r in pipes]
+
+
+def test_fits_where_the_baselines_fit_under_dp_x_cp_with_zero2():
+    """Skrull's 7B ChatQA2 setting (dp2 x cp16, ZeRO-2): SlimPack's pipelines are DP ranks, some
+    DP-Merged, and ZeRO shards the states over all their CP ranks (the sum of the pipelines'
+    cp, not pipelines x one pipeline's cp); its first MicroPack runs before any backward has made
+    the gradients. The baselines fit this batch, and so must SlimPack (issue: a plan whenever
+    another planner's fits the scheme)."""
+    lengths = [14095, 2132, 107, 78, 21266, 26821, 13133, 17491, 11337, 28254, 21395, 66, 23572, 97, 17498,
+               590, 23892, 11280, 3291, 8551, 91, 308, 15247, 14436, 13403, 6982, 32661, 31437, 15787, 14546,
+               15894, 7272, 353, 17168, 10864, 3834, 9908, 25404, 28187, 5714]
+    scheme = ParallelScheme(dp=2, cp=16, zero=2)
+    cluster = cluster_preset("h100", scheme.num_gpus)
+    cost = CostModel(model=MODEL_PRESETS["qwen2.5-7b"], cluster=cluster)
+    req = PlanRequest(lengths=lengths, model=cost.model, cluster=cluster, scheme=scheme, cost=cost,
+                      context_length=128 * K)
+    assert simulate_plan(get_planner("static-cp")(req), cost).fits
+    out = get_planner("slimpack")(req)
+    validate_plan(out, cost)
+    assert simulate_plan(out, cost).fits

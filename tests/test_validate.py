@@ -171,8 +171,11 @@ def test_chunk_a_lone_pipeline_holds_is_accepted():
 
 
 def test_chunk_over_memory_names_pipeline_stage_and_chunk():
+    """A lone chunk is checked against what its stage holds before the first backward (the
+    states without their gradients), the most it can have."""
     cost = CostModel(model=MODEL, cluster=CLUSTER)
-    too_many = int(cost.max_seq_len(pp=2, dp=1, inflight=1) * 1.2)
+    budget = cost.stage_budget(stage=1, pp=2)
+    too_many = int((budget.capacity - budget.states + budget.grads) / budget.activation_per_token * 1.05)
     message = rejected(_one_chunk_plan(too_many, pp=2), "pipeline 0 stage", "chunk 0", "GiB capacity",
                        cost=cost)
     assert "\n" not in message
@@ -184,8 +187,9 @@ def test_split_slice_counts_its_context_kv_state():
     cost = CostModel(model=MODEL, cluster=CLUSTER)
     row = cost.max_seq_len(pp=4, dp=1, inflight=1) // 2
     layers = MODEL.num_layers // 4
-    free = (cost.capacity_bytes - cost.model_state_bytes(layers=layers, first=True)
-            - cost.activation_bytes_per_token(layers=layers) * row)
+    budget = cost.stage_budget(stage=0, pp=4)
+    # the most stage 0 has beside one row: the states without the gradients its first backward makes
+    free = budget.capacity - (budget.states - budget.grads) - cost.activation_bytes_per_token(layers=layers) * row
     rows = int(free // cost.kv_bytes(row, layers=layers)) + 2
     slices = [f"0[{a}:{a + row}]" for a in range(0, rows * row, row)]
     message = rejected(plan([rows * row], pipeline(slices, pp=4)), "K/V context", cost=cost)

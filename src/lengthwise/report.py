@@ -81,6 +81,7 @@ class PlannerRow:
         d = {
             "scheme": self.scheme,
             STEP_TIME_S: step,
+            "compute_time_s": statistics.fmean(r.result.makespan for r in ok),
             TOKENS_PER_S: tokens / sum(r.result.step_time_s for r in ok),
             "speedup_vs_best_baseline": best_baseline_s / step if best_baseline_s else None,
             "speedup_vs_megatron": megatron_s / step if megatron_s else None,
@@ -94,6 +95,11 @@ class PlannerRow:
             "planning_ms_max": max(r.elapsed_ms for r in self.runs),
             "batches": len(ok),
         }
+        # micro-batches per pipeline, mean over pipelines and batches
+        chunks = [statistics.fmean(len(p.chunks) for p in r.plan.pipelines) for r in ok
+                  if r.plan is not None and r.plan.pipelines]
+        if chunks:
+            d["micro_batches"] = statistics.fmean(chunks)
         if self.chosen:
             d["chosen"] = dict(self.chosen)
         if self.tuned:

@@ -554,8 +554,9 @@ class CostModel:
         last stage, one layer's elsewhere). Under CP a micro-batch's tokens spread over the cp
         ranks, but each layer keeps the K/V of the whole sequence that its all-gather assembled
         (`activation_bytes`); without CP, a micro-batch whose rows tp does not divide keeps a
-        padded copy of each layer's attention output (`attention_pad_bytes`), counted for every
-        micro-batch since its length is not known here."""
+        padded copy of each layer's attention output (`attention_pad_bytes`; under recomputation
+        only the re-materialised layer's), counted for every micro-batch since its length is not
+        known here."""
         best = math.inf
         for b in self.stage_budgets(tp=tp, pp=pp, replicas=dp * cp, zero=zero):
             held = inflight if inflight is not None else pp - b.stage
@@ -565,8 +566,9 @@ class CostModel:
             per_token = (kept * held + (b.remat_per_token if recompute else 0.0) + b.backward_work_per_token) / cp
             if cp > 1 and not recompute:  # each layer keeps the K/V its all-gather assembled, whole
                 per_token += held * b.kv_per_token
-            elif tp > 1 and not recompute:  # a row tp does not divide: its padded attention copy
-                per_token += held * b.layers * self.model.q_dim * mem.BYTES_BF16 / tp
+            elif tp > 1:  # a row tp does not divide: its padded attention copy, in every kept layer
+                # (only in the re-materialised one under recomputation)
+                per_token += (1 if recompute else held * b.layers) * self.model.q_dim * mem.BYTES_BF16 / tp
             best = min(best, b.free / per_token if b.free > 0 else 0)
         return int(best)
 

@@ -16,8 +16,10 @@
 6. Loss normalisation: the positions that predict a next token, counted over the chunks, equal
    the batch's loss tokens sum(max(L - 1, 0)) (and the count recorded in the metrics, if any).
 7. With a cost model: model states plus one chunk's activations plus the K/V state of its
-   context fit every stage's GPU. This is the bound of that chunk alone in the pipeline, so a
-   plan a 1F1B pipeline could run is never rejected; the simulator checks the peak over time.
+   context fit every stage's GPU (the states without their gradients for a chunk forwarded
+   before the stage's first backward, which allocates them). This is the bound of that chunk
+   alone in the pipeline, so a plan a 1F1B pipeline could run is never rejected; the simulator
+   checks the peak over time.
 """
 
 from __future__ import annotations
@@ -211,7 +213,9 @@ def _check_loss_tokens(plan: StepPlan) -> None:
 
 def _check_memory(plan: StepPlan, cost: CostModel) -> None:
     for p, pipe in enumerate(plan.pipelines):
-        replicas = len(plan.pipelines) * pipe.cp  # ZeRO shards over every rank holding the stage
+        # ZeRO shards over every rank holding the stage: each pipeline's CP ranks (SlimPack's
+        # DP-Merged pipelines have more than the others)
+        replicas = sum(p.cp for p in plan.pipelines)
         over = memory_overflow(pipe, cost, num_layers=plan.model.num_layers, dp=replicas, zero=plan.zero,
                                where=f"pipeline {p} ")
         if over is not None:
@@ -245,7 +249,11 @@ def memory_overflow(pipe: PipelinePlan, cost: CostModel, *, num_layers: int, dp:
     loads = [_cp_rank_loads(chunk, pipe.cp) for chunk in pipe.chunks]  # the same on every stage
     for s, actions in enumerate(pipe.stages):
         last = s == pipe.pp - 1
-        states = cost.stage_budget(stage=s, tp=pipe.tp, pp=pipe.pp, replicas=dp, zero=zero, layers=layers[s]).states
+        budget = cost.stage_budget(stage=s, tp=pipe.tp, pp=pipe.pp, replicas=dp, zero=zero, layers=layers[s])
+        # the gradients come into being in the stage's first backward (as the simulator and the
+        # executor have them): a chunk forwarded before it holds the states without them
+        first_b = next((i for i, a in enumerate(actions) if a.kind == BACKWARD), len(actions))
+        early = {a.chunk for a in actions[:first_b] if a.kind == FORWARD}
         recompute = {a.chunk: a.recompute_layers for a in actions if a.kind == FORWARD}
         per_token: dict[int, float] = {}  # activation bytes per row token, by recomputed layers
         for c, chunk_loads in enumerate(loads):
@@ -257,6 +265,7 @@ def memory_overflow(pipe: PipelinePlan, cost: CostModel, *, num_layers: int, dp:
                                                                head=last)
             _, act, kv = max(_chunk_bytes(cost, per_token[r], tokens, context, layers[s], pipe.tp)
                              for tokens, context in chunk_loads)
+            states = budget.states - (budget.grads if c in early else 0.0)
             need = states + act + kv
             if need > cost.capacity_bytes:
                 return ChunkOverflow(stage=s, chunk=c, need=need, activation=act, kv=kv, states=states)

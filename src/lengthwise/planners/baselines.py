@@ -14,7 +14,11 @@ are formed and spread over data-parallel ranks:
 - `megatron`: Megatron-LM as ChunkFlow, InfiniPipe, SlimPack and Hydraulis run it for their
   comparisons: the scheme it is given, micro-batches of packed samples of the context length
   filled in sampler order (no sorting), the same count per DP rank, 1F1B, and full activation
-  recomputation when a context-length micro-batch does not fit without it (`recompute`).
+  recomputation when a context-length micro-batch does not fit without it (`recompute`); where
+  it does not fit even so, micro-batches of the longest length that fits. With
+  `micro_batch_size` N, micro-batches of N sequences in sampler order instead, unpacked and
+  padded to their longest, memory sized for N context-length sequences (ChunkFlow's Megatron-LM
+  ran N = 1: chunkflow.txt §6.1).
 - `sorted`: LongAlign's sorted batching (ChunkFlow §6 "smart batching"): sort by length, cut the
   sorted list into micro-batches of similar lengths that fit the token budget, pad each to its
   longest, deal the micro-batches to ranks in shuffled order. Little padding, same stragglers.
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
 from lengthwise.errors import UserError
 from lengthwise.cost.model import split_layers
@@ -151,22 +156,34 @@ def with_recompute(request: PlanRequest, pipelines: list, recompute: bool) -> li
 
 
 def plan_megatron(request: PlanRequest) -> StepPlan:
-    """Megatron-LM's packed micro-batches of the context length, recomputing when it must."""
+    """Megatron-LM's packed micro-batches of the context length (or `micro_batch_size` unpacked
+    sequences), recomputing when it must."""
     started = time.perf_counter()
     opts = take_options(request, "megatron")
     if opts["recompute"] not in RECOMPUTE_CHOICES:
         raise UserError(f"option recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {opts['recompute']!r}")
     check_lengths(request)
-    recompute = _megatron_recompute(request, opts["recompute"])
     lengths, dp = request.lengths, request.scheme.dp
-    bins = split_to_multiple(next_fit(lengths, request.context_length), lengths, dp)
-    chunks = [packed_chunk(b, lengths) for b in bins]
+    mbs = positive_int_option(opts, "micro_batch_size")
+    if mbs is None:
+        recompute, capacity = _megatron_setting(request, opts["recompute"])
+        bins = split_to_multiple(next_fit(lengths, capacity), lengths, dp)
+        chunks = [packed_chunk(b, lengths) for b in bins]
+        shape = {"micro_batch_tokens": capacity}
+    else:
+        # memory is sized for a micro-batch of mbs context-length sequences, as Megatron-LM's
+        # --micro-batch-size and --seq-length do
+        sized = replace(request, context_length=mbs * request.context_length)
+        recompute, capacity = _megatron_setting(sized, opts["recompute"])
+        groups = [list(range(i, min(i + mbs, len(lengths)))) for i in range(0, len(lengths), mbs)]
+        _check_padded_fits(groups, lengths, capacity, mbs)
+        chunks = [padded_chunk(g, lengths) for g in groups]
+        shape = {"micro_batch_size": mbs}
     pipelines = pipelines_from_chunks(request, deal(chunks, dp))
     if recompute:
         _recompute_every_layer(request, pipelines)
     return finish_plan(request, pipelines, planner="megatron", started=started,
-                       options={"recompute": "full" if recompute else "none",
-                                "micro_batch_tokens": request.context_length})
+                       options={"recompute": "full" if recompute else "none", **shape})
 
 
 def plan_static_cp(request: PlanRequest) -> StepPlan:
@@ -194,31 +211,19 @@ def next_fit(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def _megatron_recompute(request: PlanRequest, choice: str) -> bool:
-    """Whether every layer recomputes: `auto` only when a context-length micro-batch does not fit
-    1F1B without it (pp - s micro-batches in flight on stage s)."""
-    fits_plain = _fits_1f1b(request, recompute=False)
-    if choice == "none" and not fits_plain:
-        raise UserError(f"a {request.context_length}-token micro-batch does not fit {request.scheme} without "
-                        "recomputation: use recompute=full or auto, or raise --tp/--pp")
-    recompute = choice == "full" or (choice == "auto" and not fits_plain)
-    if recompute and not _fits_1f1b(request, recompute=True):
-        raise UserError(f"a {request.context_length}-token micro-batch does not fit {request.scheme} even with "
-                        "full recomputation: raise --tp, --pp or --cp, or lower --context-length")
-    return recompute
-
-
-def _fits_1f1b(request: PlanRequest, *, recompute: bool) -> bool:
-    s, cost = request.scheme, request.cost
-    for b in cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=s.dp * s.cp, zero=s.zero):
-        per_token = b.recomputed_per_token if recompute else b.activation_per_token
-        # under recomputation one micro-batch's backward re-materialises one layer at a time, as
-        # the simulator charges it (sim/memory.py)
-        transient = b.remat_per_token if recompute else 0.0
-        tokens = request.context_length / s.cp
-        if tokens * (per_token * (s.pp - b.stage) + transient) > b.free:
-            return False
-    return True
+def _megatron_setting(request: PlanRequest, choice: str) -> tuple[bool, int]:
+    """(whether every layer recomputes, tokens per packed micro-batch). Context-length
+    micro-batches; `auto` recomputes only when one does not fit 1F1B without (pp - s in flight
+    on stage s, `CostModel.max_seq_len`: what the simulator charges, the backward's working set
+    included). Where the chosen setting cannot hold a context-length micro-batch, micro-batches
+    shrink to the longest it holds, as a Megatron-LM user lowers --seq-length to the memory;
+    `baseline_limit` names the sequence when even the longest one does not fit."""
+    if choice == "auto":
+        s = request.scheme
+        plain = request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp, zero=s.zero)
+        choice = "none" if request.context_length <= plain else "full"
+    limit, recompute = baseline_limit(request, choice)
+    return recompute, min(request.context_length, limit)
 
 
 def _recompute_every_layer(request: PlanRequest, pipelines) -> None:

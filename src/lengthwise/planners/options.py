@@ -49,6 +49,9 @@ class PackingOptions:
 
 @dataclass(kw_only=True, frozen=True)
 class MegatronOptions:
+    micro_batch_size: int | None = option(
+        None, "sequences per micro-batch, unpacked, in sampler order, each padded to its longest (ChunkFlow's "
+        "Megatron-LM ran 1: chunkflow.txt §6.1); default: packed micro-batches of the context length", metavar="N")
     recompute: str = option(
         "auto", "activation recomputation: none, full (every layer keeps only its input), or auto, the "
         "fastest that fits (none when it fits, else full), as a Megatron-LM user would choose",

@@ -706,7 +706,8 @@ class _PipelineCosts:
         """[stage] model-state bytes and [stage] their gradients' part, shared by the plan's
         pipelines of one shape."""
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
-        dp, zero = len(self.plan.pipelines) * pipe.cp, self.plan.zero  # ZeRO shards over dp x cp
+        # ZeRO shards over dp x cp: every pipeline's CP ranks (DP-Merged pipelines have more)
+        dp, zero = sum(p.cp for p in self.plan.pipelines), self.plan.zero
         key = ("states", pipe.tp, pipe.cp, tuple(self.layers))
         if key not in self.shared:
             if self._heterogeneous():  # bf16 stage weights and gradients, the owned masters and moments
@@ -765,7 +766,7 @@ class _PipelineCosts:
                                  inter_node=inter, first=s == 0, last=s == self.pipe.pp - 1)
                     for s, L in enumerate(self.layers)]
         # every CP rank holds the stage's weights too: gradients reduce over dp x cp
-        dp = len(self.plan.pipelines) * self.pipe.cp
+        dp = sum(p.cp for p in self.plan.pipelines)
         if dp <= 1:
             return [0.0] * self.pipe.pp
         key = ("grad_sync", tuple(self.layers), self.pipe.tp, self.pipe.cp)  # the rest is the plan's

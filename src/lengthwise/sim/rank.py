@@ -117,7 +117,7 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
     first, last = place.stage == 0, place.stage == pipe.pp - 1
     send = sum(cost.boundary_bytes(_unit(pipe, a), tp=pipe.tp, cp=pipe.cp, cp_rank=place.cp_rank) for a in pipe.stages[place.stage]
                if (a.kind == BACKWARD and not first) or (a.kind != BACKWARD and not last))
-    replicas = sum(1 for p in plan.pipelines if p.pp == pipe.pp) * pipe.cp
+    replicas = sum(p.cp for p in plan.pipelines if p.pp == pipe.pp)
     params = stage_params(plan.model, layers=layers, tp=pipe.tp, first=first, last=last)
     grads = params * GRAD_BYTES_PER_PARAM
     gathered, kv_grads = cp_comm_bytes(plan, cost, place)
