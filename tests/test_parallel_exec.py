@@ -37,7 +37,7 @@ SCENARIOS = {
     "dp2-tp2": ("chunkflow", LENGTHS, {"dp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
     "pp2-tp2": ("chunkflow", LENGTHS, {"pp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
     "pp2-tp2-nosp": ("chunkflow", LENGTHS, {"pp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
-    "tp4-gqa": ("chunkflow", LENGTHS, {"tp": 4}, {"chunk_size": 48, "k": 1}),
+    "tp4-gqa": ("chunkflow", LENGTHS, {"tp": 4}, {"chunk_size": 96, "k": 1}),
     "pp2-tp2-vocab259": ("chunkflow", LENGTHS, {"pp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
     "tied-pp2-tp2": ("chunkflow", LENGTHS, {"pp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
     "tied-zero3-dp2-pp2": ("chunkflow", LENGTHS, {"dp": 2, "pp": 2, "zero": 3}, {"chunk_size": 32, "k": 1}),
@@ -49,7 +49,9 @@ SCENARIOS = {
 }
 """pp2-tp2-nosp: tensor parallelism without sequence parallelism (whole activations on every
 TP rank); every other tp scenario splits the residual stream's rows over TP, with chunks of 47
-and 5 tokens padded to a multiple of tp. packing-dp4-uneven: one replica runs two backward units, the others one; the embedding of a
+and 5 tokens padded to a multiple of tp (tp4-gqa: chunks of 96, the 200-token sequence split in three
+and chunks of 95, 17 and 8 tokens padded; the other tp scenarios' 48-token chunks would double
+its actions, each dispatched through DTensor on all 4 ranks). packing-dp4-uneven: one replica runs two backward units, the others one; the embedding of a
 stage that also holds the head has its own FSDP group, else the replicas' reduce-scatters of
 the root group differ in size (`fsdp.shard_groups`)."""
 HAND_STAGES = ["F0.r1 F1.r1 B1 B0", "F0 F1.r2 B1 B0"]
