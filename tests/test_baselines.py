@@ -342,3 +342,22 @@ def test_megatron_micro_batches_still_refuse_a_sequence_over_the_context():
     req = request([100, CONTEXT + 1], "dp4-pp2", micro_batch_size=2)
     with pytest.raises(UserError, match=f"sequence 1 has {CONTEXT + 1} tokens > context length"):
         get_planner("megatron")(req)
+
+
+def test_megatron_recomputing_the_longest_row_tp_does_not_divide_fits():
+    """Under full recomputation the re-materialised layer of a row tp does not divide keeps a
+    padded copy of its attention output: the limit leaves room for it, so a recomputing
+    micro-batch of the limit's length fits the simulated peak, also after the first backward."""
+    from lengthwise.sim import simulate_plan
+
+    scheme = ParallelScheme(dp=1, tp=4, pp=1)
+    cluster = cluster_preset("h100", scheme.num_gpus)
+    cost = CostModel(model=MODEL_PRESETS["qwen2.5-7b"], cluster=cluster)
+    limit = cost.max_seq_len(tp=4, recompute=True)
+    n = limit if limit % 4 else limit - 1
+    # two: the second runs after the first backward has made the gradients
+    req = PlanRequest(lengths=[n, n], model=cost.model, cluster=cluster, scheme=scheme, cost=cost,
+                      context_length=2 * limit, options={"recompute": "full"})
+    plan = get_planner("megatron")(req)
+    assert plan.options["recompute"] == "full"
+    assert simulate_plan(plan, cost).fits

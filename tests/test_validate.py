@@ -181,6 +181,23 @@ def test_chunk_over_memory_names_pipeline_stage_and_chunk():
     assert "\n" not in message
 
 
+def test_only_chunks_forwarded_before_the_first_backward_are_spared_the_gradients():
+    """The stage's first backward makes the gradients: a chunk forwarded before it fits beside
+    the states without them, the same chunk forwarded after it (F0 B0 F1 B1) does not."""
+    model = MODEL_PRESETS["qwen2.5-1.5b"]   # whose states fit one GPU
+    cost = CostModel(model=model, cluster=CLUSTER)
+    budget = cost.stage_budget(stage=0, pp=1)
+    tokens = int((budget.free + 0.5 * budget.grads) / budget.activation_per_token)
+    assert tokens * budget.activation_per_token > budget.free  # over, were the gradients charged
+    one = [Chunk((Segment(0, 0, tokens),))]
+    validate_plan(StepPlan(planner="test", model=model, cluster=CLUSTER, lengths=[tokens],
+                           pipelines=[PipelinePlan(chunks=one, stages=make_schedule("1f1b", one, 1))]), cost)
+    cs = [Chunk((Segment(0, 0, tokens),)), Chunk((Segment(1, 0, tokens),))]
+    twice = StepPlan(planner="test", model=model, cluster=CLUSTER, lengths=[tokens, tokens],
+                     pipelines=[PipelinePlan(chunks=cs, stages=make_schedule("1f1b", cs, 1))])
+    assert rejected(twice, "pipeline 0 stage 0 chunk 1", cost=cost)
+
+
 def test_split_slice_counts_its_context_kv_state():
     """Later slices of a long sequence also hold their context's K/V: half a lone row fits, but
     not once the context's K/V outgrows what stage 0 has left beside one row's activations."""

@@ -566,7 +566,7 @@ class CostModel:
             per_token = (kept * held + (b.remat_per_token if recompute else 0.0) + b.backward_work_per_token) / cp
             if cp > 1 and not recompute:  # each layer keeps the K/V its all-gather assembled, whole
                 per_token += held * b.kv_per_token
-            elif tp > 1:  # a row tp does not divide: its padded attention copy, in every kept layer
+            elif cp <= 1 and tp > 1:  # a row tp does not divide: its padded attention copy, in every kept layer
                 # (only in the re-materialised one under recomputation)
                 per_token += (1 if recompute else held * b.layers) * self.model.q_dim * mem.BYTES_BF16 / tp
             best = min(best, b.free / per_token if b.free > 0 else 0)

@@ -212,10 +212,10 @@ def _check_loss_tokens(plan: StepPlan) -> None:
 
 
 def _check_memory(plan: StepPlan, cost: CostModel) -> None:
+    # ZeRO shards over every rank holding the stage: each pipeline's CP ranks (SlimPack's
+    # DP-Merged pipelines have more than the others)
+    replicas = sum(q.cp for q in plan.pipelines)
     for p, pipe in enumerate(plan.pipelines):
-        # ZeRO shards over every rank holding the stage: each pipeline's CP ranks (SlimPack's
-        # DP-Merged pipelines have more than the others)
-        replicas = sum(p.cp for p in plan.pipelines)
         over = memory_overflow(pipe, cost, num_layers=plan.model.num_layers, dp=replicas, zero=plan.zero,
                                where=f"pipeline {p} ")
         if over is not None:
