@@ -121,6 +121,42 @@ def test_split_sequence_holds_kv_state_and_kv_gradients():
     assert rerun.peak_memory[0][0] == pytest.approx(max(moments))
 
 
+def level_during(result, task: int) -> float:
+    """Highest memory held while a task runs (its start's allocations in, its end's frees not)."""
+    tl, curve = result.timeline, result.timeline.memory
+    inside = (curve.time >= tl.start[task]) & (curve.time < tl.finish[task])
+    return float(curve.level[inside].max())
+
+
+def test_chunkflow_system_holds_a_dropped_forwards_graph_until_the_next_forward_ends():
+    """`CostModel.nograd_keeps_graph`: ChunkFlow's Algorithm 2 runs slice 0's and slice 1's first
+    forwards with autograd on and drops their losses, so each graph lives to the end of the
+    next forward; `grads_held_all_step`: Megatron-LM's gradient buffer exists before the step.
+    State-aware K = 1 on one stage: N0 N1 F2 B2 F1 B1 F0 B0."""
+    chunks = split(0, [0, 64, 128, 192])
+    plan = make_plan([chunks], pp=1, schedule="state-aware-1f1b", k=1)
+    assert [str(a) for a in plan.pipelines[0].stages[0][:3]] == ["N0", "N1", "F2"]
+    executor = cost(plan)
+    system = CostModel(model=plan.model, cluster=plan.cluster, nograd_keeps_graph=True, grads_held_all_step=True)
+    ours, theirs = simulate_plan(plan, executor), simulate_plan(plan, system)
+    find = task_lookup(ours)
+    n1, f2 = find[0, 0, 1, 1], find[0, 0, 0, 2]
+    act = executor.activation_bytes(chunks[0], layers=TINY_LAYERS, head=True)  # every slice is 64 tokens
+    kv = executor.kv_bytes(64, layers=TINY_LAYERS)
+    head = executor.head_forward_bytes(chunks[2])
+    full, grad = states(executor, plan, 1)[0], grads(executor, plan, 1)[0]
+    assert theirs.timeline.memory.base[0] == pytest.approx(full)
+    assert ours.timeline.memory.base[0] == pytest.approx(full - grad)
+    # while F2 runs: slice 1's dropped graph beside F2's own, the K/V of slices 0 and 1
+    assert level_during(theirs, f2) == pytest.approx(full + 2 * act + 2 * kv + head)
+    assert level_during(ours, f2) == pytest.approx(full - grad + act + 2 * kv + head)
+    # while N1 runs: slice 0's graph (freed at N1's end) and N1's own, where the executor holds
+    # one layer's working set; the K/V of both slices from their first forwards' starts
+    assert level_during(theirs, n1) == pytest.approx(full + 2 * act + 2 * kv)
+    one_layer = executor.activation_bytes(chunks[1], layers=1)
+    assert level_during(ours, n1) == pytest.approx(full - grad + one_layer + 2 * kv)
+
+
 def test_recomputed_layers_shrink_activations_and_lengthen_backward():
     # chunks long enough that B0's start (both chunks held) is each plan's peak, not the
     # gradients made by B0 (the tiny model's 3 MB) beside one chunk
@@ -264,10 +300,11 @@ def assert_same_curves(a, b):
 
 
 @settings(max_examples=40, deadline=None)
-@given(plan=random_plans())
-def test_batched_memory_replay_is_the_per_pipeline_replay(plan):
-    # split sequences, no-grad forwards (state-aware K), several pipelines of different shapes
-    cm = cost(plan)
+@given(plan=random_plans(), system=st.booleans())
+def test_batched_memory_replay_is_the_per_pipeline_replay(plan, system):
+    # split sequences, no-grad forwards (state-aware K), several pipelines of different shapes;
+    # `system`: ChunkFlow's system's settings (dropped graphs held to the next forward)
+    cm = CostModel(model=plan.model, cluster=plan.cluster, nograd_keeps_graph=system, grads_held_all_step=system)
     assert_same_curves(simulate_plan(plan, cm).timeline.memory, per_pipeline_replay(plan, cm))
 
 

@@ -107,6 +107,22 @@ class CostModel:
     """Share of the tensor-parallel activation collectives hidden behind GEMMs (0..1). 0 by
     default: Megatron-LM runs them on the compute stream unless `--tp-comm-overlap` is set, and
     the executor's DTensor collectives run between its GEMMs, not under them."""
+    grads_held_all_step: bool = False
+    """When gradients take their memory. False, the executor: FSDP2's fp32 accumulators are made
+    by each stage's first backward and freed by the optimizer at the step's end (`cost/memory.py`).
+    True, Megatron-LM (the papers' baseline system, on which ChunkFlow is built): its
+    DistributedDataParallel allocates one contiguous fp32 main-gradient buffer when it wraps the
+    model and only zeroes it between steps, so the gradients are held from the step's start."""
+    nograd_keeps_graph: bool = False
+    """How a chunk's first forward of two (an N: a split sequence's slice forwarded for its K/V
+    state and forwarded again before its backward) holds memory. False, the executor: it runs
+    under `torch.no_grad()`, holding one layer's working set while it runs. True, ChunkFlow's
+    own system as its Algorithm 2 writes it (chunkflow.txt lines 13-19): every forward runs
+    with autograd on (`Loss = model(Chunk, StateStore)`) and a chunk's activations are
+    "discarded" by not keeping the loss, so its whole graph (the activations an F keeps) lives
+    until `Loss` is rebound, when the stage's next forward returns (`sim/memory.py`). At K = 1
+    that puts two chunks' activations on the GPU at the end of each of a split sequence's
+    forwards, which is what ChunkFlow's Table 5 measured (`benchmarks/chunkflow_table5.py`)."""
 
     def __post_init__(self):
         self.comm = CommModel(self.cluster)

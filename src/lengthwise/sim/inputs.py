@@ -571,7 +571,7 @@ class _PipelineCosts:
                 act.append(self._chunk_sums(cells, kept, C))
                 work.append(w)
                 fwork.append(fw)
-                self._stage_rest(s, L, splits, kv_of, kv, kv_grad, transient, zeros, C)
+                self._stage_rest(s, L, splits, kv_of, kv, kv_grad, transient, zeros, C, act)
                 continue
             act.append(kept)
             # each backward unit's working set (the loss backward's bf16 logit gradient on the
@@ -582,22 +582,28 @@ class _PipelineCosts:
             fwork.append(self._per_token_row(cm.head_forward_bytes, pipe.chunks, 0,
                                              mem.head_forward_bytes_per_token(cm.model, pipe.tp)) if head
                          else zeros(C))
-            self._stage_rest(s, L, splits, kv_of, kv, kv_grad, transient, zeros, C)
+            self._stage_rest(s, L, splits, kv_of, kv, kv_grad, transient, zeros, C, act)
         states, grads = self._states()
+        if cm.grads_held_all_step:  # a buffer allocated before the step (`CostModel.grads_held_all_step`)
+            grads = [0.0] * S
         if S:
             work[0] = self._embedding_backward(work[0], act[0], extra[0], grads[0], cell_act[0] if cells else None,
                                                cells)
         return MemorySizes(state=[a - g for a, g in zip(states, grads)], grads=grads, activation=act,
                            recompute_extra=extra, nograd_transient=transient, kv=kv, kv_grad=kv_grad,
-                           backward_work=work, forward_work=fwork, cell_activation=cell_act)
+                           backward_work=work, forward_work=fwork, cell_activation=cell_act,
+                           nograd_held=cm.nograd_keeps_graph)
 
-    def _stage_rest(self, s, L, splits, kv_of, kv, kv_grad, transient, zeros, C) -> None:
+    def _stage_rest(self, s, L, splits, kv_of, kv, kv_grad, transient, zeros, C, act) -> None:
         """Stage s's no-grad forward transients and K/V sizes (appended to the lists)."""
         pipe, cm = self.pipe, self.cm
         nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD} \
             if FORWARD_NOGRAD in map(_KIND, pipe.stages[s]) else ()
-        transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
-                          for i, c in enumerate(pipe.chunks)] if nograd else zeros(C))
+        if nograd and cm.nograd_keeps_graph:  # the whole graph an F would keep (`CostModel.nograd_keeps_graph`)
+            transient.append([act[-1][i] if i in nograd else 0.0 for i in range(C)])
+        else:
+            transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
+                              for i, c in enumerate(pipe.chunks)] if nograd else zeros(C))
         if L not in kv_of:  # kv_bytes by context length, shared by the plan's pipelines of one tp, cp
             memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
             seqs = zip(splits.seq_id.tolist(), splits.context.tolist()) if isinstance(splits, SplitArrays) \

@@ -15,7 +15,9 @@ highest at one of its ends, which the events below hold. Plus allocations tied t
 - the working set of each B beyond the kept activations (the loss's backward on the last stage,
   one layer's SwiGLU backward elsewhere: `CostModel.backward_work_bytes`), and on the last stage
   that of each F's LM head (its bf16 logits beside their fp32 copy), while the task runs;
-- the working set of a no-grad forward (N): one layer's activations while it runs;
+- the working set of a no-grad forward (N): one layer's activations while it runs (or, modelling
+  ChunkFlow's own system, `CostModel.nograd_keeps_graph`, the activations an F keeps, until the
+  stage's next forward ends);
 - K/V state of a split sequence's earlier slices, from the slice's first forward to the
   sequence's last backward on the stage (later slices attend to it: infinipipe eq. 5);
 - K/V gradients of a split sequence, from the start of its last slice's backward to the end of
@@ -57,7 +59,8 @@ class MemorySizes:
     """[stage][chunk] bytes re-materialised at once during the B of a chunk whose F recomputes
     layers (one layer's)."""
     nograd_transient: list[list[float]]
-    """[stage][chunk] working set of the chunk's N while it runs."""
+    """[stage][chunk] working set of the chunk's N while it runs (`nograd_held`: until the end
+    of the stage's next forward)."""
     kv: list[dict[int, float]]
     """[stage] bytes of K/V state per split sequence id, summed over its earlier slices."""
     kv_grad: list[dict[int, float]]
@@ -75,6 +78,10 @@ class MemorySizes:
     """[stage][(chunk, unit) read, by chunk then unit] bytes of each cell's activations, freed
     at the end of that unit's B (`activation` is then each chunk's sum of them); empty: each
     chunk's activations are freed whole at the end of the last B reading them."""
+    nograd_held: bool = False
+    """Each N's bytes are freed at the end of the stage's next forward (F or N), not at its own
+    (`CostModel.nograd_keeps_graph`: the graph of a forward whose loss was dropped lives until
+    the next forward's loss replaces it)."""
 
 
 @dataclass(kw_only=True)
@@ -184,7 +191,8 @@ def memory_events(t: PipelineTasks, deps: Dependencies, sizes: MemorySizes,
         parts += [(bwd[:, pairs_u].ravel(), False, extra[:, pairs_c].ravel()),
                   (bwd[:, pairs_u].ravel(), True, -extra[:, pairs_c].ravel())]
     if ran_nograd.any():
-        parts += [(nograd[ran_nograd], False, transient[ran_nograd]), (nograd[ran_nograd], True, -transient[ran_nograd])]
+        ends = _nograd_ends(fwd, nograd[ran_nograd]) if sizes.nograd_held else nograd[ran_nograd]
+        parts += [(nograd[ran_nograd], False, transient[ran_nograd]), (ends, True, -transient[ran_nograd])]
     if len(sizes.backward_work):
         work = np.asarray(sizes.backward_work, dtype=np.float64)
         parts += [(bwd, False, work), (bwd, True, -work)]
@@ -200,6 +208,15 @@ def memory_events(t: PipelineTasks, deps: Dependencies, sizes: MemorySizes,
     delta = np.concatenate([np.asarray(p[2], dtype=np.float64).ravel() for p in parts])
     keep = delta != 0
     return task[keep], at_end[keep], delta[keep]
+
+
+def _nograd_ends(fwd: np.ndarray, nograd: np.ndarray) -> np.ndarray:
+    """For each N task, the stage's next forward task (F or N) after it. A stage's tasks are
+    numbered consecutively in schedule order, and every N is followed by its chunk's F on the
+    same stage, so the next larger forward id is on the N's stage."""
+    ids = np.sort(np.concatenate([fwd.ravel(), nograd.ravel()]))
+    at = np.searchsorted(ids, nograd, side="right")
+    return ids[np.minimum(at, len(ids) - 1)]
 
 
 def _split_events(t: PipelineTasks, sizes: MemorySizes,
@@ -339,7 +356,8 @@ def plan_memory_events(pipes: list[PipelineTasks], all_sizes: list[MemorySizes],
         freed = (release[read], True, -act[read])
     parts = [(fwd[read], False, act[read]), freed,
              (bwd[uidx], False, extra[cidx]), (bwd[uidx], True, -extra[cidx]),
-             (nograd[ran], False, transient[ran]), (nograd[ran], True, -transient[ran]),
+             (nograd[ran], False, transient[ran]), (_nograd_released(fwd, nograd, ran, all_sizes, fsize), True,
+                                                      -transient[ran]),
              (bwd, False, work), (bwd, True, -work), (fwd, False, fwork), (fwd, True, -fwork),
              _first_backward_grads(S, U, bbase, bwd, all_sizes)]
     parts.append(_plan_split_events(S, C, U, fbase, bbase, first, bwd, all_sizes, all_splits))
@@ -348,6 +366,17 @@ def plan_memory_events(pipes: list[PipelineTasks], all_sizes: list[MemorySizes],
     delta = np.concatenate([np.asarray(p[2], dtype=np.float64) for p in parts])
     keep = delta != 0
     return task[keep], at_end[keep], delta[keep]
+
+
+def _nograd_released(fwd, nograd, ran, all_sizes, fsize) -> np.ndarray:
+    """The task at whose end each N's bytes are freed (global ids, the Ns that ran, in order):
+    its own, or the stage's next forward where the pipeline's sizes say `nograd_held`."""
+    held = np.repeat(np.array([sz.nograd_held for sz in all_sizes], dtype=bool), fsize)[ran]
+    if not held.any():
+        return nograd[ran]
+    ends = nograd[ran].copy()
+    ends[held] = _nograd_ends(fwd, ends[held])
+    return ends
 
 
 def _cell_releases(pipe, s, local, n, cidx, uidx, act, bwd, release, all_sizes):
