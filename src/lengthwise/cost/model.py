@@ -122,7 +122,9 @@ class CostModel:
     "discarded" by not keeping the loss, so its whole graph (the activations an F keeps) lives
     until `Loss` is rebound, when the stage's next forward returns (`sim/memory.py`). At K = 1
     that puts two chunks' activations on the GPU at the end of each of a split sequence's
-    forwards, which is what ChunkFlow's Table 5 measured (`benchmarks/chunkflow_table5.py`)."""
+    forwards, which is what ChunkFlow's Table 5 measured (`benchmarks/chunkflow_table5.py`).
+    This and `grads_held_all_step` describe another system's memory for the simulator; the
+    planners and the validator budget for the executor whatever they say."""
 
     def __post_init__(self):
         self.comm = CommModel(self.cluster)
