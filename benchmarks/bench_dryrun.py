@@ -2,11 +2,11 @@
 CPU under fake tensors and the fake process group, measured beside the simulator.
 
     python benchmarks/bench_dryrun.py                           # every scenario below
-    python benchmarks/bench_dryrun.py --scenarios qwen7b-32-chunkflow --ranks first,last
+    python benchmarks/bench_dryrun.py --scenarios qwen7b-32-chunkflow,qwen7b-32-chunkflow-tp4-nosp
 
 Each scenario plans one global batch sampled from the paper's length profile with
-`lengthwise plan`'s own code, then runs `lengthwise dryrun`'s measurement for a few ranks
-(default: the first and last stage of the pipeline holding the batch's longest sequence) and
+`lengthwise plan`'s own code, then runs `lengthwise dryrun`'s measurement for the first and
+last stage of the pipeline holding the batch's longest sequence (TP rank 0, CP rank 0) and
 writes every row, with the plan's shape and the command that ran it, into
 benchmarks/results/dryrun.json, beside the rows of scenarios not run this time. The targets
 (issue "Executor III"): simulated peak memory within 10% of measured on every rank, FLOPs
@@ -48,6 +48,9 @@ class Scenario:
     batch_size: int
     scheme: dict
     options: dict = field(default_factory=dict)
+    sequence_parallel: bool = True
+    """Tensor parallelism with sequence parallelism (the executor's default); False runs and
+    simulates it without (`lengthwise dryrun --no-sequence-parallel`, `CostModel.sequence_parallel`)."""
 
 
 SCENARIOS = {
@@ -55,6 +58,11 @@ SCENARIOS = {
     "qwen7b-32-chunkflow": Scenario(model="qwen2.5-7b", cluster="h100", profile="chunkflow-eval", planner="chunkflow",
                                     context_length=32768, batch_size=256, scheme={"dp": 4, "tp": 2, "pp": 4},
                                     options={"chunk_size": 8192, "k": 2}),
+    # the same at tp 4 without sequence parallelism: whole activations on every TP rank
+    "qwen7b-32-chunkflow-tp4-nosp": Scenario(model="qwen2.5-7b", cluster="h100", profile="chunkflow-eval",
+                                             planner="chunkflow", context_length=32768, batch_size=256,
+                                             scheme={"dp": 2, "tp": 4, "pp": 4}, options={"chunk_size": 8192, "k": 2},
+                                             sequence_parallel=False),
     "qwen7b-32-packing": Scenario(model="qwen2.5-7b", cluster="h100", profile="chunkflow-eval", planner="packing",
                                   context_length=32768, batch_size=256, scheme={"dp": 4, "tp": 2, "pp": 4}),
     "qwen7b-32-infinipipe": Scenario(model="qwen2.5-7b", cluster="h100", profile="chunkflow-eval",
@@ -80,7 +88,8 @@ def make_plan(s: Scenario, seed: int) -> StepPlan:
     source = profile_source(s.profile, s.context_length, "drop")
     lengths = GlobalBatchSampler(source, batch_size=s.batch_size, seed=seed).next_batch().lengths
     return get_planner(s.planner)(PlanRequest(lengths=list(lengths), model=spec, cluster=cluster, scheme=scheme,
-                                              cost=CostModel(model=spec, cluster=cluster),
+                                              cost=CostModel(model=spec, cluster=cluster,
+                                                             sequence_parallel=s.sequence_parallel),
                                               context_length=s.context_length, seed=seed, options=dict(s.options)))
 
 
@@ -108,7 +117,7 @@ def main() -> None:
         planned_s = time.perf_counter() - started
         ranks = default_ranks(plan)
         try:
-            result = dryrun_rows(plan, ranks)
+            result = dryrun_rows(plan, ranks, sequence_parallel=scenario.sequence_parallel)
         except UserError as exc:  # e.g. a plan the executor cannot run yet: recorded, not hidden
             rows[name] = {"scenario": vars(scenario), "num_gpus": plan.num_gpus, "error": str(exc)}
             print(f"{name:24s} not run: {exc}", flush=True)

@@ -102,8 +102,10 @@ def test_split_sequence_holds_kv_state_and_kv_gradients():
     cm = cost(plan)
     r = simulate_plan(plan, cm)
     acts = [cm.activation_bytes(c, layers=4, head=True) for c in chunks]
-    work = [cm.head_backward_bytes(c) for c in chunks]  # the loss's backward, while a B runs
-    assert work == [cm.backward_work_bytes(c, layers=4, head=True) for c in chunks]
+    # while a B runs: on TINY's 260-word vocabulary the final norm's backward, once the loss's
+    # softmax is freed, is the largest working set, not the loss's (`cost/memory.py`)
+    work = [cm.backward_work_bytes(c, layers=4, head=True) for c in chunks]
+    assert all(w > cm.head_backward_bytes(c) for w, c in zip(work, chunks))
     kv = cm.kv_bytes(96, layers=4)
     grad = grads(cm, plan, 1)[0]
     base = states(cm, plan, 1)[0] - grad

@@ -32,7 +32,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="parameter and activation dtype of the run (default bfloat16)")
     parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                         help="run tensor parallelism without sequence parallelism (whole activations on every "
-                             "TP rank), which the simulator does not model")
+                             "TP rank); the simulator models the same layout (CostModel.sequence_parallel)")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
 
 
@@ -61,7 +61,7 @@ def dryrun_rows(plan, ranks: list[int], *, dtype: str = "bfloat16",
     import torch
 
     from lengthwise.runtime.dryrun import dryrun_rank
-    cost = CostModel(model=plan.model, cluster=plan.cluster)
+    cost = CostModel(model=plan.model, cluster=plan.cluster, sequence_parallel=sequence_parallel)
     peaks = simulate_plan(plan, cost).peak_memory
     return {str(rank): side_by_side(dryrun_rank(plan, rank, dtype=getattr(torch, dtype),
                                                 sequence_parallel=sequence_parallel),

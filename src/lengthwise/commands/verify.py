@@ -122,7 +122,7 @@ def build_plan(args: argparse.Namespace):
 
         gpus = sum(tp * pp * cp for tp, pp, cp in parse_pipelines(str(options["pipelines"])))
     cluster = cluster_preset("cpu", gpus)
-    cost = CostModel(model=model, cluster=cluster)
+    cost = CostModel(model=model, cluster=cluster, sequence_parallel=args.sequence_parallel)
     lengths = batch_lengths(args)
     request = PlanRequest(lengths=lengths, model=model, cluster=cluster, scheme=scheme, cost=cost,
                           context_length=args.context_length or default_context_length(lengths),

@@ -121,19 +121,27 @@ def state_bytes_per_param(dp: int, zero: int, *, grads: bool = True) -> float:
     return weights + grads + optim
 
 
-def activation_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:
-    sharded = 2 * model.hidden + 2 * model.q_dim + 2 * model.kv_dim + 3 * model.ffn
-    gathered = 2 * model.hidden  # the norm outputs the projections keep whole (module docstring)
-    return (sharded * BYTES_BF16 + (model.num_heads + 2) * BYTES_FP32) / tp + gathered * BYTES_BF16
+def activation_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
+    """Bytes one decoder layer keeps per token for its backward (module docstring); `sp`:
+    sequence parallelism, without which the norms' inputs, outputs and reciprocal RMS are whole."""
+    heads = 2 * model.q_dim + 2 * model.kv_dim + 3 * model.ffn  # q, k, v, attention output, SwiGLU
+    norms = 2 * model.hidden  # the two norms' inputs (their outputs, kept by the projections, whole)
+    if sp:
+        return ((heads + norms) * BYTES_BF16 + (model.num_heads + 2) * BYTES_FP32) / tp + norms * BYTES_BF16
+    return (heads * BYTES_BF16 + model.num_heads * BYTES_FP32) / tp + 2 * norms * BYTES_BF16 + 2 * BYTES_FP32
 
 
-def checkpoint_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:
-    return model.hidden * BYTES_BF16 / tp
+def checkpoint_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
+    """A recomputed layer's input: this rank's rows under sequence parallelism, whole without."""
+    return model.hidden * BYTES_BF16 / (tp if sp else 1)
 
 
-def head_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
-    # the final norm's input is sharded under sequence parallelism, its output (the head's input) whole
-    return (BYTES_FP32 * (model.vocab + 1) + BYTES_BF16 * model.hidden + LABEL_BYTES) / tp + BYTES_BF16 * model.hidden
+def head_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
+    """What the LM head and its loss keep per token on the last stage (module docstring)."""
+    if sp:  # the final norm's input is sharded under sequence parallelism, its output (the head's input) whole
+        return (BYTES_FP32 * (model.vocab + 1) + BYTES_BF16 * model.hidden + LABEL_BYTES) / tp + BYTES_BF16 * model.hidden
+    # without: the norm's input, output and reciprocal RMS whole, the labels whole
+    return BYTES_FP32 * model.vocab / tp + BYTES_FP32 + 2 * BYTES_BF16 * model.hidden + LABEL_BYTES
 
 
 def head_backward_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
@@ -149,23 +157,38 @@ def embedding_backward_bytes(model: ModelSpec) -> float:
 
 
 def head_forward_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
-    """The bf16 logits beside the head's kept tensors while the loss makes its fp32 copy."""
+    """The bf16 logits beside the head's kept tensors while the loss makes their fp32 copy."""
     return BYTES_BF16 * model.vocab / tp
 
 
-def layer_backward_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
-    """Working set of one decoder layer's backward beyond the kept activations (module docstring)."""
-    return 3 * model.ffn * BYTES_BF16 / tp
+def norm_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
+    """Working set of an RMSNorm's backward (`runtime/model._RMSNorm`) per token of the chunk:
+    the fp32 copy of its input, the bf16 normalised input and four fp32 [tokens, hidden]
+    gradient buffers at once (22 bytes per hidden value), and three fp32 values per row; on
+    this rank's rows under sequence parallelism, whole without."""
+    return (22 * model.hidden + 3 * BYTES_FP32) / (tp if sp else 1)
 
 
-def backward_work_bytes_per_token(model: ModelSpec, tp: int = 1, *, layers: int, head: bool) -> float:
+def layer_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
+    """Working set of one decoder layer's backward beyond the kept activations (module
+    docstring): the SwiGLU backward's, or the post-attention norm's, whose moment comes once
+    the MLP's backward has freed the SwiGLU tensors the layer kept (3 ffn / tp values)."""
+    swiglu = 3 * model.ffn * BYTES_BF16 / tp
+    return max(swiglu, norm_backward_bytes_per_token(model, tp, sp=sp) - swiglu)
+
+
+def backward_work_bytes_per_token(model: ModelSpec, tp: int = 1, *, layers: int, head: bool,
+                                  sp: bool = True) -> float:
     """Largest working set of a stage's backward beyond its kept activations, per token: one
     layer's (none without layers), and on the last stage the loss's, after which the head's
     kept tensors are freed before the layers' backward runs."""
-    layer = layer_backward_bytes_per_token(model, tp) if layers > 0 else 0.0
+    layer = layer_backward_bytes_per_token(model, tp, sp=sp) if layers > 0 else 0.0
     if not head:
         return layer
-    return max(head_backward_bytes_per_token(model, tp), layer - head_bytes_per_token(model, tp))
+    # the final norm's backward runs once the loss's softmax is freed (the head's input
+    # gradient takes the place of the head's input)
+    final_norm = norm_backward_bytes_per_token(model, tp, sp=sp) - BYTES_FP32 * model.vocab / tp
+    return max(head_backward_bytes_per_token(model, tp), layer - head_bytes_per_token(model, tp, sp=sp), final_norm)
 
 
 def kv_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:

@@ -32,6 +32,15 @@ from lengthwise.specs import ClusterSpec, ModelSpec
 SP_COLLECTIVES_PER_LAYER = 2
 """All-gathers (and as many reduce-scatters) of one decoder layer per direction under sequence
 parallelism: one before and one after the attention block, and the same for the MLP."""
+NOSP_FORWARD_ALL_REDUCES = 2
+"""All-reduces of one decoder layer's forward without sequence parallelism: the row-parallel
+outputs of the attention (o_proj) and of the MLP (down_proj)."""
+NOSP_BACKWARD_ALL_REDUCES = 5
+"""All-reduces of one decoder layer's backward without sequence parallelism: the input gradient
+of each column-parallel projection (q, k, v, gate, up), which DTensor sums over TP one by one
+(each projection's `ColwiseParallel` makes its own Replicate DTensor of the shared input;
+Megatron-LM sums once per block, 2). Measured by `lengthwise dryrun --no-sequence-parallel`
+(`tp_all_reduce`; K/V projections replicated over TP sum theirs with c10d, `all_reduce`)."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,14 @@ class CostModel:
     forwards, which is what ChunkFlow's Table 5 measured (`benchmarks/chunkflow_table5.py`).
     This and `grads_held_all_step` describe another system's memory for the simulator; the
     planners and the validator budget for the executor whatever they say."""
+    sequence_parallel: bool = True
+    """Whether tensor parallelism splits the residual stream's rows over the TP ranks, as the
+    executor's `ParallelOptions.sequence_parallel` (`lengthwise train/verify/dryrun
+    --no-sequence-parallel` turns it off; `runtime/parallel/tensor_parallel.py`). True:
+    Megatron-LM's sequence parallelism, all-gathers and reduce-scatters around each block,
+    the norms on 1/tp of the rows. False: whole activations, norms and stage boundaries on every
+    TP rank, the blocks' outputs and the projections' input gradients all-reduced
+    (`tp_comm_time`, `cost/memory.py`). No effect at tp 1."""
 
     def __post_init__(self):
         self.comm = CommModel(self.cluster)
@@ -180,7 +197,7 @@ class CostModel:
         lin_eff = self.throughput.linear_efficiency(work.tokens, tp)
         lin_s = (layers * lin + head_flops) / tp / (peak * lin_eff)
         attn_s = layers * attn / tp / (peak * self.throughput.attention_mfu)
-        tp_s = (1.0 - self.tp_comm_overlap) * layers * self.tp_comm_time(work.tokens, tp=tp)
+        tp_s = (1.0 - self.tp_comm_overlap) * layers * self.tp_comm_time(work.tokens, tp=tp, backward=backward)
         if tp > 1 and (head or embed):
             tp_s += (1.0 - self.tp_comm_overlap) * self.sp_edge_comm_time(work.tokens, tp=tp, head=head, embed=embed,
                                                                            backward=backward)
@@ -214,7 +231,7 @@ class CostModel:
             lin_s = (layers * lin + head_flops) / tp / (peak * lin_eff)
             attn_s = layers * attn / tp / (peak * th.attention_mfu)
             if tp > 1:
-                comm = {t: self.tp_comm_time(t, tp=tp) for t in set(tokens.tolist())}
+                comm = {t: self.tp_comm_time(t, tp=tp, backward=backward) for t in set(tokens.tolist())}
                 tp_s = (1.0 - self.tp_comm_overlap) * layers * np.array([comm[t] for t in tokens.tolist()])
                 if head or embed:
                     edge = {t: self.sp_edge_comm_time(t, tp=tp, head=head, embed=embed, backward=backward)
@@ -225,17 +242,23 @@ class CostModel:
             out = lin_s + attn_s + tp_s + layers * th.layer_overhead_s
         return np.where(tokens == 0, 0.0, out)
 
-    def tp_comm_time(self, tokens: float, *, tp: int) -> float:
+    def tp_comm_time(self, tokens: float, *, tp: int, backward: bool = False) -> float:
         """Seconds of one decoder layer's tensor-parallel activation collectives, forward or
-        backward, with sequence parallelism (Megatron-LM's layout, which the executor's
-        SequenceParallel / ColwiseParallel / RowwiseParallel plan follows): before the attention
-        and the MLP block an all-gather of the sequence-sharded activations, after each a
-        reduce-scatter, each of tokens x hidden bf16 values (the gathered size). Backward runs
-        the transposed collectives, the same volume. Inside one node (tp <= GPUs per node). The
-        embedding's and the LM head's collectives are `sp_edge_comm_time`."""
+        (`backward`) backward, each of tokens x hidden bf16 values (`sp_collective_bytes`),
+        inside one node (tp <= GPUs per node). With sequence parallelism (Megatron-LM's layout,
+        which the executor's SequenceParallel / ColwiseParallel / RowwiseParallel plan follows):
+        before the attention and the MLP block an all-gather of the sequence-sharded
+        activations, after each a reduce-scatter (the gathered size); backward runs the
+        transposed collectives, the same volume. Without (`sequence_parallel` False): the
+        forward all-reduces the two row-parallel outputs, the backward the five column-parallel
+        projections' input gradients (`NOSP_BACKWARD_ALL_REDUCES`). The embedding's and the LM
+        head's collectives are `sp_edge_comm_time`."""
         if tp <= 1 or tokens <= 0:
             return 0.0
         nbytes = self.sp_collective_bytes(tokens)
+        if not self.sequence_parallel:
+            count = NOSP_BACKWARD_ALL_REDUCES if backward else NOSP_FORWARD_ALL_REDUCES
+            return count * self.collective_time("all_reduce", nbytes, ranks=tp, inter_node=False)
         return SP_COLLECTIVES_PER_LAYER * (self.collective_time("all_gather", nbytes, ranks=tp, inter_node=False)
                                            + self.collective_time("reduce_scatter", nbytes, ranks=tp, inter_node=False))
 
@@ -246,10 +269,16 @@ class CostModel:
         partial sums of the vocabulary-parallel lookup, reduce-scattered to each rank's rows,
         and the LM head's (last stage) input all-gathered from them; backward runs the
         transposes (the embedding's gradient all-gathered, the head's input gradient
-        reduce-scattered). Each of `sp_collective_bytes(tokens)`, inside one node."""
+        reduce-scattered). Without sequence parallelism: the embedding's partial lookups
+        all-reduced in forward, the head's input gradient in backward (its input and the
+        embedding's output gradient are whole already). Each of `sp_collective_bytes(tokens)`,
+        inside one node."""
         if tp <= 1 or tokens <= 0 or not (head or embed):
             return 0.0
         nbytes = self.sp_collective_bytes(tokens)
+        if not self.sequence_parallel:
+            reduced = (head and backward) or (embed and not backward)
+            return self.collective_time("all_reduce", nbytes, ranks=tp, inter_node=False) if reduced else 0.0
         gather = self.collective_time("all_gather", nbytes, ranks=tp, inter_node=False)
         scatter = self.collective_time("reduce_scatter", nbytes, ranks=tp, inter_node=False)
         if backward:
@@ -257,8 +286,9 @@ class CostModel:
         return (gather if head else 0.0) + (scatter if embed else 0.0)
 
     def sp_collective_bytes(self, tokens: float) -> float:
-        """Gathered size of one sequence-parallel all-gather or reduce-scatter of `tokens` rows:
-        tokens x hidden bf16 values (`sim/rank.py` counts the executor's from it)."""
+        """Gathered size of one sequence-parallel all-gather or reduce-scatter of `tokens` rows,
+        or the size of one all-reduce of them without sequence parallelism: tokens x hidden bf16
+        values (`sim/rank.py` counts the executor's from it)."""
         return tokens * self.model.hidden * mem.BYTES_BF16
 
     # ---- bytes per GPU ----
@@ -268,11 +298,12 @@ class CostModel:
 
     def activation_bytes_per_token(self, *, layers: int, tp: int = 1, recompute_layers: int = 0,
                                    head: bool = False) -> float:
-        full = mem.activation_bytes_per_token_layer(self.model, tp)
+        sp = self.sequence_parallel
+        full = mem.activation_bytes_per_token_layer(self.model, tp, sp=sp)
         if self.profile and self.profile.activation_bytes_per_token_layer:
             full = self.profile.activation_bytes_per_token_layer / tp
-        kept = recompute_layers * mem.checkpoint_bytes_per_token_layer(self.model, tp)
-        head_b = mem.head_bytes_per_token(self.model, tp) if head else 0.0
+        kept = recompute_layers * mem.checkpoint_bytes_per_token_layer(self.model, tp, sp=sp)
+        head_b = mem.head_bytes_per_token(self.model, tp, sp=sp) if head else 0.0
         return (layers - recompute_layers) * full + kept + head_b
 
     def activation_bytes(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1,
@@ -304,9 +335,10 @@ class CostModel:
         tp (`runtime/parallel/tensor_parallel.py`), and the output projection keeps a padded copy
         of the attention output, whose unpadded original flash attention keeps too: q_dim / tp
         bf16 values per padded row (Qwen2.5-7B at tp 2: 4% of a layer's activations). The other
-        tensors gain at most tp - 1 rows, left out. Under CP (rows padded otherwise) none."""
+        tensors gain at most tp - 1 rows, left out. Under CP (rows padded otherwise) none, and
+        none without sequence parallelism (rows are not padded)."""
         tokens = np.asarray(tokens, dtype=np.float64)
-        if tp <= 1:
+        if tp <= 1 or not self.sequence_parallel:
             return np.zeros_like(tokens)
         padded = np.ceil(tokens / tp) * tp
         return np.where(padded > tokens, padded * (self.model.q_dim * mem.BYTES_BF16 / tp), 0.0)
@@ -342,8 +374,13 @@ class CostModel:
         the last stage), on top of its kept activations (busiest GPU of the CP group): the
         loss's backward on the last stage, one layer's SwiGLU backward elsewhere
         (`cost/memory.py`)."""
-        per_token = mem.backward_work_bytes_per_token(self.model, tp, layers=layers, head=head)
+        per_token = self.backward_work_bytes_per_token(layers=layers, tp=tp, head=head)
         return per_token * max(w.tokens for w in rank_works(chunk, cp)) if per_token else 0.0
+
+    def backward_work_bytes_per_token(self, *, layers: int, tp: int = 1, head: bool = False) -> float:
+        """`backward_work_bytes` per token (`mem.backward_work_bytes_per_token` in this model's
+        tensor-parallel layout)."""
+        return mem.backward_work_bytes_per_token(self.model, tp, layers=layers, head=head, sp=self.sequence_parallel)
 
     def head_forward_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
         """Bytes beside the kept activations while the chunk's forward runs the LM head: its
@@ -451,7 +488,7 @@ class CostModel:
 
     def boundary_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1, cp_rank: int | None = None) -> float:
         """Hidden states one rank hands to the next stage, scattered over tp with sequence
-        parallelism. Under CP each rank sends its own rows: 1/cp of the sharded segments plus
+        parallelism (whole on every TP rank without). Under CP each rank sends its own rows: 1/cp of the sharded segments plus
         the segments placed whole on it (`rank_works`); `cp_rank` None gives the busiest rank's,
         which is what a stage waits for."""
         if cp <= 1 or chunk.pad_to > chunk.num_tokens or all(s.cp_rank == SHARDED for s in chunk.segments):
@@ -459,7 +496,7 @@ class CostModel:
         else:
             works = rank_works(chunk, cp)
             rows = works[cp_rank].tokens if cp_rank is not None else max(w.tokens for w in works)
-        return rows * self.model.hidden * mem.BYTES_BF16 / tp
+        return rows * self.model.hidden * mem.BYTES_BF16 / (tp if self.sequence_parallel else 1)
 
     # ---- communication seconds ----
     def p2p_time(self, nbytes: float, *, inter_node: bool) -> float:
@@ -554,7 +591,7 @@ class CostModel:
             recomputed_per_token=self.activation_bytes_per_token(layers=n, tp=tp, head=last, recompute_layers=n),
             remat_per_token=self.recompute_transient_bytes_per_token(tp=tp, recompute_layers=n),
             kv_per_token=self.kv_bytes(1, layers=n, tp=tp),  # a measured profile's K/V size too
-            backward_work_per_token=mem.backward_work_bytes_per_token(self.model, tp, layers=n, head=last))
+            backward_work_per_token=self.backward_work_bytes_per_token(layers=n, tp=tp, head=last))
 
     def stage_budgets(self, *, tp: int = 1, pp: int = 1, replicas: int = 1, zero: int = 1) -> list[StageBudget]:
         """`stage_budget` of every stage of the pipeline."""
@@ -584,7 +621,7 @@ class CostModel:
             per_token = (kept * held + (b.remat_per_token if recompute else 0.0) + b.backward_work_per_token) / cp
             if cp > 1 and not recompute:  # each layer keeps the K/V its all-gather assembled, whole
                 per_token += held * b.kv_per_token
-            elif cp <= 1 and tp > 1:  # a row tp does not divide: its padded attention copy, in every kept layer
+            elif cp <= 1 and tp > 1 and self.sequence_parallel:  # a row tp does not divide: its padded attention copy, in every kept layer
                 # (only in the re-materialised one under recomputation)
                 per_token += (1 if recompute else held * b.layers) * self.model.q_dim * mem.BYTES_BF16 / tp
             best = min(best, b.free / per_token if b.free > 0 else 0)

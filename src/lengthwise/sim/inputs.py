@@ -577,7 +577,7 @@ class _PipelineCosts:
             # each backward unit's working set (the loss backward's bf16 logit gradient on the
             # last stage, a layer's SwiGLU backward elsewhere), and the head forward's bf16 logits
             work.append(self._per_token_row(cm.backward_work_bytes, self.units, 1,
-                                            mem.backward_work_bytes_per_token(cm.model, pipe.tp, layers=L, head=head),
+                                            cm.backward_work_bytes_per_token(layers=L, tp=pipe.tp, head=head),
                                             layers=L, head=head))
             fwork.append(self._per_token_row(cm.head_forward_bytes, pipe.chunks, 0,
                                              mem.head_forward_bytes_per_token(cm.model, pipe.tp)) if head
@@ -662,7 +662,7 @@ class _PipelineCosts:
                 if k:
                     remat[at] = (cm.activation_bytes_rows(tokens[at], layers=1, tp=tp)
                                  - cm.activation_bytes_rows(tokens[at], layers=1, tp=tp, recompute_layers=1))
-        per_token = mem.backward_work_bytes_per_token(cm.model, tp, layers=L, head=head)
+        per_token = cm.backward_work_bytes_per_token(layers=L, tp=tp, head=head)
         work = np.zeros(len(self.units))
         np.maximum.at(work, unit_of, remat + per_token * tokens)
         fwork = self._zeros(len(self.pipe.chunks))

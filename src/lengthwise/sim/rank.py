@@ -28,6 +28,10 @@
   layers an `F.rN` recomputes gather and scatter again. `tp_all_reduce`: the
   sequence-parallel norms' partial weight gradients summed over TP once a step, in fp32. (The
   executor pads a row to a multiple of tp; those at most tp - 1 rows are not counted.)
+  Without sequence parallelism (`CostModel.sequence_parallel` False, `nosp_comm_bytes`):
+  `tp_all_reduce` the whole activations, per decoder layer `NOSP_FORWARD_ALL_REDUCES` in a
+  forward and `NOSP_BACKWARD_ALL_REDUCES` in a backward, the embedding's output once per
+  forward and the LM head's input gradient once per backward; stage-to-stage sends whole.
   Heterogeneous plans (`runtime/train/dist_hetero.py`): `all_to_all` the push of bf16 gradients
   to their owners and the pull of bf16 weights from them (`CostModel.exchange_sent_bytes`),
   `all_reduce` the gradient norm's one fp64 value, `tp_all_reduce` in bf16 (the stage's own dtype), no reduce-scatter.
@@ -44,7 +48,12 @@ from dataclasses import dataclass, field
 from lengthwise.cost import CostModel
 from lengthwise.cost.flops import head_forward_flops, layer_forward_flops
 from lengthwise.cost.memory import GRAD_BYTES_PER_PARAM, stage_params
-from lengthwise.cost.model import SP_COLLECTIVES_PER_LAYER, rank_works
+from lengthwise.cost.model import (
+    NOSP_BACKWARD_ALL_REDUCES,
+    NOSP_FORWARD_ALL_REDUCES,
+    SP_COLLECTIVES_PER_LAYER,
+    rank_works,
+)
 from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, StepPlan
 
 ELEMENT_BYTES = 2
@@ -126,15 +135,17 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
     loss = sum(LOSS_REDUCE_BYTES * _rank_tokens(pipe, a, place) for a in pipe.stages[place.stage]
                if a.kind == FORWARD) if last and pipe.tp > 1 else 0.0
     tp = tp_comm_bytes(plan, cost, place)
+    reduced = loss + tp.pop("tp_all_reduce_c10d", 0.0)  # c10d all-reduces: the loss's, replicated K/V's
+    norms = bool(tp) and cost.sequence_parallel  # tp_all_reduce holds the norms' partial gradients
     if len({(p.tp, p.pp, p.cp) for p in plan.pipelines}) > 1:
         # heterogeneous pipelines (runtime/train/dist_hetero.py): bf16 gradients pushed to their
         # owners among the holders and bf16 weights pulled back, one all-to-all each way, and one
         # fp64 all-reduce of the gradient norm's square; the TP norms' partial gradients are
         # summed in bf16
         exchange = cost.exchange_sent_bytes(held=params, owned=stage_owned(plan, cost, place))
-        if tp:
+        if norms:
             tp["tp_all_reduce"] *= ELEMENT_BYTES / GRAD_BYTES_PER_PARAM
-        return {"send": send, "all_reduce": loss + NORM_REDUCE_BYTES, "all_gather": gathered,
+        return {"send": send, "all_reduce": reduced + NORM_REDUCE_BYTES, "all_gather": gathered,
                 "reduce_scatter": kv_grads, "all_to_all": exchange, **tp}
     if fsdp_sharded(plan):
         # FSDP2 (runtime/parallel/fsdp.py): the unsharded gradients go to one reduce-scatter in
@@ -142,14 +153,14 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
         # from the shards once a step, or around every action under ZeRO-3 when every replica
         # runs the same actions
         per_action = plan.zero >= 3 and len({_structure(p, place.stage) for p in plan.pipelines}) == 1
-        if tp and sum(a.kind == BACKWARD for a in pipe.stages[place.stage]) == 1:
+        if norms and sum(a.kind == BACKWARD for a in pipe.stages[place.stage]) == 1:
             # one backward: the norms' partial gradients are summed over TP as they come, in
             # bf16; with more, FSDP2 accumulates them in fp32 first and the sum runs on those
             tp["tp_all_reduce"] *= ELEMENT_BYTES / GRAD_BYTES_PER_PARAM
         gathers = len(pipe.stages[place.stage]) if per_action else 1
-        return {"send": send, "all_reduce": loss, "reduce_scatter": grads + kv_grads,
+        return {"send": send, "all_reduce": reduced, "reduce_scatter": grads + kv_grads,
                 "all_gather": gathered + gathers * params / replicas * ELEMENT_BYTES, **tp}
-    return {"send": send, "all_reduce": (grads if replicas > 1 else 0.0) + loss, "all_gather": gathered,
+    return {"send": send, "all_reduce": (grads if replicas > 1 else 0.0) + reduced, "all_gather": gathered,
             "reduce_scatter": kv_grads, **tp}
 
 
@@ -198,11 +209,13 @@ def stage_owned(plan: StepPlan, cost: CostModel, place: RankPlace) -> float:
 
 
 def tp_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[str, float]:
-    """Bytes this rank hands to tensor parallelism's collectives in the step (sequence
-    parallelism; none when tp is 1)."""
+    """Bytes this rank hands to tensor parallelism's collectives in the step (none when tp is
+    1; without sequence parallelism `nosp_comm_bytes`)."""
     pipe = plan.pipelines[place.pipeline]
     if pipe.tp == 1:
         return {}
+    if not cost.sequence_parallel:
+        return nosp_comm_bytes(plan, cost, place)
     layers = pipe.stage_layers(plan.model.num_layers)[place.stage]
     first, last = place.stage == 0, place.stage == pipe.pp - 1
     gathered = scattered = 0.0
@@ -219,6 +232,32 @@ def tp_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[str
     norms = 2 * layers + (1 if last else 0)
     return {"tp_all_gather": gathered / pipe.tp, "tp_reduce_scatter": scattered,
             "tp_all_reduce": norms * plan.model.hidden * GRAD_BYTES_PER_PARAM}
+
+
+def nosp_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[str, float]:
+    """Bytes this rank hands to tensor parallelism's all-reduces in the step without sequence
+    parallelism, each the whole tokens x hidden bf16 activations (`sp_collective_bytes`): per
+    decoder layer `NOSP_FORWARD_ALL_REDUCES` in a forward (again for the layers an `F.rN`
+    recomputes) and `NOSP_BACKWARD_ALL_REDUCES` in a backward, the embedding's once per
+    forward (first stage) and the LM head's input gradient once per backward (last stage).
+    DTensor issues them (`tp_all_reduce`) but for the input gradients of K/V projections
+    replicated over TP, which `parallel/tensor_parallel._SumGradOver` sums with c10d
+    (`tp_all_reduce_c10d`, added to `all_reduce` by the caller). The norms' weights and
+    gradients are whole and equal on every TP rank: nothing is summed for them."""
+    pipe = plan.pipelines[place.pipeline]
+    layers = pipe.stage_layers(plan.model.num_layers)[place.stage]
+    first, last = place.stage == 0, place.stage == pipe.pp - 1
+    kv_c10d = 2 if pipe.tp > plan.model.num_kv_heads else 0
+    dtensor = c10d = 0.0
+    for action in pipe.stages[place.stage]:
+        volume = cost.sp_collective_bytes(_rank_tokens(pipe, action, place))
+        if action.kind == BACKWARD:
+            dtensor += ((NOSP_BACKWARD_ALL_REDUCES - kv_c10d) * layers + last) * volume
+            c10d += kv_c10d * layers * volume
+        else:
+            runs = layers + (min(action.recompute_layers, layers) if action.kind == FORWARD else 0)
+            dtensor += (NOSP_FORWARD_ALL_REDUCES * runs + first) * volume
+    return {"tp_all_reduce": dtensor, "tp_all_reduce_c10d": c10d}
 
 
 def _rank_tokens(pipe, action, place: RankPlace) -> float:

@@ -147,7 +147,7 @@ class Setup:
         (`previous_strategy`, passed as the `previous` option: a switch is charged).
         `options`: planner options instead of the run's (a test switching strategies)."""
         cluster = cluster_preset(self.config.cluster, self.config.num_ranks)
-        cost = CostModel(model=self.spec, cluster=cluster)
+        cost = CostModel(model=self.spec, cluster=cluster, sequence_parallel=self.config.sequence_parallel)
         options = dict(self.config.options if options is None else options)
         hydraulis = self.config.planner == "hydraulis"
         if hydraulis and self.previous_strategy is not None and not options.get("pipelines"):
