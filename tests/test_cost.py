@@ -232,12 +232,77 @@ def test_tensor_parallelism_pays_the_embedding_and_head_collectives():
             getattr(hidden, fn)(chunk, layers=4, tp=1, head=True, embed=True)
 
 
-@pytest.mark.parametrize("fitted", [False, True])
-def test_works_time_is_the_scalar_time_to_the_bit(fitted):
+def test_tensor_parallelism_without_sequence_parallelism_all_reduces_whole_activations():
+    """Without sequence parallelism a layer's forward all-reduces its two row-parallel outputs
+    and its backward the five column-parallel projections' input gradients (DTensor sums each
+    apart: `lengthwise dryrun --no-sequence-parallel` counts them, tests/test_dryrun.py); the
+    embedding's output is all-reduced in forward, the head's input gradient in backward; each
+    tokens x hidden bf16 values. tp 1 pays nothing."""
+    spec = MODEL_PRESETS["llama2-7b"]
+    cost = CostModel(model=spec, cluster=cluster_preset("h100", 8), sequence_parallel=False)
+    hidden = dataclasses.replace(cost, tp_comm_overlap=1.0)
+    chunk = Chunk((Segment(0, 0, 8192),))
+    reduce = cost.collective_time("all_reduce", 8192 * spec.hidden * 2, ranks=8, inter_node=False)
+    assert cost.tp_comm_time(8192, tp=8) == pytest.approx(2 * reduce)
+    assert cost.tp_comm_time(8192, tp=8, backward=True) == pytest.approx(5 * reduce)
+    for fn, count, head_s, embed_s in (("forward_time", 2, 0.0, reduce), ("backward_time", 5, reduce, 0.0)):
+        backward = fn == "backward_time"
+        for head, embed, edge in ((False, False, 0.0), (True, False, head_s), (False, True, embed_s),
+                                  (True, True, head_s + embed_s)):
+            kw = {"layers": 4, "tp": 8, "head": head, "embed": embed}
+            exposed = getattr(cost, fn)(chunk, **kw) - getattr(hidden, fn)(chunk, **kw)
+            assert exposed == pytest.approx(4 * count * reduce + edge), (fn, head, embed)
+            assert cost.sp_edge_comm_time(8192, tp=8, head=head, embed=embed, backward=backward) == pytest.approx(edge)
+        assert getattr(cost, fn)(chunk, layers=4, tp=1, head=True, embed=True) == \
+            getattr(hidden, fn)(chunk, layers=4, tp=1, head=True, embed=True)
+
+
+def test_without_sequence_parallelism_activations_are_whole_on_every_tp_rank():
+    """Every TP-dependent memory term without sequence parallelism against with it: larger at
+    tp > 1 (the norms, the recomputed layer's input, the head's norm and the stage boundary
+    whole), the same at tp 1; the backward's largest working set is then a norm's on whole rows
+    (Qwen2.5-7B at tp 4: 22 bytes per hidden value less the freed SwiGLU tensors); rows tp does
+    not divide are not padded."""
+    sp, nosp = cost(), dataclasses.replace(cost(), sequence_parallel=False)
+    q = sp.model
+    chunk = one(0, 0, 4099)
+    for tp in (1, 2, 4, 8):
+        terms = [lambda cm: cm.activation_bytes_per_token(layers=7, tp=tp),
+                 lambda cm: cm.activation_bytes_per_token(layers=7, tp=tp, recompute_layers=7),
+                 lambda cm: cm.activation_bytes_per_token(layers=7, tp=tp, head=True),
+                 lambda cm: cm.boundary_bytes(chunk, tp=tp)]
+        for term in terms:
+            assert (term(nosp) > term(sp)) if tp > 1 else (term(nosp) == term(sp)), tp
+        # the norm's backward outgrows the SwiGLU's (ffn / tp < 1.84 hidden) from tp 3 on
+        work = [cm.backward_work_bytes(chunk, layers=7, tp=tp) for cm in (nosp, sp)]
+        assert (work[0] > work[1]) if tp > 2 else (work[0] == work[1]), tp
+    assert mem.activation_bytes_per_token_layer(q, 4, sp=False) == \
+        ((2 * q.q_dim + 2 * q.kv_dim + 3 * q.ffn) * 2 + q.num_heads * 4) / 4 + 4 * q.hidden * 2 + 2 * 4
+    assert mem.layer_backward_bytes_per_token(q, 4, sp=False) == 22 * q.hidden + 12 - 3 * q.ffn * 2 / 4
+    assert mem.layer_backward_bytes_per_token(q, 4) == 3 * q.ffn * 2 / 4  # the SwiGLU's with SP
+    assert nosp.boundary_bytes(chunk, tp=4) == 4099 * q.hidden * 2
+    assert nosp.attention_pad_bytes(4099, tp=4) == 0 < sp.attention_pad_bytes(4099, tp=4)
+    assert nosp.max_seq_len(tp=4, pp=4) < sp.max_seq_len(tp=4, pp=4)
+
+
+def test_without_sequence_parallelism_tp_1_simulates_the_same_step():
+    """At tp 1 the setting changes nothing: the same plan simulates to the same floats."""
+    from lengthwise.sim import simulate_plan
+    from test_simulator import make_plan, split
+
+    plan = make_plan([split(0, [0, 96, 160]), [one(1, 0, 200)]], pp=2)
+    cm = CostModel(model=plan.model, cluster=plan.cluster)
+    a, b = simulate_plan(plan, cm), simulate_plan(plan, dataclasses.replace(cm, sequence_parallel=False))
+    assert (a.step_time_s, a.peak_memory) == (b.step_time_s, b.peak_memory)
+
+
+@pytest.mark.parametrize("fitted,sequence_parallel", [(False, True), (True, True), (False, False)])
+def test_works_time_is_the_scalar_time_to_the_bit(fitted, sequence_parallel):
     """CostModel.works_time (the simulator's whole-pipeline tables at cp = 1) gives exactly the
-    floats forward_time / backward_time give chunk by chunk, padded and empty rows included."""
+    floats forward_time / backward_time give chunk by chunk, padded and empty rows included,
+    with and without sequence parallelism."""
     import numpy as np
-    cm = cost()
+    cm = dataclasses.replace(cost(), sequence_parallel=sequence_parallel)
     if fitted:
         cm = dataclasses.replace(cm, profile=Profile(schemes={"tp1-cp1": SchemeFit(
             fwd=(1e-12, 3e-7, 2e-5), bwd=(2.5e-12, 6e-7, 4e-5), head_fwd=(1e-6, 1e-5), head_bwd=(2e-6, 2e-5))}))

@@ -46,10 +46,18 @@
   M_token). A row tp does not divide is padded to the next multiple, and the output projection
   keeps a padded copy of the attention output beside flash attention's unpadded one
   (`CostModel.attention_pad_bytes`, per chunk: not a per-token figure).
+  Without sequence parallelism (`CostModel.sequence_parallel` False, `sp=False` here; the
+  executor's `--no-sequence-parallel`) the residual stream is whole on every TP rank, and so
+  are both norms' inputs and outputs (4h) and reciprocal RMS (2 fp32); q, k, v, the attention
+  output, the SwiGLU tensors and the log-sum-exp (one per local query head) divide by tp. A
+  recomputed layer keeps its whole input (h), rows are not padded (no padded copy), and the
+  stages send whole activations (`CostModel.boundary_bytes`). Qwen2.5-7B at tp 4: 61.2 KB per
+  token and layer against 50.5 KB with sequence parallelism.
 - LM head on the last stage: the fp32 softmax kept for the loss's backward (4 * vocab bytes per
   token, as the executor's cross-entropy upcasts the logits), the final norm's input and output
   (2h, bf16; the output, the head's input, gathered whole under sequence parallelism) and
-  reciprocal RMS, and the label (int64).
+  reciprocal RMS, and the label (int64). Without sequence parallelism the norm's input, output
+  and reciprocal RMS and the label are whole; only the softmax divides by tp.
 - While a chunk's backward runs on the last stage, the loss's backward turns the kept fp32
   softmax into the logits' gradient in place and hands it on in bf16: 2 * vocab bytes per token
   beside what the head keeps (`runtime/loss.py`; autograd's own cross-entropy worked on two more
@@ -60,9 +68,20 @@
   the gate's gradient (one silu_backward kernel), silu(gate) recomputed and the up
   projection's gradient, four [tokens, ffn / tp] bf16 buffers, once the down projection has
   freed the product it kept: 3 * ffn / tp values per token beyond the kept activations, the
-  largest working set of a layer's backward (attention's gradients are q + 2kv wide). On the
-  last stage the loss's backward comes first and the layers' after the head's kept tensors
-  are freed (`backward_work_bytes_per_token`).
+  largest working set of a layer's backward (attention's gradients are q + 2kv wide) unless
+  a norm's is larger: an RMSNorm's backward (`runtime/model._RMSNorm`) holds the fp32 copy of
+  its input, the bf16 normalised input and four fp32 [tokens, hidden] gradient buffers at once,
+  22 bytes per hidden value (`norm_backward_bytes_per_token`); the post-attention norm's runs
+  once the MLP's backward has freed the 3 * ffn / tp SwiGLU values the layer kept. With
+  sequence parallelism both divide by tp and the SwiGLU's is the larger for every preset
+  (ffn > 1.84 hidden); without, the norm's runs on whole rows and is the larger once
+  ffn / tp < 1.84 hidden: Qwen2.5-7B at tp 4 holds 50.4 KB per token there against the
+  SwiGLU's 28.4 KB (`layer_backward_bytes_per_token`; tests/test_dryrun.py measures both
+  moments). On the last stage the loss's backward comes first and the layers' after the head's
+  kept tensors are freed, and the final norm's backward runs once the softmax is freed (the
+  largest on a vocabulary as small as `tiny`'s; `backward_work_bytes_per_token`). Left out in
+  every layout: the stage's output and the gradient flowing through the residual stream (2h
+  each, /tp with sequence parallelism) and the chunk's rotary tables.
 - The LM head's forward holds the bf16 logits while the cross-entropy makes its fp32 copy:
   2 * vocab / tp bytes per token beside the head's kept tensors, as large as the loss
   backward's working set (`head_forward_bytes_per_token`).
