@@ -110,3 +110,15 @@ def test_explanations_take_their_numbers_from_the_run(suite, monkeypatch):
     r["planners"]["skrull"].update({"step_time_s": 0.15, "compute_time_s": 0.1})
     text = suite.explanation(r, suite.headline_speedups(rows))
     assert text == "4.0x; 0.10 s, 0.05 s; 16; 2.50x"
+
+
+def test_gain_sentences_take_bubbles_and_the_estimate_from_the_run(suite, monkeypatch):
+    """The "up to" rows' sentences: each planner's bubble ratio from its summary, and our mean
+    speedup over the paper's figure estimated for this setting (PAPER_ESTIMATES)."""
+    monkeypatch.setattr(suite, "EXPLANATIONS", {"s": "{paper} {baseline_bubble:.0%} {paper_bubble:.0%}; "
+                                                     "{speedup:.2f}x is {over_estimate:.2f}"})
+    monkeypatch.setattr(suite, "PAPER_ESTIMATES", {"s": 2.5})
+    r = result("s", "infinipipe", 1.5)
+    r["planners"]["megatron"] = {"step_time_s": 3.0, "compute_time_s": 2.9, "bubble_ratio": 0.25}
+    r["planners"]["infinipipe"].update({"step_time_s": 2.0, "compute_time_s": 1.9, "bubble_ratio": 0.1})
+    assert suite.explanation(r) == "infinipipe 25% 10%; 1.50x is 0.60"
