@@ -150,3 +150,26 @@ def test_confirm_dry_runs_the_winners_fullest_rank(tmp_path, capsys):
     assert c["measured_peak_gib"] > 0 and c["simulated_peak_gib"] > 0
     assert c["fits"] == (c["measured_peak_gib"] <= c["capacity_gib"])
     assert "Confirmed by a dry run" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_a_planner_no_scheme_fits_reports_why_and_offers_auto_nothing(monkeypatch):
+    """A planner that fits one selection batch and not another on every scheme has no scheme:
+    its row carries the reason, no step time drawn from one selection attempt, and auto does not
+    choose any of its attempts."""
+    import lengthwise.report as report
+    from lengthwise.planners.auto import Candidate
+
+    original = report.try_planner
+
+    def fails_on_the_long_batch(name, request, **kw):
+        if name == "packing" and 7000 in request.lengths:
+            return Candidate(planner=name, error="sequence too long", scheme=request.scheme)
+        return original(name, request, **kw)
+
+    monkeypatch.setattr(report, "try_planner", fails_on_the_long_batch)
+    rows = run_compare(small_setup(["packing", "token-balanced", "auto"]))
+    packing = summarise(rows)["planners"]["packing"]
+    assert "step_time_s" not in packing
+    assert packing["scheme"] == "none fits"
+    assert packing["error"].startswith("no scheme fits every selection batch") and "sequence too long" in packing["error"]
+    assert rows["auto"].chosen == {"token-balanced": 2}

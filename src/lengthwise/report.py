@@ -213,6 +213,21 @@ def pick_scheme(setup: CompareSetup, planner: str,
     return best, tries
 
 
+def no_scheme_reason(tries: list[Candidate]) -> str:
+    """Why a planner has no scheme of the list: the first failed attempt's error, or its peak
+    over the memory it had. No attempt's numbers stand for the planner's row: a scheme that fits
+    one selection batch and not another is not a scheme it can train with."""
+    failed = next((t for t in tries if not t.usable), None)
+    if failed is None:
+        return "no feasible parallel scheme"
+    if failed.result is None:
+        why = failed.error
+    else:
+        cap = failed.result.capacity_bytes or 0.0
+        why = f"peak {max_peak(failed.result) / GIB:.1f} GiB over {cap / GIB:.1f} GiB"
+    return f"no scheme fits every selection batch (first failure at {failed.scheme}: {why})"
+
+
 def _accepted(setup: CompareSetup, scheme: ParallelScheme, batches: list[list[int]], chunk_size: int,
               k: int) -> bool:
     """Whether ChunkFlow takes (chunk_size, k) as given options on every selection batch: its
@@ -263,7 +278,8 @@ def run_compare(setup: CompareSetup, progress=None) -> dict[str, PlannerRow]:
         row = rows[name] = PlannerRow(planner=name, scheme=str(setting.scheme) if setting else "none fits",
                                       tuned=setting.tuned if setting else {})
         if setting is None:
-            row.runs = tries[:1] or [Candidate(planner=name, error="no feasible parallel scheme")]
+            row.runs = [Candidate(planner=name, error=no_scheme_reason(tries),
+                                  elapsed_ms=max((t.elapsed_ms for t in tries), default=0.0))]
             _tick(progress, len(setup.batches))
             continue
         for lengths in setup.batches:
