@@ -3,8 +3,13 @@ gradients point-to-point (chunkflow §4.3's state-aware 1F1B, infinipipe §4 and
 all run on plain stage-to-stage send/recv).
 
 Sends are asynchronous (`isend`), so a stage that sends an activation forward and a stage that
-sends a gradient back at the same moment cannot block each other; their buffers are kept alive
-until `finish()` waits for them at the end of the step. A receive posts `irecv` into a buffer
+sends a gradient back at the same moment cannot block each other. A send's buffer is kept alive
+until its work completes: each send and receive first drops the sends already delivered
+(`Work.is_completed`, which does not wait), and `finish()` waits for the rest at the end of the
+step. Holding every buffer to the end instead would keep all of a step's outgoing activations
+and gradients on the GPU (a first stage's whole step of chunk outputs). The fake process group
+of `lengthwise dryrun` completes every send at once but never reports it, so a dry run still
+holds them to the end: an upper bound. A receive posts `irecv` into a buffer
 whose shape the plan gives (the chunk's tokens on this CP rank x hidden, or the backward
 unit's for B: every rank holds the plan, so nothing but the tensor travels) and waits at most `Mesh.timeout_s`; a receive that
 never comes raises `ReceiveTimeout` naming the stage, the action it serves and the sending rank,
@@ -55,6 +60,7 @@ class DistributedTransport:
         payload = tensor.detach().contiguous()
         if payload.numel() == 0:
             return  # a CP rank with no token of the chunk: the receiver knows it from the plan
+        self._drop_delivered()
         work = dist.isend(payload, self._peer(message, message.dst))
         self._sends.append((work, payload, message))
         self.stats.p2p_elements += payload.numel()
@@ -64,6 +70,7 @@ class DistributedTransport:
         buffer = torch.empty(shape, dtype=self.dtype or dtype, device=device)
         if buffer.numel() == 0:
             return buffer
+        self._drop_delivered()
         src = self._peer(message, message.src)
         work = dist.irecv(buffer, src)
         started = time.perf_counter()
@@ -78,6 +85,10 @@ class DistributedTransport:
             ) from None
         self.stats.wait_s += time.perf_counter() - started
         return buffer
+
+    def _drop_delivered(self) -> None:
+        """Forget the sends whose work has completed, freeing their buffers."""
+        self._sends = [entry for entry in self._sends if not entry[0].is_completed()]
 
     def finish(self) -> None:
         """Wait until every send of the step has been delivered."""
