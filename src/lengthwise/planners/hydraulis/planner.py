@@ -222,8 +222,9 @@ def _check_lengths(request: PlanRequest, space: list[Scheme], num_gpus: int, opt
         if n > widest.max_len:
             raise UserError(
                 f"sequence {seq_id} has {n} tokens > {widest.max_len}, the MaxLen of the widest scheme "
-                f"{widest} on {num_gpus} GPUs (tp <= {widest.tp}, pp <= {opts['max_pp']}, cp <= "
-                f"{opts['max_cp']}): raise max_cp or max_pp, add GPUs, or use a splitting planner")
+                f"{widest} on {num_gpus} GPUs (schemes searched up to tp {max(s.tp for s in space)}, pp "
+                f"{max(s.pp for s in space)}, cp {max(s.cp for s in space)}; option max_cp {opts['max_cp']}, "
+                f"max_pp {opts['max_pp']}): raise max_cp or max_pp, add GPUs, or use a splitting planner")
 
 
 def _histogram(request: PlanRequest, opts: dict, space: list[Scheme]) -> tuple[Histogram, tuple[int, ...], float]:
