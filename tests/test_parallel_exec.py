@@ -38,6 +38,7 @@ SCENARIOS = {
     "pp2-tp2": ("chunkflow", LENGTHS, {"pp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
     "pp2-tp2-nosp": ("chunkflow", LENGTHS, {"pp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
     "tp4-gqa": ("chunkflow", LENGTHS, {"tp": 4}, {"chunk_size": 96, "k": 1}),
+    "tp4-gqa-nosp": ("chunkflow", LENGTHS, {"tp": 4}, {"chunk_size": 96, "k": 1}),
     "pp2-tp2-vocab259": ("chunkflow", LENGTHS, {"pp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
     "tied-pp2-tp2": ("chunkflow", LENGTHS, {"pp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
     "tied-zero3-dp2-pp2": ("chunkflow", LENGTHS, {"dp": 2, "pp": 2, "zero": 3}, {"chunk_size": 32, "k": 1}),
@@ -47,8 +48,8 @@ SCENARIOS = {
     "bf16-zero3-dp2-pp2": ("chunkflow", LENGTHS, {"dp": 2, "pp": 2, "zero": 3}, {"chunk_size": 32, "k": 1}),
     "packing-dp4-uneven": ("packing", [64] * 5, {"dp": 4}, {}),
 }
-"""pp2-tp2-nosp: tensor parallelism without sequence parallelism (whole activations on every
-TP rank); every other tp scenario splits the residual stream's rows over TP, with chunks of 47
+"""pp2-tp2-nosp, tp4-gqa-nosp: tensor parallelism without sequence parallelism (whole
+activations on every TP rank; the second with K/V projections replicated over TP); every other tp scenario splits the residual stream's rows over TP, with chunks of 47
 and 5 tokens padded to a multiple of tp (tp4-gqa: chunks of 96, the 200-token sequence split in three
 and chunks of 95, 17 and 8 tokens padded; the other tp scenarios' 48-token chunks would double
 its actions, each dispatched through DTensor on all 4 ranks). packing-dp4-uneven: one replica runs two backward units, the others one; the embedding of a

@@ -60,7 +60,8 @@ stages; refusing them would refuse most packed rows.) `model.sequence_shards` te
 executor how many row shards the residual stream has (`stage.py` sizes the messages by it).
 
 Without sequence parallelism, activations between layers and between stages stay whole on
-every TP rank (the blocks' outputs are all-reduced). In both modes the pipeline transport,
+every TP rank (the blocks' outputs are all-reduced, and each block's input gradient once: the
+block's input is one Replicate DTensor its column-parallel projections share). In both modes the pipeline transport,
 the K/V state store and CP's gathers work on each TP rank's own heads unchanged: the K/V state
 of a split sequence is kept per TP shard.
 """
@@ -71,7 +72,6 @@ import functools
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -90,11 +90,19 @@ from lengthwise.runtime.model import CausalLM
 from lengthwise.specs import ModelSpec
 
 LAYER_PLAN = {
+    # self_attn(x, rope, layout, context, backend): x, whole on every rank, made a Replicate
+    # DTensor that the three projections share, so that their partial input gradients are
+    # summed first and all-reduced once (Megatron's "copy to the tensor-parallel region")
+    "self_attn": PrepareModuleInput(input_layouts=(Replicate(), None, None, None, None),
+                                    desired_input_layouts=(Replicate(), None, None, None, None)),
     "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
     "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+    "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
     "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
 }
-"""Per decoder layer without sequence parallelism: blocks take and return whole activations."""
+"""Per decoder layer without sequence parallelism: blocks take and return whole activations;
+per layer two all-reduces in forward (the row-parallel outputs) and two in backward (each
+block's input gradient)."""
 
 ROWS = Shard(0)
 """The residual stream's rows (tokens) split over TP: sequence parallelism's layout."""
@@ -173,10 +181,8 @@ def apply_tp(model: CausalLM, mesh: DeviceMesh, *, sequence_parallel: bool = Tru
             layer.self_attn.o_proj.register_forward_pre_hook(functools.partial(_pad_rows, tp=tp), prepend=True)
         if replicated:
             for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
-                if sequence_parallel:  # the input is the gathered DTensor: its gradient here is a partial sum
-                    proj.register_forward_pre_hook(_local_with_partial_grad)
-                else:
-                    proj.register_forward_pre_hook(functools.partial(_sum_grad_over, group=mesh.get_group()))
+                # the input is the block's Replicate DTensor: its gradient here is a partial sum
+                proj.register_forward_pre_hook(_local_with_partial_grad)
                 proj.register_forward_hook(keep)
     padded = -(-spec.vocab // tp) * tp
     if padded != spec.vocab:
@@ -237,9 +243,10 @@ def _pad_rows(module, inputs, *, tp: int):
 
 
 def _local_with_partial_grad(module, inputs):
-    """Forward pre-hook of a replicated K/V projection under sequence parallelism: the gathered
-    input as a plain tensor, its gradient from this rank (its K/V head) marked partial, so it is
-    summed over TP by the gather's reduce-scatter with the query projection's."""
+    """Forward pre-hook of a replicated K/V projection: the block's input DTensor (gathered
+    under sequence parallelism) as a plain tensor, its gradient from this rank (its K/V head)
+    marked partial, so it is summed over TP with the query projection's: by the gather's
+    reduce-scatter, or without sequence parallelism by the block input's all-reduce."""
     x = inputs[0]
     if not isinstance(x, DTensor):
         return None
@@ -263,25 +270,6 @@ def _mask_padding(module, inputs, logits, *, real: int):
     mask = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
     mask[real:] = float("-inf")
     return logits + mask
-
-
-class _SumGradOver(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the TP group."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def _sum_grad_over(module, inputs, *, group):
-    return (_SumGradOver.apply(inputs[0], group), *inputs[1:])
 
 
 def _keep_columns(module, inputs, out_TX, *, start: int, stop: int):
