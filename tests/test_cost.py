@@ -234,8 +234,8 @@ def test_tensor_parallelism_pays_the_embedding_and_head_collectives():
 
 def test_tensor_parallelism_without_sequence_parallelism_all_reduces_whole_activations():
     """Without sequence parallelism a layer's forward all-reduces its two row-parallel outputs
-    and its backward the five column-parallel projections' input gradients (DTensor sums each
-    apart: `lengthwise dryrun --no-sequence-parallel` counts them, tests/test_dryrun.py); the
+    and its backward the two blocks' input gradients (each block's projections share one
+    Replicate input: `lengthwise dryrun --no-sequence-parallel` counts them, tests/test_dryrun.py); the
     embedding's output is all-reduced in forward, the head's input gradient in backward; each
     tokens x hidden bf16 values. tp 1 pays nothing."""
     spec = MODEL_PRESETS["llama2-7b"]
@@ -244,8 +244,8 @@ def test_tensor_parallelism_without_sequence_parallelism_all_reduces_whole_activ
     chunk = Chunk((Segment(0, 0, 8192),))
     reduce = cost.collective_time("all_reduce", 8192 * spec.hidden * 2, ranks=8, inter_node=False)
     assert cost.tp_comm_time(8192, tp=8) == pytest.approx(2 * reduce)
-    assert cost.tp_comm_time(8192, tp=8, backward=True) == pytest.approx(5 * reduce)
-    for fn, count, head_s, embed_s in (("forward_time", 2, 0.0, reduce), ("backward_time", 5, reduce, 0.0)):
+    assert cost.tp_comm_time(8192, tp=8, backward=True) == pytest.approx(2 * reduce)
+    for fn, count, head_s, embed_s in (("forward_time", 2, 0.0, reduce), ("backward_time", 2, reduce, 0.0)):
         backward = fn == "backward_time"
         for head, embed, edge in ((False, False, 0.0), (True, False, head_s), (False, True, embed_s),
                                   (True, True, head_s + embed_s)):

@@ -166,8 +166,8 @@ def nosp_rows(tmp_path_factory):
 def test_dryrun_tp_without_sequence_parallel_bytes_equal_the_simulators_charge(nosp_rows):
     """Tensor parallelism without sequence parallelism as the cost model charges it
     (`tp_comm_time`, `sp_edge_comm_time`, `sim/rank.nosp_comm_bytes`): per layer two all-reduces
-    of tokens x hidden bf16 values in forward and five in backward (DTensor sums each
-    column-parallel projection's input gradient apart), the embedding's in each forward, the
+    of tokens x hidden bf16 values in forward and two in backward (each block's input gradient,
+    its projections' partial gradients summed first), the embedding's in each forward, the
     head's input gradient in each backward; no all-gather or reduce-scatter over TP and no sum
     of the norms' gradients (whole on every rank); whole activations sent between stages (the
     simulator once charged half, sequence parallelism's rows); FSDP2's collectives and FLOPs

@@ -35,12 +35,12 @@ parallelism: one before and one after the attention block, and the same for the 
 NOSP_FORWARD_ALL_REDUCES = 2
 """All-reduces of one decoder layer's forward without sequence parallelism: the row-parallel
 outputs of the attention (o_proj) and of the MLP (down_proj)."""
-NOSP_BACKWARD_ALL_REDUCES = 5
+NOSP_BACKWARD_ALL_REDUCES = 2
 """All-reduces of one decoder layer's backward without sequence parallelism: the input gradient
-of each column-parallel projection (q, k, v, gate, up), which DTensor sums over TP one by one
-(each projection's `ColwiseParallel` makes its own Replicate DTensor of the shared input;
-Megatron-LM sums once per block, 2). Measured by `lengthwise dryrun --no-sequence-parallel`
-(`tp_all_reduce`; K/V projections replicated over TP sum theirs with c10d, `all_reduce`)."""
+of each block, the sum of its column-parallel projections' partial input gradients (q, k, v;
+gate, up), which share one Replicate DTensor input (`parallel/tensor_parallel.LAYER_PLAN`; as
+Megatron-LM's "copy to the tensor-parallel region"). Measured by `lengthwise dryrun
+--no-sequence-parallel` (`tp_all_reduce`)."""
 
 
 @dataclass(frozen=True)
@@ -250,8 +250,8 @@ class CostModel:
         before the attention and the MLP block an all-gather of the sequence-sharded
         activations, after each a reduce-scatter (the gathered size); backward runs the
         transposed collectives, the same volume. Without (`sequence_parallel` False): the
-        forward all-reduces the two row-parallel outputs, the backward the five column-parallel
-        projections' input gradients (`NOSP_BACKWARD_ALL_REDUCES`). The embedding's and the LM
+        forward all-reduces the two row-parallel outputs, the backward the two blocks' input
+        gradients (`NOSP_BACKWARD_ALL_REDUCES`). The embedding's and the LM
         head's collectives are `sp_edge_comm_time`."""
         if tp <= 1 or tokens <= 0:
             return 0.0

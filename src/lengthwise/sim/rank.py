@@ -135,7 +135,7 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
     loss = sum(LOSS_REDUCE_BYTES * _rank_tokens(pipe, a, place) for a in pipe.stages[place.stage]
                if a.kind == FORWARD) if last and pipe.tp > 1 else 0.0
     tp = tp_comm_bytes(plan, cost, place)
-    reduced = loss + tp.pop("tp_all_reduce_c10d", 0.0)  # c10d all-reduces: the loss's, replicated K/V's
+    reduced = loss  # c10d all-reduces: the loss's
     norms = bool(tp) and cost.sequence_parallel  # tp_all_reduce holds the norms' partial gradients
     if len({(p.tp, p.pp, p.cp) for p in plan.pipelines}) > 1:
         # heterogeneous pipelines (runtime/train/dist_hetero.py): bf16 gradients pushed to their
@@ -240,24 +240,21 @@ def nosp_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[s
     decoder layer `NOSP_FORWARD_ALL_REDUCES` in a forward (again for the layers an `F.rN`
     recomputes) and `NOSP_BACKWARD_ALL_REDUCES` in a backward, the embedding's once per
     forward (first stage) and the LM head's input gradient once per backward (last stage).
-    DTensor issues them (`tp_all_reduce`) but for the input gradients of K/V projections
-    replicated over TP, which `parallel/tensor_parallel._SumGradOver` sums with c10d
-    (`tp_all_reduce_c10d`, added to `all_reduce` by the caller). The norms' weights and
-    gradients are whole and equal on every TP rank: nothing is summed for them."""
+    DTensor issues them all (`tp_all_reduce`; K/V projections replicated over TP mark their
+    input gradients partial, summed in the block's). The norms' weights and gradients are whole
+    and equal on every TP rank: nothing is summed for them."""
     pipe = plan.pipelines[place.pipeline]
     layers = pipe.stage_layers(plan.model.num_layers)[place.stage]
     first, last = place.stage == 0, place.stage == pipe.pp - 1
-    kv_c10d = 2 if pipe.tp > plan.model.num_kv_heads else 0
-    dtensor = c10d = 0.0
+    dtensor = 0.0
     for action in pipe.stages[place.stage]:
         volume = cost.sp_collective_bytes(_rank_tokens(pipe, action, place))
         if action.kind == BACKWARD:
-            dtensor += ((NOSP_BACKWARD_ALL_REDUCES - kv_c10d) * layers + last) * volume
-            c10d += kv_c10d * layers * volume
+            dtensor += (NOSP_BACKWARD_ALL_REDUCES * layers + last) * volume
         else:
             runs = layers + (min(action.recompute_layers, layers) if action.kind == FORWARD else 0)
             dtensor += (NOSP_FORWARD_ALL_REDUCES * runs + first) * volume
-    return {"tp_all_reduce": dtensor, "tp_all_reduce_c10d": c10d}
+    return {"tp_all_reduce": dtensor}
 
 
 def _rank_tokens(pipe, action, place: RankPlace) -> float:
