@@ -300,7 +300,7 @@ def test_without_sequence_parallelism_tp_1_simulates_the_same_step():
 def test_works_time_is_the_scalar_time_to_the_bit(fitted, sequence_parallel):
     """CostModel.works_time (the simulator's whole-pipeline tables at cp = 1) gives exactly the
     floats forward_time / backward_time give chunk by chunk, padded and empty rows included,
-    with and without sequence parallelism."""
+    with and without sequence parallelism, with K/V projections split and replicated over TP."""
     import numpy as np
     cm = dataclasses.replace(cost(), sequence_parallel=sequence_parallel)
     if fitted:
@@ -314,7 +314,7 @@ def test_works_time_is_the_scalar_time_to_the_bit(fitted, sequence_parallel):
     tokens = [max(c.num_tokens, c.pad_to) for c in chunks]
     from lengthwise.cost.flops import chunk_work
     keys = [chunk_work(c).keys if c.segments else 0 for c in chunks]
-    for tp in (1, 2):
+    for tp in (1, 2, 8):  # 8: above Qwen2.5-7B's 4 K/V heads, replicated (cost/memory.kv_replicated)
         for layers, head, embed in ((7, False, False), (7, True, False), (0, True, False), (0, False, False),
                                     (7, False, True), (7, True, True), (0, False, True)):
             for backward, fn in ((False, cm.forward_time), (True, cm.backward_time)):
@@ -378,3 +378,50 @@ def test_rows_tp_does_not_divide_keep_a_padded_copy_of_the_attention_output():
     # the simulator's elementwise form gives the same floats
     rows = cm.activation_bytes_rows(np.array([27459.0, 27460.0]), layers=7, tp=2)
     assert rows.tolist() == [cm.activation_bytes(odd, layers=7, tp=2), cm.activation_bytes(even, layers=7, tp=2)]
+
+
+def test_replicated_kv_projections_count_whole_on_each_tp_rank(monkeypatch):
+    """Qwen2.5-7B has 4 K/V heads: at tp 8 the executor replicates the K/V projections
+    (`mem.kv_replicated`), and a rank holds and computes them whole, exceeding the 1/tp figure
+    by exactly (1 - 1/tp) of them; at tp <= 4 nothing changes, to the bit."""
+    import lengthwise.cost.model as model_module
+    from lengthwise.cost.flops import replicated_kv_flops
+
+    cm = cost()
+    m = cm.model
+    assert m.num_kv_heads == 4 and m.qkv_bias
+    kv_per_layer = 2 * m.kv_dim * (m.hidden + 1)  # k_proj and v_proj weights and biases
+    assert mem.kv_params_per_layer(m) == kv_per_layer
+    chunk = Chunk((Segment(0, 0, 3000), Segment(1, 0, 1000)))
+    split = {}  # tp -> (params, forward s, backward s) with the K/V projections counted split
+    with monkeypatch.context() as patch:
+        patch.setattr(mem, "kv_replicated", lambda model, tp: False)
+        for tp in (1, 2, 4, 8):
+            split[tp] = (mem.stage_params(m, layers=7, tp=tp, first=True, last=True),
+                         mem.grad_params(m, layers=7, tp=tp, first=True, last=True),
+                         cm.forward_time(chunk, layers=7, tp=tp), cm.backward_time(chunk, layers=7, tp=tp))
+    for tp in (1, 2, 4):
+        assert not mem.kv_replicated(m, tp)
+        assert replicated_kv_flops(m, 4000, tp) == 0.0
+        assert (mem.stage_params(m, layers=7, tp=tp, first=True, last=True),
+                mem.grad_params(m, layers=7, tp=tp, first=True, last=True),
+                cm.forward_time(chunk, layers=7, tp=tp), cm.backward_time(chunk, layers=7, tp=tp)) == split[tp]
+    assert mem.kv_replicated(m, 8)
+    extra = 7 * kv_per_layer * (1 - 1 / 8)
+    params, grads, fwd, bwd = split[8]
+    assert mem.stage_params(m, layers=7, tp=8, first=True, last=True) == pytest.approx(params + extra, rel=1e-12)
+    assert mem.grad_params(m, layers=7, tp=8, first=True, last=True) == pytest.approx(grads + extra, rel=1e-12)
+    held = cm.model_state_bytes(layers=7, tp=8, dp=4, zero=1, first=True, last=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(mem, "kv_replicated", lambda model, tp: False)
+        assert held - cm.model_state_bytes(layers=7, tp=8, dp=4, zero=1, first=True, last=True) == \
+            pytest.approx(extra * (2 + 4 + 12 / 4), rel=1e-9)  # bf16 weights, fp32 grads, sharded master + Adam
+    # FLOPs: the K/V projections' 2 * hidden * 2 * kv_dim per token, (1 - 1/tp) of them beyond the split
+    assert replicated_kv_flops(m, 4000, 8) == 2 * m.hidden * 2 * m.kv_dim * 4000 * (1 - 1 / 8)
+    lin_eff = cm.throughput.linear_efficiency(4000, 8)
+    peak = cm.cluster.peak_tflops * 1e12
+    kv_s = 7 * replicated_kv_flops(m, 4000, 8) / (peak * lin_eff)
+    assert kv_s > 0.01 * fwd
+    assert cm.forward_time(chunk, layers=7, tp=8) == pytest.approx(fwd + kv_s, rel=1e-12)
+    assert cm.backward_time(chunk, layers=7, tp=8) == pytest.approx(bwd + cm.bwd_linear_ratio * kv_s, rel=1e-12)
+    assert model_module.mem is mem

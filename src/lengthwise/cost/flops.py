@@ -11,6 +11,13 @@ layers and attends causally to `start` context tokens plus itself:
   (infinipipe.txt eq. 1: a slice's attention cost is the difference of the triangles).
 - LM head (last stage only): 2 * hidden * vocab * n.
 
+Per TP rank: 1/tp of the linear and attention FLOPs, except that a rank whose tp exceeds the
+model's K/V heads computes the K/V projections whole (`cost.memory.kv_replicated`; the
+executor replicates them, `runtime/parallel/tensor_parallel.py`): 2 * hidden * 2 * kv_dim * n
+forward FLOPs per layer, (1 - 1/tp) of them beyond the 1/tp share (`replicated_kv_flops`),
+backward `bwd_linear_ratio` times that. Whole-model FLOPs (`layer_forward_flops`, for balancing
+and MFU) count every projection once.
+
 Backward costs `bwd_linear_ratio` (2: two GEMMs per forward GEMM) times the linear part and
 `bwd_attn_ratio` (2.5: flash-style attention recomputes the scores, slimpack.txt §2.2.2) times
 the attention part.
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lengthwise.cost.memory import kv_replicated
 from lengthwise.plan.ir import Chunk
 from lengthwise.specs import ModelSpec
 
@@ -65,6 +73,16 @@ def work_key(chunk: Chunk) -> tuple:
 def layer_forward_flops(model: ModelSpec, work: ChunkWork) -> tuple[float, float]:
     """(linear, attention) forward FLOPs of one decoder layer."""
     return 2.0 * matmul_params_per_layer(model) * work.tokens, 4.0 * model.q_dim * work.keys
+
+
+def replicated_kv_flops(model: ModelSpec, tokens, tp: int):
+    """Forward FLOPs of one decoder layer one TP rank computes beyond 1/tp of its linear FLOPs
+    on `tokens` rows (a number or an array): the (1 - 1/tp) of the K/V projections,
+    2 * hidden * 2 * kv_dim * tokens, that the other ranks would have computed were they split
+    (module docstring); 0.0 when tp does not exceed the K/V heads."""
+    if not kv_replicated(model, tp):
+        return 0.0
+    return 2.0 * model.hidden * 2 * model.kv_dim * tokens * (1 - 1 / tp)
 
 
 def head_forward_flops(model: ModelSpec, tokens: int) -> float:

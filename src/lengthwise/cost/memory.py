@@ -92,6 +92,12 @@
 - K/V state of a split sequence (infinipipe.txt eq. 9-10): k and v of every context token on
   every layer of the stage, 2 * kv_dim values per token; its gradient buffer has the same size.
   With tp larger than the K/V heads, heads are replicated, so a rank holds at least one head.
+- K/V projections replicated over TP (`kv_replicated`: tp > the model's K/V heads, e.g.
+  Qwen2.5-7B's 4 at tp 8): the executor (`runtime/parallel/tensor_parallel.py`) gives every TP
+  rank the whole k_proj and v_proj weights (and biases), so `stage_params` counts them whole on
+  each rank, not / tp (`replicated_kv_params`), and with them the bf16 weights, the fp32
+  gradients and the dp x cp-sharded fp32 master and Adam states, and FSDP2's all-gather and
+  reduce-scatter of them (`sim/rank.py`; measured by `lengthwise dryrun`, tests/test_dryrun.py).
 """
 
 from __future__ import annotations
@@ -106,9 +112,32 @@ OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m and v
 LABEL_BYTES = 8  # int64 token ids
 
 
+def kv_replicated(model: ModelSpec, tp: int) -> bool:
+    """Whether tensor parallelism over `tp` ranks replicates the model's K/V projections: tp
+    larger than its K/V heads, each rank then computing all of them and keeping the one its
+    query heads read (the executor's rule, `runtime/parallel/tensor_parallel.kv_replicated`;
+    this one keeps the planning core free of torch)."""
+    return tp > model.num_kv_heads
+
+
+def kv_params_per_layer(model: ModelSpec) -> int:
+    """Weights (and biases, with `qkv_bias`) of one decoder layer's k_proj and v_proj."""
+    return 2 * model.kv_dim * (model.hidden + (1 if model.qkv_bias else 0))
+
+
+def replicated_kv_params(model: ModelSpec, *, layers: int, tp: int) -> float:
+    """Parameters one TP rank holds beyond its 1/tp of the stage's split weights because the K/V
+    projections are replicated (`kv_replicated`): the (1 - 1/tp) of them the split would have
+    left to the other ranks; 0 when tp does not exceed the K/V heads."""
+    if not kv_replicated(model, tp):
+        return 0.0
+    return layers * kv_params_per_layer(model) * (1 - 1 / tp)
+
+
 def stage_params(model: ModelSpec, *, layers: int, tp: int, first: bool, last: bool) -> float:
     """Parameters one GPU of a stage holds: the norms' weights whole on every TP rank (as
-    Megatron and the executor's tensor parallelism keep them), the rest split over tp."""
+    Megatron and the executor's tensor parallelism keep them), the K/V projections whole too
+    when tp exceeds the K/V heads (`replicated_kv_params`), the rest split over tp."""
     norms = layers * 2 * model.hidden + (model.hidden if last else 0)
     split = layers * model.params_per_layer - layers * 2 * model.hidden
     table = model.vocab * model.hidden
@@ -116,7 +145,10 @@ def stage_params(model: ModelSpec, *, layers: int, tp: int, first: bool, last: b
         split += table
     if last:
         split += 0 if (first and model.tied_embeddings) else table
-    return split / tp + norms
+    params = split / tp + norms
+    if kv_replicated(model, tp):
+        params += replicated_kv_params(model, layers=layers, tp=tp)
+    return params
 
 
 def grad_params(model: ModelSpec, *, layers: int, tp: int, first: bool, last: bool) -> float:

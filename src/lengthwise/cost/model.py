@@ -23,6 +23,7 @@ from lengthwise.cost.flops import (
     head_forward_flops,
     layer_forward_flops,
     matmul_params_per_layer,
+    replicated_kv_flops,
 )
 from lengthwise.cost.time import Profile, Throughput
 from lengthwise.errors import UserError
@@ -90,8 +91,9 @@ class StageBudget:
 class ExchangeHolders:
     """How many GPUs of a heterogeneous strategy hold one element (`CostModel.hetero_holders`):
     one per (pipeline, CP rank) for the tp-split weights, every TP rank of those for the norms
-    (held whole on each; K/V projections replicated over TP count as split, as `stage_params`
-    counts them), and for the embedding table the first and the last stage of each pipeline
+    (held whole on each; K/V projections replicated over TP count as split here, though
+    `stage_params` counts them whole on each TP rank: a heterogeneous plan with tp above the
+    K/V heads is not modelled exactly), and for the embedding table the first and the last stage of each pipeline
     when it is tied."""
 
     split: int
@@ -146,7 +148,8 @@ class CostModel:
     def __post_init__(self):
         self.comm = CommModel(self.cluster)
 
-    # ---- FLOPs (whole chunk, summed over its tp x cp ranks) ----
+    # ---- FLOPs (whole chunk, every projection once: model FLOPs, for balancing and MFU; a
+    # rank's share under tp is 1/tp of them plus `flops.replicated_kv_flops`) ----
     def forward_flops(self, chunk: Chunk, *, layers: int, head: bool = False) -> float:
         work = chunk_work(chunk)
         lin, attn = layer_forward_flops(self.model, work)
@@ -196,6 +199,9 @@ class CostModel:
         peak = self.cluster.peak_tflops * 1e12
         lin_eff = self.throughput.linear_efficiency(work.tokens, tp)
         lin_s = (layers * lin + head_flops) / tp / (peak * lin_eff)
+        if mem.kv_replicated(self.model, tp):  # K/V projections computed whole on each rank (cost/flops.py)
+            kv = replicated_kv_flops(self.model, work.tokens, tp) * (self.bwd_linear_ratio if backward else 1.0)
+            lin_s += layers * kv / (peak * lin_eff)
         attn_s = layers * attn / tp / (peak * self.throughput.attention_mfu)
         tp_s = (1.0 - self.tp_comm_overlap) * layers * self.tp_comm_time(work.tokens, tp=tp, backward=backward)
         if tp > 1 and (head or embed):
@@ -229,6 +235,9 @@ class CostModel:
             x = np.maximum(tokens, 1.0)
             lin_eff = th.linear_mfu * x / (x + th.half_tokens * tp)
             lin_s = (layers * lin + head_flops) / tp / (peak * lin_eff)
+            if mem.kv_replicated(m, tp):  # as _analytic_time
+                kv = replicated_kv_flops(m, tokens, tp) * (self.bwd_linear_ratio if backward else 1.0)
+                lin_s += layers * kv / (peak * lin_eff)
             attn_s = layers * attn / tp / (peak * th.attention_mfu)
             if tp > 1:
                 comm = {t: self.tp_comm_time(t, tp=tp, backward=backward) for t in set(tokens.tolist())}

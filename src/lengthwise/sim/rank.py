@@ -9,13 +9,19 @@
 - FLOPs: the cost model's forward FLOPs of every F and N action of the stage (N without the
   LM head, which the executor's no-grad forward skips), its backward FLOPs of every B, and one
   more forward of the layers an `F.rN` action recomputes; each CP rank's share of the work
-  (`rank_works`), over tp.
+  (`rank_works`), over tp, plus the K/V projections' remaining (1 - 1/tp) when tp exceeds the
+  K/V heads and every TP rank computes them whole (`cost.flops.replicated_kv_flops`).
 - Communication, bytes this rank hands to each kind of operation (the logical volume, not one
   algorithm's wire traffic): `send` the activations and activation gradients to neighbour
   stages; under FSDP2 (`fsdp_sharded`) `reduce_scatter` the stage's fp32 gradients and
   `all_gather` its weight shard in bf16, once a step (or around every action under ZeRO-3);
   replicated, `all_reduce` the gradient buffers over the replicas holding the stage (data
-  parallel pipelines times CP ranks). Context parallelism (`cp_comm_bytes`): `all_gather` also
+  parallel pipelines times CP ranks). K/V projections replicated over TP (tp above the K/V
+  heads, `cost.memory.kv_replicated`) are whole in the stage's parameters, so in those bytes;
+  their gradients, each TP rank's covering only its K/V head, are also summed over TP with a
+  c10d `all_reduce` (`distributed/dp.reduction_classes`): under FSDP2 each rank's fp32 shard
+  (1/replicas of them) once a step, replicated without FSDP2 the whole fp32 gradients, in the
+  data-parallel all-reduce when there are replicas. Context parallelism (`cp_comm_bytes`): `all_gather` also
   counts the K/V a CP rank contributes to each forward's gathers, `reduce_scatter` the K/V
   gradients each backward hands to their reduce-scatter.
   Tensor parallelism with sequence parallelism (the cost model's `tp_comm_time`), counted
@@ -46,8 +52,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lengthwise.cost import CostModel
-from lengthwise.cost.flops import head_forward_flops, layer_forward_flops
-from lengthwise.cost.memory import GRAD_BYTES_PER_PARAM, stage_params
+from lengthwise.cost.flops import head_forward_flops, layer_forward_flops, replicated_kv_flops
+from lengthwise.cost.memory import GRAD_BYTES_PER_PARAM, kv_params_per_layer, kv_replicated, stage_params
 from lengthwise.cost.model import (
     NOSP_BACKWARD_ALL_REDUCES,
     NOSP_FORWARD_ALL_REDUCES,
@@ -101,22 +107,27 @@ def rank_prediction(plan: StepPlan, cost: CostModel, *, rank: int, peak_memory: 
 
 
 def stage_flops(plan: StepPlan, cost: CostModel, place: RankPlace) -> float:
-    """FLOPs one rank of the stage computes in the step (its CP share, 1/tp of it)."""
+    """FLOPs one rank of the stage computes in the step (its CP share, 1/tp of it, and the
+    replicated K/V projections' remainder when tp exceeds the K/V heads)."""
     pipe = plan.pipelines[place.pipeline]
     layers = pipe.stage_layers(plan.model.num_layers)[place.stage]
     last = place.stage == pipe.pp - 1
-    total = 0.0
+    total = replicated = 0.0
     for action in pipe.stages[place.stage]:
         works = rank_works(_unit(pipe, action), pipe.cp)  # one entry when every rank's share is equal
         work = works[place.cp_rank] if len(works) > 1 else works[0]
         lin, attn = layer_forward_flops(plan.model, work)
+        kv = replicated_kv_flops(plan.model, work.tokens, pipe.tp)
         # the executor's no-grad forward (N) keeps K/V only and never runs the head
         head = head_forward_flops(plan.model, work.tokens) if last and action.kind != FORWARD_NOGRAD else 0.0
         if action.kind == BACKWARD:
             total += layers * (lin * cost.bwd_linear_ratio + attn * cost.bwd_attn_ratio) + head * cost.bwd_linear_ratio
+            replicated += layers * kv * cost.bwd_linear_ratio
         else:
-            total += (layers + min(action.recompute_layers, layers)) * (lin + attn) + head
-    return total / pipe.tp
+            runs = layers + min(action.recompute_layers, layers)
+            total += runs * (lin + attn) + head
+            replicated += runs * kv
+    return total / pipe.tp + replicated if replicated else total / pipe.tp
 
 
 def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[str, float]:
@@ -129,6 +140,9 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
     replicas = sum(p.cp for p in plan.pipelines if p.pp == pipe.pp)
     params = stage_params(plan.model, layers=layers, tp=pipe.tp, first=first, last=last)
     grads = params * GRAD_BYTES_PER_PARAM
+    # replicated K/V projections' gradients, whole, summed over TP (module docstring)
+    kv_tp = (layers * kv_params_per_layer(plan.model) * GRAD_BYTES_PER_PARAM
+             if pipe.tp > 1 and kv_replicated(plan.model, pipe.tp) else 0.0)
     gathered, kv_grads = cp_comm_bytes(plan, cost, place)
     # the vocabulary-parallel loss (runtime/loss.py) all-reduces three fp32 values per token
     # over TP (row maximum, target logit, exponential sum) in every forward that runs the head
@@ -158,9 +172,9 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
             # bf16; with more, FSDP2 accumulates them in fp32 first and the sum runs on those
             tp["tp_all_reduce"] *= ELEMENT_BYTES / GRAD_BYTES_PER_PARAM
         gathers = len(pipe.stages[place.stage]) if per_action else 1
-        return {"send": send, "all_reduce": reduced, "reduce_scatter": grads + kv_grads,
+        return {"send": send, "all_reduce": reduced + kv_tp / replicas, "reduce_scatter": grads + kv_grads,
                 "all_gather": gathered + gathers * params / replicas * ELEMENT_BYTES, **tp}
-    return {"send": send, "all_reduce": (grads if replicas > 1 else 0.0) + reduced, "all_gather": gathered,
+    return {"send": send, "all_reduce": (grads if replicas > 1 else kv_tp) + reduced, "all_gather": gathered,
             "reduce_scatter": kv_grads, **tp}
 
 
