@@ -683,3 +683,29 @@ def test_dryrun_replicated_kv_flops_and_collectives_match_the_cost_model(kv_repl
     for kind in ("all_gather", "reduce_scatter", "all_reduce", "tp_all_gather", "tp_reduce_scatter", "tp_all_reduce"):
         assert comm[kind]["simulated"] > 0, kind
         assert comm[kind]["measured"] == pytest.approx(comm[kind]["simulated"], rel=1e-9), kind
+
+
+def test_a_shard_group_of_one_rank_gathers_and_reduces_nothing(tmp_path):
+    """dp = cp = 1 under ZeRO: FSDP2 wraps each stage over a shard group of one rank and issues
+    no all-gather or reduce-scatter, and `sim/rank.py` predicts none (it once predicted a
+    step's weight gather and gradient reduce-scatter there, 0.003 and 0.005 GiB on the 4-layer
+    SMALL at pp 2). FLOPs and sends as everywhere else."""
+    import dataclasses
+
+    spec = dataclasses.replace(SMALL, num_layers=2)
+    scheme = ParallelScheme(dp=1, pp=2, zero=3)
+    cluster = cluster_preset("h100", scheme.num_gpus)
+    plan = get_planner("chunkflow")(PlanRequest(
+        lengths=[300, 200, 100], model=spec, cluster=cluster, scheme=scheme,
+        cost=CostModel(model=spec, cluster=cluster), context_length=512, seed=0,
+        options={"chunk_size": 256, "k": 1}))
+    assert plan.zero == 3
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    row = dryrun_cli(path, "0", "one_rank_shards")["0"]
+    comm = row["comm_bytes"]
+    assert comm["send"]["measured"] == pytest.approx(comm["send"]["simulated"], rel=1e-9) and comm["send"]["measured"] > 0
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        pair = comm.get(kind, {"measured": 0, "simulated": 0.0})
+        assert pair["measured"] == 0 and pair["simulated"] == 0, kind
+    assert row["flops"]["measured"] == pytest.approx(row["flops"]["simulated"], rel=1e-6)

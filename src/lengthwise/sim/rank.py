@@ -14,7 +14,8 @@
 - Communication, bytes this rank hands to each kind of operation (the logical volume, not one
   algorithm's wire traffic): `send` the activations and activation gradients to neighbour
   stages; under FSDP2 (`fsdp_sharded`) `reduce_scatter` the stage's fp32 gradients and
-  `all_gather` its weight shard in bf16, once a step (or around every action under ZeRO-3);
+  `all_gather` its weight shard in bf16, once a step (or around every action under ZeRO-3;
+  neither over a shard group of one rank, dp = cp = 1);
   replicated, `all_reduce` the gradient buffers over the replicas holding the stage (data
   parallel pipelines times CP ranks). K/V projections replicated over TP (tp above the K/V
   heads, `cost.memory.kv_replicated`) are whole in the stage's parameters, so in those bytes;
@@ -172,6 +173,8 @@ def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[
             # bf16; with more, FSDP2 accumulates them in fp32 first and the sum runs on those
             tp["tp_all_reduce"] *= ELEMENT_BYTES / GRAD_BYTES_PER_PARAM
         gathers = len(pipe.stages[place.stage]) if per_action else 1
+        if replicas == 1:  # a shard group of one rank: FSDP2 gathers and reduces nothing
+            gathers, grads = 0, 0.0
         return {"send": send, "all_reduce": reduced + kv_tp / replicas, "reduce_scatter": grads + kv_grads,
                 "all_gather": gathered + gathers * params / replicas * ELEMENT_BYTES, **tp}
     return {"send": send, "all_reduce": (grads if replicas > 1 else kv_tp) + reduced, "all_gather": gathered,
