@@ -189,8 +189,9 @@ def checkpoint_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool 
 
 def head_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
     """What the LM head and its loss keep per token on the last stage (module docstring)."""
-    if sp:  # the final norm's input is sharded under sequence parallelism, its output (the head's input) whole
-        return (BYTES_FP32 * (model.vocab + 1) + BYTES_BF16 * model.hidden + LABEL_BYTES) / tp + BYTES_BF16 * model.hidden
+    if sp:  # the final norm's input is sharded under sequence parallelism, its output (the head's input)
+        # and the labels whole
+        return (BYTES_FP32 * (model.vocab + 1) + BYTES_BF16 * model.hidden) / tp + BYTES_BF16 * model.hidden + LABEL_BYTES
     # without: the norm's input, output and reciprocal RMS whole, the labels whole
     return BYTES_FP32 * model.vocab / tp + BYTES_FP32 + 2 * BYTES_BF16 * model.hidden + LABEL_BYTES
 
