@@ -93,7 +93,8 @@
   every layer of the stage, 2 * kv_dim values per token; its gradient buffer has the same size.
   With tp larger than the K/V heads, heads are replicated, so a rank holds at least one head.
 - K/V projections replicated over TP (`kv_replicated`: tp > the model's K/V heads, e.g.
-  Qwen2.5-7B's 4 at tp 8): the executor (`runtime/parallel/tensor_parallel.py`) gives every TP
+  Qwen2.5-1.5B's 2 at tp 4 or LLaMA-70B's 8 at tp 16; tp must also divide the query heads, so
+  Qwen2.5-7B's 4 never are at tp <= 8): the executor (`runtime/parallel/tensor_parallel.py`) gives every TP
   rank the whole k_proj and v_proj weights (and biases), so `stage_params` counts them whole on
   each rank, not / tp (`replicated_kv_params`), and with them the bf16 weights, the fp32
   gradients and the dp x cp-sharded fp32 master and Adam states, and FSDP2's all-gather and

@@ -14,7 +14,7 @@ embedding and the head get zero rows no token reads, and the head's padded logit
 keep the real vocabulary (`weights.py` pads on load; gathers trim, `distributed/step.py`).
 
 Grouped-query attention with fewer K/V heads than TP ranks (tp = 8 on Llama-2-70B's 8 heads
-is the edge; Qwen2.5-7B has 4): the K/V projections are replicated, every rank computes all G
+is the edge; Qwen2.5-1.5B's 2 are replicated at tp 4): the K/V projections are replicated, every rank computes all G
 K/V heads and keeps the one its query heads read (query heads [r H/tp, (r+1) H/tp) read K/V head
 r G / tp), as the cost model assumes. A rank's gradient of the replicated K/V weights covers
 only its head, so those gradients are summed over TP (`tp_partial_names`, used by
