@@ -128,7 +128,7 @@ def stage_flops(plan: StepPlan, cost: CostModel, place: RankPlace) -> float:
             runs = layers + min(action.recompute_layers, layers)
             total += runs * (lin + attn) + head
             replicated += runs * kv
-    return total / pipe.tp + replicated if replicated else total / pipe.tp
+    return total / pipe.tp + replicated
 
 
 def stage_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[str, float]:
