@@ -6,17 +6,19 @@
     options_for("chunkflow", options)     # the part of `options` chunkflow takes
 
 A name several planners share (micro_batch_size, milp_time_limit_s) is one flag whose help lists
-each planner's meaning and default. `--option KEY=VALUE` sets any option by its name.
+each planner's meaning and default. `--option KEY=VALUE` sets any option by its name. Values are
+read the same way by a flag and by --option: `none` is the choice "none" of a choice option
+(`--recompute none`, `--checkpointing none`) and Python's None (the planner chooses) elsewhere.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from lengthwise.errors import UserError
-from lengthwise.planners.options import PLANNER_OPTIONS, option_flag
+from lengthwise.planners.options import PLANNER_OPTIONS, build_options, option_flag, option_names
 
 
 def _flag_fields() -> dict[str, list[tuple[str, dataclasses.Field]]]:
@@ -31,13 +33,14 @@ def _flag_fields() -> dict[str, list[tuple[str, dataclasses.Field]]]:
 
 
 def _help(entries: list[tuple[str, dataclasses.Field]]) -> str:
-    """'planner: help (default X)' for each planner taking the option; None defaults say so in
-    their help text, so only set ones are shown."""
-    parts = []
+    """'planner, planner: help (default X)' for each help text of the option (planners sharing
+    a field, like the baselines' recompute, share one entry); None defaults say so in their help
+    text, so only set ones are shown."""
+    by_text: dict[str, list[str]] = {}
     for planner, f in entries:
         default = "" if f.default is None else f" (default {_show(f.default)})"
-        parts.append(f"{planner}: {f.metadata['help']}{default}")
-    return "; ".join(parts)
+        by_text.setdefault(f"{f.metadata['help']}{default}", []).append(planner)
+    return "; ".join(f"{', '.join(planners)}: {text}" for text, planners in by_text.items())
 
 
 def _show(value: Any) -> str:
@@ -50,7 +53,7 @@ def add_planner_option_args(parser: argparse.ArgumentParser) -> None:
     for flag, entries in _flag_fields().items():
         f = entries[0][1]
         group.add_argument(flag, dest=f"planner_option_{f.name}", metavar=f.metadata["metavar"],
-                           type=parse_value, default=None, help=_help(entries))
+                           type=value_reader(f.name), default=None, help=_help(entries))
     group.add_argument("--option", metavar="KEY=VALUE", action="append", default=[],
                        help="any planner option by name, repeatable (e.g. micro_batch_size=4)")
 
@@ -65,14 +68,17 @@ def planner_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def options_for(planner: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The options `planner` takes, out of options meant for several planners (compare)."""
-    names = {f.name for f in dataclasses.fields(PLANNER_OPTIONS[planner])}
-    return {k: v for k, v in options.items() if k in names}
+    """The options `planner` takes, out of options meant for several planners (compare), checked
+    by the planner's options class before any planning starts."""
+    names = option_names(planner)
+    taken = {k: v for k, v in options.items() if k in names}
+    build_options(planner, taken)
+    return taken
 
 
 def check_options_used(planners: list[str], options: dict[str, Any]) -> None:
     """Every option is taken by at least one of the planners run (compare)."""
-    taken = set().union(*({f.name for f in dataclasses.fields(PLANNER_OPTIONS[p])} for p in planners))
+    taken = set().union(*(option_names(p) for p in planners))
     unused = sorted(set(options) - taken)
     if unused:
         raise UserError(f"no planner compared takes option {', '.join(unused)}: "
@@ -84,11 +90,27 @@ def parse_option(text: str) -> tuple[str, object]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise UserError(f"--option {text!r}: expected KEY=VALUE, e.g. micro_batch_size=4")
-    return key.strip().replace("-", "_"), parse_value(raw)
+    name = key.strip().replace("-", "_")
+    return name, value_reader(name)(raw)
+
+
+def value_reader(name: str) -> Callable[[str], object]:
+    """How the option `name` reads its text: a choice of its choices (in any planner) as that
+    string, anything else by `parse_value`."""
+    choices = {c for _, f in _fields_named(name) for c in f.metadata["check"].choices}
+
+    def read(raw: str) -> object:
+        return raw.strip() if raw.strip() in choices else parse_value(raw)
+
+    return read
+
+
+def _fields_named(name: str) -> list[tuple[str, dataclasses.Field]]:
+    return [(p, f) for p, cls in PLANNER_OPTIONS.items() for f in dataclasses.fields(cls) if f.name == name]
 
 
 def parse_value(raw: str) -> object:
-    """int, float, true/false or none when the text reads as one, else the string itself."""
+    """int, float, true/false or none (None) when the text reads as one, else the string itself."""
     lowered = raw.strip().lower()
     if lowered in ("true", "false"):
         return lowered == "true"

@@ -47,7 +47,8 @@ from lengthwise.errors import UserError
 from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS
 from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.validate import validate_plan
-from lengthwise.planners.base import PlanRequest, positive_int_option, take_options
+from lengthwise.planners.base import PlanRequest, take_options
+from lengthwise.planners.options import AutoOptions
 from lengthwise.planners.registry import CANDIDATE_PLANNERS
 from lengthwise.sim import SimResult, simulate_plan
 from lengthwise.specs import ParallelScheme
@@ -133,18 +134,18 @@ def default_candidates() -> list[str]:
     return list(CANDIDATE_PLANNERS)
 
 
-def candidate_request(request: PlanRequest, name: str, opts: dict) -> PlanRequest:
-    scheme = opts["schemes"].get(name)
+def candidate_request(request: PlanRequest, name: str, opts: AutoOptions) -> PlanRequest:
+    scheme = opts.schemes.get(name)
     if isinstance(scheme, dict):
         scheme = ParallelScheme.from_dict({"zero": request.scheme.zero, **scheme})
     return dataclasses.replace(request, scheme=scheme or request.scheme,
-                               options=dict(opts["candidate_options"].get(name, {})))
+                               options=dict(opts.candidate_options.get(name, {})))
 
 
 def plan_auto(request: PlanRequest) -> StepPlan:
     started = time.perf_counter()
     opts = take_options(request, "auto")
-    names = opts["candidates"] or default_candidates()
+    names = opts.candidates or default_candidates()
     if "auto" in names:
         raise UserError("auto cannot be its own candidate: remove 'auto' from candidates")
     k = proxy_factor(request, opts, names)
@@ -197,24 +198,18 @@ class Proxy:
         return {"k": self.k, "sequences": self.sequences, "scheme": str(self.scheme), "order": self.order}
 
 
-def proxy_factor(request: PlanRequest, opts: dict, names: list[str]) -> int:
+def proxy_factor(request: PlanRequest, opts: AutoOptions, names: list[str]) -> int:
     """The proxy's k, 1 when the batch is planned by every candidate at full size: at or below
     `preselect_above` sequences, or when no k > 1 meets the default's floors."""
-    for name in ("preselect_above", "preselect", "proxy_sequences", "min_proxy_pipelines"):
-        positive_int_option(opts, name)
-    margin = opts["preselect_margin"]
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < math.inf:
-        raise UserError(f"option preselect_margin must be a fraction >= 0, got {margin!r}")
-    given = positive_int_option(opts, "proxy_factor")
-    if len(request.lengths) <= opts["preselect_above"]:
+    if len(request.lengths) <= opts.preselect_above:
         return 1
-    if given is not None:
-        return given
+    if opts.proxy_factor is not None:
+        return opts.proxy_factor
     dps = [request.scheme.dp, *(candidate_request(request, n, opts).scheme.dp for n in names)]
     common = math.gcd(*dps)
     fits = [d for d in range(2, common + 1)
-            if common % d == 0 and len(request.lengths) // d >= opts["proxy_sequences"]
-            and request.scheme.dp // d >= opts["min_proxy_pipelines"]]
+            if common % d == 0 and len(request.lengths) // d >= opts.proxy_sequences
+            and request.scheme.dp // d >= opts.min_proxy_pipelines]
     return max(fits, default=1)
 
 
@@ -239,7 +234,7 @@ def proxy_request(request: PlanRequest, k: int) -> PlanRequest:
                                cluster=cluster, cost=dataclasses.replace(request.cost, cluster=cluster))
 
 
-def rank_on_proxy(request: PlanRequest, opts: dict, names: list[str], k: int) -> Proxy:
+def rank_on_proxy(request: PlanRequest, opts: AutoOptions, names: list[str], k: int) -> Proxy:
     """Every candidate on the proxy, simulated (not validated: the ranking needs only times)."""
     small = proxy_request(request, k)
     tried = []
@@ -262,12 +257,12 @@ def rank_on_proxy(request: PlanRequest, opts: dict, names: list[str], k: int) ->
                  order=[tried[i].planner for i in ranked], figures=figures)
 
 
-def preselected_search(request: PlanRequest, opts: dict, names: list[str], k: int):
+def preselected_search(request: PlanRequest, opts: AutoOptions, names: list[str], k: int):
     """Rank the candidates on the proxy, plan the full batch with the best `preselect`, then with
     the next ones in the proxy's order, one at a time, while none gives a valid plan that fits.
     Returns (best or None, the full-size candidates, the proxy)."""
     proxy = rank_on_proxy(request, opts, names, k)
-    first = max(opts["preselect"], len(proxy.close_calls(opts["preselect_margin"])))
+    first = max(opts.preselect, len(proxy.close_calls(opts.preselect_margin)))
     tried: list[Candidate] = []
     best = None
     for i, n in enumerate(proxy.order):

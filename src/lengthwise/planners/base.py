@@ -3,7 +3,7 @@
 A planner is a function `PlanRequest -> StepPlan`, deterministic for a given seed. The shared
 steps here check that a batch can be planned at all (`check_request`), turn per-pipeline chunk
 lists into 1F1B pipelines (`pipelines_from_chunks`), read planner options strictly
-(`take_options`) and fill the plan's predicted metrics (`finish_plan`).
+(`take_options`, into the planner's options object) and fill the plan's predicted metrics (`finish_plan`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from lengthwise.errors import UserError
 from lengthwise.metrics import PLANNING_MS
 from lengthwise.plan.ir import FORWARD, Action, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import make_schedule
-from lengthwise.planners.options import option_defaults
+from lengthwise.planners.options import Options, build_options, given_options
 from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
 
 if TYPE_CHECKING:
@@ -43,9 +43,10 @@ class PlanRequest:
     """Longest sequence allowed, tokens; also the bin size of packing planners."""
     seed: int = 0
     """Seed for any random choice the planner makes."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """Planner-specific options by name (chunk_size, k, ...): the fields of the planner's class in
-    planners/options.py, defaults left out."""
+    options: dict[str, Any] | Options = field(default_factory=dict)
+    """Planner-specific options: by name (chunk_size, k, ...), the fields of the planner's class
+    in planners/options.py with defaults left out, as plan files store them; or an instance of
+    that class (`ChunkFlowOptions(chunk_size=4096)`)."""
 
 
 Planner = Callable[[PlanRequest], StepPlan]
@@ -71,25 +72,11 @@ def collector_paused(planner: Planner) -> Planner:
     return run
 
 
-def take_options(request: PlanRequest, planner: str) -> dict[str, Any]:
-    """The planner's options (planners/options.py) with defaults filled in; an unknown option is a
-    UserError."""
-    defaults = option_defaults(planner)
-    unknown = sorted(set(request.options) - set(defaults))
-    if unknown:
-        valid = ", ".join(defaults) or "none"
-        raise UserError(f"planner {planner} has no option {', '.join(unknown)}: its options are {valid}")
-    return {**defaults, **request.options}
-
-
-def positive_int_option(options: dict[str, Any], name: str) -> int | None:
-    """An integer option that must be >= 1 when given (None means: choose automatically)."""
-    value = options.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UserError(f"option {name} must be a positive integer, got {value!r}")
-    return value
+def take_options(request: PlanRequest, planner: str) -> Any:
+    """The planner's options object (its class in planners/options.py), built from the request's
+    dict or taken as given; an unknown option or a value its field's check refuses is a
+    UserError. Planners read its typed fields."""
+    return build_options(planner, request.options)
 
 
 def seq_len_limit(request: PlanRequest) -> int:
@@ -156,7 +143,7 @@ def finish_plan(request: PlanRequest, pipelines: list[PipelinePlan], *, planner:
     """
     plan = StepPlan(planner=planner, model=request.model, cluster=request.cluster,
                     lengths=list(request.lengths), pipelines=pipelines, zero=request.scheme.zero,
-                    options=dict(request.options if options is None else options))
+                    options=given_options(request.options if options is None else options))
     plan.metrics = plan_metrics(plan, request.cost)
     plan.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
     return plan

@@ -56,8 +56,8 @@ from lengthwise.errors import UserError
 from lengthwise.cost.model import split_layers
 from lengthwise.plan.ir import Chunk, StepPlan
 from lengthwise.planners.base import (
-    PlanRequest, check_lengths, check_request, finish_plan, pipelines_from_chunks, positive_int_option,
-    recompute_forwards, seq_len_limit, take_options, whole,
+    PlanRequest, check_lengths, check_request, finish_plan, pipelines_from_chunks, recompute_forwards,
+    seq_len_limit, take_options, whole,
 )
 from lengthwise.planners.packing_utils import best_fit_decreasing, karmarkar_karp, split_to_multiple
 
@@ -94,11 +94,11 @@ def plan_padding(request: PlanRequest) -> StepPlan:
     """Fixed-size micro-batches in sampler order, padded to their longest (Hydraulis §2.2)."""
     started = time.perf_counter()
     opts = take_options(request, "padding")
-    limit, recompute = baseline_limit(request, opts["recompute"])
+    limit, recompute = baseline_limit(request, opts.recompute)
     lengths = request.lengths
     # Default: as many rows of the batch's longest sequence as one pipeline's memory holds.
     default = max(1, limit // max(lengths, default=1))
-    mbs = positive_int_option(opts, "micro_batch_size") or default
+    mbs = opts.micro_batch_size or default
     groups = [list(range(i, min(i + mbs, len(lengths)))) for i in range(0, len(lengths), mbs)]
     _check_padded_fits(groups, lengths, limit, mbs)
     chunks = [padded_chunk(g, lengths) for g in groups]
@@ -111,7 +111,7 @@ def plan_packing(request: PlanRequest) -> StepPlan:
     """Best-fit-decreasing packs of the context length, an equal count per DP rank."""
     started = time.perf_counter()
     opts = take_options(request, "packing")
-    limit, recompute = baseline_limit(request, opts["recompute"])
+    limit, recompute = baseline_limit(request, opts.recompute)
     capacity = min(request.context_length, limit)
     lengths, dp = request.lengths, request.scheme.dp
     bins = split_to_multiple(best_fit_decreasing(lengths, capacity), lengths, dp)
@@ -123,16 +123,12 @@ def plan_packing(request: PlanRequest) -> StepPlan:
                        options={"pack_tokens": capacity, "recompute": "full" if recompute else "none"})
 
 
-RECOMPUTE_CHOICES = ("none", "full", "auto")
-
-
 def baseline_limit(request: PlanRequest, choice: str) -> tuple[int, bool]:
     """(tokens one pipeline holds, whether every layer recomputes) for a baseline's `recompute`
     option: `none` keeps every activation, `full` keeps each layer's input only, `auto` is the
     fastest that fits — none when the longest sequence fits without recomputation, else full —
-    as a Megatron-LM user would choose. UserError when the longest sequence fits neither way."""
-    if choice not in RECOMPUTE_CHOICES:
-        raise UserError(f"option recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {choice!r}")
+    as a Megatron-LM user would choose (`choice` checked by `BaselineOptions`). UserError when the
+    longest sequence fits neither way."""
     check_lengths(request)
     longest = max(request.lengths)
     plain = seq_len_limit(request)
@@ -160,13 +156,11 @@ def plan_megatron(request: PlanRequest) -> StepPlan:
     sequences), recomputing when it must."""
     started = time.perf_counter()
     opts = take_options(request, "megatron")
-    if opts["recompute"] not in RECOMPUTE_CHOICES:
-        raise UserError(f"option recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {opts['recompute']!r}")
     check_lengths(request)
     lengths, dp = request.lengths, request.scheme.dp
-    mbs = positive_int_option(opts, "micro_batch_size")
+    mbs = opts.micro_batch_size
     if mbs is None:
-        recompute, capacity = _megatron_setting(request, opts["recompute"])
+        recompute, capacity = _megatron_setting(request, opts.recompute)
         bins = split_to_multiple(next_fit(lengths, capacity), lengths, dp)
         chunks = [packed_chunk(b, lengths) for b in bins]
         shape = {"micro_batch_tokens": capacity}
@@ -174,7 +168,7 @@ def plan_megatron(request: PlanRequest) -> StepPlan:
         # memory is sized for a micro-batch of mbs context-length sequences, as Megatron-LM's
         # --micro-batch-size and --seq-length do
         sized = replace(request, context_length=mbs * request.context_length)
-        recompute, capacity = _megatron_setting(sized, opts["recompute"])
+        recompute, capacity = _megatron_setting(sized, opts.recompute)
         groups = [list(range(i, min(i + mbs, len(lengths)))) for i in range(0, len(lengths), mbs)]
         _check_padded_fits(groups, lengths, capacity, mbs)
         chunks = [padded_chunk(g, lengths) for g in groups]
@@ -190,7 +184,7 @@ def plan_static_cp(request: PlanRequest) -> StepPlan:
     """One sequence per micro-batch, each sharded over the CP group, dealt in sampler order."""
     started = time.perf_counter()
     opts = take_options(request, "static-cp")
-    _, recompute = baseline_limit(request, opts["recompute"])
+    _, recompute = baseline_limit(request, opts.recompute)
     chunks = [packed_chunk([i], request.lengths) for i in range(len(request.lengths))]
     pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, request.scheme.dp)), recompute)
     return finish_plan(request, pipelines, planner="static-cp", started=started,
@@ -248,9 +242,9 @@ def plan_sorted(request: PlanRequest) -> StepPlan:
     """LongAlign sorted batching: similar lengths per micro-batch, batches in random order."""
     started = time.perf_counter()
     opts = take_options(request, "sorted")
-    limit, recompute = baseline_limit(request, opts["recompute"])
+    limit, recompute = baseline_limit(request, opts.recompute)
     budget = min(request.context_length, limit)
-    mbs = positive_int_option(opts, "micro_batch_size")
+    mbs = opts.micro_batch_size
     groups = _sorted_groups(request.lengths, budget, mbs)
     random.Random(request.seed).shuffle(groups)
     chunks = [padded_chunk(g, request.lengths) for g in groups]
@@ -264,15 +258,15 @@ def plan_token_balanced(request: PlanRequest) -> StepPlan:
     """Karmarkar-Karp over DP ranks by token count, then best-fit-decreasing packs per rank."""
     started = time.perf_counter()
     opts = take_options(request, "token-balanced")
-    limit, recompute = baseline_limit(request, opts["recompute"])
+    limit, recompute = baseline_limit(request, opts.recompute)
     capacity = min(request.context_length, limit)
     lengths = request.lengths
-    shares = karmarkar_karp(lengths, request.scheme.dp, equal_count=bool(opts["equal_count"]))
+    shares = karmarkar_karp(lengths, request.scheme.dp, equal_count=opts.equal_count)
     per_pipeline = []
     for share in shares:
         bins = best_fit_decreasing([lengths[i] for i in share], capacity)
         per_pipeline.append([packed_chunk([share[j] for j in b], lengths) for b in bins])
     pipelines = with_recompute(request, pipelines_from_chunks(request, per_pipeline), recompute)
     return finish_plan(request, pipelines, planner="token-balanced", started=started,
-                       options={"pack_tokens": capacity, "equal_count": bool(opts["equal_count"]),
+                       options={"pack_tokens": capacity, "equal_count": opts.equal_count,
                                 "recompute": "full" if recompute else "none"})

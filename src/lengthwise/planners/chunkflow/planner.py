@@ -18,12 +18,11 @@ import time
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS, STEP_TIME_S
 from lengthwise.plan.ir import StepPlan
-from lengthwise.planners.base import PlanRequest, check_lengths, positive_int_option, take_options
+from lengthwise.planners.base import PlanRequest, check_lengths, take_options
 from lengthwise.planners.chunkflow.build import (
     build_plan,
     check_chunk_size_fits,
     default_chunk_size,
-    read_chunk_size,
 )
 from lengthwise.sim import simulate_plan
 
@@ -80,7 +79,7 @@ def plan_chunkflow(request: PlanRequest) -> StepPlan:
     """ChunkFlow for one global batch (chunkflow §4-§5); options: `ChunkFlowOptions` (planners/options.py)."""
     started = time.perf_counter()
     opts = take_options(request, "chunkflow")
-    chunk_size, k = read_chunk_size(opts["chunk_size"]), positive_int_option(opts, "k")
+    chunk_size, k = opts.chunk_size, opts.k
     check_lengths(request)
     if chunk_size == "auto":
         return grid_search(request, k, started)

@@ -73,6 +73,7 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
 from lengthwise.plan.schedules import make_schedule
 from lengthwise.planners.base import PlanRequest, finish_plan, take_options, whole
+from lengthwise.planners.options import HydraulisOptions, options_dict
 from lengthwise.planners.hydraulis.cost import (
     Scheme,
     link_time,
@@ -147,11 +148,11 @@ class Evaluation:
 def plan_hydraulis(request: PlanRequest) -> StepPlan:
     """Plan one global batch with Hydraulis (see the module docstring)."""
     started = time.perf_counter()
-    opts = _options(request)
+    opts = take_options(request, "hydraulis")
     num_gpus = request.cluster.num_gpus
     space = _space(request, opts, num_gpus)
     _check_lengths(request, space, num_gpus, opts)
-    if opts["pipelines"] is not None:
+    if opts.pipelines is not None:
         candidates = [_fixed_strategy(request, opts, num_gpus)]
     else:
         candidates = _candidates(request, opts, space, num_gpus)
@@ -159,56 +160,40 @@ def plan_hydraulis(request: PlanRequest) -> StepPlan:
     _complete(best)
     milp_count = _refine(best, opts)
     pipelines = _pipelines(request, best, num_gpus)
-    plan = finish_plan(request, pipelines, planner="hydraulis", started=started, options=opts)
+    plan = finish_plan(request, pipelines, planner="hydraulis", started=started,
+                       options=options_dict(opts))
     plan.zero = 1
     plan.metrics.update(_metrics(best, table, milp_count))
     return plan
 
 
-def _fixed_strategy(request: PlanRequest, opts: dict, num_gpus: int) -> Strategy:
+def _fixed_strategy(request: PlanRequest, opts: HydraulisOptions, num_gpus: int) -> Strategy:
     """The strategy the `pipelines` option names (tp2-pp1,tp1-pp2: one scheme per pipeline)."""
-    degrees = parse_pipelines(opts["pipelines"])
+    degrees = parse_pipelines(opts.pipelines)
     total = sum(tp * pp * cp for tp, pp, cp in degrees)
     if total != num_gpus:
-        raise UserError(f"pipelines {opts['pipelines']} use {total} GPUs, the cluster has {num_gpus}")
+        raise UserError(f"pipelines {opts.pipelines} use {total} GPUs, the cluster has {num_gpus}")
     counts: dict[Scheme, int] = {}
     for tp, pp, cp in degrees:
         scheme = make_scheme(request.cost, tp=tp, pp=pp, cp=cp, num_gpus=num_gpus,
-                             threshold=opts["util_threshold"])
+                             threshold=opts.util_threshold)
         if scheme is None:
             raise UserError(f"pipeline scheme tp{tp}-pp{pp}-cp{cp}: the model states alone overflow a GPU")
         counts[scheme] = counts.get(scheme, 0) + 1
     return Strategy.of(counts)
 
 
-def _options(request: PlanRequest) -> dict:
-    opts = take_options(request, "hydraulis")
-    for name in ("trials", "dispatch_work", "max_pp", "max_cp", "length_step", "milp_node_limit"):
-        if not isinstance(opts[name], int) or isinstance(opts[name], bool) or opts[name] < 1:
-            raise UserError(f"option {name} must be a positive integer, got {opts[name]!r}")
-    if not isinstance(opts["milp_solves"], int) or opts["milp_solves"] < 0:
-        raise UserError(f"option milp_solves must be a non-negative integer, got {opts['milp_solves']!r}")
-    for name in ("pipeline_step", "milp_time_limit_s"):
-        if not isinstance(opts[name], (int, float)) or isinstance(opts[name], bool) or opts[name] <= 0:
-            raise UserError(f"option {name} must be a positive number, got {opts[name]!r}")
-    if opts["max_tp"] is not None and (not isinstance(opts["max_tp"], int) or opts["max_tp"] < 1):
-        raise UserError(f"option max_tp must be a positive integer or none, got {opts['max_tp']!r}")
-    if not isinstance(opts["util_threshold"], float) or not 0 < opts["util_threshold"] < 1:
-        raise UserError(f"option util_threshold must lie in (0, 1), got {opts['util_threshold']!r}")
-    return opts
-
-
-def _space(request: PlanRequest, opts: dict, num_gpus: int) -> list[Scheme]:
-    max_tp = opts["max_tp"] or request.cluster.gpus_per_node
+def _space(request: PlanRequest, opts: HydraulisOptions, num_gpus: int) -> list[Scheme]:
+    max_tp = opts.max_tp or request.cluster.gpus_per_node
     space = scheme_space(request.cost, num_gpus=num_gpus, context_length=request.context_length, max_tp=max_tp,
-                         max_pp=opts["max_pp"], max_cp=opts["max_cp"], threshold=opts["util_threshold"])
+                         max_pp=opts.max_pp, max_cp=opts.max_cp, threshold=opts.util_threshold)
     if not space:
         raise UserError(f"{request.model.name}'s model states fit no scheme with tp <= {max_tp}, pp <= "
-                        f"{opts['max_pp']} on {num_gpus} GPUs: add GPUs or raise max_tp/max_pp")
+                        f"{opts.max_pp} on {num_gpus} GPUs: add GPUs or raise max_tp/max_pp")
     return space
 
 
-def _check_lengths(request: PlanRequest, space: list[Scheme], num_gpus: int, opts: dict) -> None:
+def _check_lengths(request: PlanRequest, space: list[Scheme], num_gpus: int, opts: HydraulisOptions) -> None:
     """Every sequence non-empty, within the context, and held by some scheme (MaxLen, B.1)."""
     if not request.lengths:
         raise UserError("the global batch is empty: give at least one sequence")
@@ -223,16 +208,17 @@ def _check_lengths(request: PlanRequest, space: list[Scheme], num_gpus: int, opt
             raise UserError(
                 f"sequence {seq_id} has {n} tokens > {widest.max_len}, the MaxLen of the widest scheme "
                 f"{widest} on {num_gpus} GPUs (schemes searched up to tp {max(s.tp for s in space)}, pp "
-                f"{max(s.pp for s in space)}, cp {max(s.cp for s in space)}; option max_cp {opts['max_cp']}, "
-                f"max_pp {opts['max_pp']}): raise max_cp or max_pp, add GPUs, or use a splitting planner")
+                f"{max(s.pp for s in space)}, cp {max(s.cp for s in space)}; option max_cp {opts.max_cp}, "
+                f"max_pp {opts.max_pp}): raise max_cp or max_pp, add GPUs, or use a splitting planner")
 
 
-def _histogram(request: PlanRequest, opts: dict, space: list[Scheme]) -> tuple[Histogram, tuple[int, ...], float]:
+def _histogram(request: PlanRequest, opts: HydraulisOptions,
+               space: list[Scheme]) -> tuple[Histogram, tuple[int, ...], float]:
     """What to propose for: the dataset profile (all L up to the context) or this batch."""
     tokens = float(sum(request.lengths))
-    if opts["profile"] is None:
+    if opts.profile is None:
         return Histogram.of(request.lengths), (max(request.lengths),), tokens
-    sample = get_profile(opts["profile"]).sample(PROFILE_SAMPLE, np.random.default_rng(0),
+    sample = get_profile(opts.profile).sample(PROFILE_SAMPLE, np.random.default_rng(0),
                                                  below=request.context_length + 1)
     hist = Histogram.of(sample)
     tokens = float(f"{tokens:.2g}")  # batches of about this size share one cached proposal
@@ -240,11 +226,11 @@ def _histogram(request: PlanRequest, opts: dict, space: list[Scheme]) -> tuple[H
     # F(L)^B for B sequences per batch.
     per_batch = max(1.0, tokens / float(np.mean(sample)))
     shortest = float(np.quantile(sample, MAX_LEN_TAIL ** (1 / per_batch)))
-    edges = length_edges(max(hist.lengths), opts["length_step"], [s.max_len for s in space])
+    edges = length_edges(max(hist.lengths), opts.length_step, [s.max_len for s in space])
     return hist, tuple(int(e) for e in edges[1:] if e >= shortest) or (int(edges[-1]),), tokens
 
 
-def _candidates(request: PlanRequest, opts: dict, space: list[Scheme], num_gpus: int) -> list[Strategy]:
+def _candidates(request: PlanRequest, opts: HydraulisOptions, space: list[Scheme], num_gpus: int) -> list[Strategy]:
     """§7's proposal once per exchange cap, rounded; plus a homogeneous fallback if none holds
     the batch's longest sequence."""
     hist, targets, tokens = _histogram(request, opts, space)
@@ -259,8 +245,8 @@ def _candidates(request: PlanRequest, opts: dict, space: list[Scheme], num_gpus:
     caps = _caps(sorted(set(costs.values())))
     masks = tuple(tuple(costs[s] <= cap for s in space) for cap in caps)
     out: dict[Strategy, None] = {}
-    for prop in propose(tuple(space), hist, num_gpus, targets, tokens, opts["length_step"],
-                        opts["pipeline_step"], masks):
+    for prop in propose(tuple(space), hist, num_gpus, targets, tokens, opts.length_step,
+                        opts.pipeline_step, masks):
         subset = tuple(s for s in space if costs[s] <= max(costs[p] for p, _ in prop.pipelines))
         out.update(dict.fromkeys(round_proposal(prop, subset, num_gpus)))
     longest = max(request.lengths)
@@ -298,20 +284,20 @@ def _strategy_pipelines(strategy: Strategy, limits: list[int]) -> list[tuple[Sch
     return [(s, m) for (s, n), m in parts for _ in range(n)]
 
 
-def _choose(request: PlanRequest, opts: dict, candidates: list[Strategy], num_gpus: int):
+def _choose(request: PlanRequest, opts: HydraulisOptions, candidates: list[Strategy], num_gpus: int):
     """Screen every candidate with one longest-first dispatch trial, run all trials on those
     whose lower bound beats the best screened plan, keep the least estimated step time.
     Returns it and one metrics row per candidate (estimate_s None when pruned or infeasible)."""
     lengths = np.asarray(request.lengths, dtype=np.int64)
-    prepared = sorted((_prepare(request, c, num_gpus, lengths) for c in candidates), key=lambda p: p[0])
+    prepared = sorted((_prepare(request, c, num_gpus, lengths, opts.previous) for c in candidates), key=lambda p: p[0])
     feasible = [p for p in prepared if p[2] is not None]
     assert feasible, "no candidate holds the longest sequence"
     screened = _screen(request, opts, feasible, lengths, num_gpus)
     cut = min(ev.estimate_s for ev in screened if ev is not None)
     rest = [i for i, p in enumerate(feasible) if p[0] < cut]
     sizes = [len(feasible[i][2]) for i in rest]
-    if rest and trials_within(len(lengths), sizes, opts["trials"], opts["dispatch_work"]) > 1:
-        full = _evaluate_all(request, opts, [feasible[i] for i in rest], lengths, num_gpus, trials=opts["trials"])
+    if rest and trials_within(len(lengths), sizes, opts.trials, opts.dispatch_work) > 1:
+        full = _evaluate_all(request, opts, [feasible[i] for i in rest], lengths, num_gpus, trials=opts.trials)
     else:  # one trial is the longest-first order the screen already ran: the same dispatch
         full = [screened[i] for i in rest]
     final = dict(zip(rest, (min(screened[i], ev, key=lambda e: e.estimate_s) for i, ev in zip(rest, full))))
@@ -322,7 +308,7 @@ def _choose(request: PlanRequest, opts: dict, candidates: list[Strategy], num_gp
     return best, rows
 
 
-def _screen(request: PlanRequest, opts: dict, feasible: list, lengths: np.ndarray, num_gpus: int) -> list:
+def _screen(request: PlanRequest, opts: HydraulisOptions, feasible: list, lengths: np.ndarray, num_gpus: int) -> list:
     """One longest-first trial for each candidate (bound ascending), in two passes: the lower
     half by bound first, then only those whose bound is at most the best estimate so far. A
     candidate left out (None) has estimate >= bound > that best, so it could never be chosen
@@ -358,7 +344,8 @@ def _usable(request: PlanRequest, strategy: Strategy) -> tuple[Strategy, list[in
         strategy = Strategy(tuple(p for p, m in zip(strategy.parts, limits) if m >= 1))
 
 
-def _prepare(request: PlanRequest, strategy: Strategy, num_gpus: int, lengths: np.ndarray):
+def _prepare(request: PlanRequest, strategy: Strategy, num_gpus: int, lengths: np.ndarray,
+             previous: str | None):
     """(lower bound, strategy, pipelines with limits or None when it cannot hold the batch)."""
     strategy, limits = _usable(request, strategy)
     if max(limits, default=0) < lengths.max():
@@ -366,7 +353,7 @@ def _prepare(request: PlanRequest, strategy: Strategy, num_gpus: int, lengths: n
     schemes = [s for s, _ in strategy.parts]
     pipes = _strategy_pipelines(strategy, limits)
     bound = lower_bound(lengths, schemes, [n for _, n in strategy.parts], limits)
-    return bound + _exchange(request, pipes, num_gpus) + _switch(request, pipes, num_gpus), strategy, pipes
+    return bound + _exchange(request, pipes, num_gpus) + _switch(request, previous, pipes, num_gpus), strategy, pipes
 
 
 def _exchange(request: PlanRequest, pipes: list[tuple[Scheme, int]], num_gpus: int) -> float:
@@ -375,22 +362,22 @@ def _exchange(request: PlanRequest, pipes: list[tuple[Scheme, int]], num_gpus: i
     return max(plan_exchange(request.cost, [s for s, _ in pipes], num_gpus=num_gpus))
 
 
-def _switch(request: PlanRequest, pipes: list[tuple[Scheme, int]], num_gpus: int) -> float:
+def _switch(request: PlanRequest, previous: str | None, pipes: list[tuple[Scheme, int]],
+            num_gpus: int) -> float:
     """The switch from the `previous` option's pipelines to these (cost.switch_time; 0 without
     the option)."""
-    previous = request.options.get("previous")
     if not previous:
         return 0.0
     return switch_time(request.cost, parse_pipelines(previous), [(s.tp, s.pp, s.cp) for s, _ in pipes],
                        num_gpus=num_gpus)
 
 
-def _evaluate_all(request: PlanRequest, opts: dict, prepared: list, lengths: np.ndarray, num_gpus: int,
+def _evaluate_all(request: PlanRequest, opts: HydraulisOptions, prepared: list, lengths: np.ndarray, num_gpus: int,
                   *, trials: int) -> list[Evaluation]:
     """Two-stage assignment (§6) of the batch on each strategy: dispatch (all strategies'
     trials together), then greedy packing per pipeline."""
     arrays = [PipelineArrays.of([s for s, _ in pipes], [m for _, m in pipes]) for _, _, pipes in prepared]
-    runs = dispatch_many(lengths, arrays, trials=trials, work_budget=opts["dispatch_work"],
+    runs = dispatch_many(lengths, arrays, trials=trials, work_budget=opts.dispatch_work,
                          rng=np.random.default_rng(request.seed))
     out = []
     for (_, strategy, pipes), disp in zip(prepared, runs):
@@ -399,7 +386,7 @@ def _evaluate_all(request: PlanRequest, opts: dict, prepared: list, lengths: np.
         packings, full = _slowest_packed(loads)
         out.append(Evaluation(strategy=strategy, pipelines=[s for s, _ in pipes], max_lens=[m for _, m in pipes],
                               exchange_s=_exchange(request, pipes, num_gpus),
-                              switch_s=_switch(request, pipes, num_gpus), loads=loads,
+                              switch_s=_switch(request, opts.previous, pipes, num_gpus), loads=loads,
                               packings=packings, trials=disp.trials, full=full))
     return out
 
@@ -442,17 +429,17 @@ def _load(lengths: np.ndarray, ids: np.ndarray, scheme: Scheme, max_len: int) ->
                         chunk_s=scheme.chunk_s, depth=scheme.pp, max_len=max_len, util_len=scheme.util_len)
 
 
-def _refine(ev: Evaluation, opts: dict) -> int:
+def _refine(ev: Evaluation, opts: HydraulisOptions) -> int:
     """Eq. 1 by MILP for the slowest pipeline, then the next slowest, while solves are left;
     stops once the slowest pipeline has had its turn. Returns how many pipelines improved."""
-    left, tried, improved = opts["milp_solves"], set(), 0
+    left, tried, improved = opts.milp_solves, set(), 0
     while left > 0:
         j = max(range(len(ev.packings)), key=lambda j: (ev.packings[j].estimate_s, -j))
         if j in tried:
             break
         tried.add(j)
-        new, used = milp_pack(ev.loads[j], ev.packings[j], solves=left, time_limit_s=opts["milp_time_limit_s"],
-                              node_limit=opts["milp_node_limit"])
+        new, used = milp_pack(ev.loads[j], ev.packings[j], solves=left, time_limit_s=opts.milp_time_limit_s,
+                              node_limit=opts.milp_node_limit)
         left -= used
         improved += new is not ev.packings[j]
         ev.packings[j] = new

@@ -75,7 +75,6 @@ from lengthwise.planners.base import (
     PlanRequest,
     check_lengths,
     finish_plan,
-    positive_int_option,
     take_options,
 )
 from lengthwise.planners.infinipipe.chunking import (
@@ -131,18 +130,10 @@ class Settings:
 
 def read_settings(request: PlanRequest) -> Settings:
     opts = take_options(request, PLANNER)
-    for name, allowed in (("checkpointing", CHECKPOINTING), ("score", SCORES)):
-        if opts[name] not in allowed:
-            raise UserError(f"{PLANNER} option {name} must be one of {', '.join(allowed)}, got {opts[name]!r}")
-    if not isinstance(opts["balanced_chunking"], bool):
-        raise UserError(f"{PLANNER} option balanced_chunking must be true or false, got {opts['balanced_chunking']!r}")
-    limit = opts["milp_time_limit_s"]
-    if not isinstance(limit, (int, float)) or isinstance(limit, bool) or limit <= 0:
-        raise UserError(f"{PLANNER} option milp_time_limit_s must be a positive number of seconds, got {limit!r}")
-    return Settings(num_slices=positive_int_option(opts, "num_slices"),
-                    slice_candidates=positive_int_option(opts, "slice_candidates"),
-                    balanced=opts["balanced_chunking"], checkpointing=opts["checkpointing"],
-                    score=opts["score"], milp_time_limit_s=float(limit))
+    return Settings(num_slices=opts.num_slices,
+                    slice_candidates=opts.slice_candidates,
+                    balanced=opts.balanced_chunking, checkpointing=opts.checkpointing,
+                    score=opts.score, milp_time_limit_s=float(opts.milp_time_limit_s))
 
 
 # ---- step 2: units over data-parallel pipelines ----

@@ -62,7 +62,6 @@ from lengthwise.planners.base import (
     check_request,
     finish_plan,
     pipelines_from_chunks,
-    positive_int_option,
     take_options,
 )
 from lengthwise.planners.packing_utils import karmarkar_karp
@@ -228,12 +227,10 @@ def plan_skrull(request: PlanRequest) -> StepPlan:
     """Skrull GDS + DACP over the request's dp x cp scheme (pp > 1 runs 1F1B)."""
     started = time.perf_counter()
     opts = take_options(request, "skrull")
-    bucket = choose_bucket_size(request, positive_int_option(opts, "bucket_size"))
+    bucket = choose_bucket_size(request, opts.bucket_size)
     check_fits_cp_group(request.lengths, request.scheme.cp, bucket, kv_bucket_ratio(request))
     check_request(request)
-    refine = opts["refine"]
-    if not isinstance(refine, bool):
-        raise UserError(f"option refine must be true or false, got {refine!r}")
+    refine = opts.refine
     per_rank, roll_backs = global_data_scheduling(request, bucket, refine)
     pipelines = pipelines_from_chunks(request, per_rank)
     plan = finish_plan(request, pipelines, planner="skrull", started=started,

@@ -55,6 +55,7 @@ variant's simulated step).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -67,9 +68,9 @@ from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
 from lengthwise.plan.schedules import make_schedule
 from lengthwise.plan.validate import memory_overflow
 from lengthwise.sim.inputs import SliceStructure
+from lengthwise.planners.options import SlimPackOptions
 from lengthwise.planners.base import (
     PlanRequest,
-    positive_int_option,
     take_options,
 )
 from lengthwise.planners.slimpack.cuts import (
@@ -88,7 +89,6 @@ from lengthwise.planners.slimpack.cuts import (
 from lengthwise.planners.slimpack.dp import RankGroup, assign_ranks, memory_ranks, merge_sizes
 from lengthwise.planners.slimpack.schedule import packflow_schedule, packflow_stages_many
 
-SCHEDULES = ("auto", "steady", "lean")
 HOLD_SHARES = (0.75, 0.5, 0.25)
 """Share of a GPU's memory that model states plus one sample's activations, K/V state and K/V
 gradients may take; a sample needing more is merged over ranks, and the rest is left to the
@@ -337,19 +337,15 @@ def merge_metrics(groups: list[RankGroup]) -> list[dict]:
 
 # ---- the planner ----
 
-def read_options(request: PlanRequest) -> dict:
+def read_options(request: PlanRequest) -> SlimPackOptions:
+    """The request's options with max_micropacks resolved (default 32 x pp, at least pp)."""
     opts = take_options(request, "slimpack")
-    for name in ("asymmetric", "dp_merge"):
-        if not isinstance(opts[name], bool):
-            raise UserError(f"slimpack option {name} must be true or false, got {opts[name]!r}")
-    if opts["schedule"] not in SCHEDULES:
-        raise UserError(f"slimpack option schedule must be one of {', '.join(SCHEDULES)}, got {opts['schedule']!r}")
     pp = request.scheme.pp
-    top = positive_int_option(opts, "max_micropacks") or 32 * pp
+    top = opts.max_micropacks or 32 * pp
     if top < pp:
         raise UserError(f"slimpack option max_micropacks={top} is below pp={pp}: a pipeline needs at least "
                         "one MicroPack per stage to fill")
-    return {**opts, "num_micropacks": positive_int_option(opts, "num_micropacks"), "max_micropacks": top}
+    return dataclasses.replace(opts, max_micropacks=top)
 
 
 def phase1_variants(request: PlanRequest, models, merge: bool,

@@ -80,6 +80,7 @@ from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS, PREDICTED_STEP
 from lengthwise.plan.ir import PipelinePlan, StepPlan
 from lengthwise.plan.validate import check_backward_units
 from lengthwise.planners.base import PlanRequest, check_lengths, finish_plan, recompute_forwards
+from lengthwise.planners.options import options_dict
 from lengthwise.planners.slimpack.build import (
     HOLD_SHARES,
     bare_plan,
@@ -96,7 +97,6 @@ from lengthwise.planners.slimpack.build import (
 from lengthwise.sim import simulate_plan
 
 SWEEP_RATIO = 2 ** 0.5
-RECOMPUTE_CHOICES = ("none", "full", "auto")
 RECOMPUTE_SHARES = (0.25, 0.5, 0.75, 1.0)
 """Shares of each stage's layers "auto" recomputes, in order, when nothing fits without."""
 
@@ -104,9 +104,7 @@ RECOMPUTE_SHARES = (0.25, 0.5, 0.75, 1.0)
 def recompute_levels(request: PlanRequest, choice: str) -> list[list[int]]:
     """Layers each stage's forwards recompute, per level to try in order: [none] for "none",
     [all] for "full"; "auto": none, then RECOMPUTE_SHARES of each stage's layers (rounded up,
-    repeated levels dropped), ending at all of them."""
-    if choice not in RECOMPUTE_CHOICES:
-        raise UserError(f"slimpack option recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {choice!r}")
+    repeated levels dropped), ending at all of them (`choice` checked by `SlimPackOptions`)."""
     layers = split_layers(request.model.num_layers, request.scheme.pp)
     if choice != "auto":
         return [layers if choice == "full" else [0] * len(layers)]
@@ -128,7 +126,7 @@ def plan_by_simulation(request: PlanRequest, models, opts, recompute: list[int] 
     tried, error = set(), None
     for hold in HOLD_SHARES:
         try:
-            variants, flops = phase1_variants(request, models, opts["dp_merge"], hold)
+            variants, flops = phase1_variants(request, models, opts.dp_merge, hold)
         except UserError as exc:  # not enough ranks (or memory) to merge more: no smaller share helps
             error = error or exc
             break
@@ -165,12 +163,12 @@ def sweep(request: PlanRequest, groups, models, flops, opts,
           recompute: list[int] | None = None) -> tuple[list[PipelinePlan], dict]:
     """Step 5: simulate every candidate count (the lean schedule too where the steady one fits
     no count, or when asked for), keep per pipeline the fastest candidate that fits."""
-    counts = sweep_counts(request.scheme.pp, opts["max_micropacks"])
+    counts = sweep_counts(request.scheme.pp, opts.max_micropacks)
     capacity = request.cost.capacity_bytes
     candidates: list[dict] = []
     prepared = [prepare_stream(request, g, flops) for g in groups]  # shared by every count and schedule
     for lean in schedule_variants(opts):
-        candidates += simulate_candidates(request, groups, counts, models, flops, opts["asymmetric"], lean,
+        candidates += simulate_candidates(request, groups, counts, models, flops, opts.asymmetric, lean,
                                           prepared, recompute=recompute)
         if all(any(c["peak"][p] <= capacity for c in candidates) for p in range(len(groups))):
             break
@@ -191,9 +189,9 @@ def sweep(request: PlanRequest, groups, models, flops, opts,
 
 def schedule_variants(opts: dict) -> list[bool]:
     """`lean` flags to try in order: steady first under "auto" (lean only matters when asymmetric)."""
-    if not opts["asymmetric"]:
+    if not opts.asymmetric:
         return [False]
-    return {"auto": [False, True], "steady": [False], "lean": [True]}[opts["schedule"]]
+    return {"auto": [False, True], "steady": [False], "lean": [True]}[opts.schedule]
 
 
 def sweep_counts(pp: int, top: int) -> list[int]:
@@ -313,20 +311,20 @@ def plan_slimpack(request: PlanRequest) -> StepPlan:
     s = request.scheme
     request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, zero=s.zero)
     models = flops_models(request)
-    levels = recompute_levels(request, opts["recompute"])
+    levels = recompute_levels(request, opts.recompute)
     extra: dict = {}
-    if opts["num_micropacks"] is not None:
-        variants, flops = phase1_variants(request, models, opts["dp_merge"])
-        groups, lean = variants[0], opts["schedule"] == "lean"
-        level = levels[0] if opts["recompute"] == "auto" else levels[-1]
-        pipes = recompute_forwards([fitting_pipeline(request, p, g, opts["num_micropacks"], models, flops,
-                                                 opts["asymmetric"], lean, pipelines=len(groups))
+    if opts.num_micropacks is not None:
+        variants, flops = phase1_variants(request, models, opts.dp_merge)
+        groups, lean = variants[0], opts.schedule == "lean"
+        level = levels[0] if opts.recompute == "auto" else levels[-1]
+        pipes = recompute_forwards([fitting_pipeline(request, p, g, opts.num_micropacks, models, flops,
+                                                 opts.asymmetric, lean, pipelines=len(groups))
                                 for p, g in enumerate(groups)], level)
     else:
         groups, pipes, extra, level = plan_recomputing(request, models, opts, levels)
     layers = split_layers(request.model.num_layers, s.pp)
     plan = finish_plan(request, pipes, planner="slimpack", started=started,
-                       options={**opts, "recompute": recompute_name(level, layers)})
+                       options={**options_dict(opts), "recompute": recompute_name(level, layers)})
     plan.metrics.update(micropack_metrics(request, pipes, models))
     plan.metrics["dp_merge"] = merge_metrics(groups)
     plan.metrics.update(extra)
