@@ -12,6 +12,7 @@ weights of the undamaged run.
 from __future__ import annotations
 
 import builtins
+import hashlib
 import json
 import pickle
 import shutil
@@ -259,3 +260,22 @@ def test_a_file_replaced_by_a_link_is_not_followed(single_run, tmp_path):
     target.symlink_to(out / "step-000001" / "optimizer.safetensors")
     with pytest.raises(DamagedCheckpoint, match="optimizer.safetensors is not a regular file"):
         verify_manifest(out / "step-000002")
+
+
+@pytest.mark.parametrize("outside", ["../secret.bin", "absolute"])
+def test_a_manifest_entry_outside_the_folder_is_refused(tmp_path, outside):
+    """A manifest may name only files inside its folder: an entry with `..` or an absolute path
+    is refused even when the file it points at exists and matches its size and digest."""
+    folder = tmp_path / "step-1"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"not the checkpoint's")
+    write_manifest(folder, meta={"step": 1})
+    manifest = json.loads((folder / MANIFEST).read_text())
+    name = str(secret) if outside == "absolute" else outside
+    manifest["files"][name] = {"bytes": secret.stat().st_size,
+                               "sha256": hashlib.sha256(secret.read_bytes()).hexdigest()}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(DamagedCheckpoint, match="malformed entry"):
+        verify_manifest(folder)

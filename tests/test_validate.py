@@ -227,3 +227,18 @@ def test_plan_is_still_valid_after_a_json_round_trip():
 def test_slices_of_one_sequence_out_of_order_inside_a_chunk_are_rejected():
     rejected(plan([100], pipeline(["0[50:100]+0[0:50]"])), "pipeline 0 chunk 0", "0[0:50]", "token")
     validate_plan(plan([100], pipeline(["0[0:50]+0[50:100]"])))
+
+
+@pytest.mark.parametrize("heavy", [0, 1])
+def test_every_cp_rank_load_is_checked(heavy):
+    """A segment placed whole on one CP rank weighs on that rank alone: over capacity on rank
+    `heavy` (0 or 1) is rejected either way, while the same tokens sharded over both ranks fit."""
+    cost = CostModel(model=MODEL, cluster=CLUSTER)
+    budget = cost.stage_budget(stage=1, pp=2, replicas=2)
+    over = int((budget.capacity - budget.states + budget.grads) / budget.activation_per_token * 1.05)
+    placed = [Chunk((Segment(0, 0, over, cp_rank=heavy), Segment(1, 0, 100, cp_rank=1 - heavy)))]
+    p = plan([over, 100], PipelinePlan(chunks=placed, stages=make_schedule("1f1b", placed, 2), cp=2))
+    rejected(p, "pipeline 0 stage", "chunk 0", "GiB capacity", cost=cost)
+    sharded = [Chunk((Segment(0, 0, over), Segment(1, 0, 100, cp_rank=1 - heavy)))]
+    validate_plan(plan([over, 100], PipelinePlan(chunks=sharded, stages=make_schedule("1f1b", sharded, 2),
+                                                 cp=2)), cost)

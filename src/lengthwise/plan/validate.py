@@ -263,13 +263,20 @@ def memory_overflow(pipe: PipelinePlan, cost: CostModel, *, num_layers: int, dp:
             if r not in per_token:
                 per_token[r] = cost.activation_bytes_per_token(layers=layers[s], tp=pipe.tp, recompute_layers=r,
                                                                head=last)
-            _, act, kv = max(_chunk_bytes(cost, per_token[r], tokens, context, layers[s], pipe.tp)
-                             for tokens, context in chunk_loads)
+            act, kv = _fullest_cp_rank(cost, per_token[r], chunk_loads, layers[s], pipe.tp)
             states = budget.states - (budget.grads if c in early else 0.0)
             need = states + act + kv
             if need > cost.capacity_bytes:
                 return ChunkOverflow(stage=s, chunk=c, need=need, activation=act, kv=kv, states=states)
     return None
+
+
+def _fullest_cp_rank(cost: CostModel, per_token: float, loads: list[tuple[float, float]], layers: int,
+                     tp: int) -> tuple[float, float]:
+    """(activation, K/V-context) bytes of the chunk's fullest CP rank: every rank's load is
+    checked, since a whole segment placed on rank 1 weighs on rank 1 alone."""
+    _, act, kv = max(_chunk_bytes(cost, per_token, tokens, context, layers, tp) for tokens, context in loads)
+    return act, kv
 
 
 def _chunk_bytes(cost: CostModel, per_token: float, tokens: float, context: float, layers: int,
