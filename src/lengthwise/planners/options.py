@@ -108,7 +108,8 @@ class PaddingOptions(BaselineOptions):
     planner: ClassVar[str] = "padding"
     micro_batch_size: int | None = option(
         None, "sequences per micro-batch, each padded to its longest; default: as many rows of the "
-        "batch's longest sequence as one pipeline's memory holds under 1F1B", metavar="N", check=POSITIVE_INT_OR_NONE)
+        "batch's longest sequence as one pipeline's memory holds under 1F1B", metavar="N",
+        check=POSITIVE_INT_OR_NONE)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -121,7 +122,8 @@ class MegatronOptions(BaselineOptions):
     planner: ClassVar[str] = "megatron"
     micro_batch_size: int | None = option(
         None, "sequences per micro-batch, unpacked, in sampler order, each padded to its longest (ChunkFlow's "
-        "Megatron-LM ran 1: chunkflow.txt §6.1); default: packed micro-batches of the context length", metavar="N", check=POSITIVE_INT_OR_NONE)
+        "Megatron-LM ran 1: chunkflow.txt §6.1); default: packed micro-batches of the context length", metavar="N",
+        check=POSITIVE_INT_OR_NONE)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -133,7 +135,8 @@ class StaticCPOptions(BaselineOptions):
 class SortedOptions(BaselineOptions):
     planner: ClassVar[str] = "sorted"
     micro_batch_size: int | None = option(
-        None, "most sequences per micro-batch; default: as many as fill the token budget", metavar="N", check=POSITIVE_INT_OR_NONE)
+        None, "most sequences per micro-batch; default: as many as fill the token budget", metavar="N",
+        check=POSITIVE_INT_OR_NONE)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -162,7 +165,8 @@ class SkrullOptions(Options):
         None, "tokens one CP rank holds, the paper's C (skrull §5); default: from the memory model",
         metavar="TOKENS", check=POSITIVE_INT_OR_NONE)
     refine: bool = option(True, "after Algorithm 1, shard local stragglers while that lowers the DACP "
-                          "objective (our addition); false runs the paper's heuristic only", metavar="BOOL", check=BOOL)
+                          "objective (our addition); false runs the paper's heuristic only", metavar="BOOL",
+                          check=BOOL)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -170,16 +174,20 @@ class HydraulisOptions(Options):
     planner: ClassVar[str] = "hydraulis"
     profile: str | None = option(
         None, "workload profile whose length distribution strategies are proposed for once and cached "
-        "(hydraulis §7); default: each batch's own histogram", flag="--hydraulis-profile", metavar="NAME", check=TEXT_OR_NONE)
-    trials: int = option(100, "Algorithm 1's random dispatch trials T (appendix D)", metavar="T", check=POSITIVE_INT)
+        "(hydraulis §7); default: each batch's own histogram", flag="--hydraulis-profile", metavar="NAME",
+        check=TEXT_OR_NONE)
+    trials: int = option(100, "Algorithm 1's random dispatch trials T (appendix D)", metavar="T",
+                         check=POSITIVE_INT)
     dispatch_work: int = option(4_000_000, "cap on sequences x pipelines x trials x candidates of one "
                                 "dispatch pass (the trial count drops on large clusters, at least 1)",
                                 metavar="N", check=POSITIVE_INT)
     max_tp: int | None = option(None, "largest tensor-parallel degree in the scheme space; default: GPUs "
                                 "per node", metavar="N", check=POSITIVE_INT_OR_NONE)
     max_pp: int = option(8, "largest pipeline degree in the scheme space", metavar="N", check=POSITIVE_INT)
-    max_cp: int = option(8, "largest context-parallel degree in the scheme space", metavar="N", check=POSITIVE_INT)
-    length_step: int = option(128, "the strategy DP's length grid, tokens (§7 footnote 4)", metavar="TOKENS", check=POSITIVE_INT)
+    max_cp: int = option(8, "largest context-parallel degree in the scheme space", metavar="N",
+                         check=POSITIVE_INT)
+    length_step: int = option(128, "the strategy DP's length grid, tokens (§7 footnote 4)", metavar="TOKENS",
+                              check=POSITIVE_INT)
     pipelines: str | None = option(
         None, "fix the strategy instead of searching: one scheme per data-parallel pipeline, e.g. "
         "tp2-pp1,tp1-pp2 (cp optional: tp1-pp1-cp2); their GPUs must add up to the cluster's",
@@ -188,11 +196,14 @@ class HydraulisOptions(Options):
         None, "the strategy the previous batch ran (the pipelines grammar; the training loop passes it): "
         "a candidate with other pipelines is charged the switch's optimizer-state move and weight pull",
         metavar="SCHEMES", check=TEXT_OR_NONE)
-    pipeline_step: float = option(0.1, "the strategy DP's pipeline-count grid, pipelines", metavar="X", check=POSITIVE_NUMBER)
+    pipeline_step: float = option(0.1, "the strategy DP's pipeline-count grid, pipelines", metavar="X",
+                                  check=POSITIVE_NUMBER)
     util_threshold: float = option(0.85, "efficiency that defines UtilLen (appendix C), in (0, 1)",
                                    metavar="X", check=OPEN_FRACTION)
-    milp_solves: int = option(8, "eq. 1 MILPs solved per batch for the slowest pipelines", metavar="N", check=NON_NEGATIVE_INT)
-    milp_node_limit: int = option(500, "branch-and-bound nodes per eq. 1 MILP", metavar="N", check=POSITIVE_INT)
+    milp_solves: int = option(8, "eq. 1 MILPs solved per batch for the slowest pipelines", metavar="N",
+                              check=NON_NEGATIVE_INT)
+    milp_node_limit: int = option(500, "branch-and-bound nodes per eq. 1 MILP", metavar="N",
+                                  check=POSITIVE_INT)
     milp_time_limit_s: float = option(0.02, "seconds per eq. 1 MILP (a safety net: a solve it cuts short "
                                       "may differ between runs)", metavar="SECONDS", check=POSITIVE_NUMBER)
 
@@ -202,16 +213,19 @@ class InfiniPipeOptions(Options):
     planner: ClassVar[str] = "infinipipe"
     num_slices: int | None = option(None, "N, slices of the longest sequence (infinipipe §3.2); default: "
                                     "tuned by a search over N", metavar="N", check=POSITIVE_INT_OR_NONE)
-    slice_candidates: int = option(10, "most feasible values of N planned when tuning", metavar="N", check=POSITIVE_INT)
+    slice_candidates: int = option(10, "most feasible values of N planned when tuning", metavar="N",
+                                   check=POSITIVE_INT)
     balanced_chunking: bool = option(True, "Algorithm 1's workload-balanced chunking; false is the "
                                      "'w/o wbc' ablation (equal-token slices)", metavar="BOOL", check=BOOL)
     checkpointing: str = option("adaptive", "'adaptive' (the §3.3.3 MILP), 'none' (no recomputation) or "
-                                "'full' (every layer of every chunk recomputed)", metavar="MODE", check=one_of("adaptive", "none", "full"))
+                                "'full' (every layer of every chunk recomputed)", metavar="MODE",
+                                check=one_of("adaptive", "none", "full"))
     score: str = option("simulate", "how the chosen N is picked: 'simulate' (the search compares N by the "
                         "DP's estimate, then the simulator picks among the 2 best) or 'estimate' (the best "
                         "by estimate)", metavar="MODE", check=one_of("simulate", "estimate"))
     milp_time_limit_s: float = option(0.1, "HiGHS seconds per checkpointing MILP; on time-out the better "
-                                      "of the incumbent and the rounded LP optimum is used", metavar="SECONDS", check=POSITIVE_NUMBER)
+                                      "of the incumbent and the rounded LP optimum is used", metavar="SECONDS",
+                                      check=POSITIVE_NUMBER)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -219,12 +233,15 @@ class SlimPackOptions(Options):
     planner: ClassVar[str] = "slimpack"
     num_micropacks: int | None = option(None, "MicroPacks per pipeline; default: swept by simulation "
                                         "(slimpack §5.1)", metavar="N", check=POSITIVE_INT_OR_NONE)
-    max_micropacks: int | None = option(None, "top of the MicroPack sweep; default 32 x pp", metavar="N", check=POSITIVE_INT_OR_NONE)
+    max_micropacks: int | None = option(None, "top of the MicroPack sweep; default 32 x pp", metavar="N",
+                                        check=POSITIVE_INT_OR_NONE)
     asymmetric: bool = option(True, "regroup the backward (slimpack §4.1.2); false runs each forward "
                               "MicroPack's own backward (the §6.3 ablation)", metavar="BOOL", check=BOOL)
-    dp_merge: bool = option(True, "merge data-parallel ranks for outliers (slimpack §4.1.1)", metavar="BOOL", check=BOOL)
+    dp_merge: bool = option(True, "merge data-parallel ranks for outliers (slimpack §4.1.1)", metavar="BOOL",
+                            check=BOOL)
     schedule: str = option("auto", "'steady', 'lean' or 'auto' (steady, lean for the pipelines steady "
-                           "fits at no MicroPack count)", metavar="NAME", check=one_of("auto", "steady", "lean"))
+                           "fits at no MicroPack count)", metavar="NAME",
+                           check=one_of("auto", "steady", "lean"))
     recompute: str = option(
         "auto", "activation recomputation (slimpack §6.1 recomputes as memory requires): none; full (every "
         "forward recomputes all its stage's layers); or auto: none whenever some MicroPack count fits, else "
@@ -247,16 +264,21 @@ class AutoOptions(Options):
         "(every k-th sequence by length on dp/k pipelines) and only the best `preselect` of them at full "
         "size; at or below it every candidate plans the full batch", metavar="N", check=POSITIVE_INT)
     preselect: int = option(1, "candidates planned at full size after the proxy's ranking (the next ones "
-                            "in its order too while none of them gives a valid plan that fits)", metavar="N", check=POSITIVE_INT)
+                            "in its order too while none of them gives a valid plan that fits)", metavar="N",
+                            check=POSITIVE_INT)
     preselect_margin: float = option(
         0.02, "also plan at full size every candidate whose proxy step time is within this fraction of "
-        "the proxy's fastest (a close call is settled on the full batch)", metavar="X", check=NON_NEGATIVE_FRACTION)
+        "the proxy's fastest (a close call is settled on the full batch)", metavar="X",
+        check=NON_NEGATIVE_FRACTION)
     proxy_factor: int | None = option(
         None, "the proxy's k: it keeps every k-th sequence, longest first, on dp/k pipelines of the same "
         "tp, pp and cp; default: the largest divisor of dp that leaves at least proxy_sequences sequences "
-        "and min_proxy_pipelines pipelines (no preselection when that is 1)", metavar="K", check=POSITIVE_INT_OR_NONE)
-    proxy_sequences: int = option(2048, "fewest sequences the default proxy keeps", metavar="N", check=POSITIVE_INT)
-    min_proxy_pipelines: int = option(8, "fewest data-parallel pipelines the default proxy keeps", metavar="N", check=POSITIVE_INT)
+        "and min_proxy_pipelines pipelines (no preselection when that is 1)", metavar="K",
+        check=POSITIVE_INT_OR_NONE)
+    proxy_sequences: int = option(2048, "fewest sequences the default proxy keeps", metavar="N",
+                                  check=POSITIVE_INT)
+    min_proxy_pipelines: int = option(8, "fewest data-parallel pipelines the default proxy keeps", metavar="N",
+                                      check=POSITIVE_INT)
 
 
 PLANNER_OPTIONS: dict[str, type[Options]] = {

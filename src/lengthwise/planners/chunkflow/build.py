@@ -251,17 +251,6 @@ def check_chunk_size_fits(request: PlanRequest, chunk_size: int, k: int) -> None
             )
 
 
-# ---- options and checks ----
-
-
-def read_chunk_size(value) -> int | str | None:
-    if value is None or value == "auto":
-        return value
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UserError(f"chunkflow option chunk_size must be a positive number of tokens or 'auto', got {value!r}")
-    return value
-
-
 # ---- the planner ----
 
 def build_pipeline(request: PlanRequest, chunk_set: ChunkSet, k: int) -> PipelinePlan:

@@ -99,8 +99,6 @@ from lengthwise.sim import simulate_plan
 
 PLANNER = "infinipipe"
 SCHEDULE = "elastic-1f1b"
-CHECKPOINTING = ("adaptive", "none", "full")
-SCORES = ("simulate", "estimate")
 SIMULATED = 2
 """With score "simulate": how many of the best N by the DP's estimate are simulated. On 18
 workloads (6 length profiles x 3 scales) the better of the two best by estimate was the fastest
