@@ -2,8 +2,8 @@
 
 A planner is a function `PlanRequest -> StepPlan`, deterministic for a given seed. The shared
 steps here check that a batch can be planned at all (`check_request`), turn per-pipeline chunk
-lists into 1F1B pipelines (`pipelines_from_chunks`), read planner options strictly
-(`take_options`, into the planner's options object) and fill the plan's predicted metrics (`finish_plan`).
+lists into 1F1B pipelines (`pipelines_from_chunks`), read planner options strictly into the
+planner's options object (`take_options`) and fill the plan's predicted metrics (`finish_plan`).
 """
 
 from __future__ import annotations
