@@ -86,7 +86,7 @@ def check_options_used(planners: list[str], options: dict[str, Any]) -> None:
 
 
 def parse_option(text: str) -> tuple[str, object]:
-    """`key=value` -> (key, value), the value read by `parse_value`."""
+    """`key=value` -> (key, value), the value read as the option's flag reads it (`value_reader`)."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise UserError(f"--option {text!r}: expected KEY=VALUE, e.g. micro_batch_size=4")
