@@ -147,8 +147,11 @@ def add_profile_file_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def load_profile_file(path: str | None, model: ModelSpec):
-    """The Profile at `path` (None when no path), checked to be for `model`."""
+    """The Profile at `path` (None when no path), checked to be for `model`; a profile written
+    before the host floors and step terms is completed (cost/estimate.py: floors refitted
+    from its samples, step terms estimated, `meta.completed` saying which)."""
     from lengthwise.cost import Profile
+    from lengthwise.cost.estimate import complete_profile
 
     if not path:
         return None
@@ -156,4 +159,4 @@ def load_profile_file(path: str | None, model: ModelSpec):
     if profile.model not in ("unknown", model.name):
         raise UserError(f"{path} was measured for model {profile.model}, not {model.name}: "
                         f"measure one with `lengthwise profile --model {model.name}`")
-    return profile
+    return complete_profile(profile, model)
