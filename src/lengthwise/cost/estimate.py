@@ -4,11 +4,13 @@
     profile.step.estimated        # {"optimizer_s": "7 x 2 bytes per parameter at 4.8 TB/s (H200)", ...}
     profile.meta["completed"]     # what was refitted or estimated, for reports
 
-Nothing here is fitted to step times. The layer floors are refitted from the profile's own raw
+Nothing here is fitted to step times. The layer terms are refitted from the profile's own raw
 samples (meta.samples, with their recorded hold-out), a measurement; the other terms are
 physical estimates from the model's shapes, the profile's dtype and the device's nominal memory
 bandwidth (cost/time.DEVICE_BANDWIDTH):
 
+- the backward's key slicing, per segment x token of a row (`SLICE_PASSES`): known in the
+  refit, so the fitted line is what remains;
 - optimizer step: fused AdamW on weights, gradients and moments all in the profile's dtype (what
   `torch.optim.AdamW(model.parameters(), fused=True)` keeps for a bf16 model, as the benchmarks
   and a one-device run use): it reads weight, gradient and two moments and writes weight and two
@@ -37,38 +39,59 @@ ADAMW_TENSORS = 7
 
 
 def complete_profile(profile: Profile, model: ModelSpec) -> Profile:
-    """The profile with host floors refitted from its samples where it has none, and estimated
-    step terms where it has none; unchanged (the same object) when it lacks neither."""
-    needs_floor = any(not fit.has_floor for fit in profile.schemes.values()) and profile.meta.get("samples")
-    if profile.step is not None and not needs_floor:
+    """The profile with the slicing term estimated and the layer terms refitted from its
+    samples where it lacks them, and estimated step terms where it has none; unchanged (the
+    same object) when it lacks nothing."""
+    fit = profile.schemes.get(SCHEME)
+    dtype = str(profile.meta.get("dtype", "bfloat16"))
+    seg = segment_token_seconds(model, device=profile.device, dtype=dtype)
+    needs_seg = fit is not None and fit.bwd_segment_tokens == 0.0 and seg > 0.0
+    needs_floor = fit is not None and not fit.has_floor
+    refit = (needs_seg or needs_floor) and bool(profile.meta.get("samples"))
+    if profile.step is not None and not refit:
         return profile
-    meta = dict(profile.meta)
+    meta, schemes = dict(profile.meta), dict(profile.schemes)
     completed = dict(meta.get("completed", {}))
-    schemes = dict(profile.schemes)
-    if needs_floor:
-        schemes, errors = _refit_floors(profile)
-        completed["layers"] = "host floor refitted from this profile's samples (cost/fit.fit_layers)"
+    if refit:
+        seg = seg if needs_seg else fit.bwd_segment_tokens
+        schemes[SCHEME], errors = _refit(profile, fit, seg)
+        completed["layers"] = "host floor and straight line refitted from this profile's samples (cost/fit.fit_layers)"
+        if needs_seg:
+            completed["bwd_segment_tokens"] = (f"2 (K, V) x {SLICE_PASSES} passes x {model.kv_dim} x "
+                                               f"{DTYPE_BYTES.get(dtype, 2)} bytes per segment x token at "
+                                               f"{device_bandwidth(profile.device) / 1e12:.3g} TB/s")
         meta["held_out_error_refit"] = {k: dataclasses.asdict(v) for k, v in errors.items()}
     step = profile.step
     if step is None:
-        step = estimate_step_terms(model, device=profile.device, dtype=str(meta.get("dtype", "bfloat16")))
+        step = estimate_step_terms(model, device=profile.device, dtype=dtype)
         completed.update(step.estimated)
     meta["completed"] = completed
     return dataclasses.replace(profile, schemes=schemes, step=step, meta=meta)
 
 
-def _refit_floors(profile: Profile):
-    """tp1-cp1's layer terms refitted from meta.samples (the only scheme `lengthwise profile`
-    measures); other schemes are kept."""
+SCHEME = "tp1-cp1"
+"""The scheme `lengthwise profile` measures (others, if any, are kept as they are)."""
+SLICE_PASSES = 4
+"""Whole-row passes per segment in the backward of the key row's slices (runtime/layout.
+pack_keys: each slice's backward allocates a zero gradient of the whole row, 1 write, and
+autograd adds it into the sum, 2 reads and 1 write), for K and for V."""
+
+
+def segment_token_seconds(model: ModelSpec, *, device: str, dtype: str) -> float:
+    """e of SchemeFit.bwd_segment_tokens: 2 x SLICE_PASSES x kv_dim x dtype bytes per segment
+    and token of a row, at the device's bandwidth (0 when it is unknown)."""
+    bw = device_bandwidth(device)
+    return 0.0 if bw is None else 2 * SLICE_PASSES * model.kv_dim * DTYPE_BYTES.get(dtype, 2) / bw
+
+
+def _refit(profile: Profile, fit, seg: float):
+    """The scheme's layer terms refitted from meta.samples with the known slicing term, on
+    the samples' recorded hold-out."""
     samples = [_sample(d) for d in profile.meta["samples"]]
     train = [s for s in samples if not s.held_out] or samples
     test = [s for s in samples if s.held_out]
-    layers, errors = fit_layers(train, test)
-    schemes = dict(profile.schemes)
-    key = "tp1-cp1"
-    if key in schemes:
-        schemes[key] = dataclasses.replace(schemes[key], **layers)
-    return schemes, errors
+    layers, errors = fit_layers(train, test, seg)
+    return dataclasses.replace(fit, **layers, bwd_segment_tokens=seg), errors
 
 
 def _sample(d: dict) -> Sample:

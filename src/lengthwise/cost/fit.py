@@ -256,10 +256,13 @@ FLOOR_STARTS = (1.0, 0.1, 3.0)
 a maximum of two terms has a local minimum where either term is inactive."""
 
 
-def fit_floor_time(keys, tokens, segments, seconds) -> tuple[tuple[float, float, float], tuple[float, float]]:
-    """((a, b, c), (f, g)) of seconds = max(f + g * segments, a * keys + b * tokens + c), all
-    >= 0, least relative error (scipy.optimize.least_squares)."""
+def fit_floor_time(keys, tokens, segments, seconds, segment_tokens: float = 0.0
+                   ) -> tuple[tuple[float, float, float], tuple[float, float]]:
+    """((a, b, c), (f, g)) of seconds = max(f + g * segments, a * keys + b * tokens + c
+    + segment_tokens * segments * tokens), all >= 0, least relative error
+    (scipy.optimize.least_squares); `segment_tokens` is known, not fitted."""
     k, t, n = (np.asarray(v, float) for v in (keys, tokens, segments))
+    known = segment_tokens * n * t
     y = np.asarray(seconds, float)
     if len(y) < len(FLOOR_SCALES):
         raise UserError(f"{len(y)} measurements cannot fit {len(FLOOR_SCALES)} coefficients: widen the token range")
@@ -269,7 +272,7 @@ def fit_floor_time(keys, tokens, segments, seconds) -> tuple[tuple[float, float,
 
     def residuals(p):
         a, b, c, f, g = p * FLOOR_SCALES
-        return np.maximum(f + g * n, a * k + b * t + c) / y - 1.0
+        return np.maximum(f + g * n, a * k + b * t + c + known) / y - 1.0
 
     best = min((least_squares(residuals, np.full(len(FLOOR_SCALES), x0), bounds=(0.0, np.inf))
                 for x0 in FLOOR_STARTS), key=lambda r: r.cost)
@@ -277,16 +280,18 @@ def fit_floor_time(keys, tokens, segments, seconds) -> tuple[tuple[float, float,
     return (a, b, c), (f, g)
 
 
-def fit_layers(train: list[Sample], test: list[Sample]) -> tuple[dict, dict[str, FitError]]:
-    """SchemeFit's layer fields (fwd, bwd, fwd_floor, bwd_floor) fitted on `train`, and their
-    held-out errors on `test` (keyed fwd, bwd)."""
+def fit_layers(train: list[Sample], test: list[Sample], bwd_segment_tokens: float = 0.0
+               ) -> tuple[dict, dict[str, FitError]]:
+    """SchemeFit's layer fields (fwd, bwd, fwd_floor, bwd_floor) fitted on `train` (the
+    backward with the known per-segment-token term), and their held-out errors on `test`
+    (keyed fwd, bwd)."""
     out, errors = {}, {}
     for name in ("fwd", "bwd"):
-        field = f"{name}_s"
+        field, seg = f"{name}_s", bwd_segment_tokens if name == "bwd" else 0.0
         work, floor = fit_floor_time([s.keys for s in train], [s.tokens for s in train],
-                                     [s.segments for s in train], [getattr(s, field) for s in train])
+                                     [s.segments for s in train], [getattr(s, field) for s in train], seg)
         out[name], out[f"{name}_floor"] = work, floor
-        errors[name] = held_out_error((work, floor), test, field)
+        errors[name] = held_out_error((work, floor, seg), test, field)
     return out, errors
 
 
@@ -311,9 +316,11 @@ def _relative_nnls(x: np.ndarray, seconds) -> np.ndarray:
 
 
 def predict(coef, keys: float, tokens: float, segments: float = 1) -> float:
-    """One layer pass: coef is (a, b, c) (the straight line) or ((a, b, c), (f, g))."""
-    work, floor = (coef, (0.0, 0.0)) if len(coef) == 3 else coef
-    return layer_seconds(work, floor, keys, tokens, segments)
+    """One layer pass: coef is (a, b, c) (the straight line) or ((a, b, c), (f, g), e)."""
+    if len(coef) == 3 and not isinstance(coef[0], tuple):
+        return layer_seconds(coef, (0.0, 0.0), keys, tokens, segments)
+    work, floor, seg = coef
+    return layer_seconds(work, floor, keys, tokens, segments, seg)
 
 
 def held_out_error(coef, test: list[Sample], field: str) -> FitError:

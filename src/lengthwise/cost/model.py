@@ -185,7 +185,7 @@ class CostModel:
         if fit is not None:
             hb, hc = fit.head_bwd if backward else fit.head_fwd
             layer = layer_seconds(fit.bwd if backward else fit.fwd, fit.bwd_floor if backward else fit.fwd_floor,
-                                  work.keys, work.tokens, work.segments)
+                                  work.keys, work.tokens, work.segments, fit.bwd_segment_tokens if backward else 0.0)
             body = layers * layer
             return body + ((hb * work.tokens + hc) if head else 0.0) + self._step_action_time(work.tokens, embed,
                                                                                              backward)
@@ -249,7 +249,7 @@ class CostModel:
             segs = np.ones(len(tokens)) if segments is None else np.maximum(np.asarray(segments, dtype=np.float64), 1.0)
             hb, hc = fit.head_bwd if backward else fit.head_fwd
             layer = layer_seconds(fit.bwd if backward else fit.fwd, fit.bwd_floor if backward else fit.fwd_floor,
-                                  keys, tokens, segs)
+                                  keys, tokens, segs, fit.bwd_segment_tokens if backward else 0.0)
             out = (layers * layer + ((hb * tokens + hc) if head else 0.0)
                    + self._step_action_time(tokens, embed, backward))
         else:

@@ -91,18 +91,24 @@ class SchemeFit:
     fwd_floor: tuple[float, float] = (0.0, 0.0)
     """(f, g): the host floor, seconds per layer pass and per segment of the row."""
     bwd_floor: tuple[float, float] = (0.0, 0.0)
+    bwd_segment_tokens: float = 0.0
+    """e: backward device seconds per (segment x token) of the row (module docstring: each
+    segment's key slice hands back a gradient of the whole row's K and V)."""
 
     @property
     def has_floor(self) -> bool:
         return any(self.fwd_floor) or any(self.bwd_floor)
 
 
-def layer_seconds(work: tuple[float, float, float], floor: tuple[float, float], keys, tokens, segments):
+def layer_seconds(work: tuple[float, float, float], floor: tuple[float, float], keys, tokens, segments,
+                  segment_tokens: float = 0.0):
     """One layer pass: the host floor or the device's work, whichever is longer (numbers or
     numpy arrays; a zero floor leaves the straight line's value unchanged)."""
     a, b, c = work
     f, g = floor
     line = a * keys + b * tokens + c
+    if segment_tokens:
+        line = line + segment_tokens * segments * tokens
     if f == 0.0 and g == 0.0:
         return line
     import numpy as np
@@ -215,15 +221,18 @@ def _scheme_fit(key: str, data) -> SchemeFit:
         raise UserError(f"{where}: the key must read tpT-cpC, e.g. tp2-cp1")
     f = Fields(data, where)
     counts = {"fwd": 3, "bwd": 3, "head_fwd": 2, "head_bwd": 2, "fwd_floor": 2, "bwd_floor": 2}
-    f.only(tuple(counts))
+    f.only((*counts, "bwd_segment_tokens"))
     coef = {name: f.numbers(name, count=n, default=None if name in ("fwd", "bwd") else (0.0,) * n)
             for name, n in counts.items()}
+    seg = f.optional_number("bwd_segment_tokens") or 0.0
+    if seg > MAX_COEFFICIENT_S:
+        raise f.fail("bwd_segment_tokens", f"at most {MAX_COEFFICIENT_S:g} seconds", seg)
     for name, values in coef.items():
         if max(values) > MAX_COEFFICIENT_S:
             raise f.fail(name, f"coefficients of at most {MAX_COEFFICIENT_S:g} seconds", list(values))
         if name in ("fwd", "bwd") and sum(values) <= 0:
             raise f.fail(name, "coefficients not all zero (a layer pass takes time)", list(values))
-    return SchemeFit(**coef)
+    return SchemeFit(**coef, bwd_segment_tokens=seg)
 
 
 def _step_terms(data) -> StepTerms:

@@ -23,6 +23,7 @@ from lengthwise.cost.flops import ChunkWork, chunk_work, head_forward_flops, lay
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
+from lengthwise.sim.terms import host_overlap
 from lengthwise.sim.memory import MemorySizes, SplitArrays, SplitSequence, split_sequences
 
 F, N, B = 0, 1, 2
@@ -528,6 +529,10 @@ class _PipelineCosts:
     def _stage_times(self, s: int, recompute: list[int], dur: np.ndarray, comm: np.ndarray) -> None:
         L, head, C, U = self.layers[s], s == self.pipe.pp - 1, len(self.pipe.chunks), len(self.units)
         base = self.per_chunk(L, head, s == 0)
+        factor, fmax, bmax = host_overlap(self.cm, self.pipe, s, L)
+        if factor < 1.0:  # the host runs ahead of the device across the stage's actions (sim/terms.py)
+            base = {**base, "fwd": base["fwd"] - (1.0 - factor) * np.asarray(fmax),
+                    "bwd": base["bwd"] - (1.0 - factor) * np.asarray(bmax)}
         if self.pipe.cp <= 1 and not any(recompute):  # no CP exchange (comm stays zero), no recomputation
             dur[F, :C] = dur[N, :C] = base["fwd"]
             dur[B, :U] = base["bwd"]
