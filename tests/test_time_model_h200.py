@@ -1,4 +1,5 @@
-"""The time model against the first H200 run's measured steps (tests/data/h200/README.md).
+"""The time model against the first H200 run's measured steps (benchmarks/results/
+h200-2026-11-27/README.md; the reconstruction is benchmarks/time_model_h200.py's).
 
 Each measured step's global batch is drawn again with the project's sampler (chunkflow-eval
 lengths, seed 0, 64 sequences, 32K context, truncated, as the benchmarks drew them) and planned
@@ -15,89 +16,22 @@ that miss it are marked xfail(strict) with their residual, so the day they pass 
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-from lengthwise.cost import CostModel, Profile
+from lengthwise.cost import Profile
 from lengthwise.cost.estimate import complete_profile
-from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.sim import simulate_plan
-from lengthwise.sim.terms import step_time_terms
-from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
-from lengthwise.workloads.sampler import GlobalBatchSampler
-from lengthwise.workloads.source import profile_source
+from lengthwise.specs import model_preset
 
-DATA = Path(__file__).parent / "data" / "h200"
-GPU_MEMORY_GB = 139.8
-"""The H200's memory as torch reported it (about 139-140 GiB; the plans are the same over that range)."""
-TARGET = 0.10
+_spec = importlib.util.spec_from_file_location(
+    "time_model_h200", Path(__file__).resolve().parents[1] / "benchmarks" / "time_model_h200.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+DATA, TARGET, _json = bench.DATA, bench.TARGET, bench._json
 
-
-def _json(name: str) -> dict:
-    return json.loads((DATA / name).read_text())
-
-
-def _batches(count: int) -> list[list[int]]:
-    sampler = GlobalBatchSampler(profile_source("chunkflow-eval", 32768, "truncate"), seed=0, batch_size=64)
-    return [list(sampler.next_batch().lengths) for _ in range(count)]
-
-
-def _models(name: str):
-    spec = model_preset(name)
-    cluster = dataclasses.replace(cluster_preset("h100", 1), name="NVIDIA H200", gpu_memory_gb=GPU_MEMORY_GB)
-    raw = Profile.load(DATA / f"profile-{name}.json")
-    return spec, cluster, CostModel(model=spec, cluster=cluster, profile=raw), \
-        CostModel(model=spec, cluster=cluster, profile=complete_profile(raw, spec))
-
-
-def _plan(spec, cluster, cost, lengths, planner: str, options: dict, seed: int | None):
-    kw = {} if seed is None else {"seed": seed}
-    return get_planner(planner)(PlanRequest(lengths=list(lengths), model=spec, cluster=cluster, scheme=ParallelScheme(),
-                                            cost=cost, context_length=32768, options=options, **kw))
-
-
-def h200_rows() -> list[dict]:
-    """Every measured step: (file, row label, model, planner, options, batch index, measured
-    seconds, what it timed, what the file recorded about the batch)."""
-    rows = []
-    bench = _json("gpu_finetune_0.5b_32k.json")["models"]["qwen2.5-0.5b"]["runs"]
-    for run in bench:
-        if run["system"] not in ("packing", "chunkflow"):
-            continue
-        options = {} if run["system"] == "packing" else {"chunk_size": "auto"}
-        for i, seconds in enumerate(run["step_times_s"]):
-            rows.append({"id": f"0.5b-{run['system']}-step{i + 1}", "model": "qwen2.5-0.5b", "planner": run["system"],
-                         "options": options, "batch": 1 + i, "measured": seconds, "optimizer": True, "seed": None,
-                         "longest": run["longest_per_step"][i], "chunk_size": run.get("chunk_size")})
-    run = _json("gpu_finetune_1.5b_32k_chunkflow8k.json")["models"]["qwen2.5-1.5b"]["runs"][0]
-    for i, seconds in enumerate(run["step_times_s"]):
-        rows.append({"id": f"1.5b-chunkflow8k-step{i + 1}", "model": "qwen2.5-1.5b", "planner": "chunkflow",
-                     "options": {"chunk_size": 8192}, "batch": 1 + i, "measured": seconds, "optimizer": True,
-                     "seed": None, "longest": run["longest_per_step"][i], "chunk_size": 8192})
-    for i, b in enumerate(_json("sim_fidelity_0.5b_32k.json")["batches"]):
-        rows.append({"id": f"0.5b-simfidelity-batch{i}", "model": "qwen2.5-0.5b", "planner": "chunkflow",
-                     "options": {"chunk_size": "auto"}, "batch": i, "measured": b["measured_step_s"],
-                     "optimizer": False, "seed": 0, "longest": b["longest"], "chunk_size": b["chunk_size"],
-                     "tokens": b["tokens"], "chunks": b["chunks"]})
-    return rows
-
-
-def predict_row(row: dict) -> dict:
-    """The reconstructed plan, the simulated step (what the measurement ran) and its terms."""
-    spec, cluster, raw, completed = _models(row["model"])
-    lengths = _batches(row["batch"] + 1)[row["batch"]]
-    plan = _plan(spec, cluster, raw, lengths, row["planner"], row["options"], row["seed"])
-    result = simulate_plan(plan, completed)
-    terms = step_time_terms(plan, completed)
-    not_run = terms["grad_norm"] + (0.0 if row["optimizer"] else terms["optimizer"])
-    return {"plan": plan, "lengths": lengths, "predicted": result.step_time_s - not_run, "terms": terms,
-            "step_end": result.step_end_s}
-
-
-ROWS = h200_rows()
+ROWS = bench.h200_rows()
 MISSES = {"0.5b-simfidelity-batch1": -0.11}
 """Residuals (predicted / measured - 1) of the rows this model misses, when it was written."""
 
@@ -112,7 +46,7 @@ def _marks(row):
 
 @pytest.fixture(scope="module")
 def predictions() -> dict:
-    return {row["id"]: predict_row(row) for row in ROWS}
+    return {row["id"]: bench.predict_row(row) for row in ROWS}
 
 
 def test_batches_and_plans_are_the_measured_ones(predictions):
@@ -147,9 +81,7 @@ def test_h200_step_within_target(row, predictions):
 def test_model_beats_the_straight_line_on_every_h200_step(predictions):
     """Against the profile's own straight-line fit with no step terms (what simulate used)."""
     for row in ROWS:
-        spec, cluster, raw, _ = _models(row["model"])
-        plan = predictions[row["id"]]["plan"]
-        old = simulate_plan(plan, raw).step_time_s
+        old = bench.straight_line_step(row, predictions[row["id"]]["plan"])
         assert abs(predictions[row["id"]]["predicted"] / row["measured"] - 1) < abs(old / row["measured"] - 1)
 
 

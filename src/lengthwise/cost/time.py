@@ -22,31 +22,44 @@ and device run concurrently; the profile's samples fit an exponent of a smooth m
 upper bound, i.e. the plain max). A profile without floors (written before they existed) has
 f = g = 0: the straight line, as before.
 
+The backward also hands each segment's key slice a gradient of the whole row's K and V
+(runtime/layout.pack_keys: a slice's backward zero-fills a row-sized tensor, which autograd then
+adds into the sum), device work that grows with segments x tokens: `bwd_segment_tokens`, e, in
+the device's line (+ e * segments * tokens).
+
 What else a step costs (`StepTerms`, measured by `lengthwise profile`, or estimated for older
 profiles, `estimated` naming which):
 
 - embedding (first stage): b * tokens + c forward and backward;
 - LM head and loss (last stage): `head_fwd`/`head_bwd`, b * tokens + c;
 - host overhead per chunk action: the stage's work around its layers for one chunk (layout,
-  positions, labels, sends), seconds per action;
+  positions, rotary tables), seconds per action;
 - optimizer step (fused AdamW over the model's parameters) and gradient norm (the
   clip_grad_norm_ reduction), once at the step's end, seconds for the whole model, a stage
-  paying its share of the parameters.
+  paying its share of the parameters (sim/simulate.py: after its gradient reduction).
 
-Estimates (`complete_profile` in cost/fit.py), physical, never fitted to step times: the layer
-floors are refitted from the profile's own raw samples (meta.samples); the optimizer step is
-the bytes fused AdamW moves (7 tensors of the profile's dtype per parameter: reads weight,
-gradient and two moments, writes weight and moments) over the device's memory bandwidth
-(DEVICE_BANDWIDTH, e.g. H200 4.8 TB/s); the gradient norm reads each gradient once; the
-embedding moves its rows (forward: read and write tokens x hidden; backward: the same plus
-zeroing the table's gradient); the per-chunk host overhead is 0 (not measured).
+Within a stage the host runs ahead of the device (no host syncs in a step), so the simulator
+takes a stage's layer time as the longer of its host floors' sum and its device lines' sum
+(sim/terms.host_overlap).
 
-Measured on one NVIDIA H200 (profiles and steps of 2026-11-27, tests/data/h200/,
-tests/test_time_model_h200.py): held-out error of the per-layer fit, mean over the held-out
-samples, Qwen2.5-0.5B forward 11.4% / backward 8.7%, Qwen2.5-1.5B 4.3% / 3.0% (the straight
-line: 15.3/17.5% and 7.6/17.6%); whole measured steps predicted within -13%..+9%: 0.5B steps
-11-13% under (its one chunk holds 24-30K tokens and 64 documents, beyond the profile's largest
-sample of 16K tokens and 16 documents), 1.5B ChunkSize 8192 steps 5-9% over.
+Estimates (cost/estimate.complete_profile), physical, never fitted to step times: the layer
+terms are refitted from the profile's own raw samples (meta.samples); e is 2 (K, V) x 4 passes
+x kv_dim x dtype bytes over the device's memory bandwidth (DEVICE_BANDWIDTH, e.g. H200
+4.8 TB/s); the optimizer step is the bytes fused AdamW moves (7 tensors of the profile's dtype
+per parameter: reads weight, gradient and two moments, writes weight and moments) over the
+bandwidth; the gradient norm reads each gradient once; the embedding moves its rows (forward:
+read and write tokens x hidden; backward: the same plus zeroing the table's gradient); the
+per-chunk host overhead is 0 (not measured).
+
+Measured on one NVIDIA H200 (the 2026-11-27 profiles and steps, copies in benchmarks/results/
+h200-2026-11-27/; `python benchmarks/time_model_h200.py`, tests/test_time_model_h200.py):
+held-out error of the per-layer fit, mean over the 8 held-out samples, Qwen2.5-0.5B forward
+11.4% / backward 8.5%, Qwen2.5-1.5B 4.3% / 2.5% (the straight line: 15.3/17.5% and 7.6/17.6%);
+the 0.5B profile's small chunks scatter 1.3-2.3 ms at equal work, which no smooth form follows.
+Whole measured steps (10: 0.5B packing and chunkflow, 1.5B ChunkSize 8192, sim_fidelity's two
+batches): MAPE 7.5% (the straight line without step terms: 27.7%), 9 within 10%; every 0.5B
+step is under by 8-11% (its one chunk holds 24-30K tokens of 64 documents, beyond the profile's
+largest samples of 16K tokens and 16 documents), the 1.5B steps by 0.2-1.9%.
 """
 
 from __future__ import annotations
