@@ -18,6 +18,7 @@ simulated; measured ones are the H200's. Each row carries its terms (sim/terms.p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -43,11 +44,18 @@ def _json(name: str) -> dict:
     return json.loads((DATA / name).read_text())
 
 
-def _batches(count: int) -> list[list[int]]:
+@functools.lru_cache(maxsize=None)
+def _all_batches(count: int) -> tuple[tuple[int, ...], ...]:
     sampler = GlobalBatchSampler(profile_source("chunkflow-eval", 32768, "truncate"), seed=0, batch_size=64)
-    return [list(sampler.next_batch().lengths) for _ in range(count)]
+    return tuple(tuple(sampler.next_batch().lengths) for _ in range(count))
 
 
+def _batches(count: int) -> list[list[int]]:
+    """The first `count` global batches (the benchmarks' draws: seed 0, 64 sequences)."""
+    return [list(b) for b in _all_batches(count)]
+
+
+@functools.lru_cache(maxsize=None)
 def _models(name: str):
     spec = model_preset(name)
     cluster = dataclasses.replace(cluster_preset("h100", 1), name="NVIDIA H200", gpu_memory_gb=GPU_MEMORY_GB)

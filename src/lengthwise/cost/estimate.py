@@ -30,6 +30,8 @@ import dataclasses
 
 from lengthwise.cost.fit import Sample, fit_layers
 from lengthwise.cost.time import Profile, StepTerms, device_bandwidth
+from lengthwise.errors import UserError
+from lengthwise.fields import Fields
 from lengthwise.plan.ir import Chunk
 from lengthwise.specs import ModelSpec
 
@@ -87,18 +89,31 @@ def segment_token_seconds(model: ModelSpec, *, device: str, dtype: str) -> float
 def _refit(profile: Profile, fit, seg: float):
     """The scheme's layer terms refitted from meta.samples with the known slicing term, on
     the samples' recorded hold-out."""
-    samples = [_sample(d) for d in profile.meta["samples"]]
+    raw = profile.meta["samples"]
+    if not isinstance(raw, list):
+        raise UserError("profile meta.samples must be a list of timed chunks")
+    samples = [_sample(d, i) for i, d in enumerate(raw)]
     train = [s for s in samples if not s.held_out] or samples
     test = [s for s in samples if s.held_out]
     layers, errors = fit_layers(train, test, seg)
     return dataclasses.replace(fit, **layers, bwd_segment_tokens=seg), errors
 
 
-def _sample(d: dict) -> Sample:
-    chunk = Chunk.parse(d["chunk"])
-    return Sample(chunk=d["chunk"], tokens=float(d["tokens"]), keys=float(d["keys"]),
-                  context_free=bool(d.get("context_free", True)), fwd_s=float(d["fwd_s"]), bwd_s=float(d["bwd_s"]),
-                  activation_bytes=None, peak_bytes=None, held_out=bool(d.get("held_out", False)),
+SAMPLE_RANGES = {"tokens": (1, 2**40), "keys": (0, 2**80), "fwd_s": (1e-9, 1e3), "bwd_s": (1e-9, 1e3)}
+"""What a timed chunk of meta.samples may hold (a damaged file would overflow the fit)."""
+
+
+def _sample(d, i: int) -> Sample:
+    """meta.samples[i], checked (a damaged file is a one-line error, not a traceback)."""
+    f = Fields(d, f"profile meta.samples[{i}]")
+    chunk = Chunk.parse(f.string("chunk"))
+    values = {k: f.number(k) for k in ("tokens", "keys", "fwd_s", "bwd_s")}
+    for key, (lo, hi) in SAMPLE_RANGES.items():
+        if not lo <= values[key] <= hi:
+            raise f.fail(key, f"a number in [{lo:g}, {hi:g}]", values[key])
+    return Sample(chunk=str(chunk), tokens=values["tokens"], keys=values["keys"],
+                  context_free=bool(d.get("context_free", True)), fwd_s=values["fwd_s"], bwd_s=values["bwd_s"],
+                  activation_bytes=None, peak_bytes=None, held_out=f.data.get("held_out") is True,
                   segments=len(chunk.segments))
 
 

@@ -274,8 +274,13 @@ def fit_floor_time(keys, tokens, segments, seconds, segment_tokens: float = 0.0
         a, b, c, f, g = p * FLOOR_SCALES
         return np.maximum(f + g * n, a * k + b * t + c + known) / y - 1.0
 
-    best = min((least_squares(residuals, np.full(len(FLOOR_SCALES), x0), bounds=(0.0, np.inf))
-                for x0 in FLOOR_STARTS), key=lambda r: r.cost)
+    if not all(np.isfinite(residuals(np.full(len(FLOOR_SCALES), x0))).all() for x0 in FLOOR_STARTS):
+        raise UserError("measured chunks too large to fit (a time model's terms overflow): check the samples")
+    try:
+        best = min((least_squares(residuals, np.full(len(FLOOR_SCALES), x0), bounds=(0.0, np.inf))
+                    for x0 in FLOOR_STARTS), key=lambda r: r.cost)
+    except ValueError as exc:  # non-finite values inside the solver
+        raise UserError(f"the time model's fit failed on these samples ({exc})") from None
     a, b, c, f, g = (float(v) for v in best.x * FLOOR_SCALES)
     return (a, b, c), (f, g)
 
