@@ -204,7 +204,7 @@ def test_torch_measurer_on_cpu_writes_a_loadable_profile(tmp_path, capsys):
     assert profile.activation_bytes_per_token_layer > spec.hidden * 4  # at least the layer's input
     assert profile.meta["dtype"] == "float32" and profile.meta["backend"] == "cpu-flash"
     assert profile.meta["backend_check"]["passed"] and "cpu-flash vs reference: passed" in out
-    assert len(profile.meta["samples"]) == 15
+    assert len(profile.meta["samples"]) == 16  # 3 sizes x (1 document, 16 and 4 packed, 2 slices), one 64-packed
     cost = CostModel(model=spec, cluster=cluster_preset("cpu"), profile=profile)
     assert cost.forward_time(Chunk.parse("0[0:64]"), layers=4) > 0
 

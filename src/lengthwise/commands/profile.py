@@ -7,12 +7,14 @@
 
 Times forward and backward of chunks on a model cut to --layers decoder layers (random weights):
 for each power of two T from --min-tokens to --max-tokens, one document of T tokens, T tokens
-as 16 and as 4 packed documents, and a slice of T tokens after a context of T and of 3T (up to
+as 64, 16 and 4 packed documents, and a slice of T tokens after a context of T and of 3T (up to
 --max-context tokens of sequence); then the LM head from --min-tokens to --head-max-tokens. It
-fits per layer T = a*keys + b*tokens + c (forward and backward apart, cost/fit.py), the head's
+fits per layer T = max(f + g*segments, a*keys + b*tokens + c) (forward and backward apart,
+cost/fit.py), the head's
 b*tokens + c, activation bytes per token per layer and K/V bytes per token per layer, writes the
 profile (format lengthwise.profile/1, scheme tp1-cp1) and prints the fit's error on a seeded
-quarter of the chunks held out of the fit. The default attention backend is varlen on CUDA and
+quarter of the chunks held out of the fit. The embedding, the per-chunk host work, one optimizer
+step and one gradient norm are measured too (the profile's `step`). The default attention backend is varlen on CUDA and
 cpu-flash on a CPU; either is first checked against the reference backend (result in the
 profile's meta.backend_check).
 """
@@ -71,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
                                  seed=args.seed, progress=bar)
     fitted.profile.meta["backend_check"] = backend_check(measurer, spec)
     fitted.profile.meta["command"] = "lengthwise profile " + " ".join(_argv(args))
+    from lengthwise.cost.estimate import complete_profile
+
+    fitted.profile = complete_profile(fitted.profile, spec)  # the key-slicing term, where the device is known
     out = args.out or f"profile-{spec.name}.json"
     write_atomic(out, json_text(fitted.profile.to_dict()))
     print(json_text(fitted.profile.to_dict()) if args.json else summary(fitted, out))
@@ -121,13 +126,23 @@ def summary(fitted, out: str) -> str:
     m = p.meta
     lines = [(f"profile of {p.model} on {p.device} ({m.get('dtype')}, {m.get('backend')} attention, "
               f"layers measured: {m.get('measured_layers')}, chunks: {len(fitted.samples)})")]
-    for name, (a, b, c) in (("forward", fit.fwd), ("backward", fit.bwd)):
-        err = e["fwd" if name == "forward" else "bwd"]
-        lines.append(f"  {name:<8} per layer: {a:.4g} s/key + {b:.4g} s/token + {c:.4g} s   "
-                     f"held-out error mean {err.mean:.1%}, max {err.max:.1%} ({err.count} chunks)")
+    refit = m.get("held_out_error_refit", {})
+    for name, (a, b, c), (f, g) in (("forward", fit.fwd, fit.fwd_floor), ("backward", fit.bwd, fit.bwd_floor)):
+        key = "fwd" if name == "forward" else "bwd"
+        err = refit.get(key) or vars(e[key])
+        seg = f" + {fit.bwd_segment_tokens:.3g} s/(segment x token)" if key == "bwd" and fit.bwd_segment_tokens else ""
+        lines.append(f"  {name:<8} per layer: max({f:.4g} s + {g:.3g} s/segment, {a:.4g} s/key + {b:.4g} s/token "
+                     f"+ {c:.4g} s{seg})   held-out error mean {err['mean']:.1%}, max {err['max']:.1%} "
+                     f"({err['count']} chunks)")
     for name, (b, c) in (("head fwd", fit.head_fwd), ("head bwd", fit.head_bwd)):
         err = e[name.replace(" ", "_")]
         lines.append(f"  {name:<8}: {b:.4g} s/token + {c:.4g} s   error mean {err.mean:.1%}, max {err.max:.1%}")
+    if p.step is not None:
+        st = p.step
+        lines.append(f"  embedding: fwd {st.embed_fwd[0]:.3g} s/token + {st.embed_fwd[1]:.3g} s, bwd "
+                     f"{st.embed_bwd[0]:.3g} s/token + {st.embed_bwd[1]:.3g} s; per chunk {st.chunk_overhead_s:.3g} s; "
+                     f"optimizer step {st.optimizer_s:.3g} s, gradient norm {st.grad_norm_s:.3g} s (whole model)"
+                     + (f"; estimated: {', '.join(st.estimated)}" if st.estimated else ""))
     act = p.activation_bytes_per_token_layer
     lines.append(f"  activations {act:,.0f} bytes/token/layer; K/V {p.kv_bytes_per_token_layer:,.0f} bytes/token/layer"
                  if act is not None else f"  K/V {p.kv_bytes_per_token_layer:,.0f} bytes/token/layer")
@@ -147,8 +162,11 @@ def add_profile_file_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def load_profile_file(path: str | None, model: ModelSpec):
-    """The Profile at `path` (None when no path), checked to be for `model`."""
+    """The Profile at `path` (None when no path), checked to be for `model`; a profile written
+    before the host floors and step terms is completed (cost/estimate.py: floors refitted
+    from its samples, step terms estimated, `meta.completed` saying which)."""
     from lengthwise.cost import Profile
+    from lengthwise.cost.estimate import complete_profile
 
     if not path:
         return None
@@ -156,4 +174,4 @@ def load_profile_file(path: str | None, model: ModelSpec):
     if profile.model not in ("unknown", model.name):
         raise UserError(f"{path} was measured for model {profile.model}, not {model.name}: "
                         f"measure one with `lengthwise profile --model {model.name}`")
-    return profile
+    return complete_profile(profile, model)

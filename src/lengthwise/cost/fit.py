@@ -11,11 +11,23 @@ measured chunks vary keys and tokens independently, so the grid mixes, for each 
 one whole document (keys ~ T^2/2), T split into 16 and into 4 packed documents (keys ~ T^2/32,
 T^2/8), and one slice with a context of T and of 3T earlier tokens (keys ~ 1.5 T^2, 3.5 T^2).
 
-Fitting: non-negative least squares on rows divided by their measured time, so the fit minimises
-relative error (a 512-token chunk counts as much as a 32K one; unweighted, the largest chunks
-would decide everything and small chunks, which pipelines run most, would be off by 2x).
+Per layer the time is max(f + g * segments, a * keys + b * tokens + c) (cost/time.py): below a
+few thousand tokens the measured times are flat (the host launching kernels, plus a little per
+document of the row), above they grow with the work. The grid also packs T tokens as 64
+documents, so the per-segment term is measured at the segment counts real batches have.
+
+Fitting: scipy's bounded least squares (all five coefficients >= 0) on residuals divided by the
+measured time, so the fit minimises relative error (a 512-token chunk counts as much as a 32K
+one; unweighted, the largest chunks would decide everything and small chunks, which pipelines
+run most, would be off by 2x), from a few starting points, the lowest cost kept. The LM head's
+b * tokens + c is a non-negative linear least squares on the same relative rows.
 A seeded quarter of the chunks is held out; the coefficients written are fitted on the rest and
 `errors` gives their error on the held-out chunks.
+
+Step terms (cost/time.StepTerms): when the measurer can (`time_embed`, `time_optimizer`,
+`time_chunk_overhead`), the embedding's forward and backward at the head's token counts (fitted
+b * tokens + c), the host's per-chunk work outside the layers, and one fused AdamW step and one
+gradient norm over tensors of the whole model's parameter shapes.
 
 Memory: activation bytes per token per layer is the slope of bytes held after a forward against
 tokens, over the chunks without context (a slice's context K/V belongs to the K/V state, which
@@ -35,14 +47,14 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import numpy as np
-from scipy.optimize import nnls
+from scipy.optimize import least_squares, nnls
 
 from lengthwise.cost.flops import chunk_work
-from lengthwise.cost.time import Profile, SchemeFit, scheme_key
+from lengthwise.cost.time import Profile, SchemeFit, StepTerms, layer_seconds, scheme_key
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, Segment
 
-PACKED_DOCS = (16, 4)
+PACKED_DOCS = (64, 16, 4)
 """A chunk of T tokens is also measured as this many equal packed documents."""
 CONTEXT_FACTORS = (1, 3)
 """A slice of T tokens is also measured with a context of this many times T earlier tokens."""
@@ -98,6 +110,8 @@ class Sample:
     """Highest bytes above the start during forward and backward, all measured layers (the
     profile has no field for it; recorded for the simulator's transient terms)."""
     held_out: bool = False
+    segments: int = 1
+    """Segments of the chunk's row."""
 
 
 @dataclass(kw_only=True)
@@ -171,13 +185,12 @@ def measure_profile(measurer: Measurer, chunks: list[Chunk], head_tokens: list[i
     _mark_held_out(samples, holdout, seed)
     train = [s for s in samples if not s.held_out] or samples
     test = [s for s in samples if s.held_out]
-    fwd = fit_time([s.keys for s in train], [s.tokens for s in train], [s.fwd_s for s in train])
-    bwd = fit_time([s.keys for s in train], [s.tokens for s in train], [s.bwd_s for s in train])
+    layers, errors = fit_layers(train, test)
     head_fwd = fit_head([n for n, _ in heads], [t.fwd_s for _, t in heads])
     head_bwd = fit_head([n for n, _ in heads], [t.bwd_s for _, t in heads])
-    errors = {"fwd": held_out_error(fwd, test, "fwd_s"), "bwd": held_out_error(bwd, test, "bwd_s"),
-              "head_fwd": _head_error(head_fwd, heads, "fwd_s"), "head_bwd": _head_error(head_bwd, heads, "bwd_s")}
-    fit = SchemeFit(fwd=fwd, bwd=bwd, head_fwd=head_fwd, head_bwd=head_bwd)
+    errors.update(head_fwd=_head_error(head_fwd, heads, "fwd_s"), head_bwd=_head_error(head_bwd, heads, "bwd_s"))
+    fit = SchemeFit(**layers, head_fwd=head_fwd, head_bwd=head_bwd)
+    step = measure_step_terms(measurer, head_tokens)
     meta = {**measurer.describe(), "measured_layers": measurer.layers, "holdout": holdout, "seed": seed,
             "held_out_error": {k: asdict(v) for k, v in errors.items()},
             "head_activation_bytes_per_token": _head_slope(heads, "activation_bytes"),
@@ -185,10 +198,23 @@ def measure_profile(measurer: Measurer, chunks: list[Chunk], head_tokens: list[i
             "samples": [asdict(s) for s in samples],
             "head_samples": [{"tokens": n, **asdict(t)} for n, t in heads]}
     profile = Profile(device=meta.get("device", "unknown"), model=model_name,
-                      schemes={scheme_key(1, 1): fit},
+                      schemes={scheme_key(1, 1): fit}, step=step,
                       activation_bytes_per_token_layer=activation_slope(samples),
                       kv_bytes_per_token_layer=float(measurer.kv_bytes_per_token_layer()), meta=meta)
     return FittedProfile(profile=profile, errors=errors, samples=samples)
+
+
+def measure_step_terms(measurer, head_tokens: list[int]) -> StepTerms | None:
+    """The step's terms outside the layers, from a measurer that times them (None when it
+    cannot: cost/estimate.complete_profile estimates them then)."""
+    if not all(hasattr(measurer, n) for n in ("time_embed", "time_optimizer", "time_chunk_overhead")):
+        return None
+    embeds = [(n, measurer.time_embed(n)) for n in head_tokens]
+    optimizer_s, grad_norm_s = measurer.time_optimizer()
+    return StepTerms(embed_fwd=fit_head([n for n, _ in embeds], [t.fwd_s for _, t in embeds]),
+                     embed_bwd=fit_head([n for n, _ in embeds], [t.bwd_s for _, t in embeds]),
+                     chunk_overhead_s=float(measurer.time_chunk_overhead()), optimizer_s=float(optimizer_s),
+                     grad_norm_s=float(grad_norm_s))
 
 
 def _sample(measurer: Measurer, chunk: Chunk, progress) -> Sample:
@@ -196,7 +222,7 @@ def _sample(measurer: Measurer, chunk: Chunk, progress) -> Sample:
     if progress is not None:
         progress.update(1)
     held = None if timing.activation_bytes is None else timing.activation_bytes / layers
-    return Sample(chunk=str(chunk), tokens=work.tokens, keys=work.keys,
+    return Sample(chunk=str(chunk), tokens=work.tokens, keys=work.keys, segments=len(chunk.segments),
                   context_free=all(s.start == 0 for s in chunk.segments),
                   fwd_s=timing.fwd_s / layers, bwd_s=timing.bwd_s / layers, activation_bytes=held,
                   peak_bytes=timing.peak_bytes)
@@ -216,9 +242,62 @@ def _mark_held_out(samples: list[Sample], holdout: float, seed: int) -> None:
 # ---- the fits ----------------------------------------------------------------------------------
 
 def fit_time(keys, tokens, seconds) -> tuple[float, float, float]:
-    """Non-negative (a, b, c) of seconds = a * keys + b * tokens + c, least relative error."""
+    """Non-negative (a, b, c) of seconds = a * keys + b * tokens + c, least relative error
+    (the straight line, without a host floor)."""
     x = np.column_stack([np.asarray(keys, float), np.asarray(tokens, float), np.ones(len(seconds))])
     return tuple(float(v) for v in _relative_nnls(x, seconds))
+
+
+FLOOR_SCALES = np.array([1e-11, 1e-8, 1e-3, 1e-3, 1e-5])
+"""Typical sizes of (a, b, c, f, g) in seconds per pair, token, pass, pass, segment: the solver
+works on coefficients divided by these, so its steps are of one order in every direction."""
+FLOOR_STARTS = (1.0, 0.1, 3.0)
+"""Starting points (every scaled coefficient equal to one of these); the lowest cost is kept:
+a maximum of two terms has a local minimum where either term is inactive."""
+
+
+def fit_floor_time(keys, tokens, segments, seconds, segment_tokens: float = 0.0
+                   ) -> tuple[tuple[float, float, float], tuple[float, float]]:
+    """((a, b, c), (f, g)) of seconds = max(f + g * segments, a * keys + b * tokens + c
+    + segment_tokens * segments * tokens), all >= 0, least relative error
+    (scipy.optimize.least_squares); `segment_tokens` is known, not fitted."""
+    k, t, n = (np.asarray(v, float) for v in (keys, tokens, segments))
+    known = segment_tokens * n * t
+    y = np.asarray(seconds, float)
+    if len(y) < len(FLOOR_SCALES):
+        raise UserError(f"{len(y)} measurements cannot fit {len(FLOOR_SCALES)} coefficients: widen the token range")
+    if (y <= 0).any():
+        raise UserError("a measured time is not positive: the timer is too coarse for the smallest chunks; "
+                        "raise --min-tokens or --repeats")
+
+    def residuals(p):
+        a, b, c, f, g = p * FLOOR_SCALES
+        return np.maximum(f + g * n, a * k + b * t + c + known) / y - 1.0
+
+    if not all(np.isfinite(residuals(np.full(len(FLOOR_SCALES), x0))).all() for x0 in FLOOR_STARTS):
+        raise UserError("measured chunks too large to fit (a time model's terms overflow): check the samples")
+    try:
+        best = min((least_squares(residuals, np.full(len(FLOOR_SCALES), x0), bounds=(0.0, np.inf))
+                    for x0 in FLOOR_STARTS), key=lambda r: r.cost)
+    except ValueError as exc:  # non-finite values inside the solver
+        raise UserError(f"the time model's fit failed on these samples ({exc})") from None
+    a, b, c, f, g = (float(v) for v in best.x * FLOOR_SCALES)
+    return (a, b, c), (f, g)
+
+
+def fit_layers(train: list[Sample], test: list[Sample], bwd_segment_tokens: float = 0.0
+               ) -> tuple[dict, dict[str, FitError]]:
+    """SchemeFit's layer fields (fwd, bwd, fwd_floor, bwd_floor) fitted on `train` (the
+    backward with the known per-segment-token term), and their held-out errors on `test`
+    (keyed fwd, bwd)."""
+    out, errors = {}, {}
+    for name in ("fwd", "bwd"):
+        field, seg = f"{name}_s", bwd_segment_tokens if name == "bwd" else 0.0
+        work, floor = fit_floor_time([s.keys for s in train], [s.tokens for s in train],
+                                     [s.segments for s in train], [getattr(s, field) for s in train], seg)
+        out[name], out[f"{name}_floor"] = work, floor
+        errors[name] = held_out_error((work, floor, seg), test, field)
+    return out, errors
 
 
 def fit_head(tokens, seconds) -> tuple[float, float]:
@@ -241,14 +320,17 @@ def _relative_nnls(x: np.ndarray, seconds) -> np.ndarray:
     return coef / scale
 
 
-def predict(coef, keys: float, tokens: float) -> float:
-    a, b, c = coef
-    return a * keys + b * tokens + c
+def predict(coef, keys: float, tokens: float, segments: float = 1) -> float:
+    """One layer pass: coef is (a, b, c) (the straight line) or ((a, b, c), (f, g), e)."""
+    if len(coef) == 3 and not isinstance(coef[0], tuple):
+        return layer_seconds(coef, (0.0, 0.0), keys, tokens, segments)
+    work, floor, seg = coef
+    return layer_seconds(work, floor, keys, tokens, segments, seg)
 
 
 def held_out_error(coef, test: list[Sample], field: str) -> FitError:
     """Absolute percentage errors of the fit on the held-out samples."""
-    errs = [abs(predict(coef, s.keys, s.tokens) - getattr(s, field)) / getattr(s, field) for s in test]
+    errs = [abs(predict(coef, s.keys, s.tokens, s.segments) - getattr(s, field)) / getattr(s, field) for s in test]
     return FitError(mean=statistics.fmean(errs) if errs else 0.0, max=max(errs, default=0.0), count=len(errs))
 
 

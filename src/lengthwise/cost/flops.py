@@ -52,13 +52,16 @@ class ChunkWork:
 
     tokens: float
     keys: float
+    segments: float = 1.0
+    """Segments (documents and slices) of the row: a profile's host floor grows with them
+    (cost/time.py); FLOPs do not."""
 
 
 def chunk_work(chunk: Chunk) -> ChunkWork:
     if chunk.pad_to > chunk.num_tokens and chunk.segments:
         padded = chunk.pad_to // len(chunk.segments)
-        return ChunkWork(chunk.pad_to, len(chunk.segments) * causal_keys(0, padded))
-    return ChunkWork(chunk.num_tokens, chunk.attention_pairs)
+        return ChunkWork(chunk.pad_to, len(chunk.segments) * causal_keys(0, padded), len(chunk.segments))
+    return ChunkWork(chunk.num_tokens, chunk.attention_pairs, max(len(chunk.segments), 1))
 
 
 def work_key(chunk: Chunk) -> tuple:

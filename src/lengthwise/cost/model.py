@@ -25,7 +25,7 @@ from lengthwise.cost.flops import (
     matmul_params_per_layer,
     replicated_kv_flops,
 )
-from lengthwise.cost.time import Profile, Throughput
+from lengthwise.cost.time import Profile, Throughput, layer_seconds
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import SHARDED, Chunk
 from lengthwise.specs import ClusterSpec, ModelSpec
@@ -183,11 +183,34 @@ class CostModel:
             return 0.0
         fit = self.profile.fit_for(tp, 1) if self.profile else None
         if fit is not None:
-            a, b, c = fit.bwd if backward else fit.fwd
             hb, hc = fit.head_bwd if backward else fit.head_fwd
-            body = layers * (a * work.keys + b * work.tokens + c)
-            return body + ((hb * work.tokens + hc) if head else 0.0)
+            layer = layer_seconds(fit.bwd if backward else fit.fwd, fit.bwd_floor if backward else fit.fwd_floor,
+                                  work.keys, work.tokens, work.segments, fit.bwd_segment_tokens if backward else 0.0)
+            body = layers * layer
+            return body + ((hb * work.tokens + hc) if head else 0.0) + self._step_action_time(work.tokens, embed,
+                                                                                             backward)
         return self._analytic_time(work, layers, tp, head, backward, embed)
+
+    def _step_action_time(self, tokens, embed: bool, backward: bool):
+        """A profile's terms of one chunk action outside the layers and the head: the host's
+        per-chunk overhead and (first stage) the embedding (0 without step terms)."""
+        step = self.profile.step if self.profile else None
+        if step is None:
+            return 0.0
+        eb, ec = step.embed_bwd if backward else step.embed_fwd
+        return step.chunk_overhead_s + ((eb * tokens + ec) if embed else 0.0)
+
+    def step_end_time(self, *, layers: int, tp: int = 1, dp: int = 1, zero: int = 1, first: bool = False,
+                      last: bool = False) -> float:
+        """Seconds a stage spends after its last backward and gradient reduction: the gradient
+        norm and the optimizer step over its share of the parameters (a profile's step terms,
+        which are for the whole model on one GPU; ZeRO >= 1 steps 1/dp of the states). 0 without
+        a profile's step terms: the analytic model leaves them out."""
+        step = self.profile.step if self.profile else None
+        if step is None or not (step.optimizer_s or step.grad_norm_s):
+            return 0.0
+        share = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last) / self.model.num_params
+        return share * (step.grad_norm_s + step.optimizer_s / (dp if zero >= 1 else 1))
 
     def _analytic_time(self, work: ChunkWork, layers: int, tp: int, head: bool, backward: bool,
                        embed: bool = False) -> float:
@@ -210,20 +233,25 @@ class CostModel:
         return lin_s + attn_s + tp_s + layers * self.throughput.layer_overhead_s
 
     def works_time(self, tokens, keys, *, layers: int, tp: int = 1, head: bool = False,
-                   backward: bool = False, embed: bool = False) -> np.ndarray:
+                   backward: bool = False, embed: bool = False, segments=None) -> np.ndarray:
         """_gpu_time of many whole-GPU works at once (cp = 1: forward_time / backward_time of
         chunks with these row tokens and attention pairs): float64 array, element for element
         the same arithmetic in the same order as the scalar path, so the same floats (the
-        simulator's per-chunk tables use it; tests/test_cost.py checks the equality)."""
+        simulator's per-chunk tables use it; tests/test_cost.py checks the equality).
+        `segments`: of each row (a profile's host floor grows with them); None counts one each,
+        a lower bound of the floor, which planners that pass no segments use."""
         tokens = np.asarray(tokens, dtype=np.float64)
         keys = np.asarray(keys, dtype=np.float64)
         if layers == 0 and not head and not (embed and tp > 1):
             return np.zeros(len(tokens))
         fit = self.profile.fit_for(tp, 1) if self.profile else None
         if fit is not None:
-            a, b, c = fit.bwd if backward else fit.fwd
+            segs = np.ones(len(tokens)) if segments is None else np.maximum(np.asarray(segments, dtype=np.float64), 1.0)
             hb, hc = fit.head_bwd if backward else fit.head_fwd
-            out = layers * (a * keys + b * tokens + c) + ((hb * tokens + hc) if head else 0.0)
+            layer = layer_seconds(fit.bwd if backward else fit.fwd, fit.bwd_floor if backward else fit.fwd_floor,
+                                  keys, tokens, segs, fit.bwd_segment_tokens if backward else 0.0)
+            out = (layers * layer + ((hb * tokens + hc) if head else 0.0)
+                   + self._step_action_time(tokens, embed, backward))
         else:
             m, th = self.model, self.throughput
             lin, attn = 2.0 * matmul_params_per_layer(m) * tokens, 4.0 * m.q_dim * keys
@@ -656,12 +684,15 @@ def rank_works(chunk: Chunk, cp: int) -> list[ChunkWork]:
         return [chunk_work(chunk)]
     if chunk.pad_to > chunk.num_tokens or all(s.cp_rank == SHARDED for s in chunk.segments):
         w = chunk_work(chunk)
-        return [ChunkWork(w.tokens / cp, w.keys / cp)]
-    shared = chunk_work(Chunk(tuple(s for s in chunk.segments if s.cp_rank == SHARDED)))
+        return [ChunkWork(w.tokens / cp, w.keys / cp, w.segments)]
+    sharded = tuple(s for s in chunk.segments if s.cp_rank == SHARDED)
+    shared = chunk_work(Chunk(sharded))
     works = []
     for r in range(cp):
-        local = chunk_work(Chunk(tuple(s for s in chunk.segments if s.cp_rank == r)))
-        works.append(ChunkWork(local.tokens + shared.tokens / cp, local.keys + shared.keys / cp))
+        mine = tuple(s for s in chunk.segments if s.cp_rank == r)
+        local = chunk_work(Chunk(mine))
+        works.append(ChunkWork(local.tokens + shared.tokens / cp, local.keys + shared.keys / cp,
+                               max(len(mine) + len(sharded), 1)))
     return works
 
 

@@ -18,6 +18,14 @@ the forward (the stage input included, allocated inside the window as a received
 would be); elsewhere the saved-tensor meter (memory.py), which counts what autograd keeps.
 K/V bytes per token per layer are those of the k and v a layer returns, which the K/V store keeps.
 
+Step terms (cost/time.StepTerms): `time_embed` times the embedding's forward and backward (the
+table is the model's whole one); `time_chunk_overhead` what a stage does for a chunk around its
+layers (ChunkLayout, positions, rotary tables, the attention's cu_seqlens) on a row of
+OVERHEAD_SEGMENTS documents; `time_optimizer` one fused AdamW step (torch's `fused=True` on
+CUDA) and one gradient norm (`get_total_norm`, clip_grad_norm_'s first half) over the profiled
+model's real parameters, scaled by the whole model's parameter count over theirs (both are one
+pass over each parameter's bytes, linear in the count).
+
 `check_backend` runs one chunk that has everything the executor asks of attention: packed
 documents, a slice whose context is two stored pieces, a second slice of the same sequence in
 the same row, grouped-query heads (14 query / 2 K/V heads of 64, as Qwen2.5-0.5B). It compares
@@ -113,6 +121,7 @@ class TorchMeasurer:
 
     def __init__(self, spec: ModelSpec, *, layers: int = 2, device="cpu", dtype=torch.float32,
                  backend: str = "auto", repeats: int = 3, warmup: int = 1, seed: int = 0):
+        self.full_spec = spec
         self.spec = dataclasses.replace(spec, num_layers=min(layers, spec.num_layers))
         self.layers = self.spec.num_layers
         self.device, self.dtype, self.repeats, self.warmup = torch.device(device), dtype, repeats, warmup
@@ -183,6 +192,45 @@ class TorchMeasurer:
         return Timing(fwd_s=statistics.median(r.fwd_s for r in timed), bwd_s=statistics.median(r.bwd_s for r in timed),
                       activation_bytes=runs[-1].activation_bytes, peak_bytes=runs[-1].peak_bytes)
 
+    def time_embed(self, tokens: int) -> Timing:
+        ids = torch.randint(0, self.spec.vocab, (tokens,), generator=self.gen, device=self.device)
+        runs = []
+        for _ in range(self.warmup + self.repeats):
+            t_f, h_TD = elapsed(lambda: self.model.embed(ids), self.device)
+            grad = self._randn(*h_TD.shape, scale=1e-2)
+            t_b, _ = elapsed(lambda: h_TD.backward(grad), self.device)
+            self.model.zero_grad(set_to_none=True)
+            runs.append(Timing(fwd_s=t_f, bwd_s=t_b))
+        return self._median(runs)
+
+    def time_chunk_overhead(self) -> float:
+        """Seconds of a stage's per-chunk work outside its layers, median of the repeats."""
+        chunk = Chunk.parse("+".join(f"{i}[0:16]" for i in range(OVERHEAD_SEGMENTS)))
+
+        def prepare():
+            layout = ChunkLayout.from_chunk(chunk)
+            rope = self.model.rope(chunk_positions(chunk, self.device), self.dtype)
+            return layout.cu_seqlens(self.device), rope
+
+        times = [elapsed(prepare, self.device)[0] for _ in range(self.warmup + self.repeats)]
+        return statistics.median(times[self.warmup:])
+
+    def time_optimizer(self) -> tuple[float, float]:
+        """(optimizer step, gradient norm) seconds for the whole model (module docstring)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=self.gen, device=self.device, dtype=p.dtype) * 1e-3
+        opt = torch.optim.AdamW(params, lr=1e-6, fused=self.device.type == "cuda")
+        steps, norms = [], []
+        for _ in range(self.warmup + self.repeats):
+            steps.append(elapsed(opt.step, self.device)[0])
+            norms.append(elapsed(lambda: torch.nn.utils.get_total_norm([p.grad for p in params]), self.device)[0])
+        scale = self.full_spec.num_params / sum(p.numel() for p in params)
+        for p in params:
+            p.grad = None
+        del opt
+        return (scale * statistics.median(steps[self.warmup:]), scale * statistics.median(norms[self.warmup:]))
+
     @torch.no_grad()
     def kv_bytes_per_token_layer(self) -> float:
         """Bytes of the k and v one layer returns per token (what the K/V store keeps)."""
@@ -193,6 +241,10 @@ class TorchMeasurer:
                                       layout=inputs.layout, contexts=inputs.contexts[:1], backend=self.backend)
         k, v = kv[0]
         return (k.numel() * k.element_size() + v.numel() * v.element_size()) / 16
+
+
+OVERHEAD_SEGMENTS = 64
+"""Documents of the row whose per-chunk preparation `time_chunk_overhead` times."""
 
 
 # ---- backend check -----------------------------------------------------------------------------

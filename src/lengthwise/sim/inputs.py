@@ -23,6 +23,7 @@ from lengthwise.cost.flops import ChunkWork, chunk_work, head_forward_flops, lay
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
+from lengthwise.sim.terms import host_overlap
 from lengthwise.sim.memory import MemorySizes, SplitArrays, SplitSequence, split_sequences
 
 F, N, B = 0, 1, 2
@@ -51,6 +52,9 @@ class PipelineInput:
     """Memory sizes (bytes, or forward-time units in the direct mode)."""
     grad_sync: list[float]
     """[stage] data-parallel gradient reduction time."""
+    step_end: list[float] | None = None
+    """[stage] gradient norm and optimizer step after the reduction (CostModel.step_end_time;
+    None: none, as the analytic model and the direct mode)."""
     extra_comm: float = 0.0
     """Pipeline communication charged after everything else (PipelinePlan.extra_comm_s)."""
     model_flops: float = 0.0
@@ -309,6 +313,8 @@ class _Works:
     """float64: `tokens`."""
     bare_pairs: np.ndarray
     """float64: `pairs`."""
+    segments: np.ndarray | None = None
+    """float64: segments of each row (a profile's host floor, cost/time.py)."""
 
 
 def _plan_works(plan: StepPlan, known: list[SliceStructure | None]) -> list[tuple[_Works, _Works] | None]:
@@ -356,8 +362,9 @@ def _plan_works(plan: StepPlan, known: list[SliceStructure | None]) -> list[tupl
             row_tokens[i], row_keys[i] = w.tokens, w.keys
     tokens_int, pairs_int = tokens.astype(np.int64).tolist(), pairs.astype(np.int64).tolist()
     bounds = np.cumsum([0] + [len(x) for x in lists]).tolist()
+    segs = np.maximum(counts, 1).astype(np.float64)
     works = [_Works(tokens=tokens_int[a:b], pairs=pairs_int[a:b], row_tokens=row_tokens[a:b], row_keys=row_keys[a:b],
-                    bare_tokens=tokens[a:b], bare_pairs=pairs[a:b])
+                    bare_tokens=tokens[a:b], bare_pairs=pairs[a:b], segments=segs[a:b])
              for a, b in zip(bounds[:-1], bounds[1:])]
     return [(works[2 * i], works[2 * i + 1]) for i in range(len(plan.pipelines))]
 
@@ -383,9 +390,10 @@ def _batched_tables(plan: StepPlan, cm: CostModel, works) -> list[dict]:
         bw = [works[i][1] for i in members]
         ct, ck = np.concatenate([w.row_tokens for w in fw]), np.concatenate([w.row_keys for w in fw])
         ut, uk = np.concatenate([w.row_tokens for w in bw]), np.concatenate([w.row_keys for w in bw])
-        fwd = cm.works_time(ct, ck, layers=layers, tp=tp, head=head, embed=embed, backward=False)
+        cs, us = np.concatenate([w.segments for w in fw]), np.concatenate([w.segments for w in bw])
+        fwd = cm.works_time(ct, ck, layers=layers, tp=tp, head=head, embed=embed, backward=False, segments=cs)
         bwd = cm.works_time(ut, uk, layers=layers, tp=tp, head=head, embed=embed,
-                            backward=True) + 0.0  # (zero) recompute
+                            backward=True, segments=us) + 0.0  # (zero) recompute
         act = cm.activation_bytes_rows(ct, layers=layers, tp=tp, head=head)
         cb = np.cumsum([0] + [len(w.row_tokens) for w in fw]).tolist()
         ub = np.cumsum([0] + [len(w.row_tokens) for w in bw]).tolist()
@@ -456,25 +464,25 @@ class _PipelineCosts:
             out[i] = v
         return out
 
-    def _works(self, chunks: list[Chunk]) -> tuple[np.ndarray, np.ndarray]:
-        """(row tokens, attention pairs) of every chunk as float64 arrays (chunk_work's, cp = 1)."""
+    def _works(self, chunks: list[Chunk]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(row tokens, attention pairs, segments) of every chunk as float64 arrays (chunk_work's, cp = 1)."""
         key = ("works", id(chunks))
         if key not in self._cache:
-            works = [(c.num_tokens, c.attention_pairs) if c.pad_to <= c.num_tokens or not c.segments
-                     else (lambda w: (w.tokens, w.keys))(chunk_work(c)) for c in chunks]
-            arr = np.array(works, dtype=np.float64).reshape(len(chunks), 2)
-            self._cache[key] = (arr[:, 0], arr[:, 1], chunks)  # chunks kept: the id stays theirs
-        tokens, keys, _ = self._cache[key]
-        return tokens, keys
+            works = [(c.num_tokens, c.attention_pairs, max(len(c.segments), 1)) if c.pad_to <= c.num_tokens
+                     or not c.segments else (lambda w: (w.tokens, w.keys, w.segments))(chunk_work(c)) for c in chunks]
+            arr = np.array(works, dtype=np.float64).reshape(len(chunks), 3)
+            self._cache[key] = (arr[:, 0], arr[:, 1], arr[:, 2], chunks)  # chunks kept: the id stays theirs
+        tokens, keys, segments, _ = self._cache[key]
+        return tokens, keys, segments
 
     def _each_at_once(self, name: str, chunks: list[Chunk], kw: dict) -> np.ndarray:
         """_each for cp = 1 by the cost model's elementwise forms (the same floats, in one pass)."""
-        tokens, keys = self._works(chunks)
+        tokens, keys, segments = self._works(chunks)
         cm, layers, tp, head = self.cm, kw["layers"], kw["tp"], kw.get("head", False)
         if name == "activation_bytes":
             return cm.activation_bytes_rows(tokens, layers=layers, tp=tp, head=head)
         out = cm.works_time(tokens, keys, layers=layers, tp=tp, head=head, embed=kw.get("embed", False),
-                            backward=name == "backward_time")
+                            backward=name == "backward_time", segments=segments)
         return out + 0.0 if name == "backward_time" else out  # backward_time adds its (zero) recompute
 
     def build(self) -> PipelineInput:
@@ -491,7 +499,7 @@ class _PipelineCosts:
                 send[s + 1, B, :U] = bwd_send
         return PipelineInput(stages=pipe.stages, chunks=pipe.chunks, backward_chunks=pipe.backward_chunks,
                              dur=dur, comm=comm, send=send, sizes=self._sizes(recompute),
-                             grad_sync=self._grad_sync(), extra_comm=pipe.extra_comm_s,
+                             grad_sync=self._grad_sync(), step_end=self._step_end(), extra_comm=pipe.extra_comm_s,
                              model_flops=self._model_flops(), num_gpus=pipe.num_gpus, deps=self.deps,
                              splits=self.splits)
 
@@ -521,6 +529,10 @@ class _PipelineCosts:
     def _stage_times(self, s: int, recompute: list[int], dur: np.ndarray, comm: np.ndarray) -> None:
         L, head, C, U = self.layers[s], s == self.pipe.pp - 1, len(self.pipe.chunks), len(self.units)
         base = self.per_chunk(L, head, s == 0)
+        factor, fmax, bmax = host_overlap(self.cm, self.pipe, s, L)
+        if factor < 1.0:  # the host runs ahead of the device across the stage's actions (sim/terms.py)
+            base = {**base, "fwd": base["fwd"] - (1.0 - factor) * np.asarray(fmax),
+                    "bwd": base["bwd"] - (1.0 - factor) * np.asarray(bmax)}
         if self.pipe.cp <= 1 and not any(recompute):  # no CP exchange (comm stays zero), no recomputation
             dur[F, :C] = dur[N, :C] = base["fwd"]
             dur[B, :U] = base["bwd"]
@@ -782,6 +794,15 @@ class _PipelineCosts:
                                              last=s == self.pipe.pp - 1)
                                 for s, L in enumerate(self.layers)]
         return list(self.shared[key])
+
+    def _step_end(self) -> list[float] | None:
+        """Per stage, the gradient norm and optimizer step after its reduction (a profile's
+        step terms; None without: the analytic model's step ends at the reduction)."""
+        if self.cm.profile is None or self.cm.profile.step is None:
+            return None
+        dp = sum(p.cp for p in self.plan.pipelines)
+        return [self._shared(self.cm.step_end_time, layers=L, tp=self.pipe.tp, dp=dp, zero=self.plan.zero,
+                             first=s == 0, last=s == self.pipe.pp - 1) for s, L in enumerate(self.layers)]
 
     def _shared(self, fn, **kw) -> float:
         key = (fn.__name__, *sorted(kw.items()))

@@ -19,6 +19,10 @@ Choices, stated once:
   the executor's exchange with owners among each element's holders instead (sim/inputs.py,
   `CostModel.exchange_time`), at the same moment. `extra_comm_s` of a pipeline is added after.
 - Point-to-point transfers delay the receiver and do not occupy either stage.
+- With a profile's step terms (cost/time.py): each action also pays the host's per-chunk
+  overhead, the first stage's actions the embedding, and each stage, after its gradient
+  reduction, the gradient norm and optimizer step over its parameters (`step_end_s`; the
+  step ends when the last stage's optimizer does). The analytic model has none of these.
 """
 
 from __future__ import annotations
@@ -69,7 +73,11 @@ class SimResult:
     makespan: float
     """End of the last compute action over all pipelines."""
     step_time_s: float
-    """Makespan plus exposed gradient reduction and extra pipeline communication."""
+    """Makespan plus exposed gradient reduction, gradient norm and optimizer step (a profile's
+    step terms, cost/time.py) and extra pipeline communication."""
+    step_end_s: float = 0.0
+    """The part of step_time_s that the gradient norm and the optimizer step add at the end
+    (0 without a profile's step terms)."""
     bubble_ratio: float
     """chunkflow eq. 1 over all stages: idle / (stages * makespan)."""
     reforward_counted_as_busy: bool = True
@@ -154,13 +162,20 @@ def simulate_inputs(inputs: list[PipelineInput], *, time_unit: str, memory_unit:
     np.maximum.at(pipe_end, tasks.pipeline, finish)
     sync = np.concatenate([np.asarray(p.grad_sync, dtype=np.float64) for p in inputs])
     sync_start = _sync_start(stage_end, [len(p.stages) for p in inputs])
-    step_end = np.array([max(pipe_end[i], (sync_start + sync)[a:b].max(initial=0.0)) + inputs[i].extra_comm
-                         for i, (a, b) in enumerate(zip(stage_offsets[:-1], stage_offsets[1:]))])
+    tail = np.concatenate([np.asarray(p.step_end if p.step_end is not None else [0.0] * len(p.stages),
+                                      dtype=np.float64) for p in inputs])
+    bounds = list(zip(stage_offsets[:-1], stage_offsets[1:]))
+    step_end = np.array([max(pipe_end[i], (sync_start + sync + tail)[a:b].max(initial=0.0)) + inputs[i].extra_comm
+                         for i, (a, b) in enumerate(bounds)])
+    before_tail = np.array([max(pipe_end[i], (sync_start + sync)[a:b].max(initial=0.0)) + inputs[i].extra_comm
+                            for i, (a, b) in enumerate(bounds)])
     memory = _replay_memory(inputs, pipes, tasks, start, finish, gstage, G)
     timeline = Timeline(tasks=tasks, start=start, finish=finish, comm=comm, send=send, stage_offsets=stage_offsets,
                         sync_start=sync_start, sync_end=sync_start + sync, memory=memory)
-    return _summarise(inputs, timeline, busy, refwd, sync, pipe_end, float(step_end.max(initial=0.0)),
-                      time_unit, memory_unit)
+    result = _summarise(inputs, timeline, busy, refwd, sync, pipe_end, float(step_end.max(initial=0.0)),
+                        time_unit, memory_unit)
+    result.step_end_s = result.step_time_s - float(before_tail.max(initial=0.0))
+    return result
 
 
 def _task_tables(inputs: list[PipelineInput], tasks: TaskArrays):

@@ -1,0 +1,151 @@
+"""The time model against the first H200 run's measured steps, offline (no GPU, no torch).
+
+    python benchmarks/time_model_h200.py        # writes benchmarks/results/time_model_h200.json
+
+Reads the copies of that run's files in benchmarks/results/h200-2026-11-27/ (README there: one
+NVIDIA H200, torch 2.11, bfloat16). Each measured step's global batch is drawn again with the
+project's sampler (chunkflow-eval lengths, seed 0, 64 sequences, 32K context, truncated, as
+bench_common.sample_batches drew them) and planned as the benchmark planned it (with the
+profile as it was then, so the same plan: the file's tokens, longest sequence, chunks and
+ChunkSize are checked by tests/test_time_model_h200.py). The plan is then simulated with that
+profile completed (cost/estimate.py: host floors refitted from its samples, the backward's
+key-slicing term and the step terms estimated from bandwidth) and compared with the measured
+step, counting only what the measurement ran: bench_gpu_finetune.py times run_step + the
+optimizer step (no gradient norm), sim_fidelity.py run_step alone. Predicted figures are
+simulated; measured ones are the H200's. Each row carries its terms (sim/terms.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from lengthwise.cost import CostModel, Profile
+from lengthwise.cost.estimate import complete_profile
+from lengthwise.plan.ir import json_text, write_atomic
+from lengthwise.planners import PlanRequest, get_planner
+from lengthwise.sim import simulate_plan
+from lengthwise.sim.terms import step_time_terms
+from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
+from lengthwise.workloads.sampler import GlobalBatchSampler
+from lengthwise.workloads.source import profile_source
+
+DATA = Path(__file__).resolve().parent / "results" / "h200-2026-11-27"
+GPU_MEMORY_GB = 139.8
+"""The H200's memory as torch reported it (about 139-140 GiB; the plans are the same over that range)."""
+TARGET = 0.10
+
+
+def _json(name: str) -> dict:
+    return json.loads((DATA / name).read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _all_batches(count: int) -> tuple[tuple[int, ...], ...]:
+    sampler = GlobalBatchSampler(profile_source("chunkflow-eval", 32768, "truncate"), seed=0, batch_size=64)
+    return tuple(tuple(sampler.next_batch().lengths) for _ in range(count))
+
+
+def _batches(count: int) -> list[list[int]]:
+    """The first `count` global batches (the benchmarks' draws: seed 0, 64 sequences)."""
+    return [list(b) for b in _all_batches(count)]
+
+
+@functools.lru_cache(maxsize=None)
+def _models(name: str):
+    spec = model_preset(name)
+    cluster = dataclasses.replace(cluster_preset("h100", 1), name="NVIDIA H200", gpu_memory_gb=GPU_MEMORY_GB)
+    raw = Profile.load(DATA / f"profile-{name}.json")
+    return spec, cluster, CostModel(model=spec, cluster=cluster, profile=raw), \
+        CostModel(model=spec, cluster=cluster, profile=complete_profile(raw, spec))
+
+
+def _plan(spec, cluster, cost, lengths, planner: str, options: dict, seed: int | None):
+    kw = {} if seed is None else {"seed": seed}
+    return get_planner(planner)(PlanRequest(lengths=list(lengths), model=spec, cluster=cluster, scheme=ParallelScheme(),
+                                            cost=cost, context_length=32768, options=options, **kw))
+
+
+def h200_rows() -> list[dict]:
+    """Every measured step: (file, row label, model, planner, options, batch index, measured
+    seconds, what it timed, what the file recorded about the batch)."""
+    rows = []
+    bench = _json("gpu_finetune_0.5b_32k.json")["models"]["qwen2.5-0.5b"]["runs"]
+    for run in bench:
+        if run["system"] not in ("packing", "chunkflow"):
+            continue
+        options = {} if run["system"] == "packing" else {"chunk_size": "auto"}
+        for i, seconds in enumerate(run["step_times_s"]):
+            rows.append({"id": f"0.5b-{run['system']}-step{i + 1}", "model": "qwen2.5-0.5b", "planner": run["system"],
+                         "options": options, "batch": 1 + i, "measured": seconds, "optimizer": True, "seed": None,
+                         "longest": run["longest_per_step"][i], "chunk_size": run.get("chunk_size")})
+    run = _json("gpu_finetune_1.5b_32k_chunkflow8k.json")["models"]["qwen2.5-1.5b"]["runs"][0]
+    for i, seconds in enumerate(run["step_times_s"]):
+        rows.append({"id": f"1.5b-chunkflow8k-step{i + 1}", "model": "qwen2.5-1.5b", "planner": "chunkflow",
+                     "options": {"chunk_size": 8192}, "batch": 1 + i, "measured": seconds, "optimizer": True,
+                     "seed": None, "longest": run["longest_per_step"][i], "chunk_size": 8192})
+    for i, b in enumerate(_json("sim_fidelity_0.5b_32k.json")["batches"]):
+        rows.append({"id": f"0.5b-simfidelity-batch{i}", "model": "qwen2.5-0.5b", "planner": "chunkflow",
+                     "options": {"chunk_size": "auto"}, "batch": i, "measured": b["measured_step_s"],
+                     "optimizer": False, "seed": 0, "longest": b["longest"], "chunk_size": b["chunk_size"],
+                     "tokens": b["tokens"], "chunks": b["chunks"]})
+    return rows
+
+
+def predict_row(row: dict) -> dict:
+    """The reconstructed plan, the simulated step (what the measurement ran) and its terms."""
+    spec, cluster, raw, completed = _models(row["model"])
+    lengths = _batches(row["batch"] + 1)[row["batch"]]
+    plan = _plan(spec, cluster, raw, lengths, row["planner"], row["options"], row["seed"])
+    result = simulate_plan(plan, completed)
+    terms = step_time_terms(plan, completed)
+    not_run = terms["grad_norm"] + (0.0 if row["optimizer"] else terms["optimizer"])
+    return {"plan": plan, "lengths": lengths, "predicted": result.step_time_s - not_run, "terms": terms,
+            "step_end": result.step_end_s}
+
+
+
+def straight_line_step(row: dict, plan) -> float:
+    """What simulate predicted before: the profile's own straight-line fit, no step terms."""
+    spec, cluster, raw, _ = _models(row["model"])
+    return simulate_plan(plan, raw).step_time_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    out = Path(__file__).resolve().parent / "results" / "time_model_h200.json"
+    rows = []
+    for row in h200_rows():
+        got = predict_row(row)
+        old = straight_line_step(row, got["plan"])
+        rows.append({"row": row["id"], "model": row["model"], "planner": row["planner"], "batch": row["batch"],
+                     "tokens": sum(got["lengths"]), "chunks": len(got["plan"].pipelines[0].chunks),
+                     "measured_s": row["measured"], "timed": "run_step + optimizer" if row["optimizer"] else "run_step",
+                     "predicted_s": got["predicted"], "error": got["predicted"] / row["measured"] - 1,
+                     "straight_line_s": old, "straight_line_error": old / row["measured"] - 1,
+                     "terms_s": got["terms"]})
+        print(f"{row['id']:<26} measured {row['measured']:.4f} s  predicted {got['predicted']:.4f} s "
+              f"({rows[-1]['error']:+.1%}; straight line {rows[-1]['straight_line_error']:+.1%})")
+    fits = {}
+    for name in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+        done = complete_profile(Profile.load(DATA / f"profile-{name}.json"), model_preset(name))
+        fits[name] = {"held_out_error": done.meta["held_out_error_refit"],
+                      "straight_line_held_out_error": {k: done.meta["held_out_error"][k] for k in ("fwd", "bwd")},
+                      "scheme": vars(done.schemes["tp1-cp1"]), "step": done.step.to_dict(),
+                      "completed": done.meta["completed"]}
+    mape = statistics.fmean(abs(r["error"]) for r in rows)
+    within = sum(abs(r["error"]) <= TARGET for r in rows)
+    results = {"format": "lengthwise.time_model_h200/1", "device": "NVIDIA H200 (measured 2026-11-27)",
+               "predicted": "simulated (cost/time.py time model)", "rows": rows, "step_time_mape": mape,
+               "rows_within_10_percent": within, "rows_total": len(rows), "fits": fits,
+               "command": "python benchmarks/time_model_h200.py"}
+    write_atomic(out, json_text(results))
+    print(f"step time MAPE {mape:.1%}, {within} of {len(rows)} steps within {TARGET:.0%}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

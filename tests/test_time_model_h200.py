@@ -1,0 +1,99 @@
+"""The time model against the first H200 run's measured steps (benchmarks/results/
+h200-2026-11-27/README.md; the reconstruction is benchmarks/time_model_h200.py's).
+
+Each measured step's global batch is drawn again with the project's sampler (chunkflow-eval
+lengths, seed 0, 64 sequences, 32K context, truncated, as the benchmarks drew them) and planned
+as the benchmark planned it (with the profile as it was, so the same plan); the reconstruction
+is checked against what the files recorded (tokens, longest sequence, chunks, ChunkSize). The
+plan is then simulated with that profile completed (cost/estimate.py: host floors refitted from
+its samples, step terms estimated from bandwidth) and compared with the measured step, counting
+only what the measurement ran: bench_gpu_finetune.py times run_step + the optimizer step (no
+gradient norm), sim_fidelity.py times run_step alone.
+
+Target (issue 26): every step within 10%, per-layer held-out error <= 5% mean. Rows and fits
+that miss it are marked xfail(strict) with their residual, so the day they pass the test says so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from lengthwise.cost import Profile
+from lengthwise.cost.estimate import complete_profile
+from lengthwise.specs import model_preset
+
+_spec = importlib.util.spec_from_file_location(
+    "time_model_h200", Path(__file__).resolve().parents[1] / "benchmarks" / "time_model_h200.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+DATA, TARGET, _json = bench.DATA, bench.TARGET, bench._json
+
+ROWS = bench.h200_rows()
+MISSES = {"0.5b-simfidelity-batch1": -0.11}
+"""Residuals (predicted / measured - 1) of the rows this model misses, when it was written."""
+
+
+def _marks(row):
+    if row["id"] in MISSES:
+        return [pytest.mark.xfail(strict=True, reason=f"~{MISSES[row['id']]:+.0%}: the 0.5B step's one chunk "
+                                  "holds 30K tokens of 64 documents, beyond the profile's samples "
+                                  "(16K tokens, 16 documents)")]
+    return []
+
+
+@pytest.fixture(scope="module")
+def predictions() -> dict:
+    return {row["id"]: bench.predict_row(row) for row in ROWS}
+
+
+def test_batches_and_plans_are_the_measured_ones(predictions):
+    """The sampler and planner give back the batches the files recorded."""
+    bench = _json("gpu_finetune_0.5b_32k.json")["models"]["qwen2.5-0.5b"]["runs"]
+    for row in ROWS:
+        got = predictions[row["id"]]
+        assert max(got["lengths"]) == row["longest"] and len(got["lengths"]) == 64, row["id"]
+        if row.get("chunk_size") is not None and row["planner"] == "chunkflow":
+            assert got["plan"].metrics["chunk_size"] == row["chunk_size"], row["id"]
+        if "tokens" in row:
+            assert sum(got["lengths"]) == row["tokens"] and len(got["plan"].pipelines[0].chunks) == row["chunks"]
+    timed = [p for p in predictions if p.startswith("0.5b-packing")]
+    assert sum(sum(predictions[p]["lengths"]) for p in timed) == next(r["tokens"] for r in bench
+                                                                       if r["system"] == "packing")
+
+
+def test_one_stage_step_is_the_sum_of_its_terms(predictions):
+    for row in ROWS:
+        got = predictions[row["id"]]
+        run = got["terms"]["grad_norm"] + (0.0 if row["optimizer"] else got["terms"]["optimizer"])
+        assert got["predicted"] + run == pytest.approx(sum(got["terms"].values()), rel=1e-12)
+        assert got["terms"]["layers"] > got["terms"]["head"] > got["terms"]["optimizer"] > 0
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, id=r["id"], marks=_marks(r)) for r in ROWS])
+def test_h200_step_within_target(row, predictions):
+    predicted = predictions[row["id"]]["predicted"]
+    assert abs(predicted / row["measured"] - 1) <= TARGET
+
+
+def test_model_beats_the_straight_line_on_every_h200_step(predictions):
+    """Against the profile's own straight-line fit with no step terms (what simulate used)."""
+    for row in ROWS:
+        old = bench.straight_line_step(row, predictions[row["id"]]["plan"])
+        assert abs(predictions[row["id"]]["predicted"] / row["measured"] - 1) < abs(old / row["measured"] - 1)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-1.5b",
+                                  pytest.param("qwen2.5-0.5b", marks=pytest.mark.xfail(
+                                      strict=True, reason="fwd 11.4%, bwd 8.7%: its small chunks' times scatter "
+                                      "1.3-2.3 ms at equal work"))])
+def test_layer_fit_held_out_error_within_5_percent(name):
+    errors = complete_profile(Profile.load(DATA / f"profile-{name}.json"), model_preset(name)).meta[
+        "held_out_error_refit"]
+    recorded = _json(f"profile-{name}.json")["meta"]["held_out_error"]
+    for key in ("fwd", "bwd"):
+        assert errors[key]["count"] == recorded[key]["count"]   # the same held-out samples
+        assert errors[key]["mean"] < recorded[key]["mean"]      # better than the straight line
+    assert max(errors["fwd"]["mean"], errors["bwd"]["mean"]) <= 0.05
