@@ -61,6 +61,7 @@ from bench_common import (
     with_long_sequence,
     write_results,
 )
+from finetune_checks import check_targets, chunkflow_ratios
 from hf_baselines import (
     PACKED_ATTENTION,
     build_hf,
@@ -332,10 +333,13 @@ def scan_spread(rows: list[dict]) -> float | None:
 
 # ---- per model, targets, output -------------------------------------------------------------------
 
-def bench_model(name: str, dev: Device, s: Settings, profile_files: dict, out_dir: Path) -> dict:
+def bench_model(name: str, dev: Device, s: Settings, profile_files: dict, out_dir: Path, entry: dict,
+                save=lambda: None) -> None:
+    """Fill `entry` with the model's runs, calling `save` after each (a run cut short by a
+    time limit keeps the systems it finished)."""
     spec = model_preset(name)
     profile, path = acquire_profile(spec, dev, tiny=s.tiny, given=profile_files.get(name), out_dir=out_dir)
-    entry = {"profile_file": path, "profile_held_out_error": profile.meta.get("held_out_error"), "runs": []}
+    entry.update({"profile_file": path, "profile_held_out_error": profile.meta.get("held_out_error"), "runs": []})
     if dev.cuda:
         entry["varlen_check"] = check_backend("varlen", device=dev.device, dtype=dev.dtype, heads=spec.num_heads,
                                               kv_heads=spec.num_kv_heads, head_dim=spec.head_dim).to_dict()
@@ -348,34 +352,11 @@ def bench_model(name: str, dev: Device, s: Settings, profile_files: dict, out_di
         for system in s.systems:
             entry["runs"].append(run_system(system, spec, dev, s, profile, context, batches))
             print(_row_line(name, entry["runs"][-1]), file=sys.stderr)
+            save()
     if s.scan_contexts:
         shorts = [n for n in first_batch if n <= s.scan_chunk_size][: s.batch_size - 1]
         entry["memory_scan"] = memory_scan(spec, dev, s, profile, shorts)
         entry["memory_scan_spread"] = scan_spread(entry["memory_scan"])
-    return entry
-
-
-def check_targets(models: dict, s: Settings) -> list[dict]:
-    """Issue 8's targets at the first context length."""
-    checks, ctx = [], s.contexts[0]
-    for name, entry in models.items():
-        runs = {r["system"]: r for r in entry["runs"] if r["context"] == ctx}
-        cf = runs.get("chunkflow", {})
-        for base, target in (("hf-padded", 2.0), ("packing", 1.1)):
-            value = (cf["tokens_per_s"] / runs[base]["tokens_per_s"]
-                     if "tokens_per_s" in cf and "tokens_per_s" in runs.get(base, {}) else None)
-            checks.append(_check(f"{name} @{ctx}: chunkflow / {base} tokens/s", value, target))
-        if "1.5b" in name:
-            checks.append(_check(f"{name} @{ctx}: chunkflow MFU", cf.get("mfu"), 0.45))
-        if "memory_scan" in entry:
-            checks.append(_check(f"{name}: chunkflow peak minus K/V spread over the scan", entry["memory_scan_spread"],
-                                 0.10, at_most=True))
-    return checks
-
-
-def _check(name: str, value, target: float, at_most: bool = False) -> dict:
-    met = None if value is None else (value <= target if at_most else value >= target)
-    return {"check": name, "value": value, "target": ("<= " if at_most else ">= ") + f"{target}", "met": met}
 
 
 def _row_line(model: str, r: dict) -> str:
@@ -400,15 +381,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     profile_files = dict(text.split("=", 1) for text in args.profile_file)
     out = Path(args.out) if args.out else RESULTS / f"gpu_finetune_{'tiny_' if s.tiny else ''}{slug(dev.name)}.json"
-    models = {name: bench_model(name, dev, s, profile_files, out.parent) for name in s.models}
     import transformers
 
     results = {"format": "lengthwise.bench_gpu_finetune/1", **dev.describe(),
                "transformers": transformers.__version__, "seed": s.seed,
-               "settings": dataclasses.asdict(s), "models": models, "targets": check_targets(models, s)}
-    write_results(out, results, __file__, argv)
+               "settings": dataclasses.asdict(s), "complete": False, "models": {}}
+
+    def save():
+        results.update(targets=check_targets(results["models"], s), ratios=chunkflow_ratios(results["models"]))
+        write_results(out, results, __file__, argv)
+
+    for name in s.models:
+        results["models"][name] = {}
+        bench_model(name, dev, s, profile_files, out.parent, results["models"][name], save)
+    results["complete"] = True
+    save()
     for c in results["targets"]:
         print(f"{c['check']}: {c['value']} (target {c['target']}): {c['met']}", file=sys.stderr)
+    for r in results["ratios"]:
+        print(f"{r['model']} @{r['context']}: {r['ratio']}: {r['value']:.3f}", file=sys.stderr)
     print(f"wrote {out}")
     return 0
 
