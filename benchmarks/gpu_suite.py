@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -180,16 +179,27 @@ def step_env(tiny: bool) -> dict:
     return env
 
 
-def describe_machine(tiny: bool) -> dict:
-    """Device and versions, read in this process (the steps' own JSON repeat theirs)."""
-    import torch
-    import transformers
+_DESCRIBE = """
+import json, platform, sys, torch, transformers
+cuda = torch.cuda.is_available() and sys.argv[1] == "gpu"
+print(json.dumps({"device": torch.cuda.get_device_name(0) if cuda else "cpu (" + platform.machine() + ")",
+                  "device_type": "cuda" if cuda else "cpu", "torch": torch.__version__,
+                  "cuda": torch.version.cuda if cuda else None, "transformers": transformers.__version__,
+                  "python": platform.python_version()}))
+"""
 
-    cuda = torch.cuda.is_available() and not tiny
-    return {"device": torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.machine()})",
-            "device_type": "cuda" if cuda else "cpu", "torch": torch.__version__,
-            "cuda": torch.version.cuda if cuda else None, "transformers": transformers.__version__,
-            "python": platform.python_version(), "commit": _commit()}
+
+def describe_machine(tiny: bool) -> dict:
+    """Device (torch.cuda.get_device_name) and versions, read in a child process: a CUDA
+    context in this long-lived one would hold GPU memory away from every step."""
+    proc = subprocess.run([PY, "-c", _DESCRIBE, "cpu" if tiny else "gpu"], capture_output=True, text=True,
+                          timeout=120)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        machine = {"device": "unknown", "device_type": "unknown", "describe_error": tail[:300]}
+    else:
+        machine = json.loads(proc.stdout)
+    return {**machine, "commit": _commit()}
 
 
 def _commit() -> str | None:
@@ -227,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     machine = describe_machine(args.tiny)
     out = Path(args.out) if args.out else default_out(machine, args.tiny)
-    steps = suite_steps(out.resolve(), tiny=args.tiny, cuda=machine["device_type"] == "cuda")
+    steps = suite_steps(out.resolve(), tiny=args.tiny, cuda=machine["device_type"] != "cpu")
     if args.tiny:  # the limits budget a GPU lease; on a shared CPU they only stop a hang
         steps = [dataclasses.replace(s, limit_s=TINY_LIMIT_S) for s in steps]
     if args.list:
