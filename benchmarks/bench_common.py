@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -99,6 +100,18 @@ def sample_batches(workload: str, context: int, batch_size: int, count: int, see
     """`count` global batches of `batch_size` sequence lengths, cut to the context length."""
     sampler = GlobalBatchSampler(profile_source(workload, context, overlong), seed=seed, batch_size=batch_size)
     return [list(sampler.next_batch().lengths) for _ in range(count)]
+
+
+def with_long_sequence(batches: list[list[int]], low: int, high: int, *, seed: int) -> list[list[int]]:
+    """Each batch with one sampled sequence, at a random place, replaced by one of low..high
+    tokens (uniform): every step then holds a sequence longer than any chunk, which the
+    chunkflow-eval profile alone rarely gives (its 64-sequence batches seldom pass 4K)."""
+    rng = random.Random(seed)
+    out = []
+    for lengths in batches:
+        at = rng.randrange(len(lengths))
+        out.append([*lengths[:at], rng.randint(low, high), *lengths[at + 1:]])
+    return out
 
 
 def random_token_ids(lengths: list[int], vocab: int, seed: int) -> list[torch.Tensor]:

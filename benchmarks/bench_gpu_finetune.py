@@ -4,16 +4,21 @@ packing and ChunkFlow, on chunkflow-eval's long-tail lengths (chunkflow.txt §6)
     python benchmarks/bench_gpu_finetune.py                       # 0.5B + 1.5B, 32K + 128K, all systems (GPU)
     python benchmarks/bench_gpu_finetune.py --models qwen2.5-1.5b --contexts 32768 --systems chunkflow,packing
     python benchmarks/bench_gpu_finetune.py --profile-file qwen2.5-0.5b=p05.json --no-scan
+    python benchmarks/bench_gpu_finetune.py --contexts 131072 --long-sequence 65536-131072 --systems chunkflow
     python benchmarks/bench_gpu_finetune.py --tiny --out /tmp/bench.json    # CPU, tiny model, a few seconds
 
 Per model (Qwen2.5 architectures, random weights, bf16 weights, gradients and AdamW states) and
 context length: `--warmup` + `--steps` global batches of `--batch-size` sequences from the
-chunkflow-eval length profile (longer ones truncated to the context), random token ids, and for
+chunkflow-eval length profile (longer ones truncated to the context; with --long-sequence LO-HI one
+sequence of each batch replaced by one of LO..HI tokens, so every step holds a sequence that
+ChunkFlow must split), random token ids, and for
 each system a fresh model and AdamW from the same seed, run over the same batches:
 
 - hf-padded: transformers' model, right-padded micro-batches within a context-length token
   budget (hf_baselines.py);
-- hf-packed: transformers' model, padding-free rows via position_ids (SDPA, no flash-attn);
+- hf-packed: transformers' model, padding-free rows via position_ids, with the best attention
+  transformers has without flash-attn: flex_attention (document BlockMask) where it can train,
+  else SDPA; each hf row names its `attn_implementation` (hf_baselines.py);
 - packing: lengthwise's `packing` plan on the lengthwise executor;
 - chunkflow: lengthwise's `chunkflow` plan with (ChunkSize, K) from its grid search
   (chunk_size="auto", scored by the simulator with this device's measured profile).
@@ -53,9 +58,19 @@ from bench_common import (
     sample_batches,
     slug,
     timed,
+    with_long_sequence,
     write_results,
 )
-from hf_baselines import build_hf, check_packing_supported, hf_packed_step, hf_padded_step, packed_rows
+from finetune_checks import check_targets, chunkflow_ratios
+from hf_baselines import (
+    PACKED_ATTENTION,
+    build_hf,
+    check_packing_supported,
+    configure_attention,
+    hf_packed_step,
+    hf_padded_step,
+    packed_rows,
+)
 
 from lengthwise.cost import CostModel
 from lengthwise.cost.flops import sequence_model_flops
@@ -97,6 +112,10 @@ class Settings:
     """transformers' gradient checkpointing (off: the default a fine-tuning script starts from)."""
     peak_tflops: float | None = None
     """Peak FLOP/s for MFU (default: 989 on H100/H200, else the cluster preset's)."""
+    long_sequence: tuple[int, int] | None = None
+    """(low, high): each batch gets one sequence of low..high tokens in place of a sampled one."""
+    hf_attention: str = "auto"
+    """hf-packed's attention: auto (flex_attention where it trains, else sdpa), or one of them."""
     seed: int = 0
     tiny: bool = False
 
@@ -106,7 +125,8 @@ def tiny_settings(args) -> Settings:
     return Settings(models=["tiny-qwen"], contexts=[256], systems=_systems(args.systems), batch_size=8,
                     warmup=1, steps=1, chunk_size=args.chunk_size if args.chunk_size != "auto" else "64",
                     scan_contexts=[] if args.no_scan else [128, 256, 512], scan_chunk_size=64,
-                    workload="tiny", lr=args.lr, seed=args.seed, tiny=True)
+                    workload="tiny", lr=args.lr, long_sequence=args.long_sequence, hf_attention=args.hf_attention,
+                    seed=args.seed, tiny=True)
 
 
 def parse_args(argv):
@@ -122,6 +142,10 @@ def parse_args(argv):
     ap.add_argument("--scan-chunk-size", type=int, default=8192)
     ap.add_argument("--no-scan", action="store_true", help="skip the memory scan")
     ap.add_argument("--hf-checkpointing", action="store_true", help="gradient checkpointing for transformers")
+    ap.add_argument("--hf-attention", default="auto", choices=PACKED_ATTENTION,
+                    help="hf-packed attention: auto = flex_attention where it trains, else sdpa")
+    ap.add_argument("--long-sequence", type=_length_range, metavar="LO-HI",
+                    help="one sequence of LO..HI tokens per batch (at most the context), e.g. 65536-131072")
     ap.add_argument("--profile-file", action="append", default=[], metavar="MODEL=FILE",
                     help="use this measured profile for MODEL instead of measuring one")
     ap.add_argument("--peak-tflops", type=float)
@@ -132,6 +156,17 @@ def parse_args(argv):
     ap.add_argument("--tiny", action="store_true", help="tiny model and sizes (runs on CPU in seconds)")
     ap.add_argument("--out", help="results JSON (default benchmarks/results/gpu_finetune_<device>.json)")
     return ap.parse_args(argv)
+
+
+def _length_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    try:
+        bounds = int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LO-HI in tokens, e.g. 65536-131072") from None
+    if not 0 < bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 < LO <= HI")
+    return bounds
 
 
 def _systems(text: str) -> list[str]:
@@ -150,7 +185,8 @@ def settings_from_args(args) -> Settings:
                     batch_size=args.batch_size, warmup=args.warmup, steps=args.steps, chunk_size=args.chunk_size,
                     scan_contexts=[] if args.no_scan else ints(args.scan_contexts),
                     scan_chunk_size=args.scan_chunk_size, lr=args.lr, hf_checkpointing=args.hf_checkpointing,
-                    peak_tflops=args.peak_tflops, seed=args.seed)
+                    peak_tflops=args.peak_tflops, long_sequence=args.long_sequence, hf_attention=args.hf_attention,
+                    seed=args.seed)
 
 
 # ---- one system on one context -----------------------------------------------------------------
@@ -171,10 +207,11 @@ class Runner:
             check_packing_supported()
         model = build_model(spec, dtype=dev.dtype, device=dev.device, seed=s.seed)
         self.model = build_hf(model, checkpointing=s.hf_checkpointing) if system.startswith("hf") else model
+        self.plan_ms, self.plan_info, self.splits = [], {}, []
         if self.model is not model:
             del model
+            self.plan_info = configure_attention(self.model, system, s.hf_attention, spec.vocab)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=s.lr, fused=dev.cuda)
-        self.plan_ms, self.plan_info = [], {}
 
     def prepare(self, lengths: list[int]):
         """The step's plan (lengthwise systems), timed apart from the step."""
@@ -187,6 +224,7 @@ class Runner:
             plan_request(self.spec, self.dev, self.profile, lengths, self.context, options)), self.dev)
         self.plan_ms.append(plan_s * 1e3)
         self.plan_info = {k: plan.metrics[k] for k in ("chunk_size", "k") if k in plan.metrics}
+        self.splits.append(split_sequences(plan))
         return plan
 
     def step(self, lengths, plan, token_ids) -> float:
@@ -199,6 +237,12 @@ class Runner:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return float(loss)
+
+
+def split_sequences(plan) -> int:
+    """How many sequences the plan cuts into more than one segment."""
+    return len({seg.seq_id for p in plan.pipelines for c in p.chunks for seg in c.segments
+                if seg.start > 0 or seg.stop < plan.lengths[seg.seq_id]})
 
 
 def _chunk_size(text: str):
@@ -241,7 +285,8 @@ def _measure(runner: Runner, batches, dev: Device, s: Settings, spec) -> dict:
             "step_time_s": statistics.fmean(times), "step_times_s": times, "tokens": tokens,
             "longest_per_step": longest,
             "peak_memory_bytes": max(peaks), "memory_kind": peak.kind, "first_loss": losses[0], "losses": losses,
-            "planning_ms_mean": statistics.fmean(runner.plan_ms) if runner.plan_ms else None, **runner.plan_info}
+            "planning_ms_mean": statistics.fmean(runner.plan_ms) if runner.plan_ms else None,
+            **({"split_sequences_per_step": runner.splits[s.warmup:]} if runner.splits else {}), **runner.plan_info}
 
 
 # ---- memory scan ---------------------------------------------------------------------------------
@@ -288,48 +333,30 @@ def scan_spread(rows: list[dict]) -> float | None:
 
 # ---- per model, targets, output -------------------------------------------------------------------
 
-def bench_model(name: str, dev: Device, s: Settings, profile_files: dict, out_dir: Path) -> dict:
+def bench_model(name: str, dev: Device, s: Settings, profile_files: dict, out_dir: Path, entry: dict,
+                save=lambda: None) -> None:
+    """Fill `entry` with the model's runs, calling `save` after each (a run cut short by a
+    time limit keeps the systems it finished)."""
     spec = model_preset(name)
     profile, path = acquire_profile(spec, dev, tiny=s.tiny, given=profile_files.get(name), out_dir=out_dir)
-    entry = {"profile_file": path, "profile_held_out_error": profile.meta.get("held_out_error"), "runs": []}
+    entry.update({"profile_file": path, "profile_held_out_error": profile.meta.get("held_out_error"), "runs": []})
     if dev.cuda:
         entry["varlen_check"] = check_backend("varlen", device=dev.device, dtype=dev.dtype, heads=spec.num_heads,
                                               kv_heads=spec.num_kv_heads, head_dim=spec.head_dim).to_dict()
     first_batch = None
     for context in s.contexts:
         batches = sample_batches(s.workload, context, s.batch_size, s.warmup + s.steps, s.seed)
+        if s.long_sequence:
+            batches = with_long_sequence(batches, *s.long_sequence, seed=s.seed)
         first_batch = first_batch or batches[0]
         for system in s.systems:
             entry["runs"].append(run_system(system, spec, dev, s, profile, context, batches))
             print(_row_line(name, entry["runs"][-1]), file=sys.stderr)
+            save()
     if s.scan_contexts:
         shorts = [n for n in first_batch if n <= s.scan_chunk_size][: s.batch_size - 1]
         entry["memory_scan"] = memory_scan(spec, dev, s, profile, shorts)
         entry["memory_scan_spread"] = scan_spread(entry["memory_scan"])
-    return entry
-
-
-def check_targets(models: dict, s: Settings) -> list[dict]:
-    """Issue 8's targets at the first context length."""
-    checks, ctx = [], s.contexts[0]
-    for name, entry in models.items():
-        runs = {r["system"]: r for r in entry["runs"] if r["context"] == ctx}
-        cf = runs.get("chunkflow", {})
-        for base, target in (("hf-padded", 2.0), ("packing", 1.1)):
-            value = (cf["tokens_per_s"] / runs[base]["tokens_per_s"]
-                     if "tokens_per_s" in cf and "tokens_per_s" in runs.get(base, {}) else None)
-            checks.append(_check(f"{name} @{ctx}: chunkflow / {base} tokens/s", value, target))
-        if "1.5b" in name:
-            checks.append(_check(f"{name} @{ctx}: chunkflow MFU", cf.get("mfu"), 0.45))
-        if "memory_scan" in entry:
-            checks.append(_check(f"{name}: chunkflow peak minus K/V spread over the scan", entry["memory_scan_spread"],
-                                 0.10, at_most=True))
-    return checks
-
-
-def _check(name: str, value, target: float, at_most: bool = False) -> dict:
-    met = None if value is None else (value <= target if at_most else value >= target)
-    return {"check": name, "value": value, "target": ("<= " if at_most else ">= ") + f"{target}", "met": met}
 
 
 def _row_line(model: str, r: dict) -> str:
@@ -348,17 +375,31 @@ def main(argv: list[str] | None = None) -> int:
     dev = Device.pick(args.device, args.dtype)
     if not dev.cuda and not s.tiny:
         raise SystemExit("full sizes need a GPU; on CPU add --tiny")
+    if s.long_sequence and s.long_sequence[1] > min(s.contexts):
+        print(f"--long-sequence {s.long_sequence[1]} exceeds the context {min(s.contexts)}: lower HI or raise "
+              "--contexts", file=sys.stderr)
+        return 2
     profile_files = dict(text.split("=", 1) for text in args.profile_file)
     out = Path(args.out) if args.out else RESULTS / f"gpu_finetune_{'tiny_' if s.tiny else ''}{slug(dev.name)}.json"
-    models = {name: bench_model(name, dev, s, profile_files, out.parent) for name in s.models}
     import transformers
 
     results = {"format": "lengthwise.bench_gpu_finetune/1", **dev.describe(),
                "transformers": transformers.__version__, "seed": s.seed,
-               "settings": dataclasses.asdict(s), "models": models, "targets": check_targets(models, s)}
-    write_results(out, results, __file__, argv)
+               "settings": dataclasses.asdict(s), "complete": False, "models": {}}
+
+    def save():
+        results.update(targets=check_targets(results["models"], s), ratios=chunkflow_ratios(results["models"]))
+        write_results(out, results, __file__, argv)
+
+    for name in s.models:
+        results["models"][name] = {}
+        bench_model(name, dev, s, profile_files, out.parent, results["models"][name], save)
+    results["complete"] = True
+    save()
     for c in results["targets"]:
         print(f"{c['check']}: {c['value']} (target {c['target']}): {c['met']}", file=sys.stderr)
+    for r in results["ratios"]:
+        print(f"{r['model']} @{r['context']}: {r['ratio']}: {r['value']:.3f}", file=sys.stderr)
     print(f"wrote {out}")
     return 0
 

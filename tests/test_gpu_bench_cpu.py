@@ -109,3 +109,37 @@ def test_sim_fidelity_runs_tiny_on_cpu_and_writes_valid_json(tmp_path, monkeypat
         assert row["step_error"] == pytest.approx(abs(row["predicted_step_s"] / row["measured_step_s"] - 1))
     assert result["step_time_mape"] == pytest.approx(sum(r["step_error"] for r in result["batches"]) / 2)
     assert [t["check"] for t in result["targets"]] == ["step_time_mape", "peak_memory_mape"]
+
+
+def test_packed_anchor_falls_back_to_sdpa_with_the_reason(monkeypatch):
+    """flex_attention cannot train on CPU: auto picks sdpa and says why, an explicit request is
+    refused; a compiler failure where flex_attention should work falls back too, an OOM does not."""
+    hf_baselines = load_script("hf_baselines", monkeypatch)
+    from lengthwise.errors import UserError
+    from lengthwise.runtime.model import build_model
+    from lengthwise.specs import model_preset
+
+    cpu = torch.device("cpu")
+    implementation, reason = hf_baselines.packed_attention("auto", cpu)
+    assert implementation == "sdpa" and "cpu" in reason
+    with pytest.raises(UserError, match="--hf-attention"):
+        hf_baselines.packed_attention("flex_attention", cpu)
+    spec = model_preset("tiny-qwen")
+    hf = hf_baselines.build_hf(build_model(spec, dtype=torch.float32, device=cpu, seed=0), checkpointing=False)
+    assert hf_baselines.configure_attention(hf, "hf-padded", "auto", spec.vocab) == {"attn_implementation": "sdpa"}
+    monkeypatch.setattr(hf_baselines, "flex_unavailable", lambda device: None)
+
+    def no_compiler(model, vocab):
+        raise RuntimeError("backend='inductor' raised: no working C compiler")
+
+    monkeypatch.setattr(hf_baselines, "warm_up_flex", no_compiler)
+    info = hf_baselines.configure_attention(hf, "hf-packed", "auto", spec.vocab)
+    assert info["attn_implementation"] == "sdpa" == hf.config._attn_implementation
+    assert "failed to compile" in info["attn_fallback_reason"] and "C compiler" in info["attn_fallback_reason"]
+
+    def out_of_memory(model, vocab):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(hf_baselines, "warm_up_flex", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        hf_baselines.configure_attention(hf, "hf-packed", "auto", spec.vocab)

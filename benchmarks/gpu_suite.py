@@ -1,0 +1,268 @@
+"""Every GPU measurement the project needs, as one command that fits a short lease on one GPU.
+
+    bash benchmarks/gpu_suite.sh                        # one H100/H200: about 5 minutes, at most 7.5
+    bash benchmarks/gpu_suite.sh --out /tmp/gpu         # the JSON files elsewhere ($OUT when set)
+    bash benchmarks/gpu_suite.sh --tiny --out /tmp/t    # the same steps on CPU, tiny models and sizes
+    bash benchmarks/gpu_suite.sh --list                 # print the steps and their limits, run nothing
+
+Each step is one process with its own time limit (killed past it, rc 124), run in order; a
+failed step is recorded and the suite goes on, except that a step whose input (a profile) a
+failed step should have written is skipped with that reason. Everything lands in one folder:
+each step's JSON, its log under logs/, and summary.json (device, torch/CUDA/transformers
+versions, commit; per step its command, limit, rc, wall time, output file), rewritten after
+every step so a suite cut short still says how far it got. Exit 0 only when every step that
+ran succeeded and wrote its file.
+
+The steps' limits add up to 450 s (--tiny: 600 s each, only to stop a hang). They come from the first H200 run
+(/work/shared/gpu-results/2026-11-27-h200/log.txt): the varlen check took 17 s, verify 14 s,
+a 0.5B profile 15 s, sim_fidelity 22 s, and bench_gpu_finetune about 15 s a system for building
+its model plus 0.4 s (lengthwise) to 2.5 s (transformers padded) a step at 32K; each limit
+is about 1.5 times that, plus the compilation of flex_attention for the transformers anchor.
+The steps run the cheap, decisive checks first and the anchor (the one compile) last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE_LIMIT_S = 480
+"""The suite's promise: all steps' limits together stay under 8 minutes."""
+TINY_LIMIT_S = 600
+
+
+@dataclass(kw_only=True)
+class Step:
+    """One command of the suite."""
+
+    name: str
+    argv: list[str]
+    """The command, run from the repository root (python3 ... ; paths relative to the root)."""
+    limit_s: int
+    """Killed past this many seconds (rc 124)."""
+    output: str | None = None
+    """The file it writes, relative to the suite's folder (None: its log is its record)."""
+    stdout_is_output: bool = False
+    """The command prints its JSON on stdout (lengthwise verify --json): saved as `output`."""
+    needs: list[str] = field(default_factory=list)
+    """Files of earlier steps it reads; missing ones skip it."""
+    skip_reason: str | None = None
+    """Set when the step cannot run in this mode (the varlen check on CPU)."""
+
+
+# ---- the steps -----------------------------------------------------------------------------------
+
+PY = "python3"
+BENCH = "benchmarks/bench_gpu_finetune.py"
+
+
+def profile_step(model: str, tiny_model: str, out: Path, tiny: bool, limit_s: int) -> Step:
+    name = tiny_model if tiny else model
+    sizes = (["--device", "cpu", "--layers", "1", "--min-tokens", "16", "--max-tokens", "64", "--max-context",
+              "256", "--repeats", "1", "--warmup", "0"] if tiny else ["--max-tokens", "16384", "--repeats", "2"])
+    return Step(name=f"profile-{model.removeprefix('qwen2.5-')}", limit_s=limit_s,
+                argv=[PY, "-m", "lengthwise", "profile", "--model", name, *sizes, "--out",
+                      str(out / f"profile-{name}.json")], output=f"profile-{name}.json")
+
+
+def finetune_step(name: str, out: Path, tiny: bool, limit_s: int, *, context: int, systems: str,
+                  extra: list[str]) -> Step:
+    """bench_gpu_finetune.py on qwen2.5-0.5b (tiny-qwen with --tiny), 1 warm-up + 2 timed steps."""
+    model = "tiny-qwen" if tiny else "qwen2.5-0.5b"
+    profile = out / f"profile-{model}.json"
+    sizes = (["--tiny", "--device", "cpu"] if tiny else
+             ["--models", model, "--contexts", str(context), "--steps", "2", "--warmup", "1"])
+    return Step(name=name, limit_s=limit_s, output=f"{name}.json", needs=[profile.name],
+                argv=[PY, BENCH, *sizes, "--systems", systems, "--no-scan", *extra,
+                      "--profile-file", f"{model}={profile}", "--out", str(out / f"{name}.json")])
+
+
+def suite_steps(out: Path, *, tiny: bool, cuda: bool) -> list[Step]:
+    """The suite, in running order. --tiny keeps every step and its JSON, at CPU sizes: tiny
+    models, a 256-token context, ChunkSize 64/128 standing for auto/8192, sequences of 160-256
+    tokens standing for the 64K-128K long ones (still several chunks each)."""
+    device = ["--device", "cpu", "--lengths", "60,20,9", "--chunk-size", "16"] if tiny else \
+             ["--device", "cuda", "--dtype", "bfloat16", "--backend", "varlen", "--lengths", "200,30,17,60,5",
+              "--chunk-size", "64"]
+    chunk_8k = "128" if tiny else "8192"
+    long_range = "160-256" if tiny else "65536-131072"
+    p05 = f"profile-{'tiny-qwen' if tiny else 'qwen2.5-0.5b'}.json"
+    return [
+        Step(name="varlen-check", limit_s=25,
+             argv=[PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_bench_cpu.py", "-k", "varlen"],
+             skip_reason=None if cuda and not tiny else "needs CUDA (torch.nn.attention.varlen): not run with --tiny"),
+        Step(name="verify", limit_s=25, output="verify.json", stdout_is_output=True,
+             argv=[PY, "-m", "lengthwise", "verify", "--model-config", "tiny-qwen", *device, "--k", "1", "--json"]),
+        profile_step("qwen2.5-0.5b", "tiny-qwen", out, tiny, 30),
+        profile_step("qwen2.5-1.5b", "tiny", out, tiny, 35),
+        # the transformers rows run in this same process (ratios within one run), anchor last
+        finetune_step("finetune-0.5b-32k", out, tiny, 170, context=32768,
+                      systems="packing,chunkflow,hf-padded,hf-packed", extra=[]),
+        finetune_step("finetune-0.5b-32k-chunk8k", out, tiny, 35, context=32768, systems="chunkflow",
+                      extra=["--chunk-size", chunk_8k]),
+        finetune_step("finetune-0.5b-128k-long", out, tiny, 90, context=131072, systems="packing,chunkflow",
+                      extra=["--chunk-size", chunk_8k, "--long-sequence", long_range]),
+        Step(name="sim-fidelity-0.5b-32k", limit_s=40, output="sim-fidelity-0.5b-32k.json", needs=[p05],
+             argv=[PY, "benchmarks/sim_fidelity.py", *(["--tiny", "--device", "cpu"] if tiny else
+                   ["--model", "qwen2.5-0.5b", "--context", "32768", "--batches", "2", "--repeats", "2"]),
+                   "--profile-file", str(out / p05), "--out", str(out / "sim-fidelity-0.5b-32k.json")]),
+    ]
+
+
+# ---- running them --------------------------------------------------------------------------------
+
+def run_step(step: Step, out: Path, env: dict) -> dict:
+    """Run one step under its limit; its record for the summary."""
+    record = {"name": step.name, "command": " ".join(step.argv), "limit_s": step.limit_s, "output": step.output}
+    missing = [n for n in step.needs if not (out / n).is_file()]
+    if step.skip_reason or missing:
+        reason = step.skip_reason or f"needs {', '.join(missing)}, which an earlier step did not write"
+        return {**record, "status": "skipped", "reason": reason, "rc": None, "wall_s": 0.0}
+    log = out / "logs" / f"{step.name}.log"
+    start, cpu_before = time.perf_counter(), _children_cpu_s()
+    with open(log, "w") as err:
+        if step.stdout_is_output:  # kept only when the command succeeds: no half-written JSON
+            partial = out / f"{step.output}.partial"
+            with open(partial, "w") as std:
+                rc = _launch(step, env, std, err)
+            if rc == 0:
+                partial.replace(out / step.output)
+        else:
+            rc = _launch(step, env, err, err)
+    record.update(rc=rc, wall_s=round(time.perf_counter() - start, 2),
+                  cpu_s=round(_children_cpu_s() - cpu_before, 2), log=str(log.relative_to(out)))
+    written = step.output is None or _nonempty(out / step.output)
+    record["status"] = "ok" if rc == 0 and written else ("timeout" if rc == 124 else "failed")
+    if rc == 0 and not written:
+        record["reason"] = f"exited 0 without writing {step.output}"
+    return record
+
+
+def _launch(step: Step, env: dict, stdout, stderr) -> int:
+    """The step's exit code, or 124 after killing its whole process group at the limit."""
+    proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
+    try:
+        return proc.wait(timeout=step.limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        return 124
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of finished child processes (a step's cost on a shared
+    machine, where wall time says more about the neighbours)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _nonempty(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
+
+
+def step_env(tiny: bool) -> dict:
+    """The steps' environment: src and benchmarks importable; one CPU thread for --tiny (the
+    tiny sizes gain nothing from threads, and a shared machine loses much to them)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, ["src", "benchmarks",
+                                                                     os.environ.get("PYTHONPATH")]))}
+    if tiny:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+_DESCRIBE = """
+import json, platform, sys, torch, transformers
+cuda = torch.cuda.is_available() and sys.argv[1] == "gpu"
+print(json.dumps({"device": torch.cuda.get_device_name(0) if cuda else "cpu (" + platform.machine() + ")",
+                  "device_type": "cuda" if cuda else "cpu", "torch": torch.__version__,
+                  "cuda": torch.version.cuda if cuda else None, "transformers": transformers.__version__,
+                  "python": platform.python_version()}))
+"""
+
+
+def describe_machine(tiny: bool) -> dict:
+    """Device (torch.cuda.get_device_name) and versions, read in a child process: a CUDA
+    context in this long-lived one would hold GPU memory away from every step."""
+    proc = subprocess.run([PY, "-c", _DESCRIBE, "cpu" if tiny else "gpu"], capture_output=True, text=True,
+                          timeout=120)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        machine = {"device": "unknown", "device_type": "unknown", "describe_error": tail[:300]}
+    else:
+        machine = json.loads(proc.stdout)
+    return {**machine, "commit": _commit()}
+
+
+def _commit() -> str | None:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() + (" (modified)" if dirty.stdout.strip() else "") if head.returncode == 0 else None
+
+
+def default_out(machine: dict, tiny: bool) -> Path:
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"])
+    name = "-".join("".join(c if c.isalnum() else " " for c in machine["device"].lower()).split())
+    return ROOT / "benchmarks" / "results" / f"gpu-{time.strftime('%Y-%m-%d')}-{'tiny-' if tiny else ''}{name}"
+
+
+def write_summary(out: Path, summary: dict) -> None:
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1))
+    tmp.replace(out / "summary.json")
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="folder for every file (default: $OUT, else benchmarks/results/gpu-DATE-DEVICE)")
+    ap.add_argument("--tiny", action="store_true", help="the same steps on CPU at tiny sizes (the test's mode)")
+    ap.add_argument("--list", action="store_true", help="print the steps and their limits; run nothing")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    machine = describe_machine(args.tiny)
+    out = Path(args.out) if args.out else default_out(machine, args.tiny)
+    steps = suite_steps(out.resolve(), tiny=args.tiny, cuda=machine["device_type"] != "cpu")
+    if args.tiny:  # the limits budget a GPU lease; on a shared CPU they only stop a hang
+        steps = [dataclasses.replace(s, limit_s=TINY_LIMIT_S) for s in steps]
+    if args.list:
+        for s in steps:
+            print(f"{s.limit_s:>4} s  {s.name:<28} {' '.join(s.argv)}")
+        print(f"{sum(s.limit_s for s in steps):>4} s  in all")
+        return 0
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    summary = {"format": "lengthwise.gpu_suite/1", "tiny": args.tiny, **machine,
+               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": "bash benchmarks/gpu_suite.sh "
+               + " ".join(sys.argv[1:] if argv is None else argv), "limit_total_s": sum(s.limit_s for s in steps),
+               "steps": []}
+    start, env = time.perf_counter(), step_env(args.tiny)
+    for step in steps:
+        print(f"[{time.strftime('%H:%M:%S')}] {step.name} (limit {step.limit_s} s)", file=sys.stderr, flush=True)
+        summary["steps"].append(run_step(step, out.resolve(), env))
+        summary["wall_s"] = round(time.perf_counter() - start, 2)
+        write_summary(out, summary)
+        r = summary["steps"][-1]
+        print(f"    {r['status']} rc={r['rc']} {r['wall_s']} s {r.get('reason', '')}", file=sys.stderr, flush=True)
+    failed = [r["name"] for r in summary["steps"] if r["status"] not in ("ok", "skipped")]
+    print(f"{len(steps) - len(failed)}/{len(steps)} steps ok or skipped in {summary['wall_s']} s; "
+          f"wrote {out / 'summary.json'}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

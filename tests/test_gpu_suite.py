@@ -1,0 +1,113 @@
+"""The one-command GPU suite (benchmarks/gpu_suite.sh): its budget, its bookkeeping of failed,
+timed-out and skipped steps, and one end-to-end run of `gpu_suite.sh --tiny` on CPU that must
+leave every step's JSON with the fields the GPU run will be read for."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def load_script(name: str, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def suite(monkeypatch):
+    return load_script("gpu_suite", monkeypatch)
+
+
+def test_gpu_steps_fit_eight_minutes_and_write_inside_one_folder(suite, tmp_path):
+    steps = suite.suite_steps(tmp_path, tiny=False, cuda=True)
+    assert sum(s.limit_s for s in steps) <= suite.SUITE_LIMIT_S == 480
+    assert len({s.name for s in steps}) == len(steps) and not any(s.skip_reason for s in steps)
+    for s in steps:
+        if s.output:
+            assert not Path(s.output).is_absolute() and "/" not in s.output
+        assert all(str(tmp_path) in a for a in s.argv if a.endswith(".json"))
+    long_step = next(s for s in steps if "--long-sequence" in s.argv)
+    assert long_step.argv[long_step.argv.index("--long-sequence") + 1] == "65536-131072"
+    assert long_step.argv[long_step.argv.index("--chunk-size") + 1] == "8192"  # the long one must split
+
+
+def test_a_step_past_its_limit_is_killed_and_the_suite_records_it(suite, tmp_path):
+    (tmp_path / "logs").mkdir()
+    slow = suite.Step(name="slow", argv=[sys.executable, "-c", "import time; time.sleep(60)"], limit_s=1,
+                      output="slow.json")
+    failing = suite.Step(name="failing", argv=[sys.executable, "-c", "raise SystemExit(3)"], limit_s=30)
+    silent = suite.Step(name="silent", argv=[sys.executable, "-c", "pass"], limit_s=30, output="never.json")
+    blocked = suite.Step(name="blocked", argv=["false"], limit_s=30, needs=["slow.json"])
+    env = suite.step_env(tiny=True)
+    records = {s.name: suite.run_step(s, tmp_path, env) for s in (slow, failing, silent, blocked)}
+    assert records["slow"]["rc"] == 124 and records["slow"]["status"] == "timeout"
+    assert records["slow"]["wall_s"] < 30
+    assert records["failing"]["rc"] == 3 and records["failing"]["status"] == "failed"
+    assert records["silent"]["rc"] == 0 and records["silent"]["status"] == "failed"
+    assert "without writing never.json" in records["silent"]["reason"]
+    assert records["blocked"]["status"] == "skipped" and "slow.json" in records["blocked"]["reason"]
+
+
+def test_every_batch_gets_one_long_sequence_in_range(monkeypatch):
+    common = load_script("bench_common", monkeypatch)
+    batches = [[100, 200, 300], [50, 60], [7]]
+    longer = common.with_long_sequence(batches, 1000, 2000, seed=3)
+    assert [len(b) for b in longer] == [3, 2, 1]
+    for before, after in zip(batches, longer):
+        assert sum(1000 <= n <= 2000 for n in after) == 1
+        assert sorted(n for n in after if n < 1000) in (sorted(before[:i] + before[i + 1:]) for i in range(len(before)))
+    assert longer == common.with_long_sequence(batches, 1000, 2000, seed=3)
+
+
+def _load(out: Path, name: str) -> dict:
+    path = out / name
+    assert path.is_file(), f"{name} missing"
+    return json.loads(path.read_text())
+
+
+def test_tiny_suite_runs_every_step_on_cpu_and_writes_its_json(tmp_path):
+    out = tmp_path / "suite"
+    proc = subprocess.run(["bash", str(BENCH / "gpu_suite.sh"), "--tiny", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = _load(out, "summary.json")
+    assert summary["format"] == "lengthwise.gpu_suite/1" and summary["tiny"] is True
+    assert {"device", "torch", "cuda", "transformers", "commit", "wall_s"} <= set(summary)
+    steps = {r["name"]: r for r in summary["steps"]}
+    assert steps.pop("varlen-check")["status"] == "skipped"
+    assert summary["steps"][0]["reason"].startswith("needs CUDA")
+    for r in steps.values():
+        assert r["rc"] == 0 and r["status"] == "ok" and r["wall_s"] > 0 and (out / r["log"]).is_file(), r
+
+    assert _load(out, "verify.json")["passed"] is True
+    for name in ("profile-tiny-qwen.json", "profile-tiny.json"):
+        assert _load(out, name)["format"] == "lengthwise.profile/1"
+    fidelity = _load(out, "sim-fidelity-0.5b-32k.json")
+    assert fidelity["format"] == "lengthwise.sim_fidelity/1" and fidelity["step_time_mape"] >= 0
+
+    main = _load(out, "finetune-0.5b-32k.json")
+    runs = {r["system"]: r for r in main["models"]["tiny-qwen"]["runs"]}
+    assert main["complete"] and set(runs) == {"packing", "chunkflow", "hf-padded", "hf-packed"}
+    assert all(r["tokens_per_s"] > 0 for r in runs.values()), runs
+    assert runs["hf-padded"]["attn_implementation"] == "sdpa"
+    # FlexAttention has no backward on CPU: the anchor falls back to sdpa and says why
+    assert runs["hf-packed"]["attn_implementation"] == "sdpa" and "cpu" in runs["hf-packed"]["attn_fallback_reason"]
+    assert {r["ratio"] for r in main["ratios"]} >= {"chunkflow / hf-packed (sdpa) tokens/s"}
+
+    assert _load(out, "finetune-0.5b-32k-chunk8k.json")["models"]["tiny-qwen"]["runs"][0]["chunk_size"] == 128
+    long = {r["system"]: r for r in _load(out, "finetune-0.5b-128k-long.json")["models"]["tiny-qwen"]["runs"]}
+    chunkflow = long["chunkflow"]
+    assert all(160 <= n <= 256 for n in chunkflow["longest_per_step"])
+    assert chunkflow["split_sequences_per_step"] and min(chunkflow["split_sequences_per_step"]) >= 1
