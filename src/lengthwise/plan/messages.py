@@ -1,0 +1,162 @@
+"""Pipeline messages as data: what each action receives and sends, and when a stage posts them.
+
+    >>> received, sent = action_messages(Action("F", 3), pipeline=0, stage=1, num_stages=4)
+    >>> exchanges = stage_exchanges(pipe.stages)[1]     # what stage 1 posts, batch by batch
+
+Every action moves at most one tensor in and one out (`runtime/stage.py` runs exactly this):
+
+    F c / N c on stage s   receives c's activation from s - 1 (s > 0), sends its own to s + 1
+    B u on stage s         receives u's gradient from s + 1 (s < pp - 1), sends its own to s - 1
+
+so the plan fixes every message of a step; the executor, the same-order check
+(`schedules.check_message_order`) and the rendezvous check (`plan/rendezvous.py`) all read
+them from here.
+
+When a stage posts them (the executor's discipline). NCCL pairs a send with the peer's receive
+posted in the same order on the same communicator, and a large send does not complete before
+that receive is posted (NVIDIA/nccl issues 479, 783). Each stage therefore posts its messages in
+*exchanges*, one `batch_isend_irecv` each, derived from one global clock that every rank
+computes alike from the plan:
+
+1. Replay the pipeline in lock-step rounds: in round r each stage runs its next action if the
+   message that action receives was sent in a round before r. The round of a message is the
+   round of the action that sends it.
+2. A stage posts the messages of round r, sends and receives alike, as one exchange at its
+   point P(r) = the number of its own actions of rounds <= r: the sender right after the action
+   that produced the message, the receiver after its own actions of rounds <= r, which is
+   before the action that consumes it (that one runs in a later round). Exchanges of several
+   rounds at one point are posted one after the other, in round order.
+
+Why no rank can wait forever (rounds as a clock): assume every exchange of rounds < r
+completed. Then every action of a round <= r can run (its input is from an earlier round), so
+every rank reaches P(r) and posts its exchange of round r; all earlier exchanges on its stream
+are complete, so the exchanges of round r of all ranks are in flight together and each of
+their operations finds its counterpart, which has the same round. So round r completes, and by
+induction every round does. The same holds for a CP or TP group's collectives inside an action:
+the ranks of one stage run one schedule, in the same rounds. Posting a receive early costs
+memory, not time: the tensor waits in its buffer until its action runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from lengthwise.errors import UserError
+from lengthwise.plan.ir import BACKWARD, Action
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """One tensor moving between adjacent stages of one pipeline."""
+
+    pipeline: int
+    """Index into StepPlan.pipelines."""
+    src: int
+    """Sending stage."""
+    dst: int
+    """Receiving stage (src + 1 for F/N, src - 1 for B)."""
+    kind: str
+    """Action kind it serves: F or N (activation [T, D]) or B (its gradient [T, D]); T is the
+    chunk's tokens, or for B the backward unit's (runtime/cells.py gives the row order)."""
+    chunk: int
+    """Chunk index within the pipeline (for B: the backward unit's index)."""
+
+    def __str__(self) -> str:
+        return f"{self.what} of {self.kind}{self.chunk} from stage {self.src}"
+
+    @property
+    def what(self) -> str:
+        return "gradient" if self.kind == BACKWARD else "activation"
+
+
+def action_messages(action: Action, *, pipeline: int, stage: int,
+                    num_stages: int) -> tuple[Message | None, Message | None]:
+    """(the message `action` receives before it runs, the message it sends after), None where
+    the stage is the end of the pipeline the message would cross."""
+    backward = action.kind == BACKWARD
+    upstream = stage + 1 if backward else stage - 1      # where its input comes from
+    downstream = stage - 1 if backward else stage + 1    # where its output goes
+    inside = range(num_stages)
+
+    def message(src: int, dst: int) -> Message:
+        return Message(pipeline=pipeline, src=src, dst=dst, kind=action.kind, chunk=action.chunk)
+
+    received = message(upstream, stage) if upstream in inside else None
+    sent = message(stage, downstream) if downstream in inside else None
+    return received, sent
+
+
+@dataclass(frozen=True, kw_only=True)
+class Exchange:
+    """Sends and receives one stage posts together (one `batch_isend_irecv`)."""
+
+    round: int
+    """The lock-step round all of its messages were sent in."""
+    before: int
+    """Index of the stage's action it is posted before (the length of the list: after the last)."""
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
+
+
+def stage_exchanges(stages: list[list[Action]], pipeline: int = 0) -> list[list[Exchange]]:
+    """Per stage, its exchanges in posting order (by point, then round): the discipline of this
+    module's docstring. UserError if some message can never be sent (a schedule that
+    deadlocks even with unlimited buffers; `schedules.check_schedule` names it)."""
+    key = (pipeline, tuple(tuple((a.kind, a.chunk) for a in acts) for acts in stages))
+    cached = _EXCHANGES.get(key)
+    if cached is None:
+        cached = _exchanges(stages, pipeline)
+        if len(_EXCHANGES) >= 256:
+            _EXCHANGES.clear()
+        _EXCHANGES[key] = cached
+    return cached
+
+
+_EXCHANGES: dict[tuple, list[list[Exchange]]] = {}
+"""stage_exchanges' results by schedule (a plan's pipelines, and the runners of one pipeline,
+repeat them)."""
+
+
+def lockstep_rounds(stages: list[list[Action]], pipeline: int = 0) -> list[list[int]]:
+    """Per stage, the round of each action: in round r a stage runs its next action if the
+    message it receives was sent in a round before r (one action per stage per round)."""
+    pp = len(stages)
+    io = [[action_messages(a, pipeline=pipeline, stage=s, num_stages=pp) for a in acts]
+          for s, acts in enumerate(stages)]
+    sent_in: dict[Message, int] = {}
+    rounds: list[list[int]] = [[] for _ in stages]
+    waiting = [s for s in range(pp) if stages[s]]
+    r = 0
+    while waiting:
+        movers = [s for s in waiting if io[s][len(rounds[s])][0] is None or io[s][len(rounds[s])][0] in sent_in]
+        if not movers:
+            raise UserError("pipeline messages can never all be sent: " + _blocked(stages, rounds, io))
+        for s in movers:
+            sent = io[s][len(rounds[s])][1]
+            if sent is not None:
+                sent_in[sent] = r
+            rounds[s].append(r)
+        waiting = [s for s in waiting if len(rounds[s]) < len(stages[s])]
+        r += 1
+    return rounds
+
+
+def _exchanges(stages: list[list[Action]], pipeline: int) -> list[list[Exchange]]:
+    pp = len(stages)
+    rounds = lockstep_rounds(stages, pipeline)
+    found: list[dict[int, tuple[list[Message], list[Message]]]] = [{} for _ in stages]
+    for s, actions in enumerate(stages):
+        for i, action in enumerate(actions):
+            _, sent = action_messages(action, pipeline=pipeline, stage=s, num_stages=pp)
+            if sent is not None:
+                r = rounds[s][i]
+                found[s].setdefault(r, ([], []))[0].append(sent)
+                found[sent.dst].setdefault(r, ([], []))[1].append(sent)
+    return [[Exchange(round=r, before=bisect.bisect_right(rounds[s], r), sends=tuple(sends), recvs=tuple(recvs))
+             for r, (sends, recvs) in sorted(found[s].items())] for s in range(pp)]
+
+
+def _blocked(stages: list[list[Action]], rounds: list[list[int]], io) -> str:
+    return "; ".join(f"stage {s} {actions[len(rounds[s])]} waits for the {io[s][len(rounds[s])][0]}"
+                     for s, actions in enumerate(stages) if len(rounds[s]) < len(actions))
