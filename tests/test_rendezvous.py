@@ -16,7 +16,7 @@ from lengthwise.cost import CostModel
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, Action
 from lengthwise.plan.messages import action_messages, lockstep_rounds, stage_exchanges
-from lengthwise.plan.rendezvous import BATCHED, LONE, check_rendezvous, find_stall
+from lengthwise.plan.rendezvous import BATCHED, DEFERRED, LONE, check_rendezvous, find_stall
 from lengthwise.plan.schedules import check_message_order
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest
@@ -128,6 +128,16 @@ def test_a_two_stage_stall_names_the_link_and_both_sends():
     assert "stage 0's send of the activation of F1 to stage 1 (output of its action 1, F1)" in text
     assert "stage 1's send of the gradient of B0 to stage 0 (output of its action 1, B0)" in text
     check_rendezvous(stages, discipline=BATCHED, pipeline=3)
+
+
+def test_sends_deferred_to_the_next_receive_are_not_enough():
+    """The design not taken: stage 0 runs F3 between sending F2 and receiving B0, stage 1 runs
+    F1 between sending B0 and receiving F2, so each holds a send whose receive is in the other's
+    next batch. The lock-step exchanges run it."""
+    stages = actions("F0 F1 F2 F3 B0 B1 B2 B3", "F0 B0 F1 F2 F3 B1 B2 B3")
+    stall = find_stall(stages, discipline=DEFERRED)
+    assert stall is not None and {stall.first.message.chunk, stall.second.message.chunk} == {0, 2}
+    assert find_stall(stages, discipline=BATCHED) is None
 
 
 def test_a_message_never_received_is_named():

@@ -99,34 +99,74 @@ class Exchange:
     recvs: tuple[Message, ...]
 
 
-def stage_exchanges(stages: list[list[Action]], pipeline: int = 0) -> list[list[Exchange]]:
-    """Per stage, its exchanges in posting order (by point, then round): the discipline of this
-    module's docstring. UserError if some message can never be sent (a schedule that
-    deadlocks even with unlimited buffers; `schedules.check_schedule` names it)."""
-    key = (pipeline, tuple(tuple((a.kind, a.chunk) for a in acts) for acts in stages))
-    cached = _EXCHANGES.get(key)
+@dataclass(frozen=True, kw_only=True)
+class PipelineMessages:
+    """Every message of one pipeline's schedule, and when each stage posts it."""
+
+    io: tuple[tuple[tuple[Message | None, Message | None], ...], ...]
+    """Per stage, per action: `action_messages`."""
+    rounds: tuple[tuple[int, ...], ...]
+    """Per stage, per action: its lock-step round."""
+    exchanges: tuple[tuple[Exchange, ...], ...]
+    """Per stage: its exchanges in posting order (by point, then round)."""
+
+
+def pipeline_messages(stages: list[list[Action]], pipeline: int = 0) -> PipelineMessages:
+    """The messages and exchanges of a schedule: the discipline of this module's docstring.
+    UserError if some message can never be sent (a schedule that deadlocks even with unlimited
+    buffers; `schedules.check_schedule` names it)."""
+    key = (pipeline, schedule_shape(stages))
+    cached = _PIPELINES.get(key)
     if cached is None:
-        cached = _exchanges(stages, pipeline)
-        if len(_EXCHANGES) >= 256:
-            _EXCHANGES.clear()
-        _EXCHANGES[key] = cached
+        cached = _pipeline_messages(stages, pipeline)
+        if len(_PIPELINES) >= 256:
+            _PIPELINES.clear()
+        _PIPELINES[key] = cached
     return cached
 
 
-_EXCHANGES: dict[tuple, list[list[Exchange]]] = {}
-"""stage_exchanges' results by schedule (a plan's pipelines, and the runners of one pipeline,
-repeat them)."""
+def stage_exchanges(stages: list[list[Action]], pipeline: int = 0) -> tuple[tuple[Exchange, ...], ...]:
+    """Per stage, its exchanges in posting order (`pipeline_messages`)."""
+    return pipeline_messages(stages, pipeline).exchanges
 
 
-def lockstep_rounds(stages: list[list[Action]], pipeline: int = 0) -> list[list[int]]:
+def lockstep_rounds(stages: list[list[Action]], pipeline: int = 0) -> tuple[tuple[int, ...], ...]:
     """Per stage, the round of each action: in round r a stage runs its next action if the
     message it receives was sent in a round before r (one action per stage per round)."""
+    return pipeline_messages(stages, pipeline).rounds
+
+
+def schedule_shape(stages: list[list[Action]]) -> tuple:
+    """What the messages of a schedule depend on, hashable: each stage's (kind, chunk) list."""
+    return tuple(tuple((a.kind, a.chunk) for a in acts) for acts in stages)
+
+
+_PIPELINES: dict[tuple, PipelineMessages] = {}
+"""pipeline_messages' results by schedule (the runners of one pipeline, the validator and the
+rendezvous check ask for the same ones)."""
+
+
+def _pipeline_messages(stages: list[list[Action]], pipeline: int) -> PipelineMessages:
     pp = len(stages)
-    io = [[action_messages(a, pipeline=pipeline, stage=s, num_stages=pp) for a in acts]
-          for s, acts in enumerate(stages)]
+    io = tuple(tuple(action_messages(a, pipeline=pipeline, stage=s, num_stages=pp) for a in acts)
+               for s, acts in enumerate(stages))
+    rounds = _rounds(stages, io)
+    found: list[dict[int, tuple[list[Message], list[Message]]]] = [{} for _ in stages]
+    for s in range(pp):
+        for (_, sent), r in zip(io[s], rounds[s]):
+            if sent is not None:
+                found[s].setdefault(r, ([], []))[0].append(sent)
+                found[sent.dst].setdefault(r, ([], []))[1].append(sent)
+    exchanges = tuple(tuple(Exchange(round=r, before=bisect.bisect_right(rounds[s], r), sends=tuple(sends),
+                                     recvs=tuple(recvs)) for r, (sends, recvs) in sorted(found[s].items()))
+                      for s in range(pp))
+    return PipelineMessages(io=io, rounds=tuple(map(tuple, rounds)), exchanges=exchanges)
+
+
+def _rounds(stages: list[list[Action]], io) -> list[list[int]]:
     sent_in: dict[Message, int] = {}
     rounds: list[list[int]] = [[] for _ in stages]
-    waiting = [s for s in range(pp) if stages[s]]
+    waiting = [s for s in range(len(stages)) if stages[s]]
     r = 0
     while waiting:
         movers = [s for s in waiting if io[s][len(rounds[s])][0] is None or io[s][len(rounds[s])][0] in sent_in]
@@ -140,21 +180,6 @@ def lockstep_rounds(stages: list[list[Action]], pipeline: int = 0) -> list[list[
         waiting = [s for s in waiting if len(rounds[s]) < len(stages[s])]
         r += 1
     return rounds
-
-
-def _exchanges(stages: list[list[Action]], pipeline: int) -> list[list[Exchange]]:
-    pp = len(stages)
-    rounds = lockstep_rounds(stages, pipeline)
-    found: list[dict[int, tuple[list[Message], list[Message]]]] = [{} for _ in stages]
-    for s, actions in enumerate(stages):
-        for i, action in enumerate(actions):
-            _, sent = action_messages(action, pipeline=pipeline, stage=s, num_stages=pp)
-            if sent is not None:
-                r = rounds[s][i]
-                found[s].setdefault(r, ([], []))[0].append(sent)
-                found[sent.dst].setdefault(r, ([], []))[1].append(sent)
-    return [[Exchange(round=r, before=bisect.bisect_right(rounds[s], r), sends=tuple(sends), recvs=tuple(recvs))
-             for r, (sends, recvs) in sorted(found[s].items())] for s in range(pp)]
 
 
 def _blocked(stages: list[list[Action]], rounds: list[list[int]], io) -> str:

@@ -49,7 +49,7 @@ import torch
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk, Segment, StepPlan
-from lengthwise.plan.messages import Exchange, action_messages, stage_exchanges
+from lengthwise.plan.messages import Exchange, pipeline_messages
 from lengthwise.runtime.attention import ChunkLayout
 from lengthwise.runtime.cells import CellMap, cell_last_uses, cell_map
 from lengthwise.runtime.loss import IGNORE, chunk_labels, chunk_positions, chunk_tokens, token_loss_sum
@@ -139,11 +139,12 @@ class StageRunner:
         self.chunks: list[Chunk] = pipe.chunks
         self.cells: CellMap = cell_map(pipe)
         self.actions: list[Action] = pipe.stages[stage]
-        self.io = [action_messages(a, pipeline=pipeline, stage=stage, num_stages=pipe.pp) for a in self.actions]
+        messages = pipeline_messages(pipe.stages, pipeline)
+        self.io = messages.io[stage]
         """Per action: (the message it receives, the message it sends), None at a pipeline end."""
         self.exchanges: dict[int, list[Exchange]] = {}
         """Action index -> the exchanges posted before it (len(actions): after the last)."""
-        for exchange in stage_exchanges(pipe.stages, pipeline)[stage]:
+        for exchange in messages.exchanges[stage]:
             self.exchanges.setdefault(exchange.before, []).append(exchange)
         self.token_ids = token_ids
         self.store = KVStore(stored_prefix(list(self.cells.cells), plan.lengths))
