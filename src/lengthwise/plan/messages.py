@@ -8,9 +8,9 @@ Every action moves at most one tensor in and one out (`runtime/stage.py` runs ex
     F c / N c on stage s   receives c's activation from s - 1 (s > 0), sends its own to s + 1
     B u on stage s         receives u's gradient from s + 1 (s < pp - 1), sends its own to s - 1
 
-so the plan fixes every message of a step; the executor, the same-order check
-(`schedules.check_message_order`) and the rendezvous check (`plan/rendezvous.py`) all read
-them from here.
+so the plan fixes every message of a step; the executor (`StageRunner`) and the rendezvous
+check (`plan/rendezvous.py`) both read them from here, so the two cannot drift apart. (The
+same-order check, `schedules.check_message_order`, compares the F/N and B orders these imply.)
 
 When a stage posts them (the executor's discipline). NCCL pairs a send with the peer's receive
 posted in the same order on the same communicator, and a large send does not complete before
@@ -32,9 +32,12 @@ completed. Then every action of a round <= r can run (its input is from an earli
 every rank reaches P(r) and posts its exchange of round r; all earlier exchanges on its stream
 are complete, so the exchanges of round r of all ranks are in flight together and each of
 their operations finds its counterpart, which has the same round. So round r completes, and by
-induction every round does. The same holds for a CP or TP group's collectives inside an action:
-the ranks of one stage run one schedule, in the same rounds. Posting a receive early costs
-memory, not time: the tensor waits in its buffer until its action runs.
+induction every round does. The same holds with a CP or TP group's collectives inside an
+action: the ranks of one stage run one schedule, in the same rounds, so each reaches the action
+under the same assumption. (Collectives between pipelines, FSDP's, are outside this argument.)
+The price is synchronisation and memory, not a stall: a stage's exchanges complete in round
+order, so it may wait for a neighbour's exchange of round r before one of a later round that it
+needs sooner, and a receive posted rounds before its action holds its buffer that long.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ computes alike from the plan, and `post()` puts them on the wire together with o
 `batch_isend_irecv` (one NCCL group on the group's communicator, as torch.distributed.pipelining
 and Megatron-LM post theirs). That module's docstring proves that no rank then waits forever:
 every round's exchanges are all in flight together once the earlier rounds completed. Gloo has
-no groups: it posts the same operations one by one, and buffers.
+no groups: it posts the same operations one by one, and buffers. (NCCL wants the group's
+communicator to exist before a batch that not all ranks join: `dp.check_same_plan`, a collective
+on the default group, runs before every step's actions.)
 
 A receive is posted into a buffer whose shape the plan gives (the chunk's tokens on this CP rank
 x hidden, or the backward unit's for B: every rank holds the plan, so nothing but the tensor
