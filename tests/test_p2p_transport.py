@@ -1,5 +1,5 @@
 """The point-to-point transport posts each exchange as one batch and frees what it sent once it
-is delivered, not at the step's end."""
+is delivered, not at the step's end; a stage runner posts the plan's exchanges."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ import pytest
 import torch
 
 import lengthwise.runtime.distributed.p2p as p2p
-from lengthwise.runtime.transport import Message
+from lengthwise.plan.messages import stage_exchanges
+from lengthwise.runtime.execute import _interleave
+from lengthwise.runtime.model import build_model
+from lengthwise.runtime.stage import StageRunner
+from lengthwise.runtime.transport import InProcessTransport, Message
+from lengthwise.runtime.verify import random_tokens
+from lengthwise.specs import ModelSpec
+
+from plan_helpers import hand_plan
 
 
 class Work:
@@ -126,3 +134,42 @@ def test_a_receive_that_never_comes_names_the_message_and_rank(monkeypatch):
     post(transport, recvs=[gradient(2)])
     with pytest.raises(p2p.ReceiveTimeout, match=r"stage 0 .* gradient of B2 from stage 1 \(rank 11"):
         transport.recv(gradient(2), shape=(4, 8), dtype=torch.float32, device="cpu")
+
+
+class RecordingTransport(InProcessTransport):
+    """The in-process queues, recording what each stage posts and the shapes it receives."""
+
+    def __init__(self):
+        super().__init__()
+        self.handed, self.posts, self.taken = set(), {}, {}
+
+    def send(self, message, tensor):
+        self.handed.add(message)
+        super().send(message, tensor)
+
+    def post(self, sends, recvs, *, dtype, device):
+        assert set(sends) <= self.handed, "a send posted before its action produced it"
+        stage = sends[0].src if sends else recvs[0][0].dst
+        self.posts.setdefault(stage, []).append((tuple(sends), tuple(recvs)))
+
+    def recv(self, message, *, shape, dtype, device):
+        self.taken[message] = tuple(shape)
+        return super().recv(message, shape=shape, dtype=dtype, device=device)
+
+
+def test_a_stage_posts_the_plans_exchanges_with_the_shapes_it_receives():
+    """The runner posts exactly `stage_exchanges` (re-forwards and a recomputing stage included),
+    every send after the action that made it, each receive with the shape its action takes."""
+    spec = ModelSpec(name="tiny2", num_layers=2, hidden=16, num_heads=2, num_kv_heads=1, head_dim=8, ffn=24, vocab=32)
+    plan = hand_plan(spec, [12, 5, 4, 3], [("0[0:4] 0[4:8]+1[0:5] 0[8:12]+2[0:4] 3[0:3]",
+                                            ["N0 F1.r1 F2 F3 B2 B1 F0 B3 B0", "N0 F1 F2 B2 B1 F3 B3 F0 B0"])])
+    model = build_model(spec, dtype=torch.float64, seed=0)
+    transport = RecordingTransport()
+    runners = [StageRunner(model=model, plan=plan, pipeline=0, stage=s, token_ids=random_tokens(plan.lengths, 32, 1),
+                           transport=transport, backend="reference") for s in range(2)]
+    _interleave(runners, transport)
+    for s, exchanges in enumerate(stage_exchanges(plan.pipelines[0].stages)):
+        posted = transport.posts[s]
+        assert [sends for sends, _ in posted] == [e.sends for e in exchanges]
+        assert [tuple(m for m, _ in recvs) for _, recvs in posted] == [e.recvs for e in exchanges]
+        assert all(transport.taken[m] == shape for _, recvs in posted for m, shape in recvs)

@@ -28,11 +28,11 @@ its cells (`cells.py` gives the order); which message an action receives and sen
 `plan.messages.action_messages`. Before each action (and after the last) the runner posts the
 exchanges `plan.messages.stage_exchanges` schedules there: the sends of earlier actions and the
 receives of this or later ones, batched so that no stage waits on NCCL for a send whose
-receive its peer has queued behind a send of its own (`plan/rendezvous.py`). Under sequence parallelism (`model.sequence_shards` > 1,
-`parallel/tensor_parallel.py`) a TP rank's rows of a cell are its share of the cell padded to a
-multiple of the shards, and it exchanges those with the same TP rank of the neighbour stage;
-the head's padding rows get the label IGNORE. State is freed right after the last action of the
-stage that needs it (`state.last_uses`).
+receive its peer has queued behind a send of its own (`plan/rendezvous.py`). Under sequence
+parallelism (`model.sequence_shards` > 1, `parallel/tensor_parallel.py`) a TP rank's rows of a
+cell are its share of the cell padded to a multiple of the shards, and it exchanges those with
+the same TP rank of the neighbour stage; the head's padding rows get the label IGNORE. State is
+freed right after the last action of the stage that needs it (`state.last_uses`).
 
 What this process computes of a cell is a `Row`, given by the runner's `rows` strategy:
 `WholeRows` (the default) computes every cell whole; context parallelism computes one CP
