@@ -12,7 +12,9 @@
    slices forward in order and backward in reverse, and runs to the end without deadlock
    (`schedules.check_schedule`, which replays it in lock-step), and every pipeline link carries
    its messages in one order at both ends (`schedules.check_message_order`: NCCL matches
-   point-to-point messages by order, not by tag).
+   point-to-point messages by order, not by tag), and the executor's batched posting of those
+   messages cannot stall under NCCL's rendezvous rule, a send completing only once the peer
+   posted its receive (`rendezvous.check_rendezvous`).
 6. Loss normalisation: the positions that predict a next token, counted over the chunks, equal
    the batch's loss tokens sum(max(L - 1, 0)) (and the count recorded in the metrics, if any).
 7. With a cost model: model states plus one chunk's activations plus the K/V state of its
@@ -43,6 +45,7 @@ from lengthwise.plan.ir import (
     Segment,
     StepPlan,
 )
+from lengthwise.plan.rendezvous import check_rendezvous
 from lengthwise.plan.schedules import check_message_order, check_schedule
 
 if TYPE_CHECKING:
@@ -74,6 +77,7 @@ def validate_plan(plan: StepPlan, cost: CostModel | None = None) -> None:
             check_message_order(pipe.stages)
         except UserError as exc:
             raise UserError(f"pipeline {p}: {exc}") from None
+        check_rendezvous(pipe.stages, pipeline=p)
     _check_loss_tokens(plan)
     if cost is not None:
         _check_memory(plan, cost)

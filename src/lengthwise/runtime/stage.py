@@ -24,11 +24,15 @@ a cell is a chunk. It talks to its neighbours only through a `Transport`. Action
   goes to the previous stage.
 
 One message per action: `F c` sends its cells' rows concatenated, `B u` the input gradients of
-its cells (`cells.py` gives the order). Under sequence parallelism (`model.sequence_shards` > 1,
-`parallel/tensor_parallel.py`) a TP rank's rows of a cell are its share of the cell padded to a
-multiple of the shards, and it exchanges those with the same TP rank of the neighbour stage;
-the head's padding rows get the label IGNORE. State is freed right after the last action of the
-stage that needs it (`state.last_uses`).
+its cells (`cells.py` gives the order); which message an action receives and sends is
+`plan.messages.action_messages`. Before each action (and after the last) the runner posts the
+exchanges `plan.messages.stage_exchanges` schedules there: the sends of earlier actions and the
+receives of this or later ones, batched so that no stage waits on NCCL for a send whose
+receive its peer has queued behind a send of its own (`plan/rendezvous.py`). Under sequence
+parallelism (`model.sequence_shards` > 1, `parallel/tensor_parallel.py`) a TP rank's rows of a
+cell are its share of the cell padded to a multiple of the shards, and it exchanges those with
+the same TP rank of the neighbour stage; the head's padding rows get the label IGNORE. State is
+freed right after the last action of the stage that needs it (`state.last_uses`).
 
 What this process computes of a cell is a `Row`, given by the runner's `rows` strategy:
 `WholeRows` (the default) computes every cell whole; context parallelism computes one CP
@@ -45,6 +49,7 @@ import torch
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk, Segment, StepPlan
+from lengthwise.plan.messages import Exchange, pipeline_messages
 from lengthwise.runtime.attention import ChunkLayout
 from lengthwise.runtime.cells import CellMap, cell_last_uses, cell_map
 from lengthwise.runtime.loss import IGNORE, chunk_labels, chunk_positions, chunk_tokens, token_loss_sum
@@ -134,6 +139,13 @@ class StageRunner:
         self.chunks: list[Chunk] = pipe.chunks
         self.cells: CellMap = cell_map(pipe)
         self.actions: list[Action] = pipe.stages[stage]
+        messages = pipeline_messages(pipe.stages, pipeline)
+        self.io = messages.io[stage]
+        """Per action: (the message it receives, the message it sends), None at a pipeline end."""
+        self.exchanges: dict[int, list[Exchange]] = {}
+        """Action index -> the exchanges posted before it (len(actions): after the last)."""
+        for exchange in messages.exchanges[stage]:
+            self.exchanges.setdefault(exchange.before, []).append(exchange)
         self.token_ids = token_ids
         self.store = KVStore(stored_prefix(list(self.cells.cells), plan.lengths))
         self.pending: dict[int, _Pending] = {}
@@ -166,13 +178,12 @@ class StageRunner:
 
     def needs(self) -> Message | None:
         """The message the next action must receive before it can run, if any."""
-        action = self.actions[self.next_index]
-        if action.kind == BACKWARD:
-            return None if self.is_last else self._message(action, self.stage + 1)
-        return None if self.is_first else self._message(action, self.stage - 1)
+        return self.io[self.next_index][0]
 
     def step(self) -> None:
-        """Run the next action, then free the state nothing later needs."""
+        """Post what is due, run the next action, then free the state nothing later needs (and
+        after the last action post the last sends)."""
+        self._post(self.next_index)
         action = self.actions[self.next_index]
         if action.kind == BACKWARD:
             self._backward(action)
@@ -181,6 +192,8 @@ class StageRunner:
         for key in self.frees.get(self.next_index, []):
             self.store.free(key)
         self.next_index += 1
+        if self.done:
+            self._post(self.next_index)
 
     def run_all(self) -> None:
         """Run every action in order (a transport whose recv blocks, e.g. torch.distributed)."""
@@ -192,10 +205,11 @@ class StageRunner:
     def _forward(self, action: Action) -> None:
         """`F c` / `N c`: c's cells in order (one cell, c itself, without backward_chunks)."""
         cells = self.cells.forward[action.chunk]
-        inputs = [None] * len(cells) if self.is_first else self._receive(action, cells, self.stage - 1)
+        received, sent = self.io[self.next_index]
+        inputs = [None] * len(cells) if received is None else self._receive(received, cells)
         outputs = [self._forward_cell(action, cell, x) for cell, x in zip(cells, inputs)]
-        if not self.is_last:
-            self.transport.send(self._message(action, self.stage + 1), _joined(outputs))
+        if sent is not None:
+            self.transport.send(sent, _joined(outputs))
 
     def _forward_cell(self, action: Action, cell: int, received: torch.Tensor | None) -> torch.Tensor:
         grad = action.kind == FORWARD
@@ -216,12 +230,22 @@ class StageRunner:
                                           own_kv=own_kv, context_leaves=leaves)
         return h_TD
 
-    def _receive(self, action: Action, cells: tuple[int, ...], other: int) -> list[torch.Tensor]:
-        """The message `action` receives from stage `other`, cut into its cells' rows."""
-        rows = [self._cell_rows(cell) for cell in cells]
-        whole = self.transport.recv(self._message(action, other), shape=(sum(rows), self.model.spec.hidden),
-                                    dtype=self._param.dtype, device=self._param.device)
-        return list(torch.split(whole, rows))
+    def _receive(self, message: Message, cells: tuple[int, ...]) -> list[torch.Tensor]:
+        """The tensor of `message`, cut into its cells' rows."""
+        whole = self.transport.recv(message, shape=self._shape(message), dtype=self._param.dtype,
+                                    device=self._param.device)
+        return list(torch.split(whole, [self._cell_rows(cell) for cell in cells]))
+
+    def _shape(self, message: Message) -> tuple[int, int]:
+        """[rows, hidden] of a message this stage receives: its cells' rows, in order."""
+        cells = self.cells.backward[message.chunk] if message.kind == BACKWARD else self.cells.forward[message.chunk]
+        return sum(self._cell_rows(cell) for cell in cells), self.model.spec.hidden
+
+    def _post(self, index: int) -> None:
+        """The exchanges due before action `index`, each as one batch, in round order."""
+        for exchange in self.exchanges.get(index, ()):
+            self.transport.post(exchange.sends, [(m, self._shape(m)) for m in exchange.recvs],
+                                dtype=self._param.dtype, device=self._param.device)
 
     def _cell_rows(self, cell: int) -> int:
         """Rows of the cell's part of a message: what this process computes of it (its rows of
@@ -282,14 +306,15 @@ class StageRunner:
     def _backward(self, action: Action) -> None:
         """`B u`: u's cells, later chunks first (one cell, chunk u, without backward_chunks)."""
         cells = self.cells.backward[action.chunk]
-        grads = [None] * len(cells) if self.is_last else self._receive(action, cells, self.stage + 1)
+        received, sent = self.io[self.next_index]
+        grads = [None] * len(cells) if received is None else self._receive(received, cells)
         input_grads = []
         for position, (cell, g) in enumerate(zip(cells, grads)):
             if self.before_backward_cell is not None:
                 self.before_backward_cell(self.next_index, position, len(cells))
             input_grads.append(self._backward_cell(action, cell, g))
-        if not self.is_first:
-            self.transport.send(self._message(action, self.stage - 1), _joined(input_grads))
+        if sent is not None:
+            self.transport.send(sent, _joined(input_grads))
 
     def _backward_cell(self, action: Action, cell: int, g_out: torch.Tensor | None) -> torch.Tensor | None:
         pending = self.pending.pop(cell, None)
@@ -307,12 +332,6 @@ class StageRunner:
         for seq_id, (stop, leaves) in pending.context_leaves.items():
             self.store.add_grads(seq_id, stop, [(_grad_of(k), _grad_of(v)) for k, v in leaves])
         return None if self.is_first else _grad_of(pending.input_leaf)
-
-    def _message(self, action: Action, other: int) -> Message:
-        """The transfer between this stage and `other` that `action` sends or receives."""
-        sending = (other > self.stage) != (action.kind == BACKWARD)
-        src, dst = (self.stage, other) if sending else (other, self.stage)
-        return Message(pipeline=self.pipeline, src=src, dst=dst, kind=action.kind, chunk=action.chunk)
 
 
 def _context_from_store(chunk: Chunk) -> dict[int, int]:

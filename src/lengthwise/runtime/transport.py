@@ -1,52 +1,41 @@
 """How adjacent pipeline stages exchange activations and their gradients.
 
-A stage runner (`runtime/stage.py`) only ever calls `send(message, tensor)` and
-`recv(message, shape=..., dtype=..., device=...)`. `Message` names one transfer:
-pipeline, source stage, destination stage, the action kind it serves (F or N carry the
-activation forward, B carries its gradient back) and the chunk index; a sender and its
-receiver build equal messages independently, so a point-to-point implementation can match
-them by order on each (src, dst) link.
+A stage runner (`runtime/stage.py`) calls three things. `send(message, tensor)` hands over the
+output of an action; `post(sends, recvs, ...)` puts on the wire, as one batch, the sends and
+receives that `plan.messages.stage_exchanges` schedules before the runner's next action; and
+`recv(message, shape=..., dtype=..., device=...)` returns the tensor of a posted receive once it
+has arrived. `Message` (from `plan/messages.py`, where the plan says which action sends and
+receives what) names one transfer: pipeline, source stage, destination stage, the action kind
+it serves (F or N carry the activation forward, B carries its gradient back) and the chunk
+index; a sender and its receiver build equal messages independently.
 
 `InProcessTransport` keeps tensors in FIFO queues, for the single-process driver, which asks
-`ready(message)` before running an action that receives. A torch.distributed transport
-implements the same two calls with blocking send/recv; the receiver knows the shape (the
-chunk's tokens x hidden, or the backward unit's for B) and dtype, so nothing else needs to travel.
+`ready(message)` before running an action that receives; it has nothing to post. The
+torch.distributed transport (`distributed/p2p.py`) posts each exchange with one
+`batch_isend_irecv`; the receiver knows the shape (the chunk's tokens x hidden, or the backward
+unit's for B) and dtype, so nothing else needs to travel.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
+from lengthwise.plan.messages import Message
 
-@dataclass(frozen=True, kw_only=True)
-class Message:
-    """One tensor moving between adjacent stages of one pipeline."""
-
-    pipeline: int
-    """Index into StepPlan.pipelines."""
-    src: int
-    """Sending stage."""
-    dst: int
-    """Receiving stage (src + 1 for F/N, src - 1 for B)."""
-    kind: str
-    """Action kind it serves: F or N (activation [T, D]) or B (its gradient [T, D]); T is the
-    chunk's tokens, or for B the backward unit's (runtime/cells.py gives the row order)."""
-    chunk: int
-    """Chunk index within the pipeline (for B: the backward unit's index)."""
-
-    def __str__(self) -> str:
-        what = "gradient" if self.kind == "B" else "activation"
-        return f"{what} of {self.kind}{self.chunk} from stage {self.src}"
+__all__ = ["InProcessTransport", "Message", "Transport"]
 
 
 class Transport(Protocol):
     """What a stage runner needs from the wire."""
 
     def send(self, message: Message, tensor: torch.Tensor) -> None: ...
+
+    def post(self, sends: Sequence[Message], recvs: Sequence[tuple[Message, tuple[int, ...]]], *,
+             dtype: torch.dtype, device: torch.device) -> None: ...
 
     def recv(self, message: Message, *, shape: tuple[int, ...], dtype: torch.dtype,
              device: torch.device) -> torch.Tensor: ...
@@ -60,6 +49,9 @@ class InProcessTransport:
 
     def send(self, message: Message, tensor: torch.Tensor) -> None:
         self._queues[message].append(tensor.detach())
+
+    def post(self, sends, recvs, *, dtype, device) -> None:
+        """Nothing to do: a queue holds a sent tensor until its receiver takes it."""
 
     def ready(self, message: Message) -> bool:
         return bool(self._queues.get(message))
