@@ -17,10 +17,8 @@ import math
 from typing import Any
 
 from lengthwise.errors import UserError
+from lengthwise.limits import MAX_LENGTH  # noqa: F401  (readers import it from here)
 
-MAX_LENGTH = 2**40
-"""Longest sequence any file may name, tokens (a trillion: beyond every context length, and small
-enough that token and attention-pair sums stay exact in float64 arithmetic where they matter)."""
 
 _MISSING = object()
 

@@ -15,8 +15,8 @@ def check_writable(path: str | Path, flag: str) -> None:
     mislead root, and read-only file systems such as /proc)."""
     path = Path(path).absolute()
     shown = path.parent if flag == "--out" else path
-    if path.is_dir():
-        raise UserError(f"{flag} {shown} is a folder; give a file path")
+    if path.is_dir():  # the folder itself, not its parent, even for --out
+        raise UserError(f"{flag} {path} is a folder; give a file path")
     existing = path.parent
     while not existing.exists():
         existing = existing.parent

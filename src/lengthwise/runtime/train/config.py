@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from lengthwise.errors import UserError
+from lengthwise.limits import (BATCH_SEQUENCES, CONTEXT_LENGTH, LOCAL_PROCESSES, TOKENS_PER_BATCH, check_gpus,
+                               check_size)
 
 DTYPES = ("float32", "float64", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -143,6 +145,7 @@ class TrainConfig:
         """UserError naming the first field out of range."""
         _positive(self, "context_length", "steps", "dp", "pp", "cp", "tp", "nproc", "batch_size",
                   "tokens_per_batch", "save_every", "threads", "eval_every")
+        _bounded(self)
         if self.nproc is not None:
             check_degrees(self, self.nproc, "--nproc")
         if self.batch_size is not None and self.tokens_per_batch is not None:
@@ -225,6 +228,14 @@ def _finite_numbers(config: TrainConfig) -> None:
         raise UserError(f"--min-lr {config.min_lr} is above --lr {config.lr}; give a smaller one")
 
 
+def _bounded(config: TrainConfig) -> None:
+    """Sizes within lengthwise.limits, so a stray digit fails now rather than after the corpus is read."""
+    for name, limit in (("context_length", CONTEXT_LENGTH), ("batch_size", BATCH_SEQUENCES),
+                        ("tokens_per_batch", TOKENS_PER_BATCH), ("nproc", LOCAL_PROCESSES)):
+        check_size(name, getattr(config, name), limit)
+    check_gpus(dp=config.dp, tp=config.tp, pp=config.pp, cp=config.cp)
+
+
 def _positive(config: TrainConfig, *names: str) -> None:
     for name in names:
         value = getattr(config, name)
@@ -272,9 +283,13 @@ def load_toml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
     """The config in a TOML file over `base` (default: the defaults)."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise UserError(f"--config {path}: no such file") from None
+    except IsADirectoryError:
+        raise UserError(f"--config {path} is a folder; give a TOML file") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--config {path}: not UTF-8 text (byte {exc.start}); TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"--config {path}: not valid TOML ({exc})") from None
     return merge(base or TrainConfig(), data, where=f"config {path}")
