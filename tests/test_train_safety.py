@@ -48,13 +48,13 @@ def test_non_finite_settings_are_one_line_errors(capsys, flag, value):
 def test_exploding_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     # lr 1e30: the first update throws every weight to ~1e30, so step 2's loss overflows
     with pytest.raises(UserError, match=r"step 2: the (loss|gradient norm) is .*last checkpoint.*step-000001"):
-        train(small(lr=1e30, grad_clip=0.0, out=str(tmp_path), save_every=1))
+        train(small(lr=1e30, grad_clip=0.0, weight_decay=0.0, out=str(tmp_path), save_every=1))
     assert latest_checkpoint(tmp_path).name == "step-000001"
     assert not (tmp_path / "step-000002").exists()
 
 
 def test_skip_nonfinite_counts_the_skipped_steps_and_saves_finite_weights(tmp_path):
-    result = train(small(lr=1e30, grad_clip=0.0, skip_nonfinite=True, out=str(tmp_path),
+    result = train(small(lr=1e30, grad_clip=0.0, weight_decay=0.0, skip_nonfinite=True, out=str(tmp_path),
                          metrics=str(tmp_path / "m.jsonl")))
     assert result.skipped_steps == 3 and [r.skipped for r in result.records] == [False, True, True, True]
     assert all(bool(torch.isfinite(p).all()) for p in result.model.parameters())

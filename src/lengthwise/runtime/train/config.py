@@ -226,6 +226,27 @@ def _finite_numbers(config: TrainConfig) -> None:
             raise UserError(f"{flag} {value}: must be {'> 0' if name in ('lr', 'timeout') else '>= 0'}")
     if config.min_lr > config.lr:
         raise UserError(f"--min-lr {config.min_lr} is above --lr {config.lr}; give a smaller one")
+    _applicable_rates(config)
+
+
+DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38,
+             "float64": 1.7976931348623157e308}
+"""Largest finite number of each parameter dtype (torch.finfo(dtype).max, named here without torch)."""
+
+
+def _applicable_rates(config: TrainConfig) -> None:
+    """Rates AdamW can apply: a learning rate the parameters' dtype can hold (torch raises mid-step
+    otherwise), and lr * weight_decay below 1, since decoupled weight decay multiplies each matrix
+    by 1 - lr * weight_decay every step (at 1 or more it zeroes or flips the weights, and far above
+    it they overflow to infinity after one step whose loss was finite)."""
+    largest = DTYPE_MAX.get(config.dtype, DTYPE_MAX["float32"])
+    if config.lr > largest:
+        raise UserError(f"--lr {config.lr:g} is over the largest {config.dtype} number ({largest:.3g}): "
+                        "AdamW cannot apply it; give a learning rate below 1")
+    if config.lr * config.weight_decay >= 1:
+        raise UserError(f"--lr {config.lr:g} x --weight-decay {config.weight_decay:g} = "
+                        f"{config.lr * config.weight_decay:g}: AdamW multiplies each matrix by 1 - lr x weight "
+                        "decay every step, so keep the product below 1")
 
 
 def _bounded(config: TrainConfig) -> None:
