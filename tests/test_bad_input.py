@@ -409,3 +409,37 @@ def test_bad_input_is_one_line_naming_the_fix(tmp_path, capsys, assets, argv, fi
     assert fix.replace("{t}", str(folder)) in captured.err, captured.err
     assert "None" not in captured.err, captured.err  # a message never shows a Python None
     assert not (folder / "out").exists()
+
+
+# ---- inputs that are valid but unlikely to be meant: the run goes on, with a notice on stderr ----
+
+NOTICES = [
+    (["train", "--data", "{a}/docs", "--warmup-steps", "100", "--steps", "1", "--out", "{t}/run", *TRAIN_SMALL],
+     "--warmup-steps 100 is not shorter than --steps 1: the learning rate never leaves the warm-up and peaks at 1%"),
+    (["train", "--data", "{a}/mixed", "--steps", "1", "--out", "{t}/run", *TRAIN_SMALL],
+     "1 of 7 files are not UTF-8 text"),
+    (["plan", "--planner", "packing", "--profile", "tiny", "--batch-size", "8", "--model", "tiny", "--cluster", "cpu",
+      "--dp", "40"], "--dp 40 pipelines for 8 sequences; at least 32 pipeline(s) get no sequence"),
+    (["train", "--resume", "{a}/run/step-000001", "--data", "{a}/docs", "--steps", "2", "--out", "{t}/run",
+      "--dtype", "float64", "--lr-schedule", "cosine", "--min-lr", "0.001", "--grad-clip", "0.5",
+      "--planner", "packing", *TRAIN_SMALL],
+     "with --planner chunkflow -> packing, --steps 1 -> 2, --lr-schedule constant -> cosine, --min-lr 0 -> 0.001, "
+     "--grad-clip 1 -> 0.5, --dtype float32 -> float64"),
+]
+
+
+@pytest.mark.parametrize("argv,notice", NOTICES, ids=[" ".join(a[:3]) + f" #{i}" for i, (a, _) in enumerate(NOTICES)])
+def test_unlikely_input_runs_with_a_notice(tmp_path, capsys, assets, argv, notice):
+    shared = [assets(group) for group in sorted(asset_groups(argv))][-1:] or [None]
+    argv = [a.replace("{t}", str(tmp_path)).replace("{a}", str(shared[0])) for a in argv]
+    capsys.readouterr()
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert notice in captured.err and "Traceback" not in captured.err, captured.err
+
+
+def test_plan_summary_lists_at_most_32_pipelines(capsys):
+    assert main(["plan", "--planner", "packing", "--profile", "tiny", "--batch-size", "64", "--model", "tiny",
+                 "--cluster", "cpu", "--dp", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "... 8 more pipelines (--json prints them all)" in out and len(out.splitlines()) < 40
