@@ -357,6 +357,9 @@ TABLE = [
     (["train", "--batch-size", "10000000"], "batch_size 10000000 is over the limit"),
     (["train", "--nproc", "100000"], "nproc 100000 is over the limit"),
     (["train", "--dp", "300000"], "= 300,000 GPUs is over the limit"),
+    (["profile", "--model", "tiny", "--repeats", "100000"], "--repeats 100000 is over the limit of 1,000 repeats"),
+    (["profile", "--model", "tiny", "--max-tokens", "99999999999999999999"], "--max-tokens 99999999999999999999 is over"),
+    (["profile", "--model", "tiny", "--out", "/proc/p.json"], "--out /proc: cannot write there"),
     # paths named as what they are
     (["workload", "--profile", "lmsys", "--samples", "10", "--plot", "/proc/x.png"], "--plot /proc/x.png: cannot write"),
     (["workload", "--profile", "lmsys", "--samples", "10", "--plot", "{t}/adir"], "adir is a folder; give a file"),

@@ -221,3 +221,21 @@ def test_resume_refuses_a_checkpoint_whose_step_claims_disagree(tmp_path):
         trainer_state(folder, trainer)
     with pytest.raises(UserError, match="lacks a step, config or sampler position"):
         trainer_state(folder, [6])
+
+
+def test_the_distributed_check_refuses_on_every_rank_together(tmp_path):
+    """One gloo rank here (a collective of one): the flag goes through the all-reduce every rank
+    of a distributed save calls."""
+    import torch.distributed as dist
+
+    from lengthwise.runtime.finite import check_saveable_across_ranks
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(2, 2).double()
+        check_saveable_across_ranks(model, None, step=3, device=torch.device("cpu"))
+        model.bias.data[1] = math.nan
+        with pytest.raises(UserError, match="step 3: bias on rank 0 holds NaN or infinite values"):
+            check_saveable_across_ranks(model, None, step=3, device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()

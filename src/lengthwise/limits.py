@@ -66,6 +66,12 @@ STAGES = Limit(1024, "stages", "more pipeline stages than any model has decoder 
 DIRECT_CHUNKS = Limit(10**6, "chunks", "the direct mode simulates every action of every chunk on every stage")
 """`simulate --fwd`: forward times given on the command line."""
 
+LAYERS = Limit(1024, "layers", "more decoder layers than any model has (Llama 3 405B has 126)")
+"""`profile --layers`: decoder layers built and timed on this device."""
+
+REPEATS = Limit(1000, "repeats", "every repeat times each chunk again; the median settles within a few")
+"""`profile --repeats` and `--warmup`: timed and untimed runs of each chunk."""
+
 MAX_DIRECT_TIME = 1e12
 """Largest forward time (and backward ratio) the direct mode takes: sums of a million such times
 stay finite, so every result is a number."""

@@ -94,3 +94,24 @@ def check_saveable(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     keeps = f"the last checkpoint, {last}, is kept" if last else "no checkpoint was written"
     raise UserError(f"step {step}: {bad} holds NaN or infinite values, so it is not saved and {keeps}; "
                     "lower --lr or --weight-decay, or start from finite weights")
+
+
+def check_saveable_across_ranks(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, step: int,
+                                device: torch.device, group=None) -> None:
+    """check_saveable for one rank of a distributed run: every rank calls it right before the
+    save (it is a collective: one all-reduce of a flag over `group`, default the world), and all
+    of them refuse together when any rank's shards hold a NaN or an infinity."""
+    import torch.distributed as dist
+
+    named = dict(model.named_parameters())
+    if optimizer is not None:
+        named |= optimizer_tensors(optimizer, {id(t): n for n, t in named.items()})
+    flags = [flag.to(device) for flag in all_finite(named.values())]
+    ok = (torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)).to(torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # int32: NCCL reduces no bools
+    if bool(ok):
+        return
+    bad = first_nonfinite_tensor(named)
+    where = f"{bad} on rank {dist.get_rank()}" if bad is not None else "another rank's weights or optimizer state"
+    raise UserError(f"step {step}: {where} holds NaN or infinite values, so nothing is saved and the last "
+                    "checkpoint is kept; lower --lr or --weight-decay, or start from finite weights")
