@@ -34,7 +34,7 @@ from functools import cached_property
 from pathlib import Path
 
 from lengthwise.errors import UserError
-from lengthwise.fields import MAX_LENGTH, Fields, check_spec_fields
+from lengthwise.fields import MAX_LENGTH, Fields, check_recorded_options, check_spec_fields
 from lengthwise.limits import MAX_EXTRA_SECONDS
 from lengthwise.specs import ClusterSpec, ModelSpec
 
@@ -233,36 +233,6 @@ def _extra_seconds(f: Fields, key: str) -> float:
     return value
 
 
-POSITIVE_OPTIONS = ("chunk_size", "k", "micro_batch_size", "bucket_size", "num_slices", "num_micropacks",
-                    "pack_tokens")
-"""Recorded planner options that are counts or sizes: when a number, at least 1."""
-
-
-def _recorded_options(f: Fields, where: str) -> dict:
-    """The plan's recorded planner options: no negative number anywhere in them (every option is
-    a size, a count, a threshold or a time), and sizes at least 1."""
-    options = f.mapping("options", default={})
-    for path, value in _numbers_in(options, "options"):
-        name = path.rsplit(".", 1)[-1]
-        if value < 0 or (name in POSITIVE_OPTIONS and value < 1):
-            least = 1 if name in POSITIVE_OPTIONS else 0
-            raise UserError(f"{where}: {path} is {value}; a planner option here is at least {least}: "
-                            "plan the batch again")
-    return options
-
-
-def _numbers_in(data, path: str):
-    """(dotted path, number) of every number inside nested JSON objects and lists."""
-    if isinstance(data, (int, float)) and not isinstance(data, bool):
-        yield path, data
-    elif isinstance(data, dict):
-        for key, value in data.items():
-            yield from _numbers_in(value, f"{path}.{key}")
-    elif isinstance(data, list):
-        for i, value in enumerate(data):
-            yield from _numbers_in(value, f"{path}[{i}]")
-
-
 @dataclass
 class StepPlan:
     """One global batch's plan: what every pipeline runs, and what the planner predicted."""
@@ -327,7 +297,7 @@ class StepPlan:
             planner=f.string("planner"), model=model, cluster=cluster, lengths=list(lengths),
             pipelines=[PipelinePlan.from_dict(p, f"{where} pipeline {i}") for i, p in enumerate(pipes)],
             zero=f.integer("zero", lo=0, hi=3, default=1),
-            options=_recorded_options(f, where),
+            options=check_recorded_options(f.mapping("options", default={}), where),
             metrics=f.mapping("metrics", default={}),
         )
 
