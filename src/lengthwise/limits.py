@@ -60,6 +60,9 @@ LOCAL_PROCESSES = Limit(256, "processes", "each worker process on this machine l
                         "(about 300 MB) and opens sockets to every other")
 """--nproc of verify and train: local gloo/NCCL workers started on this one machine."""
 
+THREADS = Limit(1024, "threads", "more than any machine's cores; each is an operating-system thread of torch")
+"""`train --threads`: torch.set_num_threads."""
+
 STAGES = Limit(1024, "stages", "more pipeline stages than any model has decoder layers")
 """`simulate --stages` in the direct mode."""
 
@@ -71,6 +74,14 @@ LAYERS = Limit(1024, "layers", "more decoder layers than any model has (Llama 3 
 
 REPEATS = Limit(1000, "repeats", "every repeat times each chunk again; the median settles within a few")
 """`profile --repeats` and `--warmup`: timed and untimed runs of each chunk."""
+
+TIMEOUT_S = Limit(7 * 24 * 3600, "seconds", "a week; a wait that long is a hang, and far longer ones overflow "
+                  "the process group's timer")
+"""--timeout of train and verify: how long a rank waits for the others."""
+
+DRYRUN_RANKS = Limit(256, "ranks", "each rank's dry run builds its stage at full size on fake tensors, "
+                     "seconds to a minute apiece")
+"""`dryrun --ranks`: ranks dry-run one after another in this process."""
 
 MAX_DIRECT_TIME = 1e12
 """Largest forward time (and backward ratio) the direct mode takes: sums of a million such times
@@ -91,6 +102,14 @@ def check_size(flag: str, value: int | float | None, limit: Limit, *, least: int
     if value > limit.most:
         raise UserError(f"{flag} {value} is over the limit of {limit.most:,} {limit.unit} ({limit.reason}): "
                         "give a smaller one")
+
+
+def check_seconds(flag: str, value: float | None, limit: Limit = TIMEOUT_S) -> None:
+    """A positive, finite number of seconds at most the limit (None: not given)."""
+    if value is None:
+        return
+    if not 0 < value <= limit.most:  # False for NaN too
+        raise UserError(f"{flag} {value} must be a number of seconds in (0, {limit.most:,}] ({limit.reason})")
 
 
 def check_gpus(*, dp: int, tp: int, pp: int, cp: int) -> None:

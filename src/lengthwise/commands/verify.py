@@ -31,7 +31,7 @@ from lengthwise.commands.common import add_backend_arg, add_workload_args, batch
 from lengthwise.commands.plan import default_context_length
 from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
 from lengthwise.errors import UserError
-from lengthwise.limits import BATCH_SEQUENCES, CONTEXT_LENGTH, LOCAL_PROCESSES, check_gpus, check_size
+from lengthwise.limits import BATCH_SEQUENCES, CONTEXT_LENGTH, LOCAL_PROCESSES, check_gpus, check_seconds, check_size
 from lengthwise.planners import PLANNER_NAMES, get_planner
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 
@@ -141,6 +141,7 @@ def check_sizes(args: argparse.Namespace) -> None:
     check_size("--batch-size", args.batch_size, BATCH_SEQUENCES)
     check_size("--context-length", args.context_length, CONTEXT_LENGTH)
     check_size("--nproc", args.nproc, LOCAL_PROCESSES)
+    check_seconds("--timeout", args.timeout)
     check_gpus(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp)
 
 

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from lengthwise.errors import UserError
-from lengthwise.limits import (BATCH_SEQUENCES, CONTEXT_LENGTH, LOCAL_PROCESSES, TOKENS_PER_BATCH, check_gpus,
-                               check_size)
+from lengthwise.limits import (BATCH_SEQUENCES, CONTEXT_LENGTH, LOCAL_PROCESSES, THREADS, TOKENS_PER_BATCH, check_gpus,
+                               check_seconds, check_size)
 
 DTYPES = ("float32", "float64", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -252,9 +252,12 @@ def _applicable_rates(config: TrainConfig) -> None:
 def _bounded(config: TrainConfig) -> None:
     """Sizes within lengthwise.limits, so a stray digit fails now rather than after the corpus is read."""
     for name, limit in (("context_length", CONTEXT_LENGTH), ("batch_size", BATCH_SEQUENCES),
-                        ("tokens_per_batch", TOKENS_PER_BATCH), ("nproc", LOCAL_PROCESSES)):
+                        ("tokens_per_batch", TOKENS_PER_BATCH), ("nproc", LOCAL_PROCESSES),
+                        ("threads", THREADS)):
         check_size(name, getattr(config, name), limit)
     check_gpus(dp=config.dp, tp=config.tp, pp=config.pp, cp=config.cp)
+    if math.isfinite(config.timeout) and config.timeout > 0:  # NaN and <= 0: _finite_numbers says so
+        check_seconds("--timeout", config.timeout)
 
 
 def _positive(config: TrainConfig, *names: str) -> None:
