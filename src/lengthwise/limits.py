@@ -8,7 +8,8 @@ Every count a user types (sequences, draws, batches, GPUs, processes, tokens) is
 before any work starts, so a typo such as an extra zero fails in its first second with the
 bound and why, instead of allocating terabytes, running for days or printing a table of a
 hundred thousand lines. The bounds are far above every published setting; each docstring says
-what a run at the bound costs (measured on the 2-core CPU machine unless it says otherwise).
+why it is where it is, with what a run at the bound costs where that was measured (on the
+2-core CPU machine).
 Imports nothing but the error type: the planning side uses it without PyTorch.
 """
 
