@@ -48,13 +48,13 @@ def test_non_finite_settings_are_one_line_errors(capsys, flag, value):
 def test_exploding_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     # lr 1e30: the first update throws every weight to ~1e30, so step 2's loss overflows
     with pytest.raises(UserError, match=r"step 2: the (loss|gradient norm) is .*last checkpoint.*step-000001"):
-        train(small(lr=1e30, grad_clip=0.0, out=str(tmp_path), save_every=1))
+        train(small(lr=1e30, grad_clip=0.0, weight_decay=0.0, out=str(tmp_path), save_every=1))
     assert latest_checkpoint(tmp_path).name == "step-000001"
     assert not (tmp_path / "step-000002").exists()
 
 
 def test_skip_nonfinite_counts_the_skipped_steps_and_saves_finite_weights(tmp_path):
-    result = train(small(lr=1e30, grad_clip=0.0, skip_nonfinite=True, out=str(tmp_path),
+    result = train(small(lr=1e30, grad_clip=0.0, weight_decay=0.0, skip_nonfinite=True, out=str(tmp_path),
                          metrics=str(tmp_path / "m.jsonl")))
     assert result.skipped_steps == 3 and [r.skipped for r in result.records] == [False, True, True, True]
     assert all(bool(torch.isfinite(p).all()) for p in result.model.parameters())
@@ -143,3 +143,99 @@ def test_train_says_when_documents_are_cut_and_reused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "5 of 5 sequences are over --context-length 128 and were cut" in err
     assert "use 10 sequences of 5, so each is trained on about 2.0 times" in err
+
+
+def test_state_that_went_non_finite_with_a_finite_loss_is_never_saved(tmp_path, monkeypatch):
+    """A weight made infinite by the update itself (the loss before it was finite) is caught by
+    the check of the state right before the save: no step-000002, step-000001 named as kept."""
+    from lengthwise.runtime.train import executor as executor_module
+
+    real_step = executor_module.LocalExecutor.step
+
+    def step_then_overflow(self, prepared, step):
+        outcome = real_step(self, prepared, step)
+        if step == 2:
+            with torch.no_grad():
+                next(self.model.parameters()).view(-1)[0] = math.inf
+        return outcome
+
+    monkeypatch.setattr(executor_module.LocalExecutor, "step", step_then_overflow)
+    with pytest.raises(UserError, match=r"step 2: model\.\S+ holds NaN or infinite values, so it is not saved "
+                                        r"and the last checkpoint, .*step-000001, is kept"):
+        train(small(steps=3, out=str(tmp_path), save_every=1))
+    assert latest_checkpoint(tmp_path).name == "step-000001" and not (tmp_path / "step-000002").exists()
+
+
+def test_the_finiteness_check_flags_nan_and_inf_only_and_names_optimizer_state():
+    from lengthwise.runtime.finite import nonfinite_state
+
+    model = torch.nn.Linear(3, 2).double()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    with torch.no_grad():
+        model.weight.fill_(1e300)  # huge but finite: a 2-norm would overflow, the check must not
+    half = torch.nn.Linear(2, 2).to(torch.float32)
+    with torch.no_grad():
+        half.weight.fill_(3e38)
+    assert nonfinite_state(model.named_parameters(), optimizer) is None
+    assert nonfinite_state(half.named_parameters(), None) is None
+    optimizer.state[model.bias]["exp_avg_sq"][1] = math.nan
+    assert nonfinite_state(model.named_parameters(), optimizer) == "optimizer exp_avg_sq of bias"
+    model.weight.data[0, 0] = -math.inf
+    assert nonfinite_state(model.named_parameters(), optimizer) == "weight"
+
+
+def test_sigint_during_the_last_step_still_exits_130(tmp_path, capsys, monkeypatch):
+    """The last step finishes and is saved, and the run says it was interrupted (exit 130), as
+    a signal during any earlier step does."""
+    import os
+    import signal
+
+    from lengthwise.runtime.train import loop
+
+    real_run_step = loop._run_step
+
+    def interrupted_last_step(setup, executor, prepared, step, started, waited):
+        if step == setup.config.steps:
+            os.kill(os.getpid(), signal.SIGINT)  # the StopRequest handler of `lengthwise train` takes it
+        return real_run_step(setup, executor, prepared, step, started, waited)
+
+    monkeypatch.setattr(loop, "_run_step", interrupted_last_step)
+    assert main([*ARGS, "--out", str(tmp_path), "--chunk-size", "32", "--k", "1"]) == 130
+    captured = capsys.readouterr()
+    assert "interrupted during the last step, which finished and was saved" in captured.out
+    assert (tmp_path / "step-000002").is_dir()
+
+
+def test_resume_refuses_a_checkpoint_whose_step_claims_disagree(tmp_path):
+    from lengthwise.runtime.train.resume_check import trainer_state
+
+    folder = tmp_path / "step-000006"
+    folder.mkdir()
+    (folder / "MANIFEST.json").write_text(json.dumps({"step": 6}))
+    trainer = {"step": 6, "config": {}, "sampler": {}}
+    assert trainer_state(folder, trainer) == ({}, 6)
+    (folder / "MANIFEST.json").write_text(json.dumps({"step": 999}))
+    with pytest.raises(UserError, match="its trainer state says 6, its folder name says 6, MANIFEST.json says 999"):
+        trainer_state(folder, trainer)
+    with pytest.raises(UserError, match="lacks a step, config or sampler position"):
+        trainer_state(folder, [6])
+
+
+def test_the_distributed_check_refuses_on_every_rank_together(tmp_path):
+    """One gloo rank here (a collective of one): the flag goes through the all-reduce every rank
+    of a distributed save calls."""
+    import torch.distributed as dist
+
+    from lengthwise.runtime.finite import check_saveable_across_ranks
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(2, 2).double()
+        check_saveable_across_ranks(model, None, step=3, device=torch.device("cpu"))
+        model.bias.data[1] = math.nan
+        with pytest.raises(UserError, match="step 3: bias on rank 0 holds NaN or infinite values"):
+            check_saveable_across_ranks(model, None, step=3, device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()

@@ -17,10 +17,8 @@ import math
 from typing import Any
 
 from lengthwise.errors import UserError
+from lengthwise.limits import MAX_LENGTH  # noqa: F401  (readers import it from here)
 
-MAX_LENGTH = 2**40
-"""Longest sequence any file may name, tokens (a trillion: beyond every context length, and small
-enough that token and attention-pair sums stay exact in float64 arithmetic where they matter)."""
 
 _MISSING = object()
 
@@ -158,3 +156,31 @@ def check_spec_fields(cls: type, data: Any, where: str, ranges: dict[str, tuple[
         elif kind == "bool":
             f.boolean(key)
     return f.data
+
+
+POSITIVE_OPTIONS = ("chunk_size", "k", "micro_batch_size", "bucket_size", "num_slices", "num_micropacks",
+                    "pack_tokens")
+"""Recorded planner options that are counts or sizes: when a number, at least 1."""
+
+
+def check_recorded_options(options: dict, where: str) -> dict:
+    """A plan's recorded planner options: no negative number anywhere in them (every option is
+    a size, a count, a threshold or a time), and sizes at least 1."""
+    for path, value in _numbers_in(options, "options"):
+        name = path.rsplit(".", 1)[-1]
+        if value < 0 or (name in POSITIVE_OPTIONS and value < 1):
+            least = 1 if name in POSITIVE_OPTIONS else 0
+            raise UserError(f"{where}: {path} is {value}, but it must be at least {least}: plan the batch again")
+    return options
+
+
+def _numbers_in(data, path: str):
+    """(dotted path, number) of every number inside nested JSON objects and lists."""
+    if isinstance(data, (int, float)) and not isinstance(data, bool):
+        yield path, data
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            yield from _numbers_in(value, f"{path}.{key}")
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            yield from _numbers_in(value, f"{path}[{i}]")

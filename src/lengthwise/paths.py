@@ -9,14 +9,18 @@ from pathlib import Path
 from lengthwise.errors import UserError
 
 
+FOLDER_FLAGS = ("--out", "--hf")
+"""Flags that name a folder: the file probed inside it is not what the message names."""
+
+
 def check_writable(path: str | Path, flag: str) -> None:
     """UserError now, before any training, if a file could not be created at `path`: a probe
     file is created and removed in the nearest existing folder above it (permission bits alone
     mislead root, and read-only file systems such as /proc)."""
     path = Path(path).absolute()
-    shown = path.parent if flag == "--out" else path
-    if path.is_dir():
-        raise UserError(f"{flag} {shown} is a folder; give a file path")
+    shown = path.parent if flag in FOLDER_FLAGS else path
+    if path.is_dir():  # the folder itself, not its parent, even for --out
+        raise UserError(f"{flag} {path} is a folder; give a file path")
     existing = path.parent
     while not existing.exists():
         existing = existing.parent

@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from lengthwise.errors import UserError
+from lengthwise.limits import CONTEXT_LENGTH, check_size
 from lengthwise.workloads.lengths import OVERLONG_POLICIES
 from lengthwise.workloads.profiles import profile_names
 from lengthwise.workloads.sampler import GlobalBatchSampler
@@ -67,6 +68,7 @@ def lengths_source_from_args(args: argparse.Namespace) -> LengthSource:
     """The LengthSource the workload arguments name."""
     if args.seed < 0:
         raise UserError(f"--seed {args.seed} must be >= 0")
+    check_size("--context-length", args.context_length, CONTEXT_LENGTH)
     if args.tokenizer is not None and args.data is None:
         raise UserError("--tokenizer applies to --data PATH only")
     if args.profile is not None:

@@ -35,6 +35,7 @@ from lengthwise.commands.planner_flags import (
 )
 from lengthwise.commands.profile import add_profile_file_arg, load_profile_file
 from lengthwise.errors import UserError
+from lengthwise.limits import BATCH_SEQUENCES, BATCHES, GPUS, TOKENS_PER_BATCH, check_size
 from lengthwise.paths import check_writable
 from lengthwise.metrics import GIB, PEAK_MEMORY_GIB
 from lengthwise.report import CompareSetup, all_planners, run_compare, summarise
@@ -142,8 +143,10 @@ def build_setup(args: argparse.Namespace) -> CompareSetup:
     if not (args.profile or args.lengths or args.data):
         args.profile = DEFAULT_PROFILE
     args.context_length = args.context_length or DEFAULT_CONTEXT
-    if args.gpus < 1 or args.batches < 1:
-        raise UserError(f"--gpus ({args.gpus}) and --batches ({args.batches}) must be at least 1")
+    check_size("--gpus", args.gpus, GPUS)
+    check_size("--batches", args.batches, BATCHES)
+    check_size("--batch-size", args.batch_size, BATCH_SEQUENCES)
+    check_size("--tokens-per-batch", args.tokens_per_batch, TOKENS_PER_BATCH)
     planners, options = parse_planners(args.planners), planner_options(args)
     check_options_used(planners, options)
     model = model_preset(args.model)

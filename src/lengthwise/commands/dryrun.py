@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 
 from lengthwise.errors import UserError
+from lengthwise.limits import DRYRUN_RANKS, check_size
 
 GIB = 2**30
 
@@ -72,6 +73,7 @@ def dryrun_rows(plan, ranks: list[int], *, dtype: str = "bfloat16",
 def parse_ranks(text: str, world_size: int) -> list[int]:
     """'0,5,31' or 'all' -> ranks, each checked against the plan's world size."""
     if text == "all":
+        check_size(f"--ranks all ({world_size} ranks):", world_size, DRYRUN_RANKS)
         return list(range(world_size))
     try:
         ranks = [int(part) for part in text.split(",")]
@@ -80,6 +82,7 @@ def parse_ranks(text: str, world_size: int) -> list[int]:
     bad = [r for r in ranks if not 0 <= r < world_size]
     if bad:
         raise UserError(f"--ranks: rank {bad[0]} is outside the plan's {world_size} ranks (0..{world_size - 1})")
+    check_size("--ranks count", len(ranks), DRYRUN_RANKS)
     return ranks
 
 

@@ -15,6 +15,10 @@ model's config.json beside the shards or given with --model-config.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from lengthwise.errors import UserError
+from lengthwise.paths import check_writable
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -25,9 +29,17 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_folder(args.hf)
     from lengthwise.runtime.export import export_checkpoint
 
     written = export_checkpoint(args.checkpoint, args.hf, model_config=args.model_config)
     print(f"wrote {written} (config.json, model.safetensors): load it with "
           f"transformers.AutoModelForCausalLM.from_pretrained({str(written)!r})")
     return 0
+
+
+def check_output_folder(path: str) -> None:
+    """--hf names a folder that can be created and written, before the checkpoint is read."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise UserError(f"--hf {path} is a file; give a folder to write config.json and model.safetensors into")
+    check_writable(Path(path) / "config.json", "--hf")

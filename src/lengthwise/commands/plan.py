@@ -17,16 +17,20 @@ sequence rounded up to a power of two. Every planner option has its flag (`--chu
 from __future__ import annotations
 
 import argparse
+import sys
 
 from lengthwise.commands.common import add_workload_args, batch_lengths_from_args
 from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
 from lengthwise.commands.profile import add_profile_file_arg, load_profile_file
-from lengthwise.errors import UserError
+from lengthwise.limits import BATCH_SEQUENCES, CONTEXT_LENGTH, check_gpus, check_size
 from lengthwise.paths import check_writable
 from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PLANNER_NAMES, PlanRequest, get_planner
 from lengthwise.specs import CLUSTER_PRESETS, ParallelScheme, cluster_preset, model_preset
+
+SHOWN_PIPELINES = 32
+"""Pipelines listed one a line in the summary; the rest are counted (the JSON has every one)."""
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -64,10 +68,9 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
     """Specs, cost model and batch lengths from the arguments; fails early on bad degrees."""
     from lengthwise.cost import CostModel
 
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size {args.batch_size} must be at least 1")
-    if args.context_length is not None and args.context_length < 1:
-        raise UserError(f"--context-length {args.context_length} must be at least 1")
+    check_size("--batch-size", args.batch_size, BATCH_SEQUENCES)
+    check_size("--context-length", args.context_length, CONTEXT_LENGTH)
+    check_gpus(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp)
     if args.out:
         check_writable(args.out, "--out")
     model = model_preset(args.model)
@@ -76,10 +79,19 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
     cluster = cluster_preset(args.cluster, scheme.num_gpus)
     cost = CostModel(model=model, cluster=cluster, profile=load_profile_file(args.profile_file, model))
     lengths = batch_lengths_from_args(args, args.batch_size)  # the workload's own errors come first
+    note_idle_pipelines(scheme.dp, len(lengths))
     cost.check_states_fit(tp=scheme.tp, pp=scheme.pp, dp=scheme.dp, cp=scheme.cp, zero=scheme.zero)
     return PlanRequest(lengths=lengths, model=model, cluster=cluster, scheme=scheme, cost=cost,
                        context_length=args.context_length or default_context_length(lengths),
                        seed=args.seed, options=planner_options(args))
+
+
+def note_idle_pipelines(dp: int, sequences: int) -> None:
+    """A notice on stderr when the batch has fewer sequences than pipelines: some get nothing to
+    run (a planner may still split one sequence over several, by context parallelism)."""
+    if dp > sequences:
+        print(f"lengthwise: notice: --dp {dp} pipelines for {sequences} sequences; at least "
+              f"{dp - sequences} pipeline(s) get no sequence", file=sys.stderr)
 
 
 def default_context_length(lengths: list[int]) -> int:
@@ -96,9 +108,11 @@ def summary(plan: StepPlan, request: PlanRequest, out: str | None) -> str:
         f"  {'pipeline':>8}  {'chunks':>6}  {'tokens':>9}  {'fwd TFLOP':>10}",
     ]
     flops = m["forward_flops_per_pipeline"]
-    for p in range(len(plan.pipelines)):
+    for p in range(min(len(plan.pipelines), SHOWN_PIPELINES)):
         lines.append(f"  {p:>8}  {m['chunks_per_pipeline'][p]:>6}  {m['tokens_per_pipeline'][p]:>9,}  "
                      f"{flops[p] / 1e12:>10,.1f}")
+    if len(plan.pipelines) > SHOWN_PIPELINES:
+        lines.append(f"  ... {len(plan.pipelines) - SHOWN_PIPELINES:,} more pipelines (--json prints them all)")
     busy = [f for f in flops if f > 0]
     spread = f"{max(busy) / min(busy):.3f}" if busy else "n/a"
     lines.append(f"  padding {m['padding_fraction']:.1%} of row tokens; max/min forward FLOPs {spread}; "

@@ -26,6 +26,8 @@ import argparse
 from lengthwise.plan.ir import json_text
 from lengthwise.commands.common import add_backend_arg
 from lengthwise.errors import UserError
+from lengthwise.limits import CONTEXT_LENGTH, LAYERS, REPEATS, check_size
+from lengthwise.paths import check_writable
 from lengthwise.plan.ir import write_atomic
 from lengthwise.specs import ModelSpec, model_preset
 
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from lengthwise.cost.fit import head_token_counts, measure_profile, profile_chunks
 
     spec = model_preset(args.model)
-    _check_sizes(args)
+    _check_sizes(args, spec.name)
     chunks = profile_chunks(min_tokens=args.min_tokens, max_tokens=args.max_tokens,
                             max_context=args.max_context or 4 * args.max_tokens)
     heads = head_token_counts(args.min_tokens, args.head_max_tokens or min(args.max_tokens, 16384))
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_sizes(args: argparse.Namespace) -> None:
+def _check_sizes(args: argparse.Namespace, model_name: str) -> None:
     for name in ("layers", "min_tokens", "max_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
@@ -90,6 +92,12 @@ def _check_sizes(args: argparse.Namespace) -> None:
         raise UserError(f"--warmup {args.warmup} must be >= 0")
     if not 0.0 <= args.holdout < 1.0:
         raise UserError(f"--holdout {args.holdout} must be in [0, 1)")
+    check_size("--layers", args.layers, LAYERS)
+    check_size("--repeats", args.repeats, REPEATS)
+    check_size("--warmup", args.warmup, REPEATS, least=0)
+    for name in ("min_tokens", "max_tokens", "max_context", "head_max_tokens"):
+        check_size(f"--{name.replace('_', '-')}", getattr(args, name), CONTEXT_LENGTH)
+    check_writable(args.out or f"profile-{model_name}.json", "--out")  # before an hour of timing, not after
 
 
 def build_measurer(args: argparse.Namespace, spec: ModelSpec):

@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 from lengthwise.errors import UserError
+from lengthwise.limits import DIRECT_CHUNKS, MAX_DIRECT_TIME, STAGES, check_size
 from lengthwise.paths import check_writable
 from lengthwise.plan.ir import json_text
 from lengthwise.plan.schedules import SCHEDULE_NAMES
@@ -86,6 +87,7 @@ def _simulate_direct(args):
         raise UserError("give either PLAN.json or --fwd (the direct mode), not both")
     if args.stages is None:
         raise UserError("the direct mode needs --stages P as well as --fwd")
+    check_size("--stages", args.stages, STAGES, least=None)  # below 1: direct_input says so
     times = parse_floats(args.fwd, "--fwd")
     check_direct_inputs(times, args.bwd_ratio)
     return simulate_times(times, args.stages, bwd_ratio=args.bwd_ratio,
@@ -93,15 +95,15 @@ def _simulate_direct(args):
 
 
 def parse_floats(text: str, flag: str) -> list[float]:
+    """'4,2,1,1' -> [4.0, 2.0, 1.0, 1.0]; an empty item ('3,,4') is an error, not a skipped chunk."""
+    items = text.split(",")
+    if any(not x.strip() for x in items):
+        raise UserError(f"{flag} {text!r} has an empty item: give one number per chunk, like 4,2,1,1")
+    check_size(f"{flag} count", len(items), DIRECT_CHUNKS)
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        return [float(x) for x in items]
     except ValueError:
         raise UserError(f"{flag} {text!r}: expected comma-separated numbers like 4,2,1,1") from None
-
-
-MAX_DIRECT_TIME = 1e12
-"""Largest forward time (and backward ratio) the direct mode takes: sums of a million such times
-stay finite, so every result is a number."""
 
 
 def check_direct_inputs(times: list[float], bwd_ratio: float) -> None:

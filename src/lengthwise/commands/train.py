@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from pathlib import Path
 
 from lengthwise.commands.common import add_backend_arg, add_workload_args
@@ -202,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     distributed = config.nproc is not None or under_torchrun()
     if not under_torchrun():  # under torchrun rank 0 names the folder for all (dist.py)
         config = with_outputs(config)
+    for line in setting_notes(config):
+        print(f"lengthwise train: notice: {line}", file=sys.stderr)
     with StopRequest(forward_to_children=distributed) as stop:  # signals during set-up count too
         if distributed:
             from lengthwise.runtime.train.dist_launch import train_distributed
@@ -212,12 +215,25 @@ def run(args: argparse.Namespace) -> int:
         else:
             result = train(config, stop=stop)
     print(summary(result.config or config, result))
+    if stop.requested and not result.interrupted:  # the signal came during the last step
+        print("  interrupted during the last step, which finished and was saved: the run is complete")
+        return EXIT_INTERRUPTED
     if result.interrupted:
         launcher = f"torchrun --nproc-per-node {result.nproc} -m " if under_torchrun() else ""
         command = resume_command(result.config or config, from_out=result.checkpoint is not None)
         print(f"  interrupted; resume with:\n  {launcher}{command}")
         return EXIT_INTERRUPTED
     return 0
+
+
+def setting_notes(config: TrainConfig) -> list[str]:
+    """Settings that are valid but unlikely to be meant, one line each."""
+    notes = []
+    if config.warmup_steps >= config.steps:
+        top = config.steps / (config.warmup_steps + 1)  # schedule.lr_factor of the last step
+        notes.append(f"--warmup-steps {config.warmup_steps} is not shorter than --steps {config.steps}: the "
+                     f"learning rate never leaves the warm-up and peaks at {top:.0%} of --lr {config.lr:g}")
+    return notes
 
 
 def resume_command(config: TrainConfig, *, from_out: bool = True) -> str:

@@ -31,11 +31,14 @@ from lengthwise.commands.common import add_backend_arg, add_workload_args, batch
 from lengthwise.commands.plan import default_context_length
 from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
 from lengthwise.errors import UserError
+from lengthwise.limits import BATCH_SEQUENCES, CONTEXT_LENGTH, LOCAL_PROCESSES, check_gpus, check_seconds, check_size
 from lengthwise.planners import PLANNER_NAMES, get_planner
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 
 DTYPES = ("float64", "float32", "bfloat16")
 DEFAULT_LENGTHS = [200, 30, 17, 60, 5]
+DEFAULT_BATCH_SIZE = 8
+"""Sequences drawn from --profile/--data/--lengths FILE without --batch-size."""
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -43,8 +46,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="model preset or Hugging Face config.json (default tiny)")
     parser.add_argument("--planner", metavar="NAME",
                         help=f"one of {', '.join(PLANNER_NAMES)} (default chunkflow)")
-    parser.add_argument("--batch-size", metavar="N", type=int, default=8,
-                        help="sequences drawn from --profile/--data (default 8)")
+    parser.add_argument("--batch-size", metavar="N", type=int,
+                        help="sequences drawn from --profile/--data/--lengths FILE (default 8)")
     parser.add_argument("--pp", metavar="P", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--dp", metavar="D", type=int, default=1, help="data-parallel pipelines (default 1)")
     parser.add_argument("--cp", metavar="C", type=int, default=1, help="context-parallel ranks per stage (default 1)")
@@ -112,6 +115,7 @@ def build_plan(args: argparse.Namespace):
     from lengthwise.plan.validate import validate_plan
     from lengthwise.planners import PlanRequest
 
+    check_sizes(args)
     model = model_preset(args.model_config)
     scheme = ParallelScheme(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, zero=args.zero)
     scheme.validate(model)
@@ -130,6 +134,15 @@ def build_plan(args: argparse.Namespace):
     plan = get_planner(args.planner or "chunkflow")(request)
     validate_plan(plan, cost)
     return plan
+
+
+def check_sizes(args: argparse.Namespace) -> None:
+    """Every count bounded (limits.py) before a model is built or a process started."""
+    check_size("--batch-size", args.batch_size, BATCH_SEQUENCES)
+    check_size("--context-length", args.context_length, CONTEXT_LENGTH)
+    check_size("--nproc", args.nproc, LOCAL_PROCESSES)
+    check_seconds("--timeout", args.timeout)
+    check_gpus(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp)
 
 
 def plan_world(plan) -> int:
@@ -189,11 +202,22 @@ def batch_lengths(args: argparse.Namespace) -> list[int]:
             raise UserError(f"--lengths {args.lengths}: length {bad + 1} is {lengths[bad]}; every length must be "
                             "at least 1 token")
     elif args.lengths or args.profile or args.data:
-        if args.batch_size < 1:
-            raise UserError(f"--batch-size {args.batch_size} must be at least 1")
-        lengths = batch_lengths_from_args(args, args.batch_size)
+        return _drawn_lengths(args)
     else:
         lengths = list(DEFAULT_LENGTHS)
+    if args.batch_size is not None:
+        given = f"--lengths {args.lengths}" if args.lengths else f"the built-in batch {','.join(map(str, lengths))}"
+        raise UserError(f"--batch-size {args.batch_size} sizes a batch drawn from --profile, --data or a lengths "
+                        f"file; {given} has {len(lengths)} sequences of its own: drop --batch-size or give the lengths")
+    return _checked(lengths, args)
+
+
+def _drawn_lengths(args: argparse.Namespace) -> list[int]:
+    """The first global batch of the workload arguments, DEFAULT_BATCH_SIZE sequences unless --batch-size."""
+    return _checked(batch_lengths_from_args(args, args.batch_size or DEFAULT_BATCH_SIZE), args)
+
+
+def _checked(lengths: list[int], args: argparse.Namespace) -> list[int]:
     if min(lengths) < 1:
         raise UserError(f"--lengths {args.lengths}: every length must be at least 1")
     if max(lengths) < 2:

@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-
 from lengthwise.plan.ir import json_text
 from lengthwise.commands.common import add_workload_args, lengths_source_from_args
-from lengthwise.errors import UserError
+from lengthwise.limits import SAMPLES, check_size
+from lengthwise.paths import check_writable
 from lengthwise.plan.ir import write_atomic
 from lengthwise.workloads.lengths import THRESHOLDS, length_stats
 from lengthwise.workloads.plot import histogram_png
@@ -40,8 +40,9 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.samples is not None and args.samples < 1:
-        raise UserError(f"--samples {args.samples} must be at least 1")
+    check_size("--samples", args.samples, SAMPLES)
+    if args.plot:
+        check_writable(args.plot, "--plot")
     source = lengths_source_from_args(args)
     lengths = source.describe_lengths(args.samples, args.seed)
     stats = length_stats(lengths) | {"source": source.name,

@@ -34,7 +34,8 @@ from functools import cached_property
 from pathlib import Path
 
 from lengthwise.errors import UserError
-from lengthwise.fields import MAX_LENGTH, Fields, check_spec_fields
+from lengthwise.fields import MAX_LENGTH, Fields, check_recorded_options, check_spec_fields
+from lengthwise.limits import MAX_EXTRA_SECONDS
 from lengthwise.specs import ClusterSpec, ModelSpec
 
 FORWARD = "F"
@@ -219,8 +220,17 @@ class PipelinePlan:
             schedule=f.string("schedule", default="1f1b"),
             backward_chunks=None if bwd is None else [Chunk.parse(c) for c in f.array("backward_chunks", item="str")],
             layers_per_stage=None if layers is None else f.ints("layers_per_stage", lo=0, hi=MAX_DEGREE),
-            extra_comm_s=f.number("extra_comm_s", default=0.0),
+            extra_comm_s=_extra_seconds(f, "extra_comm_s"),
         )
+
+
+def _extra_seconds(f: Fields, key: str) -> float:
+    """A pipeline's extra time, seconds: finite, >= 0 and at most MAX_EXTRA_SECONDS (1e308 s would
+    be reported as the step's time)."""
+    value = f.number(key, default=0.0)
+    if value > MAX_EXTRA_SECONDS:
+        raise f.fail(key, f"a number of seconds in [0, {MAX_EXTRA_SECONDS:g}]", value)
+    return value
 
 
 @dataclass
@@ -287,7 +297,7 @@ class StepPlan:
             planner=f.string("planner"), model=model, cluster=cluster, lengths=list(lengths),
             pipelines=[PipelinePlan.from_dict(p, f"{where} pipeline {i}") for i, p in enumerate(pipes)],
             zero=f.integer("zero", lo=0, hi=3, default=1),
-            options=f.mapping("options", default={}),
+            options=check_recorded_options(f.mapping("options", default={}), where),
             metrics=f.mapping("metrics", default={}),
         )
 

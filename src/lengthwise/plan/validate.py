@@ -63,6 +63,8 @@ def validate_plan(plan: StepPlan, cost: CostModel | None = None) -> None:
         _check_degrees(plan, p, pipe)
         for unit_name, units in _unit_lists(pipe):
             _check_segments(plan, p, unit_name, units, pipe.cp)
+    _check_no_dropped_stage(plan)
+    _check_layer_splits_agree(plan)
     _check_one_pipeline_per_sequence(plan)
     _check_coverage(plan, backward=False)
     if any(pipe.backward_chunks is not None for pipe in plan.pipelines):
@@ -99,6 +101,28 @@ def _check_degrees(plan: StepPlan, p: int, pipe: PipelinePlan) -> None:
     if len(layers) != pipe.pp or sum(layers) != plan.model.num_layers or min(layers) < 0:
         raise UserError(f"pipeline {p}: layers_per_stage {layers} must give each of its {pipe.pp} "
                         f"stages >= 0 layers summing to {plan.model.num_layers}")
+
+
+def _check_no_dropped_stage(plan: StepPlan) -> None:
+    """Pipelines of different shapes (Hydraulis' heterogeneous strategy) use every GPU of the
+    cluster; fewer means a pipeline lost stages or ranks (a plan file edited by hand)."""
+    shapes = {(q.tp, q.pp, q.cp) for q in plan.pipelines}
+    if len(shapes) > 1 and plan.num_gpus < plan.cluster.num_gpus:
+        sizes = ", ".join(f"pipeline {p} tp{q.tp}-pp{q.pp}-cp{q.cp}" for p, q in enumerate(plan.pipelines))
+        raise UserError(f"the pipelines differ in shape ({sizes}) and use {plan.num_gpus} of the cluster's "
+                        f"{plan.cluster.num_gpus} GPUs: a pipeline lost a stage or ranks; plan the batch again")
+
+
+def _check_layer_splits_agree(plan: StepPlan) -> None:
+    """Pipelines of one (tp, pp, cp) shape are data-parallel replicas and hold the same layers on
+    each stage: the executor shards and reduces stage s of all of them together."""
+    first: dict[tuple[int, int, int], tuple[int, list[int]]] = {}
+    for p, pipe in enumerate(plan.pipelines):
+        layers = pipe.stage_layers(plan.model.num_layers)
+        q, seen = first.setdefault((pipe.tp, pipe.pp, pipe.cp), (p, layers))
+        if seen != layers:
+            raise UserError(f"pipeline {p} splits its layers {layers} over its stages, pipeline {q} of the same "
+                            f"tp/pp/cp {seen}: replicas must hold the same layers on each stage")
 
 
 def _unit_lists(pipe: PipelinePlan) -> list[tuple[str, list[Chunk]]]:

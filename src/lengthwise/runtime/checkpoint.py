@@ -47,6 +47,7 @@ from lengthwise.runtime.manifest import (
 )
 from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.weights import load_weights, save_pretrained
+from lengthwise.unreadable import refuse_unreadable
 
 SINGLE = "single"
 """The manifest's `kind` of a single-process checkpoint (a distributed one says "distributed")."""
@@ -118,12 +119,14 @@ def load_checkpoint(path: str | Path, model: CausalLM, optimizer: torch.optim.Op
     path = Path(path)
     meta = verify_manifest(path)
     if meta.get("kind") != SINGLE:
-        raise UserError(f"{path} was written by a distributed run of {meta.get('nproc')} processes; "
-                        f"resume it with the same --nproc (or torchrun --nproc-per-node)")
-    load_weights(model, path)
-    load_optimizer(optimizer, path)
-    load_rng(path, "rng")
-    return json.loads((path / "trainer.json").read_text())
+        nproc = meta.get("nproc")
+        raise UserError(f"{path} was written by a distributed run" + (f" of {nproc} processes" if nproc else "")
+                        + "; resume it with the same --nproc (or torchrun --nproc-per-node)")
+    with refuse_unreadable(path, "lengthwise checkpoint"):  # a resealed manifest vouches for bytes, not form
+        load_weights(model, path)
+        load_optimizer(optimizer, path)
+        load_rng(path, "rng")
+        return json.loads((path / "trainer.json").read_text())
 
 
 def save_optimizer(optimizer: torch.optim.Optimizer, directory: Path) -> None:

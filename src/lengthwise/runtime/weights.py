@@ -25,8 +25,10 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import write_atomic
+from lengthwise.runtime.finite import first_nonfinite_tensor
 from lengthwise.runtime.model import CausalLM, parameter_names
 from lengthwise.specs import ModelSpec
+from lengthwise.unreadable import refuse_unreadable
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -106,9 +108,10 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
         by_file.setdefault(sources[name].file, []).append(name)
     with torch.no_grad():
         for file, names in by_file.items():
-            with _open(file) as handle:
+            with refuse_unreadable(file, "safetensors file"), _open(file) as handle:
                 for name in names:
                     _copy_into(params[name], handle.get_tensor(name))
+    check_finite_weights(path, {name: params[name] for name in expected})
 
 
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -137,15 +140,29 @@ def tensor_sources(path: str | Path) -> dict[str, TensorSource]:
         raise UserError(f"no weights at {path}: give a .safetensors file or a directory holding {WEIGHTS_NAME}")
     files = [path]
     if path.name.endswith(".index.json"):
-        files = [path.parent / shard for shard in sorted(set(json.loads(path.read_text())["weight_map"].values()))]
+        with refuse_unreadable(path, "safetensors index"):
+            files = [path.parent / str(shard) for shard in
+                     sorted(set(json.loads(path.read_bytes().decode("utf-8"))["weight_map"].values()))]
     sources = {}
     for file in files:
         if not file.exists():
             raise UserError(f"{path} names the shard {file.name}, which is missing from {file.parent}")
-        with _open(file) as handle:
+        with refuse_unreadable(file, "safetensors file"), _open(file) as handle:
             for name in handle.keys():
                 sources[name] = TensorSource(file, tuple(handle.get_slice(name).get_shape()))
     return sources
+
+
+def check_finite_weights(path: str | Path, params: dict[str, torch.Tensor]) -> None:
+    """UserError when a loaded weight holds a NaN or an infinity: training from it cannot learn,
+    and no checkpoint after it could be saved (runtime/finite.py). One fused reduction. Sharded
+    (DTensor) weights are left to the distributed run, whose ranks must agree before refusing."""
+    if any(isinstance(t, DTensor) for t in params.values()):
+        return
+    bad = first_nonfinite_tensor(params)
+    if bad is not None:
+        raise UserError(f"{path}: weight {bad} holds NaN or infinite values; start from finite weights "
+                        "(another checkpoint, or a config.json for random ones)")
 
 
 def _open(file: Path):

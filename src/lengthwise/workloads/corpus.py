@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -137,7 +138,7 @@ def _read_texts(spec: str, text_field: str) -> list[bytes]:
     if is_hf_dataset(path):
         return _read_hf_dataset(path, text_field)
     if path.is_dir():
-        return [p.read_bytes() for p in _folder_files(path)]
+        return _text_files(spec, _folder_files(path))
     if not path.is_file():
         raise UserError(f"--data {spec} is neither 'stdlib', a file nor a folder")
     if path.suffix == ".jsonl":
@@ -145,7 +146,7 @@ def _read_texts(spec: str, text_field: str) -> list[bytes]:
     if path.suffix == ".parquet":
         return _read_parquet(path, text_field)
     if path.suffix in TEXT_SUFFIXES:
-        return [path.read_bytes()]
+        return _text_files(spec, [path])
     raise UserError(f"--data {spec}: unknown file type {path.suffix!r}; use .jsonl, .parquet, "
                     f"{', '.join(TEXT_SUFFIXES)} or a folder")
 
@@ -167,10 +168,37 @@ def _folder_files(folder: Path) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
 
 
+def _text_files(spec: str, files: list[Path]) -> list[bytes]:
+    """The files' bytes. Files that are not UTF-8 (binary data, another encoding) would train
+    the byte model on noise without a word: all of them is an error, some of them a notice."""
+    texts = [p.read_bytes() for p in files]
+    binary = [p for p, data in zip(files, texts) if not _is_utf8(data)]
+    if binary and len(binary) == len(files):
+        raise UserError(f"--data {spec}: none of its {len(files)} file(s) is UTF-8 text (first: {binary[0]}); "
+                        "give text documents")
+    if binary:
+        print(f"lengthwise: notice: --data {spec}: {len(binary)} of {len(files)} files are not UTF-8 text "
+              f"(first: {binary[0]}); they are read as raw bytes", file=sys.stderr)
+    return texts
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def _read_jsonl(path: Path, text_field: str) -> list[bytes]:
     texts = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{path}:{number}: not UTF-8 text (byte {exc.start} of the line); "
+                                "JSON Lines files are UTF-8") from None
             if line.strip():
                 texts.append(_jsonl_text(line, path, number, text_field).encode("utf-8"))
     return texts

@@ -25,6 +25,8 @@ OVERLONG_POLICIES = ("error", "truncate", "drop")
 def read_lengths(path: str | Path) -> np.ndarray:
     """Sequence lengths (int64) from a text file (one integer a line) or a `.npy` array."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"lengths file {path} is a folder; give a file of lengths (one integer a line, or .npy)")
     if not path.is_file():
         raise UserError(f"lengths file {path} does not exist")
     if path.suffix == ".npy":

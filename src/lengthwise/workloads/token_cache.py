@@ -128,10 +128,31 @@ def _write(path: Path, fill: Callable) -> None:
 
 
 def _open(folder: Path, key: str) -> tuple[MappedDocuments, np.ndarray, int]:
-    meta = json.loads((folder / f"{key}.json").read_text())
-    lengths = np.load(folder / f"{key}.lengths.npy")
-    if meta.get("format") != FORMAT or lengths.size != meta["documents"] or int(lengths.sum()) != meta["tokens"]:
-        raise UserError(f"token cache entry {folder / key}.* is damaged; delete those files to rebuild it")
+    """The entry's files, each checked against the others before use: any mismatch or unreadable
+    file is one UserError naming the entry (delete it to rebuild), never a traceback mid-run."""
+    damaged = UserError(f"token cache entry {folder / key}.* is damaged; delete those files to rebuild it")
+    try:
+        meta = json.loads((folder / f"{key}.json").read_bytes().decode("utf-8"))
+        lengths = np.load(folder / f"{key}.lengths.npy", allow_pickle=False)
+        bin_bytes = (folder / f"{key}.bin").stat().st_size
+    except (OSError, ValueError, EOFError):  # JSON, UTF-8 and .npy errors are ValueErrors
+        raise damaged from None
+    if not _consistent(meta, lengths, bin_bytes):
+        raise damaged
     ids = (np.memmap(folder / f"{key}.bin", dtype=ID_DTYPE, mode="r", shape=(meta["tokens"],))
            if meta["tokens"] else np.zeros(0, dtype=ID_DTYPE))
     return MappedDocuments(ids, lengths), lengths, int(meta["vocab_size"])
+
+
+def _consistent(meta, lengths: np.ndarray, bin_bytes: int) -> bool:
+    """The manifest, the lengths and the ids file agree: counts, sums and the file's size."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        return False
+    counts = [meta.get(k) for k in ("documents", "tokens", "vocab_size")]
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+        return False
+    if lengths.ndim != 1 or lengths.dtype != np.int64 or lengths.size != meta["documents"]:
+        return False
+    if lengths.size and lengths.min() < 0:
+        return False
+    return int(lengths.sum()) == meta["tokens"] and bin_bytes == meta["tokens"] * np.dtype(ID_DTYPE).itemsize

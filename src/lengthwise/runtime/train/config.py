@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from lengthwise.errors import UserError
+from lengthwise.limits import (BATCH_SEQUENCES, CONTEXT_LENGTH, LOCAL_PROCESSES, THREADS, TOKENS_PER_BATCH, check_gpus,
+                               check_seconds, check_size)
 
 DTYPES = ("float32", "float64", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -143,6 +145,7 @@ class TrainConfig:
         """UserError naming the first field out of range."""
         _positive(self, "context_length", "steps", "dp", "pp", "cp", "tp", "nproc", "batch_size",
                   "tokens_per_batch", "save_every", "threads", "eval_every")
+        _bounded(self)
         if self.nproc is not None:
             check_degrees(self, self.nproc, "--nproc")
         if self.batch_size is not None and self.tokens_per_batch is not None:
@@ -223,6 +226,38 @@ def _finite_numbers(config: TrainConfig) -> None:
             raise UserError(f"{flag} {value}: must be {'> 0' if name in ('lr', 'timeout') else '>= 0'}")
     if config.min_lr > config.lr:
         raise UserError(f"--min-lr {config.min_lr} is above --lr {config.lr}; give a smaller one")
+    _applicable_rates(config)
+
+
+DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38,
+             "float64": 1.7976931348623157e308}
+"""Largest finite number of each parameter dtype (torch.finfo(dtype).max, named here without torch)."""
+
+
+def _applicable_rates(config: TrainConfig) -> None:
+    """Rates AdamW can apply: a learning rate the parameters' dtype can hold (torch raises mid-step
+    otherwise), and lr * weight_decay below 1, since decoupled weight decay multiplies each matrix
+    by 1 - lr * weight_decay every step (at 1 or more it zeroes or flips the weights, and far above
+    it they overflow to infinity after one step whose loss was finite)."""
+    largest = DTYPE_MAX.get(config.dtype, DTYPE_MAX["float32"])
+    if config.lr > largest:
+        raise UserError(f"--lr {config.lr:g} is over the largest {config.dtype} number ({largest:.3g}): "
+                        "AdamW cannot apply it; give a learning rate below 1")
+    if config.lr * config.weight_decay >= 1:
+        raise UserError(f"--lr {config.lr:g} x --weight-decay {config.weight_decay:g} = "
+                        f"{config.lr * config.weight_decay:g}: AdamW multiplies each matrix by 1 - lr x weight "
+                        "decay every step, so keep the product below 1")
+
+
+def _bounded(config: TrainConfig) -> None:
+    """Sizes within lengthwise.limits, so a stray digit fails now rather than after the corpus is read."""
+    for name, limit in (("context_length", CONTEXT_LENGTH), ("batch_size", BATCH_SEQUENCES),
+                        ("tokens_per_batch", TOKENS_PER_BATCH), ("nproc", LOCAL_PROCESSES),
+                        ("threads", THREADS)):
+        check_size(name, getattr(config, name), limit)
+    check_gpus(dp=config.dp, tp=config.tp, pp=config.pp, cp=config.cp)
+    if math.isfinite(config.timeout) and config.timeout > 0:  # NaN and <= 0: _finite_numbers says so
+        check_seconds("--timeout", config.timeout)
 
 
 def _positive(config: TrainConfig, *names: str) -> None:
@@ -272,9 +307,13 @@ def load_toml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
     """The config in a TOML file over `base` (default: the defaults)."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise UserError(f"--config {path}: no such file") from None
+    except IsADirectoryError:
+        raise UserError(f"--config {path} is a folder; give a TOML file") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--config {path}: not UTF-8 text (byte {exc.start}); TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"--config {path}: not valid TOML ({exc})") from None
     return merge(base or TrainConfig(), data, where=f"config {path}")

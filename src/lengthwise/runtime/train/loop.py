@@ -60,13 +60,16 @@ from lengthwise.planners.hydraulis.cost import pipelines_name
 from lengthwise.runtime.model import CausalLM, build_model
 from lengthwise.runtime.train.config import TrainConfig
 from lengthwise.runtime.train.executor import Executor, LocalExecutor, PreparedStep
+from lengthwise.runtime.finite import check_saveable
 from lengthwise.runtime.train.heldout import held_out_loss, hold_out
 from lengthwise.runtime.train.memory_check import check_memory, estimate_memory
 from lengthwise.runtime.train.outputs import OutputLock, owns_metrics, remove_debris, save_tokenizer, trim_metrics
 from lengthwise.runtime.train.report import Reporter, StepRecord, nonfinite_message
+from lengthwise.runtime.train.resume_check import check_same, setting_changes, trainer_state
 from lengthwise.runtime.train.schedule import apply_settings, current_lr, make_scheduler
 from lengthwise.runtime.train.signals import StopRequest
 from lengthwise.runtime.weights import INDEX_NAME, WEIGHTS_NAME, load_weights
+from lengthwise.unreadable import refuse_unreadable
 from lengthwise.specs import (
     MODEL_PRESETS,
     ModelSpec,
@@ -272,18 +275,17 @@ def _resume_path(config: TrainConfig, executor: Executor) -> Path | None:
 
 def _resume(setup: Setup, executor: Executor, path: Path) -> int:
     trainer = executor.load(path)
-    saved = trainer["config"]
-    for key in executor.must_match:
-        if saved.get(key) != getattr(setup.config, key):
-            raise UserError(f"checkpoint {path} was trained with {key}={saved.get(key)!r}, this run "
-                            f"has {getattr(setup.config, key)!r}; resume with the same value")
-    setup.sampler.load_state_dict(trainer["sampler"])
+    saved, step = trainer_state(path, trainer)
+    check_same(path, saved, setup.config, executor.must_match)
+    with refuse_unreadable(path, "checkpoint's sampler position"):
+        setup.sampler.load_state_dict(trainer["sampler"])
     if trainer.get("strategy") is not None:  # a Hydraulis run plans its next batch from the saved strategy
         setup.previous_strategy = trainer["strategy"]
     changes = apply_settings(executor.optimizer, setup.config, saved)
+    changes += setting_changes(saved, setup.config, skip=executor.must_match)
     if changes and executor.is_reporter:
         print(f"lengthwise train: resuming {path} with {', '.join(changes)}", file=sys.stderr)
-    return int(trainer["step"])
+    return step
 
 
 @dataclass(kw_only=True)
@@ -383,4 +385,7 @@ def _save(setup: Setup, executor: Executor, step: int, prepared: PreparedStep, r
                "loss": record.loss if math.isfinite(record.loss) else None}
     if setup.config.planner == "hydraulis":  # the strategy the resumed run's next plan switches from
         trainer["strategy"] = pipelines_name(prepared.plan.pipelines)
+    if isinstance(executor, LocalExecutor):  # a distributed executor agrees across ranks first (dist.py)
+        check_saveable(executor.model, executor.optimizer, step=step,
+                       kept=lambda: executor.latest_checkpoint(setup.config.out))
     return executor.save(step, trainer)
