@@ -166,6 +166,9 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
                              f"(default: a new {RUNS_FOLDER}/run-DATE-TIME)")
     parser.add_argument("--save-every", metavar="N", type=int, help="checkpoint every N steps (and after the last)")
     parser.add_argument("--resume", metavar="DIR", help="resume from this checkpoint directory")
+    parser.add_argument("--allow-pickle-checkpoint", action="store_true", default=None,
+                        help="resume a distributed checkpoint of an earlier lengthwise, whose pickled files can "
+                             "run code when loaded: only for a run of your own")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None,
                         help="no progress bar")
 
@@ -180,7 +183,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         "model", "planner", "batch_size", "tokens_per_batch", "steps", "lr", "weight_decay",
         "grad_clip", "dtype", "device", "backend", "threads", "dp", "pp", "cp", "tp", "sequence_parallel", "zero", "nproc", "cluster",
         "metrics", "out",
-        "save_every", "resume", "progress", "data", "tokenizer", "text_field", "context_length",
+        "save_every", "resume", "allow_pickle_checkpoint", "progress", "data", "tokenizer", "text_field", "context_length",
         "overlong", "seed", "lr_schedule", "warmup_steps", "min_lr", "eval_every", "eval_sequences",
         "skip_nonfinite", "timeout", "token_cache")}
     flags["options"] = planner_options(args) or None

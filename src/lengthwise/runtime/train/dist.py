@@ -57,6 +57,7 @@ rank) place (training draws from no global generator, so this choice changes no 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import StepPlan
+from lengthwise.plan.ir import StepPlan, write_atomic
 import lengthwise.runtime.distributed.checkpoint_dist as checkpoint_dist
 from lengthwise.runtime.distributed.dp import (
     check_same_plan,
@@ -74,7 +75,7 @@ from lengthwise.runtime.distributed.dp import (
 )
 from lengthwise.runtime.distributed.launch import RankStatus
 from lengthwise.runtime.distributed.mesh import Mesh
-from lengthwise.runtime.distributed.step import gather_grads_like, run_rank_step
+from lengthwise.runtime.distributed.step import first_holders, gather_grads_like, run_rank_step
 from lengthwise.runtime.model import CausalLM, meta_model, parameter_names
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
 from lengthwise.runtime.parallel.device_mesh import uniform_degrees
@@ -82,7 +83,7 @@ from lengthwise.runtime.train.config import TrainConfig, check_degrees
 from lengthwise.runtime.train.executor import RESUME_MUST_MATCH, PreparedStep, StepOutcome
 from lengthwise.runtime.train.loop import Setup, make_optimizer, weights_folder
 from lengthwise.runtime.train.step import PeakMemory, is_padded
-from lengthwise.runtime.weights import load_state, save_tensors_pretrained
+from lengthwise.runtime.weights import hf_config_dict, load_state
 from lengthwise.workloads.sampler import GlobalBatchSampler
 
 ROUND_ROBIN = "round-robin"
@@ -238,7 +239,8 @@ class RankExecutor:
         self.status.note(f"loading checkpoint {path}")
         return checkpoint_dist.load_checkpoint(path, model=self.model, optimizer=self.optimizer, held=self.held,
                                                check=functools.partial(self._check_shape_of_run, path),
-                                               saved_rank=self._saved_rank)
+                                               saved_rank=self._saved_rank,
+                                               allow_pickle=self.config.allow_pickle_checkpoint)
 
     def _check_shape_of_run(self, path: Path, extras: dict) -> None:
         """UserError naming the degrees when the checkpoint's pp, cp or tp differ from this
@@ -266,14 +268,24 @@ class RankExecutor:
         self.status.note(f"step {step}: saving its checkpoint")
         return checkpoint_dist.save_checkpoint(self.config.out, step=step, model=self.model,
                                                optimizer=self.optimizer, held=self.held, extras=trainer,
-                                               also=self._save_weights)
+                                               also=self._save_config, writes=self._writes())
 
-    def _save_weights(self, path: Path) -> None:
-        """Rank 0 writes the whole model in Hugging Face format from the gathered full state dict,
-        each tensor from its lowest holder (collective)."""
-        weights = self._gather_weights()
-        if weights is not None:
-            save_tensors_pretrained(weights, self.model.spec, path)
+    def _writes(self) -> Callable[[str], bool]:
+        """writes(name): whether this rank writes its plain copy of parameter `name` (the lowest
+        rank holding it does; DTensor pieces are deduplicated by their placements)."""
+        first = first_holders(self.model, self.plan_for_layout, self.layout)
+        return lambda name: first.get(name) == self.mesh.rank
+
+    @property
+    def plan_for_layout(self) -> StepPlan:
+        """The plan whose layout this rank's parameters follow."""
+        return self.first_plan
+
+    def _save_config(self, path: Path) -> None:
+        """Rank 0 writes the model's Hugging Face config.json (`lengthwise export` reads it); no
+        rank writes the whole model: export consolidates the shards offline."""
+        if self.mesh.rank == 0:
+            write_atomic(path / "config.json", json.dumps(hf_config_dict(self.model.spec), indent=1))
 
 
 def rank_model_args(config: TrainConfig, plan: StepPlan) -> dict:

@@ -66,7 +66,6 @@ from lengthwise.runtime.train.dist import OWNED_BY_HOLDERS, ROUND_ROBIN, RankExe
 from lengthwise.runtime.train.executor import PreparedStep, StepOutcome
 from lengthwise.runtime.train.loop import weights_folder
 from lengthwise.runtime.train.step import PeakMemory
-from lengthwise.runtime.weights import save_tensors_pretrained
 
 
 def strategy_key(plan: StepPlan) -> tuple:
@@ -255,13 +254,14 @@ class HeteroRankExecutor(RankExecutor):
                   "strategy": strategy_name(self.plan_now),
                   "exchange_pipelines": [[*p[:3], list(p[3])] for p in plan_pipelines(self.plan_now)]}
         state = self._dcp_state(self.exchange, self.master, self.exp_avg, self.exp_avg_sq, self._steps())
+        state["model"] = {n: p.detach() for n, p in self.held.items()}  # for export: this rank's propagation pieces
         return checkpoint_dist.save_checkpoint(self.config.out, step=step, model=self.model, optimizer=self.optimizer,
-                                               held=self.held, extras=extras, also=self._save_weights, state=state)
+                                               held=self.held, extras=extras, also=self._save_config, state=state,
+                                               writes=self._writes())
 
-    def _save_weights(self, path: Path) -> None:
-        weights = self._gather_weights()
-        if weights is not None:
-            save_tensors_pretrained(weights, self.model.spec, path)
+    @property
+    def plan_for_layout(self) -> StepPlan:
+        return self.plan_now
 
     def load(self, path: Path) -> dict:
         """Restore the owned shards (same number of processes, any strategy: saved under another
@@ -285,7 +285,8 @@ class HeteroRankExecutor(RankExecutor):
             state.update(self._dcp_state(ex, *buffers, steps))
 
         extras = checkpoint_dist.load_checkpoint(path, model=self.model, optimizer=self.optimizer, held=self.held,
-                                                 check=check, state=state)
+                                                 check=check, state=state,
+                                                 allow_pickle=self.config.allow_pickle_checkpoint)
         saved, buffers = loading["exchange"], loading["buffers"]
         if saved is not self.exchange:
             send, recv = saved.layout.moves(self.exchange.layout, self.mesh.rank)
