@@ -38,9 +38,11 @@ stage's data-parallel x CP ranks with FSDP2 (--zero 1 or 2: gathered once per st
 3: ZeRO-3; 0: whole copies). Every rank plans the same batch (checked by a plan hash each
 step), AdamW updates the rank's shards (float32 master weights under bfloat16 compute with
 --dtype bfloat16), clipping uses the global gradient norm, rank 0 alone writes metrics and the
-progress bar, and checkpoints are torch.distributed.checkpoint shards (plus the whole model as
-model.safetensors, gathered to rank 0) that a run with the same pp, cp and tp resumes exactly,
-at the same or another dp (the shards are resharded). Without either, one process runs every
+progress bar, and checkpoints are each rank's own shards (safetensors and JSON, nothing gathered;
+`lengthwise export` consolidates them) that a run with the same pp, cp and tp resumes exactly,
+at the same or another dp (the shards are resharded). --allow-pickle-checkpoint resumes a
+distributed checkpoint of an earlier lengthwise (pickled torch.distributed.checkpoint files, which
+can run code): only for a run of your own. Without either, one process runs every
 pipeline and stage of the plan.
 
 --planner hydraulis across processes runs heterogeneous pipelines: --pipelines tp2-pp1,tp1-pp2
