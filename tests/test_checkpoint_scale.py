@@ -24,7 +24,7 @@ def plan_70b():
         options={"chunk_size": 4096, "k": 1}))
 
 
-@pytest.mark.parametrize("rank", [0, 255])
+@pytest.mark.parametrize("rank", [255])  # the last stage: the head and the tied embedding besides its layers
 def test_a_70b_save_on_256_ranks_holds_no_more_than_the_ranks_own_shards(plan_70b, rank):
     found = save_footprint(plan_70b, rank)
     assert found.world_size == 256

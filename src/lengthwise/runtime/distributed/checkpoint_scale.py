@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lengthwise.plan.ir import StepPlan
@@ -79,7 +79,8 @@ def save_footprint(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bflo
         counter = _Collectives()
         with counter:
             tensors, _ = _split(model_state(model, optimizer, held))
-            pieces = local_pieces(tensors, writes=_by_parameter(lambda name: first.get(name) == rank))
+            with unset_fake_temporarily():  # DTensor's offset arithmetic makes small real tensors
+                pieces = local_pieces(tensors, writes=_by_parameter(lambda name: first.get(name) == rank))
         return SaveFootprint(rank=rank, world_size=world_size, own_bytes=sum(t.numel() * t.element_size() for t in own),
                              written_bytes=sum(p.nbytes for p in pieces),
                              largest_piece_bytes=max(p.nbytes for p in pieces),
