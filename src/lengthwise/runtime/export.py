@@ -51,7 +51,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, model_config: 
     config = Path(model_config) if model_config else folder / "config.json"
     if not config.is_file():
         raise UserError(f"{folder} carries no config.json: give the model's config with --model-config")
-    spec = ModelSpec.from_hf_config(config)
+    spec = _model_spec(config)
     with _weights(folder, meta, spec, allow_pickle) as (shapes, fetch):
         _write_folder(Path(out), spec, shapes, fetch)
     return Path(out)
@@ -62,9 +62,19 @@ def checkpoint_weights(checkpoint: str | Path, *, allow_pickle: bool = False) ->
     whole model in memory; `export_checkpoint` streams)."""
     folder = _checkpoint_folder(Path(checkpoint), lambda line: None)
     meta = verify_manifest(folder)
-    spec = ModelSpec.from_hf_config(folder / "config.json")
+    spec = _model_spec(folder / "config.json")
     with _weights(folder, meta, spec, allow_pickle) as (shapes, fetch):
         return {name: fetch(name) for name in shapes}
+
+
+def _model_spec(config: Path) -> ModelSpec:
+    """The model of a Hugging Face config.json; UserError (one line) when it is not JSON."""
+    try:
+        json.loads(config.read_bytes())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{config} is not a JSON config ({exc.__class__.__name__}): give the model's config with "
+                        f"--model-config") from None
+    return ModelSpec.from_hf_config(config)
 
 
 def _warn(line: str) -> None:
