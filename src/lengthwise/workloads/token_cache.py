@@ -128,10 +128,14 @@ def _write(path: Path, fill: Callable) -> None:
 
 
 def _open(folder: Path, key: str) -> tuple[MappedDocuments, np.ndarray, int]:
-    meta = json.loads((folder / f"{key}.json").read_text())
-    lengths = np.load(folder / f"{key}.lengths.npy")
-    if meta.get("format") != FORMAT or lengths.size != meta["documents"] or int(lengths.sum()) != meta["tokens"]:
-        raise UserError(f"token cache entry {folder / key}.* is damaged; delete those files to rebuild it")
+    damaged = UserError(f"token cache entry {folder / key}.* is damaged; delete those files to rebuild it")
+    try:  # JSON and a plain .npy only: an entry that is neither is damaged, never unpickled
+        meta = json.loads((folder / f"{key}.json").read_bytes())
+        lengths = np.load(folder / f"{key}.lengths.npy", allow_pickle=False)
+        if meta.get("format") != FORMAT or lengths.size != meta["documents"] or int(lengths.sum()) != meta["tokens"]:
+            raise damaged
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        raise damaged from None
     ids = (np.memmap(folder / f"{key}.bin", dtype=ID_DTYPE, mode="r", shape=(meta["tokens"],))
            if meta["tokens"] else np.zeros(0, dtype=ID_DTYPE))
     return MappedDocuments(ids, lengths), lengths, int(meta["vocab_size"])
