@@ -97,3 +97,16 @@ def test_a_file_that_disagrees_with_its_index_is_one_line(saved):
     with PieceReader(folder, read_index(folder)[0]) as reader, pytest.raises(UserError) as caught:
         reader.whole("model.w")
     assert "shards-1.safetensors: cannot read model.w" in str(caught.value)
+
+
+def test_overlapping_pieces_of_other_splits_are_read_once_each_element(tmp_path):
+    """A heterogeneous run: one pipeline writes a parameter whole, another its two TP halves."""
+    whole = torch.arange(12.0).reshape(4, 3)
+    write_pieces(tmp_path, 0, [Local("model.w", whole, (0, 0), (4, 3))], {})
+    write_pieces(tmp_path, 1, [Local("model.w", whole[:, :2].contiguous(), (0, 0), (4, 3)),
+                               Local("model.v", whole[:, 2:].contiguous(), (0, 2), (4, 3))], {})
+    with PieceReader(tmp_path, read_index(tmp_path)[0]) as reader:
+        assert torch.equal(reader.whole("model.w"), whole)
+        part = torch.zeros(2, 3)
+        reader.fill("model.w", part, (1, 0), (4, 3))
+        assert torch.equal(part, whole[1:3])

@@ -19,7 +19,8 @@ own shards, plus one piece copied to the host at a time when it lives on a GPU.
 Replicas are written once where that costs no communication: a DTensor piece by the ranks at
 coordinate 0 of each mesh dimension it is replicated over, a plain tensor by the rank the
 caller's `writes(key)` names. Pieces written twice anyway (a tied embedding on the first and the
-last stage) are identical and read once.
+last stage, a heterogeneous run's pipelines splitting a parameter differently) hold equal values
+where they overlap, and each element is read once.
 
 Loading reads, for each of this rank's tensors, the parts of saved pieces that overlap its region
 (`safe_open(...).get_slice`, which maps the file and copies only those bytes), so a run at
@@ -247,17 +248,17 @@ class PieceReader:
         if pieces[0].global_shape != tuple(global_shape):
             raise UserError(f"{self.folder} holds {key} of shape {list(pieces[0].global_shape)}, this run's is "
                             f"{list(global_shape)}: resume with the model it was trained with")
-        covered = 0
+        covered = torch.zeros(target.shape, dtype=torch.bool)  # pieces of other splits may overlap (replicas)
         with torch.no_grad():
             for piece in pieces:
                 overlap = _overlap(piece.offsets, piece.shape, offsets, tuple(target.shape))
-                if overlap is None:
+                if overlap is None or bool(covered[overlap[1]].all()):
                     continue
                 source, dest = overlap
                 target[dest].copy_(self._read(piece, source))
-                covered += math.prod(s.stop - s.start for s in dest)
-        if covered != target.numel():
-            raise UserError(f"{self.folder}: its pieces of {key} cover {covered} of the {target.numel()} "
+                covered[dest] = True
+        if not bool(covered.all()):
+            raise UserError(f"{self.folder}: its pieces of {key} cover {int(covered.sum())} of the {target.numel()} "
                             f"elements this rank holds; the checkpoint is incomplete")
 
     def whole(self, key: str) -> torch.Tensor:
