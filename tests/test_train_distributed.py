@@ -1,6 +1,6 @@
 """Tier 3: `lengthwise train --nproc N` (local gloo workers, float64, tiny model) trains to the
 weights one process reaches with the same plan settings, reports from rank 0 only, resumes
-bit-exactly from its torch.distributed.checkpoint, and refuses degrees that do not multiply to N.
+bit-exactly from its checkpoint (each rank's shards), and refuses degrees that do not multiply to N.
 
 The single-process runs execute the same dp / pp plan on one process (`run_step`); the sums run
 in another order, so weights agree to round-off (largest difference measured: 3e-14 with dp2,
@@ -73,7 +73,7 @@ def test_distributed_resume_is_bit_identical(dp2_run, tmp_path):
 
 
 def test_pp2_reaches_the_single_process_weights_and_held_out_loss(tmp_path):
-    """With a held-out slice: rank 0 evaluates with every stage's weights gathered to it."""
+    """With a held-out slice: evaluated sharded, each stage on its own rank (nothing gathered)."""
     held_out = ("--eval-every", "2", "--eval-sequences", "4")
     distributed(tmp_path, "--nproc", "2", "--pp", "2", *held_out)
     reference = single_process("--pp", "2", *held_out)

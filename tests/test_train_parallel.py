@@ -1,10 +1,10 @@
 """Tier 3: `lengthwise train` across processes with per-stage models, tensor parallelism and
 FSDP2 (local gloo workers, float64, tiny model): each rank builds only its stage's part
 (`parallel/build.build_rank_model`), yet the run reaches the weights one process reaches with
-the same plan settings; its consolidated Hugging Face copy, written from a gathered state
-dict, exports to a folder transformers loads; and a checkpoint resumes at another dp
-(torch.distributed.checkpoint reshards the FSDP2 parameters and AdamW states) to the weights of
-an uninterrupted run.
+the same plan settings; its checkpoint (each rank's own shards) exports to a folder
+transformers loads; and a checkpoint resumes at another dp (each rank reads its new FSDP2
+shards of the parameters and AdamW states from the saved pieces) to the weights of an
+uninterrupted run.
 
 Tolerance. Distributed and single-process runs sum the same terms in other orders (TP splits
 the hidden and head reductions, FSDP2 and the pipeline split the sums over tokens and ranks).
