@@ -151,8 +151,10 @@ def test_pipelines_and_degrees_are_checked_in_one_line(capsys):
 
 def test_a_cp2_pipeline_beside_tp_and_pp_pipelines_trains_exactly(tmp_path):
     """8 ranks: tp1-pp1-cp2 (ranks 0, 1), two tp2-pp1 pipelines and a tp1-pp2 one, 2 steps of 8
-    documents; weights and losses equal one process running the same plans."""
-    strategy = ["--pipelines", "tp1-pp1-cp2,tp2-pp1,tp2-pp1,tp1-pp2", "--batch-size", "8", "--steps", "2"]
+    documents; weights, losses and the held-out loss (run sharded in the same strategy) equal
+    one process running the same plans."""
+    strategy = ["--pipelines", "tp1-pp1-cp2,tp2-pp1,tp2-pp1,tp1-pp2", "--batch-size", "8", "--steps", "2",
+                "--eval-every", "2", "--eval-sequences", "4"]
     assert main(["train", *ARGS, *strategy, "--nproc", "8", "--out", str(tmp_path),
                  "--metrics", str(tmp_path / "metrics.jsonl")]) == 0
     reference = train(config_of(*strategy))
@@ -162,3 +164,5 @@ def test_a_cp2_pipeline_beside_tp_and_pp_pipelines_trains_exactly(tmp_path):
     for name, tensor in trained.items():
         assert (tensor - expected[name]).abs().max() <= tolerance * expected[name].abs().max(), name
     assert [m["loss"] for m in metrics(tmp_path)] == pytest.approx([r.loss for r in reference.records], rel=tolerance)
+    assert [m.get("eval_loss") for m in metrics(tmp_path)] == \
+        [None, pytest.approx(reference.records[1].eval_loss, rel=tolerance)]

@@ -19,6 +19,8 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "lengthwise"
 ALLOWED = {"runtime/distributed/legacy_dcp.py"}
 """Modules allowed to unpickle: the legacy DCP loader, reached only with --allow-pickle-checkpoint."""
 PICKLERS = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "marshal", "shelve"}
+LOADERS = {"load", "loads", "Unpickler", "open"}
+"""What deserialises in those modules (dumping is writing: harmless)."""
 DCP_LOADERS = {"load", "load_state_dict", "_load_state_dict_from_keys", "read_metadata", "FileSystemReader"}
 
 
@@ -45,12 +47,13 @@ def findings(source: str) -> list[tuple[int, str]]:
                  and (node.module or "").startswith("torch.distributed.checkpoint") for alias in node.names}
     dcp_modules = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                    for alias in node.names if alias.name.startswith("torch.distributed.checkpoint")}
+    picklers = PICKLERS | {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                           for alias in node.names if alias.name.split(".")[0] in PICKLERS}
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
-            if any((n or "").split(".")[0] in PICKLERS for n in names):
-                found.append((node.lineno, "imports a pickle module"))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PICKLERS:
+            if any(a.name in LOADERS for a in node.names):
+                found.append((node.lineno, f"imports a loader of {node.module}"))
         if not isinstance(node, ast.Call):
             continue
         name = _dotted(node.func)
@@ -59,7 +62,7 @@ def findings(source: str) -> list[tuple[int, str]]:
             found.append((node.lineno, f"{name}()"))
         elif last == "load" and head == "torch" and not _is_true(_keyword(node, "weights_only")):
             found.append((node.lineno, "torch.load without weights_only=True"))
-        elif head.split(".")[0] in PICKLERS and last in ("load", "loads", "Unpickler"):
+        elif head.split(".")[0] in picklers and last in LOADERS:
             found.append((node.lineno, f"{name}()"))
         elif last == "load" and head in ("np", "numpy") and _is_true(_keyword(node, "allow_pickle")):
             found.append((node.lineno, "np.load(allow_pickle=True)"))
@@ -94,6 +97,8 @@ def test_the_allowed_module_exists_and_says_why():
     "import torch\ntorch.load(f)",
     "import torch\ntorch.load(f, weights_only=False)",
     "import pickle\npickle.loads(b)",
+    "import pickle as p\np.load(f)",
+    "import shelve\nshelve.open(f)",
     "from pickle import loads",
     "import numpy as np\nnp.load(f, allow_pickle=True)",
     "eval(open(f).read())",
@@ -111,6 +116,7 @@ def test_the_scan_catches_each_kind(line):
     "import torch\ntorch.load(f, weights_only=True)",
     "import numpy as np\nnp.load(f, allow_pickle=False)",
     "import json\njson.loads(text)",
+    "import pickle\npickle.dumps(value)",
     "from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict\nget_optimizer_state_dict(m, o)",
 ])
 def test_the_scan_lets_data_loads_pass(line):

@@ -31,6 +31,7 @@ import json
 import multiprocessing
 import multiprocessing.reduction
 import os
+import pickle
 import signal
 import sys
 import tempfile
@@ -228,7 +229,7 @@ def _worker(rank: int, fn, nproc: int, folder: str, timeout_s: float, args: tupl
     status.note("finished")
     status.close()
     if rank == 0 and result is not None and results is not None:
-        results.send(result)
+        results.send_bytes(pickle.dumps(result))  # plain bytes: torch's shared-memory tensors would die with this process
     if results is not None:
         results.close()
     del result
