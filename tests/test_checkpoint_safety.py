@@ -336,3 +336,41 @@ def test_an_earlier_versions_pickled_checkpoint_needs_the_flag(dist_run, tmp_pat
     assert main(["export", str(step), "--hf", str(tmp_path / "hf")]) == 2
     assert "--allow-pickle-checkpoint" in capfd.readouterr().err
     assert not marker.exists()
+
+
+def _as_earlier_version(step: Path, legacy: Path) -> None:
+    """`step` rewritten in the earlier layout: torch.distributed.checkpoint files (pickled
+    `.metadata`) holding the whole tensors and optimizer values, the same extras, a manifest of
+    the earlier kind."""
+    import torch.distributed.checkpoint as dcp
+
+    from lengthwise.runtime.distributed.checkpoint_dist import _decode
+    from lengthwise.runtime.distributed.shards import PieceReader, read_index
+
+    index, values = read_index(step)
+    state: dict = {"model": {}, "optim": {}}
+    with PieceReader(step, index) as reader:
+        for key in index:
+            group, name = key.split(".", 1)
+            state[group][name] = reader.whole(key)
+    for key, value in values[0].items():
+        group, name = key.split(".", 1)
+        state[group][name] = _decode(value)
+    dcp.save(state, checkpoint_id=str(legacy))
+    for path in step.iterdir():
+        if path.name.startswith("rank-") or path.name == "config.json":
+            shutil.copy(path, legacy / path.name)
+    write_manifest(legacy, meta={"kind": "distributed", "nproc": 2, "step": 2})
+
+
+def test_with_the_flag_an_earlier_versions_checkpoint_resumes_as_before(dist_run, tmp_path):
+    """--allow-pickle-checkpoint: step 2 in the earlier layout resumes, and step 3 ends at the
+    weights of the run that never stopped."""
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copytree(dist_run / "step-000001", out / "step-000001")
+    _as_earlier_version(dist_run / "step-000002", out / "step-000002")
+    assert main(["train", *DIST_ARGS, "--steps", "3", "--out", str(out)]) == 2  # refused without the flag
+    assert main(["train", *DIST_ARGS, "--steps", "3", "--out", str(out), "--allow-pickle-checkpoint"]) == 0
+    resumed, original = checkpoint_weights(out / "step-000003"), checkpoint_weights(dist_run / "step-000003")
+    assert all(torch.equal(resumed[k], original[k]) for k in original)
