@@ -25,6 +25,8 @@ from safetensors import SafetensorError
 from lengthwise.cli import main
 from lengthwise.errors import UserError
 from lengthwise.runtime.checkpoint import latest_checkpoint, load_checkpoint
+from lengthwise.runtime.distributed.shards import LAYOUT
+from lengthwise.runtime.export import checkpoint_weights
 from lengthwise.runtime.manifest import MANIFEST, DamagedCheckpoint, list_files, verify_manifest, write_manifest
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.train.loop import make_optimizer, train
@@ -34,8 +36,8 @@ from lengthwise.specs import model_preset
 
 SINGLE_FILES = ["config.json", "model.safetensors", "optimizer.json", "optimizer.safetensors", "rng.json",
                 "rng.safetensors", "trainer.json", MANIFEST]
-DIST_FILES = [".metadata", "__0_0.distcp", "__1_0.distcp", "config.json", "model.safetensors", "rank-0.json",
-              "rank-0.safetensors", "rank-1.json", "rank-1.safetensors", MANIFEST]
+DIST_FILES = ["config.json", "rank-0.json", "rank-0.safetensors", "rank-1.json", "rank-1.safetensors", "shards-0.json",
+              "shards-0.safetensors", "shards-1.json", "shards-1.safetensors", MANIFEST]
 DIST_ARGS = ["--dtype", "float64", "--context-length", "96", "--batch-size", "3", "--lr", "1e-2",
              "--chunk-size", "32", "--k", "1", "--threads", "1", "--no-progress", "--nproc", "2", "--dp", "2",
              "--save-every", "1"]
@@ -105,7 +107,8 @@ def test_the_file_lists_are_the_checkpoints_files(single_run, dist_run):
     assert list_files(single_run / "step-000002") + [MANIFEST] == sorted(SINGLE_FILES[:-1]) + [MANIFEST]
     assert list_files(dist_run / "step-000003") + [MANIFEST] == sorted(DIST_FILES[:-1]) + [MANIFEST]
     assert verify_manifest(dist_run / "step-000003") == {"format": "lengthwise-checkpoint", "version": 1,
-                                                         "kind": "distributed", "nproc": 2, "step": 3}
+                                                         "kind": "distributed", "layout": LAYOUT, "nproc": 2,
+                                                         "step": 3}
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "trainer.json", MANIFEST])
@@ -210,20 +213,20 @@ def test_distributed_checkpoint_damage_is_caught_before_reading(dist_run, tmp_pa
 
 
 def test_distributed_resume_falls_back_over_damaged_steps(dist_run, tmp_path, capfd):
-    """Step 3's pickled .metadata carries a payload, step 2 has a flipped byte in a shard: the
-    two processes resume from step 1, rewrite steps 2 and 3, and end at the undamaged weights."""
+    """Step 3's shard index carries a payload, step 2 has a flipped byte in a shard: the two
+    processes resume from step 1, rewrite steps 2 and 3, and end at the undamaged weights."""
     out, marker = copy_run(dist_run, tmp_path), tmp_path / "ran"
-    damage(out / "step-000003" / ".metadata", "pickle", marker)
-    damage(out / "step-000002" / "__1_0.distcp", "flip", marker)
+    damage(out / "step-000003" / "shards-0.json", "pickle", marker)
+    damage(out / "step-000002" / "shards-1.safetensors", "flip", marker)
     assert main(["train", *DIST_ARGS, "--steps", "3", "--out", str(out)]) == 0
     captured = capfd.readouterr()
     assert "(resumed from" in captured.out and "step-000001)" in captured.out
-    assert f"checkpoint {out / 'step-000003'} is damaged: .metadata" in captured.err
-    assert f"checkpoint {out / 'step-000002'} is damaged: __1_0.distcp" in captured.err
+    assert f"checkpoint {out / 'step-000003'} is damaged: shards-0.json" in captured.err
+    assert f"checkpoint {out / 'step-000002'} is damaged: shards-1.safetensors" in captured.err
     assert not marker.exists()
     for step in ("step-000002", "step-000003"):
         verify_manifest(out / step)
-        rerun, original = read_tensors(out / step), read_tensors(dist_run / step)
+        rerun, original = checkpoint_weights(out / step), checkpoint_weights(dist_run / step)
         assert all(torch.equal(rerun[k], original[k]) for k in original), step
 
 
@@ -279,3 +282,115 @@ def test_a_manifest_entry_outside_the_folder_is_refused(tmp_path, outside):
     (folder / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(DamagedCheckpoint, match="malformed entry"):
         verify_manifest(folder)
+
+
+def _read_like_a_resume(step: Path) -> None:
+    """What a resuming rank reads, without a process group: every piece of every saved tensor
+    into a tensor of its global shape, the optimizer's JSON values, each rank's extras and RNG
+    states (`checkpoint_dist.load_state`, then the extras' readers)."""
+    from safetensors.torch import load_file
+
+    from lengthwise.runtime.checkpoint import set_rng_state
+    from lengthwise.runtime.distributed.checkpoint_dist import load_state
+    from lengthwise.runtime.distributed.shards import read_index, torch_dtype
+
+    index, values = read_index(step)
+    state: dict = {}
+    for key, pieces in index.items():
+        group, name = key.split(".", 1)
+        state.setdefault(group, {})[name] = torch.zeros(pieces[0].global_shape, dtype=torch_dtype(pieces[0].dtype))
+    for key in values.get(0, {}):
+        group, name = key.split(".", 1)
+        state.setdefault(group, {})[name] = None
+    load_state(step, state, 0)
+    for rank in (0, 1):
+        extras = json.loads((step / f"rank-{rank}.json").read_text())
+        set_rng_state(extras.pop("rng"), load_file(step / f"rank-{rank}.safetensors"))
+
+
+@pytest.mark.parametrize("name", [n for n in DIST_FILES if n != MANIFEST])
+def test_a_distributed_payload_with_a_matching_manifest_is_never_unpickled(dist_run, tmp_path, capsys, name):
+    """Every file of a distributed checkpoint replaced by a pickle payload and the manifest
+    rewritten to match: `lengthwise export` refuses it in one line (exit 2) and the resume's
+    readers fail to parse it (config.json is not read on resume); the payload never runs."""
+    out, marker = copy_run(dist_run, tmp_path), tmp_path / "ran"
+    step = out / "step-000003"
+    (step / name).write_bytes(payload_bytes(marker))
+    write_manifest(step, meta={"kind": "distributed", "layout": LAYOUT, "nproc": 2, "step": 3})
+    assert main(["export", str(step), "--hf", str(tmp_path / "hf")]) == (0 if name.startswith("rank-") else 2)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert "Traceback" not in err and len(errors) == (0 if name.startswith("rank-") else 1), err
+    if name != "config.json":
+        with pytest.raises((UserError, ValueError, SafetensorError)) as caught:
+            _read_like_a_resume(step)
+        assert "\n" not in str(caught.value)
+    assert not marker.exists()
+
+
+def test_a_crafted_distributed_checkpoint_is_refused_by_a_real_resume(dist_run, tmp_path, capfd):
+    """Two processes resume a step whose shard index is a payload under a matching manifest:
+    one line, exit 2, nothing run."""
+    out, marker = copy_run(dist_run, tmp_path), tmp_path / "ran"
+    step = out / "step-000003"
+    (step / "shards-1.json").write_bytes(payload_bytes(marker))
+    write_manifest(step, meta={"kind": "distributed", "layout": LAYOUT, "nproc": 2, "step": 3})
+    assert main(["train", *DIST_ARGS, "--steps", "4", "--out", str(out)]) == 2
+    err = capfd.readouterr().err
+    assert "shards-1.json is not JSON" in err and "Traceback" not in err
+    assert not marker.exists()
+
+
+def test_an_earlier_versions_pickled_checkpoint_needs_the_flag(dist_run, tmp_path, capfd):
+    """A torch.distributed.checkpoint `.metadata` (a pickle, here a payload) under a matching
+    manifest of the earlier layout: resume refuses it in one line naming --allow-pickle-checkpoint
+    and never unpickles it."""
+    out, marker = copy_run(dist_run, tmp_path), tmp_path / "ran"
+    step = out / "step-000003"
+    (step / ".metadata").write_bytes(payload_bytes(marker))
+    write_manifest(step, meta={"kind": "distributed", "nproc": 2, "step": 3})
+    assert main(["train", *DIST_ARGS, "--steps", "4", "--out", str(out)]) == 2
+    err = capfd.readouterr().err
+    line = next(line for line in err.splitlines() if "error:" in line)
+    assert "--allow-pickle-checkpoint" in line and "Traceback" not in err
+    assert main(["export", str(step), "--hf", str(tmp_path / "hf")]) == 2
+    assert "--allow-pickle-checkpoint" in capfd.readouterr().err
+    assert not marker.exists()
+
+
+def _as_earlier_version(step: Path, legacy: Path) -> None:
+    """`step` rewritten in the earlier layout: torch.distributed.checkpoint files (pickled
+    `.metadata`) holding the whole tensors and optimizer values, the same extras, a manifest of
+    the earlier kind."""
+    import torch.distributed.checkpoint as dcp
+
+    from lengthwise.runtime.distributed.checkpoint_dist import _decode
+    from lengthwise.runtime.distributed.shards import PieceReader, read_index
+
+    index, values = read_index(step)
+    state: dict = {"model": {}, "optim": {}}
+    with PieceReader(step, index) as reader:
+        for key in index:
+            group, name = key.split(".", 1)
+            state[group][name] = reader.whole(key)
+    for key, value in values[0].items():
+        group, name = key.split(".", 1)
+        state[group][name] = _decode(value)
+    dcp.save(state, checkpoint_id=str(legacy))
+    for path in step.iterdir():
+        if path.name.startswith("rank-") or path.name == "config.json":
+            shutil.copy(path, legacy / path.name)
+    write_manifest(legacy, meta={"kind": "distributed", "nproc": 2, "step": 2})
+
+
+def test_with_the_flag_an_earlier_versions_checkpoint_resumes_as_before(dist_run, tmp_path):
+    """--allow-pickle-checkpoint: step 2 in the earlier layout resumes, and step 3 ends at the
+    weights of the run that never stopped."""
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copytree(dist_run / "step-000001", out / "step-000001")
+    _as_earlier_version(dist_run / "step-000002", out / "step-000002")
+    assert main(["train", *DIST_ARGS, "--steps", "3", "--out", str(out)]) == 2  # refused without the flag
+    assert main(["train", *DIST_ARGS, "--steps", "3", "--out", str(out), "--allow-pickle-checkpoint"]) == 0
+    resumed, original = checkpoint_weights(out / "step-000003"), checkpoint_weights(dist_run / "step-000003")
+    assert all(torch.equal(resumed[k], original[k]) for k in original)

@@ -38,7 +38,7 @@ from lengthwise.commands.train import config_from_args, summary
 from lengthwise.plan.ir import write_atomic
 from lengthwise.runtime.train.dist_launch import train_distributed
 from lengthwise.runtime.train.loop import train
-from lengthwise.runtime.weights import read_tensors
+from lengthwise.runtime.export import checkpoint_weights
 
 TRAIN_ARGS = ["--dtype", "float64", "--context-length", "96", "--batch-size", "6", "--steps", "2",
               "--dp", "1", "--pp", "2", "--chunk-size", "32", "--k", "1", "--lr", "1e-3",
@@ -60,7 +60,7 @@ def test_killed_rank_resumes_from_checkpoint_to_uninterrupted_weights(tmp_path):
     assert "steps 2-2 of 2 (resumed from" in done.stdout and "step-000001)" in done.stdout
 
     reference = _train_single_process()
-    weights, expected = read_tensors(out / "step-000002"), reference.model.state_dict()
+    weights, expected = checkpoint_weights(out / "step-000002"), reference.model.state_dict()
     assert weights.keys() == expected.keys()
     for name, tensor in expected.items():
         assert (weights[name] - tensor).abs().max() <= 1e-12, name

@@ -46,7 +46,7 @@ from lengthwise.cli import build_parser, main
 from lengthwise.commands.train import config_from_args
 from lengthwise.runtime.distributed.launch import spawn
 from lengthwise.runtime.train.loop import train
-from lengthwise.runtime.weights import read_tensors
+from lengthwise.runtime.export import checkpoint_weights
 from lengthwise.specs import model_preset
 from tolerance import reduction_tolerance
 
@@ -98,7 +98,7 @@ def test_heterogeneous_pipelines_train_to_the_single_process_weights(switching_r
     out, _ = switching_run
     reference = train(config_of("--pipelines", HETERO, "--steps", "2"))
     expected = reference.model.state_dict()
-    trained = read_tensors(out / "step-000002")
+    trained = checkpoint_weights(out / "step-000002")
     assert trained.keys() == expected.keys()
     for name, tensor in trained.items():
         assert (tensor - expected[name]).abs().max() <= TOLERANCE * expected[name].abs().max(), name
@@ -110,7 +110,7 @@ def test_a_strategy_switch_equals_resuming_in_the_new_strategy(switching_run, tm
     shutil.copytree(out / "step-000002", tmp_path / "step-000002")
     assert main(["train", *ARGS, "--pipelines", SWITCHED, "--steps", "3", "--nproc", "4", "--out", str(tmp_path),
                  "--metrics", str(tmp_path / "metrics.jsonl")]) == 0
-    resumed, switched = read_tensors(tmp_path / "step-000003"), read_tensors(out / "step-000003")
+    resumed, switched = checkpoint_weights(tmp_path / "step-000003"), checkpoint_weights(out / "step-000003")
     for name, tensor in resumed.items():
         assert torch.equal(switched[name], tensor), name
     assert metrics(tmp_path)[0]["loss"] == metrics(out)[2]["loss"]
@@ -151,14 +151,18 @@ def test_pipelines_and_degrees_are_checked_in_one_line(capsys):
 
 def test_a_cp2_pipeline_beside_tp_and_pp_pipelines_trains_exactly(tmp_path):
     """8 ranks: tp1-pp1-cp2 (ranks 0, 1), two tp2-pp1 pipelines and a tp1-pp2 one, 2 steps of 8
-    documents; weights and losses equal one process running the same plans."""
-    strategy = ["--pipelines", "tp1-pp1-cp2,tp2-pp1,tp2-pp1,tp1-pp2", "--batch-size", "8", "--steps", "2"]
+    documents; weights, losses and the held-out loss (run sharded in the same strategy) equal
+    one process running the same plans."""
+    strategy = ["--pipelines", "tp1-pp1-cp2,tp2-pp1,tp2-pp1,tp1-pp2", "--batch-size", "8", "--steps", "2",
+                "--eval-every", "2", "--eval-sequences", "4"]
     assert main(["train", *ARGS, *strategy, "--nproc", "8", "--out", str(tmp_path),
                  "--metrics", str(tmp_path / "metrics.jsonl")]) == 0
     reference = train(config_of(*strategy))
     tolerance = reduction_tolerance(torch.float64, 8 * CONTEXT * HIDDEN)
-    expected, trained = reference.model.state_dict(), read_tensors(tmp_path / "step-000002")
+    expected, trained = reference.model.state_dict(), checkpoint_weights(tmp_path / "step-000002")
     assert trained.keys() == expected.keys()
     for name, tensor in trained.items():
         assert (tensor - expected[name]).abs().max() <= tolerance * expected[name].abs().max(), name
     assert [m["loss"] for m in metrics(tmp_path)] == pytest.approx([r.loss for r in reference.records], rel=tolerance)
+    assert [m.get("eval_loss") for m in metrics(tmp_path)] == \
+        [None, pytest.approx(reference.records[1].eval_loss, rel=tolerance)]

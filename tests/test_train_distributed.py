@@ -1,6 +1,6 @@
 """Tier 3: `lengthwise train --nproc N` (local gloo workers, float64, tiny model) trains to the
 weights one process reaches with the same plan settings, reports from rank 0 only, resumes
-bit-exactly from its torch.distributed.checkpoint, and refuses degrees that do not multiply to N.
+bit-exactly from its checkpoint (each rank's shards), and refuses degrees that do not multiply to N.
 
 The single-process runs execute the same dp / pp plan on one process (`run_step`); the sums run
 in another order, so weights agree to round-off (largest difference measured: 3e-14 with dp2,
@@ -17,7 +17,7 @@ import torch
 from lengthwise.cli import build_parser, main
 from lengthwise.commands.train import config_from_args
 from lengthwise.runtime.train.loop import train
-from lengthwise.runtime.weights import read_tensors
+from lengthwise.runtime.export import checkpoint_weights
 from tolerance import reduction_tolerance
 
 ARGS = ["--dtype", "float64", "--context-length", "96", "--batch-size", "3", "--steps", "2",
@@ -55,7 +55,7 @@ def dp2_run(tmp_path_factory):
 
 def test_dp2_reaches_the_single_process_weights(dp2_run):
     reference = single_process("--dp", "2")
-    assert_same_weights(read_tensors(dp2_run / "step-000002"), reference.model.state_dict(), atol=1e-10)
+    assert_same_weights(checkpoint_weights(dp2_run / "step-000002"), reference.model.state_dict(), atol=1e-10)
     losses = [line["loss"] for line in metrics(dp2_run)]
     assert losses == pytest.approx([r.loss for r in reference.records], rel=1e-12)
 
@@ -68,16 +68,16 @@ def test_distributed_resume_is_bit_identical(dp2_run, tmp_path):
     """Resume from step 1's checkpoint of the dp2 run: step 2 ends at the same weights, bit for bit."""
     shutil.copytree(dp2_run / "step-000001", tmp_path / "step-000001")
     distributed(tmp_path, "--nproc", "2", "--dp", "2")
-    assert_same_weights(read_tensors(tmp_path / "step-000002"), read_tensors(dp2_run / "step-000002"), atol=0.0)
+    assert_same_weights(checkpoint_weights(tmp_path / "step-000002"), checkpoint_weights(dp2_run / "step-000002"), atol=0.0)
     assert metrics(tmp_path)[0]["loss"] == metrics(dp2_run)[1]["loss"]
 
 
 def test_pp2_reaches_the_single_process_weights_and_held_out_loss(tmp_path):
-    """With a held-out slice: rank 0 evaluates with every stage's weights gathered to it."""
+    """With a held-out slice: evaluated sharded, each stage on its own rank (nothing gathered)."""
     held_out = ("--eval-every", "2", "--eval-sequences", "4")
     distributed(tmp_path, "--nproc", "2", "--pp", "2", *held_out)
     reference = single_process("--pp", "2", *held_out)
-    assert_same_weights(read_tensors(tmp_path / "step-000002"), reference.model.state_dict(), atol=1e-10)
+    assert_same_weights(checkpoint_weights(tmp_path / "step-000002"), reference.model.state_dict(), atol=1e-10)
     # the weights differ by reordered sums; the loss reduces 4 sequences of <= 96 tokens, each
     # logit a sum over the hidden width (128)
     tolerance = reduction_tolerance(torch.float64, 4 * 96 * 128)

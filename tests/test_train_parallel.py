@@ -1,10 +1,10 @@
 """Tier 3: `lengthwise train` across processes with per-stage models, tensor parallelism and
 FSDP2 (local gloo workers, float64, tiny model): each rank builds only its stage's part
 (`parallel/build.build_rank_model`), yet the run reaches the weights one process reaches with
-the same plan settings; its consolidated Hugging Face copy, written from a gathered state
-dict, exports to a folder transformers loads; and a checkpoint resumes at another dp
-(torch.distributed.checkpoint reshards the FSDP2 parameters and AdamW states) to the weights of
-an uninterrupted run.
+the same plan settings; its checkpoint (each rank's own shards) exports to a folder
+transformers loads; and a checkpoint resumes at another dp (each rank reads its new FSDP2
+shards of the parameters and AdamW states from the saved pieces) to the weights of an
+uninterrupted run.
 
 Tolerance. Distributed and single-process runs sum the same terms in other orders (TP splits
 the hidden and head reductions, FSDP2 and the pipeline split the sums over tokens and ranks).
@@ -29,7 +29,7 @@ import torch
 from lengthwise.cli import build_parser, main
 from lengthwise.commands.train import config_from_args
 from lengthwise.runtime.train.loop import train
-from lengthwise.runtime.weights import read_tensors
+from lengthwise.runtime.export import checkpoint_weights
 from tolerance import reduction_tolerance
 
 CONTEXT, BATCH, HIDDEN = 96, 4, 128
@@ -74,7 +74,7 @@ def dp2_tp2_reference():
 
 def test_dp2_tp2_reaches_the_single_process_weights(dp2_tp2_run, dp2_tp2_reference):
     reference = dp2_tp2_reference
-    assert_close_weights(read_tensors(dp2_tp2_run / "step-000002"), reference.model.state_dict())
+    assert_close_weights(checkpoint_weights(dp2_tp2_run / "step-000002"), reference.model.state_dict())
     assert losses(dp2_tp2_run) == pytest.approx([r.loss for r in reference.records], rel=TOLERANCE)
 
 
@@ -84,21 +84,21 @@ def test_dp2_tp2_without_fsdp_reaches_the_single_process_weights(tmp_path, dp2_t
     rows before the norm (counted twice before: a norm of 5.93 for 5.52, then other weights)."""
     assert distributed(tmp_path, "--steps", "2", "--nproc", "4", "--dp", "2", "--tp", "2", "--zero", "0") == 0
     reference = dp2_tp2_reference
-    assert_close_weights(read_tensors(tmp_path / "step-000002"), reference.model.state_dict())
+    assert_close_weights(checkpoint_weights(tmp_path / "step-000002"), reference.model.state_dict())
     assert losses(tmp_path) == pytest.approx([r.loss for r in reference.records], rel=TOLERANCE)
 
 
 def test_pp2_tp2_reaches_the_single_process_weights(tmp_path):
     assert distributed(tmp_path, "--steps", "2", "--nproc", "4", "--pp", "2", "--tp", "2") == 0
     reference = single_process("--steps", "2", "--pp", "2", "--tp", "2")
-    assert_close_weights(read_tensors(tmp_path / "step-000002"), reference.model.state_dict())
+    assert_close_weights(checkpoint_weights(tmp_path / "step-000002"), reference.model.state_dict())
     assert losses(tmp_path) == pytest.approx([r.loss for r in reference.records], rel=TOLERANCE)
 
 
 def test_a_tp_checkpoint_exports_to_a_folder_transformers_loads(dp2_tp2_run, tmp_path):
     transformers = pytest.importorskip("transformers")
     assert main(["export", str(dp2_tp2_run), "--hf", str(tmp_path / "hf")]) == 0
-    trained = read_tensors(dp2_tp2_run / "step-000002")
+    trained = checkpoint_weights(dp2_tp2_run / "step-000002")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float64).state_dict()
     for name, tensor in trained.items():
         assert torch.equal(loaded[name], tensor), name
@@ -110,7 +110,7 @@ def test_dp4_checkpoint_resumes_at_dp2_to_uninterrupted_weights(tmp_path):
     assert distributed(tmp_path, "--steps", "1", "--nproc", "4", "--dp", "4") == 0
     assert distributed(tmp_path, "--steps", "2", "--nproc", "2", "--dp", "2") == 0
     reference = single_process("--steps", "2", "--dp", "2")
-    assert_close_weights(read_tensors(tmp_path / "step-000002"), reference.model.state_dict())
+    assert_close_weights(checkpoint_weights(tmp_path / "step-000002"), reference.model.state_dict())
     assert losses(tmp_path) == pytest.approx([r.loss for r in reference.records], rel=TOLERANCE)
 
 
@@ -156,7 +156,7 @@ def test_bf16_trains_float32_master_weights_under_fsdp2(tmp_path):
     bf16 = [a if a != "float64" else "bfloat16" for a in ARGS]
     assert main(["train", *bf16, "--steps", "2", "--nproc", "2", "--dp", "2", "--out", str(tmp_path),
                  "--metrics", str(tmp_path / "metrics.jsonl")]) == 0
-    assert {t.dtype for t in read_tensors(tmp_path / "step-000002").values()} == {torch.float32}
+    assert {t.dtype for t in checkpoint_weights(tmp_path / "step-000002").values()} == {torch.float32}
     reference = [r.loss for r in single_process("--steps", "2", "--dp", "2", "--dtype", "float32").records]
     assert losses(tmp_path) == pytest.approx(reference, rel=1e-2)
     assert losses(tmp_path) != pytest.approx(reference, rel=1e-6)  # it did compute in bf16
@@ -197,5 +197,5 @@ def test_tp2_without_sequence_parallel_reaches_the_single_process_weights(tmp_pa
     sequence parallelism's gathers and scatters) train to one process's weights."""
     assert distributed(tmp_path, "--steps", "2", "--nproc", "2", "--tp", "2", "--no-sequence-parallel") == 0
     reference = single_process("--steps", "2", "--tp", "2")
-    assert_close_weights(read_tensors(tmp_path / "step-000002"), reference.model.state_dict())
+    assert_close_weights(checkpoint_weights(tmp_path / "step-000002"), reference.model.state_dict())
     assert losses(tmp_path) == pytest.approx([r.loss for r in reference.records], rel=TOLERANCE)

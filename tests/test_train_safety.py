@@ -239,3 +239,26 @@ def test_the_distributed_check_refuses_on_every_rank_together(tmp_path):
             check_saveable_across_ranks(model, None, step=3, device=torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+
+
+def _finite_check_rank(rank: int) -> str:
+    """A rank of a 2-process gloo group: rank 1's shard holds a NaN, rank 0's does not."""
+    from lengthwise.runtime.finite import check_finite_across_ranks
+
+    shard = torch.ones(3, dtype=torch.float64)
+    if rank == 1:
+        shard[2] = math.nan
+    try:
+        check_finite_across_ranks({"layers.0.weight": shard}, step=5, device=torch.device("cpu"))
+    except UserError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_nan_on_one_rank_stops_every_ranks_save():
+    """The distributed save's check is collective: rank 0, whose own shard is finite, refuses too
+    (naming another rank), so no rank starts writing while another refuses."""
+    from lengthwise.runtime.distributed.launch import spawn
+
+    message = spawn(_finite_check_rank, 2)
+    assert message.startswith("step 5: another rank's weights or optimizer state holds NaN"), message

@@ -5,11 +5,13 @@ that `transformers` loads.
     lengthwise export run/step-000040 --hf my-model/
     lengthwise export run/ --hf my-model/           # the newest intact checkpoint under run/
 
-The checkpoint is checked against its manifest first (a damaged one is refused by name). A
-single-process checkpoint, and a distributed one that carries rank 0's consolidated copy, hold
-the weights under their Hugging Face names already; a distributed checkpoint without that copy
-is read from its torch.distributed.checkpoint shards in this one process, which needs the
-model's config.json beside the shards or given with --model-config.
+The checkpoint is checked against its manifest first (a damaged one is refused by name; from a
+run folder the newest intact step is exported, and the step chosen and the newer ones skipped
+are named on stderr). A single-process checkpoint holds the weights under their Hugging Face
+names already; a distributed one holds each rank's shards (safetensors + JSON), consolidated
+here one tensor at a time, with the model's config.json from the checkpoint or --model-config.
+A distributed checkpoint of an earlier lengthwise (pickled torch.distributed.checkpoint files)
+is refused unless --allow-pickle-checkpoint is given, for a run of your own.
 """
 
 from __future__ import annotations
@@ -26,13 +28,17 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf", metavar="OUT", required=True, help="folder to write config.json and model.safetensors")
     parser.add_argument("--model-config", metavar="config.json",
                         help="the model's Hugging Face config, for a checkpoint that does not carry one")
+    parser.add_argument("--allow-pickle-checkpoint", action="store_true",
+                        help="read a distributed checkpoint of an earlier lengthwise, whose pickled files can run "
+                             "code when loaded: only for a run of your own")
 
 
 def run(args: argparse.Namespace) -> int:
     check_output_folder(args.hf)
     from lengthwise.runtime.export import export_checkpoint
 
-    written = export_checkpoint(args.checkpoint, args.hf, model_config=args.model_config)
+    written = export_checkpoint(args.checkpoint, args.hf, model_config=args.model_config,
+                                allow_pickle=args.allow_pickle_checkpoint)
     print(f"wrote {written} (config.json, model.safetensors): load it with "
           f"transformers.AutoModelForCausalLM.from_pretrained({str(written)!r})")
     return 0

@@ -38,9 +38,11 @@ stage's data-parallel x CP ranks with FSDP2 (--zero 1 or 2: gathered once per st
 3: ZeRO-3; 0: whole copies). Every rank plans the same batch (checked by a plan hash each
 step), AdamW updates the rank's shards (float32 master weights under bfloat16 compute with
 --dtype bfloat16), clipping uses the global gradient norm, rank 0 alone writes metrics and the
-progress bar, and checkpoints are torch.distributed.checkpoint shards (plus the whole model as
-model.safetensors, gathered to rank 0) that a run with the same pp, cp and tp resumes exactly,
-at the same or another dp (the shards are resharded). Without either, one process runs every
+progress bar, and checkpoints are each rank's own shards (safetensors and JSON, nothing gathered;
+`lengthwise export` consolidates them) that a run with the same pp, cp and tp resumes exactly,
+at the same or another dp (the shards are resharded). --allow-pickle-checkpoint resumes a
+distributed checkpoint of an earlier lengthwise (pickled torch.distributed.checkpoint files, which
+can run code): only for a run of your own. Without either, one process runs every
 pipeline and stage of the plan.
 
 --planner hydraulis across processes runs heterogeneous pipelines: --pipelines tp2-pp1,tp1-pp2
@@ -167,6 +169,9 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
                              f"(default: a new {RUNS_FOLDER}/run-DATE-TIME)")
     parser.add_argument("--save-every", metavar="N", type=int, help="checkpoint every N steps (and after the last)")
     parser.add_argument("--resume", metavar="DIR", help="resume from this checkpoint directory")
+    parser.add_argument("--allow-pickle-checkpoint", action="store_true", default=None,
+                        help="resume a distributed checkpoint of an earlier lengthwise, whose pickled files can "
+                             "run code when loaded: only for a run of your own")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None,
                         help="no progress bar")
 
@@ -181,7 +186,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         "model", "planner", "batch_size", "tokens_per_batch", "steps", "lr", "weight_decay",
         "grad_clip", "dtype", "device", "backend", "threads", "dp", "pp", "cp", "tp", "sequence_parallel", "zero", "nproc", "cluster",
         "metrics", "out",
-        "save_every", "resume", "progress", "data", "tokenizer", "text_field", "context_length",
+        "save_every", "resume", "allow_pickle_checkpoint", "progress", "data", "tokenizer", "text_field", "context_length",
         "overlong", "seed", "lr_schedule", "warmup_steps", "min_lr", "eval_every", "eval_sequences",
         "skip_nonfinite", "timeout", "token_cache")}
     flags["options"] = planner_options(args) or None

@@ -101,11 +101,17 @@ def check_saveable_across_ranks(model: torch.nn.Module, optimizer: torch.optim.O
     """check_saveable for one rank of a distributed run: every rank calls it right before the
     save (it is a collective: one all-reduce of a flag over `group`, default the world), and all
     of them refuse together when any rank's shards hold a NaN or an infinity."""
-    import torch.distributed as dist
-
     named = dict(model.named_parameters())
     if optimizer is not None:
         named |= optimizer_tensors(optimizer, {id(t): n for n, t in named.items()})
+    check_finite_across_ranks(named, step=step, device=device, group=group)
+
+
+def check_finite_across_ranks(named: dict, *, step: int, device: torch.device, group=None) -> None:
+    """The collective check on what this rank is about to save (`named`: name -> tensor, its
+    shards): one all-reduce of a flag, so every rank refuses together."""
+    import torch.distributed as dist
+
     flags = [flag.to(device) for flag in all_finite(named.values())]
     ok = (torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)).to(torch.int32)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # int32: NCCL reduces no bools

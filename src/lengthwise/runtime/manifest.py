@@ -8,13 +8,14 @@
 (the writer died, or a rewrite of the step began), and a folder whose files differ from it in
 size or digest, miss one of them or hold one it does not list, is damaged. Both are refused
 before any of its files is read, so nothing deserialises a truncated or altered file. The
-check works on any layout (Hugging Face weights, torch.distributed.checkpoint shards and its
-`.metadata`, per-rank JSON), since it only lists and hashes the folder's files.
+check works on any layout (Hugging Face weights, sharded safetensors and their JSON
+indexes, per-rank JSON), since it only lists and hashes the folder's files.
 
 What the manifest does not do: make a checkpoint from somewhere else trustworthy. Whoever
 writes the files can write a matching manifest; it detects damage (disk, a killed or concurrent
-writer, a hand edit), not malice. torch.distributed.checkpoint's `.metadata` is a pickle, so a
-checkpoint from an untrusted source must never be resumed.
+writer, a hand edit), not malice: what keeps a crafted checkpoint from running code is that its
+readers parse only JSON and safetensors (an earlier version's pickled torch.distributed.checkpoint
+files load only with --allow-pickle-checkpoint, `distributed/legacy_dcp.py`).
 
 Writes are durable in order: every listed file is fsynced while it is hashed, then the manifest
 is written to a temporary name, fsynced, renamed into place, and the folder fsynced, so after a

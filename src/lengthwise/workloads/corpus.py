@@ -278,4 +278,5 @@ def load_hf_tokenizer(tokenizer_dir: str):
     try:
         return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise UserError(f"--tokenizer {tokenizer_dir}: cannot load a tokenizer ({exc})") from None
+        why = " ".join(str(exc).split())  # transformers' messages span lines; ours is one
+        raise UserError(f"--tokenizer {tokenizer_dir}: cannot load a tokenizer ({why})") from None

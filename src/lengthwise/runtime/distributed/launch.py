@@ -11,7 +11,7 @@ NCCL, a FileStore in a temporary folder for the rendezvous, so no port is guesse
 Each worker starts by freezing what it inherited from the server (`gc.freeze`): those objects
 live as long as the worker, and a collection walking them costs about 0.5-0.9 s per worker
 (every page of the inherited heap copied on write).
-Rank 0's return value comes back to the caller. When a worker fails, the others are stopped
+Rank 0's return value comes back to the caller through a pipe it made for its workers. When a worker fails, the others are stopped
 and the caller gets a UserError with the failing ranks' messages, the earliest root cause
 first (a UserError or a timed-out receive rather than the broken connections it left behind).
 
@@ -142,17 +142,36 @@ def spawn(fn, nproc: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, backend: 
         sys.stdout.flush()
         sys.stderr.flush()
         streams = (_InheritedFd(1), _InheritedFd(2))
-        context = mp.start_processes(_worker, args=(fn, nproc, folder, timeout_s, args, backend, with_status, streams),
-                                     nprocs=nproc, start_method=_start_method(), join=False)
+        method = _start_method()
+        reader, writer = multiprocessing.get_context(method).Pipe(duplex=False)
+        context = mp.start_processes(_worker, args=(fn, nproc, folder, timeout_s, args, backend, with_status, streams,
+                                                    writer),
+                                     nprocs=nproc, start_method=method, join=False)
+        writer.close()
+        result = None
         try:
-            while not context.join():
-                pass
+            while not context.join(timeout=0.1):
+                result = _received(reader, result)
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
             ended = [Ended(rank, p.pid, p.exitcode, first=rank == exc.error_index)
                      for rank, p in enumerate(context.processes)]
             raise UserError(_failure_report(Path(folder), ended)) from None
-        result = Path(folder) / "result.pickle"
-        return pickle.loads(result.read_bytes()) if result.exists() else None
+        finally:
+            result = _received(reader, result)
+            reader.close()
+        return result
+
+
+def _received(reader, result):
+    """Rank 0's result, once it has sent it: it comes through a pipe the caller made for its own
+    workers (never through a file another process could have written), read as it is sent so
+    that a result larger than the pipe's buffer never blocks the worker."""
+    while reader.poll():
+        try:
+            result = reader.recv()
+        except EOFError:
+            break
+    return result
 
 
 def _start_method() -> str:
@@ -186,7 +205,7 @@ def _detach_fd(dup) -> int:
 
 
 def _worker(rank: int, fn, nproc: int, folder: str, timeout_s: float, args: tuple, backend: str,
-            with_status: bool, streams: tuple[int, int] = ()) -> None:
+            with_status: bool, streams: tuple[int, int] = (), results=None) -> None:
     gc.freeze()  # what the fork server imported lives as long as the worker: keep it out of collections
     for target, fd in enumerate(streams, start=1):
         if fd != target:  # spawn passes the descriptor under its own number
@@ -209,8 +228,10 @@ def _worker(rank: int, fn, nproc: int, folder: str, timeout_s: float, args: tupl
         raise SystemExit(1) from None
     status.note("finished")
     status.close()
-    if rank == 0 and result is not None:
-        write_atomic(Path(folder) / "result.pickle", pickle.dumps(result))
+    if rank == 0 and result is not None and results is not None:
+        results.send_bytes(pickle.dumps(result))  # plain bytes: torch's shared-memory tensors would die with this process
+    if results is not None:
+        results.close()
     del result
     end_process_group()
 

@@ -128,6 +128,9 @@ class TrainConfig:
     """Checkpoint every N steps (and after the last); None: only after the last."""
     resume: str | None = None
     """Checkpoint directory to resume from; None: the latest under `out`, if any."""
+    allow_pickle_checkpoint: bool = False
+    """Resume a distributed checkpoint of an earlier lengthwise (torch.distributed.checkpoint's
+    pickles, which can run code): only for one's own runs (`distributed/legacy_dcp.py`)."""
     progress: bool = True
     """Show a progress bar on stderr."""
     eval_every: int | None = None

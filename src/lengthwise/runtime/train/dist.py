@@ -18,9 +18,9 @@ a function of the batch and the seed only), and hands it to a `RankExecutor`, wh
   steps AdamW over the rank's own parameters (its shards); every holder of a piece sees the
   same summed gradient, so replicas stay equal;
 - notes each action in its `RankStatus`, which the launcher shows if the rank dies;
-- checkpoints with `checkpoint_dist` (torch.distributed.checkpoint shards, plus each rank's
-  sampler position and RNG states, sealed by a manifest), and rank 0 adds the gathered weights as config.json and
-  model.safetensors, so a distributed checkpoint is also a model directory for `--model`.
+- checkpoints with `checkpoint_dist` (each rank's own shards in safetensors with a JSON index,
+  plus each rank's sampler position and RNG states, sealed by a manifest; rank 0 adds the
+  model's config.json); `lengthwise export` turns one into a model directory for `--model`.
 
 Rank 0 alone writes the metrics and shows the progress bar. Resume is exact as on one process
 (tests/test_distributed_fault.py kills a rank mid-step under torchrun). The final weights equal a
@@ -44,12 +44,12 @@ and a plan that moves stages is refused with the step named.
 pipelines may each have their own tp x pp x cp and change from step to step; the optimizer
 state is dealt element by element over all ranks and a strategy switch moves none of it.
 
-No rank holds the whole model: the consolidated Hugging Face copy in each checkpoint, and rank
-0's model for the held-out loss, are built from a full state dict gathered to rank 0
-(`step.gather_grads_like`, each parameter's DTensor shards assembled first).
+No rank holds the whole model, ever: checkpoints write each rank's shards as they lie
+(`distributed/shards.py`), export consolidates them offline one tensor at a time, and the
+held-out loss runs sharded on the training mesh (`held_out_loss`).
 
-A checkpoint resumes at another dp (same pp, cp and tp): DCP reshards the FSDP2 parameters and
-AdamW states, the per-rank extras must agree (sampler position, step), and each new rank takes
+A checkpoint resumes at another dp (same pp, cp and tp): each rank reads its new FSDP2 shards of
+the parameters and AdamW states from the saved pieces that overlap them, the per-rank extras must agree (sampler position, step), and each new rank takes
 the random-number states of the saved rank at its (pipeline mod old dp, stage, CP rank, TP
 rank) place (training draws from no global generator, so this choice changes no result).
 """
@@ -57,6 +57,7 @@ rank) place (training draws from no global generator, so this choice changes no 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import StepPlan
+from lengthwise.plan.ir import StepPlan, write_atomic
 import lengthwise.runtime.distributed.checkpoint_dist as checkpoint_dist
 from lengthwise.runtime.distributed.dp import (
     check_same_plan,
@@ -74,15 +75,16 @@ from lengthwise.runtime.distributed.dp import (
 )
 from lengthwise.runtime.distributed.launch import RankStatus
 from lengthwise.runtime.distributed.mesh import Mesh
-from lengthwise.runtime.distributed.step import gather_grads_like, run_rank_step
-from lengthwise.runtime.model import CausalLM, meta_model, parameter_names
+from lengthwise.runtime.distributed.step import first_holders, run_rank_step
+from lengthwise.runtime.model import parameter_names
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
 from lengthwise.runtime.parallel.device_mesh import uniform_degrees
 from lengthwise.runtime.train.config import TrainConfig, check_degrees
 from lengthwise.runtime.train.executor import RESUME_MUST_MATCH, PreparedStep, StepOutcome
+from lengthwise.runtime.train.heldout import held_out_batch, plan_held_out
 from lengthwise.runtime.train.loop import Setup, make_optimizer, weights_folder
 from lengthwise.runtime.train.step import PeakMemory, is_padded
-from lengthwise.runtime.weights import load_state, save_tensors_pretrained
+from lengthwise.runtime.weights import hf_config_dict
 from lengthwise.workloads.sampler import GlobalBatchSampler
 
 ROUND_ROBIN = "round-robin"
@@ -121,7 +123,6 @@ class RankExecutor:
         self.first_plan = setup.plan(GlobalBatchSampler(setup.source, seed=config.seed,
                                                         **config.sampler_size).next_batch())
         self._check_unpadded(self.first_plan, 1)
-        self._eval_model: CausalLM | None = None
         self._build()
 
     def _build(self) -> None:
@@ -177,26 +178,37 @@ class RankExecutor:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def eval_model(self) -> CausalLM | None:
-        """On rank 0, a whole model (built there once, for the held-out loss only) holding every
-        stage's current weights, gathered (collective); None elsewhere."""
-        weights = self._gather_weights()
-        if weights is None:
-            return None
-        if self._eval_model is None:
-            self._eval_model = meta_model(self.model.spec, dtype=self.held_dtype).to_empty(device=self.mesh.device)
-            self._eval_model.tie()
-        load_state(self._eval_model, weights)
-        return self._eval_model
+    def held_out_loss(self, setup) -> float | None:
+        """The held-out loss, run sharded on the training mesh as one more planned batch
+        (`heldout.plan_held_out`): every rank its own stage and shards, nothing gathered; the
+        step's gradients are dropped (collective; the value on rank 0, None elsewhere)."""
+        batch, token_ids = held_out_batch(setup.source, setup.eval_ids)
+        if not token_ids:
+            return float("nan") if self.is_reporter else None
+        plan = plan_held_out(setup, batch, options=self._held_out_options())
+        self._check_unpadded(plan, 0)
+        self._check_held_out_layout(plan)
+        self.status.note("held-out loss: running the held-out batch")
+        done = run_rank_step(self.model, plan, token_ids, mesh=self.mesh, backend=self.config.backend,
+                             **self._held_out_step_args())
+        self._drop_grads()
+        return done.loss if self.is_reporter else None
 
-    @property
-    def held_dtype(self) -> torch.dtype:
-        """The dtype of the parameters (the master weights under mixed precision)."""
-        return next(iter(self.held.values())).dtype
+    def _held_out_options(self) -> dict | None:
+        return None
 
-    def _gather_weights(self) -> dict[str, torch.Tensor] | None:
-        """Every parameter of the whole model, whole, on rank 0 (None elsewhere; collective)."""
-        return gather_grads_like(self.model, self.layout, self.first_plan, lambda p: p.detach())
+    def _held_out_step_args(self) -> dict:
+        return {}
+
+    def _check_held_out_layout(self, plan: StepPlan) -> None:
+        layers = self.model.spec.num_layers
+        if layout_signature(plan, layers) != layout_signature(self.first_plan, layers):
+            raise UserError(f"the held-out batch's plan moves stages ({layout_signature(plan, layers)}, training's "
+                            f"are {layout_signature(self.first_plan, layers)}); use planner options that keep "
+                            f"them the same, or fewer --eval-sequences")
+
+    def _drop_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _check_unpadded(self, plan: StepPlan, step: int) -> None:
         if is_padded(plan):
@@ -238,7 +250,8 @@ class RankExecutor:
         self.status.note(f"loading checkpoint {path}")
         return checkpoint_dist.load_checkpoint(path, model=self.model, optimizer=self.optimizer, held=self.held,
                                                check=functools.partial(self._check_shape_of_run, path),
-                                               saved_rank=self._saved_rank)
+                                               saved_rank=self._saved_rank,
+                                               allow_pickle=self.config.allow_pickle_checkpoint)
 
     def _check_shape_of_run(self, path: Path, extras: dict) -> None:
         """UserError naming the degrees when the checkpoint's pp, cp or tp differ from this
@@ -266,14 +279,24 @@ class RankExecutor:
         self.status.note(f"step {step}: saving its checkpoint")
         return checkpoint_dist.save_checkpoint(self.config.out, step=step, model=self.model,
                                                optimizer=self.optimizer, held=self.held, extras=trainer,
-                                               also=self._save_weights)
+                                               also=self._save_config, writes=self._writes())
 
-    def _save_weights(self, path: Path) -> None:
-        """Rank 0 writes the whole model in Hugging Face format from the gathered full state dict,
-        each tensor from its lowest holder (collective)."""
-        weights = self._gather_weights()
-        if weights is not None:
-            save_tensors_pretrained(weights, self.model.spec, path)
+    def _writes(self) -> Callable[[str], bool]:
+        """writes(name): whether this rank writes its plain copy of parameter `name` (the lowest
+        rank holding it does; DTensor pieces are deduplicated by their placements)."""
+        first = first_holders(self.model, self.plan_for_layout, self.layout)
+        return lambda name: first.get(name) == self.mesh.rank
+
+    @property
+    def plan_for_layout(self) -> StepPlan:
+        """The plan whose layout this rank's parameters follow."""
+        return self.first_plan
+
+    def _save_config(self, path: Path) -> None:
+        """Rank 0 writes the model's Hugging Face config.json (`lengthwise export` reads it); no
+        rank writes the whole model: export consolidates the shards offline."""
+        if self.mesh.rank == 0:
+            write_atomic(path / "config.json", json.dumps(hf_config_dict(self.model.spec), indent=1))
 
 
 def rank_model_args(config: TrainConfig, plan: StepPlan) -> dict:

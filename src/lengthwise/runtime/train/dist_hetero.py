@@ -35,9 +35,14 @@ moved and of weights pulled over all ranks), and the step's metrics line carries
 record under "switch".
 
 Checkpoints hold the owned shards (master, exp_avg, exp_avg_sq, step per parameter, keyed by
-rank) through torch.distributed.checkpoint (`checkpoint_dist`, same manifest, RNG and sampler
-extras) with the saved strategy's pipelines (`exchange_pipelines`), plus the whole model as
-model.safetensors gathered from the masters to rank 0. A resumed run needs the same number of
+rank) as each rank's own safetensors pieces (`checkpoint_dist`, same manifest, RNG and sampler
+extras) with the saved strategy's pipelines (`exchange_pipelines`), plus each rank's propagation
+weights as `model.` pieces (its stage's, whole or TP shards), which `lengthwise export`
+consolidates: nothing is gathered to one rank. (The exported weights are the propagation ones,
+in the run's dtype: equal to the masters in a float64 run, the bfloat16 copy in a bfloat16 one.)
+The held-out loss runs the held-out batch in the current strategy on every rank, gradients
+dropped (`dist.RankExecutor.held_out_loss`).
+A resumed run needs the same number of
 processes (the layout depends on the ranks) but may use another strategy: it loads the shards
 into the saved strategy's layout and moves them to its own owners as a switch does, then pulls
 its propagation weights.
@@ -66,7 +71,6 @@ from lengthwise.runtime.train.dist import OWNED_BY_HOLDERS, ROUND_ROBIN, RankExe
 from lengthwise.runtime.train.executor import PreparedStep, StepOutcome
 from lengthwise.runtime.train.loop import weights_folder
 from lengthwise.runtime.train.step import PeakMemory
-from lengthwise.runtime.weights import save_tensors_pretrained
 
 
 def strategy_key(plan: StepPlan) -> tuple:
@@ -216,26 +220,19 @@ class HeteroRankExecutor(RankExecutor):
         return next((name for name in parameter_names(self.model.spec) if name in bad), None)
 
     # ---------------------------------------------------------------- weights and checkpoints
-    @property
-    def held_dtype(self) -> torch.dtype:
-        return self.master_dtype
+    def _held_out_options(self) -> dict:
+        return {"pipelines": strategy_name(self.plan_now)}  # the held-out batch in the current strategy
 
-    def _gather_weights(self) -> dict[str, torch.Tensor] | None:
-        """Every parameter, whole, on rank 0 from the owners' master shards (collective)."""
-        ex = self.exchange
-        shards = [None] * self.mesh.world_size if self.mesh.rank == 0 else None
-        dist.gather_object(self.master.detach().cpu(), shards, dst=0)
-        if self.mesh.rank != 0:
-            return None
-        out = {}
-        for name, shape in ex.shapes.items():
-            flat = torch.empty(ex.numel[name], dtype=self.master_dtype)
-            for r, shard in enumerate(shards):
-                start = ex.shard_offset[name][r]
-                index = ex.owned_indices(name, r)
-                flat[index] = shard[start:start + index.numel()]
-            out[name] = flat.view(shape)
-        return out
+    def _held_out_step_args(self) -> dict:
+        return {"reduce_grads": False}  # dropped: not pushed to the owners
+
+    def _check_held_out_layout(self, plan: StepPlan) -> None:
+        if strategy_key(plan) != strategy_key(self.plan_now):
+            raise UserError(f"the held-out batch was planned as strategy {strategy_name(plan)}, the run is at "
+                            f"{strategy_name(self.plan_now)}; use fewer --eval-sequences")
+
+    def _drop_grads(self) -> None:
+        self.model.zero_grad(set_to_none=True)
 
     def _dcp_state(self, ex: HeteroExchange, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                    steps: dict[str, torch.Tensor]) -> dict:
@@ -255,13 +252,14 @@ class HeteroRankExecutor(RankExecutor):
                   "strategy": strategy_name(self.plan_now),
                   "exchange_pipelines": [[*p[:3], list(p[3])] for p in plan_pipelines(self.plan_now)]}
         state = self._dcp_state(self.exchange, self.master, self.exp_avg, self.exp_avg_sq, self._steps())
+        state["model"] = {n: p.detach() for n, p in self.held.items()}  # for export: this rank's propagation pieces
         return checkpoint_dist.save_checkpoint(self.config.out, step=step, model=self.model, optimizer=self.optimizer,
-                                               held=self.held, extras=extras, also=self._save_weights, state=state)
+                                               held=self.held, extras=extras, also=self._save_config, state=state,
+                                               writes=self._writes())
 
-    def _save_weights(self, path: Path) -> None:
-        weights = self._gather_weights()
-        if weights is not None:
-            save_tensors_pretrained(weights, self.model.spec, path)
+    @property
+    def plan_for_layout(self) -> StepPlan:
+        return self.plan_now
 
     def load(self, path: Path) -> dict:
         """Restore the owned shards (same number of processes, any strategy: saved under another
@@ -285,7 +283,8 @@ class HeteroRankExecutor(RankExecutor):
             state.update(self._dcp_state(ex, *buffers, steps))
 
         extras = checkpoint_dist.load_checkpoint(path, model=self.model, optimizer=self.optimizer, held=self.held,
-                                                 check=check, state=state)
+                                                 check=check, state=state,
+                                                 allow_pickle=self.config.allow_pickle_checkpoint)
         saved, buffers = loading["exchange"], loading["buffers"]
         if saved is not self.exchange:
             send, recv = saved.layout.moves(self.exchange.layout, self.mesh.rank)

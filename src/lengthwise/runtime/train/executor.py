@@ -80,7 +80,7 @@ class Executor(Protocol):
 
     def step(self, prepared: PreparedStep, step: int) -> StepOutcome: ...
     def agree_stop(self, requested: bool) -> bool: ...
-    def eval_model(self) -> CausalLM | None: ...
+    def held_out_loss(self, setup) -> float | None: ...
     def latest_checkpoint(self, out: str) -> Path | None: ...
     def load(self, path: Path) -> dict: ...
     def save(self, step: int, trainer: dict) -> Path: ...
@@ -121,9 +121,11 @@ class LocalExecutor:
         """Whether to stop after this step (one process: its own signal flag)."""
         return requested
 
-    def eval_model(self) -> CausalLM:
-        """The model with every current weight, for the held-out loss."""
-        return self.model
+    def held_out_loss(self, setup) -> float:
+        """The held-out loss of the current weights (`heldout.py`)."""
+        from lengthwise.runtime.train.heldout import held_out_loss
+
+        return held_out_loss(self.model, setup.source, setup.eval_ids, backend=setup.config.backend)
 
     def latest_checkpoint(self, out: str) -> Path | None:
         return latest_checkpoint(out)

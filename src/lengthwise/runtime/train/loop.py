@@ -61,7 +61,7 @@ from lengthwise.runtime.model import CausalLM, build_model
 from lengthwise.runtime.train.config import TrainConfig
 from lengthwise.runtime.train.executor import Executor, LocalExecutor, PreparedStep
 from lengthwise.runtime.finite import check_saveable
-from lengthwise.runtime.train.heldout import held_out_loss, hold_out
+from lengthwise.runtime.train.heldout import hold_out
 from lengthwise.runtime.train.memory_check import check_memory, estimate_memory
 from lengthwise.runtime.train.outputs import OutputLock, owns_metrics, remove_debris, save_tokenizer, trim_metrics
 from lengthwise.runtime.train.report import Reporter, StepRecord, nonfinite_message
@@ -366,10 +366,7 @@ def _check_finite(config: TrainConfig, record: StepRecord, result: TrainResult) 
 
 
 def _evaluate(setup: Setup, executor: Executor) -> float | None:
-    model = executor.eval_model()  # collective in a distributed run
-    if model is None:
-        return None
-    return held_out_loss(model, setup.source, setup.eval_ids, backend=setup.config.backend)
+    return executor.held_out_loss(setup)  # collective in a distributed run, None off rank 0
 
 
 def _due(every: int | None, step: int, last: int) -> bool:
