@@ -38,11 +38,22 @@ def _grads_of(rank: int):
     return out
 
 
+def _check_the_cache_is_bounded(ex):
+    """`for_shape` keeps the `CACHED_SHAPES` most recently used shapes (no collective: local)."""
+    cache, size = HeteroExchange._cache, HeteroExchange.CACHED_SHAPES
+    for i in range(1, size):
+        HeteroExchange.for_shape(("test", 0, i), SHAPES, HOLDINGS)
+    assert HeteroExchange.for_shape(("test", 0), SHAPES, HOLDINGS) is ex  # used again: the most recent
+    HeteroExchange.for_shape(("test", 0, size), SHAPES, HOLDINGS)
+    assert len(cache) == size and ("test", 0) in cache and ("test", 0, 1) not in cache
+
+
 def _worker(rank: int):
     W = dist.get_world_size()
     full = _full()
     ex = HeteroExchange.for_shape(("test", 0), SHAPES, HOLDINGS)
     assert HeteroExchange.for_shape(("test", 0), SHAPES, HOLDINGS) is ex
+    _check_the_cache_is_bounded(ex)
     ex.init_master(full, torch.float64)
     errs = {}
     pulled = ex.unflatten_local(ex.pull())

@@ -94,6 +94,7 @@ def build_rank_model(plan: StepPlan, mesh: Mesh, *, dtype: torch.dtype = torch.f
             mesh.compute_dtype = options.param_dtype
     if not fake:
         model.to_empty(device=mesh.device)
+        model.tie()  # `to_empty` gives a plain (non-DTensor) tied head a parameter of its own
     if seed is not None:
         init_weights(model, seed, assign=copy_whole)
     elif weights is not None:

@@ -54,22 +54,34 @@ model's order whatever the strategy.
 No index maps. Push, pull and the switch's move copy strided grids between the flattened
 pieces, the all-to-all buffers and the master shard as views; the exchange keeps only a few
 Python tuples per held parameter, segment and owner. The blocks of one plan shape are computed
-once and cached by `HeteroExchange.for_shape` while the shape repeats. (Index maps, one int32
-or int64 position per held element and per element owned of what every rank holds, took
-39 GiB of an 80 GB GPU in Hydraulis' own LLaMA-32B setting on 64 GPUs.)
+once and cached by `HeteroExchange.for_shape` while the shape repeats (the few most recent
+shapes, `CACHED_SHAPES`). (Index maps, one int32 or int64 position per held element and per
+element owned of what every rank holds, took 39 GiB of an 80 GB GPU in Hydraulis' own
+LLaMA-32B setting on 64 GPUs.)
+
+Tied embeddings (Qwen2's layout). The head is the embedding: one parameter,
+`model.embed_tokens.weight`, held by the first and the last stage of every pipeline (whole, or
+as the tp ranks' vocabulary rows); both stages push their gradient of it (each use's part) and
+pull the same updated rows, so the two copies stay equal and the sum is that of one process.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import logging
 import math
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lengthwise.runtime.distributed.dp import held_parameters, local, stage_holds
+from lengthwise.runtime.model import StagePart, meta_model
+from lengthwise.runtime.parallel.tensor_parallel import tp_partial_names, tp_shard_dim
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +332,10 @@ class HeteroExchange:
     """This rank's master shard in the owned-by-holders layout (module docstring) and the
     push and pull of one plan shape."""
 
-    _cache: dict = {}
+    CACHED_SHAPES = 4
+    """Plan shapes whose exchanges `for_shape` keeps (least recently used dropped first): the
+    current strategy, the one a switch leaves, and a few a planner alternates between."""
+    _cache: OrderedDict = OrderedDict()
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], holdings: list[Holdings], *,
                  dims: dict[str, int | None] | None = None, group=None, device=None):
@@ -347,10 +362,17 @@ class HeteroExchange:
 
     @classmethod
     def for_shape(cls, key, shapes, holdings, *, dims=None, group=None, device=None) -> "HeteroExchange":
-        """The exchange of a plan shape `key`, built once and reused while the shape repeats."""
+        """The exchange of a plan shape `key`, built once and reused while the shape repeats
+        (the same object: callers compare exchanges by identity). At most `CACHED_SHAPES` kept
+        per process, so that a run visiting many strategies keeps neither their blocks nor
+        their master shards."""
         ex = cls._cache.get(key)
         if ex is None:
             ex = cls._cache[key] = cls(shapes, holdings, dims=dims, group=group, device=device)
+            while len(cls._cache) > cls.CACHED_SHAPES:
+                cls._cache.popitem(last=False)
+        else:
+            cls._cache.move_to_end(key)
         return ex
 
     def switch(self, key, shapes, holdings, *, dims=None, state: tuple[torch.Tensor, ...] = ()) -> "HeteroExchange":
@@ -367,6 +389,8 @@ class HeteroExchange:
         before = new.bytes_sent
         moved = new.move(tensors, send, recv)
         new.master, new.moved = moved[0], tuple(moved[1:])
+        if new is not self:
+            self.master = None  # moved: the cache keeps no stale master shard
         move_s = time.perf_counter() - started - built
         state_bytes = new.bytes_sent - before
         new.last_pull = new.pull()
@@ -539,9 +563,6 @@ def strategy_holdings(spec, pipelines, names) -> tuple[list[Holdings], dict[str,
     and the dimension each parameter is seen at (its TP split, `tensor_parallel.tp_shard_dim`,
     whatever the strategy). `pipelines`: (tp, pp, cp, layers per stage) of each pipeline;
     `names`: the parameters, in the model's order."""
-    from lengthwise.runtime.distributed.dp import stage_holds
-    from lengthwise.runtime.parallel.tensor_parallel import tp_shard_dim
-
     dims = {n: tp_shard_dim(spec, n, None) for n in names}
     out: list[Holdings] = []
     for tp, pp, cp, stage_layers in pipelines:
@@ -560,8 +581,6 @@ def strategy_holdings(spec, pipelines, names) -> tuple[list[Holdings], dict[str,
 
 def whole_shapes(spec) -> dict[str, tuple[int, ...]]:
     """Every parameter of the whole model and its shape, in the model's order."""
-    from lengthwise.runtime.model import StagePart, meta_model
-
     return {n: tuple(p.shape) for n, p in meta_model(spec, part=StagePart.whole(spec)).named_parameters()}
 
 
@@ -574,8 +593,6 @@ def plan_pipelines(plan) -> tuple[tuple[int, int, int, tuple[int, ...]], ...]:
 def hetero_tp_mesh(plan, layout, mesh):
     """This rank's 1-D TP DeviceMesh in a heterogeneous plan, or None at tp 1 (collective: every
     rank creates every TP group of the plan, in the same order)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     groups: dict[tuple, list[tuple[int, int]]] = {}
     for r, p in enumerate(layout.places):
         if plan.pipelines[p.pipeline].tp > 1:
@@ -590,8 +607,6 @@ def hetero_tp_mesh(plan, layout, mesh):
 
 
 def _holding(param, tp_rank: int) -> Shard:
-    from torch.distributed.tensor import DTensor
-
     if isinstance(param, DTensor):
         placement = param.placements[0]
         if placement.is_shard() or param.to_local().shape != param.shape:
@@ -609,9 +624,6 @@ class HeteroReducer:
     (`strategy_holdings`); this rank's are checked against its parameters' TP placements."""
 
     def __init__(self, model, plan, layout, *, key):
-        from lengthwise.runtime.distributed.dp import held_parameters
-        from lengthwise.runtime.parallel.tensor_parallel import tp_partial_names
-
         place = layout.place
         tp = plan.pipelines[place.pipeline].tp
         partial = tp_partial_names(model.spec, tp)
@@ -631,10 +643,6 @@ class HeteroReducer:
     def local_grads(self) -> torch.Tensor:
         """This rank's gradient pieces, flattened in the exchange's order (zeros for the TP
         replicas that do not push); a held parameter without a gradient counts as zeros."""
-        from torch.distributed.tensor import DTensor
-
-        from lengthwise.runtime.distributed.dp import local
-
         ex = self.exchange
         parts = []
         for n in ex.held_names():
@@ -653,15 +661,11 @@ class HeteroReducer:
 
     def local_values(self) -> torch.Tensor:
         """This rank's held parameter pieces, flattened in the exchange's order."""
-        from lengthwise.runtime.distributed.dp import local
-
         parts = [local(self.params[n]).detach().reshape(-1) for n in self.exchange.held_names()]
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def load_values(self, flat: torch.Tensor) -> None:
         """Copy a pulled buffer into the held parameters (each rank's own pieces)."""
-        from lengthwise.runtime.distributed.dp import local
-
         with torch.no_grad():
             for n, value in self.exchange.unflatten_local(flat).items():
                 target = local(self.params[n])
@@ -669,8 +673,6 @@ class HeteroReducer:
 
     def reduce(self) -> int:
         """Sum the held gradients in place; returns the elements this rank sent (push + pull)."""
-        from lengthwise.runtime.distributed.dp import local
-
         ex = self.exchange
         flat = self.local_grads()
         before = ex.bytes_sent
