@@ -211,8 +211,13 @@ def inflight_chunks(request: PlanRequest, chunk_size: int, k: int) -> list[int]:
     model cannot drift from it: 1F1B's max(K, pp - stage) undercounts late stages, where the
     first stage's forward order brings standalone chunks in ahead of a group's re-forwards
     (Qwen2.5-7B, pp 4, 128K context: three 8K chunks held on the last stage, not one)."""
-    held = [0] * request.scheme.pp
-    for pipe in build_pipelines(request, chunk_size, k)[1]:
+    return pipelines_inflight(build_pipelines(request, chunk_size, k)[1], request.scheme.pp)
+
+
+def pipelines_inflight(pipelines: list[PipelinePlan], pp: int) -> list[int]:
+    """Per stage, the most chunks any of the pipelines' schedules holds at once."""
+    held = [0] * pp
+    for pipe in pipelines:
         held = [max(h, held_chunks(stage)) for h, stage in zip(held, pipe.stages)]
     return held
 
@@ -262,9 +267,10 @@ def default_chunk_size(request: PlanRequest, k: int) -> int:
     return size
 
 
-def check_chunk_size_fits(request: PlanRequest, chunk_size: int, k: int) -> None:
-    """UserError with the arithmetic when chunk_size and k overflow some stage's memory."""
-    rows = stage_memory_bytes(request, chunk_size, k, max(request.lengths))
+def check_chunk_size_fits(request: PlanRequest, chunk_size: int, k: int, inflight: list[int] | None = None) -> None:
+    """UserError with the arithmetic when chunk_size and k overflow some stage's memory
+    (`inflight`: chunks held per stage, when the pipelines are built already)."""
+    rows = stage_memory_bytes(request, chunk_size, k, max(request.lengths), inflight)
     for stage, (states, kv, act) in enumerate(rows):
         if states + kv + act > request.cost.capacity_bytes:
             raise UserError(
@@ -291,9 +297,11 @@ def build_pipeline(request: PlanRequest, chunk_set: ChunkSet, k: int) -> Pipelin
                         tp=s.tp, cp=s.cp, schedule=SCHEDULE)
 
 
-def build_plan(request: PlanRequest, chunk_size: int, k: int, started: float) -> StepPlan:
-    """Placement, Algorithm 1 per pipeline and state-aware 1F1B for one (ChunkSize, K)."""
-    chunk_sets, pipelines = build_pipelines(request, chunk_size, k)
+def build_plan(request: PlanRequest, chunk_size: int, k: int, started: float,
+               built: tuple[list[ChunkSet], list[PipelinePlan]] | None = None) -> StepPlan:
+    """Placement, Algorithm 1 per pipeline and state-aware 1F1B for one (ChunkSize, K)
+    (`built`: `build_pipelines`' answer, when the caller has it)."""
+    chunk_sets, pipelines = built or build_pipelines(request, chunk_size, k)
     plan = finish_plan(request, pipelines, planner="chunkflow", started=started,
                        options={"chunk_size": chunk_size, "k": k})
     plan.metrics.update(chunk_metrics(request, chunk_sets, chunk_size, k))
