@@ -423,7 +423,10 @@ class CostModel:
         `recompute_layers` layers. The executor checkpoints layer by layer
         (`runtime/model.run_layers`, non-reentrant `torch.utils.checkpoint` per layer), so the
         backward reruns one layer's forward, consumes it and frees it before the next: one
-        layer's activations less the input it kept, whatever the count (0 with no recomputation)."""
+        layer's activations less the input it kept, whatever the count (0 with no recomputation).
+        The rerun stops once the last tensor the layer saved, the down projection's input, is
+        back (`cost/flops.py`), so all of them are held at once and nothing beyond them: the
+        down projection's output and the layer's output are never made again."""
         if recompute_layers <= 0:
             return 0.0
         return (self.activation_bytes_per_token(layers=1, tp=tp)
