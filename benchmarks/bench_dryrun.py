@@ -74,6 +74,22 @@ SCENARIOS = {
     "llama70b-256-hydraulis": Scenario(model="llama-70b", cluster="h100", profile="commoncrawl",
                                        planner="hydraulis", context_length=131072, batch_size=512,
                                        scheme={"dp": 8, "tp": 8, "pp": 4}),
+    # Megatron-LM with full recomputation on the same setting: a 128K micro-batch per pipeline
+    # (F0.r20 B0 on every stage), as a Megatron-LM user would run a context that does not fit
+    # 1F1B without it; and at 32K context, recomputation forced, three micro-batches' checkpoints
+    # in flight on the first stage (F0.r20 F1.r20 F2.r20 B0 B1 B2)
+    "llama70b-megatron-fullrecompute": Scenario(model="llama-70b", cluster="h100", profile="commoncrawl",
+                                                planner="megatron", context_length=131072, batch_size=512,
+                                                scheme={"dp": 8, "tp": 8, "pp": 4}, options={"recompute": "full"}),
+    "llama70b-megatron-fullrecompute-32k": Scenario(model="llama-70b", cluster="h100", profile="commoncrawl",
+                                                    planner="megatron", context_length=32768, batch_size=512,
+                                                    scheme={"dp": 8, "tp": 8, "pp": 4},
+                                                    options={"recompute": "full"}),
+    # InfiniPipe's adaptive checkpointing on the same setting: selective recomputation, F.rN with
+    # N from 1 to 4 of a stage's 20 layers on the measured ranks
+    "llama70b-256-infinipipe": Scenario(model="llama-70b", cluster="h100", profile="commoncrawl",
+                                        planner="infinipipe", context_length=131072, batch_size=512,
+                                        scheme={"dp": 8, "tp": 8, "pp": 4}),
     # Hydraulis' own setting: LLaMA-32B on 64 A800s at 32K context, a batch of ~200K tokens
     # (144 sequences: 196,113 tokens at seed 0); the scheme only sizes the cluster
     "llama32b-64-hydraulis": Scenario(model="llama-32b", cluster="a800", profile="commoncrawl", planner="hydraulis",

@@ -37,11 +37,12 @@ CASES = [
     ("qwen2.5-7b", "dp2-tp4-pp2-cp1", "chunkflow-eval", 64, 32 * K, 4),
 ]
 CHUNKFLOW_LAST_STAGE_GAP = ("qwen2.5-7b", "dp1-tp1-pp4-cp1", "chunkflow-eval", 32, 128 * K, 0)
-"""A case ChunkFlow's default ChunkSize overflows today (8K chunks, simulated peak 78.1 of 73.6
-GiB on the last stage): its memory model counts max(K, pp - stage) = 1 chunk in flight there,
+"""A case ChunkFlow's default ChunkSize once overflowed (8K chunks, simulated peak 78.1 of 73.6
+GiB on the last stage): its memory model counted max(K, pp - stage) = 1 chunk in flight there,
 but the state-aware schedule forwards the two standalone chunks while the long sequence's last
 chunks still run (F10 F1 B1 F11 F0 B0 B10 B11: three chunks' activations at once), and
-Qwen2.5's 152K-token vocabulary makes each of them large."""
+Qwen2.5's 152K-token vocabulary makes each of them large. The model now reads the count off the
+schedule it emits (`chunkflow.build.inflight_chunks`)."""
 
 
 def make_request(model: str, scheme: str, profile: str, n: int, context: int, seed: int) -> PlanRequest:
@@ -78,8 +79,12 @@ def test_every_plan_fits_memory_in_the_simulator(name, requests):
     assert planned, f"{name} planned none of the cases"
 
 
-@pytest.mark.xfail(strict=True, reason="ChunkFlow's memory model undercounts the last stage's chunks in "
-                   "flight under its state-aware schedule (CHUNKFLOW_LAST_STAGE_GAP)")
 def test_chunkflow_default_chunk_fits_on_the_last_stage():
+    """ChunkFlow's default ChunkSize counts the chunks its schedule holds on each stage (three on
+    the last stage at 8K here, so it takes 4K), and the simulator agrees that the plan fits."""
+    from lengthwise.planners.chunkflow.build import inflight_chunks
+
     request = make_request(*CHUNKFLOW_LAST_STAGE_GAP)
-    assert simulate_plan(CANDIDATE_PLANNERS["chunkflow"](request), request.cost).fits
+    assert inflight_chunks(request, 8 * K, 1)[-1] == 3
+    plan = CANDIDATE_PLANNERS["chunkflow"](request)
+    assert simulate_plan(plan, request.cost).fits

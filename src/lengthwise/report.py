@@ -231,8 +231,8 @@ def no_scheme_reason(tries: list[Candidate]) -> str:
 def _accepted(setup: CompareSetup, scheme: ParallelScheme, batches: list[list[int]], chunk_size: int,
               k: int) -> bool:
     """Whether ChunkFlow takes (chunk_size, k) as given options on every selection batch: its
-    explicit-option memory check assumes max(K, pp - stage) full chunks in flight, while a
-    grid point is judged by simulating the chunks a batch happens to have."""
+    explicit-option memory check counts full chunks, as many per stage as its schedule for the
+    batch holds at once, while a grid point is judged by simulating the chunks themselves."""
     try:
         for b in batches:
             check_chunk_size_fits(request_for(setup, b, scheme, "chunkflow"), chunk_size, k)

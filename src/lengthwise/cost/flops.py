@@ -22,6 +22,16 @@ Backward costs `bwd_linear_ratio` (2: two GEMMs per forward GEMM) times the line
 `bwd_attn_ratio` (2.5: flash-style attention recomputes the scores, slimpack.txt §2.2.2) times
 the attention part.
 
+Recomputation (an `F.rN` action: the first N layers of the stage checkpointed, each with
+non-reentrant `torch.utils.checkpoint`, `runtime/model.run_layers`): the backward reruns each
+such layer's forward only until every tensor the layer saved is back. PyTorch stops the rerun
+(its early stop, on by default) in the autograd hook that saves the last of them, and an
+operator saves its inputs before it computes: the down projection's matmul is where it stops,
+so the rerun computes the input norm, q, k, v, rotary, attention, o_proj, the residual add,
+the post-attention norm, gate, up and their SwiGLU product, but not the down projection's GEMM
+(2 * hidden * ffn FLOPs per token, `down_proj_flops`) and nothing after it
+(`recompute_forward_flops`; the collectives it skips are in `cost/model.py`).
+
 A padded chunk (padding baseline) holds k segments each padded to pad_to / k tokens: all of its
 row costs linear FLOPs and each padded row costs full causal attention over its padded length.
 """
@@ -76,6 +86,19 @@ def work_key(chunk: Chunk) -> tuple:
 def layer_forward_flops(model: ModelSpec, work: ChunkWork) -> tuple[float, float]:
     """(linear, attention) forward FLOPs of one decoder layer."""
     return 2.0 * matmul_params_per_layer(model) * work.tokens, 4.0 * model.q_dim * work.keys
+
+
+def down_proj_flops(model: ModelSpec, tokens):
+    """Forward FLOPs of one decoder layer's down projection on `tokens` rows (number or array)."""
+    return 2.0 * model.hidden * model.ffn * tokens
+
+
+def recompute_forward_flops(model: ModelSpec, work: ChunkWork) -> tuple[float, float]:
+    """(linear, attention) FLOPs a backward reruns for one checkpointed decoder layer: its
+    forward but the down projection, where non-reentrant checkpoint's early stop ends the rerun
+    (module docstring). Whole-model FLOPs, as `layer_forward_flops`."""
+    lin, attn = layer_forward_flops(model, work)
+    return lin - down_proj_flops(model, work.tokens), attn
 
 
 def replicated_kv_flops(model: ModelSpec, tokens, tp: int):

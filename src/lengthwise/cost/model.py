@@ -20,6 +20,7 @@ from lengthwise.cost.comm import CommModel
 from lengthwise.cost.flops import (
     ChunkWork,
     chunk_work,
+    down_proj_flops,
     head_forward_flops,
     layer_forward_flops,
     matmul_params_per_layer,
@@ -42,6 +43,16 @@ of each block, the sum of its column-parallel projections' partial input gradien
 gate, up), which share one Replicate DTensor input (`parallel/tensor_parallel.LAYER_PLAN`; as
 Megatron-LM's "copy to the tensor-parallel region"). Measured by `lengthwise dryrun
 --no-sequence-parallel` (`tp_all_reduce`)."""
+SP_RECOMPUTE_ALL_GATHERS = 2
+"""All-gathers a backward reruns for one checkpointed decoder layer under sequence parallelism:
+both blocks' (before the attention and before the MLP). The rerun stops at the down projection
+(`cost/flops.py`: non-reentrant checkpoint's early stop), so of the forward's reduce-scatters it
+reruns only the attention block's (`SP_RECOMPUTE_REDUCE_SCATTERS`), not the MLP's."""
+SP_RECOMPUTE_REDUCE_SCATTERS = 1
+"""Reduce-scatters a backward reruns for one checkpointed layer: the attention output's only."""
+NOSP_RECOMPUTE_ALL_REDUCES = 1
+"""All-reduces a backward reruns for one checkpointed layer without sequence parallelism: the
+attention output's (o_proj); the down projection's is never rerun."""
 
 
 @dataclass(frozen=True)
@@ -171,10 +182,37 @@ class CostModel:
 
     def backward_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False,
                       recompute_layers: int = 0, embed: bool = False) -> float:
-        """Backward seconds, plus the forward of `recompute_layers` layers rerun first."""
+        """Backward seconds, plus what it reruns of the forward of `recompute_layers` layers
+        (`recompute_time`)."""
         return max(self._gpu_time(w, layers, tp, head, backward=True, embed=embed)
-                   + (self._gpu_time(w, recompute_layers, tp, False, backward=False) if recompute_layers else 0.0)
+                   + self.recompute_time(w, layers=recompute_layers, tp=tp)
                    for w in rank_works(chunk, cp))
+
+    def recompute_time(self, work: ChunkWork, *, layers: int, tp: int = 1) -> float:
+        """Seconds one GPU spends rerunning `layers` checkpointed layers' forwards in a backward
+        on `work`: each layer's forward less the down projection's GEMM and the collective after
+        it (its reduce-scatter, or all-reduce without sequence parallelism), where non-reentrant
+        checkpoint stops (`cost/flops.py`). A profile measured whole forwards: its per-token
+        coefficient is cut by the down projection's share of the layer's linear FLOPs."""
+        if layers <= 0 or work.tokens == 0:
+            return 0.0
+        fit = self.profile.fit_for(tp, 1) if self.profile else None
+        if fit is not None:
+            a, b, c = fit.fwd
+            kept = 1.0 - self.model.hidden * self.model.ffn / matmul_params_per_layer(self.model)
+            return layers * layer_seconds((a, b * kept, c), fit.fwd_floor, work.keys, work.tokens, work.segments)
+        peak = self.cluster.peak_tflops * 1e12
+        down_s = down_proj_flops(self.model, work.tokens) / tp / (peak * self.throughput.linear_efficiency(work.tokens, tp))
+        skipped = down_s + (1.0 - self.tp_comm_overlap) * self._recompute_skipped_comm_time(work.tokens, tp)
+        return self._analytic_time(work, layers, tp, False, False) - layers * skipped
+
+    def _recompute_skipped_comm_time(self, tokens: float, tp: int) -> float:
+        """Seconds of the one collective per layer a rerun skips: the MLP's reduce-scatter, or
+        its all-reduce without sequence parallelism (0 at tp 1)."""
+        if tp <= 1 or tokens <= 0:
+            return 0.0
+        kind = "reduce_scatter" if self.sequence_parallel else "all_reduce"
+        return self.collective_time(kind, self.sp_collective_bytes(tokens), ranks=tp, inter_node=False)
 
     def _gpu_time(self, work: ChunkWork, layers: int, tp: int, head: bool, backward: bool,
                   embed: bool = False) -> float:
@@ -385,7 +423,10 @@ class CostModel:
         `recompute_layers` layers. The executor checkpoints layer by layer
         (`runtime/model.run_layers`, non-reentrant `torch.utils.checkpoint` per layer), so the
         backward reruns one layer's forward, consumes it and frees it before the next: one
-        layer's activations less the input it kept, whatever the count (0 with no recomputation)."""
+        layer's activations less the input it kept, whatever the count (0 with no recomputation).
+        The rerun stops once the last tensor the layer saved, the down projection's input, is
+        back (`cost/flops.py`), so all of them are held at once and nothing beyond them: the
+        down projection's output and the layer's output are never made again."""
         if recompute_layers <= 0:
             return 0.0
         return (self.activation_bytes_per_token(layers=1, tp=tp)

@@ -250,6 +250,22 @@ def _one_f_one_b(forwards, units, ready, *, warmup: int) -> list[Action]:
     return out
 
 
+def held_chunks(stage: list[Action]) -> int:
+    """The most chunks whose activations one stage's action list holds at once: a chunk's from
+    its `F` to its `B` (an `N` keeps only K/V state). What a memory model must multiply a
+    chunk's activations by: 1F1B's warm-up bounds it by pp - stage for independent chunks, but
+    state-aware 1F1B can hold more on late stages (forwards that fill the first stage's warm-up
+    come in its order, ahead of a group's re-forwards: `align_forward_order`)."""
+    held = most = 0
+    for a in stage:
+        if a.kind == FORWARD:
+            held += 1
+            most = max(most, held)
+        elif a.kind == BACKWARD:
+            held -= 1
+    return most
+
+
 def format_schedule(stages: list[list[Action]]) -> str:
     """Position-by-stage table of a schedule, one column per stage."""
     rows = max((len(s) for s in stages), default=0)

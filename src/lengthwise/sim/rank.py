@@ -7,8 +7,9 @@
 - Peak memory: the simulator's peak of the rank's stage (model states, activations, K/V state
   and K/V gradients replayed along the timeline, `sim/memory.py`).
 - FLOPs: the cost model's forward FLOPs of every F and N action of the stage (N without the
-  LM head, which the executor's no-grad forward skips), its backward FLOPs of every B, and one
-  more forward of the layers an `F.rN` action recomputes; each CP rank's share of the work
+  LM head, which the executor's no-grad forward skips), its backward FLOPs of every B, and what
+  the backward reruns of the forward of the layers an `F.rN` action checkpoints (all but the
+  down projection: `cost.flops.recompute_forward_flops`); each CP rank's share of the work
   (`rank_works`), over tp, plus the K/V projections' remaining (1 - 1/tp) when tp exceeds the
   K/V heads and every TP rank computes them whole (`cost.flops.replicated_kv_flops`).
 - Communication, bytes this rank hands to each kind of operation (the logical volume, not one
@@ -32,12 +33,15 @@
   `sp_collective_bytes(tokens)`; the embedding's lookup reduce-scatter (first stage) and the LM
   head's input gather (last stage) once per forward that runs them, transposed in backward
   (priced by `sp_edge_comm_time`);
-  layers an `F.rN` recomputes gather and scatter again. `tp_all_reduce`: the
+  layers an `F.rN` recomputes gather again (`SP_RECOMPUTE_ALL_GATHERS`) and scatter the
+  attention block's output again (`SP_RECOMPUTE_REDUCE_SCATTERS`: the rerun stops before the
+  MLP's down projection, whose reduce-scatter it never reaches). `tp_all_reduce`: the
   sequence-parallel norms' partial weight gradients summed over TP once a step, in fp32. (The
   executor pads a row to a multiple of tp; those at most tp - 1 rows are not counted.)
   Without sequence parallelism (`CostModel.sequence_parallel` False, `nosp_comm_bytes`):
   `tp_all_reduce` the whole activations, per decoder layer `NOSP_FORWARD_ALL_REDUCES` in a
-  forward and `NOSP_BACKWARD_ALL_REDUCES` in a backward, the embedding's output once per
+  forward (`NOSP_RECOMPUTE_ALL_REDUCES` more per recomputed layer) and
+  `NOSP_BACKWARD_ALL_REDUCES` in a backward, the embedding's output once per
   forward and the LM head's input gradient once per backward; stage-to-stage sends whole.
   Heterogeneous plans (`runtime/train/dist_hetero.py`): `all_to_all` the push of bf16 gradients
   to their owners and the pull of bf16 weights from them (`CostModel.exchange_sent_bytes`),
@@ -53,12 +57,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lengthwise.cost import CostModel
-from lengthwise.cost.flops import head_forward_flops, layer_forward_flops, replicated_kv_flops
+from lengthwise.cost.flops import (
+    head_forward_flops,
+    layer_forward_flops,
+    recompute_forward_flops,
+    replicated_kv_flops,
+)
 from lengthwise.cost.memory import GRAD_BYTES_PER_PARAM, kv_params_per_layer, kv_replicated, stage_params
 from lengthwise.cost.model import (
     NOSP_BACKWARD_ALL_REDUCES,
     NOSP_FORWARD_ALL_REDUCES,
+    NOSP_RECOMPUTE_ALL_REDUCES,
     SP_COLLECTIVES_PER_LAYER,
+    SP_RECOMPUTE_ALL_GATHERS,
+    SP_RECOMPUTE_REDUCE_SCATTERS,
     rank_works,
 )
 from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, StepPlan
@@ -125,9 +137,9 @@ def stage_flops(plan: StepPlan, cost: CostModel, place: RankPlace) -> float:
             total += layers * (lin * cost.bwd_linear_ratio + attn * cost.bwd_attn_ratio) + head * cost.bwd_linear_ratio
             replicated += layers * kv * cost.bwd_linear_ratio
         else:
-            runs = layers + min(action.recompute_layers, layers)
-            total += runs * (lin + attn) + head
-            replicated += runs * kv
+            reruns = min(action.recompute_layers, layers)
+            total += layers * (lin + attn) + reruns * sum(recompute_forward_flops(plan.model, work)) + head
+            replicated += (layers + reruns) * kv  # the rerun computes the K/V projections again
     return total / pipe.tp + replicated
 
 
@@ -241,9 +253,10 @@ def tp_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[str
         if action.kind == BACKWARD:  # the forward's collectives transposed
             gathers, scatters = SP_COLLECTIVES_PER_LAYER * layers + first, SP_COLLECTIVES_PER_LAYER * layers + last
         else:
-            runs = layers + (min(action.recompute_layers, layers) if action.kind == FORWARD else 0)
+            reruns = min(action.recompute_layers, layers) if action.kind == FORWARD else 0
             head = last and action.kind == FORWARD  # the no-grad forward never runs the head
-            gathers, scatters = SP_COLLECTIVES_PER_LAYER * runs + head, SP_COLLECTIVES_PER_LAYER * runs + first
+            gathers = SP_COLLECTIVES_PER_LAYER * layers + SP_RECOMPUTE_ALL_GATHERS * reruns + head
+            scatters = SP_COLLECTIVES_PER_LAYER * layers + SP_RECOMPUTE_REDUCE_SCATTERS * reruns + first
         gathered += gathers * volume
         scattered += scatters * volume
     norms = 2 * layers + (1 if last else 0)
@@ -254,8 +267,8 @@ def tp_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[str
 def nosp_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[str, float]:
     """Bytes this rank hands to tensor parallelism's all-reduces in the step without sequence
     parallelism, each the whole tokens x hidden bf16 activations (`sp_collective_bytes`): per
-    decoder layer `NOSP_FORWARD_ALL_REDUCES` in a forward (again for the layers an `F.rN`
-    recomputes) and `NOSP_BACKWARD_ALL_REDUCES` in a backward, the embedding's once per
+    decoder layer `NOSP_FORWARD_ALL_REDUCES` in a forward (`NOSP_RECOMPUTE_ALL_REDUCES` again
+    for each layer an `F.rN` recomputes) and `NOSP_BACKWARD_ALL_REDUCES` in a backward, the embedding's once per
     forward (first stage) and the LM head's input gradient once per backward (last stage).
     DTensor issues them all (`tp_all_reduce`; K/V projections replicated over TP mark their
     input gradients partial, summed in the block's). The norms' weights and gradients are whole
@@ -269,8 +282,8 @@ def nosp_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[s
         if action.kind == BACKWARD:
             dtensor += (NOSP_BACKWARD_ALL_REDUCES * layers + last) * volume
         else:
-            runs = layers + (min(action.recompute_layers, layers) if action.kind == FORWARD else 0)
-            dtensor += (NOSP_FORWARD_ALL_REDUCES * runs + first) * volume
+            reruns = min(action.recompute_layers, layers) if action.kind == FORWARD else 0
+            dtensor += (NOSP_FORWARD_ALL_REDUCES * layers + NOSP_RECOMPUTE_ALL_REDUCES * reruns + first) * volume
     return {"tp_all_reduce": dtensor}
 
 

@@ -39,8 +39,10 @@ Steps, each a function below:
 How the options' defaults are chosen (`ChunkFlowOptions` in planners/options.py):
 
 - `chunk_size`: tokens per chunk (int), or "auto" for the §5 grid search. Default: the largest
-  power of two (at least 256) whose max(K, pp - stage) in-flight chunks per stage, plus the K/V state (and its
-  gradient) of the batch's longest sequence, fit beside the model states; capped at the context
+  power of two (at least 256) whose chunks in flight per stage (as many as the schedule this
+  planner emits for the batch holds at once, `inflight_chunks`), one chunk's working set, plus
+  the K/V state (and its gradient) of the batch's longest sequence, fit beside the model
+  states; capped at the context
   length rounded up to a power of two (§5: without pipelining, ChunkSize as large as memory
   allows) and, with pp > 1, at the power of two below one pipeline's tokens / (2 pp) (at least
   2K), so each stage sees about 2 pp chunks (memory alone would leave long-tail batches 2-4
@@ -71,7 +73,7 @@ from lengthwise.cost.flops import causal_keys
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB, PLANNING_MS
 from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
-from lengthwise.plan.schedules import make_schedule
+from lengthwise.plan.schedules import held_chunks, make_schedule
 from lengthwise.planners.base import (
     PlanRequest,
     finish_plan,
@@ -202,20 +204,46 @@ def place_sequences(request: PlanRequest, chunk_size: int, k: int) -> list[list[
 
 # ---- memory: the default ChunkSize ----
 
-def stage_memory_bytes(request: PlanRequest, chunk_size: int, k: int, longest: int) -> list[tuple[float, ...]]:
-    """Per stage: (model states, K/V state + its gradient, activations of the chunks in flight).
+def inflight_chunks(request: PlanRequest, chunk_size: int, k: int) -> list[int]:
+    """Per stage, the most chunks whose activations any pipeline's schedule holds at once, for
+    the chunks and state-aware 1F1B schedules this planner builds from the batch at
+    (chunk_size, k) (`held_chunks`). Read off the schedule rather than assumed, so the memory
+    model cannot drift from it: 1F1B's max(K, pp - stage) undercounts late stages, where the
+    first stage's forward order brings standalone chunks in ahead of a group's re-forwards
+    (Qwen2.5-7B, pp 4, 128K context: three 8K chunks held on the last stage, not one)."""
+    return pipelines_inflight(build_pipelines(request, chunk_size, k)[1], request.scheme.pp)
 
-    A stage keeps at most max(k, pp - stage) chunks' activations (state-aware 1F1B: K of a group,
-    or the 1F1B warm-up of standalone chunks), and the K/V of the longest split sequence with a
-    gradient buffer of the same size (chunkflow §6.3.1: "we directly save all key/value tensors").
+
+def pipelines_inflight(pipelines: list[PipelinePlan], pp: int) -> list[int]:
+    """Per stage, the most chunks any of the pipelines' schedules holds at once."""
+    held = [0] * pp
+    for pipe in pipelines:
+        held = [max(h, held_chunks(stage)) for h, stage in zip(held, pipe.stages)]
+    return held
+
+
+def stage_memory_bytes(request: PlanRequest, chunk_size: int, k: int, longest: int,
+                       inflight: list[int] | None = None) -> list[tuple[float, ...]]:
+    """Per stage: (model states, K/V state + its gradient, activations of the chunks in flight
+    and one chunk's working set).
+
+    A stage keeps `inflight[stage]` chunks' activations (default `inflight_chunks`: as many as
+    the emitted schedule holds; each counted as a full chunk of chunk_size tokens), the largest
+    transient of one chunk beside them (its backward's working set, or on the last stage the LM
+    head's forward logits), and the K/V of the longest split sequence with a gradient buffer of
+    the same size (chunkflow §6.3.1: "we directly save all key/value tensors").
     """
     s, cost = request.scheme, request.cost
+    if inflight is None:
+        inflight = inflight_chunks(request, chunk_size, k)
     chunk = Chunk((Segment(0, 0, chunk_size),))
     rows = []
     for b in cost.stage_budgets(tp=s.tp, pp=s.pp, replicas=s.dp * s.cp, zero=s.zero):
         kv = 2 * cost.kv_bytes(longest, layers=b.layers, tp=s.tp, cp=s.cp) if longest > chunk_size else 0.0
-        act = max(k, s.pp - b.stage) * cost.activation_bytes(chunk, layers=b.layers, tp=s.tp, cp=s.cp, head=b.last)
-        rows.append((b.states, kv, act))
+        work = max(cost.backward_work_bytes(chunk, layers=b.layers, tp=s.tp, cp=s.cp, head=b.last),
+                   cost.head_forward_bytes(chunk, tp=s.tp, cp=s.cp) if b.last else 0.0)
+        act = inflight[b.stage] * cost.activation_bytes(chunk, layers=b.layers, tp=s.tp, cp=s.cp, head=b.last)
+        rows.append((b.states, kv, act + work))
     return rows
 
 
@@ -239,19 +267,27 @@ def default_chunk_size(request: PlanRequest, k: int) -> int:
     return size
 
 
-def check_chunk_size_fits(request: PlanRequest, chunk_size: int, k: int) -> None:
-    """UserError with the arithmetic when chunk_size and k overflow some stage's memory."""
-    rows = stage_memory_bytes(request, chunk_size, k, max(request.lengths))
+def check_chunk_size_fits(request: PlanRequest, chunk_size: int, k: int, inflight: list[int] | None = None) -> None:
+    """UserError with the arithmetic when chunk_size and k overflow some stage's memory
+    (`inflight`: chunks held per stage, when the pipelines are built already)."""
+    rows = stage_memory_bytes(request, chunk_size, k, max(request.lengths), inflight)
     for stage, (states, kv, act) in enumerate(rows):
         if states + kv + act > request.cost.capacity_bytes:
             raise UserError(
                 f"chunkflow chunk_size {chunk_size} with k={k} overflows stage {stage}: model states "
-                f"{states / GIB:.1f} + K/V state {kv / GIB:.1f} + activations {act / GIB:.1f} GiB > "
+                f"{states / GIB:.1f} + K/V state {kv / GIB:.1f} + activations and working set {act / GIB:.1f} GiB > "
                 f"{request.cost.capacity_bytes / GIB:.1f} GiB capacity: lower chunk_size or k, or raise --tp/--pp"
             )
 
 
 # ---- the planner ----
+
+def build_pipelines(request: PlanRequest, chunk_size: int, k: int) -> tuple[list[ChunkSet], list[PipelinePlan]]:
+    """Placement and Algorithm 1 per pipeline, then each pipeline's schedule (steps 1-3)."""
+    shares = place_sequences(request, chunk_size, k)
+    chunk_sets = [construct_chunks(share, request.lengths, chunk_size) for share in shares]
+    return chunk_sets, [build_pipeline(request, cs, k) for cs in chunk_sets]
+
 
 def build_pipeline(request: PlanRequest, chunk_set: ChunkSet, k: int) -> PipelinePlan:
     """One pipeline's chunks, its long sequences' groups first, under state-aware 1F1B (§4.3)."""
@@ -261,11 +297,11 @@ def build_pipeline(request: PlanRequest, chunk_set: ChunkSet, k: int) -> Pipelin
                         tp=s.tp, cp=s.cp, schedule=SCHEDULE)
 
 
-def build_plan(request: PlanRequest, chunk_size: int, k: int, started: float) -> StepPlan:
-    """Placement, Algorithm 1 per pipeline and state-aware 1F1B for one (ChunkSize, K)."""
-    shares = place_sequences(request, chunk_size, k)
-    chunk_sets = [construct_chunks(share, request.lengths, chunk_size) for share in shares]
-    pipelines = [build_pipeline(request, cs, k) for cs in chunk_sets]
+def build_plan(request: PlanRequest, chunk_size: int, k: int, started: float,
+               built: tuple[list[ChunkSet], list[PipelinePlan]] | None = None) -> StepPlan:
+    """Placement, Algorithm 1 per pipeline and state-aware 1F1B for one (ChunkSize, K)
+    (`built`: `build_pipelines`' answer, when the caller has it)."""
+    chunk_sets, pipelines = built or build_pipelines(request, chunk_size, k)
     plan = finish_plan(request, pipelines, planner="chunkflow", started=started,
                        options={"chunk_size": chunk_size, "k": k})
     plan.metrics.update(chunk_metrics(request, chunk_sets, chunk_size, k))

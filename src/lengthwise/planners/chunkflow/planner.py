@@ -20,9 +20,11 @@ from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS, STEP_TIME_S
 from lengthwise.plan.ir import StepPlan
 from lengthwise.planners.base import PlanRequest, check_lengths, take_options
 from lengthwise.planners.chunkflow.build import (
+    build_pipelines,
     build_plan,
     check_chunk_size_fits,
     default_chunk_size,
+    pipelines_inflight,
 )
 from lengthwise.sim import simulate_plan
 
@@ -85,5 +87,6 @@ def plan_chunkflow(request: PlanRequest) -> StepPlan:
         return grid_search(request, k, started)
     k = k or 1
     chunk_size = chunk_size or default_chunk_size(request, k)
-    check_chunk_size_fits(request, chunk_size, k)
-    return build_plan(request, chunk_size, k, started)
+    built = build_pipelines(request, chunk_size, k)  # built once: checked, then planned
+    check_chunk_size_fits(request, chunk_size, k, pipelines_inflight(built[1], request.scheme.pp))
+    return build_plan(request, chunk_size, k, started, built)
