@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(args.one[0], int(args.one[1]), int(args.one[2]), args.one[3])))
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-    from lengthwise.plan.ir import write_atomic
+    from lengthwise.files import write_atomic
     from lengthwise.planners.options import option_defaults
 
     defaults = {k: v for k, v in option_defaults("auto").items()

@@ -24,7 +24,7 @@ import torch
 
 from lengthwise.cost import Profile
 from lengthwise.cost.fit import head_token_counts, measure_profile, profile_chunks
-from lengthwise.plan.ir import write_atomic
+from lengthwise.files import write_atomic
 from lengthwise.runtime.profile import TorchMeasurer, device_name, synchronize
 from lengthwise.specs import ClusterSpec, ModelSpec, cluster_preset
 from lengthwise.workloads.sampler import GlobalBatchSampler

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from lengthwise.cost import CostModel
-from lengthwise.plan.ir import write_atomic
+from lengthwise.files import write_atomic
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.model import build_model

@@ -28,7 +28,8 @@ import torch
 from lengthwise.commands.dryrun import dryrun_rows
 from lengthwise.cost import CostModel
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import StepPlan, write_atomic
+from lengthwise.plan.ir import StepPlan
+from lengthwise.files import write_atomic
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.sim.rank import rank_places
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset

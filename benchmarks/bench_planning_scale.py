@@ -94,7 +94,7 @@ PLANNER_ORDER: dict[str, int] = {}
 
 def write(path: Path, rows: list[dict], settings: dict) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-    from lengthwise.plan.ir import write_atomic
+    from lengthwise.files import write_atomic
 
     write_atomic(path, json.dumps({"benchmark": "planning_scale", "setting": settings, "machine": machine(),
                                    "rows": rows}, indent=1))

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from lengthwise.cost import CostModel
-from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan, write_atomic
+from lengthwise.plan.ir import Chunk, PipelinePlan, Segment, StepPlan
+from lengthwise.files import write_atomic
 from lengthwise.plan.schedules import make_schedule
 from lengthwise.sim import simulate_inputs, simulate_plan
 from lengthwise.sim.inputs import plan_inputs

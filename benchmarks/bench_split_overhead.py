@@ -53,7 +53,8 @@ from pathlib import Path
 import torch
 
 from lengthwise.cost import CostModel
-from lengthwise.plan.ir import FORWARD_NOGRAD, write_atomic
+from lengthwise.plan.ir import FORWARD_NOGRAD
+from lengthwise.files import write_atomic
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.attention import BACKENDS
 from lengthwise.runtime.execute import run_step

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from lengthwise.cost import CostModel
-from lengthwise.plan.ir import write_atomic
+from lengthwise.files import write_atomic
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.sim import simulate_plan
 from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from lengthwise.plan.ir import write_atomic
+from lengthwise.files import write_atomic
 from lengthwise.report import BASELINES, CompareSetup, all_planners, run_compare, summarise
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 from lengthwise.workloads.source import profile_source

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import fuzz_cases as fc  # noqa: E402
-from lengthwise.plan.ir import write_atomic  # noqa: E402
+from lengthwise.files import write_atomic  # noqa: E402
 
 KINDS = ("plans", "lengths", "profiles", "settings")
 

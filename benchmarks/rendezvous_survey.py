@@ -23,7 +23,7 @@ sys.path[:0] = [str(ROOT / "src")]
 
 from lengthwise.cost import CostModel  # noqa: E402
 from lengthwise.errors import UserError  # noqa: E402
-from lengthwise.plan.ir import write_atomic  # noqa: E402
+from lengthwise.files import write_atomic  # noqa: E402
 from lengthwise.plan.rendezvous import DISCIPLINES, find_stall  # noqa: E402
 from lengthwise.planners import PlanRequest  # noqa: E402
 from lengthwise.planners.registry import CANDIDATE_PLANNERS  # noqa: E402

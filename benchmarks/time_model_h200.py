@@ -26,7 +26,7 @@ from pathlib import Path
 
 from lengthwise.cost import CostModel, Profile
 from lengthwise.cost.estimate import complete_profile
-from lengthwise.plan.ir import json_text, write_atomic
+from lengthwise.files import json_text, write_atomic
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.sim import simulate_plan
 from lengthwise.sim.terms import step_time_terms

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from lengthwise.cli import build_parser
 from lengthwise.commands.train import config_from_args, summary
-from lengthwise.plan.ir import write_atomic
+from lengthwise.files import write_atomic
 from lengthwise.runtime.train.dist_launch import train_distributed
 from lengthwise.runtime.train.loop import train
 from lengthwise.runtime.export import checkpoint_weights

@@ -1,5 +1,5 @@
 """The package's import graph: no cycles, and no module imports one on a higher floor
-(errors/metrics/limits/unreadable -> fields/specs/workloads -> plan.ir -> cost -> plan -> sim -> planners -> report ->
+(errors/files/metrics/limits/unreadable -> fields/specs/workloads -> plan.ir -> cost -> plan -> sim -> planners -> report ->
 runtime -> commands, STYLE.md). Imports inside functions count too."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from lengthwise.metrics import BUBBLE_RATIO, DP_IMBALANCE, MFU, STEP_TIME_S, TOK
 from lengthwise.sim import SimResult
 
 ROOT = Path(lengthwise.__file__).parent
-FLOORS = {"errors": 0, "metrics": 0, "limits": 0, "unreadable": 0, "fields": 1, "paths": 1, "specs": 1, "workloads": 1, "plan.ir": 2, "cost": 3, "plan": 4,
+FLOORS = {"errors": 0, "files": 0, "metrics": 0, "limits": 0, "unreadable": 0, "fields": 1, "paths": 1, "specs": 1, "workloads": 1, "plan.ir": 2, "cost": 3, "plan": 4,
           "sim": 5, "planners": 6, "report": 7, "report_files": 7, "runtime": 8, "commands": 9,
           "cli": 10, "__main__": 11}
 

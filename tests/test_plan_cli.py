@@ -85,7 +85,7 @@ def test_written_files_have_the_usual_permissions(tmp_path):
     0600 as a temporary file would leave them."""
     import os
 
-    from lengthwise.plan.ir import write_atomic
+    from lengthwise.files import write_atomic
 
     mask = os.umask(0o022)
     try:

@@ -16,7 +16,8 @@ from lengthwise.commands import profile as profile_command
 from lengthwise.cost import CostModel, Profile, SchemeFit
 from lengthwise.cost.fit import Timing, fit_time, head_token_counts, measure_profile, predict, profile_chunks
 from lengthwise.cost.flops import chunk_work
-from lengthwise.plan.ir import Chunk, StepPlan, write_atomic
+from lengthwise.plan.ir import Chunk, StepPlan
+from lengthwise.files import write_atomic
 from lengthwise.specs import MODEL_PRESETS, cluster_preset
 
 FWD, BWD = (3e-12, 4e-8, 5e-5), (7e-12, 9e-8, 8e-5)

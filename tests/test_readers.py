@@ -12,7 +12,7 @@ import pytest
 
 from fuzz_cases import base_plans, base_profile, run_cli
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import json_text
+from lengthwise.files import json_text
 from lengthwise.workloads.lengths import read_lengths
 
 

@@ -17,7 +17,8 @@ from lengthwise.cost.fit import Timing, fit_floor_time, head_token_counts, measu
 from lengthwise.cost.flops import chunk_work
 from lengthwise.cost.time import StepTerms, layer_seconds
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import Chunk, write_atomic
+from lengthwise.plan.ir import Chunk
+from lengthwise.files import write_atomic
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.sim import simulate_plan
 from lengthwise.sim.terms import step_time_terms

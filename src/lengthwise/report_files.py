@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from lengthwise.metrics import PEAK_MEMORY_GIB
-from lengthwise.plan.ir import write_atomic
+from lengthwise.files import write_atomic
 from lengthwise.report import CompareSetup, PlannerRow
 from lengthwise.sim.gantt import draw_gantt
 from lengthwise.workloads.plot import histogram_png

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from lengthwise.plan.ir import json_text
+from lengthwise.files import json_text
 from lengthwise.commands.common import add_workload_args, lengths_source_from_args
 from lengthwise.commands.planner_flags import (
     add_planner_option_args,

@@ -38,7 +38,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lengthwise.plan.ir import json_text
+    from lengthwise.files import json_text
     from lengthwise.plan.validate import load_plan
     from lengthwise.sim.rank import rank_places
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 
-from lengthwise.plan.ir import json_text
+from lengthwise.files import json_text
 from lengthwise.commands.common import add_backend_arg
 from lengthwise.errors import UserError
 from lengthwise.limits import CONTEXT_LENGTH, LAYERS, REPEATS, check_size
 from lengthwise.paths import check_writable
-from lengthwise.plan.ir import write_atomic
+from lengthwise.files import write_atomic
 from lengthwise.specs import ModelSpec, model_preset
 
 DTYPES = ("auto", "bfloat16", "float16", "float32", "float64")

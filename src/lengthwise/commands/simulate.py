@@ -24,7 +24,7 @@ from pathlib import Path
 from lengthwise.errors import UserError
 from lengthwise.limits import DIRECT_CHUNKS, MAX_DIRECT_TIME, STAGES, check_size
 from lengthwise.paths import check_writable
-from lengthwise.plan.ir import json_text
+from lengthwise.files import json_text
 from lengthwise.plan.schedules import SCHEDULE_NAMES
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from lengthwise.plan.ir import json_text
+from lengthwise.files import json_text
 from lengthwise.commands.common import add_backend_arg, add_workload_args, batch_lengths_from_args
 from lengthwise.commands.plan import default_context_length
 from lengthwise.commands.planner_flags import add_planner_option_args, planner_options

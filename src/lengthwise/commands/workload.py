@@ -20,11 +20,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lengthwise.plan.ir import json_text
+from lengthwise.files import json_text
 from lengthwise.commands.common import add_workload_args, lengths_source_from_args
 from lengthwise.limits import SAMPLES, check_size
 from lengthwise.paths import check_writable
-from lengthwise.plan.ir import write_atomic
+from lengthwise.files import write_atomic
 from lengthwise.workloads.lengths import THRESHOLDS, length_stats
 from lengthwise.workloads.plot import histogram_png
 

@@ -70,7 +70,7 @@ from pathlib import Path
 
 from lengthwise.errors import UserError
 from lengthwise.fields import Fields
-from lengthwise.plan.ir import read_json
+from lengthwise.files import read_json
 
 
 @dataclass(kw_only=True)

@@ -24,16 +24,13 @@ i is forward chunk i.
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 from lengthwise.errors import UserError
+from lengthwise.files import json_text, read_json, write_atomic
 from lengthwise.fields import MAX_LENGTH, Fields, check_recorded_options, check_spec_fields
 from lengthwise.limits import MAX_EXTRA_SECONDS
 from lengthwise.specs import ClusterSpec, ModelSpec
@@ -310,71 +307,3 @@ class StepPlan:
     @classmethod
     def load(cls, path: str | Path) -> StepPlan:
         return read_json(path, "plan", cls.from_dict)
-
-
-def read_json(path: str | Path, what: str, parse):
-    """`parse(dict)` of a JSON file; a missing, unreadable or malformed file (not UTF-8, not
-    JSON, NaN or Infinity in it, a field of the wrong type) is a one-line UserError."""
-    try:
-        data = json.loads(Path(path).read_bytes().decode("utf-8"), parse_constant=_reject_constant)
-        return parse(data)
-    except FileNotFoundError:
-        raise UserError(f"no {what} file at {path}") from None
-    except UserError as exc:
-        raise UserError(f"{path}: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path} is not a lengthwise {what}: not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise UserError(f"cannot read {what} file {path}: {exc.strerror or exc}") from None
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise UserError(f"{path} is not a readable lengthwise {what} ({str(exc)[:200]})") from None
-
-
-def _reject_constant(name: str):
-    raise UserError(f"{name} is not a number a lengthwise file may hold: write a finite value")
-
-
-def json_text(data, *, indent: int | None = 1) -> str:
-    """JSON for output: strict (a non-finite float is a one-line UserError naming where it is,
-    never a bare NaN that no JSON reader accepts)."""
-    try:
-        return json.dumps(data, indent=indent, allow_nan=False)
-    except ValueError:
-        raise UserError(f"result holds a non-finite number at {_first_non_finite(data) or '?'}; "
-                        "this is a bug in lengthwise, please report the command") from None
-
-
-def _first_non_finite(data, path: str = "") -> str | None:
-    if isinstance(data, float) and not math.isfinite(data):
-        return path or "top level"
-    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, (list, tuple)) else ()
-    for key, value in items:
-        found = _first_non_finite(value, f"{path}.{key}" if path else str(key))
-        if found:
-            return found
-    return None
-
-
-def write_atomic(path: str | Path, text: str | bytes) -> None:
-    """Write a file so that a reader sees the old content or the new, never half of it: a
-    temporary file beside it, flushed to disk, given the usual permissions (0666 less the
-    umask; mkstemp makes 0600), then renamed over the target."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode() if isinstance(text, str) else text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -36,14 +36,13 @@ import torch
 from safetensors.torch import load_file, save, save_file
 
 from lengthwise.errors import UserError
+from lengthwise.files import fsync_dir, write_atomic
 from lengthwise.runtime.manifest import (
     MANIFEST,
-    fsync_dir,
     newest_intact,
     step_folders,
     verify_manifest,
     write_manifest,
-    write_synced,
 )
 from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.weights import load_weights, save_pretrained
@@ -195,8 +194,8 @@ def set_rng_state(plain: dict, tensors: dict[str, torch.Tensor]) -> None:
 def save_rng(directory: Path, stem: str) -> None:
     """`stem`.json and `stem`.safetensors in `directory` (atomically, each)."""
     plain, tensors = rng_state()
-    write_synced(directory / f"{stem}.json", json.dumps(plain).encode())
-    write_synced(directory / f"{stem}.safetensors", save(tensors))
+    write_atomic(directory / f"{stem}.json", json.dumps(plain).encode(), durable=True)
+    write_atomic(directory / f"{stem}.safetensors", save(tensors), durable=True)
 
 
 def load_rng(directory: Path, stem: str) -> None:

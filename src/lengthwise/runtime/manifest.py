@@ -32,12 +32,12 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lengthwise.errors import UserError
+from lengthwise.files import fsync_dir, write_atomic
 
 MANIFEST = "MANIFEST.json"
 FORMAT = "lengthwise-checkpoint"
@@ -50,30 +50,6 @@ MAX_HASHERS = 8
 
 class DamagedCheckpoint(UserError):
     """A checkpoint folder that is incomplete or whose files differ from its manifest."""
-
-
-def write_synced(path: Path, data: bytes) -> None:
-    """Atomic and durable: temporary file, fsync, rename, fsync of the folder."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make renames and removals inside `folder` durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def list_files(folder: Path) -> list[str]:
@@ -104,7 +80,7 @@ def write_manifest(folder: str | Path, *, meta: dict) -> Path:
         files = {name: {"bytes": size, "sha256": digest} for name, (size, digest) in zip(names, digests)}
     body = {"format": FORMAT, "version": VERSION, **meta, "files": files}
     path = folder / MANIFEST
-    write_synced(path, json.dumps(body, indent=1).encode())
+    write_atomic(path, json.dumps(body, indent=1), durable=True)
     return path
 
 

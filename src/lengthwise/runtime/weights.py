@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import write_atomic
+from lengthwise.files import write_atomic
 from lengthwise.runtime.finite import first_nonfinite_tensor
 from lengthwise.runtime.model import CausalLM, parameter_names
 from lengthwise.specs import ModelSpec

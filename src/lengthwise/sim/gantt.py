@@ -21,7 +21,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from lengthwise.plan.ir import write_atomic
+from lengthwise.files import write_atomic
 from lengthwise.sim.simulate import SimResult
 
 COLOURS = {"forward": "#4c8bd6", "no-grad forward": "#a9c8ee", "re-forward": "#f2a541",

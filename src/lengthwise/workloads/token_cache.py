@@ -27,13 +27,13 @@ import fcntl
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from lengthwise.errors import UserError
+from lengthwise.files import write_atomic
 
 FORMAT = 1
 """Version of the layout above; part of the key."""
@@ -101,30 +101,16 @@ def _build(folder: Path, key: str, arrays: Iterable[np.ndarray], vocab_size: int
     if vocab_size > np.iinfo(ID_DTYPE).max:
         raise UserError(f"a vocabulary of {vocab_size} ids does not fit the token cache's {ID_DTYPE.__name__}")
     lengths = []
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{key}.bin.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for ids in arrays:
-                f.write(np.asarray(ids, dtype=ID_DTYPE).tobytes())
-                lengths.append(len(ids))
-        os.replace(tmp, folder / f"{key}.bin")
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _write(folder / f"{key}.lengths.npy", lambda f: np.save(f, np.array(lengths, dtype=np.int64)))
+
+    def write_ids(f) -> None:
+        for ids in arrays:
+            f.write(np.asarray(ids, dtype=ID_DTYPE).tobytes())
+            lengths.append(len(ids))
+
+    write_atomic(folder / f"{key}.bin", write_ids)
+    write_atomic(folder / f"{key}.lengths.npy", lambda f: np.save(f, np.array(lengths, dtype=np.int64)))
     meta = {"vocab_size": vocab_size, "documents": len(lengths), "tokens": int(sum(lengths)), "format": FORMAT}
-    _write(folder / f"{key}.json", lambda f: f.write(json.dumps(meta).encode()))
-
-
-def _write(path: Path, fill: Callable) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fill(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(folder / f"{key}.json", json.dumps(meta))
 
 
 def _open(folder: Path, key: str) -> tuple[MappedDocuments, np.ndarray, int]:

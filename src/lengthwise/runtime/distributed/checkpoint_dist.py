@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lengthwise.errors import UserError
+from lengthwise.files import write_atomic
 from lengthwise.runtime.checkpoint import SINGLE, rng_state, set_rng_state
 from lengthwise.runtime.checkpoint import latest_checkpoint as newest_local
 from lengthwise.runtime.distributed import legacy_dcp
@@ -68,7 +69,6 @@ from lengthwise.runtime.manifest import (
     remove_manifest,
     verify_manifest,
     write_manifest,
-    write_synced,
 )
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -107,8 +107,9 @@ def save_checkpoint(folder: str | Path, *, step: int, model: torch.nn.Module, op
     write_pieces(path, rank, local_pieces(tensors, writes=_by_parameter(writes)), values)
     del tensors
     plain, rng = rng_state()
-    write_synced(path / f"rank-{rank}.json", json.dumps({"step": step, **(extras or {}), "rng": plain}).encode())
-    write_synced(path / f"rank-{rank}.safetensors", save(rng))
+    write_atomic(path / f"rank-{rank}.json", json.dumps({"step": step, **(extras or {}), "rng": plain}),
+                 durable=True)
+    write_atomic(path / f"rank-{rank}.safetensors", save(rng), durable=True)
     if also is not None:
         also(path)
     dist.barrier()

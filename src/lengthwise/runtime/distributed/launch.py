@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import write_atomic
+from lengthwise.files import write_atomic
 from lengthwise.runtime.distributed import forkserver
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.step import StepFailed

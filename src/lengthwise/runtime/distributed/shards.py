@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Replicate
 
 from lengthwise.errors import UserError
+from lengthwise.files import write_atomic
 
 TENSORS = "shards-{rank}.safetensors"
 INDEX = "shards-{rank}.json"
@@ -128,7 +128,7 @@ def write_pieces(folder: Path, rank: int, pieces: list[Local], values: dict) -> 
     write_safetensors(folder / name, ((p.key, p.tensor) for p in pieces),
                       [(p.key, p.tensor.dtype, tuple(p.tensor.shape)) for p in pieces])
     body = {"layout": LAYOUT, "file": name, "tensors": entries, "values": values}
-    _write_file(folder / INDEX.format(rank=rank), [json.dumps(body).encode()])
+    write_atomic(folder / INDEX.format(rank=rank), json.dumps(body), durable=True)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -162,21 +162,7 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
                 yield memoryview(host.view(torch.uint8).numpy())
             del host
 
-    _write_file(path, blocks())
-
-
-def _write_file(path: Path, blocks: Iterable[bytes | memoryview]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            for block in blocks:
-                f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, blocks(), durable=True)
 
 
 def read_index(folder: Path) -> tuple[dict[str, list[Piece]], dict[int, dict]]:

@@ -65,7 +65,8 @@ import torch
 import torch.distributed as dist
 
 from lengthwise.errors import UserError
-from lengthwise.plan.ir import StepPlan, write_atomic
+from lengthwise.plan.ir import StepPlan
+from lengthwise.files import write_atomic
 import lengthwise.runtime.distributed.checkpoint_dist as checkpoint_dist
 from lengthwise.runtime.distributed.dp import (
     check_same_plan,

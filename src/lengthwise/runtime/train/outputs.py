@@ -27,7 +27,7 @@ from typing import Self
 
 from lengthwise.errors import UserError
 from lengthwise.paths import check_writable  # noqa: F401  (train's flags use it here)
-from lengthwise.plan.ir import write_atomic
+from lengthwise.files import write_atomic
 from lengthwise.runtime.train.config import TrainConfig
 
 LOCK_NAME = ".lock"
