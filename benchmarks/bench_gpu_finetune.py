@@ -62,6 +62,7 @@ from lengthwise.cost.flops import sequence_model_flops
 from lengthwise.errors import UserError
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.execute import run_step
+from lengthwise.runtime.compile import compile_layers, compile_wanted
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.profile import check_backend
 from lengthwise.runtime.train.step import PeakMemory
@@ -98,6 +99,8 @@ class Settings:
     peak_tflops: float | None = None
     """Peak FLOP/s for MFU (default: 989 on H100/H200, else the cluster preset's)."""
     seed: int = 0
+    compile: bool | None = None
+    """torch.compile each decoder layer of lengthwise's model; None: on CUDA."""
     tiny: bool = False
 
 
@@ -106,7 +109,7 @@ def tiny_settings(args) -> Settings:
     return Settings(models=["tiny-qwen"], contexts=[256], systems=_systems(args.systems), batch_size=8,
                     warmup=1, steps=1, chunk_size=args.chunk_size if args.chunk_size != "auto" else "64",
                     scan_contexts=[] if args.no_scan else [128, 256, 512], scan_chunk_size=64,
-                    workload="tiny", lr=args.lr, seed=args.seed, tiny=True)
+                    workload="tiny", lr=args.lr, seed=args.seed, tiny=True, compile=args.compile)
 
 
 def parse_args(argv):
@@ -129,6 +132,8 @@ def parse_args(argv):
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile each decoder layer of lengthwise's model (default: on CUDA)")
     ap.add_argument("--tiny", action="store_true", help="tiny model and sizes (runs on CPU in seconds)")
     ap.add_argument("--out", help="results JSON (default benchmarks/results/gpu_finetune_<device>.json)")
     return ap.parse_args(argv)
@@ -150,7 +155,7 @@ def settings_from_args(args) -> Settings:
                     batch_size=args.batch_size, warmup=args.warmup, steps=args.steps, chunk_size=args.chunk_size,
                     scan_contexts=[] if args.no_scan else ints(args.scan_contexts),
                     scan_chunk_size=args.scan_chunk_size, lr=args.lr, hf_checkpointing=args.hf_checkpointing,
-                    peak_tflops=args.peak_tflops, seed=args.seed)
+                    peak_tflops=args.peak_tflops, seed=args.seed, compile=args.compile)
 
 
 # ---- one system on one context -----------------------------------------------------------------
@@ -170,6 +175,8 @@ class Runner:
         if system == "hf-packed":
             check_packing_supported()
         model = build_model(spec, dtype=dev.dtype, device=dev.device, seed=s.seed)
+        if not system.startswith("hf") and compile_wanted(s.compile, dev.device):
+            compile_layers(model)
         self.model = build_hf(model, checkpointing=s.hf_checkpointing) if system.startswith("hf") else model
         if self.model is not model:
             del model

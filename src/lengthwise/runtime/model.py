@@ -37,7 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lengthwise.runtime.attention import ChunkLayout, attend
+from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend, wants_varlen_index
+from lengthwise.runtime.compile import compiled
+from lengthwise.runtime.layout import LayerContext, RowIndex
 from lengthwise.specs import ModelSpec
 
 
@@ -182,10 +184,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden, spec.rms_eps, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden, spec.rms_eps, dtype)
 
+    compile_backend: str | None = None
+    """The torch.compile backend this layer's forward runs under (`runtime/compile.py`); None:
+    eager. A plain attribute, so a deep copy of the model is compiled alike."""
+
     def forward(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
         """One pre-norm block; returns (h [T, D], k [T, G, E], v [T, G, E]).
 
         `context[i]` lists the (k, v) pieces of segment i's earlier slices, oldest first."""
+        if self.compile_backend is not None:
+            return compiled(DecoderLayer.block, self.compile_backend)(self, h_TD, rope, layout, context, backend)
+        return self.block(h_TD, rope, layout, context, backend)
+
+    def block(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
+        """The layer's computation (`forward` without the choice of compiled or eager)."""
         attn_TD, k_TGE, v_TGE = self.self_attn(self.input_layernorm(h_TD), rope, layout, context, backend)
         h_TD = h_TD + attn_TD
         h_TD = h_TD + self.mlp(self.post_attention_layernorm(h_TD))
@@ -257,10 +269,13 @@ class CausalLM(nn.Module):
         `contexts[j]` is the per-segment context of layer layers[j]. The first
         `recompute_layers` keep only their input and run again in backward (infinipipe §4's
         chunk-level checkpointing). Returns h and the list of (k, v) per layer."""
+        if not isinstance(layout, RowIndex):  # built once here for every layer (the stage passes its own)
+            resolved = backend if callable(backend) else resolve_backend(backend, h_TD.device, h_TD.dtype)
+            layout = RowIndex.build(layout, h_TD.device, varlen=wants_varlen_index(resolved))
         kv_per_layer = []
         for j, index in enumerate(layers):
             layer = self.model.layers[str(index)]
-            args = (h_TD, rope, layout, contexts[j], backend)
+            args = (h_TD, rope, layout, LayerContext(contexts[j]), backend)
             if j < recompute_layers and torch.is_grad_enabled():
                 h_TD, k_TGE, v_TGE = checkpoint(layer, *args, use_reentrant=False)
             else:
