@@ -67,6 +67,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.distributed.mesh import Mesh, plan_world_size
 from lengthwise.runtime.distributed.step import run_rank_step
+from lengthwise.runtime.flash_varlen import varlen_ops
 from lengthwise.runtime.layout import clear_bias_cache
 from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
@@ -110,9 +111,11 @@ class RankMeasurement:
 
 
 def dryrun_rank(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat16,
-                backend: str = "cpu-flash", sequence_parallel: bool = True) -> RankMeasurement:
+                backend: str | None = None, sequence_parallel: bool = True) -> RankMeasurement:
     """Run `rank`'s part of one training step of `plan` on fake tensors and measure it
-    (`sequence_parallel`: `parallel/build.ParallelOptions`)."""
+    (`sequence_parallel`: `parallel/build.ParallelOptions`; `backend`: the attention path,
+    default `plan_attention(plan)`)."""
+    backend = backend or plan_attention(plan)
     world_size = plan_world_size(plan)
     started = time.perf_counter()
     clear_bias_cache()  # cached masks are real tensors or another run's fake ones
@@ -137,7 +140,7 @@ def dryrun_rank(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat1
         memory.track_external(optimizer)
         if hetero:
             exchange.track(memory)
-        flops = LocalFlopCounter(display=False, custom_mapping=cpu_flash_flop_formulas())
+        flops = LocalFlopCounter(display=False, custom_mapping={**cpu_flash_flop_formulas(), **varlen_flop_formulas()})
         with memory, _Measuring(memory, flops, comm), _shape_propagation_unobserved():
             run_rank_step(model, plan, tokens, mesh=mesh, backend=backend, dry=True, reduce_grads=not hetero)
             if hetero:
@@ -563,6 +566,56 @@ def _nbytes(value) -> int:
     if isinstance(value, (list, tuple)):
         return sum(_nbytes(v) for v in value)
     return 0
+
+
+DRYRUN_ATTENTION = ("cpu-flash", "varlen")
+"""Attention paths a dry run can take: the CPU kernels', or the CUDA varlen operators' (their
+fake implementations give the real operators' output shapes)."""
+
+
+def plan_attention(plan: StepPlan) -> str:
+    """The attention path the plan's device would run: varlen on a GPU cluster, cpu-flash on
+    the `cpu` one."""
+    return "cpu-flash" if plan.cluster.name == "cpu" else "varlen"
+
+
+def varlen_flop_formulas() -> dict:
+    """FlopCounterMode formulas for the varlen flash operators, causal-aware like the CPU
+    kernel's (torch's own count every causal pair twice). They read the cu_seqlens, which the
+    dry run's RowIndex builds as fake tensors carrying their values (`layout._index_tensors`)."""
+    ops = varlen_ops()
+    if ops is None:
+        return {}
+
+    def forward_flops(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, *args, out_val=None, **kwargs) -> int:
+        return _varlen_flops(q, k, cu_q, cu_k, is_causal)
+
+    def backward_flops(g, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, *args, out_val=None,
+                       **kwargs) -> int:
+        return int(2.5 * _varlen_flops(q, k, cu_q, cu_k, is_causal))
+
+    for formula in (forward_flops, backward_flops):
+        formula._get_raw = True  # the counter passes the tensors themselves, not their shapes
+    return {ops[0]: forward_flops, ops[1]: backward_flops}
+
+
+def _varlen_flops(q, k, cu_q, cu_k, is_causal: bool) -> int:
+    """Per sequence of the call, `_attention_flops` of its queries and keys (causal aligned
+    bottom-right, as flash does: the same count as top-left for the square calls it gets)."""
+    bounds_q, bounds_k = (getattr(cu, "constant", None) for cu in (cu_q, cu_k))
+    if bounds_q is None or bounds_k is None:
+        raise AssertionError("varlen call without host-known cu_seqlens (RowIndex builds them with values)")
+    with unset_fake_temporarily():
+        bounds_q, bounds_k = bounds_q.tolist(), bounds_k.tolist()
+    total = 0
+    for i in range(len(bounds_q) - 1):
+        queries, keys = bounds_q[i + 1] - bounds_q[i], bounds_k[i + 1] - bounds_k[i]
+        pairs = queries * keys
+        if is_causal:  # query j sees keys - queries + j + 1 keys, when positive
+            pairs = (queries * (keys - queries + 1) + queries * (queries - 1) // 2 if queries <= keys
+                     else keys * (keys + 1) // 2)
+        total += 4 * q.shape[-1] * q.shape[1] * pairs
+    return total
 
 
 def cpu_flash_flop_formulas() -> dict:

@@ -174,37 +174,34 @@ class RowIndex:
         """All of the row's index tensors from one host list, in one (pinned, asynchronous) copy."""
         device = torch.device(device)
         offsets = layout.q_offsets
-        tensors = None
+        segments = layout.context_segments
         if varlen:
-            host = [*offsets]
-            for i in layout.context_segments:
-                host += [0, layout.q_lens[i], 0, layout.ctx_lens[i]]
-            tensors = _to_device(host, device)
-        calls, at = [], len(offsets)
-        for i in layout.context_segments:
-            cu = (None, None) if tensors is None else (tensors[at:at + 2], tensors[at + 2:at + 4])
-            calls.append(ContextCall(segment=i, lo=offsets[i], hi=offsets[i + 1], num_keys=layout.ctx_lens[i],
-                                     cu_q=cu[0], cu_k=cu[1]))
-            at += 4
+            host = [offsets] + [part for i in segments for part in ([0, layout.q_lens[i]], [0, layout.ctx_lens[i]])]
+            cu_q, *pairs = _index_tensors(host, device)
+        else:
+            cu_q, pairs = None, [None] * (2 * len(segments))
+        calls = tuple(ContextCall(segment=i, lo=offsets[i], hi=offsets[i + 1], num_keys=layout.ctx_lens[i],
+                                  cu_q=pairs[2 * n], cu_k=pairs[2 * n + 1]) for n, i in enumerate(segments))
         rng = torch.zeros(2, dtype=torch.uint64, device=device) if varlen else None
-        return cls(layout=layout, cu_q=None if tensors is None else tensors[:len(offsets)],
-                   max_q=max(layout.q_lens, default=0), context_calls=tuple(calls), rng_state=rng)
+        return cls(layout=layout, cu_q=cu_q, max_q=max(layout.q_lens, default=0), context_calls=calls, rng_state=rng)
 
 
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int32 tensor on `device` from host ints; to a GPU through pinned memory, so the
-    copy does not wait for the device."""
-    if _fake_mode_active():  # a dry run: real values, so FLOP counters can read the lengths
+def _index_tensors(host: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """int32 tensors on `device` from lists of host ints, in one copy (through pinned memory to
+    a GPU, so the copy does not wait for the device). Under fake tensors (a dry run): fake
+    tensors that carry their values (`.constant`), so FLOP counters can read the lengths."""
+    mode = torch._guards.detect_fake_mode()
+    if mode is not None:
         with unset_fake_temporarily():
-            return torch.tensor(values, dtype=torch.int32)
-    host = torch.tensor(values, dtype=torch.int32)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def _fake_mode_active() -> bool:
-    return torch._guards.detect_fake_mode() is not None
+            reals = [torch.tensor(values, dtype=torch.int32) for values in host]
+        return [mode.fake_tensor_converter.from_real_tensor(mode, real, make_constant=True) for real in reals]
+    flat = torch.tensor([v for values in host for v in values], dtype=torch.int32)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        flat = flat.to(device)
+    sizes = [len(values) for values in host]
+    return list(flat.split(sizes))
 
 
 def as_index(layout, device, *, varlen: bool) -> RowIndex:
