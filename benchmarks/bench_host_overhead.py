@@ -18,6 +18,9 @@ alike):
 - `after+compile`: this checkout with each decoder layer compiled (`--compile-backend`,
   default inductor; `--no-inductor` uses aot_eager, which traces but does not fuse).
 Reported: the median over rounds of each variant's per-layer-chunk time, and before / after.
+Times are the CPU time of the process's main thread (`time.thread_time`, torch on one thread),
+not wall time: on a shared machine a process also waits for a core, which is not the host
+cost of the code.
 """
 
 from __future__ import annotations
@@ -69,10 +72,10 @@ def worker(compile_backend: str | None, steps: int) -> None:
     def step(layers: int) -> float:
         model = models[layers]
         model.zero_grad(set_to_none=True)
-        started = time.perf_counter()
+        started = time.thread_time()
         loss = run_step(model, plans[layers], tokens, backend="cpu-flash")
         float(loss)
-        return time.perf_counter() - started
+        return time.thread_time() - started
 
     for _ in range(3):  # warm-up (and compilation)
         step(2), step(4)
