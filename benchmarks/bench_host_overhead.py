@@ -17,7 +17,9 @@ alike):
 - `after`: this checkout, eager;
 - `after+compile`: this checkout with each decoder layer compiled (`--compile-backend`,
   default inductor; `--no-inductor` uses aot_eager, which traces but does not fuse).
-Reported: the median over rounds of each variant's per-layer-chunk time, and before / after.
+Reported: the median over rounds of each variant's per-layer-chunk time, and before / after;
+and, apart, the varlen (CUDA) path's index and key-packing host work per layer and chunk
+(`varlen_index_work`), which the CPU step above does not run.
 Times are the CPU time of the process's main thread (`time.thread_time`, torch on one thread),
 not wall time: on a shared machine a process also waits for a core, which is not the host
 cost of the code.
@@ -79,6 +81,7 @@ def worker(compile_backend: str | None, steps: int) -> None:
 
     for _ in range(3):  # warm-up (and compilation)
         step(2), step(4)
+    varlen_index = varlen_index_work()
     print("ready", flush=True)
     for _ in sys.stdin:
         times = {layers: [] for layers in (2, 4)}
@@ -87,7 +90,46 @@ def worker(compile_backend: str | None, steps: int) -> None:
                 times[layers].append(step(layers))
         two, four = statistics.median(times[2]), statistics.median(times[4])
         print(json.dumps({"step_2_layers_s": two, "step_4_layers_s": four,
-                          "per_layer_chunk_s": (four - two) / (2 * NUM_CHUNKS)}), flush=True)
+                          "per_layer_chunk_s": (four - two) / (2 * NUM_CHUNKS),
+                          "varlen_index_per_layer_chunk_s": varlen_index()}), flush=True)
+
+
+VARLEN_LAYERS = 28
+"""Layers the varlen index is shared by in `varlen_index_work` (Qwen2.5-1.5B's 28)."""
+
+
+def varlen_index_work():
+    """A timer of the varlen path's index and key-packing work for one layer of a chunk holding
+    a slice with a 16-token context and a short document, on CPU tensors. Before: per layer,
+    cu_seqlens from Python lists and the context concatenated to the row's keys and values
+    (`ChunkLayout.cu_seqlens`, `pack_keys`). After: the chunk's RowIndex, built once and
+    shared by its layers (its cost / VARLEN_LAYERS); nothing per layer. On a GPU the
+    per-layer host-to-device copies of the old path also wait for the device: not counted."""
+    import torch
+
+    from lengthwise.plan.ir import Chunk
+    from lengthwise.runtime import layout as layout_module
+
+    layout = layout_module.ChunkLayout.from_chunk(Chunk.parse("0[16:24]+2[0:8]"))
+    k, v = torch.randn(16, 2, 8), torch.randn(16, 2, 8)
+    context = [[torch.randn(16, 2, 8)], []]
+    if hasattr(layout_module.ChunkLayout, "cu_seqlens"):
+        def one():
+            layout.cu_seqlens("cpu")
+            layout_module.pack_keys(k, context, layout)
+            layout_module.pack_keys(v, context, layout)
+        per = 1
+    else:
+        def one():
+            layout_module.RowIndex.build(layout, "cpu", varlen=True)
+        per = VARLEN_LAYERS
+
+    def timer(repeats: int = 2000) -> float:
+        started = time.thread_time()
+        for _ in range(repeats):
+            one()
+        return (time.thread_time() - started) / repeats / per
+    return timer
 
 
 def old_source(rev: str, into: Path) -> Path:
@@ -142,6 +184,7 @@ def main(argv=None) -> int:
             proc.stdin.close()
             proc.wait()
     per = {name: statistics.median(r["per_layer_chunk_s"] for r in rs) for name, rs in runs.items()}
+    index = {name: statistics.median(r["varlen_index_per_layer_chunk_s"] for r in rs) for name, rs in runs.items()}
     result = {
         "what": "host time per decoder layer and chunk, forward + backward, tiny model (arithmetic ~0)",
         "command": "python benchmarks/bench_host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -149,6 +192,8 @@ def main(argv=None) -> int:
         "old_rev": args.old_rev, "rounds": args.rounds, "steps_per_round": args.steps,
         "per_layer_chunk_us": {name: round(s * 1e6, 1) for name, s in per.items()},
         "ratio_before_over_after": {name: round(per["before"] / s, 2) for name, s in per.items() if name != "before"},
+        "varlen_index_per_layer_chunk_us": {name: round(t * 1e6, 3) for name, t in index.items()},
+        "varlen_index_ratio_before_over_after": round(index["before"] / index["after"], 1),
         "runs": runs,
     }
     out = Path(args.out)
@@ -156,7 +201,9 @@ def main(argv=None) -> int:
     tmp_out = out.with_suffix(".json.tmp")
     tmp_out.write_text(json.dumps(result, indent=1) + "\n")
     tmp_out.replace(out)
-    print(json.dumps({k: result[k] for k in ("per_layer_chunk_us", "ratio_before_over_after")}, indent=1))
+    print(json.dumps({k: result[k] for k in ("per_layer_chunk_us", "ratio_before_over_after",
+                                             "varlen_index_per_layer_chunk_us",
+                                             "varlen_index_ratio_before_over_after")}, indent=1))
     return 0
 
 
