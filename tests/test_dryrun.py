@@ -448,7 +448,8 @@ def _peak_bytes_per_token(run, tokens: tuple[int, int]) -> float:
     grow with the tokens (weights and their gradients) cancel."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lengthwise.runtime.dryrun import CommBytes, LocalFlopCounter, _Measuring, _StorageTracker, cpu_flash_flop_formulas
+    from lengthwise.runtime.dryrun import CommBytes, LocalFlopCounter, _Measuring, _StorageTracker
+    from lengthwise.runtime.flop_formulas import cpu_flash_flop_formulas
 
     peaks = []
     for t in tokens:
