@@ -8,11 +8,10 @@ The own call of a row (every segment causal over its own keys) is cut into kerne
 
 - a segment alone: one causal call over its own keys (a square, so the kernel's top-left
   alignment is the right one);
-- consecutive short segments without context, at most `GROUP_TOKENS` together: one call under
-  their block-diagonal bias (one call beats many tiny ones).
-
-A segment with context keeps its own call (its rows are merged with its context call), and its
-context call is one kernel call without a mask.
+- consecutive short segments, at most `GROUP_TOKENS` together: one call under their
+  block-diagonal bias (one call beats many tiny ones). A segment with context groups too: its
+  own call covers only its own keys, and its context call (one kernel call without a mask) is
+  merged with its rows afterwards.
 
 The kernel is a private PyTorch operator: `unavailable_reason` checks it is there and takes
 grouped-query heads, and `auto` uses the reference backend where it does not.
@@ -62,11 +61,15 @@ class CPUKernels:
         return torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts], dim=1)
 
     def own_backward(self, g_THE, q_THE, k_TGE, v_TGE, out_THE, lse_HT, index: RowIndex):
+        calls = _own_calls(index.layout)
+        if len(calls) == 1:  # the kernel's gradients are the row's: no zeros to add them into
+            grads = _kernel_backward(*(_heads_first(x) for x in (g_THE, q_THE, k_TGE, v_TGE, out_THE)), lse_HT, calls[0])
+            return tuple(x[0].transpose(0, 1) for x in grads)
         dq, dk, dv = torch.zeros_like(q_THE), torch.zeros_like(k_TGE), torch.zeros_like(v_TGE)
         # heads-first views, each taken once (`_rows`); the sums into dq, dk, dv go through them
         ins = [_heads_first(x) for x in (g_THE, q_THE, k_TGE, v_TGE, out_THE)]
         grads = [_heads_first(x) for x in (dq, dk, dv)]
-        for call in _own_calls(index.layout):
+        for call in calls:
             g, q, k, v, out = (_rows(x, call) for x in ins)
             for grad, part in zip(grads, _kernel_backward(g, q, k, v, out, lse_HT[:, call.lo:call.hi], call)):
                 _rows(grad, call).add_(part)
@@ -115,16 +118,15 @@ def _kernel_problem() -> str | None:
 
 @functools.lru_cache(maxsize=256)
 def _own_calls(layout: ChunkLayout) -> tuple[_Call, ...]:
-    """The kernel calls of a row's own call: each segment with context alone (its rows merge
-    with its context call), runs of short segments without context grouped."""
-    q_lens, ctx_lens, offsets = layout.q_lens, layout.ctx_lens, layout.q_offsets
+    """The kernel calls of a row's own call (every segment over its own keys only, whether or
+    not it has a context: that is merged separately): runs of short segments grouped."""
+    q_lens, offsets = layout.q_lens, layout.q_offsets
     calls, i = [], 0
     while i < len(q_lens):
         lo = offsets[i]
         end = i + 1
-        if not ctx_lens[i]:
-            while end < len(q_lens) and not ctx_lens[end] and offsets[end + 1] - lo <= GROUP_TOKENS:
-                end += 1
+        while end < len(q_lens) and offsets[end + 1] - lo <= GROUP_TOKENS:
+            end += 1
         group = None if end == i + 1 else ChunkLayout(
             q_lens=q_lens[i:end], ctx_lens=(0,) * (end - i), row_context=((),) * (end - i))
         calls.append(_Call(lo, offsets[end], group))
