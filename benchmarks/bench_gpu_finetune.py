@@ -77,6 +77,7 @@ from lengthwise.cost.flops import sequence_model_flops
 from lengthwise.errors import UserError
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.execute import run_step
+from lengthwise.runtime.compile import compile_layers, compile_wanted
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.profile import check_backend
 from lengthwise.runtime.train.step import PeakMemory
@@ -117,6 +118,8 @@ class Settings:
     hf_attention: str = "auto"
     """hf-packed's attention: auto (flex_attention where it trains, else sdpa), or one of them."""
     seed: int = 0
+    compile: bool | None = None
+    """torch.compile each decoder layer of lengthwise's model; None: on CUDA."""
     tiny: bool = False
 
 
@@ -126,7 +129,7 @@ def tiny_settings(args) -> Settings:
                     warmup=1, steps=1, chunk_size=args.chunk_size if args.chunk_size != "auto" else "64",
                     scan_contexts=[] if args.no_scan else [128, 256, 512], scan_chunk_size=64,
                     workload="tiny", lr=args.lr, long_sequence=args.long_sequence, hf_attention=args.hf_attention,
-                    seed=args.seed, tiny=True)
+                    seed=args.seed, tiny=True, compile=args.compile)
 
 
 def parse_args(argv):
@@ -153,6 +156,8 @@ def parse_args(argv):
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile each decoder layer of lengthwise's model (default: on CUDA)")
     ap.add_argument("--tiny", action="store_true", help="tiny model and sizes (runs on CPU in seconds)")
     ap.add_argument("--out", help="results JSON (default benchmarks/results/gpu_finetune_<device>.json)")
     return ap.parse_args(argv)
@@ -186,7 +191,7 @@ def settings_from_args(args) -> Settings:
                     scan_contexts=[] if args.no_scan else ints(args.scan_contexts),
                     scan_chunk_size=args.scan_chunk_size, lr=args.lr, hf_checkpointing=args.hf_checkpointing,
                     peak_tflops=args.peak_tflops, long_sequence=args.long_sequence, hf_attention=args.hf_attention,
-                    seed=args.seed)
+                    seed=args.seed, compile=args.compile)
 
 
 # ---- one system on one context -----------------------------------------------------------------
@@ -206,6 +211,8 @@ class Runner:
         if system == "hf-packed":
             check_packing_supported()
         model = build_model(spec, dtype=dev.dtype, device=dev.device, seed=s.seed)
+        if not system.startswith("hf") and compile_wanted(s.compile, dev.device):
+            compile_layers(model)
         self.model = build_hf(model, checkpointing=s.hf_checkpointing) if system.startswith("hf") else model
         self.plan_ms, self.plan_info, self.splits = [], {}, []
         if self.model is not model:

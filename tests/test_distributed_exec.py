@@ -76,7 +76,7 @@ def _run_scenario(rank: int, mesh: Mesh, name: str) -> dict | None:
     tokens = random_tokens(plan.lengths, plan.model.vocab, 1)
     step = run_rank_step(model, plan, tokens, mesh=mesh, backend="reference")
     grads = gather_grads(model, step.layout, plan)
-    norm = global_grad_norm(model, plan, step.layout)
+    norm = float(global_grad_norm(model, plan, step.layout))
     stats = [None] * mesh.world_size if rank == 0 else None
     torch.distributed.gather_object(step.stats.to_dict(), stats, dst=0)
     if rank != 0:

@@ -84,6 +84,18 @@ def test_dryrun_flops_match_the_cost_models_count(rows):
         assert row["flops"]["measured"] == pytest.approx(row["flops"]["simulated"], rel=1e-6)
 
 
+def test_dryrun_runs_the_cuda_varlen_path_under_fake_tensors(plan_file):
+    """`--attention varlen` (the plan's GPU cluster's default) runs the varlen operators' fake
+    implementations; `--attention cpu-flash` the CPU kernels. Both count the cost model's FLOPs
+    and hold the same peak memory within 1%: the paths differ in kernels, not in what they keep."""
+    varlen = dryrun_cli(plan_file, "0", "varlen", "--attention", "varlen")["0"]
+    cpu = dryrun_cli(plan_file, "0", "cpu-flash", "--attention", "cpu-flash")["0"]
+    assert MEASURED["varlen", 0][1]["backend"] == "varlen" and MEASURED["cpu-flash", 0][1]["backend"] == "cpu-flash"
+    for row in (varlen, cpu):
+        assert row["flops"]["measured"] == pytest.approx(row["flops"]["simulated"], rel=1e-6)
+    assert varlen["peak_memory_gib"]["measured"] == pytest.approx(cpu["peak_memory_gib"]["measured"], rel=0.01)
+
+
 def test_dryrun_sends_equal_the_cost_model(rows):
     for rank, row in rows.items():
         comm = row["comm_bytes"]
@@ -436,7 +448,8 @@ def _peak_bytes_per_token(run, tokens: tuple[int, int]) -> float:
     grow with the tokens (weights and their gradients) cancel."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lengthwise.runtime.dryrun import CommBytes, LocalFlopCounter, _Measuring, _StorageTracker, cpu_flash_flop_formulas
+    from lengthwise.runtime.dryrun import CommBytes, LocalFlopCounter, _Measuring, _StorageTracker
+    from lengthwise.runtime.flop_formulas import cpu_flash_flop_formulas
 
     peaks = []
     for t in tokens:

@@ -36,6 +36,13 @@ def add_backend_arg(parser: argparse.ArgumentParser, default: str | None = "auto
                              "reference is one masked call per row, the yardstick)")
 
 
+def add_compile_arg(parser: argparse.ArgumentParser) -> None:
+    """--compile / --no-compile: torch.compile each decoder layer (default None: on CUDA only)."""
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile each decoder layer, attention left out (default: on CUDA, off on CPU, "
+                             "where compiling costs more than a short run gains)")
+
+
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """Add --profile/--lengths/--data, --tokenizer, --text-field, --context-length, --overlong
     and --seed to `parser`."""

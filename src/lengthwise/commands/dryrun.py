@@ -34,6 +34,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                         help="run tensor parallelism without sequence parallelism (whole activations on every "
                              "TP rank); the simulator models the same layout (CostModel.sequence_parallel)")
+    parser.add_argument("--attention", choices=("cpu-flash", "varlen"),
+                        help="attention path to run: varlen (the CUDA operators' shapes, under fake tensors) or "
+                             "cpu-flash (default: what the plan's cluster would run, varlen on GPUs)")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
 
 
@@ -44,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
     ranks = parse_ranks(args.ranks, len(rank_places(plan)))
-    rows = dryrun_rows(plan, ranks, dtype=args.dtype, sequence_parallel=args.sequence_parallel)
+    rows = dryrun_rows(plan, ranks, dtype=args.dtype, sequence_parallel=args.sequence_parallel,
+                       attention=args.attention)
     if args.json:
         print(json_text({"ranks": rows}))
     else:
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def dryrun_rows(plan, ranks: list[int], *, dtype: str = "bfloat16",
-                sequence_parallel: bool = True) -> dict[str, dict]:
+                sequence_parallel: bool = True, attention: str | None = None) -> dict[str, dict]:
     """Rank -> measured and simulated values side by side (`side_by_side`)."""
     from lengthwise.cost import CostModel
     from lengthwise.sim.rank import rank_prediction
@@ -64,7 +68,7 @@ def dryrun_rows(plan, ranks: list[int], *, dtype: str = "bfloat16",
     from lengthwise.runtime.dryrun import dryrun_rank
     cost = CostModel(model=plan.model, cluster=plan.cluster, sequence_parallel=sequence_parallel)
     peaks = simulate_plan(plan, cost).peak_memory
-    return {str(rank): side_by_side(dryrun_rank(plan, rank, dtype=getattr(torch, dtype),
+    return {str(rank): side_by_side(dryrun_rank(plan, rank, dtype=getattr(torch, dtype), backend=attention,
                                                 sequence_parallel=sequence_parallel),
                                     rank_prediction(plan, cost, rank=rank, peak_memory=peaks))
             for rank in ranks}

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 
 from lengthwise.files import json_text
-from lengthwise.commands.common import add_backend_arg
+from lengthwise.commands.common import add_backend_arg, add_compile_arg
 from lengthwise.errors import UserError
 from lengthwise.limits import CONTEXT_LENGTH, LAYERS, REPEATS, check_size
 from lengthwise.paths import check_writable
@@ -41,6 +41,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="model dtype (default auto: bfloat16 on cuda, float32 on cpu)")
     add_backend_arg(parser)
+    add_compile_arg(parser)
     parser.add_argument("--layers", metavar="L", type=int, default=2, help="decoder layers measured (default 2)")
     parser.add_argument("--min-tokens", metavar="T", type=int, default=512, help="smallest chunk (default 512)")
     parser.add_argument("--max-tokens", metavar="T", type=int, default=32768, help="largest chunk (default 32768)")
@@ -109,7 +110,8 @@ def build_measurer(args: argparse.Namespace, spec: ModelSpec):
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     return TorchMeasurer(spec, layers=args.layers, device=device, dtype=getattr(torch, dtype_name),
-                         backend=args.backend, repeats=args.repeats, warmup=args.warmup, seed=args.seed)
+                         backend=args.backend, repeats=args.repeats, warmup=args.warmup, seed=args.seed,
+                         compile=args.compile)
 
 
 def backend_check(measurer, spec: ModelSpec) -> dict | None:

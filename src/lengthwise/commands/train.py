@@ -69,7 +69,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from lengthwise.commands.common import add_backend_arg, add_workload_args
+from lengthwise.commands.common import add_backend_arg, add_compile_arg, add_workload_args
 from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
 from lengthwise.errors import UserError
 from lengthwise.runtime.train.config import (
@@ -137,6 +137,7 @@ def _add_runtime(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
     parser.add_argument("--dtype", choices=DTYPES, help=f"parameter dtype (default {d.dtype})")
     parser.add_argument("--device", choices=DEVICES, help="auto: cuda when available (default)")
     add_backend_arg(parser, default=None)
+    add_compile_arg(parser)
     parser.add_argument("--dp", metavar="D", type=int, help="data-parallel pipelines in the plan (default 1)")
     parser.add_argument("--pp", metavar="P", type=int, help="pipeline stages in the plan (default 1)")
     parser.add_argument("--cp", metavar="C", type=int, help="context-parallel ranks per stage in the plan (default 1)")
@@ -184,7 +185,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     config = load_toml(args.config) if args.config else TrainConfig()
     flags = {name: getattr(args, name) for name in (
         "model", "planner", "batch_size", "tokens_per_batch", "steps", "lr", "weight_decay",
-        "grad_clip", "dtype", "device", "backend", "threads", "dp", "pp", "cp", "tp", "sequence_parallel", "zero", "nproc", "cluster",
+        "grad_clip", "dtype", "device", "backend", "compile", "threads", "dp", "pp", "cp", "tp", "sequence_parallel", "zero", "nproc", "cluster",
         "metrics", "out",
         "save_every", "resume", "allow_pickle_checkpoint", "progress", "data", "tokenizer", "text_field", "context_length",
         "overlong", "seed", "lr_schedule", "warmup_steps", "min_lr", "eval_every", "eval_sequences",

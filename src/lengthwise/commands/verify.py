@@ -27,7 +27,7 @@ import argparse
 import re
 
 from lengthwise.files import json_text
-from lengthwise.commands.common import add_backend_arg, add_workload_args, batch_lengths_from_args
+from lengthwise.commands.common import add_backend_arg, add_compile_arg, add_workload_args, batch_lengths_from_args
 from lengthwise.commands.plan import default_context_length
 from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
 from lengthwise.errors import UserError
@@ -65,6 +65,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="with --nproc or torchrun: longest wait for a message or collective (default 60)")
     parser.add_argument("--dtype", choices=DTYPES, default="float64", help="model dtype (default float64)")
     add_backend_arg(parser)
+    add_compile_arg(parser)
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--oracle", choices=("auto", "transformers", "unpacked"), default="auto",
                         help="what to compare with (default auto: transformers when installed)")
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tp > 1:
         raise UserError(f"--tp {args.tp} runs across processes: add --nproc {plan_world(plan)} (or launch with torchrun)")
     result = verify_plan(plan, dtype=dtype, backend=backend, seed=args.seed, oracle=args.oracle,
-                         device=args.device)
+                         device=args.device, compile=args.compile)
     if args.json:
         print(json_text({**result.to_dict(), "planner": plan.planner, "dtype": args.dtype,
                           "backend": backend, "lengths": plan.lengths}, indent=1))

@@ -9,11 +9,15 @@ segments (`layout.py` says how a row is laid out). One function, `attend`, sever
   query against every key of the row: twice the work causality needs for one document, far
   more for a row of many short ones. Its scores are recomputed in backward instead of kept, so
   saved memory is O(T) plus the context pieces (which are the K/V state itself).
-- `cpu-flash`: the same attention from CPU flash-attention calls that score only what each
-  query may see, merged by their log-sum-exp (`flash_cpu.py`); CPU, any float dtype.
-- `varlen`: `torch.nn.attention.varlen.varlen_attn` (flash attention), CUDA, bf16/fp16; it
-  too takes packed keys, so contexts are concatenated into them.
+- `cpu-flash` and `varlen`: flash attention in one row structure (`flash_row.py`): one causal
+  call over the row's own keys, one call per segment with context over the state store's view
+  of its K/V, merged by log-sum-exp; no packing copy. `cpu-flash` takes CPU flash-attention
+  calls (`flash_cpu.py`; CPU, any float dtype); `varlen` PyTorch's varlen flash operators
+  (`flash_varlen.py`; CUDA, bf16/fp16, and under fake tensors for a dry run).
 - `auto`: varlen where it runs, else cpu-flash where it runs, else reference.
+
+`layout` is the chunk's `ChunkLayout` or its `RowIndex` (`layout.py`): the executor builds the
+index once per chunk and every layer reuses it; given a ChunkLayout, an index is built per call.
 
 Tensor legend: T query tokens of the row, K keys (contexts included), H query heads, G K/V
 heads, E head dim.
@@ -21,19 +25,23 @@ heads, E head dim.
 
 from __future__ import annotations
 
-import inspect
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from lengthwise.errors import UserError
 import lengthwise.runtime.flash_cpu as flash_cpu
-from lengthwise.runtime.layout import ChunkLayout, pack_keys, unflatten_context
+import lengthwise.runtime.flash_row as flash_row
+from lengthwise.runtime.flash_varlen import VarlenKernels, varlen_ops
+from lengthwise.runtime.layout import (ChunkLayout, RowIndex, as_index, context_pieces, layout_of, pack_keys,
+                                      unflatten_context)
 
 BACKENDS = ("auto", "reference", "cpu-flash", "varlen")
 
 
-def attend(q_THE, k_TGE, v_TGE, context, layout: ChunkLayout, *, backend: str = "auto") -> torch.Tensor:
+@torch.compiler.disable  # data-dependent Python over the row's calls; autograd Functions of private kernels
+def attend(q_THE, k_TGE, v_TGE, context, layout: ChunkLayout | RowIndex, *, backend: str = "auto") -> torch.Tensor:
     """Attention output [T, H, E] of one chunk.
 
     `context[i]` lists segment i's earlier (k, v) pieces [c, G, E] from other chunks, oldest
@@ -41,27 +49,38 @@ def attend(q_THE, k_TGE, v_TGE, context, layout: ChunkLayout, *, backend: str = 
     tokens. The stage passes at most one piece from its state store, a view of the
     sequence's K/V buffer (`state.py`); context parallelism may add the segment's gathered
     prefix as a second."""
+    context = context_pieces(context)
     if callable(backend):  # a distributed attention (runtime/distributed/cp.py) that calls back here
         return backend(q_THE, k_TGE, v_TGE, context, layout)
     backend = resolve_backend(backend, q_THE.device, q_THE.dtype)
-    if backend == "varlen":
-        return _varlen(q_THE, k_TGE, v_TGE, context, layout)
     num_pieces = tuple(len(pieces) for pieces in context)
     flat = [t for pieces in context for kv in pieces for t in kv]
-    if backend == "cpu-flash":
-        return flash_cpu.attend(layout, num_pieces, q_THE, k_TGE, v_TGE, *flat)
-    return _RecomputedSDPA.apply(layout, num_pieces, q_THE, k_TGE, v_TGE, *flat)
+    if backend in ("varlen", "cpu-flash"):
+        varlen = backend == "varlen"
+        index = as_index(layout, q_THE.device, varlen=varlen)
+        kernels = _varlen_kernels() if varlen else flash_cpu.KERNELS
+        return flash_row.attend(kernels, index, num_pieces, q_THE, k_TGE, v_TGE, *flat)
+    return _RecomputedSDPA.apply(layout_of(layout), num_pieces, q_THE, k_TGE, v_TGE, *flat)
+
+
+def wants_varlen_index(attention) -> bool:
+    """Whether a row attended by `attention` (a resolved backend name, or a distributed
+    attention with a `backend`) needs the varlen index tensors in its RowIndex."""
+    return (attention if isinstance(attention, str) else getattr(attention, "backend", None)) == "varlen"
 
 
 def resolve_backend(backend: str, device, dtype: torch.dtype) -> str:
     """`auto` -> varlen, cpu-flash or reference, the first that runs here; a forced one that
-    cannot run -> UserError."""
+    cannot run -> UserError. Under fake tensors (a dry run) varlen runs anywhere: its operators
+    have fake implementations."""
     if backend not in BACKENDS:
         raise UserError(f"unknown attention backend {backend!r}: use one of {', '.join(BACKENDS)}")
     if backend == "auto":
         if varlen_unavailable_reason(device, dtype) is None:
             return "varlen"
         return "cpu-flash" if flash_cpu.unavailable_reason(device, dtype) is None else "reference"
+    if backend == "varlen" and varlen_ops() is not None and torch._guards.detect_fake_mode() is not None:
+        return backend
     checks = {"varlen": varlen_unavailable_reason, "cpu-flash": flash_cpu.unavailable_reason}
     reason = checks[backend](device, dtype) if backend in checks else None
     if reason:
@@ -71,8 +90,8 @@ def resolve_backend(backend: str, device, dtype: torch.dtype) -> str:
 
 def varlen_unavailable_reason(device, dtype) -> str | None:
     """Why the varlen kernel cannot run here, or None when it can."""
-    if _varlen_fn() is None:
-        return f"this torch ({torch.__version__}) has no torch.nn.attention.varlen.varlen_attn"
+    if varlen_ops() is None:
+        return f"this torch ({torch.__version__}) has no varlen flash-attention operators (torch.nn.attention.varlen)"
     if torch.device(device).type != "cuda":
         return f"it needs a CUDA device, the model is on {torch.device(device).type}"
     if dtype not in (torch.bfloat16, torch.float16):
@@ -80,31 +99,9 @@ def varlen_unavailable_reason(device, dtype) -> str | None:
     return None
 
 
-def _varlen_fn():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
-
-
-def _varlen(q_THE, k_TGE, v_TGE, context, layout: ChunkLayout) -> torch.Tensor:
-    """Flash varlen attention; each segment is one 'sequence' of the kernel, with its context
-    prepended to its keys. Flash aligns causal masks bottom-right, which is what a slice with
-    context needs."""
-    fn = _varlen_fn()
-    k_KGE = pack_keys(k_TGE, [[kv[0] for kv in p] for p in context], layout)
-    v_KGE = pack_keys(v_TGE, [[kv[1] for kv in p] for p in context], layout)
-    cu_q, cu_k = layout.cu_seqlens(q_THE.device)
-    params = inspect.signature(fn).parameters
-    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if q_THE.shape[1] != k_KGE.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:  # older kernels need as many K/V heads as query heads
-            repeat = q_THE.shape[1] // k_KGE.shape[1]
-            k_KGE, v_KGE = k_KGE.repeat_interleave(repeat, 1), v_KGE.repeat_interleave(repeat, 1)
-    return fn(q_THE, k_KGE, v_KGE, cu_q, cu_k, max(layout.q_lens), max(layout.k_lens), **kwargs)
+@functools.cache
+def _varlen_kernels() -> VarlenKernels:
+    return VarlenKernels()
 
 
 def _sdpa_masked(layout: ChunkLayout, num_pieces, q_THE, k_TGE, v_TGE, *flat) -> torch.Tensor:

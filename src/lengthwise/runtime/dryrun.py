@@ -67,6 +67,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.distributed.mesh import Mesh, plan_world_size
 from lengthwise.runtime.distributed.step import run_rank_step
+from lengthwise.runtime.flop_formulas import cpu_flash_flop_formulas, plan_attention, varlen_flop_formulas
 from lengthwise.runtime.layout import clear_bias_cache
 from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
@@ -110,9 +111,11 @@ class RankMeasurement:
 
 
 def dryrun_rank(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat16,
-                backend: str = "cpu-flash", sequence_parallel: bool = True) -> RankMeasurement:
+                backend: str | None = None, sequence_parallel: bool = True) -> RankMeasurement:
     """Run `rank`'s part of one training step of `plan` on fake tensors and measure it
-    (`sequence_parallel`: `parallel/build.ParallelOptions`)."""
+    (`sequence_parallel`: `parallel/build.ParallelOptions`; `backend`: the attention path,
+    default `plan_attention(plan)`)."""
+    backend = backend or plan_attention(plan)
     world_size = plan_world_size(plan)
     started = time.perf_counter()
     clear_bias_cache()  # cached masks are real tensors or another run's fake ones
@@ -137,7 +140,7 @@ def dryrun_rank(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat1
         memory.track_external(optimizer)
         if hetero:
             exchange.track(memory)
-        flops = LocalFlopCounter(display=False, custom_mapping=cpu_flash_flop_formulas())
+        flops = LocalFlopCounter(display=False, custom_mapping={**cpu_flash_flop_formulas(), **varlen_flop_formulas()})
         with memory, _Measuring(memory, flops, comm), _shape_propagation_unobserved():
             run_rank_step(model, plan, tokens, mesh=mesh, backend=backend, dry=True, reduce_grads=not hetero)
             if hetero:
@@ -563,34 +566,3 @@ def _nbytes(value) -> int:
     if isinstance(value, (list, tuple)):
         return sum(_nbytes(v) for v in value)
     return 0
-
-
-def cpu_flash_flop_formulas() -> dict:
-    """FlopCounterMode formulas for the CPU flash-attention kernel and its backward."""
-    forward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    if forward is None or backward is None:
-        return {}
-
-    # The counter hands these the shapes of tensor arguments and looks operators up by packet.
-    def forward_flops(q_shape, k_shape, v_shape, dropout_p=0.0, is_causal=False, *args, out_shape=None,
-                      **kwargs) -> int:
-        return _attention_flops(q_shape, k_shape, is_causal)
-
-    def backward_flops(g_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, dropout_p, is_causal, *args,
-                       out_shape=None, **kwargs) -> int:
-        return int(2.5 * _attention_flops(q_shape, k_shape, is_causal))
-
-    return {forward: forward_flops, backward: backward_flops}
-
-
-def _attention_flops(q_shape, k_shape, is_causal: bool) -> int:
-    """4 * head_dim FLOPs per (query, key) pair and query head (QK^T and PV). Queries and keys
-    are [batch, heads, tokens, head_dim]; a causal call aligns them top-left, as the kernel does."""
-    batch, heads, queries, head_dim = q_shape
-    keys = k_shape[2]
-    pairs = queries * keys
-    if is_causal:
-        below = min(queries, keys)
-        pairs = below * (below + 1) // 2 + max(0, queries - keys) * keys
-    return 4 * head_dim * batch * heads * pairs

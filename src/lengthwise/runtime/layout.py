@@ -14,9 +14,10 @@ When a row holds two slices of one sequence (`3[0:4]+3[4:6]`), the later one's c
 with the earlier one's own K/V from the same row (`row_context`), so its keys are
 [store pieces, earlier slices of this row, own].
 
-Also here: each layout's mask as SDPA's additive bias (cached while small) and the packing of
-a segment's keys from its context pieces and the row's own K/V. No backend lives here
-(`attention.py` dispatches to them).
+Also here: each layout's mask as SDPA's additive bias (cached while small), the packing of
+a segment's keys from its context pieces and the row's own K/V (the `reference` backend's
+copy), and `RowIndex`, the index tensors of a row's flash calls, built once per chunk on its
+device and read by every layer. No backend lives here (`attention.py` dispatches to them).
 
 Tensor legend: T query tokens of the row, K keys (contexts included), G K/V heads, E head dim.
 """
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lengthwise.plan.ir import Chunk
 
@@ -60,11 +62,10 @@ class ChunkLayout:
         """Row position of each segment's first token, and the row length last."""
         return [0, *accumulate(self.q_lens)]
 
-    def cu_seqlens(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cumulative query and key lengths (int32), the varlen kernels' description."""
-        cu_q = torch.tensor([0, *accumulate(self.q_lens)], dtype=torch.int32, device=device)
-        cu_k = torch.tensor([0, *accumulate(self.k_lens)], dtype=torch.int32, device=device)
-        return cu_q, cu_k
+    @property
+    def context_segments(self) -> tuple[int, ...]:
+        """Segments with a context (each gets its own call over its context keys)."""
+        return tuple(i for i, c in enumerate(self.ctx_lens) if c)
 
     def mask(self, device) -> torch.Tensor:
         """Boolean [T, K], True where a query may attend a key."""
@@ -124,6 +125,112 @@ def _index_within(lens, device) -> torch.Tensor:
     total = sum(lens)
     return torch.arange(total, device=device) - torch.repeat_interleave(starts, torch.tensor(lens, device=device),
                                                                                output_size=total)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ContextCall:
+    """A flash call of one segment's queries against every key of its context (no mask: each
+    of its queries sees all of them)."""
+
+    segment: int
+    lo: int
+    """Row position of the segment's first query."""
+    hi: int
+    num_keys: int
+    """Context tokens (ChunkLayout.ctx_lens of the segment): the call's max key length."""
+    cu_q: torch.Tensor | None
+    """[0, hi - lo] (int32, on the row's device; varlen kernels only)."""
+    cu_k: torch.Tensor | None
+    """[0, num_keys] (likewise)."""
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RowIndex:
+    """What a row's flash calls need beyond q, k and v, built once per chunk and passed to
+    every layer: the layer loop then builds no index tensor and copies nothing to the device.
+
+    A flash row is one causal call over the row's own keys (cu_seqlens = cu_q for queries and
+    keys: a segment's own keys are its own rows, so k is the row's k as it is, no packing) and,
+    per segment with a context, one call against that context (the state store's view of the
+    sequence's K/V buffer, `state.py`), merged by log-sum-exp. Example, `7[4:6]+2[0:3]`:
+
+        cu_q = [0, 2, 5], max_q = 3            own call: causal, queries and keys alike
+        context_calls = (segment 0: rows 0:2 against 4 context keys, cu_q [0, 2], cu_k [0, 4])
+
+    Max lengths are Python ints from the plan, so no kernel call reads a device tensor on the
+    host. On a CPU (`cu_q` None) the kernels take the same calls from the layout."""
+
+    layout: ChunkLayout
+    cu_q: torch.Tensor | None
+    """Cumulative query lengths [S + 1] (int32, on the row's device; varlen kernels only)."""
+    max_q: int
+    """Longest segment of the row."""
+    context_calls: tuple[ContextCall, ...]
+    rng_state: torch.Tensor | None
+    """The flash kernels' dropout RNG state (unused: no dropout), allocated once per row."""
+
+    @classmethod
+    def build(cls, layout: ChunkLayout, device, *, varlen: bool) -> RowIndex:
+        """All of the row's index tensors from one host list, in one (pinned, asynchronous) copy."""
+        device = torch.device(device)
+        offsets = layout.q_offsets
+        segments = layout.context_segments
+        if varlen:
+            host = [offsets] + [part for i in segments for part in ([0, layout.q_lens[i]], [0, layout.ctx_lens[i]])]
+            cu_q, *pairs = _index_tensors(host, device)
+        else:
+            cu_q, pairs = None, [None] * (2 * len(segments))
+        calls = tuple(ContextCall(segment=i, lo=offsets[i], hi=offsets[i + 1], num_keys=layout.ctx_lens[i],
+                                  cu_q=pairs[2 * n], cu_k=pairs[2 * n + 1]) for n, i in enumerate(segments))
+        rng = torch.zeros(2, dtype=torch.uint64, device=device) if varlen else None
+        return cls(layout=layout, cu_q=cu_q, max_q=max(layout.q_lens, default=0), context_calls=calls, rng_state=rng)
+
+
+def _index_tensors(host: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """int32 tensors on `device` from lists of host ints, in one copy (through pinned memory to
+    a GPU, so the copy does not wait for the device). Under fake tensors (a dry run): fake
+    tensors that carry their values (`.constant`), so FLOP counters can read the lengths."""
+    mode = torch._guards.detect_fake_mode()
+    if mode is not None:
+        with unset_fake_temporarily():
+            reals = [torch.tensor(values, dtype=torch.int32) for values in host]
+        return [mode.fake_tensor_converter.from_real_tensor(mode, real, make_constant=True) for real in reals]
+    flat = torch.tensor([v for values in host for v in values], dtype=torch.int32)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        flat = flat.to(device)
+    sizes = [len(values) for values in host]
+    return list(flat.split(sizes))
+
+
+def as_index(layout, device, *, varlen: bool) -> RowIndex:
+    """`layout` itself when it is already a RowIndex (built by the stage), else one built now
+    (a caller outside the executor, e.g. a test or the profiler)."""
+    if isinstance(layout, RowIndex):
+        return layout
+    return RowIndex.build(layout, device, varlen=varlen)
+
+
+def layout_of(layout) -> ChunkLayout:
+    """The ChunkLayout of a ChunkLayout or RowIndex."""
+    return layout.layout if isinstance(layout, RowIndex) else layout
+
+
+class LayerContext:
+    """One layer's context pieces per segment (`attention.attend`'s `context`) in an opaque
+    holder: a compiled layer (`compile.py`) hands it to attention without looking inside, so
+    it guards on nothing of a chunk's structure and does not recompile per plan."""
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+
+def context_pieces(context) -> list:
+    """The per-segment pieces of a LayerContext or of a plain list."""
+    return context.pieces if isinstance(context, LayerContext) else context
 
 
 def pack_keys(own_TGE: torch.Tensor, context, layout: ChunkLayout) -> torch.Tensor:

@@ -37,7 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lengthwise.runtime.attention import ChunkLayout, attend
+from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend, wants_varlen_index
+from lengthwise.runtime.compile import compiled
+from lengthwise.runtime.layout import LayerContext, RowIndex
 from lengthwise.specs import ModelSpec
 
 
@@ -135,10 +137,14 @@ class SelfAttention(nn.Module):
         """Returns the output [T, D] and this row's post-rotary k, v [T, G, E]."""
         # Heads counted from the projections' outputs: under tensor parallelism (applied from
         # outside) a rank's projections produce its share of the heads.
-        q_THE, k_TGE, v_TGE = (_heads(proj(x_TD), self.spec.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        q_THE, k_TGE = apply_rotary(q_THE, *rope), apply_rotary(k_TGE, *rope)
+        q_THE, k_TGE, v_TGE = self.inputs(x_TD, rope)
         out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
         return self.o_proj(out_THE.flatten(1)), k_TGE, v_TGE
+
+    def inputs(self, x_TD, rope):
+        """Post-rotary q [T, H, E], k and v [T, G, E]."""
+        q_THE, k_TGE, v_TGE = (_heads(proj(x_TD), self.spec.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        return apply_rotary(q_THE, *rope), apply_rotary(k_TGE, *rope), v_TGE
 
 
 def _heads(x_TX: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -182,14 +188,41 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden, spec.rms_eps, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden, spec.rms_eps, dtype)
 
+    compile_backend: str | None = None
+    """The torch.compile backend this layer's forward runs under (`runtime/compile.py`); None:
+    eager. A plain attribute, so a deep copy of the model is compiled alike."""
+
     def forward(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
         """One pre-norm block; returns (h [T, D], k [T, G, E], v [T, G, E]).
 
         `context[i]` lists the (k, v) pieces of segment i's earlier slices, oldest first."""
+        if self.compile_backend is None:
+            return self.block(h_TD, rope, layout, context, backend)
+        if _hooked(self.self_attn):  # e.g. tensor parallelism's input layouts: keep the module call
+            return compiled(DecoderLayer.block, self.compile_backend)(self, h_TD, rope, layout, context, backend)
+        # Two compiled regions around the attention: a graph break inside the nested self_attn
+        # call would cut the layer into five graphs, each with its own call overhead.
+        q_THE, k_TGE, v_TGE = compiled(DecoderLayer.before_attention, self.compile_backend)(self, h_TD, rope)
+        out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
+        return compiled(DecoderLayer.after_attention, self.compile_backend)(self, h_TD, out_THE), k_TGE, v_TGE
+
+    def before_attention(self, h_TD, rope):
+        return self.self_attn.inputs(self.input_layernorm(h_TD), rope)
+
+    def after_attention(self, h_TD, out_THE):
+        h_TD = h_TD + self.self_attn.o_proj(out_THE.flatten(1))
+        return h_TD + self.mlp(self.post_attention_layernorm(h_TD))
+
+    def block(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
+        """The layer's computation (`forward` without the choice of compiled or eager)."""
         attn_TD, k_TGE, v_TGE = self.self_attn(self.input_layernorm(h_TD), rope, layout, context, backend)
         h_TD = h_TD + attn_TD
         h_TD = h_TD + self.mlp(self.post_attention_layernorm(h_TD))
         return h_TD, k_TGE, v_TGE
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_pre_hooks or module._forward_hooks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,10 +290,13 @@ class CausalLM(nn.Module):
         `contexts[j]` is the per-segment context of layer layers[j]. The first
         `recompute_layers` keep only their input and run again in backward (infinipipe §4's
         chunk-level checkpointing). Returns h and the list of (k, v) per layer."""
+        if not isinstance(layout, RowIndex):  # built once here for every layer (the stage passes its own)
+            resolved = backend if callable(backend) else resolve_backend(backend, h_TD.device, h_TD.dtype)
+            layout = RowIndex.build(layout, h_TD.device, varlen=wants_varlen_index(resolved))
         kv_per_layer = []
         for j, index in enumerate(layers):
             layer = self.model.layers[str(index)]
-            args = (h_TD, rope, layout, contexts[j], backend)
+            args = (h_TD, rope, layout, LayerContext(contexts[j]), backend)
             if j < recompute_layers and torch.is_grad_enabled():
                 h_TD, k_TGE, v_TGE = checkpoint(layer, *args, use_reentrant=False)
             else:

@@ -48,6 +48,7 @@ from lengthwise.plan.ir import Chunk
 from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend
 from lengthwise.runtime.loss import chunk_positions, token_loss_sum
 from lengthwise.runtime.memory import SavedTensorMeter
+from lengthwise.runtime.compile import compile_layers, compile_wanted
 from lengthwise.runtime.model import build_model
 from lengthwise.specs import ModelSpec
 
@@ -120,18 +121,22 @@ class TorchMeasurer:
     """Times chunks and the LM head on one device (the `Measurer` of cost/fit.py)."""
 
     def __init__(self, spec: ModelSpec, *, layers: int = 2, device="cpu", dtype=torch.float32,
-                 backend: str = "auto", repeats: int = 3, warmup: int = 1, seed: int = 0):
+                 backend: str = "auto", repeats: int = 3, warmup: int = 1, seed: int = 0,
+                 compile: bool | None = None):
         self.full_spec = spec
         self.spec = dataclasses.replace(spec, num_layers=min(layers, spec.num_layers))
         self.layers = self.spec.num_layers
         self.device, self.dtype, self.repeats, self.warmup = torch.device(device), dtype, repeats, warmup
         self.backend = resolve_backend(backend, self.device, dtype)
         self.model = build_model(self.spec, dtype=dtype, device=self.device, seed=seed)
+        self.compiled = compile_wanted(compile, self.device)
+        if self.compiled:  # chunk times as training runs them (warm-up calls compile)
+            compile_layers(self.model)
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
 
     def describe(self) -> dict:
         return {"device": device_name(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "backend": self.backend, "torch": torch.__version__, "repeats": self.repeats,
+                "backend": self.backend, "compiled": self.compiled, "torch": torch.__version__, "repeats": self.repeats,
                 "warmup": self.warmup}
 
     def _randn(self, *shape, scale: float = 1.0, grad: bool = False) -> torch.Tensor:

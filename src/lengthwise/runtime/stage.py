@@ -50,7 +50,8 @@ import torch
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, Action, Chunk, Segment, StepPlan
 from lengthwise.plan.messages import Exchange, pipeline_messages
-from lengthwise.runtime.attention import ChunkLayout
+from lengthwise.runtime.attention import ChunkLayout, wants_varlen_index
+from lengthwise.runtime.layout import RowIndex
 from lengthwise.runtime.cells import CellMap, cell_last_uses, cell_map
 from lengthwise.runtime.loss import IGNORE, chunk_labels, chunk_positions, chunk_tokens, token_loss_sum
 from lengthwise.runtime.model import CausalLM
@@ -220,8 +221,10 @@ class StageRunner:
             h_TD, input_leaf = self._cell_input(action, row.chunk, received)
             leaves = self._context_leaves(row.computed, grad)
             rope = self.model.rope(_positions(row.chunk, h_TD.device), h_TD.dtype)
+            # the row's attention index, once for every layer of the stage, forward and backward
+            index = RowIndex.build(row.layout, h_TD.device, varlen=wants_varlen_index(row.attention))
             h_TD, kv = self.model.run_layers(
-                h_TD, layers=self.layers, rope=rope, layout=row.layout, backend=row.attention,
+                h_TD, layers=self.layers, rope=rope, layout=index, backend=row.attention,
                 contexts=self._contexts(row.chunk, leaves), recompute_layers=action.recompute_layers)
             own_kv = self._keep_own_kv(row, kv)
             output = self._cell_output(action, row.chunk, h_TD)

@@ -34,6 +34,7 @@ import torch
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.execute import run_step, unpacked_plan
 from lengthwise.runtime.loss import IGNORE, token_loss_sum
+from lengthwise.runtime.compile import compile_layers, compile_wanted
 from lengthwise.runtime.model import CausalLM, build_model, inverse_frequencies
 from lengthwise.runtime.weights import hf_config_dict
 
@@ -83,9 +84,12 @@ def random_tokens(lengths: list[int], vocab: int, seed: int) -> list[torch.Tenso
 
 
 def verify_plan(plan: StepPlan, *, dtype: torch.dtype = torch.float64, backend: str = "auto",
-                seed: int = 0, oracle: str = "auto", device="cpu") -> VerifyResult:
-    """Random weights and tokens (seeded), the plan's loss and gradients against the oracle's."""
+                seed: int = 0, oracle: str = "auto", device="cpu", compile: bool | None = None) -> VerifyResult:
+    """Random weights and tokens (seeded), the plan's loss and gradients against the oracle's
+    (`compile`: runtime/compile.compile_wanted)."""
     model = build_model(plan.model, dtype=dtype, device=device, seed=seed)
+    if compile_wanted(compile, device):
+        compile_layers(model)
     token_ids = random_tokens(plan.lengths, plan.model.vocab, seed + 1)
     loss = run_step(model, plan, token_ids, backend=backend)
     grads = {name: p.grad for name, p in model.named_parameters()}

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import SHARDED, Chunk, Segment
 from lengthwise.runtime.attention import ChunkLayout, attend
+from lengthwise.runtime.layout import RowIndex, layout_of
 from lengthwise.runtime.distributed.stats import CommStats
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -168,8 +169,8 @@ class ShardedAttention:
         self.view, self.group, self.stats, self.backend = view, group, stats, backend
         self.gathered: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
 
-    def __call__(self, q_THE, k_TGE, v_TGE, context, layout: ChunkLayout):
-        full = self._gather(k_TGE, v_TGE, layout) if self.view.sharded else []
+    def __call__(self, q_THE, k_TGE, v_TGE, context, layout: ChunkLayout | RowIndex):
+        full = self._gather(k_TGE, v_TGE, layout_of(layout)) if self.view.sharded else []
         self.gathered.append(full)
         context = [self._with_prefix(part, pieces, full) for part, pieces in zip(self.view.parts, context)]
         if self.view.parts:

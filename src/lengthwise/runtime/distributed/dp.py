@@ -174,21 +174,35 @@ def match_grad_layouts(model: torch.nn.Module) -> None:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
-def global_grad_norm(model: CausalLM, plan: StepPlan, layout: PlanLayout, device=None) -> float:
-    """2-norm of the whole model's gradient after the step's reductions (collective): each
-    piece of each parameter counted once, by the lowest rank of its reduction class (and by TP
-    rank 0 for TP-replicated parameters). For gradient clipping, which must scale every rank's
-    gradients by the same factor."""
+def global_grad_norm(model: CausalLM, plan: StepPlan, layout: PlanLayout, device=None) -> torch.Tensor:
+    """2-norm of the whole model's gradient after the step's reductions (collective), a float64
+    scalar on `device`: each piece of each parameter counted once, by the lowest rank of its
+    reduction class (and by TP rank 0 for TP-replicated parameters). For gradient clipping,
+    which must scale every rank's gradients by the same factor.
+
+    No host sync: one `torch._foreach_norm` per (device, dtype) of the counted pieces and one
+    all-reduce; the caller reads the result once."""
     classes = reduction_classes(model, plan, layout, sharded=isinstance(model, FSDPModule))
-    squares = 0.0
+    counted = []
     for name, p in model.named_parameters():
         mine = next((c for c in classes[name] if layout.rank in c), None)  # None: a whole model's other stages
         if p.grad is None or mine is None or mine[0] != layout.rank or not (layout.place.tp_rank == 0 or tp_sharded(p)):
             continue
-        squares += float(local(p.grad).double().pow(2).sum())
-    total = torch.tensor([squares], dtype=torch.float64, device=device)
+        counted.append(local(p.grad))
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for grads in _by_device_and_dtype(counted):
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+        total += torch.stack(norms).to(total.device).pow(2).sum()
     dist.all_reduce(total)
-    return float(total.sqrt().item())
+    return total.sqrt()[0]
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors in groups that one foreach call takes."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
 
 
 class GradReducer:

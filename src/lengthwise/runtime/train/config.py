@@ -115,6 +115,9 @@ class TrainConfig:
     """auto (CUDA when available), cpu or cuda."""
     backend: str = "auto"
     """Attention backend: auto, reference, cpu-flash or varlen."""
+    compile: bool | None = None
+    """Compile each decoder layer with torch.compile (runtime/compile.py); None: on CUDA, not
+    on a CPU."""
     threads: int | None = None
     """CPU threads for torch (torch.set_num_threads). None: 1 on CPU, torch's default with
     CUDA. The tiny model's small matrices gain little from more threads and lose much when

@@ -77,6 +77,7 @@ from lengthwise.runtime.distributed.dp import (
 from lengthwise.runtime.distributed.launch import RankStatus
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.distributed.step import first_holders, run_rank_step
+from lengthwise.runtime.compile import compile_layers, compile_wanted
 from lengthwise.runtime.model import parameter_names
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
 from lengthwise.runtime.parallel.device_mesh import uniform_degrees
@@ -131,6 +132,8 @@ class RankExecutor:
         config, mesh = self.config, self.mesh
         self.status.note(f"building its part of the model for {config.model}")
         self.model = build_rank_model(self.first_plan, mesh, **rank_model_args(config, self.first_plan))
+        if compile_wanted(config.compile, mesh.device):
+            compile_layers(self.model)
         self.layout = mesh.layout(self.first_plan)
         self.held = dict(self.model.named_parameters())  # its stage's (shards of) parameters
         self.optimizer = make_optimizer(self.model, config)
@@ -148,17 +151,17 @@ class RankExecutor:
                                  check_plan=False, after_action=hook)
         self.status.note(f"step {step}: gradient norm and optimizer step, after the actions of {self.layout.place}")
         match_grad_layouts(model)
-        grad_norm = global_grad_norm(model, plan, done.layout, device=self.mesh.device)
+        norm = global_grad_norm(model, plan, done.layout, device=self.mesh.device)
+        grad_norm = float(norm)  # the step's one read of the norm
         outcome = StepOutcome(loss=done.loss, grad_norm=grad_norm, peak_memory_bytes=self._largest(peak.bytes),
                               memory_kind=peak.kind)
         if not outcome.finite:  # the loss and the norm are global: every rank skips the update
             outcome.nonfinite_param = self._first_nonfinite()
             return outcome
         if self.config.grad_clip:  # clip_grads_with_norm_'s rule on each rank's pieces, the norm over all ranks
-            coef = torch.clamp(self.config.grad_clip / (torch.tensor(grad_norm, dtype=torch.float64) + 1e-6), max=1.0)
-            for param in self.held.values():
-                if param.grad is not None:
-                    local(param.grad).mul_(coef.to(param.device))
+            coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
+            for grads in _grads_by_dtype(self.held.values()):
+                torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         self.optimizer.step()
         return outcome
 
@@ -314,3 +317,13 @@ def rank_model_args(config: TrainConfig, plan: StepPlan) -> dict:
     return {"dtype": dtype, "seed": None if folder else config.seed, "weights": folder,
             "options": ParallelOptions(data_parallel="fsdp", param_dtype=param_dtype,
                                        sequence_parallel=config.sequence_parallel)}
+
+
+def _grads_by_dtype(params) -> list[list[torch.Tensor]]:
+    """The local gradient pieces of `params`, grouped by dtype and device (one foreach call each)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for param in params:
+        if param.grad is not None:
+            grad = local(param.grad)
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    return list(groups.values())

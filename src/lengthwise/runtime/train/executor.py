@@ -106,8 +106,11 @@ class LocalExecutor:
         with PeakMemory(model) as peak:
             loss = forward_backward(model, prepared.plan, prepared.token_ids, backend=config.backend)
         params = [p for p in model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # clip_grad_norm_'s two halves
-        outcome = StepOutcome(loss=float(loss), grad_norm=float(grad_norm), peak_memory_bytes=peak.bytes,
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # clip_grad_norm_'s two halves
+        # the step's one host sync: loss and norm read together
+        loss_value, norm_value = torch.stack([loss.detach().double().reshape(()),
+                                              grad_norm.to(loss.device, torch.float64)]).tolist()
+        outcome = StepOutcome(loss=loss_value, grad_norm=norm_value, peak_memory_bytes=peak.bytes,
                               memory_kind=peak.kind)
         if not outcome.finite:  # no update: name the first bad gradient for the caller
             outcome.nonfinite_param = first_nonfinite(model.named_parameters())

@@ -57,6 +57,7 @@ from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.planners.hydraulis.cost import pipelines_name
+from lengthwise.runtime.compile import compile_layers, compile_wanted
 from lengthwise.runtime.model import CausalLM, build_model
 from lengthwise.runtime.train.config import TrainConfig
 from lengthwise.runtime.train.executor import Executor, LocalExecutor, PreparedStep
@@ -125,6 +126,8 @@ class Setup:
         check_memory(need, self.device)
         self.model = load_model(config.model, self.spec, dtype=getattr(torch, config.dtype),
                                 device=self.device, seed=config.seed) if whole_model else None
+        if self.model is not None and compile_wanted(config.compile, self.device):
+            compile_layers(self.model)
         self.source = corpus_source(config.data, config.tokenizer, config.context_length,
                                     config.overlong, text_field=config.text_field, cache_dir=config.token_cache)
         _check_vocab(self.source, self.spec)
@@ -225,7 +228,15 @@ def make_optimizer(model: CausalLM, config: TrainConfig, *,
     params = list(model.parameters() if held is None else held)  # tied weights appear once
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr)
+    return torch.optim.AdamW(groups, lr=config.lr, **optimizer_implementation(params))
+
+
+def optimizer_implementation(params: list[torch.nn.Parameter]) -> dict[str, bool]:
+    """AdamW's fused kernel when every parameter is on a GPU (one kernel per step instead of a
+    dozen per parameter group), the foreach one elsewhere."""
+    if params and all(p.device.type == "cuda" and p.dtype.is_floating_point for p in params):
+        return {"fused": True}
+    return {"foreach": True}
 
 
 def train(config: TrainConfig, *, stop: StopRequest | None = None) -> TrainResult:

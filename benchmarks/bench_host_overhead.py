@@ -1,0 +1,211 @@
+"""Host time per layer and chunk: the executor's Python and dispatch cost, on tiny shapes where the
+arithmetic is nothing, before and after the hot-path work (issue 26).
+
+    python benchmarks/bench_host_overhead.py                 # writes benchmarks/results/host_overhead.json
+    python benchmarks/bench_host_overhead.py --rounds 3 --steps 5 --no-inductor   # quick look
+
+What is timed: one training step (forward and backward, `run_step`) of a plan with a split
+sequence and packed rows — sequence 0 cut into three slices, two of them sharing a row with a
+short document — on a tiny model (hidden 32, 4 query heads, 2 K/V heads), float32, one thread.
+The same step with 4 and with 2 decoder layers: the difference over (2 layers x 3 chunks) is
+the time one layer costs one chunk, forward and backward, without the embedding, head and loss.
+
+Variants, each in its own process, all timed in turns in one run (the machine's load is shared
+alike):
+- `before`: the package as of `--old-rev` (default: the commit this work started from),
+  exported from git into a temporary folder;
+- `after`: this checkout, eager;
+- `after+compile`: this checkout with each decoder layer compiled (`--compile-backend`,
+  default inductor; `--no-inductor` uses aot_eager, which traces but does not fuse).
+Reported: the median over rounds of each variant's per-layer-chunk time, and before / after;
+and, apart, the varlen (CUDA) path's index and key-packing host work per layer and chunk
+(`varlen_index_work`), which the CPU step above does not run.
+Times are the CPU time of the process's main thread (`time.thread_time`, torch on one thread),
+not wall time: on a shared machine a process also waits for a core, which is not the host
+cost of the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+OLD_REV = "1b723e1"
+"""The commit before the hot-path work (branch `hotpath`'s start)."""
+LENGTHS = [24, 8, 8]
+CHUNKS = "0[0:8] 0[8:16]+1[0:8] 0[16:24]+2[0:8]"
+ACTIONS = "F0 F1 F2 B2 B1 B0"
+NUM_CHUNKS = 3
+
+
+def worker(compile_backend: str | None, steps: int) -> None:
+    """Build the two models, warm up, then time `steps` steps of each whenever a line arrives."""
+    import torch
+
+    from lengthwise.plan.ir import Action, Chunk, PipelinePlan, StepPlan
+    from lengthwise.runtime.execute import run_step
+    from lengthwise.runtime.model import build_model
+    from lengthwise.specs import ModelSpec, cluster_preset
+
+    torch.set_num_threads(1)
+    models, plans = {}, {}
+    for layers in (2, 4):
+        spec = ModelSpec(name=f"tiny-{layers}", num_layers=layers, hidden=32, num_heads=4, num_kv_heads=2,
+                         head_dim=8, ffn=48, vocab=64)
+        models[layers] = build_model(spec, dtype=torch.float32, seed=0)
+        if compile_backend:
+            from lengthwise.runtime.compile import compile_layers
+
+            compile_layers(models[layers], backend=compile_backend)
+        plans[layers] = StepPlan(planner="hand", model=spec, cluster=cluster_preset("cpu", 1), lengths=LENGTHS,
+                                 pipelines=[PipelinePlan(chunks=[Chunk.parse(c) for c in CHUNKS.split()],
+                                                         stages=[[Action.parse(a) for a in ACTIONS.split()]])])
+    tokens = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(i)) for i, n in enumerate(LENGTHS)]
+
+    def step(layers: int) -> float:
+        model = models[layers]
+        model.zero_grad(set_to_none=True)
+        started = time.thread_time()
+        loss = run_step(model, plans[layers], tokens, backend="cpu-flash")
+        float(loss)
+        return time.thread_time() - started
+
+    for _ in range(3):  # warm-up (and compilation)
+        step(2), step(4)
+    varlen_index = varlen_index_work()
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        times = {layers: [] for layers in (2, 4)}
+        for _ in range(steps):
+            for layers in (2, 4):
+                times[layers].append(step(layers))
+        two, four = statistics.median(times[2]), statistics.median(times[4])
+        print(json.dumps({"step_2_layers_s": two, "step_4_layers_s": four,
+                          "per_layer_chunk_s": (four - two) / (2 * NUM_CHUNKS),
+                          "varlen_index_per_layer_chunk_s": varlen_index()}), flush=True)
+
+
+VARLEN_LAYERS = 28
+"""Layers the varlen index is shared by in `varlen_index_work` (Qwen2.5-1.5B's 28)."""
+
+
+def varlen_index_work():
+    """A timer of the varlen path's index and key-packing work for one layer of a chunk holding
+    a slice with a 16-token context and a short document, on CPU tensors. Before: per layer,
+    cu_seqlens from Python lists and the context concatenated to the row's keys and values
+    (`ChunkLayout.cu_seqlens`, `pack_keys`). After: the chunk's RowIndex, built once and
+    shared by its layers (its cost / VARLEN_LAYERS); nothing per layer. On a GPU the
+    per-layer host-to-device copies of the old path also wait for the device: not counted."""
+    import torch
+
+    from lengthwise.plan.ir import Chunk
+    from lengthwise.runtime import layout as layout_module
+
+    layout = layout_module.ChunkLayout.from_chunk(Chunk.parse("0[16:24]+2[0:8]"))
+    k, v = torch.randn(16, 2, 8), torch.randn(16, 2, 8)
+    context = [[torch.randn(16, 2, 8)], []]
+    if hasattr(layout_module.ChunkLayout, "cu_seqlens"):
+        def one():
+            layout.cu_seqlens("cpu")
+            layout_module.pack_keys(k, context, layout)
+            layout_module.pack_keys(v, context, layout)
+        per = 1
+    else:
+        def one():
+            layout_module.RowIndex.build(layout, "cpu", varlen=True)
+        per = VARLEN_LAYERS
+
+    def timer(repeats: int = 2000) -> float:
+        started = time.thread_time()
+        for _ in range(repeats):
+            one()
+        return (time.thread_time() - started) / repeats / per
+    return timer
+
+
+def old_source(rev: str, into: Path) -> Path:
+    """`src/` of the package at `rev`, exported from git."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / "src"
+
+
+def start(src: Path, compile_backend: str | None, steps: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    args = [sys.executable, __file__, "--worker", "--steps", str(steps)]
+    if compile_backend:
+        args += ["--compile-backend", compile_backend]
+    proc = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if line.strip() != "ready":
+        raise SystemExit(f"worker for {src} ({compile_backend or 'eager'}) failed to start: {line!r}")
+    return proc
+
+
+def ask(proc: subprocess.Popen) -> dict:
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--compile-backend", help=argparse.SUPPRESS)
+    ap.add_argument("--old-rev", default=OLD_REV, help=f"git revision of `before` (default {OLD_REV})")
+    ap.add_argument("--rounds", type=int, default=7, help="turns of every variant (default 7)")
+    ap.add_argument("--steps", type=int, default=10, help="steps per turn, median kept (default 10)")
+    ap.add_argument("--no-inductor", action="store_true", help="compile with aot_eager instead of inductor")
+    ap.add_argument("--out", default=str(RESULTS / "host_overhead.json"))
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.compile_backend, args.steps)
+        return 0
+    compile_backend = "aot_eager" if args.no_inductor else "inductor"
+    with tempfile.TemporaryDirectory() as tmp:
+        variants = {"before": (old_source(args.old_rev, Path(tmp)), None),
+                    "after": (ROOT / "src", None),
+                    f"after+compile({compile_backend})": (ROOT / "src", compile_backend)}
+        procs = {name: start(src, backend, args.steps) for name, (src, backend) in variants.items()}
+        runs = {name: [] for name in procs}
+        for _ in range(args.rounds):
+            for name, proc in procs.items():
+                runs[name].append(ask(proc))
+        for proc in procs.values():
+            proc.stdin.close()
+            proc.wait()
+    per = {name: statistics.median(r["per_layer_chunk_s"] for r in rs) for name, rs in runs.items()}
+    index = {name: statistics.median(r["varlen_index_per_layer_chunk_s"] for r in rs) for name, rs in runs.items()}
+    result = {
+        "what": "host time per decoder layer and chunk, forward + backward, tiny model (arithmetic ~0)",
+        "command": "python benchmarks/bench_host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "plan": {"lengths": LENGTHS, "chunks": CHUNKS, "actions": ACTIONS},
+        "old_rev": args.old_rev, "rounds": args.rounds, "steps_per_round": args.steps,
+        "per_layer_chunk_us": {name: round(s * 1e6, 1) for name, s in per.items()},
+        "ratio_before_over_after": {name: round(per["before"] / s, 2) for name, s in per.items() if name != "before"},
+        "varlen_index_per_layer_chunk_us": {name: round(t * 1e6, 3) for name, t in index.items()},
+        "varlen_index_ratio_before_over_after": round(index["before"] / index["after"], 1),
+        "runs": runs,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = out.with_suffix(".json.tmp")
+    tmp_out.write_text(json.dumps(result, indent=1) + "\n")
+    tmp_out.replace(out)
+    print(json.dumps({k: result[k] for k in ("per_layer_chunk_us", "ratio_before_over_after",
+                                             "varlen_index_per_layer_chunk_us",
+                                             "varlen_index_ratio_before_over_after")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

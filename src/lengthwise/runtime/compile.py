@@ -1,0 +1,57 @@
+"""Regional compilation: each decoder layer's forward under `torch.compile`, not the model.
+
+    compile_layers(model)                       # inductor, the default on CUDA
+    compile_layers(model, backend="aot_eager")  # the CPU exactness test's choice
+
+One layer is the region (torchtitan's choice): every layer runs the same code, so one compiled
+graph serves them all, and compile time does not grow with depth. The token dimension is
+dynamic (`dynamic=True`), so chunks of other lengths reuse the graph instead of recompiling
+each step. What compiles: norms, projections, rotary embedding, residuals, SwiGLU (with their
+autograd Functions): a dozen small kernels per layer fused, and their per-operation Python and
+dispatch cost gone, which is the host time a chunk pays per layer.
+
+Left out, by `torch.compiler.disable` on `attention.attend`: the attention itself. Its
+backends loop in Python over the row's calls (data from the plan, not tensors), call private
+kernels from custom autograd Functions, and read the state store's K/V buffers; tracing them
+would guard on every chunk's layout and recompile per plan. The layer's graph breaks there
+into the part before attention and the part after.
+
+The layer objects stay where they are (names unchanged for checkpoints; FSDP2 and tensor
+parallelism hooks on the modules run as before): a layer with `compile_backend` set runs its
+`block` through one compiled function that every layer shares.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from lengthwise.errors import UserError
+
+COMPILE_CHOICES = ("auto", "on", "off")
+
+
+def compile_wanted(choice: str | bool | None, device) -> bool:
+    """--compile on/off, or auto (None): on on CUDA, off elsewhere (on a CPU the compile time
+    is not paid back by a short run, and inductor's CPU kernels need a C++ compiler)."""
+    if isinstance(choice, bool):
+        return choice
+    if choice in (None, "auto"):
+        return torch.device(device).type == "cuda"
+    if choice not in COMPILE_CHOICES:
+        raise UserError(f"--compile {choice!r}: use one of {', '.join(COMPILE_CHOICES)}")
+    return choice == "on"
+
+
+def compile_layers(model, *, backend: str = "inductor") -> None:
+    """Compile the forward of every decoder layer `model` holds, in place."""
+    for layer in model.model.layers.values():
+        layer.compile_backend = backend
+
+
+@functools.cache
+def compiled(fn, backend: str):
+    """`fn` under torch.compile with `backend`, dynamic shapes; one per (function, backend), so
+    every layer shares it (the layer is an argument: its parameters are graph inputs)."""
+    return torch.compile(fn, dynamic=True, backend=backend)
