@@ -1,6 +1,6 @@
 """What a distributed checkpoint save holds on one rank at full size: LLaMA-70B on 256 ranks
 (dp 8 x pp 4 x tp 8, FSDP2 over dp with fp32 master weights), on fake tensors and the fake
-process group, measured by the save's own code (`runtime/distributed/checkpoint_scale.py`).
+process group, measured by the save's own code (`runtime/parallel/checkpoint_scale.py`).
 
     python benchmarks/bench_checkpoint_save.py              # ranks 0 and 255 -> results/checkpoint_save.json
 
@@ -20,7 +20,7 @@ from bench_common import RESULTS, write_results
 
 from lengthwise.cost import CostModel
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.runtime.distributed.checkpoint_scale import save_footprint
+from lengthwise.runtime.parallel.checkpoint_scale import save_footprint
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 
 

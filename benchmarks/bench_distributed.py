@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import lengthwise.runtime.distributed.p2p as p2p_module
-import lengthwise.runtime.distributed.step as step_module
+import lengthwise.runtime.parallel.step as step_module
 import lengthwise.runtime.stage as stage_module
 from lengthwise.cost import CostModel
 from lengthwise.cost.comm import ring_factor
@@ -51,7 +51,7 @@ from lengthwise.plan.schedules import make_schedule
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.distributed.launch import spawn
 from lengthwise.runtime.distributed.mesh import Mesh, plan_places
-from lengthwise.runtime.distributed.step import run_rank_step
+from lengthwise.runtime.parallel.step import run_rank_step
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.verify import random_tokens
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset

@@ -7,7 +7,7 @@ On 4 local processes (gloo, CPU, float32, a 4-layer model of width 256), one glo
 planned with chunkflow at dp 4, and also at dp 2 x tp 2, and run as:
 
 - dp4-replicated: whole parameters on every rank, one bucketed all-reduce per step
-  (`distributed/dp.GradReducer`), the executor before FSDP2;
+  (`parallel/dp.GradReducer`), the executor before FSDP2;
 - dp4-fsdp-zero1: FSDP2, parameters gathered once per step, gradients reduce-scattered;
 - dp4-fsdp-zero3: FSDP2 resharding after every forward and backward of every chunk (when
   the replicas' action sequences match; else gathered once per step, reported per rank);
@@ -35,7 +35,7 @@ from lengthwise.cost import CostModel
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.distributed.launch import spawn
 from lengthwise.runtime.distributed.mesh import Mesh
-from lengthwise.runtime.distributed.step import run_rank_step
+from lengthwise.runtime.parallel.step import run_rank_step
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
 from lengthwise.runtime.verify import random_tokens
 from lengthwise.specs import ModelSpec, ParallelScheme, cluster_preset

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from lengthwise.cost import CostModel
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.runtime.distributed.checkpoint_scale import save_footprint
+from lengthwise.runtime.parallel.checkpoint_scale import save_footprint
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 
 

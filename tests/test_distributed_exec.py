@@ -24,10 +24,11 @@ from lengthwise.cost import CostModel
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, SHARDED, Segment, StepPlan
 from lengthwise.planners import PlanRequest, get_planner
-from lengthwise.runtime.distributed.dp import check_same_plan, global_grad_norm
+from lengthwise.runtime.parallel.dp import check_same_plan, global_grad_norm
 from lengthwise.runtime.distributed.launch import spawn
 from lengthwise.runtime.distributed.mesh import Mesh
-from lengthwise.runtime.distributed.step import StepFailed, gather_grads, run_rank_step
+from lengthwise.runtime.distributed.p2p import StepFailed
+from lengthwise.runtime.parallel.step import gather_grads, run_rank_step
 from lengthwise.runtime.execute import run_step
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.verify import compare_grads, random_tokens

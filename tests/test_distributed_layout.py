@@ -16,7 +16,7 @@ from lengthwise.runtime.distributed.cp import (
     piece_owner,
     rank_pieces,
 )
-from lengthwise.runtime.distributed.dp import holder_sets, plan_fingerprint
+from lengthwise.runtime.parallel.dp import holder_sets, plan_fingerprint
 from lengthwise.runtime.distributed.mesh import (
     PlanLayout,
     check_world_size,

@@ -17,7 +17,7 @@ import torch
 
 from lengthwise.runtime.distributed.launch import spawn
 from lengthwise.runtime.distributed.mesh import Mesh
-from lengthwise.runtime.distributed.verify_dist import VerifyJob, verify_worker
+from lengthwise.runtime.parallel.verify_dist import VerifyJob, verify_worker
 from lengthwise.specs import cluster_preset, model_preset
 from plan_helpers import hand_plan
 

@@ -1,6 +1,11 @@
 """The package's import graph: no cycles, and no module imports one on a higher floor
 (errors/files/metrics/limits/unreadable -> fields/specs/workloads -> plan.ir -> cost -> plan -> sim -> planners -> report ->
-runtime -> commands, STYLE.md). Imports inside functions count too."""
+runtime -> commands, STYLE.md). Imports inside functions count too.
+
+runtime/ has floors of its own: its top-level modules (model, attention, stage, execute, ...: one
+process) -> distributed/ (process groups, meshes, point-to-point, launch, checkpoint shards) ->
+parallel/ (the model sharded over them: FSDP2, TP, heterogeneous exchange, a rank's step) ->
+train/, dryrun, export (what drives a whole run)."""
 
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ from lengthwise.sim import SimResult
 
 ROOT = Path(lengthwise.__file__).parent
 FLOORS = {"errors": 0, "files": 0, "metrics": 0, "limits": 0, "unreadable": 0, "fields": 1, "paths": 1, "specs": 1, "workloads": 1, "plan.ir": 2, "cost": 3, "plan": 4,
-          "sim": 5, "planners": 6, "report": 7, "report_files": 7, "runtime": 8, "commands": 9,
+          "sim": 5, "planners": 6, "report": 7, "report_files": 7, "runtime": 8, "runtime.distributed": 8.2,
+          "runtime.parallel": 8.4, "runtime.train": 8.6, "runtime.dryrun": 8.6, "runtime.export": 8.6, "commands": 9,
           "cli": 10, "__main__": 11}
 
 

@@ -25,7 +25,7 @@ from lengthwise.errors import UserError
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.distributed.launch import spawn
 from lengthwise.runtime.distributed.mesh import Mesh
-from lengthwise.runtime.distributed.verify_dist import VerifyJob, verify_worker
+from lengthwise.runtime.parallel.verify_dist import VerifyJob, verify_worker
 from lengthwise.runtime.model import build_model
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 
@@ -181,7 +181,7 @@ def _tp2_fsdp_worker(rank: int, folder: str) -> None:
     import weakref
     from pathlib import Path
 
-    from lengthwise.runtime.distributed.step import run_rank_step
+    from lengthwise.runtime.parallel.step import run_rank_step
     from lengthwise.runtime.parallel.build import build_rank_model
     from lengthwise.runtime.verify import random_tokens
 

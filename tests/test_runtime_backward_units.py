@@ -26,7 +26,7 @@ from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.cells import cell_map
 from lengthwise.runtime.distributed.launch import spawn
 from lengthwise.runtime.distributed.mesh import Mesh
-from lengthwise.runtime.distributed.step import gather_grads, run_rank_step
+from lengthwise.runtime.parallel.step import gather_grads, run_rank_step
 from lengthwise.runtime.execute import run_step
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.transport import InProcessTransport

@@ -60,9 +60,6 @@ class Fields:
             raise self.fail(key, _int_range(lo, hi), value)
         return value
 
-    def optional_int(self, key: str, *, lo: int | None = None, hi: int | None = None) -> int | None:
-        return None if self.data.get(key) is None else self.integer(key, lo=lo, hi=hi)
-
     def number(self, key: str, *, lo: float | None = 0.0, default: Any = _MISSING) -> float:
         """A finite number >= lo (lo None: any finite number)."""
         value = self._get(key, default)

@@ -164,7 +164,7 @@ def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
 
     from lengthwise.runtime.distributed.launch import end_process_group, init_from_torchrun, spawn
     from lengthwise.runtime.distributed.mesh import check_world_size
-    from lengthwise.runtime.distributed.verify_dist import VerifyJob, verify_worker
+    from lengthwise.runtime.parallel.verify_dist import VerifyJob, verify_worker
     from lengthwise.runtime.verify import VerifyResult
 
     job = VerifyJob(make_plan=functools.partial(build_plan, args), dtype=getattr(torch, args.dtype),

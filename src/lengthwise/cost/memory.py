@@ -24,7 +24,7 @@
   as the chunk's activations are freed layer by layer, so the level is highest at one end).
 - The first stage's embedding gradient is the whole table on every TP rank: DTensor hands the
   vocabulary-parallel embedding's gradient back Replicate, and it is accumulated so until the
-  reduction (FSDP2's, or `distributed/dp.match_grad_layouts`) slices the rank's rows
+  reduction (FSDP2's, or `parallel/dp.match_grad_layouts`) slices the rank's rows
   (`grad_params`: vocab x hidden, not vocab x hidden / tp, measured by `lengthwise dryrun`).
   At the end of each backward on the first stage the embedding's backward makes that gradient
   in bf16 before it is added into the accumulator (FSDP2 adds it into its fp32 one, or makes

@@ -66,11 +66,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.distributed.mesh import Mesh, plan_world_size
-from lengthwise.runtime.distributed.step import run_rank_step
+from lengthwise.runtime.parallel.step import run_rank_step
 from lengthwise.runtime.flop_formulas import cpu_flash_flop_formulas, plan_attention, varlen_flop_formulas
 from lengthwise.runtime.layout import clear_bias_cache
 from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
+from lengthwise.runtime.distributed.fake import fake_world
 from lengthwise.sim.inputs import heterogeneous
 
 MEMORY_CATEGORIES = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients",
@@ -174,7 +175,7 @@ class _HeteroOptimisation:
     in place (no allocation) and is left out."""
 
     def __init__(self, model: CausalLM, plan: StepPlan, mesh: Mesh) -> None:
-        from lengthwise.runtime.distributed.dp import held_parameters
+        from lengthwise.runtime.parallel.dp import held_parameters
         from lengthwise.runtime.parallel.hetero import HeteroExchange, plan_pipelines, strategy_holdings, whole_shapes
 
         with unset_fake_temporarily():
@@ -234,20 +235,6 @@ def _optimizer_in_steady_state(model: CausalLM) -> torch.optim.Optimizer:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return optimizer
-
-
-@contextmanager
-def fake_world(rank: int, world_size: int):
-    """The fake process group as the default group, as `rank` of `world_size`."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _forget_sharding_propagation() -> None:

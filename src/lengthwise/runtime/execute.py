@@ -10,8 +10,8 @@ action whose input has arrived, one action per runner per sweep, an interleaving
 real pipeline timeline. A sweep in which no runner can move is a deadlocked schedule and is
 reported stage by stage.
 
-A distributed driver builds the same runners (one per rank) with a torch.distributed transport
-and calls `runner.run_all()`.
+A distributed driver (`parallel/step.py`) builds the same runners, one per rank, with a
+torch.distributed transport and steps its rank's runner through every action.
 """
 
 from __future__ import annotations

@@ -196,11 +196,6 @@ class StageRunner:
         if self.done:
             self._post(self.next_index)
 
-    def run_all(self) -> None:
-        """Run every action in order (a transport whose recv blocks, e.g. torch.distributed)."""
-        while not self.done:
-            self.step()
-
     # forward ----------------------------------------------------------------------------
 
     def _forward(self, action: Action) -> None:

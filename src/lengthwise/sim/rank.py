@@ -21,7 +21,7 @@
   parallel pipelines times CP ranks). K/V projections replicated over TP (tp above the K/V
   heads, `cost.memory.kv_replicated`) are whole in the stage's parameters, so in those bytes;
   their gradients, each TP rank's covering only its K/V head, are also summed over TP with a
-  c10d `all_reduce` (`distributed/dp.reduction_classes`): under FSDP2 each rank's fp32 shard
+  c10d `all_reduce` (`parallel/dp.reduction_classes`): under FSDP2 each rank's fp32 shard
   (1/replicas of them) once a step, replicated without FSDP2 the whole fp32 gradients, in the
   data-parallel all-reduce when there are replicas. Context parallelism (`cp_comm_bytes`): `all_gather` also
   counts the K/V a CP rank contributes to each forward's gathers, `reduce_scatter` the K/V

@@ -49,7 +49,7 @@ from lengthwise.errors import UserError
 from lengthwise.files import write_atomic
 from lengthwise.runtime.distributed import forkserver
 from lengthwise.runtime.distributed.mesh import Mesh
-from lengthwise.runtime.distributed.step import StepFailed
+from lengthwise.runtime.distributed.p2p import StepFailed
 
 DEFAULT_TIMEOUT_S = 300.0
 """Collective and receive time-out, seconds (a stage may wait for a long chunk upstream)."""

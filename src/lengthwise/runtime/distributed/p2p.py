@@ -55,6 +55,10 @@ from lengthwise.runtime.distributed.stats import CommStats
 from lengthwise.runtime.transport import Message
 
 
+class StepFailed(RuntimeError):
+    """A rank could not finish its actions (a receive timed out); the message names where."""
+
+
 class ReceiveTimeout(RuntimeError):
     """A point-to-point receive that did not complete within the time-out."""
 

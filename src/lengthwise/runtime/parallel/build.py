@@ -10,7 +10,7 @@ Face checkpoint, only the stage's tensors, each rank keeping its own shard. Noth
 allocated beyond the rank's shard of its stage (plus one whole tensor while loading).
 
 `data_parallel="replicate"` keeps whole parameters on every replica and sums gradients with
-`distributed/dp.GradReducer` (also what heterogeneous plans, which have no uniform mesh, get;
+`parallel/dp.GradReducer` (also what heterogeneous plans, which have no uniform mesh, get;
 when some of their pipelines use tp > 1, each TP group gets its own 1-D mesh and gradients are
 summed through `parallel/hetero.HeteroReducer`, the optimisation-propagation exchange).
 """
@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
-from lengthwise.runtime.distributed.dp import stage_part
+from lengthwise.runtime.parallel.dp import stage_part
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.model import CausalLM, init_weights, meta_model
 from lengthwise.runtime.parallel.device_mesh import plan_device_mesh, shard_mesh

@@ -5,7 +5,7 @@ The rank order is `distributed/mesh.PlanLayout`'s (pipeline by pipeline, then st
 TP rank innermost); the mesh tensor is that layout read in (stage, pipeline, cp, tp) order, so
 `mesh["tp"]` is a stage's TP group, `mesh["dp", "cp"]` (flattened to "dp_cp") the ranks that
 hold the same TP shard of a stage's parameters: FSDP2 shards and reduces over it (the gradient
-of one process is the sum over data-parallel replicas and CP ranks, `distributed/dp.py`).
+of one process is the sum over data-parallel replicas and CP ranks, `parallel/dp.py`).
 
 Only plans whose pipelines share (pp, cp, tp) and the layer split have such a mesh;
 heterogeneous plans (Hydraulis) run replicated (`dp.GradReducer`), or, with tp > 1 in some

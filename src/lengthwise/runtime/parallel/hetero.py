@@ -79,7 +79,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lengthwise.runtime.distributed.dp import held_parameters, local, stage_holds
+from lengthwise.runtime.parallel.dp import held_parameters, local, stage_holds
 from lengthwise.runtime.model import StagePart, meta_model
 from lengthwise.runtime.parallel.tensor_parallel import tp_partial_names, tp_shard_dim
 

@@ -11,14 +11,14 @@ vocabulary-parallel cross-entropy (`loss.token_loss_sum` with the `VocabShard` t
 A vocabulary that tp does not divide is padded to the next multiple (as Megatron does): the
 embedding and the head get zero rows no token reads, and the head's padded logits are set to
 -inf before the loss, so the softmax and every gradient are the unpadded model's. Checkpoints
-keep the real vocabulary (`weights.py` pads on load; gathers trim, `distributed/step.py`).
+keep the real vocabulary (`weights.py` pads on load; gathers trim, `parallel/step.py`).
 
 Grouped-query attention with fewer K/V heads than TP ranks (tp = 8 on Llama-2-70B's 8 heads
 is the edge; Qwen2.5-1.5B's 2 are replicated at tp 4): the K/V projections are replicated, every rank computes all G
 K/V heads and keeps the one its query heads read (query heads [r H/tp, (r+1) H/tp) read K/V head
 r G / tp), as the cost model assumes. A rank's gradient of the replicated K/V weights covers
 only its head, so those gradients are summed over TP (`tp_partial_names`, used by
-`distributed/dp.reduction_classes`), and so is the gradient flowing back into their input
+`parallel/dp.reduction_classes`), and so is the gradient flowing back into their input
 (Megatron's "copy to the tensor-parallel region": identity forward, all-reduce backward), as
 DTensor does for the column-parallel projections' input; under sequence parallelism that sum is
 the reduce-scatter of the gathered input's gradient (`_local_with_partial_grad`).
@@ -27,7 +27,7 @@ Sequence parallelism (Megatron-LM's, the default; `apply_tp(..., sequence_parall
 turns it off). The residual stream between the blocks is split by rows (tokens) over TP: a
 rank holds rows [r T/tp, (r+1) T/tp) of the chunk, runs the RMSNorms on them
 (`SequenceParallel`, norm weights replicated DTensors whose gradients come back partial and
-are summed over TP: by FSDP2, or by `distributed/dp.match_grad_layouts`), and each block
+are summed over TP: by FSDP2, or by `parallel/dp.match_grad_layouts`), and each block
 all-gathers its normed input before the column-parallel projections (`PrepareModuleInput`,
 kept a DTensor so that the projections' partial input gradients are summed once, by the
 reduce-scatter that is the all-gather's backward) and reduce-scatters its row-parallel output
@@ -204,12 +204,6 @@ def apply_tp(model: CausalLM, mesh: DeviceMesh, *, sequence_parallel: bool = Tru
     model.sequence_shards = tp if sequence_parallel else 1
     model.tie()  # both now hold vocabulary rows Shard(0): the head reuses the embedding's DTensor
     return model
-
-
-def sequence_rows(tokens: int, shards: int) -> int:
-    """Rows of a `tokens`-token chunk that one rank holds when the residual stream is split over
-    `shards` ranks (the chunk padded to a multiple of `shards`)."""
-    return -(-tokens // shards)
 
 
 def _pad_tokens(module, inputs, *, tp: int, fill: int):

@@ -68,7 +68,7 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
 from lengthwise.files import write_atomic
 import lengthwise.runtime.distributed.checkpoint_dist as checkpoint_dist
-from lengthwise.runtime.distributed.dp import (
+from lengthwise.runtime.parallel.dp import (
     check_same_plan,
     global_grad_norm,
     local,
@@ -76,7 +76,7 @@ from lengthwise.runtime.distributed.dp import (
 )
 from lengthwise.runtime.distributed.launch import RankStatus
 from lengthwise.runtime.distributed.mesh import Mesh
-from lengthwise.runtime.distributed.step import first_holders, run_rank_step
+from lengthwise.runtime.parallel.step import first_holders, run_rank_step
 from lengthwise.runtime.compile import compile_layers, compile_wanted
 from lengthwise.runtime.model import parameter_names
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model

@@ -62,8 +62,8 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import StepPlan
 from lengthwise.planners.hydraulis.cost import pipelines_name
 import lengthwise.runtime.distributed.checkpoint_dist as checkpoint_dist
-from lengthwise.runtime.distributed.dp import check_same_plan
-from lengthwise.runtime.distributed.step import run_rank_step
+from lengthwise.runtime.parallel.dp import check_same_plan
+from lengthwise.runtime.parallel.step import run_rank_step
 from lengthwise.runtime.model import parameter_names
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
 from lengthwise.runtime.parallel.hetero import HeteroExchange, HeteroReducer, plan_pipelines, strategy_holdings

@@ -22,11 +22,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.distributed.checkpoint_dist import _by_parameter, _split, model_state
-from lengthwise.runtime.distributed.dp import local
+from lengthwise.runtime.parallel.dp import local
 from lengthwise.runtime.distributed.mesh import Mesh, plan_world_size
 from lengthwise.runtime.distributed.shards import local_pieces
-from lengthwise.runtime.distributed.step import first_holders
+from lengthwise.runtime.parallel.step import first_holders
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
+from lengthwise.runtime.distributed.fake import fake_world
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,6 @@ class _Collectives(TorchDispatchMode):
 
 
 def save_footprint(plan: StepPlan, rank: int, *, dtype: torch.dtype = torch.bfloat16) -> SaveFootprint:
-    from lengthwise.runtime.dryrun import fake_world
-
     world_size = plan_world_size(plan)
     with fake_world(rank, world_size), FakeTensorMode(allow_non_fake_inputs=True):
         mesh = Mesh.from_default_group(timeout_s=60)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.distributed.mesh import Mesh
-from lengthwise.runtime.distributed.step import gather_grads, run_rank_step
+from lengthwise.runtime.parallel.step import gather_grads, run_rank_step
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
 from lengthwise.runtime.verify import (

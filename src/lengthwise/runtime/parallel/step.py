@@ -27,18 +27,15 @@ from lengthwise.plan.ir import StepPlan
 from lengthwise.runtime.attention import resolve_backend
 from lengthwise.runtime.checks import check_executable
 from lengthwise.runtime.distributed.cp_stage import CPRows
-from lengthwise.runtime.distributed.dp import GradReducer, check_same_plan, holds, match_grad_layouts
+from lengthwise.runtime.parallel.dp import GradReducer, check_same_plan, holds, match_grad_layouts
 from lengthwise.runtime.distributed.mesh import Mesh, PlanLayout
-from lengthwise.runtime.distributed.p2p import DistributedTransport, ReceiveTimeout
+from lengthwise.runtime.distributed.p2p import DistributedTransport, ReceiveTimeout, StepFailed
 from lengthwise.runtime.distributed.stats import CommStats
 from lengthwise.runtime.model import CausalLM, parameter_names
 from lengthwise.runtime.weights import VOCAB_ROWS
 from lengthwise.runtime.parallel.fsdp import FsdpSteps, is_fsdp
+from lengthwise.runtime.parallel.hetero import HeteroReducer  # heterogeneous tp: hydraulis §5.2 exchange
 from lengthwise.runtime.stage import StageRunner
-
-
-class StepFailed(RuntimeError):
-    """A rank could not finish its actions (a receive timed out); the message names where."""
 
 
 @dataclass(kw_only=True)
@@ -96,8 +93,6 @@ def run_rank_step(model: CausalLM, plan: StepPlan, token_ids: list[torch.Tensor]
     if not reduce_grads:
         assert fsdp is None, "FSDP2 sums its gradients itself"
     elif fsdp is None and mesh.device_mesh is None and any(p.tp > 1 for p in plan.pipelines):
-        from lengthwise.runtime.parallel.hetero import HeteroReducer  # heterogeneous tp: §5.2 exchange
-
         key = (plan.model, tuple((p.tp, p.pp, p.cp, tuple(p.layers_per_stage or ())) for p in plan.pipelines))
         stats.dp_elements += HeteroReducer(model, plan, layout, key=key).reduce()
     else:
