@@ -111,6 +111,10 @@ GRAD_BYTES_PER_PARAM = BYTES_FP32
 """Gradients are accumulated over a step's backwards and reduced in fp32."""
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m and v
 LABEL_BYTES = 8  # int64 token ids
+HEAD_BLOCK_BYTES = 256 * 2**20
+"""The LM head's loss holds its logits one block at a time, each block's wide (float32) logits
+at most this many bytes (`runtime/loss.head_loss_sum`): rows of the vocabulary in forward,
+columns of every token in backward."""
 
 
 def kv_replicated(model: ModelSpec, tp: int) -> bool:
