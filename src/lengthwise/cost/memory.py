@@ -103,6 +103,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from lengthwise.specs import ModelSpec
 
 BYTES_BF16 = 2
@@ -193,17 +195,52 @@ def checkpoint_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool 
 
 
 def head_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
-    """What the LM head and its loss keep per token on the last stage (module docstring)."""
-    if sp:  # the final norm's input is sharded under sequence parallelism, its output (the head's input)
-        # and the labels whole
-        return (BYTES_FP32 * (model.vocab + 1) + BYTES_BF16 * model.hidden) / tp + BYTES_BF16 * model.hidden + LABEL_BYTES
-    # without: the norm's input, output and reciprocal RMS whole, the labels whole
-    return BYTES_FP32 * model.vocab / tp + BYTES_FP32 + 2 * BYTES_BF16 * model.hidden + LABEL_BYTES
+    """What the LM head and its loss keep per token on the last stage (module docstring): the
+    final norm's input (bf16) and reciprocal RMS (fp32), this rank's rows under sequence
+    parallelism; the head's input, whole (gathered); the label (int64) and the row's
+    log-sum-exp (fp32), whole. No logits: the blocked loss recomputes them in backward."""
+    whole = BYTES_BF16 * model.hidden + LABEL_BYTES + BYTES_FP32
+    norm = BYTES_BF16 * model.hidden + BYTES_FP32
+    return norm / (tp if sp else 1) + whole
 
 
-def head_backward_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
-    """Working set of the loss's backward beyond what the head keeps (module docstring)."""
-    return BYTES_BF16 * model.vocab / tp
+HEAD_FORWARD_ROW_BYTES = 21
+"""Per token of the chunk (whole rows), the blocked loss's forward vectors beside its block: the
+rows' maxima (fp32), exponential sums and label logits (2 fp32), the label's column (int64)
+and whether this rank holds it (bool)."""
+
+HEAD_BACKWARD_ROW_BYTES = 30
+"""Per token, the blocked loss's backward vectors: the rows' scale (fp32), row indices and label
+columns (2 int64), label masks (2 bool), and a block's label hits in the wide dtype (fp32)."""
+
+
+def head_columns(model: ModelSpec, tp: int = 1) -> float:
+    """Vocabulary columns one TP rank's head computes."""
+    return model.vocab / tp
+
+
+def head_forward_bytes(model: ModelSpec, tokens, tp: int = 1):
+    """Working set of the LM head's forward beside its kept tensors, for a chunk of `tokens`
+    rows (a number or a numpy array, elementwise): one block of rows' logits in bf16 and their
+    fp32 copy at once (`runtime/loss.head_loss_sum`: at most HEAD_BLOCK_BYTES of fp32 logits,
+    a block of whole rows of this rank's columns) and the per-row vectors."""
+    columns = head_columns(model, tp)
+    rows = np.minimum(tokens, max(1, HEAD_BLOCK_BYTES // int(BYTES_FP32 * columns)))
+    return rows * columns * (BYTES_BF16 + BYTES_FP32) + np.multiply(tokens, HEAD_FORWARD_ROW_BYTES)
+
+
+def head_backward_bytes(model: ModelSpec, tokens, tp: int = 1):
+    """Working set of the loss's backward beside what the head keeps, for a chunk of `tokens`
+    rows (a number or an array): the weight's gradient (this rank's vocabulary rows, bf16,
+    whole from the first block), the input's gradient accumulated in fp32 beside one block's
+    bf16 product ([tokens, hidden]), one block of columns' recomputed fp32 logits with their
+    bf16 gradient (every row, at most HEAD_BLOCK_BYTES of fp32) and the per-row vectors."""
+    columns = head_columns(model, tp)
+    tokens = np.asarray(tokens, dtype=np.float64)
+    block_columns = np.minimum(columns, np.maximum(1, np.floor(HEAD_BLOCK_BYTES / (BYTES_FP32 * np.maximum(tokens, 1)))))
+    per_row = (BYTES_FP32 + BYTES_BF16) * model.hidden + HEAD_BACKWARD_ROW_BYTES
+    work = columns * model.hidden * BYTES_BF16 + tokens * (per_row + block_columns * (BYTES_FP32 + BYTES_BF16))
+    return np.where(tokens > 0, work, 0.0) if work.ndim else (float(work) if tokens > 0 else 0.0)
 
 
 def embedding_backward_bytes(model: ModelSpec) -> float:
@@ -211,11 +248,6 @@ def embedding_backward_bytes(model: ModelSpec) -> float:
     first stage: the whole table in bf16 on every TP rank, before it is added into the
     accumulated gradient (module docstring)."""
     return model.vocab * model.hidden * BYTES_BF16
-
-
-def head_forward_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
-    """The bf16 logits beside the head's kept tensors while the loss makes their fp32 copy."""
-    return BYTES_BF16 * model.vocab / tp
 
 
 def norm_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
@@ -237,15 +269,25 @@ def layer_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = 
 def backward_work_bytes_per_token(model: ModelSpec, tp: int = 1, *, layers: int, head: bool,
                                   sp: bool = True) -> float:
     """Largest working set of a stage's backward beyond its kept activations, per token: one
-    layer's (none without layers), and on the last stage the loss's, after which the head's
-    kept tensors are freed before the layers' backward runs."""
+    layer's (none without layers), and on the last stage the final norm's. The loss's own
+    (`head_backward_bytes`) is not linear in the tokens (its blocks are bounded) and is added
+    per chunk (`backward_work_bytes`); per token it is the slope of that, the input gradient's
+    fp32 accumulator beside a block's bf16 product."""
     layer = layer_backward_bytes_per_token(model, tp, sp=sp) if layers > 0 else 0.0
     if not head:
         return layer
-    # the final norm's backward runs once the loss's softmax is freed (the head's input
-    # gradient takes the place of the head's input)
-    final_norm = norm_backward_bytes_per_token(model, tp, sp=sp) - BYTES_FP32 * model.vocab / tp
-    return max(head_backward_bytes_per_token(model, tp), layer - head_bytes_per_token(model, tp, sp=sp), final_norm)
+    loss = (BYTES_FP32 + BYTES_BF16) * model.hidden + HEAD_BACKWARD_ROW_BYTES
+    return max(loss, layer - head_bytes_per_token(model, tp, sp=sp), norm_backward_bytes_per_token(model, tp, sp=sp))
+
+
+def backward_work_bytes(model: ModelSpec, tokens, tp: int = 1, *, layers: int, head: bool, sp: bool = True):
+    """`backward_work_bytes_per_token` times `tokens` (a number or an array), on the last stage
+    the loss's backward (`head_backward_bytes`) when it is the larger: it runs first, before
+    the final norm's and the layers' backwards."""
+    per_token = backward_work_bytes_per_token(model, tp, layers=layers, head=head, sp=sp)
+    if not head:
+        return np.multiply(per_token, tokens)
+    return np.maximum(np.multiply(per_token, tokens), head_backward_bytes(model, tokens, tp))
 
 
 def kv_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:

@@ -53,7 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lengthwise.cost import CostModel
-from lengthwise.cost.flops import head_forward_flops, layer_forward_flops, replicated_kv_flops
+from lengthwise.cost.flops import HEAD_RECOMPUTE, head_forward_flops, layer_forward_flops, replicated_kv_flops
 from lengthwise.cost.memory import GRAD_BYTES_PER_PARAM, kv_params_per_layer, kv_replicated, stage_params
 from lengthwise.cost.model import (
     NOSP_BACKWARD_ALL_REDUCES,
@@ -122,7 +122,7 @@ def stage_flops(plan: StepPlan, cost: CostModel, place: RankPlace) -> float:
         # the executor's no-grad forward (N) keeps K/V only and never runs the head
         head = head_forward_flops(plan.model, work.tokens) if last and action.kind != FORWARD_NOGRAD else 0.0
         if action.kind == BACKWARD:
-            total += layers * (lin * cost.bwd_linear_ratio + attn * cost.bwd_attn_ratio) + head * cost.bwd_linear_ratio
+            total += layers * (lin * cost.bwd_linear_ratio + attn * cost.bwd_attn_ratio) + head * (cost.bwd_linear_ratio + HEAD_RECOMPUTE)
             replicated += layers * kv * cost.bwd_linear_ratio
         else:
             runs = layers + min(action.recompute_layers, layers)
