@@ -209,9 +209,9 @@ HEAD_FORWARD_ROW_BYTES = 21
 rows' maxima (fp32), exponential sums and label logits (2 fp32), the label's column (int64)
 and whether this rank holds it (bool)."""
 
-HEAD_BACKWARD_ROW_BYTES = 30
+HEAD_BACKWARD_ROW_BYTES = 21
 """Per token, the blocked loss's backward vectors: the rows' scale (fp32), row indices and label
-columns (2 int64), label masks (2 bool), and a block's label hits in the wide dtype (fp32)."""
+columns (2 int64) and whether this rank holds the label (bool)."""
 
 
 def head_columns(model: ModelSpec, tp: int = 1) -> float:
@@ -232,14 +232,17 @@ def head_forward_bytes(model: ModelSpec, tokens, tp: int = 1):
 def head_backward_bytes(model: ModelSpec, tokens, tp: int = 1):
     """Working set of the loss's backward beside what the head keeps, for a chunk of `tokens`
     rows (a number or an array): the weight's gradient (this rank's vocabulary rows, bf16,
-    whole from the first block), the input's gradient accumulated in fp32 beside one block's
-    bf16 product ([tokens, hidden]), one block of columns' recomputed fp32 logits with their
-    bf16 gradient (every row, at most HEAD_BLOCK_BYTES of fp32) and the per-row vectors."""
+    whole from the first block), the input's gradient accumulated in fp32 ([tokens, hidden]),
+    the per-row vectors, and the larger of two moments of a block of columns (every row, at
+    most HEAD_BLOCK_BYTES of fp32 logits): its recomputed fp32 logits beside their bf16
+    product or bf16 gradient, or that gradient beside its bf16 product with the weight block
+    ([tokens, hidden])."""
     columns = head_columns(model, tp)
     tokens = np.asarray(tokens, dtype=np.float64)
     block_columns = np.minimum(columns, np.maximum(1, np.floor(HEAD_BLOCK_BYTES / (BYTES_FP32 * np.maximum(tokens, 1)))))
-    per_row = (BYTES_FP32 + BYTES_BF16) * model.hidden + HEAD_BACKWARD_ROW_BYTES
-    work = columns * model.hidden * BYTES_BF16 + tokens * (per_row + block_columns * (BYTES_FP32 + BYTES_BF16))
+    block = np.maximum(block_columns * (BYTES_FP32 + BYTES_BF16), (block_columns + model.hidden) * BYTES_BF16)
+    per_row = BYTES_FP32 * model.hidden + HEAD_BACKWARD_ROW_BYTES + block
+    work = columns * model.hidden * BYTES_BF16 + tokens * per_row
     return np.where(tokens > 0, work, 0.0) if work.ndim else (float(work) if tokens > 0 else 0.0)
 
 
@@ -271,23 +274,29 @@ def backward_work_bytes_per_token(model: ModelSpec, tp: int = 1, *, layers: int,
     """Largest working set of a stage's backward beyond its kept activations, per token: one
     layer's (none without layers), and on the last stage the final norm's. The loss's own
     (`head_backward_bytes`) is not linear in the tokens (its blocks are bounded) and is added
-    per chunk (`backward_work_bytes`); per token it is the slope of that, the input gradient's
-    fp32 accumulator beside a block's bf16 product."""
+    per chunk (`backward_work_bytes`); per token it is its slope at long chunks (one column
+    a block): the input gradient's fp32 accumulator beside a block's bf16 product."""
     layer = layer_backward_bytes_per_token(model, tp, sp=sp) if layers > 0 else 0.0
     if not head:
         return layer
-    loss = (BYTES_FP32 + BYTES_BF16) * model.hidden + HEAD_BACKWARD_ROW_BYTES
+    loss = (BYTES_FP32 + BYTES_BF16) * model.hidden + HEAD_BACKWARD_ROW_BYTES + BYTES_BF16
     return max(loss, layer - head_bytes_per_token(model, tp, sp=sp), norm_backward_bytes_per_token(model, tp, sp=sp))
 
 
 def backward_work_bytes(model: ModelSpec, tokens, tp: int = 1, *, layers: int, head: bool, sp: bool = True):
-    """`backward_work_bytes_per_token` times `tokens` (a number or an array), on the last stage
-    the loss's backward (`head_backward_bytes`) when it is the larger: it runs first, before
-    the final norm's and the layers' backwards."""
-    per_token = backward_work_bytes_per_token(model, tp, layers=layers, head=head, sp=sp)
+    """Largest working set of a stage's backward beyond its kept activations for a chunk of
+    `tokens` rows (a number or an array): one layer's per token (`layer_backward_bytes_per_token`),
+    and on the last stage, where it runs first, the blocked loss's (`head_backward_bytes`), then
+    the final norm's beside the head weight's bf16 gradient (the norm and the head are one FSDP
+    unit, which takes that gradient into its fp32 accumulator after both backwards); the
+    layers' run once the head's kept tensors are freed."""
+    layer = np.multiply(layer_backward_bytes_per_token(model, tp, sp=sp) if layers > 0 else 0.0, tokens)
     if not head:
-        return np.multiply(per_token, tokens)
-    return np.maximum(np.multiply(per_token, tokens), head_backward_bytes(model, tokens, tp))
+        return layer
+    weight_grad = head_columns(model, tp) * model.hidden * BYTES_BF16
+    final_norm = np.multiply(norm_backward_bytes_per_token(model, tp, sp=sp), tokens) + weight_grad
+    kept = np.multiply(head_bytes_per_token(model, tp, sp=sp), tokens)
+    return np.maximum(np.maximum(head_backward_bytes(model, tokens, tp), final_norm), layer - kept)
 
 
 def kv_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lengthwise.cost.memory import HEAD_BLOCK_BYTES
+import lengthwise.cost.memory as mem
 from lengthwise.plan.ir import Chunk
 
 IGNORE = -100
@@ -120,17 +120,18 @@ def _all_reduce(tensor: torch.Tensor, shard: VocabShard | None, op) -> None:
 
 
 def head_loss_sum(x_TD: torch.Tensor, weight_VD: torch.Tensor, labels_T: torch.Tensor,
-                  shard: VocabShard | None = None, *, block_bytes: int = HEAD_BLOCK_BYTES) -> torch.Tensor:
+                  shard: VocabShard | None = None, *, block_bytes: int | None = None) -> torch.Tensor:
     """`token_loss_sum(x_TD @ weight_VD.T, labels_T, shard)` without ever holding the logits
     [T, V] (`_BlockedHeadLoss`): the LM head (normed hidden states x, this rank's vocabulary
     rows of the head's weight) and its loss in one, a block of at most `block_bytes` of wide
-    logits at a time. Plain tensors: the caller hands this rank's local pieces (`model.LMHead`)."""
-    return _BlockedHeadLoss.apply(x_TD, weight_VD, labels_T, shard, block_bytes)
+    logits at a time (default `cost.memory.HEAD_BLOCK_BYTES`). Plain tensors: the caller hands
+    this rank's local pieces (`model.LMHead`)."""
+    return _BlockedHeadLoss.apply(x_TD, weight_VD, labels_T, shard, block_bytes or mem.HEAD_BLOCK_BYTES)
 
 
-def block_rows(columns: int, dtype: torch.dtype, block_bytes: int = HEAD_BLOCK_BYTES) -> int:
+def block_rows(columns: int, dtype: torch.dtype, block_bytes: int | None = None) -> int:
     """Rows of a [rows, columns] block of `dtype` that fit in `block_bytes` (at least one)."""
-    return max(1, block_bytes // max(1, columns * dtype.itemsize))
+    return max(1, (block_bytes or mem.HEAD_BLOCK_BYTES) // max(1, columns * dtype.itemsize))
 
 
 class _BlockedHeadLoss(torch.autograd.Function):
