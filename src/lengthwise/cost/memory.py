@@ -53,16 +53,21 @@
   recomputed layer keeps its whole input (h), rows are not padded (no padded copy), and the
   stages send whole activations (`CostModel.boundary_bytes`). Qwen2.5-7B at tp 4: 61.2 KB per
   token and layer against 50.5 KB with sequence parallelism.
-- LM head on the last stage: the fp32 softmax kept for the loss's backward (4 * vocab bytes per
-  token, as the executor's cross-entropy upcasts the logits), the final norm's input and output
-  (2h, bf16; the output, the head's input, gathered whole under sequence parallelism) and
-  reciprocal RMS, and the label (int64). Without sequence parallelism the norm's input, output
-  and reciprocal RMS and the label are whole; only the softmax divides by tp.
-- While a chunk's backward runs on the last stage, the loss's backward turns the kept fp32
-  softmax into the logits' gradient in place and hands it on in bf16: 2 * vocab bytes per token
-  beside what the head keeps (`runtime/loss.py`; autograd's own cross-entropy worked on two more
-  fp32 [tokens, vocab] buffers, 8 * vocab, the largest transient of a step on Qwen2.5-7B's 152K
-  vocabulary). Measured by `lengthwise dryrun`.
+- LM head on the last stage (`runtime/loss.head_loss_sum`: the head and its loss in one, the
+  logits made a block at a time and recomputed in backward, never [tokens, vocab] at once):
+  the final norm's input (h, bf16) and reciprocal RMS, this rank's rows under sequence
+  parallelism, whole without; the head's input (h, bf16, gathered whole), the label (int64) and
+  the row's log-sum-exp (fp32), whole (`head_bytes_per_token`: 6.2 KB a token for Qwen2.5-1.5B
+  against 614 KB while the loss kept an fp32 softmax).
+- While a chunk's backward runs on the last stage, the loss's backward holds, beside what the
+  head keeps, the weight's bf16 gradient (this rank's vocabulary rows, vocab x hidden / tp x 2
+  bytes, made whole before the first block), the input gradient's fp32 accumulator (4h a
+  token), a few per-row vectors, and one block of columns: every row's recomputed fp32 logits
+  beside their bf16 copy or gradient (at most HEAD_BLOCK_BYTES of fp32), or that gradient
+  beside its bf16 product with the weight block (`head_backward_bytes`, not linear in the
+  tokens: the block is bounded). Then the final norm's backward, beside the weight's gradient
+  (the norm and the head are one FSDP unit). Qwen2.5-1.5B at 32K tokens: 1.65 GiB for the
+  head in all, measured by `benchmarks/bench_head_memory.py` (28.0 GiB with whole logits).
 - While a decoder layer's backward runs, beside the chunk's kept activations: the SwiGLU
   backward (`runtime/model._SiluMul`) holds the product's gradient from the down projection,
   the gate's gradient (one silu_backward kernel), silu(gate) recomputed and the up
@@ -78,13 +83,12 @@
   ffn / tp < 1.84 hidden: Qwen2.5-7B at tp 4 holds 50.4 KB per token there against the
   SwiGLU's 28.4 KB (`layer_backward_bytes_per_token`; tests/test_dryrun.py measures both
   moments). On the last stage the loss's backward comes first and the layers' after the head's
-  kept tensors are freed, and the final norm's backward runs once the softmax is freed (the
-  largest on a vocabulary as small as `tiny`'s; `backward_work_bytes_per_token`). Left out in
-  every layout: the stage's output and the gradient flowing through the residual stream (2h
-  each, /tp with sequence parallelism) and the chunk's rotary tables.
-- The LM head's forward holds the bf16 logits while the cross-entropy makes its fp32 copy:
-  2 * vocab / tp bytes per token beside the head's kept tensors, as large as the loss
-  backward's working set (`head_forward_bytes_per_token`).
+  kept tensors are freed (`backward_work_bytes`). Left out in every layout: the stage's output
+  and the gradient flowing through the residual stream (2h each, /tp with sequence
+  parallelism) and the chunk's rotary tables.
+- The LM head's forward holds one block of rows' bf16 logits beside their fp32 copy (at most
+  HEAD_BLOCK_BYTES of fp32: 441 rows of a 152K vocabulary) and the rows' maxima, sums, label
+  logits and label columns (`head_forward_bytes`).
 - Under context parallelism a layer also keeps, for its backward, the K/V its all-gather
   assembled of the chunk's sharded segments: whole (every CP rank's rows), 2 * kv_dim / tp
   values per sharded token (`CostModel.cp_kv_layer_bytes`; 5.6 GiB of a LLaMA-32B cp2 rank's
