@@ -243,7 +243,8 @@ def head_backward_bytes(model: ModelSpec, tokens, tp: int = 1):
     ([tokens, hidden])."""
     columns = head_columns(model, tp)
     tokens = np.asarray(tokens, dtype=np.float64)
-    block_columns = np.minimum(columns, np.maximum(1, np.floor(HEAD_BLOCK_BYTES / (BYTES_FP32 * np.maximum(tokens, 1)))))
+    fit = np.floor(HEAD_BLOCK_BYTES / (BYTES_FP32 * np.maximum(tokens, 1)))  # columns of every row in a block
+    block_columns = np.minimum(columns, np.maximum(1, fit))
     block = np.maximum(block_columns * (BYTES_FP32 + BYTES_BF16), (block_columns + model.hidden) * BYTES_BF16)
     per_row = BYTES_FP32 * model.hidden + HEAD_BACKWARD_ROW_BYTES + block
     work = columns * model.hidden * BYTES_BF16 + tokens * per_row

@@ -13,9 +13,10 @@ K/V across the slices of a split sequence (chunkflow §4.2).
 
 Stages: `embed` (first stage), `layers[a:b]` (any contiguous range), `head_loss` (last stage:
 final norm, LM head and the loss's sum, blocked so the [T, V] logits never exist,
-`runtime/loss.head_loss_sum`; `head_logits` makes them, for inspection) are separate calls; the executor decides which a stage runs. A `StagePart` builds only one
-stage's modules (its layers, the embedding on the first stage, norm and head on the last), so a
-rank holds memory in proportion to its layers; `layers` is a ModuleDict keyed by the global
+`runtime/loss.head_loss_sum`; `head_logits` makes them, for inspection) are separate calls;
+the executor decides which a stage runs. A `StagePart` builds only one stage's modules (its
+layers, the embedding on the first stage, norm and head on the last), so a rank holds memory
+in proportion to its layers; `layers` is a ModuleDict keyed by the global
 layer index, so names stay Hugging Face's whatever the split. The model imports no parallel
 code: FSDP2 and tensor parallelism are applied from outside (`runtime/parallel/`).
 
