@@ -534,7 +534,7 @@ def test_the_blocked_lm_heads_peak_is_one_block_not_the_logits(monkeypatch, bloc
     """The LM head with its blocked loss (`loss.head_loss_sum`) peaks at what the cost model
     says (`mem.head_forward_bytes`, `mem.backward_work_bytes`: its kept tensors, one block of
     logits, the weight's bf16 gradient and the input gradient's fp32 accumulator, or the
-    final norm's backward beside that gradient), within a few bytes a token, with one block of all the rows' logits (the default bound on a small
+    final norm's backward beside that gradient), within 16 bytes a token, with one block of all the rows' logits (the default bound on a small
     vocabulary) and with blocks of 16 rows / 4-16 columns (64 KiB) that never hold the
     [tokens, vocab] float32 logits (4 x 1024 bytes a token; the final norm's backward, 22
     bytes a hidden value, is then this small model's peak)."""
@@ -562,7 +562,8 @@ def test_the_blocked_lm_heads_peak_is_one_block_not_the_logits(monkeypatch, bloc
         kept = mem.head_bytes_per_token(SMALL) * tokens
         expected = kept + max(mem.head_forward_bytes(SMALL, tokens),
                               mem.backward_work_bytes(SMALL, tokens, layers=0, head=True))
-        assert expected - 4 * tokens <= measured <= expected + 4 * tokens
+        # up to the per-row vectors (labels, masks, a handful of fp32 row values)
+        assert expected - 16 * tokens <= measured <= expected + 4 * tokens
         if block_bytes is not None:  # the loss's own working set: below the whole fp32 logits
             assert mem.head_backward_bytes(SMALL, tokens) < 4 * SMALL.vocab * tokens
 
