@@ -288,6 +288,13 @@ def backward_work_bytes_per_token(model: ModelSpec, tp: int = 1, *, layers: int,
     return max(loss, layer - head_bytes_per_token(model, tp, sp=sp), norm_backward_bytes_per_token(model, tp, sp=sp))
 
 
+def head_backward_fixed_bytes(model: ModelSpec, tp: int = 1) -> float:
+    """What the loss's backward holds whatever the tokens, beyond `backward_work_bytes_per_token`
+    times them (an upper bound): the weight's bf16 gradient and one block's fp32 logits with
+    their bf16 copy (`head_backward_bytes`)."""
+    return head_columns(model, tp) * model.hidden * BYTES_BF16 + HEAD_BLOCK_BYTES * (BYTES_FP32 + BYTES_BF16) / BYTES_FP32
+
+
 def backward_work_bytes(model: ModelSpec, tokens, tp: int = 1, *, layers: int, head: bool, sp: bool = True):
     """Largest working set of a stage's backward beyond its kept activations for a chunk of
     `tokens` rows (a number or an array): one layer's per token (`layer_backward_bytes_per_token`),

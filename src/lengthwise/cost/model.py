@@ -80,6 +80,9 @@ class StageBudget:
     backward_work_per_token: float
     """The backward's working set per token beyond the kept activations: the loss's on the
     last stage, one decoder layer's elsewhere (`CostModel.backward_work_bytes`)."""
+    backward_work_fixed: float = 0.0
+    """Bytes of that working set that do not grow with the tokens: on the last stage the
+    blocked loss's weight gradient and one block of logits (`mem.head_backward_fixed_bytes`)."""
 
     @property
     def free(self) -> float:
@@ -609,7 +612,8 @@ class CostModel:
             recomputed_per_token=self.activation_bytes_per_token(layers=n, tp=tp, head=last, recompute_layers=n),
             remat_per_token=self.recompute_transient_bytes_per_token(tp=tp, recompute_layers=n),
             kv_per_token=self.kv_bytes(1, layers=n, tp=tp),  # a measured profile's K/V size too
-            backward_work_per_token=self.backward_work_bytes_per_token(layers=n, tp=tp, head=last))
+            backward_work_per_token=self.backward_work_bytes_per_token(layers=n, tp=tp, head=last),
+            backward_work_fixed=mem.head_backward_fixed_bytes(self.model, tp) if last else 0.0)
 
     def stage_budgets(self, *, tp: int = 1, pp: int = 1, replicas: int = 1, zero: int = 1) -> list[StageBudget]:
         """`stage_budget` of every stage of the pipeline."""
@@ -642,7 +646,8 @@ class CostModel:
             elif cp <= 1 and tp > 1 and self.sequence_parallel:  # a row tp does not divide: its padded attention copy, in every kept layer
                 # (only in the re-materialised one under recomputation)
                 per_token += (1 if recompute else held * b.layers) * self.model.q_dim * mem.BYTES_BF16 / tp
-            best = min(best, b.free / per_token if b.free > 0 else 0)
+            free = b.free - b.backward_work_fixed  # the loss's block and weight gradient (last stage)
+            best = min(best, free / per_token if free > 0 else 0)
         return int(best)
 
     def check_states_fit(self, *, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, zero: int = 1) -> None:
