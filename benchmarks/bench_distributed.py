@@ -111,7 +111,6 @@ class Clocks:
 
     def __init__(self):
         self.reset()
-        stage_module.token_loss_sum = self._timed("compute", stage_module.token_loss_sum)
         torch.autograd.backward = self._timed("compute", torch.autograd.backward)
         p2p_module.DistributedTransport.recv = self._timed("wait", p2p_module.DistributedTransport.recv)
         p2p_module.DistributedTransport.finish = self._timed("wait", p2p_module.DistributedTransport.finish)
@@ -120,7 +119,7 @@ class Clocks:
         p2p_module.DistributedTransport.finish = self._timed("loop", finish)
 
     def attach(self, model) -> None:
-        for name in ("embed", "rope", "run_layers", "head_logits"):
+        for name in ("embed", "rope", "run_layers", "head_loss"):
             setattr(model, name, self._timed("compute", getattr(model, name)))
 
     def reset(self):

@@ -95,6 +95,11 @@ SCENARIOS = {
     # (144 sequences: 196,113 tokens at seed 0); the scheme only sizes the cluster
     "llama32b-64-hydraulis": Scenario(model="llama-32b", cluster="a800", profile="commoncrawl", planner="hydraulis",
                                       context_length=32768, batch_size=144, scheme={"dp": 4, "tp": 8, "pp": 2}),
+    # the first GPU run's setting (an H200 there, an 80 GB H100 here): Qwen2.5-1.5B packed into 32K rows on one
+    # GPU, 64 sequences a step: the LM head's loss blocked (issue 26: peak <= 40 GiB, head <= 2 GiB)
+    "qwen1.5b-32k-packing-1gpu": Scenario(model="qwen2.5-1.5b", cluster="h100", profile="chunkflow-eval",
+                                          planner="packing", context_length=32768, batch_size=64,
+                                          scheme={"dp": 1}),
 }
 
 

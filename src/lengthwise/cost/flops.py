@@ -9,7 +9,8 @@ layers and attends causally to `start` context tokens plus itself:
   2 * q_dim FLOPs per (query, key) pair, so 4 * q_dim * keys(start, stop) with
   keys(start, stop) = sum_{p=start}^{stop-1} (p + 1) = (stop(stop+1) - start(start+1)) / 2
   (infinipipe.txt eq. 1: a slice's attention cost is the difference of the triangles).
-- LM head (last stage only): 2 * hidden * vocab * n.
+- LM head (last stage only): 2 * hidden * vocab * n; its backward also recomputes it
+  (`HEAD_RECOMPUTE`).
 
 Per TP rank: 1/tp of the linear and attention FLOPs, except that a rank whose tp exceeds the
 model's K/V heads computes the K/V projections whole (`cost.memory.kv_replicated`; the
@@ -111,6 +112,11 @@ def replicated_kv_flops(model: ModelSpec, tokens, tp: int):
     return 2.0 * model.hidden * 2 * model.kv_dim * tokens * (1 - 1 / tp)
 
 
+HEAD_RECOMPUTE = 1.0
+"""The LM head's backward recomputes its logits (`runtime/loss.head_loss_sum` keeps none from
+forward): one more forward's FLOPs beside the bwd_linear_ratio of its two gradient GEMMs."""
+
+
 def head_forward_flops(model: ModelSpec, tokens: int) -> float:
     return 2.0 * model.hidden * model.vocab * tokens
 
@@ -120,4 +126,4 @@ def sequence_model_flops(model: ModelSpec, length: int, bwd_linear_ratio=2.0, bw
     lin, attn = layer_forward_flops(model, ChunkWork(length, causal_keys(0, length)))
     head = head_forward_flops(model, length)
     per_layer = lin * (1 + bwd_linear_ratio) + attn * (1 + bwd_attn_ratio)
-    return model.num_layers * per_layer + head * (1 + bwd_linear_ratio)
+    return model.num_layers * per_layer + head * (1 + bwd_linear_ratio + HEAD_RECOMPUTE)

@@ -53,16 +53,21 @@
   recomputed layer keeps its whole input (h), rows are not padded (no padded copy), and the
   stages send whole activations (`CostModel.boundary_bytes`). Qwen2.5-7B at tp 4: 61.2 KB per
   token and layer against 50.5 KB with sequence parallelism.
-- LM head on the last stage: the fp32 softmax kept for the loss's backward (4 * vocab bytes per
-  token, as the executor's cross-entropy upcasts the logits), the final norm's input and output
-  (2h, bf16; the output, the head's input, gathered whole under sequence parallelism) and
-  reciprocal RMS, and the label (int64). Without sequence parallelism the norm's input, output
-  and reciprocal RMS and the label are whole; only the softmax divides by tp.
-- While a chunk's backward runs on the last stage, the loss's backward turns the kept fp32
-  softmax into the logits' gradient in place and hands it on in bf16: 2 * vocab bytes per token
-  beside what the head keeps (`runtime/loss.py`; autograd's own cross-entropy worked on two more
-  fp32 [tokens, vocab] buffers, 8 * vocab, the largest transient of a step on Qwen2.5-7B's 152K
-  vocabulary). Measured by `lengthwise dryrun`.
+- LM head on the last stage (`runtime/loss.head_loss_sum`: the head and its loss in one, the
+  logits made a block at a time and recomputed in backward, never [tokens, vocab] at once):
+  the final norm's input (h, bf16) and reciprocal RMS, this rank's rows under sequence
+  parallelism, whole without; the head's input (h, bf16, gathered whole), the label (int64) and
+  the row's log-sum-exp (fp32), whole (`head_bytes_per_token`: 6.2 KB a token for Qwen2.5-1.5B
+  against 614 KB while the loss kept an fp32 softmax).
+- While a chunk's backward runs on the last stage, the loss's backward holds, beside what the
+  head keeps, the weight's bf16 gradient (this rank's vocabulary rows, vocab x hidden / tp x 2
+  bytes, made whole before the first block), the input gradient's fp32 accumulator (4h a
+  token), a few per-row vectors, and one block of columns: every row's recomputed fp32 logits
+  beside their bf16 copy or gradient (at most HEAD_BLOCK_BYTES of fp32), or that gradient
+  beside its bf16 product with the weight block (`head_backward_bytes`, not linear in the
+  tokens: the block is bounded). Then the final norm's backward, beside the weight's gradient
+  (the norm and the head are one FSDP unit). Qwen2.5-1.5B at 32K tokens: 1.65 GiB for the
+  head in all, measured by `benchmarks/bench_head_memory.py` (28.0 GiB with whole logits).
 - While a decoder layer's backward runs, beside the chunk's kept activations: the SwiGLU
   backward (`runtime/model._SiluMul`) holds the product's gradient from the down projection,
   the gate's gradient (one silu_backward kernel), silu(gate) recomputed and the up
@@ -78,13 +83,12 @@
   ffn / tp < 1.84 hidden: Qwen2.5-7B at tp 4 holds 50.4 KB per token there against the
   SwiGLU's 28.4 KB (`layer_backward_bytes_per_token`; tests/test_dryrun.py measures both
   moments). On the last stage the loss's backward comes first and the layers' after the head's
-  kept tensors are freed, and the final norm's backward runs once the softmax is freed (the
-  largest on a vocabulary as small as `tiny`'s; `backward_work_bytes_per_token`). Left out in
-  every layout: the stage's output and the gradient flowing through the residual stream (2h
-  each, /tp with sequence parallelism) and the chunk's rotary tables.
-- The LM head's forward holds the bf16 logits while the cross-entropy makes its fp32 copy:
-  2 * vocab / tp bytes per token beside the head's kept tensors, as large as the loss
-  backward's working set (`head_forward_bytes_per_token`).
+  kept tensors are freed (`backward_work_bytes`). Left out in every layout: the stage's output
+  and the gradient flowing through the residual stream (2h each, /tp with sequence
+  parallelism) and the chunk's rotary tables.
+- The LM head's forward holds one block of rows' bf16 logits beside their fp32 copy (at most
+  HEAD_BLOCK_BYTES of fp32: 441 rows of a 152K vocabulary) and the rows' maxima, sums, label
+  logits and label columns (`head_forward_bytes`).
 - Under context parallelism a layer also keeps, for its backward, the K/V its all-gather
   assembled of the chunk's sharded segments: whole (every CP rank's rows), 2 * kv_dim / tp
   values per sharded token (`CostModel.cp_kv_layer_bytes`; 5.6 GiB of a LLaMA-32B cp2 rank's
@@ -103,6 +107,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from lengthwise.specs import ModelSpec
 
 BYTES_BF16 = 2
@@ -111,6 +117,10 @@ GRAD_BYTES_PER_PARAM = BYTES_FP32
 """Gradients are accumulated over a step's backwards and reduced in fp32."""
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m and v
 LABEL_BYTES = 8  # int64 token ids
+HEAD_BLOCK_BYTES = 256 * 2**20
+"""The LM head's loss holds its logits one block at a time, each block's wide (float32) logits
+at most this many bytes (`runtime/loss.head_loss_sum`): rows of the vocabulary in forward,
+columns of every token in backward."""
 
 
 def kv_replicated(model: ModelSpec, tp: int) -> bool:
@@ -189,17 +199,56 @@ def checkpoint_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool 
 
 
 def head_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
-    """What the LM head and its loss keep per token on the last stage (module docstring)."""
-    if sp:  # the final norm's input is sharded under sequence parallelism, its output (the head's input)
-        # and the labels whole
-        return (BYTES_FP32 * (model.vocab + 1) + BYTES_BF16 * model.hidden) / tp + BYTES_BF16 * model.hidden + LABEL_BYTES
-    # without: the norm's input, output and reciprocal RMS whole, the labels whole
-    return BYTES_FP32 * model.vocab / tp + BYTES_FP32 + 2 * BYTES_BF16 * model.hidden + LABEL_BYTES
+    """What the LM head and its loss keep per token on the last stage (module docstring): the
+    final norm's input (bf16) and reciprocal RMS (fp32), this rank's rows under sequence
+    parallelism; the head's input, whole (gathered); the label (int64) and the row's
+    log-sum-exp (fp32), whole. No logits: the blocked loss recomputes them in backward."""
+    whole = BYTES_BF16 * model.hidden + LABEL_BYTES + BYTES_FP32
+    norm = BYTES_BF16 * model.hidden + BYTES_FP32
+    return norm / (tp if sp else 1) + whole
 
 
-def head_backward_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
-    """Working set of the loss's backward beyond what the head keeps (module docstring)."""
-    return BYTES_BF16 * model.vocab / tp
+HEAD_FORWARD_ROW_BYTES = 21
+"""Per token of the chunk (whole rows), the blocked loss's forward vectors beside its block: the
+rows' maxima (fp32), exponential sums and label logits (2 fp32), the label's column (int64)
+and whether this rank holds it (bool)."""
+
+HEAD_BACKWARD_ROW_BYTES = 21
+"""Per token, the blocked loss's backward vectors: the rows' scale (fp32), row indices and label
+columns (2 int64) and whether this rank holds the label (bool)."""
+
+
+def head_columns(model: ModelSpec, tp: int = 1) -> float:
+    """Vocabulary columns one TP rank's head computes."""
+    return model.vocab / tp
+
+
+def head_forward_bytes(model: ModelSpec, tokens, tp: int = 1):
+    """Working set of the LM head's forward beside its kept tensors, for a chunk of `tokens`
+    rows (a number or a numpy array, elementwise): one block of rows' logits in bf16 and their
+    fp32 copy at once (`runtime/loss.head_loss_sum`: at most HEAD_BLOCK_BYTES of fp32 logits,
+    a block of whole rows of this rank's columns) and the per-row vectors."""
+    columns = head_columns(model, tp)
+    rows = np.minimum(tokens, max(1, HEAD_BLOCK_BYTES // int(BYTES_FP32 * columns)))
+    return rows * columns * (BYTES_BF16 + BYTES_FP32) + np.multiply(tokens, HEAD_FORWARD_ROW_BYTES)
+
+
+def head_backward_bytes(model: ModelSpec, tokens, tp: int = 1):
+    """Working set of the loss's backward beside what the head keeps, for a chunk of `tokens`
+    rows (a number or an array): the weight's gradient (this rank's vocabulary rows, bf16,
+    whole from the first block), the input's gradient accumulated in fp32 ([tokens, hidden]),
+    the per-row vectors, and the larger of two moments of a block of columns (every row, at
+    most HEAD_BLOCK_BYTES of fp32 logits): its recomputed fp32 logits beside their bf16
+    product or bf16 gradient, or that gradient beside its bf16 product with the weight block
+    ([tokens, hidden])."""
+    columns = head_columns(model, tp)
+    tokens = np.asarray(tokens, dtype=np.float64)
+    fit = np.floor(HEAD_BLOCK_BYTES / (BYTES_FP32 * np.maximum(tokens, 1)))  # columns of every row in a block
+    block_columns = np.minimum(columns, np.maximum(1, fit))
+    block = np.maximum(block_columns * (BYTES_FP32 + BYTES_BF16), (block_columns + model.hidden) * BYTES_BF16)
+    per_row = BYTES_FP32 * model.hidden + HEAD_BACKWARD_ROW_BYTES + block
+    work = columns * model.hidden * BYTES_BF16 + tokens * per_row
+    return np.where(tokens > 0, work, 0.0) if work.ndim else (float(work) if tokens > 0 else 0.0)
 
 
 def embedding_backward_bytes(model: ModelSpec) -> float:
@@ -207,11 +256,6 @@ def embedding_backward_bytes(model: ModelSpec) -> float:
     first stage: the whole table in bf16 on every TP rank, before it is added into the
     accumulated gradient (module docstring)."""
     return model.vocab * model.hidden * BYTES_BF16
-
-
-def head_forward_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
-    """The bf16 logits beside the head's kept tensors while the loss makes their fp32 copy."""
-    return BYTES_BF16 * model.vocab / tp
 
 
 def norm_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
@@ -233,15 +277,38 @@ def layer_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = 
 def backward_work_bytes_per_token(model: ModelSpec, tp: int = 1, *, layers: int, head: bool,
                                   sp: bool = True) -> float:
     """Largest working set of a stage's backward beyond its kept activations, per token: one
-    layer's (none without layers), and on the last stage the loss's, after which the head's
-    kept tensors are freed before the layers' backward runs."""
+    layer's (none without layers), and on the last stage the final norm's. The loss's own
+    (`head_backward_bytes`) is not linear in the tokens (its blocks are bounded) and is added
+    per chunk (`backward_work_bytes`); per token it is its slope at long chunks (one column
+    a block): the input gradient's fp32 accumulator beside a block's bf16 product."""
     layer = layer_backward_bytes_per_token(model, tp, sp=sp) if layers > 0 else 0.0
     if not head:
         return layer
-    # the final norm's backward runs once the loss's softmax is freed (the head's input
-    # gradient takes the place of the head's input)
-    final_norm = norm_backward_bytes_per_token(model, tp, sp=sp) - BYTES_FP32 * model.vocab / tp
-    return max(head_backward_bytes_per_token(model, tp), layer - head_bytes_per_token(model, tp, sp=sp), final_norm)
+    loss = (BYTES_FP32 + BYTES_BF16) * model.hidden + HEAD_BACKWARD_ROW_BYTES + BYTES_BF16
+    return max(loss, layer - head_bytes_per_token(model, tp, sp=sp), norm_backward_bytes_per_token(model, tp, sp=sp))
+
+
+def head_backward_fixed_bytes(model: ModelSpec, tp: int = 1) -> float:
+    """What the loss's backward holds whatever the tokens, beyond `backward_work_bytes_per_token`
+    times them (an upper bound): the weight's bf16 gradient and one block's fp32 logits with
+    their bf16 copy (`head_backward_bytes`)."""
+    return head_columns(model, tp) * model.hidden * BYTES_BF16 + HEAD_BLOCK_BYTES * (BYTES_FP32 + BYTES_BF16) / BYTES_FP32
+
+
+def backward_work_bytes(model: ModelSpec, tokens, tp: int = 1, *, layers: int, head: bool, sp: bool = True):
+    """Largest working set of a stage's backward beyond its kept activations for a chunk of
+    `tokens` rows (a number or an array): one layer's per token (`layer_backward_bytes_per_token`),
+    and on the last stage, where it runs first, the blocked loss's (`head_backward_bytes`), then
+    the final norm's beside the head weight's bf16 gradient (the norm and the head are one FSDP
+    unit, which takes that gradient into its fp32 accumulator after both backwards); the
+    layers' run once the head's kept tensors are freed."""
+    layer = np.multiply(layer_backward_bytes_per_token(model, tp, sp=sp) if layers > 0 else 0.0, tokens)
+    if not head:
+        return layer
+    weight_grad = head_columns(model, tp) * model.hidden * BYTES_BF16
+    final_norm = np.multiply(norm_backward_bytes_per_token(model, tp, sp=sp), tokens) + weight_grad
+    kept = np.multiply(head_bytes_per_token(model, tp, sp=sp), tokens)
+    return np.maximum(np.maximum(head_backward_bytes(model, tokens, tp), final_norm), layer - kept)
 
 
 def kv_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:

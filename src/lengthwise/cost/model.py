@@ -18,6 +18,7 @@ import numpy as np
 import lengthwise.cost.memory as mem
 from lengthwise.cost.comm import CommModel
 from lengthwise.cost.flops import (
+    HEAD_RECOMPUTE,
     ChunkWork,
     chunk_work,
     down_proj_flops,
@@ -90,6 +91,9 @@ class StageBudget:
     backward_work_per_token: float
     """The backward's working set per token beyond the kept activations: the loss's on the
     last stage, one decoder layer's elsewhere (`CostModel.backward_work_bytes`)."""
+    backward_work_fixed: float = 0.0
+    """Bytes of that working set that do not grow with the tokens: on the last stage the
+    blocked loss's weight gradient and one block of logits (`mem.head_backward_fixed_bytes`)."""
 
     @property
     def free(self) -> float:
@@ -170,7 +174,8 @@ class CostModel:
         work = chunk_work(chunk)
         lin, attn = layer_forward_flops(self.model, work)
         body = layers * (lin * self.bwd_linear_ratio + attn * self.bwd_attn_ratio)
-        return body + (head_forward_flops(self.model, work.tokens) * self.bwd_linear_ratio if head else 0.0)
+        return body + (head_forward_flops(self.model, work.tokens) * (self.bwd_linear_ratio + HEAD_RECOMPUTE)
+                       if head else 0.0)
 
     # ---- seconds on one stage ----
     def forward_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False,
@@ -256,7 +261,7 @@ class CostModel:
         head_flops = head_forward_flops(self.model, work.tokens) if head else 0.0
         if backward:
             lin, attn, head_flops = (lin * self.bwd_linear_ratio, attn * self.bwd_attn_ratio,
-                                     head_flops * self.bwd_linear_ratio)
+                                     head_flops * (self.bwd_linear_ratio + HEAD_RECOMPUTE))
         peak = self.cluster.peak_tflops * 1e12
         lin_eff = self.throughput.linear_efficiency(work.tokens, tp)
         lin_s = (layers * lin + head_flops) / tp / (peak * lin_eff)
@@ -296,7 +301,7 @@ class CostModel:
             head_flops = 2.0 * m.hidden * m.vocab * tokens if head else 0.0
             if backward:
                 lin, attn, head_flops = (lin * self.bwd_linear_ratio, attn * self.bwd_attn_ratio,
-                                         head_flops * self.bwd_linear_ratio)
+                                         head_flops * (self.bwd_linear_ratio + HEAD_RECOMPUTE))
             peak = self.cluster.peak_tflops * 1e12
             x = np.maximum(tokens, 1.0)
             lin_eff = th.linear_mfu * x / (x + th.half_tokens * tp)
@@ -445,15 +450,21 @@ class CostModel:
     def head_backward_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
         """Bytes the loss's backward works on, on top of the kept activations, while the
         chunk's backward runs on the last stage (busiest GPU of the CP group)."""
-        return mem.head_backward_bytes_per_token(self.model, tp) * max(w.tokens for w in rank_works(chunk, cp))
+        return float(mem.head_backward_bytes(self.model, max(w.tokens for w in rank_works(chunk, cp)), tp))
 
     def backward_work_bytes(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False) -> float:
         """Largest working set of the chunk's backward on a stage of `layers` layers (`head`:
         the last stage), on top of its kept activations (busiest GPU of the CP group): the
         loss's backward on the last stage, one layer's SwiGLU backward elsewhere
         (`cost/memory.py`)."""
-        per_token = self.backward_work_bytes_per_token(layers=layers, tp=tp, head=head)
-        return per_token * max(w.tokens for w in rank_works(chunk, cp)) if per_token else 0.0
+        return float(self.backward_work_bytes_rows(max(w.tokens for w in rank_works(chunk, cp)), layers=layers,
+                                                   tp=tp, head=head))
+
+    def backward_work_bytes_rows(self, tokens, *, layers: int, tp: int = 1, head: bool = False):
+        """`backward_work_bytes` of rows of these tokens (a number or a float64 array,
+        elementwise): per token, and on the last stage the blocked loss's backward
+        (`mem.backward_work_bytes`)."""
+        return mem.backward_work_bytes(self.model, tokens, tp, layers=layers, head=head, sp=self.sequence_parallel)
 
     def backward_work_bytes_per_token(self, *, layers: int, tp: int = 1, head: bool = False) -> float:
         """`backward_work_bytes` per token (`mem.backward_work_bytes_per_token` in this model's
@@ -461,9 +472,10 @@ class CostModel:
         return mem.backward_work_bytes_per_token(self.model, tp, layers=layers, head=head, sp=self.sequence_parallel)
 
     def head_forward_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
-        """Bytes beside the kept activations while the chunk's forward runs the LM head: its
-        bf16 logits, alive while the loss makes their fp32 copy (busiest GPU of the CP group)."""
-        return mem.head_forward_bytes_per_token(self.model, tp) * max(w.tokens for w in rank_works(chunk, cp))
+        """Bytes beside the kept activations while the chunk's forward runs the LM head: one
+        block's bf16 logits and their fp32 copy (`mem.head_forward_bytes`; busiest GPU of the
+        CP group)."""
+        return float(mem.head_forward_bytes(self.model, max(w.tokens for w in rank_works(chunk, cp)), tp))
 
     def kv_bytes(self, num_tokens: int, *, layers: int, tp: int = 1, cp: int = 1) -> float:
         per = mem.kv_bytes_per_token_layer(self.model, tp)
@@ -669,7 +681,8 @@ class CostModel:
             recomputed_per_token=self.activation_bytes_per_token(layers=n, tp=tp, head=last, recompute_layers=n),
             remat_per_token=self.recompute_transient_bytes_per_token(tp=tp, recompute_layers=n),
             kv_per_token=self.kv_bytes(1, layers=n, tp=tp),  # a measured profile's K/V size too
-            backward_work_per_token=self.backward_work_bytes_per_token(layers=n, tp=tp, head=last))
+            backward_work_per_token=self.backward_work_bytes_per_token(layers=n, tp=tp, head=last),
+            backward_work_fixed=mem.head_backward_fixed_bytes(self.model, tp) if last else 0.0)
 
     def stage_budgets(self, *, tp: int = 1, pp: int = 1, replicas: int = 1, zero: int = 1) -> list[StageBudget]:
         """`stage_budget` of every stage of the pipeline."""
@@ -702,7 +715,8 @@ class CostModel:
             elif cp <= 1 and tp > 1 and self.sequence_parallel:  # a row tp does not divide: its padded attention copy, in every kept layer
                 # (only in the re-materialised one under recomputation)
                 per_token += (1 if recompute else held * b.layers) * self.model.q_dim * mem.BYTES_BF16 / tp
-            best = min(best, b.free / per_token if b.free > 0 else 0)
+            free = b.free - b.backward_work_fixed  # the loss's block and weight gradient (last stage)
+            best = min(best, free / per_token if free > 0 else 0)
         return int(best)
 
     def check_states_fit(self, *, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, zero: int = 1) -> None:

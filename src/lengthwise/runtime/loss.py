@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import lengthwise.cost.memory as mem
 from lengthwise.plan.ir import Chunk
 
 IGNORE = -100
@@ -51,16 +52,19 @@ def chunk_labels(chunk: Chunk, token_ids: list[torch.Tensor]) -> torch.Tensor:
 @dataclass(frozen=True)
 class VocabShard:
     """Logits split by vocabulary over a tensor-parallel group: this rank holds columns
-    [start, start + its width)."""
+    [start, start + its width), of which the first `real` are the model's (the rest pad a
+    vocabulary tp does not divide; None: all of them)."""
 
     group: object
     start: int
+    real: int | None = None
 
 
 def token_loss_sum(logits_TV: torch.Tensor, labels_T: torch.Tensor, shard: VocabShard | None = None) -> torch.Tensor:
     """Sum of cross-entropies over labelled positions, in at least float32. `shard`: the
     logits are this rank's vocabulary columns (tensor parallelism); every rank of the group
-    gets the whole sum."""
+    gets the whole sum. The loss of logits already made (the reference's, `verify.py`); the
+    executor's LM head never makes them whole but uses `head_loss_sum`."""
     return _TokenCrossEntropy.apply(logits_TV, labels_T, shard)
 
 
@@ -113,3 +117,127 @@ def _targets(labels_T: torch.Tensor, start: int, x_TV: torch.Tensor):
 def _all_reduce(tensor: torch.Tensor, shard: VocabShard | None, op) -> None:
     if shard is not None:
         dist.all_reduce(tensor, op=op, group=shard.group)
+
+
+def head_loss_sum(x_TD: torch.Tensor, weight_VD: torch.Tensor, labels_T: torch.Tensor,
+                  shard: VocabShard | None = None, *, block_bytes: int | None = None) -> torch.Tensor:
+    """`token_loss_sum(x_TD @ weight_VD.T, labels_T, shard)` without ever holding the logits
+    [T, V] (`_BlockedHeadLoss`): the LM head (normed hidden states x, this rank's vocabulary
+    rows of the head's weight) and its loss in one, a block of at most `block_bytes` of wide
+    logits at a time (default `cost.memory.HEAD_BLOCK_BYTES`). Plain tensors: the caller hands
+    this rank's local pieces (`model.LMHead`)."""
+    return _BlockedHeadLoss.apply(x_TD, weight_VD, labels_T, shard, block_bytes or mem.HEAD_BLOCK_BYTES)
+
+
+def block_rows(columns: int, dtype: torch.dtype, block_bytes: int | None = None) -> int:
+    """Rows of a [rows, columns] block of `dtype` that fit in `block_bytes` (at least one)."""
+    return max(1, (block_bytes or mem.HEAD_BLOCK_BYTES) // max(1, columns * dtype.itemsize))
+
+
+class _BlockedHeadLoss(torch.autograd.Function):
+    """LM head + cross-entropy, blocked: the logits exist one block at a time.
+
+    Forward, per block of rows: the block's logits x W^T in the compute dtype, widened (float32,
+    float64 for float64), padded columns set to -inf, then per row the maximum, the sum of
+    exponentials relative to it and the label's logit; the [T, V] logits are never held, only
+    three [T] vectors. Under tensor parallelism (`shard`: W is this rank's vocabulary rows) the
+    rows' maxima are all-reduced (MAX) and the rescaled exponential sums with the label logits
+    (SUM, one stacked call) once for the whole chunk after the last block: two collectives a
+    chunk whatever the number of blocks. Forward keeps x (the head's input, already kept by the
+    linear layer it replaces), the labels and the rows' log-sum-exp.
+
+    Backward recomputes the logits, one block of vocabulary columns at a time (all rows): the
+    softmax is exp(logit - log-sum-exp), the label's column loses one, rows scaled by the
+    incoming gradient; the block's weight gradient is then complete in one matmul over every
+    row (written in place into the [V, D] gradient, rounded once as the unblocked head's), and
+    the input gradient is accumulated over the column blocks in the wide dtype ([T, D]). No
+    collective in backward (the log-sum-exp saved is the group's); the input gradient is this
+    rank's partial sum, which the caller's DTensor layout sums over TP.
+
+    Why recompute (one more T x V x D matmul, the head's FLOPs 8 T V D instead of 6) rather
+    than making both gradients during forward and keeping them for backward: a chunk's forward
+    on the last stage may run long before its backward (pipeline warm-up, ChunkFlow's K
+    chunks in flight, SlimPack's backward units), and gradients made in forward would have to
+    be kept until then, a [V, D] weight gradient per chunk in flight (0.47 GB in bf16 for
+    Qwen2.5-1.5B) plus [T, D]; recomputation keeps only the [T] log-sum-exp beyond the input
+    the head keeps anyway, and its peak is one block. Column blocks in backward (rather than
+    row blocks) so that the weight gradient is never accumulated: an fp32 accumulator of
+    [V, D] would cost 4 V D bytes, the [T, D] one of the input gradient is V / T times smaller
+    at the lengths where the head matters.
+
+    Block size: rows (forward) or columns (backward) such that one block's wide logits take at
+    most `block_bytes` (`cost.memory.HEAD_BLOCK_BYTES`, 256 MiB: 441 rows of Qwen2.5's 151,936
+    float32 logits, 2,048 columns at 32K tokens); beside it the compute-dtype logits (forward)
+    or gradient (backward) of the block. Block bounds come from shapes only: no host sync."""
+
+    @staticmethod
+    def forward(ctx, x_TD, weight_VD, labels_T, shard, block_bytes):
+        wide = torch.float64 if x_TD.dtype == torch.float64 else torch.float32
+        tokens, columns = x_TD.shape[0], weight_VD.shape[0]
+        real = columns if shard is None or shard.real is None else max(0, min(columns, shard.real))
+        start = 0 if shard is None else shard.start
+        local_T, mine_T = _label_columns(labels_T, start, columns)
+        max_T = x_TD.new_empty(tokens, dtype=wide)
+        sum_T = x_TD.new_empty((2, tokens), dtype=wide)  # exponential sums, label logits
+        rows = block_rows(columns, wide, block_bytes)
+        for r0 in range(0, tokens, rows):
+            r1 = min(tokens, r0 + rows)
+            x_BV = _wide_logits(x_TD[r0:r1], weight_VD, wide, real)
+            target_B = x_BV.gather(1, local_T[r0:r1, None]).squeeze(1)
+            sum_T[1, r0:r1] = torch.where(mine_T[r0:r1], target_B, torch.zeros_like(target_B))
+            m_B = x_BV.amax(-1) if columns else x_BV.new_full((r1 - r0,), float("-inf"))
+            if shard is not None:  # a rank whose columns are all padding: its row maximum is -inf
+                m_B = torch.where(torch.isfinite(m_B), m_B, torch.zeros_like(m_B))
+            max_T[r0:r1] = m_B
+            sum_T[0, r0:r1] = x_BV.sub_(m_B[:, None]).exp_().sum(-1)
+            del x_BV
+        if shard is not None:
+            top_T = max_T.clone()
+            dist.all_reduce(top_T, op=dist.ReduceOp.MAX, group=shard.group)
+            sum_T[0].mul_((max_T - top_T).exp())
+            dist.all_reduce(sum_T, op=dist.ReduceOp.SUM, group=shard.group)
+            max_T = top_T
+        lse_T = sum_T[0].log().add_(max_T)
+        ctx.block_bytes, ctx.real, ctx.start = block_bytes, real, start
+        ctx.save_for_backward(x_TD, weight_VD, labels_T, lse_T)
+        return ((lse_T - sum_T[1]) * (labels_T != IGNORE)).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_TD, weight_VD, labels_T, lse_T = ctx.saved_tensors
+        wide, tokens, columns = lse_T.dtype, x_TD.shape[0], weight_VD.shape[0]
+        local_T, mine_T = _label_columns(labels_T, ctx.start, columns)
+        scale_T = (labels_T != IGNORE).to(wide) * grad.to(wide)
+        rows_T = torch.arange(tokens, device=x_TD.device)
+        grad_x = x_TD.new_zeros(x_TD.shape, dtype=wide)
+        grad_w = torch.empty_like(weight_VD)
+        step = block_rows(tokens, wide, ctx.block_bytes)
+        for c0 in range(0, columns, step):
+            c1 = min(columns, c0 + step)
+            w_CD = weight_VD[c0:c1]
+            g_TC = _wide_logits(x_TD, w_CD, wide, ctx.real - c0)
+            g_TC.sub_(lse_T[:, None]).exp_()
+            hit_T = mine_T & (local_T >= c0) & (local_T < c1)
+            g_TC.index_put_((rows_T, (local_T - c0).clamp(0, c1 - c0 - 1)), -hit_T.to(wide), accumulate=True)
+            g_TC = g_TC.mul_(scale_T[:, None]).to(x_TD.dtype)
+            torch.mm(g_TC.t(), x_TD, out=grad_w[c0:c1])
+            grad_x.add_(g_TC @ w_CD)
+            del g_TC
+        return grad_x.to(x_TD.dtype), grad_w, None, None, None
+
+
+def _wide_logits(x_BD: torch.Tensor, weight_CD: torch.Tensor, wide: torch.dtype, real: int) -> torch.Tensor:
+    """One block's logits: the product in the compute dtype, then a wide copy (the compute-dtype
+    block freed once copied), -inf on the columns from `real` on (vocabulary padding)."""
+    x_BC = (x_BD @ weight_CD.t()).to(wide)
+    if real < x_BC.shape[1]:
+        x_BC[:, max(real, 0):] = float("-inf")
+    return x_BC
+
+
+def _label_columns(labels_T: torch.Tensor, start: int, columns: int):
+    """Per token: the label's column among this rank's `columns` (clamped in range) and whether
+    this rank holds it (IGNORE: never); static shapes (they run on fake tensors too)."""
+    local_T = labels_T - start
+    mine_T = (labels_T != IGNORE) & (local_T >= 0) & (local_T < columns)
+    return local_T.clamp(0, max(columns - 1, 0)), mine_T

@@ -11,10 +11,12 @@ attend to which, `runtime/attention.py`). A layer also takes the K/V *context* o
 and returns its own post-rotary K/V, so the state-aware executor (`runtime/stage.py`) can keep
 K/V across the slices of a split sequence (chunkflow §4.2).
 
-Stages: `embed` (first stage), `layers[a:b]` (any contiguous range), `head_logits` (last stage)
-are separate calls; the executor decides which a stage runs. A `StagePart` builds only one
-stage's modules (its layers, the embedding on the first stage, norm and head on the last), so a
-rank holds memory in proportion to its layers; `layers` is a ModuleDict keyed by the global
+Stages: `embed` (first stage), `layers[a:b]` (any contiguous range), `head_loss` (last stage:
+final norm, LM head and the loss's sum, blocked so the [T, V] logits never exist,
+`runtime/loss.head_loss_sum`; `head_logits` makes them, for inspection) are separate calls;
+the executor decides which a stage runs. A `StagePart` builds only one stage's modules (its
+layers, the embedding on the first stage, norm and head on the last), so a rank holds memory
+in proportion to its layers; `layers` is a ModuleDict keyed by the global
 layer index, so names stay Hugging Face's whatever the split. The model imports no parallel
 code: FSDP2 and tensor parallelism are applied from outside (`runtime/parallel/`).
 
@@ -37,9 +39,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from torch.distributed.tensor import DTensor
+
 from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend, wants_varlen_index
 from lengthwise.runtime.compile import compiled
 from lengthwise.runtime.layout import LayerContext, RowIndex
+from lengthwise.runtime.loss import VocabShard, head_loss_sum
 from lengthwise.specs import ModelSpec
 
 
@@ -263,7 +268,7 @@ class CausalLM(nn.Module):
         self.part = part or StagePart.whole(spec)
         self.model = DecoderStack(spec, self.part, dtype)
         if self.part.last:
-            self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False, dtype=dtype)
+            self.lm_head = LMHead(spec.hidden, spec.vocab, bias=False, dtype=dtype)
         self.sequence_shards = 1
         """Ranks the residual stream's rows are split over (sequence parallelism, set by tensor
         parallelism from outside): `embed` and the layers return this rank's rows of the chunk
@@ -305,7 +310,34 @@ class CausalLM(nn.Module):
         return h_TD, kv_per_layer
 
     def head_logits(self, h_TD: torch.Tensor) -> torch.Tensor:
+        """Logits [T, V] (this rank's vocabulary columns under tensor parallelism)."""
         return self.lm_head(self.model.norm(h_TD))
+
+    def head_loss(self, h_TD: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+        """Sum of the row's token cross-entropies (`labels_T`: one per row of the head's input,
+        padding rows included, IGNORE where nothing is predicted), the logits made and dropped a
+        block at a time (`loss.head_loss_sum`); whole on every TP rank."""
+        return self.lm_head(self.model.norm(h_TD), labels_T)
+
+
+class LMHead(nn.Linear):
+    """The LM head: the logits, or with labels the loss's sum without the logits
+    (`loss.head_loss_sum`). Under tensor parallelism the weight is this rank's vocabulary rows
+    (a DTensor) and `vocab_shard` says which; the input arrives whole on every rank
+    (`parallel/tensor_parallel.py` gathers it)."""
+
+    vocab_shard: VocabShard | None = None
+
+    def forward(self, x_TD: torch.Tensor, labels_T: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        if labels_T is not None:
+            return head_loss_sum(x_TD, weight, labels_T, self.vocab_shard)
+        logits = F.linear(x_TD, weight)
+        real = None if self.vocab_shard is None else self.vocab_shard.real
+        if real is not None and real < logits.shape[-1]:  # padded vocabulary columns
+            logits = logits.index_fill(-1, torch.arange(max(real, 0), logits.shape[-1], device=logits.device),
+                                       float("-inf"))
+        return logits
 
 
 def build_model(spec: ModelSpec, *, dtype: torch.dtype = torch.float32, device="cpu",

@@ -46,7 +46,7 @@ import torch
 from lengthwise.cost.fit import Timing
 from lengthwise.plan.ir import Chunk
 from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend
-from lengthwise.runtime.loss import chunk_positions, token_loss_sum
+from lengthwise.runtime.loss import chunk_positions
 from lengthwise.runtime.memory import SavedTensorMeter
 from lengthwise.runtime.compile import compile_layers, compile_wanted
 from lengthwise.runtime.model import build_model
@@ -187,7 +187,7 @@ class TorchMeasurer:
     def _head_run(self, labels: torch.Tensor) -> Timing:
         with HeldBytes(self.device, exclude=self.model.parameters()) as held:
             h_TD = self._randn(labels.numel(), self.spec.hidden, grad=True)
-            t_f, loss = elapsed(lambda: token_loss_sum(self.model.head_logits(h_TD), labels), self.device)
+            t_f, loss = elapsed(lambda: self.model.head_loss(h_TD, labels), self.device)
         t_b, _ = elapsed(loss.backward, self.device)
         return Timing(fwd_s=t_f, bwd_s=t_b, activation_bytes=held.bytes, peak_bytes=held.peak_bytes())
 

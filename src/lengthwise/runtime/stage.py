@@ -53,7 +53,7 @@ from lengthwise.plan.messages import Exchange, pipeline_messages
 from lengthwise.runtime.attention import ChunkLayout, wants_varlen_index
 from lengthwise.runtime.layout import RowIndex
 from lengthwise.runtime.cells import CellMap, cell_last_uses, cell_map
-from lengthwise.runtime.loss import IGNORE, chunk_labels, chunk_positions, chunk_tokens, token_loss_sum
+from lengthwise.runtime.loss import IGNORE, chunk_labels, chunk_positions, chunk_tokens
 from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.state import KV, KVStore, SliceKey, slice_key, stored_prefix, stored_segments
 from lengthwise.runtime.transport import Message, Transport
@@ -291,11 +291,10 @@ class StageRunner:
             # reaches the row's graph, so that backward runs this rank's part of any collective.
             return 0.0 * h_TD.sum()
         labels = chunk_labels(chunk, self.token_ids).to(h_TD.device)
-        shard = getattr(self.model, "vocab_shard", None)  # set by tensor parallelism
-        logits = self.model.head_logits(h_TD)
-        if logits.shape[0] > labels.shape[0]:  # sequence parallelism's padding rows predict nothing
-            labels = torch.cat([labels, labels.new_full((logits.shape[0] - labels.shape[0],), IGNORE)])
-        loss_part = token_loss_sum(logits, labels, shard) / self.plan.loss_tokens
+        rows = h_TD.shape[0] * self.model.sequence_shards  # the head gathers the rows of every TP rank
+        if rows > labels.shape[0]:  # sequence parallelism's padding rows predict nothing
+            labels = torch.cat([labels, labels.new_full((rows - labels.shape[0],), IGNORE)])
+        loss_part = self.model.head_loss(h_TD, labels) / self.plan.loss_tokens
         self.loss_sum = self.loss_sum + loss_part.detach().double()
         return loss_part
 

@@ -11,6 +11,7 @@ point-to-point hand-off between stages is an edge delay.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import numpy as np
 
 import lengthwise.cost.memory as mem
 from lengthwise.cost import CostModel
-from lengthwise.cost.flops import ChunkWork, chunk_work, head_forward_flops, layer_forward_flops, work_key
+from lengthwise.cost.flops import HEAD_RECOMPUTE, ChunkWork, chunk_work, head_forward_flops, layer_forward_flops, work_key
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
@@ -288,7 +289,7 @@ def _batched_model_flops(cm: CostModel, works) -> list[float | None]:
     fwd = (L * (lin + attn) + head_forward_flops(cm.model, fw.tokens)).tolist()
     lin, attn = layer_forward_flops(cm.model, bw)
     bwd = (L * (lin * cm.bwd_linear_ratio + attn * cm.bwd_attn_ratio)
-           + head_forward_flops(cm.model, bw.tokens) * cm.bwd_linear_ratio).tolist()
+           + head_forward_flops(cm.model, bw.tokens) * (cm.bwd_linear_ratio + HEAD_RECOMPUTE)).tolist()
     fb = np.cumsum([0] + [len(works[i][0].bare_tokens) for i in have]).tolist()
     bb = np.cumsum([0] + [len(works[i][1].bare_tokens) for i in have]).tolist()
     out: list[float | None] = [None] * len(works)
@@ -589,11 +590,12 @@ class _PipelineCosts:
             # each backward unit's working set (the loss backward's bf16 logit gradient on the
             # last stage, a layer's SwiGLU backward elsewhere), and the head forward's bf16 logits
             work.append(self._per_token_row(cm.backward_work_bytes, self.units, 1,
-                                            cm.backward_work_bytes_per_token(layers=L, tp=pipe.tp, head=head),
+                                            functools.partial(cm.backward_work_bytes_rows, layers=L, tp=pipe.tp,
+                                                              head=head),
                                             layers=L, head=head))
             fwork.append(self._per_token_row(cm.head_forward_bytes, pipe.chunks, 0,
-                                             mem.head_forward_bytes_per_token(cm.model, pipe.tp)) if head
-                         else zeros(C))
+                                             functools.partial(mem.head_forward_bytes, cm.model, tp=pipe.tp))
+                         if head else zeros(C))
             self._stage_rest(s, L, splits, kv_of, kv, kv_grad, transient, zeros, C, act)
         states, grads = self._states()
         if cm.grads_held_all_step:  # a buffer allocated before the step (`CostModel.grads_held_all_step`)
@@ -674,13 +676,12 @@ class _PipelineCosts:
                 if k:
                     remat[at] = (cm.activation_bytes_rows(tokens[at], layers=1, tp=tp)
                                  - cm.activation_bytes_rows(tokens[at], layers=1, tp=tp, recompute_layers=1))
-        per_token = cm.backward_work_bytes_per_token(layers=L, tp=tp, head=head)
         work = np.zeros(len(self.units))
-        np.maximum.at(work, unit_of, remat + per_token * tokens)
+        np.maximum.at(work, unit_of, remat + cm.backward_work_bytes_rows(tokens, layers=L, tp=tp, head=head))
         fwork = self._zeros(len(self.pipe.chunks))
         if head:
             fwork = np.zeros(len(self.pipe.chunks))
-            np.maximum.at(fwork, chunk_of, mem.head_forward_bytes_per_token(cm.model, tp) * tokens)
+            np.maximum.at(fwork, chunk_of, mem.head_forward_bytes(cm.model, tokens, tp))
         out = self._cache[key] = (kept, self._zeros(len(self.pipe.chunks)), work, fwork)
         return out
 
@@ -750,15 +751,18 @@ class _PipelineCosts:
             row.flags.writeable = False
         return self.shared[key]
 
-    def _per_token_row(self, method, chunks: list[Chunk], side: int, per_token: float, **kwargs):
+    def _per_token_row(self, method, chunks: list[Chunk], side: int, per_token, **kwargs):
         """`method(c, **kwargs, tp, cp)` of every chunk of `chunks` (the forward chunks, `side`
         0, or the backward units, 1), a CostModel method that is `per_token` bytes times the
-        chunk's tokens on its busiest CP rank: without CP that product over the row tokens at
-        once (the same floats), unless a subclass redefines the method."""
+        chunk's tokens on its busiest CP rank (or `per_token(tokens)`, a function of the row
+        tokens elementwise): without CP that over the row tokens at once (the same floats),
+        unless a subclass redefines the method."""
         cm = self.cm
         if self.works is None or self.pipe.cp > 1 or getattr(type(cm), method.__name__) is not \
                 getattr(CostModel, method.__name__):
             return [method(c, **kwargs, **self.kw) for c in chunks]
+        if callable(per_token):
+            return per_token(self.works[side].row_tokens)
         if not per_token:
             return self._zeros(len(chunks))
         return per_token * self.works[side].row_tokens
@@ -831,7 +835,7 @@ class _PipelineCosts:
             fwd = L * (lin + attn) + head_forward_flops(cm.model, fw.bare_tokens)
             lin, attn = layer_forward_flops(cm.model, ChunkWork(bw.bare_tokens, bw.bare_pairs))
             bwd = (L * (lin * cm.bwd_linear_ratio + attn * cm.bwd_attn_ratio)
-                   + head_forward_flops(cm.model, bw.bare_tokens) * cm.bwd_linear_ratio)
+                   + head_forward_flops(cm.model, bw.bare_tokens) * (cm.bwd_linear_ratio + HEAD_RECOMPUTE))
             return sum(fwd.tolist()) + sum(bwd.tolist())
         bare = lambda c: Chunk(c.segments) if c.pad_to else c
         memo = self.shared.setdefault("model_flops", {})  # by (tokens, pairs): padding excluded

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 
 from lengthwise.cost import CostModel
 from lengthwise.cost.flops import (
+    HEAD_RECOMPUTE,
     head_forward_flops,
     layer_forward_flops,
     recompute_forward_flops,
@@ -134,7 +135,8 @@ def stage_flops(plan: StepPlan, cost: CostModel, place: RankPlace) -> float:
         # the executor's no-grad forward (N) keeps K/V only and never runs the head
         head = head_forward_flops(plan.model, work.tokens) if last and action.kind != FORWARD_NOGRAD else 0.0
         if action.kind == BACKWARD:
-            total += layers * (lin * cost.bwd_linear_ratio + attn * cost.bwd_attn_ratio) + head * cost.bwd_linear_ratio
+            total += layers * (lin * cost.bwd_linear_ratio + attn * cost.bwd_attn_ratio) \
+                + head * (cost.bwd_linear_ratio + HEAD_RECOMPUTE)
             replicated += layers * kv * cost.bwd_linear_ratio
         else:
             reruns = min(action.recompute_layers, layers)

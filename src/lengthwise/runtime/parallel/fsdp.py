@@ -7,7 +7,7 @@ sharded (ZeRO-3, or ZeRO-1/2-like), gradients reduced once per step.
 
 Wrapping (torchtitan's): `fully_shard` on the embedding, on every decoder layer, on the final
 norm with the LM head, then on the stage's root (`shard_groups`). The executor calls the
-model's `embed`, `run_layers` and `head_logits`, not `forward`, so those are registered as
+model's `embed`, `run_layers` and `head_loss` (or `head_logits`), not `forward`, so those are registered as
 FSDP forward methods (`register_fsdp_forward_method`).
 
 Gradient reduction. A plan runs many backwards per step (one per backward unit's cell), and
@@ -46,7 +46,7 @@ from lengthwise.runtime.cells import cell_map
 from lengthwise.runtime.distributed.mesh import PlanLayout
 from lengthwise.runtime.model import CausalLM
 
-FORWARD_METHODS = ("embed", "run_layers", "head_logits")
+FORWARD_METHODS = ("embed", "run_layers", "head_logits", "head_loss")
 
 
 def apply_fsdp(model: CausalLM, mesh: DeviceMesh, *, zero: int, param_dtype: torch.dtype | None = None) -> CausalLM:

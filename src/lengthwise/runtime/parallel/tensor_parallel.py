@@ -4,14 +4,15 @@ Per decoder layer: q/k/v and the SwiGLU gate/up projections column-parallel (eac
 computes its heads / its slice of the intermediate width), o_proj and down_proj row-parallel
 (partial sums all-reduced), norms replicated. The embedding is split by vocabulary rows
 (row-parallel, lookups of rows another rank holds give 0, summed over TP), the LM head by
-vocabulary columns, its logits left sharded (each rank's columns, a plain tensor) for the
-vocabulary-parallel cross-entropy (`loss.token_loss_sum` with the `VocabShard` this sets as
-`model.vocab_shard`).
+vocabulary columns: each rank computes its columns' logits a block at a time inside the
+vocabulary-parallel loss (`loss.head_loss_sum` with the `VocabShard` this sets as
+`model.vocab_shard` and `lm_head.vocab_shard`), its input gathered whole first
+(`_whole_head_input`).
 
 A vocabulary that tp does not divide is padded to the next multiple (as Megatron does): the
 embedding and the head get zero rows no token reads, and the head's padded logits are set to
--inf before the loss, so the softmax and every gradient are the unpadded model's. Checkpoints
-keep the real vocabulary (`weights.py` pads on load; gathers trim, `parallel/step.py`).
+-inf in the loss (`VocabShard.real`), so the softmax and every gradient are the unpadded model's.
+Checkpoints keep the real vocabulary (`weights.py` pads on load; gathers trim, `parallel/step.py`).
 
 Grouped-query attention with fewer K/V heads than TP ranks (tp = 8 on Llama-2-70B's 8 heads
 is the edge; Qwen2.5-1.5B's 2 are replicated at tp 4): the K/V projections are replicated, every rank computes all G
@@ -75,7 +76,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -86,7 +87,7 @@ from torch.distributed.tensor.parallel import (
 
 from lengthwise.errors import UserError
 from lengthwise.runtime.loss import VocabShard
-from lengthwise.runtime.model import CausalLM
+from lengthwise.runtime.model import CausalLM, LMHead
 from lengthwise.specs import ModelSpec
 
 LAYER_PLAN = {
@@ -196,11 +197,11 @@ def apply_tp(model: CausalLM, mesh: DeviceMesh, *, sequence_parallel: bool = Tru
     if model.part.last:
         if sequence_parallel:
             parallelize_module(model.model.norm, mesh, SequenceParallel(sequence_dim=0))
-        parallelize_module(model.lm_head, mesh, ColwiseParallel(input_layouts=outputs, output_layouts=Shard(-1)))
+        distribute_module(model.lm_head, mesh, _vocabulary_rows)
+        model.lm_head.register_forward_pre_hook(functools.partial(_whole_head_input, mesh=mesh, layout=outputs))
         start = mesh.get_local_rank() * (padded // tp)
-        model.vocab_shard = VocabShard(group=mesh.get_group(), start=start)
-        if padded != spec.vocab:
-            model.lm_head.register_forward_hook(functools.partial(_mask_padding, real=max(0, spec.vocab - start)))
+        real = None if padded == spec.vocab else max(0, spec.vocab - start)
+        model.vocab_shard = model.lm_head.vocab_shard = VocabShard(group=mesh.get_group(), start=start, real=real)
     model.sequence_shards = tp if sequence_parallel else 1
     model.tie()  # both now hold vocabulary rows Shard(0): the head reuses the embedding's DTensor
     return model
@@ -255,15 +256,29 @@ def _pad_vocabulary(model: CausalLM, padded: int) -> None:
         model.model.embed_tokens = nn.Embedding(padded, spec.hidden, device=old.device, dtype=old.dtype)
     if model.part.last:
         old = model.lm_head.weight
-        model.lm_head = nn.Linear(spec.hidden, padded, bias=False, device=old.device, dtype=old.dtype)
+        model.lm_head = LMHead(spec.hidden, padded, bias=False, device=old.device, dtype=old.dtype)
     model.tie()
 
 
-def _mask_padding(module, inputs, logits, *, real: int):
-    """-inf on this rank's padded vocabulary columns (its columns from `real` on)."""
-    mask = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
-    mask[real:] = float("-inf")
-    return logits + mask
+def _vocabulary_rows(name, module, mesh) -> None:
+    """`distribute_module`'s partition of the LM head: its weight split by vocabulary rows
+    (column-parallel logits), as ColwiseParallel splits it."""
+    if name == "":
+        module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(0)])))
+
+
+def _whole_head_input(module, inputs, *, mesh, layout):
+    """Forward pre-hook of the LM head: its input (this rank's rows under sequence
+    parallelism, else whole) gathered whole and handed on as a plain tensor whose gradient from
+    this rank's vocabulary columns is marked partial, so it is summed over TP (reduce-scattered
+    back to the rank's rows, or all-reduced). The labels pass through. The head makes no
+    logits DTensor: `loss.head_loss_sum` works on each rank's columns with its own
+    collectives (`model.LMHead`)."""
+    x = inputs[0]
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, (layout,), run_check=False)
+    x = x.redistribute(mesh, (Replicate(),)).to_local(grad_placements=(Partial(),))
+    return (x, *inputs[1:])
 
 
 def _keep_columns(module, inputs, out_TX, *, start: int, stop: int):

@@ -27,7 +27,7 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk, StepPlan
 from lengthwise.runtime.attention import ChunkLayout
 from lengthwise.runtime.execute import run_step
-from lengthwise.runtime.loss import IGNORE, chunk_labels, token_loss_sum
+from lengthwise.runtime.loss import IGNORE, chunk_labels
 from lengthwise.runtime.memory import SavedTensorMeter
 from lengthwise.runtime.model import CausalLM
 
@@ -93,7 +93,7 @@ def _padded_row_loss(model: CausalLM, row: Chunk, width: int, token_ids: list[to
     contexts = [[[]] for _ in range(model.spec.num_layers)]
     h_TD, _ = model.run_layers(h_TD, layers=range(model.spec.num_layers), rope=rope, layout=layout,
                                contexts=contexts, backend=backend)
-    return token_loss_sum(model.head_logits(h_TD), labels_T.to(param.device))
+    return model.head_loss(h_TD, labels_T.to(param.device))
 
 
 class PeakMemory:

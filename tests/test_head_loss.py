@@ -1,0 +1,98 @@
+"""The blocked LM head + cross-entropy (`loss.head_loss_sum`, the executor's loss) against the
+plain loss of whole logits (`loss.token_loss_sum`): loss and the gradients of the head's input
+and weight, float64, with blocks smaller than the chunk (several run in forward and backward),
+IGNORE labels (each sequence's last token, sequence parallelism's padding rows), and the
+vocabulary split over 2 gloo ranks with a padded vocabulary (one rank's last column padding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lengthwise.runtime.distributed.launch import spawn
+from lengthwise.runtime.loss import IGNORE, VocabShard, block_rows, head_loss_sum, token_loss_sum
+
+from tolerance import normwise_error, reduction_tolerance
+
+TOKENS, HIDDEN, VOCAB = 37, 16, 53
+
+
+def _inputs(vocab: int = VOCAB):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(TOKENS, HIDDEN, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(vocab, HIDDEN, generator=gen, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, vocab, (TOKENS,), generator=gen)
+    labels[::5] = IGNORE
+    labels[-3:] = IGNORE
+    return x, w, labels
+
+
+def _tolerance() -> float:
+    # sums over the vocabulary (exponentials, logit gradients) and over the hidden width
+    return reduction_tolerance(torch.float64, VOCAB + HIDDEN + TOKENS)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 10, TOKENS])
+def test_blocked_head_equals_the_plain_loss(rows):
+    x, w, labels = _inputs()
+    block = rows * VOCAB * 8  # `rows` rows of float64 logits a block in forward
+    assert block_rows(VOCAB, torch.float64, block) == rows
+    plain = token_loss_sum(x @ w.t(), labels)
+    gx, gw = torch.autograd.grad(1.5 * plain, (x, w))
+    blocked = head_loss_sum(x, w, labels, block_bytes=block)
+    bx, bw = torch.autograd.grad(1.5 * blocked, (x, w))
+    assert blocked.dtype == torch.float64
+    tol = _tolerance()
+    assert abs((blocked - plain).item()) <= tol * abs(plain.item())
+    assert normwise_error(bx, gx) <= tol
+    assert normwise_error(bw, gw) <= tol
+    assert (bx[labels == IGNORE] == 0).all()  # a row that predicts nothing gets no gradient
+
+
+def test_every_label_ignored_gives_zero_loss_and_gradients():
+    x, w, labels = _inputs()
+    labels[:] = IGNORE
+    loss = head_loss_sum(x, w, labels, block_bytes=3 * VOCAB * 8)
+    bx, bw = torch.autograd.grad(loss, (x, w))
+    assert loss.item() == 0.0 and not bx.any() and not bw.any()
+
+
+def _tp2_worker(rank: int) -> dict:
+    """Rank r holds vocabulary rows [r * 27, r * 27 + 27) of a 53-token vocabulary padded to 54
+    (rank 1's last row padding: its logit is -inf in the loss)."""
+    x, w, labels = _inputs()
+    width = -(-VOCAB // 2)
+    start = rank * width
+    padded = torch.cat([w.detach(), torch.zeros(2 * width - VOCAB, HIDDEN, dtype=torch.float64)])
+    w_local = padded[start:start + width].clone().requires_grad_(True)
+    shard = VocabShard(group=dist.group.WORLD, start=start, real=VOCAB - start)
+    loss = head_loss_sum(x, w_local, labels, shard, block_bytes=4 * width * 8)
+    gx, gw = torch.autograd.grad(1.5 * loss, (x, w_local))
+    dist.all_reduce(gx)  # each rank's input gradient is its columns' partial sum
+    parts = [torch.empty_like(gw) for _ in range(2)]
+    dist.all_gather(parts, gw)
+    return {"loss": loss.detach(), "gx": gx, "gw": torch.cat(parts)}
+
+
+def test_vocabulary_parallel_blocked_head_equals_the_plain_loss():
+    got = spawn(_tp2_worker, 2, timeout_s=120)
+    x, w, labels = _inputs()
+    plain = token_loss_sum(x @ w.t(), labels)
+    gx, gw = torch.autograd.grad(1.5 * plain, (x, w))
+    tol = _tolerance()
+    assert abs((got["loss"] - plain).item()) <= tol * abs(plain.item())
+    assert normwise_error(got["gx"], gx) <= tol
+    assert normwise_error(got["gw"][:VOCAB], gw) <= tol
+    assert not got["gw"][VOCAB:].any()  # the padding row gets no gradient
+
+
+def test_the_blocks_wide_logits_are_bounded():
+    """Qwen2.5's vocabulary at the default bound: 441 rows of float32 logits a forward block,
+    2,048 columns of 32K tokens a backward block; a block is never below one row."""
+    from lengthwise.cost.memory import HEAD_BLOCK_BYTES
+
+    assert block_rows(151_936, torch.float32) == 441
+    assert block_rows(32_768, torch.float32) == 2048
+    assert 441 * 151_936 * 4 <= HEAD_BLOCK_BYTES < 442 * 151_936 * 4
+    assert block_rows(10**12, torch.float32) == 1
