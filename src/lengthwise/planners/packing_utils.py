@@ -81,9 +81,8 @@ def karmarkar_karp(sizes: list[float], k: int, *, equal_count: bool = False) -> 
     if equal_count:
         return _kk_equal_count(sizes, k)
     # A singleton's spread is |size| (0 when k = 1: its one group is heaviest and lightest).
-    heap = [(0 if k == 1 else -abs(sizes[i]), i, i) for i in range(len(sizes))]
-    heapq.heapify(heap)
-    return _KKMerger(sizes, k).merge_all(heap)
+    singles = sorted(((0 if k == 1 else -abs(sizes[i]), i, i) for i in range(len(sizes))))
+    return _KKMerger(sizes, k).merge_all([], singles)
 
 
 class _KKMerger:
@@ -129,16 +128,31 @@ class _KKMerger:
         bisect.insort(groups, self._join(single, lightest) if item_first else self._join(lightest, single))
         return groups
 
-    def merge_all(self, heap: list) -> list[list[int]]:
-        """Heap entries are (-spread, tiebreak, partition); merge the two widest until one is left."""
-        if not heap:
+    def merge_all(self, heap: list, singles: list | None = None) -> list[list[int]]:
+        """Heap entries are (-spread, tiebreak, partition); merge the two widest until one is left.
+        `singles`: more entries, sorted, never pushed back (the bare items, whose order is known
+        up front): each pop takes the smaller of the heap's top and the next of them, the order
+        one heap of all of them gives (tiebreaks, an item of each partition, are distinct), with
+        the heap holding only the partitions merged so far."""
+        singles = singles or []
+        if not heap and not singles:
             return [[] for _ in range(self.k)]
-        while len(heap) > 1:
-            _, t1, a = heapq.heappop(heap)
-            _, t2, b = heapq.heappop(heap)
+        pos, end = 0, len(singles)
+
+        def pop():
+            nonlocal pos
+            if pos < end and (not heap or singles[pos] < heap[0]):
+                pos += 1
+                return singles[pos - 1]
+            return heapq.heappop(heap)
+
+        while len(heap) + end - pos > 1:
+            _, t1, a = pop()
+            _, t2, b = pop()
             merged = self.merge(a, b)
             heapq.heappush(heap, (merged[0][0] - merged[-1][0], min(t1, t2), merged))
-        return [sorted(self.items(g[1])) for g in self.groups(heap[0][2])]
+        last = heap[0] if heap else singles[pos]
+        return [sorted(self.items(g[1])) for g in self.groups(last[2])]
 
     def items(self, first: int) -> list[int]:
         out = []
