@@ -1,8 +1,10 @@
 """Planning time per global batch at scale: every planner x {64, 1024, 4096} GPUs x {512, 32768}
-sequences, wall seconds, written to benchmarks/results/planning_scale.json.
+sequences, and 4096 GPUs x 131,072 sequences, wall and CPU seconds, written to
+benchmarks/results/planning_scale.json.
 
     python benchmarks/bench_planning_scale.py                                  # the whole table
     python benchmarks/bench_planning_scale.py --planners packing,skrull --gpus 64 --sequences 512   # replaces those rows
+    python benchmarks/bench_planning_scale.py --planners slimpack,auto --cases 4096:131072      # named cases only
     nice -n 10 python benchmarks/bench_planning_scale.py --timeout 300
 
 The batch is the first one `lengthwise plan --profile lmsys --model qwen2.5-7b --pp 4
@@ -32,6 +34,8 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 GPUS = (64, 1024, 4096)
 SEQUENCES = (512, 32768)
+LARGE = ((4096, 131072),)
+"""(GPUs, sequences) cases beyond the grid, run by default too (issue 28: the 10 s standard)."""
 
 
 def plan_args(planner: str, gpus: int, sequences: int) -> list[str]:
@@ -105,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--planners", help="comma-separated (default: every available planner)")
     parser.add_argument("--gpus", default=",".join(map(str, GPUS)), help="comma-separated GPU counts")
     parser.add_argument("--sequences", default=",".join(map(str, SEQUENCES)), help="comma-separated batch sizes")
+    parser.add_argument("--cases", help="comma-separated GPUS:SEQUENCES pairs, instead of the grid "
+                        "(default: the grid of --gpus x --sequences, plus 4096:131072 when neither is given)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a case is killed")
     parser.add_argument("--out", default=str(RESULTS / "planning_scale.json"))
     parser.add_argument("--one", nargs=3, metavar=("PLANNER", "GPUS", "SEQUENCES"), help=argparse.SUPPRESS)
@@ -122,16 +128,25 @@ def main(argv: list[str] | None = None) -> int:
     # A run of some cases replaces those rows of an existing table and keeps the others (each row
     # says when it was measured), so one planner can be re-measured without re-running them all.
     rows = previous_rows(Path(args.out))
-    for sequences in map(int, args.sequences.split(",")):
-        for gpus in map(int, args.gpus.split(",")):
-            for planner in planners:
-                row = {**run_case(planner, gpus, sequences, args.timeout),
-                       "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-                rows = [r for r in rows if case_key(r) != case_key(row)] + [row]
-                rows.sort(key=lambda r: (r["sequences"], r["gpus"], PLANNER_ORDER.get(r["planner"], 99)))
-                print(json.dumps(row), flush=True)
-                write(Path(args.out), rows, settings)
+    for gpus, sequences in cases(args, argv):
+        for planner in planners:
+            row = {**run_case(planner, gpus, sequences, args.timeout),
+                   "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            rows = [r for r in rows if case_key(r) != case_key(row)] + [row]
+            rows.sort(key=lambda r: (r["sequences"], r["gpus"], PLANNER_ORDER.get(r["planner"], 99)))
+            print(json.dumps(row), flush=True)
+            write(Path(args.out), rows, settings)
     return 0
+
+
+def cases(args, argv: list[str] | None) -> list[tuple[int, int]]:
+    """(GPUs, sequences) to run, in order: --cases, else the grid (and LARGE when the grid is the default)."""
+    if args.cases:
+        return [tuple(map(int, c.split(":"))) for c in args.cases.split(",")]
+    grid = [(g, s) for s in map(int, args.sequences.split(",")) for g in map(int, args.gpus.split(","))]
+    given = argv if argv is not None else sys.argv[1:]
+    default = not any(a.startswith(("--gpus", "--sequences")) for a in given)
+    return grid + (list(LARGE) if default else [])
 
 
 def case_key(row: dict) -> tuple:
