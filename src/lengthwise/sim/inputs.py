@@ -617,11 +617,16 @@ class _PipelineCosts:
             transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
                               for i, c in enumerate(pipe.chunks)] if nograd else zeros(C))
         if L not in kv_of:  # kv_bytes by context length, shared by the plan's pipelines of one tp, cp
-            memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
-            seqs = zip(splits.seq_id.tolist(), splits.context.tolist()) if isinstance(splits, SplitArrays) \
-                else ((q.seq_id, q.context) for q in splits)
-            kv_of[L] = {q: memo[n] if n in memo else memo.setdefault(n, cm.kv_bytes(n, layers=L, **self.kw))
-                        for q, n in seqs}
+            if isinstance(splits, SplitArrays) and type(cm).kv_bytes is CostModel.kv_bytes:
+                # CostModel.kv_bytes elementwise over the contexts: the same operations, the same floats
+                each = cm.kv_bytes(splits.context, layers=L, **self.kw)
+                kv_of[L] = dict(zip(splits.seq_id.tolist(), np.asarray(each, dtype=np.float64).tolist()))
+            else:
+                memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
+                seqs = zip(splits.seq_id.tolist(), splits.context.tolist()) if isinstance(splits, SplitArrays) \
+                    else ((q.seq_id, q.context) for q in splits)
+                kv_of[L] = {q: memo[n] if n in memo else memo.setdefault(n, cm.kv_bytes(n, layers=L, **self.kw))
+                            for q, n in seqs}
         kv.append(kv_of[L])
         kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
 
@@ -639,8 +644,14 @@ class _PipelineCosts:
         else:
             cells = segment_cells(pipe.chunks, pipe.backward_chunks)
         # one cell per (chunk, unit) read, in the reads' order (else: chunks released whole)
-        reads = [(c, u) for u, needs in enumerate(self.deps.bwd_needs) for c in needs]
-        if len(reads) != len(cells[0]) or sorted(reads) != list(zip(cells[0].tolist(), cells[1].tolist())):
+        needs = self.deps.bwd_needs
+        counts = np.fromiter(map(len, needs), dtype=np.int64, count=len(needs))
+        if int(counts.sum()) != len(cells[0]):
+            return None
+        chunk = np.fromiter(itertools.chain.from_iterable(needs), dtype=np.int64, count=len(cells[0]))
+        unit = np.repeat(np.arange(len(needs), dtype=np.int64), counts)
+        order = np.lexsort((unit, chunk))  # the reads sorted as (chunk, unit) pairs
+        if not (np.array_equal(chunk[order], cells[0]) and np.array_equal(unit[order], cells[1])):
             return None
         return cells
 
