@@ -111,8 +111,19 @@ class _KKMerger:
             return self._add_to_lightest(a, b, item_first=False)
         if isinstance(a, int) and self.sizes[a] > 0 and self.k > 1 and not isinstance(b, int):
             return self._add_to_lightest(b, a, item_first=True)
+        if isinstance(a, int) and isinstance(b, int) and self.k > 1 and self.sizes[a] > 0 and self.sizes[b] > 0:
+            # two positive singletons: each pairs with an empty group of the other, so the result
+            # is both items as groups of their own, then k - 2 empty ones (what the sort gives)
+            x, y = (-self.sizes[a], a, a), (-self.sizes[b], b, b)
+            return [min(x, y), max(x, y)] + [(0, -1, -1)] * (self.k - 2)
         ga, gb = self.groups(a), self.groups(b)
-        return sorted(self._join(x, y) for x, y in zip(ga, reversed(gb)))
+        nxt, out = self.next_item, []
+        for x, y in zip(ga, reversed(gb)):  # _join, inlined (k of them per merge)
+            if x[2] >= 0 and y[1] >= 0:
+                nxt[x[2]] = y[1]
+            out.append((x[0] + y[0], x[1] if x[1] >= 0 else y[1], y[2] if y[2] >= 0 else x[2]))
+        out.sort()
+        return out
 
     def _join(self, x: tuple, y: tuple) -> tuple:
         """Group x's items then group y's, as one group."""
