@@ -644,14 +644,8 @@ class _PipelineCosts:
         else:
             cells = segment_cells(pipe.chunks, pipe.backward_chunks)
         # one cell per (chunk, unit) read, in the reads' order (else: chunks released whole)
-        needs = self.deps.bwd_needs
-        counts = np.fromiter(map(len, needs), dtype=np.int64, count=len(needs))
-        if int(counts.sum()) != len(cells[0]):
-            return None
-        chunk = np.fromiter(itertools.chain.from_iterable(needs), dtype=np.int64, count=len(cells[0]))
-        unit = np.repeat(np.arange(len(needs), dtype=np.int64), counts)
-        order = np.lexsort((unit, chunk))  # the reads sorted as (chunk, unit) pairs
-        if not (np.array_equal(chunk[order], cells[0]) and np.array_equal(unit[order], cells[1])):
+        reads = [(c, u) for u, needs in enumerate(self.deps.bwd_needs) for c in needs]
+        if len(reads) != len(cells[0]) or sorted(reads) != list(zip(cells[0].tolist(), cells[1].tolist())):
             return None
         return cells
 
