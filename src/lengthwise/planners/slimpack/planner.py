@@ -64,7 +64,11 @@ Measured (benchmarks/bench_planning_scale.py, qwen2.5-7b pp 4, 32,768 sequences,
 the least of six runs alternating with the code before, on a shared 2-core machine, the same
 plans): 64 GPUs 0.63 s, 1024 GPUs 1.6 s, 4096 GPUs 2.0 s, after the simulator built a
 candidate's task graphs together with numpy (0.72, 2.2 and 2.1 s before; 1.82, 4.2-4.4 and
-5.0-5.3 s before the pipelines of a count were cut and simulated together).
+5.0-5.3 s before the pipelines of a count were cut and simulated together). Issue 28 (CPU
+seconds, `--baseline` runs alternating with the code before on a machine at load ~10, the same
+plans): 1024 GPUs x 32,768 sequences 2.7 s (3.5 s before), 4096 GPUs x 131,072 sequences 10.9 s
+(17.6 s before), after the plan-wide sums of the simulator's inputs and its cell frees stopped
+being quadratic in pipelines and Karmarkar-Karp took bare items from a sorted list.
 """
 
 from __future__ import annotations
