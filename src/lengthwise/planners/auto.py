@@ -142,8 +142,17 @@ def candidate_request(request: PlanRequest, name: str, opts: AutoOptions) -> Pla
                                options=dict(opts.candidate_options.get(name, {})))
 
 
+MAX_SEQUENCES = 1 << 20
+"""Most sequences one batch may have (the bound of slimpack and infinipipe, its costliest
+candidates; auto also plans the whole batch at full size with its proxy's pick). Larger batches
+are refused before any candidate runs."""
+
+
 def plan_auto(request: PlanRequest) -> StepPlan:
     started = time.perf_counter()
+    if len(request.lengths) > MAX_SEQUENCES:
+        raise UserError(f"auto plans at most {MAX_SEQUENCES:,} sequences a batch, not {len(request.lengths):,}: "
+                        "its candidates plan and simulate the whole batch: lower --batch-size or split the batch")
     opts = take_options(request, "auto")
     names = opts.candidates or default_candidates()
     if "auto" in names:

@@ -81,9 +81,8 @@ def karmarkar_karp(sizes: list[float], k: int, *, equal_count: bool = False) -> 
     if equal_count:
         return _kk_equal_count(sizes, k)
     # A singleton's spread is |size| (0 when k = 1: its one group is heaviest and lightest).
-    heap = [(0 if k == 1 else -abs(sizes[i]), i, i) for i in range(len(sizes))]
-    heapq.heapify(heap)
-    return _KKMerger(sizes, k).merge_all(heap)
+    singles = sorted(((0 if k == 1 else -abs(sizes[i]), i, i) for i in range(len(sizes))))
+    return _KKMerger(sizes, k).merge_all([], singles)
 
 
 class _KKMerger:
@@ -112,8 +111,19 @@ class _KKMerger:
             return self._add_to_lightest(a, b, item_first=False)
         if isinstance(a, int) and self.sizes[a] > 0 and self.k > 1 and not isinstance(b, int):
             return self._add_to_lightest(b, a, item_first=True)
+        if isinstance(a, int) and isinstance(b, int) and self.k > 1 and self.sizes[a] > 0 and self.sizes[b] > 0:
+            # two positive singletons: each pairs with an empty group of the other, so the result
+            # is both items as groups of their own, then k - 2 empty ones (what the sort gives)
+            x, y = (-self.sizes[a], a, a), (-self.sizes[b], b, b)
+            return [min(x, y), max(x, y)] + [(0, -1, -1)] * (self.k - 2)
         ga, gb = self.groups(a), self.groups(b)
-        return sorted(self._join(x, y) for x, y in zip(ga, reversed(gb)))
+        nxt, out = self.next_item, []
+        for x, y in zip(ga, reversed(gb)):  # _join, inlined (k of them per merge)
+            if x[2] >= 0 and y[1] >= 0:
+                nxt[x[2]] = y[1]
+            out.append((x[0] + y[0], x[1] if x[1] >= 0 else y[1], y[2] if y[2] >= 0 else x[2]))
+        out.sort()
+        return out
 
     def _join(self, x: tuple, y: tuple) -> tuple:
         """Group x's items then group y's, as one group."""
@@ -129,16 +139,31 @@ class _KKMerger:
         bisect.insort(groups, self._join(single, lightest) if item_first else self._join(lightest, single))
         return groups
 
-    def merge_all(self, heap: list) -> list[list[int]]:
-        """Heap entries are (-spread, tiebreak, partition); merge the two widest until one is left."""
-        if not heap:
+    def merge_all(self, heap: list, singles: list | None = None) -> list[list[int]]:
+        """Heap entries are (-spread, tiebreak, partition); merge the two widest until one is left.
+        `singles`: more entries, sorted, never pushed back (the bare items, whose order is known
+        up front): each pop takes the smaller of the heap's top and the next of them, the order
+        one heap of all of them gives (tiebreaks, an item of each partition, are distinct), with
+        the heap holding only the partitions merged so far."""
+        singles = singles or []
+        if not heap and not singles:
             return [[] for _ in range(self.k)]
-        while len(heap) > 1:
-            _, t1, a = heapq.heappop(heap)
-            _, t2, b = heapq.heappop(heap)
+        pos, end = 0, len(singles)
+
+        def pop():
+            nonlocal pos
+            if pos < end and (not heap or singles[pos] < heap[0]):
+                pos += 1
+                return singles[pos - 1]
+            return heapq.heappop(heap)
+
+        while len(heap) + end - pos > 1:
+            _, t1, a = pop()
+            _, t2, b = pop()
             merged = self.merge(a, b)
             heapq.heappush(heap, (merged[0][0] - merged[-1][0], min(t1, t2), merged))
-        return [sorted(self.items(g[1])) for g in self.groups(heap[0][2])]
+        last = heap[0] if heap else singles[pos]
+        return [sorted(self.items(g[1])) for g in self.groups(last[2])]
 
     def items(self, first: int) -> list[int]:
         out = []

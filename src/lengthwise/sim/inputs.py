@@ -619,11 +619,16 @@ class _PipelineCosts:
             transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
                               for i, c in enumerate(pipe.chunks)] if nograd else zeros(C))
         if L not in kv_of:  # kv_bytes by context length, shared by the plan's pipelines of one tp, cp
-            memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
-            seqs = zip(splits.seq_id.tolist(), splits.context.tolist()) if isinstance(splits, SplitArrays) \
-                else ((q.seq_id, q.context) for q in splits)
-            kv_of[L] = {q: memo[n] if n in memo else memo.setdefault(n, cm.kv_bytes(n, layers=L, **self.kw))
-                        for q, n in seqs}
+            if isinstance(splits, SplitArrays) and type(cm).kv_bytes is CostModel.kv_bytes:
+                # CostModel.kv_bytes elementwise over the contexts: the same operations, the same floats
+                each = cm.kv_bytes(splits.context, layers=L, **self.kw)
+                kv_of[L] = dict(zip(splits.seq_id.tolist(), np.asarray(each, dtype=np.float64).tolist()))
+            else:
+                memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
+                seqs = zip(splits.seq_id.tolist(), splits.context.tolist()) if isinstance(splits, SplitArrays) \
+                    else ((q.seq_id, q.context) for q in splits)
+                kv_of[L] = {q: memo[n] if n in memo else memo.setdefault(n, cm.kv_bytes(n, layers=L, **self.kw))
+                            for q, n in seqs}
         kv.append(kv_of[L])
         kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
 
@@ -726,7 +731,7 @@ class _PipelineCosts:
         pipelines of one shape."""
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
         # ZeRO shards over dp x cp: every pipeline's CP ranks (DP-Merged pipelines have more)
-        dp, zero = sum(p.cp for p in self.plan.pipelines), self.plan.zero
+        dp, zero = self._replicas(), self.plan.zero
         key = ("states", pipe.tp, pipe.cp, tuple(self.layers))
         if key not in self.shared:
             if self._heterogeneous():  # bf16 stage weights and gradients, the owned masters and moments
@@ -782,13 +787,13 @@ class _PipelineCosts:
         if self._heterogeneous():
             # pipelines with other tp x pp x cp: the executor's exchange with owners among each
             # element's holders (runtime/parallel/hetero.py), no all-reduce
-            world = sum(q.num_gpus for q in self.plan.pipelines)
+            world = self._world()
             inter = self.node(0) != self.node(world - 1)
             return [self._shared(self.cm.exchange_time, layers=L, tp=self.pipe.tp, holders=self._holders(),
                                  inter_node=inter, first=s == 0, last=s == self.pipe.pp - 1)
                     for s, L in enumerate(self.layers)]
         # every CP rank holds the stage's weights too: gradients reduce over dp x cp
-        dp = sum(p.cp for p in self.plan.pipelines)
+        dp = self._replicas()
         if dp <= 1:
             return [0.0] * self.pipe.pp
         key = ("grad_sync", tuple(self.layers), self.pipe.tp, self.pipe.cp)  # the rest is the plan's
@@ -804,9 +809,22 @@ class _PipelineCosts:
         step terms; None without: the analytic model's step ends at the reduction)."""
         if self.cm.profile is None or self.cm.profile.step is None:
             return None
-        dp = sum(p.cp for p in self.plan.pipelines)
+        dp = self._replicas()
         return [self._shared(self.cm.step_end_time, layers=L, tp=self.pipe.tp, dp=dp, zero=self.plan.zero,
                              first=s == 0, last=s == self.pipe.pp - 1) for s, L in enumerate(self.layers)]
+
+    def _replicas(self) -> int:
+        """Every pipeline's CP ranks summed (the ranks that hold a stage's weights), once per plan
+        (summed per pipeline it made building a plan's inputs quadratic in its pipelines)."""
+        if "replicas" not in self.shared:
+            self.shared["replicas"] = sum(p.cp for p in self.plan.pipelines)
+        return self.shared["replicas"]
+
+    def _world(self) -> int:
+        """GPUs of every pipeline, once per plan."""
+        if "world" not in self.shared:
+            self.shared["world"] = sum(q.num_gpus for q in self.plan.pipelines)
+        return self.shared["world"]
 
     def _shared(self, fn, **kw) -> float:
         key = (fn.__name__, *sorted(kw.items()))

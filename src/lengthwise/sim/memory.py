@@ -388,9 +388,13 @@ def _cell_releases(pipe, s, local, n, cidx, uidx, act, bwd, release, all_sizes):
     last = np.r_[cidx[1:] != cidx[:-1], True] if len(cidx) else np.zeros(0, dtype=bool)
     keep = celled | last
     values = np.zeros(len(cidx))
+    # each pipeline's reads, ascending (what flatnonzero(pipe == p) gives, without a pass over
+    # every read per pipeline: that was quadratic in pipelines)
+    order = np.argsort(pipe, kind="stable")
+    bounds = np.searchsorted(pipe[order], np.arange(len(all_sizes) + 1)).tolist()
     for p, sz in enumerate(all_sizes):
         if len(sz.cell_activation):
-            at = np.flatnonzero(pipe == p)
+            at = order[bounds[p]:bounds[p + 1]]
             table = np.asarray(sz.cell_activation, dtype=np.float64).reshape(-1, int(n[p]))
             values[at] = table[s[at], local[at]]
     amount = np.where(celled, -values, -act[cidx])

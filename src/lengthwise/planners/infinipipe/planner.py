@@ -98,6 +98,11 @@ from lengthwise.planners.packing_utils import greedy_balance, karmarkar_karp
 from lengthwise.sim import simulate_plan
 
 PLANNER = "infinipipe"
+MAX_SEQUENCES = 1 << 20
+"""Most sequences one batch may have: every slice number the search tries chunks, balances and
+schedules the whole batch, and the shortlist is simulated (measured at 4096 GPUs x 131,072
+sequences: 0.30 GB resident, 6 CPU seconds, both about linear in sequences). Larger batches are
+refused before any work."""
 SCHEDULE = "elastic-1f1b"
 SIMULATED = 2
 """With score "simulate": how many of the best N by the DP's estimate are simulated. On 18
@@ -216,13 +221,22 @@ def to_pipeline(groups: list[GroupPlan], request: PlanRequest) -> PipelinePlan:
                         schedule=SCHEDULE)
 
 
-def candidate_plan(cand: Candidate, request: PlanRequest, settings: Settings, started: float) -> StepPlan:
-    pipelines = [to_pipeline(groups, request) for groups in cand.pipelines]
+def candidate_plan(cand: Candidate, request: PlanRequest, settings: Settings, started: float,
+                   pipelines: list[PipelinePlan] | None = None) -> StepPlan:
+    """The candidate's StepPlan with its metrics (`pipelines`: its to_pipeline ones, when built)."""
+    pipelines = pipelines or [to_pipeline(groups, request) for groups in cand.pipelines]
     options = {"num_slices": cand.batch.num_slices, "balanced_chunking": settings.balanced,
                "checkpointing": settings.checkpointing}
     plan = finish_plan(request, pipelines, planner=PLANNER, started=started, options=options)
     plan.metrics.update(candidate_metrics(cand))
     return plan
+
+
+def bare_plan(cand: Candidate, request: PlanRequest) -> StepPlan:
+    """The candidate's pipelines as a StepPlan without metrics: what the simulator reads
+    (candidate_plan's metrics are made for the shortlist's winner only)."""
+    return StepPlan(planner=PLANNER, model=request.model, cluster=request.cluster, lengths=list(request.lengths),
+                    pipelines=[to_pipeline(groups, request) for groups in cand.pipelines], zero=request.scheme.zero)
 
 
 def candidate_metrics(cand: Candidate) -> dict:
@@ -265,15 +279,16 @@ def tune_slices(request: PlanRequest, settings: Settings, fit: SliceCost, starte
         raise infeasible_error(request, settings, fit, max(search.tried))
     feasible = sorted(cands, key=lambda n: (cands[n].estimate_s, n))
     shortlist = feasible[:SIMULATED] if settings.score == "simulate" else feasible[:1]
-    plans = {}
+    bare, scores = {}, {}
     for n in shortlist:
-        plans[n] = candidate_plan(cands[n], request, settings, started)
-        plans[n].metrics[PREDICTED_STEP_TIME_S] = score(plans[n], cands[n], request, settings)
-    best = plans[min(shortlist, key=lambda n: (plans[n].metrics[PREDICTED_STEP_TIME_S], n))]
+        bare[n] = bare_plan(cands[n], request)
+        scores[n] = score(bare[n], cands[n], request, settings)
+    won = min(shortlist, key=lambda n: (scores[n], n))
+    best = candidate_plan(cands[won], request, settings, started, bare[won].pipelines)
+    best.metrics[PREDICTED_STEP_TIME_S] = scores[won]
     best.metrics["candidates"] = {str(k): v for k, v in sorted(search.tried.items())}
     if settings.score == "simulate":
-        best.metrics["simulated_candidates"] = {str(n): plans[n].metrics[PREDICTED_STEP_TIME_S]
-                                                for n in sorted(shortlist)}
+        best.metrics["simulated_candidates"] = {str(n): scores[n] for n in sorted(shortlist)}
     best.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
     return best
 
@@ -330,6 +345,10 @@ def plan_infinipipe(request: PlanRequest) -> StepPlan:
     """InfiniPipe for one global batch (infinipipe §3); options: `InfiniPipeOptions` (planners/options.py).
     The registry runs it with the garbage collector paused (planners/base.py `collector_paused`)."""
     started = time.perf_counter()
+    if len(request.lengths) > MAX_SEQUENCES:
+        raise UserError(f"{PLANNER} plans at most {MAX_SEQUENCES:,} sequences a batch, not {len(request.lengths):,}: "
+                        "each slice number it tries re-chunks and schedules the whole batch: lower --batch-size "
+                        "or split the batch")
     settings = read_settings(request)
     check_lengths(request)
     s = request.scheme

@@ -64,7 +64,11 @@ Measured (benchmarks/bench_planning_scale.py, qwen2.5-7b pp 4, 32,768 sequences,
 the least of six runs alternating with the code before, on a shared 2-core machine, the same
 plans): 64 GPUs 0.63 s, 1024 GPUs 1.6 s, 4096 GPUs 2.0 s, after the simulator built a
 candidate's task graphs together with numpy (0.72, 2.2 and 2.1 s before; 1.82, 4.2-4.4 and
-5.0-5.3 s before the pipelines of a count were cut and simulated together).
+5.0-5.3 s before the pipelines of a count were cut and simulated together). Issue 28 (CPU
+seconds, `--baseline` runs alternating with the code before on a machine at load ~10, the same
+plans): 1024 GPUs x 32,768 sequences 2.7 s (3.5 s before), 4096 GPUs x 131,072 sequences 10.9 s
+(17.6 s before), after the plan-wide sums of the simulator's inputs and its cell frees stopped
+being quadratic in pipelines and Karmarkar-Karp took bare items from a sorted list.
 """
 
 from __future__ import annotations
@@ -97,6 +101,11 @@ from lengthwise.planners.slimpack.build import (
 from lengthwise.sim import simulate_plan
 
 SWEEP_RATIO = 2 ** 0.5
+MAX_SEQUENCES = 1 << 20
+"""Most sequences one batch may have: the sweep holds every candidate's segments and simulates
+each (measured at 4096 GPUs x 131,072 sequences: 0.87 GB resident, 14 CPU seconds; both grow
+about linearly, so 8 times that many needs about 7 GB and minutes). Larger batches are refused
+before any work."""
 RECOMPUTE_SHARES = (0.25, 0.5, 0.75, 1.0)
 """Shares of each stage's layers "auto" recomputes, in order, when nothing fits without."""
 
@@ -303,9 +312,18 @@ def plan_recomputing(request: PlanRequest, models, opts, levels: list[list[int]]
     return best
 
 
+def check_batch_bound(sequences: int) -> None:
+    """Refuse a batch too large to plan (MAX_SEQUENCES), as one line, before any work."""
+    if sequences > MAX_SEQUENCES:
+        raise UserError(f"slimpack plans at most {MAX_SEQUENCES:,} sequences a batch, not {sequences:,}: its "
+                        "simulated sweep holds every candidate's segments (about 7 KB a sequence): lower "
+                        "--batch-size or split the batch")
+
+
 def plan_slimpack(request: PlanRequest) -> StepPlan:
     """SlimPack for one global batch (slimpack §4-§5); options: `SlimPackOptions` (planners/options.py)."""
     started = time.perf_counter()
+    check_batch_bound(len(request.lengths))
     opts = read_options(request)
     check_lengths(request)
     s = request.scheme
