@@ -45,7 +45,8 @@ import torch
 
 from lengthwise.cost.fit import Timing
 from lengthwise.plan.ir import Chunk
-from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend
+from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend, wants_varlen_index
+from lengthwise.runtime.layout import RowIndex
 from lengthwise.runtime.loss import chunk_positions
 from lengthwise.runtime.memory import SavedTensorMeter
 from lengthwise.runtime.compile import compile_layers, compile_wanted
@@ -215,7 +216,7 @@ class TorchMeasurer:
         def prepare():
             layout = ChunkLayout.from_chunk(chunk)
             rope = self.model.rope(chunk_positions(chunk, self.device), self.dtype)
-            return layout.cu_seqlens(self.device), rope
+            return RowIndex.build(layout, self.device, varlen=wants_varlen_index(self.backend)), rope
 
         times = [elapsed(prepare, self.device)[0] for _ in range(self.warmup + self.repeats)]
         return statistics.median(times[self.warmup:])
