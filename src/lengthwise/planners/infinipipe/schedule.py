@@ -270,13 +270,14 @@ class UnitCosts:
             keys = self.keys = [work_key(c) for c in chunks] if self.kw["cp"] == 1 else [id(c) for c in chunks]
         tokens = np.array([k[0] for k in keys], dtype=float) if per_token else None
         self._batch, self._seconds_pending = {}, {}
-        # per stage shape, the largest backward working set of the prepared chunks
-        if works is not None and chunks and type(self.cost).backward_work_bytes is CostModel.backward_work_bytes:
-            # bytes per token times the chunk's tokens without CP: the most tokens give the most
+        # per stage shape, the largest working set of one action (backward, or the LM head's
+        # forward: `mem.head_forward_bytes`) of the prepared chunks
+        if works is not None and chunks and type(self.cost).backward_work_bytes is CostModel.backward_work_bytes \
+                and type(self.cost).head_forward_bytes is CostModel.head_forward_bytes:
+            # both grow with the chunk's tokens without CP: the most tokens give the most
             most = [chunks[int(np.argmax(tokens))]]
         else:
             most = chunks
-        # (and the head forward's, which grows with tokens too: `mem.head_forward_bytes`)
         self._most_work = {(sh.layers, sh.head): max(self.work(sh, most), self.forward_work(sh, most)) if most else 0.0
                            for sh in self.stages}
         splits = None
