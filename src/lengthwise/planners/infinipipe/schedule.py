@@ -14,9 +14,10 @@ Memory is charged exactly as the simulator's replay charges it (sim/memory.py, s
 activations of a chunk from its F to the end of its B, fewer when its F recomputes r layers
 (I[k] - F[k] * r, eq. 19), with the difference re-materialised during its B; K/V state of a
 split sequence's earlier slices from their forward to the sequence's last backward, and its
-K/V gradients from its first backward to the same end (eq. 5, 9). Nothing is freed between a
-forward and the next action's start, so every peak lies at some backward's start: one linear
-row per backward per stage. Levels for given r come from prefix sums in O(n log n); the dense
+K/V gradients from its first backward to the same end (eq. 5, 9), and on the LM head's stage
+each forward's head working set while it runs (`cost.head_forward_bytes`). Nothing is freed
+between a forward and the next action's start, so every peak lies at some backward's start or,
+on the head's stage, some forward's: one linear row per backward (and forward) per stage. Levels for given r come from prefix sums in O(n log n); the dense
 rows are only built for the MILP.
 """
 
@@ -269,13 +270,16 @@ class UnitCosts:
             keys = self.keys = [work_key(c) for c in chunks] if self.kw["cp"] == 1 else [id(c) for c in chunks]
         tokens = np.array([k[0] for k in keys], dtype=float) if per_token else None
         self._batch, self._seconds_pending = {}, {}
-        # per stage shape, the largest backward working set of the prepared chunks
-        if works is not None and chunks and type(self.cost).backward_work_bytes is CostModel.backward_work_bytes:
-            # bytes per token times the chunk's tokens without CP: the most tokens give the most
+        # per stage shape, the largest working set of one action (backward, or the LM head's
+        # forward: `mem.head_forward_bytes`) of the prepared chunks
+        if works is not None and chunks and type(self.cost).backward_work_bytes is CostModel.backward_work_bytes \
+                and type(self.cost).head_forward_bytes is CostModel.head_forward_bytes:
+            # both grow with the chunk's tokens without CP: the most tokens give the most
             most = [chunks[int(np.argmax(tokens))]]
         else:
             most = chunks
-        self._most_work = {(sh.layers, sh.head): self.work(sh, most) if most else 0.0 for sh in self.stages}
+        self._most_work = {(sh.layers, sh.head): max(self.work(sh, most), self.forward_work(sh, most)) if most else 0.0
+                           for sh in self.stages}
         splits = None
         for stage, shape in enumerate(self.stages):
             if (shape.layers, shape.head) in self._batch:
@@ -302,15 +306,17 @@ class UnitCosts:
         backwarded, its own included) number issued_k - k <= the window pp - s - 1 + N_prefill:
         `positions` issues max(window + j, ready_j) forwards by backward j <= k, and
         ready_j - k <= ready_j - j <= its unit's chunks <= N_prefill (units go backward one
-        after another). So a level is at most the window's largest activations plus every K/V
-        state and K/V gradient (frees only lower it)."""
+        after another); a forward's chunks alive are those of the next backward at most. So a
+        level is at most the window's largest activations plus every K/V state and K/V gradient
+        (frees only lower it) plus the largest working set of one action."""
         table = self._gather(stage, units)
         if table is None:
             table = self.columns(stage, units)
         window = len(self.stages) - stage - 1 + max(len(u) for u in units)
         largest = np.sort(table[0])[::-1][:window]
         shape = self.stages[stage]
-        work = max(self.work(shape, [c for u in units for c in u]), shape.table)
+        chunks = [c for u in units for c in u]
+        work = max(self.work(shape, chunks), shape.table, self.forward_work(shape, chunks))
         return float(largest.sum() + table[3].sum() + table[4].sum() + work)
 
     def alone_surely_fits(self) -> list[bool]:
@@ -407,6 +413,20 @@ class UnitCosts:
         layer's SwiGLU backward elsewhere); backwards run one at a time, so it bounds them all."""
         return max(self.cost.backward_work_bytes(c, layers=shape.layers, head=shape.head, **self.kw) for c in chunks)
 
+    def forward_work(self, shape: StageShape, chunks: list[Chunk]) -> float:
+        """The largest working set of one chunk's forward beyond its kept activations: the LM
+        head's block of logits on the head's stage (`cost.head_forward_bytes`), 0 elsewhere."""
+        if not shape.head or not chunks:
+            return 0.0
+        return max(self.cost.head_forward_bytes(c, **self.kw) for c in chunks)
+
+    def forward_work_row(self, stage: int, chunks: list[Chunk]) -> np.ndarray | None:
+        """float64 [chunks] each chunk's forward working set on the stage (the LM head's, as the
+        simulator charges it: `cost.head_forward_bytes`); None off the head's stage."""
+        if not self.stages[stage].head:
+            return None
+        return np.array([self.cost.head_forward_bytes(c, **self.kw) for c in chunks], dtype=float)
+
     def work_row(self, stage: int, chunks: list[Chunk]) -> np.ndarray:
         """float64 [chunks] each chunk's backward working set on the stage."""
         shape = self.stages[stage]
@@ -416,7 +436,8 @@ class UnitCosts:
 
 @dataclass(kw_only=True)
 class StageMemory:
-    """Bytes one stage holds at each of its backward starts (model states excluded)."""
+    """Bytes one stage holds at each of its backward starts and, where its forwards have a
+    working set (the LM head's stage), at each forward (model states excluded)."""
 
     fpos: np.ndarray
     """int [n] action index of each chunk's F."""
@@ -432,6 +453,10 @@ class StageMemory:
     work: np.ndarray | None = None
     """float64 [n] bytes each chunk's B works on while it runs (the loss's backward on the LM
     head's stage, one layer's elsewhere: `cost.backward_work_bytes`); None: nothing."""
+    forward_work: np.ndarray | None = None
+    """float64 [n] bytes each chunk's F works on while it runs beside the activations it keeps
+    (the LM head's logits on the head's stage: `cost.head_forward_bytes`); None: nothing, and
+    no forward rows (every peak is then at a backward's start)."""
     grads: float = 0.0
     """Gradient bytes (part of the model states the limit leaves out) that the stage's first
     backward makes: not yet held at its start, all held from its end (`StageShape.grads`)."""
@@ -445,7 +470,8 @@ class StageMemory:
         return np.argsort(self.bpos)
 
     def levels(self, recompute: np.ndarray | None = None) -> np.ndarray:
-        """float64 [n] bytes held at each backward start, with r[k] layers recomputed."""
+        """float64 [n] bytes held at each backward start, with r[k] layers recomputed, then,
+        with `forward_work`, [n] more: the bytes held while each chunk's F runs."""
         rows = self.rows
         kept = self.act - (self.saving * recompute if recompute is not None else 0.0)
         p = self.bpos[rows]
@@ -463,11 +489,25 @@ class StageMemory:
             own = np.maximum(own, end)
         level = held + own[rows] + _at_or_before(self.bpos, self.kv[1], p)
         level[:1] -= self.grads   # no gradient before the first backward's end
+        if self.forward_work is None:
+            return level
+        return np.concatenate([level, self._forward_levels(kept)])
+
+    def _forward_levels(self, kept: np.ndarray) -> np.ndarray:
+        """float64 [n] bytes held while each chunk's F runs: the chunks forwarded so far (its own
+        kept activations allocated at its start) less those whose backwards ended, the K/V of
+        earlier slices and the K/V gradients allocated by then, and its own working set."""
+        q = self.fpos
+        held = _at_or_before(self.fpos, kept + self.kv[0], q) - _prefix(self.bpos, kept - self.kv[2])(q)
+        level = held + _at_or_before(self.bpos, self.kv[1], q) + self.forward_work
+        if self.grads:  # forwards before the first backward's end hold no gradient
+            level = level - np.where(q < self.bpos.min(initial=0), self.grads, 0.0)
         return level
 
     def savings(self) -> np.ndarray:
-        """float64 [n rows, n chunks] bytes one recomputed layer of each chunk saves at each
-        backward start (eq. 19's F[k] on the chunks alive there, 0 for the backward's own).
+        """float64 [rows of `levels`, n chunks] bytes one recomputed layer of each chunk saves at
+        each backward start (eq. 19's F[k] on the chunks alive there, 0 for the backward's own)
+        and, with `forward_work`, while each F runs (its own chunk's included: exact there).
 
         Linear for the MILP, so conservative for the backward's own chunk: `levels` charges it
         its kept bytes plus one re-materialised layer, at most its full activations, which is
@@ -475,6 +515,9 @@ class StageMemory:
         rows = self.rows
         p = self.bpos[rows][:, None]
         alive = (self.fpos[None, :] < p) & (self.bpos[None, :] > p)
+        if self.forward_work is not None:  # each F's rows: its own chunk's kept bytes are exact
+            q = self.fpos[:, None]
+            alive = np.vstack([alive, (self.fpos[None, :] <= q) & (self.bpos[None, :] > q)])
         return alive * self.saving[None, :]
 
 
@@ -519,8 +562,10 @@ def group_memory(group: GroupSchedule, costs: UnitCosts, *, first_group: bool = 
     for s in range(group.pp):
         table = costs.columns(s, group.units)
         fpos, bpos = group.positions(s)
-        work = costs.work_row(s, [c for u in group.units for c in u])
+        chunks = [c for u in group.units for c in u]
+        work = costs.work_row(s, chunks)
         stages.append(StageMemory(fpos=fpos, bpos=bpos, act=table[0], saving=table[1], kv=table[3:], work=work,
+                                  forward_work=costs.forward_work_row(s, chunks),
                                   grads=costs.stages[s].grads if first_group else 0.0, table=costs.stages[s].table))
         seconds.append(table[2])
     return MemoryModel(stages=stages, limit=np.array([costs.cost.capacity_bytes - st.states for st in costs.stages]),
