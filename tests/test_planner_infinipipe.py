@@ -3,7 +3,6 @@ grouping, the stage-aware adaptive checkpointing MILP (Algorithm 2) against the 
 memory replay and against brute force, ablation options."""
 
 import dataclasses
-import importlib.util
 import itertools
 
 import numpy as np
@@ -38,8 +37,6 @@ from lengthwise.specs import MODEL_PRESETS, ParallelScheme, cluster_preset
 from lengthwise.workloads import get_profile
 
 K = 1024
-HAS_SIM = importlib.util.find_spec("lengthwise.sim.simulate") is not None
-needs_sim = pytest.mark.skipif(not HAS_SIM, reason="lengthwise.sim.simulate is not built yet")
 
 
 def request(lengths, *, dp=1, tp=8, pp=4, context=None, model="llama2-7b", memory_gb=80.0, **options):
@@ -294,7 +291,6 @@ def test_grouping_by_the_bound_equals_grouping_by_the_memory_model():
     assert fast[0][0].schedule.stages == exact[0][0].schedule.stages
 
 
-@needs_sim
 def test_the_simulated_pick_is_the_fastest_of_the_best_by_estimate():
     """With score simulate, the SIMULATED best N by the DP's estimate are simulated and the
     plan is the fastest of them."""
@@ -365,7 +361,6 @@ def simulate_group(req, group, recompute):
     return simulate_plan(sp, req.cost)
 
 
-@needs_sim
 def test_milp_memory_model_agrees_with_the_simulators_replay():
     req, lay, group, memory = tight_group()
     ckpt = solve_checkpointing(group, memory)
@@ -376,7 +371,6 @@ def test_milp_memory_model_agrees_with_the_simulators_replay():
     assert result.fits
 
 
-@needs_sim
 def test_no_cheaper_recomputation_fits_the_simulator():
     """Brute force over every C of eq. 15 (all wave assignments), feasibility judged by the
     simulator's own memory replay rather than by the MILP's rows."""
@@ -390,7 +384,6 @@ def test_no_cheaper_recomputation_fits_the_simulator():
     assert 0 < cheapest <= ckpt.seconds <= cheapest * (1 + MIP_GAP) + 1e-12
 
 
-@needs_sim
 @pytest.mark.parametrize("dp,pp", [(1, 2), (2, 2), (1, 4)])
 def test_every_planned_stage_peak_is_the_simulators_peak(dp, pp):
     """Whole plans (several groups, some recomputing): each stage's simulated peak equals the

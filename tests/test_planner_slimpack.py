@@ -17,7 +17,8 @@ from lengthwise.plan.schedules import check_schedule
 from lengthwise.plan.validate import memory_overflow, validate_plan
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.planners.slimpack.build import build_pipeline, flops_models
-from lengthwise.planners.slimpack.cuts import PrefixCost, check_backward_units
+from lengthwise.plan.validate import check_backward_units
+from lengthwise.planners.slimpack.cuts import PrefixCost
 from lengthwise.planners.slimpack.dp import RankGroup
 from lengthwise.planners.slimpack.planner import sweep_counts
 from lengthwise.sim import simulate_plan

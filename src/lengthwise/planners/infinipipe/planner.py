@@ -315,17 +315,6 @@ def candidate_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCo
     return cand, ""
 
 
-def plan_for(n: int, request: PlanRequest, settings: Settings, fit: SliceCost,
-             started: float) -> tuple[StepPlan | None, str]:
-    """The plan for one N, scored."""
-    cand, why = candidate_for(n, request, settings, fit)
-    if cand is None:
-        return None, why
-    plan = candidate_plan(cand, request, settings, started)
-    plan.metrics[PREDICTED_STEP_TIME_S] = score(plan, cand, request, settings)
-    return plan, ""
-
-
 def infeasible_error(request: PlanRequest, settings: Settings, fit: SliceCost, last_n: int) -> UserError:
     """Why nothing fits, shown for the longest sequence at the finest N tried."""
     longest = max(range(len(request.lengths)), key=lambda i: request.lengths[i])

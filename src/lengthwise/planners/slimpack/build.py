@@ -73,13 +73,11 @@ from lengthwise.planners.base import (
     PlanRequest,
     take_options,
 )
+from lengthwise.plan.validate import check_backward_units
 from lengthwise.planners.slimpack.cuts import (
     PrefixCost,
     Stream,
-    backward_cuts,
-    check_backward_units,
     forward_chunks,
-    forward_cuts,
     micropack_form,
     materialized,
     place_segments,

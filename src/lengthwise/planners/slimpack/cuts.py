@@ -44,7 +44,6 @@ from lengthwise.plan.ir import SHARDED, Chunk, Segment
 from lengthwise.plan.schedules import Dependencies
 from lengthwise.sim.inputs import SliceStructure
 from lengthwise.sim.memory import SplitArrays
-from lengthwise.plan.validate import check_backward_units  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True, kw_only=True)
