@@ -26,44 +26,29 @@ class _MemorySizing:
     (`_heterogeneous`, `_holders`, `_replicas`, `_shared`)."""
 
     def _sizes(self, recompute: list[list[int]]) -> MemorySizes:
+        """Every stage's memory sizes (MemorySizes), and `self.splits`, the split sequences."""
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
         splits = self.splits = self.known.splits if self.known is not None else split_sequences(pipe.chunks,
                                                                                                 self.units)
         act, extra, transient, kv, kv_grad, work, fwork, cell_act = [], [], [], [], [], [], [], []
         cells = self._cells()
         kv_of: dict[int, dict] = {}  # stages of equal layer counts hold equal K/V
-        C = len(pipe.chunks)
-        zeros = self._zeros
         for s in range(S):
             L, head = self.layers[s], s == S - 1
-            full = self.per_chunk(L, head, s == 0)["act"]
-            if any(recompute[s]):
-                kept = np.array([cm.activation_bytes(c, layers=L, head=head, recompute_layers=r, **self.kw) if r
-                                 else full[i] for i, (c, r) in enumerate(zip(pipe.chunks, recompute[s]))])
-                extra.append([cm.recompute_transient_bytes(c, recompute_layers=r, **self.kw)
-                              for c, r in zip(pipe.chunks, recompute[s])])
-            else:  # recompute_transient_bytes is 0 without recomputation
-                kept = full
-                extra.append(zeros(C))
             if cells is not None:  # each cell is its own row: kept, re-materialised and worked on apart
-                kept, extra[-1], w, fw = self._cell_sizes(cells, L, head, recompute[s])
+                kept, remat, w, fw = self._cell_sizes(cells, L, head, recompute[s])
                 cell_act.append(kept)
-                act.append(self._chunk_sums(cells, kept, C))
-                work.append(w)
-                fwork.append(fw)
-                self._stage_rest(s, L, splits, kv_of, kv, kv_grad, transient, zeros, C, act)
-                continue
-            act.append(kept)
-            # each backward unit's working set (the loss backward's bf16 logit gradient on the
-            # last stage, a layer's SwiGLU backward elsewhere), and the head forward's bf16 logits
-            work.append(self._per_token_row(cm.backward_work_bytes, self.units, 1,
-                                            functools.partial(cm.backward_work_bytes_rows, layers=L, tp=pipe.tp,
-                                                              head=head),
-                                            layers=L, head=head))
-            fwork.append(self._per_token_row(cm.head_forward_bytes, pipe.chunks, 0,
-                                             functools.partial(mem.head_forward_bytes, cm.model, tp=pipe.tp))
-                         if head else zeros(C))
-            self._stage_rest(s, L, splits, kv_of, kv, kv_grad, transient, zeros, C, act)
+                act.append(self._chunk_sums(cells, kept, len(pipe.chunks)))
+            else:
+                kept, remat = self._kept_activations(s, L, head, recompute[s])
+                act.append(kept)
+                w, fw = self._working_sets(L, head)
+            extra.append(remat)
+            work.append(w)
+            fwork.append(fw)
+            transient.append(self._nograd_transient(s, L, act[-1]))
+            kv.append(self._kv_sizes(L, splits, kv_of))
+            kv_grad.append(dict(kv[-1]))  # K/V-gradient buffers are the size of the K/V they update
         states, grads = self._states()
         if cm.grads_held_all_step:  # a buffer allocated before the step (`CostModel.grads_held_all_step`)
             grads = [0.0] * S
@@ -75,17 +60,49 @@ class _MemorySizing:
                            backward_work=work, forward_work=fwork, cell_activation=cell_act,
                            nograd_held=cm.nograd_keeps_graph)
 
-    def _stage_rest(self, s, L, splits, kv_of, kv, kv_grad, transient, zeros, C, act) -> None:
-        """Stage s's no-grad forward transients and K/V sizes (appended to the lists)."""
+    def _kept_activations(self, s: int, L: int, head: bool, recompute: list[int]):
+        """([chunk] activation bytes each chunk's F keeps on stage s, [chunk] the transient bytes
+        of re-materialising its recomputed layers in its backward)."""
         pipe, cm = self.pipe, self.cm
+        full = self.per_chunk(L, head, s == 0)["act"]
+        if not any(recompute):  # recompute_transient_bytes is 0 without recomputation
+            return full, self._zeros(len(pipe.chunks))
+        kept = np.array([cm.activation_bytes(c, layers=L, head=head, recompute_layers=r, **self.kw) if r
+                         else full[i] for i, (c, r) in enumerate(zip(pipe.chunks, recompute))])
+        return kept, [cm.recompute_transient_bytes(c, recompute_layers=r, **self.kw)
+                      for c, r in zip(pipe.chunks, recompute)]
+
+    def _working_sets(self, L: int, head: bool):
+        """([unit] each backward unit's working set: the loss backward's bf16 logit gradient on
+        the last stage, a layer's SwiGLU backward elsewhere; [chunk] the head forward's bf16
+        logits on the last stage, zeros elsewhere), when the units are the chunks."""
+        pipe, cm = self.pipe, self.cm
+        work = self._per_token_row(cm.backward_work_bytes, self.units, 1,
+                                   functools.partial(cm.backward_work_bytes_rows, layers=L, tp=pipe.tp, head=head),
+                                   layers=L, head=head)
+        fwork = self._per_token_row(cm.head_forward_bytes, pipe.chunks, 0,
+                                    functools.partial(mem.head_forward_bytes, cm.model, tp=pipe.tp)) \
+            if head else self._zeros(len(pipe.chunks))
+        return work, fwork
+
+    def _nograd_transient(self, s: int, L: int, act_row):
+        """[chunk] what stage s's no-grad forward (N) of each chunk holds while it runs (0 for
+        chunks without an N): one layer's activations, or the whole graph an F would keep
+        (`CostModel.nograd_keeps_graph`)."""
+        pipe, cm, C = self.pipe, self.cm, len(self.pipe.chunks)
         nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD} \
             if FORWARD_NOGRAD in map(_KIND, pipe.stages[s]) else ()
-        if nograd and cm.nograd_keeps_graph:  # the whole graph an F would keep (`CostModel.nograd_keeps_graph`)
-            transient.append([act[-1][i] if i in nograd else 0.0 for i in range(C)])
-        else:
-            transient.append([cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
-                              for i, c in enumerate(pipe.chunks)] if nograd else zeros(C))
-        if L not in kv_of:  # kv_bytes by context length, shared by the plan's pipelines of one tp, cp
+        if nograd and cm.nograd_keeps_graph:
+            return [act_row[i] if i in nograd else 0.0 for i in range(C)]
+        return [cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
+                for i, c in enumerate(pipe.chunks)] if nograd else self._zeros(C)
+
+    def _kv_sizes(self, L: int, splits, kv_of: dict[int, dict]) -> dict:
+        """{sequence: K/V bytes} of every split sequence on a stage of L layers (kept in `kv_of`
+        for the pipeline's other stages of L layers); kv_bytes by context length, shared by the
+        plan's pipelines of one tp, cp."""
+        cm = self.cm
+        if L not in kv_of:
             if isinstance(splits, SplitArrays) and type(cm).kv_bytes is CostModel.kv_bytes:
                 # CostModel.kv_bytes elementwise over the contexts: the same operations, the same floats
                 each = cm.kv_bytes(splits.context, layers=L, **self.kw)
@@ -96,8 +113,7 @@ class _MemorySizing:
                     else ((q.seq_id, q.context) for q in splits)
                 kv_of[L] = {q: memo[n] if n in memo else memo.setdefault(n, cm.kv_bytes(n, layers=L, **self.kw))
                             for q, n in seqs}
-        kv.append(kv_of[L])
-        kv_grad.append(dict(kv_of[L]))  # K/V-gradient buffers are the size of the K/V they update
+        return kv_of[L]
 
     def _cells(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """(chunk, unit, tokens) of every cell, the part of a forward chunk that one backward
