@@ -78,40 +78,117 @@ def derived_structures(pipes: list[PipelinePlan], known: list[SliceStructure | N
     out: list[SliceStructure | None] = [None] * len(pipes)
     if not todo:
         return out
-    chunks = [c for i in todo for c in pipes[i].chunks]
-    nc = np.array([len(pipes[i].chunks) for i in todo], dtype=np.int64)
+    segs = _segment_table([pipes[i].chunks for i in todo])
+    if segs is None:
+        return out
+    continuing = np.flatnonzero(segs.start > 0)
+    previous, broken = _previous_slices(segs, continuing)
+    splits = _split_arrays(segs, continuing)
+    by_pipe: dict[int, list[int]] = {}
+    for g in previous:                                            # ascending chunks, pipeline by pipeline
+        by_pipe.setdefault(int(segs.chunk_pipe[g]), []).append(g)
+    for k, i in enumerate(todo):
+        if k in broken:
+            continue
+        lo, hi = segs.chunk_bounds[k], segs.chunk_bounds[k + 1]
+        deps = _dependencies(int(segs.num_chunks[k]), lo, {g: previous[g] for g in by_pipe.get(k, ())})
+        bounds = segs.fields[segs.segment_bounds[k]:segs.segment_bounds[k + 1], 1:]
+        own = segs.counts[lo:hi]
+        out[i] = SliceStructure(deps=deps, splits=splits[k], fwd_counts=own, fwd_bounds=bounds, bwd_counts=own,
+                                bwd_bounds=bounds)
+    return out
+
+
+@dataclass(kw_only=True)
+class _Segments:
+    """Every segment of the chunks of some pipelines, pipeline by pipeline, chunk by chunk."""
+
+    num_chunks: np.ndarray
+    """int64 [pipeline] chunks."""
+    counts: np.ndarray
+    """int64 [chunk, over all pipelines] segments of each chunk."""
+    fields: np.ndarray
+    """int64 [segment, 3] (sequence, start, stop)."""
+    chunk_pipe: np.ndarray
+    """int64 [chunk, over all pipelines] its pipeline."""
+    global_chunk: np.ndarray
+    """int64 [segment] its chunk over all pipelines."""
+    pipe: np.ndarray
+    """int64 [segment] its pipeline."""
+    chunk: np.ndarray
+    """int64 [segment] its chunk within its pipeline."""
+    seq_key: np.ndarray
+    """int64 [segment] its (pipeline, sequence), as one number."""
+    ends: int
+    """One past the largest stop: (seq_key, token) pairs as seq_key * ends + token."""
+    chunk_bounds: list[int]
+    """[pipeline + 1] where each pipeline's chunks start in the chunk arrays."""
+    segment_bounds: list[int]
+    """[pipeline + 1] where each pipeline's segments start in the segment arrays."""
+
+    @property
+    def seq(self) -> np.ndarray:
+        return self.fields[:, 0]
+
+    @property
+    def start(self) -> np.ndarray:
+        return self.fields[:, 1]
+
+    @property
+    def stop(self) -> np.ndarray:
+        return self.fields[:, 2]
+
+
+def _segment_table(chunk_lists: list[list[Chunk]]) -> _Segments | None:
+    """The segments of these pipelines' chunks as arrays; None where the (pipeline, sequence,
+    token) keys would not fit int64 (or a sequence id is negative)."""
+    chunks = [c for x in chunk_lists for c in x]
+    num_chunks = np.array([len(x) for x in chunk_lists], dtype=np.int64)
     counts = np.fromiter(map(len, map(_SEGMENTS, chunks)), dtype=np.int64, count=len(chunks))
     segs = list(itertools.chain.from_iterable(map(_SEGMENTS, chunks)))
-    flat = np.fromiter(itertools.chain.from_iterable(map(_SEGMENT_FIELDS, segs)), dtype=np.int64,
-                       count=3 * len(segs)).reshape(len(segs), 3)
-    seq, start, stop = flat[:, 0], flat[:, 1], flat[:, 2]
-    chunk_pipe = np.repeat(np.arange(len(todo)), nc)
-    gchunk = np.repeat(np.arange(len(chunks)), counts)           # each segment's chunk over all pipelines
-    pipe = chunk_pipe[gchunk]
-    chunk = gchunk - _first(nc)[pipe]                             # ... and within its pipeline
+    fields = np.fromiter(itertools.chain.from_iterable(map(_SEGMENT_FIELDS, segs)), dtype=np.int64,
+                         count=3 * len(segs)).reshape(len(segs), 3)
+    seq, stop = fields[:, 0], fields[:, 2]
+    chunk_pipe = np.repeat(np.arange(len(chunk_lists)), num_chunks)
+    global_chunk = np.repeat(np.arange(len(chunks)), counts)
+    pipe = chunk_pipe[global_chunk]
     seqs, ends = int(seq.max(initial=0)) + 1, int(stop.max(initial=0)) + 1
-    if len(segs) and (int(seq.min()) < 0 or len(todo) * seqs * ends >= 2**62):
-        return out
-    seq_key = pipe * seqs + seq                                   # (pipeline, sequence)
-    # each continuing slice's previous one: the chunk holding the segment of its sequence that ends
-    # where it starts (the last such chunk, as dependencies' dictionary keeps it)
-    end_key = seq_key * ends + stop
+    if len(segs) and (int(seq.min()) < 0 or len(chunk_lists) * seqs * ends >= 2**62):
+        return None
+    chunk_bounds = np.r_[_first(num_chunks), len(chunks)].tolist()
+    return _Segments(num_chunks=num_chunks, counts=counts, fields=fields, chunk_pipe=chunk_pipe,
+                     global_chunk=global_chunk, pipe=pipe, chunk=global_chunk - _first(num_chunks)[pipe],
+                     seq_key=pipe * seqs + seq, ends=ends, chunk_bounds=chunk_bounds,
+                     segment_bounds=np.r_[0, np.cumsum(counts)][chunk_bounds].tolist())
+
+
+def _previous_slices(segs: _Segments, continuing: np.ndarray) -> tuple[dict[int, list[int]], set[int]]:
+    """({chunk over all pipelines: the chunks holding its slices' previous slices}, pipelines
+    where a slice continues none). A continuing slice's previous one is the segment of its
+    sequence that ends where it starts (the last such chunk, as dependencies' dictionary keeps
+    it); a chunk holding both slices depends on nothing for it."""
+    end_key = segs.seq_key * segs.ends + segs.stop
     order = np.argsort(end_key, kind="stable")
-    cont = np.flatnonzero(start > 0)
-    want = seq_key[cont] * ends + start[cont]
+    want = segs.seq_key[continuing] * segs.ends + segs.start[continuing]
     at = np.searchsorted(end_key[order], want, side="right") - 1
     found = (at >= 0) & (end_key[order][np.maximum(at, 0)] == want)
-    broken = set(pipe[cont[~found]].tolist())
-    fwd_after: dict[int, list[int]] = {}                          # global chunk -> previous-slice chunks
-    for g, c, p in zip(gchunk[cont[found]].tolist(), chunk[cont[found]].tolist(),
-                       chunk[order[at[found]]].tolist()):
+    broken = set(segs.pipe[continuing[~found]].tolist())
+    previous: dict[int, list[int]] = {}
+    for g, c, p in zip(segs.global_chunk[continuing[found]].tolist(), segs.chunk[continuing[found]].tolist(),
+                       segs.chunk[order[at[found]]].tolist()):
         if p != c:
-            preds = fwd_after.setdefault(g, [])
+            preds = previous.setdefault(g, [])
             if p not in preds:
                 preds.append(p)
-    # split sequences: those with a slice starting after token 0 in the pipeline, with two or more
-    # slices there, in order of first appearance; each one's slices by (start, stop, chunk)
-    cut = np.flatnonzero(np.isin(seq_key, seq_key[cont]))
+    return previous, broken
+
+
+def _split_arrays(segs: _Segments, continuing: np.ndarray) -> list[SplitArrays]:
+    """Per pipeline its split sequences (SplitArrays): those with a slice starting after token 0
+    in the pipeline and two or more slices there, in order of first appearance; each one's
+    slices by (start, stop, chunk), the last one its own (its context: where it starts)."""
+    chunk, start, stop, seq_key = segs.chunk, segs.start, segs.stop, segs.seq_key
+    cut = np.flatnonzero(np.isin(seq_key, seq_key[continuing]))
     cut = cut[np.lexsort((cut, seq_key[cut]))]                    # by sequence, then first appearance
     heads = np.flatnonzero(_changed(seq_key[cut]))
     parts = np.diff(np.r_[heads, len(cut)])
@@ -120,47 +197,40 @@ def derived_structures(pipes: list[PipelinePlan], known: list[SliceStructure | N
     cut, seen = cut[many], seen[many]
     cut = cut[np.lexsort((chunk[cut], stop[cut], start[cut], seen))]
     seen = np.sort(seen, kind="stable")
-    heads = np.flatnonzero(_changed(seen))
-    lasts = np.r_[heads[1:], len(cut)][:len(heads)] - 1
+    heads = np.flatnonzero(_changed(seen))                        # each split sequence's first slice
+    lasts = np.r_[heads[1:], len(cut)][:len(heads)] - 1           # ... and its last
     earlier = np.ones(len(cut), dtype=bool)
     earlier[lasts] = False
     group = np.cumsum(_changed(seen)) - 1
-    held = np.unique(group * (int(nc.max(initial=0)) + 1) + chunk[cut])   # distinct (sequence, chunk)
-    held_q, held_c = np.divmod(held, int(nc.max(initial=0)) + 1)
-    q_pipe = pipe[cut[heads]]
-    qb = np.searchsorted(q_pipe, np.arange(len(todo) + 1)).tolist()
-    sb = np.searchsorted(pipe[cut[earlier]], np.arange(len(todo) + 1)).tolist()
-    hb = np.searchsorted(q_pipe[held_q], np.arange(len(todo) + 1)).tolist()
-    seq_id, context = seq[cut[heads]], start[cut[lasts]]
+    width = int(segs.num_chunks.max(initial=0)) + 1
+    held_q, held_c = np.divmod(np.unique(group * width + chunk[cut]), width)   # distinct (sequence, chunk)
+    q_pipe = segs.pipe[cut[heads]]
+    pipes = np.arange(len(segs.num_chunks) + 1)
+    qb = np.searchsorted(q_pipe, pipes).tolist()
+    sb = np.searchsorted(segs.pipe[cut[earlier]], pipes).tolist()
+    hb = np.searchsorted(q_pipe[held_q], pipes).tolist()
+    seq_id, context = segs.seq[cut[heads]], start[cut[lasts]]
     slices = np.diff(np.r_[heads, len(cut)]) - 1
     holders = np.bincount(held_q, minlength=len(heads))
     slice_chunk, slice_tokens = chunk[cut[earlier]], (stop - start)[cut[earlier]]
-    cb = np.r_[_first(nc), len(chunks)].tolist()
-    segb = np.r_[0, np.cumsum(counts)][cb].tolist()
-    by_pipe: dict[int, list[int]] = {}
-    for g in fwd_after:                                           # ascending chunks, pipeline by pipeline
-        by_pipe.setdefault(int(chunk_pipe[g]), []).append(g)
-    for k, i in enumerate(todo):
-        if k in broken:
-            continue
-        C, base = int(nc[k]), cb[k]
-        after = [()] * C
-        nexts: list[list[int]] = [[] for _ in range(C)]
-        for g in by_pipe.get(k, ()):
-            after[g - base] = tuple(fwd_after[g])
-            for p in fwd_after[g]:
-                nexts[p].append(g - base)
-        deps = Dependencies(fwd_after=tuple(after), bwd_after=tuple(tuple(n) for n in nexts),
-                            bwd_needs=_self_needs(C))
-        splits = SplitArrays(seq_id=seq_id[qb[k]:qb[k + 1]], context=context[qb[k]:qb[k + 1]],
-                             slices=slices[qb[k]:qb[k + 1]], slice_chunk=slice_chunk[sb[k]:sb[k + 1]],
-                             slice_tokens=slice_tokens[sb[k]:sb[k + 1]], holders=holders[qb[k]:qb[k + 1]],
-                             holder_unit=held_c[hb[k]:hb[k + 1]])
-        bounds = flat[segb[k]:segb[k + 1], 1:]
-        own = counts[cb[k]:cb[k + 1]]
-        out[i] = SliceStructure(deps=deps, splits=splits, fwd_counts=own, fwd_bounds=bounds, bwd_counts=own,
-                                bwd_bounds=bounds)
-    return out
+    return [SplitArrays(seq_id=seq_id[qb[k]:qb[k + 1]], context=context[qb[k]:qb[k + 1]],
+                        slices=slices[qb[k]:qb[k + 1]], slice_chunk=slice_chunk[sb[k]:sb[k + 1]],
+                        slice_tokens=slice_tokens[sb[k]:sb[k + 1]], holders=holders[qb[k]:qb[k + 1]],
+                        holder_unit=held_c[hb[k]:hb[k + 1]])
+            for k in range(len(segs.num_chunks))]
+
+
+def _dependencies(num_chunks: int, base: int, previous: dict[int, list[int]]) -> Dependencies:
+    """One pipeline's Dependencies from its chunks' previous-slice chunks (`previous`, keyed by
+    chunk over all pipelines, `base` the pipeline's first): each backward unit is its chunk."""
+    after = [()] * num_chunks
+    nexts: list[list[int]] = [[] for _ in range(num_chunks)]
+    for g, preds in previous.items():
+        after[g - base] = tuple(preds)
+        for p in preds:
+            nexts[p].append(g - base)
+    return Dependencies(fwd_after=tuple(after), bwd_after=tuple(tuple(n) for n in nexts),
+                        bwd_needs=_self_needs(num_chunks))
 
 
 _SEGMENTS = operator.attrgetter("segments")
