@@ -212,6 +212,27 @@ def test_task_levels_are_one_above_the_deepest_predecessor(plan):
             assert level[i] == 1 + max((level[q] for q in preds), default=-1)
 
 
+
+def test_the_dag_docstrings_walk_through_is_the_graph_built():
+    """sim/dag.py's module docstring walks chunk 3, the second slice of chunk 2's sequence,
+    through a two-stage 1F1B step; the graph built has exactly the edges it names."""
+    from lengthwise.sim.dag import build_pipeline
+    from lengthwise.sim.inputs import _direct_chunks
+
+    chunks = _direct_chunks(5, [(2, 3)])
+    tasks = build_pipeline(make_schedule("1f1b", chunks, 2), chunks, None, dependencies(chunks))
+    _, _, _, _, cross, _, counts, flat = tasks.columns
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    local = lambda t: sorted(flat[starts[t]:starts[t + 1]].tolist())   # slice edges and the schedule edge
+    f, b = tasks.fwd_id, tasks.bwd_id
+    assert cross[f[1, 3]] == f[0, 3]
+    assert local(f[1, 3]) == sorted([f[1, 2], f[1, 3] - 1])             # the earlier slice; the previous action
+    assert cross[b[1, 3]] == -1
+    assert local(b[1, 3]) == sorted([f[1, 3], b[1, 3] - 1])             # the F it reads; the previous action
+    assert local(b[1, 2]) == sorted([f[1, 2], b[1, 3], b[1, 2] - 1])    # ... and the later slice's B
+    assert cross[b[0, 3]] == b[1, 3]
+    assert local(b[0, 3]) == sorted([f[0, 3], b[0, 3] - 1])
+
 def test_stuck_schedule_among_good_pipelines_raises_the_grid():
     chunks = [whole(0, 8), whole(1, 8)]
     good = [[Action.parse(a) for a in "F0 F1 B0 B1".split()], [Action.parse(a) for a in "F0 B0 F1 B1".split()]]

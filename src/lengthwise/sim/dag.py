@@ -5,10 +5,26 @@ its stage (schedule edge) and its data dependencies (plan/schedules.action_needs
 s-1 -> s, backward s+1 -> s, forward slice i -> i+1, backward slice i+1 -> i. A data edge that
 crosses stages carries the sender's point-to-point transfer time.
 
+One chunk through it: 1F1B on two stages, chunk 3 the second slice of a sequence whose first
+slice is chunk 2.
+- Stage 1's F3 waits for stage 0's F3 (data edge across stages: `cross`, plus F3's send time),
+  for stage 1's F2 (the earlier slice, whose K/V it attends to: a same-stage data edge, from
+  Dependencies.fwd_after) and for stage 1's previous action (schedule edge). Both same-stage
+  edges land in `local`.
+- Stage 1's B3 (the last stage has no cross edge for a backward) waits for the F3 it reads
+  (Dependencies.bwd_needs) and the previous action; stage 1's B2 waits for B3 too (the later
+  slice's gradient flows into the earlier one: Dependencies.bwd_after).
+- Stage 0's B3 waits for stage 1's B3 (`cross`, plus B3's send time), its own F3 and its
+  previous action.
+If the schedule lists an action before one it waits for on the same stage, or never lists it,
+the schedule cannot run and check_schedule raises with the step-by-rank grid.
+
 Timing is two passes. `build_pipelines` numbers the tasks stage by stage and gives each a
 *level* one above its deepest predecessor (no durations; numpy over every new schedule shape at
-once, `_build_graphs`). `evaluate` then computes finish times level by level with numpy over all
-pipelines at once: tasks of one level never depend on each other, so
+once, `_build_graphs`: `_flatten` numbers the actions, `_id_tables` finds each (stage, chunk)'s
+task, `_cross_edges` and `_local_edges` the predecessors, `_levels` the levels). `evaluate` then
+computes finish times level by level with numpy over all pipelines at once: tasks of one level
+never depend on each other, so
 
     finish[t] = max(max_j finish[local[t, j]], finish[cross[t]] + send[cross[t]]) + dur[t]
 
@@ -25,11 +41,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, Action, Chunk
-from lengthwise.plan.schedules import Dependencies, ShapeCache, check_schedule
+from lengthwise.plan.ir import Action, Chunk
+from lengthwise.plan.schedules import Dependencies, ShapeCache
+from lengthwise.sim.task_graph import (KIND_CODE, _Batch, _cross_edges, _csr, _flatten, _id_tables, _IdTables,
+                                      _levels, _local_edges, _reads, _reforward, _reject, _starts)
 
-KIND_CODE = {FORWARD: 0, FORWARD_NOGRAD: 1, BACKWARD: 2}
-"""Integer code of each action kind in task arrays (F=0, N=1, B=2)."""
+__all__ = ["KIND_CODE", "PipelineTasks", "TaskArrays", "build_pipeline", "build_pipelines", "concatenate", "evaluate"]
 
 
 @dataclass(kw_only=True)
@@ -113,143 +130,54 @@ def _build_graphs(specs: list[tuple], lowered: list[tuple]) -> list[PipelineTask
     (schedule edge), its data dependencies on the same stage (plan/schedules.action_needs:
     earlier slices, the chunks a backward unit reads, the units holding later slices) and the
     task on the neighbouring stage that hands over its input (`cross`). Its level is one above
-    its deepest predecessor: along a stage levels rise by at least one per task, so the
-    same-stage predecessors never decide it, and
-
-        level[i] = max(level[i - 1], level[cross[i]]) + 1 = i + max_{j <= i} (level[cross[j]] + 1 - j)
-
-    for the i-th task of a stage: a running maximum per stage given the cross levels. Starting
-    from no cross edges and repeating this (each time over every task of every graph) raises
-    the levels to the longest paths, in as many rounds as the deepest path changes stages plus
-    one (under ten on SlimPack's and InfiniPipe's schedules). A schedule runs to the end exactly
-    when every predecessor exists, the same-stage ones come earlier on their stage, and the
-    graph has no cycle (levels would grow past the task count); else check_schedule raises."""
+    its deepest predecessor (`_levels`). A schedule runs to the end exactly when every
+    predecessor exists, the same-stage ones come earlier on their stage, and the graph has no
+    cycle (levels would grow past the task count); else check_schedule raises."""
     if not specs:
         return []
-    pp = np.array([len(st) for st, _, _, _ in specs], dtype=np.int64)
-    C = np.array([len(ch) for _, ch, _, _ in specs], dtype=np.int64)
-    U = np.array([len(ch if bwd is None else bwd) for _, ch, bwd, _ in specs], dtype=np.int64)
-    lane_len = np.array([n for lens, _ in lowered for n in lens], dtype=np.int64)
-    flat = [a for _, acts in lowered for a in acts]
-    code = np.array([KIND_CODE[k] for k, _, _ in flat], dtype=np.int64)
-    idx = np.array([c for _, c, _ in flat], dtype=np.int64)
-    n = len(flat)
-    lane = np.repeat(np.arange(len(lane_len)), lane_len)
-    lane_graph = np.repeat(np.arange(len(specs)), pp)
-    lane_stage = np.arange(len(lane_len)) - np.repeat(_starts(pp), pp)
-    g, s = lane_graph[lane], lane_stage[lane]
-    tasks = np.bincount(lane_graph, weights=lane_len, minlength=len(specs)).astype(np.int64)
-    gbase = _starts(tasks)
-    tid = np.arange(n) - gbase[g]                       # numbered stage by stage within the graph
-    pos = np.arange(n) - _starts(lane_len)[lane]        # place on its stage
-    is_b = code == 2
-    _reject(specs, g[(idx < 0) | (idx >= np.where(is_b, U[g], C[g]))])   # an index out of range
-    # [graph, stage, chunk] and [graph, stage, unit] tables of task ids, flattened
-    fbase, bbase = _starts(pp * C), _starts(pp * U)
-    fslot = np.where(is_b, 0, fbase[g] + s * C[g] + idx)
-    bslot = np.where(is_b, bbase[g] + s * U[g] + idx, 0)
-    tables = []
-    for kind, slot, size in ((0, fslot, int((pp * C).sum())), (1, fslot, int((pp * C).sum())),
-                             (2, bslot, int((pp * U).sum()))):
-        mine = code == kind
-        count = np.bincount(slot[mine], minlength=size)
-        owner = np.repeat(np.arange(len(specs)), pp * (U if kind == 2 else C))
-        _reject(specs, owner[(count > 1) | ((count == 0) & (kind != 1))])   # an action missing or repeated
-        table = np.full(size, -1, dtype=np.int64)
-        table[slot[mine]] = tid[mine]
-        tables.append(table)
-    fwd_tab, nograd_tab, bwd_tab = tables
-    first_tab = np.where((nograd_tab >= 0) & (nograd_tab < fwd_tab), nograd_tab, fwd_tab)
-    refwd = np.zeros(n, dtype=bool)                     # an F after the chunk's N on its stage
-    f = np.flatnonzero(code == 0)
-    refwd[f] = (nograd_tab[fslot[f]] >= 0) & (nograd_tab[fslot[f]] < tid[f])
-    # the neighbouring stage's task handing over the input: F or N from above, B from below
-    up = ~is_b & (s > 0)
-    down = is_b & (s + 1 < pp[g])
-    cross = np.full(n, -1, dtype=np.int64)
-    above = fslot[up] - C[g[up]]
-    cross[up] = np.where(code[up] == 0, fwd_tab[above], nograd_tab[above])
-    cross[down] = bwd_tab[bslot[down] + U[g[down]]]
-    bad = g[(up | down) & (cross < 0)]                  # the neighbour never runs it
-    # same-stage predecessors: slice edges (data dependencies), then the schedule edge
+    batch = _flatten(specs, lowered)
+    _reject(specs, batch.graph[(batch.index < 0) | (batch.index >= np.where(batch.is_bwd, batch.num_units[batch.graph],
+                                                                          batch.num_chunks[batch.graph]))])
+    ids = _id_tables(specs, batch)
+    reforward = _reforward(batch, ids)
+    cross, no_sender = _cross_edges(batch, ids)
     deps = [d for _, _, _, d in specs]
     if any((len(d.bwd_needs), len(d.bwd_after), len(d.fwd_after)) != (u, u, c)
-           for d, u, c in zip(deps, U.tolist(), C.tolist())):
+           for d, u, c in zip(deps, batch.num_units.tolist(), batch.num_chunks.tolist())):
         raise ValueError("dependencies do not match the pipeline's chunks and backward units")
-    need, after, fa = (_csr([getattr(d, name) for d in deps]) for name in ("bwd_needs", "bwd_after", "fwd_after"))
-    unit = np.where(is_b, _starts(U)[g] + idx, 0)       # the task's unit or chunk, numbered over all graphs
-    chunk = np.where(is_b, 0, _starts(C)[g] + idx)
-    pick = lambda row_len, at, mask: np.where(mask, np.append(row_len, 0)[np.where(mask, at, len(row_len))], 0)
-    n_need, n_after, n_fa = pick(need[0], unit, is_b), pick(after[0], unit, is_b), pick(fa[0], chunk, ~is_b)
-    has_prev = pos > 0
-    counts = n_need + n_after + n_fa + has_prev
-    start = _starts(counts)
-    local = np.full(int(counts.sum()), -1, dtype=np.int64)
-    for lens, (row_len, values), ids, table, base, width, skip in (
-            (n_need, need, unit, fwd_tab, fbase, C, 0 * n_need), (n_after, after, unit, bwd_tab, bbase, U, n_need),
-            (n_fa, fa, chunk, first_tab, fbase, C, 0 * n_fa)):
-        t = np.repeat(np.arange(n), lens)
-        k = np.arange(len(t)) - np.repeat(_starts(lens), lens)
-        ref = values[_starts(row_len)[ids[t]] + k]          # the chunk or unit depended on
-        local[start[t] + skip[t] + k] = table[base[g[t]] + s[t] * width[g[t]] + ref]
-    t = np.flatnonzero(has_prev)
-    local[start[t] + counts[t] - 1] = tid[t] - 1
-    owner = np.repeat(np.arange(n), counts)
-    late = (local < 0) | (local >= tid[owner])          # absent, or later on the stage: never issued
-    _reject(specs, np.r_[bad, g[owner[late]]])
-    # levels: running maxima per stage, repeated until no cross edge raises one
-    width = 4 * (int(tasks.max()) + 2)
-    shift = lane * width                                # keeps each stage's running maximum its own
-    glob = np.where(cross >= 0, cross + gbase[g], n)
-    level = pos.copy()
-    for _ in range(int(tasks.max()) + 2):   # around a cycle levels rise every round, past its graph's tasks
-        new = np.maximum.accumulate(np.append(level, -1)[glob] + 1 - pos + shift) - shift + pos
-        if np.array_equal(new, level):
-            break
-        level = new
-    _reject(specs, g[level >= tasks[g]])                # a path longer than the graph: a cycle
-    cols = (s, code, idx, refwd.astype(np.int64), cross, level)
-    # the reads of each graph, by chunk then unit
-    read_u = np.repeat(np.arange(len(need[0])), need[0])
-    read_g = np.repeat(np.arange(len(specs)), U)[read_u]
-    order = np.lexsort((read_u, need[1], read_g))
-    read_c, read_u, read_g = need[1][order], (read_u - _starts(U)[read_g])[order], read_g[order]
-    rb = np.searchsorted(read_g, np.arange(len(specs) + 1)).tolist()
+    needs = _csr([d.bwd_needs for d in deps])
+    num_local, local = _local_edges(batch, ids, needs, _csr([d.bwd_after for d in deps]),
+                                    _csr([d.fwd_after for d in deps]))
+    owner = np.repeat(np.arange(len(batch.code)), num_local)
+    late = (local < 0) | (local >= batch.task[owner])   # absent, or later on the stage: never issued
+    _reject(specs, np.r_[no_sender, batch.graph[owner[late]]])
+    level = _levels(batch, cross)
+    _reject(specs, batch.graph[level >= batch.tasks_per_graph[batch.graph]])   # a path longer than the graph: a cycle
+    columns = (batch.stage, batch.code, batch.index, reforward.astype(np.int64), cross, level)
+    return _split_graphs(batch, ids, columns, num_local, local, _reads(batch, needs))
+
+
+def _split_graphs(b: _Batch, ids: _IdTables, columns: tuple, num_local: np.ndarray, local: np.ndarray,
+                  reads: tuple) -> list[PipelineTasks]:
+    """Cut the batch's arrays into one PipelineTasks per graph (copies: a graph is cached alone)."""
+    read_c, read_u, read_g = reads
+    num_graphs, n = len(b.num_stages), len(b.code)
+    rb = np.searchsorted(read_g, np.arange(num_graphs + 1)).tolist()
+    tb = np.r_[b.graph_start, n].tolist()
+    lb = np.r_[np.append(_starts(num_local), len(local))[b.graph_start], len(local)].tolist()
+    fb, bb = np.r_[ids.fwd_base, len(ids.fwd)].tolist(), np.r_[ids.bwd_base, len(ids.bwd)].tolist()
     out = []
-    tb = np.r_[gbase, n].tolist()
-    lb = np.r_[np.append(_starts(counts), len(local))[gbase], len(local)].tolist()
-    fb, bb = np.r_[fbase, len(fwd_tab)].tolist(), np.r_[bbase, len(bwd_tab)].tolist()
-    for i in range(len(specs)):
-        a, b = tb[i], tb[i + 1]
+    for i in range(num_graphs):
+        lo, hi = tb[i], tb[i + 1]
+        stages, chunks, units = int(b.num_stages[i]), int(b.num_chunks[i]), int(b.num_units[i])
         out.append(PipelineTasks(
-            columns=tuple(c[a:b].copy() for c in cols) + (counts[a:b].copy(), local[lb[i]:lb[i + 1]].copy()),
-            fwd_id=fwd_tab[fb[i]:fb[i + 1]].reshape(int(pp[i]), int(C[i])).copy(),
-            first_id=first_tab[fb[i]:fb[i + 1]].reshape(int(pp[i]), int(C[i])).copy(),
-            nograd_id=nograd_tab[fb[i]:fb[i + 1]].reshape(int(pp[i]), int(C[i])).copy(),
-            bwd_id=bwd_tab[bb[i]:bb[i + 1]].reshape(int(pp[i]), int(U[i])).copy(),
+            columns=tuple(c[lo:hi].copy() for c in columns) + (num_local[lo:hi].copy(), local[lb[i]:lb[i + 1]].copy()),
+            fwd_id=ids.fwd[fb[i]:fb[i + 1]].reshape(stages, chunks).copy(),
+            first_id=ids.first[fb[i]:fb[i + 1]].reshape(stages, chunks).copy(),
+            nograd_id=ids.nograd[fb[i]:fb[i + 1]].reshape(stages, chunks).copy(),
+            bwd_id=ids.bwd[bb[i]:bb[i + 1]].reshape(stages, units).copy(),
             reads=(read_c[rb[i]:rb[i + 1]], read_u[rb[i]:rb[i + 1]])))
     return out
-
-
-def _reject(specs: list[tuple], bad: np.ndarray) -> None:
-    """Hand the first graph named in `bad` (its schedule cannot run) to check_schedule, which
-    raises UserError naming the action."""
-    if len(bad):
-        stages, chunks, backward_chunks, _ = specs[int(bad.min())]
-        check_schedule(stages, chunks, backward_chunks)
-        raise AssertionError("schedule cannot run but check_schedule passed")
-
-
-def _starts(sizes: np.ndarray) -> np.ndarray:
-    """Exclusive running sum: where each block of `sizes` starts."""
-    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(sizes) else np.zeros(0, np.int64)
-
-
-def _csr(rows_of_graphs: list[tuple[tuple[int, ...], ...]]) -> tuple[np.ndarray, np.ndarray]:
-    """(length of each row, the rows' values flattened) over the rows of every graph in turn."""
-    rows = [r for rows in rows_of_graphs for r in rows]
-    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    return lens, np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lens.sum()))
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,256 @@
+"""Memory sizes of one pipeline's actions (sim/memory.py replays them over the timeline): model
+states and gradients per stage, each chunk's kept activations (whole, or by cell when the
+backward units are not the chunks), re-materialisation and no-grad transients, backward and
+head-forward working sets, the embedding backward's peak, and K/V sizes by split sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import numpy as np
+
+import lengthwise.cost.memory as mem
+from lengthwise.cost import CostModel
+from lengthwise.plan.ir import BACKWARD, FORWARD_NOGRAD, Chunk
+from lengthwise.sim.memory import MemorySizes, SplitArrays, split_sequences
+from lengthwise.sim.structure import segment_cells
+
+_KIND = operator.attrgetter("kind")
+
+
+class _MemorySizing:
+    """The memory part of `_PipelineCosts` (sim/inputs.py). Besides the pipeline's fields it uses
+    `per_chunk` (sim/action_times.py) and the plan-wide answers of sim/step_costs.py
+    (`_heterogeneous`, `_holders`, `_replicas`, `_shared`)."""
+
+    def _sizes(self, recompute: list[list[int]]) -> MemorySizes:
+        """Every stage's memory sizes (MemorySizes), and `self.splits`, the split sequences."""
+        pipe, cm, S = self.pipe, self.cm, self.pipe.pp
+        splits = self.splits = self.known.splits if self.known is not None else split_sequences(pipe.chunks,
+                                                                                                self.units)
+        act, extra, transient, kv, kv_grad, work, fwork, cell_act = [], [], [], [], [], [], [], []
+        cells = self._cells()
+        kv_of: dict[int, dict] = {}  # stages of equal layer counts hold equal K/V
+        for s in range(S):
+            L, head = self.layers[s], s == S - 1
+            if cells is not None:  # each cell is its own row: kept, re-materialised and worked on apart
+                kept, remat, w, fw = self._cell_sizes(cells, L, head, recompute[s])
+                cell_act.append(kept)
+                act.append(self._chunk_sums(cells, kept, len(pipe.chunks)))
+            else:
+                kept, remat = self._kept_activations(s, L, head, recompute[s])
+                act.append(kept)
+                w, fw = self._working_sets(L, head)
+            extra.append(remat)
+            work.append(w)
+            fwork.append(fw)
+            transient.append(self._nograd_transient(s, L, act[-1]))
+            kv.append(self._kv_sizes(L, splits, kv_of))
+            kv_grad.append(dict(kv[-1]))  # K/V-gradient buffers are the size of the K/V they update
+        states, grads = self._states()
+        if cm.grads_held_all_step:  # a buffer allocated before the step (`CostModel.grads_held_all_step`)
+            grads = [0.0] * S
+        if S:
+            work[0] = self._embedding_backward(work[0], act[0], extra[0], grads[0], cell_act[0] if cells else None,
+                                               cells)
+        return MemorySizes(state=[a - g for a, g in zip(states, grads)], grads=grads, activation=act,
+                           recompute_extra=extra, nograd_transient=transient, kv=kv, kv_grad=kv_grad,
+                           backward_work=work, forward_work=fwork, cell_activation=cell_act,
+                           nograd_held=cm.nograd_keeps_graph)
+
+    def _kept_activations(self, s: int, L: int, head: bool, recompute: list[int]):
+        """([chunk] activation bytes each chunk's F keeps on stage s, [chunk] the transient bytes
+        of re-materialising its recomputed layers in its backward)."""
+        pipe, cm = self.pipe, self.cm
+        full = self.per_chunk(L, head, s == 0)["act"]
+        if not any(recompute):  # recompute_transient_bytes is 0 without recomputation
+            return full, self._zeros(len(pipe.chunks))
+        kept = np.array([cm.activation_bytes(c, layers=L, head=head, recompute_layers=r, **self.kw) if r
+                         else full[i] for i, (c, r) in enumerate(zip(pipe.chunks, recompute))])
+        return kept, [cm.recompute_transient_bytes(c, recompute_layers=r, **self.kw)
+                      for c, r in zip(pipe.chunks, recompute)]
+
+    def _working_sets(self, L: int, head: bool):
+        """([unit] each backward unit's working set: the loss backward's bf16 logit gradient on
+        the last stage, a layer's SwiGLU backward elsewhere; [chunk] the head forward's bf16
+        logits on the last stage, zeros elsewhere), when the units are the chunks."""
+        pipe, cm = self.pipe, self.cm
+        work = self._per_token_row(cm.backward_work_bytes, self.units, 1,
+                                   functools.partial(cm.backward_work_bytes_rows, layers=L, tp=pipe.tp, head=head),
+                                   layers=L, head=head)
+        fwork = self._per_token_row(cm.head_forward_bytes, pipe.chunks, 0,
+                                    functools.partial(mem.head_forward_bytes, cm.model, tp=pipe.tp)) \
+            if head else self._zeros(len(pipe.chunks))
+        return work, fwork
+
+    def _nograd_transient(self, s: int, L: int, act_row):
+        """[chunk] what stage s's no-grad forward (N) of each chunk holds while it runs (0 for
+        chunks without an N): one layer's activations, or the whole graph an F would keep
+        (`CostModel.nograd_keeps_graph`)."""
+        pipe, cm, C = self.pipe, self.cm, len(self.pipe.chunks)
+        nograd = {a.chunk for a in pipe.stages[s] if a.kind == FORWARD_NOGRAD} \
+            if FORWARD_NOGRAD in map(_KIND, pipe.stages[s]) else ()
+        if nograd and cm.nograd_keeps_graph:
+            return [act_row[i] if i in nograd else 0.0 for i in range(C)]
+        return [cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
+                for i, c in enumerate(pipe.chunks)] if nograd else self._zeros(C)
+
+    def _kv_sizes(self, L: int, splits, kv_of: dict[int, dict]) -> dict:
+        """{sequence: K/V bytes} of every split sequence on a stage of L layers (kept in `kv_of`
+        for the pipeline's other stages of L layers); kv_bytes by context length, shared by the
+        plan's pipelines of one tp, cp."""
+        cm = self.cm
+        if L not in kv_of:
+            if isinstance(splits, SplitArrays) and type(cm).kv_bytes is CostModel.kv_bytes:
+                # CostModel.kv_bytes elementwise over the contexts: the same operations, the same floats
+                each = cm.kv_bytes(splits.context, layers=L, **self.kw)
+                kv_of[L] = dict(zip(splits.seq_id.tolist(), np.asarray(each, dtype=np.float64).tolist()))
+            else:
+                memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
+                seqs = zip(splits.seq_id.tolist(), splits.context.tolist()) if isinstance(splits, SplitArrays) \
+                    else ((q.seq_id, q.context) for q in splits)
+                kv_of[L] = {q: memo[n] if n in memo else memo.setdefault(n, cm.kv_bytes(n, layers=L, **self.kw))
+                            for q, n in seqs}
+        return kv_of[L]
+
+    def _cells(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(chunk, unit, tokens) of every cell, the part of a forward chunk that one backward
+        unit holds (`runtime/cells.py`), in the order of the (chunk, unit) reads (by chunk,
+        then unit); None when the units are the chunks, or under CP (there chunks are counted
+        whole, released at their last reader's end: an upper bound)."""
+        pipe = self.pipe
+        if pipe.backward_chunks is None or pipe.cp > 1:
+            return None
+        if self.known is not None and self.known.cells is not None:
+            c, u, n = self.known.cells
+            cells = c, u, n.astype(np.float64)
+        else:
+            cells = segment_cells(pipe.chunks, pipe.backward_chunks)
+        # one cell per (chunk, unit) read, in the reads' order (else: chunks released whole)
+        reads = [(c, u) for u, needs in enumerate(self.deps.bwd_needs) for c in needs]
+        if len(reads) != len(cells[0]) or sorted(reads) != list(zip(cells[0].tolist(), cells[1].tolist())):
+            return None
+        return cells
+
+    def _chunk_sums(self, cells, kept: np.ndarray, C: int) -> np.ndarray:
+        """Each chunk's activations, its cells' summed (shared by stages of equal cell sizes)."""
+        key = ("chunk sums", id(kept))
+        if key not in self._cache:
+            self._cache[key] = (kept, np.bincount(cells[0], weights=kept, minlength=C))
+        return self._cache[key][1]
+
+    def _cell_sizes(self, cells, L: int, head: bool, recompute: list[int]):
+        """A stage's sizes by cell: each cell's kept activations [cell] (its own row: padded
+        apart), each chunk's re-materialisation events folded into its units' working sets
+        (zeros [chunk]), each unit's working set [unit] (its cells' backwards run one after
+        another: the largest cell's loss or layer working set, with its re-materialised layer)
+        and each chunk's forward working set [chunk] (its largest cell's LM head logits)."""
+        key = ("cells", L, head, tuple(recompute) if any(recompute) else None)
+        if key in self._cache:  # stages of one shape and recomputation share them
+            return self._cache[key]
+        cm, tp = self.cm, self.pipe.tp
+        chunk_of, unit_of, tokens = cells
+        remat = np.zeros(len(tokens))
+        if not any(recompute):
+            kept = cm.activation_bytes_rows(tokens, layers=L, tp=tp, head=head)
+        else:
+            r = np.asarray(recompute, dtype=np.int64)[chunk_of]
+            kept = np.zeros(len(tokens))
+            for k in np.unique(r).tolist():
+                at = r == k
+                kept[at] = cm.activation_bytes_rows(tokens[at], layers=L, tp=tp, recompute_layers=k, head=head)
+                if k:
+                    remat[at] = (cm.activation_bytes_rows(tokens[at], layers=1, tp=tp)
+                                 - cm.activation_bytes_rows(tokens[at], layers=1, tp=tp, recompute_layers=1))
+        work = np.zeros(len(self.units))
+        np.maximum.at(work, unit_of, remat + cm.backward_work_bytes_rows(tokens, layers=L, tp=tp, head=head))
+        fwork = self._zeros(len(self.pipe.chunks))
+        if head:
+            fwork = np.zeros(len(self.pipe.chunks))
+            np.maximum.at(fwork, chunk_of, mem.head_forward_bytes(cm.model, tokens, tp))
+        out = self._cache[key] = (kept, self._zeros(len(self.pipe.chunks)), work, fwork)
+        return out
+
+    def _embedding_backward(self, work, act, extra, grads: float, cell_act=None, cells=None) -> np.ndarray:
+        """The first stage's backward working sets (`work`, counted from the level at each B's
+        start, beside the layer it re-materialises, `extra`) raised to the moment its
+        embedding's backward runs, at the B's end: the whole table's bf16 gradient
+        (`mem.embedding_backward_bytes`) beside the other chunks' activations, the B's own and
+        its re-materialised layer freed by then (`act`: those whose last reader the B is), and
+        beside every gradient in the stage's first B, which makes them (`grads`; a
+        heterogeneous plan's autograd keeps that first bf16 table as the gradient itself)."""
+        pipe, U = self.pipe, len(self.units)
+        order = [a.chunk for a in pipe.stages[0] if a.kind == BACKWARD]
+        if not order:
+            return work
+        act, extra = np.asarray(act, dtype=np.float64), np.asarray(extra, dtype=np.float64)
+        if cells is not None:  # each cell's backward ends in the embedding's: its first cell's
+            released = np.full(U, np.inf)       # (the smallest, at most) is all it has freed then
+            np.minimum.at(released, cells[1], cell_act)
+            released[~np.isfinite(released)] = 0.0
+            remat = np.zeros(U)  # folded into `work`, freed with its cell
+        elif pipe.backward_chunks is None:  # each unit is its chunk, the only one it reads
+            released, remat = act.copy(), extra
+        else:
+            pos = np.zeros(U, dtype=np.int64)
+            pos[order] = np.arange(len(order))
+            released, remat = np.zeros(U), np.zeros(U)
+            readers: dict[int, list[int]] = {}
+            for u, needs in enumerate(self.deps.bwd_needs):
+                for c in needs:
+                    readers.setdefault(c, []).append(u)
+                    remat[u] += extra[c]
+            for c, us in readers.items():
+                released[max(us, key=pos.__getitem__)] += act[c]
+        table = mem.embedding_backward_bytes(self.cm.model)
+        end = table - released - remat
+        end[order[0]] += grads - (table if self._heterogeneous() else 0.0)
+        return np.maximum(np.asarray(work, dtype=np.float64), end)
+
+    def _states(self) -> tuple[list[float], list[float]]:
+        """[stage] model-state bytes and [stage] their gradients' part, shared by the plan's
+        pipelines of one shape."""
+        pipe, cm, S = self.pipe, self.cm, self.pipe.pp
+        # ZeRO shards over dp x cp: every pipeline's CP ranks (DP-Merged pipelines have more)
+        dp, zero = self._replicas(), self.plan.zero
+        key = ("states", pipe.tp, pipe.cp, tuple(self.layers))
+        if key not in self.shared:
+            if self._heterogeneous():  # bf16 stage weights and gradients, the owned masters and moments
+                holders = self._holders()
+                self.shared[key] = (
+                    [self._shared(cm.hetero_state_bytes, layers=L, tp=pipe.tp, first=s == 0, last=s == S - 1,
+                                  holders=holders) for s, L in enumerate(self.layers)],
+                    [self._shared(cm.hetero_grad_bytes, layers=L, tp=pipe.tp, first=s == 0, last=s == S - 1)
+                     for s, L in enumerate(self.layers)])
+            else:
+                budgets = [self._shared(cm.stage_budget, stage=s, tp=pipe.tp, pp=S, replicas=dp, zero=zero, layers=L)
+                           for s, L in enumerate(self.layers)]
+                self.shared[key] = ([b.states for b in budgets], [b.grads for b in budgets])
+        states, grads = self.shared[key]
+        return list(states), list(grads)
+
+    def _zeros(self, n: int) -> np.ndarray:
+        """A read-only float64 zero row of n entries, shared by the plan's pipelines."""
+        key = ("zeros", n)
+        if key not in self.shared:
+            row = self.shared[key] = np.zeros(n)
+            row.flags.writeable = False
+        return self.shared[key]
+
+    def _per_token_row(self, method, chunks: list[Chunk], side: int, per_token, **kwargs):
+        """`method(c, **kwargs, tp, cp)` of every chunk of `chunks` (the forward chunks, `side`
+        0, or the backward units, 1), a CostModel method that is `per_token` bytes times the
+        chunk's tokens on its busiest CP rank (or `per_token(tokens)`, a function of the row
+        tokens elementwise): without CP that over the row tokens at once (the same floats),
+        unless a subclass redefines the method."""
+        cm = self.cm
+        if self.works is None or self.pipe.cp > 1 or getattr(type(cm), method.__name__) is not \
+                getattr(CostModel, method.__name__):
+            return [method(c, **kwargs, **self.kw) for c in chunks]
+        if callable(per_token):
+            return per_token(self.works[side].row_tokens)
+        if not per_token:
+            return self._zeros(len(chunks))
+        return per_token * self.works[side].row_tokens
