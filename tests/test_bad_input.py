@@ -90,10 +90,10 @@ def test_model_states_that_do_not_fit_say_how_much_is_needed(capsys):
 
 
 def test_sequence_over_pipeline_memory_names_it_and_the_limit(capsys, tmp_path):
-    path = lengths_file(tmp_path, 100, 60000)
+    path = lengths_file(tmp_path, 100, 100000)
     err = one_line_error(capsys, "--planner", "packing", "--lengths", path, "--batch-size", "2",
-                         "--context-length", "65536", "--model", "qwen2.5-7b", "--pp", "4")
-    assert "has 60000 tokens >" in err and "longest one pipeline" in err
+                         "--context-length", "131072", "--model", "qwen2.5-7b", "--pp", "4")
+    assert "has 100000 tokens >" in err and "longest one pipeline" in err
 
 
 def test_option_without_equals_sign(capsys):
