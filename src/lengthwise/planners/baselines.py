@@ -48,6 +48,7 @@ Options: `PaddingOptions`, `PackingOptions`, `MegatronOptions`, `StaticCPOptions
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import replace
@@ -60,6 +61,7 @@ from lengthwise.planners.base import (
     seq_len_limit, take_options, whole,
 )
 from lengthwise.planners.packing_utils import best_fit_decreasing, karmarkar_karp, split_to_multiple
+from lengthwise.sim import simulate_plan
 
 
 def deal(items: list, k: int) -> list[list]:
@@ -159,20 +161,28 @@ def plan_megatron(request: PlanRequest) -> StepPlan:
     check_lengths(request)
     lengths, dp = request.lengths, request.scheme.dp
     mbs = opts.micro_batch_size
+    # partial: micro-batches as large as full recomputation holds, the layers recomputed per batch
+    choice = "full" if opts.recompute == "partial" else opts.recompute
     if mbs is None:
-        recompute, capacity = _megatron_setting(request, opts.recompute)
-        bins = split_to_multiple(next_fit(lengths, capacity), lengths, dp)
+        recompute, capacity = _megatron_setting(request, choice)
+        if opts.packing == "best-fit":
+            bins = split_to_multiple(best_fit_decreasing(lengths, capacity), lengths, dp)
+            random.Random(request.seed).shuffle(bins)  # the data loader sees packs in random order
+        else:
+            bins = split_to_multiple(next_fit(lengths, capacity), lengths, dp)
         chunks = [packed_chunk(b, lengths) for b in bins]
-        shape = {"micro_batch_tokens": capacity}
+        shape = {"micro_batch_tokens": capacity, "packing": opts.packing}
     else:
         # memory is sized for a micro-batch of mbs context-length sequences, as Megatron-LM's
         # --micro-batch-size and --seq-length do
         sized = replace(request, context_length=mbs * request.context_length)
-        recompute, capacity = _megatron_setting(sized, opts.recompute)
+        recompute, capacity = _megatron_setting(sized, choice)
         groups = [list(range(i, min(i + mbs, len(lengths)))) for i in range(0, len(lengths), mbs)]
         _check_padded_fits(groups, lengths, capacity, mbs)
         chunks = [padded_chunk(g, lengths) for g in groups]
         shape = {"micro_batch_size": mbs}
+    if opts.recompute == "partial":
+        return _fewest_recompute(request, chunks, started, shape)
     pipelines = pipelines_from_chunks(request, deal(chunks, dp))
     if recompute:
         _recompute_every_layer(request, pipelines)
@@ -180,15 +190,67 @@ def plan_megatron(request: PlanRequest) -> StepPlan:
                        options={"recompute": "full" if recompute else "none", **shape})
 
 
+PARTIAL_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""Shares of each stage's layers `megatron --recompute partial` tries, fewest first (SlimPack's
+baseline has SlimPack's partial recomputation: slimpack.txt line 181; its levels are SlimPack's)."""
+
+
+def _fewest_recompute(request: PlanRequest, chunks: list[Chunk], started: float, shape: dict) -> StepPlan:
+    """This batch's micro-batches with the fewest recomputed layers (PARTIAL_SHARES of each
+    stage's) whose simulated step fits memory, decided per batch as a user of Megatron-LM's
+    partial recomputation tunes it to the memory; all layers when none fits (the validator then
+    reports what does not fit). Activation offload, the other memory saver SlimPack's baseline
+    has, is not modelled: the cost model and simulator have no host-memory tier."""
+    layers = split_layers(request.model.num_layers, request.scheme.pp)
+    levels: list[list[int]] = []
+    for share in PARTIAL_SHARES:
+        level = [min(n, math.ceil(share * n - 1e-9)) for n in layers]
+        if level not in levels:
+            levels.append(level)
+    plan = None
+    for level in levels:
+        pipelines = recompute_forwards(pipelines_from_chunks(request, deal(chunks, request.scheme.dp)), level)
+        name = "none" if not any(level) else "full" if level == layers else "partial"
+        plan = finish_plan(request, pipelines, planner="megatron", started=started,
+                           options={"recompute": name, **shape})
+        plan.metrics["recompute_layers"] = level
+        if simulate_plan(plan, request.cost).fits:
+            break
+    return plan
+
+
 def plan_static_cp(request: PlanRequest) -> StepPlan:
-    """One sequence per micro-batch, each sharded over the CP group, dealt in sampler order."""
+    """One sequence per micro-batch, each sharded over the CP group, dealt in sampler order; with
+    `grad_reduce` micro-batch, the gradients reduced after every micro-batch (DeepSpeed ZeRO-2)."""
     started = time.perf_counter()
     opts = take_options(request, "static-cp")
     _, recompute = baseline_limit(request, opts.recompute)
     chunks = [packed_chunk([i], request.lengths) for i in range(len(request.lengths))]
     pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, request.scheme.dp)), recompute)
+    if opts.grad_reduce == "micro-batch":
+        per_reduction = micro_batch_reduction_s(request)
+        for pipe in pipelines:
+            # the simulator charges the reduction after the last backward; the others come here
+            pipe.extra_comm_s = per_reduction * max(0, len(pipe.chunks) - 1)
     return finish_plan(request, pipelines, planner="static-cp", started=started,
-                       options={"recompute": "full" if recompute else "none"})
+                       options={"recompute": "full" if recompute else "none", "grad_reduce": opts.grad_reduce})
+
+
+def micro_batch_reduction_s(request: PlanRequest) -> float:
+    """Seconds of one gradient reduction over dp x cp, the slowest stage's (`grad_sync_time`,
+    what the simulator charges once a step). DeepSpeed's ZeRO-2 reduce-scatters the gradients
+    during every micro-batch's backward; without `overlap_comm` (off by default) the micro-batch
+    waits for it, so each micro-batch but the last adds one reduction, charged after the
+    pipeline's last backward (PipelinePlan.extra_comm_s)."""
+    s = request.scheme
+    ranks = s.dp * s.cp
+    if ranks <= 1:
+        return 0.0
+    inter = s.num_gpus > request.cluster.gpus_per_node
+    layers = split_layers(request.model.num_layers, s.pp)
+    return max(request.cost.grad_sync_time(layers=n, tp=s.tp, dp=ranks, zero=s.zero, inter_node=inter,
+                                           first=i == 0, last=i == len(layers) - 1)
+               for i, n in enumerate(layers))
 
 
 def next_fit(lengths: list[int], capacity: int) -> list[list[int]]:
