@@ -183,3 +183,12 @@ def test_gain_sentences_take_bubbles_and_the_estimate_from_the_run(suite, monkey
     r["planners"]["megatron"] = {"step_time_s": 3.0, "compute_time_s": 2.9, "bubble_ratio": 0.25}
     r["planners"]["infinipipe"].update({"step_time_s": 2.0, "compute_time_s": 1.9, "bubble_ratio": 0.1})
     assert suite.explanation(r) == "infinipipe 25% 10%; 1.50x is 0.60"
+
+
+def test_every_fixed_scheme_is_accepted_by_its_scenarios_model(suite):
+    from lengthwise.specs import model_preset
+
+    for name, paper, profile, model, cluster, gpus, *_, scheme in suite.SCENARIOS:
+        fixed = scheme.values() if isinstance(scheme, dict) else [scheme] if scheme else []
+        for s in fixed:
+            s.validate(model_preset(model), gpus)

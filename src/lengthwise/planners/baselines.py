@@ -18,7 +18,17 @@ are formed and spread over data-parallel ranks:
   it does not fit even so, micro-batches of the longest length that fits. With
   `micro_batch_size` N, micro-batches of N sequences in sampler order instead, unpacked and
   padded to their longest, memory sized for N context-length sequences (ChunkFlow's Megatron-LM
-  ran N = 1: chunkflow.txt §6.1).
+  ran N = 1: chunkflow.txt §6.1, line 214). As each paper ran it:
+  - SlimPack's (slimpack.txt §6.1, line 181: best-fit packing, SlimPack's partial recomputation
+    and activation offload "as needed"): `packing` best-fit (best-fit decreasing, packs in
+    shuffled order) and `recompute` partial, decided per batch: the fewest of 0, 1/4, 1/2, 3/4
+    or all of each stage's layers with which the simulated step fits. Offload is not modelled
+    (the cost model and simulator have no host-memory tier): the baseline is as strong as
+    SlimPack's would be only where recomputation alone makes a batch fit.
+  - InfiniPipe's (infinipipe.txt §5.1, line 347: micro-batches formed as FlexSP forms them,
+    checkpointing set once for the context): best-fit packing, `recompute` auto.
+  - ChunkFlow's: `micro_batch_size` 1. Hydraulis' (hydraulis.txt line 279, Table 3): the
+    defaults, at Table 3's scheme.
 - `sorted`: LongAlign's sorted batching (ChunkFlow §6 "smart batching"): sort by length, cut the
   sorted list into micro-batches of similar lengths that fit the token budget, pad each to its
   longest, deal the micro-batches to ranks in shuffled order. Little padding, same stragglers.
@@ -26,19 +36,23 @@ are formed and spread over data-parallel ranks:
   (skrull §6: "DeepSpeed, ZeRO-2, DP=4, CP=8"): every sequence is its own micro-batch, sharded
   over the whole CP group however short, dealt to the DP ranks in sampler order (a distributed
   sampler), 1F1B over the stages. Many small rows: little memory and short bubbles, but short
-  sequences pay the CP exchange and small-GEMM efficiency.
+  sequences pay the CP exchange and small-GEMM efficiency. As Skrull's DeepSpeed ran it
+  (skrull.txt line 92, ZeRO-2): `grad_reduce` micro-batch, a gradient reduce-scatter over
+  dp x cp after every micro-batch's backward, charged serially (DeepSpeed's overlap_comm is
+  off by default); the default, `step`, reduces once as the other baselines do.
 - `token-balanced`: verl-style balancing: Karmarkar-Karp splits the sequences over DP ranks by
   token count, then each rank packs its share best-fit-decreasing. Equal tokens per rank, but
   not equal attention FLOPs.
 
 Cost, n sequences over D pipelines: padding and static-cp O(n), packing and sorted O(n log n) (a sort, then
-best-fit by bisection over open bins), megatron O(n), token-balanced Karmarkar-Karp O(n log n)
+best-fit by bisection over open bins), megatron O(n) next-fit and O(n log n) best-fit (with
+`recompute` partial, up to 5 simulations of the plan), token-balanced Karmarkar-Karp O(n log n)
 in the usual case (packing_utils) plus best-fit-decreasing per rank; schedules are made once per
 distinct pipeline shape.
 
-Every baseline takes `recompute` (none / full / auto, default auto): as a Megatron-LM user
-would, it recomputes every layer only when its longest sequence (megatron: a context-length
-micro-batch) does not fit 1F1B without it. Selective recomputation (Megatron's core-attention
+Every baseline takes `recompute` (none / full / auto, default auto; megatron also partial):
+as a Megatron-LM user would, it recomputes every layer only when its longest sequence
+(megatron: a context-length micro-batch) does not fit 1F1B without it. Selective recomputation (Megatron's core-attention
 recomputation) is not offered: with flash attention the attention core saves no scores, so it
 frees nothing the cost model counts.
 
