@@ -571,8 +571,10 @@ def main(argv=None) -> int:
     parser.add_argument("--only", help="run scenarios whose name contains this text")
     parser.add_argument("--render", action="store_true",
                         help="rewrite the tables from the saved results (new figures or explanations), simulating nothing")
+    parser.add_argument("--stem", help="name the result files benchmarks/results/STEM.{json,md} (default: "
+                        "compare_suite, or compare_suite_ONLY with --only), e.g. to keep a reduced run apart")
     args = parser.parse_args(argv)
-    stem = "compare_suite" if not args.only else f"compare_suite_{args.only}"
+    stem = args.stem or ("compare_suite" if not args.only else f"compare_suite_{args.only}")
     if args.render:  # the saved run's numbers, this file's figures and explanations
         saved = json.loads((RESULTS / f"{stem}.json").read_text())
         results = comparisons(saved["results"])
@@ -588,7 +590,7 @@ def main(argv=None) -> int:
         results.append(result)
     results = comparisons(results)
     meta = {"command": "python benchmarks/compare_suite.py " + " ".join(argv or sys.argv[1:]),
-            "simulated": True, "python": platform.python_version(), "machine": platform.machine()}
+            "simulated": True, "batches": args.batches, "python": platform.python_version(), "machine": platform.machine()}
     write_atomic(RESULTS / f"{stem}.json", json.dumps({"meta": meta, "results": results}, indent=1))
     write_atomic(RESULTS / f"{stem}.md", markdown(results))
     print(markdown(results))
