@@ -568,7 +568,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", help="run scenarios whose name contains this text")
+    parser.add_argument("--only", help="run scenarios whose name contains this text, or exactly those of a "
+                        "comma-separated list of names")
     parser.add_argument("--render", action="store_true",
                         help="rewrite the tables from the saved results (new figures or explanations), simulating nothing")
     parser.add_argument("--stem", help="name the result files benchmarks/results/STEM.{json,md} (default: "
@@ -582,7 +583,8 @@ def main(argv=None) -> int:
         write_atomic(RESULTS / f"{stem}.md", markdown(results))
         print(markdown(results))
         return 0
-    chosen = [s for s in SCENARIOS if not args.only or args.only in s[0]]
+    chosen = [s for s in SCENARIOS if not args.only or (s[0] in args.only.split(",") if "," in args.only
+                                                        else args.only in s[0])]
     results = []
     for spec in chosen:
         print(f"{spec[0]} ...", file=sys.stderr, flush=True)
