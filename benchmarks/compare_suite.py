@@ -120,7 +120,7 @@ PAPER_BASELINE_OPTIONS = {
     "skrull": {"static-cp": {"grad_reduce": "micro-batch"}},
     # slimpack.txt §6.1 (line 181): Megatron-LM with best-fit packing and SlimPack's own partial
     # recomputation, enabled as needed (per batch here); its activation offload is not modelled
-    "slimpack": {"megatron": {"packing": "best-fit", "recompute": "partial"}},
+    "slimpack": {"megatron": {"packing": "best-fit", "recompute_per_batch": True}},
     # infinipipe.txt §5.1 (line 347): Megatron-LM forms micro-batches "as FlexSP" does (packing,
     # best-fit here: FlexSP's own rule is not in the text) with checkpointing fixed for a 96K context
     # (recompute decided once from the row's context, `auto`)

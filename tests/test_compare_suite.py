@@ -128,7 +128,7 @@ def test_hydraulis_is_held_to_the_papers_fixed_scheme(suite):
 def test_each_papers_rows_run_its_own_baseline_and_searched_rows_the_defaults(suite):
     planners = ["megatron", "static-cp"]
     assert suite.paper_options("slimpack-cc-70b-256", "slimpack", None, planners) == {
-        "megatron": {"packing": "best-fit", "recompute": "partial"}}
+        "megatron": {"packing": "best-fit", "recompute_per_batch": True}}
     assert suite.paper_options("chunkflow-32k", "chunkflow", None, planners) == {
         "megatron": {"micro_batch_size": 1}}
     assert suite.paper_options("chunkflow-32k-searched", "chunkflow", None, planners) == {}

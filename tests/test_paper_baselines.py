@@ -53,10 +53,10 @@ def test_partial_recomputation_is_decided_per_batch_with_the_fewest_layers_that_
     short = [900, 700, 500, 300] * 4
     auto = get_planner("megatron")(request(short, scheme, context))
     assert auto.options["recompute"] == "full"
-    plan = get_planner("megatron")(request(short, scheme, context, recompute="partial"))
+    plan = get_planner("megatron")(request(short, scheme, context, recompute_per_batch=True))
     assert plan.options["recompute"] == "none" and not any(plan.metrics["recompute_layers"])
     long_batch = [context - 64] + short
-    req = request(long_batch, scheme, context, recompute="partial")
+    req = request(long_batch, scheme, context, recompute_per_batch=True)
     plan = get_planner("megatron")(req)
     level = plan.metrics["recompute_layers"]
     assert any(level) and simulate_plan(plan, req.cost).fits
@@ -104,3 +104,11 @@ def test_slimpacks_models_are_its_table_3():
     for name, dims in table.items():
         m = MODEL_PRESETS[name]
         assert (m.num_heads, m.num_kv_heads, m.hidden, m.ffn, m.num_layers) == dims, name
+
+
+def test_per_batch_recomputation_refuses_a_fixed_recompute():
+    from lengthwise.errors import UserError
+
+    req = request([500] * 4, ParallelScheme(dp=4, pp=2), 8192, recompute="full", recompute_per_batch=True)
+    with pytest.raises(UserError, match="recompute_per_batch decides the recomputation"):
+        get_planner("megatron")(req)

@@ -21,8 +21,8 @@ are formed and spread over data-parallel ranks:
   ran N = 1: chunkflow.txt §6.1, line 214). As each paper ran it:
   - SlimPack's (slimpack.txt §6.1, line 181: best-fit packing, SlimPack's partial recomputation
     and activation offload "as needed"): `packing` best-fit (best-fit decreasing, packs in
-    shuffled order) and `recompute` partial, decided per batch: the fewest of 0, 1/4, 1/2, 3/4
-    or all of each stage's layers with which the simulated step fits. Offload is not modelled
+    shuffled order) and `recompute_per_batch`, partial recomputation decided per batch: the
+    fewest of 0, 1/4, 1/2, 3/4 or all of each stage's layers with which the simulated step fits. Offload is not modelled
     (the cost model and simulator have no host-memory tier): the baseline is as strong as
     SlimPack's would be only where recomputation alone makes a batch fit.
   - InfiniPipe's (infinipipe.txt §5.1, line 347: micro-batches formed as FlexSP forms them,
@@ -46,11 +46,12 @@ are formed and spread over data-parallel ranks:
 
 Cost, n sequences over D pipelines: padding and static-cp O(n), packing and sorted O(n log n) (a sort, then
 best-fit by bisection over open bins), megatron O(n) next-fit and O(n log n) best-fit (with
-`recompute` partial, up to 5 simulations of the plan), token-balanced Karmarkar-Karp O(n log n)
+`recompute_per_batch`, up to 5 simulations of the plan), token-balanced Karmarkar-Karp O(n log n)
 in the usual case (packing_utils) plus best-fit-decreasing per rank; schedules are made once per
 distinct pipeline shape.
 
-Every baseline takes `recompute` (none / full / auto, default auto; megatron also partial):
+Every baseline takes `recompute` (none / full / auto, default auto; megatron's auto can be
+decided per batch, `recompute_per_batch`):
 as a Megatron-LM user would, it recomputes every layer only when its longest sequence
 (megatron: a context-length micro-batch) does not fit 1F1B without it. Selective recomputation (Megatron's core-attention
 recomputation) is not offered: with flash attention the attention core saves no scores, so it
@@ -175,8 +176,12 @@ def plan_megatron(request: PlanRequest) -> StepPlan:
     check_lengths(request)
     lengths, dp = request.lengths, request.scheme.dp
     mbs = opts.micro_batch_size
-    # partial: micro-batches as large as full recomputation holds, the layers recomputed per batch
-    choice = "full" if opts.recompute == "partial" else opts.recompute
+    per_batch = opts.recompute_per_batch
+    if per_batch and opts.recompute != "auto":
+        raise UserError(f"megatron: recompute_per_batch decides the recomputation, recompute {opts.recompute} "
+                        "fixes it: drop one of them")
+    # per batch: micro-batches as large as full recomputation holds, the layers recomputed per batch
+    choice = "full" if per_batch else opts.recompute
     if mbs is None:
         recompute, capacity = _megatron_setting(request, choice)
         if opts.packing == "best-fit":
@@ -195,7 +200,7 @@ def plan_megatron(request: PlanRequest) -> StepPlan:
         _check_padded_fits(groups, lengths, capacity, mbs)
         chunks = [padded_chunk(g, lengths) for g in groups]
         shape = {"micro_batch_size": mbs}
-    if opts.recompute == "partial":
+    if per_batch:
         return _fewest_recompute(request, chunks, started, shape)
     pipelines = pipelines_from_chunks(request, deal(chunks, dp))
     if recompute:
@@ -205,7 +210,7 @@ def plan_megatron(request: PlanRequest) -> StepPlan:
 
 
 PARTIAL_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
-"""Shares of each stage's layers `megatron --recompute partial` tries, fewest first (SlimPack's
+"""Shares of each stage's layers `megatron --recompute-per-batch true` tries, fewest first (SlimPack's
 baseline has SlimPack's partial recomputation: slimpack.txt line 181; its levels are SlimPack's)."""
 
 

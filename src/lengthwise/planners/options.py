@@ -120,12 +120,10 @@ class PackingOptions(BaselineOptions):
 @dataclass(kw_only=True, frozen=True)
 class MegatronOptions(BaselineOptions):
     planner: ClassVar[str] = "megatron"
-    recompute: str = option(
-        "auto", "activation recomputation: none; full (every layer keeps only its input); auto, decided once "
-        "from the context length (none when a context-length micro-batch fits, else full); or partial, "
-        "decided per batch: the fewest of 0, 1/4, 1/2, 3/4 or all of each stage's layers with which the "
-        "simulated step fits memory (SlimPack's baseline, slimpack.txt line 181)", metavar="none|full|auto|partial",
-        check=one_of("none", "full", "auto", "partial"))
+    recompute_per_batch: bool = option(
+        False, "with recompute auto, decide it per batch: the fewest of 0, 1/4, 1/2, 3/4 or all of each stage's "
+        "layers with which the simulated step fits (partial recomputation, SlimPack's baseline: slimpack.txt "
+        "line 181); default: decided once from the context length, none or full", metavar="BOOL", check=BOOL)
     packing: str = option(
         "next-fit", "how packed micro-batches are filled: next-fit (sampler order, a new micro-batch when the "
         "next sequence does not fit: Megatron-LM's packed dataset) or best-fit (best-fit decreasing, the "
