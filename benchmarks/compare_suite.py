@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from lengthwise.plan.ir import write_atomic
+from lengthwise.planners.baselines import PAPER_BASELINES
 from lengthwise.report import BASELINES, CompareSetup, all_planners, run_compare, summarise
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 from lengthwise.workloads.source import lengths_file_source, profile_source
@@ -107,25 +108,13 @@ SCENARIOS = [
 ]
 
 
-PAPER_BASELINE = {"skrull": "static-cp"}
-"""What each paper measured against, where it is not `megatron`: Skrull compared with DeepSpeed
-(ZeRO-2, static context parallelism over every sequence)."""
+PAPER_BASELINE = {paper: planner for paper, (planner, _) in PAPER_BASELINES.items()}
+"""What each paper measured against (planners/baselines.py PAPER_BASELINES): `megatron` but for
+Skrull, which compared with DeepSpeed (ZeRO-2, static context parallelism over every sequence)."""
 
 
-PAPER_BASELINE_OPTIONS = {
-    # chunkflow.txt §6.1 (line 214): Megatron-LM at a micro-batch size of 1, one unpacked sequence each
-    "chunkflow": {"megatron": {"micro_batch_size": 1}},
-    # skrull.txt §5 (line 92): DeepSpeed with ZeRO-2, which reduce-scatters gradients after every
-    # micro-batch's backward under gradient accumulation
-    "skrull": {"static-cp": {"grad_reduce": "micro-batch"}},
-    # slimpack.txt §6.1 (line 181): Megatron-LM with best-fit packing and SlimPack's own partial
-    # recomputation, enabled as needed (per batch here); its activation offload is not modelled
-    "slimpack": {"megatron": {"packing": "best-fit", "recompute_per_batch": True}},
-    # infinipipe.txt §5.1 (line 347): Megatron-LM forms micro-batches "as FlexSP" does (packing,
-    # best-fit here: FlexSP's own rule is not in the text) with checkpointing fixed for a 96K context
-    # (recompute decided once from the row's context, `auto`)
-    "infinipipe": {"megatron": {"packing": "best-fit"}},
-}
+PAPER_BASELINE_OPTIONS = {paper: {planner: options} for paper, (planner, options) in PAPER_BASELINES.items()
+                          if options}
 """Planner options each paper's rows give that paper's baseline, so it runs as the paper ran it
 (`paper_options`). The -searched rows run every baseline at its defaults (megatron packs
 context-length micro-batches next-fit, recomputation decided from the context) on its best

@@ -112,3 +112,18 @@ def test_per_batch_recomputation_refuses_a_fixed_recompute():
     req = request([500] * 4, ParallelScheme(dp=4, pp=2), 8192, recompute="full", recompute_per_batch=True)
     with pytest.raises(UserError, match="recompute_per_batch decides the recomputation"):
         get_planner("megatron")(req)
+
+
+@pytest.mark.parametrize("paper", ["chunkflow", "skrull", "slimpack", "infinipipe", "hydraulis"])
+def test_each_papers_baseline_by_name_plans_a_valid_step(paper):
+    """PAPER_BASELINES: the paper's name selects its baseline planner and options; the plan is
+    valid and says it ran with them."""
+    from lengthwise.planners.baselines import PAPER_BASELINES
+
+    planner, options = PAPER_BASELINES[paper]
+    req = request([3000, 200, 900, 40, 1500, 700, 5000, 60], ParallelScheme(dp=2, cp=2, zero=2), 8192, **options)
+    plan = get_planner(planner)(req)
+    validate_plan(plan, req.cost)
+    for name in ("packing", "grad_reduce", "micro_batch_size"):
+        if name in options:
+            assert plan.options[name] == options[name]

@@ -79,6 +79,24 @@ from lengthwise.planners.packing_utils import best_fit_decreasing, karmarkar_kar
 from lengthwise.sim import simulate_plan
 
 
+PAPER_BASELINES: dict[str, tuple[str, dict]] = {
+    # chunkflow.txt §6.1 (line 214): Megatron-LM at a micro-batch size of 1, one unpacked sequence each
+    "chunkflow": ("megatron", {"micro_batch_size": 1}),
+    # skrull.txt §5 (line 92): DeepSpeed with ZeRO-2, reduce-scattering gradients after every micro-batch
+    "skrull": ("static-cp", {"grad_reduce": "micro-batch"}),
+    # slimpack.txt §6.1 (line 181): Megatron-LM with best-fit packing and partial recomputation as needed
+    # (per batch here); its activation offload is not modelled
+    "slimpack": ("megatron", {"packing": "best-fit", "recompute_per_batch": True}),
+    # infinipipe.txt §5.1 (line 347): micro-batches "as FlexSP" forms them (best-fit packing here: FlexSP's
+    # rule is not in the text), checkpointing fixed once for the context (`recompute` auto)
+    "infinipipe": ("megatron", {"packing": "best-fit"}),
+    # hydraulis.txt §8.1 (line 279): Megatron-LM with one static strategy (Table 3's), its defaults
+    "hydraulis": ("megatron", {}),
+}
+"""Paper -> (baseline planner, its options): the baseline each paper measured its speedups
+against, as that paper ran it, selectable by the paper's name."""
+
+
 def deal(items: list, k: int) -> list[list]:
     """Round-robin: item i goes to group i mod k."""
     return [items[r::k] for r in range(k)]
