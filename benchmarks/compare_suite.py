@@ -35,7 +35,7 @@ from pathlib import Path
 
 from lengthwise.plan.ir import write_atomic
 from lengthwise.planners.baselines import PAPER_BASELINES
-from lengthwise.report import BASELINES, CompareSetup, all_planners, run_compare, summarise
+from lengthwise.report import BASELINES, SELECTION_SIZE, CompareSetup, all_planners, run_compare, summarise
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 from lengthwise.workloads.source import lengths_file_source, profile_source
 from lengthwise.workloads.sampler import GlobalBatchSampler
@@ -397,6 +397,11 @@ def markdown(results: list[dict]) -> str:
                    f"{_cell(auto.get('intervals', {}).get('vs_paper_baseline'))} | "
                    f"{_figure_cell(r)} | {_ratio_cell(r)} | {verdict_cell(r, r['scenario'])} | "
                    f"{r['explanation']} |")
+    sizes = sorted({p.get("selection_batches", 0) for r in results for p in r["planners"].values()} - {0})
+    if sizes:
+        out.append(f"\nA searched scheme is kept by its mean simulated step over the selection set: "
+                   f"{' or '.join(map(str, sizes))} batches (the first {SELECTION_SIZE} and the one holding the longest "
+                   "sequence); a fixed scheme is the paper's.")
     out.append("")
     for key, title in (("vs_megatron", "over megatron (Megatron-LM as ChunkFlow, InfiniPipe, SlimPack and "
                                        "Hydraulis ran it)"),
