@@ -432,7 +432,7 @@ def main(argv=None) -> int:
         saved = json.loads((RESULTS / f"{stem}.json").read_text())
         results = comparisons(saved["results"])
         write_atomic(RESULTS / f"{stem}.json", json.dumps({**saved, "results": results}, indent=1))
-        write_atomic(RESULTS / f"{stem}.md", markdown(results))
+        write_atomic(RESULTS / f"{stem}.md", run_label(saved["meta"], results) + markdown(results))
         print(markdown(results))
         return 0
     chosen = [s for s in SCENARIOS if not args.only or (s[0] in args.only.split(",") if "," in args.only
@@ -446,9 +446,20 @@ def main(argv=None) -> int:
     meta = {"command": "python benchmarks/compare_suite.py " + " ".join(argv or sys.argv[1:]),
             "simulated": True, "batches": args.batches, "python": platform.python_version(), "machine": platform.machine()}
     write_atomic(RESULTS / f"{stem}.json", json.dumps({"meta": meta, "results": results}, indent=1))
-    write_atomic(RESULTS / f"{stem}.md", markdown(results))
+    write_atomic(RESULTS / f"{stem}.md", run_label(meta, results) + markdown(results))
     print(markdown(results))
     return 0
+
+
+def run_label(meta: dict, results: list[dict]) -> str:
+    """A line naming a reduced run (fewer scenarios or batches than the full suite's), so its
+    verdicts are not read as the suite's."""
+    command = meta.get("command", "")
+    batches = meta.get("batches") or (int(command.split("--batches ")[1].split()[0]) if "--batches " in command else 32)
+    if len(results) == len(SCENARIOS) and batches >= 32:
+        return ""
+    return (f"REDUCED RUN (`{command}`): {len(results)} of {len(SCENARIOS)} scenarios, {batches} batches each, "
+            "simulated; not the full suite's verdicts.\n\n")
 
 
 if __name__ == "__main__":
