@@ -400,7 +400,7 @@ def markdown(results: list[dict]) -> str:
     sizes = sorted({p.get("selection_batches", 0) for r in results for p in r["planners"].values()} - {0})
     if sizes:
         out.append(f"\nA searched scheme is kept by its mean simulated step over the selection set: "
-                   f"{' or '.join(map(str, sizes))} batches (the first {SELECTION_SIZE} and the one holding the longest "
+                   f"{' or '.join(map(str, sizes))} batches (the first {SELECTION_SIZE} or fewer and the one holding the longest "
                    "sequence); a fixed scheme is the paper's.")
     out.append("")
     for key, title in (("vs_megatron", "over megatron (Megatron-LM as ChunkFlow, InfiniPipe, SlimPack and "
