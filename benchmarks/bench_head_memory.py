@@ -22,7 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import lengthwise.cost.memory as mem
-from lengthwise.plan.ir import write_atomic
+from lengthwise.files import write_atomic
 from lengthwise.runtime.dryrun import CommBytes, LocalFlopCounter, _Measuring, _StorageTracker, cpu_flash_flop_formulas
 from lengthwise.runtime.loss import token_loss_sum
 from lengthwise.runtime.model import CausalLM, StagePart

@@ -77,12 +77,38 @@ def test_chunkflow_runs_every_batch_with_the_grid_point_it_tuned_on_the_selectio
     assert summarise(rows)["planners"]["chunkflow"]["tuned"] == row.tuned
 
 
-def test_a_scheme_is_chosen_on_the_batch_with_the_longest_sequence():
+def test_a_scheme_is_chosen_on_the_selection_set_with_the_longest_sequence():
+    """The first SELECTION_SIZE batches and the one holding the longest sequence."""
+    from lengthwise.report import SELECTION_SIZE, selection_batches
+
     setup = small_setup(["packing"])
     setup.batches = [[100, 200, 300], [50, 60], [7000, 20]]
-    from lengthwise.report import selection_batches
+    assert selection_batches(setup) == [0, 1, 2]
+    setup.batches = [[100]] * (SELECTION_SIZE + 3) + [[7000]] + [[50]]
+    assert selection_batches(setup) == list(range(SELECTION_SIZE)) + [SELECTION_SIZE + 3]
 
-    assert selection_batches(setup) == [0, 2]
+
+def test_a_scheme_is_kept_by_its_mean_over_every_selection_batch(monkeypatch):
+    """pick_scheme keeps the scheme with the lowest mean over the whole selection set, not the
+    one fastest on the first two batches, and the report says how many batches chose it."""
+    import lengthwise.report as report
+    from types import SimpleNamespace
+    from lengthwise.planners.auto import Candidate
+    from lengthwise.specs import ParallelScheme
+
+    setup = small_setup(["packing"])
+    setup.batches = [[10], [20], [30], [40], [50]]
+    a, b = ParallelScheme(dp=2, tp=1, pp=1), ParallelScheme(dp=1, tp=1, pp=2)
+    # scheme a is faster on batches 0 and 1, b on the other three and on the mean
+    times = {str(a): [1.0, 1.0, 5.0, 5.0, 5.0], str(b): [2.0, 2.0, 2.0, 2.0, 2.0]}
+
+    def fake(name, request, **kw):
+        step = times[str(request.scheme)][[10, 20, 30, 40, 50].index(request.lengths[0])]
+        return Candidate(planner=name, result=SimpleNamespace(fits=True, step_time_s=step))
+
+    monkeypatch.setattr(report, "try_planner", fake)
+    setting, tries = report.pick_scheme(setup, "packing", [a, b])
+    assert setting.scheme == b and len(tries) == 2 * 5
 
 
 def test_scheme_flag_fixes_one_scheme_for_every_planner(tmp_path, capsys):

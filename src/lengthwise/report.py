@@ -1,9 +1,10 @@
 """`compare`: every planner on the same sampled global batches, model and cluster, simulated.
 
 For each planner, a search picks its parallel scheme from one list shared by every planner
-(`candidate_schemes`): each scheme is planned and simulated on the selection batches (the first
-and the one holding the longest sequence) and the fastest that fits memory is kept for all
-batches (stated per planner in the report). ChunkFlow also tunes its (ChunkSize, K) there, by
+(`candidate_schemes`): each scheme is planned and simulated on the selection set (the first
+SELECTION_SIZE batches and the one holding the longest sequence, `selection_batches`) and the
+one with the lowest mean step over all of them that fits memory on every one is kept for all
+batches (stated per planner in the report, with the selection set's size). ChunkFlow also tunes its (ChunkSize, K) there, by
 its own grid search (`tune`), unless the user fixed the chunk size. Hydraulis picks its own
 heterogeneous strategy inside the GPUs it is given.
 
@@ -67,6 +68,8 @@ class PlannerRow:
     """For auto: how often each planner was chosen."""
     tuned: dict = field(default_factory=dict)
     """Options compare tuned for the planner on its scheme (Setting.tuned)."""
+    selection: int = 0
+    """Batches its scheme was chosen on (the selection set's size; 0: scheme fixed, not searched)."""
 
     def ok(self) -> list[Candidate]:
         return [r for r in self.runs if r.result is not None]
@@ -104,6 +107,7 @@ class PlannerRow:
             d["chosen"] = dict(self.chosen)
         if self.tuned:
             d["tuned"] = dict(self.tuned)
+        d["selection_batches"] = self.selection
         return d
 
 
@@ -133,10 +137,17 @@ def candidate_schemes(setup: CompareSetup) -> list[ParallelScheme]:
     return found[:MAX_SCHEMES]
 
 
+SELECTION_SIZE = 4
+"""Batches of the selection set beyond the longest one: the first SELECTION_SIZE sampled."""
+
+
 def selection_batches(setup: CompareSetup) -> list[int]:
-    """Batches a scheme is chosen on: the first and the one holding the longest sequence."""
+    """The selection set a scheme is chosen on: the first SELECTION_SIZE batches and the one
+    holding the longest sequence (a scheme that cannot hold it is no scheme to train with), so
+    at most SELECTION_SIZE + 1. A scheme is kept by its mean step over all of them: two batches
+    (the first and the longest) weigh the longest half, which a long tail meets once in many."""
     longest = max(range(len(setup.batches)), key=lambda i: max(setup.batches[i], default=0))
-    return sorted({0, longest})
+    return sorted(set(range(min(SELECTION_SIZE, len(setup.batches)))) | {longest})
 
 
 def scheme_estimate(cost: CostModel, s: ParallelScheme, lengths: list[int], context_length: int) -> float:
@@ -276,7 +287,8 @@ def run_compare(setup: CompareSetup, progress=None) -> dict[str, PlannerRow]:
     for name in names:
         setting, tries = pick_scheme(setup, name, schemes)
         row = rows[name] = PlannerRow(planner=name, scheme=str(setting.scheme) if setting else "none fits",
-                                      tuned=setting.tuned if setting else {})
+                                      tuned=setting.tuned if setting else {},
+                                      selection=0 if name in setup.schemes else len(selection_batches(setup)))
         if setting is None:
             row.runs = [Candidate(planner=name, error=no_scheme_reason(tries),
                                   elapsed_ms=max((t.elapsed_ms for t in tries), default=0.0))]

@@ -205,7 +205,13 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         _qwen("qwen2.5-72b", 80, 8192, 64, 8, 29568, 152064, False),
         _llama("llama2-7b", 32, 4096, 32, 32, 11008),
         _llama("llama2-13b", 40, 5120, 40, 40, 13824),
-        _llama("llama-32b", 60, 6656, 52, 52, 17920),
+        # Hydraulis' 32B (hydraulis.txt line 281, "LLaMA2 series ... 32B"; no dims in its text): LLaMA's
+        # 33B width, depth and FFN with 64 heads of 104, so that its Megatron-LM schemes' TP 16 and
+        # TP 8 x PP 2 (Table 3, line 611) divide heads and layers; LLaMA's own 52 heads refuse both
+        _llama("llama-32b", 60, 6656, 64, 64, 17920),
+        # SlimPack's Table 3 (slimpack.txt lines 184-188): 7B, 13B, 70B (64 heads, 8 groups) and 150B
+        # (96 heads, 8 groups) as below; InfiniPipe's GPT 7B/13B (infinipipe.txt line 345) give no dims
+        # and run as LLaMA2's
         _llama("llama-70b", 80, 8192, 64, 8, 28672),
         _llama("llama-150b", 96, 12288, 96, 8, 32768),
         # Small enough to train on a CPU in a minute; byte-level vocabulary.

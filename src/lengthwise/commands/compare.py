@@ -7,8 +7,9 @@
     lengthwise compare --model qwen2.5-0.5b --gpus 8 --planners packing,chunkflow --profile-file profiles/qwen2.5-0.5b-h100.json
 
 For B sampled global batches it plans with each planner (at its best parallel scheme for this
-cluster and model: every planner searches the same list of feasible schemes, each judged on the
-first batch and the batch holding the longest sequence; `--scheme` fixes one for all),
+cluster and model: every planner searches the same list of feasible schemes, each judged by its
+mean step over the selection set, the first 4 batches and the batch holding the longest sequence,
+and refused where one of them does not fit; `--scheme` fixes one for all),
 simulates every plan, and prints
 per planner: mean step time, tokens/s, speedup over the best baseline and over `megatron` (the
 baseline ChunkFlow, InfiniPipe, SlimPack and Hydraulis measured against), bubble ratio, DP
@@ -230,5 +231,6 @@ def table_lines(planners: dict) -> str:
     for name, r in planners.items():
         if r.get("tuned"):
             options = ", ".join(f"{k}={v}" for k, v in r["tuned"].items())
-            rows.append(f"{name}: {options} (its own search on the scheme-selection batches, then fixed)")
+            rows.append(f"{name}: {options} (its own search on the {r.get('selection_batches', 0)} scheme-selection "
+                        "batches, then fixed)")
     return "\n".join(rows)

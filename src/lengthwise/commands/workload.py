@@ -13,6 +13,15 @@ long-tail sets these disagree wildly: `--profile chunkflow-eval --samples 100000
 sequences over 32K carry 95% of the attention.
 `--json` keys: count, mean, percentiles, share_below, token_share_below,
 attention_share_below (each mapping "1024".."131072" to a fraction), source.
+
+Where the profiles come from (workloads/profiles.py; each docstring lists its knots): lmsys,
+chunkflow-eval, lmsys-skrull, wikipedia and chatqa2 use the shares their papers' tables publish
+(under 1K..128K and the longest), with the shortest length and a median ASSUMED. github is
+PARTLY ASSUMED: infinipipe §1 publishes 91.5% under 8K and a >64K tail of 0.6% holding 21.6% of
+tokens; the rest is chosen to match those. commoncrawl is ENTIRELY ASSUMED: no paper's text
+gives its shares (the histograms are figures only), so its knots are a guess shaped by
+hydraulis Fig. 14 and slimpack §2.1.1. tiny is assumed (CPU-sized). For measured lengths use
+`--data` on a corpus or `--lengths` on a file of token counts.
 """
 
 from __future__ import annotations

@@ -18,7 +18,17 @@ are formed and spread over data-parallel ranks:
   it does not fit even so, micro-batches of the longest length that fits. With
   `micro_batch_size` N, micro-batches of N sequences in sampler order instead, unpacked and
   padded to their longest, memory sized for N context-length sequences (ChunkFlow's Megatron-LM
-  ran N = 1: chunkflow.txt §6.1).
+  ran N = 1: chunkflow.txt §6.1, line 214). As each paper ran it:
+  - SlimPack's (slimpack.txt §6.1, line 181: best-fit packing, SlimPack's partial recomputation
+    and activation offload "as needed"): `packing` best-fit (best-fit decreasing, packs in
+    shuffled order) and `recompute_per_batch`, partial recomputation decided per batch: the
+    fewest of 0, 1/4, 1/2, 3/4 or all of each stage's layers with which the simulated step fits. Offload is not modelled
+    (the cost model and simulator have no host-memory tier): the baseline is as strong as
+    SlimPack's would be only where recomputation alone makes a batch fit.
+  - InfiniPipe's (infinipipe.txt §5.1, line 347: micro-batches formed as FlexSP forms them,
+    checkpointing set once for the context): best-fit packing, `recompute` auto.
+  - ChunkFlow's: `micro_batch_size` 1. Hydraulis' (hydraulis.txt line 279, Table 3): the
+    defaults, at Table 3's scheme.
 - `sorted`: LongAlign's sorted batching (ChunkFlow §6 "smart batching"): sort by length, cut the
   sorted list into micro-batches of similar lengths that fit the token budget, pad each to its
   longest, deal the micro-batches to ranks in shuffled order. Little padding, same stragglers.
@@ -26,19 +36,24 @@ are formed and spread over data-parallel ranks:
   (skrull §6: "DeepSpeed, ZeRO-2, DP=4, CP=8"): every sequence is its own micro-batch, sharded
   over the whole CP group however short, dealt to the DP ranks in sampler order (a distributed
   sampler), 1F1B over the stages. Many small rows: little memory and short bubbles, but short
-  sequences pay the CP exchange and small-GEMM efficiency.
+  sequences pay the CP exchange and small-GEMM efficiency. As Skrull's DeepSpeed ran it
+  (skrull.txt line 92, ZeRO-2): `grad_reduce` micro-batch, a gradient reduce-scatter over
+  dp x cp after every micro-batch's backward, charged serially (DeepSpeed's overlap_comm is
+  off by default); the default, `step`, reduces once as the other baselines do.
 - `token-balanced`: verl-style balancing: Karmarkar-Karp splits the sequences over DP ranks by
   token count, then each rank packs its share best-fit-decreasing. Equal tokens per rank, but
   not equal attention FLOPs.
 
 Cost, n sequences over D pipelines: padding and static-cp O(n), packing and sorted O(n log n) (a sort, then
-best-fit by bisection over open bins), megatron O(n), token-balanced Karmarkar-Karp O(n log n)
+best-fit by bisection over open bins), megatron O(n) next-fit and O(n log n) best-fit (with
+`recompute_per_batch`, up to 5 simulations of the plan), token-balanced Karmarkar-Karp O(n log n)
 in the usual case (packing_utils) plus best-fit-decreasing per rank; schedules are made once per
 distinct pipeline shape.
 
-Every baseline takes `recompute` (none / full / auto, default auto): as a Megatron-LM user
-would, it recomputes every layer only when its longest sequence (megatron: a context-length
-micro-batch) does not fit 1F1B without it. Selective recomputation (Megatron's core-attention
+Every baseline takes `recompute` (none / full / auto, default auto; megatron's auto can be
+decided per batch, `recompute_per_batch`):
+as a Megatron-LM user would, it recomputes every layer only when its longest sequence
+(megatron: a context-length micro-batch) does not fit 1F1B without it. Selective recomputation (Megatron's core-attention
 recomputation) is not offered: with flash attention the attention core saves no scores, so it
 frees nothing the cost model counts.
 
@@ -48,6 +63,7 @@ Options: `PaddingOptions`, `PackingOptions`, `MegatronOptions`, `StaticCPOptions
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import replace
@@ -60,6 +76,25 @@ from lengthwise.planners.base import (
     seq_len_limit, take_options, whole,
 )
 from lengthwise.planners.packing_utils import best_fit_decreasing, karmarkar_karp, split_to_multiple
+from lengthwise.sim import simulate_plan
+
+
+PAPER_BASELINES: dict[str, tuple[str, dict]] = {
+    # chunkflow.txt §6.1 (line 214): Megatron-LM at a micro-batch size of 1, one unpacked sequence each
+    "chunkflow": ("megatron", {"micro_batch_size": 1}),
+    # skrull.txt §5 (line 92): DeepSpeed with ZeRO-2, reduce-scattering gradients after every micro-batch
+    "skrull": ("static-cp", {"grad_reduce": "micro-batch"}),
+    # slimpack.txt §6.1 (line 181): Megatron-LM with best-fit packing and partial recomputation as needed
+    # (per batch here); its activation offload is not modelled
+    "slimpack": ("megatron", {"packing": "best-fit", "recompute_per_batch": True}),
+    # infinipipe.txt §5.1 (line 347): micro-batches "as FlexSP" forms them (best-fit packing here: FlexSP's
+    # rule is not in the text), checkpointing fixed once for the context (`recompute` auto)
+    "infinipipe": ("megatron", {"packing": "best-fit"}),
+    # hydraulis.txt §8.1 (line 279): Megatron-LM with one static strategy (Table 3's), its defaults
+    "hydraulis": ("megatron", {}),
+}
+"""Paper -> (baseline planner, its options): the baseline each paper measured its speedups
+against, as that paper ran it, selectable by the paper's name."""
 
 
 def deal(items: list, k: int) -> list[list]:
@@ -159,20 +194,32 @@ def plan_megatron(request: PlanRequest) -> StepPlan:
     check_lengths(request)
     lengths, dp = request.lengths, request.scheme.dp
     mbs = opts.micro_batch_size
+    per_batch = opts.recompute_per_batch
+    if per_batch and opts.recompute != "auto":
+        raise UserError(f"megatron: recompute_per_batch decides the recomputation, recompute {opts.recompute} "
+                        "fixes it: drop one of them")
+    # per batch: micro-batches as large as full recomputation holds, the layers recomputed per batch
+    choice = "full" if per_batch else opts.recompute
     if mbs is None:
-        recompute, capacity = _megatron_setting(request, opts.recompute)
-        bins = split_to_multiple(next_fit(lengths, capacity), lengths, dp)
+        recompute, capacity = _megatron_setting(request, choice)
+        if opts.packing == "best-fit":
+            bins = split_to_multiple(best_fit_decreasing(lengths, capacity), lengths, dp)
+            random.Random(request.seed).shuffle(bins)  # the data loader sees packs in random order
+        else:
+            bins = split_to_multiple(next_fit(lengths, capacity), lengths, dp)
         chunks = [packed_chunk(b, lengths) for b in bins]
-        shape = {"micro_batch_tokens": capacity}
+        shape = {"micro_batch_tokens": capacity, "packing": opts.packing}
     else:
         # memory is sized for a micro-batch of mbs context-length sequences, as Megatron-LM's
         # --micro-batch-size and --seq-length do
         sized = replace(request, context_length=mbs * request.context_length)
-        recompute, capacity = _megatron_setting(sized, opts.recompute)
+        recompute, capacity = _megatron_setting(sized, choice)
         groups = [list(range(i, min(i + mbs, len(lengths)))) for i in range(0, len(lengths), mbs)]
         _check_padded_fits(groups, lengths, capacity, mbs)
         chunks = [padded_chunk(g, lengths) for g in groups]
         shape = {"micro_batch_size": mbs}
+    if per_batch:
+        return _fewest_recompute(request, chunks, started, shape)
     pipelines = pipelines_from_chunks(request, deal(chunks, dp))
     if recompute:
         _recompute_every_layer(request, pipelines)
@@ -180,15 +227,67 @@ def plan_megatron(request: PlanRequest) -> StepPlan:
                        options={"recompute": "full" if recompute else "none", **shape})
 
 
+PARTIAL_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""Shares of each stage's layers `megatron --recompute-per-batch true` tries, fewest first (SlimPack's
+baseline has SlimPack's partial recomputation: slimpack.txt line 181; its levels are SlimPack's)."""
+
+
+def _fewest_recompute(request: PlanRequest, chunks: list[Chunk], started: float, shape: dict) -> StepPlan:
+    """This batch's micro-batches with the fewest recomputed layers (PARTIAL_SHARES of each
+    stage's) whose simulated step fits memory, decided per batch as a user of Megatron-LM's
+    partial recomputation tunes it to the memory; all layers when none fits (the validator then
+    reports what does not fit). Activation offload, the other memory saver SlimPack's baseline
+    has, is not modelled: the cost model and simulator have no host-memory tier."""
+    layers = split_layers(request.model.num_layers, request.scheme.pp)
+    levels: list[list[int]] = []
+    for share in PARTIAL_SHARES:
+        level = [min(n, math.ceil(share * n - 1e-9)) for n in layers]
+        if level not in levels:
+            levels.append(level)
+    plan = None
+    for level in levels:
+        pipelines = recompute_forwards(pipelines_from_chunks(request, deal(chunks, request.scheme.dp)), level)
+        name = "none" if not any(level) else "full" if level == layers else "partial"
+        plan = finish_plan(request, pipelines, planner="megatron", started=started,
+                           options={"recompute": name, **shape})
+        plan.metrics["recompute_layers"] = level
+        if simulate_plan(plan, request.cost).fits:
+            break
+    return plan
+
+
 def plan_static_cp(request: PlanRequest) -> StepPlan:
-    """One sequence per micro-batch, each sharded over the CP group, dealt in sampler order."""
+    """One sequence per micro-batch, each sharded over the CP group, dealt in sampler order; with
+    `grad_reduce` micro-batch, the gradients reduced after every micro-batch (DeepSpeed ZeRO-2)."""
     started = time.perf_counter()
     opts = take_options(request, "static-cp")
     _, recompute = baseline_limit(request, opts.recompute)
     chunks = [packed_chunk([i], request.lengths) for i in range(len(request.lengths))]
     pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, request.scheme.dp)), recompute)
+    if opts.grad_reduce == "micro-batch":
+        per_reduction = micro_batch_reduction_s(request)
+        for pipe in pipelines:
+            # the simulator charges the reduction after the last backward; the others come here
+            pipe.extra_comm_s = per_reduction * max(0, len(pipe.chunks) - 1)
     return finish_plan(request, pipelines, planner="static-cp", started=started,
-                       options={"recompute": "full" if recompute else "none"})
+                       options={"recompute": "full" if recompute else "none", "grad_reduce": opts.grad_reduce})
+
+
+def micro_batch_reduction_s(request: PlanRequest) -> float:
+    """Seconds of one gradient reduction over dp x cp, the slowest stage's (`grad_sync_time`,
+    what the simulator charges once a step). DeepSpeed's ZeRO-2 reduce-scatters the gradients
+    during every micro-batch's backward; without `overlap_comm` (off by default) the micro-batch
+    waits for it, so each micro-batch but the last adds one reduction, charged after the
+    pipeline's last backward (PipelinePlan.extra_comm_s)."""
+    s = request.scheme
+    ranks = s.dp * s.cp
+    if ranks <= 1:
+        return 0.0
+    inter = s.num_gpus > request.cluster.gpus_per_node
+    layers = split_layers(request.model.num_layers, s.pp)
+    return max(request.cost.grad_sync_time(layers=n, tp=s.tp, dp=ranks, zero=s.zero, inter_node=inter,
+                                           first=i == 0, last=i == len(layers) - 1)
+               for i, n in enumerate(layers))
 
 
 def next_fit(lengths: list[int], capacity: int) -> list[list[int]]:

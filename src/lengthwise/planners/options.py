@@ -120,6 +120,15 @@ class PackingOptions(BaselineOptions):
 @dataclass(kw_only=True, frozen=True)
 class MegatronOptions(BaselineOptions):
     planner: ClassVar[str] = "megatron"
+    recompute_per_batch: bool = option(
+        False, "with recompute auto, decide it per batch: the fewest of 0, 1/4, 1/2, 3/4 or all of each stage's "
+        "layers with which the simulated step fits (partial recomputation, SlimPack's baseline: slimpack.txt "
+        "line 181); default: decided once from the context length, none or full", metavar="BOOL", check=BOOL)
+    packing: str = option(
+        "next-fit", "how packed micro-batches are filled: next-fit (sampler order, a new micro-batch when the "
+        "next sequence does not fit: Megatron-LM's packed dataset) or best-fit (best-fit decreasing, the "
+        "baseline SlimPack ran: slimpack.txt line 181)", flag="--megatron-packing", metavar="next-fit|best-fit",
+        check=one_of("next-fit", "best-fit"))
     micro_batch_size: int | None = option(
         None, "sequences per micro-batch, unpacked, in sampler order, each padded to its longest (ChunkFlow's "
         "Megatron-LM ran 1: chunkflow.txt §6.1); default: packed micro-batches of the context length", metavar="N",
@@ -129,6 +138,10 @@ class MegatronOptions(BaselineOptions):
 @dataclass(kw_only=True, frozen=True)
 class StaticCPOptions(BaselineOptions):
     planner: ClassVar[str] = "static-cp"
+    grad_reduce: str = option(
+        "step", "when gradients are reduced over dp x cp: step (once, after the last backward) or micro-batch "
+        "(after every micro-batch's backward, as DeepSpeed ZeRO-2 does under gradient accumulation: Skrull's "
+        "baseline, skrull.txt line 92)", metavar="step|micro-batch", check=one_of("step", "micro-batch"))
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -182,6 +182,19 @@ def tiny() -> LengthProfile:
         (8, 0.0), (64, 0.5), (256, 0.9), (513, 1.0)])
 
 
+PROVENANCE = {
+    "lmsys": "published shares (chunkflow Table 1); shortest and median assumed",
+    "chunkflow-eval": "published shares (chunkflow Table 2); shortest and median assumed",
+    "lmsys-skrull": "published shares (skrull Table 1); shortest and median assumed",
+    "wikipedia": "published shares (skrull Table 1); shortest and median assumed",
+    "chatqa2": "published shares (skrull Table 1); shortest assumed",
+    "github": "partly assumed: <8K and the >64K tail published (infinipipe §1), the other knots chosen to match",
+    "commoncrawl": "entirely assumed: no paper's text publishes its shares (histograms are figures only)",
+    "tiny": "assumed (CPU-sized)",
+}
+"""Profile -> how much of it a paper publishes (`workload --help` says the same)."""
+
+
 def _catalogue() -> dict[str, Callable[[], LengthProfile]]:
     builders = [lmsys, chunkflow_eval, lmsys_skrull, wikipedia, chatqa2, github, commoncrawl,
                 tiny]
