@@ -14,12 +14,19 @@ tests would otherwise walk all of it (a few tenths of a second each).
 The server starts under pytest's capture, as it did inside the first such test: its output and that of
 multiprocessing's resource tracker (which names the semaphores of workers a test killed when
 the session ends) go to the capture, not the terminal.
+
+Training runs that more than one test file reads (`shared_runs.py`) are session fixtures here:
+each runs once, in whichever file asks first.
 """
 
 from __future__ import annotations
 
 import gc
 import sys
+
+import pytest
+
+from shared_runs import train_dp2
 
 
 def pytest_collection_finish(session) -> None:
@@ -37,3 +44,9 @@ def pytest_collection_finish(session) -> None:
         start_fork_server(oracle=True)
     finally:
         capture.suspend_global_capture()
+
+
+@pytest.fixture(scope="session")
+def dp2_run(tmp_path_factory):
+    """`shared_runs.train_dp2`: one 2-process run that two test files read."""
+    return train_dp2(tmp_path_factory.mktemp("dp2"))

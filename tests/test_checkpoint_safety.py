@@ -34,13 +34,14 @@ from lengthwise.runtime.train.config import TrainConfig
 from lengthwise.runtime.weights import read_tensors
 from lengthwise.specs import model_preset
 
+from shared_runs import DP2_ARGS, DP2_STEPS
+
 SINGLE_FILES = ["config.json", "model.safetensors", "optimizer.json", "optimizer.safetensors", "rng.json",
                 "rng.safetensors", "trainer.json", MANIFEST]
 DIST_FILES = ["config.json", "rank-0.json", "rank-0.safetensors", "rank-1.json", "rank-1.safetensors", "shards-0.json",
               "shards-0.safetensors", "shards-1.json", "shards-1.safetensors", MANIFEST]
-DIST_ARGS = ["--dtype", "float64", "--context-length", "96", "--batch-size", "3", "--lr", "1e-2",
-             "--chunk-size", "32", "--k", "1", "--threads", "1", "--no-progress", "--nproc", "2", "--dp", "2",
-             "--save-every", "1"]
+DIST_ARGS = DP2_ARGS
+"""The settings of the shared dp 2 run (`shared_runs.train_dp2`, 3 steps), for resuming its copies."""
 
 
 class Payload:
@@ -84,10 +85,11 @@ def single_run(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def dist_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
-    assert main(["train", *DIST_ARGS, "--steps", "3", "--out", str(out)]) == 0
-    return out
+def dist_run(dp2_run) -> Path:
+    """The session's dp 2 run of 3 steps (conftest.dp2_run, read by tests/test_train_distributed.py
+    too): only read here, copied before any change."""
+    assert DP2_STEPS == 3  # the tests below damage and resume steps 1-3
+    return dp2_run
 
 
 def copy_run(run: Path, tmp_path: Path) -> Path:

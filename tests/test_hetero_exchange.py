@@ -100,8 +100,8 @@ def _worker(rank: int):
             "owned_once": once}
 
 
-def test_exchange_reduces_mixed_tp_layouts_exactly():
-    out = spawn(_worker, 4, timeout_s=120)
+def test_exchange_reduces_mixed_tp_layouts_exactly(four_ranks):
+    out = four_ranks["mixed"]
     assert out["pull"] == 0.0
     # each element sums at most 3 ranks' terms (ranks 0/1, 2 and for b all three)
     assert out["push"] <= reduction_tolerance(torch.float64, 3)
@@ -171,8 +171,8 @@ def _switch_worker(rank: int):
             "pull_bytes": ex.switch_cost["pull_bytes"], "owned": ex.owned_elements(), "held": ex.held_elements()}
 
 
-def test_strategy_switch_moves_the_optimizer_state_and_matches_whole_parameter_training():
-    out = spawn(_switch_worker, 4, timeout_s=120)
+def test_strategy_switch_moves_the_optimizer_state_and_matches_whole_parameter_training(four_ranks):
+    out = four_ranks["switch"]
     assert out["err"] <= reduction_tolerance(torch.float64, 8)
     # rank 0 sends the master and both moments (8 bytes each) of every element it owned and no
     # longer owns
@@ -250,12 +250,12 @@ def _tiny_step_worker(rank: int):
             "ring": sum(int(2 * (h - 1).sum()) for h in holders.values()), "pulled": pulled.numel()}
 
 
-def test_a_steps_exchange_sends_what_a_ring_all_reduce_among_the_holders_sends():
+def test_a_steps_exchange_sends_what_a_ring_all_reduce_among_the_holders_sends(four_ranks):
     """The issue's bound: the exchange of a step sends at most 1.25x what a homogeneous ring
     all-reduce of the same held parameters sends (2 (d - 1) / d of each rank's held bytes, d = 2
     pipelines holding every layer). Measured: the bytes of one push and one pull of the tiny
     model, 4 ranks, tp2 x pp1 + tp1 x pp2, bf16 on the wire both ways."""
-    out = spawn(_tiny_step_worker, 4, timeout_s=120)
+    out = four_ranks["tiny-step"]
     allreduce = allreduce_bytes(out["held"], replicas=2, elem_bytes=2)
     ratio = out["sent"] / allreduce
     assert ratio <= 1.25
@@ -267,3 +267,15 @@ def test_a_steps_exchange_sends_what_a_ring_all_reduce_among_the_holders_sends()
     assert 1.0 <= ratio < 1.001
     # the round-robin layout it replaced sent (W - 1) / W of the held bytes each way: 1.5x here
     assert 2 * sum(out["held"]) * 3 / 4 * 2 / allreduce == 1.5
+
+
+def _four_rank_worker(rank: int) -> dict:
+    """The 4-rank scenarios in one group of processes, in this order: `_worker` first, whose
+    cache check fills `HeteroExchange`'s cache from its own key on (the others' keys differ)."""
+    return {"mixed": _worker(rank), "switch": _switch_worker(rank), "tiny-step": _tiny_step_worker(rank)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> dict:
+    """Rank 0's results of the three 4-rank scenarios, one spawn for all of them."""
+    return spawn(_four_rank_worker, 4, timeout_s=180)

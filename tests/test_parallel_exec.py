@@ -94,7 +94,9 @@ def write_sharded_checkpoint(folder) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-def four_rank_worker(rank: int, folder: str) -> dict | None:
+def four_rank_worker(rank: int, folder: str, freed: str) -> dict | None:
+    """Every scenario in turn, then the last one, `_fsdp_tp_worker` (its check runs as the
+    group ends), writing to `freed`."""
     mesh = Mesh.from_default_group(timeout_s=120)
     results = {}
     for name in SCENARIOS:
@@ -104,14 +106,20 @@ def four_rank_worker(rank: int, folder: str) -> dict | None:
                         param_dtype=torch.bfloat16 if name == BF16 else None,
                         sequence_parallel=not name.endswith("nosp"))
         results[name] = verify_worker(rank, job, mesh)
+    _fsdp_tp_worker(rank, freed, mesh)
     return results
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory) -> dict:
+def freed_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("freed")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory, freed_folder) -> dict:
     folder = tmp_path_factory.mktemp("sharded-ckpt")
     write_sharded_checkpoint(folder)
-    return spawn(four_rank_worker, 4, str(folder), timeout_s=300)
+    return spawn(four_rank_worker, 4, str(folder), str(freed_folder), timeout_s=300)
 
 
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n != BF16])
@@ -174,9 +182,10 @@ def test_verify_tp_without_processes_is_one_line(capsys):
     assert "tp(3) does not divide the heads: tiny has 4" in capsys.readouterr().err
 
 
-def _tp2_fsdp_worker(rank: int, folder: str) -> None:
-    """Builds and steps a tp 2 x FSDP2 (zero 1) model, as `verify --nproc 2 --tp 2 --zero 1`
-    does, and records whether the model is still alive when the launcher destroys the groups."""
+def _fsdp_tp_worker(rank: int, folder: str, mesh: Mesh) -> None:
+    """Builds and steps a dp 2 x tp 2 x FSDP2 (zero 1) model, as `verify --nproc 2 --tp 2 --zero 1`
+    does with dp 1, and records whether the model is still alive when the launcher destroys the
+    groups (the last thing the 4-rank workers do)."""
     import torch.distributed as dist
     import weakref
     from pathlib import Path
@@ -185,8 +194,7 @@ def _tp2_fsdp_worker(rank: int, folder: str) -> None:
     from lengthwise.runtime.parallel.build import build_rank_model
     from lengthwise.runtime.verify import random_tokens
 
-    mesh = Mesh.from_default_group(timeout_s=60)
-    scheme = ParallelScheme(tp=2, zero=1)
+    scheme = ParallelScheme(dp=2, tp=2, zero=1)
     cluster = cluster_preset("cpu", scheme.num_gpus)
     spec = model_preset("tiny")
     plan = get_planner("chunkflow")(PlanRequest(lengths=LENGTHS, model=spec, cluster=cluster, scheme=scheme,
@@ -203,9 +211,9 @@ def _tp2_fsdp_worker(rank: int, folder: str) -> None:
     dist.destroy_process_group = checked
 
 
-def test_an_fsdp_model_is_freed_before_its_process_groups(tmp_path):
+def test_an_fsdp_model_is_freed_before_its_process_groups(four_ranks, freed_folder):
     """An FSDP2 model lives in reference cycles; freed only at the interpreter's exit, after its
     gloo groups were destroyed, it aborted rank 1 of `verify --nproc 2 --tp 2 --zero 1` on about
-    one run in five (SIGABRT). The launcher collects it before destroying the groups."""
-    spawn(_tp2_fsdp_worker, 2, str(tmp_path), timeout_s=120)
-    assert [(tmp_path / f"rank-{r}.txt").read_text() for r in range(2)] == ["freed", "freed"]
+    one run in five (SIGABRT). The launcher collects it before destroying the groups (checked
+    on the 4 ranks of the scenarios above, with tp 2 x FSDP2 over dp 2)."""
+    assert [(freed_folder / f"rank-{r}.txt").read_text() for r in range(4)] == ["freed"] * 4

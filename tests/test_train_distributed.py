@@ -20,10 +20,11 @@ from lengthwise.runtime.train.loop import train
 from lengthwise.runtime.export import checkpoint_weights
 from tolerance import reduction_tolerance
 
-ARGS = ["--dtype", "float64", "--context-length", "96", "--batch-size", "3", "--steps", "2",
-        "--lr", "1e-2", "--chunk-size", "32", "--k", "1", "--threads", "1", "--no-progress"]
-"""Two steps of 3 stdlib documents cut to 96 tokens; ChunkFlow chunks of 32 with K = 1, so long
-documents are split and re-forwarded. Clipping (norm 1) is active: the gradient norms are 5-14."""
+from shared_runs import DP2_STEPS, TRAIN_ARGS
+
+ARGS = [*TRAIN_ARGS, "--steps", "2"]
+"""Two steps of `shared_runs.TRAIN_ARGS`; the dp 2 run (`conftest.dp2_run`, shared with
+tests/test_checkpoint_safety.py) takes DP2_STEPS = 3."""
 
 
 def single_process(*argv: str):
@@ -46,30 +47,27 @@ def assert_same_weights(weights: dict[str, torch.Tensor], expected: dict[str, to
         assert (tensor - expected[name]).abs().max() <= atol, name
 
 
-@pytest.fixture(scope="module")
-def dp2_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dp2")
-    distributed(out, "--nproc", "2", "--dp", "2", "--save-every", "1")
-    return out
-
-
 def test_dp2_reaches_the_single_process_weights(dp2_run):
-    reference = single_process("--dp", "2")
-    assert_same_weights(checkpoint_weights(dp2_run / "step-000002"), reference.model.state_dict(), atol=1e-10)
+    reference = single_process("--dp", "2", "--steps", str(DP2_STEPS))
+    assert_same_weights(checkpoint_weights(dp2_run / f"step-{DP2_STEPS:06d}"), reference.model.state_dict(),
+                        atol=1e-10)
     losses = [line["loss"] for line in metrics(dp2_run)]
     assert losses == pytest.approx([r.loss for r in reference.records], rel=1e-12)
 
 
 def test_only_rank_0_writes_metrics(dp2_run):
-    assert [line["step"] for line in metrics(dp2_run)] == [1, 2]
+    assert [line["step"] for line in metrics(dp2_run)] == list(range(1, DP2_STEPS + 1))
 
 
 def test_distributed_resume_is_bit_identical(dp2_run, tmp_path):
-    """Resume from step 1's checkpoint of the dp2 run: step 2 ends at the same weights, bit for bit."""
-    shutil.copytree(dp2_run / "step-000001", tmp_path / "step-000001")
-    distributed(tmp_path, "--nproc", "2", "--dp", "2")
-    assert_same_weights(checkpoint_weights(tmp_path / "step-000002"), checkpoint_weights(dp2_run / "step-000002"), atol=0.0)
-    assert metrics(tmp_path)[0]["loss"] == metrics(dp2_run)[1]["loss"]
+    """Resume from the next-to-last checkpoint of the dp2 run: the last step ends at the same
+    weights, bit for bit."""
+    last = f"step-{DP2_STEPS:06d}"
+    before = f"step-{DP2_STEPS - 1:06d}"
+    shutil.copytree(dp2_run / before, tmp_path / before)
+    distributed(tmp_path, "--nproc", "2", "--dp", "2", "--steps", str(DP2_STEPS))
+    assert_same_weights(checkpoint_weights(tmp_path / last), checkpoint_weights(dp2_run / last), atol=0.0)
+    assert metrics(tmp_path)[0]["loss"] == metrics(dp2_run)[-1]["loss"]
 
 
 def test_pp2_reaches_the_single_process_weights_and_held_out_loss(tmp_path):

@@ -61,18 +61,23 @@ def assert_close_weights(weights: dict[str, torch.Tensor], expected: dict[str, t
 
 @pytest.fixture(scope="module")
 def dp2_tp2_run(tmp_path_factory):
+    """dp 2 x tp 2 under FSDP2, without sequence parallelism: TP ranks keeping whole activations
+    (an all-reduce after each block instead of sequence parallelism's gathers and scatters).
+    The pp 2 x tp 2 and --zero 0 runs below keep sequence parallelism on (the default); this one
+    covers the other setting, once, in the run several tests read."""
     out = tmp_path_factory.mktemp("dp2tp2")
-    assert distributed(out, "--steps", "2", "--nproc", "4", "--dp", "2", "--tp", "2") == 0
+    assert distributed(out, "--steps", "2", "--nproc", "4", "--dp", "2", "--tp", "2", "--no-sequence-parallel") == 0
     return out
 
 
 @pytest.fixture(scope="module")
 def dp2_tp2_reference():
-    """One process, the plans of dp 2 x tp 2 (with or without FSDP2: the same plans), 2 steps."""
+    """One process, the plans of dp 2 x tp 2 (with or without FSDP2 or sequence parallelism: the
+    same plans), 2 steps."""
     return single_process("--steps", "2", "--dp", "2", "--tp", "2")
 
 
-def test_dp2_tp2_reaches_the_single_process_weights(dp2_tp2_run, dp2_tp2_reference):
+def test_dp2_tp2_without_sequence_parallel_reaches_the_single_process_weights(dp2_tp2_run, dp2_tp2_reference):
     reference = dp2_tp2_reference
     assert_close_weights(checkpoint_weights(dp2_tp2_run / "step-000002"), reference.model.state_dict())
     assert losses(dp2_tp2_run) == pytest.approx([r.loss for r in reference.records], rel=TOLERANCE)
@@ -104,14 +109,30 @@ def test_a_tp_checkpoint_exports_to_a_folder_transformers_loads(dp2_tp2_run, tmp
         assert torch.equal(loaded[name], tensor), name
 
 
-def test_dp4_checkpoint_resumes_at_dp2_to_uninterrupted_weights(tmp_path):
-    """One step on 4 FSDP2 replicas, one more on 2: DCP reshards parameters and AdamW states
-    (the second step updates from the resharded moments)."""
-    assert distributed(tmp_path, "--steps", "1", "--nproc", "4", "--dp", "4") == 0
-    assert distributed(tmp_path, "--steps", "2", "--nproc", "2", "--dp", "2") == 0
-    reference = single_process("--steps", "2", "--dp", "2")
-    assert_close_weights(checkpoint_weights(tmp_path / "step-000002"), reference.model.state_dict())
-    assert losses(tmp_path) == pytest.approx([r.loss for r in reference.records], rel=TOLERANCE)
+@pytest.fixture(scope="module")
+def resharded_run(tmp_path_factory):
+    """One step on 4 FSDP2 replicas, one more on 2, of the tiny model given as a --model
+    config.json (so that test_resume_with_other_shapes_names_the_tensor_and_shapes can resume
+    its step-1 checkpoint with that file edited), and the single-process reference of dp 2."""
+    from lengthwise.runtime.weights import hf_config_dict
+    from lengthwise.specs import model_preset
+
+    folder = tmp_path_factory.mktemp("dp4dp2")
+    model, out = folder / "model.json", folder / "run"
+    model.write_text(json.dumps(hf_config_dict(model_preset("tiny"))))
+    out.mkdir()
+    assert distributed(out, "--model", str(model), "--steps", "1", "--nproc", "4", "--dp", "4") == 0
+    shutil.copytree(out / "step-000001", folder / "step-000001")  # kept: step 2 may replace step 1's
+    assert distributed(out, "--model", str(model), "--steps", "2", "--nproc", "2", "--dp", "2") == 0
+    reference = single_process("--model", str(model), "--steps", "2", "--dp", "2")
+    return model, out, folder / "step-000001", reference
+
+
+def test_dp4_checkpoint_resumes_at_dp2_to_uninterrupted_weights(resharded_run):
+    """DCP reshards parameters and AdamW states (the second step updates from the resharded moments)."""
+    _, out, _, reference = resharded_run
+    assert_close_weights(checkpoint_weights(out / "step-000002"), reference.model.state_dict())
+    assert losses(out) == pytest.approx([r.loss for r in reference.records], rel=TOLERANCE)
 
 
 def test_resume_with_other_tp_names_the_degrees(dp2_tp2_run, tmp_path, capsys):
@@ -129,19 +150,19 @@ def test_degrees_with_tp_not_matching_nproc_are_one_line(capsys):
     assert "dp(2) * pp(1) * cp(1) * tp(2) = 4 processes, --nproc gives 2" in err
 
 
-def test_resume_with_other_shapes_names_the_tensor_and_shapes(tmp_path, capsys):
-    """The same --model config.json edited between the runs: refused before anything loads."""
-    from lengthwise.runtime.weights import hf_config_dict
-    from lengthwise.specs import model_preset
-
-    config = hf_config_dict(model_preset("tiny"))
-    model = tmp_path / "model.json"
-    model.write_text(json.dumps(config))
+def test_resume_with_other_shapes_names_the_tensor_and_shapes(resharded_run, tmp_path, capsys):
+    """The same --model config.json edited between the runs: refused before anything loads.
+    Resumes the dp 4 run's step-1 checkpoint (trained with that file) at dp 2; the file is put
+    back afterwards."""
+    model, _, step_1, _ = resharded_run
+    config = json.loads(model.read_text())
     out = tmp_path / "run"
-    out.mkdir()
-    assert distributed(out, "--model", str(model), "--steps", "1", "--nproc", "2", "--dp", "2") == 0
+    shutil.copytree(step_1, out / "step-000001")
     model.write_text(json.dumps(config | {"intermediate_size": config["intermediate_size"] * 2}))
-    assert distributed(out, "--model", str(model), "--steps", "2", "--nproc", "2", "--dp", "2") == 2
+    try:
+        assert distributed(out, "--model", str(model), "--steps", "2", "--nproc", "2", "--dp", "2") == 2
+    finally:
+        model.write_text(json.dumps(config))
     err = capsys.readouterr().err
     assert "Traceback" not in err
     ffn = config["intermediate_size"]
@@ -190,12 +211,3 @@ def test_no_sequence_parallel_with_hydraulis_is_a_usage_error(capsys):
                  "--no-sequence-parallel"]) == 2
     assert "--planner hydraulis runs its tensor-parallel pipelines with sequence parallelism only" in \
         capsys.readouterr().err
-
-
-def test_tp2_without_sequence_parallel_reaches_the_single_process_weights(tmp_path):
-    """Two TP ranks keeping whole activations (an all-reduce after each block instead of
-    sequence parallelism's gathers and scatters) train to one process's weights."""
-    assert distributed(tmp_path, "--steps", "2", "--nproc", "2", "--tp", "2", "--no-sequence-parallel") == 0
-    reference = single_process("--steps", "2", "--tp", "2")
-    assert_close_weights(checkpoint_weights(tmp_path / "step-000002"), reference.model.state_dict())
-    assert losses(tmp_path) == pytest.approx([r.loss for r in reference.records], rel=TOLERANCE)
