@@ -223,3 +223,23 @@ def test_default_chunk_size_leaves_about_two_chunks_per_stage_with_pipelining():
     size = default_chunk_size(req, 1)
     per_pipeline = sum(lengths) / 2
     assert size <= per_pipeline / 8 < 2 * size or size == 2 * K
+
+
+def test_the_workload_grid_point_fits_every_batch_at_the_lowest_mean_step():
+    """chunkflow §5's once-per-workload (ChunkSize, K): a point that fits only one batch is out
+    even when it is that batch's fastest; among the rest the lowest mean step time wins."""
+    from types import SimpleNamespace
+
+    from lengthwise.metrics import STEP_TIME_S
+    from lengthwise.planners.chunkflow.tune import workload_grid_point
+
+    def plan(*rows):
+        return SimpleNamespace(metrics={"grid": [{"chunk_size": c, "k": k, "fits": f, STEP_TIME_S: t}
+                                                 for c, k, f, t in rows]})
+
+    first = plan((2048, 1, True, 1.0), (4096, 1, True, 0.9), (8192, 1, True, 0.5))
+    second = plan((2048, 1, True, 1.0), (4096, 1, True, 1.2), (8192, 1, False, 0.1))
+    requests = [request([1000, 3000]), request([2000, 500])]
+    assert workload_grid_point([first, second], requests) == (2048, 1)  # means 1.0 < 1.05; 8192 fits one
+    assert workload_grid_point([second], requests[1:]) == (2048, 1)
+    assert workload_grid_point([plan((2048, 1, False, 1.0))], requests[:1]) is None

@@ -22,13 +22,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from lengthwise.cost import CostModel, Profile
-from lengthwise.errors import UserError
 from lengthwise.metrics import BUBBLE_RATIO, DP_IMBALANCE, GIB, MFU, PEAK_MEMORY_GIB, STEP_TIME_S, TOKENS_PER_S
 from lengthwise.planners import PLANNER_NAMES
 from lengthwise.planners.auto import Candidate, choose_best, max_peak, try_planner
 from lengthwise.plan.ir import Chunk, Segment
 from lengthwise.planners.base import PlanRequest
-from lengthwise.planners.chunkflow.build import check_chunk_size_fits
+from lengthwise.planners.chunkflow.tune import workload_grid_point
 from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
 
 BASELINES = ("padding", "packing", "megatron", "static-cp", "sorted", "token-balanced")
@@ -239,26 +238,12 @@ def no_scheme_reason(tries: list[Candidate]) -> str:
     return f"no scheme fits every selection batch (first failure at {failed.scheme}: {why})"
 
 
-def _accepted(setup: CompareSetup, scheme: ParallelScheme, batches: list[list[int]], chunk_size: int,
-              k: int) -> bool:
-    """Whether ChunkFlow takes (chunk_size, k) as given options on every selection batch: its
-    explicit-option memory check counts full chunks, as many per stage as its schedule for the
-    batch holds at once, while a grid point is judged by simulating the chunks themselves."""
-    try:
-        for b in batches:
-            check_chunk_size_fits(request_for(setup, b, scheme, "chunkflow"), chunk_size, k)
-    except UserError:
-        return False
-    return True
-
-
 def tune(setup: CompareSetup, planner: str, scheme: ParallelScheme) -> tuple[list[Candidate], dict]:
     """The planner's runs on the selection batches under `scheme`, and the options tuned for it.
 
-    ChunkFlow, unless the user fixed its chunk size, runs its own (ChunkSize, K) grid search
-    (chunkflow §5: tuned once per workload, then fixed) on the selection batches; compare keeps
-    the grid point with the lowest mean simulated step time among those that fit on every
-    selection batch, and runs every batch with it. Other planners search inside each plan."""
+    ChunkFlow, unless the user fixed its chunk size, runs its own (ChunkSize, K) grid search on
+    the selection batches and is then run on every batch at the workload's point
+    (`planners/chunkflow/tune.py`). Other planners search inside each plan."""
     batches = [setup.batches[b] for b in selection_batches(setup)]
     if planner != "chunkflow" or "chunk_size" in setup.options.get(planner, {}):
         return [try_planner(planner, request_for(setup, b, scheme, planner)) for b in batches], {}
@@ -266,16 +251,11 @@ def tune(setup: CompareSetup, planner: str, scheme: ParallelScheme) -> tuple[lis
                 for b in batches]
     if any(r.plan is None for r in searched):
         return searched, {}
-    times: dict[tuple[int, int], list[float]] = {}
-    for r in searched:
-        for row in r.plan.metrics["grid"]:
-            if row["fits"]:
-                times.setdefault((row["chunk_size"], row["k"]), []).append(row[STEP_TIME_S])
-    common = {point: statistics.fmean(t) for point, t in times.items()
-              if len(t) == len(batches) and _accepted(setup, scheme, batches, *point)}
-    if not common:
+    point = workload_grid_point([r.plan for r in searched],
+                                [request_for(setup, b, scheme, "chunkflow") for b in batches])
+    if point is None:
         return searched, {}
-    chunk_size, k = min(common, key=lambda p: (common[p], p[1], p[0]))
+    chunk_size, k = point
     tuned = {"chunk_size": chunk_size, "k": k}
     return [try_planner(planner, request_for(setup, b, scheme, planner, tuned)) for b in batches], tuned
 
