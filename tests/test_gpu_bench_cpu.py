@@ -6,19 +6,15 @@ The scripts live in benchmarks/ (not a package): they are loaded from their file
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_script
 
 torch = pytest.importorskip("torch")
 
 from lengthwise.cli import main as cli_main
 from lengthwise.runtime.profile import check_backend
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(autouse=True)
@@ -30,13 +26,6 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def load_script(name: str, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

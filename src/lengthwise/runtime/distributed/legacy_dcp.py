@@ -2,7 +2,7 @@
 
 Earlier versions wrote distributed checkpoints with torch.distributed.checkpoint's file layout:
 a `.metadata` that is a Python pickle, and `.distcp` shards whose non-tensor items (AdamW's lr,
-betas, ...) are pickled too and read with torch.load(weights_only=False). Loading such a file
+betas, ...) are pickled too and read by torch's unrestricted loader (weights_only off). Loading such a file
 runs whatever code its author put in it. This module is the only place lengthwise reads them,
 and only when the user passes `--allow-pickle-checkpoint` (to `train` or `export`) for a run of
 their own: without the flag the checkpoint is refused in one line (`refuse`).

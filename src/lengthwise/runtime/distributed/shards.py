@@ -8,8 +8,8 @@
         whole = reader.whole("model.x")                        # one full tensor (export)
 
 Why our own layout rather than torch.distributed.checkpoint's `.metadata`: DCP's metadata is a
-pickle and its non-tensor items are pickled too (BYTE_IO, read with torch.load(weights_only=
-False)), so loading one runs whatever its author put there. Here the tensors are safetensors
+pickle and its non-tensor items are pickled too (BYTE_IO, read by torch's unrestricted loader,
+weights_only off), so loading one runs whatever its author put there. Here the tensors are safetensors
 (a JSON header and raw bytes) and everything else JSON, so nothing a checkpoint holds is ever
 executed. Each rank writes the pieces it holds, as they lie in its memory: a DTensor's local
 tensor (an FSDP2 shard, a TP shard) with its offsets in the global tensor and the global shape,
