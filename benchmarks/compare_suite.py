@@ -1,6 +1,7 @@
 """Simulated comparisons of every planner on the papers' settings; the README's planner table.
 
     python benchmarks/compare_suite.py                      # all scenarios, writes benchmarks/results/compare_suite.{json,md}
+    python benchmarks/compare_suite.py --jobs 2                                # the same, two scenarios at a time
     python benchmarks/compare_suite.py --only skrull --batches 2
     python benchmarks/compare_suite.py --only skrull-lmsys-7b,stdlib-7b-32 --batches 4 --stem compare_suite_reduced
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import platform
 import statistics
 import sys
@@ -311,6 +313,26 @@ def run_scenario(spec, batches: int, seed: int) -> dict:
             "seconds": time.perf_counter() - started, **summary}
 
 
+def _run_one(job: tuple) -> dict:
+    spec, batches, seed = job
+    print(f"{spec[0]} ...", file=sys.stderr, flush=True)
+    return run_scenario(spec, batches, seed)
+
+
+def run_scenarios(chosen: list, batches: int, seed: int, jobs: int, saved: Path) -> list[dict]:
+    """Every chosen scenario's result, in the order chosen. With jobs > 1 they run in a process
+    pool, the slowest of the last saved run first so that no long one starts last."""
+    if jobs == 1:
+        return [_run_one((spec, batches, seed)) for spec in chosen]
+    last = {}
+    if saved.is_file():
+        last = {r["scenario"]: r.get("seconds", 0.0) for r in json.loads(saved.read_text()).get("results", [])}
+    order = sorted(chosen, key=lambda spec: -last.get(spec[0], 0.0))
+    with multiprocessing.get_context("spawn").Pool(min(jobs, len(order))) as pool:
+        done = {r["scenario"]: r for r in pool.imap_unordered(_run_one, [(s, batches, seed) for s in order])}
+    return [done[spec[0]] for spec in chosen]
+
+
 def speedup_intervals(rows, row, papers_baseline: str = "megatron") -> dict:
     """Mean and 95% interval of the per-batch speedups of `row` over megatron, over the paper's
     own baseline and over the best baseline of each batch (batches where both fit)."""
@@ -424,6 +446,9 @@ def main(argv=None) -> int:
                         "comma-separated list of names")
     parser.add_argument("--render", action="store_true",
                         help="rewrite the tables from the saved results (new figures or explanations), simulating nothing")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="run this many scenarios at once, one process each (every scenario is planned and "
+                        "simulated alone, so the results do not depend on it); longest first by the last saved run")
     parser.add_argument("--stem", help="name the result files benchmarks/results/STEM.{json,md} (default: "
                         "compare_suite, or compare_suite_ONLY with --only), e.g. to keep a reduced run apart")
     args = parser.parse_args(argv)
@@ -437,12 +462,9 @@ def main(argv=None) -> int:
         return 0
     chosen = [s for s in SCENARIOS if not args.only or (s[0] in args.only.split(",") if "," in args.only
                                                         else args.only in s[0])]
-    results = []
-    for spec in chosen:
-        print(f"{spec[0]} ...", file=sys.stderr, flush=True)
-        result = run_scenario(spec, args.batches, args.seed)
-        results.append(result)
-    results = comparisons(results)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, not {args.jobs}")
+    results = comparisons(run_scenarios(chosen, args.batches, args.seed, args.jobs, RESULTS / f"{stem}.json"))
     meta = {"command": "python benchmarks/compare_suite.py " + " ".join(argv or sys.argv[1:]),
             "simulated": True, "batches": args.batches, "python": platform.python_version(), "machine": platform.machine()}
     write_atomic(RESULTS / f"{stem}.json", json.dumps({"meta": meta, "results": results}, indent=1))
