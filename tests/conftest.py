@@ -15,6 +15,12 @@ The server starts under pytest's capture, as it did inside the first such test: 
 multiprocessing's resource tracker (which names the semaphores of workers a test killed when
 the session ends) go to the capture, not the terminal.
 
+The README's test command runs the files on two workers (pytest-xdist, `-n 2 --dist loadfile`:
+a file's tests stay on one worker, so its worker pools and module fixtures start once). A worker
+takes the next file when it is done with one, in collection order, so the files that start
+many processes come first (`SLOW_FIRST`, the slowest files of a timed run): started last, one
+of them would keep one core busy after the other has finished.
+
 Training runs that more than one test file reads (`shared_runs.py`) are session fixtures here:
 each runs once, in whichever file asks first.
 """
@@ -27,6 +33,17 @@ import sys
 import pytest
 
 from shared_runs import train_dp2
+
+
+SLOW_FIRST = ("test_gpu_suite.py", "test_distributed_fault.py", "test_parallel_exec.py", "test_hetero_train.py",
+              "test_train_interrupt.py", "test_train_parallel.py", "test_hetero_exec.py", "test_checkpoint_scale.py",
+              "test_dryrun.py")
+"""Test files by their wall time in a timed run, slowest first (ordering only: any file may be missing)."""
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: the rest keep their order
 
 
 def pytest_collection_finish(session) -> None:
