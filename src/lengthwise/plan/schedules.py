@@ -171,8 +171,8 @@ def _items(chunks: list[Chunk], k: int | None):
         group = last_of.get(c, [])
         for j in range(len(group) - 1, -1, -1):
             # A slice's re-forward follows the backward that frees the K-th kept activation
-            # after it (for K = 1: right before its own backward), so its trip down the
-            # pipeline overlaps the backwards in between.
+            # after it (for K = 1: right before its own backward); 1F1B makes it a forward item
+            # of its own there (`_first_in_first_out`).
             refwd = [Action(FORWARD, group[j - k])] if k is not None and j >= k and group[j - k] in nograd else []
             units.append([Action(BACKWARD, group[j])] + refwd)
             ready.append(c + 1)
