@@ -203,8 +203,8 @@ def test_chunkflow_reforwards_keep_one_order_on_every_link():
 
 def test_held_chunks_counts_forwards_until_their_backward_and_not_nograd_forwards():
     """A chunk's activations are held from its F to its B; an N keeps K/V only. The last stage
-    of ChunkFlow's state-aware 1F1B on a 10-slice sequence and two standalone chunks holds three
-    at once (1F1B's warm-up bound, pp - stage, would say one)."""
+    list the state-aware 1F1B generator once emitted for a 10-slice sequence and two standalone
+    chunks holds three at once (1F1B's warm-up bound, pp - stage, would say one)."""
     stage = [Action.parse(a) for a in "N0 N1 F2 B2 F10 F1 B1 F11 F0 B0 B10 B11".split()]
     assert held_chunks(stage) == 3
     assert held_chunks([Action.parse(a) for a in "F0 B0 F1 B1".split()]) == 1
