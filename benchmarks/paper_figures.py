@@ -105,7 +105,8 @@ _SKRULL_SYNC = ("skrull computes a step {compute_ratio:.1f}x faster (static-cp {
                 "{paper_compute_s:.3f} s); after the last backward static-cp adds {baseline_sync_s:.3f} s of gradient "
                 "reduction over dp x cp, skrull {paper_sync_s:.3f} s: DeepSpeed's ZeRO-2, the paper's baseline, "
                 "reduce-scatters after each of its {baseline_micro_batches:.0f} micro-batches a DP rank, charged "
-                "serially (overlap_comm off, DeepSpeed's default; fp32 gradients as the cost model reduces them)")
+                "serially in bf16 (DeepSpeed's defaults for a bf16 run: overlap_comm off below ZeRO-3, communication in "
+                "the training dtype), the step's last reduction in fp32 as every plan's)")
 _GAIN = ("Where this run's gain comes from: megatron at {baseline_scheme} computes {baseline_compute_s:.2f} s "
          "with its stages idle {baseline_bubble:.0%} of it, {paper} at {paper_scheme} {paper_compute_s:.2f} s "
          "({compute_ratio:.2f}x) idle {paper_bubble:.0%}; the gradient reduction adds {baseline_sync_s:.2f} s and "

@@ -42,7 +42,9 @@ GiB on the last stage): its memory model counted max(K, pp - stage) = 1 chunk in
 but the state-aware schedule forwards the two standalone chunks while the long sequence's last
 chunks still run (F10 F1 B1 F11 F0 B0 B10 B11: three chunks' activations at once), and
 Qwen2.5's 152K-token vocabulary makes each of them large. The model now reads the count off the
-schedule it emits (`chunkflow.build.inflight_chunks`)."""
+schedule it emits (`chunkflow.build.inflight_chunks`). Since the schedule's re-forwards are forward
+items of their own and an N no longer counts against the warm-up (plan/schedules.py
+`_first_in_first_out`), the last stage holds one chunk here and 8K chunks fit."""
 
 
 def make_request(model: str, scheme: str, profile: str, n: int, context: int, seed: int) -> PlanRequest:
@@ -80,11 +82,13 @@ def test_every_plan_fits_memory_in_the_simulator(name, requests):
 
 
 def test_chunkflow_default_chunk_fits_on_the_last_stage():
-    """ChunkFlow's default ChunkSize counts the chunks its schedule holds on each stage (three on
-    the last stage at 8K here, so it takes 4K), and the simulator agrees that the plan fits."""
+    """ChunkFlow's default ChunkSize counts the chunks its schedule holds on each stage, with the
+    split sequences first at most max(K, pp - stage) (one on the last stage at 8K here), and the
+    simulator agrees that the plan fits."""
     from lengthwise.planners.chunkflow.build import inflight_chunks
 
     request = make_request(*CHUNKFLOW_LAST_STAGE_GAP)
-    assert inflight_chunks(request, 8 * K, 1)[-1] == 3
+    held = inflight_chunks(request, 8 * K, 1)
+    assert held[-1] == 1 and all(h <= max(1, len(held) - s) for s, h in enumerate(held))
     plan = CANDIDATE_PLANNERS["chunkflow"](request)
     assert simulate_plan(plan, request.cost).fits

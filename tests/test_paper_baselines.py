@@ -82,6 +82,18 @@ def test_static_cp_reducing_after_every_micro_batch_pays_one_reduction_per_micro
     assert gap == pytest.approx(3 * per, rel=1e-9)
 
 
+def test_static_cp_micro_batch_reduction_is_bf16():
+    """DeepSpeed reduces a bf16 run's gradients in bf16 (its communication dtype defaults to the
+    training dtype): 2 bytes a gradient, where the step's reduction sends fp32."""
+    scheme = ParallelScheme(dp=2, cp=2, zero=2)
+    req = request([3000] * 8, scheme, 8192)
+    inter = scheme.num_gpus > req.cluster.gpus_per_node
+    kwargs = dict(layers=MODEL.num_layers, dp=4, zero=2, inter_node=inter, first=True, last=True)
+    bf16 = req.cost.grad_sync_time(**kwargs, bytes_per_grad=2)
+    assert micro_batch_reduction_s(req) == pytest.approx(bf16, rel=1e-12)
+    assert bf16 < req.cost.grad_sync_time(**kwargs)
+
+
 @pytest.mark.parametrize("model, gpus, scheme", [
     # hydraulis.txt Table 3 (line 611): Megatron-LM's 32B schemes on 32 and 64 GPUs
     ("llama-32b", 32, "dp2-tp8-pp2"), ("llama-32b", 32, "dp2-tp16"),

@@ -85,6 +85,26 @@ def test_state_aware_reruns_first_n_minus_k_slices(n, k, pp):
     assert order == list(range(n, 0, -1))  # backward in reverse slice order
 
 
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 5), min_size=1, max_size=6), pp=st.integers(1, 5), k=st.integers(1, 3))
+def test_state_aware_reforwards_after_the_freeing_backward_on_every_stage(sizes, pp, k):
+    """Chunks as ChunkFlow builds them (split sequences first, then whole ones): on every stage a
+    slice runs forward again only after the backward of the slice K places later (Algorithm 2),
+    and a stage holds at most max(K, pp - stage) chunks' activations."""
+    sizes = sorted(sizes, key=lambda n: n == 1)
+    chunks, slice_of = [], []
+    for seq, n in enumerate(sizes):
+        chunks += slices(seq, list(range(0, 10 * n + 1, 10)))
+        slice_of += [(seq, i) for i in range(n)]
+    index = {sl: c for c, sl in enumerate(slice_of)}
+    for s, actions in enumerate(make_schedule("state-aware-1f1b", chunks, pp=pp, k=k)):
+        names = [str(a) for a in actions]
+        for c, (seq, i) in enumerate(slice_of):
+            if f"N{c}" in names:
+                assert names.index(f"F{c}") > names.index(f"B{index[seq, i + k]}")
+        assert held_chunks(actions) <= max(k, pp - s)
+
+
 def test_chunk_dependencies_follow_segments():
     chunks = [Chunk((Segment(0, 0, 5), Segment(1, 0, 3))), whole(2), Chunk((Segment(0, 5, 9),)),
               Chunk((Segment(0, 9, 12), Segment(3, 0, 4)))]
@@ -183,8 +203,8 @@ def test_chunkflow_reforwards_keep_one_order_on_every_link():
 
 def test_held_chunks_counts_forwards_until_their_backward_and_not_nograd_forwards():
     """A chunk's activations are held from its F to its B; an N keeps K/V only. The last stage
-    of ChunkFlow's state-aware 1F1B on a 10-slice sequence and two standalone chunks holds three
-    at once (1F1B's warm-up bound, pp - stage, would say one)."""
+    list the state-aware 1F1B generator once emitted for a 10-slice sequence and two standalone
+    chunks holds three at once (1F1B's warm-up bound, pp - stage, would say one)."""
     stage = [Action.parse(a) for a in "N0 N1 F2 B2 F10 F1 B1 F11 F0 B0 B10 B11".split()]
     assert held_chunks(stage) == 3
     assert held_chunks([Action.parse(a) for a in "F0 B0 F1 B1".split()]) == 1

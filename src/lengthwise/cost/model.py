@@ -596,11 +596,14 @@ class CostModel:
         return self.comm.collective_time(kind, nbytes, ranks=ranks, inter_node=inter_node)
 
     def grad_sync_time(self, *, layers: int, tp: int = 1, dp: int = 1, zero: int = 1, inter_node: bool = True,
-                       first: bool = False, last: bool = False) -> float:
-        """Data-parallel gradient reduction of one stage's fp32 gradients (all-reduce, or
-        reduce-scatter under ZeRO-2/3, whose parameter all-gather is charged too)."""
+                       first: bool = False, last: bool = False,
+                       bytes_per_grad: float = mem.GRAD_BYTES_PER_PARAM) -> float:
+        """Data-parallel gradient reduction of one stage's gradients (all-reduce, or
+        reduce-scatter under ZeRO-2/3, whose parameter all-gather is charged too), sent as
+        `bytes_per_grad` bytes each: fp32 as the step's accumulated gradients are reduced, or
+        bf16 where a baseline reduces each micro-batch's gradients as computed."""
         params = mem.stage_params(self.model, layers=layers, tp=tp, first=first, last=last)
-        grad_bytes = params * mem.GRAD_BYTES_PER_PARAM
+        grad_bytes = params * bytes_per_grad
         if zero >= 2:
             t = self.collective_time("reduce_scatter", grad_bytes, ranks=dp, inter_node=inter_node)
             return t + (self.collective_time("all_gather", params * mem.BYTES_BF16, ranks=dp, inter_node=inter_node)

@@ -9,19 +9,23 @@ segment with start > 0 continues the chunk that holds the sequence's previous sl
 run forward in order (the K/V state of earlier slices is their context) and backward in reverse
 (the K/V gradients flow back to earlier slices). With ChunkFlow's K, the first N-K chunks of a
 group of N are first forwarded without keeping activations (`N`, only the K/V state stays) and
-forwarded again (`F`) once a kept activation is freed: slice i re-runs right after the
-backward of slice i+K (for K = 1, right before its own backward), so at most K chunks'
-activations of one sequence are held at a time (chunkflow Algorithm 2) while the re-forward's
-trip down the pipeline overlaps the K-1 backwards in between.
+forwarded again (`F`) once a kept activation is freed: slice i re-runs after the backward of
+slice i+K (for K = 1, of the next slice), so at most K chunks' activations of one sequence are
+held at a time on a stage (chunkflow Algorithm 2).
 
-Every generator here interleaves one list of *forward items* (each chunk's first forward, in the
-order the chunks are given) with one list of *backward units* (a group's chunks in reverse, each
-followed by the re-forward of the slice K places earlier when that one ran `N`), in the order
-groups complete.
+GPipe runs one list of *forward items* (each chunk's first forward, in the order the chunks are
+given), then one list of *backward units* (a group's chunks in reverse, each followed by the
+re-forward of the slice K places earlier when that one ran `N`), in the order groups complete.
+1F1B replays its first stage to fix both lists (`_first_in_first_out`): backwards first in,
+first out among those allowed to run, a re-forward a forward item of its own right after the
+backward that frees its memory. Every stage then runs the two lists in order, interleaved by
+its own warm-up (`_one_f_one_b`).
 """
 
 from __future__ import annotations
 
+import heapq
+from collections import deque
 from dataclasses import dataclass
 
 from lengthwise.errors import UserError
@@ -141,70 +145,12 @@ def make_schedule(name: str, chunks: list[Chunk], pp: int, k: int | None = None)
         if name == "gpipe":
             cached = [forwards + [a for unit in units for a in unit] for _ in range(pp)]
         else:
-            cached = align_forward_order([_one_f_one_b(forwards, units, ready, warmup=pp - s - 1)
-                                          for s in range(pp)])
+            # every stage runs the one forward list and the one backward list in order, so each
+            # pipeline link carries its messages in one order (`check_message_order`)
+            forwards, units, ready, after = _first_in_first_out(forwards, units, chunks, warmup=pp - 1)
+            cached = [_one_f_one_b(forwards, units, ready, after, warmup=pp - s - 1) for s in range(pp)]
         _SCHEDULES.put(key, cached)
     return [list(stage) for stage in cached]
-
-
-def align_forward_order(stages: list[list[Action]]) -> list[list[Action]]:
-    """Give every stage the first stage's forward order, keeping each stage's interleaving.
-
-    1F1B stages differ in warm-up, so a re-forward (ChunkFlow's `F` after `N`) lands after more
-    first forwards on early stages than on late ones; the link between them would then carry
-    messages in two orders (see `check_message_order`). Each stage keeps its own pattern of
-    forward and backward slots and fills its forward slots with the first stage's forwards in
-    order, with two rules: a backward whose forward has not run yet pulls the next forwards in
-    first (later forward slots then stay empty until the debt is paid), and a re-forward waits
-    for the backward it follows on the first stage (the one that frees its memory, chunkflow
-    Algorithm 2), so no stage re-forwards a slice before the stage after it could."""
-    forwards = [a for a in stages[0] if a.kind != BACKWARD]
-    triggers = _reforward_triggers(stages[0])
-    return [_refill(stage, forwards, triggers) for stage in stages]
-
-
-def _reforward_triggers(stage: list[Action]) -> dict[int, int]:
-    """Re-forwarded chunk -> the backward unit it follows on this stage."""
-    triggers, nograd, last_backward = {}, set(), None
-    for a in stage:
-        if a.kind == FORWARD_NOGRAD:
-            nograd.add(a.chunk)
-        elif a.kind == BACKWARD:
-            last_backward = a.chunk
-        elif a.chunk in nograd and last_backward is not None:
-            triggers[a.chunk] = last_backward
-    return triggers
-
-
-def _refill(stage: list[Action], forwards: list[Action], triggers: dict[int, int]) -> list[Action]:
-    out: list[Action] = []
-    issued, slots, kept, backwards = 0, 0, set(), set()
-
-    def issue() -> None:
-        nonlocal issued, slots
-        action = forwards[issued]
-        out.append(action)
-        if action.kind == FORWARD:
-            kept.add(action.chunk)
-        issued, slots = issued + 1, slots - 1
-
-    def ready() -> bool:
-        action = forwards[issued]
-        return action.kind != FORWARD or triggers.get(action.chunk, -1) in backwards | {-1}
-
-    for action in stage:
-        if action.kind != BACKWARD:
-            slots += 1
-        else:
-            while action.chunk not in kept and issued < len(forwards):
-                issue()
-            out.append(action)
-            backwards.add(action.chunk)
-        while slots > 0 and issued < len(forwards) and ready():
-            issue()
-    while issued < len(forwards):
-        issue()
-    return out
 
 
 def _items(chunks: list[Chunk], k: int | None):
@@ -225,26 +171,88 @@ def _items(chunks: list[Chunk], k: int | None):
         group = last_of.get(c, [])
         for j in range(len(group) - 1, -1, -1):
             # A slice's re-forward follows the backward that frees the K-th kept activation
-            # after it (for K = 1: right before its own backward), so its trip down the
-            # pipeline overlaps the backwards in between.
+            # after it (for K = 1: right before its own backward); 1F1B makes it a forward item
+            # of its own there (`_first_in_first_out`).
             refwd = [Action(FORWARD, group[j - k])] if k is not None and j >= k and group[j - k] in nograd else []
             units.append([Action(BACKWARD, group[j])] + refwd)
             ready.append(c + 1)
     return forwards, units, ready
 
 
-def _one_f_one_b(forwards, units, ready, *, warmup: int) -> list[Action]:
+def _first_in_first_out(forwards: list[Action], units: list[list[Action]], chunks: list[Chunk], *,
+                        warmup: int) -> tuple[list[Action], list[list[Action]], list[int], list[int]]:
+    """Forward items and backward units in the order the first stage's 1F1B runs them, a
+    re-forward becoming a forward item of its own (chunkflow §4.3: Algorithm 2's order under 1F1B).
+
+    Replays the first stage: `warmup` + 1 kept forwards ahead (an `N` on top, `_one_f_one_b`),
+    then one backward per kept forward. Each
+    backward is of the chunk whose kept activations have waited longest among those allowed to
+    run (its sequence's later slices backed off), first in, first out as 1F1B backs off
+    micro-batches. A re-forward (chunkflow Algorithm 2: slice j again once slice j + K's
+    backward frees its memory) is the next forward item after that backward, and its own
+    backward waits its turn behind the chunks forwarded before it. So on figure 6(a)'s chunks,
+    in Algorithm 1's order (the split sequence first), the re-forward's trip up the pipeline
+    overlaps the packed chunks' backwards: makespan 50 units, the split sequence's own chain of
+    dependencies, against 58 when the slice's backward followed its re-forward at once (the
+    first stage idled while it climbed). Without re-forwards the order is `_items`'.
+
+    Returns (forward items, backward units, per unit the forward items that must precede it,
+    per forward item the unit it must follow: -1, or for a re-forward the backward freeing its
+    memory)."""
+    bwd_after = dependencies(chunks).bwd_after
+    waits = [len(later) for later in bwd_after]
+    unblocks: list[list[int]] = [[] for _ in chunks]
+    for c, later in enumerate(bwd_after):
+        for n in later:
+            unblocks[n].append(c)
+    reforward = {unit[0].chunk: unit[1:] for unit in units}
+    pending, issued, ran, heap = deque((a, -1) for a in forwards), [], {}, []
+    order: list[list[Action]] = []
+    ready: list[int] = []
+
+    def issue() -> None:
+        action, _ = item = pending.popleft()
+        issued.append(item)
+        if action.kind == FORWARD:
+            ran[action.chunk] = len(issued)
+            if waits[action.chunk] == 0:
+                heapq.heappush(heap, (ran[action.chunk], action.chunk))
+
+    for i in range(len(units)):
+        while pending and (len(ran) < warmup + i + 1 or not heap):
+            issue()
+        *_, c = heapq.heappop(heap)
+        order.append([Action(BACKWARD, c)])
+        ready.append(ran[c])
+        for p in unblocks[c]:
+            waits[p] -= 1
+            if waits[p] == 0 and p in ran:
+                heapq.heappush(heap, (ran[p], p))
+        pending.extendleft((a, i) for a in reversed(reforward[c]))
+    items = issued + list(pending)
+    return [a for a, _ in items], order, ready, [t for _, t in items]
+
+
+def _one_f_one_b(forwards, units, ready, after, *, warmup: int) -> list[Action]:
     """1F1B on one stage: warm-up forwards, then one forward per backward unit, then cool-down.
 
-    Backward unit i comes after forward item max(warmup + i + 1, ready[i]): a group's last slice
-    must have run forward before the group's backwards start."""
+    Backward unit i comes after the (warmup + i + 1)-th forward that keeps its activations, and
+    after forward item ready[i] (a group's last slice must have run forward before the group's
+    backwards start). An `N` keeps none, so it runs on top of the count: 1F1B's bound is on
+    chunks held (pp - stage), and counting an `N` against it would leave a late stage one
+    chunk short of work while a re-forward climbs the pipeline (chunkflow figure 6(a)).
+    Forward item p never runs before backward unit after[p] (a re-forward waits for the
+    backward that frees its memory)."""
+    kept_at = [p + 1 for p, a in enumerate(forwards) if a.kind == FORWARD]
     out: list[Action] = []
     issued = 0
     for i, unit in enumerate(units):
         # warm-up (i == 0: `warmup` forwards, then the first steady forward), steady 1F1B
-        need = min(len(forwards), max(warmup + i + 1, ready[i]))
-        out += forwards[issued:need]
-        issued = need
+        j = warmup + i
+        need = max(kept_at[j] if j < len(kept_at) else len(forwards), ready[i])
+        while issued < need and after[issued] < i:
+            out.append(forwards[issued])
+            issued += 1
         out += unit
     out += forwards[issued:]  # cool-down has no forwards left; kept for an empty unit list
     return out
@@ -254,8 +262,8 @@ def held_chunks(stage: list[Action]) -> int:
     """The most chunks whose activations one stage's action list holds at once: a chunk's from
     its `F` to its `B` (an `N` keeps only K/V state). What a memory model must multiply a
     chunk's activations by: 1F1B's warm-up bounds it by pp - stage for independent chunks, but
-    state-aware 1F1B can hold more on late stages (forwards that fill the first stage's warm-up
-    come in its order, ahead of a group's re-forwards: `align_forward_order`)."""
+    state-aware 1F1B can hold more where a group's later slices must all run forward before its
+    first backward (K above pp - stage)."""
     held = most = 0
     for a in stage:
         if a.kind == FORWARD:

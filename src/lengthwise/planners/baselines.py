@@ -38,8 +38,9 @@ are formed and spread over data-parallel ranks:
   sampler), 1F1B over the stages. Many small rows: little memory and short bubbles, but short
   sequences pay the CP exchange and small-GEMM efficiency. As Skrull's DeepSpeed ran it
   (skrull.txt line 92, ZeRO-2): `grad_reduce` micro-batch, a gradient reduce-scatter over
-  dp x cp after every micro-batch's backward, charged serially (DeepSpeed's overlap_comm is
-  off by default); the default, `step`, reduces once as the other baselines do.
+  dp x cp after every micro-batch's backward, in bf16 and charged serially (DeepSpeed's
+  defaults for a bf16 run under ZeRO-2, `micro_batch_reduction_s`); the default, `step`,
+  reduces once as the other baselines do.
 - `token-balanced`: verl-style balancing: Karmarkar-Karp splits the sequences over DP ranks by
   token count, then each rank packs its share best-fit-decreasing. Equal tokens per rank, but
   not equal attention FLOPs.
@@ -69,6 +70,7 @@ import time
 from dataclasses import replace
 
 from lengthwise.errors import UserError
+from lengthwise.cost import memory as mem
 from lengthwise.cost.model import split_layers
 from lengthwise.plan.ir import Chunk, StepPlan
 from lengthwise.planners.base import (
@@ -83,6 +85,7 @@ PAPER_BASELINES: dict[str, tuple[str, dict]] = {
     # chunkflow.txt §6.1 (line 214): Megatron-LM at a micro-batch size of 1, one unpacked sequence each
     "chunkflow": ("megatron", {"micro_batch_size": 1}),
     # skrull.txt §5 (line 92): DeepSpeed with ZeRO-2, reduce-scattering gradients after every micro-batch
+    # (in bf16, serially: DeepSpeed's defaults, `micro_batch_reduction_s`)
     "skrull": ("static-cp", {"grad_reduce": "micro-batch"}),
     # slimpack.txt §6.1 (line 181): Megatron-LM with best-fit packing and partial recomputation as needed
     # (per batch here); its activation offload is not modelled
@@ -274,11 +277,20 @@ def plan_static_cp(request: PlanRequest) -> StepPlan:
 
 
 def micro_batch_reduction_s(request: PlanRequest) -> float:
-    """Seconds of one gradient reduction over dp x cp, the slowest stage's (`grad_sync_time`,
-    what the simulator charges once a step). DeepSpeed's ZeRO-2 reduce-scatters the gradients
-    during every micro-batch's backward; without `overlap_comm` (off by default) the micro-batch
-    waits for it, so each micro-batch but the last adds one reduction, charged after the
-    pipeline's last backward (PipelinePlan.extra_comm_s)."""
+    """Seconds of one micro-batch's gradient reduction over dp x cp, the slowest stage's.
+
+    Skrull's baseline is DeepSpeed with ZeRO-2 (skrull.txt line 92; the text says no more about
+    it). ZeRO-2 reduce-scatters the gradients during every micro-batch's backward, in buckets,
+    in DeepSpeed's communication dtype, which for a bf16 run (Qwen2.5 on H100s; the paper
+    names no precision) is bf16 unless `communication_data_type` is set: 2 bytes a gradient,
+    half the fp32 the step's reduction is charged (`grad_sync_time`). DeepSpeed's
+    `overlap_comm` defaults to off below ZeRO-3, so each bucket's reduction runs on the compute
+    stream and the micro-batch waits for it: serial. (Turned on, it could hide at most the
+    micro-batch's own backward: in the compare suite's Skrull scenarios about 6% of a 7B
+    micro-batch's reduction on LMSys, 20-30% on LMSys at 0.5B and ChatQA2 at 7B, and about all
+    of it on ChatQA2 at 0.5B.) Each micro-batch but the last adds one such
+    reduction, charged after the pipeline's last backward (PipelinePlan.extra_comm_s); the
+    last is the step's reduction the simulator charges every plan."""
     s = request.scheme
     ranks = s.dp * s.cp
     if ranks <= 1:
@@ -286,7 +298,7 @@ def micro_batch_reduction_s(request: PlanRequest) -> float:
     inter = s.num_gpus > request.cluster.gpus_per_node
     layers = split_layers(request.model.num_layers, s.pp)
     return max(request.cost.grad_sync_time(layers=n, tp=s.tp, dp=ranks, zero=s.zero, inter_node=inter,
-                                           first=i == 0, last=i == len(layers) - 1)
+                                           first=i == 0, last=i == len(layers) - 1, bytes_per_grad=mem.BYTES_BF16)
                for i, n in enumerate(layers))
 
 

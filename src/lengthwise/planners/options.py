@@ -140,8 +140,8 @@ class StaticCPOptions(BaselineOptions):
     planner: ClassVar[str] = "static-cp"
     grad_reduce: str = option(
         "step", "when gradients are reduced over dp x cp: step (once, after the last backward) or micro-batch "
-        "(after every micro-batch's backward, as DeepSpeed ZeRO-2 does under gradient accumulation: Skrull's "
-        "baseline, skrull.txt line 92)", metavar="step|micro-batch", check=one_of("step", "micro-batch"))
+        "(after every micro-batch's backward, in bf16 and serially, as DeepSpeed ZeRO-2 does by default under "
+        "gradient accumulation: Skrull's baseline, skrull.txt line 92)", metavar="step|micro-batch", check=one_of("step", "micro-batch"))
 
 
 @dataclass(kw_only=True, frozen=True)

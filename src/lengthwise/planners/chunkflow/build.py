@@ -208,9 +208,7 @@ def inflight_chunks(request: PlanRequest, chunk_size: int, k: int) -> list[int]:
     """Per stage, the most chunks whose activations any pipeline's schedule holds at once, for
     the chunks and state-aware 1F1B schedules this planner builds from the batch at
     (chunk_size, k) (`held_chunks`). Read off the schedule rather than assumed, so the memory
-    model cannot drift from it: 1F1B's max(K, pp - stage) undercounts late stages, where the
-    first stage's forward order brings standalone chunks in ahead of a group's re-forwards
-    (Qwen2.5-7B, pp 4, 128K context: three 8K chunks held on the last stage, not one)."""
+    model cannot drift from it (with the groups first, as here, at most max(K, pp - stage))."""
     return pipelines_inflight(build_pipelines(request, chunk_size, k)[1], request.scheme.pp)
 
 
