@@ -12,7 +12,7 @@ import pytest
 
 from lengthwise.cli import main
 from lengthwise.cost import CostModel, Profile, SchemeFit
-from lengthwise.cost.estimate import complete_profile, estimate_step_terms
+from lengthwise.cost.estimate import SLICE_BANDWIDTH_SHARE, complete_profile, estimate_step_terms
 from lengthwise.cost.fit import Timing, fit_floor_time, head_token_counts, measure_profile, profile_chunks
 from lengthwise.cost.flops import chunk_work
 from lengthwise.cost.time import StepTerms, layer_seconds
@@ -97,11 +97,22 @@ def test_old_profile_loads_and_completion_names_every_estimate():
     spec = model_preset("qwen2.5-0.5b")
     done = complete_profile(old, spec)
     fit = done.schemes["tp1-cp1"]
-    assert fit.has_floor and fit.bwd_segment_tokens == pytest.approx(8 * spec.kv_dim * 2 / 4.8e12)
+    assert fit.has_floor and fit.bwd_segment_tokens == pytest.approx(8 * spec.kv_dim * 2 / (4.8e12 * SLICE_BANDWIDTH_SHARE))
     assert set(done.step.estimated) == {"embed_fwd", "embed_bwd", "optimizer_s", "grad_norm_s", "chunk_overhead_s"}
     assert done.step.optimizer_s == pytest.approx(7 * 2 * spec.num_params / 4.8e12)
     assert "layers" in done.meta["completed"] and done.meta["held_out_error_refit"]["fwd"]["count"] > 0
     assert complete_profile(done, spec) is done   # nothing left to complete
+
+
+def test_profile_of_code_that_reads_the_row_keys_whole_gets_no_slicing_term():
+    """Since the flash backends read a row's keys as they are (the measurer's meta names
+    `compiled` from then on), no segment's keys are sliced and joined: the term stays 0; the
+    reference backend still joins them."""
+    old = _old_profile()
+    for backend, expected in (("varlen", 0.0), ("reference", 1.0)):
+        new = Profile.from_dict({**old.to_dict(), "meta": {**old.meta, "compiled": True, "backend": backend}})
+        seg = complete_profile(new, model_preset("qwen2.5-0.5b")).schemes["tp1-cp1"].bwd_segment_tokens
+        assert (seg > 0.0) == bool(expected), backend
 
 
 def test_unknown_device_estimates_nothing_and_says_so():

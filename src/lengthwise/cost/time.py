@@ -22,10 +22,12 @@ and device run concurrently; the profile's samples fit an exponent of a smooth m
 upper bound, i.e. the plain max). A profile without floors (written before they existed) has
 f = g = 0: the straight line, as before.
 
-The backward also hands each segment's key slice a gradient of the whole row's K and V
-(runtime/layout.pack_keys: a slice's backward zero-fills a row-sized tensor, which autograd then
-adds into the sum), device work that grows with segments x tokens: `bwd_segment_tokens`, e, in
-the device's line (+ e * segments * tokens).
+Where the measured code joined each layer's keys segment by segment (runtime/layout.pack_keys:
+the reference backend, and every backend before the flash ones read the row's keys whole), the
+backward also hands each segment's key slice a gradient of the whole row's K and V (a slice's
+backward zero-fills a row-sized tensor, which autograd then adds into the sum), device work that
+grows with segments x tokens: `bwd_segment_tokens`, e, in the device's line (+ e * segments *
+tokens).
 
 What else a step costs (`StepTerms`, measured by `lengthwise profile`, or estimated for older
 profiles, `estimated` naming which):
@@ -42,24 +44,27 @@ Within a stage the host runs ahead of the device (no host syncs in a step), so t
 takes a stage's layer time as the longer of its host floors' sum and its device lines' sum
 (sim/terms.host_overlap).
 
-Estimates (cost/estimate.complete_profile), physical, never fitted to step times: the layer
-terms are refitted from the profile's own raw samples (meta.samples); e is 2 (K, V) x 4 passes
-x kv_dim x dtype bytes over the device's memory bandwidth (DEVICE_BANDWIDTH, e.g. H200
-4.8 TB/s); the optimizer step is the bytes fused AdamW moves (7 tensors of the profile's dtype
-per parameter: reads weight, gradient and two moments, writes weight and moments) over the
-bandwidth; the gradient norm reads each gradient once; the embedding moves its rows (forward:
-read and write tokens x hidden; backward: the same plus zeroing the table's gradient); the
-per-chunk host overhead is 0 (not measured).
+Estimates (cost/estimate.complete_profile), physical, never fitted to step times but for one
+share: the layer terms are refitted from the profile's own raw samples (meta.samples); e is
+2 (K, V) x 4 passes x kv_dim x dtype bytes at SLICE_BANDWIDTH_SHARE (0.35, calibrated on six
+measured 0.5B steps, its docstring says why) of the device's memory bandwidth (DEVICE_BANDWIDTH,
+e.g. H200 4.8 TB/s); the optimizer step is the bytes fused AdamW moves (7 tensors of the
+profile's dtype per parameter: reads weight, gradient and two moments, writes weight and
+moments) over the bandwidth; the gradient norm reads each gradient once; the embedding moves
+its rows (forward: read and write tokens x hidden; backward: the same plus zeroing the table's
+gradient); the per-chunk host overhead is 0 (not measured).
 
 Measured on one NVIDIA H200 (the 2026-11-27 profiles and steps, copies in benchmarks/results/
 h200-2026-11-27/; `python benchmarks/time_model_h200.py`, tests/test_time_model_h200.py):
 held-out error of the per-layer fit, mean over the 8 held-out samples, Qwen2.5-0.5B forward
-11.4% / backward 8.5%, Qwen2.5-1.5B 4.3% / 2.5% (the straight line: 15.3/17.5% and 7.6/17.6%);
-the 0.5B profile's small chunks scatter 1.3-2.3 ms at equal work, which no smooth form follows.
+11.4% / backward 8.0%, Qwen2.5-1.5B 4.3% / 3.0% (the straight line: 15.3/17.5% and 7.6/17.6%);
+the 0.5B misses are its held-out chunks under the host floor (14.7/10.4%; on the device's line
+1.7/0.7%): its small chunks scatter 1.3-2.3 ms at equal work, which no smooth form follows.
 Whole measured steps (10: 0.5B packing and chunkflow, 1.5B ChunkSize 8192, sim_fidelity's two
-batches): MAPE 7.5% (the straight line without step terms: 27.7%), 9 within 10%; every 0.5B
-step is under by 8-11% (its one chunk holds 24-30K tokens of 64 documents, beyond the profile's
-largest samples of 16K tokens and 16 documents), the 1.5B steps by 0.2-1.9%.
+batches): MAPE 0.8%, all 10 within 3%; the 4 not used to calibrate the slicing share within
+2.7% (MAPE 1.4%). With the slicing at the nominal bandwidth every 0.5B step was 8-11% under
+(MAPE 7.5%; its one chunk of 64 documents slices 64 key rows of 24-30K tokens per layer), and
+the straight line without step terms 27.7%.
 """
 
 from __future__ import annotations
