@@ -34,6 +34,7 @@ from scipy.optimize import minimize_scalar
 from lengthwise.cost import CostModel, Profile
 from lengthwise.cost.estimate import (SLICE_BANDWIDTH_SHARE, complete_profile, profile_samples,
                                       segment_token_seconds)
+from lengthwise.cost.efficiency import H200_PEAK_TFLOPS, describe_fit, fit_throughput, rounded
 from lengthwise.cost.fit import fit_floor_time, fit_head, held_out_error, predict
 from lengthwise.files import json_text, write_atomic
 from lengthwise.planners import PlanRequest, get_planner
@@ -192,6 +193,13 @@ def straight_line_step(row: dict, plan) -> float:
     return simulate_plan(plan, raw).step_time_s
 
 
+def builtin_curve():
+    """cost/efficiency.fit_throughput on the two completed H200 profiles: Throughput's defaults
+    are its coefficients rounded (cost/efficiency.rounded)."""
+    return fit_throughput([(_models(n)[0], _models(n)[3].profile) for n in ("qwen2.5-0.5b", "qwen2.5-1.5b")],
+                          peak_tflops=H200_PEAK_TFLOPS, measured_on="NVIDIA H200")
+
+
 def main(argv: list[str] | None = None) -> int:
     out = Path(__file__).resolve().parent / "results" / "time_model_h200.json"
     rows = []
@@ -225,13 +233,19 @@ def main(argv: list[str] | None = None) -> int:
                    "slice_share_used": SLICE_BANDWIDTH_SHARE,
                    "checked_rows_mape": statistics.fmean(abs(r["error"]) for r in checked),
                    "checked_rows_max_error": max(abs(r["error"]) for r in checked)}
+    curve = builtin_curve()
+    builtin = {"fitted": {k: getattr(curve.throughput, k) for k in ("linear_mfu", "half_tokens", "attention_mfu",
+                                                                     "layer_overhead_s")},
+               "rounded": rounded(curve.throughput), "chunk_passes": curve.chunks, "error": curve.error,
+               "peak_tflops": H200_PEAK_TFLOPS, "measured_on": "NVIDIA H200"}
     results = {"format": "lengthwise.time_model_h200/1", "device": "NVIDIA H200 (measured 2026-11-27)",
                "predicted": "simulated (cost/time.py time model)", "rows": rows, "step_time_mape": mape,
-               "rows_within_10_percent": within, "rows_total": len(rows), "slice_calibration": calibration, "fits": fits,
+               "rows_within_10_percent": within, "rows_total": len(rows), "slice_calibration": calibration, "builtin_curve": builtin, "fits": fits,
                "command": "python benchmarks/time_model_h200.py"}
     write_atomic(out, json_text(results))
     print(f"key slicing at {share:.3f} of nominal bandwidth fits the {len(calibration['rows'])} calibration steps "
           f"(used: {SLICE_BANDWIDTH_SHARE}); the {len(checked)} others: MAPE {calibration['checked_rows_mape']:.1%}")
+    print(f"built-in efficiency curve (cost/time.Throughput): {describe_fit(curve)}")
     print(f"step time MAPE {mape:.1%}, {within} of {len(rows)} steps within {TARGET:.0%}; wrote {out}")
     return 0
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from lengthwise.cost import Profile
+from lengthwise.cost import Profile, Throughput
+from lengthwise.cost.efficiency import rounded
 from lengthwise.cost.estimate import SLICE_BANDWIDTH_SHARE, complete_profile
 from lengthwise.specs import model_preset
 
@@ -73,6 +74,13 @@ def test_h200_step_within_target(row, predictions):
 def test_slice_share_is_the_calibration_on_the_0_5b_steps_rounded():
     """cost/estimate.SLICE_BANDWIDTH_SHARE is what the 6 calibration steps give, to 0.05."""
     assert round(bench.slice_share_from_steps() / 0.05) * 0.05 == pytest.approx(SLICE_BANDWIDTH_SHARE)
+
+
+def test_builtin_curve_is_the_fit_to_the_h200_profiles_rounded():
+    """cost/time.Throughput's defaults are cost/efficiency.fit_throughput on the committed
+    H200 profiles to two figures (issue 29: the built-in curve fitted to those measurements)."""
+    assert rounded(bench.builtin_curve().throughput) == rounded(Throughput())
+    assert Throughput().measured_on == "NVIDIA H200"
 
 
 def test_model_beats_the_straight_line_on_every_h200_step(predictions):

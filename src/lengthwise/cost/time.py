@@ -80,16 +80,28 @@ from lengthwise.files import read_json
 
 @dataclass(kw_only=True)
 class Throughput:
-    """The analytic throughput curve."""
+    """The analytic throughput curve. The defaults are fitted to the layer times of the
+    2026-11-27 H200 profiles (cost/efficiency.py: what was fitted, on which chunks, and what it
+    does not cover), rounded to two figures; `python benchmarks/time_model_h200.py` fits them
+    again and tests/test_time_model_h200.py checks they agree."""
 
-    linear_mfu: float = 0.6
-    """Fraction of peak reached by large GEMMs."""
-    half_tokens: float = 256.0
-    """Tokens per GPU (at tp = 1) at which GEMMs reach half of linear_mfu."""
-    attention_mfu: float = 0.45
+    linear_mfu: float = 0.49
+    """Fraction of peak reached by the layers' GEMMs."""
+    half_tokens: float = 0.0
+    """Tokens per GPU (at tp = 1) at which GEMMs reach half of linear_mfu (0: no size
+    dependence beyond layer_overhead_s's, which is what the H200 profiles showed)."""
+    attention_mfu: float = 0.31
     """Fraction of peak reached by flash-style attention."""
-    layer_overhead_s: float = 40e-6
-    """Fixed time per layer per pass (kernel launches), seconds."""
+    layer_overhead_s: float = 1.2e-3
+    """Fixed time per layer per pass, seconds."""
+    measured_on: str = "NVIDIA H200"
+    """The hardware the coefficients were measured on, for reports."""
+    source: str = ("built-in curve fitted to the Qwen2.5-0.5B and 1.5B profiles of 2026-11-27 "
+                   "(cost/efficiency.py)")
+    """Where the coefficients come from, for reports."""
+
+    def describe(self) -> str:
+        return f"{self.source}, measured on {self.measured_on}"
 
     def linear_efficiency(self, tokens_per_gpu: float, tp: int) -> float:
         x = max(tokens_per_gpu, 1.0)
