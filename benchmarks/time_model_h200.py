@@ -34,7 +34,7 @@ from scipy.optimize import minimize_scalar
 from lengthwise.cost import CostModel, Profile
 from lengthwise.cost.estimate import (SLICE_BANDWIDTH_SHARE, complete_profile, profile_samples,
                                       segment_token_seconds)
-from lengthwise.cost.efficiency import H200_PEAK_TFLOPS, describe_fit, fit_throughput, rounded
+from lengthwise.cost.efficiency import COEFFICIENTS, H200_PEAK_TFLOPS, describe_fit, fit_throughput, rounded
 from lengthwise.cost.fit import fit_floor_time, fit_head, held_out_error, predict
 from lengthwise.files import json_text, write_atomic
 from lengthwise.planners import PlanRequest, get_planner
@@ -193,11 +193,16 @@ def straight_line_step(row: dict, plan) -> float:
     return simulate_plan(plan, raw).step_time_s
 
 
-def builtin_curve():
+def builtin_curve(hold: dict[str, float] | None = None):
     """cost/efficiency.fit_throughput on the two completed H200 profiles: Throughput's defaults
-    are its coefficients rounded (cost/efficiency.rounded)."""
+    are its coefficients rounded (cost/efficiency.rounded). `hold`: coefficients kept fixed."""
     return fit_throughput([(_models(n)[0], _models(n)[3].profile) for n in ("qwen2.5-0.5b", "qwen2.5-1.5b")],
-                          peak_tflops=H200_PEAK_TFLOPS, measured_on="NVIDIA H200")
+                          peak_tflops=H200_PEAK_TFLOPS, measured_on="NVIDIA H200", hold=hold)
+
+
+def _curve_json(curve) -> dict:
+    return {"fitted": {k: getattr(curve.throughput, k) for k in COEFFICIENTS}, "rounded": rounded(curve.throughput),
+            "chunk_passes": curve.chunks, "error": curve.error}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,10 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                    "checked_rows_mape": statistics.fmean(abs(r["error"]) for r in checked),
                    "checked_rows_max_error": max(abs(r["error"]) for r in checked)}
     curve = builtin_curve()
-    builtin = {"fitted": {k: getattr(curve.throughput, k) for k in ("linear_mfu", "half_tokens", "attention_mfu",
-                                                                     "layer_overhead_s")},
-               "rounded": rounded(curve.throughput), "chunk_passes": curve.chunks, "error": curve.error,
-               "peak_tflops": H200_PEAK_TFLOPS, "measured_on": "NVIDIA H200"}
+    builtin = {**_curve_json(curve), "peak_tflops": H200_PEAK_TFLOPS, "measured_on": "NVIDIA H200",
+               "overhead_held_at_40us": _curve_json(builtin_curve({"layer_overhead_s": 40e-6}))}
     results = {"format": "lengthwise.time_model_h200/1", "device": "NVIDIA H200 (measured 2026-11-27)",
                "predicted": "simulated (cost/time.py time model)", "rows": rows, "step_time_mape": mape,
                "rows_within_10_percent": within, "rows_total": len(rows), "slice_calibration": calibration, "builtin_curve": builtin, "fits": fits,

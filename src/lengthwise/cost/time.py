@@ -3,10 +3,13 @@
 Analytic (hydraulis.txt appendix C, infinipipe.txt appendix B): small GEMMs under-use the GPU, so
 the achieved fraction of peak rises with the tokens each GPU multiplies at once and falls with
 the TP degree, which shrinks every GEMM: eff(x) = linear_mfu * x / (x + half_tokens * tp), with x
-the chunk's tokens per GPU. Attention runs at `attention_mfu` of peak. Each layer adds a fixed
-kernel-launch overhead. Defaults are round numbers typical of bf16 training on Hopper-class GPUs
-(about 60% of peak for large GEMMs, half of that at 256 tokens); `lengthwise profile` measures
-real ones.
+the chunk's tokens per GPU. Attention runs at `attention_mfu` of peak. Each layer pass adds a
+fixed `layer_overhead_s`, so a small chunk's achieved share of peak is that cost amortised over
+less work. The defaults (`Throughput`) are fitted to the layer times of the 2026-11-27 H200
+profiles of Qwen2.5-0.5B and 1.5B (cost/efficiency.py says on which chunks, and what they do not
+cover: wider models, the hot-path code, other GPUs); with a profile given, the schemes it holds
+use its measured times instead. Reports name which (`CostModel.time_source`) and the hardware
+it was measured on.
 
 Profiled (hydraulis.txt B.2): T(l) = a*l^2 + b*l + c per parallel scheme. For a packed chunk we
 use its attention pairs in place of l^2/2 (the quadratic term is attention, which does not cross
