@@ -154,7 +154,8 @@ def fit_report(name: str) -> dict:
     spec, _, raw, done = _models(name)
     fit, samples = done.profile.schemes["tp1-cp1"], profile_samples(done.profile)
     test, out = [s for s in samples if s.held_out], {}
-    for key, coef in (("fwd", (fit.fwd, fit.fwd_floor, 0.0)), ("bwd", (fit.bwd, fit.bwd_floor, fit.bwd_segment_tokens))):
+    for key, coef in (("fwd", (fit.fwd, fit.fwd_floor, 0.0)),
+                      ("bwd", (fit.bwd, fit.bwd_floor, fit.bwd_segment_tokens))):
         floor = coef[1]
         host = [s for s in test if predict(coef, s.keys, s.tokens, s.segments) == floor[0] + floor[1] * s.segments]
         out[key] = {part: vars(held_out_error(coef, chunks, f"{key}_s")) for part, chunks in
@@ -222,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                      "terms_s": got["terms"]})
         print(f"{row['id']:<26} measured {row['measured']:.4f} s  predicted {got['predicted']:.4f} s "
               f"({rows[-1]['error']:+.1%}; slicing at nominal bandwidth "
-              f"{rows[-1]['slicing_at_nominal_bandwidth_error']:+.1%}; straight line {rows[-1]['straight_line_error']:+.1%})")
+              f"{rows[-1]['slicing_at_nominal_bandwidth_error']:+.1%}; "
+              f"straight line {rows[-1]['straight_line_error']:+.1%})")
     fits = {}
     for name in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
         done = complete_profile(Profile.load(DATA / f"profile-{name}.json"), model_preset(name))
@@ -243,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                "overhead_held_at_40us": _curve_json(builtin_curve({"layer_overhead_s": 40e-6}))}
     results = {"format": "lengthwise.time_model_h200/1", "device": "NVIDIA H200 (measured 2026-11-27)",
                "predicted": "simulated (cost/time.py time model)", "rows": rows, "step_time_mape": mape,
-               "rows_within_10_percent": within, "rows_total": len(rows), "slice_calibration": calibration, "builtin_curve": builtin, "fits": fits,
+               "rows_within_10_percent": within, "rows_total": len(rows), "slice_calibration": calibration,
+               "builtin_curve": builtin, "fits": fits,
                "command": "python benchmarks/time_model_h200.py"}
     write_atomic(out, json_text(results))
     print(f"key slicing at {share:.3f} of nominal bandwidth fits the {len(calibration['rows'])} calibration steps "

@@ -89,10 +89,11 @@ SLICE_BANDWIDTH_SHARE = 0.35
 per layer, six small kernels (for K and V: a row-sized zero fill, a copy into it, an add into
 the sum; a few MB each for the chunks here), which launch latency and ramp-up keep far below
 the nominal rate that large copies approach. The profiles cannot measure it: their rows hold 1,
-4 and 16 segments, where slicing is a few percent of a layer, and their fit's cost is flat
-from 1 to 5 times the nominal-bandwidth cost. Calibrated instead on the one measurement that
-shows it, the 2026-11-27 H200 fine-tune steps of Qwen2.5-0.5B (one chunk of 64 documents,
-24-30K tokens, where the slicing is a tenth of the step): the share whose simulated steps
+4 and 16 segments, where slicing is under a tenth of a layer, and their fit's cost is flat
+from 1 to 5 times the nominal-bandwidth cost (benchmarks/results/time_model_h200.json,
+`bwd_training_rms_by_slice_share`). Calibrated instead on the one measurement that shows it,
+the 2026-11-27 H200 fine-tune steps of Qwen2.5-0.5B (one chunk of 64 documents, 24-30K tokens,
+where the slicing is 14% of the step at this share): the share whose simulated steps
 best match those 6 measured steps (relative least squares, everything else in the model
 fixed), rounded to 0.05; `python benchmarks/time_model_h200.py` derives it again
 (`slice_share_from_steps`, checked by tests/test_time_model_h200.py) and checks it on the 4
