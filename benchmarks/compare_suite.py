@@ -9,7 +9,9 @@ Each scenario samples global batches from a published length profile (or, for st
 real corpus's token counts), plans them with every planner (each at its best scheme from
 `lengthwise compare`'s search over the selection set, the same scheme list for all, unless the
 scenario fixes the paper's scheme: one scheme holds every planner, hydraulis included), and
-simulates the plans with the analytic cost model of the cluster preset. Each paper's rows run
+simulates the plans with the analytic cost model of the cluster preset, whose efficiency curve
+is the built-in one fitted to the H200 profiles (cost/efficiency.py; each result's `time_model`
+and the tables' first line say so, with the hardware it was measured on). Each paper's rows run
 that paper's baseline as the paper ran it (PAPER_BASELINE_OPTIONS); the -searched rows run the
 baselines at their defaults. Each cell is a planner's mean speedup over `megatron` and over the
 best baseline, with a 95% interval of the per-batch speedups (t-interval over batches). All
@@ -37,7 +39,8 @@ from pathlib import Path
 
 from lengthwise.files import write_atomic
 from lengthwise.planners.baselines import PAPER_BASELINES
-from lengthwise.report import BASELINES, SELECTION_SIZE, CompareSetup, all_planners, run_compare, summarise
+from lengthwise.report import (BASELINES, SELECTION_SIZE, CompareSetup, all_planners, run_compare, summarise,
+                               time_model)
 from lengthwise.specs import ParallelScheme, cluster_preset, model_preset
 from lengthwise.workloads.source import lengths_file_source, profile_source
 from lengthwise.workloads.sampler import GlobalBatchSampler
@@ -310,7 +313,7 @@ def run_scenario(spec, batches: int, seed: int) -> dict:
         summary["planners"][planner]["intervals"] = speedup_intervals(rows, row, paper_baseline(paper))
     return {"scenario": name, "paper": paper, "profile": profile, "model": model, "cluster": cluster, "gpus": gpus,
             "context_length": context, "batch": size, "fixed_scheme": scheme_text(scheme),
-            "seconds": time.perf_counter() - started, **summary}
+            "time_model": time_model(setup), "seconds": time.perf_counter() - started, **summary}
 
 
 def _run_one(job: tuple) -> dict:
@@ -457,7 +460,7 @@ def main(argv=None) -> int:
         saved = json.loads((RESULTS / f"{stem}.json").read_text())
         results = comparisons(saved["results"])
         write_atomic(RESULTS / f"{stem}.json", json.dumps({**saved, "results": results}, indent=1))
-        write_atomic(RESULTS / f"{stem}.md", run_label(saved["meta"], results) + markdown(results))
+        write_atomic(RESULTS / f"{stem}.md", run_label(saved["meta"], results) + time_line(results) + markdown(results))
         print(markdown(results))
         return 0
     chosen = [s for s in SCENARIOS if not args.only or (s[0] in args.only.split(",") if "," in args.only
@@ -468,9 +471,16 @@ def main(argv=None) -> int:
     meta = {"command": "python benchmarks/compare_suite.py " + " ".join(argv or sys.argv[1:]),
             "simulated": True, "batches": args.batches, "python": platform.python_version(), "machine": platform.machine()}
     write_atomic(RESULTS / f"{stem}.json", json.dumps({"meta": meta, "results": results}, indent=1))
-    write_atomic(RESULTS / f"{stem}.md", run_label(meta, results) + markdown(results))
-    print(markdown(results))
+    write_atomic(RESULTS / f"{stem}.md", run_label(meta, results) + time_line(results) + markdown(results))
+    print(time_line(results) + markdown(results))
     return 0
+
+
+def time_line(results: list[dict]) -> str:
+    """Where the scenarios' chunk times came from (each scenario's `time_model`), and on which
+    hardware it was measured; empty for results saved before they said."""
+    texts = sorted({r["time_model"]["text"] for r in results if "time_model" in r})
+    return "".join(f"Chunk times: {t}.\n\n" for t in texts)
 
 
 def run_label(meta: dict, results: list[dict]) -> str:

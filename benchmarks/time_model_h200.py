@@ -12,7 +12,12 @@ profile completed (cost/estimate.py: host floors refitted from its samples, the 
 key-slicing term and the step terms estimated from bandwidth) and compared with the measured
 step, counting only what the measurement ran: bench_gpu_finetune.py times run_step + the
 optimizer step (no gradient norm), sim_fidelity.py run_step alone. Predicted figures are
-simulated; measured ones are the H200's. Each row carries its terms (sim/terms.py).
+simulated; measured ones are the H200's. Each row carries its terms (sim/terms.py), and its
+prediction with the key slicing at the nominal bandwidth (as before it was calibrated).
+
+Also written: the calibration of that slicing's share of the bandwidth on the 6 Qwen2.5-0.5B
+fine-tune steps (`slice_share_from_steps`; cost/estimate.SLICE_BANDWIDTH_SHARE is it rounded),
+and per profile each term's held-out error (`fit_report`).
 """
 
 from __future__ import annotations
@@ -24,8 +29,13 @@ import statistics
 import sys
 from pathlib import Path
 
+from scipy.optimize import minimize_scalar
+
 from lengthwise.cost import CostModel, Profile
-from lengthwise.cost.estimate import complete_profile
+from lengthwise.cost.estimate import (SLICE_BANDWIDTH_SHARE, complete_profile, profile_samples,
+                                      segment_token_seconds)
+from lengthwise.cost.efficiency import COEFFICIENTS, H200_PEAK_TFLOPS, describe_fit, fit_throughput, rounded
+from lengthwise.cost.fit import fit_floor_time, fit_head, held_out_error, predict
 from lengthwise.files import json_text, write_atomic
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.sim import simulate_plan
@@ -56,12 +66,14 @@ def _batches(count: int) -> list[list[int]]:
 
 
 @functools.lru_cache(maxsize=None)
-def _models(name: str):
+def _models(name: str, share: float = SLICE_BANDWIDTH_SHARE):
+    """(spec, cluster, the raw profile's cost model, the completed profile's) with the key
+    slicing at `share` of the nominal bandwidth."""
     spec = model_preset(name)
     cluster = dataclasses.replace(cluster_preset("h100", 1), name="NVIDIA H200", gpu_memory_gb=GPU_MEMORY_GB)
     raw = Profile.load(DATA / f"profile-{name}.json")
     return spec, cluster, CostModel(model=spec, cluster=cluster, profile=raw), \
-        CostModel(model=spec, cluster=cluster, profile=complete_profile(raw, spec))
+        CostModel(model=spec, cluster=cluster, profile=complete_profile(raw, spec, slice_share=share))
 
 
 def _plan(spec, cluster, cost, lengths, planner: str, options: dict, seed: int | None):
@@ -96,16 +108,83 @@ def h200_rows() -> list[dict]:
     return rows
 
 
-def predict_row(row: dict) -> dict:
-    """The reconstructed plan, the simulated step (what the measurement ran) and its terms."""
-    spec, cluster, raw, completed = _models(row["model"])
+@functools.lru_cache(maxsize=None)
+def _row_plan(row_id: str):
+    """(lengths, plan) of a row: its batch drawn again, planned with the raw profile."""
+    row = next(r for r in h200_rows() if r["id"] == row_id)
+    spec, cluster, raw, _ = _models(row["model"])
     lengths = _batches(row["batch"] + 1)[row["batch"]]
-    plan = _plan(spec, cluster, raw, lengths, row["planner"], row["options"], row["seed"])
+    return lengths, _plan(spec, cluster, raw, lengths, row["planner"], row["options"], row["seed"])
+
+
+def predict_row(row: dict, share: float = SLICE_BANDWIDTH_SHARE) -> dict:
+    """The reconstructed plan, the simulated step (what the measurement ran) and its terms."""
+    completed = _models(row["model"], share)[3]
+    lengths, plan = _row_plan(row["id"])
     result = simulate_plan(plan, completed)
     terms = step_time_terms(plan, completed)
     not_run = terms["grad_norm"] + (0.0 if row["optimizer"] else terms["optimizer"])
     return {"plan": plan, "lengths": lengths, "predicted": result.step_time_s - not_run, "terms": terms,
             "step_end": result.step_end_s}
+
+
+CALIBRATION_ROWS = ("0.5b-packing-step", "0.5b-chunkflow-step")
+"""The rows the slicing's bandwidth share is calibrated on (id prefixes): bench_gpu_finetune's
+6 Qwen2.5-0.5B steps. The other 4 (sim_fidelity's, the 1.5B's) check it."""
+
+
+def slice_share_from_steps() -> float:
+    """The share of nominal bandwidth at which the key slicing makes the simulated
+    CALIBRATION_ROWS match their measured steps best (least squares of relative error, in
+    [0.05, 1]); cost/estimate.SLICE_BANDWIDTH_SHARE is this rounded to 0.05."""
+    rows = [r for r in h200_rows() if r["id"].startswith(CALIBRATION_ROWS)]
+
+    def cost(share: float) -> float:
+        return sum((predict_row(r, share)["predicted"] / r["measured"] - 1) ** 2 for r in rows)
+
+    return float(minimize_scalar(cost, bounds=(0.05, 1.0), method="bounded", options={"xatol": 1e-4}).x)
+
+
+def fit_report(name: str) -> dict:
+    """Per term of the completed profile, its error on measurements it was not fitted to:
+    layers on the recorded hold-out (also split by which side of the max predicts each held-out
+    chunk: the host floor or the device's line), the LM head leaving one of its six sizes out;
+    and the training fit's relative RMS of the backward with the slicing at several bandwidth
+    shares (flat: the samples do not measure it)."""
+    spec, _, raw, done = _models(name)
+    fit, samples = done.profile.schemes["tp1-cp1"], profile_samples(done.profile)
+    test, out = [s for s in samples if s.held_out], {}
+    for key, coef in (("fwd", (fit.fwd, fit.fwd_floor, 0.0)),
+                      ("bwd", (fit.bwd, fit.bwd_floor, fit.bwd_segment_tokens))):
+        floor = coef[1]
+        host = [s for s in test if predict(coef, s.keys, s.tokens, s.segments) == floor[0] + floor[1] * s.segments]
+        out[key] = {part: vars(held_out_error(coef, chunks, f"{key}_s")) for part, chunks in
+                    (("held_out", test), ("held_out_on_host_floor", host),
+                     ("held_out_on_device_line", [s for s in test if s not in host]))}
+    for key in ("fwd", "bwd"):
+        out[f"head_{key}"] = {"leave_one_out": _head_leave_one_out(done.profile.meta["head_samples"], f"{key}_s")}
+    out["bwd_training_rms_by_slice_share"] = {share: _training_rms(spec, raw.profile, share)
+                                              for share in (1.0, 0.5, SLICE_BANDWIDTH_SHARE, 0.2)}
+    return out
+
+
+def _head_leave_one_out(heads: list[dict], field: str) -> dict:
+    errs = []
+    for i, h in enumerate(heads):
+        rest = heads[:i] + heads[i + 1:]
+        b, c = fit_head([r["tokens"] for r in rest], [r[field] for r in rest])
+        errs.append(abs(b * h["tokens"] + c - h[field]) / h[field])
+    return {"mean": statistics.fmean(errs), "max": max(errs), "count": len(errs)}
+
+
+def _training_rms(spec, profile, share: float) -> float:
+    """Relative RMS of the backward's refit on the training chunks, the slicing at `share`."""
+    seg = segment_token_seconds(spec, device=profile.device, dtype=profile.meta.get("dtype", "bfloat16"), share=share)
+    train = [s for s in profile_samples(profile) if not s.held_out]
+    work, floor = fit_floor_time([s.keys for s in train], [s.tokens for s in train], [s.segments for s in train],
+                                 [s.bwd_s for s in train], seg)
+    return statistics.fmean((predict((work, floor, seg), s.keys, s.tokens, s.segments) / s.bwd_s - 1) ** 2
+                            for s in train) ** 0.5
 
 
 
@@ -115,34 +194,64 @@ def straight_line_step(row: dict, plan) -> float:
     return simulate_plan(plan, raw).step_time_s
 
 
+def builtin_curve(hold: dict[str, float] | None = None):
+    """cost/efficiency.fit_throughput on the two completed H200 profiles: Throughput's defaults
+    are its coefficients rounded (cost/efficiency.rounded). `hold`: coefficients kept fixed."""
+    return fit_throughput([(_models(n)[0], _models(n)[3].profile) for n in ("qwen2.5-0.5b", "qwen2.5-1.5b")],
+                          peak_tflops=H200_PEAK_TFLOPS, measured_on="NVIDIA H200", hold=hold)
+
+
+def _curve_json(curve) -> dict:
+    return {"fitted": {k: getattr(curve.throughput, k) for k in COEFFICIENTS}, "rounded": rounded(curve.throughput),
+            "chunk_passes": curve.chunks, "error": curve.error}
+
+
 def main(argv: list[str] | None = None) -> int:
     out = Path(__file__).resolve().parent / "results" / "time_model_h200.json"
     rows = []
     for row in h200_rows():
         got = predict_row(row)
-        old = straight_line_step(row, got["plan"])
+        old, nominal = straight_line_step(row, got["plan"]), predict_row(row, 1.0)["predicted"]
         rows.append({"row": row["id"], "model": row["model"], "planner": row["planner"], "batch": row["batch"],
                      "tokens": sum(got["lengths"]), "chunks": len(got["plan"].pipelines[0].chunks),
                      "measured_s": row["measured"], "timed": "run_step + optimizer" if row["optimizer"] else "run_step",
+                     "calibration": row["id"].startswith(CALIBRATION_ROWS),
                      "predicted_s": got["predicted"], "error": got["predicted"] / row["measured"] - 1,
+                     "slicing_at_nominal_bandwidth_s": nominal,
+                     "slicing_at_nominal_bandwidth_error": nominal / row["measured"] - 1,
                      "straight_line_s": old, "straight_line_error": old / row["measured"] - 1,
                      "terms_s": got["terms"]})
         print(f"{row['id']:<26} measured {row['measured']:.4f} s  predicted {got['predicted']:.4f} s "
-              f"({rows[-1]['error']:+.1%}; straight line {rows[-1]['straight_line_error']:+.1%})")
+              f"({rows[-1]['error']:+.1%}; slicing at nominal bandwidth "
+              f"{rows[-1]['slicing_at_nominal_bandwidth_error']:+.1%}; "
+              f"straight line {rows[-1]['straight_line_error']:+.1%})")
     fits = {}
     for name in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
         done = complete_profile(Profile.load(DATA / f"profile-{name}.json"), model_preset(name))
-        fits[name] = {"held_out_error": done.meta["held_out_error_refit"],
+        fits[name] = {"held_out_error": done.meta["held_out_error_refit"], "per_term": fit_report(name),
                       "straight_line_held_out_error": {k: done.meta["held_out_error"][k] for k in ("fwd", "bwd")},
                       "scheme": vars(done.schemes["tp1-cp1"]), "step": done.step.to_dict(),
                       "completed": done.meta["completed"]}
     mape = statistics.fmean(abs(r["error"]) for r in rows)
     within = sum(abs(r["error"]) <= TARGET for r in rows)
+    checked = [r for r in rows if not r["calibration"]]
+    share = slice_share_from_steps()
+    calibration = {"rows": [r["row"] for r in rows if r["calibration"]], "slice_share_fitted": share,
+                   "slice_share_used": SLICE_BANDWIDTH_SHARE,
+                   "checked_rows_mape": statistics.fmean(abs(r["error"]) for r in checked),
+                   "checked_rows_max_error": max(abs(r["error"]) for r in checked)}
+    curve = builtin_curve()
+    builtin = {**_curve_json(curve), "peak_tflops": H200_PEAK_TFLOPS, "measured_on": "NVIDIA H200",
+               "overhead_held_at_40us": _curve_json(builtin_curve({"layer_overhead_s": 40e-6}))}
     results = {"format": "lengthwise.time_model_h200/1", "device": "NVIDIA H200 (measured 2026-11-27)",
                "predicted": "simulated (cost/time.py time model)", "rows": rows, "step_time_mape": mape,
-               "rows_within_10_percent": within, "rows_total": len(rows), "fits": fits,
+               "rows_within_10_percent": within, "rows_total": len(rows), "slice_calibration": calibration,
+               "builtin_curve": builtin, "fits": fits,
                "command": "python benchmarks/time_model_h200.py"}
     write_atomic(out, json_text(results))
+    print(f"key slicing at {share:.3f} of nominal bandwidth fits the {len(calibration['rows'])} calibration steps "
+          f"(used: {SLICE_BANDWIDTH_SHARE}); the {len(checked)} others: MAPE {calibration['checked_rows_mape']:.1%}")
+    print(f"built-in efficiency curve (cost/time.Throughput): {describe_fit(curve)}")
     print(f"step time MAPE {mape:.1%}, {within} of {len(rows)} steps within {TARGET:.0%}; wrote {out}")
     return 0
 

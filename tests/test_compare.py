@@ -152,8 +152,11 @@ def test_compare_cli_writes_report_and_json(tmp_path, capsys):
                 "peak_memory_gib", "fits", "planning_ms_mean", "planning_ms_max", "scheme"):
         assert key in data["planners"]["packing"]
     assert data["setup"]["simulated"] is True
+    source = data["setup"]["time_model"]  # issue 29: which efficiency curve, measured on what
+    assert source["efficiency"] == "built-in curve" and source["measured_on"] == "NVIDIA H200"
     report = (out / "report.md").read_text()
     assert "| packing |" in report and "simulated" in report
+    assert f"Chunk times: {source['text']}" in report
     assert (out / "gantt-packing.png").stat().st_size > 1000 and (out / "speedup.png").exists()
 
 

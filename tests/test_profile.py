@@ -171,6 +171,9 @@ def test_profile_file_changes_compare_step_times(tmp_path, capsys):
                              "--out", str(tmp_path / "report"), "--json", *extra], capsys)
         assert code == 0
         steps.append(json.loads(out)["planners"]["packing"]["step_time_s"])
+        source = json.loads(out)["setup"]["time_model"]  # the report says which times it used
+        assert (source["efficiency"], source["measured_on"]) == (("profile", "fake") if scale else
+                                                                 ("built-in curve", "NVIDIA H200"))
     assert steps[0] != pytest.approx(steps[1], rel=1e-3)
     assert steps[2] == pytest.approx(2 * steps[1], rel=1e-9)  # every fitted term doubled
 

@@ -41,8 +41,9 @@ def test_plan_file_with_pictures(tmp_path, capsys):
     code, out, _ = run_cli(["simulate", str(path), "--gantt", str(gantt), "--memory-plot", str(memory)], capsys)
     assert code == 0 and "bubble ratio" in out and "fits in memory: yes" in out
     assert gantt.read_bytes()[:4] == memory.read_bytes()[:4] == b"\x89PNG"
+    assert "chunk times: built-in curve fitted to" in out and "measured on NVIDIA H200" in out
     code, out, _ = run_cli(["simulate", str(path), "--json"], capsys)
-    assert json.loads(out)["step_time_s"] > 0
+    assert json.loads(out)["step_time_s"] > 0 and "NVIDIA H200" in json.loads(out)["time_source"]
 
 
 def test_mistakes_exit_2_with_one_line(tmp_path, capsys):

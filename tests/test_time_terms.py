@@ -12,10 +12,11 @@ import pytest
 
 from lengthwise.cli import main
 from lengthwise.cost import CostModel, Profile, SchemeFit
-from lengthwise.cost.estimate import complete_profile, estimate_step_terms
+from lengthwise.cost.efficiency import fit_throughput
+from lengthwise.cost.estimate import SLICE_BANDWIDTH_SHARE, complete_profile, estimate_step_terms
 from lengthwise.cost.fit import Timing, fit_floor_time, head_token_counts, measure_profile, profile_chunks
 from lengthwise.cost.flops import chunk_work
-from lengthwise.cost.time import StepTerms, layer_seconds
+from lengthwise.cost.time import StepTerms, Throughput, layer_seconds
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import Chunk
 from lengthwise.files import write_atomic
@@ -97,11 +98,41 @@ def test_old_profile_loads_and_completion_names_every_estimate():
     spec = model_preset("qwen2.5-0.5b")
     done = complete_profile(old, spec)
     fit = done.schemes["tp1-cp1"]
-    assert fit.has_floor and fit.bwd_segment_tokens == pytest.approx(8 * spec.kv_dim * 2 / 4.8e12)
+    bound = 8 * spec.kv_dim * 2 / 4.8e12  # 2 (K, V) x 4 passes x kv_dim x 2 bytes at H200 bandwidth
+    assert fit.has_floor and fit.bwd_segment_tokens == pytest.approx(bound / SLICE_BANDWIDTH_SHARE)
     assert set(done.step.estimated) == {"embed_fwd", "embed_bwd", "optimizer_s", "grad_norm_s", "chunk_overhead_s"}
     assert done.step.optimizer_s == pytest.approx(7 * 2 * spec.num_params / 4.8e12)
     assert "layers" in done.meta["completed"] and done.meta["held_out_error_refit"]["fwd"]["count"] > 0
     assert complete_profile(done, spec) is done   # nothing left to complete
+
+
+def test_profile_of_code_that_reads_the_row_keys_whole_gets_no_slicing_term():
+    """Since the flash backends read a row's keys as they are (the measurer's meta names
+    `compiled` from then on), no segment's keys are sliced and joined: the term stays 0; the
+    reference backend still joins them."""
+    old = _old_profile()
+    for backend, expected in (("varlen", 0.0), ("reference", 1.0)):
+        new = Profile.from_dict({**old.to_dict(), "meta": {**old.meta, "compiled": True, "backend": backend}})
+        seg = complete_profile(new, model_preset("qwen2.5-0.5b")).schemes["tp1-cp1"].bwd_segment_tokens
+        assert (seg > 0.0) == bool(expected), backend
+
+
+def test_efficiency_fit_recovers_a_known_curve():
+    """Chunk times made by the analytic model with known coefficients, every chunk above a
+    negligible host floor: cost/efficiency.fit_throughput gives the coefficients back."""
+    spec, truth = model_preset("qwen2.5-0.5b"), Throughput(linear_mfu=0.55, half_tokens=700.0, attention_mfu=0.4,
+                                                           layer_overhead_s=2e-4)
+    cost = CostModel(model=spec, cluster=cluster_preset("h100", 1), throughput=truth)
+    samples = []
+    for chunk in profile_chunks(min_tokens=512, max_tokens=16384, max_context=65536):
+        w = chunk_work(chunk)
+        fwd, bwd = (float(cost.works_time([w.tokens], [w.keys], layers=1, backward=b)[0]) for b in (False, True))
+        samples.append({"chunk": str(chunk), "tokens": w.tokens, "keys": w.keys, "fwd_s": fwd, "bwd_s": bwd})
+    fit = SchemeFit(fwd=WORK, bwd=WORK, fwd_floor=(1e-9, 0.0), bwd_floor=(1e-9, 0.0))
+    profile = Profile(device="fake", model=spec.name, schemes={"tp1-cp1": fit}, meta={"samples": samples})
+    got = fit_throughput([(spec, profile)], peak_tflops=989.0, measured_on="fake").throughput
+    for name in ("linear_mfu", "half_tokens", "attention_mfu", "layer_overhead_s"):
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
 
 
 def test_unknown_device_estimates_nothing_and_says_so():

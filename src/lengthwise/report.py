@@ -296,6 +296,11 @@ def auto_row(rows: dict[str, PlannerRow], num_batches: int) -> PlannerRow:
     return row
 
 
+def time_model(setup: CompareSetup) -> dict:
+    """Where the comparison's chunk times come from (CostModel.time_source), for its report."""
+    return CostModel(model=setup.model, cluster=setup.cluster, profile=setup.profile).time_source()
+
+
 def summarise(rows: dict[str, PlannerRow]) -> dict:
     base_times = [rows[b].summary(None).get(STEP_TIME_S) for b in BASELINES if b in rows]
     fitting = [t for b, t in zip([b for b in BASELINES if b in rows], base_times)

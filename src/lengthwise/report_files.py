@@ -66,6 +66,7 @@ def markdown(summary: dict, pictures: list[str]) -> str:
         f"Workload `{s['workload']}`, model `{s['model']}`, {s['gpus']} x `{s['cluster']}`, context "
         f"{s['context_length']:,} tokens, {s['batches']} global batches of {s['sequences_per_batch']} sequences "
         f"({s['tokens_per_batch']} tokens), seed {s['seed']}. Every time below is simulated by the cost model.", "",
+        f"Chunk times: {s['time_model']['text']}.", "",
         "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
     ]
     lines += [table_row(name, r) for name, r in summary["planners"].items()]

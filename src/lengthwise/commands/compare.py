@@ -39,7 +39,7 @@ from lengthwise.errors import UserError
 from lengthwise.limits import BATCH_SEQUENCES, BATCHES, GPUS, TOKENS_PER_BATCH, check_size
 from lengthwise.paths import check_writable
 from lengthwise.metrics import GIB, PEAK_MEMORY_GIB
-from lengthwise.report import CompareSetup, all_planners, run_compare, summarise
+from lengthwise.report import CompareSetup, all_planners, run_compare, summarise, time_model
 from lengthwise.report_files import write_report
 from lengthwise.specs import CLUSTER_PRESETS, ParallelScheme, cluster_preset, model_preset
 from lengthwise.workloads.sampler import GlobalBatchSampler
@@ -188,14 +188,14 @@ def describe(setup: CompareSetup, args: argparse.Namespace) -> dict:
             "workload": args.profile or args.lengths or args.data, "context_length": setup.context_length,
             "batches": len(setup.batches), "sequences_per_batch": [len(b) for b in setup.batches],
             "tokens_per_batch": [sum(b) for b in setup.batches], "seed": setup.seed, "simulated": True,
-            "profile_file": args.profile_file}
+            "profile_file": args.profile_file, "time_model": time_model(setup)}
 
 
 def format_table(summary: dict, out: str) -> str:
     s = summary["setup"]
     head = (f"{s['workload']}, {s['model']} on {s['gpus']} x {s['cluster']}, context {s['context_length']:,}, "
             f"{s['batches']} batches (simulated)")
-    lines = [head, table_lines(summary["planners"])]
+    lines = [head, f"chunk times: {s['time_model']['text']}", table_lines(summary["planners"])]
     if "confirm" in summary:
         lines.append(confirm_line(summary["confirm"]))
     lines.append(f"report: {out}/report.md")

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     fitted.profile.meta["command"] = "lengthwise profile " + " ".join(_argv(args))
     from lengthwise.cost.estimate import complete_profile
 
-    fitted.profile = complete_profile(fitted.profile, spec)  # the key-slicing term, where the device is known
+    fitted.profile = complete_profile(fitted.profile, spec)  # the key-slicing term, where the code slices keys
     out = args.out or f"profile-{spec.name}.json"
     write_atomic(out, json_text(fitted.profile.to_dict()))
     print(json_text(fitted.profile.to_dict()) if args.json else summary(fitted, out))

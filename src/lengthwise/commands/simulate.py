@@ -158,4 +158,6 @@ def format_result(r) -> str:
                      f"{max(max(row) for row in r.peak_memory) / scale:.4g}")
     if r.fits is not None:
         lines.append("fits in memory: " + ("yes" if r.fits else "NO"))
+    if r.time_source:
+        lines.append(f"chunk times: {r.time_source}")
     return "\n".join(lines)

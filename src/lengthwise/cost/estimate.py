@@ -9,8 +9,11 @@ samples (meta.samples, with their recorded hold-out), a measurement; the other t
 physical estimates from the model's shapes, the profile's dtype and the device's nominal memory
 bandwidth (cost/time.DEVICE_BANDWIDTH):
 
-- the backward's key slicing, per segment x token of a row (`SLICE_PASSES`): known in the
-  refit, so the fitted line is what remains;
+- the backward's key slicing, per segment x token of a row (`SLICE_PASSES`), in profiles of
+  code that packed each layer's keys per segment (`packs_keys_per_segment`): the bytes it
+  moves at `SLICE_BANDWIDTH_SHARE` of the nominal bandwidth, known in the refit, so the fitted
+  line is what remains. That share is the one number here taken from measured steps (its
+  docstring says how and why);
 - optimizer step: fused AdamW on weights, gradients and moments all in the profile's dtype (what
   `torch.optim.AdamW(model.parameters(), fused=True)` keeps for a bf16 model, as the benchmarks
   and a one-device run use): it reads weight, gradient and two moments and writes weight and two
@@ -40,14 +43,16 @@ ADAMW_TENSORS = 7
 """Tensors of a parameter's size fused AdamW reads or writes per step (module docstring)."""
 
 
-def complete_profile(profile: Profile, model: ModelSpec) -> Profile:
-    """The profile with the slicing term estimated and the layer terms refitted from its
-    samples where it lacks them, and estimated step terms where it has none; unchanged (the
-    same object) when it lacks nothing."""
+def complete_profile(profile: Profile, model: ModelSpec, *, slice_share: float | None = None) -> Profile:
+    """The profile with the slicing term estimated (where its code sliced keys per segment)
+    and the layer terms refitted from its samples where it lacks them, and estimated step
+    terms where it has none; unchanged (the same object) when it lacks nothing.
+    `slice_share`: the slicing's share of nominal bandwidth (default SLICE_BANDWIDTH_SHARE)."""
     fit = profile.schemes.get(SCHEME)
     dtype = str(profile.meta.get("dtype", "bfloat16"))
-    seg = segment_token_seconds(model, device=profile.device, dtype=dtype)
-    needs_seg = fit is not None and fit.bwd_segment_tokens == 0.0 and seg > 0.0
+    share = SLICE_BANDWIDTH_SHARE if slice_share is None else slice_share
+    seg = segment_token_seconds(model, device=profile.device, dtype=dtype, share=share)
+    needs_seg = fit is not None and fit.bwd_segment_tokens == 0.0 and seg > 0.0 and packs_keys_per_segment(profile)
     needs_floor = fit is not None and not fit.has_floor
     refit = (needs_seg or needs_floor) and bool(profile.meta.get("samples"))
     if profile.step is not None and not refit:
@@ -61,7 +66,7 @@ def complete_profile(profile: Profile, model: ModelSpec) -> Profile:
         if needs_seg:
             completed["bwd_segment_tokens"] = (f"2 (K, V) x {SLICE_PASSES} passes x {model.kv_dim} x "
                                                f"{DTYPE_BYTES.get(dtype, 2)} bytes per segment x token at "
-                                               f"{device_bandwidth(profile.device) / 1e12:.3g} TB/s")
+                                               f"{share:.2f} x {device_bandwidth(profile.device) / 1e12:.3g} TB/s")
         meta["held_out_error_refit"] = {k: dataclasses.asdict(v) for k, v in errors.items()}
     step = profile.step
     if step is None:
@@ -79,24 +84,55 @@ pack_keys: each slice's backward allocates a zero gradient of the whole row, 1 w
 autograd adds it into the sum, 2 reads and 1 write), for K and for V."""
 
 
-def segment_token_seconds(model: ModelSpec, *, device: str, dtype: str) -> float:
+SLICE_BANDWIDTH_SHARE = 0.35
+"""Share of the nominal bandwidth the key slicing's kernels reach. Each segment of a row costs,
+per layer, six small kernels (for K and V: a row-sized zero fill, a copy into it, an add into
+the sum; a few MB each for the chunks here), which launch latency and ramp-up keep far below
+the nominal rate that large copies approach. The profiles cannot measure it: their rows hold 1,
+4 and 16 segments, where slicing is under a tenth of a layer, and their fit's cost is flat
+from 1 to 5 times the nominal-bandwidth cost (benchmarks/results/time_model_h200.json,
+`bwd_training_rms_by_slice_share`). Calibrated instead on the one measurement that shows it,
+the 2026-11-27 H200 fine-tune steps of Qwen2.5-0.5B (one chunk of 64 documents, 24-30K tokens,
+where the slicing is 14% of the step at this share): the share whose simulated steps
+best match those 6 measured steps (relative least squares, everything else in the model
+fixed), rounded to 0.05; `python benchmarks/time_model_h200.py` derives it again
+(`slice_share_from_steps`, checked by tests/test_time_model_h200.py) and checks it on the 4
+steps not used: sim_fidelity's two batches (one not among the 6) and Qwen2.5-1.5B's two (twice
+the K/V width, 4 chunks of 7-33 documents). At the nominal rate (share 1, as before) every
+0.5B step was 8-11% under."""
+
+
+def packs_keys_per_segment(profile: Profile) -> bool:
+    """Whether the code that measured `profile` joined each layer's keys segment by segment
+    (runtime/layout.pack_keys), so its backward pays the slicing term: the reference backend
+    always; the flash backends before the attention read the row's keys as they are (commit
+    5a53b77, which also added `compiled` to the measurer's description in meta)."""
+    return profile.meta.get("backend") == "reference" or "compiled" not in profile.meta
+
+
+def segment_token_seconds(model: ModelSpec, *, device: str, dtype: str, share: float = SLICE_BANDWIDTH_SHARE) -> float:
     """e of SchemeFit.bwd_segment_tokens: 2 x SLICE_PASSES x kv_dim x dtype bytes per segment
-    and token of a row, at the device's bandwidth (0 when it is unknown)."""
+    and token of a row, at `share` of the device's bandwidth (0 when it is unknown)."""
     bw = device_bandwidth(device)
-    return 0.0 if bw is None else 2 * SLICE_PASSES * model.kv_dim * DTYPE_BYTES.get(dtype, 2) / bw
+    return 0.0 if bw is None else 2 * SLICE_PASSES * model.kv_dim * DTYPE_BYTES.get(dtype, 2) / (bw * share)
 
 
 def _refit(profile: Profile, fit, seg: float):
     """The scheme's layer terms refitted from meta.samples with the known slicing term, on
     the samples' recorded hold-out."""
-    raw = profile.meta["samples"]
-    if not isinstance(raw, list):
-        raise UserError("profile meta.samples must be a list of timed chunks")
-    samples = [_sample(d, i) for i, d in enumerate(raw)]
+    samples = profile_samples(profile)
     train = [s for s in samples if not s.held_out] or samples
     test = [s for s in samples if s.held_out]
     layers, errors = fit_layers(train, test, seg)
     return dataclasses.replace(fit, **layers, bwd_segment_tokens=seg), errors
+
+
+def profile_samples(profile: Profile) -> list[Sample]:
+    """The timed chunks of meta.samples, checked, with their recorded hold-out."""
+    raw = profile.meta.get("samples")
+    if not isinstance(raw, list):
+        raise UserError("profile meta.samples must be a list of timed chunks")
+    return [_sample(d, i) for i, d in enumerate(raw)]
 
 
 SAMPLE_RANGES = {"tokens": (1, 2**40), "keys": (0, 2**80), "fwd_s": (1e-9, 1e3), "bwd_s": (1e-9, 1e3)}

@@ -163,6 +163,20 @@ class CostModel:
     def __post_init__(self):
         self.comm = CommModel(self.cluster)
 
+    def time_source(self) -> dict:
+        """Where chunk times come from, for reports: `efficiency` "profile" (a measured one,
+        for the schemes it holds; other schemes fall back to the curve, `other_schemes`) or
+        "built-in curve"; `measured_on`, the hardware; `text`, one line saying both."""
+        curve = {"efficiency": "built-in curve", "measured_on": self.throughput.measured_on,
+                 "text": self.throughput.describe()}
+        if self.profile is None:
+            return curve
+        schemes = sorted(self.profile.schemes)
+        return {"efficiency": "profile", "measured_on": self.profile.device, "profile_model": self.profile.model,
+                "schemes": schemes, "other_schemes": curve,
+                "text": f"measured profile of {self.profile.model} on {self.profile.device} ({', '.join(schemes)}); "
+                        f"other schemes: {curve['text']}"}
+
     # ---- FLOPs (whole chunk, every projection once: model FLOPs, for balancing and MFU; a
     # rank's share under tp is 1/tp of them plus `flops.replicated_kv_flops`) ----
     def forward_flops(self, chunk: Chunk, *, layers: int, head: bool = False) -> float:

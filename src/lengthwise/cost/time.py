@@ -3,10 +3,13 @@
 Analytic (hydraulis.txt appendix C, infinipipe.txt appendix B): small GEMMs under-use the GPU, so
 the achieved fraction of peak rises with the tokens each GPU multiplies at once and falls with
 the TP degree, which shrinks every GEMM: eff(x) = linear_mfu * x / (x + half_tokens * tp), with x
-the chunk's tokens per GPU. Attention runs at `attention_mfu` of peak. Each layer adds a fixed
-kernel-launch overhead. Defaults are round numbers typical of bf16 training on Hopper-class GPUs
-(about 60% of peak for large GEMMs, half of that at 256 tokens); `lengthwise profile` measures
-real ones.
+the chunk's tokens per GPU. Attention runs at `attention_mfu` of peak. Each layer pass adds a
+fixed `layer_overhead_s`, so a small chunk's achieved share of peak is that cost amortised over
+less work. The defaults (`Throughput`) are fitted to the layer times of the 2026-11-27 H200
+profiles of Qwen2.5-0.5B and 1.5B (cost/efficiency.py says on which chunks, and what they do not
+cover: wider models, the hot-path code, other GPUs); with a profile given, the schemes it holds
+use its measured times instead. Reports name which (`CostModel.time_source`) and the hardware
+it was measured on.
 
 Profiled (hydraulis.txt B.2): T(l) = a*l^2 + b*l + c per parallel scheme. For a packed chunk we
 use its attention pairs in place of l^2/2 (the quadratic term is attention, which does not cross
@@ -22,10 +25,12 @@ and device run concurrently; the profile's samples fit an exponent of a smooth m
 upper bound, i.e. the plain max). A profile without floors (written before they existed) has
 f = g = 0: the straight line, as before.
 
-The backward also hands each segment's key slice a gradient of the whole row's K and V
-(runtime/layout.pack_keys: a slice's backward zero-fills a row-sized tensor, which autograd then
-adds into the sum), device work that grows with segments x tokens: `bwd_segment_tokens`, e, in
-the device's line (+ e * segments * tokens).
+Where the measured code joined each layer's keys segment by segment (runtime/layout.pack_keys:
+the reference backend, and every backend before the flash ones read the row's keys whole), the
+backward also hands each segment's key slice a gradient of the whole row's K and V (a slice's
+backward zero-fills a row-sized tensor, which autograd then adds into the sum), device work that
+grows with segments x tokens: `bwd_segment_tokens`, e, in the device's line (+ e * segments *
+tokens).
 
 What else a step costs (`StepTerms`, measured by `lengthwise profile`, or estimated for older
 profiles, `estimated` naming which):
@@ -42,24 +47,27 @@ Within a stage the host runs ahead of the device (no host syncs in a step), so t
 takes a stage's layer time as the longer of its host floors' sum and its device lines' sum
 (sim/terms.host_overlap).
 
-Estimates (cost/estimate.complete_profile), physical, never fitted to step times: the layer
-terms are refitted from the profile's own raw samples (meta.samples); e is 2 (K, V) x 4 passes
-x kv_dim x dtype bytes over the device's memory bandwidth (DEVICE_BANDWIDTH, e.g. H200
-4.8 TB/s); the optimizer step is the bytes fused AdamW moves (7 tensors of the profile's dtype
-per parameter: reads weight, gradient and two moments, writes weight and moments) over the
-bandwidth; the gradient norm reads each gradient once; the embedding moves its rows (forward:
-read and write tokens x hidden; backward: the same plus zeroing the table's gradient); the
-per-chunk host overhead is 0 (not measured).
+Estimates (cost/estimate.complete_profile), physical, never fitted to step times but for one
+share: the layer terms are refitted from the profile's own raw samples (meta.samples); e is
+2 (K, V) x 4 passes x kv_dim x dtype bytes at SLICE_BANDWIDTH_SHARE (0.35, calibrated on six
+measured 0.5B steps, its docstring says why) of the device's memory bandwidth (DEVICE_BANDWIDTH,
+e.g. H200 4.8 TB/s); the optimizer step is the bytes fused AdamW moves (7 tensors of the
+profile's dtype per parameter: reads weight, gradient and two moments, writes weight and
+moments) over the bandwidth; the gradient norm reads each gradient once; the embedding moves
+its rows (forward: read and write tokens x hidden; backward: the same plus zeroing the table's
+gradient); the per-chunk host overhead is 0 (not measured).
 
 Measured on one NVIDIA H200 (the 2026-11-27 profiles and steps, copies in benchmarks/results/
 h200-2026-11-27/; `python benchmarks/time_model_h200.py`, tests/test_time_model_h200.py):
 held-out error of the per-layer fit, mean over the 8 held-out samples, Qwen2.5-0.5B forward
-11.4% / backward 8.5%, Qwen2.5-1.5B 4.3% / 2.5% (the straight line: 15.3/17.5% and 7.6/17.6%);
-the 0.5B profile's small chunks scatter 1.3-2.3 ms at equal work, which no smooth form follows.
+11.4% / backward 8.0%, Qwen2.5-1.5B 4.3% / 3.0% (the straight line: 15.3/17.5% and 7.6/17.6%);
+the 0.5B misses are its held-out chunks under the host floor (14.7/10.4%; on the device's line
+1.7/0.7%): its small chunks scatter 1.3-2.3 ms at equal work, which no smooth form follows.
 Whole measured steps (10: 0.5B packing and chunkflow, 1.5B ChunkSize 8192, sim_fidelity's two
-batches): MAPE 7.5% (the straight line without step terms: 27.7%), 9 within 10%; every 0.5B
-step is under by 8-11% (its one chunk holds 24-30K tokens of 64 documents, beyond the profile's
-largest samples of 16K tokens and 16 documents), the 1.5B steps by 0.2-1.9%.
+batches): MAPE 0.8%, all 10 within 3%; the 4 not used to calibrate the slicing share within
+2.7% (MAPE 1.4%). With the slicing at the nominal bandwidth every 0.5B step was 8-11% under
+(MAPE 7.5%; its one chunk of 64 documents slices 64 key rows of 24-30K tokens per layer), and
+the straight line without step terms 27.7%.
 """
 
 from __future__ import annotations
@@ -75,16 +83,28 @@ from lengthwise.files import read_json
 
 @dataclass(kw_only=True)
 class Throughput:
-    """The analytic throughput curve."""
+    """The analytic throughput curve. The defaults are fitted to the layer times of the
+    2026-11-27 H200 profiles (cost/efficiency.py: what was fitted, on which chunks, and what it
+    does not cover), rounded to two figures; `python benchmarks/time_model_h200.py` fits them
+    again and tests/test_time_model_h200.py checks they agree."""
 
-    linear_mfu: float = 0.6
-    """Fraction of peak reached by large GEMMs."""
-    half_tokens: float = 256.0
-    """Tokens per GPU (at tp = 1) at which GEMMs reach half of linear_mfu."""
-    attention_mfu: float = 0.45
+    linear_mfu: float = 0.49
+    """Fraction of peak reached by the layers' GEMMs."""
+    half_tokens: float = 0.0
+    """Tokens per GPU (at tp = 1) at which GEMMs reach half of linear_mfu (0: no size
+    dependence beyond layer_overhead_s's, which is what the H200 profiles showed)."""
+    attention_mfu: float = 0.31
     """Fraction of peak reached by flash-style attention."""
-    layer_overhead_s: float = 40e-6
-    """Fixed time per layer per pass (kernel launches), seconds."""
+    layer_overhead_s: float = 1.2e-3
+    """Fixed time per layer per pass, seconds."""
+    measured_on: str = "NVIDIA H200"
+    """The hardware the coefficients were measured on, for reports."""
+    source: str = ("built-in curve fitted to the Qwen2.5-0.5B and 1.5B profiles of 2026-11-27 "
+                   "(cost/efficiency.py)")
+    """Where the coefficients come from, for reports."""
+
+    def describe(self) -> str:
+        return f"{self.source}, measured on {self.measured_on}"
 
     def linear_efficiency(self, tokens_per_gpu: float, tp: int) -> float:
         x = max(tokens_per_gpu, 1.0)

@@ -114,6 +114,9 @@ class SimResult:
     """Forward + backward FLOPs of the batch (no padding, no recomputation)."""
     mfu: float | None = None
     """model_flops / (step_time_s * num_gpus * peak FLOP/s)."""
+    time_source: str | None = None
+    """Where the chunk times came from (CostModel.time_source: a measured profile or the
+    built-in curve, and the hardware it was measured on); None in the direct mode."""
     timeline: Timeline | None = field(default=None, repr=False)
     """Per-task detail (dropped from to_dict)."""
 
@@ -126,6 +129,7 @@ def simulate_plan(plan: StepPlan, cm: CostModel, known: list[SliceStructure | No
     per pipeline the SliceStructure its planner already holds (None where not; inputs.py)."""
     result = simulate_inputs(plan_inputs(plan, cm, known), time_unit="s", memory_unit="bytes")
     result.capacity_bytes = cm.capacity_bytes
+    result.time_source = cm.time_source()["text"]
     result.fits = all(p <= cm.capacity_bytes for row in result.peak_memory for p in row)
     result.tokens = sum(plan.lengths)
     result.tokens_per_s = result.tokens / result.step_time_s if result.step_time_s > 0 else None

@@ -87,8 +87,8 @@ from lengthwise.planners.packing_utils import (
 
 SCHEDULE = "state-aware-1f1b"
 MIN_CHUNK_SIZE = 256
-"""Smallest default ChunkSize, tokens: below it GEMMs run at under half their peak rate
-(cost/time.py half_tokens), so a model that leaves less memory is better served by more tp/pp."""
+"""Smallest default ChunkSize, tokens: below it a layer pass's fixed costs outweigh its GEMMs
+(cost/time.py Throughput), so a model that leaves less memory is better served by more tp/pp."""
 FILL_FLOOR = 2048
 """Smallest ChunkSize the pipeline-filling cap of the default goes down to, tokens (the grid's
 smallest): below it GEMM efficiency costs more than the bubbles it removes."""
