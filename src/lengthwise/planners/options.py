@@ -192,7 +192,9 @@ class HydraulisOptions(Options):
     trials: int = option(100, "Algorithm 1's random dispatch trials T (appendix D)", metavar="T",
                          check=POSITIVE_INT)
     dispatch_work: int = option(4_000_000, "cap on sequences x pipelines x trials x candidates of one "
-                                "dispatch pass (the trial count drops on large clusters, at least 1)",
+                                "dispatch pass: each candidate's trials are cut so that sequences x its "
+                                "pipelines x trials x the batch's feasible candidates stays within it (the "
+                                "trial count drops on large clusters, at least 1)",
                                 metavar="N", check=POSITIVE_INT)
     max_tp: int | None = option(None, "largest tensor-parallel degree in the scheme space; default: GPUs "
                                 "per node", metavar="N", check=POSITIVE_INT_OR_NONE)

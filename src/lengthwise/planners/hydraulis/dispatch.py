@@ -15,8 +15,15 @@ All trials of all candidate strategies run at once as numpy rows ([strategies x 
 pipelines] arrays, narrower strategies padded with pipelines that hold nothing). Two choices of
 ours, both only able to help since the best trial is kept: trial 0 takes the sequences longest
 first (the LPT order), and among pipelines tying on the new maximum the one left least loaded
-wins (Algorithm 1 takes the first). The trial count is cut so that sequences x pipelines x
-trials x strategies stays within `work_budget`.
+wins (Algorithm 1 takes the first). Each strategy's trial count is cut so that sequences x its
+pipelines x trials x `share` stays within `work_budget` (`share`: how many strategies split the
+budget, fixed by the caller), so a pass of at most `share` strategies stays within it.
+
+A strategy's result depends on the batch, the random generator's seed, its own pipelines and
+`share` only, never on which other strategies are dispatched beside it: every strategy takes
+the same orders (trial t is the t-th permutation drawn from one fresh generator, common random
+numbers), rows never interact, and the padding pipelines are never admissible. The planner
+relies on this: the previous batch's strategy is estimated alike whatever else is screened.
 
 Cost: Algorithm 1 weighs every admissible pipeline for every sequence, so one trial of one
 strategy is O(n D) (n sequences, D pipelines); the paper's algorithm allows no less, as the
@@ -93,8 +100,8 @@ def _orders(lengths: np.ndarray, trials: int, rng: np.random.Generator) -> np.nd
     return np.stack([first] + rest)
 
 
-def _stack(candidates: list[PipelineArrays], trials: int) -> PipelineArrays:
-    """One row per (candidate, trial), columns padded to the widest candidate with pipelines
+def _stack(candidates: list[PipelineArrays], trials: list[int]) -> PipelineArrays:
+    """trials[c] rows for candidate c, columns padded to the widest candidate with pipelines
     that hold nothing (MaxLen 0.5 tokens)."""
     d = max(c.size for c in candidates)
 
@@ -106,35 +113,37 @@ def _stack(candidates: list[PipelineArrays], trials: int) -> PipelineArrays:
                           rows("max_len", 0.5))
 
 
-def trials_within(n: int, sizes: list[int], trials: int, work_budget: float) -> int:
-    """Trials per strategy that dispatch_many runs for n sequences on strategies of `sizes`
-    pipelines: `trials`, cut so n x widest x strategies x trials stays within `work_budget`,
-    never below one (the longest-first order)."""
-    return int(max(1, min(trials, work_budget // max(n * max(sizes) * len(sizes), 1))))
+def trials_for(n: int, size: int, trials: int, work_budget: float, share: int) -> int:
+    """Trials dispatch_many runs for n sequences on a strategy of `size` pipelines when `share`
+    strategies split `work_budget`: `trials`, cut so n x size x trials x share stays within the
+    budget, never below one (the longest-first order)."""
+    return int(max(1, min(trials, work_budget // max(n * size * share, 1))))
 
 
 def dispatch_many(lengths, candidates: list[PipelineArrays], *, trials: int, work_budget: float,
-                  rng: np.random.Generator) -> list[Dispatch]:
+                  rng: np.random.Generator, share: int | None = None) -> list[Dispatch]:
     """Algorithm 1 for several strategies, all their trials at once (one numpy row each): the
     longest-first rows by runs of equal lengths (`_longest_first`), the random ones a sequence
-    per step (`_stepwise`)."""
+    per step (`_stepwise`). `share` (default: the strategies given) splits the work budget (see
+    trials_for); `rng` draws the orders every strategy shares (see the module docstring)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     n = len(lengths)
     assert all(lengths.max() <= c.max_len.max() for c in candidates), "a sequence no pipeline holds"
-    trials = trials_within(n, [c.size for c in candidates], trials, work_budget)
-    p = _stack(candidates, trials)
-    orders = np.concatenate([_orders(lengths, trials, rng) for _ in candidates])
+    counts = [trials_for(n, c.size, trials, work_budget, share or len(candidates)) for c in candidates]
+    p = _stack(candidates, counts)
+    common = _orders(lengths, max(counts), rng)
+    orders = np.concatenate([common[:t] for t in counts])
+    starts = np.cumsum([0] + counts[:-1])  # row 0 of each candidate: the longest-first order
     owner = np.zeros((len(orders), n), dtype=np.int64)
     first = np.zeros(len(orders))
-    lpt = np.arange(len(candidates)) * trials  # row 0 of each candidate: the same longest-first order
-    owner[lpt], first[lpt] = _longest_first(p.take(lpt), lengths, orders[0])
-    rand = np.setdiff1d(np.arange(len(orders)), lpt)
+    owner[starts], first[starts] = _longest_first(p.take(starts), lengths, common[0])
+    rand = np.setdiff1d(np.arange(len(orders)), starts)
     if rand.size:
         owner[rand], first[rand] = _stepwise(p.take(rand), lengths, orders[rand])
     out = []
-    for c in range(len(candidates)):
-        best = c * trials + int(np.argmin(first[c * trials:(c + 1) * trials]))
-        out.append(Dispatch(owner=owner[best], objective_s=float(first[best]), trials=trials))
+    for start, t in zip(starts.tolist(), counts):
+        best = start + int(np.argmin(first[start:start + t]))
+        out.append(Dispatch(owner=owner[best], objective_s=float(first[best]), trials=t))
     return out
 
 

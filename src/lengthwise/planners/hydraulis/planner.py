@@ -19,8 +19,12 @@ Per global batch (§4's steps 1-4):
    slowest pipelines, slowest first, while MILP solves are left.
 Steps 2-3 run twice: the candidates with Algorithm 1's longest-first trial alone (a screen:
 the lower half by bound first, then only those whose bound is at most the best estimate so far,
-so a candidate that could never win is not dispatched; its screen_s is None), then all T trials for the candidates whose lower bound (GPU-seconds, or the longest sequence
-alone, plus exchange) is below the best screened estimate. Eq. 1 by MILP (HiGHS) is kept for
+so a candidate that could never win is not dispatched; its screen_s is None), then all T trials
+for the candidates whose lower bound (GPU-seconds, or the longest sequence alone, plus exchange)
+is below the best screened estimate. Every candidate takes the same random orders (drawn from the
+request's seed) and a trial count cut by the work budget split over all feasible candidates, so
+a candidate's estimate does not depend on which others pass the screen (with or without the
+`previous` option, the previous strategy is estimated alike). Eq. 1 by MILP (HiGHS) is kept for
 step 4, the greedy for ranking: solving it for every candidate's every pipeline would cost
 seconds per batch (the paper spends about 1 s per batch on it with 10 processes, Table 2).
 
@@ -89,7 +93,7 @@ from lengthwise.planners.hydraulis.dispatch import (
     PipelineArrays,
     dispatch_many,
     lower_bound,
-    trials_within,
+    trials_for,
 )
 from lengthwise.planners.hydraulis.packing import (
     Packing,
@@ -152,10 +156,11 @@ def plan_hydraulis(request: PlanRequest) -> StepPlan:
     num_gpus = request.cluster.num_gpus
     space = _space(request, opts, num_gpus)
     _check_lengths(request, space, num_gpus, opts)
+    fallback = None
     if opts.pipelines is not None:
         candidates = [_fixed_strategy(request, opts, num_gpus)]
     else:
-        candidates = _candidates(request, opts, space, num_gpus)
+        candidates, fallback = _candidates(request, opts, space, num_gpus)
     best, table = _choose(request, opts, candidates, num_gpus)
     _complete(best)
     milp_count = _refine(best, opts)
@@ -164,6 +169,7 @@ def plan_hydraulis(request: PlanRequest) -> StepPlan:
                        options=options_dict(opts))
     plan.zero = 1
     plan.metrics.update(_metrics(best, table, milp_count))
+    plan.metrics["fallback"] = fallback
     return plan
 
 
@@ -230,9 +236,10 @@ def _histogram(request: PlanRequest, opts: HydraulisOptions,
     return hist, tuple(int(e) for e in edges[1:] if e >= shortest) or (int(edges[-1]),), tokens
 
 
-def _candidates(request: PlanRequest, opts: HydraulisOptions, space: list[Scheme], num_gpus: int) -> list[Strategy]:
+def _candidates(request: PlanRequest, opts: HydraulisOptions, space: list[Scheme],
+                num_gpus: int) -> tuple[list[Strategy], str | None]:
     """§7's proposal once per exchange cap, rounded; plus a homogeneous fallback if none holds
-    the batch's longest sequence."""
+    the batch's longest sequence, with a one-line reason (plan.metrics["fallback"])."""
     hist, targets, tokens = _histogram(request, opts, space)
     # Caps only group schemes for the proposal runs (a candidate's estimate charges its exact
     # exchange, `_exchange`); each scheme's level is its reduction over as many ranks as it
@@ -250,9 +257,12 @@ def _candidates(request: PlanRequest, opts: HydraulisOptions, space: list[Scheme
         subset = tuple(s for s in space if costs[s] <= max(costs[p] for p, _ in prop.pipelines))
         out.update(dict.fromkeys(round_proposal(prop, subset, num_gpus)))
     longest = max(request.lengths)
-    if not any(s.max_len >= longest for c in out for s, _ in c.parts):
-        out[homogeneous(min((s for s in space if s.max_len >= longest), key=lambda s: s.num_gpus), num_gpus)] = None
-    return list(out)
+    if any(s.max_len >= longest for c in out for s, _ in c.parts):
+        return list(out), None
+    scheme = min((s for s in space if s.max_len >= longest), key=lambda s: s.num_gpus)
+    out[homogeneous(scheme, num_gpus)] = None
+    return list(out), (f"no proposed strategy holds the longest sequence ({longest} tokens; {len(out) - 1} "
+                       f"rounded candidates): added {num_gpus // scheme.num_gpus}x{scheme}")
 
 
 def _caps(levels: list[float]) -> list[float]:
@@ -291,13 +301,18 @@ def _choose(request: PlanRequest, opts: HydraulisOptions, candidates: list[Strat
     lengths = np.asarray(request.lengths, dtype=np.int64)
     prepared = sorted((_prepare(request, c, num_gpus, lengths, opts.previous) for c in candidates), key=lambda p: p[0])
     feasible = [p for p in prepared if p[2] is not None]
-    assert feasible, "no candidate holds the longest sequence"
+    if not feasible:
+        raise UserError(_none_holds(request, prepared, fixed=opts.pipelines is not None))
     screened = _screen(request, opts, feasible, lengths, num_gpus)
     cut = min(ev.estimate_s for ev in screened if ev is not None)
     rest = [i for i, p in enumerate(feasible) if p[0] < cut]
-    sizes = [len(feasible[i][2]) for i in rest]
-    if rest and trials_within(len(lengths), sizes, opts.trials, opts.dispatch_work) > 1:
-        full = _evaluate_all(request, opts, [feasible[i] for i in rest], lengths, num_gpus, trials=opts.trials)
+    # The budget is split over every feasible candidate, not over those that pass the screen: a
+    # candidate's trials, and so its estimate, do not depend on which others are evaluated.
+    share = len(feasible)
+    if rest and max(trials_for(len(lengths), len(feasible[i][2]), opts.trials, opts.dispatch_work, share)
+                    for i in rest) > 1:
+        full = _evaluate_all(request, opts, [feasible[i] for i in rest], lengths, num_gpus, trials=opts.trials,
+                             share=share)
     else:  # one trial is the longest-first order the screen already ran: the same dispatch
         full = [screened[i] for i in rest]
     final = dict(zip(rest, (min(screened[i], ev, key=lambda e: e.estimate_s) for i, ev in zip(rest, full))))
@@ -306,6 +321,17 @@ def _choose(request: PlanRequest, opts: HydraulisOptions, candidates: list[Strat
                   final[i].estimate_s if i in final else None) for i, p in enumerate(feasible)]
     best = min([*final.values(), *(ev for ev in screened if ev is not None)], key=lambda e: e.estimate_s)
     return best, rows
+
+
+def _none_holds(request: PlanRequest, prepared: list, *, fixed: bool) -> str:
+    """One line: no candidate strategy holds the batch's longest sequence, and what to change."""
+    longest = max(request.lengths)
+    limits = [max(_part_limits(request, strategy), default=0) for _, strategy, _ in prepared]
+    widest = max(range(len(prepared)), key=lambda i: limits[i])
+    return (f"sequence {request.lengths.index(longest)} has {longest} tokens > {limits[widest]}, the longest "
+            f"micro-batch of any candidate strategy (widest: {prepared[widest][1]}, optimizer states sharded over "
+            f"its pipelines): " + ("give pipelines with larger tp, pp or cp" if fixed else
+                                   "raise max_cp or max_pp, add GPUs, or use a splitting planner"))
 
 
 def _screen(request: PlanRequest, opts: HydraulisOptions, feasible: list, lengths: np.ndarray, num_gpus: int) -> list:
@@ -373,12 +399,13 @@ def _switch(request: PlanRequest, previous: str | None, pipes: list[tuple[Scheme
 
 
 def _evaluate_all(request: PlanRequest, opts: HydraulisOptions, prepared: list, lengths: np.ndarray, num_gpus: int,
-                  *, trials: int) -> list[Evaluation]:
+                  *, trials: int, share: int | None = None) -> list[Evaluation]:
     """Two-stage assignment (§6) of the batch on each strategy: dispatch (all strategies'
-    trials together), then greedy packing per pipeline."""
+    trials together, every one on the same random orders from the request's seed, its trial
+    count from `share`: see dispatch.py), then greedy packing per pipeline."""
     arrays = [PipelineArrays.of([s for s, _ in pipes], [m for _, m in pipes]) for _, _, pipes in prepared]
     runs = dispatch_many(lengths, arrays, trials=trials, work_budget=opts.dispatch_work,
-                         rng=np.random.default_rng(request.seed))
+                         rng=np.random.default_rng(request.seed), share=share)
     out = []
     for (_, strategy, pipes), disp in zip(prepared, runs):
         held = _by_owner(disp.owner, len(pipes))

@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
 
 from lengthwise.planners.hydraulis.cost import Scheme
 
@@ -253,18 +254,51 @@ def propose(schemes: tuple[Scheme, ...], hist: Histogram, num_gpus: int, targets
 
 
 def round_proposal(prop: Proposal, space: tuple[Scheme, ...], num_gpus: int) -> list[Strategy]:
-    """All nearby whole-pipeline strategies (each d floored or ceiled) that use at most N GPUs
-    and still hold the proposal's longest sequence; leftover GPUs get more pipelines (§7)."""
+    """§7's "nearby integer solutions" of a proposal within N GPUs: each d floored or ceiled,
+    kept when the total fits and some scheme still holds the proposal's longest sequence; when
+    none is kept (a holding scheme's ceiling pushes the total past N: tp8 x 0.7 beside tp1 x 9.2
+    on 16 GPUs), the closest whole strategy that fits and holds (`_closest`). Leftover GPUs get
+    more pipelines (`_fill`, §7's "adjust"). Empty only when no holding scheme fits N GPUs."""
     options = [sorted({math.floor(d + 1e-9), math.ceil(d - 1e-9)}) for _, d in prop.pipelines]
-    out = []
+    nearby = []
     for counts in itertools.islice(itertools.product(*options), 256):
         chosen = {s: n for (s, _), n in zip(prop.pipelines, counts) if n > 0}
-        used = sum(s.num_gpus * n for s, n in chosen.items())
-        if used > num_gpus or not any(s.max_len >= prop.max_len for s in chosen):
-            continue
-        wanted = {s: d for s, d in prop.pipelines}
-        out.append(Strategy.of(_fill(chosen, wanted, space, num_gpus - used)))
+        if sum(s.num_gpus * n for s, n in chosen.items()) <= num_gpus and _holds(chosen, prop.max_len):
+            nearby.append(chosen)
+    if not nearby:
+        nearby = [c for c in [_closest(prop, num_gpus)] if c is not None]
+    wanted = dict(prop.pipelines)
+    out = [Strategy.of(_fill(c, wanted, space, num_gpus - sum(s.num_gpus * n for s, n in c.items())))
+           for c in nearby]
     return list(dict.fromkeys(out))
+
+
+def _holds(chosen: dict[Scheme, int], max_len: int) -> bool:
+    return any(s.max_len >= max_len for s, n in chosen.items() if n > 0)
+
+
+def _closest(prop: Proposal, num_gpus: int) -> dict[Scheme, int] | None:
+    """Whole pipelines n_k nearest the proposal's d_k in GPUs moved, sum_k N(P_k) |n_k - d_k|,
+    subject to sum_k N(P_k) n_k <= N and at least one pipeline of a scheme holding the longest
+    sequence: a MILP of 2K variables (n_k and |n_k - d_k|) for HiGHS. None when infeasible."""
+    schemes = [s for s, _ in prop.pipelines]
+    d = np.array([x for _, x in prop.pipelines])
+    gpus = np.array([s.num_gpus for s in schemes], dtype=np.float64)
+    holds = np.array([s.max_len >= prop.max_len for s in schemes], dtype=np.float64)
+    k, eye, zero = len(schemes), np.eye(len(schemes)), np.zeros(len(schemes))
+    constraints = [
+        LinearConstraint(np.concatenate([gpus, zero])[None], -np.inf, num_gpus),  # GPUs used
+        LinearConstraint(np.concatenate([holds, zero])[None], 1, np.inf),  # the longest is held
+        LinearConstraint(np.hstack([eye, -eye]), -np.inf, d),  # e_k >= n_k - d_k
+        LinearConstraint(np.hstack([-eye, -eye]), -np.inf, -d),  # e_k >= d_k - n_k
+    ]
+    res = milp(np.concatenate([zero, gpus]), constraints=constraints,
+               integrality=np.concatenate([np.ones(k), zero]),
+               bounds=Bounds(np.zeros(2 * k), np.concatenate([num_gpus // gpus, np.full(k, np.inf)])))
+    if res.x is None:
+        return None
+    counts = np.rint(res.x[:k]).astype(int)
+    return {s: int(n) for s, n in zip(schemes, counts) if n > 0}
 
 
 def _fill(chosen: dict[Scheme, int], wanted: dict[Scheme, float], space, left: int) -> dict[Scheme, int]:
@@ -286,5 +320,6 @@ def _fill(chosen: dict[Scheme, int], wanted: dict[Scheme, float], space, left: i
 
 
 def homogeneous(scheme: Scheme, num_gpus: int) -> Strategy:
-    """As many pipelines of one scheme as fit (the fallback when rounding loses the longest)."""
+    """As many pipelines of one scheme as fit (the fallback when no proposal holds the batch's
+    longest sequence, e.g. a profile's proposals below it)."""
     return Strategy.of({scheme: num_gpus // scheme.num_gpus})
