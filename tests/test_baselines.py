@@ -196,7 +196,7 @@ def test_baselines_recompute_every_layer_only_when_the_longest_sequence_needs_it
     # loss backward's bf16 logit gradient, 2 x 152K vocabulary bytes per token, is not recomputable)
     req = request([10, 35500, 700], "dp4-pp2")
     req.context_length = 65536
-    assert req.cost.max_seq_len(pp=2, dp=4) < 35500 <= req.cost.max_seq_len(pp=2, dp=4, recompute=True)
+    assert req.cost.max_seq_len(pp=2, dp=4) < 35500 <= req.cost.max_seq_len(pp=2, dp=4, recompute="full")
     plan = get_planner(name)(req)
     assert plan.options["recompute"] == "full"
     layers = plan.pipelines[0].stage_layers(MODEL.num_layers)
@@ -212,7 +212,7 @@ def test_baselines_recompute_every_layer_only_when_the_longest_sequence_needs_it
 def test_sequence_over_memory_even_with_recomputation_is_named(name):
     req = request([10, 600000], "dp4-pp2")
     req.context_length = 1 << 20
-    limit = req.cost.max_seq_len(pp=2, dp=4, recompute=True)
+    limit = req.cost.max_seq_len(pp=2, dp=4, recompute="full")
     assert 600000 > limit
     with pytest.raises(UserError, match=f"600000 tokens > {limit}, .* even with full recomputation"):
         get_planner(name)(req)
@@ -314,7 +314,7 @@ def test_megatron_shrinks_its_micro_batches_to_what_full_recomputation_holds():
     from lengthwise.sim import simulate_plan
 
     req = request([1000] * 4, "dp4-pp2")
-    limit = req.cost.max_seq_len(pp=2, dp=4, recompute=True)
+    limit = req.cost.max_seq_len(pp=2, dp=4, recompute="full")
     req.context_length = 2 * limit
     req.lengths = [limit - 5000, 3000, 4000, limit // 2, limit // 3, 700] * 2
     plan = get_planner("megatron")(req)
@@ -353,7 +353,7 @@ def test_megatron_recomputing_the_longest_row_tp_does_not_divide_fits():
     scheme = ParallelScheme(dp=1, tp=4, pp=1)
     cluster = cluster_preset("h100", scheme.num_gpus)
     cost = CostModel(model=MODEL_PRESETS["qwen2.5-7b"], cluster=cluster)
-    limit = cost.max_seq_len(tp=4, recompute=True)
+    limit = cost.max_seq_len(tp=4, recompute="full")
     n = limit if limit % 4 else limit - 1
     # two: the second runs after the first backward has made the gradients
     req = PlanRequest(lengths=[n, n], model=cost.model, cluster=cluster, scheme=scheme, cost=cost,

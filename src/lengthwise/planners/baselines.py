@@ -170,7 +170,7 @@ def baseline_limit(request: PlanRequest, choice: str) -> tuple[int, bool]:
     if choice == "none" or (choice == "auto" and longest <= plain):
         return check_request(request), False
     s = request.scheme
-    limit = int(request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp, zero=s.zero, recompute=True))
+    limit = int(request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp, zero=s.zero, recompute="full"))
     if longest > limit:
         raise UserError(
             f"sequence {request.lengths.index(longest)} has {longest} tokens > {limit}, the longest one "
