@@ -312,14 +312,16 @@ def head_backward_fixed_bytes(model: ModelSpec, tp: int = 1) -> float:
     return head_columns(model, tp) * model.hidden * BYTES_BF16 + HEAD_BLOCK_BYTES * (BYTES_FP32 + BYTES_BF16) / BYTES_FP32
 
 
-def backward_work_bytes(model: ModelSpec, tokens, tp: int = 1, *, layers: int, head: bool, sp: bool = True):
+def backward_work_bytes(model: ModelSpec, tokens, tp: int = 1, *, layers: int, head: bool, sp: bool = True,
+                        remat=0.0):
     """Largest working set of a stage's backward beyond its kept activations for a chunk of
     `tokens` rows (a number or an array): one layer's per token (`layer_backward_bytes_per_token`),
-    and on the last stage, where it runs first, the blocked loss's (`head_backward_bytes`), then
-    the final norm's beside the head weight's bf16 gradient (the norm and the head are one FSDP
-    unit, which takes that gradient into its fp32 accumulator after both backwards); the
-    layers' run once the head's kept tensors are freed."""
-    layer = np.multiply(layer_backward_bytes_per_token(model, tp, sp=sp) if layers > 0 else 0.0, tokens)
+    beside `remat` bytes a recomputed layer (or MLP block) re-materialises for it, and on the
+    last stage, where it runs first, the blocked loss's (`head_backward_bytes`), then the final
+    norm's beside the head weight's bf16 gradient (the norm and the head are one FSDP unit,
+    which takes that gradient into its fp32 accumulator after both backwards); the layers' (and
+    their re-materialisation) run once the head's kept tensors are freed."""
+    layer = np.multiply(layer_backward_bytes_per_token(model, tp, sp=sp) if layers > 0 else 0.0, tokens) + remat
     if not head:
         return layer
     weight_grad = head_columns(model, tp) * model.hidden * BYTES_BF16

@@ -45,6 +45,7 @@ class _MemorySizing:
                 kept, remat = self._kept_activations(s, L, head, recompute[s], mlp[s])
                 act.append(kept)
                 w, fw = self._working_sets(L, head)
+                w, remat = self._with_remat(L, head, w, remat)
             extra.append(remat)
             work.append(w)
             fwork.append(fw)
@@ -74,6 +75,19 @@ class _MemorySizing:
                          if r or m else full[i] for i, (c, r, m) in enumerate(levels)])
         return kept, [cm.recompute_transient_bytes(c, recompute_layers=r, recompute_mlp=m, **self.kw)
                       for c, r, m in levels]
+
+    def _with_remat(self, L: int, head: bool, work, remat):
+        """(work, remat) with each chunk's re-materialisation folded into its backward's working
+        set when the units are the chunks (`CostModel.backward_work_bytes`, `remat`): beside a
+        layer's backward, which on the last stage runs after the loss's, not on top of the
+        loss's; as they are otherwise (a chunk read by several units re-materialises for each)."""
+        pipe, cm = self.pipe, self.cm
+        extra = np.asarray(remat, dtype=np.float64)
+        if pipe.backward_chunks is not None or not extra.any():
+            return work, remat
+        work = [cm.backward_work_bytes(c, layers=L, head=head, remat=x, **self.kw) if x else w
+                for c, x, w in zip(pipe.chunks, extra.tolist(), np.asarray(work, dtype=np.float64).tolist())]
+        return np.array(work), self._zeros(len(pipe.chunks))
 
     def _working_sets(self, L: int, head: bool):
         """([unit] each backward unit's working set: the loss backward's bf16 logit gradient on
@@ -173,7 +187,7 @@ class _MemorySizing:
                 elif m:
                     remat[at] = cm.recompute_transient_bytes_per_token(tp=tp, recompute_mlp=m) * tokens[at]
         work = np.zeros(len(self.units))
-        np.maximum.at(work, unit_of, remat + cm.backward_work_bytes_rows(tokens, layers=L, tp=tp, head=head))
+        np.maximum.at(work, unit_of, cm.backward_work_bytes_rows(tokens, layers=L, tp=tp, head=head, remat=remat))
         fwork = self._zeros(len(self.pipe.chunks))
         if head:
             fwork = np.zeros(len(self.pipe.chunks))
