@@ -218,27 +218,22 @@ class DecoderLayer(nn.Module):
 
     def _with_mlp_checkpoint(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
         """The layer with its MLP block under non-reentrant `torch.utils.checkpoint` (selective
-        recomputation, `F.mN`). The checkpoint's input is the residual stream after the
-        attention, the post-attention norm's input, which the layer keeps anyway; everything the
-        norm and the MLP save (the norm's reciprocal RMS, its output as the gate and up
-        projections keep it, gate, up and their product) is dropped and made again in
-        backward, the rerun stopping once the down projection's input is back
-        (`cost/flops.py`). Compiled layers compile the attention part and the MLP block as
-        regions of their own, the checkpoint outside them (as `run_layers` checkpoints a
-        compiled layer whole)."""
-        backend_c = self.compile_backend
-        if backend_c is None:
+        recomputation, `F.mN`). The checkpoint's input is the post-attention norm's input, the
+        residual stream, which the layer keeps anyway; what the norm and the MLP save (the
+        norm's reciprocal RMS and output, gate, up, their product) is made again in backward,
+        the rerun stopping once the down projection's input is back (`cost/flops.py`). Compiled
+        layers compile the attention part and the MLP block apart, the checkpoint outside them
+        (as `run_layers` checkpoints a compiled layer whole)."""
+        cb = self.compile_backend
+        if cb is None:
             h_TD, k_TGE, v_TGE = self.attention_block(h_TD, rope, layout, context, backend)
-            mlp = self.mlp_block
-        else:
-            if _hooked(self.self_attn):
-                h_TD, k_TGE, v_TGE = compiled(DecoderLayer.attention_block, backend_c)(
-                    self, h_TD, rope, layout, context, backend)
-            else:  # the attention outside the compiled regions, as `forward`'s
-                q_THE, k_TGE, v_TGE = compiled(DecoderLayer.before_attention, backend_c)(self, h_TD, rope)
-                out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
-                h_TD = compiled(DecoderLayer.attention_residual, backend_c)(self, h_TD, out_THE)
-            mlp = functools.partial(compiled(DecoderLayer.mlp_block, backend_c), self)
+        elif _hooked(self.self_attn):
+            h_TD, k_TGE, v_TGE = compiled(DecoderLayer.attention_block, cb)(self, h_TD, rope, layout, context, backend)
+        else:  # the attention outside the compiled regions, as `forward`'s
+            q_THE, k_TGE, v_TGE = compiled(DecoderLayer.before_attention, cb)(self, h_TD, rope)
+            out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
+            h_TD = compiled(DecoderLayer.attention_residual, cb)(self, h_TD, out_THE)
+        mlp = self.mlp_block if cb is None else functools.partial(compiled(DecoderLayer.mlp_block, cb), self)
         return h_TD + checkpoint(mlp, h_TD, use_reentrant=False), k_TGE, v_TGE
 
     def attention_block(self, h_TD, rope, layout: ChunkLayout, context, backend: str):

@@ -163,5 +163,5 @@ class FsdpSteps:
         return group_size * sum(p.to_local().numel() for p in self.model.parameters())
 
 
-def _backwards(structure: list[tuple[str, int, int]]) -> int:
-    return sum(kind == BACKWARD for kind, _, _ in structure)
+def _backwards(structure: list[tuple[str, int, int, int]]) -> int:
+    return sum(kind == BACKWARD for kind, *_ in structure)
