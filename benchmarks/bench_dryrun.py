@@ -100,6 +100,11 @@ SCENARIOS = {
     "qwen1.5b-32k-packing-1gpu": Scenario(model="qwen2.5-1.5b", cluster="h100", profile="chunkflow-eval",
                                           planner="packing", context_length=32768, batch_size=64,
                                           scheme={"dp": 1}),
+    # the same batch and row with every layer's MLP block recomputed (`--recompute mlp`: F0.m28), the
+    # SwiGLU's tensors dropped for a rerun of gate and up in backward (issue 26: peak <= 40 GiB)
+    "qwen1.5b-32k-packing-mlprecompute": Scenario(model="qwen2.5-1.5b", cluster="h100", profile="chunkflow-eval",
+                                                  planner="packing", context_length=32768, batch_size=64,
+                                                  scheme={"dp": 1}, options={"recompute": "mlp"}),
 }
 
 

@@ -185,34 +185,39 @@ def test_sequence_over_pipeline_memory_names_the_limit(name):
 
 
 @pytest.mark.parametrize("name", BASELINES)
-def test_baselines_recompute_every_layer_only_when_the_longest_sequence_needs_it(name):
-    """recompute=auto, as a Megatron user would: none while it fits, full when it must."""
+def test_baselines_recompute_only_as_much_as_the_longest_sequence_needs(name):
+    """recompute=auto: the cheapest level that fits the longest sequence, none while it fits,
+    then every layer's MLP block (33.7K tokens fit without, 124K with it), then every layer
+    whole (338K); the plan fits the simulator's memory at each level. megatron's auto, the
+    papers' Megatron-LM, has no MLP level: full for either."""
+    from lengthwise.sim import simulate_plan
+
     short = request([10, 3000, 700])
     plan = get_planner(name)(short)
     assert plan.options["recompute"] == "none"
-    assert all(a.recompute_layers == 0 for p in plan.pipelines for st in p.stages for a in st)
-
-    # fits only with recomputation (34.6K tokens without, 36.5K with: on the last stage the
-    # loss backward's bf16 logit gradient, 2 x 152K vocabulary bytes per token, is not recomputable)
-    req = request([10, 35500, 700], "dp4-pp2")
-    req.context_length = 65536
-    assert req.cost.max_seq_len(pp=2, dp=4) < 35500 <= req.cost.max_seq_len(pp=2, dp=4, recompute=True)
-    plan = get_planner(name)(req)
-    assert plan.options["recompute"] == "full"
-    layers = plan.pipelines[0].stage_layers(MODEL.num_layers)
-    for p in plan.pipelines:
-        for s, acts in enumerate(p.stages):
-            assert all(a.recompute_layers == layers[s] for a in acts if a.kind == "F")
-    assert_valid(plan, req)
-    from lengthwise.sim import simulate_plan
-    assert simulate_plan(plan, req.cost).fits
+    assert all(a.recompute_layers == a.recompute_mlp == 0 for p in plan.pipelines for st in p.stages for a in st)
+    none, mlp, full = (short.cost.max_seq_len(pp=2, dp=4, recompute=level) for level in ("none", "mlp", "full"))
+    assert none < 35500 <= mlp < 200000 <= full
+    for longest, level in ((35500, "mlp"), (200000, "full")):
+        level = "full" if name == "megatron" else level
+        req = request([10, longest, 700], "dp4-pp2")
+        req.context_length = 262144
+        plan = get_planner(name)(req)
+        assert plan.options["recompute"] == level
+        layers = plan.pipelines[0].stage_layers(MODEL.num_layers)
+        for p in plan.pipelines:
+            for s, acts in enumerate(p.stages):
+                marks = (layers[s], 0) if level == "full" else (0, layers[s])
+                assert all((a.recompute_layers, a.recompute_mlp) == marks for a in acts if a.kind == "F")
+        assert_valid(plan, req)
+        assert simulate_plan(plan, req.cost).fits
 
 
 @pytest.mark.parametrize("name", BASELINES)
 def test_sequence_over_memory_even_with_recomputation_is_named(name):
     req = request([10, 600000], "dp4-pp2")
     req.context_length = 1 << 20
-    limit = req.cost.max_seq_len(pp=2, dp=4, recompute=True)
+    limit = req.cost.max_seq_len(pp=2, dp=4, recompute="full")
     assert 600000 > limit
     with pytest.raises(UserError, match=f"600000 tokens > {limit}, .* even with full recomputation"):
         get_planner(name)(req)
@@ -314,7 +319,7 @@ def test_megatron_shrinks_its_micro_batches_to_what_full_recomputation_holds():
     from lengthwise.sim import simulate_plan
 
     req = request([1000] * 4, "dp4-pp2")
-    limit = req.cost.max_seq_len(pp=2, dp=4, recompute=True)
+    limit = req.cost.max_seq_len(pp=2, dp=4, recompute="full")
     req.context_length = 2 * limit
     req.lengths = [limit - 5000, 3000, 4000, limit // 2, limit // 3, 700] * 2
     plan = get_planner("megatron")(req)
@@ -353,7 +358,7 @@ def test_megatron_recomputing_the_longest_row_tp_does_not_divide_fits():
     scheme = ParallelScheme(dp=1, tp=4, pp=1)
     cluster = cluster_preset("h100", scheme.num_gpus)
     cost = CostModel(model=MODEL_PRESETS["qwen2.5-7b"], cluster=cluster)
-    limit = cost.max_seq_len(tp=4, recompute=True)
+    limit = cost.max_seq_len(tp=4, recompute="full")
     n = limit if limit % 4 else limit - 1
     # two: the second runs after the first backward has made the gradients
     req = PlanRequest(lengths=[n, n], model=cost.model, cluster=cluster, scheme=scheme, cost=cost,
@@ -361,3 +366,17 @@ def test_megatron_recomputing_the_longest_row_tp_does_not_divide_fits():
     plan = get_planner("megatron")(req)
     assert plan.options["recompute"] == "full"
     assert simulate_plan(plan, cost).fits
+
+
+def test_megatron_recomputes_mlp_blocks_when_asked():
+    """`recompute mlp` gives megatron (whose auto has no MLP level) every layer's MLP block
+    recomputed (`F3.m14`), sized by that level's limit."""
+    req = request([10, 35500, 700], "dp4-pp2", recompute="mlp")
+    req.context_length = 65536
+    plan = get_planner("megatron")(req)
+    assert plan.options["recompute"] == "mlp"
+    assert plan.options["micro_batch_tokens"] == min(65536, req.cost.max_seq_len(pp=2, dp=4, recompute="mlp"))
+    layers = plan.pipelines[0].stage_layers(MODEL.num_layers)
+    assert all((a.recompute_layers, a.recompute_mlp) == (0, layers[s])
+               for p in plan.pipelines for s, acts in enumerate(p.stages) for a in acts if a.kind == "F")
+    assert_valid(plan, req)

@@ -80,6 +80,36 @@ def test_recompute_trades_memory_for_time():
     assert cm.backward_time(ch, layers=7, recompute_layers=7) > cm.backward_time(ch, layers=7)
 
 
+def test_mlp_recomputation_sits_between_none_and_full():
+    """Recomputing every layer's MLP block keeps less than keeping everything and more than
+    full recomputation, and costs a backward less than full recomputation does: the level
+    between them. What a layer drops is its SwiGLU's 3 ffn / tp values, the post-attention
+    norm's output (whole) and one fp32 per row (/ tp with sequence parallelism); the backward
+    re-materialises that one block at a time and reruns the gate and up projections (and under
+    sequence parallelism one all-gather)."""
+    for sp in (True, False):
+        cm = dataclasses.replace(cost(), sequence_parallel=sp)
+        q = cm.model
+        ch = one(0, 0, 4096)
+        for tp in (1, 4):
+            kept = [cm.activation_bytes(ch, layers=7, tp=tp, **kw)
+                    for kw in ({}, {"recompute_mlp": 7}, {"recompute_layers": 7})]
+            assert kept[0] > kept[1] > kept[2], (sp, tp)
+            dropped = 3 * q.ffn * 2 / tp + q.hidden * 2 + 4 / (tp if sp else 1)
+            assert kept[0] - kept[1] == pytest.approx(7 * 4096 * dropped, rel=1e-12)
+            assert cm.recompute_transient_bytes(ch, tp=tp, recompute_mlp=7) == pytest.approx(4096 * dropped, rel=1e-12)
+            # a whole layer re-materialised is the larger transient when both levels are in one forward
+            assert cm.recompute_transient_bytes(ch, tp=tp, recompute_layers=1, recompute_mlp=6) == \
+                cm.recompute_transient_bytes(ch, tp=tp, recompute_layers=1)
+            times = [cm.backward_time(ch, layers=7, tp=tp, **kw)
+                     for kw in ({}, {"recompute_mlp": 7}, {"recompute_layers": 7})]
+            assert times[0] < times[1] < times[2], (sp, tp)
+            budget = cm.stage_budget(stage=0, tp=tp, pp=4)
+            assert budget.mlp_recomputed_per_token == cm.activation_bytes_per_token(layers=7, tp=tp, recompute_mlp=7)
+        limits = [cm.max_seq_len(pp=4, recompute=level) for level in ("none", "mlp", "full")]
+        assert limits[0] < limits[1] < limits[2]
+
+
 def test_zero_stages_shrink_model_states():
     cm = cost()
     sizes = [cm.model_state_bytes(layers=28, dp=8, zero=z, first=True, last=True) for z in (0, 1, 2, 3)]

@@ -367,6 +367,55 @@ def test_per_layer_recomputation_rematerialises_one_layer_at_a_time():
     assert saved == pytest.approx((layers - 1) * one_layer, rel=0.10)
 
 
+def test_mlp_recomputation_rematerialises_one_block_at_a_time():
+    """A chunk's forward that recomputes every layer's MLP block keeps all but what those blocks
+    save (`cost.memory.mlp_recompute_saved_bytes_per_token_layer`), and its backward reruns one
+    block at a time, so the most activations and backward temporaries it holds at once are L - 1
+    blocks' worth less than without recomputation: what the simulator charges
+    (`CostModel.recompute_transient_bytes`: one block re-materialised). Measured by MemTracker
+    under fake tensors as the highest activations and temporaries of any moment (gradients,
+    which grow as the backward goes, would move the moment of the whole peak); within 1%."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from lengthwise.plan.ir import Chunk, Segment
+    from lengthwise.runtime.layout import ChunkLayout
+    from lengthwise.runtime.model import CausalLM, StagePart
+
+    tokens, layers = 512, 4
+
+    class ActivationPeak(MemTracker):
+        most = 0
+
+        def _update_peak_stats(self, peak_state) -> None:
+            super()._update_peak_stats(peak_state)
+            now = sum(v for snap in self._curr_mem_snap.values() for k, v in snap.items()
+                      if str(k).split(".")[-1] in ("ACT", "TEMP"))
+            self.most = max(self.most, now)
+
+    def activation_peak(mlp: int) -> int:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = CausalLM(SMALL, StagePart(layers=range(layers), first=False, last=False), torch.bfloat16)
+            h = torch.randn(tokens, SMALL.hidden, dtype=torch.bfloat16, requires_grad=True)
+            rope = model.rope(torch.arange(tokens), torch.bfloat16)
+            layout = ChunkLayout.from_chunk(Chunk(segments=(Segment(seq_id=0, start=0, stop=tokens),)))
+            tracker = ActivationPeak()
+            tracker.track_external(model, h)
+            with tracker:
+                out, _ = model.run_layers(h, layers=range(layers), rope=rope, layout=layout,
+                                          contexts=[[[]]] * layers, backend="cpu-flash", recompute_mlp=mlp)
+                out.sum().backward()
+        return tracker.most
+
+    cm = CostModel(model=SMALL, cluster=cluster_preset("h100", 1))
+    chunk = Chunk(segments=(Segment(seq_id=0, start=0, stop=tokens),))
+    one_block = cm.recompute_transient_bytes(chunk, recompute_mlp=layers)
+    assert one_block == cm.activation_bytes(chunk, layers=1) - cm.activation_bytes(chunk, layers=1, recompute_mlp=1)
+    saved = activation_peak(0) - activation_peak(layers)
+    assert saved == pytest.approx((layers - 1) * one_block, rel=0.01)
+
+
 @pytest.fixture(scope="module")
 def hetero_rows(tmp_path_factory):
     """`lengthwise dryrun --json` of ranks 0 and 3 of a heterogeneous plan: a tp2 x pp1 pipeline
@@ -757,6 +806,44 @@ def recompute_rows(tmp_path_factory):
     path = tmp_path_factory.mktemp("dryrun_recompute") / "plan.json"
     plan.save(path)
     return dryrun_cli(path, "0,7", "recompute")
+
+
+@pytest.fixture(scope="module")
+def mlp_recompute_rows(tmp_path_factory):
+    """`lengthwise dryrun --json` of the first and last rank of the Megatron plan above (dp 2 x
+    pp 2 x tp 2, sequence parallelism) whose three forwards per stage recompute the MLP block of
+    every layer (F0.m2), one layer whole and the other's MLP block (F1.r1.m1), and nothing (F2)."""
+    from lengthwise.plan.ir import FORWARD, Action
+
+    scheme = ParallelScheme(dp=2, pp=2, tp=2)
+    cluster = cluster_preset("h100", scheme.num_gpus)
+    plan = get_planner("megatron")(PlanRequest(
+        lengths=[900, 300, 700, 400, 280, 520, 1000, 150], model=SMALL, cluster=cluster, scheme=scheme,
+        cost=CostModel(model=SMALL, cluster=cluster), context_length=1024, seed=0,
+        options={"recompute": "none"}))
+    levels = {0: (0, 2), 1: (1, 1), 2: (0, 0)}
+    for pipe in plan.pipelines:
+        assert len(pipe.chunks) == 3
+        pipe.stages = [[Action(FORWARD, a.chunk, *levels[a.chunk]) if a.kind == FORWARD else a for a in stage]
+                       for stage in pipe.stages]
+    assert [str(a) for a in plan.pipelines[0].stages[0] if a.kind == FORWARD] == ["F0.m2", "F1.r1.m1", "F2"]
+    path = tmp_path_factory.mktemp("dryrun_mlp_recompute") / "plan.json"
+    plan.save(path)
+    return dryrun_cli(path, "0,7", "mlp_recompute")
+
+
+def test_dryrun_mlp_recomputation_matches_the_simulator(mlp_recompute_rows):
+    """An MLP block's backward reruns the post-attention norm, its input's all-gather, gate, up
+    and their product and stops at the down projection (`cost.flops.mlp_recompute_flops`,
+    `SP_MLP_RECOMPUTE_ALL_GATHERS`): FLOPs and every collective equal `sim/rank.py`'s count,
+    and the peak is within the memory target, beside full and no recomputation in one plan."""
+    for rank, row in mlp_recompute_rows.items():
+        assert row["flops"]["measured"] == pytest.approx(row["flops"]["simulated"], rel=1e-6), rank
+        for kind, pair in row["comm_bytes"].items():
+            assert pair["measured"] == pytest.approx(pair["simulated"], rel=1e-12), (rank, kind)
+        assert row["comm_bytes"]["tp_all_gather"]["simulated"] > 0, rank
+        memory = row["peak_memory_gib"]
+        assert memory["measured"] == pytest.approx(memory["simulated"], rel=0.10), rank
 
 
 def test_dryrun_recomputation_reruns_what_non_reentrant_checkpoint_reruns(recompute_rows):

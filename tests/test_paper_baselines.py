@@ -48,7 +48,7 @@ def test_partial_recomputation_is_decided_per_batch_with_the_fewest_layers_that_
     packs and, on a batch with a long one, the fewest layers with which the step fits."""
     scheme = ParallelScheme(dp=4, pp=2)
     cost = request([1], scheme, 1).cost
-    context = int(cost.max_seq_len(pp=2, dp=4, recompute=True))
+    context = int(cost.max_seq_len(pp=2, dp=4, recompute="full"))
     assert context > cost.max_seq_len(pp=2, dp=4)
     short = [900, 700, 500, 300] * 4
     auto = get_planner("megatron")(request(short, scheme, context))

@@ -47,6 +47,8 @@ SCENARIOS = {
     "recompute-zero3-dp2-pp2": ("hand", [40, 30, 50, 20], {"zero": 3}, {}),
     "bf16-zero3-dp2-pp2": ("chunkflow", LENGTHS, {"dp": 2, "pp": 2, "zero": 3}, {"chunk_size": 32, "k": 1}),
     "packing-dp4-uneven": ("packing", [64] * 5, {"dp": 4}, {}),
+    "mlp-recompute-pp2-tp2": ("chunkflow", LENGTHS, {"pp": 2, "tp": 2}, {"chunk_size": 48, "k": 1}),
+    "mlp-recompute-dp2-cp2": ("skrull", SKRULL_LENGTHS, {"dp": 2, "cp": 2}, {"bucket_size": 100}),
 }
 """pp2-tp2-nosp, tp4-gqa-nosp: tensor parallelism without sequence parallelism (whole
 activations on every TP rank; the second with K/V projections replicated over TP); every other tp scenario splits the residual stream's rows over TP, with chunks of 47
@@ -54,7 +56,10 @@ and 5 tokens padded to a multiple of tp (tp4-gqa: chunks of 96, the 200-token se
 and chunks of 95, 17 and 8 tokens padded; the other tp scenarios' 48-token chunks would double
 its actions, each dispatched through DTensor on all 4 ranks). packing-dp4-uneven: one replica runs two backward units, the others one; the embedding of a
 stage that also holds the head has its own FSDP group, else the replicas' reduce-scatters of
-the root group differ in size (`fsdp.shard_groups`)."""
+the root group differ in size (`fsdp.shard_groups`). mlp-recompute-*: every forward recomputes
+the MLP block of one of each stage's layers and, outside CP-sharded chunks, the whole of
+another (`F3.r1.m1`; `with_mlp_recompute`), under sequence parallelism (its all-gather rerun in
+backward) and beside CP's sharded attention (which an MLP rerun does not touch)."""
 HAND_STAGES = ["F0.r1 F1.r1 B1 B0", "F0 F1.r2 B1 B0"]
 HAND_PIPELINES = [("0[0:20] 0[20:40]+1[0:30]", HAND_STAGES), ("2[0:50] 3[0:20]", HAND_STAGES)]
 """Planned recomputation (`F1.r2`: the stage's first 2 layers run again in backward) under
@@ -63,7 +68,30 @@ BF16 = "bf16-zero3-dp2-pp2"
 """bf16 compute over float32 master weights (FSDP2's mixed precision), against the float32 oracle."""
 
 
+def with_mlp_recompute(plan):
+    """`plan` with every forward recomputing one layer's MLP block, and one more layer whole
+    where the stage has it and no CP-sharded segment is in the chunk (the executor refuses
+    to rerun a sharded attention's all-gather)."""
+    from lengthwise.plan.ir import FORWARD, SHARDED, Action
+
+    for pipe in plan.pipelines:
+        layers = pipe.stage_layers(plan.model.num_layers)
+        for s, actions in enumerate(pipe.stages):
+            for i, a in enumerate(actions):
+                if a.kind == FORWARD:
+                    sharded = pipe.cp > 1 and any(g.cp_rank == SHARDED for g in pipe.chunks[a.chunk].segments)
+                    whole = 0 if sharded or layers[s] < 2 else 1
+                    actions[i] = Action(FORWARD, a.chunk, whole, 1)
+    return plan
+
+
 def make_plan(name: str):
+    if name.startswith("mlp-recompute"):
+        return with_mlp_recompute(_make_plan(name))
+    return _make_plan(name)
+
+
+def _make_plan(name: str):
     planner, lengths, degrees, options = SCENARIOS[name]
     spec = model_preset("tiny")
     if name.endswith("vocab259"):  # tp 2 does not divide it: padded to 260

@@ -109,14 +109,16 @@ def test_none_is_read_as_none_by_flags_and_option(words, expected):
 
 
 def test_none_reaches_the_planner_as_no_recomputation():
-    """`--recompute none` on a batch whose longest sequence needs full recomputation is refused
-    (it used to become `auto`, which recomputes); `full` plans it."""
+    """`--recompute none` on a batch whose longest sequence needs recomputation is refused
+    (it used to become `auto`, which recomputes); `auto` plans it at the cheapest level that
+    fits (MLP blocks), `full` and `mlp` as asked."""
     cost = CostModel(model=MODEL_PRESETS["qwen2.5-7b"], cluster=cluster_preset("h100", 2))
     plain = cost.max_seq_len(tp=2, pp=1)
     req = PlanRequest(lengths=[plain + 1, 100], model=cost.model, cluster=cost.cluster,
                       scheme=ParallelScheme(tp=2), cost=cost, context_length=2 * plain)
     for words, outcome in ((["--recompute", "none"], None), (["--option", "recompute=none"], None),
-                           (["--recompute", "auto"], "full"), (["--recompute", "full"], "full")):
+                           (["--recompute", "auto"], "mlp"), (["--recompute", "full"], "full"),
+                           (["--recompute", "mlp"], "mlp")):
         req.options = parsed_options(*words)
         if outcome is None:
             with pytest.raises(UserError, match="longest one pipeline"):
@@ -145,7 +147,7 @@ def test_take_options_builds_the_planners_class_with_defaults():
     ("infinipipe", {"score": "fast"}, "infinipipe option score must be one of simulate, estimate"),
     ("slimpack", {"dp_merge": "yes"}, "slimpack option dp_merge must be true or false"),
     ("auto", {"preselect": 0}, "auto option preselect must be a positive integer"),
-    ("padding", {"recompute": "some"}, "padding option recompute must be one of none, full, auto"),
+    ("padding", {"recompute": "some"}, "padding option recompute must be one of none, mlp, full, auto"),
 ])
 def test_a_value_the_field_refuses_is_a_one_line_user_error(planner, given, message):
     with pytest.raises(UserError) as err:
@@ -173,7 +175,7 @@ def test_the_baselines_share_one_recompute_declaration(capsys, monkeypatch):
     declared = {id(f) for p in baselines for f in dataclasses.fields(PLANNER_OPTIONS[p]) if f.name == "recompute"}
     assert len(declared) == 1
     text = " ".join(help_text("plan", capsys).split())
-    assert text.count("as a Megatron-LM user would choose") == 1
+    assert text.count("as the papers' Megatron-LM ran it") == 1
     assert f"{', '.join(baselines)}: activation recomputation" in text
 
 

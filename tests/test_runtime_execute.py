@@ -41,6 +41,8 @@ PLANS = {
     "split-in-row": [("0[0:4]+1[0:5]+0[4:8] 0[8:12]+2[0:4]+3[0:3]", ["N0 F1 B1 F0 B0"])],
     "pp2": [(SPLIT, ["N0 F1 F2 F3 B2 B1 F0 B3 B0", "N0 F1 F2 B2 B1 F3 B3 F0 B0"])],
     "pp2-recompute-head-only-stage": [(SPLIT, ["N0 F1.r2 F2.r1 B2 B1 F0.r1 B0 F3 B3", "N0 F1 F2 B2 B1 F0 B0 F3 B3"])],
+    # MLP recomputation: whole + MLP (F1.r1.m1), MLP of both layers, a re-forward recomputing one MLP
+    "mlp-recompute": [(SPLIT, ["N0 F1.r1.m1 F2.m2 B2 B1 F0.m1 B0 F3.m2 B3"])],
     "dp2": [("0[0:4] 0[4:12]", ["N0 F1 B1 F0 B0"]), ("1[0:5]+2[0:4]+3[0:3]", ["F0 B0"])],
     "dp2-pp2": [("0[0:4] 0[4:12]", ["F0 F1 B1 B0", "F0 F1 B1 B0"]), ("1[0:5]+2[0:4] 3[0:3]", ["F0 F1 B0 B1", "F0 B0 F1 B1"])],
 }
@@ -184,16 +186,18 @@ def test_kv_state_is_freed_right_after_its_last_use():
     assert frees == {5: [(0, 4, 8)], 7: [(0, 0, 4)]}  # slice [4:8] after B1, slice [0:4] after B0
 
 
-def test_compiled_layers_equal_eager_and_transformers():
+@pytest.mark.parametrize("name", ["split-k-all", "mlp-recompute"])
+def test_compiled_layers_equal_eager_and_transformers(name):
     """Each decoder layer under torch.compile (backend aot_eager: it traces and runs the
     captured graphs, forward and backward, without inductor's C++ compile, too slow for 2
-    cores) on a plan with a sequence split in three slices and packed rows: loss and every
-    gradient equal the eager executor's and transformers' within 1e-9."""
+    cores) on a plan with a sequence split in three slices and packed rows, and on one whose
+    layers recompute their MLP block (its checkpoint around a compiled region of its own): loss
+    and every gradient equal the eager executor's and transformers' within 1e-9."""
     pytest.importorskip("transformers")
     from lengthwise.runtime.compile import compile_layers
 
-    _, _, eager_loss, eager_grads = _run(LLAMA, PLANS["split-k-all"])
-    plan = hand_plan(LLAMA, LENGTHS, PLANS["split-k-all"])
+    _, _, eager_loss, eager_grads = _run(LLAMA, PLANS[name])
+    plan = hand_plan(LLAMA, LENGTHS, PLANS[name])
     model = build_model(LLAMA, dtype=torch.float64, seed=0)
     compile_layers(model, backend="aot_eager")
     ids = random_tokens(LENGTHS, LLAMA.vocab, 1)

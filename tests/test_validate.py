@@ -219,6 +219,42 @@ def test_recompute_more_layers_than_the_stage_has_is_rejected():
     rejected(plan([10], p), "F0.r20", "has 14", cost=CostModel(model=MODEL, cluster=CLUSTER))
 
 
+def test_recompute_whole_and_mlp_layers_beyond_the_stage_are_rejected():
+    """`.r` and `.m` share the stage's layers: 14 whole and 1 MLP block of a 14-layer stage is one too many."""
+    p = pipeline(["0[0:10]"])
+    p.stages[0] = [Action("F", 0, recompute_layers=14, recompute_mlp=1) if a.kind == "F" else a for a in p.stages[0]]
+    rejected(plan([10], p), "F0.r14.m1", "the MLP of 1 more", "has 14")
+    rejected(plan([10], p), "F0.r14.m1", "has 14", cost=CostModel(model=MODEL, cluster=CLUSTER))
+
+
+def test_mlp_recomputation_fits_a_chunk_that_does_not_fit_without():
+    """A lone chunk over what stage 1 holds keeping every activation fits once each layer
+    recomputes its MLP block (`F0.m14`): the validator counts what that forward keeps."""
+    cost = CostModel(model=MODEL, cluster=CLUSTER)
+    budget = cost.stage_budget(stage=1, pp=2)
+    tokens = int((budget.capacity - budget.states + budget.grads) / budget.activation_per_token * 1.05)
+    assert budget.mlp_recomputed_per_token * tokens < budget.activation_per_token * tokens / 2
+    mlp = _one_chunk_plan(tokens, pp=2)
+    rejected(mlp, "pipeline 0 stage", "GiB capacity", cost=cost)
+    mlp.pipelines[0].stages = [[Action("F", 0, recompute_mlp=14) if a.kind == "F" else a for a in acts]
+                               for acts in mlp.pipelines[0].stages]
+    validate_plan(mlp, cost)
+
+
+def test_recompute_marks_survive_a_json_round_trip():
+    """F3.r2.m5 and F3.m5 are written and read back as they were; a plan file without `.m`
+    (every file before MLP recomputation) reads with none."""
+    for text in ("F3", "F3.r2", "F3.m5", "F3.r2.m5"):
+        assert str(Action.parse(text)) == text
+    assert Action.parse("F3.r2.m5") == Action("F", 3, 2, 5) and Action.parse("F3.r2").recompute_mlp == 0
+    p = pipeline(["0[0:100]", "1[0:50]"])
+    p.stages = [[Action("F", a.chunk, 1, 3) if a.kind == "F" else a for a in acts] for acts in p.stages]
+    again = StepPlan.from_dict(plan([100, 50], p).to_dict())
+    assert again.pipelines[0].stages == p.stages and "F0.r1.m3" in again.to_dict()["pipelines"][0]["stages"][0]
+    with pytest.raises(UserError, match="bad action 'F3.m5.r2'"):
+        Action.parse("F3.m5.r2")
+
+
 def test_plan_is_still_valid_after_a_json_round_trip():
     p = plan([100, 300, 50], pipeline(["0[0:100]+2[0:50]"]), pipeline(["1[0:150]", "1[150:300]"]))
     validate_plan(StepPlan.from_dict(p.to_dict()))

@@ -33,6 +33,12 @@ the post-attention norm, gate, up and their SwiGLU product, but not the down pro
 (2 * hidden * ffn FLOPs per token, `down_proj_flops`) and nothing after it
 (`recompute_forward_flops`; the collectives it skips are in `cost/model.py`).
 
+MLP recomputation (an `F.mN` action: N of the stage's layers checkpoint their MLP block, the
+post-attention norm through the down projection, `runtime/model.DecoderLayer`): the backward
+reruns that block until the down projection's input is back, the same early stop, so the norm
+(no GEMM), the gate and up projections (2 * 2 * hidden * ffn FLOPs per token) and their SwiGLU
+product (`mlp_recompute_flops`); never the attention.
+
 A padded chunk (padding baseline) holds k segments each padded to pad_to / k tokens: all of its
 row costs linear FLOPs and each padded row costs full causal attention over its padded length.
 """
@@ -100,6 +106,13 @@ def recompute_forward_flops(model: ModelSpec, work: ChunkWork) -> tuple[float, f
     (module docstring). Whole-model FLOPs, as `layer_forward_flops`."""
     lin, attn = layer_forward_flops(model, work)
     return lin - down_proj_flops(model, work.tokens), attn
+
+
+def mlp_recompute_flops(model: ModelSpec, tokens):
+    """FLOPs a backward reruns for one decoder layer whose MLP block is checkpointed, on `tokens`
+    rows (a number or an array): its gate and up projections, the down projection being where
+    the rerun stops (module docstring). Whole-model FLOPs, as `layer_forward_flops`."""
+    return 2.0 * 2 * model.hidden * model.ffn * tokens
 
 
 def replicated_kv_flops(model: ModelSpec, tokens, tp: int):

@@ -43,7 +43,15 @@
   input for their weight gradients (Megatron-LM re-gathers it in backward instead; we count
   what our executor keeps: 2h whole, as `lengthwise dryrun` measures). A layer under full
   recomputation keeps only its input (h / tp) (infinipipe.txt eq. 5 calls the per-token figure
-  M_token). A row tp does not divide is padded to the next multiple, and the output projection
+  M_token). A layer under MLP recomputation (`F.mN`, `runtime/model.DecoderLayer`: one
+  non-reentrant checkpoint over its post-attention norm and MLP) keeps what its attention block
+  keeps and, of the MLP block, only the block's input, the residual stream after the
+  attention, which is also the norm's input and so was kept anyway: it drops the SwiGLU's
+  gate, up and product (3 ffn / tp), the norm's output as the gate and up projections keep it
+  (h, gathered whole) and the norm's reciprocal RMS (one fp32, / tp with sequence parallelism)
+  (`mlp_recompute_saved_bytes_per_token_layer`; Qwen2.5-1.5B: 56.8 of 73.3 KB per token and
+  layer at tp 1). Checkpointing at the norm's input rather than its output (the MLP alone) drops
+  the norm's output too, for a rerun of one norm (and under sequence parallelism one all-gather). A row tp does not divide is padded to the next multiple, and the output projection
   keeps a padded copy of the attention output beside flash attention's unpadded one
   (`CostModel.attention_pad_bytes`, per chunk: not a per-token figure).
   Without sequence parallelism (`CostModel.sequence_parallel` False, `sp=False` here; the
@@ -198,6 +206,15 @@ def checkpoint_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool 
     return model.hidden * BYTES_BF16 / (tp if sp else 1)
 
 
+def mlp_recompute_saved_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
+    """Bytes per token a decoder layer does not keep when its MLP block is recomputed (module
+    docstring): the SwiGLU's 3 ffn / tp bf16 values, the post-attention norm's output (h bf16,
+    whole) and its reciprocal RMS (fp32; this rank's rows under sequence parallelism). Also
+    what its backward re-materialises at once: the rerun stops once the down projection's
+    input, the last of them, is back (`cost/flops.py`)."""
+    return 3 * model.ffn * BYTES_BF16 / tp + model.hidden * BYTES_BF16 + BYTES_FP32 / (tp if sp else 1)
+
+
 def head_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
     """What the LM head and its loss keep per token on the last stage (module docstring): the
     final norm's input (bf16) and reciprocal RMS (fp32), this rank's rows under sequence
@@ -295,14 +312,16 @@ def head_backward_fixed_bytes(model: ModelSpec, tp: int = 1) -> float:
     return head_columns(model, tp) * model.hidden * BYTES_BF16 + HEAD_BLOCK_BYTES * (BYTES_FP32 + BYTES_BF16) / BYTES_FP32
 
 
-def backward_work_bytes(model: ModelSpec, tokens, tp: int = 1, *, layers: int, head: bool, sp: bool = True):
+def backward_work_bytes(model: ModelSpec, tokens, tp: int = 1, *, layers: int, head: bool, sp: bool = True,
+                        remat=0.0):
     """Largest working set of a stage's backward beyond its kept activations for a chunk of
     `tokens` rows (a number or an array): one layer's per token (`layer_backward_bytes_per_token`),
-    and on the last stage, where it runs first, the blocked loss's (`head_backward_bytes`), then
-    the final norm's beside the head weight's bf16 gradient (the norm and the head are one FSDP
-    unit, which takes that gradient into its fp32 accumulator after both backwards); the
-    layers' run once the head's kept tensors are freed."""
-    layer = np.multiply(layer_backward_bytes_per_token(model, tp, sp=sp) if layers > 0 else 0.0, tokens)
+    beside `remat` bytes a recomputed layer (or MLP block) re-materialises for it, and on the
+    last stage, where it runs first, the blocked loss's (`head_backward_bytes`), then the final
+    norm's beside the head weight's bf16 gradient (the norm and the head are one FSDP unit,
+    which takes that gradient into its fp32 accumulator after both backwards); the layers' (and
+    their re-materialisation) run once the head's kept tensors are freed."""
+    layer = np.multiply(layer_backward_bytes_per_token(model, tp, sp=sp) if layers > 0 else 0.0, tokens) + remat
     if not head:
         return layer
     weight_grad = head_columns(model, tp) * model.hidden * BYTES_BF16

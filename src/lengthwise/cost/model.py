@@ -25,6 +25,7 @@ from lengthwise.cost.flops import (
     head_forward_flops,
     layer_forward_flops,
     matmul_params_per_layer,
+    mlp_recompute_flops,
     replicated_kv_flops,
 )
 from lengthwise.cost.time import Profile, Throughput, layer_seconds
@@ -54,6 +55,15 @@ SP_RECOMPUTE_REDUCE_SCATTERS = 1
 NOSP_RECOMPUTE_ALL_REDUCES = 1
 """All-reduces a backward reruns for one checkpointed layer without sequence parallelism: the
 attention output's (o_proj); the down projection's is never rerun."""
+SP_MLP_RECOMPUTE_ALL_GATHERS = 1
+"""All-gathers a backward reruns for one layer whose MLP block is checkpointed (`F.mN`), under
+sequence parallelism: the MLP's input. Its reduce-scatter comes after the down projection, where
+the rerun stops; without sequence parallelism it reruns no collective (its input is whole and
+its all-reduce is the down projection's)."""
+
+RECOMPUTE_LEVELS = ("none", "mlp", "full")
+"""Recomputation levels a planner chooses between, cheapest first: none, every layer's MLP block
+(`F.mN`), every layer whole (`F.rN`)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,10 @@ class StageBudget:
     """The same when the forward recomputes every layer of the stage (keeps their inputs)."""
     remat_per_token: float
     """Bytes per token a backward re-materialises at once under recomputation (one layer)."""
+    mlp_recomputed_per_token: float
+    """The same as `activation_per_token` when the forward recomputes every layer's MLP block."""
+    mlp_remat_per_token: float
+    """Bytes per token a backward re-materialises at once under MLP recomputation (one MLP block)."""
     kv_per_token: float
     """K/V bytes per context token over the stage's layers (split sequences keep them)."""
     backward_work_per_token: float
@@ -200,12 +214,34 @@ class CostModel:
         return max(self._gpu_time(w, layers, tp, head, backward=False, embed=embed) for w in rank_works(chunk, cp))
 
     def backward_time(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False,
-                      recompute_layers: int = 0, embed: bool = False) -> float:
+                      recompute_layers: int = 0, recompute_mlp: int = 0, embed: bool = False) -> float:
         """Backward seconds, plus what it reruns of the forward of `recompute_layers` layers
-        (`recompute_time`)."""
+        (`recompute_time`) and of `recompute_mlp` layers' MLP blocks (`mlp_recompute_time`)."""
         return max(self._gpu_time(w, layers, tp, head, backward=True, embed=embed)
                    + self.recompute_time(w, layers=recompute_layers, tp=tp)
+                   + self.mlp_recompute_time(w, layers=recompute_mlp, tp=tp)
                    for w in rank_works(chunk, cp))
+
+    def mlp_recompute_time(self, work: ChunkWork, *, layers: int, tp: int = 1) -> float:
+        """Seconds one GPU spends rerunning `layers` checkpointed MLP blocks in a backward on
+        `work`: their gate and up projections (`cost/flops.mlp_recompute_flops`) and, under
+        sequence parallelism, the all-gather of each block's input
+        (`SP_MLP_RECOMPUTE_ALL_GATHERS`). A profile measured whole layer forwards: its per-token
+        coefficient cut to the gate and up projections' share of the layer's linear FLOPs."""
+        if layers <= 0 or work.tokens == 0:
+            return 0.0
+        fit = self.profile.fit_for(tp, 1) if self.profile else None
+        if fit is not None:
+            share = 2 * self.model.hidden * self.model.ffn / matmul_params_per_layer(self.model)
+            return layers * fit.fwd[1] * share * work.tokens
+        peak = self.cluster.peak_tflops * 1e12
+        gemm_s = mlp_recompute_flops(self.model, work.tokens) / tp / (
+            peak * self.throughput.linear_efficiency(work.tokens, tp))
+        gather_s = 0.0
+        if tp > 1 and self.sequence_parallel:
+            gather_s = SP_MLP_RECOMPUTE_ALL_GATHERS * self.collective_time(
+                "all_gather", self.sp_collective_bytes(work.tokens), ranks=tp, inter_node=False)
+        return layers * (gemm_s + (1.0 - self.tp_comm_overlap) * gather_s)
 
     def recompute_time(self, work: ChunkWork, *, layers: int, tp: int = 1) -> float:
         """Seconds one GPU spends rerunning `layers` checkpointed layers' forwards in a backward
@@ -391,36 +427,44 @@ class CostModel:
         return self.cluster.gpu_memory_bytes * (1.0 - self.memory_reserve_frac)
 
     def activation_bytes_per_token(self, *, layers: int, tp: int = 1, recompute_layers: int = 0,
-                                   head: bool = False) -> float:
+                                   recompute_mlp: int = 0, head: bool = False) -> float:
+        """Bytes a chunk keeps per row token on a stage of `layers` layers, `recompute_layers` of
+        them recomputed whole (each keeps its input) and `recompute_mlp` more their MLP block
+        (each keeps all but `mem.mlp_recompute_saved_bytes_per_token_layer`), with the LM
+        head's on the last stage (`head`)."""
         sp = self.sequence_parallel
         full = mem.activation_bytes_per_token_layer(self.model, tp, sp=sp)
         if self.profile and self.profile.activation_bytes_per_token_layer:
             full = self.profile.activation_bytes_per_token_layer / tp
         kept = recompute_layers * mem.checkpoint_bytes_per_token_layer(self.model, tp, sp=sp)
+        if recompute_mlp:
+            kept -= recompute_mlp * mem.mlp_recompute_saved_bytes_per_token_layer(self.model, tp, sp=sp)
         head_b = mem.head_bytes_per_token(self.model, tp, sp=sp) if head else 0.0
         return (layers - recompute_layers) * full + kept + head_b
 
     def activation_bytes(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1,
-                         recompute_layers: int = 0, head: bool = False) -> float:
+                         recompute_layers: int = 0, recompute_mlp: int = 0, head: bool = False) -> float:
         """Bytes held from the chunk's forward to its backward on the busiest GPU of the CP
         group: per token, and without CP the attention output's padded copy of each layer that
         keeps its activations (`attention_pad_bytes`); under CP each such layer also keeps the
         K/V its all-gather assembled of the chunk's sharded segments, whole, for its backward
-        (`cp_kv_layer_bytes`: the executor gathers nothing again there)."""
+        (`cp_kv_layer_bytes`: the executor gathers nothing again there). A layer that recomputes
+        only its MLP block keeps both: its attention is not rerun."""
         if cp <= 1:
             return float(self.activation_bytes_rows(chunk_work(chunk).tokens, layers=layers, tp=tp,
-                                                    recompute_layers=recompute_layers, head=head))
+                                                    recompute_layers=recompute_layers, recompute_mlp=recompute_mlp,
+                                                    head=head))
         per_token = self.activation_bytes_per_token(layers=layers, tp=tp, recompute_layers=recompute_layers,
-                                                    head=head)
+                                                    recompute_mlp=recompute_mlp, head=head)
         gathered = (layers - recompute_layers) * self.cp_kv_layer_bytes(chunk, tp=tp)
         return per_token * max(w.tokens for w in rank_works(chunk, cp)) + gathered
 
     def activation_bytes_rows(self, tokens, *, layers: int, tp: int = 1, recompute_layers: int = 0,
-                              head: bool = False):
+                              recompute_mlp: int = 0, head: bool = False):
         """`activation_bytes` of chunks without CP of these row tokens (a number or a float64
         array, elementwise: the same floats)."""
         per_token = self.activation_bytes_per_token(layers=layers, tp=tp, recompute_layers=recompute_layers,
-                                                    head=head)
+                                                    recompute_mlp=recompute_mlp, head=head)
         return per_token * tokens + (layers - recompute_layers) * self.attention_pad_bytes(tokens, tp=tp)
 
     def attention_pad_bytes(self, tokens, *, tp: int = 1):
@@ -437,7 +481,8 @@ class CostModel:
         padded = np.ceil(tokens / tp) * tp
         return np.where(padded > tokens, padded * (self.model.q_dim * mem.BYTES_BF16 / tp), 0.0)
 
-    def recompute_transient_bytes_per_token(self, *, tp: int = 1, recompute_layers: int = 0) -> float:
+    def recompute_transient_bytes_per_token(self, *, tp: int = 1, recompute_layers: int = 0,
+                                            recompute_mlp: int = 0) -> float:
         """Bytes per token a backward re-materialises at once when its forward recomputed
         `recompute_layers` layers. The executor checkpoints layer by layer
         (`runtime/model.run_layers`, non-reentrant `torch.utils.checkpoint` per layer), so the
@@ -445,16 +490,24 @@ class CostModel:
         layer's activations less the input it kept, whatever the count (0 with no recomputation).
         The rerun stops once the last tensor the layer saved, the down projection's input, is
         back (`cost/flops.py`), so all of them are held at once and nothing beyond them: the
-        down projection's output and the layer's output are never made again."""
+        down projection's output and the layer's output are never made again. With only MLP
+        blocks recomputed, one block's (`mem.mlp_recompute_saved_bytes_per_token_layer`); with
+        both, a whole layer's, the larger."""
         if recompute_layers <= 0:
-            return 0.0
+            return self._mlp_remat_per_token(tp) if recompute_mlp > 0 else 0.0
         return (self.activation_bytes_per_token(layers=1, tp=tp)
                 - self.activation_bytes_per_token(layers=1, tp=tp, recompute_layers=1))
 
-    def recompute_transient_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1, recompute_layers: int = 0) -> float:
+    def _mlp_remat_per_token(self, tp: int) -> float:
+        return mem.mlp_recompute_saved_bytes_per_token_layer(self.model, tp, sp=self.sequence_parallel)
+
+    def recompute_transient_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1, recompute_layers: int = 0,
+                                  recompute_mlp: int = 0) -> float:
         """`recompute_transient_bytes_per_token` for the chunk's busiest GPU of the CP group."""
         if recompute_layers <= 0:
-            return 0.0
+            if recompute_mlp <= 0:
+                return 0.0
+            return self._mlp_remat_per_token(tp) * max(w.tokens for w in rank_works(chunk, cp))
         if cp <= 1:  # the re-materialised layer's activations, its padded attention output's copy too
             return float(self.activation_bytes_rows(chunk_work(chunk).tokens, layers=1, tp=tp)
                          - self.activation_bytes_rows(chunk_work(chunk).tokens, layers=1, tp=tp, recompute_layers=1))
@@ -466,19 +519,22 @@ class CostModel:
         chunk's backward runs on the last stage (busiest GPU of the CP group)."""
         return float(mem.head_backward_bytes(self.model, max(w.tokens for w in rank_works(chunk, cp)), tp))
 
-    def backward_work_bytes(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False) -> float:
+    def backward_work_bytes(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False,
+                            remat: float = 0.0) -> float:
         """Largest working set of the chunk's backward on a stage of `layers` layers (`head`:
         the last stage), on top of its kept activations (busiest GPU of the CP group): the
-        loss's backward on the last stage, one layer's SwiGLU backward elsewhere
+        loss's backward on the last stage, one layer's SwiGLU backward elsewhere, beside the
+        `remat` bytes (`recompute_transient_bytes`) a recomputed layer re-materialises for it
         (`cost/memory.py`)."""
         return float(self.backward_work_bytes_rows(max(w.tokens for w in rank_works(chunk, cp)), layers=layers,
-                                                   tp=tp, head=head))
+                                                   tp=tp, head=head, remat=remat))
 
-    def backward_work_bytes_rows(self, tokens, *, layers: int, tp: int = 1, head: bool = False):
+    def backward_work_bytes_rows(self, tokens, *, layers: int, tp: int = 1, head: bool = False, remat=0.0):
         """`backward_work_bytes` of rows of these tokens (a number or a float64 array,
-        elementwise): per token, and on the last stage the blocked loss's backward
+        elementwise, as `remat`): per token, and on the last stage the blocked loss's backward
         (`mem.backward_work_bytes`)."""
-        return mem.backward_work_bytes(self.model, tokens, tp, layers=layers, head=head, sp=self.sequence_parallel)
+        return mem.backward_work_bytes(self.model, tokens, tp, layers=layers, head=head, sp=self.sequence_parallel,
+                                       remat=remat)
 
     def backward_work_bytes_per_token(self, *, layers: int, tp: int = 1, head: bool = False) -> float:
         """`backward_work_bytes` per token (`mem.backward_work_bytes_per_token` in this model's
@@ -697,6 +753,8 @@ class CostModel:
             activation_per_token=self.activation_bytes_per_token(layers=n, tp=tp, head=last),
             recomputed_per_token=self.activation_bytes_per_token(layers=n, tp=tp, head=last, recompute_layers=n),
             remat_per_token=self.recompute_transient_bytes_per_token(tp=tp, recompute_layers=n),
+            mlp_recomputed_per_token=self.activation_bytes_per_token(layers=n, tp=tp, head=last, recompute_mlp=n),
+            mlp_remat_per_token=self.recompute_transient_bytes_per_token(tp=tp, recompute_mlp=n),
             kv_per_token=self.kv_bytes(1, layers=n, tp=tp),  # a measured profile's K/V size too
             backward_work_per_token=self.backward_work_bytes_per_token(layers=n, tp=tp, head=last),
             backward_work_fixed=mem.head_backward_fixed_bytes(self.model, tp) if last else 0.0)
@@ -706,32 +764,39 @@ class CostModel:
         return [self.stage_budget(stage=s, tp=tp, pp=pp, replicas=replicas, zero=zero) for s in range(pp)]
 
     def max_seq_len(self, *, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, zero: int = 1,
-                    inflight: int | None = None, recompute: bool = False) -> int:
+                    inflight: int | None = None, recompute: str = "none") -> int:
         """Longest sequence one pipeline of the scheme holds when every stage keeps `inflight`
         micro-batches of that length alive (default pp on the first stage, pp - s on stage s:
-        hydraulis.txt B.1 MaxLen; skrull.txt A.1 BucketSize with pp = 1). With `recompute`
-        every layer keeps only its input (full recomputation) and the backward of one
-        micro-batch re-materialises one layer at a time, as the executor checkpoints and the
-        simulator charges it (`recompute_transient_bytes_per_token`); every stage also holds
-        the backward's working set of one micro-batch (`backward_work_bytes`: the loss's on the
-        last stage, one layer's elsewhere). Under CP a micro-batch's tokens spread over the cp
-        ranks, but each layer keeps the K/V of the whole sequence that its all-gather assembled
-        (`activation_bytes`); without CP, a micro-batch whose rows tp does not divide keeps a
-        padded copy of each layer's attention output (`attention_pad_bytes`; under recomputation
-        only the re-materialised layer's), counted for every micro-batch since its length is not
-        known here."""
+        hydraulis.txt B.1 MaxLen; skrull.txt A.1 BucketSize with pp = 1), at the recomputation
+        level `recompute` (RECOMPUTE_LEVELS): with "full" every layer keeps only its input, with
+        "mlp" every layer drops its MLP block's tensors (`mem.mlp_recompute_saved_bytes_per_token_layer`),
+        and the backward of one micro-batch re-materialises one layer (or one MLP block) at a
+        time, as the executor checkpoints and the simulator charges it
+        (`recompute_transient_bytes_per_token`); every stage also holds the backward's working
+        set of one micro-batch (`backward_work_bytes`: the loss's on the last stage, one
+        layer's elsewhere). Under CP a micro-batch's tokens spread over the cp ranks, but each
+        layer that runs its attention in backward without rerunning it (all but "full") keeps
+        the K/V of the whole sequence that its all-gather assembled (`activation_bytes`);
+        without CP, a micro-batch whose rows tp does not divide keeps a padded copy of each such
+        layer's attention output (`attention_pad_bytes`; under full recomputation only the
+        re-materialised layer's), counted for every micro-batch since its length is not known
+        here."""
+        assert recompute in RECOMPUTE_LEVELS, recompute
+        full = recompute == "full"
         best = math.inf
         for b in self.stage_budgets(tp=tp, pp=pp, replicas=dp * cp, zero=zero):
             held = inflight if inflight is not None else pp - b.stage
-            kept = b.recomputed_per_token if recompute else b.activation_per_token
+            kept, remat = {"none": (b.activation_per_token, 0.0),
+                           "mlp": (b.mlp_recomputed_per_token, b.mlp_remat_per_token),
+                           "full": (b.recomputed_per_token, b.remat_per_token)}[recompute]
             # plus one backward's re-materialised layer and its working set (the loss's on the
             # last stage) while one micro-batch's backward runs
-            per_token = (kept * held + (b.remat_per_token if recompute else 0.0) + b.backward_work_per_token) / cp
-            if cp > 1 and not recompute:  # each layer keeps the K/V its all-gather assembled, whole
+            per_token = (kept * held + remat + b.backward_work_per_token) / cp
+            if cp > 1 and not full:  # each layer keeps the K/V its all-gather assembled, whole
                 per_token += held * b.kv_per_token
             elif cp <= 1 and tp > 1 and self.sequence_parallel:  # a row tp does not divide: its padded attention copy, in every kept layer
-                # (only in the re-materialised one under recomputation)
-                per_token += (1 if recompute else held * b.layers) * self.model.q_dim * mem.BYTES_BF16 / tp
+                # (only in the re-materialised one under full recomputation)
+                per_token += (1 if full else held * b.layers) * self.model.q_dim * mem.BYTES_BF16 / tp
             free = b.free - b.backward_work_fixed  # the loss's block and weight gradient (last stage)
             best = min(best, free / per_token if free > 0 else 0)
         return int(best)

@@ -14,7 +14,9 @@ Vocabulary (used throughout the project):
   that keeps only K/V state) of one chunk.
 
 String forms round-trip: an action is `F3`, `B3`, `N3`, with `.r4` when the forward keeps only
-the checkpoints of 4 of the stage's layers (those layers are recomputed before the backward).
+the checkpoints of 4 of the stage's layers (those layers are recomputed before the backward),
+and `.m20` when 20 more of its layers keep only their MLP block's input and recompute the MLP
+(`F3.r4.m20`: layers 0-3 of the stage recomputed whole, 4-23 their MLP only, the rest none).
 A segment is `7[0:4096]`; a chunk is `7[0:4096]+2[0:100]`.
 
 Backward grouping (SlimPack §4.1.2): a pipeline may carry `backward_chunks`, a separate grouping
@@ -140,18 +142,26 @@ class Action:
     """Index into the pipeline's chunks (for B: into backward_chunks when present)."""
     recompute_layers: int = 0
     """For F: how many of this stage's layers keep only their input and are recomputed
-    before the backward (InfiniPipe's chunk-level checkpointing). 0 keeps everything."""
+    before the backward (InfiniPipe's chunk-level checkpointing): its first ones. 0 keeps
+    everything."""
+    recompute_mlp: int = 0
+    """For F: how many of the stage's other layers (the next ones after the `recompute_layers`)
+    keep, of their MLP block (post-attention norm, gate, up, SwiGLU, down), only its input and
+    recompute it before its backward: selective recomputation, a level between none and full
+    that drops the SwiGLU's 3 x ffn values per token, the most a layer keeps
+    (`cost/memory.py`), and reruns neither the attention nor a CP exchange. 0: none."""
 
     def __str__(self) -> str:
         suffix = f".r{self.recompute_layers}" if self.recompute_layers else ""
+        suffix += f".m{self.recompute_mlp}" if self.recompute_mlp else ""
         return f"{self.kind}{self.chunk}{suffix}"
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        m = re.fullmatch(r"([FBN])([0-9]+)(?:\.r([0-9]+))?", text.strip())
+        m = re.fullmatch(r"([FBN])([0-9]+)(?:\.r([0-9]+))?(?:\.m([0-9]+))?", text.strip())
         if not m:
-            raise UserError(f"bad action {text!r}: expected F3, B3, N3 or F3.r2")
-        return cls(m.group(1), int(m.group(2)), int(m.group(3) or 0))
+            raise UserError(f"bad action {text!r}: expected F3, B3, N3, F3.r2, F3.m2 or F3.r2.m5")
+        return cls(m.group(1), int(m.group(2)), int(m.group(3) or 0), int(m.group(4) or 0))
 
 
 @dataclass

@@ -40,6 +40,7 @@ from lengthwise.plan.ir import (
     FORWARD,
     FORWARD_NOGRAD,
     SHARDED,
+    Action,
     Chunk,
     PipelinePlan,
     Segment,
@@ -282,16 +283,17 @@ def memory_overflow(pipe: PipelinePlan, cost: CostModel, *, num_layers: int, dp:
         # executor have them): a chunk forwarded before it holds the states without them
         first_b = next((i for i, a in enumerate(actions) if a.kind == BACKWARD), len(actions))
         early = {a.chunk for a in actions[:first_b] if a.kind == FORWARD}
-        recompute = {a.chunk: a.recompute_layers for a in actions if a.kind == FORWARD}
-        per_token: dict[int, float] = {}  # activation bytes per row token, by recomputed layers
+        recompute = {a.chunk: (a.recompute_layers, a.recompute_mlp) for a in actions if a.kind == FORWARD}
+        per_token: dict[tuple[int, int], float] = {}  # activation bytes per row token, by recomputed layers
         for c, chunk_loads in enumerate(loads):
-            r = recompute.get(c, 0)
-            if r > layers[s]:
-                raise UserError(f"{where}stage {s} F{c}.r{r}: recomputes {r} layers but the stage has {layers[s]}")
-            if r not in per_token:
-                per_token[r] = cost.activation_bytes_per_token(layers=layers[s], tp=pipe.tp, recompute_layers=r,
-                                                               head=last)
-            act, kv = _fullest_cp_rank(cost, per_token[r], chunk_loads, layers[s], pipe.tp)
+            r, m = level = recompute.get(c, (0, 0))
+            if r + m > layers[s]:
+                raise UserError(f"{where}stage {s} {Action(FORWARD, c, r, m)}: recomputes {r} layers"
+                                f"{f' and the MLP of {m} more' if m else ''} but the stage has {layers[s]}")
+            if level not in per_token:
+                per_token[level] = cost.activation_bytes_per_token(layers=layers[s], tp=pipe.tp, recompute_layers=r,
+                                                                   recompute_mlp=m, head=last)
+            act, kv = _fullest_cp_rank(cost, per_token[level], chunk_loads, layers[s], pipe.tp)
             states = budget.states - (budget.grads if c in early else 0.0)
             need = states + act + kv
             if need > cost.capacity_bytes:
@@ -360,11 +362,13 @@ def check_backward_units(chunks: list[Chunk], units: list[Chunk], *, where: str 
 
 
 def check_recompute(plan: StepPlan, p: int, pipe: PipelinePlan) -> None:
-    """A forward recomputes at most the layers its stage holds (F3.r2 on a 1-layer stage is wrong)."""
+    """A forward recomputes at most the layers its stage holds, whole (`.r`) and MLP only (`.m`)
+    together (F3.r2 on a 1-layer stage is wrong, and so is F3.r1.m1)."""
     for s, (actions, layers) in enumerate(zip(pipe.stages, pipe.stage_layers(plan.model.num_layers))):
         for a in actions:
-            if a.recompute_layers > layers:
-                raise UserError(f"pipeline {p} stage {s} {a}: recomputes {a.recompute_layers} layers "
+            if a.recompute_layers + a.recompute_mlp > layers:
+                mlp = f" and the MLP of {a.recompute_mlp} more" if a.recompute_mlp else ""
+                raise UserError(f"pipeline {p} stage {s} {a}: recomputes {a.recompute_layers} layers{mlp} "
                                 f"but the stage has {layers}")
 
 

@@ -171,11 +171,15 @@ def plan_metrics(plan: StepPlan, cost: CostModel) -> dict[str, Any]:
     }
 
 
-def recompute_forwards(pipelines: list[PipelinePlan], layers: list[int] | None) -> list[PipelinePlan]:
+def recompute_forwards(pipelines: list[PipelinePlan], layers: list[int] | None,
+                       mlp: list[int] | None = None) -> list[PipelinePlan]:
     """The pipelines, every forward on stage s recomputing `layers[s]` of that stage's layers
-    (`F3.r5`; in place). None or all zeros leave them as they are."""
-    if layers and any(layers):
+    whole and the MLP block of `mlp[s]` more (`F3.r5`, `F3.m7`; in place). None or all zeros
+    leave them as they are."""
+    layers = layers or [0] * len(mlp or [])
+    mlp = mlp or [0] * len(layers)
+    if any(layers) or any(mlp):
         for pipe in pipelines:
-            pipe.stages = [[Action(FORWARD, a.chunk, layers[s]) if a.kind == FORWARD else a for a in actions]
+            pipe.stages = [[Action(FORWARD, a.chunk, layers[s], mlp[s]) if a.kind == FORWARD else a for a in actions]
                            for s, actions in enumerate(pipe.stages)]
     return pipelines

@@ -51,12 +51,14 @@ best-fit by bisection over open bins), megatron O(n) next-fit and O(n log n) bes
 in the usual case (packing_utils) plus best-fit-decreasing per rank; schedules are made once per
 distinct pipeline shape.
 
-Every baseline takes `recompute` (none / full / auto, default auto; megatron's auto can be
-decided per batch, `recompute_per_batch`):
-as a Megatron-LM user would, it recomputes every layer only when its longest sequence
-(megatron: a context-length micro-batch) does not fit 1F1B without it. Selective recomputation (Megatron's core-attention
-recomputation) is not offered: with flash attention the attention core saves no scores, so it
-frees nothing the cost model counts.
+Every baseline takes `recompute` (none / mlp / full / auto, default auto; megatron's auto can be
+decided per batch, `recompute_per_batch`): auto takes the cheapest level with which the longest
+sequence fits 1F1B: none, else every layer's MLP block recomputed (`F3.m14`: the SwiGLU's
+tensors, most of a layer's, dropped for a rerun of the gate and up projections), else every
+layer whole. megatron's auto, the papers' Megatron-LM, chooses between none and full only, for a
+context-length micro-batch: the selective recomputation those runs had was Megatron's
+core-attention recomputation, which frees nothing with flash attention (it saves no scores);
+`recompute mlp` gives it the MLP level (Megatron-Core's later `--recompute-modules mlp`).
 
 Options: `PaddingOptions`, `PackingOptions`, `MegatronOptions`, `StaticCPOptions`,
 `SortedOptions`, `TokenBalancedOptions` in planners/options.py.
@@ -71,11 +73,11 @@ from dataclasses import replace
 
 from lengthwise.errors import UserError
 from lengthwise.cost import memory as mem
-from lengthwise.cost.model import split_layers
+from lengthwise.cost.model import RECOMPUTE_LEVELS, split_layers
 from lengthwise.plan.ir import Chunk, StepPlan
 from lengthwise.planners.base import (
     PlanRequest, check_lengths, check_request, finish_plan, pipelines_from_chunks, recompute_forwards,
-    seq_len_limit, take_options, whole,
+    take_options, whole,
 )
 from lengthwise.planners.packing_utils import best_fit_decreasing, karmarkar_karp, split_to_multiple
 from lengthwise.sim import simulate_plan
@@ -132,7 +134,7 @@ def plan_padding(request: PlanRequest) -> StepPlan:
     """Fixed-size micro-batches in sampler order, padded to their longest (Hydraulis §2.2)."""
     started = time.perf_counter()
     opts = take_options(request, "padding")
-    limit, recompute = baseline_limit(request, opts.recompute)
+    limit, level = baseline_limit(request, opts.recompute)
     lengths = request.lengths
     # Default: as many rows of the batch's longest sequence as one pipeline's memory holds.
     default = max(1, limit // max(lengths, default=1))
@@ -140,52 +142,57 @@ def plan_padding(request: PlanRequest) -> StepPlan:
     groups = [list(range(i, min(i + mbs, len(lengths)))) for i in range(0, len(lengths), mbs)]
     _check_padded_fits(groups, lengths, limit, mbs)
     chunks = [padded_chunk(g, lengths) for g in groups]
-    pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, request.scheme.dp)), recompute)
+    pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, request.scheme.dp)), level)
     return finish_plan(request, pipelines, planner="padding", started=started,
-                       options={"micro_batch_size": mbs, "recompute": "full" if recompute else "none"})
+                       options={"micro_batch_size": mbs, "recompute": level})
 
 
 def plan_packing(request: PlanRequest) -> StepPlan:
     """Best-fit-decreasing packs of the context length, an equal count per DP rank."""
     started = time.perf_counter()
     opts = take_options(request, "packing")
-    limit, recompute = baseline_limit(request, opts.recompute)
+    limit, level = baseline_limit(request, opts.recompute)
     capacity = min(request.context_length, limit)
     lengths, dp = request.lengths, request.scheme.dp
     bins = split_to_multiple(best_fit_decreasing(lengths, capacity), lengths, dp)
     # The data loader sees packs in random order; ranks take consecutive ones.
     random.Random(request.seed).shuffle(bins)
     chunks = [packed_chunk(b, lengths) for b in bins]
-    pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, dp)), recompute)
+    pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, dp)), level)
     return finish_plan(request, pipelines, planner="packing", started=started,
-                       options={"pack_tokens": capacity, "recompute": "full" if recompute else "none"})
+                       options={"pack_tokens": capacity, "recompute": level})
 
 
-def baseline_limit(request: PlanRequest, choice: str) -> tuple[int, bool]:
-    """(tokens one pipeline holds, whether every layer recomputes) for a baseline's `recompute`
-    option: `none` keeps every activation, `full` keeps each layer's input only, `auto` is the
-    fastest that fits — none when the longest sequence fits without recomputation, else full —
-    as a Megatron-LM user would choose (`choice` checked by `BaselineOptions`). UserError when the
-    longest sequence fits neither way."""
+def baseline_limit(request: PlanRequest, choice: str, *, auto: tuple[str, ...] = RECOMPUTE_LEVELS) -> tuple[int, str]:
+    """(tokens one pipeline holds, recomputation level) for a baseline's `recompute` option
+    (`choice`, checked by `BaselineOptions`): `none` keeps every activation, `mlp` drops every
+    layer's MLP block's tensors, `full` keeps each layer's input only, `auto` the cheapest of
+    the levels `auto` (cheapest first) with which the longest sequence fits. UserError when the
+    longest sequence fits at none of them."""
     check_lengths(request)
     longest = max(request.lengths)
-    plain = seq_len_limit(request)
-    if choice == "none" or (choice == "auto" and longest <= plain):
-        return check_request(request), False
+    if choice == "none":
+        return check_request(request), "none"
+    levels = auto if choice == "auto" else (choice,)
     s = request.scheme
-    limit = int(request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp, zero=s.zero, recompute=True))
-    if longest > limit:
-        raise UserError(
-            f"sequence {request.lengths.index(longest)} has {longest} tokens > {limit}, the longest one "
-            f"pipeline of {s} can hold even with full recomputation: raise --tp, --pp or --cp, or use a "
-            "splitting planner")
-    return limit, True
+    for level in levels:
+        limit = int(request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp, zero=s.zero, recompute=level))
+        if longest <= limit:
+            return limit, level
+    raise UserError(
+        f"sequence {request.lengths.index(longest)} has {longest} tokens > {limit}, the longest one "
+        f"pipeline of {s} can hold even with {levels[-1]} recomputation: raise --tp, --pp or --cp, or use a "
+        "splitting planner")
 
 
-def with_recompute(request: PlanRequest, pipelines: list, recompute: bool) -> list:
-    """The pipelines, with every stage's forwards recomputing all its layers when `recompute`."""
-    if recompute:
-        _recompute_every_layer(request, pipelines)
+def with_recompute(request: PlanRequest, pipelines: list, level: str) -> list:
+    """The pipelines, every stage's forwards recomputing all its layers (`full`) or all their MLP
+    blocks (`mlp`), or as they are (`none`)."""
+    layers = split_layers(request.model.num_layers, request.scheme.pp)
+    if level == "full":
+        recompute_forwards(pipelines, layers)
+    elif level == "mlp":
+        recompute_forwards(pipelines, None, layers)
     return pipelines
 
 
@@ -204,7 +211,7 @@ def plan_megatron(request: PlanRequest) -> StepPlan:
     # per batch: micro-batches as large as full recomputation holds, the layers recomputed per batch
     choice = "full" if per_batch else opts.recompute
     if mbs is None:
-        recompute, capacity = _megatron_setting(request, choice)
+        level, capacity = _megatron_setting(request, choice)
         if opts.packing == "best-fit":
             bins = split_to_multiple(best_fit_decreasing(lengths, capacity), lengths, dp)
             random.Random(request.seed).shuffle(bins)  # the data loader sees packs in random order
@@ -216,18 +223,16 @@ def plan_megatron(request: PlanRequest) -> StepPlan:
         # memory is sized for a micro-batch of mbs context-length sequences, as Megatron-LM's
         # --micro-batch-size and --seq-length do
         sized = replace(request, context_length=mbs * request.context_length)
-        recompute, capacity = _megatron_setting(sized, choice)
+        level, capacity = _megatron_setting(sized, choice)
         groups = [list(range(i, min(i + mbs, len(lengths)))) for i in range(0, len(lengths), mbs)]
         _check_padded_fits(groups, lengths, capacity, mbs)
         chunks = [padded_chunk(g, lengths) for g in groups]
         shape = {"micro_batch_size": mbs}
     if per_batch:
         return _fewest_recompute(request, chunks, started, shape)
-    pipelines = pipelines_from_chunks(request, deal(chunks, dp))
-    if recompute:
-        _recompute_every_layer(request, pipelines)
+    pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, dp)), level)
     return finish_plan(request, pipelines, planner="megatron", started=started,
-                       options={"recompute": "full" if recompute else "none", **shape})
+                       options={"recompute": level, **shape})
 
 
 PARTIAL_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -264,16 +269,16 @@ def plan_static_cp(request: PlanRequest) -> StepPlan:
     `grad_reduce` micro-batch, the gradients reduced after every micro-batch (DeepSpeed ZeRO-2)."""
     started = time.perf_counter()
     opts = take_options(request, "static-cp")
-    _, recompute = baseline_limit(request, opts.recompute)
+    _, level = baseline_limit(request, opts.recompute)
     chunks = [packed_chunk([i], request.lengths) for i in range(len(request.lengths))]
-    pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, request.scheme.dp)), recompute)
+    pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, request.scheme.dp)), level)
     if opts.grad_reduce == "micro-batch":
         per_reduction = micro_batch_reduction_s(request)
         for pipe in pipelines:
             # the simulator charges the reduction after the last backward; the others come here
             pipe.extra_comm_s = per_reduction * max(0, len(pipe.chunks) - 1)
     return finish_plan(request, pipelines, planner="static-cp", started=started,
-                       options={"recompute": "full" if recompute else "none", "grad_reduce": opts.grad_reduce})
+                       options={"recompute": level, "grad_reduce": opts.grad_reduce})
 
 
 def micro_batch_reduction_s(request: PlanRequest) -> float:
@@ -316,9 +321,9 @@ def next_fit(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def _megatron_setting(request: PlanRequest, choice: str) -> tuple[bool, int]:
-    """(whether every layer recomputes, tokens per packed micro-batch). Context-length
-    micro-batches; `auto` recomputes only when one does not fit 1F1B without (pp - s in flight
+def _megatron_setting(request: PlanRequest, choice: str) -> tuple[str, int]:
+    """(recomputation level, tokens per packed micro-batch). Context-length micro-batches;
+    `auto` recomputes every layer only when one does not fit 1F1B without (pp - s in flight
     on stage s, `CostModel.max_seq_len`: what the simulator charges, the backward's working set
     included). Where the chosen setting cannot hold a context-length micro-batch, micro-batches
     shrink to the longest it holds, as a Megatron-LM user lowers --seq-length to the memory;
@@ -327,12 +332,8 @@ def _megatron_setting(request: PlanRequest, choice: str) -> tuple[bool, int]:
         s = request.scheme
         plain = request.cost.max_seq_len(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp, zero=s.zero)
         choice = "none" if request.context_length <= plain else "full"
-    limit, recompute = baseline_limit(request, choice)
-    return recompute, min(request.context_length, limit)
-
-
-def _recompute_every_layer(request: PlanRequest, pipelines) -> None:
-    recompute_forwards(pipelines, split_layers(request.model.num_layers, request.scheme.pp))
+    limit, level = baseline_limit(request, choice)
+    return level, min(request.context_length, limit)
 
 
 def _sorted_groups(lengths: list[int], budget: int, mbs: int | None) -> list[list[int]]:
@@ -353,23 +354,22 @@ def plan_sorted(request: PlanRequest) -> StepPlan:
     """LongAlign sorted batching: similar lengths per micro-batch, batches in random order."""
     started = time.perf_counter()
     opts = take_options(request, "sorted")
-    limit, recompute = baseline_limit(request, opts.recompute)
+    limit, level = baseline_limit(request, opts.recompute)
     budget = min(request.context_length, limit)
     mbs = opts.micro_batch_size
     groups = _sorted_groups(request.lengths, budget, mbs)
     random.Random(request.seed).shuffle(groups)
     chunks = [padded_chunk(g, request.lengths) for g in groups]
-    pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, request.scheme.dp)), recompute)
+    pipelines = with_recompute(request, pipelines_from_chunks(request, deal(chunks, request.scheme.dp)), level)
     return finish_plan(request, pipelines, planner="sorted", started=started,
-                       options={"micro_batch_size": mbs, "row_tokens": budget,
-                                "recompute": "full" if recompute else "none"})
+                       options={"micro_batch_size": mbs, "row_tokens": budget, "recompute": level})
 
 
 def plan_token_balanced(request: PlanRequest) -> StepPlan:
     """Karmarkar-Karp over DP ranks by token count, then best-fit-decreasing packs per rank."""
     started = time.perf_counter()
     opts = take_options(request, "token-balanced")
-    limit, recompute = baseline_limit(request, opts.recompute)
+    limit, level = baseline_limit(request, opts.recompute)
     capacity = min(request.context_length, limit)
     lengths = request.lengths
     shares = karmarkar_karp(lengths, request.scheme.dp, equal_count=opts.equal_count)
@@ -377,7 +377,6 @@ def plan_token_balanced(request: PlanRequest) -> StepPlan:
     for share in shares:
         bins = best_fit_decreasing([lengths[i] for i in share], capacity)
         per_pipeline.append([packed_chunk([share[j] for j in b], lengths) for b in bins])
-    pipelines = with_recompute(request, pipelines_from_chunks(request, per_pipeline), recompute)
+    pipelines = with_recompute(request, pipelines_from_chunks(request, per_pipeline), level)
     return finish_plan(request, pipelines, planner="token-balanced", started=started,
-                       options={"pack_tokens": capacity, "equal_count": opts.equal_count,
-                                "recompute": "full" if recompute else "none"})
+                       options={"pack_tokens": capacity, "equal_count": opts.equal_count, "recompute": level})

@@ -30,6 +30,7 @@ F SwiGLU width, V vocabulary.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -197,10 +198,14 @@ class DecoderLayer(nn.Module):
     """The torch.compile backend this layer's forward runs under (`runtime/compile.py`); None:
     eager. A plain attribute, so a deep copy of the model is compiled alike."""
 
-    def forward(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
+    def forward(self, h_TD, rope, layout: ChunkLayout, context, backend: str, recompute_mlp: bool = False):
         """One pre-norm block; returns (h [T, D], k [T, G, E], v [T, G, E]).
 
-        `context[i]` lists the (k, v) pieces of segment i's earlier slices, oldest first."""
+        `context[i]` lists the (k, v) pieces of segment i's earlier slices, oldest first. With
+        `recompute_mlp` (and grad enabled) the MLP block keeps only its input and runs again in
+        backward (`mlp_block`)."""
+        if recompute_mlp and torch.is_grad_enabled():
+            return self._with_mlp_checkpoint(h_TD, rope, layout, context, backend)
         if self.compile_backend is None:
             return self.block(h_TD, rope, layout, context, backend)
         if _hooked(self.self_attn):  # e.g. tensor parallelism's input layouts: keep the module call
@@ -211,19 +216,49 @@ class DecoderLayer(nn.Module):
         out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
         return compiled(DecoderLayer.after_attention, self.compile_backend)(self, h_TD, out_THE), k_TGE, v_TGE
 
+    def _with_mlp_checkpoint(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
+        """The layer with its MLP block under non-reentrant `torch.utils.checkpoint` (selective
+        recomputation, `F.mN`). The checkpoint's input is the post-attention norm's input, the
+        residual stream, which the layer keeps anyway; what the norm and the MLP save (the
+        norm's reciprocal RMS and output, gate, up, their product) is made again in backward,
+        the rerun stopping once the down projection's input is back (`cost/flops.py`). Compiled
+        layers compile the attention part and the MLP block apart, the checkpoint outside them
+        (as `run_layers` checkpoints a compiled layer whole)."""
+        cb = self.compile_backend
+        if cb is None:
+            h_TD, k_TGE, v_TGE = self.attention_block(h_TD, rope, layout, context, backend)
+        elif _hooked(self.self_attn):
+            h_TD, k_TGE, v_TGE = compiled(DecoderLayer.attention_block, cb)(self, h_TD, rope, layout, context, backend)
+        else:  # the attention outside the compiled regions, as `forward`'s
+            q_THE, k_TGE, v_TGE = compiled(DecoderLayer.before_attention, cb)(self, h_TD, rope)
+            out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
+            h_TD = compiled(DecoderLayer.attention_residual, cb)(self, h_TD, out_THE)
+        mlp = self.mlp_block if cb is None else functools.partial(compiled(DecoderLayer.mlp_block, cb), self)
+        return h_TD + checkpoint(mlp, h_TD, use_reentrant=False), k_TGE, v_TGE
+
+    def attention_block(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
+        """The residual stream after the attention block, and the row's k, v."""
+        attn_TD, k_TGE, v_TGE = self.self_attn(self.input_layernorm(h_TD), rope, layout, context, backend)
+        return h_TD + attn_TD, k_TGE, v_TGE
+
+    def attention_residual(self, h_TD, out_THE):
+        return h_TD + self.self_attn.o_proj(out_THE.flatten(1))
+
+    def mlp_block(self, h_TD):
+        """The MLP block's output (before its residual add) from the residual stream."""
+        return self.mlp(self.post_attention_layernorm(h_TD))
+
     def before_attention(self, h_TD, rope):
         return self.self_attn.inputs(self.input_layernorm(h_TD), rope)
 
     def after_attention(self, h_TD, out_THE):
-        h_TD = h_TD + self.self_attn.o_proj(out_THE.flatten(1))
-        return h_TD + self.mlp(self.post_attention_layernorm(h_TD))
+        h_TD = self.attention_residual(h_TD, out_THE)
+        return h_TD + self.mlp_block(h_TD)
 
     def block(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
         """The layer's computation (`forward` without the choice of compiled or eager)."""
-        attn_TD, k_TGE, v_TGE = self.self_attn(self.input_layernorm(h_TD), rope, layout, context, backend)
-        h_TD = h_TD + attn_TD
-        h_TD = h_TD + self.mlp(self.post_attention_layernorm(h_TD))
-        return h_TD, k_TGE, v_TGE
+        h_TD, k_TGE, v_TGE = self.attention_block(h_TD, rope, layout, context, backend)
+        return h_TD + self.mlp_block(h_TD), k_TGE, v_TGE
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -289,12 +324,14 @@ class CausalLM(nn.Module):
                              scaling=spec.rope_scaling)
 
     def run_layers(self, h_TD, *, layers: range, rope, layout: ChunkLayout, contexts, backend: str,
-                   recompute_layers: int = 0):
+                   recompute_layers: int = 0, recompute_mlp: int = 0):
         """Layers `layers` (a contiguous range) over one chunk.
 
         `contexts[j]` is the per-segment context of layer layers[j]. The first
         `recompute_layers` keep only their input and run again in backward (infinipipe §4's
-        chunk-level checkpointing). Returns h and the list of (k, v) per layer."""
+        chunk-level checkpointing); the next `recompute_mlp` keep all but their MLP block's
+        tensors and run that block again (`DecoderLayer.forward`). Returns h and the list of
+        (k, v) per layer."""
         if not isinstance(layout, RowIndex):  # built once here for every layer (the stage passes its own)
             resolved = backend if callable(backend) else resolve_backend(backend, h_TD.device, h_TD.dtype)
             layout = RowIndex.build(layout, h_TD.device, varlen=wants_varlen_index(resolved))
@@ -305,7 +342,7 @@ class CausalLM(nn.Module):
             if j < recompute_layers and torch.is_grad_enabled():
                 h_TD, k_TGE, v_TGE = checkpoint(layer, *args, use_reentrant=False)
             else:
-                h_TD, k_TGE, v_TGE = layer(*args)
+                h_TD, k_TGE, v_TGE = layer(*args, recompute_mlp=j < recompute_layers + recompute_mlp)
             kv_per_layer.append((k_TGE, v_TGE))
         return h_TD, kv_per_layer
 

@@ -220,7 +220,8 @@ class StageRunner:
             index = RowIndex.build(row.layout, h_TD.device, varlen=wants_varlen_index(row.attention))
             h_TD, kv = self.model.run_layers(
                 h_TD, layers=self.layers, rope=rope, layout=index, backend=row.attention,
-                contexts=self._contexts(row.chunk, leaves), recompute_layers=action.recompute_layers)
+                contexts=self._contexts(row.chunk, leaves), recompute_layers=action.recompute_layers,
+                recompute_mlp=action.recompute_mlp)
             own_kv = self._keep_own_kv(row, kv)
             output = self._cell_output(action, row.chunk, h_TD)
         if grad:

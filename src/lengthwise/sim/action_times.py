@@ -111,23 +111,25 @@ class _ActionTimes:
                 self._cache["p2p", inter] = (times(self.works[0].row_tokens), times(self.works[1].row_tokens))
         return self._cache["p2p", inter]
 
-    def _stage_times(self, s: int, recompute: list[int], dur: np.ndarray, comm: np.ndarray) -> None:
+    def _stage_times(self, s: int, recompute: list[int], mlp: list[int], dur: np.ndarray, comm: np.ndarray) -> None:
         L, head, C, U = self.layers[s], s == self.pipe.pp - 1, len(self.pipe.chunks), len(self.units)
         base = self.per_chunk(L, head, s == 0)
         factor, fmax, bmax = host_overlap(self.cm, self.pipe, s, L)
         if factor < 1.0:  # the host runs ahead of the device across the stage's actions (sim/terms.py)
             base = {**base, "fwd": base["fwd"] - (1.0 - factor) * np.asarray(fmax),
                     "bwd": base["bwd"] - (1.0 - factor) * np.asarray(bmax)}
-        if self.pipe.cp <= 1 and not any(recompute):  # no CP exchange (comm stays zero), no recomputation
+        reruns = any(recompute) or any(mlp)
+        if self.pipe.cp <= 1 and not reruns:  # no CP exchange (comm stays zero), no recomputation
             dur[F, :C] = dur[N, :C] = base["fwd"]
             dur[B, :U] = base["bwd"]
             return
         bwd = base["bwd"].copy()
-        for u in range(U if any(recompute) else 0):
+        for u in range(U if reruns else 0):
             r = max((recompute[c] for c in self.deps.bwd_needs[u]), default=0)
-            if r:  # backward re-runs the forward of r layers (InfiniPipe checkpointing)
-                bwd[u] = self.cm.backward_time(self.units[u], layers=L, head=head, recompute_layers=r, embed=s == 0,
-                                               **self.kw)
+            m = max((mlp[c] for c in self.deps.bwd_needs[u]), default=0)
+            if r or m:  # backward re-runs the forward of r layers (InfiniPipe checkpointing), m MLP blocks
+                bwd[u] = self.cm.backward_time(self.units[u], layers=L, head=head, recompute_layers=r,
+                                               recompute_mlp=m, embed=s == 0, **self.kw)
         cp_f = self._cp_times(s, L, self.pipe.chunks, self.cm.cp_comm_time)
         cp_b = self._cp_times(s, L, self.units, self.cm.cp_grad_comm_time)  # the K/V gradients' reduce-scatter
         dur[F, :C] = dur[N, :C] = base["fwd"] + cp_f

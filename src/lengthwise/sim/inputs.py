@@ -122,34 +122,38 @@ class _PipelineCosts(_ActionTimes, _MemorySizing, _StepCosts):
         S, C, U = pipe.pp, len(pipe.chunks), len(self.units)
         shape = (S, 3, max(C, U, 1))
         dur, comm, send = np.zeros(shape), np.zeros(shape), np.zeros(shape)
-        recompute = _recompute_table(pipe)
+        recompute, mlp = _recompute_table(pipe)
         for s in range(S):
-            self._stage_times(s, recompute[s], dur[s], comm[s])
+            self._stage_times(s, recompute[s], mlp[s], dur[s], comm[s])
             if s + 1 < S:
                 fwd_send, bwd_send = self._p2p(self.link_inter(s))
                 send[s, F, :C] = send[s, N, :C] = fwd_send
                 send[s + 1, B, :U] = bwd_send
         return PipelineInput(stages=pipe.stages, chunks=pipe.chunks, backward_chunks=pipe.backward_chunks,
-                             dur=dur, comm=comm, send=send, sizes=self._sizes(recompute),
+                             dur=dur, comm=comm, send=send, sizes=self._sizes(recompute, mlp),
                              grad_sync=self._grad_sync(), step_end=self._step_end(), extra_comm=pipe.extra_comm_s,
                              model_flops=self._model_flops(), num_gpus=pipe.num_gpus, deps=self.deps,
                              splits=self.splits)
 
 
 _RECOMPUTE = operator.attrgetter("recompute_layers")
+_RECOMPUTE_MLP = operator.attrgetter("recompute_mlp")
 _KIND = operator.attrgetter("kind")
 
 
-def _recompute_table(pipe: PipelinePlan) -> list[list[int]]:
-    """[stage][chunk] layers the chunk's F recomputes on that stage."""
+def _recompute_table(pipe: PipelinePlan) -> tuple[list[list[int]], list[list[int]]]:
+    """([stage][chunk] layers the chunk's F recomputes whole on that stage, [stage][chunk] layers
+    whose MLP block it recomputes)."""
     table = [[0] * len(pipe.chunks) for _ in range(pipe.pp)]
+    mlp = [[0] * len(pipe.chunks) for _ in range(pipe.pp)]
     for s, acts in enumerate(pipe.stages):
-        if not any(map(_RECOMPUTE, acts)):  # (a scan at C speed) no action recomputes: zeros
+        if not any(map(_RECOMPUTE, acts)) and not any(map(_RECOMPUTE_MLP, acts)):  # (scans at C speed) zeros
             continue
         for a in acts:
             if a.kind == FORWARD and 0 <= a.chunk < len(pipe.chunks):
                 table[s][a.chunk] = a.recompute_layers
-    return table
+                mlp[s][a.chunk] = a.recompute_mlp
+    return table, mlp
 
 
 def direct_input(fwd: list[float], stages: int, *, bwd_ratio: float = 2.0, schedule: str = "1f1b",

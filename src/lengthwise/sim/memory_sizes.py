@@ -25,8 +25,10 @@ class _MemorySizing:
     `per_chunk` (sim/action_times.py) and the plan-wide answers of sim/step_costs.py
     (`_heterogeneous`, `_holders`, `_replicas`, `_shared`)."""
 
-    def _sizes(self, recompute: list[list[int]]) -> MemorySizes:
-        """Every stage's memory sizes (MemorySizes), and `self.splits`, the split sequences."""
+    def _sizes(self, recompute: list[list[int]], mlp: list[list[int]]) -> MemorySizes:
+        """Every stage's memory sizes (MemorySizes), and `self.splits`, the split sequences;
+        `recompute` and `mlp`: [stage][chunk] layers each chunk's F recomputes whole and by
+        their MLP block alone."""
         pipe, cm, S = self.pipe, self.cm, self.pipe.pp
         splits = self.splits = self.known.splits if self.known is not None else split_sequences(pipe.chunks,
                                                                                                 self.units)
@@ -36,13 +38,14 @@ class _MemorySizing:
         for s in range(S):
             L, head = self.layers[s], s == S - 1
             if cells is not None:  # each cell is its own row: kept, re-materialised and worked on apart
-                kept, remat, w, fw = self._cell_sizes(cells, L, head, recompute[s])
+                kept, remat, w, fw = self._cell_sizes(cells, L, head, recompute[s], mlp[s])
                 cell_act.append(kept)
                 act.append(self._chunk_sums(cells, kept, len(pipe.chunks)))
             else:
-                kept, remat = self._kept_activations(s, L, head, recompute[s])
+                kept, remat = self._kept_activations(s, L, head, recompute[s], mlp[s])
                 act.append(kept)
                 w, fw = self._working_sets(L, head)
+                w, remat = self._with_remat(L, head, w, remat)
             extra.append(remat)
             work.append(w)
             fwork.append(fw)
@@ -60,17 +63,31 @@ class _MemorySizing:
                            backward_work=work, forward_work=fwork, cell_activation=cell_act,
                            nograd_held=cm.nograd_keeps_graph)
 
-    def _kept_activations(self, s: int, L: int, head: bool, recompute: list[int]):
+    def _kept_activations(self, s: int, L: int, head: bool, recompute: list[int], mlp: list[int]):
         """([chunk] activation bytes each chunk's F keeps on stage s, [chunk] the transient bytes
-        of re-materialising its recomputed layers in its backward)."""
+        of re-materialising its recomputed layers (or MLP blocks) in its backward)."""
         pipe, cm = self.pipe, self.cm
         full = self.per_chunk(L, head, s == 0)["act"]
-        if not any(recompute):  # recompute_transient_bytes is 0 without recomputation
+        if not any(recompute) and not any(mlp):  # recompute_transient_bytes is 0 without recomputation
             return full, self._zeros(len(pipe.chunks))
-        kept = np.array([cm.activation_bytes(c, layers=L, head=head, recompute_layers=r, **self.kw) if r
-                         else full[i] for i, (c, r) in enumerate(zip(pipe.chunks, recompute))])
-        return kept, [cm.recompute_transient_bytes(c, recompute_layers=r, **self.kw)
-                      for c, r in zip(pipe.chunks, recompute)]
+        levels = list(zip(pipe.chunks, recompute, mlp))
+        kept = np.array([cm.activation_bytes(c, layers=L, head=head, recompute_layers=r, recompute_mlp=m, **self.kw)
+                         if r or m else full[i] for i, (c, r, m) in enumerate(levels)])
+        return kept, [cm.recompute_transient_bytes(c, recompute_layers=r, recompute_mlp=m, **self.kw)
+                      for c, r, m in levels]
+
+    def _with_remat(self, L: int, head: bool, work, remat):
+        """(work, remat) with each chunk's re-materialisation folded into its backward's working
+        set when the units are the chunks (`CostModel.backward_work_bytes`, `remat`): beside a
+        layer's backward, which on the last stage runs after the loss's, not on top of the
+        loss's; as they are otherwise (a chunk read by several units re-materialises for each)."""
+        pipe, cm = self.pipe, self.cm
+        extra = np.asarray(remat, dtype=np.float64)
+        if pipe.backward_chunks is not None or not extra.any():
+            return work, remat
+        work = [cm.backward_work_bytes(c, layers=L, head=head, remat=x, **self.kw) if x else w
+                for c, x, w in zip(pipe.chunks, extra.tolist(), np.asarray(work, dtype=np.float64).tolist())]
+        return np.array(work), self._zeros(len(pipe.chunks))
 
     def _working_sets(self, L: int, head: bool):
         """([unit] each backward unit's working set: the loss backward's bf16 logit gradient on
@@ -141,31 +158,36 @@ class _MemorySizing:
             self._cache[key] = (kept, np.bincount(cells[0], weights=kept, minlength=C))
         return self._cache[key][1]
 
-    def _cell_sizes(self, cells, L: int, head: bool, recompute: list[int]):
+    def _cell_sizes(self, cells, L: int, head: bool, recompute: list[int], mlp: list[int]):
         """A stage's sizes by cell: each cell's kept activations [cell] (its own row: padded
         apart), each chunk's re-materialisation events folded into its units' working sets
         (zeros [chunk]), each unit's working set [unit] (its cells' backwards run one after
         another: the largest cell's loss or layer working set, with its re-materialised layer)
         and each chunk's forward working set [chunk] (its largest cell's LM head logits)."""
-        key = ("cells", L, head, tuple(recompute) if any(recompute) else None)
+        reruns = any(recompute) or any(mlp)
+        key = ("cells", L, head, (tuple(recompute), tuple(mlp)) if reruns else None)
         if key in self._cache:  # stages of one shape and recomputation share them
             return self._cache[key]
         cm, tp = self.cm, self.pipe.tp
         chunk_of, unit_of, tokens = cells
         remat = np.zeros(len(tokens))
-        if not any(recompute):
+        if not reruns:
             kept = cm.activation_bytes_rows(tokens, layers=L, tp=tp, head=head)
         else:
-            r = np.asarray(recompute, dtype=np.int64)[chunk_of]
+            levels = np.stack([np.asarray(recompute, dtype=np.int64)[chunk_of],
+                               np.asarray(mlp, dtype=np.int64)[chunk_of]])
             kept = np.zeros(len(tokens))
-            for k in np.unique(r).tolist():
-                at = r == k
-                kept[at] = cm.activation_bytes_rows(tokens[at], layers=L, tp=tp, recompute_layers=k, head=head)
+            for k, m in np.unique(levels, axis=1).T.tolist():
+                at = (levels[0] == k) & (levels[1] == m)
+                kept[at] = cm.activation_bytes_rows(tokens[at], layers=L, tp=tp, recompute_layers=k,
+                                                    recompute_mlp=m, head=head)
                 if k:
                     remat[at] = (cm.activation_bytes_rows(tokens[at], layers=1, tp=tp)
                                  - cm.activation_bytes_rows(tokens[at], layers=1, tp=tp, recompute_layers=1))
+                elif m:
+                    remat[at] = cm.recompute_transient_bytes_per_token(tp=tp, recompute_mlp=m) * tokens[at]
         work = np.zeros(len(self.units))
-        np.maximum.at(work, unit_of, remat + cm.backward_work_bytes_rows(tokens, layers=L, tp=tp, head=head))
+        np.maximum.at(work, unit_of, cm.backward_work_bytes_rows(tokens, layers=L, tp=tp, head=head, remat=remat))
         fwork = self._zeros(len(self.pipe.chunks))
         if head:
             fwork = np.zeros(len(self.pipe.chunks))

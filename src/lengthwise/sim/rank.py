@@ -9,7 +9,8 @@
 - FLOPs: the cost model's forward FLOPs of every F and N action of the stage (N without the
   LM head, which the executor's no-grad forward skips), its backward FLOPs of every B, and what
   the backward reruns of the forward of the layers an `F.rN` action checkpoints (all but the
-  down projection: `cost.flops.recompute_forward_flops`); each CP rank's share of the work
+  down projection: `cost.flops.recompute_forward_flops`) and of the MLP blocks an `F.mN` action
+  checkpoints (gate and up: `cost.flops.mlp_recompute_flops`); each CP rank's share of the work
   (`rank_works`), over tp, plus the K/V projections' remaining (1 - 1/tp) when tp exceeds the
   K/V heads and every TP rank computes them whole (`cost.flops.replicated_kv_flops`).
 - Communication, bytes this rank hands to each kind of operation (the logical volume, not one
@@ -35,12 +36,13 @@
   (priced by `sp_edge_comm_time`);
   layers an `F.rN` recomputes gather again (`SP_RECOMPUTE_ALL_GATHERS`) and scatter the
   attention block's output again (`SP_RECOMPUTE_REDUCE_SCATTERS`: the rerun stops before the
-  MLP's down projection, whose reduce-scatter it never reaches). `tp_all_reduce`: the
+  MLP's down projection, whose reduce-scatter it never reaches), and layers an `F.mN` recomputes
+  the MLP of gather its input again (`SP_MLP_RECOMPUTE_ALL_GATHERS`, nothing else). `tp_all_reduce`: the
   sequence-parallel norms' partial weight gradients summed over TP once a step, in fp32. (The
   executor pads a row to a multiple of tp; those at most tp - 1 rows are not counted.)
   Without sequence parallelism (`CostModel.sequence_parallel` False, `nosp_comm_bytes`):
   `tp_all_reduce` the whole activations, per decoder layer `NOSP_FORWARD_ALL_REDUCES` in a
-  forward (`NOSP_RECOMPUTE_ALL_REDUCES` more per recomputed layer) and
+  forward (`NOSP_RECOMPUTE_ALL_REDUCES` more per recomputed layer, none per recomputed MLP block) and
   `NOSP_BACKWARD_ALL_REDUCES` in a backward, the embedding's output once per
   forward and the LM head's input gradient once per backward; stage-to-stage sends whole.
   Heterogeneous plans (`runtime/train/dist_hetero.py`): `all_to_all` the push of bf16 gradients
@@ -61,6 +63,7 @@ from lengthwise.cost.flops import (
     HEAD_RECOMPUTE,
     head_forward_flops,
     layer_forward_flops,
+    mlp_recompute_flops,
     recompute_forward_flops,
     replicated_kv_flops,
 )
@@ -70,6 +73,7 @@ from lengthwise.cost.model import (
     NOSP_FORWARD_ALL_REDUCES,
     NOSP_RECOMPUTE_ALL_REDUCES,
     SP_COLLECTIVES_PER_LAYER,
+    SP_MLP_RECOMPUTE_ALL_GATHERS,
     SP_RECOMPUTE_ALL_GATHERS,
     SP_RECOMPUTE_REDUCE_SCATTERS,
     rank_works,
@@ -139,8 +143,9 @@ def stage_flops(plan: StepPlan, cost: CostModel, place: RankPlace) -> float:
                 + head * (cost.bwd_linear_ratio + HEAD_RECOMPUTE)
             replicated += layers * kv * cost.bwd_linear_ratio
         else:
-            reruns = min(action.recompute_layers, layers)
+            reruns, mlp_reruns = _reruns(action, layers)
             total += layers * (lin + attn) + reruns * sum(recompute_forward_flops(plan.model, work)) + head
+            total += mlp_reruns * mlp_recompute_flops(plan.model, work.tokens)
             replicated += (layers + reruns) * kv  # the rerun computes the K/V projections again
     return total / pipe.tp + replicated
 
@@ -255,9 +260,10 @@ def tp_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[str
         if action.kind == BACKWARD:  # the forward's collectives transposed
             gathers, scatters = SP_COLLECTIVES_PER_LAYER * layers + first, SP_COLLECTIVES_PER_LAYER * layers + last
         else:
-            reruns = min(action.recompute_layers, layers) if action.kind == FORWARD else 0
+            reruns, mlp_reruns = _reruns(action, layers)
             head = last and action.kind == FORWARD  # the no-grad forward never runs the head
-            gathers = SP_COLLECTIVES_PER_LAYER * layers + SP_RECOMPUTE_ALL_GATHERS * reruns + head
+            gathers = (SP_COLLECTIVES_PER_LAYER * layers + SP_RECOMPUTE_ALL_GATHERS * reruns
+                       + SP_MLP_RECOMPUTE_ALL_GATHERS * mlp_reruns + head)
             scatters = SP_COLLECTIVES_PER_LAYER * layers + SP_RECOMPUTE_REDUCE_SCATTERS * reruns + first
         gathered += gathers * volume
         scattered += scatters * volume
@@ -284,7 +290,7 @@ def nosp_comm_bytes(plan: StepPlan, cost: CostModel, place: RankPlace) -> dict[s
         if action.kind == BACKWARD:
             dtensor += (NOSP_BACKWARD_ALL_REDUCES * layers + last) * volume
         else:
-            reruns = min(action.recompute_layers, layers) if action.kind == FORWARD else 0
+            reruns, _ = _reruns(action, layers)  # a rerun MLP block reaches no all-reduce
             dtensor += (NOSP_FORWARD_ALL_REDUCES * layers + NOSP_RECOMPUTE_ALL_REDUCES * reruns + first) * volume
     return {"tp_all_reduce": dtensor}
 
@@ -302,7 +308,16 @@ def fsdp_sharded(plan: StepPlan) -> bool:
 
 
 def _structure(pipe, stage: int) -> tuple:
-    return tuple((a.kind, a.recompute_layers) for a in pipe.stages[stage])
+    return tuple((a.kind, a.recompute_layers, a.recompute_mlp) for a in pipe.stages[stage])
+
+
+def _reruns(action, layers: int) -> tuple[int, int]:
+    """(layers, MLP blocks) the backward reruns of what an F action checkpointed on a stage of
+    `layers` layers (none for N and B)."""
+    if action.kind != FORWARD:
+        return 0, 0
+    whole = min(action.recompute_layers, layers)
+    return whole, min(action.recompute_mlp, layers - whole)
 
 
 def _unit(pipe, action):

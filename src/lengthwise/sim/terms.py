@@ -28,7 +28,8 @@ from lengthwise.cost import CostModel
 from lengthwise.cost.flops import chunk_work
 from lengthwise.cost.model import rank_works
 from lengthwise.cost.time import layer_seconds
-from lengthwise.plan.ir import BACKWARD, StepPlan
+from lengthwise.plan.ir import BACKWARD, FORWARD, StepPlan
+from lengthwise.plan.schedules import dependencies
 
 TERMS = ("layers", "head", "embed", "host", "comm", "grad_norm", "optimizer")
 
@@ -44,19 +45,32 @@ def stage_time_terms(plan: StepPlan, cm: CostModel) -> list[list[dict[str, float
             first, last = s == 0, s == pipe.pp - 1
             terms = dict.fromkeys(TERMS, 0.0)
             factor, fmax, bmax = host_overlap(cm, pipe, s, layers[s])
+            unit_reruns = backward_reruns(pipe, s)
             for action in actions:
                 backward = action.kind == BACKWARD
                 chunk = (pipe.bwd_units if backward else pipe.chunks)[action.chunk]
+                reruns = unit_reruns[action.chunk] if backward else (0, 0)
                 total = (cm.backward_time(chunk, layers=layers[s], tp=pipe.tp, cp=pipe.cp, head=last, embed=first,
-                                          recompute_layers=action.recompute_layers) if backward else
+                                          recompute_layers=reruns[0], recompute_mlp=reruns[1]) if backward else
                          cm.forward_time(chunk, layers=layers[s], tp=pipe.tp, cp=pipe.cp, head=last, embed=first))
                 saved = (1.0 - factor) * (bmax if backward else fmax)[action.chunk] if factor < 1.0 else 0.0
-                _split(cm, terms, chunk, layers[s], action.recompute_layers if backward else 0, pipe, first,
-                       last, backward, total - saved, saved)
+                _split(cm, terms, chunk, layers[s], reruns, pipe, first, last, backward, total - saved, saved)
             _step_end(cm, terms, layers[s], pipe.tp, dp, plan.zero, first, last)
             rows.append(terms)
         out.append(rows)
     return out
+
+
+def backward_reruns(pipe, stage: int) -> list[tuple[int, int]]:
+    """[backward unit] (layers, MLP blocks) its B reruns on `stage`: what the F actions of the
+    chunks it reads checkpoint, the most of each, as the simulator charges them
+    (`sim/action_times.py`)."""
+    level = {a.chunk: (a.recompute_layers, a.recompute_mlp) for a in pipe.stages[stage] if a.kind == FORWARD}
+    if not any(r or m for r, m in level.values()):
+        return [(0, 0)] * len(pipe.bwd_units)
+    needs = dependencies(pipe.chunks, pipe.backward_chunks).bwd_needs
+    return [(max((level.get(c, (0, 0))[0] for c in reads), default=0),
+             max((level.get(c, (0, 0))[1] for c in reads), default=0)) for reads in needs]
 
 
 def step_time_terms(plan: StepPlan, cm: CostModel) -> dict[str, float]:
@@ -91,10 +105,11 @@ def host_overlap(cm: CostModel, pipe, stage: int, layers: int) -> tuple[float, l
     return factor, [r[2] for r in parts[False]], [r[2] for r in parts[True]]
 
 
-def _split(cm: CostModel, terms: dict, chunk, layers: int, recompute: int, pipe, first: bool, last: bool,
+def _split(cm: CostModel, terms: dict, chunk, layers: int, reruns: tuple[int, int], pipe, first: bool, last: bool,
            backward: bool, total: float, saved: float = 0.0) -> None:
-    """Add one action's `total` seconds to the terms (the busiest CP rank's work). Without a
-    profile the analytic curve's time is all `layers` (its overheads are per layer)."""
+    """Add one action's `total` seconds to the terms (the busiest CP rank's work; `reruns`: the
+    layers and the MLP blocks its backward recomputes). Without a profile the analytic curve's
+    time is all `layers` (its overheads are per layer)."""
     fit = cm.profile.fit_for(pipe.tp, 1) if cm.profile else None
     if fit is None:
         terms["layers"] += total
@@ -103,7 +118,9 @@ def _split(cm: CostModel, terms: dict, chunk, layers: int, recompute: int, pipe,
     work_fit, floor = (fit.bwd, fit.bwd_floor) if backward else (fit.fwd, fit.fwd_floor)
     body = layers * layer_seconds(work_fit, floor, work.keys, work.tokens, work.segments,
                                   fit.bwd_segment_tokens if backward else 0.0)
-    body += recompute * layer_seconds(fit.fwd, fit.fwd_floor, work.keys, work.tokens, work.segments) - saved
+    recompute, mlp = reruns  # the profile's rerun seconds, as the backward's total has them
+    body += cm.recompute_time(work, layers=recompute, tp=pipe.tp) + cm.mlp_recompute_time(work, layers=mlp, tp=pipe.tp)
+    body -= saved
     hb, hc = fit.head_bwd if backward else fit.head_fwd
     head = (hb * work.tokens + hc) if last else 0.0
     step = cm.profile.step

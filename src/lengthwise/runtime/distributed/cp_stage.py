@@ -51,7 +51,8 @@ class CPRows:
         view = self.views[cell]
         if action.recompute_layers and view.sharded:
             raise UserError(f"{where}: recomputing layers of a chunk with CP-sharded segments is not "
-                            "supported (the K/V all-gather would run again in backward); plan it without .r")
+                            "supported (the K/V all-gather would run again in backward); plan it without .r (an MLP "
+                            "block's recomputation, .m, reruns no attention)")
         attention = (ShardedAttention(view=view, group=self.cp_group, stats=self.stats, backend=self.backend)
                      if view.sharded or not view.parts else self.backend)
         return CPRow(chunk=view.chunk, computed=Chunk(view.computed), layout=view.layout(), attention=attention,

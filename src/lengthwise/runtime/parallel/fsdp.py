@@ -106,12 +106,12 @@ def is_fsdp(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def stage_structure(plan: StepPlan, pipeline: int, stage: int) -> list[tuple[str, int, int]]:
+def stage_structure(plan: StepPlan, pipeline: int, stage: int) -> list[tuple[str, int, int, int]]:
     """What decides this stage's FSDP collectives: per action, its kind, cells and recomputed
-    layers."""
+    layers and MLP blocks."""
     pipe = plan.pipelines[pipeline]
     cells = cell_map(pipe)
-    return [(a.kind, len(cells.cells_of(a)), a.recompute_layers) for a in pipe.stages[stage]]
+    return [(a.kind, len(cells.cells_of(a)), a.recompute_layers, a.recompute_mlp) for a in pipe.stages[stage]]
 
 
 class FsdpSteps:
@@ -163,5 +163,5 @@ class FsdpSteps:
         return group_size * sum(p.to_local().numel() for p in self.model.parameters())
 
 
-def _backwards(structure: list[tuple[str, int, int]]) -> int:
-    return sum(kind == BACKWARD for kind, _, _ in structure)
+def _backwards(structure: list[tuple[str, int, int, int]]) -> int:
+    return sum(kind == BACKWARD for kind, *_ in structure)
