@@ -52,8 +52,11 @@ from bench_common import RESULTS, write_results  # noqa: E402
 MODEL = "tiny"
 LENGTHS = [200, 30, 17, 60, 5, 90, 33, 12]
 SCHEMES = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}}
-OPTIONS = {"chunkflow": {"chunk_size": 64, "k": 1}, "skrull": {"bucket_size": 100}}
-"""Planner options sized to the tiny batch (the rest keep their defaults)."""
+OPTIONS = {"chunkflow": {"chunk_size": 64, "k": 1}, "skrull cp2": {"bucket_size": 128}}
+"""Planner options sized to the tiny batch, by planner or by "planner scheme" (the rest keep
+their defaults): chunkflow splits the 200-token sequence into slices of 64; skrull under cp2
+shards it over the 2 CP ranks (a bucket of 128 per rank holds the rest whole; without cp a
+bucket of 128 cannot hold it, so the other schemes keep skrull's default)."""
 HEAD_BLOCK_BYTES = 64 * 260 * 8
 """64 rows of the tiny vocabulary's float64 logits per forward block."""
 SEED = 0
@@ -67,10 +70,14 @@ def make_plan(planner: str, scheme: str):
     cluster = cluster_preset("cpu", parallel.num_gpus)
     cost = CostModel(model=spec, cluster=cluster)
     request = PlanRequest(lengths=list(LENGTHS), model=spec, cluster=cluster, scheme=parallel, cost=cost,
-                          context_length=256, seed=SEED, options=OPTIONS.get(planner, {}))
+                          context_length=256, seed=SEED, options=planner_options(planner, scheme))
     plan = get_planner(planner)(request)
     validate_plan(plan, cost)
     return plan
+
+
+def planner_options(planner: str, scheme: str) -> dict:
+    return OPTIONS.get(f"{planner} {scheme}", OPTIONS.get(planner, {}))
 
 
 def compiled_graphs() -> int:
@@ -96,7 +103,7 @@ def layout(plan) -> str:
 def cell(planner: str, scheme: str, plan, result: dict, graphs: list[int], seconds: float) -> dict:
     loss_rel = abs(result["loss"] - result["reference_loss"]) / abs(result["reference_loss"])
     exact = result["max_rel_grad_diff"] <= 1e-9 and loss_rel <= 1e-9 and result["oracle"] == "transformers"
-    return {"planner": planner, "scheme": scheme, "pipelines": layout(plan),
+    return {"planner": planner, "scheme": scheme, "options": planner_options(planner, scheme), "pipelines": layout(plan),
             "chunks": sum(len(p.chunks) for p in plan.pipelines), "max_rel_grad_diff": result["max_rel_grad_diff"],
             "loss_rel_diff": loss_rel, "worst_param": result["worst_param"], "oracle": result["oracle"],
             "compiled_graphs_per_rank": graphs, "passed": bool(exact and all(graphs)), "seconds": round(seconds, 1)}
