@@ -52,11 +52,15 @@ from bench_common import RESULTS, write_results  # noqa: E402
 MODEL = "tiny"
 LENGTHS = [200, 30, 17, 60, 5, 90, 33, 12]
 SCHEMES = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}}
-OPTIONS = {"chunkflow": {"chunk_size": 64, "k": 1}, "skrull cp2": {"bucket_size": 128}}
+OPTIONS = {"chunkflow": {"chunk_size": 64, "k": 1}, "skrull cp2": {"bucket_size": 128},
+           "hydraulis tp2": {"pipelines": "tp2-pp1"}, "hydraulis pp2": {"pipelines": "tp1-pp2"},
+           "hydraulis cp2": {"pipelines": "tp1-pp1-cp2"}}
 """Planner options sized to the tiny batch, by planner or by "planner scheme" (the rest keep
 their defaults): chunkflow splits the 200-token sequence into slices of 64; skrull under cp2
 shards it over the 2 CP ranks (a bucket of 128 per rank holds the rest whole; without cp a
-bucket of 128 cannot hold it, so the other schemes keep skrull's default)."""
+bucket of 128 cannot hold it, so the other schemes keep skrull's default); hydraulis is held to
+the scheme's one pipeline (left to choose, it runs this batch on two tp1 pipelines whatever the
+scheme, as auto and slimpack at cp2 do: their cells say so under "pipelines")."""
 HEAD_BLOCK_BYTES = 64 * 260 * 8
 """64 rows of the tiny vocabulary's float64 logits per forward block."""
 SEED = 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from lengthwise.errors import UserError
 
@@ -48,6 +49,20 @@ def compile_layers(model, *, backend: str = "inductor") -> None:
     """Compile the forward of every decoder layer `model` holds, in place."""
     for layer in model.model.layers.values():
         layer.compile_backend = backend
+    embed = getattr(model.model, "embed_tokens", None)
+    if embed is not None and not getattr(embed, "settles_output", False):
+        embed.register_forward_hook(_settled)
+        embed.settles_output = True
+
+
+def _settled(module, inputs, out_TD):
+    """Forward hook of the embedding (registered after tensor parallelism's): its output as a
+    plain tensor. Under tensor parallelism the embedding hands on its reduce (reduce-scatter or
+    all-reduce) not yet waited for, an `AsyncCollectiveTensor`; fed to the first compiled layer,
+    AOT autograd waits for it inside the graph but drops its gradient edge (torch 2.13,
+    aot_eager: the embedding's gradient came back zero, every other one exact). A copy made in
+    eager waits and keeps the edge: one [T/tp, D] copy per chunk of the first stage."""
+    return out_TD.clone() if isinstance(out_TD, AsyncCollectiveTensor) else None
 
 
 @functools.cache

@@ -75,7 +75,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -195,7 +194,6 @@ def apply_tp(model: CausalLM, mesh: DeviceMesh, *, sequence_parallel: bool = Tru
         parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=outputs))
         if sequence_parallel:  # padding tokens no rank holds: their rows are zero
             embed.register_forward_pre_hook(functools.partial(_pad_tokens, tp=tp, fill=padded), prepend=True)
-        embed.register_forward_hook(_settled)
     if model.part.last:
         if sequence_parallel:
             parallelize_module(model.model.norm, mesh, SequenceParallel(sequence_dim=0))
@@ -217,16 +215,6 @@ def _pad_tokens(module, inputs, *, tp: int, fill: int):
     if pad == 0:
         return None
     return (torch.cat([tokens_T, tokens_T.new_full((pad,), fill)]), *inputs[1:])
-
-
-def _settled(module, inputs, out_TD):
-    """Forward hook of the embedding, after RowwiseParallel's: its output as a plain tensor.
-    RowwiseParallel hands on the reduce (reduce-scatter or all-reduce) not yet waited for, an
-    `AsyncCollectiveTensor`; fed to a compiled decoder layer (`runtime/compile.py`), AOT
-    autograd waits for it inside the graph but drops its gradient edge (torch 2.13, aot_eager:
-    the embedding's gradient came back zero, every other one exact). A copy made in eager waits
-    and keeps the edge; it costs one [T/tp, D] copy per chunk of the first stage."""
-    return out_TD.clone() if isinstance(out_TD, AsyncCollectiveTensor) else None
 
 
 @torch.compiler.disable
