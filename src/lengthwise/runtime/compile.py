@@ -16,6 +16,10 @@ kernels from custom autograd Functions, and read the state store's K/V buffers; 
 would guard on every chunk's layout and recompile per plan. The layer's graph breaks there
 into the part before attention and the part after.
 
+Under tensor parallelism the embedding hands its output on as a collective not yet waited for;
+`compile_layers` makes it a plain tensor before the first compiled layer sees it (`_settled`),
+else that layer's graph drops the embedding's gradient.
+
 The layer objects stay where they are (names unchanged for checkpoints; FSDP2 and tensor
 parallelism hooks on the modules run as before): a layer with `compile_backend` set runs its
 `block` through one compiled function that every layer shares.
