@@ -18,8 +18,8 @@ blocked loss runs several blocks forward and backward, as a 152K vocabulary does
 Each cell: the loss and every gradient against Hugging Face transformers run on each sequence
 alone; the largest relative gradient and loss differences, whether both are within float64's
 1e-9 (`runtime/verify.TOLERANCE`), the plan's pipelines as executed (a planner may choose
-another layout than the scheme asked for: hydraulis and auto run tp2 as two tp1 pipelines on
-this batch), and the graphs torch.compile built on each rank (TorchDynamo's count after a reset
+another layout than the scheme asked for: auto, and slimpack at cp2, run this batch as two tp1
+pipelines), and the graphs torch.compile built on each rank (TorchDynamo's count after a reset
 before the cell: zero would mean the layers ran eager). All cells go to
 benchmarks/results/verify_matrix.json; exit status 1 when a cell fails.
 """
