@@ -164,13 +164,15 @@ def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
 
     from lengthwise.runtime.distributed.launch import end_process_group, init_from_torchrun, spawn
     from lengthwise.runtime.distributed.mesh import check_world_size
+    from lengthwise.runtime.compile import compile_wanted
     from lengthwise.runtime.parallel.verify_dist import VerifyJob, verify_worker
     from lengthwise.runtime.verify import VerifyResult
 
     job = VerifyJob(make_plan=functools.partial(build_plan, args), dtype=getattr(torch, args.dtype),
                     backend=backend, seed=args.seed, oracle=args.oracle, timeout_s=args.timeout,
                     data_parallel="replicate" if args.zero == 0 else "fsdp",
-                    sequence_parallel=args.sequence_parallel)
+                    sequence_parallel=args.sequence_parallel,
+                    compile="inductor" if compile_wanted(args.compile, args.device) else None)
     if _under_torchrun():
         mesh = init_from_torchrun(device=args.device, timeout_s=args.timeout)
         out = verify_worker(mesh.rank, job, mesh)

@@ -16,6 +16,10 @@ kernels from custom autograd Functions, and read the state store's K/V buffers; 
 would guard on every chunk's layout and recompile per plan. The layer's graph breaks there
 into the part before attention and the part after.
 
+Under tensor parallelism the embedding hands its output on as a collective not yet waited for;
+`compile_layers` makes it a plain tensor before the first compiled layer sees it (`_settled`),
+else that layer's graph drops the embedding's gradient.
+
 The layer objects stay where they are (names unchanged for checkpoints; FSDP2 and tensor
 parallelism hooks on the modules run as before): a layer with `compile_backend` set runs its
 `block` through one compiled function that every layer shares.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from lengthwise.errors import UserError
 
@@ -48,6 +53,20 @@ def compile_layers(model, *, backend: str = "inductor") -> None:
     """Compile the forward of every decoder layer `model` holds, in place."""
     for layer in model.model.layers.values():
         layer.compile_backend = backend
+    embed = getattr(model.model, "embed_tokens", None)
+    if embed is not None and not getattr(embed, "settles_output", False):
+        embed.register_forward_hook(_settled)
+        embed.settles_output = True
+
+
+def _settled(module, inputs, out_TD):
+    """Forward hook of the embedding (registered after tensor parallelism's): its output as a
+    plain tensor. Under tensor parallelism the embedding hands on its reduce (reduce-scatter or
+    all-reduce) not yet waited for, an `AsyncCollectiveTensor`; fed to the first compiled layer,
+    AOT autograd waits for it inside the graph but drops its gradient edge (torch 2.13,
+    aot_eager: the embedding's gradient came back zero, every other one exact). A copy made in
+    eager waits and keeps the edge: one [T/tp, D] copy per chunk of the first stage."""
+    return out_TD.clone() if isinstance(out_TD, AsyncCollectiveTensor) else None
 
 
 @functools.cache

@@ -364,11 +364,13 @@ class LMHead(nn.Linear):
     (`parallel/tensor_parallel.py` gathers it)."""
 
     vocab_shard: VocabShard | None = None
+    block_bytes: int | None = None
+    """Bytes of wide logits per block of the loss (`loss.head_loss_sum`); None: the default."""
 
     def forward(self, x_TD: torch.Tensor, labels_T: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         if labels_T is not None:
-            return head_loss_sum(x_TD, weight, labels_T, self.vocab_shard)
+            return head_loss_sum(x_TD, weight, labels_T, self.vocab_shard, block_bytes=self.block_bytes)
         logits = F.linear(x_TD, weight)
         real = None if self.vocab_shard is None else self.vocab_shard.real
         if real is not None and real < logits.shape[-1]:  # padded vocabulary columns

@@ -84,12 +84,15 @@ def random_tokens(lengths: list[int], vocab: int, seed: int) -> list[torch.Tenso
 
 
 def verify_plan(plan: StepPlan, *, dtype: torch.dtype = torch.float64, backend: str = "auto",
-                seed: int = 0, oracle: str = "auto", device="cpu", compile: bool | None = None) -> VerifyResult:
+                seed: int = 0, oracle: str = "auto", device="cpu", compile: bool | None = None,
+                compile_backend: str = "inductor", head_block_bytes: int | None = None) -> VerifyResult:
     """Random weights and tokens (seeded), the plan's loss and gradients against the oracle's
-    (`compile`: runtime/compile.compile_wanted)."""
+    (`compile`: runtime/compile.compile_wanted, under `compile_backend`; `head_block_bytes`:
+    the LM head's block, `model.LMHead.block_bytes`)."""
     model = build_model(plan.model, dtype=dtype, device=device, seed=seed)
     if compile_wanted(compile, device):
-        compile_layers(model)
+        compile_layers(model, backend=compile_backend)
+    model.lm_head.block_bytes = head_block_bytes
     token_ids = random_tokens(plan.lengths, plan.model.vocab, seed + 1)
     loss = run_step(model, plan, token_ids, backend=backend)
     grads = {name: p.grad for name, p in model.named_parameters()}

@@ -217,9 +217,14 @@ def _pad_tokens(module, inputs, *, tp: int, fill: int):
     return (torch.cat([tokens_T, tokens_T.new_full((pad,), fill)]), *inputs[1:])
 
 
+@torch.compiler.disable
 def _rows_of_the_row(module, inputs):
     """Forward pre-hook of self-attention after the gather: the row's own T tokens (the
-    rotary tables' length), without the padding rows."""
+    rotary tables' length), without the padding rows.
+
+    Eager under a compiled layer (`runtime/compile.py`): the attention's graph break makes this
+    hook a frame of its own, and a compiled frame that returns a view of its input DTensor is
+    replayed by AOT autograd as `as_strided`, which DTensor refuses."""
     x_TD, rope = inputs[0], inputs[1]
     tokens = rope[0].shape[0]
     if x_TD.shape[0] == tokens:

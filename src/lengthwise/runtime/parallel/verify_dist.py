@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lengthwise.plan.ir import StepPlan
+from lengthwise.runtime.compile import compile_layers
 from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.parallel.step import gather_grads, run_rank_step
 from lengthwise.runtime.model import build_model
@@ -59,6 +60,13 @@ class VerifyJob:
     stage's tensors)."""
     sequence_parallel: bool = True
     """Under tp > 1, split the residual stream's rows over TP (`parallel/build.ParallelOptions`)."""
+    compile: str | None = None
+    """torch.compile backend of every decoder layer on every rank (`runtime/compile.py`:
+    inductor, or aot_eager on a CPU, where inductor's C++ compile is slow); None: eager."""
+    head_block_bytes: int | None = None
+    """Bytes of the LM head's wide logits per block (`loss.head_loss_sum`); None: the default,
+    `cost.memory.HEAD_BLOCK_BYTES`. A few rows' worth makes a tiny model's head run in several
+    blocks, as a large vocabulary's does."""
 
 
 def verify_worker(rank: int, job: VerifyJob, mesh: Mesh | None = None) -> dict | None:
@@ -69,6 +77,10 @@ def verify_worker(rank: int, job: VerifyJob, mesh: Mesh | None = None) -> dict |
                               sequence_parallel=job.sequence_parallel)
     seed = None if job.weights else job.seed
     model = build_rank_model(plan, mesh, dtype=job.dtype, seed=seed, weights=job.weights, options=options)
+    if job.compile:
+        compile_layers(model, backend=job.compile)
+    if job.head_block_bytes and hasattr(model, "lm_head"):
+        model.lm_head.block_bytes = job.head_block_bytes
     token_ids = random_tokens(plan.lengths, plan.model.vocab, job.seed + 1)
     step = run_rank_step(model, plan, token_ids, mesh=mesh, backend=job.backend)
     grads = gather_grads(model, step.layout, plan)
