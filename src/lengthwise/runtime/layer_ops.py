@@ -41,24 +41,29 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x.to(dtype), without the call when it is already that dtype (float32 and float64 norms)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def rms_norm(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float):
     """weight * x / sqrt(mean(x^2) + eps), reduced in at least float32; returns it and the
     per-token reciprocal RMS [T, 1] (what the backward keeps)."""
-    wide_TD = x_TD.to(compute_dtype(x_TD.dtype))
+    wide_TD = _as(x_TD, compute_dtype(x_TD.dtype))
     rstd_T1 = torch.rsqrt(wide_TD.pow(2).mean(-1, keepdim=True) + eps)
-    return weight_D * (wide_TD * rstd_T1).to(x_TD.dtype), rstd_T1
+    return weight_D * _as(wide_TD * rstd_T1, x_TD.dtype), rstd_T1
 
 
 def rms_norm_backward(grad_TD, x_TD, weight_D, rstd_T1):
     """Gradients of `rms_norm`'s input and weight: the operations autograd would run on it."""
-    wide_TD = x_TD.to(compute_dtype(x_TD.dtype))
-    normed_TD = (wide_TD * rstd_T1).to(x_TD.dtype)
+    wide_TD = _as(x_TD, compute_dtype(x_TD.dtype))
+    normed_TD = _as(wide_TD * rstd_T1, x_TD.dtype)
     grad_weight = (grad_TD * normed_TD).sum_to_size(weight_D.shape)
-    grad_normed_TD = (grad_TD * weight_D).to(wide_TD.dtype)
+    grad_normed_TD = _as(grad_TD * weight_D, wide_TD.dtype)
     grad_rstd_T1 = (grad_normed_TD * wide_TD).sum(-1, keepdim=True)
     grad_mean_T1 = -0.5 * grad_rstd_T1 * rstd_T1.pow(3)
     grad_wide_TD = grad_normed_TD * rstd_T1 + grad_mean_T1 / wide_TD.shape[-1] * (2.0 * wide_TD)
-    return grad_wide_TD.to(x_TD.dtype), grad_weight
+    return _as(grad_wide_TD, x_TD.dtype), grad_weight
 
 
 def rotate(x_TNE: torch.Tensor, cos_T1E: torch.Tensor, signed_sin_T1E: torch.Tensor) -> torch.Tensor:

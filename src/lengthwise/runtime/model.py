@@ -110,10 +110,6 @@ def rotary_tables(positions_T: torch.Tensor, *, head_dim: int, theta: float, dty
     return angles_TE.cos().to(dtype)[:, None, :], signed_sin_TE.to(dtype)[:, None, :]
 
 
-def apply_rotary(x_THE: torch.Tensor, cos_T1E: torch.Tensor, signed_sin_T1E: torch.Tensor) -> torch.Tensor:
-    return rotate(x_THE, cos_T1E, signed_sin_T1E)
-
-
 class SelfAttention(nn.Module):
     """GQA attention; optional bias on q, k and v (Qwen2), none on the output projection."""
 
@@ -136,7 +132,7 @@ class SelfAttention(nn.Module):
     def inputs(self, x_TD, rope):
         """Post-rotary q [T, H, E], k and v [T, G, E]."""
         q_THE, k_TGE, v_TGE = (heads(proj(x_TD), self.spec.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        return apply_rotary(q_THE, *rope), apply_rotary(k_TGE, *rope), v_TGE
+        return rotate(q_THE, *rope), rotate(k_TGE, *rope), v_TGE
 
 
 class SwiGLU(nn.Module):
