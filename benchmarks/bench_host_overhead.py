@@ -22,7 +22,9 @@ and, apart, the varlen (CUDA) path's index and key-packing host work per layer a
 (`varlen_index_work`), which the CPU step above does not run.
 Times are the CPU time of the process's main thread (`time.thread_time`, torch on one thread),
 not wall time: on a shared machine a process also waits for a core, which is not the host
-cost of the code.
+cost of the code. Beside them, exact counts per layer and chunk that no machine's load moves:
+ATen operator calls, autograd nodes run in backward, calls into compiled graphs
+(`dispatch_counts`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ LENGTHS = [24, 8, 8]
 CHUNKS = "0[0:8] 0[8:16]+1[0:8] 0[16:24]+2[0:8]"
 ACTIONS = "F0 F1 F2 B2 B1 B0"
 NUM_CHUNKS = 3
+COUNTS = ("aten_ops", "autograd_nodes", "compiled_graph_calls")
+"""Per layer and chunk, counted once per variant (`dispatch_counts`)."""
 
 
 def worker(compile_backend: str | None, steps: int) -> None:
@@ -81,6 +85,8 @@ def worker(compile_backend: str | None, steps: int) -> None:
 
     for _ in range(3):  # warm-up (and compilation)
         step(2), step(4)
+    counts = {layers: dispatch_counts(lambda: step(layers)) for layers in (2, 4)}
+    per_layer_counts = {kind: (counts[4][kind] - counts[2][kind]) / (2 * NUM_CHUNKS) for kind in counts[2]}
     varlen_index = varlen_index_work()
     print("ready", flush=True)
     for _ in sys.stdin:
@@ -91,7 +97,21 @@ def worker(compile_backend: str | None, steps: int) -> None:
         two, four = statistics.median(times[2]), statistics.median(times[4])
         print(json.dumps({"step_2_layers_s": two, "step_4_layers_s": four,
                           "per_layer_chunk_s": (four - two) / (2 * NUM_CHUNKS),
-                          "varlen_index_per_layer_chunk_s": varlen_index()}), flush=True)
+                          "varlen_index_per_layer_chunk_s": varlen_index(), **per_layer_counts}), flush=True)
+
+
+def dispatch_counts(run) -> dict[str, int]:
+    """What one call of `run` dispatches, counted by the profiler (exact, unlike times on a
+    shared machine): ATen operator calls (nested ones included), autograd nodes run in
+    backward (parameters' gradient accumulation included), and calls into compiled graphs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    names = [event.name for event in prof.events()]
+    return {"aten_ops": sum(name.startswith("aten::") for name in names),
+            "autograd_nodes": sum(name.startswith("autograd::engine::evaluate_function") for name in names),
+            "compiled_graph_calls": sum(name.startswith("## Call CompiledFxGraph") for name in names)}
 
 
 VARLEN_LAYERS = 28
@@ -185,6 +205,7 @@ def main(argv=None) -> int:
             proc.wait()
     per = {name: statistics.median(r["per_layer_chunk_s"] for r in rs) for name, rs in runs.items()}
     index = {name: statistics.median(r["varlen_index_per_layer_chunk_s"] for r in rs) for name, rs in runs.items()}
+    counted = {kind: {name: rs[0][kind] for name, rs in runs.items()} for kind in COUNTS}
     result = {
         "what": "host time per decoder layer and chunk, forward + backward, tiny model (arithmetic ~0)",
         "command": "python benchmarks/bench_host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -194,6 +215,7 @@ def main(argv=None) -> int:
         "ratio_before_over_after": {name: round(per["before"] / s, 2) for name, s in per.items() if name != "before"},
         "varlen_index_per_layer_chunk_us": {name: round(t * 1e6, 3) for name, t in index.items()},
         "varlen_index_ratio_before_over_after": round(index["before"] / index["after"], 1),
+        **{f"{kind}_per_layer_chunk": counted[kind] for kind in COUNTS},
         "runs": runs,
     }
     out = Path(args.out)
@@ -203,7 +225,8 @@ def main(argv=None) -> int:
     tmp_out.replace(out)
     print(json.dumps({k: result[k] for k in ("per_layer_chunk_us", "ratio_before_over_after",
                                              "varlen_index_per_layer_chunk_us",
-                                             "varlen_index_ratio_before_over_after")}, indent=1))
+                                             "varlen_index_ratio_before_over_after",
+                                             *(f"{kind}_per_layer_chunk" for kind in COUNTS))}, indent=1))
     return 0
 
 

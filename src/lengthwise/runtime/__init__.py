@@ -6,7 +6,8 @@
     loss = run_step(model, plan, token_ids)   # token_ids[seq_id]: 1-D LongTensor; grads land in .grad
 
 The only part of lengthwise that imports torch. Floors, each importing only below:
-model.py (the decoder, HF names; compile.py compiles its layers) <- attention.py (backends:
+model.py (the decoder, HF names; layer_ops.py its layers' autograd Functions; compile.py compiles its
+layers) <- attention.py (backends:
 reference, and flash_row.py's row structure over flash_cpu.py's or flash_varlen.py's kernels)
 <- layout.py (which keys each query of a packed row sees; RowIndex, built once per chunk) ; loss.py (labels,
 cross-entropy) ; state.py (K/V store) <- cells.py (forward chunks cut by backward units) ;

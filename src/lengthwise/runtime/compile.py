@@ -6,9 +6,12 @@
 One layer is the region (torchtitan's choice): every layer runs the same code, so one compiled
 graph serves them all, and compile time does not grow with depth. The token dimension is
 dynamic (`dynamic=True`), so chunks of other lengths reuse the graph instead of recompiling
-each step. What compiles: norms, projections, rotary embedding, residuals, SwiGLU (with their
-autograd Functions): a dozen small kernels per layer fused, and their per-operation Python and
-dispatch cost gone, which is the host time a chunk pays per layer.
+each step. What compiles: norms, projections, rotary embedding, residuals, SwiGLU (the layer's
+autograd Functions, `layer_ops.py`, traced with their backwards): a dozen small kernels per
+layer fused. On a host with little arithmetic per layer a compiled region's call (guards,
+AOTAutograd's wrappers, the graph's own Python) costs about what the eager Functions' calls do
+(benchmarks/results/host_overhead.json): compiling pays on the device, where the fused kernels
+save launches and memory traffic.
 
 Left out, by `torch.compiler.disable` on `attention.attend`: the attention itself. Its
 backends loop in Python over the row's calls (data from the plan, not tensors), call private
@@ -22,7 +25,8 @@ else that layer's graph drops the embedding's gradient.
 
 The layer objects stay where they are (names unchanged for checkpoints; FSDP2 and tensor
 parallelism hooks on the modules run as before): a layer with `compile_backend` set runs its
-`block` through one compiled function that every layer shares.
+`attention_input` and `attention_output` through compiled functions that every layer shares
+(its `block`, as module calls, under tensor parallelism's hooks).
 """
 
 from __future__ import annotations

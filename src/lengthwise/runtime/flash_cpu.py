@@ -161,5 +161,8 @@ def _heads_first(x_TNE: torch.Tensor) -> torch.Tensor:
 def _rows(x_1NTE: torch.Tensor, call: _Call) -> torch.Tensor:
     """The call's rows lo:hi of a heads-first view: the same view as `_heads_first(x[lo:hi])`,
     taken once per row instead of three views per call (each view is an operation, which a
-    dry run's fake tensors make the cost that matters)."""
+    dry run's fake tensors make the cost that matters); the view itself for a call over the
+    whole row."""
+    if call.lo == 0 and call.hi == x_1NTE.shape[2]:
+        return x_1NTE
     return x_1NTE.narrow(2, call.lo, call.hi - call.lo)

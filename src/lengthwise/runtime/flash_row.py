@@ -60,18 +60,23 @@ def attend(kernels: Kernels, index: RowIndex, num_pieces: tuple[int, ...], q_THE
     return _FlashRow.apply(kernels, index, num_pieces, q_THE, k_TGE, v_TGE, *flat)
 
 
-def merge(a, b):
-    """One output and log-sum-exp from two calls over disjoint keys of the same queries."""
-    (out_a, lse_a), (out_b, lse_b) = a, b
-    lse = torch.logaddexp(lse_a, lse_b)
-    weight_a, weight_b = (torch.exp(x - lse).transpose(0, 1)[:, :, None] for x in (lse_a, lse_b))
-    out = weight_a * out_a.to(lse.dtype) + weight_b * out_b.to(lse.dtype)
-    return out.to(out_a.dtype), lse
+def merge_into(out_tHE, lse_Ht, other) -> None:
+    """Merge another call's (output, log-sum-exp) over disjoint keys of the same queries into
+    `out_tHE` and `lse_Ht` (rows of the own call's, written in place). The weighted sum runs in
+    the log-sum-exp's dtype (type promotion widens a bf16 output) and is rounded once, on the
+    write."""
+    out_b, lse_b = other
+    lse = torch.logaddexp(lse_Ht, lse_b)
+    weight_a, weight_b = ((x - lse).exp_().t().unsqueeze(-1) for x in (lse_Ht, lse_b))
+    out_tHE.copy_(weight_a * out_tHE + weight_b * out_b)
+    lse_Ht.copy_(lse)
 
 
 def _context_keys(call: ContextCall, index: RowIndex, own_TGE, pieces) -> torch.Tensor:
     """The segment's context keys (or values): the store's pieces, then the row's earlier
     slices of the sequence; one view when there is one part (the usual case)."""
+    if len(pieces) == 1 and not index.layout.row_context[call.segment]:
+        return pieces[0]
     return cat_tokens(key_parts(own_TGE, pieces, index.layout, call.segment)[:-1])
 
 
@@ -79,16 +84,13 @@ class _FlashRow(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernels, index, num_pieces, q_THE, k_TGE, v_TGE, *flat):
         context = unflatten_context(flat, num_pieces)
-        out_THE, lse_HT = kernels.own(q_THE, k_TGE, v_TGE, index)
-        if index.context_calls:
-            out_THE, lse_HT = out_THE.clone(), lse_HT.clone()  # the merge writes rows of them
+        out_THE, lse_HT = kernels.own(q_THE, k_TGE, v_TGE, index)  # fresh: the merge writes rows of them
         for call in index.context_calls:
             pieces = context[call.segment]
             k = _context_keys(call, index, k_TGE, [kv[0] for kv in pieces])
             v = _context_keys(call, index, v_TGE, [kv[1] for kv in pieces])
             lo, hi = call.lo, call.hi
-            mine = kernels.context(q_THE[lo:hi], k, v, call)
-            out_THE[lo:hi], lse_HT[:, lo:hi] = merge(mine, (out_THE[lo:hi], lse_HT[:, lo:hi]))
+            merge_into(out_THE[lo:hi], lse_HT[:, lo:hi], kernels.context(q_THE[lo:hi], k, v, call))
         ctx.kernels, ctx.index, ctx.num_pieces = kernels, index, num_pieces
         ctx.save_for_backward(q_THE, k_TGE, v_TGE, out_THE, lse_HT, *flat)
         return out_THE
@@ -97,7 +99,7 @@ class _FlashRow(torch.autograd.Function):
     def backward(ctx, g_THE):
         q_THE, k_TGE, v_TGE, out_THE, lse_HT, *flat = ctx.saved_tensors
         kernels, index, num_pieces = ctx.kernels, ctx.index, ctx.num_pieces
-        g_THE = g_THE.contiguous()
+        g_THE = g_THE if g_THE.is_contiguous() else g_THE.contiguous()
         dq, dk, dv = kernels.own_backward(g_THE, q_THE, k_TGE, v_TGE, out_THE, lse_HT, index)
         context = unflatten_context(flat, num_pieces)
         first_piece = [2 * n for n in accumulate(num_pieces, initial=0)]
@@ -117,6 +119,9 @@ def _context_grads(call: ContextCall, index: RowIndex, pieces, gk_KGE, gv_KGE, d
     """Hand a context call's dk, dv to its parts: the store's pieces (their slots of `dflat`,
     set once: a segment has one context call) and the row's earlier slices (added into dk, dv)."""
     layout = index.layout
+    if len(pieces) == 1 and not layout.row_context[call.segment]:  # the usual case: the store's view alone
+        dflat[at], dflat[at + 1] = gk_KGE, gv_KGE
+        return
     sizes = [kv[0].shape[0] for kv in pieces] + [layout.q_lens[j] for j in layout.row_context[call.segment]]
     gk_parts, gv_parts = gk_KGE.split(sizes), gv_KGE.split(sizes)
     for j in range(len(pieces)):

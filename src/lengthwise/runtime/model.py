@@ -44,14 +44,11 @@ from torch.distributed.tensor import DTensor
 
 from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend, wants_varlen_index
 from lengthwise.runtime.compile import compiled
+from lengthwise.runtime.layer_ops import (QKV, GateUp, LinearResidual, OutputNorm, compute_dtype, heads,
+                                          rms_norm, rms_norm_backward, rotate)
 from lengthwise.runtime.layout import LayerContext, RowIndex
 from lengthwise.runtime.loss import VocabShard, head_loss_sum
 from lengthwise.specs import ModelSpec
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Precision of norms and rotary tables: at least float32, like Hugging Face's."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class RMSNorm(nn.Module):
@@ -75,22 +72,13 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TD, weight_D, eps: float):
-        wide_TD = x_TD.to(compute_dtype(x_TD.dtype))
-        rstd_T1 = torch.rsqrt(wide_TD.pow(2).mean(-1, keepdim=True) + eps)
+        y_TD, rstd_T1 = rms_norm(x_TD, weight_D, eps)
         ctx.save_for_backward(x_TD, weight_D, rstd_T1)
-        return weight_D * (wide_TD * rstd_T1).to(x_TD.dtype)
+        return y_TD
 
     @staticmethod
     def backward(ctx, grad_TD):
-        x_TD, weight_D, rstd_T1 = ctx.saved_tensors
-        wide_TD = x_TD.to(compute_dtype(x_TD.dtype))
-        normed_TD = (wide_TD * rstd_T1).to(x_TD.dtype)
-        grad_weight = (grad_TD * normed_TD).sum_to_size(weight_D.shape)
-        grad_normed_TD = (grad_TD * weight_D).to(wide_TD.dtype)
-        grad_rstd_T1 = (grad_normed_TD * wide_TD).sum(-1, keepdim=True)
-        grad_mean_T1 = -0.5 * grad_rstd_T1 * rstd_T1.pow(3)
-        grad_wide_TD = grad_normed_TD * rstd_T1 + grad_mean_T1 / wide_TD.shape[-1] * (2.0 * wide_TD)
-        return grad_wide_TD.to(x_TD.dtype), grad_weight, None
+        return *rms_norm_backward(grad_TD, *ctx.saved_tensors), None
 
 
 def inverse_frequencies(*, head_dim: int, theta: float, scaling, dtype: torch.dtype, device) -> torch.Tensor:
@@ -109,23 +97,18 @@ def inverse_frequencies(*, head_dim: int, theta: float, scaling, dtype: torch.dt
 
 def rotary_tables(positions_T: torch.Tensor, *, head_dim: int, theta: float, dtype: torch.dtype,
                   scaling=None):
-    """cos and sin tables [T, E] at explicit positions (a slice starting at 4096 rotates from
-    4096, not 0), in Hugging Face's half-split layout."""
+    """cos and signed sin tables [T, 1, E] at explicit positions (a slice starting at 4096
+    rotates from 4096, not 0): Hugging Face's half-split cos and sin, computed as it does, the
+    sin with its first half negated (`layer_ops.rotate`), shaped to broadcast over heads."""
     wide = compute_dtype(dtype)
     inv_freq = inverse_frequencies(head_dim=head_dim, theta=theta, scaling=scaling, dtype=wide,
                                    device=positions_T.device)
     freqs_TE = positions_T.to(wide)[:, None] * inv_freq[None, :]
     angles_TE = torch.cat((freqs_TE, freqs_TE), dim=-1)
-    return angles_TE.cos().to(dtype), angles_TE.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x_THE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor) -> torch.Tensor:
-    return x_THE * cos_TE[:, None, :] + _rotate_half(x_THE) * sin_TE[:, None, :]
+    sin_TE = angles_TE.sin()
+    half = sin_TE.shape[-1] // 2
+    signed_sin_TE = torch.cat((-sin_TE[:, :half], sin_TE[:, half:]), dim=-1)
+    return angles_TE.cos().to(dtype)[:, None, :], signed_sin_TE.to(dtype)[:, None, :]
 
 
 class SelfAttention(nn.Module):
@@ -149,13 +132,8 @@ class SelfAttention(nn.Module):
 
     def inputs(self, x_TD, rope):
         """Post-rotary q [T, H, E], k and v [T, G, E]."""
-        q_THE, k_TGE, v_TGE = (_heads(proj(x_TD), self.spec.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        return apply_rotary(q_THE, *rope), apply_rotary(k_TGE, *rope), v_TGE
-
-
-def _heads(x_TX: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """[T, heads * E] -> [T, heads, E] (also for T = 0, where view(T, -1, E) is ambiguous)."""
-    return x_TX.view(x_TX.shape[0], x_TX.shape[1] // head_dim, head_dim)
+        q_THE, k_TGE, v_TGE = (heads(proj(x_TD), self.spec.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        return rotate(q_THE, *rope), rotate(k_TGE, *rope), v_TGE
 
 
 class SwiGLU(nn.Module):
@@ -206,15 +184,36 @@ class DecoderLayer(nn.Module):
         backward (`mlp_block`)."""
         if recompute_mlp and torch.is_grad_enabled():
             return self._with_mlp_checkpoint(h_TD, rope, layout, context, backend)
-        if self.compile_backend is None:
-            return self.block(h_TD, rope, layout, context, backend)
-        if _hooked(self.self_attn):  # e.g. tensor parallelism's input layouts: keep the module call
+        if not _plain(self):  # tensor parallelism's hooks and DTensor weights: the module calls
+            if self.compile_backend is None:
+                return self.block(h_TD, rope, layout, context, backend)
             return compiled(DecoderLayer.block, self.compile_backend)(self, h_TD, rope, layout, context, backend)
-        # Two compiled regions around the attention: a graph break inside the nested self_attn
-        # call would cut the layer into five graphs, each with its own call overhead.
-        q_THE, k_TGE, v_TGE = compiled(DecoderLayer.before_attention, self.compile_backend)(self, h_TD, rope)
+        if self.compile_backend is None:
+            return self.fused(h_TD, rope, layout, context, backend)
+        # Two compiled regions around the attention, which stays eager (`compile.py`).
+        q_THE, k_TGE, v_TGE = compiled(DecoderLayer.attention_input, self.compile_backend)(self, h_TD, rope)
         out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
-        return compiled(DecoderLayer.after_attention, self.compile_backend)(self, h_TD, out_THE), k_TGE, v_TGE
+        return compiled(DecoderLayer.attention_output, self.compile_backend)(self, h_TD, out_THE), k_TGE, v_TGE
+
+    def fused(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
+        """`block`'s arithmetic in seven autograd nodes (`layer_ops.py`): the same saved tensors,
+        a fraction of its host time."""
+        q_THE, k_TGE, v_TGE = self.attention_input(h_TD, rope)
+        out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
+        return self.attention_output(h_TD, out_THE), k_TGE, v_TGE
+
+    def attention_input(self, h_TD, rope):
+        """Post-rotary q [T, H, E], k and v [T, G, E] of the normed input, in two nodes."""
+        attn, norm = self.self_attn, self.input_layernorm
+        return QKV.apply(_RMSNorm.apply(h_TD, norm.weight, norm.eps), *rope, attn.spec.head_dim, attn.q_proj.weight,
+                         attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight, attn.v_proj.bias)
+
+    def attention_output(self, h_TD, out_THE):
+        """The output projection, the residuals and the MLP, in four nodes."""
+        mlp, norm = self.mlp, self.post_attention_layernorm
+        h_TD, x_TD = OutputNorm.apply(h_TD, out_THE, self.self_attn.o_proj.weight, norm.weight, norm.eps)
+        gate_TF, up_TF = GateUp.apply(x_TD, mlp.gate_proj.weight, mlp.up_proj.weight)
+        return LinearResidual.apply(h_TD, _SiluMul.apply(gate_TF, up_TF), mlp.down_proj.weight)
 
     def _with_mlp_checkpoint(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
         """The layer with its MLP block under non-reentrant `torch.utils.checkpoint` (selective
@@ -251,14 +250,18 @@ class DecoderLayer(nn.Module):
     def before_attention(self, h_TD, rope):
         return self.self_attn.inputs(self.input_layernorm(h_TD), rope)
 
-    def after_attention(self, h_TD, out_THE):
-        h_TD = self.attention_residual(h_TD, out_THE)
-        return h_TD + self.mlp_block(h_TD)
-
     def block(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
-        """The layer's computation (`forward` without the choice of compiled or eager)."""
+        """The layer's computation as module calls, where tensor parallelism's hooks act."""
         h_TD, k_TGE, v_TGE = self.attention_block(h_TD, rope, layout, context, backend)
         return h_TD + self.mlp_block(h_TD), k_TGE, v_TGE
+
+
+def _plain(layer: DecoderLayer) -> bool:
+    """No hooks on the layer's parts and plain-tensor weights (no tensor parallelism): the layer
+    may run as `fused`, without its modules' calls. FSDP2's hooks sit on the layer itself and
+    hand it plain unsharded weights."""
+    parts = (layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
+    return not any(_hooked(part) for part in parts) and not isinstance(layer.self_attn.q_proj.weight, DTensor)
 
 
 def _hooked(module: nn.Module) -> bool:
