@@ -93,11 +93,11 @@ from lengthwise.planners.slimpack.build import (
     materialize,
     flops_models,
     merge_metrics,
-    micropack_metrics,
     phase1_variants,
     prepare_stream,
     read_options,
 )
+from lengthwise.planners.slimpack.metrics import micropack_metrics
 from lengthwise.sim import simulate_plan
 
 SWEEP_RATIO = 2 ** 0.5
