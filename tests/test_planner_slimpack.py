@@ -462,6 +462,37 @@ def test_sweep_simulates_with_the_planners_slice_structure_as_without():
         assert np.array_equal(a.timeline.memory.level, b.timeline.memory.level)
 
 
+def test_cell_sizes_batched_over_pipelines_are_each_pipelines_own(monkeypatch):
+    """sim/cell_costs.py sizes every pipeline's cells in one pass per stage kind: the memory
+    sizes are those each pipeline's own `_cell_sizes` gives, float for float."""
+    import lengthwise.sim.inputs as inputs
+    from lengthwise.planners.slimpack.build import bare_plan, build_candidate, phase1_variants, prepare_stream
+
+    req = request(sample("github", 48, 32 * K), dp=3, pp=2, context=32 * K)
+    models = flops_models(req)
+    variants, flops = phase1_variants(req, models, True)
+    built = [build_candidate(req, g, 5, models, flops, True, check=False, prepared=prepare_stream(req, g, flops))
+             for g in variants[0]]
+    step, known = bare_plan(req, [p for p, _ in built]), [k for _, k in built]
+    seeded = []
+    batched = inputs.batched_cell_sizes
+
+    def recording(plan, cm, structures, tables):
+        batched(plan, cm, structures, tables)
+        seeded.extend(i for i, t in enumerate(tables) if any(k[0] == "cells batched" for k in t if isinstance(k, tuple)))
+
+    monkeypatch.setattr(inputs, "batched_cell_sizes", recording)
+    together = inputs.plan_inputs(step, req.cost, known)
+    assert seeded, "no pipeline took the batched cell sizes"
+    monkeypatch.setattr(inputs, "batched_cell_sizes", lambda *args: None)
+    alone = inputs.plan_inputs(step, req.cost, known)
+    for a, b in zip(together, alone):
+        for name in ("activation", "recompute_extra", "backward_work", "forward_work", "cell_activation"):
+            rows_a, rows_b = getattr(a.sizes, name), getattr(b.sizes, name)
+            assert len(rows_a) == len(rows_b)
+            assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(rows_a, rows_b)), name
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams=st.lists(st.lists(st.integers(1, 2000), min_size=1, max_size=12), min_size=1, max_size=5),
        count=st.integers(1, 30))

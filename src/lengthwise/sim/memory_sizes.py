@@ -14,6 +14,7 @@ import numpy as np
 import lengthwise.cost.memory as mem
 from lengthwise.cost import CostModel
 from lengthwise.plan.ir import BACKWARD, FORWARD_NOGRAD, Chunk
+from lengthwise.sim.cell_costs import CELLS
 from lengthwise.sim.memory import MemorySizes, SplitArrays, split_sequences
 from lengthwise.sim.structure import segment_cells
 
@@ -123,6 +124,8 @@ class _MemorySizing:
         pipe = self.pipe
         if pipe.backward_chunks is None or pipe.cp > 1:
             return None
+        if CELLS in self._cache:  # checked with every pipeline's (sim/cell_costs.py)
+            return self._cache[CELLS]
         if self.known is not None and self.known.cells is not None:
             c, u, n = self.known.cells
             cells = c, u, n.astype(np.float64)
@@ -150,6 +153,13 @@ class _MemorySizing:
         key = ("cells", L, head, tuple(recompute) if any(recompute) else None)
         if key in self._cache:  # stages of one shape and recomputation share them
             return self._cache[key]
+        batched = self._cache.get(("cells batched", L, head)) if key[3] is None else None
+        if batched is not None:  # computed with every pipeline's cells (sim/cell_costs.py)
+            kept, work, fwork, sums = batched
+            self._cache["chunk sums", id(kept)] = (kept, sums)
+            zeros = self._zeros(len(self.pipe.chunks))
+            out = self._cache[key] = (kept, zeros, work, zeros if fwork is None else fwork)
+            return out
         cm, tp = self.cm, self.pipe.tp
         chunk_of, unit_of, tokens = cells
         remat = np.zeros(len(tokens))
