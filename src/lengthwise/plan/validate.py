@@ -46,6 +46,7 @@ from lengthwise.plan.ir import (
     StepPlan,
 )
 from lengthwise.plan.rendezvous import check_rendezvous
+from lengthwise.plan.segment_checks import segments_hold
 from lengthwise.plan.schedules import check_message_order, check_schedule
 
 if TYPE_CHECKING:
@@ -59,16 +60,20 @@ def validate_plan(plan: StepPlan, cost: CostModel | None = None) -> None:
     if plan.num_gpus > plan.cluster.num_gpus:
         raise UserError(f"plan uses {plan.num_gpus} GPUs but cluster {plan.cluster.name} has "
                         f"{plan.cluster.num_gpus}")
+    # invariants 2, 3, 4 and 6 over arrays first; only a plan that breaks one is walked segment
+    # by segment below, which names what is wrong (plan/segment_checks.py)
+    walk = not segments_hold(plan)
     for p, pipe in enumerate(plan.pipelines):
         _check_degrees(plan, p, pipe)
-        for unit_name, units in _unit_lists(pipe):
+        for unit_name, units in _unit_lists(pipe) if walk else ():
             _check_segments(plan, p, unit_name, units, pipe.cp)
     _check_no_dropped_stage(plan)
     _check_layer_splits_agree(plan)
-    _check_one_pipeline_per_sequence(plan)
-    _check_coverage(plan, backward=False)
-    if any(pipe.backward_chunks is not None for pipe in plan.pipelines):
-        _check_coverage(plan, backward=True)
+    if walk:
+        _check_one_pipeline_per_sequence(plan)
+        _check_coverage(plan, backward=False)
+        if any(pipe.backward_chunks is not None for pipe in plan.pipelines):
+            _check_coverage(plan, backward=True)
     for p, pipe in enumerate(plan.pipelines):
         if pipe.backward_chunks is not None:
             check_backward_units(pipe.chunks, pipe.backward_chunks, where=f"pipeline {p}: ")
@@ -80,7 +85,8 @@ def validate_plan(plan: StepPlan, cost: CostModel | None = None) -> None:
         except UserError as exc:
             raise UserError(f"pipeline {p}: {exc}") from None
         check_rendezvous(pipe.stages, pipeline=p)
-    _check_loss_tokens(plan)
+    if walk:
+        _check_loss_tokens(plan)
     if cost is not None:
         _check_memory(plan, cost)
 
