@@ -34,6 +34,7 @@ class _MemorySizing:
         act, extra, transient, kv, kv_grad, work, fwork, cell_act = [], [], [], [], [], [], [], []
         cells = self._cells()
         kv_of: dict[int, dict] = {}  # stages of equal layer counts hold equal K/V
+        kv_rows: dict[int, np.ndarray] = {}  # ... and as rows in the order of `splits`, where computed so
         for s in range(S):
             L, head = self.layers[s], s == S - 1
             if cells is not None:  # each cell is its own row: kept, re-materialised and worked on apart
@@ -48,7 +49,7 @@ class _MemorySizing:
             work.append(w)
             fwork.append(fw)
             transient.append(self._nograd_transient(s, L, act[-1]))
-            kv.append(self._kv_sizes(L, splits, kv_of))
+            kv.append(self._kv_sizes(L, splits, kv_of, kv_rows))
             kv_grad.append(dict(kv[-1]))  # K/V-gradient buffers are the size of the K/V they update
         states, grads = self._states()
         if cm.grads_held_all_step:  # a buffer allocated before the step (`CostModel.grads_held_all_step`)
@@ -59,6 +60,7 @@ class _MemorySizing:
         return MemorySizes(state=[a - g for a, g in zip(states, grads)], grads=grads, activation=act,
                            recompute_extra=extra, nograd_transient=transient, kv=kv, kv_grad=kv_grad,
                            backward_work=work, forward_work=fwork, cell_activation=cell_act,
+                           kv_rows=[kv_rows[L] for L in self.layers] if len(kv_rows) == len(kv_of) else None,
                            nograd_held=cm.nograd_keeps_graph)
 
     def _kept_activations(self, s: int, L: int, head: bool, recompute: list[int]):
@@ -98,16 +100,17 @@ class _MemorySizing:
         return [cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
                 for i, c in enumerate(pipe.chunks)] if nograd else self._zeros(C)
 
-    def _kv_sizes(self, L: int, splits, kv_of: dict[int, dict]) -> dict:
+    def _kv_sizes(self, L: int, splits, kv_of: dict[int, dict], kv_rows: dict[int, np.ndarray]) -> dict:
         """{sequence: K/V bytes} of every split sequence on a stage of L layers (kept in `kv_of`
-        for the pipeline's other stages of L layers); kv_bytes by context length, shared by the
-        plan's pipelines of one tp, cp."""
+        for the pipeline's other stages of L layers, and in `kv_rows` as a row in the order of
+        `splits` where computed that way); kv_bytes by context length, shared by the plan's
+        pipelines of one tp, cp."""
         cm = self.cm
         if L not in kv_of:
             if isinstance(splits, SplitArrays) and type(cm).kv_bytes is CostModel.kv_bytes:
                 # CostModel.kv_bytes elementwise over the contexts: the same operations, the same floats
-                each = cm.kv_bytes(splits.context, layers=L, **self.kw)
-                kv_of[L] = dict(zip(splits.seq_id.tolist(), np.asarray(each, dtype=np.float64).tolist()))
+                each = kv_rows[L] = np.asarray(cm.kv_bytes(splits.context, layers=L, **self.kw), dtype=np.float64)
+                kv_of[L] = dict(zip(splits.seq_id.tolist(), each.tolist()))
             else:
                 memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
                 seqs = zip(splits.seq_id.tolist(), splits.context.tolist()) if isinstance(splits, SplitArrays) \
