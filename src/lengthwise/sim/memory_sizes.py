@@ -195,8 +195,8 @@ class _MemorySizing:
         beside every gradient in the stage's first B, which makes them (`grads`; a
         heterogeneous plan's autograd keeps that first bf16 table as the gradient itself)."""
         pipe, U = self.pipe, len(self.units)
-        order = [a.chunk for a in pipe.stages[0] if a.kind == BACKWARD]
-        if not order:
+        first = next((a.chunk for a in pipe.stages[0] if a.kind == BACKWARD), None)
+        if first is None:
             return work
         act, extra = np.asarray(act, dtype=np.float64), np.asarray(extra, dtype=np.float64)
         if cells is not None:  # each cell's backward ends in the embedding's: its first cell's
@@ -207,6 +207,7 @@ class _MemorySizing:
         elif pipe.backward_chunks is None:  # each unit is its chunk, the only one it reads
             released, remat = act.copy(), extra
         else:
+            order = [a.chunk for a in pipe.stages[0] if a.kind == BACKWARD]
             pos = np.zeros(U, dtype=np.int64)
             pos[order] = np.arange(len(order))
             released, remat = np.zeros(U), np.zeros(U)
@@ -219,7 +220,7 @@ class _MemorySizing:
                 released[max(us, key=pos.__getitem__)] += act[c]
         table = mem.embedding_backward_bytes(self.cm.model)
         end = table - released - remat
-        end[order[0]] += grads - (table if self._heterogeneous() else 0.0)
+        end[first] += grads - (table if self._heterogeneous() else 0.0)
         return np.maximum(np.asarray(work, dtype=np.float64), end)
 
     def _states(self) -> tuple[list[float], list[float]]:
