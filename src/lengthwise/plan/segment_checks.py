@@ -10,15 +10,10 @@ and their order are validate.py's alone.
 
 from __future__ import annotations
 
-import itertools
-import operator
-
 import numpy as np
 
+from lengthwise.plan.arrays import segment_fields
 from lengthwise.plan.ir import SHARDED, StepPlan
-
-_SEGMENTS = operator.attrgetter("segments")
-_FIELDS = operator.attrgetter("seq_id", "start", "stop", "cp_rank")
 
 
 def segments_hold(plan: StepPlan) -> bool:
@@ -52,11 +47,9 @@ def _table(plan: StepPlan, *, backward: bool):
     (or of every pipeline's backward units), row numbered over all pipelines; None where a row
     is empty or padded below zero."""
     rows = [c for p in plan.pipelines for c in (p.bwd_units if backward else p.chunks)]
-    counts = np.fromiter(map(len, map(_SEGMENTS, rows)), dtype=np.int64, count=len(rows))
+    counts, fields = segment_fields(rows)
     if (counts == 0).any() or any(c.pad_to < 0 for c in rows):
         return None
-    flat = itertools.chain.from_iterable(map(_FIELDS, itertools.chain.from_iterable(map(_SEGMENTS, rows))))
-    fields = np.fromiter(flat, dtype=np.int64, count=4 * int(counts.sum())).reshape(-1, 4)
     per_pipe = [len(p.bwd_units if backward else p.chunks) for p in plan.pipelines]
     row = np.repeat(np.arange(len(rows)), counts)
     pipe = np.repeat(np.repeat(np.arange(len(plan.pipelines)), per_pipe), counts)

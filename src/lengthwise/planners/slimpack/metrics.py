@@ -12,20 +12,17 @@ this is about 0.05 s of the plan's ~7 (it was ~0.45 chunk by chunk).
 
 from __future__ import annotations
 
-import itertools
-import operator
 from dataclasses import dataclass
 
 import numpy as np
 
 from lengthwise.cost import CostModel
 from lengthwise.cost.flops import chunk_work, work_key
+from lengthwise.plan.arrays import causal_pairs, row_sums, segment_fields
 from lengthwise.plan.ir import Chunk, PipelinePlan
 from lengthwise.planners.base import PlanRequest
 from lengthwise.planners.slimpack.cuts import PrefixCost
 
-_SEGMENTS = operator.attrgetter("segments")
-_FIELDS = operator.attrgetter("seq_id", "start", "stop")
 _TIMES = ("forward_time", "backward_time", "works_time")
 
 
@@ -55,10 +52,8 @@ class _Segments:
     @classmethod
     def of(cls, lists: list[list[Chunk]]) -> _Segments:
         chunks = [c for x in lists for c in x]
-        counts = np.fromiter(map(len, map(_SEGMENTS, chunks)), dtype=np.int64, count=len(chunks))
-        flat = itertools.chain.from_iterable(map(_FIELDS, itertools.chain.from_iterable(map(_SEGMENTS, chunks))))
-        fields = np.fromiter(flat, dtype=np.int64, count=3 * int(counts.sum())).reshape(-1, 3)
-        return cls(chunks=np.cumsum([0] + [len(x) for x in lists]).tolist(), counts=counts, fields=fields,
+        counts, fields = segment_fields(chunks)
+        return cls(chunks=np.cumsum([0] + [len(x) for x in lists]).tolist(), counts=counts, fields=fields[:, :3],
                    padded=any(c.pad_to for c in chunks))
 
     @property
@@ -71,12 +66,7 @@ class _Segments:
         start, stop = self.fields[:, 1], self.fields[:, 2]
         if len(stop) and (int(stop.max()) >= 2**31 or float(stop.max()) ** 2 * len(stop) >= 2**62):
             return None
-        n = len(self.counts)
-        tokens = np.zeros(n, dtype=np.int64)
-        keys = np.zeros(n, dtype=np.int64)
-        np.add.at(tokens, self.owner, stop - start)
-        np.add.at(keys, self.owner, (stop * (stop + 1) - start * (start + 1)) // 2)
-        return tokens, keys
+        return row_sums(self.counts, stop - start), row_sums(self.counts, causal_pairs(start, stop))
 
 
 def micropack_metrics(request: PlanRequest, pipes: list[PipelinePlan], models) -> dict:
