@@ -588,3 +588,13 @@ def test_fits_where_the_baselines_fit_under_dp_x_cp_with_zero2():
     out = get_planner("slimpack")(req)
     validate_plan(out, cost)
     assert simulate_plan(out, cost).fits
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.lists(st.one_of(st.integers(0, 10**6), st.floats(0, 1e12, allow_nan=False)), max_size=40),
+                     max_size=30))
+def test_mean_rsd_of_rows_taken_together_is_the_mean_of_each_rows(rows):
+    from lengthwise.planners.slimpack.metrics import mean_rsd, rsd
+
+    expected = float(np.mean([rsd(r) for r in rows])) if rows else 0.0
+    assert mean_rsd(rows) == expected or (math.isnan(expected) and math.isnan(mean_rsd(rows)))

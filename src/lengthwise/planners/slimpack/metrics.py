@@ -33,7 +33,20 @@ def rsd(values) -> float:
 
 
 def mean_rsd(rows: list[list[float]]) -> float:
-    return float(np.mean([rsd(r) for r in rows])) if rows else 0.0
+    """The mean of every row's rsd, the rows of one length at once (numpy's mean and std of each
+    row of a 2-D array along its last axis are those of the row alone, float for float)."""
+    if not rows:
+        return 0.0
+    each = np.zeros(len(rows))
+    by_length: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_length.setdefault(len(row), []).append(i)
+    for n, at in by_length.items():
+        if n:
+            v = np.array([rows[i] for i in at], dtype=np.float64)
+            mean, std = v.mean(axis=1), v.std(axis=1)
+            each[at] = np.where(mean > 0, 100.0 * std / np.where(mean > 0, mean, 1.0), 0.0)
+    return float(np.mean(each))
 
 
 @dataclass(frozen=True, kw_only=True)
