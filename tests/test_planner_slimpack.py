@@ -463,8 +463,9 @@ def test_sweep_simulates_with_the_planners_slice_structure_as_without():
 
 
 def test_cell_sizes_batched_over_pipelines_are_each_pipelines_own(monkeypatch):
-    """sim/cell_costs.py sizes every pipeline's cells in one pass per stage kind: the memory
-    sizes are those each pipeline's own `_cell_sizes` gives, float for float."""
+    """sim/cell_costs.py sizes every pipeline's cells in one pass per stage kind and
+    sim/cell_inputs.py lays out their inputs together: every duration, hand-off and memory size
+    is the one each pipeline's own `_PipelineCosts.build` gives, float for float."""
     import lengthwise.sim.inputs as inputs
     from lengthwise.planners.slimpack.build import bare_plan, build_candidate, phase1_variants, prepare_stream
 
@@ -481,13 +482,26 @@ def test_cell_sizes_batched_over_pipelines_are_each_pipelines_own(monkeypatch):
         batched(plan, cm, structures, tables)
         seeded.extend(i for i, t in enumerate(tables) if any(k[0] == "cells batched" for k in t if isinstance(k, tuple)))
 
+    built_together = []
+    celled = inputs.celled_inputs
     monkeypatch.setattr(inputs, "batched_cell_sizes", recording)
+    monkeypatch.setattr(inputs, "celled_inputs", lambda *args: built_together.append(celled(*args)) or built_together[-1])
     together = inputs.plan_inputs(step, req.cost, known)
     assert seeded, "no pipeline took the batched cell sizes"
+    assert built_together[0], "no pipeline's inputs were built together"
     monkeypatch.setattr(inputs, "batched_cell_sizes", lambda *args: None)
     alone = inputs.plan_inputs(step, req.cost, known)
+    # sim/cell_inputs.py builds these pipelines' inputs together; alone, `_PipelineCosts.build` does
+    assert len(together) == len(alone)
     for a, b in zip(together, alone):
-        for name in ("activation", "recompute_extra", "backward_work", "forward_work", "cell_activation"):
+        for name in ("dur", "comm", "send"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+        assert (a.grad_sync, a.step_end, a.extra_comm, a.model_flops, a.num_gpus) == \
+            (b.grad_sync, b.step_end, b.extra_comm, b.model_flops, b.num_gpus)
+        assert a.sizes.state == b.sizes.state and a.sizes.grads == b.sizes.grads
+        assert [dict(x) for x in a.sizes.kv] == b.sizes.kv and [dict(x) for x in a.sizes.kv_grad] == b.sizes.kv_grad
+        for name in ("activation", "recompute_extra", "nograd_transient", "backward_work", "forward_work",
+                     "cell_activation"):
             rows_a, rows_b = getattr(a.sizes, name), getattr(b.sizes, name)
             assert len(rows_a) == len(rows_b)
             assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(rows_a, rows_b)), name

@@ -25,9 +25,11 @@ import lengthwise.cost.memory as mem
 from lengthwise.cost import CostModel
 from lengthwise.plan.ir import StepPlan
 
-_RECOMPUTE = operator.attrgetter("recompute_layers")
+_ACTION = operator.attrgetter("kind", "recompute_layers")
 CELLS = "checked cells"
 """`_cache` key of a pipeline's cells (chunk, unit, float64 tokens) once checked against its reads."""
+ACTIONS = "action kinds"
+"""`_cache` key of the set of (kind, recomputed layers) of a celled pipeline's actions."""
 
 
 def batched_cell_sizes(plan: StepPlan, cm: CostModel, known: list, tables: list[dict]) -> None:
@@ -37,9 +39,12 @@ def batched_cell_sizes(plan: StepPlan, cm: CostModel, known: list, tables: list[
     if (type(cm).activation_bytes_rows is not CostModel.activation_bytes_rows
             or type(cm).backward_work_bytes_rows is not CostModel.backward_work_bytes_rows):
         return
-    members = [i for i, (pipe, k) in enumerate(zip(plan.pipelines, known))
-               if pipe.backward_chunks is not None and pipe.cp <= 1 and k is not None and k.cells is not None
-               and not any(any(map(_RECOMPUTE, acts)) for acts in pipe.stages)]
+    members = []
+    for i, (pipe, k) in enumerate(zip(plan.pipelines, known)):
+        if pipe.backward_chunks is not None and pipe.cp <= 1 and k is not None and k.cells is not None:
+            actions = tables[i][ACTIONS] = set(map(_ACTION, itertools.chain.from_iterable(pipe.stages)))
+            if not any(r for _, r in actions):  # no forward recomputes layers
+                members.append(i)
     members = [i for i, ok in zip(members, _reads_match(plan, known, members)) if ok]
     kinds: dict[tuple, list[int]] = {}
     for i in members:

@@ -5,6 +5,7 @@ Which module holds what:
     sim/structure.py     slice dependencies, split sequences and cells read off the segments
     sim/plan_costs.py    per-chunk cost tables batched over every pipeline of the plan
     sim/cell_costs.py    memory sizes by cell batched over every pipeline of the plan
+    sim/cell_inputs.py   the PipelineInputs of those pipelines built together
     sim/action_times.py  each action's duration, CP communication and hand-off time
     sim/memory_sizes.py  memory sizes (states, activations, working sets, K/V)
     sim/step_costs.py    gradient reduction, optimizer step, model FLOPs
@@ -29,6 +30,7 @@ from lengthwise.plan.ir import FORWARD, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
 from lengthwise.sim.action_times import B, F, N, _ActionTimes
 from lengthwise.sim.cell_costs import batched_cell_sizes
+from lengthwise.sim.cell_inputs import celled_inputs
 from lengthwise.sim.memory import MemorySizes, SplitArrays, SplitSequence
 from lengthwise.sim.memory_sizes import _MemorySizing
 from lengthwise.sim.plan_costs import (_batched_model_flops, _batched_row_costs, _batched_tables, _plan_works,
@@ -95,8 +97,9 @@ def plan_inputs(plan: StepPlan, cm: CostModel,
     _batched_row_costs(plan, cm, works, tables)
     flops = _batched_model_flops(cm, works)
     batched_cell_sizes(plan, cm, known, tables)
-    return [_PipelineCosts(plan, i, cm, offsets, shared, works[i], tables[i], known[i], flops[i]).build()
-            for i in range(len(plan.pipelines))]
+    costs = lambda i: _PipelineCosts(plan, i, cm, offsets, shared, works[i], tables[i], known[i], flops[i])
+    together = celled_inputs(plan, cm, offsets, known, tables, flops, costs)
+    return [together[i] if i in together else costs(i).build() for i in range(len(plan.pipelines))]
 
 
 class _PipelineCosts(_ActionTimes, _MemorySizing, _StepCosts):

@@ -395,9 +395,11 @@ def _cell_releases(pipe, s, local, n, cidx, uidx, act, bwd, release, all_sizes):
     # every pipeline's [stage, read] cell table, flattened end to end: read i of a celled
     # pipeline p is entry (s, local) of p's table
     rows = [np.asarray(row, dtype=np.float64).ravel() for sz in all_sizes for row in sz.cell_activation]
-    sizes = np.array([sum(np.size(row) for row in sz.cell_activation) for sz in all_sizes], dtype=np.int64)
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    per = np.fromiter((len(sz.cell_activation) for sz in all_sizes), dtype=np.int64, count=len(all_sizes))
+    sizes = np.bincount(np.repeat(np.arange(len(all_sizes)), per), weights=lengths, minlength=len(all_sizes))
     at = np.flatnonzero(celled)
-    values[at] = np.concatenate(rows)[_starts(sizes)[pipe[at]] + s[at] * n[pipe[at]] + local[at]]
+    values[at] = np.concatenate(rows)[_starts(sizes.astype(np.int64))[pipe[at]] + s[at] * n[pipe[at]] + local[at]]
     amount = np.where(celled, -values, -act[cidx])
     task = np.where(celled, bwd[uidx], release[cidx])
     return task[keep], True, amount[keep]
