@@ -98,7 +98,7 @@ def plan_inputs(plan: StepPlan, cm: CostModel,
     flops = _batched_model_flops(cm, works)
     batched_cell_sizes(plan, cm, known, tables)
     costs = lambda i: _PipelineCosts(plan, i, cm, offsets, shared, works[i], tables[i], known[i], flops[i])
-    together = celled_inputs(plan, cm, offsets, known, tables, flops, costs)
+    together = celled_inputs(plan, cm, offsets, known, works, tables, flops, costs)
     return [together[i] if i in together else costs(i).build() for i in range(len(plan.pipelines))]
 
 
