@@ -249,9 +249,10 @@ def _check_memory(plan: StepPlan, cost: CostModel) -> None:
     # ZeRO shards over every rank holding the stage: each pipeline's CP ranks (SlimPack's
     # DP-Merged pipelines have more than the others)
     replicas = sum(q.cp for q in plan.pipelines)
+    budgets: dict = {}  # pipelines of one shape share their stages' budgets
     for p, pipe in enumerate(plan.pipelines):
         over = memory_overflow(pipe, cost, num_layers=plan.model.num_layers, dp=replicas, zero=plan.zero,
-                               where=f"pipeline {p} ")
+                               where=f"pipeline {p} ", budgets=budgets)
         if over is not None:
             raise UserError(f"pipeline {p} {over.describe(pipe, cost)}")
 
@@ -275,7 +276,7 @@ class ChunkOverflow:
 
 
 def memory_overflow(pipe: PipelinePlan, cost: CostModel, *, num_layers: int, dp: int, zero: int,
-                    where: str = "") -> ChunkOverflow | None:
+                    where: str = "", budgets: dict | None = None) -> ChunkOverflow | None:
     """The first forward chunk of `pipe` whose model states, activations and K/V context do not
     fit its stage's GPU alone (invariant 7), or None. `dp` is the number of ranks holding a
     replica of a stage (pipelines times CP ranks), over which ZeRO shards model states. Planners call this to keep their plans valid."""
@@ -283,7 +284,12 @@ def memory_overflow(pipe: PipelinePlan, cost: CostModel, *, num_layers: int, dp:
     loads = [_cp_rank_loads(chunk, pipe.cp) for chunk in pipe.chunks]  # the same on every stage
     for s, actions in enumerate(pipe.stages):
         last = s == pipe.pp - 1
-        budget = cost.stage_budget(stage=s, tp=pipe.tp, pp=pipe.pp, replicas=dp, zero=zero, layers=layers[s])
+        key = (s, pipe.tp, pipe.pp, dp, zero, layers[s])
+        budget = budgets.get(key) if budgets is not None else None
+        if budget is None:  # (`budgets`: a memo of them by stage shape, when the caller keeps one)
+            budget = cost.stage_budget(stage=s, tp=pipe.tp, pp=pipe.pp, replicas=dp, zero=zero, layers=layers[s])
+            if budgets is not None:
+                budgets[key] = budget
         # the gradients come into being in the stage's first backward (as the simulator and the
         # executor have them): a chunk forwarded before it holds the states without them
         first_b = next((i for i, a in enumerate(actions) if a.kind == BACKWARD), len(actions))
