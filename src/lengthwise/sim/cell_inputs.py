@@ -29,6 +29,7 @@ from lengthwise.plan.ir import BACKWARD, FORWARD, StepPlan
 from lengthwise.sim.action_times import B, F, N
 from lengthwise.sim.cell_costs import ACTIONS, CELLS
 from lengthwise.sim.memory import MemorySizes, SplitArrays
+from lengthwise.sim.pipeline_input import PipelineInput
 from lengthwise.sim.step_costs import heterogeneous
 
 _ACTION = operator.attrgetter("kind", "recompute_layers")
@@ -63,8 +64,6 @@ def celled_inputs(plan: StepPlan, cm: CostModel, offsets: list[int], known: list
     """{pipeline: PipelineInput} for the pipelines this module builds (see its docstring);
     `stage_costs(i)`: a `_PipelineCosts` of pipeline i, asked for the per-shape step terms
     (states, gradient reduction, optimizer step), which every pipeline of a shape shares."""
-    from lengthwise.sim.inputs import PipelineInput  # (inputs.py imports this module)
-
     if type(cm).kv_bytes is not CostModel.kv_bytes:
         return {}
     modes = [_mode(plan, cm, i, known[i], tables[i]) if flops[i] is not None else None
