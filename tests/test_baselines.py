@@ -104,6 +104,22 @@ def test_plan_metrics_are_filled(name):
     assert all(f >= 0 for f in m["forward_flops_per_pipeline"])
 
 
+@pytest.mark.parametrize("name", ["padding", "static-cp", "chunkflow", "slimpack"])
+def test_plan_metrics_over_arrays_are_the_chunk_by_chunk_ones(name):
+    # padded rows, CP-placed and split segments: the array pass (base._array_metrics) gives the
+    # numbers of the loop a cost model of its own falls back to, float for float
+    from lengthwise.planners.base import plan_metrics
+
+    class Own(CostModel):
+        def forward_flops(self, chunk, *, layers, head=False):
+            return CostModel.forward_flops(self, chunk, layers=layers, head=head)
+
+    req = request(ADVERSARIAL["long-tail"])
+    plan = get_planner(name)(req)
+    own = Own(model=req.cost.model, cluster=req.cost.cluster)
+    assert plan_metrics(plan, req.cost) == plan_metrics(plan, own)
+
+
 # ---- registry ----
 
 def test_registry_lists_every_planner_once_with_its_options_class():

@@ -492,3 +492,36 @@ def test_micro_batch_range_follows_appendix_c():
     tokens = 10 * scheme.util_len
     assert micro_batch_range(load)[0] == max(1, -(-tokens // scheme.max_len))
     assert micro_batch_range(load)[-1] == 10
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 5), cols=st.integers(1, 30), data=st.data())
+def test_least_k_bounds_are_the_stable_sorts_first_k(rows, cols, data):
+    """dispatch._least picks each row's k least bounds, ties to the lower pipeline, as the stable
+    argsort it replaces (bounds repeat, and inadmissible pipelines are inf)."""
+    from lengthwise.planners.hydraulis.dispatch import _least
+
+    k = data.draw(st.integers(1, cols))
+    values = np.array(data.draw(st.lists(st.sampled_from([0.0, 1.0, 2.5, 3.0, np.inf]), min_size=rows * cols,
+                                         max_size=rows * cols))).reshape(rows, cols)
+    expected = np.sort(np.argsort(values, axis=1, kind="stable")[:, :k], axis=1)
+    assert np.array_equal(_least(values, k), expected)
+
+
+def test_scheme_terms_per_length_are_precomputeds_own():
+    """The longest-first dispatch's w(l), w(l) + c and admissibility per run, from each distinct
+    scheme's, are Precomputed.of's numbers for every (row, pipeline)."""
+    from lengthwise.planners.hydraulis.dispatch import PipelineArrays, Precomputed, _SchemeTerms, _stack
+
+    rng = np.random.default_rng(0)
+    schemes = [PipelineArrays(rng.random(n) * 1e-9, rng.random(n) * 1e-6, rng.random(n) * 1e-3,
+                              rng.integers(1, 5, n).astype(float), np.sort(rng.integers(100, 9000, n))[::-1] * 1.0)
+               for n in (3, 7, 5)]
+    stacked = _stack([PipelineArrays(*(np.repeat(getattr(s, f)[:2], 3) for f in
+                                       ("attn_s", "token_s", "chunk_s", "depth", "max_len"))) for s in schemes], 1)
+    terms = _SchemeTerms(stacked)
+    for l in (1, 77, 4096, 8999):
+        want = Precomputed.of(stacked, np.full(stacked.max_len.shape[0], l))
+        got = terms.at(float(l))
+        assert np.array_equal(got.w, want.w) and np.array_equal(got.w_plus_c, want.w_plus_c)
+        assert np.array_equal(got.admissible, want.admissible)

@@ -463,6 +463,51 @@ def test_sweep_simulates_with_the_planners_slice_structure_as_without():
         assert np.array_equal(a.timeline.memory.level, b.timeline.memory.level)
 
 
+def test_cell_sizes_batched_over_pipelines_are_each_pipelines_own(monkeypatch):
+    """sim/cell_costs.py sizes every pipeline's cells in one pass per stage kind and
+    sim/cell_inputs.py lays out their inputs together: every duration, hand-off and memory size
+    is the one each pipeline's own `_PipelineCosts.build` gives, float for float."""
+    import lengthwise.sim.inputs as inputs
+    from lengthwise.planners.slimpack.build import bare_plan, build_candidate, phase1_variants, prepare_stream
+
+    req = request(sample("github", 48, 32 * K), dp=3, pp=2, context=32 * K)
+    models = flops_models(req)
+    variants, flops = phase1_variants(req, models, True)
+    built = [build_candidate(req, g, 5, models, flops, True, check=False, prepared=prepare_stream(req, g, flops))
+             for g in variants[0]]
+    step, known = bare_plan(req, [p for p, _ in built]), [k for _, k in built]
+    seeded = []
+    batched = inputs.batched_cell_sizes
+
+    def recording(plan, cm, structures, tables):
+        batched(plan, cm, structures, tables)
+        seeded.extend(i for i, t in enumerate(tables) if any(k[0] == "cells batched" for k in t if isinstance(k, tuple)))
+
+    built_together = []
+    celled = inputs.celled_inputs
+    monkeypatch.setattr(inputs, "batched_cell_sizes", recording)
+    monkeypatch.setattr(inputs, "celled_inputs", lambda *args: built_together.append(celled(*args)) or built_together[-1])
+    together = inputs.plan_inputs(step, req.cost, known)
+    assert seeded, "no pipeline took the batched cell sizes"
+    assert built_together[0], "no pipeline's inputs were built together"
+    monkeypatch.setattr(inputs, "batched_cell_sizes", lambda *args: None)
+    alone = inputs.plan_inputs(step, req.cost, known)
+    # sim/cell_inputs.py builds these pipelines' inputs together; alone, `_PipelineCosts.build` does
+    assert len(together) == len(alone)
+    for a, b in zip(together, alone):
+        for name in ("dur", "comm", "send"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+        assert (a.grad_sync, a.step_end, a.extra_comm, a.model_flops, a.num_gpus) == \
+            (b.grad_sync, b.step_end, b.extra_comm, b.model_flops, b.num_gpus)
+        assert a.sizes.state == b.sizes.state and a.sizes.grads == b.sizes.grads
+        assert [dict(x) for x in a.sizes.kv] == b.sizes.kv and [dict(x) for x in a.sizes.kv_grad] == b.sizes.kv_grad
+        for name in ("activation", "recompute_extra", "nograd_transient", "backward_work", "forward_work",
+                     "cell_activation"):
+            rows_a, rows_b = getattr(a.sizes, name), getattr(b.sizes, name)
+            assert len(rows_a) == len(rows_b)
+            assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(rows_a, rows_b)), name
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams=st.lists(st.lists(st.integers(1, 2000), min_size=1, max_size=12), min_size=1, max_size=5),
        count=st.integers(1, 30))
@@ -558,3 +603,13 @@ def test_fits_where_the_baselines_fit_under_dp_x_cp_with_zero2():
     out = get_planner("slimpack")(req)
     validate_plan(out, cost)
     assert simulate_plan(out, cost).fits
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.lists(st.one_of(st.integers(0, 10**6), st.floats(0, 1e12, allow_nan=False)), max_size=40),
+                     max_size=30))
+def test_mean_rsd_of_rows_taken_together_is_the_mean_of_each_rows(rows):
+    from lengthwise.planners.slimpack.metrics import mean_rsd, rsd
+
+    expected = float(np.mean([rsd(r) for r in rows])) if rows else 0.0
+    assert mean_rsd(rows) == expected or (math.isnan(expected) and math.isnan(mean_rsd(rows)))

@@ -13,7 +13,7 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import Action, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import FIRST_FORWARD, SCHEDULE_NAMES, action_needs, dependencies, make_schedule
 from lengthwise.sim import simulate_plan, simulate_times
-from lengthwise.specs import MODEL_PRESETS, ClusterSpec
+from lengthwise.specs import MODEL_PRESETS, ClusterSpec, cluster_preset
 
 TINY = MODEL_PRESETS["tiny"]
 KINDS = {"F": 0, "N": 1, "B": 2}
@@ -279,3 +279,42 @@ def test_slice_structures_keep_the_last_end_and_leave_a_broken_pipeline_to_depen
     assert known[1] is None
     with pytest.raises(UserError, match="continues sequence 3"):
         dependencies(broken)
+
+
+@pytest.mark.parametrize("name", ["hydraulis", "infinipipe", "sorted", "chunkflow", "slimpack"])
+def test_inputs_built_together_are_each_pipelines_own(name, monkeypatch):
+    """sim/cell_inputs.py lays out many pipelines' inputs at once: every duration, hand-off,
+    step term and memory size is the one `_PipelineCosts.build` gives the pipeline alone."""
+    import lengthwise.sim.inputs as inputs
+    from lengthwise.planners import PlanRequest, get_planner
+    from lengthwise.specs import ParallelScheme
+    from lengthwise.workloads import get_profile
+
+    scheme = ParallelScheme(dp=4, pp=2)
+    cluster = cluster_preset("h100", scheme.num_gpus)
+    cm = CostModel(model=MODEL_PRESETS["qwen2.5-0.5b"], cluster=cluster)
+    lengths = [int(x) for x in get_profile("github").sample(48, np.random.default_rng(1), below=16385)]
+    plan = get_planner(name)(PlanRequest(lengths=lengths, model=cm.model, cluster=cluster, scheme=scheme, cost=cm,
+                                         context_length=16384))
+    built = []
+    together_fn = inputs.celled_inputs
+    monkeypatch.setattr(inputs, "celled_inputs", lambda *args: built.append(together_fn(*args)) or built[-1])
+    together = inputs.plan_inputs(plan, cm)
+    monkeypatch.setattr(inputs, "celled_inputs", lambda *args: {})
+    alone = inputs.plan_inputs(plan, cm)
+    if name in ("hydraulis", "infinipipe"):  # padded rows, no-grad forwards and backward units without a
+        # SliceStructure (SlimPack's here; test_planner_slimpack checks the sweep's) are left to build
+        assert built[0], f"no {name} pipeline was built together"
+    for a, b in zip(together, alone):
+        for field in ("dur", "comm", "send"):
+            assert np.array_equal(getattr(a, field), getattr(b, field)), field
+        assert (a.grad_sync, a.step_end, a.extra_comm, a.model_flops) == (b.grad_sync, b.step_end, b.extra_comm,
+                                                                          b.model_flops)
+        assert a.sizes.state == b.sizes.state and a.sizes.grads == b.sizes.grads
+        assert [dict(x) for x in a.sizes.kv] == [dict(x) for x in b.sizes.kv]
+        assert [dict(x) for x in a.sizes.kv_grad] == [dict(x) for x in b.sizes.kv_grad]
+        for field in ("activation", "recompute_extra", "nograd_transient", "backward_work", "forward_work",
+                      "cell_activation"):
+            rows_a, rows_b = getattr(a.sizes, field), getattr(b.sizes, field)
+            assert len(rows_a) == len(rows_b), field
+            assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(rows_a, rows_b)), field

@@ -47,6 +47,7 @@ from lengthwise.plan.ir import (
     StepPlan,
 )
 from lengthwise.plan.rendezvous import check_rendezvous
+from lengthwise.plan.segment_checks import segments_hold
 from lengthwise.plan.schedules import check_message_order, check_schedule
 
 if TYPE_CHECKING:
@@ -60,16 +61,20 @@ def validate_plan(plan: StepPlan, cost: CostModel | None = None) -> None:
     if plan.num_gpus > plan.cluster.num_gpus:
         raise UserError(f"plan uses {plan.num_gpus} GPUs but cluster {plan.cluster.name} has "
                         f"{plan.cluster.num_gpus}")
+    # invariants 2, 3, 4 and 6 over arrays first; only a plan that breaks one is walked segment
+    # by segment below, which names what is wrong (plan/segment_checks.py)
+    walk = not segments_hold(plan)
     for p, pipe in enumerate(plan.pipelines):
         _check_degrees(plan, p, pipe)
-        for unit_name, units in _unit_lists(pipe):
+        for unit_name, units in _unit_lists(pipe) if walk else ():
             _check_segments(plan, p, unit_name, units, pipe.cp)
     _check_no_dropped_stage(plan)
     _check_layer_splits_agree(plan)
-    _check_one_pipeline_per_sequence(plan)
-    _check_coverage(plan, backward=False)
-    if any(pipe.backward_chunks is not None for pipe in plan.pipelines):
-        _check_coverage(plan, backward=True)
+    if walk:
+        _check_one_pipeline_per_sequence(plan)
+        _check_coverage(plan, backward=False)
+        if any(pipe.backward_chunks is not None for pipe in plan.pipelines):
+            _check_coverage(plan, backward=True)
     for p, pipe in enumerate(plan.pipelines):
         if pipe.backward_chunks is not None:
             check_backward_units(pipe.chunks, pipe.backward_chunks, where=f"pipeline {p}: ")
@@ -81,7 +86,8 @@ def validate_plan(plan: StepPlan, cost: CostModel | None = None) -> None:
         except UserError as exc:
             raise UserError(f"pipeline {p}: {exc}") from None
         check_rendezvous(pipe.stages, pipeline=p)
-    _check_loss_tokens(plan)
+    if walk:
+        _check_loss_tokens(plan)
     if cost is not None:
         _check_memory(plan, cost)
 
@@ -244,9 +250,10 @@ def _check_memory(plan: StepPlan, cost: CostModel) -> None:
     # ZeRO shards over every rank holding the stage: each pipeline's CP ranks (SlimPack's
     # DP-Merged pipelines have more than the others)
     replicas = sum(q.cp for q in plan.pipelines)
+    budgets: dict = {}  # pipelines of one shape share their stages' budgets
     for p, pipe in enumerate(plan.pipelines):
         over = memory_overflow(pipe, cost, num_layers=plan.model.num_layers, dp=replicas, zero=plan.zero,
-                               where=f"pipeline {p} ")
+                               where=f"pipeline {p} ", budgets=budgets)
         if over is not None:
             raise UserError(f"pipeline {p} {over.describe(pipe, cost)}")
 
@@ -270,7 +277,7 @@ class ChunkOverflow:
 
 
 def memory_overflow(pipe: PipelinePlan, cost: CostModel, *, num_layers: int, dp: int, zero: int,
-                    where: str = "") -> ChunkOverflow | None:
+                    where: str = "", budgets: dict | None = None) -> ChunkOverflow | None:
     """The first forward chunk of `pipe` whose model states, activations and K/V context do not
     fit its stage's GPU alone (invariant 7), or None. `dp` is the number of ranks holding a
     replica of a stage (pipelines times CP ranks), over which ZeRO shards model states. Planners call this to keep their plans valid."""
@@ -278,7 +285,12 @@ def memory_overflow(pipe: PipelinePlan, cost: CostModel, *, num_layers: int, dp:
     loads = [_cp_rank_loads(chunk, pipe.cp) for chunk in pipe.chunks]  # the same on every stage
     for s, actions in enumerate(pipe.stages):
         last = s == pipe.pp - 1
-        budget = cost.stage_budget(stage=s, tp=pipe.tp, pp=pipe.pp, replicas=dp, zero=zero, layers=layers[s])
+        key = (s, pipe.tp, pipe.pp, dp, zero, layers[s])
+        budget = budgets.get(key) if budgets is not None else None
+        if budget is None:  # (`budgets`: a memo of them by stage shape, when the caller keeps one)
+            budget = cost.stage_budget(stage=s, tp=pipe.tp, pp=pipe.pp, replicas=dp, zero=zero, layers=layers[s])
+            if budgets is not None:
+                budgets[key] = budget
         # the gradients come into being in the stage's first backward (as the simulator and the
         # executor have them): a chunk forwarded before it holds the states without them
         first_b = next((i for i, a in enumerate(actions) if a.kind == BACKWARD), len(actions))

@@ -12,18 +12,20 @@ import functools
 import gc
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-from lengthwise.cost.flops import work_key
+import numpy as np
+
+from lengthwise.cost import CostModel
+from lengthwise.cost.flops import head_forward_flops, matmul_params_per_layer, work_key
 from lengthwise.errors import UserError
 from lengthwise.metrics import PLANNING_MS
+from lengthwise.plan.arrays import causal_pairs, row_sums, segment_fields
 from lengthwise.plan.ir import FORWARD, Action, Chunk, PipelinePlan, Segment, StepPlan
 from lengthwise.plan.schedules import make_schedule
 from lengthwise.planners.options import Options, build_options, given_options
 from lengthwise.specs import ClusterSpec, ModelSpec, ParallelScheme
 
-if TYPE_CHECKING:
-    from lengthwise.cost import CostModel
 
 @dataclass(kw_only=True)
 class PlanRequest:
@@ -151,6 +153,9 @@ def finish_plan(request: PlanRequest, pipelines: list[PipelinePlan], *, planner:
 
 def plan_metrics(plan: StepPlan, cost: CostModel) -> dict[str, Any]:
     """Per-pipeline chunks, tokens and forward FLOPs (whole model), and the padding fraction."""
+    fast = _array_metrics(plan, cost)
+    if fast is not None:
+        return fast
     layers = plan.model.num_layers
     row = sum(c.row_tokens for p in plan.pipelines for c in p.chunks)
     real = sum(c.num_tokens for p in plan.pipelines for c in p.chunks)
@@ -166,6 +171,40 @@ def plan_metrics(plan: StepPlan, cost: CostModel) -> dict[str, Any]:
         "chunks_per_pipeline": [len(p.chunks) for p in plan.pipelines],
         "tokens_per_pipeline": [sum(c.num_tokens for c in p.chunks) for p in plan.pipelines],
         "forward_flops_per_pipeline": [sum(forward_flops(c) for c in p.chunks) for p in plan.pipelines],
+        "padding_fraction": (row - real) / row if row else 0.0,
+        "loss_tokens": plan.loss_tokens,
+    }
+
+
+def _array_metrics(plan: StepPlan, cost: CostModel) -> dict[str, Any] | None:
+    """plan_metrics over the segments as arrays (plan/arrays.py): the same integers, and each
+    chunk's FLOPs by CostModel.forward_flops' arithmetic elementwise (the same floats), summed
+    chunk by chunk in order as before; None where the cost model is another's or a count could
+    leave int64's exact range."""
+    if type(cost).forward_flops is not CostModel.forward_flops:
+        return None
+    chunks = [c for p in plan.pipelines for c in p.chunks]
+    counts, fields = segment_fields(chunks)
+    start, stop = fields[:, 1], fields[:, 2]
+    if len(stop) and (int(stop.max()) >= 2**31 or float(stop.max()) ** 2 * len(stop) >= 2**62):
+        return None
+    tokens, keys = row_sums(counts, stop - start), row_sums(counts, causal_pairs(start, stop))
+    pad = np.fromiter((c.pad_to for c in chunks), dtype=np.int64, count=len(chunks))
+    padded = (pad > tokens) & (counts > 0)  # chunk_work's padded rows: k segments of pad_to // k tokens
+    work_tokens = np.where(padded, pad, tokens)
+    per = pad // np.maximum(counts, 1)
+    work_keys = np.where(padded, counts * ((per * (per + 1)) // 2), keys)
+    model, layers = plan.model, plan.model.num_layers
+    lin = 2.0 * matmul_params_per_layer(model) * work_tokens.astype(np.float64)
+    attn = 4.0 * model.q_dim * work_keys.astype(np.float64)
+    flops = (layers * (lin + attn) + head_forward_flops(model, work_tokens.astype(np.float64))).tolist()
+    bounds = np.cumsum([0] + [len(p.chunks) for p in plan.pipelines]).tolist()
+    per_pipe = np.r_[0, np.cumsum(tokens)][bounds]
+    row, real = int(np.maximum(tokens, pad).sum()), int(tokens.sum())
+    return {
+        "chunks_per_pipeline": [len(p.chunks) for p in plan.pipelines],
+        "tokens_per_pipeline": np.diff(per_pipe).tolist(),
+        "forward_flops_per_pipeline": [sum(flops[a:b]) for a, b in zip(bounds[:-1], bounds[1:])],
         "padding_fraction": (row - real) / row if row else 0.0,
         "loss_tokens": plan.loss_tokens,
     }

@@ -94,21 +94,36 @@ def build_pipelines(specs: list[tuple]) -> list[PipelineTasks]:
     pipeline of the same schedule shape (`_graph_key`): callers must not modify it. The graphs
     of keys not seen before are built together (`_build_graphs`). A schedule that cannot run to
     the end is handed to check_schedule, which raises UserError with the step-by-rank grid."""
-    keys = [_graph_key(stages, deps, len(chunks), len(chunks if bwd is None else bwd))
-            for stages, chunks, bwd, deps in specs]
-    found: dict = {}
-    todo: dict = {}
-    for key, spec in zip(keys, specs):
-        if key not in found and key not in todo:
-            cached = _GRAPHS.get(key)
-            if cached is None:
-                todo[key] = spec
-            else:
-                found[key] = cached
-    for key, graph in zip(todo, _build_graphs(list(todo.values()), [k[:2] for k in todo])):
+    graphs: list[PipelineTasks | None] = []
+    todo: dict[_GraphKey, list[int]] = {}  # keys not cached: the specs of each
+    for i, (stages, chunks, bwd, deps) in enumerate(specs):
+        key = _GraphKey(_graph_key(stages, deps, len(chunks), len(chunks if bwd is None else bwd)))
+        graphs.append(_GRAPHS.get(key))
+        if graphs[-1] is None:
+            todo.setdefault(key, []).append(i)
+    built = _build_graphs([specs[at[0]] for at in todo.values()], [k.key[:2] for k in todo])
+    for (key, at), graph in zip(todo.items(), built):
         _GRAPHS.put(key, graph)
-        found[key] = graph
-    return [found[key] for key in keys]
+        for i in at:
+            graphs[i] = graph
+    return graphs
+
+
+class _GraphKey:
+    """A `_graph_key` with its hash computed once: the key holds every action of the schedule,
+    and hashing it again at each of a pipeline's cache lookups was a good part of building a
+    plan's graphs."""
+
+    __slots__ = ("key", "hash")
+
+    def __init__(self, key: tuple):
+        self.key, self.hash = key, hash(key)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _GraphKey) and self.hash == other.hash and self.key == other.key
 
 
 _FIELDS = operator.attrgetter("kind", "chunk", "recompute_layers")

@@ -2,8 +2,11 @@
 time, and its memory sizes — from a StepPlan and the cost model, or from raw forward times.
 
 Which module holds what:
+    sim/pipeline_input.py  PipelineInput, what the engine takes of one pipeline
     sim/structure.py     slice dependencies, split sequences and cells read off the segments
     sim/plan_costs.py    per-chunk cost tables batched over every pipeline of the plan
+    sim/cell_costs.py    memory sizes by cell batched over every pipeline of the plan
+    sim/cell_inputs.py   the PipelineInputs of many pipelines built together
     sim/action_times.py  each action's duration, CP communication and hand-off time
     sim/memory_sizes.py  memory sizes (states, activations, working sets, K/V)
     sim/step_costs.py    gradient reduction, optimizer step, model FLOPs
@@ -18,17 +21,19 @@ point-to-point hand-off between stages is an edge delay.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import numpy as np
 
 from lengthwise.cost import CostModel
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import FORWARD, Chunk, PipelinePlan, Segment, StepPlan
-from lengthwise.plan.schedules import SCHEDULE_NAMES, Dependencies, dependencies, make_schedule
+from lengthwise.plan.schedules import SCHEDULE_NAMES, dependencies, make_schedule
 from lengthwise.sim.action_times import B, F, N, _ActionTimes
-from lengthwise.sim.memory import MemorySizes, SplitArrays, SplitSequence
+from lengthwise.sim.cell_costs import batched_cell_sizes
+from lengthwise.sim.cell_inputs import celled_inputs
+from lengthwise.sim.memory import MemorySizes
 from lengthwise.sim.memory_sizes import _MemorySizing
+from lengthwise.sim.pipeline_input import PipelineInput
 from lengthwise.sim.plan_costs import (_batched_model_flops, _batched_row_costs, _batched_tables, _plan_works,
                                        _Works)
 from lengthwise.sim.step_costs import _StepCosts, heterogeneous
@@ -36,43 +41,6 @@ from lengthwise.sim.structure import SliceStructure, derived_structures, segment
 
 __all__ = ["PipelineInput", "SliceStructure", "plan_inputs", "direct_input", "derived_structures", "segment_cells",
            "heterogeneous"]
-
-
-@dataclass(kw_only=True)
-class PipelineInput:
-    """One pipeline ready to simulate."""
-
-    stages: list
-    """Per-stage action lists."""
-    chunks: list[Chunk]
-    """Forward chunks (F and N index these)."""
-    backward_chunks: list[Chunk] | None
-    """Backward units when they differ from the chunks (SlimPack §4.1.2)."""
-    dur: np.ndarray
-    """float64 [stage, kind F/N/B, index] duration of each action, CP communication included."""
-    comm: np.ndarray
-    """float64 [stage, kind, index] the part of `dur` that is context-parallel communication."""
-    send: np.ndarray
-    """float64 [stage, kind, index] point-to-point time of the action's output to the next
-    stage (F, N) or the previous one (B)."""
-    sizes: MemorySizes
-    """Memory sizes (bytes, or forward-time units in the direct mode)."""
-    grad_sync: list[float]
-    """[stage] data-parallel gradient reduction time."""
-    step_end: list[float] | None = None
-    """[stage] gradient norm and optimizer step after the reduction (CostModel.step_end_time;
-    None: none, as the analytic model and the direct mode)."""
-    extra_comm: float = 0.0
-    """Pipeline communication charged after everything else (PipelinePlan.extra_comm_s)."""
-    model_flops: float = 0.0
-    """Forward + backward FLOPs of the pipeline's tokens, padding and recomputation excluded."""
-    num_gpus: int = 1
-    """GPUs of the pipeline (tp * cp * pp)."""
-    deps: Dependencies | None = None
-    """The chunks' slice dependencies when already derived (else the engine derives them)."""
-    splits: list[SplitSequence] | SplitArrays | None = None
-    """split_sequences of the chunks when already derived (else the engine derives them)."""
-
 
 
 def plan_inputs(plan: StepPlan, cm: CostModel,
@@ -92,8 +60,10 @@ def plan_inputs(plan: StepPlan, cm: CostModel,
     tables = _batched_tables(plan, cm, works)
     _batched_row_costs(plan, cm, works, tables)
     flops = _batched_model_flops(cm, works)
-    return [_PipelineCosts(plan, i, cm, offsets, shared, works[i], tables[i], known[i], flops[i]).build()
-            for i in range(len(plan.pipelines))]
+    batched_cell_sizes(plan, cm, known, tables)
+    costs = lambda i: _PipelineCosts(plan, i, cm, offsets, shared, works[i], tables[i], known[i], flops[i])
+    together = celled_inputs(plan, cm, offsets, known, works, tables, flops, costs)
+    return [together[i] if i in together else costs(i).build() for i in range(len(plan.pipelines))]
 
 
 class _PipelineCosts(_ActionTimes, _MemorySizing, _StepCosts):

@@ -78,6 +78,10 @@ class MemorySizes:
     """[stage][(chunk, unit) read, by chunk then unit] bytes of each cell's activations, freed
     at the end of that unit's B (`activation` is then each chunk's sum of them); empty: each
     chunk's activations are freed whole at the end of the last B reading them."""
+    kv_rows: list | None = None
+    """[stage] float64 [split sequence] `kv` as rows in the order of the pipeline's SplitArrays
+    (whose sequences are distinct), where the sizes were computed from them; `kv_grad` is then
+    the same. None: looked up by sequence id."""
     nograd_held: bool = False
     """Each N's bytes are freed at the end of the stage's next forward (F or N), not at its own
     (`CostModel.nograd_keeps_graph`: the graph of a forward whose loss was dropped lives until
@@ -388,15 +392,14 @@ def _cell_releases(pipe, s, local, n, cidx, uidx, act, bwd, release, all_sizes):
     last = np.r_[cidx[1:] != cidx[:-1], True] if len(cidx) else np.zeros(0, dtype=bool)
     keep = celled | last
     values = np.zeros(len(cidx))
-    # each pipeline's reads, ascending (what flatnonzero(pipe == p) gives, without a pass over
-    # every read per pipeline: that was quadratic in pipelines)
-    order = np.argsort(pipe, kind="stable")
-    bounds = np.searchsorted(pipe[order], np.arange(len(all_sizes) + 1)).tolist()
-    for p, sz in enumerate(all_sizes):
-        if len(sz.cell_activation):
-            at = order[bounds[p]:bounds[p + 1]]
-            table = np.asarray(sz.cell_activation, dtype=np.float64).reshape(-1, int(n[p]))
-            values[at] = table[s[at], local[at]]
+    # every pipeline's [stage, read] cell table, flattened end to end: read i of a celled
+    # pipeline p is entry (s, local) of p's table
+    rows = [np.asarray(row, dtype=np.float64).ravel() for sz in all_sizes for row in sz.cell_activation]
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    per = np.fromiter((len(sz.cell_activation) for sz in all_sizes), dtype=np.int64, count=len(all_sizes))
+    sizes = np.bincount(np.repeat(np.arange(len(all_sizes)), per), weights=lengths, minlength=len(all_sizes))
+    at = np.flatnonzero(celled)
+    values[at] = np.concatenate(rows)[_starts(sizes.astype(np.int64))[pipe[at]] + s[at] * n[pipe[at]] + local[at]]
     amount = np.where(celled, -values, -act[cidx])
     task = np.where(celled, bwd[uidx], release[cidx])
     return task[keep], True, amount[keep]
@@ -405,15 +408,17 @@ def _cell_releases(pipe, s, local, n, cidx, uidx, act, bwd, release, all_sizes):
 def _first_backward_grads(S, U, bbase, bwd, all_sizes) -> tuple[np.ndarray, bool, np.ndarray]:
     """The gradients' allocation at the end of each stage's first B, every pipeline's stages
     in order (none where a pipeline has no backward unit or no gradient sizes)."""
-    task, grads = [], []
-    for p, sz in enumerate(all_sizes):
-        if len(sz.grads) and U[p]:
-            block = bwd[bbase[p]:bbase[p] + S[p] * U[p]].reshape(int(S[p]), int(U[p]))
-            task.append(block.min(axis=1))
-            grads.append(np.asarray(sz.grads, dtype=np.float64))
-    if not task:
+    wanted = [p for p, sz in enumerate(all_sizes) if len(sz.grads) and U[p]]
+    if not wanted:
         return np.zeros(0, np.int64), True, np.zeros(0)
-    return np.concatenate(task), True, np.concatenate(grads)
+    # each (pipeline, stage) row of `bwd` is U[p] tasks; the rows of the pipelines with units
+    # lie end to end, so one reduceat takes every row's first backward
+    some = np.flatnonzero(U > 0)
+    pipe, s, _ = _by_stage(S[some], np.ones(len(some), dtype=np.int64))
+    firsts = np.minimum.reduceat(bwd, bbase[some][pipe] + s * U[some][pipe]) if len(pipe) else np.zeros(0, np.int64)
+    keep = np.isin(some, wanted)[pipe]
+    grads = np.concatenate([np.asarray(all_sizes[p].grads, dtype=np.float64) for p in wanted])
+    return firsts[keep], True, grads
 
 
 def _starts(sizes: np.ndarray) -> np.ndarray:
@@ -479,10 +484,15 @@ def _plan_split_events(S, C, U, fbase, bbase, first, bwd, all_sizes, all_splits)
     # [pipeline, stage, split] K/V and K/V-gradient bytes
     kv, grad = [], []
     for sz, x in zip(all_sizes, all_splits):
-        if len(x):
-            rows = _looked_up(sz.kv, x.seq_id.tolist())
-            kv += rows
-            grad += _looked_up(sz.kv_grad, x.seq_id.tolist(), like=(sz.kv, rows))
+        if not len(x):
+            continue
+        if sz.kv_rows is not None and all(len(row) == len(x) for row in sz.kv_rows):
+            kv += sz.kv_rows
+            grad += sz.kv_rows
+            continue
+        rows = _looked_up(sz.kv, x.seq_id.tolist())
+        kv += rows
+        grad += _looked_up(sz.kv_grad, x.seq_id.tolist(), like=(sz.kv, rows))
     kv, grad = np.concatenate(kv), np.concatenate(grad)
     qsbase = _starts(S * Q)
     # last and first backward of each split sequence, per stage: its holders stage by stage

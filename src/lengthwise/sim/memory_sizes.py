@@ -14,6 +14,7 @@ import numpy as np
 import lengthwise.cost.memory as mem
 from lengthwise.cost import CostModel
 from lengthwise.plan.ir import BACKWARD, FORWARD_NOGRAD, Chunk
+from lengthwise.sim.cell_costs import CELLS
 from lengthwise.sim.memory import MemorySizes, SplitArrays, split_sequences
 from lengthwise.sim.structure import segment_cells
 
@@ -35,6 +36,7 @@ class _MemorySizing:
         act, extra, transient, kv, kv_grad, work, fwork, cell_act = [], [], [], [], [], [], [], []
         cells = self._cells()
         kv_of: dict[int, dict] = {}  # stages of equal layer counts hold equal K/V
+        kv_rows: dict[int, np.ndarray] = {}  # ... and as rows in the order of `splits`, where computed so
         for s in range(S):
             L, head = self.layers[s], s == S - 1
             if cells is not None:  # each cell is its own row: kept, re-materialised and worked on apart
@@ -50,7 +52,7 @@ class _MemorySizing:
             work.append(w)
             fwork.append(fw)
             transient.append(self._nograd_transient(s, L, act[-1]))
-            kv.append(self._kv_sizes(L, splits, kv_of))
+            kv.append(self._kv_sizes(L, splits, kv_of, kv_rows))
             kv_grad.append(dict(kv[-1]))  # K/V-gradient buffers are the size of the K/V they update
         states, grads = self._states()
         if cm.grads_held_all_step:  # a buffer allocated before the step (`CostModel.grads_held_all_step`)
@@ -61,6 +63,7 @@ class _MemorySizing:
         return MemorySizes(state=[a - g for a, g in zip(states, grads)], grads=grads, activation=act,
                            recompute_extra=extra, nograd_transient=transient, kv=kv, kv_grad=kv_grad,
                            backward_work=work, forward_work=fwork, cell_activation=cell_act,
+                           kv_rows=[kv_rows[L] for L in self.layers] if len(kv_rows) == len(kv_of) else None,
                            nograd_held=cm.nograd_keeps_graph)
 
     def _kept_activations(self, s: int, L: int, head: bool, recompute: list[int], mlp: list[int]):
@@ -114,16 +117,17 @@ class _MemorySizing:
         return [cm.activation_bytes(c, layers=min(L, 1), **self.kw) if i in nograd else 0.0
                 for i, c in enumerate(pipe.chunks)] if nograd else self._zeros(C)
 
-    def _kv_sizes(self, L: int, splits, kv_of: dict[int, dict]) -> dict:
+    def _kv_sizes(self, L: int, splits, kv_of: dict[int, dict], kv_rows: dict[int, np.ndarray]) -> dict:
         """{sequence: K/V bytes} of every split sequence on a stage of L layers (kept in `kv_of`
-        for the pipeline's other stages of L layers); kv_bytes by context length, shared by the
-        plan's pipelines of one tp, cp."""
+        for the pipeline's other stages of L layers, and in `kv_rows` as a row in the order of
+        `splits` where computed that way); kv_bytes by context length, shared by the plan's
+        pipelines of one tp, cp."""
         cm = self.cm
         if L not in kv_of:
             if isinstance(splits, SplitArrays) and type(cm).kv_bytes is CostModel.kv_bytes:
                 # CostModel.kv_bytes elementwise over the contexts: the same operations, the same floats
-                each = cm.kv_bytes(splits.context, layers=L, **self.kw)
-                kv_of[L] = dict(zip(splits.seq_id.tolist(), np.asarray(each, dtype=np.float64).tolist()))
+                each = kv_rows[L] = np.asarray(cm.kv_bytes(splits.context, layers=L, **self.kw), dtype=np.float64)
+                kv_of[L] = dict(zip(splits.seq_id.tolist(), each.tolist()))
             else:
                 memo = self.shared.setdefault(("kv", L, self.pipe.tp, self.pipe.cp), {})
                 seqs = zip(splits.seq_id.tolist(), splits.context.tolist()) if isinstance(splits, SplitArrays) \
@@ -140,6 +144,8 @@ class _MemorySizing:
         pipe = self.pipe
         if pipe.backward_chunks is None or pipe.cp > 1:
             return None
+        if CELLS in self._cache:  # checked with every pipeline's (sim/cell_costs.py)
+            return self._cache[CELLS]
         if self.known is not None and self.known.cells is not None:
             c, u, n = self.known.cells
             cells = c, u, n.astype(np.float64)
@@ -168,6 +174,13 @@ class _MemorySizing:
         key = ("cells", L, head, (tuple(recompute), tuple(mlp)) if reruns else None)
         if key in self._cache:  # stages of one shape and recomputation share them
             return self._cache[key]
+        batched = self._cache.get(("cells batched", L, head)) if key[3] is None else None
+        if batched is not None:  # computed with every pipeline's cells (sim/cell_costs.py)
+            kept, work, fwork, sums = batched
+            self._cache["chunk sums", id(kept)] = (kept, sums)
+            zeros = self._zeros(len(self.pipe.chunks))
+            out = self._cache[key] = (kept, zeros, work, zeros if fwork is None else fwork)
+            return out
         cm, tp = self.cm, self.pipe.tp
         chunk_of, unit_of, tokens = cells
         remat = np.zeros(len(tokens))
@@ -204,8 +217,8 @@ class _MemorySizing:
         beside every gradient in the stage's first B, which makes them (`grads`; a
         heterogeneous plan's autograd keeps that first bf16 table as the gradient itself)."""
         pipe, U = self.pipe, len(self.units)
-        order = [a.chunk for a in pipe.stages[0] if a.kind == BACKWARD]
-        if not order:
+        first = next((a.chunk for a in pipe.stages[0] if a.kind == BACKWARD), None)
+        if first is None:
             return work
         act, extra = np.asarray(act, dtype=np.float64), np.asarray(extra, dtype=np.float64)
         if cells is not None:  # each cell's backward ends in the embedding's: its first cell's
@@ -216,6 +229,7 @@ class _MemorySizing:
         elif pipe.backward_chunks is None:  # each unit is its chunk, the only one it reads
             released, remat = act.copy(), extra
         else:
+            order = [a.chunk for a in pipe.stages[0] if a.kind == BACKWARD]
             pos = np.zeros(U, dtype=np.int64)
             pos[order] = np.arange(len(order))
             released, remat = np.zeros(U), np.zeros(U)
@@ -228,7 +242,7 @@ class _MemorySizing:
                 released[max(us, key=pos.__getitem__)] += act[c]
         table = mem.embedding_backward_bytes(self.cm.model)
         end = table - released - remat
-        end[order[0]] += grads - (table if self._heterogeneous() else 0.0)
+        end[first] += grads - (table if self._heterogeneous() else 0.0)
         return np.maximum(np.asarray(work, dtype=np.float64), end)
 
     def _states(self) -> tuple[list[float], list[float]]:

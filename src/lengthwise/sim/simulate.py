@@ -168,11 +168,9 @@ def simulate_inputs(inputs: list[PipelineInput], *, time_unit: str, memory_unit:
     sync_start = _sync_start(stage_end, [len(p.stages) for p in inputs])
     tail = np.concatenate([np.asarray(p.step_end if p.step_end is not None else [0.0] * len(p.stages),
                                       dtype=np.float64) for p in inputs])
-    bounds = list(zip(stage_offsets[:-1], stage_offsets[1:]))
-    step_end = np.array([max(pipe_end[i], (sync_start + sync + tail)[a:b].max(initial=0.0)) + inputs[i].extra_comm
-                         for i, (a, b) in enumerate(bounds)])
-    before_tail = np.array([max(pipe_end[i], (sync_start + sync)[a:b].max(initial=0.0)) + inputs[i].extra_comm
-                            for i, (a, b) in enumerate(bounds)])
+    extra = np.array([p.extra_comm for p in inputs], dtype=np.float64)
+    step_end = np.maximum(pipe_end, _pipeline_max(sync_start + sync + tail, stage_offsets)) + extra
+    before_tail = np.maximum(pipe_end, _pipeline_max(sync_start + sync, stage_offsets)) + extra
     memory = _replay_memory(inputs, pipes, tasks, start, finish, gstage, G)
     timeline = Timeline(tasks=tasks, start=start, finish=finish, comm=comm, send=send, stage_offsets=stage_offsets,
                         sync_start=sync_start, sync_end=sync_start + sync, memory=memory)
@@ -182,15 +180,27 @@ def simulate_inputs(inputs: list[PipelineInput], *, time_unit: str, memory_unit:
     return result
 
 
+def _pipeline_max(values: np.ndarray, stage_offsets: list[int]) -> np.ndarray:
+    """[pipeline] the largest of its stages' `values`, and 0.0 (what `max(initial=0.0)` over each
+    pipeline's slice gives, for all pipelines at once)."""
+    offs = np.asarray(stage_offsets, dtype=np.int64)
+    out = np.zeros(len(offs) - 1)
+    some = np.flatnonzero(offs[1:] > offs[:-1])
+    if len(some):
+        out[some] = np.maximum(np.maximum.reduceat(values, offs[some]), 0.0)
+    return out
+
+
 def _task_tables(inputs: list[PipelineInput], tasks: TaskArrays):
-    """Duration, CP communication and send time of every task, looked up per pipeline."""
-    n = len(tasks.stage)
-    dur, comm, send = np.zeros(n), np.zeros(n), np.zeros(n)
-    for i, inp in enumerate(inputs):
-        a, b = tasks.offsets[i], tasks.offsets[i + 1]
-        key = (tasks.stage[a:b], tasks.kind[a:b], tasks.index[a:b])
-        dur[a:b], comm[a:b], send[a:b] = inp.dur[key], inp.comm[key], inp.send[key]
-    return dur, comm, send
+    """Duration, CP communication and send time of every task: entry (stage, kind, index) of its
+    pipeline's tables, every pipeline's flattened end to end and gathered at once."""
+    if not inputs:
+        return np.zeros(0), np.zeros(0), np.zeros(0)
+    shapes = np.array([inp.dur.shape for inp in inputs], dtype=np.int64).reshape(len(inputs), 3)
+    base = np.r_[0, np.cumsum(shapes.prod(axis=1))[:-1]]
+    p = tasks.pipeline
+    at = base[p] + (tasks.stage * shapes[p, 1] + tasks.kind) * shapes[p, 2] + tasks.index
+    return tuple(np.concatenate([getattr(inp, name).ravel() for inp in inputs])[at] for name in ("dur", "comm", "send"))
 
 
 def _sync_start(stage_end: np.ndarray, pps: list[int]) -> np.ndarray:

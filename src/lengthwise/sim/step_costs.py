@@ -51,9 +51,13 @@ class _StepCosts:
         step terms; None without: the analytic model's step ends at the reduction)."""
         if self.cm.profile is None or self.cm.profile.step is None:
             return None
-        dp = self._replicas()
-        return [self._shared(self.cm.step_end_time, layers=L, tp=self.pipe.tp, dp=dp, zero=self.plan.zero,
-                             first=s == 0, last=s == self.pipe.pp - 1) for s, L in enumerate(self.layers)]
+        key = ("step_end", tuple(self.layers), self.pipe.tp)  # the rest is the plan's
+        if key not in self.shared:
+            dp = self._replicas()
+            self.shared[key] = [self._shared(self.cm.step_end_time, layers=L, tp=self.pipe.tp, dp=dp,
+                                             zero=self.plan.zero, first=s == 0, last=s == self.pipe.pp - 1)
+                                for s, L in enumerate(self.layers)]
+        return list(self.shared[key])
 
     def _replicas(self) -> int:
         """Every pipeline's CP ranks summed (the ranks that hold a stage's weights), once per plan

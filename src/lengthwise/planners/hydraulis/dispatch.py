@@ -197,12 +197,10 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
     row_ids = np.arange(rows)
     base = row_ids * d
     at_row = row_ids[:, None]
-    block = max(1, BLOCK_ENTRIES // max(rows * d, 1))
-    for u, (a, b) in enumerate(zip(starts.tolist(), stops.tolist())):
-        if u % block == 0:
-            pre = Precomputed.of(p, np.broadcast_to(ls[starts[u:u + block]][:, None], (len(starts[u:u + block]), rows)))
-        step = pre.step(u % block)
+    terms = _SchemeTerms(p)
+    for a, b in zip(starts.tolist(), stops.tolist()):
         l, k = float(ls[a]), b - a
+        step = terms.at(l)
         # T(longest) after taking l: place's "w + c if l > longest else fill" is this maximum,
         # as fill is T of the longest held (0 when empty) and T grows with l
         fill_after = np.maximum(fill, step.w_plus_c)
@@ -223,7 +221,7 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
         # Only the k pipelines with the least first bound can take any of the run (those k first
         # bounds are k candidates already); kept in pipeline order for the tie-break.
         kk = min(k, d)
-        cand = np.sort(np.argsort(new1, axis=1, kind="stable")[:, :kk], axis=1)
+        cand = _least(new1, kk)
         at = (at_row, cand)
         w, c, cap, held_l, admissible = step.w[at], p.chunk_s[at], p.max_len[at], sum_l[at], step.admissible[at]
         fill_c, start_w = fill_term[at], sum_w[at]
@@ -248,6 +246,20 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
         sum_l[at] = held_l + took * l
         fill[at] = np.where(took > 0, fill_after[at], fill[at])
     return owner, first
+
+
+def _least(values: np.ndarray, k: int) -> np.ndarray:
+    """[row, k] the columns of each row's k least values, ties to the lower column, ascending:
+    np.sort(np.argsort(values, axis=1, kind="stable")[:, :k], axis=1) by one partition per row
+    (the k-th least value), not a sort (values are bounds or inf, never NaN)."""
+    if k >= values.shape[1]:
+        return np.broadcast_to(np.arange(values.shape[1]), values.shape).copy()
+    kth = np.partition(values, k - 1, axis=1)[:, k - 1:k]
+    below = values < kth
+    at = values == kth
+    # of the values equal to the k-th, the lowest columns fill what `below` leaves of k
+    keep = below | (at & (np.cumsum(at, axis=1) <= k - below.sum(axis=1, keepdims=True)))
+    return np.nonzero(keep)[1].reshape(len(values), k)
 
 
 @functools.lru_cache(maxsize=64)
@@ -291,6 +303,25 @@ class Precomputed:
 
     def step(self, i: int) -> Precomputed:
         return Precomputed(w=self.w[i], w_plus_c=self.w_plus_c[i], admissible=self.admissible[i])
+
+
+class _SchemeTerms:
+    """Precomputed's terms for one length on every (row, pipeline) of stacked rows whose rows all
+    take the same length: w(l) and w(l) + c once per distinct (attn_s, token_s, chunk_s) (a
+    strategy has a few schemes, repeated over its pipelines), then spread by index; the same
+    operations on the same numbers as `Precomputed.of`, so the same floats."""
+
+    def __init__(self, p: PipelineArrays):
+        table = np.stack([p.attn_s.ravel(), p.token_s.ravel(), p.chunk_s.ravel()], axis=1)
+        uniq, inverse = np.unique(table, axis=0, return_inverse=True)
+        self.attn_s, self.token_s, self.chunk_s = uniq[:, 0], uniq[:, 1], uniq[:, 2]
+        self.inverse = inverse.reshape(p.max_len.shape)
+        self.max_len = p.max_len
+
+    def at(self, l: float) -> Precomputed:
+        w = self.attn_s * l * (l + 1) / 2 + self.token_s * l  # PipelineArrays.seq_time's arithmetic
+        return Precomputed(w=w.take(self.inverse), w_plus_c=(w + self.chunk_s).take(self.inverse),
+                           admissible=self.max_len >= l)
 
 
 class _Trials:

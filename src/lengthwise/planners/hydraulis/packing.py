@@ -22,6 +22,7 @@ Eq. 1 is solved two ways and the better packing kept:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass
@@ -102,7 +103,14 @@ def micro_batch_range(load: PipelineLoad) -> list[int]:
     tokens, n = int(load.lengths.sum()), len(load.seq_ids)
     lo = max(1, math.ceil(tokens / load.max_len))
     hi = max(lo, min(tokens // max(load.util_len, 1), n))
-    return sorted({int(v) for v in np.linspace(lo, hi, min(hi - lo + 1, MAX_V_TRIED)).round()})
+    return list(_spread(lo, hi))
+
+
+@functools.lru_cache(maxsize=4096)
+def _spread(lo: int, hi: int) -> tuple[int, ...]:
+    """At most MAX_V_TRIED counts from lo to hi, evenly spread (the pipelines of a batch share
+    a few ranges: each is worked out once)."""
+    return tuple(sorted({int(v) for v in np.linspace(lo, hi, min(hi - lo + 1, MAX_V_TRIED)).round()}))
 
 
 def lpt_bins(load: PipelineLoad, v: int) -> list[list[int]] | None:

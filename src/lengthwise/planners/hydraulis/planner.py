@@ -59,7 +59,7 @@ per pipeline (O(n D V) work in at most n numpy steps, V the micro-batch count) a
 greedy packing, O(n log n) per pipeline (BFD, LPT over at most 16 micro-batch counts,
 Karmarkar-Karp), only for the pipelines whose bound exceeds the slowest packed so far, then for
 every pipeline of the chosen candidate; the proposal DP per histogram is cached. At 1024 GPUs x
-32,768 sequences this is about 1 s on one core of our machine (the paper reports 3.9 s at 1024
+32,768 sequences this is about 0.9 s on one core of our machine (the paper reports 3.9 s at 1024
 GPUs with several processes); Karmarkar-Karp on pipelines of a thousand sequences and more
 (small clusters) is what is left to cut.
 

@@ -60,8 +60,6 @@ import math
 
 import numpy as np
 
-from lengthwise.cost import CostModel
-from lengthwise.cost.flops import chunk_work, work_key
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB
 from lengthwise.plan.ir import Chunk, PipelinePlan, StepPlan
@@ -78,7 +76,6 @@ from lengthwise.planners.slimpack.cuts import (
     PrefixCost,
     Stream,
     forward_chunks,
-    micropack_form,
     materialized,
     place_segments,
     streams_cuts,
@@ -255,79 +252,7 @@ def bare_plan(request: PlanRequest, pipes: list[PipelinePlan]) -> StepPlan:
                     lengths=list(request.lengths), pipelines=pipes, zero=request.scheme.zero)
 
 
-# ---- metrics ----
-
-def rsd(values) -> float:
-    """Relative standard deviation, percent."""
-    v = np.asarray(values, dtype=np.float64)
-    return float(100.0 * v.std() / v.mean()) if len(v) and v.mean() > 0 else 0.0
-
-
-def mean_rsd(rows: list[list[float]]) -> float:
-    return float(np.mean([rsd(r) for r in rows])) if rows else 0.0
-
-
-def micropack_metrics(request: PlanRequest, pipes: list[PipelinePlan], models) -> dict:
-    """Counts, budgets, forms and the spread of MicroPack seconds (whole model, LM head included)."""
-    gf, gb = models
-    cost, layers = request.cost, request.model.num_layers
-    memo: dict = {}
-
-    standard = all(getattr(type(cost), name) is getattr(CostModel, name)
-                   for name in ("forward_time", "backward_time", "works_time"))
-
-    def seconds(fn, chunks: list[Chunk], tp: int, cp: int) -> list[float]:
-        # without CP a chunk's time depends only on its work (tokens, pairs): shared by equal chunks
-        if cp > 1:
-            return [fn(c, layers=layers, tp=tp, cp=cp, head=True) for c in chunks]
-        if standard:  # CostModel.works_time: the scalar path's arithmetic elementwise, the same floats
-            works = [chunk_work(c) for c in chunks]
-            out = cost.works_time([w.tokens for w in works], [w.keys for w in works], layers=layers, tp=tp,
-                                  head=True, backward=fn.__name__ == "backward_time")
-            return (out + 0.0).tolist()  # backward_time adds its (zero) recompute; no-op forward
-        out = []
-        for c in chunks:
-            key = (fn.__name__, tp, work_key(c))
-            v = memo.get(key)
-            if v is None:
-                v = memo[key] = fn(c, layers=layers, tp=tp, cp=cp, head=True)
-            out.append(v)
-        return out
-
-    def all_seconds(fn, lists: list[list[Chunk]]) -> list[list[float]]:
-        """seconds of every pipeline's list; without CP, one works_time call per tp for all."""
-        out: list = [None] * len(pipes)
-        if standard:
-            for tp in {p.tp for p in pipes if p.cp == 1}:
-                mine = [i for i, p in enumerate(pipes) if p.cp == 1 and p.tp == tp]
-                works = [chunk_work(c) for i in mine for c in lists[i]]
-                each = (cost.works_time([w.tokens for w in works], [w.keys for w in works], layers=layers, tp=tp,
-                                        head=True, backward=fn.__name__ == "backward_time") + 0.0).tolist()
-                bounds = np.cumsum([0] + [len(lists[i]) for i in mine]).tolist()
-                for k, i in enumerate(mine):
-                    out[i] = each[bounds[k]:bounds[k + 1]]
-        return [o if o is not None else seconds(fn, lists[i], pipes[i].tp, pipes[i].cp) for i, o in enumerate(out)]
-
-    fwd_t = all_seconds(cost.forward_time, [p.chunks for p in pipes])
-    bwd_t = all_seconds(cost.backward_time, [p.bwd_units for p in pipes])
-    tokens = [[c.num_tokens for c in p.chunks] for p in pipes]
-    forms = [micropack_form(c, request.lengths) for p in pipes for c in p.chunks]
-
-    def budget(g: PrefixCost, units: list[Chunk]) -> float:
-        segs = [s for c in units for s in c.segments]
-        each = g.slice([s.start for s in segs], [s.stop for s in segs]).tolist()  # elementwise: same bits
-        return sum(each) / len(units)
-
-    return {
-        "micropacks": [len(p.chunks) for p in pipes],
-        "forward_budget_flops": [budget(gf, p.chunks) for p in pipes],
-        "backward_budget_flops": [budget(gb, p.bwd_units) for p in pipes],
-        "forms": {f: forms.count(f) for f in ("slim", "mix", "pack")},
-        # within each pipeline (budgets differ between pipelines), averaged over pipelines
-        "micropack_rsd": {"forward_time_pct": mean_rsd(fwd_t), "backward_time_pct": mean_rsd(bwd_t),
-                          "tokens_pct": mean_rsd(tokens)},
-    }
-
+# ---- metrics (micropack_metrics: slimpack/metrics.py) ----
 
 def merge_metrics(groups: list[RankGroup]) -> list[dict]:
     return [{"seq_ids": g.outliers, "ranks": g.ranks, "cp": g.ranks} for g in groups if g.ranks > 1]

@@ -68,7 +68,12 @@ candidate's task graphs together with numpy (0.72, 2.2 and 2.1 s before; 1.82, 4
 seconds, `--baseline` runs alternating with the code before on a machine at load ~10, the same
 plans): 1024 GPUs x 32,768 sequences 2.7 s (3.5 s before), 4096 GPUs x 131,072 sequences 10.9 s
 (17.6 s before), after the plan-wide sums of the simulator's inputs and its cell frees stopped
-being quadratic in pipelines and Karmarkar-Karp took bare items from a sorted list.
+being quadratic in pipelines and Karmarkar-Karp took bare items from a sorted list. Then
+(`--baseline ca2693a`, load average 9-14 at 1024 GPUs, 4-9 at 4096): 1.18 s (1.61 s before) and
+5.06 s (6.64 s before), after the simulator's inputs of every pipeline of a candidate were laid
+out together (sim/cell_costs.py, sim/cell_inputs.py), its memory events and task tables lost
+their per-pipeline passes, Karmarkar-Karp let a partition take its run of bare items without the
+heap, and the MicroPack metrics were read off the segments as arrays (slimpack/metrics.py).
 """
 
 from __future__ import annotations
@@ -93,11 +98,11 @@ from lengthwise.planners.slimpack.build import (
     materialize,
     flops_models,
     merge_metrics,
-    micropack_metrics,
     phase1_variants,
     prepare_stream,
     read_options,
 )
+from lengthwise.planners.slimpack.metrics import micropack_metrics
 from lengthwise.sim import simulate_plan
 
 SWEEP_RATIO = 2 ** 0.5
