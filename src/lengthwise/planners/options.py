@@ -264,7 +264,7 @@ class SlimPackOptions(Options):
         "forward recomputes all its stage's layers); or auto: none whenever some MicroPack count fits, else "
         "the fastest in simulation of 1/4, 1/2, 3/4 or all of each stage's layers that fit. The "
         "distributed executor refuses recomputing a MicroPack with CP-sharded segments (a DP-Merged "
-        "outlier's, cp > 1)", metavar="none|full|auto", check=RECOMPUTE)
+        "outlier's, cp > 1)", metavar="none|full|auto", check=one_of("none", "full", "auto"))
 
 
 @dataclass(kw_only=True, frozen=True)

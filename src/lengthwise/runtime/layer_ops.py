@@ -104,7 +104,7 @@ class QKV(torch.autograd.Function):
     def backward(ctx, dq_THE, dk_TGE, dv_TGE):
         x_TD, cos_T1E, sin_T1E, wq, wk, wv = ctx.saved_tensors
         grads = [unrotate(dq_THE, cos_T1E, sin_T1E).flatten(1), unrotate(dk_TGE, cos_T1E, sin_T1E).flatten(1),
-                 dv_TGE.reshape(dv_TGE.shape[0], -1)]
+                 dv_TGE.flatten(1)]
         dx_TD, weight_grads = None, []
         for grad, weight, biased in zip(grads, (wq, wk, wv), ctx.biased):
             dx, dw = _linear_backward(grad, x_TD, weight)
