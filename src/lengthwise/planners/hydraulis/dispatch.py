@@ -91,6 +91,8 @@ class Dispatch:
     """max_j LB_j (eq. 2), seconds."""
     trials: int
     """Trials run (Algorithm 1's T after the work budget)."""
+    trial: int = 0
+    """The trial kept (0: the longest-first order)."""
 
 
 def _orders(lengths: np.ndarray, trials: int, rng: np.random.Generator) -> np.ndarray:
@@ -121,11 +123,14 @@ def trials_for(n: int, size: int, trials: int, work_budget: float, share: int) -
 
 
 def dispatch_many(lengths, candidates: list[PipelineArrays], *, trials: int, work_budget: float,
-                  rng: np.random.Generator, share: int | None = None) -> list[Dispatch]:
+                  rng: np.random.Generator, share: int | None = None,
+                  known: list[Dispatch | None] | None = None) -> list[Dispatch]:
     """Algorithm 1 for several strategies, all their trials at once (one numpy row each): the
     longest-first rows by runs of equal lengths (`_longest_first`), the random ones a sequence
     per step (`_stepwise`). `share` (default: the strategies given) splits the work budget (see
-    trials_for); `rng` draws the orders every strategy shares (see the module docstring)."""
+    trials_for); `rng` draws the orders every strategy shares (see the module docstring).
+    `known[c]`: candidate c's longest-first trial from an earlier pass on the same batch (rows
+    never interact, so it is the row `_longest_first` would compute again, bit for bit)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     n = len(lengths)
     assert all(lengths.max() <= c.max_len.max() for c in candidates), "a sequence no pipeline holds"
@@ -136,14 +141,20 @@ def dispatch_many(lengths, candidates: list[PipelineArrays], *, trials: int, wor
     starts = np.cumsum([0] + counts[:-1])  # row 0 of each candidate: the longest-first order
     owner = np.zeros((len(orders), n), dtype=np.int64)
     first = np.zeros(len(orders))
-    owner[starts], first[starts] = _longest_first(p.take(starts), lengths, common[0])
+    known = known or [None] * len(candidates)
+    todo = np.asarray([c for c, k in enumerate(known) if k is None], dtype=np.int64)
+    for c, k in enumerate(known):
+        if k is not None:
+            owner[starts[c]], first[starts[c]] = k.owner, k.objective_s
+    if todo.size:
+        owner[starts[todo]], first[starts[todo]] = _longest_first(p.take(starts[todo]), lengths, common[0])
     rand = np.setdiff1d(np.arange(len(orders)), starts)
     if rand.size:
         owner[rand], first[rand] = _stepwise(p.take(rand), lengths, orders[rand])
     out = []
     for start, t in zip(starts.tolist(), counts):
         best = start + int(np.argmin(first[start:start + t]))
-        out.append(Dispatch(owner=owner[best], objective_s=float(first[best]), trials=t))
+        out.append(Dispatch(owner=owner[best], objective_s=float(first[best]), trials=t, trial=best - start))
     return out
 
 
@@ -328,7 +339,7 @@ class _Trials:
     """Running eq. 2 terms of every (row, pipeline), and each row's largest bound."""
 
     def __init__(self, rows: int, d: int):
-        self.sum_w, self.sum_l, self.longest, self.fill = (np.zeros((rows, d)) for _ in range(4))
+        self.sum_w, self.sum_l, self.fill = (np.zeros((rows, d)) for _ in range(3))
         self.rows, self.cols = np.arange(rows), np.arange(d)
         self.first = np.zeros(rows)
         self.depth_less_one: np.ndarray | None = None
@@ -337,13 +348,24 @@ class _Trials:
         """Put each row's sequence (length l) on the admissible pipeline where the largest bound
         grows least (Alg. 1 l. 7-14); returns the pipelines chosen. `pre`: the terms that depend
         on l only, when the caller has them already."""
-        col = l[:, None].astype(np.float64)
         pre = pre or Precomputed.of(p, l)
         w = pre.w
-        fill = np.where(col > self.longest, pre.w_plus_c, self.fill)  # T(longest) after adding
+        # T(longest) after adding: the where(l > longest, w + c, fill) of Algorithm 1 is this
+        # maximum, as fill is T of the longest held (0 when empty) and T grows with l (the same
+        # identity `_longest_first` uses), so the longest held need not be tracked.
+        fill = np.maximum(self.fill, pre.w_plus_c)
         if self.depth_less_one is None:
             self.depth_less_one = p.depth - 1
-        new = self.sum_w + w + p.chunk_s * np.ceil((self.sum_l + col) / p.max_len) + fill * self.depth_less_one
+        # sum_w + w + c ceil((sum_l + l) / MaxLen) + fill (PP - 1), added left to right as
+        # before, in place (fewer temporaries per step)
+        new = self.sum_w + w
+        chunks = self.sum_l + l[:, None].astype(np.float64)
+        chunks /= p.max_len
+        np.ceil(chunks, out=chunks)
+        chunks *= p.chunk_s
+        new += chunks
+        np.multiply(fill, self.depth_less_one, out=chunks)
+        new += chunks
         # The pipeline raising the largest bound least, ties to the least new bound (then the
         # lowest index), is the admissible one with the least new bound: bounds only grow, so
         # the top pipeline's new bound is at least the row's largest, and any other's largest
@@ -353,7 +375,6 @@ class _Trials:
         at = (self.rows, pick)
         self.sum_w[at] += w[at]
         self.sum_l[at] += l
-        self.longest[at] = np.maximum(self.longest[at], l)
         self.fill[at] = fill[at]
         self._raise(pick, new[at])
         return pick

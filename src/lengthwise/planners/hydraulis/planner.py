@@ -90,6 +90,7 @@ from lengthwise.planners.hydraulis.cost import (
     sync_time,
 )
 from lengthwise.planners.hydraulis.dispatch import (
+    Dispatch,
     PipelineArrays,
     dispatch_many,
     lower_bound,
@@ -140,6 +141,8 @@ class Evaluation:
     """Micro-batches of each pipeline (eq. 1); None for a pipeline not packed yet (see `full`)."""
     trials: int
     """Dispatch trials run."""
+    dispatch: Dispatch | None = None
+    """Algorithm 1's result these loads come from (reused by a later pass on the same batch)."""
     full: set[int]
     """Pipelines packed (the others wait for `_complete`; their greedy estimate is at most the
     largest of these, so the largest estimate is exact either way)."""
@@ -312,7 +315,7 @@ def _choose(request: PlanRequest, opts: HydraulisOptions, candidates: list[Strat
     if rest and max(trials_for(len(lengths), len(feasible[i][2]), opts.trials, opts.dispatch_work, share)
                     for i in rest) > 1:
         full = _evaluate_all(request, opts, [feasible[i] for i in rest], lengths, num_gpus, trials=opts.trials,
-                             share=share)
+                             share=share, screened=[screened[i] for i in rest])
     else:  # one trial is the longest-first order the screen already ran: the same dispatch
         full = [screened[i] for i in rest]
     final = dict(zip(rest, (min(screened[i], ev, key=lambda e: e.estimate_s) for i, ev in zip(rest, full))))
@@ -399,22 +402,31 @@ def _switch(request: PlanRequest, previous: str | None, pipes: list[tuple[Scheme
 
 
 def _evaluate_all(request: PlanRequest, opts: HydraulisOptions, prepared: list, lengths: np.ndarray, num_gpus: int,
-                  *, trials: int, share: int | None = None) -> list[Evaluation]:
+                  *, trials: int, share: int | None = None,
+                  screened: list[Evaluation | None] | None = None) -> list[Evaluation]:
     """Two-stage assignment (§6) of the batch on each strategy: dispatch (all strategies'
     trials together, every one on the same random orders from the request's seed, its trial
-    count from `share`: see dispatch.py), then greedy packing per pipeline."""
+    count from `share`: see dispatch.py), then greedy packing per pipeline. `screened[c]`:
+    strategy c's longest-first evaluation from `_screen`, whose dispatch is not run again and
+    which is returned as is when the longest-first trial stays the best (`_choose` keeps the
+    screened evaluation on a tie, so the choice is the same)."""
+    screened = screened or [None] * len(prepared)
     arrays = [PipelineArrays.of([s for s, _ in pipes], [m for _, m in pipes]) for _, _, pipes in prepared]
     runs = dispatch_many(lengths, arrays, trials=trials, work_budget=opts.dispatch_work,
-                         rng=np.random.default_rng(request.seed), share=share)
+                         rng=np.random.default_rng(request.seed), share=share,
+                         known=[None if ev is None else ev.dispatch for ev in screened])
     out = []
-    for (_, strategy, pipes), disp in zip(prepared, runs):
+    for (_, strategy, pipes), disp, old in zip(prepared, runs, screened):
+        if old is not None and disp.trial == 0:
+            out.append(old)
+            continue
         held = _by_owner(disp.owner, len(pipes))
         loads = [_load(lengths, ids, s, m) for ids, (s, m) in zip(held, pipes)]
         packings, full = _slowest_packed(loads)
         out.append(Evaluation(strategy=strategy, pipelines=[s for s, _ in pipes], max_lens=[m for _, m in pipes],
                               exchange_s=_exchange(request, pipes, num_gpus),
                               switch_s=_switch(request, opts.previous, pipes, num_gpus), loads=loads,
-                              packings=packings, trials=disp.trials, full=full))
+                              packings=packings, trials=disp.trials, dispatch=disp, full=full))
     return out
 
 
