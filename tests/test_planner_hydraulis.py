@@ -519,9 +519,10 @@ def test_scheme_terms_per_length_are_precomputeds_own():
                for n in (3, 7, 5)]
     stacked = _stack([PipelineArrays(*(np.repeat(getattr(s, f)[:2], 3) for f in
                                        ("attn_s", "token_s", "chunk_s", "depth", "max_len"))) for s in schemes], 1)
-    terms = _SchemeTerms(stacked)
-    for l in (1, 77, 4096, 8999):
+    runs = (1, 77, 4096, 8999)
+    terms = _SchemeTerms(stacked, np.asarray(runs, dtype=np.int64))
+    for i, l in enumerate(runs):
         want = Precomputed.of(stacked, np.full(stacked.max_len.shape[0], l))
-        got = terms.at(float(l))
+        got = terms.at(i, float(l))
         assert np.array_equal(got.w, want.w) and np.array_equal(got.w_plus_c, want.w_plus_c)
         assert np.array_equal(got.admissible, want.admissible)

@@ -208,10 +208,10 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
     row_ids = np.arange(rows)
     base = row_ids * d
     at_row = row_ids[:, None]
-    terms = _SchemeTerms(p)
-    for a, b in zip(starts.tolist(), stops.tolist()):
+    terms = _SchemeTerms(p, ls[starts])
+    for i, (a, b) in enumerate(zip(starts.tolist(), stops.tolist())):
         l, k = float(ls[a]), b - a
-        step = terms.at(l)
+        step = terms.at(i, l)
         # T(longest) after taking l: place's "w + c if l > longest else fill" is this maximum,
         # as fill is T of the longest held (0 when empty) and T grows with l
         fill_after = np.maximum(fill, step.w_plus_c)
@@ -322,16 +322,21 @@ class _SchemeTerms:
     strategy has a few schemes, repeated over its pipelines), then spread by index; the same
     operations on the same numbers as `Precomputed.of`, so the same floats."""
 
-    def __init__(self, p: PipelineArrays):
+    def __init__(self, p: PipelineArrays, lengths: np.ndarray):
         table = np.stack([p.attn_s.ravel(), p.token_s.ravel(), p.chunk_s.ravel()], axis=1)
         uniq, inverse = np.unique(table, axis=0, return_inverse=True)
-        self.attn_s, self.token_s, self.chunk_s = uniq[:, 0], uniq[:, 1], uniq[:, 2]
+        attn_s, token_s, chunk_s = uniq[:, 0], uniq[:, 1], uniq[:, 2]
         self.inverse = inverse.reshape(p.max_len.shape)
         self.max_len = p.max_len
+        # w(l) and w(l) + c of every length the caller steps through, [length, scheme], at once:
+        # the same elementwise operations in the same order as PipelineArrays.seq_time's
+        l = np.asarray(lengths, dtype=np.float64)[:, None]
+        self.w = attn_s * l * (l + 1) / 2 + token_s * l
+        self.w_plus_c = self.w + chunk_s
 
-    def at(self, l: float) -> Precomputed:
-        w = self.attn_s * l * (l + 1) / 2 + self.token_s * l  # PipelineArrays.seq_time's arithmetic
-        return Precomputed(w=w.take(self.inverse), w_plus_c=(w + self.chunk_s).take(self.inverse),
+    def at(self, i: int, l: float) -> Precomputed:
+        """The terms for the caller's i-th length, l."""
+        return Precomputed(w=self.w[i].take(self.inverse), w_plus_c=self.w_plus_c[i].take(self.inverse),
                            admissible=self.max_len >= l)
 
 
