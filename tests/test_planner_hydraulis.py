@@ -526,3 +526,19 @@ def test_scheme_terms_per_length_are_precomputeds_own():
         got = terms.at(i, float(l))
         assert np.array_equal(got.w, want.w) and np.array_equal(got.w_plus_c, want.w_plus_c)
         assert np.array_equal(got.admissible, want.admissible)
+
+
+def test_scheme_terms_block_is_precomputeds_own():
+    """The random trials' w(l), w(l) + c and admissibility per (step, row, pipeline), from each
+    distinct scheme's, are Precomputed.of's numbers bit for bit."""
+    from lengthwise.planners.hydraulis.dispatch import PipelineArrays, Precomputed, _SchemeTerms, _stack
+
+    rng = np.random.default_rng(1)
+    schemes = [PipelineArrays(rng.random(n) * 1e-9, rng.random(n) * 1e-6, rng.random(n) * 1e-3,
+                              rng.integers(1, 5, n).astype(float), np.sort(rng.integers(100, 9000, n))[::-1] * 1.0)
+               for n in (3, 7, 5)]
+    stacked = _stack(schemes, [2, 3, 1])
+    lengths = rng.integers(1, 9000, (11, stacked.max_len.shape[0]))
+    want, got = Precomputed.of(stacked, lengths), _SchemeTerms(stacked).block(lengths)
+    for name in ("w", "w_plus_c", "admissible"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name

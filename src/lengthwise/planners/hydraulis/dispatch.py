@@ -171,9 +171,10 @@ def _stepwise(p: PipelineArrays, lengths: np.ndarray, orders: np.ndarray) -> tup
     state = _Trials(rows, p.max_len.shape[1])
     owner = np.zeros((rows, n), dtype=np.int64)
     block = max(1, min(n, BLOCK_ENTRIES // max(p.max_len.size, 1)))
+    terms = _SchemeTerms(p)
     for k in range(n):
         if k % block == 0:  # what depends only on the sequences, for `block` steps at once
-            pre = Precomputed.of(p, lengths[orders[:, k:k + block]].T)
+            pre = terms.block(lengths[orders[:, k:k + block]].T)
         seq = orders[:, k]
         owner[state.rows, seq] = state.place(p, lengths[seq], pre.step(k % block))
     return owner, state.first
@@ -322,17 +323,34 @@ class _SchemeTerms:
     strategy has a few schemes, repeated over its pipelines), then spread by index; the same
     operations on the same numbers as `Precomputed.of`, so the same floats."""
 
-    def __init__(self, p: PipelineArrays, lengths: np.ndarray):
+    def __init__(self, p: PipelineArrays, lengths: np.ndarray | None = None):
         table = np.stack([p.attn_s.ravel(), p.token_s.ravel(), p.chunk_s.ravel()], axis=1)
         uniq, inverse = np.unique(table, axis=0, return_inverse=True)
         attn_s, token_s, chunk_s = uniq[:, 0], uniq[:, 1], uniq[:, 2]
+        self.attn_s, self.token_s, self.chunk_s = attn_s, token_s, chunk_s
         self.inverse = inverse.reshape(p.max_len.shape)
         self.max_len = p.max_len
+        if lengths is None:
+            return
         # w(l) and w(l) + c of every length the caller steps through, [length, scheme], at once:
         # the same elementwise operations in the same order as PipelineArrays.seq_time's
         l = np.asarray(lengths, dtype=np.float64)[:, None]
         self.w = attn_s * l * (l + 1) / 2 + token_s * l
         self.w_plus_c = self.w + chunk_s
+
+    def block(self, lengths: np.ndarray) -> Precomputed:
+        """Precomputed.of(p, lengths) for lengths [step, row] (each row its own length per
+        step): w(l) per (step, row, distinct scheme), then spread to the row's pipelines by
+        index, the same elementwise arithmetic on the same numbers."""
+        steps, rows = lengths.shape
+        u = len(self.attn_s)
+        l = lengths[..., None].astype(np.float64)
+        w = (self.attn_s * l * (l + 1) / 2 + self.token_s * l).reshape(steps, rows * u)
+        w_plus_c = (w.reshape(steps, rows, u) + self.chunk_s).reshape(steps, rows * u)
+        flat = (np.arange(rows)[:, None] * u + self.inverse).ravel()
+        shape = (steps, *self.inverse.shape)
+        return Precomputed(w=w.take(flat, axis=1).reshape(shape), w_plus_c=w_plus_c.take(flat, axis=1).reshape(shape),
+                           admissible=self.max_len >= l)
 
     def at(self, i: int, l: float) -> Precomputed:
         """The terms for the caller's i-th length, l."""
