@@ -325,6 +325,38 @@ def test_dryrun_rank_outside_the_plan_is_a_one_line_error(plan_file, capsys):
     assert "rank 4 is outside the plan's 4 ranks (0..3)" in err and "Traceback" not in err
 
 
+RECOMPUTE_TOKENS, RECOMPUTE_LAYERS = 512, 4
+
+
+def _tracked_layers(tracker, **recompute):
+    """Forward and backward of SMALL's RECOMPUTE_LAYERS layers over one RECOMPUTE_TOKENS-token
+    row under fake tensors, `tracker` (a MemTracker) watching; `recompute`: run_layers'
+    recompute_layers or recompute_mlp. Returns the tracker."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lengthwise.plan.ir import Chunk, Segment
+    from lengthwise.runtime.layout import ChunkLayout
+    from lengthwise.runtime.model import CausalLM, StagePart
+
+    tokens, layers = RECOMPUTE_TOKENS, RECOMPUTE_LAYERS
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = CausalLM(SMALL, StagePart(layers=range(layers), first=False, last=False), torch.bfloat16)
+        h = torch.randn(tokens, SMALL.hidden, dtype=torch.bfloat16, requires_grad=True)
+        rope = model.rope(torch.arange(tokens), torch.bfloat16)
+        layout = ChunkLayout.from_chunk(Chunk(segments=(Segment(seq_id=0, start=0, stop=tokens),)))
+        tracker.track_external(model, h)
+        with tracker:
+            out, _ = model.run_layers(h, layers=range(layers), rope=rope, layout=layout,
+                                      contexts=[[[]]] * layers, backend="cpu-flash", **recompute)
+            out.sum().backward()
+    return tracker
+
+
+def _activations_and_temporaries(snapshot: dict) -> int:
+    return sum(v for k, v in snapshot.items() if str(k).split(".")[-1] in ("ACT", "TEMP"))
+
+
 def test_per_layer_recomputation_rematerialises_one_layer_at_a_time():
     """A chunk's forward that recomputes every layer keeps only their inputs, and its backward
     reruns one layer at a time (non-reentrant `torch.utils.checkpoint` per layer), so the
@@ -334,30 +366,15 @@ def test_per_layer_recomputation_rematerialises_one_layer_at_a_time():
     back) nor 0 (all layers re-materialised at once). Gradients are left out: the cost model
     counts them with the model states. Measured by MemTracker under fake tensors; within 10%
     (the backward's own temporaries differ a little between the two runs)."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from lengthwise.plan.ir import Chunk, Segment
-    from lengthwise.runtime.layout import ChunkLayout
-    from lengthwise.runtime.model import CausalLM, StagePart
 
-    tokens, layers = 512, 4
+    tokens, layers = RECOMPUTE_TOKENS, RECOMPUTE_LAYERS
 
     def activation_peak(recompute: int) -> int:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model = CausalLM(SMALL, StagePart(layers=range(layers), first=False, last=False), torch.bfloat16)
-            h = torch.randn(tokens, SMALL.hidden, dtype=torch.bfloat16, requires_grad=True)
-            rope = model.rope(torch.arange(tokens), torch.bfloat16)
-            layout = ChunkLayout.from_chunk(Chunk(segments=(Segment(seq_id=0, start=0, stop=tokens),)))
-            tracker = MemTracker()
-            tracker.track_external(model, h)
-            with tracker:
-                out, _ = model.run_layers(h, layers=range(layers), rope=rope, layout=layout,
-                                          contexts=[[[]]] * layers, backend="cpu-flash", recompute_layers=recompute)
-                out.sum().backward()
-        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
-        return sum(v for k, v in peak.items() if str(k).split(".")[-1] in ("ACT", "TEMP"))
+        tracker = _tracked_layers(MemTracker(), recompute_layers=recompute)
+        return _activations_and_temporaries(next(iter(tracker.get_tracker_snapshot("peak").values())))
 
     cm = CostModel(model=SMALL, cluster=cluster_preset("h100", 1))
     chunk = Chunk(segments=(Segment(seq_id=0, start=0, stop=tokens),))
@@ -375,38 +392,22 @@ def test_mlp_recomputation_rematerialises_one_block_at_a_time():
     (`CostModel.recompute_transient_bytes`: one block re-materialised). Measured by MemTracker
     under fake tensors as the highest activations and temporaries of any moment (gradients,
     which grow as the backward goes, would move the moment of the whole peak); within 1%."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from lengthwise.plan.ir import Chunk, Segment
-    from lengthwise.runtime.layout import ChunkLayout
-    from lengthwise.runtime.model import CausalLM, StagePart
 
-    tokens, layers = 512, 4
+    tokens, layers = RECOMPUTE_TOKENS, RECOMPUTE_LAYERS
 
     class ActivationPeak(MemTracker):
         most = 0
 
         def _update_peak_stats(self, peak_state) -> None:
             super()._update_peak_stats(peak_state)
-            now = sum(v for snap in self._curr_mem_snap.values() for k, v in snap.items()
-                      if str(k).split(".")[-1] in ("ACT", "TEMP"))
+            now = sum(_activations_and_temporaries(snap) for snap in self._curr_mem_snap.values())
             self.most = max(self.most, now)
 
     def activation_peak(mlp: int) -> int:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model = CausalLM(SMALL, StagePart(layers=range(layers), first=False, last=False), torch.bfloat16)
-            h = torch.randn(tokens, SMALL.hidden, dtype=torch.bfloat16, requires_grad=True)
-            rope = model.rope(torch.arange(tokens), torch.bfloat16)
-            layout = ChunkLayout.from_chunk(Chunk(segments=(Segment(seq_id=0, start=0, stop=tokens),)))
-            tracker = ActivationPeak()
-            tracker.track_external(model, h)
-            with tracker:
-                out, _ = model.run_layers(h, layers=range(layers), rope=rope, layout=layout,
-                                          contexts=[[[]]] * layers, backend="cpu-flash", recompute_mlp=mlp)
-                out.sum().backward()
-        return tracker.most
+        return _tracked_layers(ActivationPeak(), recompute_mlp=mlp).most
 
     cm = CostModel(model=SMALL, cluster=cluster_preset("h100", 1))
     chunk = Chunk(segments=(Segment(seq_id=0, start=0, stop=tokens),))
