@@ -207,3 +207,23 @@ def test_compiled_layers_equal_eager_and_transformers(name):
     assert abs(loss - eager_loss) <= 1e-9 * abs(eager_loss) and abs(loss - ref_loss) <= 1e-9 * abs(ref_loss)
     assert compare_grads(grads, eager_grads)[1] <= 1e-9
     assert compare_grads(grads, ref_grads)[1] <= 1e-9
+
+
+def test_compiled_layers_compile_once_whatever_the_chunk_lengths():
+    """A first chunk exactly as long as the head dimension, then other lengths (a row of two
+    documents, one of a single document): each of a layer's two compiled regions compiles one
+    graph for every length, shared by both layers. With duck sizing on, the first length made a
+    graph specialised to it and a second compile followed (`compile.py`)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from lengthwise.runtime.compile import compile_layers
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_model(LLAMA, dtype=torch.float64, seed=0)
+    compile_layers(model, backend="aot_eager")
+    for lengths, chunks in (([LLAMA.head_dim], "0[0:8]"), ([5, 4], "0[0:5]+1[0:4]"), ([LLAMA.hidden + 3], "0[0:35]")):
+        plan = hand_plan(LLAMA, lengths, [(chunks, ["F0 B0"])])
+        run_step(model, plan, random_tokens(lengths, LLAMA.vocab, 1))
+    assert counters["stats"]["unique_graphs"] == 2

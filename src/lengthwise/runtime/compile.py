@@ -27,6 +27,14 @@ The layer objects stay where they are (names unchanged for checkpoints; FSDP2 an
 parallelism hooks on the modules run as before): a layer with `compile_backend` set runs its
 `attention_input` and `attention_output` through compiled functions that every layer shares
 (its `block`, as module calls, under tensor parallelism's hooks).
+
+Without duck sizing: by default the symbolic-shape engine gives two sizes that happen to be
+equal when first seen one symbol, so a first chunk of as many tokens as the head dimension (or
+a TP rank's rows equal to the hidden size) compiled a graph for that coincidence and compiled
+again at the next chunk length (two graphs per region instead of one, and the recompile
+limit reached sooner). `compile_layers` turns duck sizing off for the process
+(`torch.fx.experimental._config.use_duck_shape`, read when a graph is compiled): the token
+count stays one symbol of its own whatever it equals.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.fx.experimental._config  # noqa: F401  (use_duck_shape)
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from lengthwise.errors import UserError
@@ -57,6 +66,7 @@ def compile_layers(model, *, backend: str = "inductor") -> None:
     """Compile the forward of every decoder layer `model` holds, in place."""
     for layer in model.model.layers.values():
         layer.compile_backend = backend
+    torch.fx.experimental._config.use_duck_shape = False  # see the module docstring
     embed = getattr(model.model, "embed_tokens", None)
     if embed is not None and not getattr(embed, "settles_output", False):
         embed.register_forward_hook(_settled)
