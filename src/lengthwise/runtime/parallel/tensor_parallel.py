@@ -176,10 +176,13 @@ def apply_tp(model: CausalLM, mesh: DeviceMesh, *, sequence_parallel: bool = Tru
         head = mesh.get_local_rank() * spec.num_kv_heads // tp
         keep = functools.partial(_keep_columns, start=head * spec.head_dim, stop=(head + 1) * spec.head_dim)
     for layer in model.model.layers.values():
+        if sequence_parallel:
+            # before o_proj's own hook by registering first, not by `prepend`: torch 2.11's
+            # compiler guarded a prepended hook by its position and failed on it
+            layer.self_attn.o_proj.register_forward_pre_hook(functools.partial(_pad_rows, tp=tp))
         parallelize_module(layer, mesh, plan)
         if sequence_parallel:
             layer.self_attn.register_forward_pre_hook(_rows_of_the_row)  # after the gather
-            layer.self_attn.o_proj.register_forward_pre_hook(functools.partial(_pad_rows, tp=tp), prepend=True)
         if replicated:
             for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
                 # the input is the block's Replicate DTensor: its gradient here is a partial sum
