@@ -18,6 +18,11 @@ alike):
 - `after+compile`: this checkout with each decoder layer compiled (`--compile-backend`,
   default inductor; `--no-inductor` uses aot_eager, which traces but does not fuse).
 Reported: the median over rounds of each variant's per-layer-chunk time, and before / after;
+for the eager variants also the time of the ATen calls alone (`replay`: every operator call the
+step dispatched below autograd, recorded once and made again in a loop, no autograd, none of
+the executor's Python): what is left when all the code around the calls costs nothing, so
+`replayed_share_of_step` near 1 says the step's host time is its operator calls, and a lower
+per-layer time needs fewer calls;
 and, apart, the varlen (CUDA) path's index and key-packing host work per layer and chunk
 (`varlen_index_work`), which the CPU step above does not run.
 Times are the CPU time of the process's main thread (`time.thread_time`, torch on one thread),
@@ -47,7 +52,7 @@ LENGTHS = [24, 8, 8]
 CHUNKS = "0[0:8] 0[8:16]+1[0:8] 0[16:24]+2[0:8]"
 ACTIONS = "F0 F1 F2 B2 B1 B0"
 NUM_CHUNKS = 3
-COUNTS = ("aten_ops", "autograd_nodes", "compiled_graph_calls")
+COUNTS = ("aten_ops", "dispatched_ops", "autograd_nodes", "compiled_graph_calls")
 """Per layer and chunk, counted once per variant (`dispatch_counts`)."""
 
 
@@ -87,6 +92,10 @@ def worker(compile_backend: str | None, steps: int) -> None:
         step(2), step(4)
     counts = {layers: dispatch_counts(lambda: step(layers)) for layers in (2, 4)}
     per_layer_counts = {kind: (counts[4][kind] - counts[2][kind]) / (2 * NUM_CHUNKS) for kind in counts[2]}
+    # eager only: a compiled graph's own kernels are no ATen calls, and a dispatch mode around
+    # a compiled region changes what it runs
+    calls = None if compile_backend else {layers: recorded_calls(lambda: step(layers)) for layers in (2, 4)}
+    per_layer_counts["dispatched_ops"] = calls and (len(calls[4]) - len(calls[2])) / (2 * NUM_CHUNKS)
     varlen_index = varlen_index_work()
     print("ready", flush=True)
     for _ in sys.stdin:
@@ -95,8 +104,10 @@ def worker(compile_backend: str | None, steps: int) -> None:
             for layers in (2, 4):
                 times[layers].append(step(layers))
         two, four = statistics.median(times[2]), statistics.median(times[4])
+        replays = calls and {layers: statistics.median(replay(calls[layers]) for _ in range(steps)) for layers in (2, 4)}
         print(json.dumps({"step_2_layers_s": two, "step_4_layers_s": four,
                           "per_layer_chunk_s": (four - two) / (2 * NUM_CHUNKS),
+                          "replay_per_layer_chunk_s": replays and (replays[4] - replays[2]) / (2 * NUM_CHUNKS),
                           "varlen_index_per_layer_chunk_s": varlen_index(), **per_layer_counts}), flush=True)
 
 
@@ -112,6 +123,38 @@ def dispatch_counts(run) -> dict[str, int]:
     return {"aten_ops": sum(name.startswith("aten::") for name in names),
             "autograd_nodes": sum(name.startswith("autograd::engine::evaluate_function") for name in names),
             "compiled_graph_calls": sum(name.startswith("## Call CompiledFxGraph") for name in names)}
+
+
+def recorded_calls(run) -> list:
+    """Every ATen operator call one call of `run` dispatches below autograd (forward, backward
+    and the optimizer-free step's glue), with its arguments, for `replay`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append((func, args, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    with Recorder() as recorder:
+        run()
+    return recorder.calls
+
+
+def replay(calls) -> float:
+    """CPU seconds to make the recorded operator calls again, one after the other, without
+    autograd or any of the executor's Python: the floor that what the step dispatches sets,
+    whatever the code around it (the calls write into tensors of the recorded run, no grad)."""
+    import torch
+
+    with torch.no_grad():
+        started = time.thread_time()
+        for func, args, kwargs in calls:
+            func(*args, **kwargs)
+        return time.thread_time() - started
 
 
 VARLEN_LAYERS = 28
@@ -204,6 +247,8 @@ def main(argv=None) -> int:
             proc.stdin.close()
             proc.wait()
     per = {name: statistics.median(r["per_layer_chunk_s"] for r in rs) for name, rs in runs.items()}
+    floor = {name: statistics.median(r["replay_per_layer_chunk_s"] for r in rs) for name, rs in runs.items()
+             if rs[0]["replay_per_layer_chunk_s"] is not None}
     index = {name: statistics.median(r["varlen_index_per_layer_chunk_s"] for r in rs) for name, rs in runs.items()}
     counted = {kind: {name: rs[0][kind] for name, rs in runs.items()} for kind in COUNTS}
     result = {
@@ -213,6 +258,8 @@ def main(argv=None) -> int:
         "old_rev": args.old_rev, "rounds": args.rounds, "steps_per_round": args.steps,
         "per_layer_chunk_us": {name: round(s * 1e6, 1) for name, s in per.items()},
         "ratio_before_over_after": {name: round(per["before"] / s, 2) for name, s in per.items() if name != "before"},
+        "replayed_calls_per_layer_chunk_us": {name: round(t * 1e6, 1) for name, t in floor.items()},
+        "replayed_share_of_step": {name: round(floor[name] / per[name], 2) for name in floor},
         "varlen_index_per_layer_chunk_us": {name: round(t * 1e6, 3) for name, t in index.items()},
         "varlen_index_ratio_before_over_after": round(index["before"] / index["after"], 1),
         **{f"{kind}_per_layer_chunk": counted[kind] for kind in COUNTS},
@@ -224,6 +271,7 @@ def main(argv=None) -> int:
     tmp_out.write_text(json.dumps(result, indent=1) + "\n")
     tmp_out.replace(out)
     print(json.dumps({k: result[k] for k in ("per_layer_chunk_us", "ratio_before_over_after",
+                                             "replayed_calls_per_layer_chunk_us", "replayed_share_of_step",
                                              "varlen_index_per_layer_chunk_us",
                                              "varlen_index_ratio_before_over_after",
                                              *(f"{kind}_per_layer_chunk" for kind in COUNTS))}, indent=1))
