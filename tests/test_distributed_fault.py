@@ -79,7 +79,7 @@ def test_torchrun_summary_names_the_killed_rank_and_its_last_action(tmp_path):
     assert done.returncode != 0
     start = done.stderr.index("rank      : 1 (local_rank: 1)")  # rank 1's entry (root cause or not)
     entry = done.stderr[start:done.stderr.index("\n", done.stderr.index("traceback :", start))]
-    assert "exitcode  : -9" in entry and "(SIGKILL)" in entry, entry
+    assert "exitcode  : -9" in entry, entry  # the signal's name beside it: torchrun's wording, not on torch 2.11
     assert "lengthwise, last action of this rank: step 2, pipeline 0 stage 1 cp rank 0: finished action 3 (" in entry
 
 
