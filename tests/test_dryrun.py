@@ -441,11 +441,12 @@ def test_dryrun_heterogeneous_rank_holds_the_executors_layout(hetero_rows):
     """A heterogeneous plan runs as `train/dist_hetero.py` runs it: the stage in bf16 without
     FSDP2 (2 bytes per held parameter), and fp32 master weights with AdamW's two moments for the
     elements the rank owns (12 bytes each): about 1/d of what it holds, each element owned by one
-    of its d holders (`parallel/hetero.ExchangeLayout`), as the cost model counts them
+    of its d holders (`parallel/hetero_layout.ExchangeLayout`), as the cost model counts them
     (`CostModel.hetero_owned`). The exchange keeps no index maps (nothing under "other"), and the
     measured peak, reached in the step-end exchange (`CostModel.exchange_transient_bytes`), is
     within 10% of the simulated one."""
-    from lengthwise.runtime.parallel.hetero import ExchangeLayout, plan_pipelines, strategy_holdings, whole_shapes
+    from lengthwise.runtime.parallel.hetero_layout import ExchangeLayout
+    from lengthwise.runtime.parallel.hetero_reducer import plan_pipelines, strategy_holdings, whole_shapes
     from lengthwise.sim.rank import rank_places, stage_owned
 
     plan, rows = hetero_rows

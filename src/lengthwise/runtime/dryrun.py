@@ -176,7 +176,8 @@ class _HeteroOptimisation:
 
     def __init__(self, model: CausalLM, plan: StepPlan, mesh: Mesh) -> None:
         from lengthwise.runtime.parallel.dp import held_parameters
-        from lengthwise.runtime.parallel.hetero import HeteroExchange, plan_pipelines, strategy_holdings, whole_shapes
+        from lengthwise.runtime.parallel.hetero import HeteroExchange
+        from lengthwise.runtime.parallel.hetero_reducer import plan_pipelines, strategy_holdings, whole_shapes
 
         with unset_fake_temporarily():
             shapes = whole_shapes(plan.model)
