@@ -498,8 +498,8 @@ def _peak_bytes_per_token(run, tokens: tuple[int, int]) -> float:
     grow with the tokens (weights and their gradients) cancel."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lengthwise.runtime.dryrun import CommBytes, LocalFlopCounter, _Measuring, _StorageTracker
     from lengthwise.runtime.flop_formulas import cpu_flash_flop_formulas
+    from lengthwise.runtime.measure import CommBytes, LocalFlopCounter, _Measuring, _StorageTracker
 
     peaks = []
     for t in tokens:
@@ -606,7 +606,8 @@ def test_the_blocked_lm_heads_peak_is_one_block_not_the_logits(monkeypatch, bloc
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import lengthwise.cost.memory as mem
-    from lengthwise.runtime.dryrun import CommBytes, LocalFlopCounter, _Measuring, _StorageTracker, cpu_flash_flop_formulas
+    from lengthwise.runtime.flop_formulas import cpu_flash_flop_formulas
+    from lengthwise.runtime.measure import CommBytes, LocalFlopCounter, _Measuring, _StorageTracker
     from lengthwise.runtime.model import CausalLM, StagePart
 
     if block_bytes is not None:
@@ -657,7 +658,7 @@ def test_zero_2_holds_what_zero_1_holds():
 
 
 class _StackedModes:
-    """The dry run's measurement as it was taken before `runtime/dryrun._Measuring`: three
+    """The dry run's measurement as it was taken before `runtime/measure._Measuring`: three
     dispatch modes stacked, MemTracker's own `__torch_dispatch__` innermost, then
     FlopCounterMode's (DTensor operations let through to their local ones), then the
     communication count outermost, each redispatching every operation to the next."""
@@ -669,7 +670,7 @@ class _StackedModes:
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils.flop_counter import _FlopCounterMode
 
-        from lengthwise.runtime.dryrun import _comm_kind, _runs_as_one_kernel
+        from lengthwise.runtime.measure import _comm_kind, _runs_as_one_kernel
 
         class Memory(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
