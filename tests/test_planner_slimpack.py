@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from lengthwise.cost import CostModel
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, SHARDED, Chunk, Segment, StepPlan
-from lengthwise.plan.schedules import check_schedule
+from lengthwise.plan.schedule_checks import check_schedule
 from lengthwise.plan.validate import memory_overflow, validate_plan
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.planners.slimpack.build import build_pipeline, flops_models
