@@ -23,7 +23,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import lengthwise.cost.memory as mem
 from lengthwise.files import write_atomic
-from lengthwise.runtime.dryrun import CommBytes, LocalFlopCounter, _Measuring, _StorageTracker, cpu_flash_flop_formulas
+from lengthwise.runtime.flop_formulas import cpu_flash_flop_formulas
+from lengthwise.runtime.measure import CommBytes, LocalFlopCounter, _Measuring, _StorageTracker
 from lengthwise.runtime.loss import token_loss_sum
 from lengthwise.runtime.model import CausalLM, StagePart
 from lengthwise.specs import model_preset

@@ -441,11 +441,12 @@ def test_dryrun_heterogeneous_rank_holds_the_executors_layout(hetero_rows):
     """A heterogeneous plan runs as `train/dist_hetero.py` runs it: the stage in bf16 without
     FSDP2 (2 bytes per held parameter), and fp32 master weights with AdamW's two moments for the
     elements the rank owns (12 bytes each): about 1/d of what it holds, each element owned by one
-    of its d holders (`parallel/hetero.ExchangeLayout`), as the cost model counts them
+    of its d holders (`parallel/hetero_layout.ExchangeLayout`), as the cost model counts them
     (`CostModel.hetero_owned`). The exchange keeps no index maps (nothing under "other"), and the
     measured peak, reached in the step-end exchange (`CostModel.exchange_transient_bytes`), is
     within 10% of the simulated one."""
-    from lengthwise.runtime.parallel.hetero import ExchangeLayout, plan_pipelines, strategy_holdings, whole_shapes
+    from lengthwise.runtime.parallel.hetero_layout import ExchangeLayout
+    from lengthwise.runtime.parallel.hetero_reducer import plan_pipelines, strategy_holdings, whole_shapes
     from lengthwise.sim.rank import rank_places, stage_owned
 
     plan, rows = hetero_rows
@@ -497,8 +498,8 @@ def _peak_bytes_per_token(run, tokens: tuple[int, int]) -> float:
     grow with the tokens (weights and their gradients) cancel."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lengthwise.runtime.dryrun import CommBytes, LocalFlopCounter, _Measuring, _StorageTracker
     from lengthwise.runtime.flop_formulas import cpu_flash_flop_formulas
+    from lengthwise.runtime.measure import CommBytes, LocalFlopCounter, _Measuring, _StorageTracker
 
     peaks = []
     for t in tokens:
@@ -605,7 +606,8 @@ def test_the_blocked_lm_heads_peak_is_one_block_not_the_logits(monkeypatch, bloc
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import lengthwise.cost.memory as mem
-    from lengthwise.runtime.dryrun import CommBytes, LocalFlopCounter, _Measuring, _StorageTracker, cpu_flash_flop_formulas
+    from lengthwise.runtime.flop_formulas import cpu_flash_flop_formulas
+    from lengthwise.runtime.measure import CommBytes, LocalFlopCounter, _Measuring, _StorageTracker
     from lengthwise.runtime.model import CausalLM, StagePart
 
     if block_bytes is not None:
@@ -656,7 +658,7 @@ def test_zero_2_holds_what_zero_1_holds():
 
 
 class _StackedModes:
-    """The dry run's measurement as it was taken before `runtime/dryrun._Measuring`: three
+    """The dry run's measurement as it was taken before `runtime/measure._Measuring`: three
     dispatch modes stacked, MemTracker's own `__torch_dispatch__` innermost, then
     FlopCounterMode's (DTensor operations let through to their local ones), then the
     communication count outermost, each redispatching every operation to the next."""
@@ -668,7 +670,7 @@ class _StackedModes:
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils.flop_counter import _FlopCounterMode
 
-        from lengthwise.runtime.dryrun import _comm_kind, _runs_as_one_kernel
+        from lengthwise.runtime.measure import _comm_kind, _runs_as_one_kernel
 
         class Memory(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):

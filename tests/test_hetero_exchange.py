@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from lengthwise.planners.hydraulis.cost import allreduce_bytes, exchange_bytes, exchange_elements
 from lengthwise.runtime.distributed.launch import spawn
-from lengthwise.runtime.parallel.hetero import WHOLE, HeteroExchange, Shard, shard_indices
+from lengthwise.runtime.parallel.hetero import HeteroExchange
+from lengthwise.runtime.parallel.hetero_layout import WHOLE, Shard, shard_indices
 from tolerance import normwise_error, reduction_tolerance
 
 SHAPES = {"w": (8, 12), "v": (12, 16), "b": (12,)}
@@ -225,7 +226,7 @@ def test_exchange_is_exact_when_the_world_does_not_divide_the_rows():
 def _tiny_step_worker(rank: int):
     """One step's push and pull of the tiny model's bf16 gradients and weights under tp2 x pp1
     (ranks 0, 1) + tp1 x pp2 (ranks 2, 3), the layout the executor derives from the strategy."""
-    from lengthwise.runtime.parallel.hetero import strategy_holdings, whole_shapes
+    from lengthwise.runtime.parallel.hetero_reducer import strategy_holdings, whole_shapes
     from lengthwise.specs import model_preset
 
     spec = model_preset("tiny")

@@ -1,7 +1,8 @@
 """A heterogeneous plan with tensor parallelism on one pipeline only runs exactly: 4 gloo ranks in
 float64, pipeline 0 = tp2 x pp1 (ranks 0, 1), pipeline 1 = tp1 x pp2 (ranks 2, 3); loss and every
-gradient against the single-process Hugging Face oracle (runtime/parallel/hetero.HeteroReducer
-sums the tp shards and the whole parameters through the optimisation-propagation exchange).
+gradient against the single-process Hugging Face oracle
+(runtime/parallel/hetero_reducer.HeteroReducer sums the tp shards and the whole parameters through
+the optimisation-propagation exchange).
 
 The `tied-*` cases run Qwen2's layout (q/k/v biases, the LM head is the embedding): the tied
 table is held by the first and the last stage of each pipeline, whole or as tp vocabulary rows,

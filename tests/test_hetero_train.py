@@ -133,7 +133,8 @@ def test_a_strategy_switch_equals_resuming_in_the_new_strategy(switching_run, tm
 
 def _layout(pipelines):
     """The owned-by-holders layout of the tiny model under `pipelines` (tp, pp, cp, layers per stage)."""
-    from lengthwise.runtime.parallel.hetero import ExchangeLayout, strategy_holdings, whole_shapes
+    from lengthwise.runtime.parallel.hetero_layout import ExchangeLayout
+    from lengthwise.runtime.parallel.hetero_reducer import strategy_holdings, whole_shapes
 
     shapes = whole_shapes(model_preset("tiny"))
     holdings, dims = strategy_holdings(model_preset("tiny"), pipelines, list(shapes))

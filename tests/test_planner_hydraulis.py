@@ -141,11 +141,12 @@ def test_a_heterogeneous_plan_is_charged_the_executors_exchange_not_an_all_reduc
     """Each GPU of a heterogeneous plan pushes the bf16 gradients of what it holds and does not
     own to the owners (each element owned by one of its holders) and pulls their weights back:
     held - owned elements each way, the volume of a ring all-reduce among each element's holders.
-    The cost model's count equals the executor's layout (runtime/parallel/hetero.ExchangeLayout)
-    within rounding, priced as two all-to-alls among the holders; no all-reduce on top (the
+    The cost model's count equals the executor's layout
+    (runtime/parallel/hetero_layout.ExchangeLayout) within rounding, priced as two all-to-alls among the holders; no all-reduce on top (the
     simulator once charged both)."""
     import lengthwise.cost.memory as mem
-    from lengthwise.runtime.parallel.hetero import ExchangeLayout, plan_pipelines, strategy_holdings, whole_shapes
+    from lengthwise.runtime.parallel.hetero_layout import ExchangeLayout
+    from lengthwise.runtime.parallel.hetero_reducer import plan_pipelines, strategy_holdings, whole_shapes
 
     lengths = [9000, 6000] + [int(x) for x in np.random.default_rng(1).integers(50, 3000, 60)]
     p, req = plan(lengths, pipelines="tp4-pp2,tp2-pp2,tp2-pp2")

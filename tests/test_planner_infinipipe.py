@@ -484,7 +484,7 @@ def unit_lists(draw):
 def test_kv_rows_of_all_units_at_once_are_each_units_own(units, cp):
     """UnitCosts.prepare's K/V rows (every split unit at once) are kv_events of each unit, bit for
     bit, on every stage shape."""
-    from lengthwise.planners.infinipipe.schedule import kv_events, split_slices
+    from lengthwise.planners.infinipipe.unit_costs import kv_events, split_slices
 
     req = request([4 * K] * 4, pp=4, tp=8)
     lay = grouping.layout(req, 1)

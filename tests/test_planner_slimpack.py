@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from lengthwise.cost import CostModel
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, FORWARD, SHARDED, Chunk, Segment, StepPlan
-from lengthwise.plan.schedules import check_schedule
+from lengthwise.plan.schedule_checks import check_schedule
 from lengthwise.plan.validate import memory_overflow, validate_plan
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.planners.slimpack.build import build_pipeline, flops_models
@@ -418,7 +418,8 @@ def test_dp_merge_refuses_only_when_no_group_holds_the_floor():
 def test_stream_pieces_match_the_walks_and_the_simulators_derivations(lengths, count, seed):
     from lengthwise.plan.schedules import dependencies
     from lengthwise.planners.slimpack.cuts import (Stream, backward_cuts, backward_units_ready, forward_chunks,
-                                                   forward_cuts, stream_pieces)
+                                                   forward_cuts)
+    from lengthwise.planners.slimpack.pieces import stream_pieces
     from lengthwise.sim.memory import split_sequences
 
     req = request([1])
@@ -512,8 +513,8 @@ def test_cell_sizes_batched_over_pipelines_are_each_pipelines_own(monkeypatch):
 @given(streams=st.lists(st.lists(st.integers(1, 2000), min_size=1, max_size=12), min_size=1, max_size=5),
        count=st.integers(1, 30))
 def test_streams_cuts_and_pieces_of_several_streams_are_each_streams_own(streams, count):
-    from lengthwise.planners.slimpack.cuts import (Stream, backward_cuts, forward_cuts, stream_pieces, streams_cuts,
-                                                   streams_pieces)
+    from lengthwise.planners.slimpack.cuts import Stream, backward_cuts, forward_cuts, streams_cuts
+    from lengthwise.planners.slimpack.pieces import stream_pieces, streams_pieces
 
     gf, gb = flops_models(request([1]))
     lengths = [n for s in streams for n in s]

@@ -17,7 +17,7 @@ from lengthwise.errors import UserError
 from lengthwise.plan.ir import BACKWARD, Action
 from lengthwise.plan.messages import action_messages, lockstep_rounds, stage_exchanges
 from lengthwise.plan.rendezvous import BATCHED, DEFERRED, LONE, check_rendezvous, find_stall
-from lengthwise.plan.schedules import check_message_order
+from lengthwise.plan.schedule_checks import check_message_order
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest
 from lengthwise.planners.registry import CANDIDATE_PLANNERS

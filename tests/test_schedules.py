@@ -8,10 +8,9 @@ from hypothesis import strategies as st
 
 from lengthwise.errors import UserError
 from lengthwise.plan.ir import Action, Chunk, Segment
+from lengthwise.plan.schedule_checks import check_message_order, check_schedule
 from lengthwise.plan.schedules import (
     SCHEDULE_NAMES,
-    check_message_order,
-    check_schedule,
     chunk_groups,
     dependencies,
     format_schedule,

@@ -10,7 +10,7 @@ Every action moves at most one tensor in and one out (`runtime/stage.py` runs ex
 
 so the plan fixes every message of a step; the executor (`StageRunner`) and the rendezvous
 check (`plan/rendezvous.py`) both read them from here, so the two cannot drift apart. (The
-same-order check, `schedules.check_message_order`, compares the F/N and B orders these imply.)
+same-order check, `schedule_checks.check_message_order`, compares the F/N and B orders these imply.)
 
 When a stage posts them (the executor's discipline). NCCL pairs a send with the peer's receive
 posted in the same order on the same communicator, and a large send does not complete before
@@ -117,7 +117,7 @@ class PipelineMessages:
 def pipeline_messages(stages: list[list[Action]], pipeline: int = 0) -> PipelineMessages:
     """The messages and exchanges of a schedule: the discipline of this module's docstring.
     UserError if some message can never be sent (a schedule that deadlocks even with unlimited
-    buffers; `schedules.check_schedule` names it)."""
+    buffers; `schedule_checks.check_schedule` names it)."""
     key = (pipeline, schedule_shape(stages))
     cached = _PIPELINES.get(key)
     if cached is None:

@@ -10,8 +10,8 @@
 4. All slices of a sequence live in one pipeline (their K/V context never crosses pipelines).
 5. Each pipeline's schedule forwards every chunk and backwards every unit once on every stage,
    slices forward in order and backward in reverse, and runs to the end without deadlock
-   (`schedules.check_schedule`, which replays it in lock-step), and every pipeline link carries
-   its messages in one order at both ends (`schedules.check_message_order`: NCCL matches
+   (`schedule_checks.check_schedule`, which replays it in lock-step), and every pipeline link
+   carries its messages in one order at both ends (`schedule_checks.check_message_order`: NCCL matches
    point-to-point messages by order, not by tag), and the executor's batched posting of those
    messages cannot stall under NCCL's rendezvous rule, a send completing only once the peer
    posted its receive (`rendezvous.check_rendezvous`).
@@ -48,7 +48,7 @@ from lengthwise.plan.ir import (
 )
 from lengthwise.plan.rendezvous import check_rendezvous
 from lengthwise.plan.segment_checks import segments_hold
-from lengthwise.plan.schedules import check_message_order, check_schedule
+from lengthwise.plan.schedule_checks import check_message_order, check_schedule
 
 if TYPE_CHECKING:
     from lengthwise.cost import CostModel

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD
-from lengthwise.plan.schedules import check_schedule
+from lengthwise.plan.schedule_checks import check_schedule
 
 KIND_CODE = {FORWARD: 0, FORWARD_NOGRAD: 1, BACKWARD: 2}
 """Integer code of each action kind in task arrays (F=0, N=1, B=2)."""

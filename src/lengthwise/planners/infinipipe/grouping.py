@@ -42,12 +42,8 @@ from lengthwise.planners.infinipipe.ckpt import (
     row_bound,
     solve_milp,
 )
-from lengthwise.planners.infinipipe.schedule import (
-    StageShape,
-    UnitCosts,
-    group_memory,
-    group_schedule,
-)
+from lengthwise.planners.infinipipe.schedule import group_memory, group_schedule
+from lengthwise.planners.infinipipe.unit_costs import StageShape, UnitCosts
 
 INF = float("inf")
 

@@ -2,5 +2,6 @@
 
 planner.py (the registry's entry: `plan_slimpack` and the sweep that picks the MicroPack count by
 simulation) builds on build.py (one pipeline for a fixed count), schedule.py (PackFlow 1F1B),
-cuts.py (MicroPack cuts) and dp.py (Phase 1 and DP-Merge).
+cuts.py (MicroPack cuts), pieces.py (the MicroPacks of many streams at once, by numpy) and dp.py
+(Phase 1 and DP-Merge).
 """

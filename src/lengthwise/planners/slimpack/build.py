@@ -76,11 +76,10 @@ from lengthwise.planners.slimpack.cuts import (
     PrefixCost,
     Stream,
     forward_chunks,
-    materialized,
     place_segments,
     streams_cuts,
-    streams_pieces,
 )
+from lengthwise.planners.slimpack.pieces import materialized, streams_pieces
 from lengthwise.planners.slimpack.dp import RankGroup, assign_ranks, memory_ranks, merge_sizes
 from lengthwise.planners.slimpack.schedule import packflow_schedule, packflow_stages_many
 
@@ -179,7 +178,7 @@ def build_candidates(request: PlanRequest, groups: list[RankGroup], count: int, 
                      asymmetric: bool, lean: bool = False, *, check: bool = True,
                      prepared: list[tuple[Stream, dict]]) -> list[tuple[PipelinePlan, SliceStructure | None]]:
     """build_candidate of every group at one count, the MicroPacks of all of them cut at once
-    (cuts.streams_pieces); their chunks may be LazyChunks, made on first use (`materialize`)."""
+    (pieces.streams_pieces); their chunks may be LazyChunks, made on first use (`materialize`)."""
     gf, gb = models
     s = request.scheme
     streams = [stream for stream, _ in prepared]

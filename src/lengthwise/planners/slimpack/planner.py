@@ -42,7 +42,7 @@ usually stops after 3-9):
   whole-sample FLOPs prefix sums. Per count, every pipeline at once (build.build_candidates):
   the cuts by numpy over all streams (cuts.streams_cuts; only the search for the sample a
   target lands in runs stream by stream), then MicroPacks and backward units by numpy over the
-  streams laid end to end (cuts.streams_pieces: sorting the n + P N sample and cut positions
+  streams laid end to end (pieces.streams_pieces: sorting the n + P N sample and cut positions
   into elementary intervals, each one segment, O((n + P N) log(n + P N))), which also yields
   the PackFlow readiness, the slice dependencies and the split sequences the simulator needs
   (a SliceStructure per pipeline); the PackFlow schedule of all stages of a pipeline by numpy,

@@ -36,7 +36,7 @@ know from the plan that it is empty, so both leave it out of their batch.
 Order, not tags: NCCL matches point-to-point messages between two ranks by the order they were
 posted, so every message here carries tag 0 and each link relies on the plan's invariant that
 the sender posts its messages in the order the receiver posts its receives
-(`plan.schedules.check_message_order`, part of `validate_plan`), which the exchanges keep: they
+(`plan.schedule_checks.check_message_order`, part of `validate_plan`), which the exchanges keep: they
 post each link's messages in the order of their rounds.
 """
 

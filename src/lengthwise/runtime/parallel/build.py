@@ -12,7 +12,7 @@ allocated beyond the rank's shard of its stage (plus one whole tensor while load
 `data_parallel="replicate"` keeps whole parameters on every replica and sums gradients with
 `parallel/dp.GradReducer` (also what heterogeneous plans, which have no uniform mesh, get;
 when some of their pipelines use tp > 1, each TP group gets its own 1-D mesh and gradients are
-summed through `parallel/hetero.HeteroReducer`, the optimisation-propagation exchange).
+summed through `parallel/hetero_reducer.HeteroReducer`, the optimisation-propagation exchange).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from lengthwise.runtime.distributed.mesh import Mesh
 from lengthwise.runtime.model import CausalLM, init_weights, meta_model
 from lengthwise.runtime.parallel.device_mesh import plan_device_mesh, shard_mesh
 from lengthwise.runtime.parallel.fsdp import apply_fsdp
-from lengthwise.runtime.parallel.hetero import hetero_tp_mesh
+from lengthwise.runtime.parallel.hetero_reducer import hetero_tp_mesh
 from lengthwise.runtime.parallel.tensor_parallel import apply_tp
 from lengthwise.runtime.weights import copy_whole, load_weights
 
@@ -74,7 +74,8 @@ def build_rank_model(plan: StepPlan, mesh: Mesh, *, dtype: torch.dtype = torch.f
     tp_mesh = device_mesh["tp"] if device_mesh is not None and tp > 1 else None
     if device_mesh is None and any(p.tp > 1 for p in plan.pipelines):
         # heterogeneous pipelines (Hydraulis): each (pipeline, stage, cp rank) has its own TP group,
-        # created by every rank in the same order; gradients go through `hetero.HeteroReducer`
+        # created by every rank in the same order; gradients go through
+        # `hetero_reducer.HeteroReducer`
         check_hetero_vocabulary(plan)
         with unset_fake_temporarily() if fake else contextlib.nullcontext():  # its rank table stays real
             tp_mesh = hetero_tp_mesh(plan, layout, mesh)

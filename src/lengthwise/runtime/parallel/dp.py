@@ -19,8 +19,8 @@ Two ways, chosen when the rank's model is built (`parallel/build.build_rank_mode
   rank's shard, once per step: gradient sync stays off until the stage's last backward);
   `GradReducer(sharded=True)` then only sums what FSDP cannot see, the tied embedding's shards
   of the first and the last stage.
-- Heterogeneous pipelines with tp > 1 somewhere: `parallel/hetero.HeteroReducer` (TP shards of
-  different widths cannot share an all-reduce).
+- Heterogeneous pipelines with tp > 1 somewhere: `parallel/hetero_reducer.HeteroReducer` (TP
+  shards of different widths cannot share an all-reduce).
 - Replicated (zero 0, heterogeneous pipelines at tp 1, or a whole model on every rank): `GradReducer`
   groups parameters by the exact set of ranks holding them and all-reduces (SUM) each group's
   gradients in flat buckets once, after the stage's last backward, launched asynchronously

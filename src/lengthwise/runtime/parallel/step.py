@@ -34,7 +34,7 @@ from lengthwise.runtime.distributed.stats import CommStats
 from lengthwise.runtime.model import CausalLM, parameter_names
 from lengthwise.runtime.weights import VOCAB_ROWS
 from lengthwise.runtime.parallel.fsdp import FsdpSteps, is_fsdp
-from lengthwise.runtime.parallel.hetero import HeteroReducer  # heterogeneous tp: hydraulis §5.2 exchange
+from lengthwise.runtime.parallel.hetero_reducer import HeteroReducer  # heterogeneous tp: hydraulis §5.2 exchange
 from lengthwise.runtime.stage import StageRunner
 
 

@@ -66,7 +66,8 @@ from lengthwise.runtime.parallel.dp import check_same_plan
 from lengthwise.runtime.parallel.step import run_rank_step
 from lengthwise.runtime.model import parameter_names
 from lengthwise.runtime.parallel.build import ParallelOptions, build_rank_model
-from lengthwise.runtime.parallel.hetero import HeteroExchange, HeteroReducer, plan_pipelines, strategy_holdings
+from lengthwise.runtime.parallel.hetero import HeteroExchange
+from lengthwise.runtime.parallel.hetero_reducer import HeteroReducer, plan_pipelines, strategy_holdings
 from lengthwise.runtime.train.dist import OWNED_BY_HOLDERS, ROUND_ROBIN, RankExecutor
 from lengthwise.runtime.train.executor import PreparedStep, StepOutcome
 from lengthwise.runtime.train.loop import weights_folder
