@@ -226,8 +226,7 @@ def activation_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool 
 
 
 def residual_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
-    """One tensor of the residual stream (bf16): this rank's rows under sequence parallelism,
-    whole without."""
+    """One residual-stream tensor (bf16): this rank's rows under sequence parallelism."""
     return model.hidden * BYTES_BF16 / (tp if sp else 1)
 
 
@@ -237,16 +236,13 @@ def checkpoint_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool 
 
 
 def rope_bytes_per_token(model: ModelSpec) -> float:
-    """The chunk's rotary tables, cos and sin (bf16, head_dim wide), whole rows on every TP
-    rank (the attention runs on the gathered row), shared by the stage's layers."""
+    """The chunk's rotary tables, cos and sin (bf16), whole rows on every TP rank."""
     return 2 * model.head_dim * BYTES_BF16
 
 
 def stage_kept_bytes_per_token(model: ModelSpec, tp: int = 1, *, layers: int, head: bool, sp: bool = True) -> float:
-    """What a chunk keeps on a stage beside its layers' and the head's tensors, from its forward
-    to its backward (module docstring): the rotary tables (when the stage has layers) and, on
-    every stage but the last, the stage's output, which the executor holds to start the
-    backward from (on the last stage it is the final norm's input, in `head_bytes_per_token`)."""
+    """What a chunk keeps on a stage beside its layers' and the head's tensors (module
+    docstring): the rotary tables, and the stage's output but on the last stage."""
     return (rope_bytes_per_token(model) if layers > 0 else 0.0) + (0.0 if head else residual_bytes_per_token(
         model, tp, sp=sp))
 
@@ -329,32 +325,24 @@ def norm_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = T
 
 
 def gathered_output_grad_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
-    """The down projection's output gradient as its backward reads it, beyond the residual
-    stream's own gradient: under sequence parallelism (tp > 1) the all-gather that is the
-    backward of its reduce-scatter makes it whole (hidden bf16 values, every row of the chunk);
-    otherwise it is the residual stream's gradient itself (0)."""
+    """The down projection's output gradient beyond the residual stream's own: gathered whole
+    (every row) under sequence parallelism at tp > 1, the stream's gradient itself otherwise."""
     return model.hidden * BYTES_BF16 if sp and tp > 1 else 0.0
 
 
 def down_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
-    """Working set of the down projection's backward beyond the kept activations: its output
-    gradient, gathered whole under sequence parallelism, beside the product's gradient it makes
-    (ffn / tp bf16): larger than the SwiGLU backward's once tp > 2 ffn / hidden (LLaMA-70B at
-    tp 8: 23.0 KB a token against 21.0)."""
+    """The down projection's backward beyond the kept activations (module docstring): its
+    gathered output gradient beside the product's gradient it makes (ffn / tp bf16)."""
     return gathered_output_grad_bytes_per_token(model, tp, sp=sp) + model.ffn * BYTES_BF16 / tp
 
 
 def rerun_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
-    """Working set, beyond a layer's whole activations, at the moment the backward's rerun of its
-    MLP block (a recomputed layer, or its MLP block alone) makes the down projection's input
-    and stops (module docstring): silu(gate), the product's operand (ffn / tp bf16); under
-    sequence parallelism the down projection's output gradient, gathered whole before the
-    rerun starts, and the post-attention norm's output on this rank's rows, which the rerun's
-    MLP call holds while its gathered copy is used."""
-    silu = model.ffn * BYTES_BF16 / tp
-    if not (sp and tp > 1):
-        return silu
-    return silu + gathered_output_grad_bytes_per_token(model, tp, sp=sp) + residual_bytes_per_token(model, tp, sp=sp)
+    """Beyond a layer's whole activations, the end of its MLP block's rerun in backward (module
+    docstring): silu(gate) (ffn / tp bf16) and, under sequence parallelism, the gathered
+    output gradient and the post-attention norm's output rows."""
+    gathered = gathered_output_grad_bytes_per_token(model, tp, sp=sp)
+    rows = residual_bytes_per_token(model, tp, sp=sp) if gathered else 0.0
+    return model.ffn * BYTES_BF16 / tp + gathered + rows
 
 
 def layer_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True, rerun: bool = False) -> float:
@@ -370,9 +358,7 @@ def layer_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = 
 
 
 def layers_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True, rerun: bool = False) -> float:
-    """`layer_backward_bytes_per_token` beside the residual stream's gradient at the layer's
-    output: received from the next stage (which the executor holds for the whole backward) or
-    made by the final norm's backward on the last stage."""
+    """`layer_backward_bytes_per_token` beside the residual stream's gradient (module docstring)."""
     return layer_backward_bytes_per_token(model, tp, sp=sp, rerun=rerun) + residual_bytes_per_token(model, tp, sp=sp)
 
 

@@ -495,8 +495,10 @@ class CostModel:
         backward reruns one layer's forward, consumes it and frees it before the next: one
         layer's activations less the input it kept, whatever the count (0 with no recomputation).
         The rerun stops once the last tensor the layer saved, the down projection's input, is
-        back (`cost/flops.py`), so all of them are held at once and nothing beyond them: the
-        down projection's output and the layer's output are never made again. With only MLP
+        back (`cost/flops.py`), so all of them are held at once: the down projection's output
+        and the layer's output are never made again. What the rerun's end holds beside them
+        (silu(gate), and under sequence parallelism the gathered output gradient and the norm's
+        rows) is the backward's working set (`mem.rerun_bytes_per_token`). With only MLP
         blocks recomputed, one block's (`mem.mlp_recompute_saved_bytes_per_token_layer`); with
         both, a whole layer's, the larger."""
         if recompute_layers <= 0:
