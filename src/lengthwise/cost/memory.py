@@ -107,7 +107,11 @@
   under sequence parallelism, the down projection's output gradient, gathered whole before
   the rerun began (h, every row), and the post-attention norm's output on this rank's rows,
   held by the rerun's MLP call while its gathered copy is used (h / tp)
-  (`rerun_bytes_per_token`). LLaMA-70B at tp 8: 25.0 KB a token beyond the layer against the
+  (`rerun_bytes_per_token`). It meets every other tensor the chunk keeps only when every
+  layer of the stage reruns (all recomputed, or every MLP block): otherwise the layers that
+  keep their activations run their backward first and free more than the rerun's end adds,
+  and the chunk's kept activations, one re-materialised layer and the plain working set bound
+  it. LLaMA-70B at tp 8: 25.0 KB a token beyond the layer against the
   SwiGLU's 21.0 KB; with the stage's terms below, 5.6% of a fully recomputed 128K-token rank's
   peak that the simulator once left out (tests/test_dryrun.py measures the moment exactly).
   At tp 1 and without sequence parallelism the gradient is the residual stream's own and the
@@ -386,17 +390,18 @@ def head_backward_fixed_bytes(model: ModelSpec, tp: int = 1) -> float:
 
 
 def backward_work_bytes(model: ModelSpec, tokens, tp: int = 1, *, layers: int, head: bool, sp: bool = True,
-                        remat=0.0):
+                        remat=0.0, rerun=False):
     """Largest working set of a stage's backward beyond its kept activations for a chunk of
     `tokens` rows (a number or an array): one layer's per token beside the residual stream's
     gradient (`layers_backward_bytes_per_token`), beside `remat` bytes a recomputed layer (or
-    MLP block) re-materialises for it (where `remat` is positive, with the rerun's end among
-    the layer's moments), and on the last stage, where it runs first, the blocked loss's
+    MLP block) re-materialises for it (where `rerun`, a bool or bool array: every layer of the
+    stage makes its MLP block again, with the rerun's end among the layer's moments; module
+    docstring), and on the last stage, where it runs first, the blocked loss's
     (`head_backward_bytes`), then the final norm's beside the head weight's bf16 gradient (the
     norm and the head are one FSDP unit, which takes that gradient into its fp32 accumulator
     after both backwards); the layers' (and their re-materialisation) run once the head's kept
     tensors are freed."""
-    layer = _layers_backward_bytes(model, tokens, tp, layers=layers, sp=sp, remat=remat)
+    layer = _layers_backward_bytes(model, tokens, tp, layers=layers, sp=sp, remat=remat, rerun=rerun)
     if not head:
         return layer
     weight_grad = head_columns(model, tp) * model.hidden * BYTES_BF16
@@ -405,15 +410,15 @@ def backward_work_bytes(model: ModelSpec, tokens, tp: int = 1, *, layers: int, h
     return np.maximum(np.maximum(head_backward_bytes(model, tokens, tp), final_norm), layer - kept)
 
 
-def _layers_backward_bytes(model: ModelSpec, tokens, tp: int, *, layers: int, sp: bool, remat):
-    """The layers' part of `backward_work_bytes` (elementwise over `tokens` and `remat`)."""
+def _layers_backward_bytes(model: ModelSpec, tokens, tp: int, *, layers: int, sp: bool, remat, rerun):
+    """The layers' part of `backward_work_bytes` (elementwise over `tokens`, `remat`, `rerun`)."""
     if layers <= 0:
         return np.multiply(0.0, tokens) + remat
     plain = layers_backward_bytes_per_token(model, tp, sp=sp)
-    rerun = layers_backward_bytes_per_token(model, tp, sp=sp, rerun=True)
-    if np.ndim(remat) == 0:
-        return np.multiply(rerun if remat > 0 else plain, tokens) + remat
-    return np.multiply(np.where(np.asarray(remat) > 0, rerun, plain), tokens) + remat
+    rerun_b = layers_backward_bytes_per_token(model, tp, sp=sp, rerun=True)
+    if np.ndim(rerun) == 0:
+        return np.multiply(rerun_b if rerun else plain, tokens) + remat
+    return np.multiply(np.where(np.asarray(rerun, dtype=bool), rerun_b, plain), tokens) + remat
 
 
 def kv_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:

@@ -528,21 +528,23 @@ class CostModel:
         return float(mem.head_backward_bytes(self.model, max(w.tokens for w in rank_works(chunk, cp)), tp))
 
     def backward_work_bytes(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False,
-                            remat: float = 0.0) -> float:
+                            remat: float = 0.0, rerun: bool = False) -> float:
         """Largest working set of the chunk's backward on a stage of `layers` layers (`head`:
         the last stage), on top of its kept activations (busiest GPU of the CP group): the
         loss's backward on the last stage, one layer's SwiGLU backward elsewhere, beside the
-        `remat` bytes (`recompute_transient_bytes`) a recomputed layer re-materialises for it
+        `remat` bytes (`recompute_transient_bytes`) a recomputed layer re-materialises for it,
+        and with `rerun` (every layer of the stage makes its MLP block again) the rerun's end
         (`cost/memory.py`)."""
         return float(self.backward_work_bytes_rows(max(w.tokens for w in rank_works(chunk, cp)), layers=layers,
-                                                   tp=tp, head=head, remat=remat))
+                                                   tp=tp, head=head, remat=remat, rerun=rerun))
 
-    def backward_work_bytes_rows(self, tokens, *, layers: int, tp: int = 1, head: bool = False, remat=0.0):
+    def backward_work_bytes_rows(self, tokens, *, layers: int, tp: int = 1, head: bool = False, remat=0.0,
+                                 rerun=False):
         """`backward_work_bytes` of rows of these tokens (a number or a float64 array,
-        elementwise, as `remat`): per token, and on the last stage the blocked loss's backward
-        (`mem.backward_work_bytes`)."""
+        elementwise, as `remat` and `rerun`): per token, and on the last stage the blocked
+        loss's backward (`mem.backward_work_bytes`)."""
         return mem.backward_work_bytes(self.model, tokens, tp, layers=layers, head=head, sp=self.sequence_parallel,
-                                       remat=remat)
+                                       remat=remat, rerun=rerun)
 
     def backward_work_bytes_per_token(self, *, layers: int, tp: int = 1, head: bool = False,
                                       rerun: bool = False) -> float:
