@@ -300,10 +300,11 @@ def test_dryrun_peak_memory_within_ten_percent_of_the_simulator(rows, tp_rows):
     model states as FSDP2 holds them (bf16 compute copy, fp32 gradients accumulated from each
     stage's first backward, sharded fp32 master and Adam), activations as the executor keeps
     them, K/V state, and the backward's and the LM head's working sets. Measured / simulated
-    1.048 and 1.046 here, 1.038 and 1.041 on the tp plan (from 1.074, 1.057, 1.105 and 1.052
-    before the gradients' timing, the embedding's whole gradient and the layers' working set
-    were counted); what remains is small fixed terms (the stage's output and received gradient,
-    the running layer's bf16 weight gradient) and, on the first rank, the embedding's partial
+    1.078 and 1.016 here, 1.068 and 1.016 on the tp plan (1.096, 1.017, 1.088 and 1.018 before
+    the stage's output, received gradient and rotary tables were counted; from 1.074, 1.057,
+    1.105 and 1.052 on an earlier plan before the gradients' timing, the embedding's whole
+    gradient and the layers' working set were); what remains is small fixed terms (the
+    running layer's bf16 weight gradient) and, on the first rank, the embedding's partial
     output before its reduce-scatter. At full size, Qwen2.5-7B tp2 ranks are within 1.2% and
     LLaMA-70B tp8 ranks within 4%: benchmarks/results/dryrun.json and the README."""
     for rank, row in [*rows.items(), *tp_rows.items()]:
