@@ -85,15 +85,43 @@
   a norm's is larger: an RMSNorm's backward (`runtime/model._RMSNorm`) holds the fp32 copy of
   its input, the bf16 normalised input and four fp32 [tokens, hidden] gradient buffers at once,
   22 bytes per hidden value (`norm_backward_bytes_per_token`); the post-attention norm's runs
-  once the MLP's backward has freed the 3 * ffn / tp SwiGLU values the layer kept. With
-  sequence parallelism both divide by tp and the SwiGLU's is the larger for every preset
-  (ffn > 1.84 hidden); without, the norm's runs on whole rows and is the larger once
-  ffn / tp < 1.84 hidden: Qwen2.5-7B at tp 4 holds 50.4 KB per token there against the
-  SwiGLU's 28.4 KB (`layer_backward_bytes_per_token`; tests/test_dryrun.py measures both
-  moments). On the last stage the loss's backward comes first and the layers' after the head's
-  kept tensors are freed (`backward_work_bytes`). Left out in every layout: the stage's output
-  and the gradient flowing through the residual stream (2h each, /tp with sequence
-  parallelism) and the chunk's rotary tables.
+  once the MLP's backward has freed the 3 * ffn / tp SwiGLU values the layer kept. Before
+  both, under sequence parallelism, the down projection's backward reads its output's
+  gradient gathered whole (the all-gather that is the backward of its reduce-scatter: h a
+  token, every row) and makes the product's gradient (ffn / tp) beside it
+  (`down_backward_bytes_per_token`), the largest of the three once tp > 2 ffn / hidden
+  (LLaMA-70B at tp 8: 23.0 KB a token against the SwiGLU's 21.0). With sequence parallelism
+  the norm's divides by tp and the SwiGLU's outgrows it for every preset (ffn > 1.84 hidden);
+  without, the norm's runs on whole rows and is the larger once ffn / tp < 1.84 hidden:
+  Qwen2.5-7B at tp 4 holds 50.4 KB per token there against the SwiGLU's 28.4 KB
+  (`layer_backward_bytes_per_token`; tests/test_dryrun.py measures the moments). Beside every
+  one the residual stream's gradient at the layer's output (2h, /tp with sequence
+  parallelism: received from the next stage, which the executor holds for the whole
+  backward, or made by the final norm's backward on the last stage;
+  `layers_backward_bytes_per_token`). On the last stage the loss's backward comes first and
+  the layers' after the head's kept tensors are freed (`backward_work_bytes`).
+- A layer whose MLP block is made again in backward (full recomputation, or the block's own
+  checkpoint) peaks at the rerun's end instead, once the down projection's input is back: the
+  layer's whole activations (the re-materialised ones, `CostModel.recompute_transient_bytes`,
+  beside those kept) with, still held, silu(gate) (ffn / tp, the product's operand) and,
+  under sequence parallelism, the down projection's output gradient, gathered whole before
+  the rerun began (h, every row), and the post-attention norm's output on this rank's rows,
+  held by the rerun's MLP call while its gathered copy is used (h / tp)
+  (`rerun_bytes_per_token`). It meets every other tensor the chunk keeps only when every
+  layer of the stage reruns (all recomputed, or every MLP block): otherwise the layers that
+  keep their activations run their backward first and free more than the rerun's end adds,
+  and the chunk's kept activations, one re-materialised layer and the plain working set bound
+  it. LLaMA-70B at tp 8: 25.0 KB a token beyond the layer against the
+  SwiGLU's 21.0 KB; with the stage's terms below, 5.6% of a fully recomputed 128K-token rank's
+  peak that the simulator once left out (tests/test_dryrun.py measures the moment exactly).
+  At tp 1 and without sequence parallelism the gradient is the residual stream's own and the
+  norm's output the one the projections keep: silu(gate) alone, below the SwiGLU's.
+- Beside its layers' tensors a chunk keeps, from its forward to its backward, its rotary
+  tables (cos and sin, head_dim bf16 each, whole rows: every TP rank attends over the whole
+  row; `rope_bytes_per_token`) and, on every stage but the last, the stage's output, which the
+  executor holds to start the backward from (2h, /tp with sequence parallelism; on the last
+  stage it is the final norm's input, counted with the head) (`stage_kept_bytes_per_token`).
+  Left out: the first stage's token ids, which the embedding keeps (int64, 8 bytes a token).
 - The LM head's forward holds one block of rows' bf16 logits beside their fp32 copy (at most
   HEAD_BLOCK_BYTES of fp32: 441 rows of a 152K vocabulary) and the rows' maxima, sums, label
   logits and label columns (`head_forward_bytes`).
@@ -201,9 +229,26 @@ def activation_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool 
     return (heads * BYTES_BF16 + model.num_heads * BYTES_FP32) / tp + 2 * norms * BYTES_BF16 + 2 * BYTES_FP32
 
 
-def checkpoint_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
-    """A recomputed layer's input: this rank's rows under sequence parallelism, whole without."""
+def residual_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
+    """One residual-stream tensor (bf16): this rank's rows under sequence parallelism."""
     return model.hidden * BYTES_BF16 / (tp if sp else 1)
+
+
+def checkpoint_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
+    """A recomputed layer's input: one residual-stream tensor."""
+    return residual_bytes_per_token(model, tp, sp=sp)
+
+
+def rope_bytes_per_token(model: ModelSpec) -> float:
+    """The chunk's rotary tables, cos and sin (bf16), whole rows on every TP rank."""
+    return 2 * model.head_dim * BYTES_BF16
+
+
+def stage_kept_bytes_per_token(model: ModelSpec, tp: int = 1, *, layers: int, head: bool, sp: bool = True) -> float:
+    """What a chunk keeps on a stage beside its layers' and the head's tensors (module
+    docstring): the rotary tables, and the stage's output but on the last stage."""
+    return (rope_bytes_per_token(model) if layers > 0 else 0.0) + (0.0 if head else residual_bytes_per_token(
+        model, tp, sp=sp))
 
 
 def mlp_recompute_saved_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
@@ -283,22 +328,54 @@ def norm_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = T
     return (22 * model.hidden + 3 * BYTES_FP32) / (tp if sp else 1)
 
 
-def layer_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
+def gathered_output_grad_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
+    """The down projection's output gradient beyond the residual stream's own: gathered whole
+    (every row) under sequence parallelism at tp > 1, the stream's gradient itself otherwise."""
+    return model.hidden * BYTES_BF16 if sp and tp > 1 else 0.0
+
+
+def down_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
+    """The down projection's backward beyond the kept activations (module docstring): its
+    gathered output gradient beside the product's gradient it makes (ffn / tp bf16)."""
+    return gathered_output_grad_bytes_per_token(model, tp, sp=sp) + model.ffn * BYTES_BF16 / tp
+
+
+def rerun_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
+    """Beyond a layer's whole activations, the end of its MLP block's rerun in backward (module
+    docstring): silu(gate) (ffn / tp bf16) and, under sequence parallelism, the gathered
+    output gradient and the post-attention norm's output rows."""
+    gathered = gathered_output_grad_bytes_per_token(model, tp, sp=sp)
+    rows = residual_bytes_per_token(model, tp, sp=sp) if gathered else 0.0
+    return model.ffn * BYTES_BF16 / tp + gathered + rows
+
+
+def layer_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True, rerun: bool = False) -> float:
     """Working set of one decoder layer's backward beyond the kept activations (module
-    docstring): the SwiGLU backward's, or the post-attention norm's, whose moment comes once
-    the MLP's backward has freed the SwiGLU tensors the layer kept (3 ffn / tp values)."""
+    docstring): the SwiGLU backward's, the down projection's, or the post-attention norm's,
+    whose moment comes once the MLP's backward has freed the SwiGLU tensors the layer kept (3
+    ffn / tp values); with `rerun` (its MLP block made again in backward) also the rerun's end
+    (`rerun_bytes_per_token`), beside the re-materialised tensors."""
     swiglu = 3 * model.ffn * BYTES_BF16 / tp
-    return max(swiglu, norm_backward_bytes_per_token(model, tp, sp=sp) - swiglu)
+    work = max(swiglu, down_backward_bytes_per_token(model, tp, sp=sp),
+               norm_backward_bytes_per_token(model, tp, sp=sp) - swiglu)
+    return max(work, rerun_bytes_per_token(model, tp, sp=sp)) if rerun else work
+
+
+def layers_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True, rerun: bool = False) -> float:
+    """`layer_backward_bytes_per_token` beside the residual stream's gradient (module docstring)."""
+    return layer_backward_bytes_per_token(model, tp, sp=sp, rerun=rerun) + residual_bytes_per_token(model, tp, sp=sp)
 
 
 def backward_work_bytes_per_token(model: ModelSpec, tp: int = 1, *, layers: int, head: bool,
-                                  sp: bool = True) -> float:
+                                  sp: bool = True, rerun: bool = False) -> float:
     """Largest working set of a stage's backward beyond its kept activations, per token: one
-    layer's (none without layers), and on the last stage the final norm's. The loss's own
-    (`head_backward_bytes`) is not linear in the tokens (its blocks are bounded) and is added
-    per chunk (`backward_work_bytes`); per token it is its slope at long chunks (one column
-    a block): the input gradient's fp32 accumulator beside a block's bf16 product."""
-    layer = layer_backward_bytes_per_token(model, tp, sp=sp) if layers > 0 else 0.0
+    layer's beside the residual stream's gradient (`layers_backward_bytes_per_token`, none
+    without layers; `rerun`: the layers' MLP blocks are made again in backward), and on the
+    last stage the final norm's. The loss's own (`head_backward_bytes`) is not linear in the
+    tokens (its blocks are bounded) and is added per chunk (`backward_work_bytes`); per token
+    it is its slope at long chunks (one column a block): the input gradient's fp32 accumulator
+    beside a block's bf16 product."""
+    layer = layers_backward_bytes_per_token(model, tp, sp=sp, rerun=rerun) if layers > 0 else 0.0
     if not head:
         return layer
     loss = (BYTES_FP32 + BYTES_BF16) * model.hidden + HEAD_BACKWARD_ROW_BYTES + BYTES_BF16
@@ -313,21 +390,35 @@ def head_backward_fixed_bytes(model: ModelSpec, tp: int = 1) -> float:
 
 
 def backward_work_bytes(model: ModelSpec, tokens, tp: int = 1, *, layers: int, head: bool, sp: bool = True,
-                        remat=0.0):
+                        remat=0.0, rerun=False):
     """Largest working set of a stage's backward beyond its kept activations for a chunk of
-    `tokens` rows (a number or an array): one layer's per token (`layer_backward_bytes_per_token`),
-    beside `remat` bytes a recomputed layer (or MLP block) re-materialises for it, and on the
-    last stage, where it runs first, the blocked loss's (`head_backward_bytes`), then the final
-    norm's beside the head weight's bf16 gradient (the norm and the head are one FSDP unit,
-    which takes that gradient into its fp32 accumulator after both backwards); the layers' (and
-    their re-materialisation) run once the head's kept tensors are freed."""
-    layer = np.multiply(layer_backward_bytes_per_token(model, tp, sp=sp) if layers > 0 else 0.0, tokens) + remat
+    `tokens` rows (a number or an array): one layer's per token beside the residual stream's
+    gradient (`layers_backward_bytes_per_token`), beside `remat` bytes a recomputed layer (or
+    MLP block) re-materialises for it (where `rerun`, a bool or bool array: every layer of the
+    stage makes its MLP block again, with the rerun's end among the layer's moments; module
+    docstring), and on the last stage, where it runs first, the blocked loss's
+    (`head_backward_bytes`), then the final norm's beside the head weight's bf16 gradient (the
+    norm and the head are one FSDP unit, which takes that gradient into its fp32 accumulator
+    after both backwards); the layers' (and their re-materialisation) run once the head's kept
+    tensors are freed."""
+    layer = _layers_backward_bytes(model, tokens, tp, layers=layers, sp=sp, remat=remat, rerun=rerun)
     if not head:
         return layer
     weight_grad = head_columns(model, tp) * model.hidden * BYTES_BF16
     final_norm = np.multiply(norm_backward_bytes_per_token(model, tp, sp=sp), tokens) + weight_grad
     kept = np.multiply(head_bytes_per_token(model, tp, sp=sp), tokens)
     return np.maximum(np.maximum(head_backward_bytes(model, tokens, tp), final_norm), layer - kept)
+
+
+def _layers_backward_bytes(model: ModelSpec, tokens, tp: int, *, layers: int, sp: bool, remat, rerun):
+    """The layers' part of `backward_work_bytes` (elementwise over `tokens`, `remat`, `rerun`)."""
+    if layers <= 0:
+        return np.multiply(0.0, tokens) + remat
+    plain = layers_backward_bytes_per_token(model, tp, sp=sp)
+    rerun_b = layers_backward_bytes_per_token(model, tp, sp=sp, rerun=True)
+    if np.ndim(rerun) == 0:
+        return np.multiply(rerun_b if rerun else plain, tokens) + remat
+    return np.multiply(np.where(np.asarray(rerun, dtype=bool), rerun_b, plain), tokens) + remat
 
 
 def kv_bytes_per_token_layer(model: ModelSpec, tp: int = 1) -> float:

@@ -105,6 +105,9 @@ class StageBudget:
     backward_work_per_token: float
     """The backward's working set per token beyond the kept activations: the loss's on the
     last stage, one decoder layer's elsewhere (`CostModel.backward_work_bytes`)."""
+    rerun_work_per_token: float = 0.0
+    """The same under recomputation of whole layers or of their MLP blocks, whose rerun ends
+    beside the down projection's gathered output gradient (`mem.rerun_bytes_per_token`)."""
     backward_work_fixed: float = 0.0
     """Bytes of that working set that do not grow with the tokens: on the last stage the
     blocked loss's weight gradient and one block of logits (`mem.head_backward_fixed_bytes`)."""
@@ -431,7 +434,9 @@ class CostModel:
         """Bytes a chunk keeps per row token on a stage of `layers` layers, `recompute_layers` of
         them recomputed whole (each keeps its input) and `recompute_mlp` more their MLP block
         (each keeps all but `mem.mlp_recompute_saved_bytes_per_token_layer`), with the LM
-        head's on the last stage (`head`)."""
+        head's on the last stage (`head`), and what the stage keeps beside them
+        (`mem.stage_kept_bytes_per_token`: the rotary tables, the output of a stage but the
+        last)."""
         sp = self.sequence_parallel
         full = mem.activation_bytes_per_token_layer(self.model, tp, sp=sp)
         if self.profile and self.profile.activation_bytes_per_token_layer:
@@ -440,7 +445,8 @@ class CostModel:
         if recompute_mlp:
             kept -= recompute_mlp * mem.mlp_recompute_saved_bytes_per_token_layer(self.model, tp, sp=sp)
         head_b = mem.head_bytes_per_token(self.model, tp, sp=sp) if head else 0.0
-        return (layers - recompute_layers) * full + kept + head_b
+        stage = mem.stage_kept_bytes_per_token(self.model, tp, layers=layers, head=head, sp=sp)
+        return (layers - recompute_layers) * full + kept + head_b + stage
 
     def activation_bytes(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1,
                          recompute_layers: int = 0, recompute_mlp: int = 0, head: bool = False) -> float:
@@ -489,8 +495,10 @@ class CostModel:
         backward reruns one layer's forward, consumes it and frees it before the next: one
         layer's activations less the input it kept, whatever the count (0 with no recomputation).
         The rerun stops once the last tensor the layer saved, the down projection's input, is
-        back (`cost/flops.py`), so all of them are held at once and nothing beyond them: the
-        down projection's output and the layer's output are never made again. With only MLP
+        back (`cost/flops.py`), so all of them are held at once: the down projection's output
+        and the layer's output are never made again. What the rerun's end holds beside them
+        (silu(gate), and under sequence parallelism the gathered output gradient and the norm's
+        rows) is the backward's working set (`mem.rerun_bytes_per_token`). With only MLP
         blocks recomputed, one block's (`mem.mlp_recompute_saved_bytes_per_token_layer`); with
         both, a whole layer's, the larger."""
         if recompute_layers <= 0:
@@ -520,26 +528,30 @@ class CostModel:
         return float(mem.head_backward_bytes(self.model, max(w.tokens for w in rank_works(chunk, cp)), tp))
 
     def backward_work_bytes(self, chunk: Chunk, *, layers: int, tp: int = 1, cp: int = 1, head: bool = False,
-                            remat: float = 0.0) -> float:
+                            remat: float = 0.0, rerun: bool = False) -> float:
         """Largest working set of the chunk's backward on a stage of `layers` layers (`head`:
         the last stage), on top of its kept activations (busiest GPU of the CP group): the
         loss's backward on the last stage, one layer's SwiGLU backward elsewhere, beside the
-        `remat` bytes (`recompute_transient_bytes`) a recomputed layer re-materialises for it
+        `remat` bytes (`recompute_transient_bytes`) a recomputed layer re-materialises for it,
+        and with `rerun` (every layer of the stage makes its MLP block again) the rerun's end
         (`cost/memory.py`)."""
         return float(self.backward_work_bytes_rows(max(w.tokens for w in rank_works(chunk, cp)), layers=layers,
-                                                   tp=tp, head=head, remat=remat))
+                                                   tp=tp, head=head, remat=remat, rerun=rerun))
 
-    def backward_work_bytes_rows(self, tokens, *, layers: int, tp: int = 1, head: bool = False, remat=0.0):
+    def backward_work_bytes_rows(self, tokens, *, layers: int, tp: int = 1, head: bool = False, remat=0.0,
+                                 rerun=False):
         """`backward_work_bytes` of rows of these tokens (a number or a float64 array,
-        elementwise, as `remat`): per token, and on the last stage the blocked loss's backward
-        (`mem.backward_work_bytes`)."""
+        elementwise, as `remat` and `rerun`): per token, and on the last stage the blocked
+        loss's backward (`mem.backward_work_bytes`)."""
         return mem.backward_work_bytes(self.model, tokens, tp, layers=layers, head=head, sp=self.sequence_parallel,
-                                       remat=remat)
+                                       remat=remat, rerun=rerun)
 
-    def backward_work_bytes_per_token(self, *, layers: int, tp: int = 1, head: bool = False) -> float:
+    def backward_work_bytes_per_token(self, *, layers: int, tp: int = 1, head: bool = False,
+                                      rerun: bool = False) -> float:
         """`backward_work_bytes` per token (`mem.backward_work_bytes_per_token` in this model's
-        tensor-parallel layout)."""
-        return mem.backward_work_bytes_per_token(self.model, tp, layers=layers, head=head, sp=self.sequence_parallel)
+        tensor-parallel layout; `rerun`: the layers' MLP blocks are made again in backward)."""
+        return mem.backward_work_bytes_per_token(self.model, tp, layers=layers, head=head, sp=self.sequence_parallel,
+                                                 rerun=rerun)
 
     def head_forward_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1) -> float:
         """Bytes beside the kept activations while the chunk's forward runs the LM head: one
@@ -757,6 +769,7 @@ class CostModel:
             mlp_remat_per_token=self.recompute_transient_bytes_per_token(tp=tp, recompute_mlp=n),
             kv_per_token=self.kv_bytes(1, layers=n, tp=tp),  # a measured profile's K/V size too
             backward_work_per_token=self.backward_work_bytes_per_token(layers=n, tp=tp, head=last),
+            rerun_work_per_token=self.backward_work_bytes_per_token(layers=n, tp=tp, head=last, rerun=True),
             backward_work_fixed=mem.head_backward_fixed_bytes(self.model, tp) if last else 0.0)
 
     def stage_budgets(self, *, tp: int = 1, pp: int = 1, replicas: int = 1, zero: int = 1) -> list[StageBudget]:
@@ -791,7 +804,8 @@ class CostModel:
                            "full": (b.recomputed_per_token, b.remat_per_token)}[recompute]
             # plus one backward's re-materialised layer and its working set (the loss's on the
             # last stage) while one micro-batch's backward runs
-            per_token = (kept * held + remat + b.backward_work_per_token) / cp
+            work = b.backward_work_per_token if recompute == "none" else b.rerun_work_per_token
+            per_token = (kept * held + remat + work) / cp
             if cp > 1 and not full:  # each layer keeps the K/V its all-gather assembled, whole
                 per_token += held * b.kv_per_token
             elif cp <= 1 and tp > 1 and self.sequence_parallel:  # a row tp does not divide: its padded attention copy, in every kept layer

@@ -47,7 +47,7 @@ class _MemorySizing:
                 kept, remat = self._kept_activations(s, L, head, recompute[s], mlp[s])
                 act.append(kept)
                 w, fw = self._working_sets(L, head)
-                w, remat = self._with_remat(L, head, w, remat)
+                w, remat = self._with_remat(L, head, w, remat, _reruns(L, recompute[s], mlp[s]))
             extra.append(remat)
             work.append(w)
             fwork.append(fw)
@@ -79,17 +79,18 @@ class _MemorySizing:
         return kept, [cm.recompute_transient_bytes(c, recompute_layers=r, recompute_mlp=m, **self.kw)
                       for c, r, m in levels]
 
-    def _with_remat(self, L: int, head: bool, work, remat):
+    def _with_remat(self, L: int, head: bool, work, remat, reruns: list[bool]):
         """(work, remat) with each chunk's re-materialisation folded into its backward's working
-        set when the units are the chunks (`CostModel.backward_work_bytes`, `remat`): beside a
-        layer's backward, which on the last stage runs after the loss's, not on top of the
-        loss's; as they are otherwise (a chunk read by several units re-materialises for each)."""
+        set when the units are the chunks (`CostModel.backward_work_bytes`, `remat`, and
+        `rerun` where every layer reruns: `reruns`): beside a layer's backward, which on the
+        last stage runs after the loss's, not on top of the loss's; as they are otherwise (a
+        chunk read by several units re-materialises for each)."""
         pipe, cm = self.pipe, self.cm
         extra = np.asarray(remat, dtype=np.float64)
         if pipe.backward_chunks is not None or not extra.any():
             return work, remat
-        work = [cm.backward_work_bytes(c, layers=L, head=head, remat=x, **self.kw) if x else w
-                for c, x, w in zip(pipe.chunks, extra.tolist(), np.asarray(work, dtype=np.float64).tolist())]
+        work = [cm.backward_work_bytes(c, layers=L, head=head, remat=x, rerun=r, **self.kw) if x else w
+                for c, x, r, w in zip(pipe.chunks, extra.tolist(), reruns, np.asarray(work, dtype=np.float64).tolist())]
         return np.array(work), self._zeros(len(pipe.chunks))
 
     def _working_sets(self, L: int, head: bool):
@@ -183,7 +184,7 @@ class _MemorySizing:
             return out
         cm, tp = self.cm, self.pipe.tp
         chunk_of, unit_of, tokens = cells
-        remat = np.zeros(len(tokens))
+        remat, rerun = np.zeros(len(tokens)), np.zeros(len(tokens), dtype=bool)
         if not reruns:
             kept = cm.activation_bytes_rows(tokens, layers=L, tp=tp, head=head)
         else:
@@ -192,6 +193,7 @@ class _MemorySizing:
             kept = np.zeros(len(tokens))
             for k, m in np.unique(levels, axis=1).T.tolist():
                 at = (levels[0] == k) & (levels[1] == m)
+                rerun[at] = 0 < L <= k + m
                 kept[at] = cm.activation_bytes_rows(tokens[at], layers=L, tp=tp, recompute_layers=k,
                                                     recompute_mlp=m, head=head)
                 if k:
@@ -200,7 +202,8 @@ class _MemorySizing:
                 elif m:
                     remat[at] = cm.recompute_transient_bytes_per_token(tp=tp, recompute_mlp=m) * tokens[at]
         work = np.zeros(len(self.units))
-        np.maximum.at(work, unit_of, cm.backward_work_bytes_rows(tokens, layers=L, tp=tp, head=head, remat=remat))
+        np.maximum.at(work, unit_of, cm.backward_work_bytes_rows(tokens, layers=L, tp=tp, head=head, remat=remat,
+                                                                 rerun=rerun))
         fwork = self._zeros(len(self.pipe.chunks))
         if head:
             fwork = np.zeros(len(self.pipe.chunks))
@@ -290,3 +293,10 @@ class _MemorySizing:
         if not per_token:
             return self._zeros(len(chunks))
         return per_token * self.works[side].row_tokens
+
+
+def _reruns(layers: int, recompute: list[int], mlp: list[int]) -> list[bool]:
+    """[chunk] whether every one of the stage's layers makes its MLP block again in the chunk's
+    backward (recomputed whole or by its MLP block): the rerun's end then meets every other
+    tensor the chunk keeps (`mem.backward_work_bytes`, `rerun`)."""
+    return [0 < layers <= r + m for r, m in zip(recompute, mlp)]

@@ -75,7 +75,7 @@ class Problem:
         others always hold) and the waves those rows involve (the rest stay 0)."""
         a, ub = [np.zeros((0, len(self.upper)))], [np.zeros(0)]
         for s, st in enumerate(self.memory.stages):
-            slack = self.memory.limit[s] - st.levels()
+            slack = self.memory.limit[s] - st.row_levels()
             over = slack < 0
             block = np.zeros((int(over.sum()), len(self.upper)))
             block[:, self.index[s]] = -st.savings()[over]

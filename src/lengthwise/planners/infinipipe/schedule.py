@@ -134,6 +134,11 @@ class StageMemory:
     table: float = 0.0
     """The embedding's gradient at each backward's end (first stage, `StageShape.table`):
     then the backward's own chunk is freed and, after the first backward, every gradient made."""
+    rerun: np.ndarray | None = None
+    """float64 [n] bytes each chunk's B holds beyond `work` and its re-materialised layer when
+    it recomputes all `layers` (`UnitCosts.rerun_row`); None: nothing."""
+    layers: int = 0
+    """The stage's layers."""
 
     @property
     def rows(self) -> np.ndarray:
@@ -152,6 +157,8 @@ class StageMemory:
         # (the executor checkpoints per layer: `CostModel.recompute_transient_bytes`), and the K/V
         # gradients, and the backward's working set (the loss's on the head's stage)
         remat = self.saving * np.minimum(recompute, 1.0) if recompute is not None else 0.0
+        if recompute is not None and self.rerun is not None:  # every layer rerun: its end
+            remat = remat + np.where(recompute >= self.layers, self.rerun, 0.0)
         own = remat + (self.work if self.work is not None else 0.0) + np.zeros_like(self.act)
         first = rows[:1]
         if self.table:  # the embedding's backward at the end: its own chunk freed, the table made
@@ -163,6 +170,16 @@ class StageMemory:
         if self.forward_work is None:
             return level
         return np.concatenate([level, self._forward_levels(kept)])
+
+    def row_levels(self) -> np.ndarray:
+        """`levels()` with each backward's own chunk charged what its rerun adds beyond the
+        layers that recomputing them all frees (`rerun`): the start of eq. 20's linear rows,
+        which charge that chunk its full activations whatever it recomputes (`savings`)."""
+        level = self.levels()
+        if self.rerun is not None:
+            rows = self.rows
+            level[:len(rows)] += np.maximum(self.rerun - (self.layers - 1) * self.saving, 0.0)[rows]
+        return level
 
     def _forward_levels(self, kept: np.ndarray) -> np.ndarray:
         """float64 [n] bytes held while each chunk's F runs: the chunks forwarded so far (its own
@@ -237,7 +254,8 @@ def group_memory(group: GroupSchedule, costs: UnitCosts, *, first_group: bool = 
         work = costs.work_row(s, chunks)
         stages.append(StageMemory(fpos=fpos, bpos=bpos, act=table[0], saving=table[1], kv=table[3:], work=work,
                                   forward_work=costs.forward_work_row(s, chunks),
-                                  grads=costs.stages[s].grads if first_group else 0.0, table=costs.stages[s].table))
+                                  grads=costs.stages[s].grads if first_group else 0.0, table=costs.stages[s].table,
+                                  rerun=costs.rerun_row(s, chunks, table[1], work), layers=costs.stages[s].layers))
         seconds.append(table[2])
     return MemoryModel(stages=stages, limit=np.array([costs.cost.capacity_bytes - st.states for st in costs.stages]),
                        max_layers=np.array([st.layers for st in costs.stages]),

@@ -258,6 +258,18 @@ class UnitCosts:
         return np.array([self.cost.backward_work_bytes(c, layers=shape.layers, head=shape.head, **self.kw)
                          for c in chunks], dtype=float)
 
+    def rerun_row(self, stage: int, chunks: list[Chunk], saving: np.ndarray, work: np.ndarray) -> np.ndarray | None:
+        """float64 [chunks] what each chunk's backward holds beyond `work` and one re-materialised
+        layer (`saving`) when every layer of the stage is recomputed (`cost.backward_work_bytes`
+        with `rerun`: the rerun's end under sequence parallelism); None where it never adds."""
+        shape, cost = self.stages[stage], self.cost
+        if not shape.layers or cost.backward_work_bytes_per_token(layers=shape.layers, tp=self.kw["tp"], rerun=True) \
+                == cost.backward_work_bytes_per_token(layers=shape.layers, tp=self.kw["tp"]):
+            return None
+        full = np.array([cost.backward_work_bytes(c, layers=shape.layers, head=shape.head, remat=x, rerun=True,
+                                                  **self.kw) for c, x in zip(chunks, saving.tolist())], dtype=float)
+        return np.maximum(full - saving - work, 0.0)
+
 
 def split_slices(chunks: list[Chunk]) -> list[list[tuple[int, int, int]]]:
     """(start, tokens, chunk) of the slices of each sequence cut into several, in token order."""
