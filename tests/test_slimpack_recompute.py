@@ -110,6 +110,33 @@ def test_full_recomputes_every_layer_of_every_stage():
     assert simulate_plan(plan, req.cost).fits
 
 
+def test_mlp_recomputes_the_mlp_block_of_every_layer_and_fits_where_none_does_not():
+    """recompute "mlp": every forward recomputes its stage's MLP blocks (F3.m2), no whole layer;
+    on the tight batch, which fits no count without recomputation, the plan fits, holds less
+    than it would without (same count) and more than recomputing whole layers."""
+    req = tight(recompute="mlp")
+    plan = get_planner("slimpack")(req)
+    validate_plan(plan, req.cost)
+    assert plan.options["recompute"] == "mlp"
+    assert plan.metrics["recompute_mlp_layers"] == [2, 2] and plan.metrics["recompute_layers"] == [0, 0]
+    assert {(s, a.recompute_layers, a.recompute_mlp) for pipe in plan.pipelines for s, acts in enumerate(pipe.stages)
+            for a in acts if a.kind == FORWARD} == {(0, 0, 2), (1, 0, 2)}
+    result = simulate_plan(plan, req.cost)
+    assert result.fits and result.step_time_s == plan.metrics["predicted_step_time_s"]
+    [count], lean = plan.metrics["micropacks"], plan.pipelines[0].schedule.endswith("-lean")
+    models = flops_models(req)
+    variants, flops = phase1_variants(req, models, True)
+    groups = variants[0]
+    prepared = [prepare_stream(req, g, flops) for g in groups]
+
+    def one(**recompute):
+        return simulate_candidates(req, groups, [count], models, flops, True, lean, prepared, **recompute)[0]
+
+    plain, mlp, full = one(), one(mlp=[2, 2]), one(recompute=[2, 2])
+    assert plain["peak"][0] > mlp["peak"][0] > full["peak"][0]
+    assert plain[STEP] < mlp[STEP] < full[STEP]
+
+
 def test_fixed_count_with_full_recomputes_its_forwards():
     req = tight(recompute="full", num_micropacks=8)
     plan = get_planner("slimpack")(req)
@@ -166,7 +193,7 @@ def test_recompute_levels_round_up_shares_of_each_stages_layers():
 
 @pytest.mark.parametrize("value", ["some", "", True, 3])
 def test_bad_recompute_is_a_user_error(value):
-    with pytest.raises(UserError, match="recompute must be one of none, full, auto"):
+    with pytest.raises(UserError, match="recompute must be one of none, mlp, full, auto"):
         get_planner("slimpack")(tight(recompute=value))
 
 

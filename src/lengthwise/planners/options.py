@@ -260,11 +260,12 @@ class SlimPackOptions(Options):
                            "fits at no MicroPack count)", metavar="NAME",
                            check=one_of("auto", "steady", "lean"))
     recompute: str = option(
-        "auto", "activation recomputation (slimpack §6.1 recomputes as memory requires): none; full (every "
+        "auto", "activation recomputation (slimpack §6.1 recomputes as memory requires): none; mlp (every "
+        "forward recomputes the MLP block of all its stage's layers; ours, not the paper's); full (every "
         "forward recomputes all its stage's layers); or auto: none whenever some MicroPack count fits, else "
         "the fastest in simulation of 1/4, 1/2, 3/4 or all of each stage's layers that fit. The "
-        "distributed executor refuses recomputing a MicroPack with CP-sharded segments (a DP-Merged "
-        "outlier's, cp > 1)", metavar="none|full|auto", check=one_of("none", "full", "auto"))
+        "distributed executor refuses recomputing whole layers of a MicroPack with CP-sharded segments (a "
+        "DP-Merged outlier's, cp > 1)", metavar="none|mlp|full|auto", check=one_of("none", "mlp", "full", "auto"))
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -25,7 +25,11 @@ simulated, so the sweep sees the smaller activations and the re-run forwards. Th
 plan.options["recompute"] ("none", "partial" or "full") and plan.metrics["recompute_layers"]
 (per stage). With a fixed num_micropacks, "full" recomputes every layer of the pipelines built
 (their count still fits each MicroPack alone without recomputation) and "auto" never recomputes.
-The distributed executor refuses recomputation of a MicroPack with CP-sharded segments
+"mlp" (ours, not the paper's) makes every forward recompute the MLP block of all its stage's
+layers (F3.m5: about three quarters of a layer's activations for a sixth more of its forward,
+`cost/memory.py`), with no other level tried; "auto" does not try it, as the paper recomputes
+whole layers. Its level is plan.metrics["recompute_mlp_layers"] (per stage). The distributed
+executor refuses recomputation of whole layers of a MicroPack with CP-sharded segments
 (runtime/distributed/cp_stage.py): a plan that recomputes in a DP-Merged pipeline (cp > 1) runs
 in the simulator and on the one-process executor (`lengthwise verify` without --nproc), not
 across processes; without DP-Merge (every pipeline cp 1) it runs on either.
@@ -116,9 +120,10 @@ RECOMPUTE_SHARES = (0.25, 0.5, 0.75, 1.0)
 
 
 def recompute_levels(request: PlanRequest, choice: str) -> list[list[int]]:
-    """Layers each stage's forwards recompute, per level to try in order: [none] for "none",
-    [all] for "full"; "auto": none, then RECOMPUTE_SHARES of each stage's layers (rounded up,
-    repeated levels dropped), ending at all of them (`choice` checked by `SlimPackOptions`)."""
+    """Layers each stage's forwards recompute, per level to try in order: [none] for "none" and
+    "mlp" (whose MLP blocks are not whole layers), [all] for "full"; "auto": none, then
+    RECOMPUTE_SHARES of each stage's layers (rounded up, repeated levels dropped), ending at all
+    of them (`choice` checked by `SlimPackOptions`)."""
     layers = split_layers(request.model.num_layers, request.scheme.pp)
     if choice != "auto":
         return [layers if choice == "full" else [0] * len(layers)]
@@ -130,13 +135,17 @@ def recompute_levels(request: PlanRequest, choice: str) -> list[list[int]]:
     return levels
 
 
-def recompute_name(level: list[int], layers: list[int]) -> str:
+def recompute_name(level: list[int], layers: list[int], mlp: list[int] | None = None) -> str:
+    if mlp and any(mlp):
+        return "mlp"
     return "none" if not any(level) else "full" if level == layers else "partial"
 
 
-def plan_by_simulation(request: PlanRequest, models, opts, recompute: list[int] | None = None):
+def plan_by_simulation(request: PlanRequest, models, opts, recompute: list[int] | None = None,
+                       mlp: list[int] | None = None):
     """Phase-1 variants swept at the first HOLD share that lets every pipeline fit in simulation
-    (`recompute`: layers every forward of stage s recomputes, None for none)."""
+    (`recompute`: layers every forward of stage s recomputes, None for none; `mlp`: layers whose
+    MLP block it recomputes besides)."""
     tried, error = set(), None
     for hold in HOLD_SHARES:
         try:
@@ -149,18 +158,19 @@ def plan_by_simulation(request: PlanRequest, models, opts, recompute: list[int] 
             continue
         tried.add(key)
         try:
-            return best_variant(request, variants, models, flops, opts, recompute)
+            return best_variant(request, variants, models, flops, opts, recompute, mlp)
         except UserError as exc:
             error = exc
     raise error
 
 
-def best_variant(request: PlanRequest, variants, models, flops, opts, recompute: list[int] | None = None):
+def best_variant(request: PlanRequest, variants, models, flops, opts, recompute: list[int] | None = None,
+                 mlp: list[int] | None = None):
     """Sweep every Phase-1 variant; keep the one with the shortest simulated step."""
     best, error, tried = None, None, []
     for groups in variants:
         try:
-            pipes, extra = sweep(request, groups, models, flops, opts, recompute)
+            pipes, extra = sweep(request, groups, models, flops, opts, recompute, mlp)
         except UserError as exc:  # this variant fits no count; another may
             error = exc
             continue
@@ -173,8 +183,8 @@ def best_variant(request: PlanRequest, variants, models, flops, opts, recompute:
     return best
 
 
-def sweep(request: PlanRequest, groups, models, flops, opts,
-          recompute: list[int] | None = None) -> tuple[list[PipelinePlan], dict]:
+def sweep(request: PlanRequest, groups, models, flops, opts, recompute: list[int] | None = None,
+          mlp: list[int] | None = None) -> tuple[list[PipelinePlan], dict]:
     """Step 5: simulate every candidate count (the lean schedule too where the steady one fits
     no count, or when asked for), keep per pipeline the fastest candidate that fits."""
     counts = sweep_counts(request.scheme.pp, opts.max_micropacks)
@@ -183,7 +193,7 @@ def sweep(request: PlanRequest, groups, models, flops, opts,
     prepared = [prepare_stream(request, g, flops) for g in groups]  # shared by every count and schedule
     for lean in schedule_variants(opts):
         candidates += simulate_candidates(request, groups, counts, models, flops, opts.asymmetric, lean,
-                                          prepared, recompute=recompute)
+                                          prepared, recompute=recompute, mlp=mlp)
         if all(any(c["peak"][p] <= capacity for c in candidates) for p in range(len(groups))):
             break
     chosen = choose_per_pipeline(candidates, capacity)
@@ -222,15 +232,17 @@ def sweep_counts(pp: int, top: int) -> list[int]:
 
 
 def simulate_candidates(request: PlanRequest, groups, counts, models, flops, asymmetric, lean,
-                        prepared=None, *, recompute: list[int] | None = None) -> list[dict]:
+                        prepared=None, *, recompute: list[int] | None = None,
+                        mlp: list[int] | None = None) -> list[dict]:
     """Every pipeline at every candidate count, simulated: per candidate its pipelines, per-pipeline
     makespan and peak memory, and the whole step (`prepared`: build.prepare_stream per group;
-    `recompute`: layers every forward of stage s recomputes, written into the actions first)."""
+    `recompute`: layers every forward of stage s recomputes, `mlp` layers whose MLP block it
+    recomputes besides, written into the actions first)."""
     out: list[dict] = []
     prepared = prepared or [prepare_stream(request, g, flops) for g in groups]
     for n in counts:
         built = build_candidates(request, groups, n, models, flops, asymmetric, lean, check=False, prepared=prepared)
-        pipes = recompute_forwards([pipe for pipe, _ in built], recompute)
+        pipes = recompute_forwards([pipe for pipe, _ in built], recompute, mlp)
         result = simulate_plan(bare_plan(request, pipes), request.cost, known=[known for _, known in built])
         out.append({"count": n, "lean": lean, "pipelines": pipes, "makespan": result.pipeline_makespan,
                     "peak": [max(row) for row in result.peak_memory], STEP_TIME_S: result.step_time_s,
@@ -288,17 +300,18 @@ def choose_per_pipeline(candidates: list[dict], capacity: float) -> list[int]:
     return chosen
 
 
-def plan_recomputing(request: PlanRequest, models, opts, levels: list[list[int]]):
+def plan_recomputing(request: PlanRequest, models, opts, levels: list[list[int]], mlp: list[int] | None = None):
     """plan_by_simulation at each recompute level (recompute_levels) in turn: (groups, pipelines,
     metrics, level). Without recomputation when that fits (the plan is then exactly the one of
     "none"); else, from the fewest recomputed layers that fit up to all of them, the level whose
     plan the simulator finds fastest (ties: fewer layers). The fewest that fit often leave only
     the largest MicroPack counts or the lean schedule within memory; more recomputation then
-    buys back more than its re-run forwards cost. Fitting nowhere raises the last level's error."""
+    buys back more than its re-run forwards cost. Fitting nowhere raises the last level's error.
+    `mlp`: layers whose MLP block every forward of stage s recomputes at every level."""
     best, error, tried = None, None, []
     for level in levels:
         try:
-            groups, pipes, extra = plan_by_simulation(request, models, opts, level if any(level) else None)
+            groups, pipes, extra = plan_by_simulation(request, models, opts, level if any(level) else None, mlp)
         except UserError as exc:
             error = exc
             tried.append({"recompute_layers": level, "fits": False})
@@ -335,6 +348,8 @@ def plan_slimpack(request: PlanRequest) -> StepPlan:
     request.cost.check_states_fit(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, zero=s.zero)
     models = flops_models(request)
     levels = recompute_levels(request, opts.recompute)
+    layers = split_layers(request.model.num_layers, s.pp)
+    mlp = layers if opts.recompute == "mlp" else None
     extra: dict = {}
     if opts.num_micropacks is not None:
         variants, flops = phase1_variants(request, models, opts.dp_merge)
@@ -342,16 +357,16 @@ def plan_slimpack(request: PlanRequest) -> StepPlan:
         level = levels[0] if opts.recompute == "auto" else levels[-1]
         pipes = recompute_forwards([fitting_pipeline(request, p, g, opts.num_micropacks, models, flops,
                                                  opts.asymmetric, lean, pipelines=len(groups))
-                                for p, g in enumerate(groups)], level)
+                                for p, g in enumerate(groups)], level, mlp)
     else:
-        groups, pipes, extra, level = plan_recomputing(request, models, opts, levels)
-    layers = split_layers(request.model.num_layers, s.pp)
+        groups, pipes, extra, level = plan_recomputing(request, models, opts, levels, mlp)
     plan = finish_plan(request, pipes, planner="slimpack", started=started,
-                       options={**options_dict(opts), "recompute": recompute_name(level, layers)})
+                       options={**options_dict(opts), "recompute": recompute_name(level, layers, mlp)})
     plan.metrics.update(micropack_metrics(request, pipes, models))
     plan.metrics["dp_merge"] = merge_metrics(groups)
     plan.metrics.update(extra)
     plan.metrics["recompute_layers"] = list(level)
+    plan.metrics["recompute_mlp_layers"] = list(mlp or [0] * len(layers))
     plan.metrics[PLANNING_MS] = (time.perf_counter() - started) * 1e3
     return plan
 
