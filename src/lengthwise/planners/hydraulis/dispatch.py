@@ -186,32 +186,44 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
     # a run of up to PLAIN_RUN sequences costs fewer numpy calls one sequence at a time
     starts = np.flatnonzero(np.r_[True, ls[1:] != ls[:-1]] | (np.repeat(sizes, sizes) <= PLAIN_RUN))
     stops = np.r_[starts[1:], n]
+    # A padding pipeline's bound is inf on its own (c = inf, PP - 1 = 1: 0 + inf + 0), so the
+    # admissibility mask is applied only to lengths some real pipeline cannot hold.
+    real = p.max_len >= 1
+    chunk_s, depth_less_one = np.where(real, p.chunk_s, np.inf), np.where(real, p.depth - 1, 1.0)
+    all_fit = float(p.max_len[real].min())
     sum_w, sum_l, fill = (np.zeros((rows, d)) for _ in range(3))
     flat_w, flat_l, flat_fill = sum_w.reshape(-1), sum_l.reshape(-1), fill.reshape(-1)  # views
     first = np.zeros(rows)
     owner = np.zeros((rows, n), dtype=np.int64)
-    depth_less_one = p.depth - 1
     row_ids = np.arange(rows)
     base = row_ids * d
     at_row = row_ids[:, None]
     terms = _SchemeTerms(p, ls[starts])
+    fill_term = np.empty((rows, d))
     for i, (a, b) in enumerate(zip(starts.tolist(), stops.tolist())):
         l, k = float(ls[a]), b - a
-        step = terms.at(i, l)
+        w, w_plus_c = terms.w_at(i)
         # T(longest) after taking l: Algorithm 1's "w + c if l > longest else fill" is this maximum,
         # as fill is T of the longest held (0 when empty) and T grows with l
-        fill_after = np.maximum(fill, step.w_plus_c)
-        fill_term = fill_after * depth_less_one
-        # each pipeline's bound if it took one sequence of the run, as random_trials computes it
-        with_w = sum_w + step.w
-        new1 = with_w + p.chunk_s * np.ceil((sum_l + l) / p.max_len)
+        fill_after = np.maximum(fill, w_plus_c)
+        # each pipeline's bound if it took one sequence of the run, as random_trials computes
+        # it: sum_w + w + c ceil((sum_l + l) / MaxLen) + fill (PP - 1), left to right
+        new1 = sum_w + w
+        np.add(sum_l, l, out=fill_term)
+        fill_term /= p.max_len
+        np.ceil(fill_term, out=fill_term)
+        fill_term *= chunk_s
         new1 += fill_term
-        new1 = np.where(step.admissible, new1, np.inf)
+        np.multiply(fill_after, depth_less_one, out=fill_term)
+        new1 += fill_term
+        admissible = None if l <= all_fit else p.max_len >= l
+        if admissible is not None:
+            new1 = np.where(admissible, new1, np.inf)
         if k == 1:
             idx = base + new1.argmin(axis=1)
             owner[row_ids, order[a]] = idx - base
             first = np.maximum(first, new1.ravel()[idx])
-            flat_w[idx] = with_w.ravel()[idx]
+            flat_w[idx] += w.ravel()[idx]
             flat_l[idx] += l
             flat_fill[idx] = fill_after.ravel()[idx]
             continue
@@ -220,8 +232,9 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
         kk = min(k, d)
         cand = _least(new1, kk)
         at = (at_row, cand)
-        w, c, cap, held_l, admissible = step.w[at], p.chunk_s[at], p.max_len[at], sum_l[at], step.admissible[at]
+        w, c, cap, held_l = w[at], chunk_s[at], p.max_len[at], sum_l[at]
         fill_c, start_w = fill_term[at], sum_w[at]
+        admissible = True if admissible is None else admissible[at][..., None]
         m = min(k, -(-k // kk) + 1)
         while True:
             # sum_w after taking 0..m of the run: the same left-to-right additions as random_trials'
@@ -230,7 +243,7 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
             np.cumsum(sums, axis=-1, out=sums)
             tokens = held_l[..., None] + _count(m) * l
             new = sums[..., 1:] + c[..., None] * np.ceil(tokens / cap[..., None]) + fill_c[..., None]
-            flat = np.where(admissible[..., None], new, np.inf).reshape(rows, kk * m)
+            flat = np.where(admissible, new, np.inf).reshape(rows, kk * m)
             taken = np.argsort(flat, axis=1, kind="stable")[:, :k]  # (bound, pipeline, position)
             slot = taken // m
             took = np.bincount((at_row * kk + slot).ravel(), minlength=rows * kk).reshape(rows, kk)
@@ -249,14 +262,17 @@ def _least(values: np.ndarray, k: int) -> np.ndarray:
     """[row, k] the columns of each row's k least values, ties to the lower column, ascending:
     np.sort(np.argsort(values, axis=1, kind="stable")[:, :k], axis=1) by one partition per row
     (the k-th least value), not a sort (values are bounds or inf, never NaN)."""
-    if k >= values.shape[1]:
-        return np.broadcast_to(np.arange(values.shape[1]), values.shape).copy()
+    rows, d = values.shape
+    if k >= d:
+        return np.broadcast_to(np.arange(d), values.shape).copy()
     kth = np.partition(values, k - 1, axis=1)[:, k - 1:k]
-    below = values < kth
-    at = values == kth
-    # of the values equal to the k-th, the lowest columns fill what `below` leaves of k
-    keep = below | (at & (np.cumsum(at, axis=1) <= k - below.sum(axis=1, keepdims=True)))
-    return np.nonzero(keep)[1].reshape(len(values), k)
+    keep = values <= kth
+    if np.count_nonzero(keep) > rows * k:
+        # some row has more than k values up to its k-th: of those equal to it, the lowest
+        # columns fill what the values below leave of k
+        at = values == kth
+        keep &= ~at | (np.cumsum(at, axis=1) <= k - (values < kth).sum(axis=1, keepdims=True))
+    return (np.flatnonzero(keep) % d).reshape(rows, k)
 
 
 @functools.lru_cache(maxsize=64)
@@ -321,10 +337,14 @@ class _SchemeTerms:
         self.w = attn_s * l * (l + 1) / 2 + token_s * l
         self.w_plus_c = self.w + chunk_s
 
+    def w_at(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """w and w + c for the caller's i-th length."""
+        return self.w[i].take(self.inverse), self.w_plus_c[i].take(self.inverse)
+
     def at(self, i: int, l: float) -> Precomputed:
         """The terms for the caller's i-th length, l."""
-        return Precomputed(w=self.w[i].take(self.inverse), w_plus_c=self.w_plus_c[i].take(self.inverse),
-                           admissible=self.max_len >= l)
+        w, w_plus_c = self.w_at(i)
+        return Precomputed(w=w, w_plus_c=w_plus_c, admissible=self.max_len >= l)
 
 
 def lower_bound(lengths, schemes: list[Scheme], counts: list[int], max_lens: list[int]) -> float:
