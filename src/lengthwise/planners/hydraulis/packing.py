@@ -200,11 +200,12 @@ def lpt_bounds(loads: list[PipelineLoad]) -> np.ndarray:
     """An upper bound on `greedy_pack(load).estimate_s` for every load, all loads at once: LPT's
     estimate at the micro-batch count of the range with the lowest floor (the count greedy_pack
     tries first; its LPT packing is one of those greedy_pack takes the best of), inf where LPT
-    finds no room. One numpy step per sequence of the largest load, the loads side by side, with
-    the arithmetic of `_lpt` and `_estimate` (so a bound equal to the greedy estimate is equal
-    to it bit for bit)."""
+    finds no room. One numpy step per sequence of the largest load, over the loads that still
+    have a sequence to place (the loads sorted by size, so a leading slice), with the
+    arithmetic of `_lpt` and `_estimate` (so a bound equal to the greedy estimate is equal to it
+    bit for bit)."""
     out = np.zeros(len(loads))
-    busy_loads = [j for j, load in enumerate(loads) if load.seq_ids]
+    busy_loads = sorted((j for j, load in enumerate(loads) if load.seq_ids), key=lambda j: -len(loads[j].seq_ids))
     if not busy_loads:
         return out
     counts = []
@@ -213,27 +214,26 @@ def lpt_bounds(loads: list[PipelineLoad]) -> np.ndarray:
         floor = _estimate_floor(loads[j], max(vs))
         counts.append(min(vs, key=lambda v: floor[v - 1]))  # the first of equal floors, as sorted() keeps
     p, width = len(busy_loads), max(counts)
-    sizes = [len(loads[j].seq_ids) for j in busy_loads]
-    # [step, pipeline], a pipeline's sequences in greedy_pack's order, then zero-token no-work
-    # fillers (they fit any bin and change nothing: no live mask needed)
-    work = np.zeros((max(sizes), p))
-    tokens = np.zeros((max(sizes), p), dtype=np.int64)
+    sizes = np.asarray([len(loads[j].seq_ids) for j in busy_loads])
+    # [step, pipeline], each pipeline's sequences in greedy_pack's order
+    work = np.zeros((sizes[0], p))
+    tokens = np.zeros((sizes[0], p), dtype=np.int64)
     for r, j in enumerate(busy_loads):
         load = loads[j]
         order = np.lexsort((np.arange(sizes[r]), -load.lengths, -load.work))
         work[:sizes[r], r], tokens[:sizes[r], r] = load.work[order], load.lengths[order]
     cap = np.asarray([loads[j].max_len for j in busy_loads], dtype=np.int64)
-    busy = np.where(np.arange(width) < np.asarray(counts)[:, None], 0.0, np.inf).ravel()
-    room = np.repeat(cap, width)
-    base = np.arange(p) * width
-    for t in range(max(sizes)):
+    busy = np.where(np.arange(width) < np.asarray(counts)[:, None], 0.0, np.inf)
+    room = np.repeat(cap[:, None], width, axis=1)
+    live = np.searchsorted(-sizes, -np.arange(sizes[0]), side="left")  # loads with a sequence at step t
+    rows = np.arange(p)
+    for t, n in enumerate(live.tolist()):
         # least busy with room, lowest index on ties; with no room anywhere bin 0's room goes
         # negative, which marks the pipeline as one LPT cannot pack
-        pick = base + np.where(room.reshape(p, width) >= tokens[t, :, None], busy.reshape(p, width),
-                               np.inf).argmin(axis=1)
-        busy[pick] += work[t]
-        room[pick] -= tokens[t]
-    busy, room = busy.reshape(p, width), room.reshape(p, width)
+        b, left = busy[:n], room[:n]
+        pick = np.where(left >= tokens[t, :n, None], b, np.inf).argmin(axis=1)
+        b[rows[:n], pick] += work[t, :n]
+        left[rows[:n], pick] -= tokens[t, :n]
     used = room < cap[:, None]
     heaviest = np.where(used, busy, -np.inf).max(axis=1)
     chunk = np.asarray([loads[j].chunk_s for j in busy_loads])

@@ -415,28 +415,31 @@ def _evaluate_all(request: PlanRequest, opts: HydraulisOptions, prepared: list, 
     runs = dispatch_many(lengths, arrays, trials=trials, work_budget=opts.dispatch_work,
                          rng=np.random.default_rng(request.seed), share=share,
                          known=[None if ev is None else ev.dispatch for ev in screened])
-    out = []
-    for (_, strategy, pipes), disp, old in zip(prepared, runs, screened):
-        if old is not None and disp.trial == 0:
-            out.append(old)
-            continue
-        held = _by_owner(disp.owner, len(pipes))
-        loads = [_load(lengths, ids, s, m) for ids, (s, m) in zip(held, pipes)]
-        packings, full = _slowest_packed(loads)
-        out.append(Evaluation(strategy=strategy, pipelines=[s for s, _ in pipes], max_lens=[m for _, m in pipes],
-                              exchange_s=_exchange(request, pipes, num_gpus),
-                              switch_s=_switch(request, opts.previous, pipes, num_gpus), loads=loads,
-                              packings=packings, trials=disp.trials, dispatch=disp, full=full))
+    todo = [c for c, (disp, old) in enumerate(zip(runs, screened)) if old is None or disp.trial != 0]
+    loads = {c: [_load(lengths, ids, s, m) for ids, (s, m) in zip(_by_owner(runs[c].owner, len(prepared[c][2])),
+                                                                    prepared[c][2])] for c in todo}
+    bounds = _split(lpt_bounds([x for c in todo for x in loads[c]]), [len(loads[c]) for c in todo])
+    out = list(screened)
+    for c, bound in zip(todo, bounds):
+        _, strategy, pipes = prepared[c]
+        packings, full = _slowest_packed(loads[c], bound)
+        out[c] = Evaluation(strategy=strategy, pipelines=[s for s, _ in pipes], max_lens=[m for _, m in pipes],
+                            exchange_s=_exchange(request, pipes, num_gpus),
+                            switch_s=_switch(request, opts.previous, pipes, num_gpus), loads=loads[c],
+                            packings=packings, trials=runs[c].trials, dispatch=runs[c], full=full)
     return out
 
 
-def _slowest_packed(loads: list[PipelineLoad]) -> tuple[list, set[int]]:
-    """The full greedy packing for the pipelines from the highest upper bound down (`lpt_bounds`:
-    LPT at one micro-batch count, all pipelines in one numpy pass) until the next bound is no
-    more than the slowest full packing found: the largest estimate is then exactly that of
-    packing every pipeline fully. Returns the packings (None where not packed yet) and the
-    pipelines packed."""
-    bounds = lpt_bounds(loads)
+def _split(values: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    return np.split(values, np.cumsum(sizes)[:-1]) if sizes else []
+
+
+def _slowest_packed(loads: list[PipelineLoad], bounds: np.ndarray) -> tuple[list, set[int]]:
+    """The full greedy packing for the pipelines from the highest upper bound down (`bounds`:
+    `lpt_bounds`, LPT at one micro-batch count, every candidate's pipelines in one numpy pass)
+    until the next bound is no more than the slowest full packing found: the largest estimate
+    is then exactly that of packing every pipeline fully. Returns the packings (None where not
+    packed yet) and the pipelines packed."""
     packings: list[Packing | None] = [None] * len(loads)
     full: set[int] = set()
     slowest = -np.inf

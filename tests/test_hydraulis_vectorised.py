@@ -1,11 +1,13 @@
-"""Hydraulis' Algorithm 1 internals (planners/hydraulis/dispatch.py, trials.py): the vectorised
-steps give the plain algorithm's numbers and choices bit for bit."""
+"""Hydraulis' vectorised steps (planners/hydraulis/dispatch.py, trials.py, packing.lpt_bounds)
+give the plain algorithms' numbers and choices bit for bit."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lengthwise.planners.hydraulis.dispatch import PipelineArrays, Precomputed, _least, _SchemeTerms, _stack
+from lengthwise.planners.hydraulis.packing import PipelineLoad, _estimate, _estimate_floor, lpt_bins, lpt_bounds
+from lengthwise.planners.hydraulis.packing import greedy_pack, micro_batch_range
 from lengthwise.planners.hydraulis.trials import RaggedRows, random_trials
 
 FIELDS = ("attn_s", "token_s", "chunk_s", "depth", "max_len")
@@ -108,3 +110,31 @@ def test_random_trials_are_plain_algorithm_1_per_row():
     for r, c in enumerate(row_of):
         want_owner, want_first = plain_algorithm_1(strategies[c], lengths, orders[r])
         assert owner[r].tolist() == want_owner and first[r] == want_first
+
+
+def test_lpt_bounds_are_each_loads_own_lpt_estimate():
+    """lpt_bounds over loads of different sizes, micro-batch ranges and schemes side by side (one
+    empty, one LPT cannot pack): each load's plain LPT estimate at the count of the lowest
+    floor, inf where LPT finds no room, 0 for the empty load; never below greedy_pack's."""
+    rng = np.random.default_rng(4)
+    loads = []
+    for size, cap in ((40, 4000), (3, 9000), (0, 100), (17, 2500), (90, 30000), (4, 1000)):
+        lengths = rng.integers(1, min(cap, 3000), size)
+        if cap == 1000:  # 2 micro-batches by the range (UtilLen = MaxLen); LPT leaves 500 no room
+            lengths = np.array([600, 600, 500, 300])
+        attn, token, chunk = rng.random() * 1e-10, rng.random() * 1e-6, rng.random() * 1e-3
+        work = attn * lengths * (lengths + 1) / 2 + token * lengths
+        loads.append(PipelineLoad(seq_ids=tuple(range(size)), lengths=lengths, work=work, chunk_s=chunk,
+                                  depth=int(rng.integers(1, 5)), max_len=cap,
+                                  util_len=cap if cap == 1000 else int(rng.integers(50, 400))))
+    got = lpt_bounds(loads)
+    for load, bound in zip(loads, got):
+        if not load.seq_ids:
+            assert bound == 0.0
+            continue
+        vs = micro_batch_range(load)
+        floor = _estimate_floor(load, max(vs))
+        bins = lpt_bins(load, min(vs, key=lambda v: floor[v - 1]))
+        assert bound == (np.inf if bins is None else _estimate(load, load.work.tolist(), bins))
+        assert bound >= greedy_pack(load).estimate_s
+    assert np.isinf(got[5]) and np.isfinite(got).sum() == 4 and (got == 0).sum() == 1
