@@ -152,10 +152,14 @@ def greedy_pack(load: PipelineLoad, *, kk: bool = True) -> Packing:
     if not load.seq_ids:
         return Packing(bins=(), estimate_s=0.0, method="lpt")
     work, lengths = load.work.tolist(), load.lengths.tolist()
-    order = sorted(range(len(work)), key=lambda i: (-work[i], -lengths[i], i))
+    ids = np.arange(len(work))
+    # LPT's order (work, then length, descending; ties by position) and BFD's (length
+    # descending, ties by position), as sorted() on those keys gives them
+    order = np.lexsort((ids, -load.lengths, -load.work)).tolist()
+    by_length = np.lexsort((ids, -load.lengths)).tolist()
     # Entries are keyed by their place in the textbook order (BFD, LPT for each V ascending,
     # then KK): among equal estimates the earliest wins, whatever order they are computed in.
-    tried = {0: ("bfd", best_fit_decreasing(lengths, load.max_len))}
+    tried = {0: ("bfd", best_fit_decreasing(lengths, load.max_len, order=by_length))}
     estimates = {0: _estimate(load, work, tried[0][1])}
     counts = micro_batch_range(load)
     floor = _estimate_floor(load, max(counts))
