@@ -234,7 +234,7 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
         at = (at_row, cand)
         w, c, cap, held_l = w[at], chunk_s[at], p.max_len[at], sum_l[at]
         fill_c, start_w = fill_term[at], sum_w[at]
-        admissible = True if admissible is None else admissible[at][..., None]
+        admissible = None if admissible is None else admissible[at][..., None]
         m = min(k, -(-k // kk) + 1)
         while True:
             # sum_w after taking 0..m of the run: the same left-to-right additions as random_trials'
@@ -243,7 +243,7 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
             np.cumsum(sums, axis=-1, out=sums)
             tokens = held_l[..., None] + _count(m) * l
             new = sums[..., 1:] + c[..., None] * np.ceil(tokens / cap[..., None]) + fill_c[..., None]
-            flat = np.where(admissible, new, np.inf).reshape(rows, kk * m)
+            flat = (new if admissible is None else np.where(admissible, new, np.inf)).reshape(rows, kk * m)
             taken = np.argsort(flat, axis=1, kind="stable")[:, :k]  # (bound, pipeline, position)
             slot = taken // m
             took = np.bincount((at_row * kk + slot).ravel(), minlength=rows * kk).reshape(rows, kk)

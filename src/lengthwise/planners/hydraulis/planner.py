@@ -416,8 +416,9 @@ def _evaluate_all(request: PlanRequest, opts: HydraulisOptions, prepared: list, 
                          rng=np.random.default_rng(request.seed), share=share,
                          known=[None if ev is None else ev.dispatch for ev in screened])
     todo = [c for c, (disp, old) in enumerate(zip(runs, screened)) if old is None or disp.trial != 0]
-    loads = {c: [_load(lengths, ids, s, m) for ids, (s, m) in zip(_by_owner(runs[c].owner, len(prepared[c][2])),
-                                                                    prepared[c][2])] for c in todo}
+    work = {s: s.seq_time(lengths) for c in todo for s, _ in prepared[c][1].parts}  # w(l) of every sequence
+    loads = {c: [_load(lengths, work[s], ids, s, m) for ids, (s, m) in
+                 zip(_by_owner(runs[c].owner, len(prepared[c][2])), prepared[c][2])] for c in todo}
     bounds = _split(lpt_bounds([x for c in todo for x in loads[c]]), [len(loads[c]) for c in todo])
     out = list(screened)
     for c, bound in zip(todo, bounds):
@@ -466,8 +467,9 @@ def _by_owner(owner: np.ndarray, pipelines: int) -> list[np.ndarray]:
     return np.split(order, np.cumsum(np.bincount(owner, minlength=pipelines))[:-1])
 
 
-def _load(lengths: np.ndarray, ids: np.ndarray, scheme: Scheme, max_len: int) -> PipelineLoad:
-    return PipelineLoad(seq_ids=tuple(ids.tolist()), lengths=lengths[ids], work=scheme.seq_time(lengths[ids]),
+def _load(lengths: np.ndarray, work: np.ndarray, ids: np.ndarray, scheme: Scheme, max_len: int) -> PipelineLoad:
+    """Pipeline load of sequences `ids` (`work`: the scheme's w(l) of every sequence)."""
+    return PipelineLoad(seq_ids=tuple(ids.tolist()), lengths=lengths[ids], work=work[ids],
                         chunk_s=scheme.chunk_s, depth=scheme.pp, max_len=max_len, util_len=scheme.util_len)
 
 
