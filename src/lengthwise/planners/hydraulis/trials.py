@@ -79,29 +79,30 @@ def random_trials(strategies: list[PipelineArrays], row_of: np.ndarray, lengths:
     owner = np.zeros((rows, n), dtype=np.int64)
     row_ids = np.arange(rows)
     block = max(1, min(n, BLOCK_ENTRIES // max(g.size, 1)))
+    chunks = np.empty(g.size)
     for k0 in range(0, n, block):
         seqs = orders[:, k0:k0 + block].T.copy()  # [step, row]
         ls, ws, wcs, admissible = g.block(lengths[seqs])
+        all_fit = admissible.all(axis=1).tolist()
+        picks = np.empty(seqs.shape, dtype=np.int64)
         for s in range(len(seqs)):
-            l, w = ls[s], ws[s]
             # T(longest) after adding: max(fill, w + c), as fill is T of the longest held (0 when
             # empty) and T grows with l; then sum_w + w + c ceil((sum_l + l) / MaxLen) + fill (PP - 1)
             fill_new = np.maximum(fill, wcs[s])
-            new = sum_w + w
-            chunks = sum_l + l
-            chunks /= g.max_len
+            with_w = sum_w + ws[s]
+            tokens = sum_l + ls[s]
+            np.divide(tokens, g.max_len, out=chunks)
             np.ceil(chunks, out=chunks)
             chunks *= g.chunk_s
-            new += chunks
+            new = with_w + chunks
             np.multiply(fill_new, g.depth_less_one, out=chunks)
             new += chunks
-            new = np.where(admissible[s], new, np.inf)
+            if not all_fit[s]:
+                new = np.where(admissible[s], new, np.inf)
             least = np.minimum.reduceat(new, g.starts)
             hits = np.flatnonzero(new == least[g.seg])
-            pick = hits[np.searchsorted(hits, g.starts)]  # the first entry at its row's least
-            sum_w[pick] += w[pick]
-            sum_l[pick] += l[pick]
-            fill[pick] = fill_new[pick]
+            pick = picks[s] = hits[np.searchsorted(hits, g.starts)]  # the first entry at its row's least
+            sum_w[pick], sum_l[pick], fill[pick] = with_w[pick], tokens[pick], fill_new[pick]
             first = np.maximum(first, least)
-            owner[row_ids, seqs[s]] = pick - g.starts
+        owner[row_ids, seqs] = picks - g.starts
     return owner, first
