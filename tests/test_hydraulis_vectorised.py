@@ -6,8 +6,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lengthwise.planners.hydraulis.dispatch import PipelineArrays, Precomputed, _least, _SchemeTerms, _stack
-from lengthwise.planners.hydraulis.packing import PipelineLoad, _estimate, _estimate_floor, lpt_bins, lpt_bounds
-from lengthwise.planners.hydraulis.packing import greedy_pack, micro_batch_range
+from lengthwise.planners.hydraulis.packing import (
+    PipelineLoad,
+    _estimate,
+    _estimate_floor,
+    greedy_pack,
+    lpt_bins,
+    lpt_bounds,
+    lpt_first,
+    micro_batch_range,
+)
 from lengthwise.planners.hydraulis.trials import RaggedRows, random_trials
 
 FIELDS = ("attn_s", "token_s", "chunk_s", "depth", "max_len")
@@ -138,3 +146,25 @@ def test_lpt_bounds_are_each_loads_own_lpt_estimate():
         assert bound == (np.inf if bins is None else _estimate(load, load.work.tolist(), bins))
         assert bound >= greedy_pack(load).estimate_s
     assert np.isinf(got[5]) and np.isfinite(got).sum() == 4 and (got == 0).sum() == 1
+
+
+def test_greedy_pack_from_known_first_lpt_is_greedy_packs_own():
+    """greedy_pack given lpt_first's estimate and micro-batch count (the LPT packing it tries
+    first, not packed again unless it wins) gives the same packing, estimate and method, LPT
+    winners and loads LPT cannot pack included."""
+    rng = np.random.default_rng(5)
+    loads = []
+    for _ in range(60):
+        size, cap = int(rng.integers(1, 40)), int(rng.choice([1000, 4000, 30000]))
+        lengths = rng.integers(1, min(cap, 3000) + 1, size)
+        attn, token, chunk = rng.random() * 1e-10, rng.random() * 1e-6, rng.random() * 1e-3
+        loads.append(PipelineLoad(seq_ids=tuple(range(size)), lengths=lengths,
+                                  work=attn * lengths * (lengths + 1) / 2 + token * lengths, chunk_s=chunk,
+                                  depth=int(rng.integers(1, 5)), max_len=cap, util_len=int(rng.integers(50, 2000))))
+    estimates, used = lpt_first(loads)
+    methods = set()
+    for load, first in zip(loads, zip(estimates.tolist(), used.tolist())):
+        want, got = greedy_pack(load), greedy_pack(load, first_lpt=first)
+        assert (got.bins, got.estimate_s, got.method) == (want.bins, want.estimate_s, want.method)
+        methods.add(want.method)
+    assert {"lpt", "kk"} <= methods and np.isinf(estimates).any()

@@ -14,7 +14,7 @@ import numpy as np
 from lengthwise.planners.base import PlanRequest
 from lengthwise.planners.hydraulis.cost import Scheme, parse_pipelines, plan_exchange, switch_time
 from lengthwise.planners.hydraulis.dispatch import Dispatch, PipelineArrays, dispatch_many
-from lengthwise.planners.hydraulis.packing import Packing, PipelineLoad, greedy_pack, lpt_bounds
+from lengthwise.planners.hydraulis.packing import Packing, PipelineLoad, greedy_pack, lpt_first
 from lengthwise.planners.hydraulis.strategy import Strategy
 from lengthwise.planners.options import HydraulisOptions
 
@@ -43,6 +43,8 @@ class Evaluation:
     full: set[int]
     """Pipelines packed (the others wait for `complete`; their greedy estimate is at most the
     largest of these, so the largest estimate is exact either way)."""
+    first_lpt: list[tuple[float, int]]
+    """Each pipeline's LPT estimate and micro-batches at greedy_pack's first count (`lpt_first`)."""
 
     @property
     def estimate_s(self) -> float:
@@ -83,15 +85,18 @@ def evaluate_all(request: PlanRequest, opts: HydraulisOptions, prepared: list, l
     work = {s: s.seq_time(lengths) for c in todo for s, _ in prepared[c][1].parts}  # w(l) of every sequence
     loads = {c: [_load(lengths, work[s], ids, s, m) for ids, (s, m) in
                  zip(_by_owner(runs[c].owner, len(prepared[c][2])), prepared[c][2])] for c in todo}
-    bounds = _split(lpt_bounds([x for c in todo for x in loads[c]]), [len(loads[c]) for c in todo])
+    estimates, used = lpt_first([x for c in todo for x in loads[c]])
+    sizes = [len(loads[c]) for c in todo]
     out = list(screened)
-    for c, bound in zip(todo, bounds):
+    for c, bound, bins in zip(todo, _split(estimates, sizes), _split(used, sizes)):
         _, strategy, pipes = prepared[c]
-        packings, full = _slowest_packed(loads[c], bound)
+        first_lpt = list(zip(bound.tolist(), bins.tolist()))
+        packings, full = _slowest_packed(loads[c], first_lpt)
         out[c] = Evaluation(strategy=strategy, pipelines=[s for s, _ in pipes], max_lens=[m for _, m in pipes],
                             exchange_s=exchange(request, pipes, num_gpus),
                             switch_s=switch(request, opts.previous, pipes, num_gpus), loads=loads[c],
-                            packings=packings, trials=runs[c].trials, dispatch=runs[c], full=full)
+                            packings=packings, trials=runs[c].trials, dispatch=runs[c], full=full,
+                            first_lpt=first_lpt)
     return out
 
 
@@ -99,19 +104,19 @@ def _split(values: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
     return np.split(values, np.cumsum(sizes)[:-1]) if sizes else []
 
 
-def _slowest_packed(loads: list[PipelineLoad], bounds: np.ndarray) -> tuple[list, set[int]]:
-    """The full greedy packing for the pipelines from the highest upper bound down (`bounds`:
-    `lpt_bounds`, LPT at one micro-batch count, every candidate's pipelines in one numpy pass)
-    until the next bound is no more than the slowest full packing found: the largest estimate
-    is then exactly that of packing every pipeline fully. Returns the packings (None where not
-    packed yet) and the pipelines packed."""
+def _slowest_packed(loads: list[PipelineLoad], first_lpt: list[tuple[float, int]]) -> tuple[list, set[int]]:
+    """The full greedy packing for the pipelines from the highest upper bound down (the bound:
+    `lpt_first`'s estimate, LPT at one micro-batch count, every candidate's pipelines in one numpy
+    pass) until the next bound is no more than the slowest full packing found: the largest
+    estimate is then exactly that of packing every pipeline fully. Returns the packings (None
+    where not packed yet) and the pipelines packed."""
     packings: list[Packing | None] = [None] * len(loads)
     full: set[int] = set()
     slowest = -np.inf
-    for j in sorted(range(len(loads)), key=lambda j: -bounds[j]):
-        if bounds[j] <= slowest:
+    for j in sorted(range(len(loads)), key=lambda j: -first_lpt[j][0]):
+        if first_lpt[j][0] <= slowest:
             break
-        packings[j] = greedy_pack(loads[j])
+        packings[j] = greedy_pack(loads[j], first_lpt=first_lpt[j])
         full.add(j)
         slowest = max(slowest, packings[j].estimate_s)
     return packings, full
@@ -121,7 +126,7 @@ def complete(ev: Evaluation) -> None:
     """The chosen candidate's remaining pipelines packed (as if every one had been)."""
     for j, load in enumerate(ev.loads):
         if j not in ev.full:
-            ev.packings[j] = greedy_pack(load)
+            ev.packings[j] = greedy_pack(load, first_lpt=ev.first_lpt[j])
             ev.full.add(j)
 
 

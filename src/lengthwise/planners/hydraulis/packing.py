@@ -144,11 +144,12 @@ def _lpt(order: list[int], work: list[float], lengths: list[int], v: int, cap: i
     return [b for b in bins if b]
 
 
-def greedy_pack(load: PipelineLoad, *, kk: bool = True) -> Packing:
+def greedy_pack(load: PipelineLoad, *, kk: bool = True, first_lpt: tuple[float, int] | None = None) -> Packing:
     """Best of fixed-length packing (BFD to MaxLen), LPT over the pruned V range, and
     Karmarkar-Karp at the micro-batch count(s) where LPT did best. kk=False leaves out the
     Karmarkar-Karp step: the result then bounds the full one from above (which only replaces
-    it when strictly better)."""
+    it when strictly better). `first_lpt`: LPT's estimate and micro-batches used at the count
+    tried first (`lpt_first`'s, the same numbers), so that packing is redone only if it wins."""
     if not load.seq_ids:
         return Packing(bins=(), estimate_s=0.0, method="lpt")
     work, lengths = load.work.tolist(), load.lengths.tolist()
@@ -166,15 +167,20 @@ def greedy_pack(load: PipelineLoad, *, kk: bool = True) -> Packing:
     # LPT at v bins cannot beat floor[v - 1]: counts are tried from the lowest floor up and
     # skipped once their floor is above the best estimate found, which leaves the choice as
     # trying them all would
-    for v, pos in sorted(((v, pos) for pos, v in enumerate(counts, start=1)), key=lambda vp: floor[vp[0] - 1]):
+    for n, (v, pos) in enumerate(sorted(((v, pos) for pos, v in enumerate(counts, start=1)),
+                                        key=lambda vp: floor[vp[0] - 1])):
         if floor[v - 1] > min(estimates.values()) * (1 + 1e-9):
             break
+        if n == 0 and first_lpt is not None:  # known: its bins (None) only if it is chosen
+            if np.isfinite(first_lpt[0]):
+                tried[pos], estimates[pos] = ("lpt", None), first_lpt[0]
+            continue
         bins = _lpt(order, work, lengths, v, load.max_len)
         if bins is not None:
             tried[pos], estimates[pos] = ("lpt", bins), _estimate(load, work, bins)
     first_kk = len(counts) + 1
     for _, k in sorted((e, k) for k, e in estimates.items())[:KK_TRIES if kk else 0]:
-        v = len(tried[k][1])
+        v = first_lpt[1] if tried[k][1] is None else len(tried[k][1])
         if len(work) >= KK_MIN_PER_BIN * v:
             bins = _within(karmarkar_karp(work, v), lengths, load.max_len)
             if bins is not None:
@@ -182,7 +188,10 @@ def greedy_pack(load: PipelineLoad, *, kk: bool = True) -> Packing:
             first_kk += 1
     # Each packing's estimate once (it sums every sequence's work); the first of equal ones wins.
     best = min(estimates, key=lambda k: (estimates[k], k))
-    return _packing(load, tried[best][1], tried[best][0])
+    method, bins = tried[best]
+    if bins is None:
+        bins = _lpt(order, work, lengths, counts[best - 1], load.max_len)
+    return _packing(load, bins, method)
 
 
 def _estimate_floor(load: PipelineLoad, top: int) -> np.ndarray:
@@ -201,17 +210,22 @@ def _estimate_floor(load: PipelineLoad, top: int) -> np.ndarray:
 
 
 def lpt_bounds(loads: list[PipelineLoad]) -> np.ndarray:
+    """`lpt_first`'s estimates."""
+    return lpt_first(loads)[0]
+
+
+def lpt_first(loads: list[PipelineLoad]) -> tuple[np.ndarray, np.ndarray]:
     """An upper bound on `greedy_pack(load).estimate_s` for every load, all loads at once: LPT's
     estimate at the micro-batch count of the range with the lowest floor (the count greedy_pack
     tries first; its LPT packing is one of those greedy_pack takes the best of), inf where LPT
     finds no room. One numpy step per sequence of the largest load, over the loads that still
     have a sequence to place (the loads sorted by size, so a leading slice), with the
     arithmetic of `_lpt` and `_estimate` (so a bound equal to the greedy estimate is equal to it
-    bit for bit)."""
-    out = np.zeros(len(loads))
+    bit for bit); and the micro-batches that packing uses (greedy_pack's `first_lpt`)."""
+    out, used_bins = np.zeros(len(loads)), np.zeros(len(loads), dtype=np.int64)
     busy_loads = sorted((j for j, load in enumerate(loads) if load.seq_ids), key=lambda j: -len(loads[j].seq_ids))
     if not busy_loads:
-        return out
+        return out, used_bins
     counts = []
     for j in busy_loads:
         vs = micro_batch_range(loads[j])
@@ -245,7 +259,8 @@ def lpt_bounds(loads: list[PipelineLoad]) -> np.ndarray:
     est = (heaviest + chunk) * (depth - 1 + used.sum(axis=1))
     fits = (room >= 0).all(axis=1)
     out[busy_loads] = np.where(fits, est, np.inf)
-    return out
+    used_bins[busy_loads] = used.sum(axis=1)
+    return out, used_bins
 
 
 def _within(bins: list[list[int]], lengths: list[int], cap: int) -> list[list[int]] | None:
