@@ -69,7 +69,9 @@ def random_trials(strategies: list[PipelineArrays], row_of: np.ndarray, lengths:
                   orders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Algorithm 1 for rows of `strategies` (row r: strategy row_of[r], sequences in orders[r]):
     each sequence onto the admissible pipeline whose eq. 2 bound it raises least, which is the
-    least new bound (ties to the lowest pipeline; see dispatch._Trials). Returns the owner
+    admissible pipeline with the least new bound, lowest index on ties (bounds only grow, so the
+    top pipeline's new bound is at least the row's largest and any other's largest after the
+    move is max(its new bound, the row's largest): both orders agree). Returns the owner
     (pipeline index within the row's strategy) of every sequence per row and each row's largest
     bound."""
     g = RaggedRows(strategies, row_of)
