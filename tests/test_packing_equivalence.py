@@ -128,3 +128,12 @@ def test_hydraulis_lpt_matches_the_scan_of_every_bin(lengths, v, cap, shuffle):
     shuffle.shuffle(shuffled)   # any order, not only the planner's decreasing one
     for o in (order, shuffled):
         assert _lpt(o, work, lengths, v, cap) == textbook_lpt(o, work, lengths, v, cap)
+
+
+@settings(max_examples=150, deadline=None, database=None, derandomize=True)
+@given(sizes=st.one_of(st.lists(st.integers(1, 5000), min_size=1, max_size=80),
+                       st.lists(st.integers(1, 3), min_size=1, max_size=80),
+                       st.lists(st.floats(1e-6, 10, allow_nan=False), min_size=1, max_size=60)))
+def test_two_way_karmarkar_karp_matches_the_textbook_merge(sizes):
+    """Two groups of positive sizes (Hydraulis' two micro-batches) take karmarkar_karp's own path."""
+    assert karmarkar_karp(sizes, 2) == textbook_kk(sizes, 2)

@@ -264,6 +264,8 @@ class StepPlan:
     @property
     def loss_tokens(self) -> int:
         """Positions that predict a next token: every token but each sequence's last."""
+        if self.lengths and min(self.lengths) >= 1:  # the usual case, at C speed
+            return sum(self.lengths) - len(self.lengths)
         return sum(max(n - 1, 0) for n in self.lengths)
 
     def to_dict(self) -> dict:

@@ -43,6 +43,8 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from lengthwise.errors import UserError
 from lengthwise.metrics import GIB, PEAK_MEMORY_GIB, PLANNING_MS
 from lengthwise.plan.ir import StepPlan
@@ -225,8 +227,8 @@ def proxy_factor(request: PlanRequest, opts: AutoOptions, names: list[str]) -> i
 def proxy_lengths(lengths: list[int], k: int) -> list[int]:
     """Every k-th sequence by length, longest first (so the longest is always in), in batch order:
     a sample of each length stratum, 1/k of the batch."""
-    by_length = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    return [lengths[i] for i in sorted(by_length[::k])]
+    by_length = np.lexsort((np.arange(len(lengths)), -np.asarray(lengths, dtype=np.int64)))
+    return [lengths[i] for i in np.sort(by_length[::k]).tolist()]
 
 
 def shrink(scheme: ParallelScheme, k: int) -> ParallelScheme:

@@ -25,13 +25,15 @@ import bisect
 import heapq
 
 
-def best_fit_decreasing(sizes: list[float], capacity: float) -> list[list[int]]:
+def best_fit_decreasing(sizes: list[float], capacity: float, *, order: list[int] | None = None) -> list[list[int]]:
     """Pack items into as few bins of `capacity` as best-fit decreasing finds.
 
     Bins are returned in the order they were opened (so the first bin holds the largest item),
-    items inside a bin in the order they were placed. Every size must be <= capacity.
+    items inside a bin in the order they were placed. Every size must be <= capacity. `order`:
+    the items by size descending, ties by index, when the caller has it already.
     """
-    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    if order is None:
+        order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
     bins: list[list[int]] = []
     # (remaining room, bin index) sorted, so the tightest bin that still fits is one bisect away.
     room: list[tuple[float, int]] = []
@@ -82,9 +84,79 @@ def karmarkar_karp(sizes: list[float], k: int, *, equal_count: bool = False) -> 
     assert k >= 1
     if equal_count:
         return _kk_equal_count(sizes, k)
+    if k == 2 and sizes and min(sizes) > 0:
+        return _two_way(sizes)
     # A singleton's spread is |size| (0 when k = 1: its one group is heaviest and lightest).
     singles = sorted(((0 if k == 1 else -abs(sizes[i]), i, i) for i in range(len(sizes))))
     return _KKMerger(sizes, k).merge_all([], singles)
+
+
+def _two_way(sizes: list[float]) -> list[list[int]]:
+    """karmarkar_karp(sizes, 2) for positive sizes: `_KKMerger.merge_all`'s merges, in its
+    order and with its additions, written out for two groups (a partition is its heavier and
+    its lighter group, each (-sum, first item, last item); no group is ever empty), which is
+    most of Hydraulis' packing time when its pipelines take two micro-batches."""
+    n = len(sizes)
+    nxt = [-1] * n
+    singles = sorted((-sizes[i], i) for i in range(n))
+    heap: list[tuple] = []
+    pos = 0
+
+    def pop():
+        """(key, tiebreak, heavier, lighter), an item as its own group and None."""
+        nonlocal pos
+        if pos < n and (not heap or singles[pos] < heap[0][:2]):
+            pos += 1
+            size, i = singles[pos - 1]
+            return size, i, (size, i, i), None
+        return heapq.heappop(heap)
+
+    def join(x: tuple, y: tuple) -> tuple:
+        nxt[x[2]] = y[1]
+        return x[0] + y[0], x[1], y[2]
+
+    while len(heap) + n - pos > 1:
+        _, t1, a0, a1 = pop()
+        _, t2, b0, b1 = pop()
+        if a1 is None and b1 is None:  # two items: one group each
+            g0, g1 = min(a0, b0), max(a0, b0)
+        elif b1 is None:  # an item joins the lighter group (after it)
+            g0, g1 = a0, join(a1, b0)
+        elif a1 is None:  # (before it)
+            g0, g1 = b0, join(a0, b1)
+        else:  # heavier with lighter
+            g0, g1 = join(a0, b1), join(a1, b0)
+        if g1 < g0:
+            g0, g1 = g1, g0
+        key, tie = g0[0] - g1[0], min(t1, t2)
+        # the next items join while they and this partition are the two widest (merge_all)
+        while pos < n:
+            item = singles[pos]
+            first = item < (key, tie)
+            if heap and heap[0][:2] < ((key, tie) if first else item):
+                break
+            if pos + 1 < n and singles[pos + 1] < (key, tie):
+                break
+            pos += 1
+            i = item[1]
+            single = (item[0], i, i)
+            g1 = join(single, g1) if first else join(g1, single)
+            if g1 < g0:
+                g0, g1 = g1, g0
+            key, tie = g0[0] - g1[0], min(tie, i)
+        heapq.heappush(heap, (key, tie, g0, g1))
+    if heap:
+        groups = heap[0][2:]
+    else:
+        groups = ((singles[pos][0], singles[pos][1], singles[pos][1]), (0, -1, -1))
+    out = []
+    for g in groups:
+        items, first = [], g[1]
+        while first >= 0:
+            items.append(first)
+            first = nxt[first]
+        out.append(sorted(items))
+    return out
 
 
 class _KKMerger:

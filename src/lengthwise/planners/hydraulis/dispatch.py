@@ -11,8 +11,9 @@ the largest LB_j over assignments that respect MaxLen; Algorithm 1 solves it app
 random order, give each sequence to the admissible pipeline that least raises the current
 maximum; repeat T times and keep the best trial.
 
-All trials of all candidate strategies run at once as numpy rows ([strategies x trials,
-pipelines] arrays, narrower strategies padded with pipelines that hold nothing). Two choices of
+All trials of all candidate strategies run at once as numpy rows: the longest-first rows as
+[strategies, pipelines] arrays, narrower strategies padded with pipelines that hold nothing, the
+random ones end to end, each row exactly its strategy's pipelines (hydraulis/trials.py). Two choices of
 ours, both only able to help since the best trial is kept: trial 0 takes the sequences longest
 first (the LPT order), and among pipelines tying on the new maximum the one left least loaded
 wins (Algorithm 1 takes the first). Each strategy's trial count is cut so that sequences x its
@@ -33,7 +34,7 @@ over D and S. The longest-first trials (one per strategy, all a pass runs on lar
 take a run of equal lengths per numpy step (`_longest_first`: an exact k-way merge, O(D + k m)
 per row for a run of k, m ~ k / D + 1), so they cost one numpy step per distinct length (a few
 thousand on 32K-sequence batches), not per sequence; random trials take one numpy step per
-sequence position.
+sequence position (`trials.random_trials`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lengthwise.planners.hydraulis.cost import Scheme
+from lengthwise.planners.hydraulis.trials import random_trials
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ def dispatch_many(lengths, candidates: list[PipelineArrays], *, trials: int, wor
                   known: list[Dispatch | None] | None = None) -> list[Dispatch]:
     """Algorithm 1 for several strategies, all their trials at once (one numpy row each): the
     longest-first rows by runs of equal lengths (`_longest_first`), the random ones a sequence
-    per step (`_stepwise`). `share` (default: the strategies given) splits the work budget (see
+    per step (`trials.random_trials`). `share` (default: the strategies given) splits the work budget (see
     trials_for); `rng` draws the orders every strategy shares (see the module docstring).
     `known[c]`: candidate c's longest-first trial from an earlier pass on the same batch (rows
     never interact, so it is the row `_longest_first` would compute again, bit for bit)."""
@@ -135,7 +137,7 @@ def dispatch_many(lengths, candidates: list[PipelineArrays], *, trials: int, wor
     n = len(lengths)
     assert all(lengths.max() <= c.max_len.max() for c in candidates), "a sequence no pipeline holds"
     counts = [trials_for(n, c.size, trials, work_budget, share or len(candidates)) for c in candidates]
-    p = _stack(candidates, counts)
+    p = _stack(candidates, [1] * len(candidates))  # the longest-first row of each
     common = _orders(lengths, max(counts), rng)
     orders = np.concatenate([common[:t] for t in counts])
     starts = np.cumsum([0] + counts[:-1])  # row 0 of each candidate: the longest-first order
@@ -147,10 +149,11 @@ def dispatch_many(lengths, candidates: list[PipelineArrays], *, trials: int, wor
         if k is not None:
             owner[starts[c]], first[starts[c]] = k.owner, k.objective_s
     if todo.size:
-        owner[starts[todo]], first[starts[todo]] = _longest_first(p.take(starts[todo]), lengths, common[0])
+        owner[starts[todo]], first[starts[todo]] = _longest_first(p.take(todo), lengths, common[0])
     rand = np.setdiff1d(np.arange(len(orders)), starts)
     if rand.size:
-        owner[rand], first[rand] = _stepwise(p.take(rand), lengths, orders[rand])
+        row_of = np.repeat(np.arange(len(candidates)), counts)[rand]
+        owner[rand], first[rand] = random_trials(candidates, row_of, lengths, orders[rand])
     out = []
     for start, t in zip(starts.tolist(), counts):
         best = start + int(np.argmin(first[start:start + t]))
@@ -160,39 +163,21 @@ def dispatch_many(lengths, candidates: list[PipelineArrays], *, trials: int, wor
 
 PLAIN_RUN = 2
 """Runs of equal lengths up to this long are placed a sequence per step (fewer numpy calls)."""
-BLOCK_ENTRIES = 1 << 20
-"""w(l) is precomputed for about this many (step, row, pipeline) entries at a time."""
-
-
-def _stepwise(p: PipelineArrays, lengths: np.ndarray, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Algorithm 1 one sequence position per numpy step, each row in its own order; returns
-    the owner of every sequence per row and each row's largest bound."""
-    rows, n = orders.shape
-    state = _Trials(rows, p.max_len.shape[1])
-    owner = np.zeros((rows, n), dtype=np.int64)
-    block = max(1, min(n, BLOCK_ENTRIES // max(p.max_len.size, 1)))
-    terms = _SchemeTerms(p)
-    for k in range(n):
-        if k % block == 0:  # what depends only on the sequences, for `block` steps at once
-            pre = terms.block(lengths[orders[:, k:k + block]].T)
-        seq = orders[:, k]
-        owner[state.rows, seq] = state.place(p, lengths[seq], pre.step(k % block))
-    return owner, state.first
 
 
 def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Algorithm 1 for rows that all take the sequences in one order, a run of equal lengths
-    per numpy step; the same assignment as `_stepwise`, bit for bit.
+    per numpy step; the same assignment as `trials.random_trials` in that order, bit for bit.
 
     For a run of k sequences of length l, each pipeline's successive bounds if it took 1, 2,
-    ... of them are fixed by its own state (eq. 2 with the same arithmetic as `_Trials.place`)
+    ... of them are fixed by its own state (eq. 2 with the same arithmetic as `random_trials`)
     and never fall. Placing the run one sequence at a time onto the least new bound (ties to the
     lowest pipeline) is then a k-way merge of those streams: the run's i-th sequence goes to the
     i-th smallest (bound, pipeline, position) over all admissible pipelines. Only the k
     pipelines with the least first bound can take any (their k first bounds are already k
     candidates); we compute the first m bounds of their streams and keep the k smallest; if
     some pipeline had all m taken, its next bound might be among them too and m doubles (each
-    takes about one: m starts at ceil(k / D) + 1). A run of one is a plain `_Trials.place`."""
+    takes about one: m starts at ceil(k / D) + 1). A run of one is one step of `random_trials`."""
     rows, d = p.max_len.shape
     n = len(order)
     ls = lengths[order]
@@ -201,32 +186,44 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
     # a run of up to PLAIN_RUN sequences costs fewer numpy calls one sequence at a time
     starts = np.flatnonzero(np.r_[True, ls[1:] != ls[:-1]] | (np.repeat(sizes, sizes) <= PLAIN_RUN))
     stops = np.r_[starts[1:], n]
+    # A padding pipeline's bound is inf on its own (c = inf, PP - 1 = 1: 0 + inf + 0), so the
+    # admissibility mask is applied only to lengths some real pipeline cannot hold.
+    real = p.max_len >= 1
+    chunk_s, depth_less_one = np.where(real, p.chunk_s, np.inf), np.where(real, p.depth - 1, 1.0)
+    all_fit = float(p.max_len[real].min())
     sum_w, sum_l, fill = (np.zeros((rows, d)) for _ in range(3))
     flat_w, flat_l, flat_fill = sum_w.reshape(-1), sum_l.reshape(-1), fill.reshape(-1)  # views
     first = np.zeros(rows)
     owner = np.zeros((rows, n), dtype=np.int64)
-    depth_less_one = p.depth - 1
     row_ids = np.arange(rows)
     base = row_ids * d
     at_row = row_ids[:, None]
     terms = _SchemeTerms(p, ls[starts])
+    fill_term = np.empty((rows, d))
     for i, (a, b) in enumerate(zip(starts.tolist(), stops.tolist())):
         l, k = float(ls[a]), b - a
-        step = terms.at(i, l)
-        # T(longest) after taking l: place's "w + c if l > longest else fill" is this maximum,
+        w, w_plus_c = terms.w_at(i)
+        # T(longest) after taking l: Algorithm 1's "w + c if l > longest else fill" is this maximum,
         # as fill is T of the longest held (0 when empty) and T grows with l
-        fill_after = np.maximum(fill, step.w_plus_c)
-        fill_term = fill_after * depth_less_one
-        # each pipeline's bound if it took one sequence of the run, as place computes it
-        with_w = sum_w + step.w
-        new1 = with_w + p.chunk_s * np.ceil((sum_l + l) / p.max_len)
+        fill_after = np.maximum(fill, w_plus_c)
+        # each pipeline's bound if it took one sequence of the run, as random_trials computes
+        # it: sum_w + w + c ceil((sum_l + l) / MaxLen) + fill (PP - 1), left to right
+        new1 = sum_w + w
+        np.add(sum_l, l, out=fill_term)
+        fill_term /= p.max_len
+        np.ceil(fill_term, out=fill_term)
+        fill_term *= chunk_s
         new1 += fill_term
-        new1 = np.where(step.admissible, new1, np.inf)
+        np.multiply(fill_after, depth_less_one, out=fill_term)
+        new1 += fill_term
+        admissible = None if l <= all_fit else p.max_len >= l
+        if admissible is not None:
+            new1 = np.where(admissible, new1, np.inf)
         if k == 1:
             idx = base + new1.argmin(axis=1)
             owner[row_ids, order[a]] = idx - base
             first = np.maximum(first, new1.ravel()[idx])
-            flat_w[idx] = with_w.ravel()[idx]
+            flat_w[idx] += w.ravel()[idx]
             flat_l[idx] += l
             flat_fill[idx] = fill_after.ravel()[idx]
             continue
@@ -235,17 +232,18 @@ def _longest_first(p: PipelineArrays, lengths: np.ndarray, order: np.ndarray) ->
         kk = min(k, d)
         cand = _least(new1, kk)
         at = (at_row, cand)
-        w, c, cap, held_l, admissible = step.w[at], p.chunk_s[at], p.max_len[at], sum_l[at], step.admissible[at]
+        w, c, cap, held_l = w[at], chunk_s[at], p.max_len[at], sum_l[at]
         fill_c, start_w = fill_term[at], sum_w[at]
+        admissible = None if admissible is None else admissible[at][..., None]
         m = min(k, -(-k // kk) + 1)
         while True:
-            # sum_w after taking 0..m of the run: the same left-to-right additions as place's
+            # sum_w after taking 0..m of the run: the same left-to-right additions as random_trials'
             sums = np.empty((rows, kk, m + 1))
             sums[..., 0], sums[..., 1:] = start_w, w[..., None]
             np.cumsum(sums, axis=-1, out=sums)
             tokens = held_l[..., None] + _count(m) * l
             new = sums[..., 1:] + c[..., None] * np.ceil(tokens / cap[..., None]) + fill_c[..., None]
-            flat = np.where(admissible[..., None], new, np.inf).reshape(rows, kk * m)
+            flat = (new if admissible is None else np.where(admissible, new, np.inf)).reshape(rows, kk * m)
             taken = np.argsort(flat, axis=1, kind="stable")[:, :k]  # (bound, pipeline, position)
             slot = taken // m
             took = np.bincount((at_row * kk + slot).ravel(), minlength=rows * kk).reshape(rows, kk)
@@ -264,14 +262,17 @@ def _least(values: np.ndarray, k: int) -> np.ndarray:
     """[row, k] the columns of each row's k least values, ties to the lower column, ascending:
     np.sort(np.argsort(values, axis=1, kind="stable")[:, :k], axis=1) by one partition per row
     (the k-th least value), not a sort (values are bounds or inf, never NaN)."""
-    if k >= values.shape[1]:
-        return np.broadcast_to(np.arange(values.shape[1]), values.shape).copy()
+    rows, d = values.shape
+    if k >= d:
+        return np.broadcast_to(np.arange(d), values.shape).copy()
     kth = np.partition(values, k - 1, axis=1)[:, k - 1:k]
-    below = values < kth
-    at = values == kth
-    # of the values equal to the k-th, the lowest columns fill what `below` leaves of k
-    keep = below | (at & (np.cumsum(at, axis=1) <= k - below.sum(axis=1, keepdims=True)))
-    return np.nonzero(keep)[1].reshape(len(values), k)
+    keep = values <= kth
+    if np.count_nonzero(keep) > rows * k:
+        # some row has more than k values up to its k-th: of those equal to it, the lowest
+        # columns fill what the values below leave of k
+        at = values == kth
+        keep &= ~at | (np.cumsum(at, axis=1) <= k - (values < kth).sum(axis=1, keepdims=True))
+    return (np.flatnonzero(keep) % d).reshape(rows, k)
 
 
 @functools.lru_cache(maxsize=64)
@@ -298,8 +299,9 @@ def dispatch(lengths, p: PipelineArrays, *, trials: int, work_budget: float,
 
 @dataclass(frozen=True)
 class Precomputed:
-    """Terms of `_Trials.place` that depend on the sequences placed, not on the state, for a
-    block of steps (leading axis), computed with the same arithmetic as place's own."""
+    """Terms of Algorithm 1's step that depend on the sequences placed, not on the state, for
+    a block of steps (leading axis): the reference arithmetic that `_SchemeTerms` and
+    `trials.RaggedRows.block` reproduce bit for bit."""
 
     w: np.ndarray
     """p.seq_time(l)."""
@@ -312,9 +314,6 @@ class Precomputed:
     def of(cls, p: PipelineArrays, lengths: np.ndarray) -> Precomputed:
         w = p.seq_time(lengths)
         return cls(w=w, w_plus_c=w + p.chunk_s, admissible=p.max_len >= lengths[..., None].astype(np.float64))
-
-    def step(self, i: int) -> Precomputed:
-        return Precomputed(w=self.w[i], w_plus_c=self.w_plus_c[i], admissible=self.admissible[i])
 
 
 class _SchemeTerms:
@@ -338,72 +337,14 @@ class _SchemeTerms:
         self.w = attn_s * l * (l + 1) / 2 + token_s * l
         self.w_plus_c = self.w + chunk_s
 
-    def block(self, lengths: np.ndarray) -> Precomputed:
-        """Precomputed.of(p, lengths) for lengths [step, row] (each row its own length per
-        step): w(l) per (step, row, distinct scheme), then spread to the row's pipelines by
-        index, the same elementwise arithmetic on the same numbers."""
-        steps, rows = lengths.shape
-        u = len(self.attn_s)
-        l = lengths[..., None].astype(np.float64)
-        w = (self.attn_s * l * (l + 1) / 2 + self.token_s * l).reshape(steps, rows * u)
-        w_plus_c = (w.reshape(steps, rows, u) + self.chunk_s).reshape(steps, rows * u)
-        flat = (np.arange(rows)[:, None] * u + self.inverse).ravel()
-        shape = (steps, *self.inverse.shape)
-        return Precomputed(w=w.take(flat, axis=1).reshape(shape), w_plus_c=w_plus_c.take(flat, axis=1).reshape(shape),
-                           admissible=self.max_len >= l)
+    def w_at(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """w and w + c for the caller's i-th length."""
+        return self.w[i].take(self.inverse), self.w_plus_c[i].take(self.inverse)
 
     def at(self, i: int, l: float) -> Precomputed:
         """The terms for the caller's i-th length, l."""
-        return Precomputed(w=self.w[i].take(self.inverse), w_plus_c=self.w_plus_c[i].take(self.inverse),
-                           admissible=self.max_len >= l)
-
-
-class _Trials:
-    """Running eq. 2 terms of every (row, pipeline), and each row's largest bound."""
-
-    def __init__(self, rows: int, d: int):
-        self.sum_w, self.sum_l, self.fill = (np.zeros((rows, d)) for _ in range(3))
-        self.rows, self.cols = np.arange(rows), np.arange(d)
-        self.first = np.zeros(rows)
-        self.depth_less_one: np.ndarray | None = None
-
-    def place(self, p: PipelineArrays, l: np.ndarray, pre: Precomputed | None = None) -> np.ndarray:
-        """Put each row's sequence (length l) on the admissible pipeline where the largest bound
-        grows least (Alg. 1 l. 7-14); returns the pipelines chosen. `pre`: the terms that depend
-        on l only, when the caller has them already."""
-        pre = pre or Precomputed.of(p, l)
-        w = pre.w
-        # T(longest) after adding: the where(l > longest, w + c, fill) of Algorithm 1 is this
-        # maximum, as fill is T of the longest held (0 when empty) and T grows with l (the same
-        # identity `_longest_first` uses), so the longest held need not be tracked.
-        fill = np.maximum(self.fill, pre.w_plus_c)
-        if self.depth_less_one is None:
-            self.depth_less_one = p.depth - 1
-        # sum_w + w + c ceil((sum_l + l) / MaxLen) + fill (PP - 1), added left to right as
-        # before, in place (fewer temporaries per step)
-        new = self.sum_w + w
-        chunks = self.sum_l + l[:, None].astype(np.float64)
-        chunks /= p.max_len
-        np.ceil(chunks, out=chunks)
-        chunks *= p.chunk_s
-        new += chunks
-        np.multiply(fill, self.depth_less_one, out=chunks)
-        new += chunks
-        # The pipeline raising the largest bound least, ties to the least new bound (then the
-        # lowest index), is the admissible one with the least new bound: bounds only grow, so
-        # the top pipeline's new bound is at least the row's largest, and any other's largest
-        # after the move is max(its new bound, the row's largest) -- both orders agree, and so
-        # does the lowest index among equal new bounds.
-        pick = np.where(pre.admissible, new, np.inf).argmin(axis=1)
-        at = (self.rows, pick)
-        self.sum_w[at] += w[at]
-        self.sum_l[at] += l
-        self.fill[at] = fill[at]
-        self._raise(pick, new[at])
-        return pick
-
-    def _raise(self, pick: np.ndarray, value: np.ndarray) -> None:
-        self.first = np.maximum(self.first, value)  # bounds only grow: the row's largest
+        w, w_plus_c = self.w_at(i)
+        return Precomputed(w=w, w_plus_c=w_plus_c, admissible=self.max_len >= l)
 
 
 def lower_bound(lengths, schemes: list[Scheme], counts: list[int], max_lens: list[int]) -> float:

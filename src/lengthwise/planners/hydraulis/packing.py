@@ -144,33 +144,43 @@ def _lpt(order: list[int], work: list[float], lengths: list[int], v: int, cap: i
     return [b for b in bins if b]
 
 
-def greedy_pack(load: PipelineLoad, *, kk: bool = True) -> Packing:
+def greedy_pack(load: PipelineLoad, *, kk: bool = True, first_lpt: tuple[float, int] | None = None) -> Packing:
     """Best of fixed-length packing (BFD to MaxLen), LPT over the pruned V range, and
     Karmarkar-Karp at the micro-batch count(s) where LPT did best. kk=False leaves out the
     Karmarkar-Karp step: the result then bounds the full one from above (which only replaces
-    it when strictly better)."""
+    it when strictly better). `first_lpt`: LPT's estimate and micro-batches used at the count
+    tried first (`lpt_first`'s, the same numbers), so that packing is redone only if it wins."""
     if not load.seq_ids:
         return Packing(bins=(), estimate_s=0.0, method="lpt")
     work, lengths = load.work.tolist(), load.lengths.tolist()
-    order = sorted(range(len(work)), key=lambda i: (-work[i], -lengths[i], i))
+    ids = np.arange(len(work))
+    # LPT's order (work, then length, descending; ties by position) and BFD's (length
+    # descending, ties by position), as sorted() on those keys gives them
+    order = np.lexsort((ids, -load.lengths, -load.work)).tolist()
+    by_length = np.lexsort((ids, -load.lengths)).tolist()
     # Entries are keyed by their place in the textbook order (BFD, LPT for each V ascending,
     # then KK): among equal estimates the earliest wins, whatever order they are computed in.
-    tried = {0: ("bfd", best_fit_decreasing(lengths, load.max_len))}
+    tried = {0: ("bfd", best_fit_decreasing(lengths, load.max_len, order=by_length))}
     estimates = {0: _estimate(load, work, tried[0][1])}
     counts = micro_batch_range(load)
     floor = _estimate_floor(load, max(counts))
     # LPT at v bins cannot beat floor[v - 1]: counts are tried from the lowest floor up and
     # skipped once their floor is above the best estimate found, which leaves the choice as
     # trying them all would
-    for v, pos in sorted(((v, pos) for pos, v in enumerate(counts, start=1)), key=lambda vp: floor[vp[0] - 1]):
+    for n, (v, pos) in enumerate(sorted(((v, pos) for pos, v in enumerate(counts, start=1)),
+                                        key=lambda vp: floor[vp[0] - 1])):
         if floor[v - 1] > min(estimates.values()) * (1 + 1e-9):
             break
+        if n == 0 and first_lpt is not None:  # known: its bins (None) only if it is chosen
+            if np.isfinite(first_lpt[0]):
+                tried[pos], estimates[pos] = ("lpt", None), first_lpt[0]
+            continue
         bins = _lpt(order, work, lengths, v, load.max_len)
         if bins is not None:
             tried[pos], estimates[pos] = ("lpt", bins), _estimate(load, work, bins)
     first_kk = len(counts) + 1
     for _, k in sorted((e, k) for k, e in estimates.items())[:KK_TRIES if kk else 0]:
-        v = len(tried[k][1])
+        v = first_lpt[1] if tried[k][1] is None else len(tried[k][1])
         if len(work) >= KK_MIN_PER_BIN * v:
             bins = _within(karmarkar_karp(work, v), lengths, load.max_len)
             if bins is not None:
@@ -178,7 +188,10 @@ def greedy_pack(load: PipelineLoad, *, kk: bool = True) -> Packing:
             first_kk += 1
     # Each packing's estimate once (it sums every sequence's work); the first of equal ones wins.
     best = min(estimates, key=lambda k: (estimates[k], k))
-    return _packing(load, tried[best][1], tried[best][0])
+    method, bins = tried[best]
+    if bins is None:
+        bins = _lpt(order, work, lengths, counts[best - 1], load.max_len)
+    return _packing(load, bins, method)
 
 
 def _estimate_floor(load: PipelineLoad, top: int) -> np.ndarray:
@@ -197,43 +210,48 @@ def _estimate_floor(load: PipelineLoad, top: int) -> np.ndarray:
 
 
 def lpt_bounds(loads: list[PipelineLoad]) -> np.ndarray:
+    """`lpt_first`'s estimates."""
+    return lpt_first(loads)[0]
+
+
+def lpt_first(loads: list[PipelineLoad]) -> tuple[np.ndarray, np.ndarray]:
     """An upper bound on `greedy_pack(load).estimate_s` for every load, all loads at once: LPT's
     estimate at the micro-batch count of the range with the lowest floor (the count greedy_pack
     tries first; its LPT packing is one of those greedy_pack takes the best of), inf where LPT
-    finds no room. One numpy step per sequence of the largest load, the loads side by side, with
-    the arithmetic of `_lpt` and `_estimate` (so a bound equal to the greedy estimate is equal
-    to it bit for bit)."""
-    out = np.zeros(len(loads))
-    busy_loads = [j for j, load in enumerate(loads) if load.seq_ids]
+    finds no room. One numpy step per sequence of the largest load, over the loads that still
+    have a sequence to place (the loads sorted by size, so a leading slice), with the
+    arithmetic of `_lpt` and `_estimate` (so a bound equal to the greedy estimate is equal to it
+    bit for bit); and the micro-batches that packing uses (greedy_pack's `first_lpt`)."""
+    out, used_bins = np.zeros(len(loads)), np.zeros(len(loads), dtype=np.int64)
+    busy_loads = sorted((j for j, load in enumerate(loads) if load.seq_ids), key=lambda j: -len(loads[j].seq_ids))
     if not busy_loads:
-        return out
+        return out, used_bins
     counts = []
     for j in busy_loads:
         vs = micro_batch_range(loads[j])
         floor = _estimate_floor(loads[j], max(vs))
         counts.append(min(vs, key=lambda v: floor[v - 1]))  # the first of equal floors, as sorted() keeps
     p, width = len(busy_loads), max(counts)
-    sizes = [len(loads[j].seq_ids) for j in busy_loads]
-    # [step, pipeline], a pipeline's sequences in greedy_pack's order, then zero-token no-work
-    # fillers (they fit any bin and change nothing: no live mask needed)
-    work = np.zeros((max(sizes), p))
-    tokens = np.zeros((max(sizes), p), dtype=np.int64)
+    sizes = np.asarray([len(loads[j].seq_ids) for j in busy_loads])
+    # [step, pipeline], each pipeline's sequences in greedy_pack's order
+    work = np.zeros((sizes[0], p))
+    tokens = np.zeros((sizes[0], p), dtype=np.int64)
     for r, j in enumerate(busy_loads):
         load = loads[j]
         order = np.lexsort((np.arange(sizes[r]), -load.lengths, -load.work))
         work[:sizes[r], r], tokens[:sizes[r], r] = load.work[order], load.lengths[order]
     cap = np.asarray([loads[j].max_len for j in busy_loads], dtype=np.int64)
-    busy = np.where(np.arange(width) < np.asarray(counts)[:, None], 0.0, np.inf).ravel()
-    room = np.repeat(cap, width)
-    base = np.arange(p) * width
-    for t in range(max(sizes)):
+    busy = np.where(np.arange(width) < np.asarray(counts)[:, None], 0.0, np.inf)
+    room = np.repeat(cap[:, None], width, axis=1)
+    live = np.searchsorted(-sizes, -np.arange(sizes[0]), side="left")  # loads with a sequence at step t
+    rows = np.arange(p)
+    for t, n in enumerate(live.tolist()):
         # least busy with room, lowest index on ties; with no room anywhere bin 0's room goes
         # negative, which marks the pipeline as one LPT cannot pack
-        pick = base + np.where(room.reshape(p, width) >= tokens[t, :, None], busy.reshape(p, width),
-                               np.inf).argmin(axis=1)
-        busy[pick] += work[t]
-        room[pick] -= tokens[t]
-    busy, room = busy.reshape(p, width), room.reshape(p, width)
+        b, left = busy[:n], room[:n]
+        pick = np.where(left >= tokens[t, :n, None], b, np.inf).argmin(axis=1)
+        b[rows[:n], pick] += work[t, :n]
+        left[rows[:n], pick] -= tokens[t, :n]
     used = room < cap[:, None]
     heaviest = np.where(used, busy, -np.inf).max(axis=1)
     chunk = np.asarray([loads[j].chunk_s for j in busy_loads])
@@ -241,7 +259,8 @@ def lpt_bounds(loads: list[PipelineLoad]) -> np.ndarray:
     est = (heaviest + chunk) * (depth - 1 + used.sum(axis=1))
     fits = (room >= 0).all(axis=1)
     out[busy_loads] = np.where(fits, est, np.inf)
-    return out
+    used_bins[busy_loads] = used.sum(axis=1)
+    return out, used_bins
 
 
 def _within(bins: list[list[int]], lengths: list[int], cap: int) -> list[list[int]] | None:

@@ -69,7 +69,6 @@ Options: `HydraulisOptions` in planners/options.py (each with its default and me
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -83,26 +82,13 @@ from lengthwise.planners.hydraulis.cost import (
     link_time,
     make_scheme,
     parse_pipelines,
-    plan_exchange,
     scheme_holders,
     scheme_space,
-    switch_time,
     sync_time,
 )
-from lengthwise.planners.hydraulis.dispatch import (
-    Dispatch,
-    PipelineArrays,
-    dispatch_many,
-    lower_bound,
-    trials_for,
-)
-from lengthwise.planners.hydraulis.packing import (
-    Packing,
-    PipelineLoad,
-    greedy_pack,
-    lpt_bounds,
-    milp_pack,
-)
+from lengthwise.planners.hydraulis.dispatch import lower_bound, trials_for
+from lengthwise.planners.hydraulis.evaluate import Evaluation, complete, evaluate_all, exchange, switch
+from lengthwise.planners.hydraulis.packing import milp_pack
 from lengthwise.planners.hydraulis.strategy import (
     Histogram,
     Strategy,
@@ -122,36 +108,6 @@ PROFILE_SAMPLE = 65536
 """Sequences drawn (seed 0) to stand for a dataset profile in the proposal."""
 
 
-@dataclass(kw_only=True)
-class Evaluation:
-    """One candidate strategy assessed on one batch (§6: its two-stage assignment)."""
-
-    strategy: Strategy
-    pipelines: list[Scheme]
-    """Scheme of each pipeline, strategy MaxLen descending."""
-    max_lens: list[int]
-    """Micro-batch token limit of each pipeline within this strategy."""
-    exchange_s: float
-    """Slowest pipeline's optimization-propagation exchange, seconds."""
-    switch_s: float
-    """A strategy switch from the `previous` option's pipelines to these, seconds (0: none)."""
-    loads: list[PipelineLoad]
-    """Sequences dispatched to each pipeline (Algorithm 1)."""
-    packings: list[Packing | None]
-    """Micro-batches of each pipeline (eq. 1); None for a pipeline not packed yet (see `full`)."""
-    trials: int
-    """Dispatch trials run."""
-    dispatch: Dispatch | None = None
-    """Algorithm 1's result these loads come from (reused by a later pass on the same batch)."""
-    full: set[int]
-    """Pipelines packed (the others wait for `_complete`; their greedy estimate is at most the
-    largest of these, so the largest estimate is exact either way)."""
-
-    @property
-    def estimate_s(self) -> float:
-        return float(max(p.estimate_s for p in self.packings if p is not None) + self.exchange_s + self.switch_s)
-
-
 def plan_hydraulis(request: PlanRequest) -> StepPlan:
     """Plan one global batch with Hydraulis (see the module docstring)."""
     started = time.perf_counter()
@@ -165,7 +121,7 @@ def plan_hydraulis(request: PlanRequest) -> StepPlan:
     else:
         candidates, fallback = _candidates(request, opts, space, num_gpus)
     best, table = _choose(request, opts, candidates, num_gpus)
-    _complete(best)
+    complete(best)
     milp_count = _refine(best, opts)
     pipelines = _pipelines(request, best, num_gpus)
     plan = finish_plan(request, pipelines, planner="hydraulis", started=started,
@@ -245,7 +201,7 @@ def _candidates(request: PlanRequest, opts: HydraulisOptions, space: list[Scheme
     the batch's longest sequence, with a one-line reason (plan.metrics["fallback"])."""
     hist, targets, tokens = _histogram(request, opts, space)
     # Caps only group schemes for the proposal runs (a candidate's estimate charges its exact
-    # exchange, `_exchange`); each scheme's level is its reduction over as many ranks as it
+    # exchange, `evaluate.exchange`); each scheme's level is its reduction over as many ranks as it
     # would have pipelines, the grouping these caps were tuned with.
     costs = {s: sync_time(request.cost, s, num_pipelines=num_gpus // s.num_gpus, num_gpus=num_gpus,
                           ranks=num_gpus // s.num_gpus)
@@ -314,7 +270,7 @@ def _choose(request: PlanRequest, opts: HydraulisOptions, candidates: list[Strat
     share = len(feasible)
     if rest and max(trials_for(len(lengths), len(feasible[i][2]), opts.trials, opts.dispatch_work, share)
                     for i in rest) > 1:
-        full = _evaluate_all(request, opts, [feasible[i] for i in rest], lengths, num_gpus, trials=opts.trials,
+        full = evaluate_all(request, opts, [feasible[i] for i in rest], lengths, num_gpus, trials=opts.trials,
                              share=share, screened=[screened[i] for i in rest])
     else:  # one trial is the longest-first order the screen already ran: the same dispatch
         full = [screened[i] for i in rest]
@@ -345,12 +301,12 @@ def _screen(request: PlanRequest, opts: HydraulisOptions, feasible: list, length
     cost when the widest candidates have the weakest bounds."""
     out: list[Evaluation | None] = [None] * len(feasible)
     first = list(range(max(1, (len(feasible) + 1) // 2)))
-    for i, ev in zip(first, _evaluate_all(request, opts, [feasible[i] for i in first], lengths, num_gpus, trials=1)):
+    for i, ev in zip(first, evaluate_all(request, opts, [feasible[i] for i in first], lengths, num_gpus, trials=1)):
         out[i] = ev
     cut = min(ev.estimate_s for ev in out if ev is not None)
     second = [i for i in range(len(first), len(feasible)) if feasible[i][0] <= cut]
     if second:
-        evs = _evaluate_all(request, opts, [feasible[i] for i in second], lengths, num_gpus, trials=1)
+        evs = evaluate_all(request, opts, [feasible[i] for i in second], lengths, num_gpus, trials=1)
         for i, ev in zip(second, evs):
             out[i] = ev
     return out
@@ -382,90 +338,7 @@ def _prepare(request: PlanRequest, strategy: Strategy, num_gpus: int, lengths: n
     schemes = [s for s, _ in strategy.parts]
     pipes = _strategy_pipelines(strategy, limits)
     bound = lower_bound(lengths, schemes, [n for _, n in strategy.parts], limits)
-    return bound + _exchange(request, pipes, num_gpus) + _switch(request, previous, pipes, num_gpus), strategy, pipes
-
-
-def _exchange(request: PlanRequest, pipes: list[tuple[Scheme, int]], num_gpus: int) -> float:
-    """The slowest pipeline's exchange, exactly as the simulator charges the plan `_pipelines`
-    makes of these pipelines (same order, so the same GPUs and node spans)."""
-    return max(plan_exchange(request.cost, [s for s, _ in pipes], num_gpus=num_gpus))
-
-
-def _switch(request: PlanRequest, previous: str | None, pipes: list[tuple[Scheme, int]],
-            num_gpus: int) -> float:
-    """The switch from the `previous` option's pipelines to these (cost.switch_time; 0 without
-    the option)."""
-    if not previous:
-        return 0.0
-    return switch_time(request.cost, parse_pipelines(previous), [(s.tp, s.pp, s.cp) for s, _ in pipes],
-                       num_gpus=num_gpus)
-
-
-def _evaluate_all(request: PlanRequest, opts: HydraulisOptions, prepared: list, lengths: np.ndarray, num_gpus: int,
-                  *, trials: int, share: int | None = None,
-                  screened: list[Evaluation | None] | None = None) -> list[Evaluation]:
-    """Two-stage assignment (§6) of the batch on each strategy: dispatch (all strategies'
-    trials together, every one on the same random orders from the request's seed, its trial
-    count from `share`: see dispatch.py), then greedy packing per pipeline. `screened[c]`:
-    strategy c's longest-first evaluation from `_screen`, whose dispatch is not run again and
-    which is returned as is when the longest-first trial stays the best (`_choose` keeps the
-    screened evaluation on a tie, so the choice is the same)."""
-    screened = screened or [None] * len(prepared)
-    arrays = [PipelineArrays.of([s for s, _ in pipes], [m for _, m in pipes]) for _, _, pipes in prepared]
-    runs = dispatch_many(lengths, arrays, trials=trials, work_budget=opts.dispatch_work,
-                         rng=np.random.default_rng(request.seed), share=share,
-                         known=[None if ev is None else ev.dispatch for ev in screened])
-    out = []
-    for (_, strategy, pipes), disp, old in zip(prepared, runs, screened):
-        if old is not None and disp.trial == 0:
-            out.append(old)
-            continue
-        held = _by_owner(disp.owner, len(pipes))
-        loads = [_load(lengths, ids, s, m) for ids, (s, m) in zip(held, pipes)]
-        packings, full = _slowest_packed(loads)
-        out.append(Evaluation(strategy=strategy, pipelines=[s for s, _ in pipes], max_lens=[m for _, m in pipes],
-                              exchange_s=_exchange(request, pipes, num_gpus),
-                              switch_s=_switch(request, opts.previous, pipes, num_gpus), loads=loads,
-                              packings=packings, trials=disp.trials, dispatch=disp, full=full))
-    return out
-
-
-def _slowest_packed(loads: list[PipelineLoad]) -> tuple[list, set[int]]:
-    """The full greedy packing for the pipelines from the highest upper bound down (`lpt_bounds`:
-    LPT at one micro-batch count, all pipelines in one numpy pass) until the next bound is no
-    more than the slowest full packing found: the largest estimate is then exactly that of
-    packing every pipeline fully. Returns the packings (None where not packed yet) and the
-    pipelines packed."""
-    bounds = lpt_bounds(loads)
-    packings: list[Packing | None] = [None] * len(loads)
-    full: set[int] = set()
-    slowest = -np.inf
-    for j in sorted(range(len(loads)), key=lambda j: -bounds[j]):
-        if bounds[j] <= slowest:
-            break
-        packings[j] = greedy_pack(loads[j])
-        full.add(j)
-        slowest = max(slowest, packings[j].estimate_s)
-    return packings, full
-
-
-def _complete(ev: Evaluation) -> None:
-    """The chosen candidate's remaining pipelines packed (as if every one had been)."""
-    for j, load in enumerate(ev.loads):
-        if j not in ev.full:
-            ev.packings[j] = greedy_pack(load)
-            ev.full.add(j)
-
-
-def _by_owner(owner: np.ndarray, pipelines: int) -> list[np.ndarray]:
-    """The sequence ids of each pipeline, ascending (one stable sort, not a scan per pipeline)."""
-    order = np.argsort(owner, kind="stable")
-    return np.split(order, np.cumsum(np.bincount(owner, minlength=pipelines))[:-1])
-
-
-def _load(lengths: np.ndarray, ids: np.ndarray, scheme: Scheme, max_len: int) -> PipelineLoad:
-    return PipelineLoad(seq_ids=tuple(ids.tolist()), lengths=lengths[ids], work=scheme.seq_time(lengths[ids]),
-                        chunk_s=scheme.chunk_s, depth=scheme.pp, max_len=max_len, util_len=scheme.util_len)
+    return bound + exchange(request, pipes, num_gpus) + switch(request, previous, pipes, num_gpus), strategy, pipes
 
 
 def _refine(ev: Evaluation, opts: HydraulisOptions) -> int:
