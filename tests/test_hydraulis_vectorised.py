@@ -5,7 +5,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lengthwise.planners.hydraulis.dispatch import PipelineArrays, Precomputed, _least, _SchemeTerms, _stack
+from lengthwise.planners.hydraulis.arrays import PipelineArrays
+from lengthwise.planners.hydraulis.dispatch import Precomputed, _least, _SchemeTerms, _stack
 from lengthwise.planners.hydraulis.packing import (
     PipelineLoad,
     _estimate,

@@ -11,7 +11,8 @@ from lengthwise.errors import UserError
 from lengthwise.plan.validate import validate_plan
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.planners.hydraulis.cost import Scheme, make_scheme, paper_max_len, plan_exchange, scheme_space
-from lengthwise.planners.hydraulis.dispatch import PipelineArrays, dispatch
+from lengthwise.planners.hydraulis.arrays import PipelineArrays
+from lengthwise.planners.hydraulis.dispatch import dispatch
 from lengthwise.planners.hydraulis.packing import (
     PipelineLoad,
     estimate,

@@ -13,7 +13,8 @@ import numpy as np
 
 from lengthwise.planners.base import PlanRequest
 from lengthwise.planners.hydraulis.cost import Scheme, parse_pipelines, plan_exchange, switch_time
-from lengthwise.planners.hydraulis.dispatch import Dispatch, PipelineArrays, dispatch_many
+from lengthwise.planners.hydraulis.arrays import PipelineArrays
+from lengthwise.planners.hydraulis.dispatch import Dispatch, dispatch_many
 from lengthwise.planners.hydraulis.packing import Packing, PipelineLoad, greedy_pack, lpt_first
 from lengthwise.planners.hydraulis.strategy import Strategy
 from lengthwise.planners.options import HydraulisOptions

@@ -13,12 +13,9 @@ terms' of the padded layout, in the same order, so the same floats and the same 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:  # dispatch.py imports this module
-    from lengthwise.planners.hydraulis.dispatch import PipelineArrays
+from lengthwise.planners.hydraulis.arrays import PipelineArrays
 
 BLOCK_ENTRIES = 1 << 20
 """w(l) is precomputed for about this many (step, row, pipeline) entries at a time."""
