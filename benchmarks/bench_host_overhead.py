@@ -3,6 +3,7 @@ arithmetic is nothing, before and after the hot-path work (issue 26).
 
     python benchmarks/bench_host_overhead.py                 # writes benchmarks/results/host_overhead.json
     python benchmarks/bench_host_overhead.py --rounds 3 --steps 5 --no-inductor   # quick look
+    python benchmarks/bench_host_overhead.py --device cuda --variants after       # on a GPU (gpu_suite)
 
 What is timed: one training step (forward and backward, `run_step`) of a plan with a split
 sequence and packed rows — sequence 0 cut into three slices, two of them sharing a row with a
@@ -27,7 +28,12 @@ and, apart, the varlen (CUDA) path's index and key-packing host work per layer a
 (`varlen_index_work`), which the CPU step above does not run.
 Times are the CPU time of the process's main thread (`time.thread_time`, torch on one thread),
 not wall time: on a shared machine a process also waits for a core, which is not the host
-cost of the code. Beside them, exact counts per layer and chunk that no machine's load moves:
+cost of the code. With `--device cuda` (bfloat16, the varlen backend: the GPU path) they are
+wall times of the step with the device synchronised at its end: on these shapes the device
+waits for the host, so the wall time is the host's, synchronising copies included, which the
+CPU step cannot show. `before` needs the old revision's source: git here, or `--old-src` (a
+`src/` folder exported beforehand, e.g. `git archive 1b723e1 src | tar -x -C /tmp/old`, where
+the machine has no git history); `--variants` picks which variants run. Beside them, exact counts per layer and chunk that no machine's load moves:
 ATen operator calls, autograd nodes run in backward, calls into compiled graphs
 (`dispatch_counts`).
 """
@@ -56,7 +62,7 @@ COUNTS = ("aten_ops", "dispatched_ops", "autograd_nodes", "compiled_graph_calls"
 """Per layer and chunk, counted once per variant (`dispatch_counts`)."""
 
 
-def worker(compile_backend: str | None, steps: int) -> None:
+def worker(compile_backend: str | None, steps: int, device: str = "cpu") -> None:
     """Build the two models, warm up, then time `steps` steps of each whenever a line arrives."""
     import torch
 
@@ -66,11 +72,20 @@ def worker(compile_backend: str | None, steps: int) -> None:
     from lengthwise.specs import ModelSpec, cluster_preset
 
     torch.set_num_threads(1)
+    cuda = device == "cuda"
+    dtype, backend = (torch.bfloat16, "varlen") if cuda else (torch.float32, "cpu-flash")
+
+    def clock() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.thread_time()
+
     models, plans = {}, {}
     for layers in (2, 4):
         spec = ModelSpec(name=f"tiny-{layers}", num_layers=layers, hidden=32, num_heads=4, num_kv_heads=2,
                          head_dim=8, ffn=48, vocab=64)
-        models[layers] = build_model(spec, dtype=torch.float32, seed=0)
+        models[layers] = build_model(spec, dtype=dtype, device=device, seed=0)
         if compile_backend:
             from lengthwise.runtime.compile import compile_layers
 
@@ -83,10 +98,10 @@ def worker(compile_backend: str | None, steps: int) -> None:
     def step(layers: int) -> float:
         model = models[layers]
         model.zero_grad(set_to_none=True)
-        started = time.thread_time()
-        loss = run_step(model, plans[layers], tokens, backend="cpu-flash")
+        started = clock()
+        loss = run_step(model, plans[layers], tokens, backend=backend)
         float(loss)
-        return time.thread_time() - started
+        return clock() - started
 
     for _ in range(3):  # warm-up (and compilation)
         step(2), step(4)
@@ -97,14 +112,16 @@ def worker(compile_backend: str | None, steps: int) -> None:
     calls = None if compile_backend else {layers: recorded_calls(lambda: step(layers)) for layers in (2, 4)}
     per_layer_counts["dispatched_ops"] = calls and (len(calls[4]) - len(calls[2])) / (2 * NUM_CHUNKS)
     varlen_index = varlen_index_work()
-    print("ready", flush=True)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    print("ready " + json.dumps({"device": name, "torch": torch.__version__}), flush=True)
     for _ in sys.stdin:
         times = {layers: [] for layers in (2, 4)}
         for _ in range(steps):
             for layers in (2, 4):
                 times[layers].append(step(layers))
         two, four = statistics.median(times[2]), statistics.median(times[4])
-        replays = calls and {layers: statistics.median(replay(calls[layers]) for _ in range(steps)) for layers in (2, 4)}
+        replays = calls and {layers: statistics.median(replay(calls[layers], clock) for _ in range(steps))
+                             for layers in (2, 4)}
         print(json.dumps({"step_2_layers_s": two, "step_4_layers_s": four,
                           "per_layer_chunk_s": (four - two) / (2 * NUM_CHUNKS),
                           "replay_per_layer_chunk_s": replays and (replays[4] - replays[2]) / (2 * NUM_CHUNKS),
@@ -144,17 +161,17 @@ def recorded_calls(run) -> list:
     return recorder.calls
 
 
-def replay(calls) -> float:
+def replay(calls, clock=time.thread_time) -> float:
     """CPU seconds to make the recorded operator calls again, one after the other, without
     autograd or any of the executor's Python: the floor that what the step dispatches sets,
     whatever the code around it (the calls write into tensors of the recorded run, no grad)."""
     import torch
 
     with torch.no_grad():
-        started = time.thread_time()
+        started = clock()
         for func, args, kwargs in calls:
             func(*args, **kwargs)
-        return time.thread_time() - started
+        return clock() - started
 
 
 VARLEN_LAYERS = 28
@@ -202,16 +219,17 @@ def old_source(rev: str, into: Path) -> Path:
     return into / "src"
 
 
-def start(src: Path, compile_backend: str | None, steps: int) -> subprocess.Popen:
+def start(src: Path, compile_backend: str | None, steps: int, device: str) -> tuple[subprocess.Popen, dict]:
+    """A worker process on `src`'s package, ready, and what it runs on."""
     env = {**os.environ, "PYTHONPATH": str(src)}
-    args = [sys.executable, __file__, "--worker", "--steps", str(steps)]
+    args = [sys.executable, __file__, "--worker", "--steps", str(steps), "--device", device]
     if compile_backend:
         args += ["--compile-backend", compile_backend]
     proc = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
-    if line.strip() != "ready":
+    if not line.startswith("ready "):
         raise SystemExit(f"worker for {src} ({compile_backend or 'eager'}) failed to start: {line!r}")
-    return proc
+    return proc, json.loads(line.removeprefix("ready "))
 
 
 def ask(proc: subprocess.Popen) -> dict:
@@ -228,17 +246,28 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="turns of every variant (default 7)")
     ap.add_argument("--steps", type=int, default=10, help="steps per turn, median kept (default 10)")
     ap.add_argument("--no-inductor", action="store_true", help="compile with aot_eager instead of inductor")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--variants", default="before,after,after+compile",
+                    help="comma-separated of before, after, after+compile (default all three)")
+    ap.add_argument("--old-src", help="the old revision's src/ folder for `before` (default: exported from git)")
     ap.add_argument("--out", default=str(RESULTS / "host_overhead.json"))
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.compile_backend, args.steps)
+        worker(args.compile_backend, args.steps, args.device)
         return 0
     compile_backend = "aot_eager" if args.no_inductor else "inductor"
+    wanted = args.variants.split(",")
+    if not set(wanted) <= {"before", "after", "after+compile"}:
+        raise SystemExit(f"--variants {args.variants!r}: use before, after and after+compile")
     with tempfile.TemporaryDirectory() as tmp:
-        variants = {"before": (old_source(args.old_rev, Path(tmp)), None),
-                    "after": (ROOT / "src", None),
-                    f"after+compile({compile_backend})": (ROOT / "src", compile_backend)}
-        procs = {name: start(src, backend, args.steps) for name, (src, backend) in variants.items()}
+        sources = {"before": lambda: (Path(args.old_src) if args.old_src else old_source(args.old_rev, Path(tmp)), None),
+                   "after": lambda: (ROOT / "src", None),
+                   "after+compile": lambda: (ROOT / "src", compile_backend)}
+        variants = {name if name != "after+compile" else f"after+compile({compile_backend})": sources[name]()
+                    for name in wanted}
+        started = {name: start(src, backend, args.steps, args.device) for name, (src, backend) in variants.items()}
+        procs = {name: proc for name, (proc, _) in started.items()}
+        machine = next(iter(started.values()))[1]
         runs = {name: [] for name in procs}
         for _ in range(args.rounds):
             for name, proc in procs.items():
@@ -255,13 +284,18 @@ def main(argv=None) -> int:
         "what": "host time per decoder layer and chunk, forward + backward, tiny model (arithmetic ~0)",
         "command": "python benchmarks/bench_host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "plan": {"lengths": LENGTHS, "chunks": CHUNKS, "actions": ACTIONS},
-        "old_rev": args.old_rev, "rounds": args.rounds, "steps_per_round": args.steps,
+        "device": machine["device"], "torch": machine["torch"],
+        "clock": "wall, device synchronised" if args.device == "cuda" else "main thread CPU time",
+        "old_rev": None if "before" not in per else args.old_src or args.old_rev,
+        "rounds": args.rounds, "steps_per_round": args.steps,
         "per_layer_chunk_us": {name: round(s * 1e6, 1) for name, s in per.items()},
-        "ratio_before_over_after": {name: round(per["before"] / s, 2) for name, s in per.items() if name != "before"},
+        "ratio_before_over_after": {name: round(per["before"] / s, 2) for name, s in per.items()
+                                    if name != "before" and "before" in per},
         "replayed_calls_per_layer_chunk_us": {name: round(t * 1e6, 1) for name, t in floor.items()},
         "replayed_share_of_step": {name: round(floor[name] / per[name], 2) for name in floor},
         "varlen_index_per_layer_chunk_us": {name: round(t * 1e6, 3) for name, t in index.items()},
-        "varlen_index_ratio_before_over_after": round(index["before"] / index["after"], 1),
+        "varlen_index_ratio_before_over_after": (round(index["before"] / index["after"], 1)
+                                                 if {"before", "after"} <= set(index) else None),
         **{f"{kind}_per_layer_chunk": counted[kind] for kind in COUNTS},
         "runs": runs,
     }

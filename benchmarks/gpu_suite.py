@@ -1,6 +1,6 @@
 """Every GPU measurement the project needs, as one command that fits a short lease on one GPU.
 
-    bash benchmarks/gpu_suite.sh                        # one H100/H200: about 5 minutes, at most 7.5
+    bash benchmarks/gpu_suite.sh                        # one H100/H200: about 5 minutes, at most 8
     bash benchmarks/gpu_suite.sh --out /tmp/gpu         # the JSON files elsewhere ($OUT when set)
     bash benchmarks/gpu_suite.sh --tiny --out /tmp/t    # the same steps on CPU, tiny models and sizes
     bash benchmarks/gpu_suite.sh --list                 # print the steps and their limits, run nothing
@@ -13,12 +13,15 @@ versions, commit; per step its command, limit, rc, wall time, output file), rewr
 every step so a suite cut short still says how far it got. Exit 0 only when every step that
 ran succeeded and wrote its file.
 
-The steps' limits add up to 450 s (--tiny: 600 s each, only to stop a hang). They come from the first H200 run
+The steps' limits add up to 480 s (--tiny: 600 s each, only to stop a hang). They come from the first H200 run
 (/work/shared/gpu-results/2026-11-27-h200/log.txt): the varlen check took 17 s, verify 14 s,
 a 0.5B profile 15 s, sim_fidelity 22 s, and bench_gpu_finetune about 15 s a system for building
 its model plus 0.4 s (lengthwise) to 2.5 s (transformers padded) a step at 32K; each limit
 is about 1.5 times that, plus the compilation of flex_attention for the transformers anchor.
-The steps run the cheap, decisive checks first and the anchor (the one compile) last.
+The steps run the cheap, decisive checks first and the anchor (the one compile) last. The
+host-overhead step (bench_host_overhead.py on the GPU, this checkout eager: host time per
+decoder layer and chunk on tiny shapes, 30 s) has no earlier measurement to size it by: a
+worker's start (torch and CUDA) and 3 x 5 steps of a tiny model, well under 30 s on the CPU.
 """
 
 from __future__ import annotations
@@ -111,6 +114,10 @@ def suite_steps(out: Path, *, tiny: bool, cuda: bool) -> list[Step]:
                       extra=["--chunk-size", chunk_8k]),
         finetune_step("finetune-0.5b-128k-long", out, tiny, 90, context=131072, systems="packing,chunkflow",
                       extra=["--chunk-size", chunk_8k, "--long-sequence", long_range]),
+        Step(name="host-overhead", limit_s=30, output="host-overhead.json",
+             argv=[PY, "benchmarks/bench_host_overhead.py", "--device", "cpu" if tiny else "cuda", "--variants", "after",
+                   "--rounds", "1" if tiny else "3", "--steps", "1" if tiny else "5",
+                   "--out", str(out / "host-overhead.json")]),
         Step(name="sim-fidelity-0.5b-32k", limit_s=40, output="sim-fidelity-0.5b-32k.json", needs=[p05],
              argv=[PY, "benchmarks/sim_fidelity.py", *(["--tiny", "--device", "cpu"] if tiny else
                    ["--model", "qwen2.5-0.5b", "--context", "32768", "--batches", "2", "--repeats", "2"]),

@@ -87,6 +87,9 @@ def test_tiny_suite_runs_every_step_on_cpu_and_writes_its_json(tmp_path):
     assert _load(out, "verify.json")["passed"] is True
     for name in ("profile-tiny-qwen.json", "profile-tiny.json"):
         assert _load(out, name)["format"] == "lengthwise.profile/1"
+    host = _load(out, "host-overhead.json")
+    assert host["device"] == "cpu" and host["per_layer_chunk_us"]["after"] > 0
+    assert host["dispatched_ops_per_layer_chunk"]["after"] > 0
     fidelity = _load(out, "sim-fidelity-0.5b-32k.json")
     assert fidelity["format"] == "lengthwise.sim_fidelity/1" and fidelity["step_time_mape"] >= 0
 
