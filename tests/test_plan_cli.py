@@ -93,3 +93,20 @@ def test_written_files_have_the_usual_permissions(tmp_path):
     finally:
         os.umask(mask)
     assert (tmp_path / "out.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_summary_says_when_gpus_run_no_pipeline(capsys):
+    """A plan whose pipelines leave GPUs of the scheme without work (as a Hydraulis strategy
+    without the parts whose model states cannot fit does) says how many, in the summary."""
+    from types import SimpleNamespace
+
+    from lengthwise.commands.plan import summary
+    from lengthwise.specs import ParallelScheme
+
+    assert main(["plan", "--planner", "packing", "--profile", "lmsys", "--batch-size", "64",
+                 "--model", "qwen2.5-1.5b", "--dp", "2", "--pp", "2", "--json"]) == 0
+    plan = StepPlan.from_dict(json.loads(capsys.readouterr().out))
+    request = SimpleNamespace(scheme=ParallelScheme(dp=2, pp=2), context_length=8192)
+    assert "run no pipeline" not in summary(plan, request, None)
+    plan.pipelines = plan.pipelines[:1]
+    assert "2 of the 4 GPUs run no pipeline of this plan" in summary(plan, request, None)

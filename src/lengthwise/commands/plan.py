@@ -117,5 +117,8 @@ def summary(plan: StepPlan, request: PlanRequest, out: str | None) -> str:
     spread = f"{max(busy) / min(busy):.3f}" if busy else "n/a"
     lines.append(f"  padding {m['padding_fraction']:.1%} of row tokens; max/min forward FLOPs {spread}; "
                  f"planned in {m['planning_ms']:.1f} ms; valid")
+    used = sum(pipe.tp * pipe.cp * pipe.pp for pipe in plan.pipelines)
+    if used < s.num_gpus:  # e.g. a Hydraulis strategy without the parts whose model states do not fit
+        lines.append(f"  {s.num_gpus - used:,} of the {s.num_gpus:,} GPUs run no pipeline of this plan")
     lines.append(f"  wrote {out}" if out else "  (not written: add --out PLAN.json)")
     return "\n".join(lines)
