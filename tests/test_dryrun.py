@@ -750,16 +750,25 @@ def test_dryrun_one_mode_measures_what_the_stacked_modes_measured(case, tp_rows,
     with tensor and sequence parallelism, on context parallelism and on a heterogeneous plan.
     The one-mode measurement is the one `lengthwise dryrun` took in the fixtures (last rank of
     the dp2 x pp2 x tp2 and of the pp2 x cp4 plans, rank 0 of the heterogeneous one); the
-    stacked modes run the same plan and rank again."""
+    stacked modes run the same plan and rank again. The memory half compares with MemTracker
+    as of torch 2.13, which leaves out what DTensor's sharding propagation computes under its
+    own fake mode (metadata, no memory a rank holds), as ours does; torch 2.11's MemTracker
+    counted it (8 bytes more on the tp and cp plans), so there only FLOPs and bytes compare."""
+    import inspect
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
     import lengthwise.runtime.dryrun as dryrun
 
     plan, kwargs, ours = MEASURED[case, 0 if case == "hetero" else 7]
     monkeypatch.setattr(dryrun, "_Measuring", _StackedModes)
     stacked = dryrun.dryrun_rank(plan, ours.rank, **kwargs)
-    assert ours.peak_memory_bytes == stacked.peak_memory_bytes > 0
-    assert ours.memory_bytes == stacked.memory_bytes
     assert ours.flops == stacked.flops > 0
     assert ours.comm_bytes == stacked.comm_bytes and ours.comm_bytes
+    if "_fake_mode_on_entry" not in inspect.getsource(MemTracker):
+        pytest.skip("this torch's MemTracker counts DTensor sharding propagation's fake tensors (before 2.13)")
+    assert ours.peak_memory_bytes == stacked.peak_memory_bytes > 0
+    assert ours.memory_bytes == stacked.memory_bytes
 
 
 @pytest.fixture(scope="module")
