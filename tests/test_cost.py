@@ -420,7 +420,7 @@ def test_replicated_kv_projections_count_whole_on_each_tp_rank(monkeypatch):
     """Qwen2.5-7B has 4 K/V heads: at tp 8 the executor replicates the K/V projections
     (`mem.kv_replicated`), and a rank holds and computes them whole, exceeding the 1/tp figure
     by exactly (1 - 1/tp) of them; at tp <= 4 nothing changes, to the bit."""
-    import lengthwise.cost.model as model_module
+    import lengthwise.cost.model_time as model_module
     from lengthwise.cost.flops import replicated_kv_flops
 
     cm = cost()

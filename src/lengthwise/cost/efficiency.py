@@ -9,7 +9,7 @@
 by cost/estimate.py) and writes the result; Throughput's defaults are those numbers rounded to
 two figures, and tests/test_time_model_h200.py refits them from the committed files.
 
-What is fitted: the analytic model's per-layer time (cost/model.py, one GPU, tp 1) of each
+What is fitted: the analytic model's per-layer time (cost/model_time.py, one GPU, tp 1) of each
 timed chunk, `layer_overhead_s + linear FLOPs / (peak x linear_mfu x x / (x + half_tokens))
 + attention FLOPs / (peak x attention_mfu)`, backward with the model's FLOP ratios (2 and 2.5),
 against the measured time, by least relative error (scipy's bounded least squares, several

@@ -31,7 +31,7 @@ operator saves its inputs before it computes: the down projection's matmul is wh
 so the rerun computes the input norm, q, k, v, rotary, attention, o_proj, the residual add,
 the post-attention norm, gate, up and their SwiGLU product, but not the down projection's GEMM
 (2 * hidden * ffn FLOPs per token, `down_proj_flops`) and nothing after it
-(`recompute_forward_flops`; the collectives it skips are in `cost/model.py`).
+(`recompute_forward_flops`; the collectives it skips are in `cost/model_time.py`).
 
 MLP recomputation (an `F.mN` action: N of the stage's layers checkpoint their MLP block, the
 post-attention norm through the down projection, `runtime/model.DecoderLayer`): the backward
@@ -41,6 +41,9 @@ product (`mlp_recompute_flops`); never the attention.
 
 A padded chunk (padding baseline) holds k segments each padded to pad_to / k tokens: all of its
 row costs linear FLOPs and each padded row costs full causal attention over its padded length.
+
+Under context parallelism each CP rank's share of a chunk is `rank_works` (the work the cost
+model's time and memory go by, the busiest rank's).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lengthwise.cost.memory import kv_replicated
-from lengthwise.plan.ir import Chunk
+from lengthwise.plan.ir import SHARDED, Chunk
 from lengthwise.specs import ModelSpec
 
 
@@ -140,3 +143,23 @@ def sequence_model_flops(model: ModelSpec, length: int, bwd_linear_ratio=2.0, bw
     head = head_forward_flops(model, length)
     per_layer = lin * (1 + bwd_linear_ratio) + attn * (1 + bwd_attn_ratio)
     return model.num_layers * per_layer + head * (1 + bwd_linear_ratio + HEAD_RECOMPUTE)
+
+
+def rank_works(chunk: Chunk, cp: int) -> list[ChunkWork]:
+    """Each CP rank's share of a chunk: 1/cp of its SHARDED segments (head-tail balanced, so
+    attention pairs split evenly too) plus the segments placed whole on that rank (Skrull's
+    local sequences). Time and memory go by the busiest rank."""
+    if cp <= 1:
+        return [chunk_work(chunk)]
+    if chunk.pad_to > chunk.num_tokens or all(s.cp_rank == SHARDED for s in chunk.segments):
+        w = chunk_work(chunk)
+        return [ChunkWork(w.tokens / cp, w.keys / cp, w.segments)]
+    sharded = tuple(s for s in chunk.segments if s.cp_rank == SHARDED)
+    shared = chunk_work(Chunk(sharded))
+    works = []
+    for r in range(cp):
+        mine = tuple(s for s in chunk.segments if s.cp_rank == r)
+        local = chunk_work(Chunk(mine))
+        works.append(ChunkWork(local.tokens + shared.tokens / cp, local.keys + shared.keys / cp,
+                               max(len(mine) + len(sharded), 1)))
+    return works

@@ -68,7 +68,8 @@ from lengthwise.cost.flops import (
     replicated_kv_flops,
 )
 from lengthwise.cost.memory import GRAD_BYTES_PER_PARAM, kv_params_per_layer, kv_replicated, stage_params
-from lengthwise.cost.model import (
+from lengthwise.cost.flops import rank_works
+from lengthwise.cost.model_comm import (
     NOSP_BACKWARD_ALL_REDUCES,
     NOSP_FORWARD_ALL_REDUCES,
     NOSP_RECOMPUTE_ALL_REDUCES,
@@ -76,7 +77,6 @@ from lengthwise.cost.model import (
     SP_MLP_RECOMPUTE_ALL_GATHERS,
     SP_RECOMPUTE_ALL_GATHERS,
     SP_RECOMPUTE_REDUCE_SCATTERS,
-    rank_works,
 )
 from lengthwise.plan.ir import BACKWARD, FORWARD, FORWARD_NOGRAD, StepPlan
 

@@ -36,7 +36,8 @@ from lengthwise.plan.ir import StepPlan
 from lengthwise.plan.schedules import dependencies
 from lengthwise.sim.dag import TaskArrays, build_pipelines, concatenate, evaluate
 from lengthwise.sim.inputs import PipelineInput, SliceStructure, direct_input, plan_inputs
-from lengthwise.sim.memory import MemoryCurves, plan_memory_events, replay, split_sequences
+from lengthwise.sim.memory import MemoryCurves, replay, split_sequences
+from lengthwise.sim.plan_memory import plan_memory_events
 
 
 @dataclass(kw_only=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import lengthwise.cost.memory as mem
 from lengthwise.cost import CostModel
 from lengthwise.cost.flops import chunk_work
-from lengthwise.cost.model import rank_works
+from lengthwise.cost.flops import rank_works
 from lengthwise.cost.time import layer_seconds
 from lengthwise.plan.ir import BACKWARD, FORWARD, StepPlan
 from lengthwise.plan.schedules import dependencies

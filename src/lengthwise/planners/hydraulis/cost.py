@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lengthwise.cost import CostModel, split_layers
-from lengthwise.cost.model import ExchangeHolders
+from lengthwise.cost.model_memory import ExchangeHolders
 from lengthwise.errors import UserError
 from lengthwise.cost import memory as mem
 from lengthwise.plan.ir import Chunk, Segment
