@@ -159,12 +159,7 @@ class CommCosts:
         rows only, since the gathered K/V of a split sequence's earlier chunks stays in the
         executor's per-layer state and is not gathered again. The backward's reduce-scatter of
         the K/V gradients is `cp_grad_comm_time`."""
-        if cp <= 1:
-            return 0.0
-        nbytes = self.cp_kv_layer_bytes(chunk, tp=tp)
-        if nbytes == 0:
-            return 0.0
-        return layers * self.collective_time("all_gather", nbytes, ranks=cp, inter_node=inter_node)
+        return self._cp_kv_collectives("all_gather", chunk, layers=layers, tp=tp, cp=cp, inter_node=inter_node)
 
     def cp_kv_layer_bytes(self, chunk: Chunk, *, tp: int = 1) -> float:
         """Bytes per layer of the K/V of the chunk's sharded segments, whole (all CP ranks'
@@ -181,9 +176,15 @@ class CommCosts:
         segments over the CP group, every layer: the transpose of the forward's all-gather, on
         `cp_kv_layer_bytes` (the executor keeps the gathered K/V from the forward, so the
         backward gathers nothing again)."""
+        return self._cp_kv_collectives("reduce_scatter", chunk, layers=layers, tp=tp, cp=cp, inter_node=inter_node)
+
+    def _cp_kv_collectives(self, kind: str, chunk: Chunk, *, layers: int, tp: int, cp: int,
+                           inter_node: bool) -> float:
+        """`layers` collectives of `kind` over the CP group on `cp_kv_layer_bytes`; 0 without CP
+        or sharded segments."""
         if cp <= 1:
             return 0.0
         nbytes = self.cp_kv_layer_bytes(chunk, tp=tp)
         if nbytes == 0:
             return 0.0
-        return layers * self.collective_time("reduce_scatter", nbytes, ranks=cp, inter_node=inter_node)
+        return layers * self.collective_time(kind, nbytes, ranks=cp, inter_node=inter_node)
