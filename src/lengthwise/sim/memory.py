@@ -197,7 +197,7 @@ def memory_events(t: PipelineTasks, deps: Dependencies, sizes: MemorySizes,
         parts += [(bwd[:, pairs_u].ravel(), False, extra[:, pairs_c].ravel()),
                   (bwd[:, pairs_u].ravel(), True, -extra[:, pairs_c].ravel())]
     if ran_nograd.any():
-        ends = _nograd_ends(fwd, nograd[ran_nograd]) if sizes.nograd_held else nograd[ran_nograd]
+        ends = nograd_ends(fwd, nograd[ran_nograd]) if sizes.nograd_held else nograd[ran_nograd]
         parts += [(nograd[ran_nograd], False, transient[ran_nograd]), (ends, True, -transient[ran_nograd])]
     if len(sizes.backward_work):
         work = np.asarray(sizes.backward_work, dtype=np.float64)
@@ -216,7 +216,7 @@ def memory_events(t: PipelineTasks, deps: Dependencies, sizes: MemorySizes,
     return task[keep], at_end[keep], delta[keep]
 
 
-def _nograd_ends(fwd: np.ndarray, nograd: np.ndarray) -> np.ndarray:
+def nograd_ends(fwd: np.ndarray, nograd: np.ndarray) -> np.ndarray:
     """For each N task, the stage's next forward task (F or N) after it. A stage's tasks are
     numbered consecutively in schedule order, and every N is followed by its chunk's F on the
     same stage, so the next larger forward id is on the N's stage."""

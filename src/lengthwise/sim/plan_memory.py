@@ -4,7 +4,7 @@ of pipeline by pipeline (the simulator's path; `memory_events` is the one-pipeli
 
 Its own module because the flattened [pipeline, stage, chunk or unit] index arithmetic it needs
 is long and shares nothing with the one-pipeline code but the sizes it reads and the no-grad
-release rule (`memory._nograd_ends`).
+release rule (`memory.nograd_ends`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from lengthwise.sim.dag import PipelineTasks
-from lengthwise.sim.memory import MemorySizes, _nograd_ends, split_arrays
+from lengthwise.sim.memory import MemorySizes, nograd_ends, split_arrays
 
 
 def plan_memory_events(pipes: list[PipelineTasks], all_sizes: list[MemorySizes], all_splits: list, offsets: list[int]
@@ -80,7 +80,7 @@ def _nograd_released(fwd, nograd, ran, all_sizes, fsize) -> np.ndarray:
     if not held.any():
         return nograd[ran]
     ends = nograd[ran].copy()
-    ends[held] = _nograd_ends(fwd, ends[held])
+    ends[held] = nograd_ends(fwd, ends[held])
     return ends
 
 
