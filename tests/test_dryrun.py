@@ -369,20 +369,11 @@ def test_per_layer_recomputation_rematerialises_one_layer_at_a_time():
     (the backward's own temporaries differ a little between the two runs)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from lengthwise.plan.ir import Chunk, Segment
-
-    tokens, layers = RECOMPUTE_TOKENS, RECOMPUTE_LAYERS
-
     def activation_peak(recompute: int) -> int:
         tracker = _tracked_layers(MemTracker(), recompute_layers=recompute)
         return _activations_and_temporaries(next(iter(tracker.get_tracker_snapshot("peak").values())))
 
-    cm = CostModel(model=SMALL, cluster=cluster_preset("h100", 1))
-    chunk = Chunk(segments=(Segment(seq_id=0, start=0, stop=tokens),))
-    one_layer = cm.recompute_transient_bytes(chunk, recompute_layers=layers)
-    assert one_layer == cm.activation_bytes(chunk, layers=1) - cm.activation_bytes(chunk, layers=1, recompute_layers=1)
-    saved = activation_peak(0) - activation_peak(layers)
-    assert saved == pytest.approx((layers - 1) * one_layer, rel=0.10)
+    _assert_one_unit_rematerialised(activation_peak, "recompute_layers", rel=0.10)
 
 
 def test_mlp_recomputation_rematerialises_one_block_at_a_time():
@@ -395,10 +386,6 @@ def test_mlp_recomputation_rematerialises_one_block_at_a_time():
     which grow as the backward goes, would move the moment of the whole peak); within 1%."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from lengthwise.plan.ir import Chunk, Segment
-
-    tokens, layers = RECOMPUTE_TOKENS, RECOMPUTE_LAYERS
-
     class ActivationPeak(MemTracker):
         most = 0
 
@@ -410,12 +397,22 @@ def test_mlp_recomputation_rematerialises_one_block_at_a_time():
     def activation_peak(mlp: int) -> int:
         return _tracked_layers(ActivationPeak(), recompute_mlp=mlp).most
 
+    _assert_one_unit_rematerialised(activation_peak, "recompute_mlp", rel=0.01)
+
+
+def _assert_one_unit_rematerialised(activation_peak, level: str, *, rel: float) -> None:
+    """The simulator's re-materialisation (`CostModel.recompute_transient_bytes` at `level` =
+    every layer) is one layer's (or block's) dropped activations, and the measured peak
+    (`activation_peak(n)`: n layers recomputed at `level`) falls by L - 1 of them, within `rel`."""
+    from lengthwise.plan.ir import Chunk, Segment
+
+    layers = RECOMPUTE_LAYERS
     cm = CostModel(model=SMALL, cluster=cluster_preset("h100", 1))
-    chunk = Chunk(segments=(Segment(seq_id=0, start=0, stop=tokens),))
-    one_block = cm.recompute_transient_bytes(chunk, recompute_mlp=layers)
-    assert one_block == cm.activation_bytes(chunk, layers=1) - cm.activation_bytes(chunk, layers=1, recompute_mlp=1)
+    chunk = Chunk(segments=(Segment(seq_id=0, start=0, stop=RECOMPUTE_TOKENS),))
+    one = cm.recompute_transient_bytes(chunk, **{level: layers})
+    assert one == cm.activation_bytes(chunk, layers=1) - cm.activation_bytes(chunk, layers=1, **{level: 1})
     saved = activation_peak(0) - activation_peak(layers)
-    assert saved == pytest.approx((layers - 1) * one_block, rel=0.01)
+    assert saved == pytest.approx((layers - 1) * one, rel=rel)
 
 
 def test_a_recomputed_layers_rerun_peaks_beside_its_gathered_output_gradient():
