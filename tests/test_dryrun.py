@@ -832,6 +832,17 @@ def test_a_shard_group_of_one_rank_gathers_and_reduces_nothing(tmp_path):
     assert row["flops"]["measured"] == pytest.approx(row["flops"]["simulated"], rel=1e-6)
 
 
+def _megatron_three_forwards(recompute: str):
+    """Megatron's plan of 8 documents over dp 2 x pp 2 x tp 2 of SMALL (three forwards a stage),
+    with option `recompute`."""
+    scheme = ParallelScheme(dp=2, pp=2, tp=2)
+    cluster = cluster_preset("h100", scheme.num_gpus)
+    return get_planner("megatron")(PlanRequest(
+        lengths=[900, 300, 700, 400, 280, 520, 1000, 150], model=SMALL, cluster=cluster, scheme=scheme,
+        cost=CostModel(model=SMALL, cluster=cluster), context_length=1024, seed=0,
+        options={"recompute": recompute}))
+
+
 @pytest.fixture(scope="module")
 def recompute_rows(tmp_path_factory):
     """`lengthwise dryrun --json` of the first and last rank of a Megatron plan over dp 2 x pp 2
@@ -839,12 +850,7 @@ def recompute_rows(tmp_path_factory):
     none (F2): full, selective and no recomputation in one plan."""
     from lengthwise.plan.ir import FORWARD, Action
 
-    scheme = ParallelScheme(dp=2, pp=2, tp=2)
-    cluster = cluster_preset("h100", scheme.num_gpus)
-    plan = get_planner("megatron")(PlanRequest(
-        lengths=[900, 300, 700, 400, 280, 520, 1000, 150], model=SMALL, cluster=cluster, scheme=scheme,
-        cost=CostModel(model=SMALL, cluster=cluster), context_length=1024, seed=0,
-        options={"recompute": "full"}))
+    plan = _megatron_three_forwards("full")
     for pipe in plan.pipelines:
         assert len(pipe.chunks) == 3
         pipe.stages = [[Action(FORWARD, a.chunk, 2 - a.chunk) if a.kind == FORWARD else a for a in stage]
@@ -862,12 +868,7 @@ def mlp_recompute_rows(tmp_path_factory):
     every layer (F0.m2), one layer whole and the other's MLP block (F1.r1.m1), and nothing (F2)."""
     from lengthwise.plan.ir import FORWARD, Action
 
-    scheme = ParallelScheme(dp=2, pp=2, tp=2)
-    cluster = cluster_preset("h100", scheme.num_gpus)
-    plan = get_planner("megatron")(PlanRequest(
-        lengths=[900, 300, 700, 400, 280, 520, 1000, 150], model=SMALL, cluster=cluster, scheme=scheme,
-        cost=CostModel(model=SMALL, cluster=cluster), context_length=1024, seed=0,
-        options={"recompute": "none"}))
+    plan = _megatron_three_forwards("none")
     levels = {0: (0, 2), 1: (1, 1), 2: (0, 0)}
     for pipe in plan.pipelines:
         assert len(pipe.chunks) == 3
@@ -884,13 +885,7 @@ def test_dryrun_mlp_recomputation_matches_the_simulator(mlp_recompute_rows):
     and their product and stops at the down projection (`cost.flops.mlp_recompute_flops`,
     `SP_MLP_RECOMPUTE_ALL_GATHERS`): FLOPs and every collective equal `sim/rank.py`'s count,
     and the peak is within the memory target, beside full and no recomputation in one plan."""
-    for rank, row in mlp_recompute_rows.items():
-        assert row["flops"]["measured"] == pytest.approx(row["flops"]["simulated"], rel=1e-6), rank
-        for kind, pair in row["comm_bytes"].items():
-            assert pair["measured"] == pytest.approx(pair["simulated"], rel=1e-12), (rank, kind)
-        assert row["comm_bytes"]["tp_all_gather"]["simulated"] > 0, rank
-        memory = row["peak_memory_gib"]
-        assert memory["measured"] == pytest.approx(memory["simulated"], rel=0.10), rank
+    _assert_rows_match_the_simulator(mlp_recompute_rows, "tp_all_gather")
 
 
 def test_dryrun_recomputation_reruns_what_non_reentrant_checkpoint_reruns(recompute_rows):
@@ -901,10 +896,16 @@ def test_dryrun_recomputation_reruns_what_non_reentrant_checkpoint_reruns(recomp
     `sim/rank.py`'s count (they read 0.93 and 0.84 of it at LLaMA-70B with the whole forward
     counted again), and the peak is within the memory target, for full, selective and no
     recomputation in one plan."""
-    for rank, row in recompute_rows.items():
+    _assert_rows_match_the_simulator(recompute_rows, "tp_reduce_scatter")
+
+
+def _assert_rows_match_the_simulator(rows: dict, collective: str) -> None:
+    """FLOPs (1e-6) and every collective's bytes (1e-12) of each rank's row equal the simulated,
+    `collective` among them, and the peak is within the memory target (10%)."""
+    for rank, row in rows.items():
         assert row["flops"]["measured"] == pytest.approx(row["flops"]["simulated"], rel=1e-6), rank
         for kind, pair in row["comm_bytes"].items():
             assert pair["measured"] == pytest.approx(pair["simulated"], rel=1e-12), (rank, kind)
-        assert row["comm_bytes"]["tp_reduce_scatter"]["simulated"] > 0, rank
+        assert row["comm_bytes"][collective]["simulated"] > 0, rank
         memory = row["peak_memory_gib"]
         assert memory["measured"] == pytest.approx(memory["simulated"], rel=0.10), rank
