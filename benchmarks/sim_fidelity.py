@@ -22,7 +22,9 @@ planner and a cost model holding this device's measured profile (measured first 
   gradients); on CPU the saved-for-backward bytes (runtime/memory.py), which leave out the K/V
   store, so CPU memory errors say nothing about the simulator.
 
-It reports the mean absolute percentage error over the batches (issue 8's targets: < 10% step
+The executed model's decoder layers are compiled as the profile's were measured (its meta's
+`compiled`; `--compile/--no-compile` overrides), so predicted and measured layers are the same
+code. It reports the mean absolute percentage error over the batches (issue 8's targets: < 10% step
 time, < 5% peak memory) and writes everything to benchmarks/results/sim_fidelity_<device>.json.
 """
 
@@ -51,6 +53,7 @@ import torch
 from lengthwise.cost import CostModel
 from lengthwise.cost.estimate import complete_profile
 from lengthwise.planners import PlanRequest, get_planner
+from lengthwise.runtime.compile import compile_layers, compile_wanted
 from lengthwise.runtime.execute import run_step
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.train.step import PeakMemory
@@ -75,6 +78,8 @@ def parse_args(argv):
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile each decoder layer (default: as the profile was measured, else on CUDA)")
     ap.add_argument("--tiny", action="store_true", help="tiny model and sizes (runs on CPU in seconds)")
     ap.add_argument("--out", help="results JSON (default benchmarks/results/sim_fidelity_<device>.json)")
     args = ap.parse_args(argv)
@@ -83,6 +88,15 @@ def parse_args(argv):
         args.batches, args.repeats = min(args.batches, 2), 1
         args.chunk_size = "64" if args.chunk_size == "auto" else args.chunk_size
     return args
+
+
+def measured_as_profiled(choice: bool | None, meta: dict, dev: Device) -> bool:
+    """Whether to compile the executed model's layers: --compile/--no-compile, else as the
+    profile's layer times were measured (its meta says; a profile measured compiled predicts
+    compiled layers), else on CUDA."""
+    if choice is not None:
+        return choice
+    return bool(meta["compiled"]) if "compiled" in meta else compile_wanted(None, dev.device)
 
 
 def plan_batch(args, spec, cost: CostModel, cluster, lengths):
@@ -154,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     cluster = dev.cluster()
     cost = CostModel(model=spec, cluster=cluster, profile=profile)
     model = build_model(spec, dtype=dev.dtype, device=dev.device, seed=args.seed)
+    compiled = measured_as_profiled(args.compile, profile.meta, dev)
+    if compiled:
+        compile_layers(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.cuda)
     batches = sample_batches(args.workload, args.context, args.batch_size, args.batches, args.seed)
     rows = []
@@ -176,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {"format": "lengthwise.sim_fidelity/1", **dev.describe(), "seed": args.seed, "model": spec.name,
                "context": args.context, "planner": args.planner, "chunk_size": args.chunk_size,
                "workload": args.workload, "batch_size": args.batch_size, "repeats": args.repeats,
-               "profile_file": profile_path, "profile_held_out_error": profile.meta.get("held_out_error"),
+               "profile_file": profile_path, "compiled": compiled,
+               "profile_compiled": profile.meta.get("compiled"), "profile_held_out_error": profile.meta.get("held_out_error"),
                "profile_held_out_error_refit": profile.meta.get("held_out_error_refit"),
                "profile_completed": profile.meta.get("completed", {}),
                "batches": rows, **summary,

@@ -98,6 +98,17 @@ def test_sim_fidelity_runs_tiny_on_cpu_and_writes_valid_json(tmp_path, monkeypat
         assert row["step_error"] == pytest.approx(abs(row["predicted_step_s"] / row["measured_step_s"] - 1))
     assert result["step_time_mape"] == pytest.approx(sum(r["step_error"] for r in result["batches"]) / 2)
     assert [t["check"] for t in result["targets"]] == ["step_time_mape", "peak_memory_mape"]
+    assert result["compiled"] is False  # the tiny profile was measured eager on CPU
+
+
+def test_sim_fidelity_compiles_the_layers_as_the_profile_measured_them(monkeypatch):
+    fidelity = load_script("sim_fidelity", monkeypatch)
+    cpu, cuda = fidelity.Device.pick("cpu", "float32"), type("Cuda", (), {"device": "cuda"})()
+    assert fidelity.measured_as_profiled(None, {"compiled": True}, cpu) is True
+    assert fidelity.measured_as_profiled(None, {"compiled": False}, cuda) is False
+    assert fidelity.measured_as_profiled(None, {}, cuda) is True  # an older profile: the device's default
+    assert fidelity.measured_as_profiled(None, {}, cpu) is False
+    assert fidelity.measured_as_profiled(False, {"compiled": True}, cpu) is False  # --no-compile wins
 
 
 def test_packed_anchor_falls_back_to_sdpa_with_the_reason(monkeypatch):
