@@ -231,6 +231,10 @@ def describe_machine(tiny: bool) -> dict:
 
 
 def _commit() -> str | None:
+    """HEAD (with " (modified)" if tracked files differ), or $LENGTHWISE_COMMIT where the checkout
+    travelled without its git history."""
+    if not (ROOT / ".git").exists():
+        return os.environ.get("LENGTHWISE_COMMIT")
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
