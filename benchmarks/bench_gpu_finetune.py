@@ -136,7 +136,8 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b", help="comma-separated presets")
     ap.add_argument("--contexts", default="32768,131072", help="comma-separated context lengths")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"some of {', '.join(SYSTEMS)}")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"some of {', '.join(SYSTEMS)}; packing:eager or chunkflow:eager: not compiled")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
@@ -175,8 +176,11 @@ def _length_range(text: str) -> tuple[int, int]:
 
 
 def _systems(text: str) -> list[str]:
+    """The systems named; lengthwise's may carry ":eager" (its layers and head not compiled,
+    whatever --compile says: compiled against eager in one process)."""
     names = [s for s in text.split(",") if s]
-    unknown = [s for s in names if s not in SYSTEMS]
+    unknown = [s for s in names if s not in SYSTEMS and not (s.endswith(":eager") and
+                                                              s.removesuffix(":eager") in ("packing", "chunkflow"))]
     if unknown:
         raise SystemExit(f"unknown system {', '.join(unknown)}: use some of {', '.join(SYSTEMS)}")
     return names
@@ -207,11 +211,14 @@ class Runner:
     """One system's model, optimizer and per-batch step."""
 
     def __init__(self, system: str, spec, dev: Device, s: Settings, profile, context: int):
+        self.eager = system.endswith(":eager")
+        system = system.removesuffix(":eager")
         self.system, self.spec, self.dev, self.s, self.profile, self.context = system, spec, dev, s, profile, context
         if system == "hf-packed":
             check_packing_supported()
         model = seeded_model(spec, dev, s.seed)
-        if not system.startswith("hf") and compile_wanted(s.compile, dev.device):
+        self.compiled = not system.startswith("hf") and not self.eager and compile_wanted(s.compile, dev.device)
+        if self.compiled:
             compile_layers(model)
         self.model = build_hf(model, checkpointing=s.hf_checkpointing) if system.startswith("hf") else model
         self.plan_ms, self.plan_info, self.splits = [], {}, []
@@ -314,7 +321,8 @@ def _measure(runner: Runner, batches, dev: Device, s: Settings, spec) -> dict:
             "longest_per_step": longest,
             "peak_memory_bytes": max(peaks), "memory_kind": peak.kind, "first_loss": losses[0], "losses": losses,
             "planning_ms_mean": statistics.fmean(runner.plan_ms) if runner.plan_ms else None,
-            **({"split_sequences_per_step": runner.splits[s.warmup:]} if runner.splits else {}), **runner.plan_info}
+            **({"split_sequences_per_step": runner.splits[s.warmup:]} if runner.splits else {}), **runner.plan_info,
+            "compiled": runner.compiled}
 
 
 # ---- memory scan ---------------------------------------------------------------------------------

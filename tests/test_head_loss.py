@@ -6,6 +6,8 @@ vocabulary split over 2 gloo ranks with a padded vocabulary (one rank's last col
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,14 +35,18 @@ def _tolerance() -> float:
     return reduction_tolerance(torch.float64, VOCAB + HIDDEN + TOKENS)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 10, TOKENS])
-def test_blocked_head_equals_the_plain_loss(rows):
+@pytest.mark.parametrize(("rows", "compile_backend"), [
+    (1, None), (4, None), (10, None), (TOKENS, None),
+    # compiled blocks (the fused row statistics and softmax gradient): traced (aot_eager) at
+    # every block size, and once through inductor's generated kernels
+    (1, "aot_eager"), (4, "aot_eager"), (TOKENS, "aot_eager"), (10, "inductor")])
+def test_blocked_head_equals_the_plain_loss(rows, compile_backend):
     x, w, labels = _inputs()
     block = rows * VOCAB * 8  # `rows` rows of float64 logits a block in forward
     assert block_rows(VOCAB, torch.float64, block) == rows
     plain = token_loss_sum(x @ w.t(), labels)
     gx, gw = torch.autograd.grad(1.5 * plain, (x, w))
-    blocked = head_loss_sum(x, w, labels, block_bytes=block)
+    blocked = head_loss_sum(x, w, labels, block_bytes=block, compile_backend=compile_backend)
     bx, bw = torch.autograd.grad(1.5 * blocked, (x, w))
     assert blocked.dtype == torch.float64
     tol = _tolerance()
@@ -58,7 +64,7 @@ def test_every_label_ignored_gives_zero_loss_and_gradients():
     assert loss.item() == 0.0 and not bx.any() and not bw.any()
 
 
-def _tp2_worker(rank: int) -> dict:
+def _tp2_worker(rank: int, compile_backend: str | None = None) -> dict:
     """Rank r holds vocabulary rows [r * 27, r * 27 + 27) of a 53-token vocabulary padded to 54
     (rank 1's last row padding: its logit is -inf in the loss)."""
     x, w, labels = _inputs()
@@ -67,7 +73,7 @@ def _tp2_worker(rank: int) -> dict:
     padded = torch.cat([w.detach(), torch.zeros(2 * width - VOCAB, HIDDEN, dtype=torch.float64)])
     w_local = padded[start:start + width].clone().requires_grad_(True)
     shard = VocabShard(group=dist.group.WORLD, start=start, real=VOCAB - start)
-    loss = head_loss_sum(x, w_local, labels, shard, block_bytes=4 * width * 8)
+    loss = head_loss_sum(x, w_local, labels, shard, block_bytes=4 * width * 8, compile_backend=compile_backend)
     gx, gw = torch.autograd.grad(1.5 * loss, (x, w_local))
     dist.all_reduce(gx)  # each rank's input gradient is its columns' partial sum
     parts = [torch.empty_like(gw) for _ in range(2)]
@@ -75,8 +81,9 @@ def _tp2_worker(rank: int) -> dict:
     return {"loss": loss.detach(), "gx": gx, "gw": torch.cat(parts)}
 
 
-def test_vocabulary_parallel_blocked_head_equals_the_plain_loss():
-    got = spawn(_tp2_worker, 2, timeout_s=120)
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager"])
+def test_vocabulary_parallel_blocked_head_equals_the_plain_loss(compile_backend):
+    got = spawn(functools.partial(_tp2_worker, compile_backend=compile_backend), 2, timeout_s=120)
     x, w, labels = _inputs()
     plain = token_loss_sum(x @ w.t(), labels)
     gx, gw = torch.autograd.grad(1.5 * plain, (x, w))

@@ -13,6 +13,11 @@ AOTAutograd's wrappers, the graph's own Python) costs about what the eager Funct
 (benchmarks/results/host_overhead.json): compiling pays on the device, where the fused kernels
 save launches and memory traffic.
 
+The LM head's loss (`loss.head_loss_sum`, on the last stage) is compiled too, but not as a
+region: its block loop and matmuls stay eager, and the elementwise work of each block between
+the matmuls (row statistics forward, the softmax gradient backward) is one compiled function
+each, the wide logits never written (its docstring says why that matters).
+
 Left out, by `torch.compiler.disable` on `attention.attend`: the attention itself. Its
 backends loop in Python over the row's calls (data from the plan, not tensors), call private
 kernels from custom autograd Functions, and read the state store's K/V buffers; tracing them
@@ -66,6 +71,9 @@ def compile_layers(model, *, backend: str = "inductor") -> None:
     """Compile the forward of every decoder layer `model` holds, in place."""
     for layer in model.model.layers.values():
         layer.compile_backend = backend
+    head = getattr(model, "lm_head", None)
+    if head is not None:  # the loss blocks' elementwise work (runtime/loss.py)
+        head.compile_backend = backend
     torch.fx.experimental._config.use_duck_shape = False  # see the module docstring
     embed = getattr(model.model, "embed_tokens", None)
     if embed is not None and not getattr(embed, "settles_output", False):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import lengthwise.cost.memory as mem
 from lengthwise.plan.ir import Chunk
+from lengthwise.runtime.compile import compiled
 
 IGNORE = -100
 """Label of a position that predicts nothing (cross_entropy's ignore_index)."""
@@ -120,13 +121,17 @@ def _all_reduce(tensor: torch.Tensor, shard: VocabShard | None, op) -> None:
 
 
 def head_loss_sum(x_TD: torch.Tensor, weight_VD: torch.Tensor, labels_T: torch.Tensor,
-                  shard: VocabShard | None = None, *, block_bytes: int | None = None) -> torch.Tensor:
+                  shard: VocabShard | None = None, *, block_bytes: int | None = None,
+                  compile_backend: str | None = None) -> torch.Tensor:
     """`token_loss_sum(x_TD @ weight_VD.T, labels_T, shard)` without ever holding the logits
     [T, V] (`_BlockedHeadLoss`): the LM head (normed hidden states x, this rank's vocabulary
     rows of the head's weight) and its loss in one, a block of at most `block_bytes` of wide
     logits at a time (default `cost.memory.HEAD_BLOCK_BYTES`). Plain tensors: the caller hands
-    this rank's local pieces (`model.LMHead`)."""
-    return _BlockedHeadLoss.apply(x_TD, weight_VD, labels_T, shard, block_bytes or mem.HEAD_BLOCK_BYTES)
+    this rank's local pieces (`model.LMHead`). `compile_backend`: each block's elementwise work
+    (widening, row statistics, the softmax gradient) fused by `torch.compile` under that
+    backend (`_BlockedHeadLoss`); None: eager."""
+    return _BlockedHeadLoss.apply(x_TD, weight_VD, labels_T, shard, block_bytes or mem.HEAD_BLOCK_BYTES,
+                                  compile_backend)
 
 
 def block_rows(columns: int, dtype: torch.dtype, block_bytes: int | None = None) -> int:
@@ -168,10 +173,18 @@ class _BlockedHeadLoss(torch.autograd.Function):
     Block size: rows (forward) or columns (backward) such that one block's wide logits take at
     most `block_bytes` (`cost.memory.HEAD_BLOCK_BYTES`, 256 MiB: 441 rows of Qwen2.5's 151,936
     float32 logits, 2,048 columns at 32K tokens); beside it the compute-dtype logits (forward)
-    or gradient (backward) of the block. Block bounds come from shapes only: no host sync."""
+    or gradient (backward) of the block. Block bounds come from shapes only: no host sync.
+
+    Compiled (`compile_backend`, set by `runtime.compile.compile_layers`): the matmuls stay
+    cuBLAS calls, and each block's elementwise work between them is one compiled function
+    (`_row_statistics` forward, `_fused_softmax_grad` backward), so a block's logits are read
+    in the compute dtype once or twice and the wide copy is never written: eager, that work is
+    about ten passes over a wide [rows, V] block, which on an H200 made the head of Qwen2.5-0.5B
+    (V = 151,936) cost as much as its 24 layers (benchmarks/results/gpu-2026-11-28-nvidia-h200/).
+    The same arithmetic in the same dtypes; only the order of the row sums may differ."""
 
     @staticmethod
-    def forward(ctx, x_TD, weight_VD, labels_T, shard, block_bytes):
+    def forward(ctx, x_TD, weight_VD, labels_T, shard, block_bytes, compile_backend):
         wide = torch.float64 if x_TD.dtype == torch.float64 else torch.float32
         tokens, columns = x_TD.shape[0], weight_VD.shape[0]
         real = columns if shard is None or shard.real is None else max(0, min(columns, shard.real))
@@ -180,16 +193,11 @@ class _BlockedHeadLoss(torch.autograd.Function):
         max_T = x_TD.new_empty(tokens, dtype=wide)
         sum_T = x_TD.new_empty((2, tokens), dtype=wide)  # exponential sums, label logits
         rows = block_rows(columns, wide, block_bytes)
+        statistics = _row_statistics if compile_backend is None else compiled(_row_statistics, compile_backend)
         for r0 in range(0, tokens, rows):
             r1 = min(tokens, r0 + rows)
-            x_BV = _wide_logits(x_TD[r0:r1], weight_VD, wide, real)
-            target_B = x_BV.gather(1, local_T[r0:r1, None]).squeeze(1)
-            sum_T[1, r0:r1] = torch.where(mine_T[r0:r1], target_B, torch.zeros_like(target_B))
-            m_B = x_BV.amax(-1) if columns else x_BV.new_full((r1 - r0,), float("-inf"))
-            if shard is not None:  # a rank whose columns are all padding: its row maximum is -inf
-                m_B = torch.where(torch.isfinite(m_B), m_B, torch.zeros_like(m_B))
-            max_T[r0:r1] = m_B
-            sum_T[0, r0:r1] = x_BV.sub_(m_B[:, None]).exp_().sum(-1)
+            x_BV = _padded_logits(x_TD[r0:r1], weight_VD, real)
+            max_T[r0:r1], sum_T[0, r0:r1], sum_T[1, r0:r1] = statistics(x_BV, local_T[r0:r1], mine_T[r0:r1], wide)
             del x_BV
         if shard is not None:
             top_T = max_T.clone()
@@ -198,7 +206,7 @@ class _BlockedHeadLoss(torch.autograd.Function):
             dist.all_reduce(sum_T, op=dist.ReduceOp.SUM, group=shard.group)
             max_T = top_T
         lse_T = sum_T[0].log().add_(max_T)
-        ctx.block_bytes, ctx.real, ctx.start = block_bytes, real, start
+        ctx.block_bytes, ctx.real, ctx.start, ctx.compile_backend = block_bytes, real, start, compile_backend
         ctx.save_for_backward(x_TD, weight_VD, labels_T, lse_T)
         return ((lse_T - sum_T[1]) * (labels_T != IGNORE)).sum()
 
@@ -212,27 +220,56 @@ class _BlockedHeadLoss(torch.autograd.Function):
         grad_x = x_TD.new_zeros(x_TD.shape, dtype=wide)
         grad_w = torch.empty_like(weight_VD)
         step = block_rows(tokens, wide, ctx.block_bytes)
+        fused = None if ctx.compile_backend is None else compiled(_fused_softmax_grad, ctx.compile_backend)
         for c0 in range(0, columns, step):
             c1 = min(columns, c0 + step)
             w_CD = weight_VD[c0:c1]
-            g_TC = _wide_logits(x_TD, w_CD, wide, ctx.real - c0)
-            g_TC.sub_(lse_T[:, None]).exp_()
             hit_T = mine_T & (local_T >= c0) & (local_T < c1)
-            g_TC.index_put_((rows_T, (local_T - c0).clamp(0, c1 - c0 - 1)), -hit_T.to(wide), accumulate=True)
-            g_TC = g_TC.mul_(scale_T[:, None]).to(x_TD.dtype)
+            if fused is not None:
+                g_TC = fused(_padded_logits(x_TD, w_CD, ctx.real - c0), lse_T, local_T - c0, hit_T, scale_T, wide)
+            else:  # eager: in place on one wide block (the memory model's block)
+                g_TC = _padded_logits(x_TD, w_CD, ctx.real - c0).to(wide)
+                g_TC.sub_(lse_T[:, None]).exp_()
+                g_TC.index_put_((rows_T, (local_T - c0).clamp(0, c1 - c0 - 1)), -hit_T.to(wide), accumulate=True)
+                g_TC = g_TC.mul_(scale_T[:, None]).to(x_TD.dtype)
             torch.mm(g_TC.t(), x_TD, out=grad_w[c0:c1])
             grad_x.add_(g_TC @ w_CD)
             del g_TC
-        return grad_x.to(x_TD.dtype), grad_w, None, None, None
+        return grad_x.to(x_TD.dtype), grad_w, None, None, None, None
 
 
-def _wide_logits(x_BD: torch.Tensor, weight_CD: torch.Tensor, wide: torch.dtype, real: int) -> torch.Tensor:
-    """One block's logits: the product in the compute dtype, then a wide copy (the compute-dtype
-    block freed once copied), -inf on the columns from `real` on (vocabulary padding)."""
-    x_BC = (x_BD @ weight_CD.t()).to(wide)
+def _padded_logits(x_BD: torch.Tensor, weight_CD: torch.Tensor, real: int) -> torch.Tensor:
+    """One block's logits in the compute dtype, -inf on the columns from `real` on (vocabulary
+    padding)."""
+    x_BC = x_BD @ weight_CD.t()
     if real < x_BC.shape[1]:
         x_BC[:, max(real, 0):] = float("-inf")
     return x_BC
+
+
+def _row_statistics(x_BC: torch.Tensor, local_B: torch.Tensor, mine_B: torch.Tensor, wide: torch.dtype):
+    """Per row of a block of logits (compute dtype): the maximum, the sum of exponentials
+    relative to it, and the label's logit where this rank holds it (else 0), all in `wide`. A
+    row whose columns are all padding (a TP rank's) has maximum -inf, taken as 0 so that its
+    sum is 0 rather than NaN. Eager: one wide copy of the block, changed in place; compiled:
+    fused, the wide copy never written."""
+    x_BC = x_BC.to(wide)
+    target_B = x_BC.gather(1, local_B[:, None]).squeeze(1)
+    m_B = x_BC.amax(-1)
+    m_B = torch.where(torch.isfinite(m_B), m_B, torch.zeros_like(m_B))
+    return m_B, x_BC.sub_(m_B[:, None]).exp_().sum(-1), torch.where(mine_B, target_B, torch.zeros_like(target_B))
+
+
+def _fused_softmax_grad(x_TC: torch.Tensor, lse_T: torch.Tensor, local_T: torch.Tensor, hit_T: torch.Tensor,
+                        scale_T: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
+    """The loss's gradient with respect to a block of logits (compute dtype in and out):
+    (softmax - one-hot of the label) x the row's scale, computed in `wide`. Compiled only: the
+    one-hot is a comparison with the column index, which fuses into one pass but would, eager,
+    make a [T, C] mask the memory model does not count."""
+    g_TC = (x_TC.to(wide) - lse_T[:, None]).exp()
+    columns_C = torch.arange(x_TC.shape[1], device=x_TC.device)
+    label_TC = (columns_C[None, :] == local_T[:, None]) & hit_T[:, None]
+    return ((g_TC - label_TC.to(wide)) * scale_T[:, None]).to(x_TC.dtype)
 
 
 def _label_columns(labels_T: torch.Tensor, start: int, columns: int):
