@@ -231,9 +231,9 @@ def describe_machine(tiny: bool) -> dict:
 
 
 def _commit() -> str | None:
-    """HEAD (with " (modified)" if tracked files differ), or $LENGTHWISE_COMMIT where the checkout
-    travelled without its git history."""
-    if not (ROOT / ".git").exists():
+    """$LENGTHWISE_COMMIT where set (a checkout copied to the GPU machine may carry no, or stale,
+    git metadata), else HEAD (with " (modified)" if tracked files differ)."""
+    if os.environ.get("LENGTHWISE_COMMIT") or not (ROOT / ".git").exists():
         return os.environ.get("LENGTHWISE_COMMIT")
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
