@@ -37,7 +37,7 @@ def _tolerance() -> float:
 
 @pytest.mark.parametrize(("rows", "compile_backend"), [
     (1, None), (4, None), (10, None), (TOKENS, None),
-    # compiled blocks (the fused row statistics and softmax gradient): traced (aot_eager) at
+    # compiled blocks (the fused softmax gradient of backward): traced (aot_eager) at
     # every block size, and once through inductor's generated kernels
     (1, "aot_eager"), (4, "aot_eager"), (TOKENS, "aot_eager"), (10, "inductor")])
 def test_blocked_head_equals_the_plain_loss(rows, compile_backend):

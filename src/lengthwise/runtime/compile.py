@@ -14,9 +14,9 @@ AOTAutograd's wrappers, the graph's own Python) costs about what the eager Funct
 save launches and memory traffic.
 
 The LM head's loss (`loss.head_loss_sum`, on the last stage) is compiled too, but not as a
-region: its block loop and matmuls stay eager, and the elementwise work of each block between
-the matmuls (row statistics forward, the softmax gradient backward) is one compiled function
-each, the wide logits never written (its docstring says why that matters).
+region: its block loop and matmuls stay eager, and in backward the elementwise work of each
+block between the matmuls (the softmax gradient) is one compiled function, the wide logits
+never written (`loss._BlockedHeadLoss` says what that measured, and why forward stays eager).
 
 Left out, by `torch.compiler.disable` on `attention.attend`: the attention itself. Its
 backends loop in Python over the row's calls (data from the plan, not tensors), call private

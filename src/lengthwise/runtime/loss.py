@@ -175,13 +175,16 @@ class _BlockedHeadLoss(torch.autograd.Function):
     float32 logits, 2,048 columns at 32K tokens); beside it the compute-dtype logits (forward)
     or gradient (backward) of the block. Block bounds come from shapes only: no host sync.
 
-    Compiled (`compile_backend`, set by `runtime.compile.compile_layers`): the matmuls stay
-    cuBLAS calls, and each block's elementwise work between them is one compiled function
-    (`_row_statistics` forward, `_fused_softmax_grad` backward), so a block's logits are read
-    in the compute dtype once or twice and the wide copy is never written: eager, that work is
-    about ten passes over a wide [rows, V] block, which on an H200 made the head of Qwen2.5-0.5B
-    (V = 151,936) cost as much as its 24 layers (benchmarks/results/gpu-2026-11-28-nvidia-h200/).
-    The same arithmetic in the same dtypes; only the order of the row sums may differ."""
+    Compiled (`compile_backend`, set by `runtime.compile.compile_layers`): backward only. The
+    matmuls stay cuBLAS calls, and each column block's elementwise work between them (widen,
+    exponentiate, subtract the label, scale, narrow) is one compiled function
+    (`_fused_softmax_grad`), so the block's logits are read in the compute dtype once and the
+    wide copy is never written: on an H200 the head's backward of Qwen2.5-0.5B (V = 151,936)
+    went from 3.50 to 2.16 us a token at 16K tokens (profiles in
+    benchmarks/results/gpu-2026-11-28-nvidia-h200/). The forward's row statistics stay eager:
+    compiled (dynamic rows, a reduction over 151,936 columns per row) they measured slower on the
+    same GPU, 2.99 against 1.99 us a token. The same arithmetic in the same dtypes; only the
+    order of the row sums may differ."""
 
     @staticmethod
     def forward(ctx, x_TD, weight_VD, labels_T, shard, block_bytes, compile_backend):
@@ -193,11 +196,11 @@ class _BlockedHeadLoss(torch.autograd.Function):
         max_T = x_TD.new_empty(tokens, dtype=wide)
         sum_T = x_TD.new_empty((2, tokens), dtype=wide)  # exponential sums, label logits
         rows = block_rows(columns, wide, block_bytes)
-        statistics = _row_statistics if compile_backend is None else compiled(_row_statistics, compile_backend)
-        for r0 in range(0, tokens, rows):
+        for r0 in range(0, tokens, rows):  # eager whatever compile_backend says (see the class docstring)
             r1 = min(tokens, r0 + rows)
             x_BV = _padded_logits(x_TD[r0:r1], weight_VD, real)
-            max_T[r0:r1], sum_T[0, r0:r1], sum_T[1, r0:r1] = statistics(x_BV, local_T[r0:r1], mine_T[r0:r1], wide)
+            max_T[r0:r1], sum_T[0, r0:r1], sum_T[1, r0:r1] = _row_statistics(x_BV, local_T[r0:r1], mine_T[r0:r1],
+                                                                             wide)
             del x_BV
         if shard is not None:
             top_T = max_T.clone()
@@ -251,8 +254,7 @@ def _row_statistics(x_BC: torch.Tensor, local_B: torch.Tensor, mine_B: torch.Ten
     """Per row of a block of logits (compute dtype): the maximum, the sum of exponentials
     relative to it, and the label's logit where this rank holds it (else 0), all in `wide`. A
     row whose columns are all padding (a TP rank's) has maximum -inf, taken as 0 so that its
-    sum is 0 rather than NaN. Eager: one wide copy of the block, changed in place; compiled:
-    fused, the wide copy never written."""
+    sum is 0 rather than NaN. One wide copy of the block, changed in place."""
     x_BC = x_BC.to(wide)
     target_B = x_BC.gather(1, local_B[:, None]).squeeze(1)
     m_B = x_BC.amax(-1)
