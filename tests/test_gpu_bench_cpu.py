@@ -77,6 +77,31 @@ def test_finetune_benchmark_runs_tiny_on_cpu_and_writes_valid_json(tmp_path, mon
                                                                           "chunkflow / packing tokens/s"}
 
 
+def test_a_timed_step_that_compiled_is_named_and_left_out_of_the_throughput(monkeypatch):
+    bench = load_script("bench_gpu_finetune", monkeypatch)
+    seconds = iter([1.0, 2.0, 9.0, 2.0])  # warm-up, then three timed steps; the 9 s one compiled
+    graphs = iter([0, 4, 4, 4, 6, 6, 6])  # dynamo's graph count before each step, and after each timed one
+    monkeypatch.setattr(bench, "timed", lambda fn, dev: (next(seconds), 3.0))
+    monkeypatch.setattr(bench, "compiled_graphs", lambda: next(graphs))
+
+    class Runner:
+        compiled, plan_ms, splits, plan_info, model = True, [], [], {}, torch.nn.Linear(2, 2)
+
+        def prepare(self, lengths):
+            return None
+
+        def step(self, *args):
+            raise AssertionError("timed is replaced")
+
+    s = bench.Settings(models=["tiny-qwen"], contexts=[256], systems=["packing"], warmup=1, steps=3,
+                       peak_tflops=1.0)
+    spec = bench.model_preset("tiny-qwen")
+    row = bench._measure(Runner(), [[10, 20]] * 4, bench.Device.pick("cpu", "float32"), s, spec)
+    assert row["steps_compiling"] == [1] and row["new_graphs_per_step"] == [0, 2, 0] and row["steady"]
+    assert row["step_times_s"] == [2.0, 9.0, 2.0] and row["step_time_s"] == 2.0
+    assert row["tokens_per_s"] == pytest.approx(2 * 30 / 4.0) and row["tokens"] == 60
+
+
 def test_padded_groups_respect_the_token_budget(monkeypatch):
     hf = load_script("hf_baselines", monkeypatch)
     lengths = [100, 20, 30, 250, 10, 10, 10, 60]
