@@ -13,21 +13,23 @@ versions, commit; per step its command, limit, rc, wall time, output file), rewr
 every step so a suite cut short still says how far it got. Exit 0 only when every step that
 ran succeeded and wrote its file.
 
-The steps' limits add up to 480 s (--tiny: 600 s each, only to stop a hang). The first H200 run
-(benchmarks/results/h200-2026-11-27/, eager layers) gave the varlen check 17 s, verify 14 s, a
-0.5B profile 15 s, sim_fidelity 22 s, and bench_gpu_finetune about 15 s a system for building its
-model plus 0.4 s (lengthwise) to 2.5 s (transformers padded) a step at 32K. Since then the
-layers compile on CUDA (inductor, Triton kernels): each process that builds a model of new
-dimensions pays that compile once (no earlier measurement on a GPU; the suite's records give
-it), later processes of the same dimensions read inductor's on-disk caches. Building a model
-now costs a bench process once (the seeded weights are reused by its later systems). So:
-the correctness checks first (verify compiled, and eager if compiled failed: then the rest runs
-eager), the host-overhead measurement (eager, no model of size: 40 s), the 0.5B profile with
-its compile (50 s), the 0.5B rows at 32K with transformers' packed anchor, whose
-flex_attention compiles too (130 s), the 1.5B rows planned with the first run's 1.5B profile
-(80 s), the long-sequence rows (70 s), sim_fidelity (45 s). transformers' padded loop is left
-to `bench_gpu_finetune.py` run by hand (10,895 tokens/s on the first run, 6.7x below packing):
-the packed anchor is the fair one, and both would not fit the 8 minutes.
+The steps' limits add up to at most 480 s (--tiny: 600 s each, only to stop a hang), sized from
+the two H200 calls of 2026-11-28 (benchmarks/results/gpu-2026-11-28-nvidia-h200/, layers
+compiled): varlen check 20 s; verify 34 s (then, once the LM head compiled too, its JSON written
+and the process still exiting at 45 s: inductor's compile workers); host overhead 26 s (before
+and after); 0.5B profile 41-46 s at 16K tokens (the 32K chunks now added cost a few seconds:
+at 16K and below the compiled layers' times sit on the host floor, so the fit could not see
+the device's slope); the 0.5B rows with transformers' packed anchor 66 s; the 1.5B rows 60 s
+(seeded weights drawn on threads; before that the step was cut at 80 s); the long rows about
+10-14 s a step a system at 128K (run 1 cut them at 70 s with 3 steps each: 1 timed step now);
+sim_fidelity 36-45 s. Each process that builds a model of new dimensions pays inductor's
+compile once; later processes of the same dimensions read its on-disk caches. Order: the
+correctness checks first (verify compiled, and eager if compiled failed: then the rest runs
+eager), the host-overhead measurement, the 0.5B profile, the 0.5B rows, the 1.5B rows (planned
+with the first H200 run's 1.5B profile, which packing and a fixed ChunkSize need only for
+memory), the long rows, sim_fidelity. transformers' padded loop is left to
+`bench_gpu_finetune.py` run by hand (10,895 tokens/s on the first run, 6.7x below packing): the
+packed anchor is the fair one, and both would not fit the 8 minutes.
 """
 
 from __future__ import annotations
@@ -82,20 +84,20 @@ BENCH = "benchmarks/bench_gpu_finetune.py"
 def profile_step(model: str, tiny_model: str, out: Path, tiny: bool, limit_s: int) -> Step:
     name = tiny_model if tiny else model
     sizes = (["--device", "cpu", "--layers", "1", "--min-tokens", "16", "--max-tokens", "64", "--max-context",
-              "256", "--repeats", "1", "--warmup", "0"] if tiny else ["--max-tokens", "16384", "--repeats", "2"])
+              "256", "--repeats", "1", "--warmup", "0"] if tiny else ["--max-tokens", "32768", "--repeats", "2"])
     return Step(name=f"profile-{model.removeprefix('qwen2.5-')}", limit_s=limit_s, compiles=True,
                 argv=[PY, "-m", "lengthwise", "profile", "--model", name, *sizes, "--out",
                       str(out / f"profile-{name}.json")], output=f"profile-{name}.json")
 
 
 def finetune_step(name: str, out: Path, tiny: bool, limit_s: int, *, context: int, systems: str,
-                  extra: list[str], model: str = "qwen2.5-0.5b", profile: str | None = None) -> Step:
-    """bench_gpu_finetune.py on `model` (tiny-qwen with --tiny), 1 warm-up + 2 timed steps, planned
-    with the profile an earlier step measured (or the file `profile` names)."""
+                  extra: list[str], model: str = "qwen2.5-0.5b", profile: str | None = None, steps: int = 2) -> Step:
+    """bench_gpu_finetune.py on `model` (tiny-qwen with --tiny), 1 warm-up + `steps` timed steps,
+    planned with the profile an earlier step measured (or the file `profile` names)."""
     model = "tiny-qwen" if tiny else model
     measured = out / f"profile-{model}.json"
     sizes = (["--tiny", "--device", "cpu"] if tiny else
-             ["--models", model, "--contexts", str(context), "--steps", "2", "--warmup", "1"])
+             ["--models", model, "--contexts", str(context), "--steps", str(steps), "--warmup", "1"])
     return Step(name=name, limit_s=limit_s, output=f"{name}.json", needs=[] if profile else [measured.name],
                 compiles=True, argv=[PY, BENCH, *sizes, "--systems", systems, "--no-scan", *extra,
                                      "--profile-file", f"{model}={profile or measured}", "--out", str(out / f"{name}.json")])
@@ -123,23 +125,23 @@ def suite_steps(out: Path, *, tiny: bool, cuda: bool, old_src: str | None = None
         Step(name="varlen-check", limit_s=25,
              argv=[PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_bench_cpu.py", "-k", "varlen"],
              skip_reason=None if cuda and not tiny else "needs CUDA (torch.nn.attention.varlen): not run with --tiny"),
-        Step(name="verify", limit_s=40, output="verify.json", stdout_is_output=True, compiles=True, decides_compile=True,
+        Step(name="verify", limit_s=50, output="verify.json", stdout_is_output=True, compiles=True, decides_compile=True,
              argv=[PY, "-m", "lengthwise", "verify", "--model-config", "tiny-qwen", *device, "--k", "1", "--json"]),
-        Step(name="host-overhead", limit_s=40, output="host-overhead.json",
+        Step(name="host-overhead", limit_s=35, output="host-overhead.json",
              argv=[PY, "benchmarks/bench_host_overhead.py", "--device", "cpu" if tiny else "cuda", *host_variants,
                    "--rounds", "1" if tiny else "3", "--steps", "1" if tiny else "5",
                    "--out", str(out / "host-overhead.json")]),
-        profile_step("qwen2.5-0.5b", "tiny-qwen", out, tiny, 50),
+        profile_step("qwen2.5-0.5b", "tiny-qwen", out, tiny, 55),
         # the transformers row runs in the same process as lengthwise's (ratios within one run)
-        finetune_step("finetune-0.5b-32k", out, tiny, 130, context=32768, systems="packing,chunkflow,hf-packed",
+        finetune_step("finetune-0.5b-32k", out, tiny, 85, context=32768, systems="packing,chunkflow,hf-packed",
                       extra=[]),
         # the issue's 1.5B rows: packing's MFU and peak, chunkflow at ChunkSize 8192 against it
-        finetune_step("finetune-1.5b-32k", out, tiny, 80, context=32768, systems="packing,chunkflow",
+        finetune_step("finetune-1.5b-32k", out, tiny, 90, context=32768, systems="packing,chunkflow",
                       extra=["--chunk-size", chunk_8k], model="qwen2.5-1.5b",
                       profile=None if tiny else H200_PROFILE_15B),
-        finetune_step("finetune-0.5b-128k-long", out, tiny, 70, context=131072, systems="packing,chunkflow",
-                      extra=["--chunk-size", chunk_8k, "--long-sequence", long_range]),
-        Step(name="sim-fidelity-0.5b-32k", limit_s=45, output="sim-fidelity-0.5b-32k.json", needs=[p05],
+        finetune_step("finetune-0.5b-128k-long", out, tiny, 80, context=131072, systems="packing,chunkflow",
+                      extra=["--chunk-size", chunk_8k, "--long-sequence", long_range], steps=1),
+        Step(name="sim-fidelity-0.5b-32k", limit_s=55, output="sim-fidelity-0.5b-32k.json", needs=[p05],
              argv=[PY, "benchmarks/sim_fidelity.py", *(["--tiny", "--device", "cpu"] if tiny else
                    ["--model", "qwen2.5-0.5b", "--context", "32768", "--batches", "2", "--repeats", "2"]),
                    "--profile-file", str(out / p05), "--out", str(out / "sim-fidelity-0.5b-32k.json")]),
