@@ -188,6 +188,59 @@ def _training_rms(spec, profile, share: float) -> float:
 
 
 
+COMPILED = Path(__file__).resolve().parent / "results" / "gpu-2026-11-28-nvidia-h200"
+COMPILED_RUNS = {"run1": COMPILED, "run2": COMPILED / "run2"}
+"""The 2026-11-28 H200 calls (compiled layers): each with its own Qwen2.5-0.5B profile, measured
+compiled in the same call."""
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_models(run: str):
+    """(spec, cluster, the run's profile as measured, completed: the device line refitted)."""
+    spec = model_preset("qwen2.5-0.5b")
+    cluster = dataclasses.replace(cluster_preset("h100", 1), name="NVIDIA H200", gpu_memory_gb=GPU_MEMORY_GB)
+    raw = Profile.load(COMPILED_RUNS[run] / "profile-qwen2.5-0.5b.json")
+    return spec, cluster, CostModel(model=spec, cluster=cluster, profile=raw), \
+        CostModel(model=spec, cluster=cluster, profile=complete_profile(raw, spec))
+
+
+def compiled_rows() -> list[dict]:
+    """Every compiled 0.5B step of the 2026-11-28 calls: bench_gpu_finetune's packing and
+    chunkflow steps at 32K (run_step + optimizer; the eager row has no eager profile to be
+    simulated with, and the 1.5B rows were planned with the eager 2026-11-27 profile) and
+    sim_fidelity's batches (run_step)."""
+    rows = []
+    for run, folder in COMPILED_RUNS.items():
+        bench = json.loads((folder / "finetune-0.5b-32k.json").read_text())["models"]["qwen2.5-0.5b"]["runs"]
+        for r in (r for r in bench if r["system"] in ("packing", "chunkflow")):
+            options = {} if r["system"] == "packing" else {"chunk_size": "auto"}
+            for i, seconds in enumerate(r["step_times_s"]):
+                rows.append({"id": f"{run}-0.5b-{r['system']}-step{i + 1}", "run": run, "planner": r["system"],
+                             "options": options, "batch": 1 + i, "measured": seconds, "optimizer": True,
+                             "seed": None, "chunk_size": r.get("chunk_size")})
+        fidelity = json.loads((folder / "sim-fidelity-0.5b-32k.json").read_text())
+        for i, b in enumerate(fidelity["batches"]):
+            rows.append({"id": f"{run}-0.5b-simfidelity-batch{i}", "run": run, "planner": "chunkflow",
+                         "options": {"chunk_size": "auto"}, "batch": i, "measured": b["measured_step_s"],
+                         "optimizer": False, "seed": 0, "chunk_size": b["chunk_size"], "chunks": b["chunks"]})
+    return rows
+
+
+def predict_compiled_row(row: dict) -> dict:
+    """The row's batch planned with the run's profile as measured (as the benchmark planned it),
+    simulated with it completed (the device line refitted without its constant), and with it as
+    measured (the fit then)."""
+    spec, cluster, raw, completed = _compiled_models(row["run"])
+    lengths = _batches(row["batch"] + 1)[row["batch"]]
+    plan = _plan(spec, cluster, raw, lengths, row["planner"], row["options"], row["seed"])
+
+    def step(cost) -> float:
+        terms = step_time_terms(plan, cost)
+        return simulate_plan(plan, cost).step_time_s - terms["grad_norm"] - (0.0 if row["optimizer"] else
+                                                                             terms["optimizer"])
+    return {"plan": plan, "lengths": lengths, "predicted": step(completed), "as_fitted_then": step(raw)}
+
+
 def straight_line_step(row: dict, plan) -> float:
     """What simulate predicted before: the profile's own straight-line fit, no step terms."""
     spec, cluster, raw, _ = _models(row["model"])
@@ -232,6 +285,19 @@ def main(argv: list[str] | None = None) -> int:
                       "straight_line_held_out_error": {k: done.meta["held_out_error"][k] for k in ("fwd", "bwd")},
                       "scheme": vars(done.schemes["tp1-cp1"]), "step": done.step.to_dict(),
                       "completed": done.meta["completed"]}
+    compiled = []
+    for row in compiled_rows():
+        got = predict_compiled_row(row)
+        compiled.append({"row": row["id"], "planner": row["planner"], "batch": row["batch"],
+                         "tokens": sum(got["lengths"]), "chunks": len(got["plan"].pipelines[0].chunks),
+                         "chunk_size": got["plan"].metrics.get("chunk_size"), "measured_s": row["measured"],
+                         "timed": "run_step + optimizer" if row["optimizer"] else "run_step",
+                         "predicted_s": got["predicted"], "error": got["predicted"] / row["measured"] - 1,
+                         "as_fitted_then_s": got["as_fitted_then"],
+                         "as_fitted_then_error": got["as_fitted_then"] / row["measured"] - 1})
+        print(f"{row['id']:<32} measured {row['measured']:.4f} s  predicted {got['predicted']:.4f} s "
+              f"({compiled[-1]['error']:+.1%}; the fit as then {compiled[-1]['as_fitted_then_error']:+.1%})")
+    compiled_mape = statistics.fmean(abs(r["error"]) for r in compiled)
     mape = statistics.fmean(abs(r["error"]) for r in rows)
     within = sum(abs(r["error"]) <= TARGET for r in rows)
     checked = [r for r in rows if not r["calibration"]]
@@ -247,11 +313,18 @@ def main(argv: list[str] | None = None) -> int:
                "predicted": "simulated (cost/time.py time model)", "rows": rows, "step_time_mape": mape,
                "rows_within_10_percent": within, "rows_total": len(rows), "slice_calibration": calibration,
                "builtin_curve": builtin, "fits": fits,
+               "compiled_runs": {"device": "NVIDIA H200 (measured 2026-11-28, layers compiled)", "rows": compiled,
+                                 "step_time_mape": compiled_mape,
+                                 "as_fitted_then_mape": statistics.fmean(abs(r["as_fitted_then_error"])
+                                                                         for r in compiled),
+                                 "rows_within_10_percent": sum(abs(r["error"]) <= TARGET for r in compiled)},
                "command": "python benchmarks/time_model_h200.py"}
     write_atomic(out, json_text(results))
     print(f"key slicing at {share:.3f} of nominal bandwidth fits the {len(calibration['rows'])} calibration steps "
           f"(used: {SLICE_BANDWIDTH_SHARE}); the {len(checked)} others: MAPE {calibration['checked_rows_mape']:.1%}")
     print(f"built-in efficiency curve (cost/time.Throughput): {describe_fit(curve)}")
+    print(f"compiled (2026-11-28): step time MAPE {compiled_mape:.1%}, "
+          f"{results['compiled_runs']['rows_within_10_percent']} of {len(compiled)} steps within {TARGET:.0%}")
     print(f"step time MAPE {mape:.1%}, {within} of {len(rows)} steps within {TARGET:.0%}; wrote {out}")
     return 0
 

@@ -3,7 +3,7 @@
     fitted = fit_throughput([(spec_05b, profile_05b), (spec_15b, profile_15b)], peak_tflops=989.0,
                             measured_on="NVIDIA H200")
     rounded(fitted.throughput)   # {"linear_mfu": 0.49, "half_tokens": 0.0, "attention_mfu": 0.31,
-                                 #  "layer_overhead_s": 0.0012}: Throughput's defaults
+                                 #  "layer_overhead_s": 0.0013}: Throughput's defaults
 
 `python benchmarks/time_model_h200.py` runs this on the two 2026-11-27 H200 profiles (completed
 by cost/estimate.py) and writes the result; Throughput's defaults are those numbers rounded to
@@ -20,11 +20,11 @@ kernels, not how fast the GPU runs them. The backward is taken net of the key-sl
 the code that measured it (cost/estimate.py), which today's executor no longer pays.
 
 What the H200 profiles say (the numbers in Throughput): GEMMs of Qwen2.5-0.5B and 1.5B widths
-run at 49% of the 989 TFLOP/s peak, attention at 31%, and each layer pass costs a fixed 1.2 ms
+run at 49% of the 989 TFLOP/s peak, attention at 31%, and each layer pass costs a fixed 1.3 ms
 more; half_tokens fits to 0: above the host floor (chunks of 2-16K tokens) no rise of GEMM
 efficiency with size is left to see, so a small chunk's inefficiency is that fixed cost
 amortised over less work. Holding that fixed cost at the 40 us the curve assumed before (kernel
-launches alone) and fitting the rest gives 39% / 2464 tokens / 29% at 17% mean error (4.9% with
+launches alone) and fitting the rest gives 33% / 320 tokens / 29% at 14% mean error (4.8% with
 it free): the data want the fixed cost. Caveats, for models and hardware beyond these: wider
 models' GEMMs run nearer the peak; the fixed cost is the code measured then (main at 1b723e1:
 eager, per-layer host work and synchronisation), which the hot-path work has since cut, and it

@@ -1,4 +1,5 @@
-"""Complete a profile written before the step terms and host floors existed (cost/time.py).
+"""Complete a profile written before the step terms and host floors existed (cost/time.py), or
+fitted while the device's line still had a constant (cost/fit.fit_floor_time says why it has none).
 
     profile = complete_profile(Profile.load("old.json"), model_preset("qwen2.5-0.5b"))
     profile.step.estimated        # {"optimizer_s": "7 x 2 bytes per parameter at 4.8 TB/s (H200)", ...}
@@ -11,9 +12,8 @@ bandwidth (cost/time.DEVICE_BANDWIDTH):
 
 - the backward's key slicing, per segment x token of a row (`SLICE_PASSES`), in profiles of
   code that packed each layer's keys per segment (`packs_keys_per_segment`): the bytes it
-  moves at `SLICE_BANDWIDTH_SHARE` of the nominal bandwidth, known in the refit, so the fitted
-  line is what remains. That share is the one number here taken from measured steps (its
-  docstring says how and why);
+  moves at `SLICE_BANDWIDTH_SHARE` of the nominal bandwidth (the nominal rate; its docstring
+  says how measured steps checked it), known in the refit, so the fitted line is what remains;
 - optimizer step: fused AdamW on weights, gradients and moments all in the profile's dtype (what
   `torch.optim.AdamW(model.parameters(), fused=True)` keeps for a bf16 model, as the benchmarks
   and a one-device run use): it reads weight, gradient and two moments and writes weight and two
@@ -54,7 +54,8 @@ def complete_profile(profile: Profile, model: ModelSpec, *, slice_share: float |
     seg = segment_token_seconds(model, device=profile.device, dtype=dtype, share=share)
     needs_seg = fit is not None and fit.bwd_segment_tokens == 0.0 and seg > 0.0 and packs_keys_per_segment(profile)
     needs_floor = fit is not None and not fit.has_floor
-    refit = (needs_seg or needs_floor) and bool(profile.meta.get("samples"))
+    constant = fit is not None and fit.has_floor and (fit.fwd[2] > 0.0 or fit.bwd[2] > 0.0)
+    refit = (needs_seg or needs_floor or constant) and bool(profile.meta.get("samples"))
     if profile.step is not None and not refit:
         return profile
     meta, schemes = dict(profile.meta), dict(profile.schemes)
@@ -62,7 +63,9 @@ def complete_profile(profile: Profile, model: ModelSpec, *, slice_share: float |
     if refit:
         seg = seg if needs_seg else fit.bwd_segment_tokens
         schemes[SCHEME], errors = _refit(profile, fit, seg)
-        completed["layers"] = "host floor and straight line refitted from this profile's samples (cost/fit.fit_layers)"
+        completed["layers"] = ("device line refitted without its constant (fitted before cost/fit.fit_floor_time "
+                               "dropped it)" if constant and not (needs_seg or needs_floor) else
+                               "host floor and straight line refitted from this profile's samples (cost/fit.fit_layers)")
         if needs_seg:
             completed["bwd_segment_tokens"] = (f"2 (K, V) x {SLICE_PASSES} passes x {model.kv_dim} x "
                                                f"{DTYPE_BYTES.get(dtype, 2)} bytes per segment x token at "
@@ -84,22 +87,17 @@ pack_keys: each slice's backward allocates a zero gradient of the whole row, 1 w
 autograd adds it into the sum, 2 reads and 1 write), for K and for V."""
 
 
-SLICE_BANDWIDTH_SHARE = 0.35
-"""Share of the nominal bandwidth the key slicing's kernels reach. Each segment of a row costs,
-per layer, six small kernels (for K and V: a row-sized zero fill, a copy into it, an add into
-the sum; a few MB each for the chunks here), which launch latency and ramp-up keep far below
-the nominal rate that large copies approach. The profiles cannot measure it: their rows hold 1,
-4 and 16 segments, where slicing is under a tenth of a layer, and their fit's cost is flat
-from 1 to 5 times the nominal-bandwidth cost (benchmarks/results/time_model_h200.json,
-`bwd_training_rms_by_slice_share`). Calibrated instead on the one measurement that shows it,
-the 2026-11-27 H200 fine-tune steps of Qwen2.5-0.5B (one chunk of 64 documents, 24-30K tokens,
-where the slicing is 14% of the step at this share): the share whose simulated steps
-best match those 6 measured steps (relative least squares, everything else in the model
-fixed), rounded to 0.05; `python benchmarks/time_model_h200.py` derives it again
-(`slice_share_from_steps`, checked by tests/test_time_model_h200.py) and checks it on the 4
-steps not used: sim_fidelity's two batches (one not among the 6) and Qwen2.5-1.5B's two (twice
-the K/V width, 4 chunks of 7-33 documents). At the nominal rate (share 1, as before) every
-0.5B step was 8-11% under."""
+SLICE_BANDWIDTH_SHARE = 1.0
+"""Share of the nominal bandwidth the key slicing's kernels reach: the nominal rate itself. Each
+segment of a row costs, per layer, six small kernels (for K and V: a row-sized zero fill, a
+copy into it, an add into the sum). The profiles cannot measure it (their rows hold 1, 4 and 16
+segments, where slicing is under a tenth of a layer), so it was once calibrated on the
+2026-11-27 H200 fine-tune steps of Qwen2.5-0.5B (one chunk of 64 documents), which gave 0.35
+while the layer fit's device line kept a constant. Since the device line has none
+(cost/fit.fit_floor_time), the same calibration runs into its upper bound, 1.0: the steps ask
+for no slower slicing than the nominal rate, and nothing here is taken from step times any
+more. `python benchmarks/time_model_h200.py` derives it again (`slice_share_from_steps`,
+checked by tests/test_time_model_h200.py)."""
 
 
 def packs_keys_per_segment(profile: Profile) -> bool:

@@ -248,9 +248,9 @@ def fit_time(keys, tokens, seconds) -> tuple[float, float, float]:
     return tuple(float(v) for v in _relative_nnls(x, seconds))
 
 
-FLOOR_SCALES = np.array([1e-11, 1e-8, 1e-3, 1e-3, 1e-5])
-"""Typical sizes of (a, b, c, f, g) in seconds per pair, token, pass, pass, segment: the solver
-works on coefficients divided by these, so its steps are of one order in every direction."""
+FLOOR_SCALES = np.array([1e-11, 1e-8, 1e-3, 1e-5])
+"""Typical sizes of (a, b, f, g) in seconds per pair, token, pass, segment: the solver works on
+coefficients divided by these, so its steps are of one order in every direction."""
 FLOOR_STARTS = (1.0, 0.1, 3.0)
 """Starting points (every scaled coefficient equal to one of these); the lowest cost is kept:
 a maximum of two terms has a local minimum where either term is inactive."""
@@ -258,9 +258,17 @@ a maximum of two terms has a local minimum where either term is inactive."""
 
 def fit_floor_time(keys, tokens, segments, seconds, segment_tokens: float = 0.0
                    ) -> tuple[tuple[float, float, float], tuple[float, float]]:
-    """((a, b, c), (f, g)) of seconds = max(f + g * segments, a * keys + b * tokens + c
+    """((a, b, 0), (f, g)) of seconds = max(f + g * segments, a * keys + b * tokens
     + segment_tokens * segments * tokens), all >= 0, least relative error
-    (scipy.optimize.least_squares); `segment_tokens` is known, not fitted."""
+    (scipy.optimize.least_squares); `segment_tokens` is known, not fitted.
+
+    The device's line has no constant (c = 0, kept in the tuple for the file format): a layer
+    pass's device time is its work, and what a pass costs whatever its work is the host floor
+    f. With a free constant the fit could not tell them apart where the samples sit on the
+    floor: on the H200 (2026-11-28, compiled layers) every sample up to 16K tokens took 2-3 ms,
+    and the fit put 2.3 ms into c and a per-token slope of a twentieth of the matmuls' own into
+    b, so 30K-token steps were simulated 18-24% short; with c = 0 the same samples give 7-8%
+    (benchmarks/results/time_model_h200.json, `compiled_runs`)."""
     k, t, n = (np.asarray(v, float) for v in (keys, tokens, segments))
     known = segment_tokens * n * t
     y = np.asarray(seconds, float)
@@ -271,8 +279,8 @@ def fit_floor_time(keys, tokens, segments, seconds, segment_tokens: float = 0.0
                         "raise --min-tokens or --repeats")
 
     def residuals(p):
-        a, b, c, f, g = p * FLOOR_SCALES
-        return np.maximum(f + g * n, a * k + b * t + c + known) / y - 1.0
+        a, b, f, g = p * FLOOR_SCALES
+        return np.maximum(f + g * n, a * k + b * t + known) / y - 1.0
 
     if not all(np.isfinite(residuals(np.full(len(FLOOR_SCALES), x0))).all() for x0 in FLOOR_STARTS):
         raise UserError("measured chunks too large to fit (a time model's terms overflow): check the samples")
@@ -281,8 +289,8 @@ def fit_floor_time(keys, tokens, segments, seconds, segment_tokens: float = 0.0
                     for x0 in FLOOR_STARTS), key=lambda r: r.cost)
     except ValueError as exc:  # non-finite values inside the solver
         raise UserError(f"the time model's fit failed on these samples ({exc})") from None
-    a, b, c, f, g = (float(v) for v in best.x * FLOOR_SCALES)
-    return (a, b, c), (f, g)
+    a, b, f, g = (float(v) for v in best.x * FLOOR_SCALES)
+    return (a, b, 0.0), (f, g)
 
 
 def fit_layers(train: list[Sample], test: list[Sample], bwd_segment_tokens: float = 0.0

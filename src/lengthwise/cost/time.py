@@ -23,7 +23,8 @@ layer, forward and backward fitted apart (cost/fit.py, scipy least squares on re
 the host floor (f, g: `fwd_floor`/`bwd_floor`) or the device's work, whichever is longer (host
 and device run concurrently; the profile's samples fit an exponent of a smooth maximum at its
 upper bound, i.e. the plain max). A profile without floors (written before they existed) has
-f = g = 0: the straight line, as before.
+f = g = 0: the straight line, as before. Where a floor is fitted, c is 0: what a pass costs
+whatever its work is the floor's (cost/fit.fit_floor_time says what a free c did on the H200).
 
 Where the measured code joined each layer's keys segment by segment (runtime/layout.pack_keys:
 the reference backend, and every backend before the flash ones read the row's keys whole), the
@@ -47,10 +48,10 @@ Within a stage the host runs ahead of the device (no host syncs in a step), so t
 takes a stage's layer time as the longer of its host floors' sum and its device lines' sum
 (sim/terms.host_overlap).
 
-Estimates (cost/estimate.complete_profile), physical, never fitted to step times but for one
-share: the layer terms are refitted from the profile's own raw samples (meta.samples); e is
-2 (K, V) x 4 passes x kv_dim x dtype bytes at SLICE_BANDWIDTH_SHARE (0.35, calibrated on six
-measured 0.5B steps, its docstring says why) of the device's memory bandwidth (DEVICE_BANDWIDTH,
+Estimates (cost/estimate.complete_profile), physical, never fitted to step times: the layer
+terms are refitted from the profile's own raw samples (meta.samples); e is 2 (K, V) x 4 passes
+x kv_dim x dtype bytes at SLICE_BANDWIDTH_SHARE (1.0: the nominal rate, checked on six measured
+0.5B steps, its docstring says how) of the device's memory bandwidth (DEVICE_BANDWIDTH,
 e.g. H200 4.8 TB/s); the optimizer step is the bytes fused AdamW moves (7 tensors of the
 profile's dtype per parameter: reads weight, gradient and two moments, writes weight and
 moments) over the bandwidth; the gradient norm reads each gradient once; the embedding moves
@@ -95,7 +96,7 @@ class Throughput:
     dependence beyond layer_overhead_s's, which is what the H200 profiles showed)."""
     attention_mfu: float = 0.31
     """Fraction of peak reached by flash-style attention."""
-    layer_overhead_s: float = 1.2e-3
+    layer_overhead_s: float = 1.3e-3
     """Fixed time per layer per pass, seconds."""
     measured_on: str = "NVIDIA H200"
     """The hardware the coefficients were measured on, for reports."""
