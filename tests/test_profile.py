@@ -20,7 +20,7 @@ from lengthwise.plan.ir import Chunk, StepPlan
 from lengthwise.files import write_atomic
 from lengthwise.specs import MODEL_PRESETS, cluster_preset
 
-FWD, BWD = (3e-12, 4e-8, 5e-5), (7e-12, 9e-8, 8e-5)
+FWD, BWD = (3e-12, 4e-8, 0.0), (7e-12, 9e-8, 0.0)  # no constant in the device line (cost/fit.fit_floor_time)
 HEAD_FWD, HEAD_BWD = (2e-7, 3e-5), (5e-7, 4e-5)
 ACT_PER_TOKEN_LAYER, KV_PER_TOKEN_LAYER = 1234.0, 512.0
 
