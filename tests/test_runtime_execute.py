@@ -228,3 +228,4 @@ def test_compiled_layers_compile_once_whatever_the_chunk_lengths():
         plan = hand_plan(LLAMA, lengths, [(chunks, ["F0 B0"])])
         run_step(model, plan, random_tokens(lengths, LLAMA.vocab, 1))
     assert counters["stats"]["unique_graphs"] == 2 + 1
+    assert torch._dynamo.config.recompile_limit >= 64  # a region's several graphs never fall back to eager
