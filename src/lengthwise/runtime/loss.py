@@ -127,9 +127,9 @@ def head_loss_sum(x_TD: torch.Tensor, weight_VD: torch.Tensor, labels_T: torch.T
     [T, V] (`_BlockedHeadLoss`): the LM head (normed hidden states x, this rank's vocabulary
     rows of the head's weight) and its loss in one, a block of at most `block_bytes` of wide
     logits at a time (default `cost.memory.HEAD_BLOCK_BYTES`). Plain tensors: the caller hands
-    this rank's local pieces (`model.LMHead`). `compile_backend`: each block's elementwise work
-    (widening, row statistics, the softmax gradient) fused by `torch.compile` under that
-    backend (`_BlockedHeadLoss`); None: eager."""
+    this rank's local pieces (`model.LMHead`). `compile_backend`: backward's elementwise work
+    per block (the softmax gradient) fused by `torch.compile` under that backend
+    (`_BlockedHeadLoss`); None: eager."""
     return _BlockedHeadLoss.apply(x_TD, weight_VD, labels_T, shard, block_bytes or mem.HEAD_BLOCK_BYTES,
                                   compile_backend)
 
