@@ -58,17 +58,16 @@ moments) over the bandwidth; the gradient norm reads each gradient once; the emb
 its rows (forward: read and write tokens x hidden; backward: the same plus zeroing the table's
 gradient); the per-chunk host overhead is 0 (not measured).
 
-Measured on one NVIDIA H200 (the 2026-11-27 profiles and steps, copies in benchmarks/results/
-h200-2026-11-27/; `python benchmarks/time_model_h200.py`, tests/test_time_model_h200.py):
+Measured on one NVIDIA H200 (`python benchmarks/time_model_h200.py`, tests/test_time_model_h200.py).
+The 2026-11-27 profiles and steps (eager code; copies in benchmarks/results/h200-2026-11-27/):
 held-out error of the per-layer fit, mean over the 8 held-out samples, Qwen2.5-0.5B forward
-11.4% / backward 8.0%, Qwen2.5-1.5B 4.3% / 3.0% (the straight line: 15.3/17.5% and 7.6/17.6%);
-the 0.5B misses are its held-out chunks under the host floor (14.7/10.4%; on the device's line
-1.7/0.7%): its small chunks scatter 1.3-2.3 ms at equal work, which no smooth form follows.
-Whole measured steps (10: 0.5B packing and chunkflow, 1.5B ChunkSize 8192, sim_fidelity's two
-batches): MAPE 0.8%, all 10 within 3%; the 4 not used to calibrate the slicing share within
-2.7% (MAPE 1.4%). With the slicing at the nominal bandwidth every 0.5B step was 8-11% under
-(MAPE 7.5%; its one chunk of 64 documents slices 64 key rows of 24-30K tokens per layer), and
-the straight line without step terms 27.7%.
+11.3% / backward 9.4%, Qwen2.5-1.5B 8.1% / 3.7% (the straight line: 15.3/17.5% and 7.6/17.6%);
+the 0.5B misses are its held-out chunks under the host floor, whose times scatter 1.3-2.3 ms at
+equal work. Whole measured steps (10: 0.5B packing and chunkflow, 1.5B ChunkSize 8192,
+sim_fidelity's two batches): mean error 4.8%, all 10 within 10% (the straight line without step
+terms: 27.7%). The 2026-11-28 calls (compiled layers, each with the profile measured in the same
+call; benchmarks/results/gpu-2026-11-28-nvidia-h200/): 13 Qwen2.5-0.5B steps, mean error 7.7%
+(21.1% with the device's line fitted with a free constant, as those profiles recorded it).
 """
 
 from __future__ import annotations
