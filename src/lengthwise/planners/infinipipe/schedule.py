@@ -137,6 +137,10 @@ class StageMemory:
     rerun: np.ndarray | None = None
     """float64 [n] bytes each chunk's B holds beyond `work` and its re-materialised layer when
     it recomputes all `layers` (`UnitCosts.rerun_row`); None: nothing."""
+    remat: np.ndarray | None = None
+    """float64 [n] bytes each chunk's B re-materialises for one recomputed layer
+    (`CostModel.recompute_transient_bytes`): `saving` and the SwiGLU's product, which a
+    recomputed layer's nodes keep and the others do not (`cost/memory.py`); None: `saving`."""
     layers: int = 0
     """The stage's layers."""
 
@@ -156,7 +160,7 @@ class StageMemory:
         # ... plus what the backward re-materialises of its own F, one recomputed layer at a time
         # (the executor checkpoints per layer: `CostModel.recompute_transient_bytes`), and the K/V
         # gradients, and the backward's working set (the loss's on the head's stage)
-        remat = self.saving * np.minimum(recompute, 1.0) if recompute is not None else 0.0
+        remat = self._remat() * np.minimum(recompute, 1.0) if recompute is not None else 0.0
         if recompute is not None and self.rerun is not None:  # every layer rerun: its end
             remat = remat + np.where(recompute >= self.layers, self.rerun, 0.0)
         own = remat + (self.work if self.work is not None else 0.0) + np.zeros_like(self.act)
@@ -172,14 +176,21 @@ class StageMemory:
         return np.concatenate([level, self._forward_levels(kept)])
 
     def row_levels(self) -> np.ndarray:
-        """`levels()` with each backward's own chunk charged what its rerun adds beyond the
-        layers that recomputing them all frees (`rerun`): the start of eq. 20's linear rows,
-        which charge that chunk its full activations whatever it recomputes (`savings`)."""
+        """`levels()` with each backward's own chunk charged the SwiGLU product a re-materialised
+        layer holds beyond the layer's kept activations (`remat` - `saving`) and what its rerun
+        adds beyond the layers that recomputing them all frees (`rerun`): the start of eq. 20's
+        linear rows, which charge that chunk its full activations whatever it recomputes
+        (`savings`)."""
         level = self.levels()
+        rows = self.rows
+        beyond = self._remat() - self.saving  # the re-materialised layer's product, beyond its full activations
         if self.rerun is not None:
-            rows = self.rows
-            level[:len(rows)] += np.maximum(self.rerun - (self.layers - 1) * self.saving, 0.0)[rows]
+            beyond = beyond + np.maximum(self.rerun - (self.layers - 1) * self.saving, 0.0)
+        level[:len(rows)] += beyond[rows]
         return level
+
+    def _remat(self) -> np.ndarray:
+        return self.saving if self.remat is None else self.remat
 
     def _forward_levels(self, kept: np.ndarray) -> np.ndarray:
         """float64 [n] bytes held while each chunk's F runs: the chunks forwarded so far (its own
@@ -252,10 +263,12 @@ def group_memory(group: GroupSchedule, costs: UnitCosts, *, first_group: bool = 
         fpos, bpos = group.positions(s)
         chunks = [c for u in group.units for c in u]
         work = costs.work_row(s, chunks)
+        remat = costs.remat_row(s, chunks)
         stages.append(StageMemory(fpos=fpos, bpos=bpos, act=table[0], saving=table[1], kv=table[3:], work=work,
                                   forward_work=costs.forward_work_row(s, chunks),
                                   grads=costs.stages[s].grads if first_group else 0.0, table=costs.stages[s].table,
-                                  rerun=costs.rerun_row(s, chunks, table[1], work), layers=costs.stages[s].layers))
+                                  rerun=costs.rerun_row(s, chunks, remat, work), layers=costs.stages[s].layers,
+                                  remat=remat))
         seconds.append(table[2])
     return MemoryModel(stages=stages, limit=np.array([costs.cost.capacity_bytes - st.states for st in costs.stages]),
                        max_layers=np.array([st.layers for st in costs.stages]),

@@ -258,17 +258,25 @@ class UnitCosts:
         return np.array([self.cost.backward_work_bytes(c, layers=shape.layers, head=shape.head, **self.kw)
                          for c in chunks], dtype=float)
 
-    def rerun_row(self, stage: int, chunks: list[Chunk], saving: np.ndarray, work: np.ndarray) -> np.ndarray | None:
+    def remat_row(self, stage: int, chunks: list[Chunk]) -> np.ndarray:
+        """float64 [chunks] what each chunk's backward re-materialises for one recomputed layer
+        (`cost.recompute_transient_bytes`: its dropped activations and the SwiGLU's product)."""
+        if not self.stages[stage].layers:
+            return np.zeros(len(chunks))
+        return np.array([self.cost.recompute_transient_bytes(c, recompute_layers=1, **self.kw) for c in chunks],
+                        dtype=float)
+
+    def rerun_row(self, stage: int, chunks: list[Chunk], remat: np.ndarray, work: np.ndarray) -> np.ndarray | None:
         """float64 [chunks] what each chunk's backward holds beyond `work` and one re-materialised
-        layer (`saving`) when every layer of the stage is recomputed (`cost.backward_work_bytes`
+        layer (`remat`) when every layer of the stage is recomputed (`cost.backward_work_bytes`
         with `rerun`: the rerun's end under sequence parallelism); None where it never adds."""
         shape, cost = self.stages[stage], self.cost
         if not shape.layers or cost.backward_work_bytes_per_token(layers=shape.layers, tp=self.kw["tp"], rerun=True) \
                 == cost.backward_work_bytes_per_token(layers=shape.layers, tp=self.kw["tp"]):
             return None
         full = np.array([cost.backward_work_bytes(c, layers=shape.layers, head=shape.head, remat=x, rerun=True,
-                                                  **self.kw) for c, x in zip(chunks, saving.tolist())], dtype=float)
-        return np.maximum(full - saving - work, 0.0)
+                                                  **self.kw) for c, x in zip(chunks, remat.tolist())], dtype=float)
+        return np.maximum(full - remat - work, 0.0)
 
 
 def split_slices(chunks: list[Chunk]) -> list[list[tuple[int, int, int]]]:
