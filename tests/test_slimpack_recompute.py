@@ -220,9 +220,9 @@ def test_tight_recompute_plan_trains_exactly():
     torch = pytest.importorskip("torch")
     from lengthwise.runtime.verify import verify_plan
 
-    req = request([300, 280, 200, 100], memory_gib=0.00094, model=SMALL)
+    req = request([300, 280, 200, 100], memory_gib=0.00088, model=SMALL)
     with pytest.raises(UserError, match="fits no MicroPack count"):
-        get_planner("slimpack")(request([300, 280, 200, 100], memory_gib=0.00094, model=SMALL, recompute="none"))
+        get_planner("slimpack")(request([300, 280, 200, 100], memory_gib=0.00088, model=SMALL, recompute="none"))
     plan = get_planner("slimpack")(req)
     validate_plan(plan, req.cost)
     assert plan.metrics["recompute_layers"] == [2, 2] and len(plan.pipelines[0].chunks) > 1
@@ -231,7 +231,7 @@ def test_tight_recompute_plan_trains_exactly():
 
 
 def test_auto_fitting_nowhere_says_it_recomputed_every_layer():
-    req = request(TIGHT_LENGTHS, memory_gib=0.016)
+    req = request(TIGHT_LENGTHS, memory_gib=0.0155)
     with pytest.raises(UserError, match=r"\(also recomputing every layer\)$") as err:
         get_planner("slimpack")(req)
     assert "\n" not in str(err.value)
