@@ -402,17 +402,24 @@ def test_mlp_recomputation_rematerialises_one_block_at_a_time():
 
 def _assert_one_unit_rematerialised(activation_peak, level: str, *, rel: float) -> None:
     """The simulator's re-materialisation (`CostModel.recompute_transient_bytes` at `level` =
-    every layer) is one layer's (or block's) dropped activations, and the measured peak
-    (`activation_peak(n)`: n layers recomputed at `level`) falls by L - 1 of them, within `rel`."""
+    every layer) is one layer's (or block's) dropped activations and the SwiGLU's product,
+    which a recomputed layer's nodes keep and the others do not (`mem.product_bytes_per_token`),
+    and the measured peak (`activation_peak(n)`: n layers recomputed at `level`) falls by L of
+    the dropped activations less that one re-materialised unit, the backward's working sets
+    told apart (a recomputed layer's own nodes, `layer_backward_bytes_per_token(rerun=True)`),
+    within `rel`."""
+    import lengthwise.cost.memory as mem
     from lengthwise.plan.ir import Chunk, Segment
 
-    layers = RECOMPUTE_LAYERS
+    layers, tokens = RECOMPUTE_LAYERS, RECOMPUTE_TOKENS
     cm = CostModel(model=SMALL, cluster=cluster_preset("h100", 1))
-    chunk = Chunk(segments=(Segment(seq_id=0, start=0, stop=RECOMPUTE_TOKENS),))
+    chunk = Chunk(segments=(Segment(seq_id=0, start=0, stop=tokens),))
     one = cm.recompute_transient_bytes(chunk, **{level: layers})
-    assert one == cm.activation_bytes(chunk, layers=1) - cm.activation_bytes(chunk, layers=1, **{level: 1})
+    dropped = cm.activation_bytes(chunk, layers=1) - cm.activation_bytes(chunk, layers=1, **{level: 1})
+    assert one == dropped + mem.product_bytes_per_token(SMALL) * tokens
+    work = mem.layer_backward_bytes_per_token(SMALL) - mem.layer_backward_bytes_per_token(SMALL, rerun=True)
     saved = activation_peak(0) - activation_peak(layers)
-    assert saved == pytest.approx((layers - 1) * one, rel=rel)
+    assert saved == pytest.approx(layers * dropped - one + work * tokens, rel=rel)
 
 
 def test_a_recomputed_layers_rerun_peaks_beside_its_gathered_output_gradient():
@@ -435,7 +442,8 @@ def test_a_recomputed_layers_rerun_peaks_beside_its_gathered_output_gradient():
     from lengthwise.sim.simulate import simulate_plan
 
     spec, tp, tokens = dataclasses.replace(SMALL, num_layers=2), 4, (4096, 8192)
-    assert mem.rerun_bytes_per_token(spec, tp) > mem.layer_backward_bytes_per_token(spec, tp)
+    assert mem.layer_backward_bytes_per_token(spec, tp, rerun=True) == mem.rerun_bytes_per_token(spec, tp) \
+        > max(3 * spec.ffn * 2 / tp, mem.down_backward_bytes_per_token(spec, tp))  # the split SwiGLU's
     scheme = ParallelScheme(dp=1, pp=2, tp=tp)
     cluster = cluster_preset("h100", scheme.num_gpus)
     cm = CostModel(model=spec, cluster=cluster)
@@ -550,11 +558,12 @@ def _peak_bytes_per_token(run, tokens: tuple[int, int]) -> float:
 
 
 def test_a_layers_backward_holds_three_ffn_buffers_beyond_its_activations():
-    """A decoder layer's backward peaks in the SwiGLU backward: beside what the layer kept (less
-    the product, freed by the down projection's backward) it holds the product's gradient, the
-    gate's (one silu_backward kernel), silu(gate) and the up projection's gradient, four
-    [tokens, ffn] bf16 buffers: `layer_backward_bytes_per_token`, 3 x ffn x 2 bytes per token
-    beyond the kept activations. (The dry run measured silu_backward as its composite
+    """A decoder layer's backward peaks in the SwiGLU and down projection's backward
+    (`layer_ops.SwiGLUDown`): beside what the layer kept (gate and up, not their product) it
+    holds at most three [tokens, ffn] bf16 buffers (the up projection's gradient, the product's
+    gradient times up and the gate's gradient, the product's gradient freed; or before it
+    silu(gate) and the recomputed product): `layer_backward_bytes_per_token`, 3 x ffn x 2
+    bytes per token beyond the kept activations. (The dry run measured silu_backward as its composite
     decomposition, six more [tokens, ffn] buffers, until it let operators with their own kernel
     run as that kernel.) Exact per token, with the layer's output and its gradient, which the
     caller holds here (2 x hidden x 2 bytes), and the chunk's rotary tables (2 x head_dim x 2),
@@ -590,7 +599,7 @@ def test_a_norms_backward_on_whole_rows_outgrows_the_swiglus():
     whose norms run on whole rows: here a narrow MLP at tp 1, the same arithmetic), a layer's
     backward peaks in the post-attention RMSNorm's backward: its fp32 input copy, bf16
     normalised input and four fp32 gradient buffers (22 bytes per hidden value, three fp32 per
-    row) once the MLP's backward has freed the SwiGLU tensors: `layer_backward_bytes_per_token`,
+    row) once the MLP's backward has freed gate and up: `layer_backward_bytes_per_token`,
     exact per token beside the caller's output, its gradient and the rotary tables. On the last
     stage of a small vocabulary the final norm's backward, once the softmax is freed, is the
     largest (`backward_work_bytes_per_token`), up to the loss's per-token index vectors."""
@@ -618,7 +627,7 @@ def test_a_norms_backward_on_whole_rows_outgrows_the_swiglus():
             out.backward(torch.ones_like(out))
 
     swiglu = 3 * spec.ffn * 2
-    assert mem.layer_backward_bytes_per_token(spec) == 22 * spec.hidden + 12 - swiglu > swiglu
+    assert mem.layer_backward_bytes_per_token(spec) == 22 * spec.hidden + 12 - 2 * spec.ffn * 2 > swiglu
     caller = 2 * (2 * spec.hidden) + 2 * spec.head_dim * 2
     layer = _peak_bytes_per_token(lambda t: run(t, layers=1, last=False), (512, 1024))
     assert layer == mem.activation_bytes_per_token_layer(spec) + mem.layer_backward_bytes_per_token(spec) + caller

@@ -318,9 +318,9 @@ def tight_group(memory_gb=0.038, pp=2):
 def test_milp_finds_the_cheapest_feasible_recomputation():
     """The MILP's answer fits (`Problem.fits`, the exact levels) and is within the MIP gap of the
     cheapest answer to its linear rows (`Problem.rows`), found here by enumeration. Those rows
-    charge each backward's own chunk its full activations (`StageMemory.savings`), more than the
-    exact level's kept bytes plus one re-materialised layer, so the exact optimum can be cheaper
-    where such a row binds (at 0.025 GB, since the cost model charges every stage's backward its
+    charge each backward's own chunk a line in its recomputed layers (`StageMemory.own_costs`),
+    exact at none and one and above the exact level's kept bytes plus one re-materialised layer
+    beyond, so the exact optimum can be cheaper where such a row binds (at 0.025 GB, since the cost model charges every stage's backward its
     working set 0.03 GB, and since it charges the LM head's forward its working set 0.035 GB, and
     since it counts the stage's output, rotary tables and residual gradient 0.036 GB: there the
     enumerated optimum breaks only a first-stage backward row, by its own chunk's bytes);
@@ -373,27 +373,38 @@ def test_milp_memory_model_agrees_with_the_simulators_replay():
 
 
 def test_memory_model_charges_the_reruns_end_when_every_layer_is_recomputed():
-    """LLaMA-2-7B at tp 8 with sequence parallelism: a layer's rerun ends beside the gathered
-    output gradient, above its plain backward (`mem.rerun_bytes_per_token`), which the
-    simulator charges a chunk whose every layer is recomputed. The MILP's exact levels charge
-    it too (first stage: equal to the simulator's replay), and its linear rows start above
-    the levels without recomputation by no more than that."""
+    """LLaMA-2-7B at tp 8 with sequence parallelism: a recomputed layer's backward runs the
+    product's own nodes, whose largest moment is the rerun's end beside the gathered output
+    gradient (`mem.rerun_bytes_per_token`), in place of the plain layer's SwiGLUDown backward,
+    which the simulator charges a chunk whose every layer is recomputed. The MILP's exact
+    levels charge that moment (its `rerun` row, per token the difference of the two; first
+    stage: equal to the simulator's replay), and its linear rows equal the levels without
+    recomputation and bound them from above with it."""
     import lengthwise.cost.memory as mem
 
     req = request([24000, 16000, 3000, 3000, 2500, 2000], tp=8, pp=2, num_slices=3)
-    assert mem.rerun_bytes_per_token(req.model, 8) > mem.layer_backward_bytes_per_token(req.model, 8)
+    end = mem.rerun_bytes_per_token(req.model, 8)
+    assert mem.layer_backward_bytes_per_token(req.model, 8, rerun=True) == end
+    assert end != mem.layer_backward_bytes_per_token(req.model, 8)
     batch = balanced_chunking(req.lengths, 3, SliceCost.from_cost(req.cost, layers=16, tp=8))
     lay = grouping.layout(req, 1)
     group = group_schedule([u.chunks for u in batch.units], 2)
     memory = group_memory(group, lay.costs, first_group=True)
     first = memory.stages[0]
-    assert first.rerun is not None and first.rerun.min() > 0 and first.layers == 16
+    tokens = np.array([sum(s.stop - s.start for s in c.segments) for c in group.chunks], dtype=float)
+    per_token = end - mem.layer_backward_bytes_per_token(req.model, 8)
+    assert first.layers == 16 and first.rerun == pytest.approx(per_token * tokens, rel=1e-12)
     problem = checkpointing_problem(group, memory)
-    for values in (problem.upper, np.minimum(problem.upper, 3)):
+    rows = len(first.rows)
+    for values in (problem.upper, np.minimum(problem.upper, 3), np.minimum(problem.upper, 1), 0 * problem.upper):
+        r = problem.recompute(values)[0]
         recompute = problem.recompute(values).astype(int).tolist()
         simulated = simulate_group(req, group, recompute).peak_memory[0][0]
         assert simulated == pytest.approx(memory.peak(0, recompute[0]) + lay.stages[0].states, rel=1e-12)
-    assert np.array_equal(first.row_levels(), first.levels())  # 15 layers freed cover the rerun's end
+        linear = (first.levels() - first.savings() @ r)[:rows]
+        assert np.all(linear >= first.levels(r)[:rows] - 1e-6 * first.levels(r)[:rows])
+        if not r.any():
+            assert np.array_equal(linear, first.levels(r)[:rows])
 
 
 def test_no_cheaper_recomputation_fits_the_simulator():

@@ -88,8 +88,10 @@ def test_every_plan_validates(lengths, dp, pp, count, asymmetric):
 def test_num_micropacks_rises_to_the_smallest_count_whose_micropacks_fit():
     # each sample fits a GPU alone (Phase 1), but one MicroPack of all of them does not
     # ([35015, 60000], 2) and ([60_000] * 40, 31) until the LM head's loss was blocked
-    # (`runtime/loss.head_loss_sum`) and stopped keeping 6 x vocab bytes a token
-    for lengths, fitting in [([64_000, 80_000], 2), ([60_000] * 40, 19)]:
+    # (`runtime/loss.head_loss_sum`) and stopped keeping 6 x vocab bytes a token;
+    # ([64_000, 80_000], 2) and ([60_000] * 40, 19) until a layer kept the SwiGLU's gate and up
+    # but not their product (`runtime/layer_ops.SwiGLUDown`)
+    for lengths, fitting in [([88_000, 100_000], 2), ([60_000] * 40, 14)]:
         out, req = plan(lengths, dp=1, tp=2, pp=1, context=max(lengths), num_micropacks=1)
         assert out.metrics["micropacks"] == [fitting]
         models = flops_models(req)
@@ -345,8 +347,8 @@ def test_sweep_keeps_per_pipeline_the_fastest_count_that_fits():
     assert out.metrics["predicted_step_time_s"] == pytest.approx(result.step_time_s)
 
 
-@pytest.mark.parametrize("seed", [1, 6, 7])  # batches whose pipelines keep different counts (3 keeps one since
-# the built-in curve was fitted to the H200 profiles)
+@pytest.mark.parametrize("seed", [1, 5, 6])  # batches whose pipelines keep different counts (3 keeps one since
+# the built-in curve was fitted to the H200 profiles, 7 since a layer keeps gate and up, not their product)
 def test_mixed_counts_step_time_is_composed_exactly(seed):
     """Pipelines that keep different counts: the predicted step is composed from each pipeline's
     own candidate simulation, and equals simulating the mixed plan, to the bit."""

@@ -34,9 +34,15 @@
   chunks are short).
 - Activations kept for backward, per token per layer, bf16, flash attention (no s^2 scores), the
   tensors each block saves: two RMSNorm inputs and outputs (4h), q, k, v after rotary
-  (q + 2kv), the attention output (q), SwiGLU gate, up and their product (3 ffn); in fp32, flash
-  attention's log-sum-exp (one per query head) and each norm's reciprocal RMS (the executor's
-  norm and SwiGLU keep what fused kernels keep, `runtime/model.py`). Under tensor parallelism
+  (q + 2kv), the attention output (q), the SwiGLU's gate and up (2 ffn: the executor's SwiGLU
+  and down projection are one node that makes their product again in backward rather than
+  keep it, `runtime/layer_ops.SwiGLUDown`); in fp32, flash attention's log-sum-exp (one per
+  query head) and each norm's reciprocal RMS (the executor's norm and SwiGLU keep what fused
+  kernels keep, `runtime/model.py`). A layer whose tensors are made again in backward (full or
+  MLP recomputation) runs the product and the down projection as two nodes, the second keeping
+  the product (ffn more), so that the rerun stops before the down projection's GEMM
+  (`cost/flops.py`): its backward re-materialises that too (`product_bytes_per_token`,
+  `CostModel.recompute_transient_bytes`). Under tensor parallelism
   with sequence parallelism (the executor's default, `runtime/parallel/tensor_parallel.py`)
   everything divides by tp except the two norm outputs: the attention and MLP inputs are
   gathered to the whole sequence and DTensor's column-parallel projections keep that gathered
@@ -47,10 +53,11 @@
   non-reentrant checkpoint over its post-attention norm and MLP) keeps what its attention block
   keeps and, of the MLP block, only the block's input, the residual stream after the
   attention, which is also the norm's input and so was kept anyway: it drops the SwiGLU's
-  gate, up and product (3 ffn / tp), the norm's output as the gate and up projections keep it
+  gate and up (2 ffn / tp), the norm's output as the gate and up projections keep it
   (h, gathered whole) and the norm's reciprocal RMS (one fp32, / tp with sequence parallelism)
-  (`mlp_recompute_saved_bytes_per_token_layer`; Qwen2.5-1.5B: 56.8 of 73.3 KB per token and
-  layer at tp 1). Checkpointing at the norm's input rather than its output (the MLP alone) drops
+  (`mlp_recompute_saved_bytes_per_token_layer`; Qwen2.5-1.5B: 38.9 of 55.4 KB per token and
+  layer at tp 1), and re-materialises them with the product in backward
+  (`mlp_remat_bytes_per_token_layer`). Checkpointing at the norm's input rather than its output (the MLP alone) drops
   the norm's output too, for a rerun of one norm (and under sequence parallelism one all-gather). A row tp does not divide is padded to the next multiple, and the output projection
   keeps a padded copy of the attention output beside flash attention's unpadded one
   (`CostModel.attention_pad_bytes`, per chunk: not a per-token figure).
@@ -59,8 +66,8 @@
   are both norms' inputs and outputs (4h) and reciprocal RMS (2 fp32); q, k, v, the attention
   output, the SwiGLU tensors and the log-sum-exp (one per local query head) divide by tp. A
   recomputed layer keeps its whole input (h), rows are not padded (no padded copy), and the
-  stages send whole activations (`CostModel.boundary_bytes`). Qwen2.5-7B at tp 4: 61.2 KB per
-  token and layer against 50.5 KB with sequence parallelism.
+  stages send whole activations (`CostModel.boundary_bytes`). Qwen2.5-7B at tp 4: 51.7 KB per
+  token and layer against 41.0 KB with sequence parallelism.
 - LM head on the last stage (`runtime/loss.head_loss_sum`: the head and its loss in one, the
   logits made a block at a time and recomputed in backward, never [tokens, vocab] at once):
   the final norm's input (h, bf16) and reciprocal RMS, this rank's rows under sequence
@@ -76,25 +83,31 @@
   tokens: the block is bounded). Then the final norm's backward, beside the weight's gradient
   (the norm and the head are one FSDP unit). Qwen2.5-1.5B at 32K tokens: 1.65 GiB for the
   head in all, measured by `benchmarks/bench_head_memory.py` (28.0 GiB with whole logits).
-- While a decoder layer's backward runs, beside the chunk's kept activations: the SwiGLU
-  backward (`runtime/model._SiluMul`) holds the product's gradient from the down projection,
-  the gate's gradient (one silu_backward kernel), silu(gate) recomputed and the up
-  projection's gradient, four [tokens, ffn / tp] bf16 buffers, once the down projection has
-  freed the product it kept: 3 * ffn / tp values per token beyond the kept activations, the
-  largest working set of a layer's backward (attention's gradients are q + 2kv wide) unless
-  a norm's is larger: an RMSNorm's backward (`runtime/model._RMSNorm`) holds the fp32 copy of
-  its input, the bf16 normalised input and four fp32 [tokens, hidden] gradient buffers at once,
-  22 bytes per hidden value (`norm_backward_bytes_per_token`); the post-attention norm's runs
-  once the MLP's backward has freed the 3 * ffn / tp SwiGLU values the layer kept. Before
-  both, under sequence parallelism, the down projection's backward reads its output's
-  gradient gathered whole (the all-gather that is the backward of its reduce-scatter: h a
-  token, every row) and makes the product's gradient (ffn / tp) beside it
-  (`down_backward_bytes_per_token`), the largest of the three once tp > 2 ffn / hidden
-  (LLaMA-70B at tp 8: 23.0 KB a token against the SwiGLU's 21.0). With sequence parallelism
-  the norm's divides by tp and the SwiGLU's outgrows it for every preset (ffn > 1.84 hidden);
-  without, the norm's runs on whole rows and is the larger once ffn / tp < 1.84 hidden:
-  Qwen2.5-7B at tp 4 holds 50.4 KB per token there against the SwiGLU's 28.4 KB
-  (`layer_backward_bytes_per_token`; tests/test_dryrun.py measures the moments). Beside every
+- While a decoder layer's backward runs, beside the chunk's kept activations: the SwiGLU and
+  down projection's backward (`runtime/layer_ops.SwiGLUDown`) reads its output's gradient,
+  under sequence parallelism gathered whole (the all-gather that is the backward of its
+  reduce-scatter: h a token, every row) and held until the node's backward returns, and
+  beside it makes silu(gate) and the product again (two [tokens, ffn / tp] bf16 buffers),
+  then the down weight's gradient from the product alone, frees it, makes the product's
+  gradient and from it the up projection's gradient (with silu(gate) made once more),
+  grad * up (the product's gradient then freed) and the gate's gradient (one silu_backward
+  kernel): at most three [tokens, ffn / tp] buffers, 3 * ffn / tp values per token beyond
+  the kept activations and the gathered gradient (`swiglu_down_backward_bytes_per_token`),
+  the largest working set of a layer's backward (attention's gradients are q + 2kv wide)
+  unless a norm's is larger: an RMSNorm's backward (`runtime/model._RMSNorm`) holds the fp32
+  copy of its input, the bf16 normalised input and four fp32 [tokens, hidden] gradient buffers
+  at once, 22 bytes per hidden value (`norm_backward_bytes_per_token`); the post-attention
+  norm's runs once the MLP's backward has freed the 2 * ffn / tp SwiGLU values the layer kept.
+  With sequence parallelism the norm's divides by tp and the SwiGLU's outgrows it for every
+  preset; without, the norm's runs on whole rows and is the larger once ffn / tp < 2.2 hidden:
+  Qwen2.5-7B at tp 4 holds 59.9 KB per token there against the SwiGLU's 28.4 KB
+  (`layer_backward_bytes_per_token`; tests/test_dryrun.py measures the moments). A layer
+  whose tensors are made again in backward runs the product's own nodes (module docstring):
+  the down projection's backward (the gathered gradient beside the product's gradient,
+  `down_backward_bytes_per_token`), then, once it has freed the product, the SwiGLU's (the
+  product's gradient, silu(gate), the gate's and up's gradients: 3 * ffn / tp beyond what the
+  layer re-materialised), then the post-attention norm's (3 * ffn / tp SwiGLU values freed
+  before it), and the rerun's end below (`layer_backward_bytes_per_token(rerun=True)`). Beside every
   one the residual stream's gradient at the layer's output (2h, /tp with sequence
   parallelism: received from the next stage, which the executor holds for the whole
   backward, or made by the final norm's backward on the last stage;
@@ -110,10 +123,11 @@
   (`rerun_bytes_per_token`). It meets every other tensor the chunk keeps only when every
   layer of the stage reruns (all recomputed, or every MLP block): otherwise the layers that
   keep their activations run their backward first and free more than the rerun's end adds,
-  and the chunk's kept activations, one re-materialised layer and the plain working set bound
-  it. LLaMA-70B at tp 8: 25.0 KB a token beyond the layer against the
-  SwiGLU's 21.0 KB; with the stage's terms below, 5.6% of a fully recomputed 128K-token rank's
-  peak that the simulator once left out (tests/test_dryrun.py measures the moment exactly).
+  and the chunk's kept activations, one re-materialised layer and the plain working set
+  (which is larger than a re-materialised layer's) bound it. LLaMA-70B at tp 8: 25.0 KB a
+  token beyond the layer against the split SwiGLU's 21.0 KB; with the stage's terms below,
+  5.6% of a fully recomputed 128K-token rank's peak that the simulator once left out
+  (tests/test_dryrun.py measures the moment exactly).
   At tp 1 and without sequence parallelism the gradient is the residual stream's own and the
   norm's output the one the projections keep: silu(gate) alone, below the SwiGLU's.
 - Beside its layers' tensors a chunk keeps, from its forward to its backward, its rotary
@@ -222,7 +236,7 @@ def state_bytes_per_param(dp: int, zero: int, *, grads: bool = True) -> float:
 def activation_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
     """Bytes one decoder layer keeps per token for its backward (module docstring); `sp`:
     sequence parallelism, without which the norms' inputs, outputs and reciprocal RMS are whole."""
-    heads = 2 * model.q_dim + 2 * model.kv_dim + 3 * model.ffn  # q, k, v, attention output, SwiGLU
+    heads = 2 * model.q_dim + 2 * model.kv_dim + 2 * model.ffn  # q, k, v, attention output, gate and up
     norms = 2 * model.hidden  # the two norms' inputs (their outputs, kept by the projections, whole)
     if sp:
         return ((heads + norms) * BYTES_BF16 + (model.num_heads + 2) * BYTES_FP32) / tp + norms * BYTES_BF16
@@ -253,11 +267,24 @@ def stage_kept_bytes_per_token(model: ModelSpec, tp: int = 1, *, layers: int, he
 
 def mlp_recompute_saved_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
     """Bytes per token a decoder layer does not keep when its MLP block is recomputed (module
-    docstring): the SwiGLU's 3 ffn / tp bf16 values, the post-attention norm's output (h bf16,
-    whole) and its reciprocal RMS (fp32; this rank's rows under sequence parallelism). Also
-    what its backward re-materialises at once: the rerun stops once the down projection's
-    input, the last of them, is back (`cost/flops.py`)."""
-    return 3 * model.ffn * BYTES_BF16 / tp + model.hidden * BYTES_BF16 + BYTES_FP32 / (tp if sp else 1)
+    docstring): the SwiGLU's gate and up (2 ffn / tp bf16 values), the post-attention norm's
+    output (h bf16, whole) and its reciprocal RMS (fp32; this rank's rows under sequence
+    parallelism)."""
+    return 2 * model.ffn * BYTES_BF16 / tp + model.hidden * BYTES_BF16 + BYTES_FP32 / (tp if sp else 1)
+
+
+def product_bytes_per_token(model: ModelSpec, tp: int = 1) -> float:
+    """The SwiGLU's product (ffn / tp bf16), which a layer whose tensors are made again in
+    backward keeps among them (its down projection's input) and a layer that keeps its
+    activations does not (module docstring)."""
+    return model.ffn * BYTES_BF16 / tp
+
+
+def mlp_remat_bytes_per_token_layer(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
+    """What the backward of a layer whose MLP block is recomputed re-materialises at once: what
+    the layer did not keep (`mlp_recompute_saved_bytes_per_token_layer`) and the product, the
+    down projection's input, the last of them: the rerun stops once it is back (`cost/flops.py`)."""
+    return mlp_recompute_saved_bytes_per_token_layer(model, tp, sp=sp) + product_bytes_per_token(model, tp)
 
 
 def head_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
@@ -340,6 +367,13 @@ def down_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = T
     return gathered_output_grad_bytes_per_token(model, tp, sp=sp) + model.ffn * BYTES_BF16 / tp
 
 
+def swiglu_down_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
+    """The SwiGLU and down projection's backward beyond the kept activations
+    (`runtime/layer_ops.SwiGLUDown`, module docstring): its gathered output gradient beside at
+    most three [tokens, ffn / tp] bf16 buffers."""
+    return gathered_output_grad_bytes_per_token(model, tp, sp=sp) + 3 * model.ffn * BYTES_BF16 / tp
+
+
 def rerun_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
     """Beyond a layer's whole activations, the end of its MLP block's rerun in backward (module
     docstring): silu(gate) (ffn / tp bf16) and, under sequence parallelism, the gathered
@@ -351,14 +385,18 @@ def rerun_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> 
 
 def layer_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True, rerun: bool = False) -> float:
     """Working set of one decoder layer's backward beyond the kept activations (module
-    docstring): the SwiGLU backward's, the down projection's, or the post-attention norm's,
-    whose moment comes once the MLP's backward has freed the SwiGLU tensors the layer kept (3
-    ffn / tp values); with `rerun` (its MLP block made again in backward) also the rerun's end
-    (`rerun_bytes_per_token`), beside the re-materialised tensors."""
+    docstring): the SwiGLU and down projection's (`swiglu_down_backward_bytes_per_token`) or
+    the post-attention norm's, whose moment comes once the MLP's backward has freed the gate
+    and up the layer kept (2 ffn / tp values). With `rerun` (its MLP block made again in
+    backward, by the product's own nodes), beside the re-materialised tensors: the SwiGLU
+    backward's, the down projection's, the norm's (the SwiGLU's 3 ffn / tp freed before it)
+    or the rerun's end (`rerun_bytes_per_token`)."""
+    norm = norm_backward_bytes_per_token(model, tp, sp=sp)
+    if not rerun:
+        return max(swiglu_down_backward_bytes_per_token(model, tp, sp=sp), norm - 2 * model.ffn * BYTES_BF16 / tp)
     swiglu = 3 * model.ffn * BYTES_BF16 / tp
-    work = max(swiglu, down_backward_bytes_per_token(model, tp, sp=sp),
-               norm_backward_bytes_per_token(model, tp, sp=sp) - swiglu)
-    return max(work, rerun_bytes_per_token(model, tp, sp=sp)) if rerun else work
+    return max(swiglu, down_backward_bytes_per_token(model, tp, sp=sp), norm - swiglu,
+               rerun_bytes_per_token(model, tp, sp=sp))
 
 
 def layers_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True, rerun: bool = False) -> float:

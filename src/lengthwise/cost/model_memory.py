@@ -104,21 +104,24 @@ class MemoryCosts:
         `recompute_layers` layers. The executor checkpoints layer by layer
         (`runtime/model.run_layers`, non-reentrant `torch.utils.checkpoint` per layer), so the
         backward reruns one layer's forward, consumes it and frees it before the next: one
-        layer's activations less the input it kept, whatever the count (0 with no recomputation).
-        The rerun stops once the last tensor the layer saved, the down projection's input, is
-        back (`cost/flops.py`), so all of them are held at once: the down projection's output
+        layer's activations less the input it kept, whatever the count (0 with no recomputation),
+        and the SwiGLU's product, which a recomputed layer's nodes save and a layer keeping its
+        activations does not (`mem.product_bytes_per_token`). The rerun stops once the last
+        tensor the layer saved, the down projection's input (that product), is back
+        (`cost/flops.py`), so all of them are held at once: the down projection's output
         and the layer's output are never made again. What the rerun's end holds beside them
         (silu(gate), and under sequence parallelism the gathered output gradient and the norm's
         rows) is the backward's working set (`mem.rerun_bytes_per_token`). With only MLP
-        blocks recomputed, one block's (`mem.mlp_recompute_saved_bytes_per_token_layer`); with
+        blocks recomputed, one block's (`mem.mlp_remat_bytes_per_token_layer`); with
         both, a whole layer's, the larger."""
         if recompute_layers <= 0:
             return self._mlp_remat_per_token(tp) if recompute_mlp > 0 else 0.0
         return (self.activation_bytes_per_token(layers=1, tp=tp)
-                - self.activation_bytes_per_token(layers=1, tp=tp, recompute_layers=1))
+                - self.activation_bytes_per_token(layers=1, tp=tp, recompute_layers=1)
+                + mem.product_bytes_per_token(self.model, tp))
 
     def _mlp_remat_per_token(self, tp: int) -> float:
-        return mem.mlp_recompute_saved_bytes_per_token_layer(self.model, tp, sp=self.sequence_parallel)
+        return mem.mlp_remat_bytes_per_token_layer(self.model, tp, sp=self.sequence_parallel)
 
     def recompute_transient_bytes(self, chunk: Chunk, *, tp: int = 1, cp: int = 1, recompute_layers: int = 0,
                                   recompute_mlp: int = 0) -> float:
@@ -128,8 +131,10 @@ class MemoryCosts:
                 return 0.0
             return self._mlp_remat_per_token(tp) * max(w.tokens for w in rank_works(chunk, cp))
         if cp <= 1:  # the re-materialised layer's activations, its padded attention output's copy too
-            return float(self.activation_bytes_rows(chunk_work(chunk).tokens, layers=1, tp=tp)
-                         - self.activation_bytes_rows(chunk_work(chunk).tokens, layers=1, tp=tp, recompute_layers=1))
+            tokens = chunk_work(chunk).tokens
+            return float(self.activation_bytes_rows(tokens, layers=1, tp=tp)
+                         - self.activation_bytes_rows(tokens, layers=1, tp=tp, recompute_layers=1)
+                         + mem.product_bytes_per_token(self.model, tp) * tokens)
         per_token = self.recompute_transient_bytes_per_token(tp=tp, recompute_layers=recompute_layers)
         return per_token * max(w.tokens for w in rank_works(chunk, cp)) + self.cp_kv_layer_bytes(chunk, tp=tp)
 

@@ -148,7 +148,7 @@ class Action:
     """For F: how many of the stage's other layers (the next ones after the `recompute_layers`)
     keep, of their MLP block (post-attention norm, gate, up, SwiGLU, down), only its input and
     recompute it before its backward: selective recomputation, a level between none and full
-    that drops the SwiGLU's 3 x ffn values per token, the most a layer keeps
+    that drops the SwiGLU's 2 x ffn values per token (gate and up), the most a layer keeps
     (`cost/memory.py`), and reruns neither the attention nor a CP exchange. 0: none."""
 
     def __str__(self) -> str:

@@ -1,4 +1,4 @@
-"""A decoder layer's arithmetic in seven autograd nodes instead of about forty, for the host time
+"""A decoder layer's arithmetic in six autograd nodes instead of about forty, for the host time
 of short chunks (issue 26).
 
 On a short chunk a layer costs what its operations cost the host, not the device: autograd
@@ -11,17 +11,24 @@ runs each of them in backward. Here a layer (`model.DecoderLayer.fused`) is:
     (attention)        its own node (`attention.attend`, any backend)
     output_norm        h + o_proj(out), and the post-attention norm of it
     gate_up            gate and up projections
-    SiluMul            silu(gate) * up (`model._SiluMul`, one node as before)
-    linear_residual    h + down_proj(product)
+    swiglu_down        h + down_proj(silu(gate) * up)
 
-Memory is the per-operation graph's: each Function saves exactly the tensors those operations
-saved (the cost model's activation bytes, `cost/memory.py`: the norms' inputs, outputs and
-reciprocal RMS, q, k, v, the SwiGLU's gate, up and product), and the node boundaries are
-where autograd freed them, so the down projection's backward still frees the product before
-the SwiGLU's backward, and the SwiGLU's gate and up are gone before the post-attention norm's
-backward (tests/test_dryrun.py measures both peaks exactly). Operations and dtypes are
+Memory: each Function saves exactly the tensors those operations saved (the cost model's
+activation bytes, `cost/memory.py`: the norms' inputs, outputs and reciprocal RMS, q, k, v,
+the SwiGLU's gate and up), but one: the SwiGLU's product, which the down projection's matmul
+would keep for its weight's gradient, is made again from gate and up in `SwiGLUDown`'s
+backward and freed before the product's gradient is made ([tokens, ffn] values a layer less
+to keep, for one silu and one multiplication more in backward). The node boundaries are where
+autograd freed the tensors, so the SwiGLU's gate and up are gone before the post-attention
+norm's backward (tests/test_dryrun.py measures the peaks exactly). Operations and dtypes are
 autograd's own, so results equal the plain expressions' up to the order in which a tensor's
 several gradients are summed (the input norm's output feeds three projections).
+
+A layer whose tensors are made again in backward (under `torch.utils.checkpoint`: full-layer
+or MLP recomputation) keeps the product's two nodes instead (`SiluMul`, `LinearResidual`):
+the down projection's matmul saves the product before it computes, so the checkpoint's
+rerun stops there, without the down projection's GEMM (`cost/flops.py`), which
+`SwiGLUDown` (saving after its whole forward, as every autograd Function does) would run.
 
 Rotary tables are (cos, sin with its first half negated), each [T, 1, E]: Hugging Face's
 rotate_half(x) * sin equals roll(x, E / 2) * signed sin bit for bit (a negation is exact), one
@@ -141,8 +148,9 @@ class OutputNorm(torch.autograd.Function):
 
 
 class LinearResidual(torch.autograd.Function):
-    """h + x @ weight^T (the output and down projections with their residual additions). Saves
-    x and the weight, as the projection does; the residual's gradient passes through."""
+    """h + x @ weight^T (the down projection of a recomputed layer with its residual addition,
+    module docstring). Saves x and the weight, as the projection does; the residual's gradient
+    passes through."""
 
     @staticmethod
     def forward(ctx, h_TD, x_TX, weight_DX):
@@ -157,9 +165,9 @@ class LinearResidual(torch.autograd.Function):
 
 
 class GateUp(torch.autograd.Function):
-    """The gate and up projections of one input (the SwiGLU's product is `model._SiluMul`, a
-    node of its own, so that its gate and up are freed before these projections' backward, as
-    with autograd's nodes). Saves the input, as the two projections do."""
+    """The gate and up projections of one input (the SwiGLU's product is the next node's,
+    `SwiGLUDown` or `SiluMul`, so that its gate and up are freed before these projections'
+    backward, as with autograd's nodes). Saves the input, as the two projections do."""
 
     @staticmethod
     def forward(ctx, x_TD, gate_FD, up_FD):
@@ -173,3 +181,57 @@ class GateUp(torch.autograd.Function):
         dx_gate, dw_gate = _linear_backward(dgate_TF, x_TD, gate_FD)
         dx_TD += dx_gate
         return dx_TD, dw_gate, dw_up
+
+
+class SiluMul(torch.autograd.Function):
+    """silu(gate) * up keeping gate and up for backward and recomputing silu there (what a
+    fused SwiGLU keeps), not also autograd's copy of silu(gate); the down projection after it
+    keeps the product. Same operations as autograd's on the expression. The layers whose
+    tensors are made again in backward use it (module docstring); the others `SwiGLUDown`."""
+
+    @staticmethod
+    def forward(ctx, gate_TF, up_TF):
+        ctx.save_for_backward(gate_TF, up_TF)
+        return F.silu(gate_TF) * up_TF
+
+    @staticmethod
+    def backward(ctx, grad_TF):
+        gate_TF, up_TF = ctx.saved_tensors
+        return swiglu_backward(grad_TF, gate_TF, up_TF)
+
+
+def swiglu_backward(grad_TF, gate_TF, up_TF):
+    """Gradients of silu(gate) * up's gate and up, as autograd computes them: silu's backward
+    of grad * up, and grad * silu(gate). The up gradient first, so that at most three
+    [T, F] buffers exist at once (grad, silu(gate), up's gradient; then grad, up's gradient,
+    grad * up; then up's gradient, grad * up, gate's gradient) when the caller lets go of
+    grad (`SwiGLUDown`); the values do not depend on the order."""
+    grad_up_TF = grad_TF * F.silu(gate_TF)
+    scaled_TF = grad_TF * up_TF
+    del grad_TF
+    return torch.ops.aten.silu_backward(scaled_TF, gate_TF), grad_up_TF
+
+
+class SwiGLUDown(torch.autograd.Function):
+    """h + (silu(gate) * up) @ weight^T (the SwiGLU and the down projection; without h, the
+    projection alone, as tensor parallelism's row-parallel down projection computes its
+    partial sum). Saves gate, up and the weight, not the product: the backward makes the
+    product again for the weight's gradient and frees it before it makes the product's
+    gradient and from it those of gate and up (`swiglu_backward`), with the operations
+    autograd runs on the plain expressions, so the values are theirs."""
+
+    @staticmethod
+    def forward(ctx, h_TD, gate_TF, up_TF, weight_DF):
+        ctx.save_for_backward(gate_TF, up_TF, weight_DF)
+        ctx.residual = h_TD is not None
+        out_TD = F.linear(F.silu(gate_TF) * up_TF, weight_DF)
+        return out_TD if h_TD is None else h_TD + out_TD
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        gate_TF, up_TF, weight_DF = ctx.saved_tensors
+        product_TF = F.silu(gate_TF) * up_TF
+        dweight_DF = grad_TD.t().mm(product_TF)
+        del product_TF
+        dgate_TF, dup_TF = swiglu_backward(grad_TD.mm(weight_DF), gate_TF, up_TF)
+        return grad_TD if ctx.residual else None, dgate_TF, dup_TF, dweight_DF

@@ -48,8 +48,8 @@ from torch.distributed.tensor import DTensor
 
 from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend, wants_varlen_index
 from lengthwise.runtime.compile import compiled
-from lengthwise.runtime.layer_ops import (QKV, GateUp, LinearResidual, OutputNorm, compute_dtype, heads,
-                                          rms_norm, rms_norm_backward, rotate)
+from lengthwise.runtime.layer_ops import (QKV, GateUp, LinearResidual, OutputNorm, SiluMul, SwiGLUDown, compute_dtype,
+                                          heads, rms_norm, rms_norm_backward, rotate)
 from lengthwise.runtime.layout import LayerContext, RowIndex
 from lengthwise.runtime.loss import VocabShard, head_loss_sum
 from lengthwise.specs import ModelSpec
@@ -145,27 +145,31 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(spec.hidden, spec.ffn, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(spec.hidden, spec.ffn, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(spec.ffn, spec.hidden, bias=False, dtype=dtype)
+        self.down_proj = DownProjection(spec.ffn, spec.hidden, bias=False, dtype=dtype)
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_SiluMul.apply(self.gate_proj(x_TD), self.up_proj(x_TD)))
+    def forward(self, x_TD: torch.Tensor, recomputed: bool = False) -> torch.Tensor:
+        """down_proj(silu(gate) * up); `recomputed`: the block's tensors are made again in
+        backward (under a checkpoint), so the product is a node of its own that the down
+        projection keeps (`layer_ops` module docstring)."""
+        gate_TF, up_TF = self.gate_proj(x_TD), self.up_proj(x_TD)
+        if recomputed:
+            return self.down_proj(SiluMul.apply(gate_TF, up_TF))
+        return self.down_proj(gate_TF, up_TF)
 
 
-class _SiluMul(torch.autograd.Function):
-    """silu(gate) * up keeping gate and up for backward and recomputing silu there (what a
-    fused SwiGLU keeps: the cost model's 3 x ffn with the product, which down_proj keeps), not
-    also autograd's copy of silu(gate). Same operations as autograd's on the expression."""
+class DownProjection(nn.Linear):
+    """The SwiGLU's down projection: of the product (`forward(product)`), or of gate and up,
+    making the product itself (`layer_ops.SwiGLUDown`, which keeps gate and up but not the
+    product). Under tensor parallelism (applied from outside) the weight is a DTensor of this
+    rank's input columns: the projection runs on its local shard with this rank's columns of
+    gate and up (or the product), plain tensors, and its output, this rank's partial sum, is
+    reduced by the parallel style's output hook (`parallel/tensor_parallel.SwiGLUDownParallel`)."""
 
-    @staticmethod
-    def forward(ctx, gate_TF, up_TF):
-        ctx.save_for_backward(gate_TF, up_TF)
-        return F.silu(gate_TF) * up_TF
-
-    @staticmethod
-    def backward(ctx, grad_TF):
-        gate_TF, up_TF = ctx.saved_tensors
-        grad_gate_TF = torch.ops.aten.silu_backward(grad_TF * up_TF, gate_TF)
-        return grad_gate_TF, grad_TF * F.silu(gate_TF)
+    def forward(self, x_TF: torch.Tensor, up_TF: torch.Tensor | None = None) -> torch.Tensor:
+        weight_DF = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        if up_TF is None:
+            return F.linear(x_TF, weight_DF)
+        return SwiGLUDown.apply(None, x_TF, up_TF, weight_DF)
 
 
 class DecoderLayer(nn.Module):
@@ -180,31 +184,37 @@ class DecoderLayer(nn.Module):
     """The torch.compile backend this layer's forward runs under (`runtime/compile.py`); None:
     eager. A plain attribute, so a deep copy of the model is compiled alike."""
 
-    def forward(self, h_TD, rope, layout: ChunkLayout, context, backend: str, recompute_mlp: bool = False):
+    def forward(self, h_TD, rope, layout: ChunkLayout, context, backend: str, recompute_mlp: bool = False,
+                recomputed: bool = False):
         """One pre-norm block; returns (h [T, D], k [T, G, E], v [T, G, E]).
 
         `context[i]` lists the (k, v) pieces of segment i's earlier slices, oldest first. With
         `recompute_mlp` (and grad enabled) the MLP block keeps only its input and runs again in
-        backward (`mlp_block`)."""
+        backward (`mlp_block`). `recomputed`: the caller checkpoints the whole layer, so its
+        MLP ends in the nodes whose rerun stops before the down projection's GEMM
+        (`layer_ops` module docstring)."""
         if recompute_mlp and torch.is_grad_enabled():
             return self._with_mlp_checkpoint(h_TD, rope, layout, context, backend)
         if not _plain(self):  # tensor parallelism's hooks and DTensor weights: the module calls
             if self.compile_backend is None:
-                return self.block(h_TD, rope, layout, context, backend)
-            return compiled(DecoderLayer.block, self.compile_backend)(self, h_TD, rope, layout, context, backend)
+                return self.block(h_TD, rope, layout, context, backend, recomputed)
+            return compiled(DecoderLayer.block, self.compile_backend)(self, h_TD, rope, layout, context, backend,
+                                                                       recomputed)
         if self.compile_backend is None:
-            return self.fused(h_TD, rope, layout, context, backend)
+            return self.fused(h_TD, rope, layout, context, backend, recomputed)
         # Two compiled regions around the attention, which stays eager (`compile.py`).
         q_THE, k_TGE, v_TGE = compiled(DecoderLayer.attention_input, self.compile_backend)(self, h_TD, rope)
         out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
-        return compiled(DecoderLayer.attention_output, self.compile_backend)(self, h_TD, out_THE), k_TGE, v_TGE
+        h_TD = compiled(DecoderLayer.attention_output, self.compile_backend)(self, h_TD, out_THE, recomputed)
+        return h_TD, k_TGE, v_TGE
 
-    def fused(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
-        """`block`'s arithmetic in seven autograd nodes (`layer_ops.py`): the same saved tensors,
-        a fraction of its host time."""
+    def fused(self, h_TD, rope, layout: ChunkLayout, context, backend: str, recomputed: bool = False):
+        """`block`'s arithmetic in six autograd nodes (seven when `recomputed`, `layer_ops.py`):
+        the same saved tensors (but the SwiGLU's product, made again in backward), a fraction of
+        its host time."""
         q_THE, k_TGE, v_TGE = self.attention_input(h_TD, rope)
         out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
-        return self.attention_output(h_TD, out_THE), k_TGE, v_TGE
+        return self.attention_output(h_TD, out_THE, recomputed), k_TGE, v_TGE
 
     def attention_input(self, h_TD, rope):
         """Post-rotary q [T, H, E], k and v [T, G, E] of the normed input, in two nodes."""
@@ -212,19 +222,23 @@ class DecoderLayer(nn.Module):
         return QKV.apply(_RMSNorm.apply(h_TD, norm.weight, norm.eps), *rope, attn.spec.head_dim, attn.q_proj.weight,
                          attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight, attn.v_proj.bias)
 
-    def attention_output(self, h_TD, out_THE):
-        """The output projection, the residuals and the MLP, in four nodes."""
+    def attention_output(self, h_TD, out_THE, recomputed: bool = False):
+        """The output projection, the residuals and the MLP, in three nodes (four when
+        `recomputed`: the SwiGLU's product a node of its own, kept by the down projection)."""
         mlp, norm = self.mlp, self.post_attention_layernorm
         h_TD, x_TD = OutputNorm.apply(h_TD, out_THE, self.self_attn.o_proj.weight, norm.weight, norm.eps)
         gate_TF, up_TF = GateUp.apply(x_TD, mlp.gate_proj.weight, mlp.up_proj.weight)
-        return LinearResidual.apply(h_TD, _SiluMul.apply(gate_TF, up_TF), mlp.down_proj.weight)
+        if recomputed:
+            return LinearResidual.apply(h_TD, SiluMul.apply(gate_TF, up_TF), mlp.down_proj.weight)
+        return SwiGLUDown.apply(h_TD, gate_TF, up_TF, mlp.down_proj.weight)
 
     def _with_mlp_checkpoint(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
         """The layer with its MLP block under non-reentrant `torch.utils.checkpoint` (selective
         recomputation, `F.mN`). The checkpoint's input is the post-attention norm's input, the
         residual stream, which the layer keeps anyway; what the norm and the MLP save (the
-        norm's reciprocal RMS and output, gate, up, their product) is made again in backward,
-        the rerun stopping once the down projection's input is back (`cost/flops.py`). Compiled
+        norm's reciprocal RMS and output, gate, up, their product: `SwiGLU`'s recomputed
+        nodes) is made again in backward, the rerun stopping once the down projection's input
+        is back (`cost/flops.py`). Compiled
         layers compile the attention part and the MLP block apart, the checkpoint outside them
         (as `run_layers` checkpoints a compiled layer whole)."""
         cb = self.compile_backend
@@ -237,7 +251,7 @@ class DecoderLayer(nn.Module):
             out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
             h_TD = compiled(DecoderLayer.attention_residual, cb)(self, h_TD, out_THE)
         mlp = self.mlp_block if cb is None else functools.partial(compiled(DecoderLayer.mlp_block, cb), self)
-        return h_TD + checkpoint(mlp, h_TD, use_reentrant=False), k_TGE, v_TGE
+        return h_TD + checkpoint(mlp, h_TD, True, use_reentrant=False), k_TGE, v_TGE
 
     def attention_block(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
         """The residual stream after the attention block, and the row's k, v."""
@@ -247,17 +261,19 @@ class DecoderLayer(nn.Module):
     def attention_residual(self, h_TD, out_THE):
         return h_TD + self.self_attn.o_proj(out_THE.flatten(1))
 
-    def mlp_block(self, h_TD):
-        """The MLP block's output (before its residual add) from the residual stream."""
-        return self.mlp(self.post_attention_layernorm(h_TD))
+    def mlp_block(self, h_TD, recomputed: bool = False):
+        """The MLP block's output (before its residual add) from the residual stream
+        (`recomputed`: `SwiGLU.forward`'s, a keyword: tensor parallelism's input hook on the
+        MLP takes one input)."""
+        return self.mlp(self.post_attention_layernorm(h_TD), recomputed=recomputed)
 
     def before_attention(self, h_TD, rope):
         return self.self_attn.inputs(self.input_layernorm(h_TD), rope)
 
-    def block(self, h_TD, rope, layout: ChunkLayout, context, backend: str):
+    def block(self, h_TD, rope, layout: ChunkLayout, context, backend: str, recomputed: bool = False):
         """The layer's computation as module calls, where tensor parallelism's hooks act."""
         h_TD, k_TGE, v_TGE = self.attention_block(h_TD, rope, layout, context, backend)
-        return h_TD + self.mlp_block(h_TD), k_TGE, v_TGE
+        return h_TD + self.mlp_block(h_TD, recomputed), k_TGE, v_TGE
 
 
 def _plain(layer: DecoderLayer) -> bool:
@@ -347,7 +363,7 @@ class CausalLM(nn.Module):
             layer = self.model.layers[str(index)]
             args = (h_TD, rope, layout, LayerContext(contexts[j]), backend)
             if j < recompute_layers and torch.is_grad_enabled():
-                h_TD, k_TGE, v_TGE = checkpoint(layer, *args, use_reentrant=False)
+                h_TD, k_TGE, v_TGE = checkpoint(layer, *args, recomputed=True, use_reentrant=False)
             else:
                 h_TD, k_TGE, v_TGE = layer(*args, recompute_mlp=j < recompute_layers + recompute_mlp)
             kv_per_layer.append((k_TGE, v_TGE))

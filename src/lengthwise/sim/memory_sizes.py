@@ -196,9 +196,10 @@ class _MemorySizing:
                 rerun[at] = 0 < L <= k + m
                 kept[at] = cm.activation_bytes_rows(tokens[at], layers=L, tp=tp, recompute_layers=k,
                                                     recompute_mlp=m, head=head)
-                if k:
+                if k:  # `CostModel.recompute_transient_bytes`: the layer's dropped activations and its product
                     remat[at] = (cm.activation_bytes_rows(tokens[at], layers=1, tp=tp)
-                                 - cm.activation_bytes_rows(tokens[at], layers=1, tp=tp, recompute_layers=1))
+                                 - cm.activation_bytes_rows(tokens[at], layers=1, tp=tp, recompute_layers=1)
+                                 + mem.product_bytes_per_token(cm.model, tp) * tokens[at])
                 elif m:
                     remat[at] = cm.recompute_transient_bytes_per_token(tp=tp, recompute_mlp=m) * tokens[at]
         work = np.zeros(len(self.units))

@@ -71,16 +71,16 @@ class Problem:
 
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Eq. 20 as A C[cols] <= ub: -sum(saving * C[var]) <= limit - held-without-recomputation,
-        keeping only the rows over the limit without recomputation (savings are >= 0, so the
-        others always hold) and the waves those rows involve (the rest stay 0)."""
+        keeping only the rows that some recomputation can take over the limit (`StageMemory.reach`:
+        only a backward's own chunk can add, the rest save, so the others always hold) and the
+        waves those rows involve (the rest stay 0)."""
         a, ub = [np.zeros((0, len(self.upper)))], [np.zeros(0)]
         for s, st in enumerate(self.memory.stages):
-            slack = self.memory.limit[s] - st.row_levels()
-            over = slack < 0
+            over = st.reach() > self.memory.limit[s]
             block = np.zeros((int(over.sum()), len(self.upper)))
             block[:, self.index[s]] = -st.savings()[over]
             a.append(block)
-            ub.append(slack[over])
+            ub.append((self.memory.limit[s] - st.levels())[over])
         a_all = np.vstack(a)
         cols = np.flatnonzero(np.any(a_all != 0, axis=0))
         return cols, a_all[:, cols], np.concatenate(ub)
@@ -89,7 +89,7 @@ class Problem:
         """HiGHS on the reduced eq. 20: (full C or None, objective)."""
         cols, a, ub = self.rows()
         if not len(cols):  # nothing over the limit (C = 0), or rows no recomputation relieves
-            return (np.zeros_like(self.upper), 0.0) if not len(ub) else (None, np.inf)
+            return (np.zeros_like(self.upper), 0.0) if np.all(ub >= 0) else (None, np.inf)
         res = milp(self.weights[cols], integrality=np.full(len(cols), 1 if integral else 0),
                    bounds=Bounds(np.zeros(len(cols)), self.upper[cols]), constraints=LinearConstraint(a, -np.inf, ub),
                    options={"time_limit": time_limit_s, "mip_rel_gap": MIP_GAP})
@@ -127,14 +127,15 @@ def row_bound(problem: Problem) -> float:
     """A lower bound on the recomputation seconds without any solver: each over-limit row alone
     needs its excess saved, at best at its cheapest bytes-per-second wave."""
     cols, a, ub = problem.rows()
-    if not len(ub):
+    over = ub < 0  # rows that hold without recomputation need nothing saved
+    if not over.any():
         return 0.0
     if not len(cols):  # rows over the limit that no wave's recomputation relieves
         return np.inf
     with np.errstate(divide="ignore", invalid="ignore"):
-        per_second = np.where(a < 0, -a / problem.weights[cols][None, :], 0.0)
+        per_second = np.where(a[over] < 0, -a[over] / problem.weights[cols][None, :], 0.0)
         # a row no wave can relieve needs infinite seconds: the group is infeasible
-        return float(np.max(-ub / per_second.max(axis=1)))
+        return float(np.max(-ub[over] / per_second.max(axis=1)))
 
 
 def relaxation_bound(problem: Problem) -> float:
@@ -145,8 +146,9 @@ def relaxation_bound(problem: Problem) -> float:
 
 
 def solve_milp(problem: Problem, time_limit_s: float) -> Checkpointing:
-    """Algorithm 2 lines 6-12 with HiGHS. The LP optimum rounded up always fits (recomputing more
-    never needs more memory): when it is within the MIP gap of the LP bound HiGHS is not called,
+    """Algorithm 2 lines 6-12 with HiGHS. The LP optimum rounded up most often fits (recomputing
+    more needs more memory only in a backward's own row, by the SwiGLU product its re-materialised
+    layer holds; `Problem.fits` checks it): when it is within the MIP gap of the LP bound HiGHS is not called,
     and when HiGHS runs out of time it stands in for a worse or missing incumbent."""
     bound = relaxation_bound(problem)
     rounded = np.ceil(problem.relaxed[0] - 1e-9) if problem.relaxed[0] is not None else problem.upper

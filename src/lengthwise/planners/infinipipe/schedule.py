@@ -134,9 +134,16 @@ class StageMemory:
     table: float = 0.0
     """The embedding's gradient at each backward's end (first stage, `StageShape.table`):
     then the backward's own chunk is freed and, after the first backward, every gradient made."""
+    remat: np.ndarray | None = None
+    """float64 [n] bytes each chunk's B holds beyond `work` when its F recomputes layers: its
+    working set with the layer it re-materialises (`UnitCosts.recompute_rows`: the layer's
+    dropped activations and the SwiGLU's product, which a recomputed layer's nodes keep and the
+    others do not, `cost/memory.py`; on the head's stage beside a layer's backward, not on top
+    of the loss's); None: nothing."""
     rerun: np.ndarray | None = None
-    """float64 [n] bytes each chunk's B holds beyond `work` and its re-materialised layer when
-    it recomputes all `layers` (`UnitCosts.rerun_row`); None: nothing."""
+    """float64 [n] bytes each chunk's B holds beyond `work` and `remat` when it recomputes all
+    `layers` (`UnitCosts.recompute_rows`: the recomputed layers' own working set, the rerun's
+    end among it, in place of the plain layer's; negative where smaller); None: nothing."""
     layers: int = 0
     """The stage's layers."""
 
@@ -156,8 +163,8 @@ class StageMemory:
         # ... plus what the backward re-materialises of its own F, one recomputed layer at a time
         # (the executor checkpoints per layer: `CostModel.recompute_transient_bytes`), and the K/V
         # gradients, and the backward's working set (the loss's on the head's stage)
-        remat = self.saving * np.minimum(recompute, 1.0) if recompute is not None else 0.0
-        if recompute is not None and self.rerun is not None:  # every layer rerun: its end
+        remat = self.remat * np.minimum(recompute, 1.0) if recompute is not None and self.remat is not None else 0.0
+        if recompute is not None and self.rerun is not None:  # every layer rerun: its nodes' working set
             remat = remat + np.where(recompute >= self.layers, self.rerun, 0.0)
         own = remat + (self.work if self.work is not None else 0.0) + np.zeros_like(self.act)
         first = rows[:1]
@@ -171,15 +178,16 @@ class StageMemory:
             return level
         return np.concatenate([level, self._forward_levels(kept)])
 
-    def row_levels(self) -> np.ndarray:
-        """`levels()` with each backward's own chunk charged what its rerun adds beyond the
-        layers that recomputing them all frees (`rerun`): the start of eq. 20's linear rows,
-        which charge that chunk its full activations whatever it recomputes (`savings`)."""
-        level = self.levels()
-        if self.rerun is not None:
-            rows = self.rows
-            level[:len(rows)] += np.maximum(self.rerun - (self.layers - 1) * self.saving, 0.0)[rows]
-        return level
+    def own_costs(self) -> np.ndarray:
+        """float64 [n] bytes per recomputed layer that eq. 20's linear row of each chunk's
+        backward charges the chunk itself (negative: saves). Its exact level (`levels`) is its
+        full activations at r = 0, less `saving` a layer plus `remat` at 0 < r, plus `rerun`
+        too at r = `layers`: the steepest line from r = 0 that covers r = 1 and r = `layers`
+        bounds them all and is exact at r = 0 and, unless r = `layers` holds more than r = 1,
+        at r = 1."""
+        remat = self.remat if self.remat is not None else np.zeros_like(self.act)
+        rerun = self.rerun if self.rerun is not None else 0.0
+        return np.maximum(remat, (remat + rerun) / max(self.layers, 1)) - self.saving
 
     def _forward_levels(self, kept: np.ndarray) -> np.ndarray:
         """float64 [n] bytes held while each chunk's F runs: the chunks forwarded so far (its own
@@ -194,19 +202,28 @@ class StageMemory:
 
     def savings(self) -> np.ndarray:
         """float64 [rows of `levels`, n chunks] bytes one recomputed layer of each chunk saves at
-        each backward start (eq. 19's F[k] on the chunks alive there, 0 for the backward's own)
-        and, with `forward_work`, while each F runs (its own chunk's included: exact there).
-
-        Linear for the MILP, so conservative for the backward's own chunk: `levels` charges it
-        its kept bytes plus one re-materialised layer, at most its full activations, which is
-        what this row assumes it holds (the plan is then checked with `levels`)."""
+        each backward start (eq. 19's F[k] on the chunks alive there; for the backward's own,
+        less what re-materialising it holds: -`own_costs`) and, with `forward_work`, while each
+        F runs (its own chunk's included). Linear for the MILP, so conservative for the
+        backward's own chunk where it recomputes more than one layer (the plan is then checked
+        with `levels`)."""
         rows = self.rows
         p = self.bpos[rows][:, None]
         alive = (self.fpos[None, :] < p) & (self.bpos[None, :] > p)
         if self.forward_work is not None:  # each F's rows: its own chunk's kept bytes are exact
             q = self.fpos[:, None]
             alive = np.vstack([alive, (self.fpos[None, :] <= q) & (self.bpos[None, :] > q)])
-        return alive * self.saving[None, :]
+        out = alive * self.saving[None, :]
+        out[np.arange(len(rows)), rows] = -self.own_costs()[rows]
+        return out
+
+    def reach(self) -> np.ndarray:
+        """float64 [rows of `levels`] the most each row can reach by its own chunk's
+        recomputation alone (the others' only save): a row below the limit here always holds."""
+        level = self.levels()
+        rows = self.rows
+        level[:len(rows)] += np.maximum(self.own_costs(), 0.0)[rows] * self.layers
+        return level
 
 
 def _prefix(pos: np.ndarray, values: np.ndarray):
@@ -252,10 +269,12 @@ def group_memory(group: GroupSchedule, costs: UnitCosts, *, first_group: bool = 
         fpos, bpos = group.positions(s)
         chunks = [c for u in group.units for c in u]
         work = costs.work_row(s, chunks)
+        remat, rerun = costs.recompute_rows(s, chunks, work)
         stages.append(StageMemory(fpos=fpos, bpos=bpos, act=table[0], saving=table[1], kv=table[3:], work=work,
                                   forward_work=costs.forward_work_row(s, chunks),
                                   grads=costs.stages[s].grads if first_group else 0.0, table=costs.stages[s].table,
-                                  rerun=costs.rerun_row(s, chunks, table[1], work), layers=costs.stages[s].layers))
+                                  rerun=rerun, layers=costs.stages[s].layers,
+                                  remat=remat))
         seconds.append(table[2])
     return MemoryModel(stages=stages, limit=np.array([costs.cost.capacity_bytes - st.states for st in costs.stages]),
                        max_layers=np.array([st.layers for st in costs.stages]),

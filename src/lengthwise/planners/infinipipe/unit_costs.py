@@ -258,17 +258,29 @@ class UnitCosts:
         return np.array([self.cost.backward_work_bytes(c, layers=shape.layers, head=shape.head, **self.kw)
                          for c in chunks], dtype=float)
 
-    def rerun_row(self, stage: int, chunks: list[Chunk], saving: np.ndarray, work: np.ndarray) -> np.ndarray | None:
-        """float64 [chunks] what each chunk's backward holds beyond `work` and one re-materialised
-        layer (`saving`) when every layer of the stage is recomputed (`cost.backward_work_bytes`
-        with `rerun`: the rerun's end under sequence parallelism); None where it never adds."""
+    def recompute_rows(self, stage: int, chunks: list[Chunk],
+                       work: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """(float64 [chunks] what each chunk's backward holds beyond `work` once its F recomputes
+        a layer, float64 [chunks] or None what it holds beyond that when it recomputes all the
+        stage's layers), charged as the simulator charges them (`sim/memory_sizes.py`): the
+        backward's working set with the layer it re-materialises (`cost.recompute_transient_bytes`,
+        its dropped activations and the SwiGLU's product) beside a layer's backward, on the
+        head's stage after the loss's rather than on top of it (`cost.backward_work_bytes` with
+        `remat`), and, every layer rerun, with the moments of the recomputed layers' own nodes
+        (the split SwiGLU and down projection, and the rerun's end: `rerun`) in place of the
+        plain layer's, so the second row may be negative; None where the two are equal."""
         shape, cost = self.stages[stage], self.cost
-        if not shape.layers or cost.backward_work_bytes_per_token(layers=shape.layers, tp=self.kw["tp"], rerun=True) \
+        if not shape.layers:
+            return np.zeros(len(chunks)), None
+        transient = [cost.recompute_transient_bytes(c, recompute_layers=1, **self.kw) for c in chunks]
+        with_layer = np.array([cost.backward_work_bytes(c, layers=shape.layers, head=shape.head, remat=x, **self.kw)
+                               for c, x in zip(chunks, transient)], dtype=float)
+        if cost.backward_work_bytes_per_token(layers=shape.layers, tp=self.kw["tp"], rerun=True) \
                 == cost.backward_work_bytes_per_token(layers=shape.layers, tp=self.kw["tp"]):
-            return None
+            return with_layer - work, None
         full = np.array([cost.backward_work_bytes(c, layers=shape.layers, head=shape.head, remat=x, rerun=True,
-                                                  **self.kw) for c, x in zip(chunks, saving.tolist())], dtype=float)
-        return np.maximum(full - saving - work, 0.0)
+                                                  **self.kw) for c, x in zip(chunks, transient)], dtype=float)
+        return with_layer - work, full - with_layer
 
 
 def split_slices(chunks: list[Chunk]) -> list[list[tuple[int, int, int]]]:

@@ -90,6 +90,26 @@ from lengthwise.runtime.loss import VocabShard
 from lengthwise.runtime.model import CausalLM, LMHead
 from lengthwise.specs import ModelSpec
 
+class SwiGLUDownParallel(RowwiseParallel):
+    """The SwiGLU's down projection (`model.DownProjection`), row-parallel as RowwiseParallel
+    splits it (the weight's input columns, Shard(1)), but run on local tensors: its inputs,
+    this rank's columns of gate and up (or of their product), stay the plain tensors the
+    column-parallel gate and up projections return (RowwiseParallel's input hook would make a
+    DTensor of the first and drop the second), the module multiplies them by its weight's local
+    shard (`layer_ops.SwiGLUDown`, which keeps gate and up but not their product), and its
+    output, this rank's partial sum, is reduced to `output_layouts` as RowwiseParallel's is (an
+    all-reduce, or the reduce-scatter to this rank's rows)."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        return None
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        partial_TD = DTensor.from_local(outputs, device_mesh, (Partial(),), run_check=False)
+        return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, partial_TD, device_mesh)
+
+
 LAYER_PLAN = {
     # self_attn(x, rope, layout, context, backend): x, whole on every rank, made a Replicate
     # DTensor that the three projections share, so that their partial input gradients are
@@ -99,7 +119,7 @@ LAYER_PLAN = {
     "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
     "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
     "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-    "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": SwiGLUDownParallel(),
 }
 """Per decoder layer without sequence parallelism: blocks take and return whole activations;
 per layer two all-reduces in forward (the row-parallel outputs) and two in backward (each
@@ -118,7 +138,7 @@ SP_LAYER_PLAN = {
     "post_attention_layernorm": SequenceParallel(sequence_dim=0),
     "mlp": PrepareModuleInput(input_layouts=(ROWS,), desired_input_layouts=(Replicate(),)),
     "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-    "mlp.down_proj": RowwiseParallel(output_layouts=ROWS),
+    "mlp.down_proj": SwiGLUDownParallel(output_layouts=ROWS),
 }
 """Per decoder layer with sequence parallelism (torchtitan's plan, sequence dimension 0)."""
 
