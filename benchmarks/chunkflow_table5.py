@@ -10,12 +10,14 @@ parameter), with the executor's per-tensor activation accounting (sequence paral
 the paper's SP 4). Two columns:
 
 - `executor`: the memory of our executor running that plan (`CostModel()` as it is).
-- `chunkflow_system`: the same accounting with two settings of the system the paper measured,
+- `chunkflow_system`: the same accounting with three settings of the system the paper measured,
   each named in `CostModel`: `grads_held_all_step` (Megatron-LM's DistributedDataParallel keeps
-  its fp32 main-gradient buffer allocated for the whole run) and `nograd_keeps_graph` (Algorithm
+  its fp32 main-gradient buffer allocated for the whole run), `nograd_keeps_graph` (Algorithm
   2 runs a re-forwarded chunk's first forward with autograd on and drops its loss, so the graph
   lives until the next forward's loss replaces it: two chunks' activations at the end of each
-  forward of a split sequence, where our executor runs that forward under no_grad).
+  forward of a split sequence, where our executor runs that forward under no_grad) and
+  `swiglu_keeps_product` (Megatron-LM's down projection keeps the SwiGLU's product, which our
+  executor makes again in backward).
 
 All figures are simulated; the paper's are measured on GPUs. The JSON also gives the slope of
 each column (bytes per chunk token).
@@ -46,7 +48,7 @@ def simulated_peak(context: int, chunk_size: int, *, chunkflow_system: bool = Fa
     scheme = ParallelScheme(dp=1, tp=4, pp=1)
     cluster = cluster_preset("h100", scheme.num_gpus)
     cost = CostModel(model=MODEL_PRESETS["qwen2.5-7b"], cluster=cluster, grads_held_all_step=chunkflow_system,
-                     nograd_keeps_graph=chunkflow_system)
+                     nograd_keeps_graph=chunkflow_system, swiglu_keeps_product=chunkflow_system)
     request = PlanRequest(lengths=SHORTS + [context], model=cost.model, cluster=cluster, scheme=scheme, cost=cost,
                           context_length=context, options={"chunk_size": chunk_size, "k": 1})
     result = simulate_plan(get_planner("chunkflow")(request), cost)
@@ -73,7 +75,8 @@ def main() -> int:
     out = {"meta": {"command": "python benchmarks/chunkflow_table5.py", "simulated": True,
                     "setting": "qwen2.5-7b, dp1 x tp4 x pp1 (sequence parallel), K=1, h100 memory",
                     "columns": {"executor": "CostModel() as is",
-                                "chunkflow_system": "CostModel(grads_held_all_step=True, nograd_keeps_graph=True)"}},
+                                "chunkflow_system": "CostModel(grads_held_all_step=True, nograd_keeps_graph=True, "
+                                                    "swiglu_keeps_product=True)"}},
            "cells": cells, "bytes_per_chunk_token": slopes}
     path = Path(__file__).parent / "results" / "chunkflow_table5.json"
     write_atomic(path, json.dumps(out, indent=1))

@@ -121,6 +121,12 @@ class CostModel(ChunkTimes, CommCosts, MemoryCosts):
     forwards, which is what ChunkFlow's Table 5 measured (`benchmarks/chunkflow_table5.py`).
     This and `grads_held_all_step` describe another system's memory for the simulator; the
     planners and the validator budget for the executor whatever they say."""
+    swiglu_keeps_product: bool = False
+    """What a layer's MLP keeps for backward. False, the executor: the SwiGLU's gate and up, its
+    product made again in backward (`runtime/layer_ops.SwiGLUDown`). True, Megatron-LM's (the
+    papers' systems): the product too, one more [tokens, ffn / tp] bf16 tensor a layer (its
+    down projection saves its input). Like the two settings above, for describing another
+    system's kept activations in the simulator (`benchmarks/chunkflow_table5.py`)."""
     sequence_parallel: bool = True
     """Whether tensor parallelism splits the residual stream's rows over the TP ranks, as the
     executor's `ParallelOptions.sequence_parallel` (`lengthwise train/verify/dryrun

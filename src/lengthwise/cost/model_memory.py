@@ -52,9 +52,12 @@ class MemoryCosts:
         full = mem.activation_bytes_per_token_layer(self.model, tp, sp=sp)
         if self.profile and self.profile.activation_bytes_per_token_layer:
             full = self.profile.activation_bytes_per_token_layer / tp
+        product = mem.product_bytes_per_token(self.model, tp) if self.swiglu_keeps_product else 0.0
+        if not (self.profile and self.profile.activation_bytes_per_token_layer):
+            full += product  # a measured profile measured its system's own layer
         kept = recompute_layers * mem.checkpoint_bytes_per_token_layer(self.model, tp, sp=sp)
         if recompute_mlp:
-            kept -= recompute_mlp * mem.mlp_recompute_saved_bytes_per_token_layer(self.model, tp, sp=sp)
+            kept -= recompute_mlp * (mem.mlp_recompute_saved_bytes_per_token_layer(self.model, tp, sp=sp) + product)
         head_b = mem.head_bytes_per_token(self.model, tp, sp=sp) if head else 0.0
         stage = mem.stage_kept_bytes_per_token(self.model, tp, layers=layers, head=head, sp=sp)
         return (layers - recompute_layers) * full + kept + head_b + stage
