@@ -347,6 +347,26 @@ def embedding_backward_bytes(model: ModelSpec) -> float:
     return model.vocab * model.hidden * BYTES_BF16
 
 
+def head_reduce_scatter_bytes(model: ModelSpec, tp: int = 1, *, shards: int, zero: int, first: bool = False,
+                              grads_made: bool = True) -> float:
+    """What FSDP2 holds of the head's unit (the final norm and the LM head) during the last
+    stage's first decoder layer backward in the stage's last backward, which reduces the
+    gradients (module docstring), beyond what the model states count: the unit's fp32
+    reduce-scatter input (its whole gradient on this rank) and the reduced fp32 shard (/ the
+    `shards` ranks of the dp x cp group), less the gradient it copied (the fp32 accumulator
+    counted with the gradients, `grads_made`: an earlier backward made it) and the bf16 weights
+    it reshards (counted whole below ZeRO-3). `first`: the stage is also the first, whose tied
+    LM head weight is the embedding's (the unit then holds the norm alone)."""
+    params = model.hidden if (first and model.tied_embeddings) else \
+        stage_params(model, layers=0, tp=tp, first=False, last=True)
+    held = GRAD_BYTES_PER_PARAM * params * (1 + 1 / shards)
+    if grads_made:
+        held -= GRAD_BYTES_PER_PARAM * params
+    if zero < 3:
+        held -= BYTES_BF16 * params
+    return held
+
+
 def norm_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:
     """Working set of an RMSNorm's backward (`runtime/model._RMSNorm`) per token of the chunk:
     the fp32 copy of its input, the bf16 normalised input and four fp32 [tokens, hidden]
