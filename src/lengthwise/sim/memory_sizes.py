@@ -43,15 +43,16 @@ class _MemorySizing:
                 kept, remat, w, fw = self._cell_sizes(cells, L, head, recompute[s], mlp[s])
                 cell_act.append(kept)
                 act.append(self._chunk_sums(cells, kept, len(pipe.chunks)))
+                if head:
+                    w = self._head_reduce_scatter(w, L, remat, recompute[s], mlp[s], cells)
             else:
                 kept, remat = self._kept_activations(s, L, head, recompute[s], mlp[s])
                 act.append(kept)
                 w, fw = self._working_sets(L, head)
-                if head:
-                    w = self._head_reduce_scatter(w, L, remat, recompute[s], mlp[s], cells)
-                w, remat = self._with_remat(L, head, w, remat, _reruns(L, recompute[s], mlp[s]))
-            if head and cells is not None:
-                w = self._head_reduce_scatter(w, L, remat, recompute[s], mlp[s], cells)
+                folded, folded_remat = self._with_remat(L, head, w, remat, _reruns(L, recompute[s], mlp[s]))
+                if head:  # from the re-materialisation before it is folded into the working sets
+                    folded = self._head_reduce_scatter(folded, L, remat, recompute[s], mlp[s], None)
+                w, remat = folded, folded_remat
             extra.append(remat)
             work.append(w)
             fwork.append(fw)
@@ -372,6 +373,8 @@ def head_reduce_scatter_work(cm: CostModel, pipe, work, *, layers: int, zero: in
     if not backwards or layers <= 0 or zero <= 0 or hetero or cm.grads_held_all_step:
         return work
     u = backwards[-1]
+    if not 0 <= u < len(work):
+        return work  # a malformed schedule, which the simulator's checks report
     held = mem.head_reduce_scatter_bytes(cm.model, pipe.tp, shards=shards, zero=zero, first=pipe.pp == 1,
                                          grads_made=len(backwards) > 1)
     out = np.array(work, dtype=np.float64)  # a copy: rows may be shared by pipelines
