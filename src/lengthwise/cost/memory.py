@@ -113,6 +113,21 @@
   backward, or made by the final norm's backward on the last stage;
   `layers_backward_bytes_per_token`). On the last stage the loss's backward comes first and
   the layers' after the head's kept tensors are freed (`backward_work_bytes`).
+- In the stage's last backward, which reduces the gradients, FSDP2's post-backward of each
+  unit copies the unit's gradient into a new fp32 reduce-scatter input (the unit's whole
+  gradient on this rank), frees the gradient it copied (the bf16 one autograd made, or the
+  fp32 accumulator of earlier backwards), keeps the reduced fp32 shard (/ the dp x cp group)
+  as the gradient and reshards the unit's bf16 weights; it keeps the input until the next
+  unit's post-backward. On the last stage the head's unit (the final norm and the LM head)
+  is reduced first, and its input and shard are held through the first decoder layer's
+  backward, the moment that meets every activation the chunk keeps but the head's
+  (`head_reduce_scatter_bytes`, beyond the model states as they are counted: the weights'
+  bf16 copy whole below ZeRO-3, the gradients from the end of the stage's first backward;
+  `sim/memory_sizes.head_reduce_scatter_work`). Qwen2.5-7B at tp 2 x dp 4: 1.27 GiB held
+  there less the 0.51 GiB bf16 weight, 3.7% of a one-chunk last stage's peak that the
+  simulator once left out (`tests/test_dryrun.py` measures the moment). Elsewhere the
+  previous unit's input is held beside a layer whose activations the previous one has
+  freed, and the planners' budgets, which hold the whole fp32 gradients all step, bound it.
 - A layer whose MLP block is made again in backward (full recomputation, or the block's own
   checkpoint) peaks at the rerun's end instead, once the down projection's input is back: the
   layer's whole activations (the re-materialised ones, `CostModel.recompute_transient_bytes`,
@@ -345,6 +360,26 @@ def embedding_backward_bytes(model: ModelSpec) -> float:
     first stage: the whole table in bf16 on every TP rank, before it is added into the
     accumulated gradient (module docstring)."""
     return model.vocab * model.hidden * BYTES_BF16
+
+
+def head_reduce_scatter_bytes(model: ModelSpec, tp: int = 1, *, shards: int, zero: int, first: bool = False,
+                              grads_made: bool = True) -> float:
+    """What FSDP2 holds of the head's unit (the final norm and the LM head) during the last
+    stage's first decoder layer backward in the stage's last backward, which reduces the
+    gradients (module docstring), beyond what the model states count: the unit's fp32
+    reduce-scatter input (its whole gradient on this rank) and the reduced fp32 shard (/ the
+    `shards` ranks of the dp x cp group), less the gradient it copied (the fp32 accumulator
+    counted with the gradients, `grads_made`: an earlier backward made it) and the bf16 weights
+    it reshards (counted whole below ZeRO-3). `first`: the stage is also the first, whose tied
+    LM head weight is the embedding's (the unit then holds the norm alone)."""
+    params = model.hidden if (first and model.tied_embeddings) else \
+        stage_params(model, layers=0, tp=tp, first=False, last=True)
+    held = GRAD_BYTES_PER_PARAM * params * (1 + 1 / shards)
+    if grads_made:
+        held -= GRAD_BYTES_PER_PARAM * params
+    if zero < 3:
+        held -= BYTES_BF16 * params
+    return held
 
 
 def norm_backward_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> float:

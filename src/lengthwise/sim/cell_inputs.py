@@ -29,6 +29,7 @@ from lengthwise.plan.ir import BACKWARD, FORWARD, StepPlan
 from lengthwise.sim.action_times import B, F, N
 from lengthwise.sim.cell_costs import ACTIONS, CELLS
 from lengthwise.sim.memory import MemorySizes, SplitArrays
+from lengthwise.sim.memory_sizes import head_reduce_scatter_work, last_cell, layer_rows_moment
 from lengthwise.sim.pipeline_input import PipelineInput
 from lengthwise.sim.step_costs import heterogeneous
 
@@ -90,6 +91,9 @@ def celled_inputs(plan: StepPlan, cm: CostModel, offsets: list[int], known: list
         shape = (int(S[k]), 3, int(W[k]))
         state, grads, sync, end = steps[pipe.tp, tuple(layers[k])]
         sizes = _sizes(cm, pipe, layers[k], rows[k], known[i].splits, kv[k], state, grads, work0[k])
+        sizes.backward_work[-1] = _head_reduce_scatter(plan, cm, pipe, layers[k][-1], sizes.backward_work[-1],
+                                                       tables[i].get(CELLS) if modes[i] == CELLED else None,
+                                                       works[i][1].row_tokens if modes[i] == PLAIN else None)
         out[i] = PipelineInput(stages=pipe.stages, chunks=pipe.chunks, backward_chunks=pipe.backward_chunks,
                                dur=dur[bounds[k]:bounds[k + 1]].reshape(shape),
                                comm=comm[bounds[k]:bounds[k + 1]].reshape(shape),
@@ -278,6 +282,20 @@ def _kv_rows(cm: CostModel, todo, pipes, layers, known) -> list[dict]:
         for j, k in enumerate(members):
             out[k][n] = each[bounds[j]:bounds[j + 1]]
     return out
+
+
+def _head_reduce_scatter(plan: StepPlan, cm: CostModel, pipe, L: int, work, cells, unit_tokens):
+    """The last stage's working sets [unit] with the head unit's reduce-scatter in its last B
+    (`memory_sizes.head_reduce_scatter_work`), from its last cell's rows (CELLED) or the unit's
+    (PLAIN); nothing here recomputes."""
+    def layer_moment(u: int) -> float:
+        rows = cells[2][last_cell(cells, u):][:1] if cells is not None else np.asarray(unit_tokens)[u:u + 1]
+        return float(layer_rows_moment(cm, np.asarray(rows, dtype=np.float64), L, pipe.tp)[0])
+
+    if not len(work):
+        return work
+    return head_reduce_scatter_work(cm, pipe, work, layers=L, zero=plan.zero, shards=sum(p.cp for p in plan.pipelines),
+                                    hetero=heterogeneous(plan), layer_moment=layer_moment)
 
 
 def _sizes(cm: CostModel, pipe, layers: list[int], rows: list[tuple], splits: SplitArrays, kv: dict, state, grads,

@@ -13,7 +13,9 @@ highest at one of its ends, which the events below hold. Plus allocations tied t
   transient of one layer's activations, `CostModel.recompute_transient_bytes`; on the last
   stage the B also works on the loss's fp32 logit gradients, another transient);
 - the working set of each B beyond the kept activations (the loss's backward on the last stage,
-  one layer's SwiGLU backward elsewhere: `CostModel.backward_work_bytes`), and on the last stage
+  one layer's SwiGLU backward elsewhere: `CostModel.backward_work_bytes`; in the last stage's
+  last B its first layer's beside the head unit's fp32 reduce-scatter input and shard,
+  `sim/memory_sizes.head_reduce_scatter_work`), and on the last stage
   that of each F's LM head (its bf16 logits beside their fp32 copy), while the task runs;
 - the working set of a no-grad forward (N): one layer's activations while it runs (or, modelling
   ChunkFlow's own system, `CostModel.nograd_keeps_graph`, the activations an F keeps, until the

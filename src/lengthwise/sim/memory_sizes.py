@@ -43,11 +43,16 @@ class _MemorySizing:
                 kept, remat, w, fw = self._cell_sizes(cells, L, head, recompute[s], mlp[s])
                 cell_act.append(kept)
                 act.append(self._chunk_sums(cells, kept, len(pipe.chunks)))
+                if head:
+                    w = self._head_reduce_scatter(w, L, remat, recompute[s], mlp[s], cells)
             else:
                 kept, remat = self._kept_activations(s, L, head, recompute[s], mlp[s])
                 act.append(kept)
                 w, fw = self._working_sets(L, head)
-                w, remat = self._with_remat(L, head, w, remat, _reruns(L, recompute[s], mlp[s]))
+                folded, folded_remat = self._with_remat(L, head, w, remat, _reruns(L, recompute[s], mlp[s]))
+                if head:  # from the re-materialisation before it is folded into the working sets
+                    folded = self._head_reduce_scatter(folded, L, remat, recompute[s], mlp[s], None)
+                w, remat = folded, folded_remat
             extra.append(remat)
             work.append(w)
             fwork.append(fw)
@@ -196,12 +201,7 @@ class _MemorySizing:
                 rerun[at] = 0 < L <= k + m
                 kept[at] = cm.activation_bytes_rows(tokens[at], layers=L, tp=tp, recompute_layers=k,
                                                     recompute_mlp=m, head=head)
-                if k:  # `CostModel.recompute_transient_bytes`: the layer's dropped activations and its product
-                    remat[at] = (cm.activation_bytes_rows(tokens[at], layers=1, tp=tp)
-                                 - cm.activation_bytes_rows(tokens[at], layers=1, tp=tp, recompute_layers=1)
-                                 + mem.product_bytes_per_token(cm.model, tp) * tokens[at])
-                elif m:
-                    remat[at] = cm.recompute_transient_bytes_per_token(tp=tp, recompute_mlp=m) * tokens[at]
+                remat[at] = self._cell_remat(tokens[at], k, m)
         work = np.zeros(len(self.units))
         np.maximum.at(work, unit_of, cm.backward_work_bytes_rows(tokens, layers=L, tp=tp, head=head, remat=remat,
                                                                  rerun=rerun))
@@ -211,6 +211,43 @@ class _MemorySizing:
             np.maximum.at(fwork, chunk_of, mem.head_forward_bytes(cm.model, tokens, tp))
         out = self._cache[key] = (kept, self._zeros(len(self.pipe.chunks)), work, fwork)
         return out
+
+    def _cell_remat(self, tokens, k: int, m: int):
+        """Bytes cells of `tokens` rows re-materialise at once in their backward when their
+        chunk's F recomputes `k` layers whole or `m` MLP blocks (`CostModel.recompute_transient_bytes`:
+        the layer's dropped activations and its product, or the MLP block's)."""
+        cm, tp = self.cm, self.pipe.tp
+        if k:
+            return (cm.activation_bytes_rows(tokens, layers=1, tp=tp)
+                    - cm.activation_bytes_rows(tokens, layers=1, tp=tp, recompute_layers=1)
+                    + mem.product_bytes_per_token(cm.model, tp) * tokens)
+        if m:
+            return cm.recompute_transient_bytes_per_token(tp=tp, recompute_mlp=m) * tokens
+        return np.zeros(np.shape(tokens))
+
+    def _head_reduce_scatter(self, work, L: int, remat, recompute: list[int], mlp: list[int], cells):
+        """The last stage's working sets [unit] with the head unit's reduce-scatter in its last B
+        (`head_reduce_scatter_work`): the first layer's backward moment of that B's unit, from
+        its last cell's rows (the cells' path) or the unit's, beside what it re-materialises
+        when that is folded into the unit's working set (the chunks are the units)."""
+        cm, pipe, tp = self.cm, self.pipe, self.pipe.tp
+
+        def layer_moment(u: int) -> float:
+            if cells is not None:
+                i = last_cell(cells, u)
+                k, m = recompute[cells[0][i]], mlp[cells[0][i]]
+                rows = cells[2][i:i + 1]
+                return float(layer_rows_moment(cm, rows, L, tp, remat=self._cell_remat(rows, k, m),
+                                               rerun=0 < L <= k + m)[0])
+            unit = self.units[u]
+            fold = pipe.backward_chunks is None  # else re-materialised by events of their own
+            x = float(np.asarray(remat, dtype=np.float64)[u]) if fold else 0.0
+            rerun = _reruns(L, recompute, mlp)[u] if fold else False
+            return (cm.backward_work_bytes(unit, layers=L, head=False, remat=x, rerun=rerun, **self.kw)
+                    - cm.activation_bytes(unit, layers=0, head=True, **self.kw))
+
+        return head_reduce_scatter_work(cm, pipe, work, layers=L, zero=self.plan.zero, shards=self._replicas(),
+                                        hetero=self._heterogeneous(), layer_moment=layer_moment)
 
     def _embedding_backward(self, work, act, extra, grads: float, cell_act=None, cells=None) -> np.ndarray:
         """The first stage's backward working sets (`work`, counted from the level at each B's
@@ -301,3 +338,45 @@ def _reruns(layers: int, recompute: list[int], mlp: list[int]) -> list[bool]:
     backward (recomputed whole or by its MLP block): the rerun's end then meets every other
     tensor the chunk keeps (`mem.backward_work_bytes`, `rerun`)."""
     return [0 < layers <= r + m for r, m in zip(recompute, mlp)]
+
+
+def last_cell(cells, u: int) -> int:
+    """Index of unit u's last cell to run backward: its earliest chunk's (`runtime/stage.py`
+    runs a unit's cells later chunks first)."""
+    chunk_of, unit_of, _ = cells
+    i = np.flatnonzero(unit_of == u)
+    return int(i[np.argmin(chunk_of[i])])
+
+
+def layer_rows_moment(cm: CostModel, rows, L: int, tp: int, *, remat=0.0, rerun=False):
+    """The last stage's first decoder layer backward moment for rows of `rows` tokens (no CP):
+    the layers' working set beside `remat`, less the head's kept tensors, freed by then
+    (`mem.backward_work_bytes`)."""
+    return (cm.backward_work_bytes_rows(rows, layers=L, tp=tp, head=False, remat=remat, rerun=rerun)
+            - cm.activation_bytes_rows(rows, layers=0, tp=tp, head=True))
+
+
+def head_reduce_scatter_work(cm: CostModel, pipe, work, *, layers: int, zero: int, shards: int, hetero: bool,
+                             layer_moment) -> np.ndarray:
+    """The last stage's backward working sets (`work`, [unit]) with, in the stage's last B, its
+    first decoder layer's backward moment (`layer_moment(u)`, beyond the kept activations)
+    raised by what FSDP2 holds there of the head's unit (`mem.head_reduce_scatter_bytes`): in
+    that B, which reduces the gradients, the unit's post-backward copies its gradient into a
+    new fp32 reduce-scatter input, frees what it copied, keeps the reduced fp32 shard as the
+    gradient and reshards its bf16 weights; FSDP2 keeps the input until the next unit's
+    post-backward, after the first layer's backward, the moment that meets every activation
+    the chunk keeps but the head's. The head's own moments (the loss's and the final norm's
+    backward) come before the reduction. Unchanged without FSDP2 (ZeRO 0, a heterogeneous
+    plan's replicated stages), without layers, or for a system whose gradients are a buffer
+    held all step (`CostModel.grads_held_all_step`)."""
+    backwards = [a.chunk for a in pipe.stages[-1] if a.kind == BACKWARD]
+    if not backwards or layers <= 0 or zero <= 0 or hetero or cm.grads_held_all_step:
+        return work
+    u = backwards[-1]
+    if not 0 <= u < len(work):
+        return work  # a malformed schedule, which the simulator's checks report
+    held = mem.head_reduce_scatter_bytes(cm.model, pipe.tp, shards=shards, zero=zero, first=pipe.pp == 1,
+                                         grads_made=len(backwards) > 1)
+    out = np.array(work, dtype=np.float64)  # a copy: rows may be shared by pipelines
+    out[u] = max(out[u], layer_moment(u) + held)
+    return out
