@@ -279,3 +279,19 @@ def test_parameter_names_from_the_spec_are_the_models():
 
     for spec in (LLAMA, QWEN):
         assert parameter_names(spec) == [n for n, _ in build_model(spec, seed=0).named_parameters()]
+
+
+def test_seeded_weights_drawn_on_threads_equal_those_drawn_one_after_another(monkeypatch):
+    """init_weights draws each parameter's noise on a few threads ahead of the copy; each
+    parameter has its own generator, so the values are bit for bit the sequential draw's."""
+    import lengthwise.runtime.model as model_module
+
+    spec = ModelSpec(name="t", num_layers=3, hidden=16, num_heads=4, num_kv_heads=2, head_dim=4, ffn=24, vocab=40)
+    threaded = build_model(spec, dtype=torch.float64, seed=11)
+    calls = []
+    monkeypatch.setattr(model_module, "_ordered_window",
+                        lambda fn, items, workers: calls.append(workers) or map(fn, items))
+    sequential = build_model(spec, dtype=torch.float64, seed=11)
+    assert calls  # the threaded path was the one replaced
+    for (name, a), (_, b) in zip(threaded.named_parameters(), sequential.named_parameters()):
+        assert torch.equal(a, b), name
