@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,10 +37,10 @@ def _tolerance() -> float:
 
 
 @pytest.mark.parametrize(("rows", "compile_backend"), [
-    (1, None), (4, None), (10, None), (TOKENS, None),
+    (1, None), (4, None), (10, None), (48, None),  # 48 rows: one block holds every token
     # compiled blocks (the fused softmax gradient of backward): traced (aot_eager) at
     # every block size, and once through inductor's generated kernels
-    (1, "aot_eager"), (4, "aot_eager"), (TOKENS, "aot_eager"), (10, "inductor")])
+    (1, "aot_eager"), (4, "aot_eager"), (48, "aot_eager"), (10, "inductor")])
 def test_blocked_head_equals_the_plain_loss(rows, compile_backend):
     x, w, labels = _inputs()
     block = rows * VOCAB * 8  # `rows` rows of float64 logits a block in forward
@@ -95,11 +96,17 @@ def test_vocabulary_parallel_blocked_head_equals_the_plain_loss(compile_backend)
 
 
 def test_the_blocks_wide_logits_are_bounded():
-    """Qwen2.5's vocabulary at the default bound: 441 rows of float32 logits a forward block,
-    2,048 columns of 32K tokens a backward block; a block is never below one row."""
-    from lengthwise.cost.memory import HEAD_BLOCK_BYTES
+    """Qwen2.5's vocabulary at the default bound: 441 rows of float32 logits fit a forward
+    block, 432 are taken (a multiple of 16); 2,048 columns of 32K tokens a backward block, and
+    of an odd 23,845 tokens 2,688 (2,814 fit: a multiple of 128, as the matmul kernels want a
+    block's leading dimension); a block is never below one row."""
+    from lengthwise.cost.memory import HEAD_BLOCK_BYTES, head_block
 
-    assert block_rows(151_936, torch.float32) == 441
-    assert block_rows(32_768, torch.float32) == 2048
     assert 441 * 151_936 * 4 <= HEAD_BLOCK_BYTES < 442 * 151_936 * 4
+    assert block_rows(151_936, torch.float32) == 432
+    assert block_rows(32_768, torch.float32) == 2048
+    assert 2814 * 23_845 * 4 <= HEAD_BLOCK_BYTES < 2815 * 23_845 * 4
+    assert block_rows(23_845, torch.float32) == 2688
     assert block_rows(10**12, torch.float32) == 1
+    assert [head_block(n) for n in (1, 15, 16, 31, 1023, 1024, 1151)] == [1, 15, 16, 16, 1008, 1024, 1024]
+    assert head_block(np.array([0.5, 17.0, 2814.0])).tolist() == [1, 16, 2688]

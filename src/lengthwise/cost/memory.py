@@ -152,7 +152,7 @@
   stage it is the final norm's input, counted with the head) (`stage_kept_bytes_per_token`).
   Left out: the first stage's token ids, which the embedding keeps (int64, 8 bytes a token).
 - The LM head's forward holds one block of rows' bf16 logits beside their fp32 copy (at most
-  HEAD_BLOCK_BYTES of fp32: 441 rows of a 152K vocabulary) and the rows' maxima, sums, label
+  HEAD_BLOCK_BYTES of fp32: 432 rows of a 152K vocabulary, `head_block`) and the rows' maxima, sums, label
   logits and label columns (`head_forward_bytes`).
 - Under context parallelism a layer also keeps, for its backward, the K/V its all-gather
   assembled of the chunk's sharded segments: whole (every CP rank's rows), 2 * kv_dim / tp
@@ -186,6 +186,13 @@ HEAD_BLOCK_BYTES = 256 * 2**20
 """The LM head's loss holds its logits one block at a time, each block's wide (float32) logits
 at most this many bytes (`runtime/loss.head_loss_sum`): rows of the vocabulary in forward,
 columns of every token in backward."""
+HEAD_BLOCK_ALIGN = ((1024, 128), (16, 16))
+"""A head block's rows or columns are rounded down to a multiple of 128 from 1,024 on, of 16
+from 16 on (`head_block`): a block of columns is the leading dimension of backward's logits and
+their gradient, and a width that is no multiple of 8 sends cuBLAS to its unaligned kernels. On
+an H200 the 2,814-column blocks of a 23,845-token Qwen2.5-0.5B step ran the head's three
+backward matmuls on sm80 `align2` kernels at about 250 TFLOP/s, 27% of the step
+(benchmarks/results/gpu-2026-11-28-nvidia-h200/breakdown/)."""
 
 
 def kv_replicated(model: ModelSpec, tp: int) -> bool:
@@ -327,13 +334,23 @@ def head_columns(model: ModelSpec, tp: int = 1) -> float:
     return model.vocab / tp
 
 
+def head_block(count):
+    """The rows (forward) or columns (backward) of a head block that fit its bound, `count`
+    (a number or a numpy array), rounded down as HEAD_BLOCK_ALIGN says; never below 1."""
+    count = np.maximum(1, np.floor(count))
+    out = count
+    for least, multiple in reversed(HEAD_BLOCK_ALIGN):
+        out = np.where(count >= least, count - count % multiple, out)
+    return int(out) if out.ndim == 0 else out
+
+
 def head_forward_bytes(model: ModelSpec, tokens, tp: int = 1):
     """Working set of the LM head's forward beside its kept tensors, for a chunk of `tokens`
     rows (a number or a numpy array, elementwise): one block of rows' logits in bf16 and their
     fp32 copy at once (`runtime/loss.head_loss_sum`: at most HEAD_BLOCK_BYTES of fp32 logits,
     a block of whole rows of this rank's columns) and the per-row vectors."""
     columns = head_columns(model, tp)
-    rows = np.minimum(tokens, max(1, HEAD_BLOCK_BYTES // int(BYTES_FP32 * columns)))
+    rows = np.minimum(tokens, head_block(HEAD_BLOCK_BYTES // int(BYTES_FP32 * columns)))
     return rows * columns * (BYTES_BF16 + BYTES_FP32) + np.multiply(tokens, HEAD_FORWARD_ROW_BYTES)
 
 
@@ -347,8 +364,8 @@ def head_backward_bytes(model: ModelSpec, tokens, tp: int = 1):
     ([tokens, hidden])."""
     columns = head_columns(model, tp)
     tokens = np.asarray(tokens, dtype=np.float64)
-    fit = np.floor(HEAD_BLOCK_BYTES / (BYTES_FP32 * np.maximum(tokens, 1)))  # columns of every row in a block
-    block_columns = np.minimum(columns, np.maximum(1, fit))
+    fit = head_block(HEAD_BLOCK_BYTES / (BYTES_FP32 * np.maximum(tokens, 1)))  # columns of every row in a block
+    block_columns = np.minimum(columns, fit)
     block = np.maximum(block_columns * (BYTES_FP32 + BYTES_BF16), (block_columns + model.hidden) * BYTES_BF16)
     per_row = BYTES_FP32 * model.hidden + HEAD_BACKWARD_ROW_BYTES + block
     work = columns * model.hidden * BYTES_BF16 + tokens * per_row

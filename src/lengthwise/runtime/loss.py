@@ -135,8 +135,9 @@ def head_loss_sum(x_TD: torch.Tensor, weight_VD: torch.Tensor, labels_T: torch.T
 
 
 def block_rows(columns: int, dtype: torch.dtype, block_bytes: int | None = None) -> int:
-    """Rows of a [rows, columns] block of `dtype` that fit in `block_bytes` (at least one)."""
-    return max(1, (block_bytes or mem.HEAD_BLOCK_BYTES) // max(1, columns * dtype.itemsize))
+    """Rows of a [rows, columns] block of `dtype` that fit in `block_bytes` (at least one),
+    rounded down for the matmul kernels' alignment (`cost.memory.head_block`)."""
+    return mem.head_block((block_bytes or mem.HEAD_BLOCK_BYTES) // max(1, columns * dtype.itemsize))
 
 
 class _BlockedHeadLoss(torch.autograd.Function):
@@ -171,8 +172,9 @@ class _BlockedHeadLoss(torch.autograd.Function):
     at the lengths where the head matters.
 
     Block size: rows (forward) or columns (backward) such that one block's wide logits take at
-    most `block_bytes` (`cost.memory.HEAD_BLOCK_BYTES`, 256 MiB: 441 rows of Qwen2.5's 151,936
-    float32 logits, 2,048 columns at 32K tokens); beside it the compute-dtype logits (forward)
+    most `block_bytes` (`cost.memory.HEAD_BLOCK_BYTES`, 256 MiB: 432 rows of Qwen2.5's 151,936
+    float32 logits, 2,048 columns at 32K tokens; counts rounded down for alignment,
+    `cost.memory.head_block`); beside it the compute-dtype logits (forward)
     or gradient (backward) of the block. Block bounds come from shapes only: no host sync.
 
     Compiled (`compile_backend`, set by `runtime.compile.compile_layers`): backward only. The
