@@ -229,3 +229,43 @@ def test_compiled_layers_compile_once_whatever_the_chunk_lengths():
         run_step(model, plan, random_tokens(lengths, LLAMA.vocab, 1))
     assert counters["stats"]["unique_graphs"] == 2 + 1
     assert torch._dynamo.config.recompile_limit >= 64  # a region's several graphs never fall back to eager
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager_decomp_partition"])
+def test_a_compiled_layer_keeps_gate_and_up_not_their_product(backend):
+    """What one decoder layer keeps for backward, counted by saved-tensor hooks: eager, the
+    autograd Functions' choice (`layer_ops`: gate and up, not the SwiGLU's product); compiled,
+    AOTAutograd's partitioner's (the min-cut partitioner without inductor's code generation),
+    which kept the product too until `compile_layers` let it recompute values backward
+    writes out (`compile.py`). Two ffn-wide tensors either way; compiled, no more bytes than
+    eager."""
+    from lengthwise.plan.ir import Chunk
+    from lengthwise.runtime.compile import compile_layers
+    from lengthwise.runtime.layout import ChunkLayout
+
+    tokens = 24
+    kept = {}
+    for compile_backend in (None, backend):
+        model = build_model(LLAMA, dtype=torch.float64, seed=0)
+        if compile_backend:
+            compile_layers(model, backend=compile_backend)
+        layer = next(iter(model.model.layers.values()))
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.shape[-1])
+            return t
+
+        h = torch.randn(tokens, LLAMA.hidden, dtype=torch.float64, requires_grad=True)
+        rope = model.rope(torch.arange(tokens), torch.float64)
+        layout = ChunkLayout.from_chunk(Chunk.parse(f"0[0:{tokens}]"))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(h, rope, layout, [[]], "cpu-flash")[0]
+        out.sum().backward()
+        kept[compile_backend] = saved
+    eager, compiled = kept[None], kept[backend]
+    ffn_wide = [size for size, width in compiled.values() if width == LLAMA.ffn]
+    assert ffn_wide == [tokens * LLAMA.ffn * 8] * 2
+    assert sum(size for size, _ in compiled.values()) <= sum(size for size, _ in eager.values())
