@@ -14,6 +14,7 @@ parallelism (replicas' gradients are then summed, not averaged).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -143,11 +144,12 @@ def block_rows(columns: int, dtype: torch.dtype, block_bytes: int | None = None)
 class _BlockedHeadLoss(torch.autograd.Function):
     """LM head + cross-entropy, blocked: the logits exist one block at a time.
 
-    Forward, per block of rows: the block's logits x W^T in the compute dtype, widened (float32,
-    float64 for float64), padded columns set to -inf, then per row the maximum, the sum of
-    exponentials relative to it and the label's logit; the [T, V] logits are never held, only
-    three [T] vectors. Under tensor parallelism (`shard`: W is this rank's vocabulary rows) the
-    rows' maxima are all-reduced (MAX) and the rescaled exponential sums with the label logits
+    Forward, per block of rows: the block's logits x W^T in the compute dtype, padded columns
+    set to -inf, their log-softmax in the wide dtype (float32, float64 for float64), then per
+    row this rank's log-sum-exp and the label's logit (`_row_statistics`); the [T, V] logits
+    are never held, only three [T] vectors. Under tensor parallelism (`shard`: W is this rank's
+    vocabulary rows) the rows' local log-sum-exps (standing for maxima, with sums of 1) are
+    all-reduced (MAX) and the rescaled exponential sums with the label logits
     (SUM, one stacked call) once for the whole chunk after the last block: two collectives a
     chunk whatever the number of blocks. Forward keeps x (the head's input, already kept by the
     linear layer it replaces), the labels and the rows' log-sum-exp.
@@ -200,6 +202,9 @@ class _BlockedHeadLoss(torch.autograd.Function):
         rows = block_rows(columns, wide, block_bytes)
         for r0 in range(0, tokens, rows):  # eager whatever compile_backend says (see the class docstring)
             r1 = min(tokens, r0 + rows)
+            if real <= 0:  # this rank's columns are all padding: nothing to add
+                max_T[r0:r1], sum_T[:, r0:r1] = 0, 0
+                continue
             x_BV = _padded_logits(x_TD[r0:r1], weight_VD, real)
             max_T[r0:r1], sum_T[0, r0:r1], sum_T[1, r0:r1] = _row_statistics(x_BV, local_T[r0:r1], mine_T[r0:r1],
                                                                              wide)
@@ -238,9 +243,39 @@ class _BlockedHeadLoss(torch.autograd.Function):
                 g_TC.index_put_((rows_T, (local_T - c0).clamp(0, c1 - c0 - 1)), -hit_T.to(wide), accumulate=True)
                 g_TC = g_TC.mul_(scale_T[:, None]).to(x_TD.dtype)
             torch.mm(g_TC.t(), x_TD, out=grad_w[c0:c1])
-            grad_x.add_(g_TC @ w_CD)
+            _add_product(grad_x, g_TC, w_CD)
             del g_TC
         return grad_x.to(x_TD.dtype), grad_w, None, None, None, None
+
+
+def _add_product(acc_TD: torch.Tensor, a_TC: torch.Tensor, b_CD: torch.Tensor) -> None:
+    """acc += a @ b, in place. Where acc is wider than a and b (float32 against bf16 on a GPU)
+    the matmul writes into acc in its own dtype (cuBLAS's mixed-precision GEMM, `out_dtype`),
+    rather than making a bf16 product and adding it with a separate, mixed-dtype elementwise
+    pass: on an H200 that add took 10.7 ms of a 294 ms Qwen2.5-0.5B step and each block's
+    product was rounded to bf16 before it was added. Where the device has no such GEMM (a CPU),
+    the product and the add as before."""
+    if acc_TD.dtype == a_TC.dtype:
+        acc_TD.addmm_(a_TC, b_CD)
+    elif _widening_addmm(acc_TD.device.type, a_TC.dtype, acc_TD.dtype):
+        torch.addmm(acc_TD, a_TC, b_CD, out_dtype=acc_TD.dtype, out=acc_TD)
+    else:
+        acc_TD.add_(a_TC @ b_CD)
+
+
+@functools.cache
+def _widening_addmm(device_type: str, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether `torch.addmm(..., out_dtype=)` runs on this kind of device for these dtypes (a
+    CUDA build of PyTorch 2.8 or later; not on CPU), tried once on 8 x 8 tensors."""
+    if device_type == "cpu" or device_type == "meta":
+        return False
+    a = torch.zeros(8, 8, dtype=dtype, device=device_type)
+    acc = torch.zeros(8, 8, dtype=out_dtype, device=device_type)
+    try:
+        torch.addmm(acc, a, a, out_dtype=out_dtype, out=acc)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def _padded_logits(x_BD: torch.Tensor, weight_CD: torch.Tensor, real: int) -> torch.Tensor:
@@ -253,14 +288,36 @@ def _padded_logits(x_BD: torch.Tensor, weight_CD: torch.Tensor, real: int) -> to
 
 
 def _row_statistics(x_BC: torch.Tensor, local_B: torch.Tensor, mine_B: torch.Tensor, wide: torch.dtype):
-    """Per row of a block of logits (compute dtype): the maximum, the sum of exponentials
-    relative to it, and the label's logit where this rank holds it (else 0), all in `wide`. A
-    row whose columns are all padding (a TP rank's) has maximum -inf, taken as 0 so that its
-    sum is 0 rather than NaN. One wide copy of the block, changed in place."""
+    """Per row of a block of logits (compute dtype, at least one real column a row): this
+    rank's log-sum-exp, 1, and the label's logit where this rank holds it (else 0), all in
+    `wide`: the (maximum, sum of exponentials relative to it, label logit) that the caller
+    combines over ranks, the log-sum-exp standing for the maximum.
+
+    One pass of PyTorch's log-softmax kernel, which reads the compute-dtype block and works in
+    `wide` (its output the one wide copy of the block); per row lse = logit - log-probability
+    at one real column, the label's where this rank holds it, else the first. Before, a widened
+    copy and four passes over it (maximum, subtract, exponentiate, sum): on an H200, at 23,845
+    tokens of Qwen2.5-0.5B, those passes took about 35 ms of a 294 ms step
+    (benchmarks/results/gpu-2026-11-28-nvidia-h200/breakdown/). On a CPU the kernel cannot
+    widen as it reads (it would copy the block to `wide` first, a third block beside the two
+    that the memory model counts), so there the block is widened once and worked on in place
+    (`_row_statistics_in_place`): the same bytes as the GPU's kernel (`cost/memory.py`, which
+    the dry run measures on CPU)."""
+    if x_BC.dtype != wide and x_BC.device.type == "cpu":
+        return _row_statistics_in_place(x_BC, local_B, mine_B, wide)
+    logp_BC = torch.log_softmax(x_BC, -1, dtype=wide)
+    column_B = torch.where(mine_B, local_B, 0)[:, None]
+    logit_B = x_BC.gather(1, column_B).squeeze(1).to(wide)
+    lse_B = logit_B - logp_BC.gather(1, column_B).squeeze(1)
+    return lse_B, torch.ones_like(lse_B), torch.where(mine_B, logit_B, torch.zeros_like(logit_B))
+
+
+def _row_statistics_in_place(x_BC: torch.Tensor, local_B: torch.Tensor, mine_B: torch.Tensor, wide: torch.dtype):
+    """`_row_statistics` as (maximum, sum of exponentials relative to it, label logit) on one
+    wide copy of the block, changed in place."""
     x_BC = x_BC.to(wide)
     target_B = x_BC.gather(1, local_B[:, None]).squeeze(1)
     m_B = x_BC.amax(-1)
-    m_B = torch.where(torch.isfinite(m_B), m_B, torch.zeros_like(m_B))
     return m_B, x_BC.sub_(m_B[:, None]).exp_().sum(-1), torch.where(mine_B, target_B, torch.zeros_like(target_B))
 
 
