@@ -111,22 +111,3 @@ def test_the_blocks_wide_logits_are_bounded():
     assert [head_block(n) for n in (1, 15, 16, 31, 1023, 1024, 1151)] == [1, 15, 16, 16, 1008, 1024, 1024]
     assert head_block(np.array([0.5, 17.0, 2814.0])).tolist() == [1, 16, 2688]
 
-
-def test_the_row_statistics_of_the_log_softmax_kernel_equal_those_made_in_place():
-    """The forward's two ways to a block's row statistics (`loss._row_statistics`: the GPU's
-    and float64's, one log-softmax pass; `_row_statistics_in_place`: a CPU's for a narrower
-    compute dtype, the dry run's): the same log-sum-exp (maximum + log of the sum) and label
-    logits, 0 where the rank does not hold the label."""
-    from lengthwise.runtime.loss import _row_statistics, _row_statistics_in_place
-
-    x = 4 * torch.randn(6, VOCAB, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    local = torch.tensor([0, 5, 52, 17, 3, 40])
-    mine = torch.tensor([True, False, True, True, False, True])
-    lse, ones, target = _row_statistics(x, local, mine, torch.float64)
-    top, sums, target_in_place = _row_statistics_in_place(x.clone(), local, mine, torch.float64)
-    tol = reduction_tolerance(torch.float64, VOCAB)
-    assert torch.equal(ones, torch.ones(6, dtype=torch.float64))
-    assert ((lse - (top + sums.log())).abs() <= tol * lse.abs()).all()
-    assert torch.equal(target, target_in_place)
-    assert torch.equal(target[~mine], torch.zeros(2, dtype=torch.float64))
-    assert torch.equal(target[mine], x[mine.nonzero().squeeze(1), local[mine]])

@@ -151,9 +151,10 @@
   executor holds to start the backward from (2h, /tp with sequence parallelism; on the last
   stage it is the final norm's input, counted with the head) (`stage_kept_bytes_per_token`).
   Left out: the first stage's token ids, which the embedding keeps (int64, 8 bytes a token).
-- The LM head's forward holds one block of rows' bf16 logits beside their fp32 copy (at most
-  HEAD_BLOCK_BYTES of fp32: 432 rows of a 152K vocabulary, `head_block`) and the rows' maxima, sums, label
-  logits and label columns (`head_forward_bytes`).
+- The LM head's forward holds one block of rows' fp32 logits beside their fp32 log-softmax (at
+  most HEAD_BLOCK_BYTES each: 432 rows of a 152K vocabulary, `head_block`; before that moment
+  the block's bf16 logits beside their fp32 copy, less) and per row the log-sum-exp, label
+  logit and label column (`head_forward_bytes`).
 - Under context parallelism a layer also keeps, for its backward, the K/V its all-gather
   assembled of the chunk's sharded segments: whole (every CP rank's rows), 2 * kv_dim / tp
   values per sharded token (`CostModel.cp_kv_layer_bytes`; 5.6 GiB of a LLaMA-32B cp2 rank's
@@ -319,10 +320,12 @@ def head_bytes_per_token(model: ModelSpec, tp: int = 1, *, sp: bool = True) -> f
     return norm / (tp if sp else 1) + whole
 
 
-HEAD_FORWARD_ROW_BYTES = 21
+HEAD_FORWARD_ROW_BYTES = 33
 """Per token of the chunk (whole rows), the blocked loss's forward vectors beside its block: the
-rows' maxima (fp32), exponential sums and label logits (2 fp32), the label's column (int64)
-and whether this rank holds it (bool)."""
+rows' log-sum-exps (fp32), exponential sums and label logits (2 fp32), the label's column (int64)
+and whether this rank holds it (bool); and, during a block's log-softmax, its rows' column read
+(int64) and logit (fp32) (`runtime/loss._row_statistics`), counted for every token: exact when
+one block holds the chunk, a few bytes a token on the safe side otherwise."""
 
 HEAD_BACKWARD_ROW_BYTES = 21
 """Per token, the blocked loss's backward vectors: the rows' scale (fp32), row indices and label
@@ -346,12 +349,13 @@ def head_block(count):
 
 def head_forward_bytes(model: ModelSpec, tokens, tp: int = 1):
     """Working set of the LM head's forward beside its kept tensors, for a chunk of `tokens`
-    rows (a number or a numpy array, elementwise): one block of rows' logits in bf16 and their
-    fp32 copy at once (`runtime/loss.head_loss_sum`: at most HEAD_BLOCK_BYTES of fp32 logits,
-    a block of whole rows of this rank's columns) and the per-row vectors."""
+    rows (a number or a numpy array, elementwise): one block of rows' fp32 logits beside their
+    fp32 log-softmax (`runtime/loss._row_statistics`: at most HEAD_BLOCK_BYTES of fp32 logits, a
+    block of whole rows of this rank's columns; the moment before, bf16 logits beside their fp32
+    copy, is smaller) and the per-row vectors."""
     columns = head_columns(model, tp)
     rows = np.minimum(tokens, head_block(HEAD_BLOCK_BYTES // int(BYTES_FP32 * columns)))
-    return rows * columns * (BYTES_BF16 + BYTES_FP32) + np.multiply(tokens, HEAD_FORWARD_ROW_BYTES)
+    return rows * columns * (BYTES_FP32 + BYTES_FP32) + np.multiply(tokens, HEAD_FORWARD_ROW_BYTES)
 
 
 def head_backward_bytes(model: ModelSpec, tokens, tp: int = 1):

@@ -205,10 +205,8 @@ class _BlockedHeadLoss(torch.autograd.Function):
             if real <= 0:  # this rank's columns are all padding: nothing to add
                 max_T[r0:r1], sum_T[:, r0:r1] = 0, 0
                 continue
-            x_BV = _padded_logits(x_TD[r0:r1], weight_VD, real)
-            max_T[r0:r1], sum_T[0, r0:r1], sum_T[1, r0:r1] = _row_statistics(x_BV, local_T[r0:r1], mine_T[r0:r1],
-                                                                             wide)
-            del x_BV
+            max_T[r0:r1], sum_T[0, r0:r1], sum_T[1, r0:r1] = _row_statistics(x_TD[r0:r1], weight_VD, real,
+                                                                             local_T[r0:r1], mine_T[r0:r1], wide)
         if shard is not None:
             top_T = max_T.clone()
             dist.all_reduce(top_T, op=dist.ReduceOp.MAX, group=shard.group)
@@ -287,38 +285,29 @@ def _padded_logits(x_BD: torch.Tensor, weight_CD: torch.Tensor, real: int) -> to
     return x_BC
 
 
-def _row_statistics(x_BC: torch.Tensor, local_B: torch.Tensor, mine_B: torch.Tensor, wide: torch.dtype):
-    """Per row of a block of logits (compute dtype, at least one real column a row): this
-    rank's log-sum-exp, 1, and the label's logit where this rank holds it (else 0), all in
-    `wide`: the (maximum, sum of exponentials relative to it, label logit) that the caller
-    combines over ranks, the log-sum-exp standing for the maximum.
+def _row_statistics(x_BD: torch.Tensor, weight_CD: torch.Tensor, real: int, local_B: torch.Tensor,
+                    mine_B: torch.Tensor, wide: torch.dtype):
+    """Per row of a block of rows of x: this rank's log-sum-exp of the logits x W^T (`real`
+    columns of them, at least one), 1, and the label's logit where this rank holds it (else
+    0), all in `wide`: the (maximum, sum of exponentials relative to it, label logit) that the
+    caller combines over ranks, the log-sum-exp standing for the maximum.
 
-    One pass of PyTorch's log-softmax kernel, which reads the compute-dtype block and works in
-    `wide` (its output the one wide copy of the block); per row lse = logit - log-probability
-    at one real column, the label's where this rank holds it, else the first. Before, a widened
-    copy and four passes over it (maximum, subtract, exponentiate, sum): on an H200, at 23,845
-    tokens of Qwen2.5-0.5B, those passes took about 35 ms of a 294 ms step
-    (benchmarks/results/gpu-2026-11-28-nvidia-h200/breakdown/). On a CPU the kernel cannot
-    widen as it reads (it would copy the block to `wide` first, a third block beside the two
-    that the memory model counts), so there the block is widened once and worked on in place
-    (`_row_statistics_in_place`): the same bytes as the GPU's kernel (`cost/memory.py`, which
-    the dry run measures on CPU)."""
-    if x_BC.dtype != wide and x_BC.device.type == "cpu":
-        return _row_statistics_in_place(x_BC, local_B, mine_B, wide)
-    logp_BC = torch.log_softmax(x_BC, -1, dtype=wide)
+    The block's logits are made in the compute dtype and widened once (the compute-dtype block
+    freed here, before the next allocation), then one pass of PyTorch's log-softmax kernel on
+    the wide block; per row lse = logit - log-probability at one real column, the label's where
+    this rank holds it, else the first. At most two wide blocks at once (`cost.memory.
+    head_forward_bytes`). Before, four passes over the wide block in place (maximum, subtract,
+    exponentiate, sum): on an H200, at 23,845 tokens of Qwen2.5-0.5B, they took about 35 ms of
+    a 294 ms step; with the log-softmax kernel, 26 ms (the widening copy included;
+    benchmarks/results/gpu-2026-11-28-nvidia-h200/breakdown/)."""
+    x_BC = _padded_logits(x_BD, weight_CD, real).to(wide)  # the compute-dtype logits, a temporary
     column_B = torch.where(mine_B, local_B, 0)[:, None]
-    logit_B = x_BC.gather(1, column_B).squeeze(1).to(wide)
+    logit_B = x_BC.gather(1, column_B).squeeze(1)
+    logp_BC = torch.log_softmax(x_BC, -1)
+    del x_BC
     lse_B = logit_B - logp_BC.gather(1, column_B).squeeze(1)
+    del logp_BC
     return lse_B, torch.ones_like(lse_B), torch.where(mine_B, logit_B, torch.zeros_like(logit_B))
-
-
-def _row_statistics_in_place(x_BC: torch.Tensor, local_B: torch.Tensor, mine_B: torch.Tensor, wide: torch.dtype):
-    """`_row_statistics` as (maximum, sum of exponentials relative to it, label logit) on one
-    wide copy of the block, changed in place."""
-    x_BC = x_BC.to(wide)
-    target_B = x_BC.gather(1, local_B[:, None]).squeeze(1)
-    m_B = x_BC.amax(-1)
-    return m_B, x_BC.sub_(m_B[:, None]).exp_().sum(-1), torch.where(mine_B, target_B, torch.zeros_like(target_B))
 
 
 def _fused_softmax_grad(x_TC: torch.Tensor, lse_T: torch.Tensor, local_T: torch.Tensor, hit_T: torch.Tensor,
