@@ -168,3 +168,24 @@ def test_packed_anchor_falls_back_to_sdpa_with_the_reason(monkeypatch):
     monkeypatch.setattr(hf_baselines, "warm_up_flex", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         hf_baselines.configure_attention(hf, "hf-packed", "auto", spec.vocab)
+
+
+def test_step_breakdown_tiny_writes_every_case_with_its_kernel_and_host_counts(tmp_path, monkeypatch):
+    """gpu_step_breakdown.py --tiny: each case runs its batches once untimed, then timed, then
+    one profiled step; on CPU no device kernels (idle share None), the host's ATen calls
+    counted; the union of overlapping intervals counted once."""
+    breakdown = load_script("gpu_step_breakdown", monkeypatch)
+    assert breakdown.union_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert breakdown.kind_of("nvjet_sm90_tst_128x256_64x4") == "gemm"
+    assert breakdown.kind_of("void pytorch_flash::flash_bwd_dq_dk_dv_loop") == "attention"
+    assert breakdown.kind_of("triton_poi_fused_mul_silu_0") == "triton"
+    out = tmp_path / "breakdown.json"
+    assert breakdown.main(["--tiny", "--cases", "tiny-qwen:packing,tiny-qwen:chunkflow@64", "--steps", "2",
+                           "--out", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert [c["case"] for c in cases] == ["tiny-qwen:packing", "tiny-qwen:chunkflow@64"]
+    for case in cases:
+        assert len(case["step_times_s"]) == 2 and case["tokens_per_s"] > 0
+        step = case["profiled_step"]
+        assert step["host"]["aten_ops"] > 0 and step["device_idle_share"] is None
+    assert max(cases[1]["chunks_per_step"]) > max(cases[0]["chunks_per_step"])  # ChunkSize 64 splits rows
