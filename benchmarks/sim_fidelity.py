@@ -17,9 +17,11 @@ planner and a cost model holding this device's measured profile (measured first 
   norm) are written beside, and the error is reported per term where a term is timed alone
   (optimizer, gradient norm) and for forward + backward (layers, head, embedding, host) and the
   whole step (the executor runs layers, head and embedding in one pass: their sum is timed);
-- peak memory above model states: the simulated peak minus the cost model's model-state bytes,
-  against torch.cuda.max_memory_allocated minus what was allocated before the step (weights and
-  gradients); on CPU the saved-for-backward bytes (runtime/memory.py), which leave out the K/V
+- peak memory above model states: the simulated peak above the weights, optimizer states and
+  gradients (`peak_above_states`: the simulator makes the gradients at its first backward's end,
+  so a peak before that holds none of them), against torch.cuda.max_memory_allocated minus what
+  was allocated before the step (weights, optimizer states and gradients, kept allocated between
+  steps); on CPU the saved-for-backward bytes (runtime/memory.py), which leave out the K/V
   store, so CPU memory errors say nothing about the simulator.
 
 The executed model's decoder layers are compiled as the profile's were measured (its meta's
@@ -57,7 +59,9 @@ from lengthwise.runtime.compile import compile_layers, compile_wanted
 from lengthwise.runtime.execute import run_step
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.train.step import PeakMemory
+from lengthwise.plan.ir import BACKWARD
 from lengthwise.sim import simulate_plan
+from lengthwise.sim.task_graph import KIND_CODE
 from lengthwise.sim.terms import step_time_terms
 from lengthwise.specs import ParallelScheme, model_preset
 
@@ -111,8 +115,24 @@ def predicted(plan, cost: CostModel, spec) -> tuple[float, float, dict]:
     """(forward + backward seconds, peak bytes above model states, seconds per term) of the
     one-stage plan, simulated; the step's end (gradient norm, optimizer) is in the terms."""
     result = simulate_plan(plan, cost)
-    states = cost.model_state_bytes(layers=spec.num_layers, first=True, last=True)
-    return result.step_time_s - result.step_end_s, result.peak_memory[0][0] - states, step_time_terms(plan, cost)
+    grads = cost.grad_bytes(layers=spec.num_layers, first=True, last=True)
+    return result.step_time_s - result.step_end_s, peak_above_states(result, grads), step_time_terms(plan, cost)
+
+
+def peak_above_states(result, grads: float) -> float:
+    """The one-stage plan's simulated peak above its model states, gradients included: before
+    the stage's first backward ends the simulator holds no gradient (it adds them at that
+    moment, `sim/memory.py`), after it it holds them. The measured side starts from gradients
+    already allocated, so a peak before they exist is taken above the states without them, one
+    after above the states with them. (Subtracting every state from every peak read the H200's
+    one-chunk steps 8-11% under the measured peaks, the fp32 gradients' 1.98 GB of Qwen2.5-0.5B:
+    benchmarks/results/gpu-2026-11-28-nvidia-h200/README.md, run 3.)"""
+    tasks, curves = result.timeline.tasks, result.timeline.memory
+    first_backward_end = float(result.timeline.finish[tasks.kind == KIND_CODE[BACKWARD]].min())
+    base = float(curves.base[0])  # the states without the gradients
+    before = curves.time < first_backward_end
+    peaks = [curves.level[before].max(initial=base) - base, curves.level[~before].max(initial=base) - base - grads]
+    return max(peaks)
 
 
 def measured(model, opt, plan, token_ids, dev: Device, repeats: int) -> tuple[float, float, str, float, float]:

@@ -189,3 +189,28 @@ def test_step_breakdown_tiny_writes_every_case_with_its_kernel_and_host_counts(t
         step = case["profiled_step"]
         assert step["host"]["aten_ops"] > 0 and step["device_idle_share"] is None
     assert max(cases[1]["chunks_per_step"]) > max(cases[0]["chunks_per_step"])  # ChunkSize 64 splits rows
+
+
+def test_sim_fidelitys_peak_counts_the_gradients_only_once_the_simulator_holds_them(monkeypatch):
+    """The simulated peak above model states (`peak_above_states`): the simulator makes the
+    gradients at the first backward's end. One chunk (F0 B0): the peak is that backward's, before
+    any gradient, so it is taken above the states without them. A small chunk's step first,
+    then a long one (F0 B0 F1 B1): the peak is the second backward's, gradients held, so it is
+    taken above every state."""
+    from plan_helpers import hand_plan
+
+    from lengthwise.cost import CostModel
+    from lengthwise.sim import simulate_plan
+    from lengthwise.specs import model_preset
+
+    fidelity = load_script("sim_fidelity", monkeypatch)
+    spec = model_preset("qwen2.5-0.5b")
+    for lengths, pipeline, grads_held in (([4096], ("0[0:4096]", ["F0 B0"]), False),
+                                          ([64, 8192], ("0[0:64] 1[0:8192]", ["F0 B0 F1 B1"]), True)):
+        plan = hand_plan(spec, lengths, [pipeline])
+        cost = CostModel(model=spec, cluster=plan.cluster)
+        result = simulate_plan(plan, cost)
+        grads = cost.grad_bytes(layers=spec.num_layers, first=True, last=True)
+        curves = result.timeline.memory
+        expected = curves.peak[0] - curves.base[0] - (grads if grads_held else 0.0)
+        assert grads > 0 and fidelity.peak_above_states(result, grads) == expected
