@@ -176,8 +176,8 @@ class _BlockedHeadLoss(torch.autograd.Function):
     Block size: rows (forward) or columns (backward) such that one block's wide logits take at
     most `block_bytes` (`cost.memory.HEAD_BLOCK_BYTES`, 256 MiB: 432 rows of Qwen2.5's 151,936
     float32 logits, 2,048 columns at 32K tokens; counts rounded down for alignment,
-    `cost.memory.head_block`); beside it the compute-dtype logits (forward)
-    or gradient (backward) of the block. Block bounds come from shapes only: no host sync.
+    `cost.memory.head_block`); beside it the block's wide log-softmax (forward) or its
+    compute-dtype gradient (backward). Block bounds come from shapes only: no host sync.
 
     Compiled (`compile_backend`, set by `runtime.compile.compile_layers`): backward only. The
     matmuls stay cuBLAS calls, and each column block's elementwise work between them (widen,
