@@ -189,7 +189,7 @@ def _training_rms(spec, profile, share: float) -> float:
 
 
 COMPILED = Path(__file__).resolve().parent / "results" / "gpu-2026-11-28-nvidia-h200"
-COMPILED_RUNS = {"run1": COMPILED, "run2": COMPILED / "run2"}
+COMPILED_RUNS = {"run1": COMPILED, "run2": COMPILED / "run2", "run3": COMPILED / "run3"}
 """The 2026-11-28 H200 calls (compiled layers): each with its own Qwen2.5-0.5B profile, measured
 compiled in the same call."""
 
