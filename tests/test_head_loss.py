@@ -111,3 +111,31 @@ def test_the_blocks_wide_logits_are_bounded():
     assert [head_block(n) for n in (1, 15, 16, 31, 1023, 1024, 1151)] == [1, 15, 16, 16, 1008, 1024, 1024]
     assert head_block(np.array([0.5, 17.0, 2814.0])).tolist() == [1, 16, 2688]
 
+
+
+def _all_padding_worker(rank: int) -> dict:
+    """A 5-token vocabulary over 4 ranks of 2 columns: rank 2 holds column 4 and a padding one,
+    rank 3 only padding (its `real` is below zero: its forward adds nothing)."""
+    x, w, labels = _inputs(vocab=5)
+    width, tp = 2, 4
+    padded = torch.cat([w.detach(), torch.zeros(width * tp - 5, HIDDEN, dtype=torch.float64)])
+    w_local = padded[rank * width:(rank + 1) * width].clone().requires_grad_(True)
+    shard = VocabShard(group=dist.group.WORLD, start=rank * width, real=5 - rank * width)
+    loss = head_loss_sum(x, w_local, labels, shard, block_bytes=8 * width * 8)
+    gx, gw = torch.autograd.grad(loss, (x, w_local))
+    dist.all_reduce(gx)
+    parts = [torch.empty_like(gw) for _ in range(tp)]
+    dist.all_gather(parts, gw)
+    return {"loss": loss.detach(), "gx": gx, "gw": torch.cat(parts)}
+
+
+def test_a_rank_whose_vocabulary_columns_are_all_padding_adds_nothing():
+    got = spawn(_all_padding_worker, 4, timeout_s=120)
+    x, w, labels = _inputs(vocab=5)
+    plain = token_loss_sum(x @ w.t(), labels)
+    gx, gw = torch.autograd.grad(plain, (x, w))
+    tol = reduction_tolerance(torch.float64, 5 + HIDDEN + TOKENS)
+    assert abs((got["loss"] - plain).item()) <= tol * abs(plain.item())
+    assert normwise_error(got["gx"], gx) <= tol
+    assert normwise_error(got["gw"][:5], gw) <= tol
+    assert not got["gw"][5:].any()
