@@ -54,12 +54,12 @@ import torch
 
 from lengthwise.cost import CostModel
 from lengthwise.cost.estimate import complete_profile
+from lengthwise.plan.ir import BACKWARD
 from lengthwise.planners import PlanRequest, get_planner
 from lengthwise.runtime.compile import compile_layers, compile_wanted
 from lengthwise.runtime.execute import run_step
 from lengthwise.runtime.model import build_model
 from lengthwise.runtime.train.step import PeakMemory
-from lengthwise.plan.ir import BACKWARD
 from lengthwise.sim import simulate_plan
 from lengthwise.sim.task_graph import KIND_CODE
 from lengthwise.sim.terms import step_time_terms

@@ -112,7 +112,6 @@ def test_the_blocks_wide_logits_are_bounded():
     assert head_block(np.array([0.5, 17.0, 2814.0])).tolist() == [1, 16, 2688]
 
 
-
 def _all_padding_worker(rank: int) -> dict:
     """A 5-token vocabulary over 4 ranks of 2 columns: rank 2 holds column 4 and a padding one,
     rank 3 only padding (its `real` is below zero: its forward adds nothing)."""

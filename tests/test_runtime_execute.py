@@ -231,8 +231,7 @@ def test_compiled_layers_compile_once_whatever_the_chunk_lengths():
     assert torch._dynamo.config.recompile_limit >= 64  # a region's several graphs never fall back to eager
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager_decomp_partition"])
-def test_a_compiled_layer_keeps_gate_and_up_not_their_product(backend):
+def test_a_compiled_layer_keeps_gate_and_up_not_their_product():
     """What one decoder layer keeps for backward, counted by saved-tensor hooks: eager, the
     autograd Functions' choice (`layer_ops`: gate and up, not the SwiGLU's product); compiled,
     AOTAutograd's partitioner's (the min-cut partitioner without inductor's code generation),
@@ -243,7 +242,7 @@ def test_a_compiled_layer_keeps_gate_and_up_not_their_product(backend):
     from lengthwise.runtime.compile import compile_layers
     from lengthwise.runtime.layout import ChunkLayout
 
-    tokens = 24
+    tokens, backend = 24, "aot_eager_decomp_partition"
     kept = {}
     for compile_backend in (None, backend):
         model = build_model(LLAMA, dtype=torch.float64, seed=0)
@@ -266,6 +265,6 @@ def test_a_compiled_layer_keeps_gate_and_up_not_their_product(backend):
         out.sum().backward()
         kept[compile_backend] = saved
     eager, compiled = kept[None], kept[backend]
-    ffn_wide = [size for size, width in compiled.values() if width == LLAMA.ffn]
-    assert ffn_wide == [tokens * LLAMA.ffn * 8] * 2
+    for saved in (eager, compiled):
+        assert [size for size, width in saved.values() if width == LLAMA.ffn] == [tokens * LLAMA.ffn * 8] * 2
     assert sum(size for size, _ in compiled.values()) <= sum(size for size, _ in eager.values())
