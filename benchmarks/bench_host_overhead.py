@@ -26,6 +26,16 @@ the executor's Python): what is left when all the code around the calls costs no
 per-layer time needs fewer calls;
 and, apart, the varlen (CUDA) path's index and key-packing host work per layer and chunk
 (`varlen_index_work`), which the CPU step above does not run.
+
+Two more variants measure PyTorch's own floor, with nothing of lengthwise in it (`floor_worker`):
+the same layer shapes written as the plain expressions a model file has (RMSNorm, q/k/v with
+biases, rotary embedding, one causal `scaled_dot_product_attention` call over the chunk's own
+tokens, no earlier K/V, output projection, SwiGLU), each chunk through the layers forward and
+back (`.sum().backward()`), the same chunk lengths (8, 16, 16 tokens), the same 4-minus-2-layer
+difference: `floor` eager, `floor+compile` with every layer compiled whole (one graph forward,
+one backward; the compile backend as above). What these cost is what any executor that calls
+PyTorch once per layer and chunk pays on this host, however little else it does: a per-layer
+time below it needs a different execution (CUDA graphs on a GPU; nothing like them on a CPU).
 Times are the CPU time of the process's main thread (`time.thread_time`, torch on one thread),
 not wall time: on a shared machine a process also waits for a core, which is not the host
 cost of the code. With `--device cuda` (bfloat16, the varlen backend: the GPU path) they are
@@ -58,6 +68,7 @@ LENGTHS = [24, 8, 8]
 CHUNKS = "0[0:8] 0[8:16]+1[0:8] 0[16:24]+2[0:8]"
 ACTIONS = "F0 F1 F2 B2 B1 B0"
 NUM_CHUNKS = 3
+VARIANTS = ("before", "after", "after+compile", "floor", "floor+compile")
 COUNTS = ("aten_ops", "dispatched_ops", "autograd_nodes", "compiled_graph_calls")
 """Per layer and chunk, counted once per variant (`dispatch_counts`)."""
 
@@ -126,6 +137,79 @@ def worker(compile_backend: str | None, steps: int, device: str = "cpu") -> None
                           "per_layer_chunk_s": (four - two) / (2 * NUM_CHUNKS),
                           "replay_per_layer_chunk_s": replays and (replays[4] - replays[2]) / (2 * NUM_CHUNKS),
                           "varlen_index_per_layer_chunk_s": varlen_index(), **per_layer_counts}), flush=True)
+
+
+FLOOR_CHUNK_TOKENS = (8, 16, 16)
+"""Tokens of the plan's three chunks (`CHUNKS`), for `floor_worker`."""
+
+
+def floor_worker(compile_backend: str | None, steps: int) -> None:
+    """`worker`'s protocol for PyTorch's floor (module docstring): plain-expression layers of the
+    same shapes, each chunk forward and backward through 2 and through 4 of them."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.set_num_threads(1)
+    hidden, heads, kv_heads, head_dim, ffn = 32, 4, 2, 8, 48
+
+    def norm(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    def rotate(x, cos, sin):
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+    class PlainLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = nn.Parameter(torch.ones(hidden)), nn.Parameter(torch.ones(hidden))
+            self.q = nn.Linear(hidden, heads * head_dim)
+            self.k = nn.Linear(hidden, kv_heads * head_dim)
+            self.v = nn.Linear(hidden, kv_heads * head_dim)
+            self.o = nn.Linear(heads * head_dim, hidden, bias=False)
+            self.gate = nn.Linear(hidden, ffn, bias=False)
+            self.up = nn.Linear(hidden, ffn, bias=False)
+            self.down = nn.Linear(ffn, hidden, bias=False)
+
+        def forward(self, h, cos, sin):
+            tokens = h.shape[0]
+            x = norm(h, self.norm1)
+            q = rotate(self.q(x).view(tokens, heads, head_dim), cos, sin).transpose(0, 1)
+            k = rotate(self.k(x).view(tokens, kv_heads, head_dim), cos, sin).transpose(0, 1)
+            v = self.v(x).view(tokens, kv_heads, head_dim).transpose(0, 1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            h = h + self.o(out.transpose(0, 1).reshape(tokens, heads * head_dim))
+            x = norm(h, self.norm2)
+            return h + self.down(F.silu(self.gate(x)) * self.up(x))
+
+    torch.manual_seed(0)
+    stacks = {layers: [PlainLayer() for _ in range(layers)] for layers in (2, 4)}
+    if compile_backend:
+        for stack in stacks.values():
+            for layer in stack:
+                layer.compile(backend=compile_backend, dynamic=True)
+    chunks = []
+    for tokens in FLOOR_CHUNK_TOKENS:
+        angles = torch.arange(tokens, dtype=torch.float32)[:, None, None] * torch.ones(head_dim)
+        chunks.append((torch.randn(tokens, hidden, requires_grad=True), angles.cos(), angles.sin()))
+
+    def step(layers: int) -> float:
+        started = time.thread_time()
+        for h, cos, sin in chunks:
+            for layer in stacks[layers]:
+                h = layer(h, cos, sin)
+            h.sum().backward()
+        return time.thread_time() - started
+
+    for _ in range(3):  # warm-up (and compilation)
+        step(2), step(4)
+    print("ready " + json.dumps({"device": "cpu", "torch": torch.__version__}), flush=True)
+    for _ in sys.stdin:
+        times = {layers: [step(layers) for _ in range(steps)] for layers in (2, 4)}
+        two, four = statistics.median(times[2]), statistics.median(times[4])
+        print(json.dumps({"step_2_layers_s": two, "step_4_layers_s": four,
+                          "per_layer_chunk_s": (four - two) / (2 * NUM_CHUNKS)}), flush=True)
 
 
 def dispatch_counts(run) -> dict[str, int]:
@@ -219,10 +303,12 @@ def old_source(rev: str, into: Path) -> Path:
     return into / "src"
 
 
-def start(src: Path, compile_backend: str | None, steps: int, device: str) -> tuple[subprocess.Popen, dict]:
-    """A worker process on `src`'s package, ready, and what it runs on."""
+def start(src: Path, compile_backend: str | None, steps: int, device: str,
+          floor: bool = False) -> tuple[subprocess.Popen, dict]:
+    """A worker process on `src`'s package (or PyTorch's floor), ready, and what it runs on."""
     env = {**os.environ, "PYTHONPATH": str(src)}
-    args = [sys.executable, __file__, "--worker", "--steps", str(steps), "--device", device]
+    args = [sys.executable, __file__, "--floor-worker" if floor else "--worker", "--steps", str(steps),
+            "--device", device]
     if compile_backend:
         args += ["--compile-backend", compile_backend]
     proc = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -241,31 +327,40 @@ def ask(proc: subprocess.Popen) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--floor-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile-backend", help=argparse.SUPPRESS)
     ap.add_argument("--old-rev", default=OLD_REV, help=f"git revision of `before` (default {OLD_REV})")
     ap.add_argument("--rounds", type=int, default=7, help="turns of every variant (default 7)")
     ap.add_argument("--steps", type=int, default=10, help="steps per turn, median kept (default 10)")
     ap.add_argument("--no-inductor", action="store_true", help="compile with aot_eager instead of inductor")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--variants", default="before,after,after+compile",
-                    help="comma-separated of before, after, after+compile (default all three)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated of {', '.join(VARIANTS)} (default all; the floors on CPU only)")
     ap.add_argument("--old-src", help="the old revision's src/ folder for `before` (default: exported from git)")
     ap.add_argument("--out", default=str(RESULTS / "host_overhead.json"))
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.compile_backend, args.steps, args.device)
         return 0
+    if args.floor_worker:
+        floor_worker(args.compile_backend, args.steps)
+        return 0
     compile_backend = "aot_eager" if args.no_inductor else "inductor"
     wanted = args.variants.split(",")
-    if not set(wanted) <= {"before", "after", "after+compile"}:
-        raise SystemExit(f"--variants {args.variants!r}: use before, after and after+compile")
+    if not set(wanted) <= set(VARIANTS):
+        raise SystemExit(f"--variants {args.variants!r}: use {', '.join(VARIANTS)}")
+    if args.device == "cuda":
+        wanted = [name for name in wanted if not name.startswith("floor")]  # CPU time only
     with tempfile.TemporaryDirectory() as tmp:
         sources = {"before": lambda: (Path(args.old_src) if args.old_src else old_source(args.old_rev, Path(tmp)), None),
                    "after": lambda: (ROOT / "src", None),
-                   "after+compile": lambda: (ROOT / "src", compile_backend)}
-        variants = {name if name != "after+compile" else f"after+compile({compile_backend})": sources[name]()
+                   "after+compile": lambda: (ROOT / "src", compile_backend),
+                   "floor": lambda: (ROOT / "src", None),
+                   "floor+compile": lambda: (ROOT / "src", compile_backend)}
+        variants = {name.replace("+compile", f"+compile({compile_backend})"): (*sources[name](), name.startswith("floor"))
                     for name in wanted}
-        started = {name: start(src, backend, args.steps, args.device) for name, (src, backend) in variants.items()}
+        started = {name: start(src, backend, args.steps, args.device, floor)
+                   for name, (src, backend, floor) in variants.items()}
         procs = {name: proc for name, (proc, _) in started.items()}
         machine = next(iter(started.values()))[1]
         runs = {name: [] for name in procs}
@@ -276,10 +371,11 @@ def main(argv=None) -> int:
             proc.stdin.close()
             proc.wait()
     per = {name: statistics.median(r["per_layer_chunk_s"] for r in rs) for name, rs in runs.items()}
-    floor = {name: statistics.median(r["replay_per_layer_chunk_s"] for r in rs) for name, rs in runs.items()
-             if rs[0]["replay_per_layer_chunk_s"] is not None}
-    index = {name: statistics.median(r["varlen_index_per_layer_chunk_s"] for r in rs) for name, rs in runs.items()}
-    counted = {kind: {name: rs[0][kind] for name, rs in runs.items()} for kind in COUNTS}
+    replayed = {name: statistics.median(r["replay_per_layer_chunk_s"] for r in rs) for name, rs in runs.items()
+                if rs[0].get("replay_per_layer_chunk_s") is not None}
+    index = {name: statistics.median(r["varlen_index_per_layer_chunk_s"] for r in rs) for name, rs in runs.items()
+             if "varlen_index_per_layer_chunk_s" in rs[0]}
+    counted = {kind: {name: rs[0][kind] for name, rs in runs.items() if kind in rs[0]} for kind in COUNTS}
     result = {
         "what": "host time per decoder layer and chunk, forward + backward, tiny model (arithmetic ~0)",
         "command": "python benchmarks/bench_host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -291,8 +387,9 @@ def main(argv=None) -> int:
         "per_layer_chunk_us": {name: round(s * 1e6, 1) for name, s in per.items()},
         "ratio_before_over_after": {name: round(per["before"] / s, 2) for name, s in per.items()
                                     if name != "before" and "before" in per},
-        "replayed_calls_per_layer_chunk_us": {name: round(t * 1e6, 1) for name, t in floor.items()},
-        "replayed_share_of_step": {name: round(floor[name] / per[name], 2) for name in floor},
+        "a_third_of_before_us": round(per["before"] / 3 * 1e6, 1) if "before" in per else None,
+        "replayed_calls_per_layer_chunk_us": {name: round(t * 1e6, 1) for name, t in replayed.items()},
+        "replayed_share_of_step": {name: round(replayed[name] / per[name], 2) for name in replayed},
         "varlen_index_per_layer_chunk_us": {name: round(t * 1e6, 3) for name, t in index.items()},
         "varlen_index_ratio_before_over_after": (round(index["before"] / index["after"], 1)
                                                  if {"before", "after"} <= set(index) else None),
@@ -304,7 +401,7 @@ def main(argv=None) -> int:
     tmp_out = out.with_suffix(".json.tmp")
     tmp_out.write_text(json.dumps(result, indent=1) + "\n")
     tmp_out.replace(out)
-    print(json.dumps({k: result[k] for k in ("per_layer_chunk_us", "ratio_before_over_after",
+    print(json.dumps({k: result[k] for k in ("per_layer_chunk_us", "ratio_before_over_after", "a_third_of_before_us",
                                              "replayed_calls_per_layer_chunk_us", "replayed_share_of_step",
                                              "varlen_index_per_layer_chunk_us",
                                              "varlen_index_ratio_before_over_after",
