@@ -101,6 +101,10 @@ class Settings:
     """Untimed steps first (allocator, kernels, AdamW states)."""
     steps: int = 4
     """Timed steps."""
+    warm_timed: bool = False
+    """Run every timed batch once untimed too, after the warm-up batches and before the timed
+    steps: each of its chunk lengths has then compiled, so a timed step measures the step, not
+    a compilation (`_measure`)."""
     chunk_size: str = "auto"
     """ChunkFlow's ChunkSize: "auto" (§5 grid search) or tokens."""
     scan_contexts: list[int] = dataclasses.field(default_factory=lambda: [32768, 65536, 131072, 262144])
@@ -126,7 +130,8 @@ class Settings:
 def tiny_settings(args) -> Settings:
     """CPU-sized: tiny Qwen-shaped model, a 256-token context, ChunkSize 64, one timed step."""
     return Settings(models=["tiny-qwen"], contexts=[256], systems=_systems(args.systems), batch_size=8,
-                    warmup=1, steps=1, chunk_size=args.chunk_size if args.chunk_size != "auto" else "64",
+                    warmup=1, steps=1, warm_timed=args.warm_timed,
+                    chunk_size=args.chunk_size if args.chunk_size != "auto" else "64",
                     scan_contexts=[] if args.no_scan else [128, 256, 512], scan_chunk_size=64,
                     workload="tiny", lr=args.lr, long_sequence=args.long_sequence, hf_attention=args.hf_attention,
                     seed=args.seed, tiny=True, compile=args.compile)
@@ -141,6 +146,8 @@ def parse_args(argv):
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warm-timed", action="store_true",
+                    help="run each timed batch once untimed first (its chunk lengths compiled before it is timed)")
     ap.add_argument("--chunk-size", default="auto", help="ChunkFlow ChunkSize: auto or tokens")
     ap.add_argument("--scan-contexts", default="32768,65536,131072,262144")
     ap.add_argument("--scan-chunk-size", type=int, default=8192)
@@ -191,7 +198,8 @@ def settings_from_args(args) -> Settings:
         return tiny_settings(args)
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     return Settings(models=args.models.split(","), contexts=ints(args.contexts), systems=_systems(args.systems),
-                    batch_size=args.batch_size, warmup=args.warmup, steps=args.steps, chunk_size=args.chunk_size,
+                    batch_size=args.batch_size, warmup=args.warmup, steps=args.steps, warm_timed=args.warm_timed,
+                    chunk_size=args.chunk_size,
                     scan_contexts=[] if args.no_scan else ints(args.scan_contexts),
                     scan_chunk_size=args.scan_chunk_size, lr=args.lr, hf_checkpointing=args.hf_checkpointing,
                     peak_tflops=args.peak_tflops, long_sequence=args.long_sequence, hf_attention=args.hf_attention,
@@ -315,18 +323,28 @@ def _measure(runner: Runner, batches, dev: Device, s: Settings, spec) -> dict:
     against 0.9 s for the step before; on CPU the same chunks recompile both layer regions at
     that step (guard `4097 <= tokens`). Such a step is a one-time cost, not the step time: it is reported
     (`steps_compiling`, `step_times_s`) and left out of tokens/s and MFU, unless every timed step
-    compiled (then all are kept and `steady` is false)."""
-    rows, losses = [], []
-    for i, lengths in enumerate(batches):
-        plan = runner.prepare(lengths)
+    compiled (then all are kept and `steady` is false). With `warm_timed` every timed batch runs
+    once untimed first, so that no timed step compiles (the suite's 128K row times one step: at
+    6010257 its chunkflow step compiled two graphs while timed, 13.9 s against packing's 6.3).
+    Each batch is planned once; `losses` holds every step's loss in the order run."""
+    rows, losses, plans = [], [], {}
+
+    def run(i: int):
+        lengths = batches[i]
+        if i not in plans:
+            plans[i] = runner.prepare(lengths)
         token_ids = random_token_ids(lengths, spec.vocab, s.seed + i)
         graphs = compiled_graphs()
         with PeakMemory(runner.model) as peak:
-            seconds, loss = timed(functools.partial(runner.step, lengths, plan, token_ids), dev)
+            seconds, loss = timed(functools.partial(runner.step, lengths, plans[i], token_ids), dev)
         losses.append(loss)
-        if i >= s.warmup:
-            rows.append({"seconds": seconds, "lengths": lengths, "peak": peak.bytes,
-                         "new_graphs": compiled_graphs() - graphs})
+        return {"seconds": seconds, "lengths": lengths, "peak": peak.bytes, "memory_kind": peak.kind,
+                "new_graphs": compiled_graphs() - graphs}
+
+    timed_batches = range(s.warmup, len(batches))
+    for i in [*range(s.warmup), *(timed_batches if s.warm_timed else ())]:
+        run(i)
+    rows = [run(i) for i in timed_batches]
     steady = [r for r in rows if not r["new_graphs"]]
     kept = steady or rows
     total = sum(r["seconds"] for r in kept)
@@ -336,9 +354,9 @@ def _measure(runner: Runner, batches, dev: Device, s: Settings, spec) -> dict:
     return {"tokens_per_s": tokens / total, "mfu": flops / (total * dev.peak_tflops(s.peak_tflops) * 1e12),
             "step_time_s": statistics.fmean(r["seconds"] for r in kept), "step_times_s": times, "tokens": tokens,
             "steady": bool(steady), "steps_compiling": [i for i, r in enumerate(rows) if r["new_graphs"]],
-            "new_graphs_per_step": [r["new_graphs"] for r in rows],
+            "new_graphs_per_step": [r["new_graphs"] for r in rows], "warm_timed": s.warm_timed,
             "longest_per_step": [max(r["lengths"]) for r in rows], "peaks": [r["peak"] for r in rows],
-            "peak_memory_bytes": max(r["peak"] for r in rows), "memory_kind": peak.kind, "first_loss": losses[0], "losses": losses,
+            "peak_memory_bytes": max(r["peak"] for r in rows), "memory_kind": rows[0]["memory_kind"], "first_loss": losses[0], "losses": losses,
             "planning_ms_mean": statistics.fmean(runner.plan_ms) if runner.plan_ms else None,
             **({"split_sequences_per_step": runner.splits[s.warmup:]} if runner.splits else {}), **runner.plan_info,
             "compiled": runner.compiled}

@@ -92,12 +92,14 @@ def profile_step(model: str, tiny_model: str, out: Path, tiny: bool, limit_s: in
 
 def finetune_step(name: str, out: Path, tiny: bool, limit_s: int, *, context: int, systems: str,
                   extra: list[str], model: str = "qwen2.5-0.5b", profile: str | None = None, steps: int = 2) -> Step:
-    """bench_gpu_finetune.py on `model` (tiny-qwen with --tiny), 1 warm-up + `steps` timed steps,
-    planned with the profile an earlier step measured (or the file `profile` names)."""
+    """bench_gpu_finetune.py on `model` (tiny-qwen with --tiny), `steps` batches each run once
+    untimed and then timed (`--warm-timed`: no timed step compiles; the 128K row's one timed
+    chunkflow step compiled two graphs at 6010257, when warm-up ran another batch), planned with
+    the profile an earlier step measured (or the file `profile` names)."""
     model = "tiny-qwen" if tiny else model
     measured = out / f"profile-{model}.json"
-    sizes = (["--tiny", "--device", "cpu"] if tiny else
-             ["--models", model, "--contexts", str(context), "--steps", str(steps), "--warmup", "1"])
+    sizes = (["--tiny", "--device", "cpu", "--warm-timed"] if tiny else
+             ["--models", model, "--contexts", str(context), "--steps", str(steps), "--warmup", "0", "--warm-timed"])
     return Step(name=name, limit_s=limit_s, output=f"{name}.json", needs=[] if profile else [measured.name],
                 compiles=True, argv=[PY, BENCH, *sizes, "--systems", systems, "--no-scan", *extra,
                                      "--profile-file", f"{model}={profile or measured}", "--out", str(out / f"{name}.json")])

@@ -80,7 +80,7 @@ def test_finetune_benchmark_runs_tiny_on_cpu_and_writes_valid_json(tmp_path, mon
 def test_a_timed_step_that_compiled_is_named_and_left_out_of_the_throughput(monkeypatch):
     bench = load_script("bench_gpu_finetune", monkeypatch)
     seconds = iter([1.0, 2.0, 9.0, 2.0])  # warm-up, then three timed steps; the 9 s one compiled
-    graphs = iter([0, 4, 4, 4, 6, 6, 6])  # dynamo's graph count before each step, and after each timed one
+    graphs = iter([0, 4, 4, 4, 4, 6, 6, 6])  # dynamo's graph count before and after each step
     monkeypatch.setattr(bench, "timed", lambda fn, dev: (next(seconds), 3.0))
     monkeypatch.setattr(bench, "compiled_graphs", lambda: next(graphs))
 
@@ -100,6 +100,43 @@ def test_a_timed_step_that_compiled_is_named_and_left_out_of_the_throughput(monk
     assert row["steps_compiling"] == [1] and row["new_graphs_per_step"] == [0, 2, 0] and row["steady"]
     assert row["step_times_s"] == [2.0, 9.0, 2.0] and row["step_time_s"] == 2.0
     assert row["tokens_per_s"] == pytest.approx(2 * 30 / 4.0) and row["tokens"] == 60
+
+
+def test_warm_timed_runs_every_timed_batch_once_before_timing_it(monkeypatch):
+    bench = load_script("bench_gpu_finetune", monkeypatch)
+    ran, graphs = [], [0]
+
+    def fake_timed(fn, dev):  # a batch compiles the first time it runs, never again
+        lengths = fn.args[0]
+        graphs[0] += 0 if lengths in ran else 2
+        ran.append(lengths)
+        return 1.0, float(len(ran))
+
+    monkeypatch.setattr(bench, "timed", fake_timed)
+    monkeypatch.setattr(bench, "compiled_graphs", lambda: graphs[0])
+    planned = []
+
+    class Runner:
+        compiled, plan_ms, splits, plan_info, model = True, [], [], {}, torch.nn.Linear(2, 2)
+
+        def prepare(self, lengths):
+            planned.append(lengths)
+            return None
+
+        def step(self, *args):
+            raise AssertionError("timed is replaced")
+
+    batches = [[10], [20], [30]]
+    spec = bench.model_preset("tiny-qwen")
+    for warm_timed, order, steady in ((False, [[10], [20], [30]], False), (True, [[10], [20], [30], [20], [30]], True)):
+        ran.clear(), planned.clear()
+        s = bench.Settings(models=["tiny-qwen"], contexts=[256], systems=["packing"], warmup=1, steps=2,
+                           peak_tflops=1.0, warm_timed=warm_timed)
+        row = bench._measure(Runner(), batches, bench.Device.pick("cpu", "float32"), s, spec)
+        assert ran == order and planned == batches  # each batch planned once
+        assert row["steady"] is steady and row["warm_timed"] is warm_timed
+        assert row["new_graphs_per_step"] == ([0, 0] if warm_timed else [2, 2])
+        assert row["losses"] == [float(i + 1) for i in range(len(order))] and row["tokens"] == 50
 
 
 def test_padded_groups_respect_the_token_budget(monkeypatch):

@@ -140,6 +140,7 @@ def test_tiny_suite_runs_every_step_on_cpu_and_writes_its_json(tmp_path):
     main = _load(out, "finetune-0.5b-32k.json")
     runs = {r["system"]: r for r in main["models"]["tiny-qwen"]["runs"]}
     assert main["complete"] and set(runs) == {"packing", "chunkflow", "hf-packed"}
+    assert all(r["warm_timed"] and len(r["losses"]) == 3 for r in runs.values()), runs  # 1 warm-up, 1 rerun, 1 timed
     assert all(r["tokens_per_s"] > 0 for r in runs.values()), runs
     # the same weights (seeded once, copied after) and tokens: the same first loss up to float32
     # rounding over a few hundred tokens' log-probabilities summed in different orders
