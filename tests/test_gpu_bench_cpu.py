@@ -251,3 +251,14 @@ def test_sim_fidelitys_peak_counts_the_gradients_only_once_the_simulator_holds_t
         curves = result.timeline.memory
         expected = curves.peak[0] - curves.base[0] - (grads if grads_held else 0.0)
         assert grads > 0 and fidelity.peak_above_states(result, grads) == expected
+
+
+def test_softmax_grad_variants_agree_with_the_eager_block(monkeypatch, tmp_path):
+    bench = load_script("bench_softmax_grad", monkeypatch)
+    out = tmp_path / "softmax_grad.json"
+    assert bench.main(["--tiny", "--repeats", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["variant"], r["columns"]) for r in rows} == {(v, c) for v in bench.VARIANTS for c in (256, 96)}
+    ran = [r for r in rows if "skipped" not in r]
+    assert {r["variant"] for r in ran} == {"eager", "dynamic", "static-width"}  # nd-tiling: inductor only
+    assert all(r["agrees"] and r["us"] > 0 for r in ran), ran

@@ -235,11 +235,9 @@ class _BlockedHeadLoss(torch.autograd.Function):
             hit_T = mine_T & (local_T >= c0) & (local_T < c1)
             if fused is not None:
                 g_TC = fused(_padded_logits(x_TD, w_CD, ctx.real - c0), lse_T, local_T - c0, hit_T, scale_T, wide)
-            else:  # eager: in place on one wide block (the memory model's block)
-                g_TC = _padded_logits(x_TD, w_CD, ctx.real - c0).to(wide)
-                g_TC.sub_(lse_T[:, None]).exp_()
-                g_TC.index_put_((rows_T, (local_T - c0).clamp(0, c1 - c0 - 1)), -hit_T.to(wide), accumulate=True)
-                g_TC = g_TC.mul_(scale_T[:, None]).to(x_TD.dtype)
+            else:
+                g_TC = _softmax_grad_in_place(_padded_logits(x_TD, w_CD, ctx.real - c0), lse_T, local_T - c0, hit_T,
+                                              scale_T, rows_T, wide)
             torch.mm(g_TC.t(), x_TD, out=grad_w[c0:c1])
             _add_product(grad_x, g_TC, w_CD)
             del g_TC
@@ -320,6 +318,17 @@ def _fused_softmax_grad(x_TC: torch.Tensor, lse_T: torch.Tensor, local_T: torch.
     columns_C = torch.arange(x_TC.shape[1], device=x_TC.device)
     label_TC = (columns_C[None, :] == local_T[:, None]) & hit_T[:, None]
     return ((g_TC - label_TC.to(wide)) * scale_T[:, None]).to(x_TC.dtype)
+
+
+def _softmax_grad_in_place(x_TC: torch.Tensor, lse_T: torch.Tensor, local_T: torch.Tensor, hit_T: torch.Tensor,
+                           scale_T: torch.Tensor, rows_T: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
+    """`_fused_softmax_grad`'s value, eager: in place on one wide copy of the block (the memory
+    model's block), the label's column lowered by one with an indexed add (`local_T` clamped
+    into the block; rows whose label is elsewhere add zero)."""
+    g_TC = x_TC.to(wide)
+    g_TC.sub_(lse_T[:, None]).exp_()
+    g_TC.index_put_((rows_T, local_T.clamp(0, x_TC.shape[1] - 1)), -hit_T.to(wide), accumulate=True)
+    return g_TC.mul_(scale_T[:, None]).to(x_TC.dtype)
 
 
 def _label_columns(labels_T: torch.Tensor, start: int, columns: int):
