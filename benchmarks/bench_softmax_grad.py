@@ -11,7 +11,7 @@ the H200's bandwidth. Its block width is a symbol in the compiled code (dynamic 
 element's row and column come from a division of its flat index by that symbol. The variants
 say whether that is what it costs:
 
-- `eager`: the eager path (`loss._softmax_grad_in_place`: a wide copy, four passes);
+- `eager`: the eager path (a wide copy, then `loss._softmax_grad_in_place`: four passes on it);
 - `dynamic`: as the step compiles it (`compile.compiled`: dynamic shapes, the backend given);
 - `nd-tiling`: the same with inductor's `triton.prefer_nd_tiling` (rows and columns from two
   grid axes, no division; inductor only);
@@ -62,8 +62,8 @@ def inputs(rows: int, columns: int, dtype: torch.dtype, device, seed: int = 0):
 def variant(name: str, backend: str):
     """fn(x_TC, lse_T, local_T, hit_T, scale_T, wide) for the variant, or a reason it does not run."""
     if name == "eager":
-        return lambda x, lse, local, hit, scale, wide: _softmax_grad_in_place(
-            x, lse, local, hit, scale, torch.arange(x.shape[0], device=x.device), wide)
+        return lambda x, lse, local, hit, scale, wide: _softmax_grad_in_place(  # a copy even where x is wide
+            x.to(wide, copy=True), lse, local, hit, scale, torch.arange(x.shape[0], device=x.device), x.dtype)
     if name == "nd-tiling" and backend != "inductor":
         return "inductor only"
     options = {"triton.prefer_nd_tiling": True} if name == "nd-tiling" else None
@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     results = []
     for columns in widths:
         args_, wide = inputs(rows, columns, dtype, device)
-        reference = _softmax_grad_in_place(*args_, torch.arange(rows, device=device), wide)
+        x_TC, *rest = args_
+        reference = _softmax_grad_in_place(x_TC.to(wide, copy=True), *rest, torch.arange(rows, device=device), dtype)
         tolerance = torch.finfo(dtype).eps  # outputs are at most 1 in magnitude: one rounding of the output
         for name in VARIANTS:
             fn = variant(name, backend)

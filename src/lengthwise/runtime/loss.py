@@ -236,8 +236,8 @@ class _BlockedHeadLoss(torch.autograd.Function):
             if fused is not None:
                 g_TC = fused(_padded_logits(x_TD, w_CD, ctx.real - c0), lse_T, local_T - c0, hit_T, scale_T, wide)
             else:
-                g_TC = _softmax_grad_in_place(_padded_logits(x_TD, w_CD, ctx.real - c0), lse_T, local_T - c0, hit_T,
-                                              scale_T, rows_T, wide)
+                g_TC = _softmax_grad_in_place(_padded_logits(x_TD, w_CD, ctx.real - c0).to(wide), lse_T, local_T - c0,
+                                              hit_T, scale_T, rows_T, x_TD.dtype)  # the narrow logits freed
             torch.mm(g_TC.t(), x_TD, out=grad_w[c0:c1])
             _add_product(grad_x, g_TC, w_CD)
             del g_TC
@@ -320,15 +320,15 @@ def _fused_softmax_grad(x_TC: torch.Tensor, lse_T: torch.Tensor, local_T: torch.
     return ((g_TC - label_TC.to(wide)) * scale_T[:, None]).to(x_TC.dtype)
 
 
-def _softmax_grad_in_place(x_TC: torch.Tensor, lse_T: torch.Tensor, local_T: torch.Tensor, hit_T: torch.Tensor,
-                           scale_T: torch.Tensor, rows_T: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
-    """`_fused_softmax_grad`'s value, eager: in place on one wide copy of the block (the memory
-    model's block), the label's column lowered by one with an indexed add (`local_T` clamped
-    into the block; rows whose label is elsewhere add zero)."""
-    g_TC = x_TC.to(wide)
+def _softmax_grad_in_place(g_TC: torch.Tensor, lse_T: torch.Tensor, local_T: torch.Tensor, hit_T: torch.Tensor,
+                           scale_T: torch.Tensor, rows_T: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`_fused_softmax_grad`'s value, eager, in `dtype`: computed in place on `g_TC`, the block's
+    logits already widened (the memory model's one wide block; the caller widens them in its
+    own expression so that the narrow block is freed first), the label's column lowered by one
+    with an indexed add (`local_T` clamped into the block; rows whose label is elsewhere add zero)."""
     g_TC.sub_(lse_T[:, None]).exp_()
-    g_TC.index_put_((rows_T, local_T.clamp(0, x_TC.shape[1] - 1)), -hit_T.to(wide), accumulate=True)
-    return g_TC.mul_(scale_T[:, None]).to(x_TC.dtype)
+    g_TC.index_put_((rows_T, local_T.clamp(0, g_TC.shape[1] - 1)), -hit_T.to(g_TC.dtype), accumulate=True)
+    return g_TC.mul_(scale_T[:, None]).to(dtype)
 
 
 def _label_columns(labels_T: torch.Tensor, start: int, columns: int):
