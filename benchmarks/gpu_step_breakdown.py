@@ -19,7 +19,13 @@ From the profiled step:
 - `kernels_by_kind`: microseconds and counts per kind (gemm, attention, triton, elementwise,
   reduction, optimizer, copy, collective, other), from the kernel names;
 - `top_kernels`: the 25 kernels that took the most time;
-- `host`: ATen operator calls (nested included) and kernel launches the step made.
+- `host`: ATen operator calls (nested included) and kernel launches the step made, and the
+  CUDA runtime's synchronising calls (`syncs`: stream, device and event synchronisations; the
+  timing's own two and the loss read at the step's end among them).
+
+Then, on a GPU, one more step under PyTorch's sync debug mode (`sync_sites`): every operation
+that made the host wait for the device (a blocking copy, a value read), counted by the line of
+lengthwise's or the benchmark's code that called it.
 
 What it is for: the H200 runs measured 26% MFU on Qwen2.5-0.5B and 42% on 1.5B; this says whether
 the gap is the device waiting on the host, the matmuls' own efficiency, or the work between them.
@@ -121,7 +127,48 @@ def profiled(step) -> dict:
             "host": {"aten_ops": sum(n.startswith("aten::") for n in names),
                      "kernel_launches": sum(n in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
                                                   "cuLaunchKernelEx") for n in names),
-                     "compiled_graph_calls": sum(n.startswith("## Call CompiledFxGraph") for n in names)}}
+                     "compiled_graph_calls": sum(n.startswith("## Call CompiledFxGraph") for n in names),
+                     "syncs": sum(n in SYNC_CALLS for n in names)}}
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def _short(path: str) -> str:
+    """A source path from the package or the benchmarks folder on: "lengthwise/runtime/x.py"."""
+    for marker in ("/src/", "/benchmarks/"):
+        if marker in path:
+            return ("benchmarks/" if marker == "/benchmarks/" else "") + path.rsplit(marker, 1)[-1]
+    return path
+
+
+def sync_sites(step) -> dict[str, int] | None:
+    """Where one call of `step` made the host wait for the device: PyTorch's sync debug mode
+    warns at each synchronising operation; each warning is counted by the innermost frame of
+    lengthwise's or this folder's code on the stack ("path:line"). None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    import traceback
+    import warnings
+
+    sites: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        stack = traceback.extract_stack()[:-1]
+        below = stack[max(i for i, f in enumerate(stack) if f.name == "sync_sites") + 1:]  # the step's frames
+        ours = [f for f in below if "/lengthwise/" in f.filename or "/benchmarks/" in f.filename]
+        where = f"{_short(ours[-1].filename)}:{ours[-1].lineno}" if ours else f"{filename}:{lineno}"
+        sites[where] = sites.get(where, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return dict(sorted(sites.items(), key=lambda kv: -kv[1]))
 
 
 def run_case(case: str, dev: Device, args, profiles: dict) -> dict:
@@ -157,6 +204,7 @@ def run_case(case: str, dev: Device, args, profiles: dict) -> dict:
                    peak_memory_bytes=peak.bytes, memory_kind=peak.kind, compiled=runner.compiled,
                    plan=runner.plan_info, chunks_per_step=[sum(len(p.chunks) for p in plan.pipelines) for plan in plans])
         row["profiled_step"] = {"batch": 0, "tokens": sum(batches[0]), "unprofiled_s": times[0], **profiled(lambda: step(0))}
+        row["sync_sites"] = sync_sites(lambda: runner.step(batches[0], plans[0], tokens[0]))
     finally:
         del runner
         gc.collect()

@@ -124,8 +124,11 @@ def suite_steps(out: Path, *, tiny: bool, cuda: bool, old_src: str | None = None
     p05 = f"profile-{'tiny-qwen' if tiny else 'qwen2.5-0.5b'}.json"
     host_variants = ["--variants", "before,after", "--old-src", old_src] if old_src else ["--variants", "after"]
     return [
-        Step(name="varlen-check", limit_s=25,
-             argv=[PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_bench_cpu.py", "-k", "varlen"],
+        # the varlen kernels against float64, and an eager step making no host sync (the compiled
+        # step's syncs: gpu_step_breakdown's sync_sites; its compilation would not fit here)
+        Step(name="varlen-check", limit_s=30,
+             argv=[PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_bench_cpu.py", "-k",
+                   "varlen and not compiled"],
              skip_reason=None if cuda and not tiny else "needs CUDA (torch.nn.attention.varlen): not run with --tiny"),
         Step(name="verify", limit_s=50, output="verify.json", stdout_is_output=True, compiles=True, decides_compile=True,
              argv=[PY, "-m", "lengthwise", "verify", "--model-config", "tiny-qwen", *device, "--k", "1", "--json"]),
@@ -138,7 +141,7 @@ def suite_steps(out: Path, *, tiny: bool, cuda: bool, old_src: str | None = None
         finetune_step("finetune-0.5b-32k", out, tiny, 85, context=32768, systems="packing,chunkflow,hf-packed",
                       extra=[]),
         # the 1.5B rows: packing's MFU and peak, chunkflow at ChunkSize 8192 against it
-        finetune_step("finetune-1.5b-32k", out, tiny, 90, context=32768, systems="packing,chunkflow",
+        finetune_step("finetune-1.5b-32k", out, tiny, 85, context=32768, systems="packing,chunkflow",
                       extra=["--chunk-size", chunk_8k], model="qwen2.5-1.5b",
                       profile=None if tiny else H200_PROFILE_15B),
         finetune_step("finetune-0.5b-128k-long", out, tiny, 80, context=131072, systems="packing,chunkflow",

@@ -28,6 +28,40 @@ def one_thread():
 
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen attention needs CUDA")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_varlen_step_never_makes_the_host_wait_for_the_device(compiled):
+    """One step (forward and backward) of packed rows and a sequence cut into three chunks, bf16,
+    varlen: after a first step (compilation, the head's one probe), a second one under PyTorch's
+    sync debug mode "error", which raises at any operation that makes the host wait for the
+    device (a blocking copy, a value read)."""
+    from lengthwise.plan.ir import Action, Chunk, PipelinePlan, StepPlan
+    from lengthwise.runtime.compile import compile_layers
+    from lengthwise.runtime.execute import run_step
+    from lengthwise.runtime.model import build_model
+    from lengthwise.specs import ModelSpec, cluster_preset
+
+    spec = ModelSpec(name="tiny", num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn=96, vocab=128)
+    model = build_model(spec, dtype=torch.bfloat16, device="cuda", seed=0)
+    if compiled:
+        compile_layers(model)
+    chunks = [Chunk.parse(c) for c in ("0[0:40]", "0[40:80]+1[0:24]", "0[80:120]+2[0:16]")]
+    actions = [Action.parse(a) for a in ("F0", "F1", "F2", "B2", "B1", "B0")]
+    plan = StepPlan(planner="hand", model=spec, cluster=cluster_preset("cpu", 1), lengths=[120, 24, 16],
+                    pipelines=[PipelinePlan(chunks=chunks, stages=[actions])])
+    gen = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, spec.vocab, (n,), generator=gen) for n in plan.lengths]
+    run_step(model, plan, tokens, backend="varlen")
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = run_step(model, plan, tokens, backend="varlen")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss).item() and all(p.grad is not None for p in model.parameters())
+
+
 @pytest.fixture(scope="module")
 def tiny_profile(tmp_path_factory):
     path = tmp_path_factory.mktemp("profile") / "tiny-qwen.json"
@@ -225,7 +259,28 @@ def test_step_breakdown_tiny_writes_every_case_with_its_kernel_and_host_counts(t
         assert len(case["step_times_s"]) == 2 and case["tokens_per_s"] > 0
         step = case["profiled_step"]
         assert step["host"]["aten_ops"] > 0 and step["device_idle_share"] is None
+        assert step["host"]["syncs"] == 0 and case["sync_sites"] is None  # no CUDA runtime here
     assert max(cases[1]["chunks_per_step"]) > max(cases[0]["chunks_per_step"])  # ChunkSize 64 splits rows
+
+
+def test_sync_sites_counts_each_synchronising_call_by_its_line(monkeypatch):
+    """The sync debug mode's warnings, counted per calling line (CUDA stood in for: the mode
+    switch is a no-op here and the step warns as the mode would)."""
+    import warnings
+
+    breakdown = load_script("gpu_step_breakdown", monkeypatch)
+    modes = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation")  # the line counted
+        warnings.warn("called a synchronizing CUDA operation")
+
+    sites = breakdown.sync_sites(step)
+    assert modes == ["warn", "default"]
+    assert sorted(sites.values()) == [1, 3] and all(site.startswith(__file__) for site in sites)
 
 
 def test_sim_fidelitys_peak_counts_the_gradients_only_once_the_simulator_holds_them(monkeypatch):

@@ -28,6 +28,20 @@ IGNORE = -100
 """Label of a position that predicts nothing (cross_entropy's ignore_index)."""
 
 
+def on_device(token_ids: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The step's token ids where the stage computes, for `chunk_tokens` and `chunk_labels` to
+    slice: on a GPU all of them in one copy through pinned memory, not waited for. A blocking
+    host-to-device copy synchronises the stream (the host waits until the device has run
+    everything queued): copied per chunk, a chunk's tokens and its labels each stopped the host
+    there, twice a chunk. Elsewhere, or already on a device, or under fake tensors (a dry run),
+    as given."""
+    if (device.type != "cuda" or not token_ids or any(t.device.type != "cpu" for t in token_ids)
+            or torch._guards.detect_fake_mode() is not None):
+        return token_ids
+    flat = torch.cat(token_ids).pin_memory().to(device, non_blocking=True)
+    return list(flat.split([t.numel() for t in token_ids]))
+
+
 def chunk_tokens(chunk: Chunk, token_ids: list[torch.Tensor]) -> torch.Tensor:
     """Token ids of the row [T]."""
     return torch.cat([token_ids[s.seq_id][s.start:s.stop] for s in chunk.segments])

@@ -53,7 +53,7 @@ from lengthwise.plan.messages import Exchange, pipeline_messages
 from lengthwise.runtime.attention import ChunkLayout, wants_varlen_index
 from lengthwise.runtime.layout import RowIndex
 from lengthwise.runtime.cells import CellMap, cell_last_uses, cell_map
-from lengthwise.runtime.loss import IGNORE, chunk_labels, chunk_positions, chunk_tokens
+from lengthwise.runtime.loss import IGNORE, chunk_labels, chunk_positions, chunk_tokens, on_device
 from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.state import KV, KVStore, SliceKey, slice_key, stored_prefix, stored_segments
 from lengthwise.runtime.transport import Message, Transport
@@ -147,7 +147,6 @@ class StageRunner:
         """Action index -> the exchanges posted before it (len(actions): after the last)."""
         for exchange in messages.exchanges[stage]:
             self.exchanges.setdefault(exchange.before, []).append(exchange)
-        self.token_ids = token_ids
         self.store = KVStore(stored_prefix(list(self.cells.cells), plan.lengths))
         self.pending: dict[int, _Pending] = {}
         """Per cell forwarded with grad and not yet backwarded: what its backward needs."""
@@ -157,6 +156,7 @@ class StageRunner:
         """Called with (action index, cell position, cells of the action) before each cell's
         backward (FSDP2 turns gradient reduction on for the step's last one)."""
         self._param = next(model.parameters())
+        self.token_ids = (on_device(token_ids, self._param.device) if self.is_first or self.is_last else token_ids)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self._param.device)
         """Detached sum of this stage's loss parts (last stage only); stays on the device so
         that no chunk waits for a host copy."""
@@ -255,7 +255,7 @@ class StageRunner:
     def _cell_input(self, action: Action, chunk: Chunk, received: torch.Tensor | None):
         if self.is_first:
             tokens = (chunk_tokens(chunk, self.token_ids) if chunk.segments
-                      else torch.zeros(0, dtype=torch.long)).to(self._param.device)
+                      else torch.zeros(0, dtype=torch.long, device=self._param.device)).to(self._param.device)
             return self.model.embed(tokens), None
         leaf = received.detach().requires_grad_(action.kind == FORWARD)
         return leaf, leaf
