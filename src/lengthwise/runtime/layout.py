@@ -73,7 +73,7 @@ class ChunkLayout:
         seg_k = _segment_ids(self.k_lens, device)
         q_index = _index_within(self.q_lens, device)
         k_index = _index_within(self.k_lens, device)
-        ctx = torch.tensor(self.ctx_lens, device=device)[seg_q]
+        ctx = _ints(self.ctx_lens, device)[seg_q]
         same_segment = seg_q[:, None] == seg_k[None, :]
         return same_segment & (k_index[None, :] <= (ctx + q_index)[:, None])
 
@@ -116,14 +116,14 @@ def clear_bias_cache() -> None:
 def _segment_ids(lens, device) -> torch.Tensor:
     # output_size: the length is known, so the shape does not depend on data (fake tensors)
     return torch.repeat_interleave(torch.arange(len(lens), device=device),
-                                   torch.tensor(lens, device=device), output_size=sum(lens))
+                                   _ints(lens, device), output_size=sum(lens))
 
 
 def _index_within(lens, device) -> torch.Tensor:
     """0..len-1 for each segment, concatenated."""
-    starts = torch.tensor([0, *accumulate(lens)][:-1], device=device)
+    starts = _ints([0, *accumulate(lens)][:-1], device)
     total = sum(lens)
-    return torch.arange(total, device=device) - torch.repeat_interleave(starts, torch.tensor(lens, device=device),
+    return torch.arange(total, device=device) - torch.repeat_interleave(starts, _ints(lens, device),
                                                                                output_size=total)
 
 
@@ -202,6 +202,11 @@ def _index_tensors(host: list[list[int]], device: torch.device) -> list[torch.Te
         flat = flat.to(device)
     sizes = [len(values) for values in host]
     return list(flat.split(sizes))
+
+
+def _ints(values, device) -> torch.Tensor:
+    """int64 tensor on `device` from host ints, copied as `_index_tensors` copies (not waited for)."""
+    return _index_tensors([list(values)], torch.device(device))[0].long()
 
 
 def as_index(layout, device, *, varlen: bool) -> RowIndex:
