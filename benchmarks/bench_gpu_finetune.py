@@ -142,7 +142,8 @@ def parse_args(argv):
     ap.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b", help="comma-separated presets")
     ap.add_argument("--contexts", default="32768,131072", help="comma-separated context lengths")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
-                    help=f"some of {', '.join(SYSTEMS)}; packing:eager or chunkflow:eager: not compiled")
+                    help=f"some of {', '.join(SYSTEMS)}; packing:eager or chunkflow:eager: not compiled; "
+                         "packing:chain or chunkflow:chain: compiled, one region between two attentions")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
@@ -184,10 +185,11 @@ def _length_range(text: str) -> tuple[int, int]:
 
 def _systems(text: str) -> list[str]:
     """The systems named; lengthwise's may carry ":eager" (its layers and head not compiled,
-    whatever --compile says: compiled against eager in one process)."""
+    whatever --compile says: compiled against eager in one process) or ":chain" (compiled with
+    one region between two attentions, `runtime/compile.py`)."""
     names = [s for s in text.split(",") if s]
-    unknown = [s for s in names if s not in SYSTEMS and not (s.endswith(":eager") and
-                                                              s.removesuffix(":eager") in ("packing", "chunkflow"))]
+    unknown = [s for s in names if s not in SYSTEMS and not (
+        s.endswith((":eager", ":chain")) and s.removesuffix(":eager").removesuffix(":chain") in ("packing", "chunkflow"))]
     if unknown:
         raise SystemExit(f"unknown system {', '.join(unknown)}: use some of {', '.join(SYSTEMS)}")
     return names
@@ -219,15 +221,15 @@ class Runner:
     """One system's model, optimizer and per-batch step."""
 
     def __init__(self, system: str, spec, dev: Device, s: Settings, profile, context: int):
-        self.eager = system.endswith(":eager")
-        system = system.removesuffix(":eager")
+        self.eager, self.chain = system.endswith(":eager"), system.endswith(":chain")
+        system = system.removesuffix(":eager").removesuffix(":chain")
         self.system, self.spec, self.dev, self.s, self.profile, self.context = system, spec, dev, s, profile, context
         if system == "hf-packed":
             check_packing_supported()
         model = seeded_model(spec, dev, s.seed)
         self.compiled = not system.startswith("hf") and not self.eager and compile_wanted(s.compile, dev.device)
         if self.compiled:
-            compile_layers(model)
+            compile_layers(model, chain=self.chain)
         self.model = build_hf(model, checkpointing=s.hf_checkpointing) if system.startswith("hf") else model
         self.plan_ms, self.plan_info, self.splits = [], {}, []
         if self.model is not model:

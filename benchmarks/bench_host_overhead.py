@@ -17,7 +17,9 @@ alike):
   exported from git into a temporary folder;
 - `after`: this checkout, eager;
 - `after+compile`: this checkout with each decoder layer compiled (`--compile-backend`,
-  default inductor; `--no-inductor` uses aot_eager, which traces but does not fuse).
+  default inductor; `--no-inductor` uses aot_eager, which traces but does not fuse);
+- `after+compile+chain`: the same, compiled with `chain` (one compiled region between two
+  attentions, `runtime/compile.py`).
 Reported: the median over rounds of each variant's per-layer-chunk time, and before / after;
 for the eager variants also the time of the ATen calls alone (`replay`: every operator call the
 step dispatched below autograd, recorded once and made again in a loop, no autograd, none of
@@ -45,7 +47,8 @@ CPU step cannot show. `before` needs the old revision's source: git here, or `--
 `src/` folder exported beforehand, e.g. `git archive 1b723e1 src | tar -x -C /tmp/old`, where
 the machine has no git history); `--variants` picks which variants run. Beside them, exact counts per layer and chunk that no machine's load moves:
 ATen operator calls, autograd nodes run in backward, calls into compiled graphs
-(`dispatch_counts`).
+(`dispatch_counts`); and each variant's warm-up wall time (`warmup_s`: three steps of each model,
+compilation included for the compiled variants).
 """
 
 from __future__ import annotations
@@ -68,12 +71,12 @@ LENGTHS = [24, 8, 8]
 CHUNKS = "0[0:8] 0[8:16]+1[0:8] 0[16:24]+2[0:8]"
 ACTIONS = "F0 F1 F2 B2 B1 B0"
 NUM_CHUNKS = 3
-VARIANTS = ("before", "after", "after+compile", "floor", "floor+compile")
+VARIANTS = ("before", "after", "after+compile", "after+compile+chain", "floor", "floor+compile")
 COUNTS = ("aten_ops", "dispatched_ops", "autograd_nodes", "compiled_graph_calls")
 """Per layer and chunk, counted once per variant (`dispatch_counts`)."""
 
 
-def worker(compile_backend: str | None, steps: int, device: str = "cpu") -> None:
+def worker(compile_backend: str | None, steps: int, device: str = "cpu", chain: bool = False) -> None:
     """Build the two models, warm up, then time `steps` steps of each whenever a line arrives."""
     import torch
 
@@ -100,7 +103,7 @@ def worker(compile_backend: str | None, steps: int, device: str = "cpu") -> None
         if compile_backend:
             from lengthwise.runtime.compile import compile_layers
 
-            compile_layers(models[layers], backend=compile_backend)
+            compile_layers(models[layers], backend=compile_backend, **({"chain": True} if chain else {}))
         plans[layers] = StepPlan(planner="hand", model=spec, cluster=cluster_preset("cpu", 1), lengths=LENGTHS,
                                  pipelines=[PipelinePlan(chunks=[Chunk.parse(c) for c in CHUNKS.split()],
                                                          stages=[[Action.parse(a) for a in ACTIONS.split()]])])
@@ -114,8 +117,10 @@ def worker(compile_backend: str | None, steps: int, device: str = "cpu") -> None
         float(loss)
         return clock() - started
 
+    warm = time.perf_counter()
     for _ in range(3):  # warm-up (and compilation)
         step(2), step(4)
+    warm = time.perf_counter() - warm
     counts = {layers: dispatch_counts(lambda: step(layers)) for layers in (2, 4)}
     per_layer_counts = {kind: (counts[4][kind] - counts[2][kind]) / (2 * NUM_CHUNKS) for kind in counts[2]}
     # eager only: a compiled graph's own kernels are no ATen calls, and a dispatch mode around
@@ -124,7 +129,7 @@ def worker(compile_backend: str | None, steps: int, device: str = "cpu") -> None
     per_layer_counts["dispatched_ops"] = calls and (len(calls[4]) - len(calls[2])) / (2 * NUM_CHUNKS)
     varlen_index = varlen_index_work()
     name = torch.cuda.get_device_name() if cuda else "cpu"
-    print("ready " + json.dumps({"device": name, "torch": torch.__version__}), flush=True)
+    print("ready " + json.dumps({"device": name, "torch": torch.__version__, "warmup_s": warm}), flush=True)
     for _ in sys.stdin:
         times = {layers: [] for layers in (2, 4)}
         for _ in range(steps):
@@ -304,13 +309,15 @@ def old_source(rev: str, into: Path) -> Path:
 
 
 def start(src: Path, compile_backend: str | None, steps: int, device: str,
-          floor: bool = False) -> tuple[subprocess.Popen, dict]:
+          floor: bool = False, chain: bool = False) -> tuple[subprocess.Popen, dict]:
     """A worker process on `src`'s package (or PyTorch's floor), ready, and what it runs on."""
     env = {**os.environ, "PYTHONPATH": str(src)}
     args = [sys.executable, __file__, "--floor-worker" if floor else "--worker", "--steps", str(steps),
             "--device", device]
     if compile_backend:
         args += ["--compile-backend", compile_backend]
+    if chain:
+        args += ["--chain"]
     proc = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line.startswith("ready "):
@@ -329,6 +336,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--floor-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile-backend", help=argparse.SUPPRESS)
+    ap.add_argument("--chain", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--old-rev", default=OLD_REV, help=f"git revision of `before` (default {OLD_REV})")
     ap.add_argument("--rounds", type=int, default=7, help="turns of every variant (default 7)")
     ap.add_argument("--steps", type=int, default=10, help="steps per turn, median kept (default 10)")
@@ -340,7 +348,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "host_overhead.json"))
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.compile_backend, args.steps, args.device)
+        worker(args.compile_backend, args.steps, args.device, args.chain)
         return 0
     if args.floor_worker:
         floor_worker(args.compile_backend, args.steps)
@@ -355,14 +363,16 @@ def main(argv=None) -> int:
         sources = {"before": lambda: (Path(args.old_src) if args.old_src else old_source(args.old_rev, Path(tmp)), None),
                    "after": lambda: (ROOT / "src", None),
                    "after+compile": lambda: (ROOT / "src", compile_backend),
+                   "after+compile+chain": lambda: (ROOT / "src", compile_backend),
                    "floor": lambda: (ROOT / "src", None),
                    "floor+compile": lambda: (ROOT / "src", compile_backend)}
-        variants = {name.replace("+compile", f"+compile({compile_backend})"): (*sources[name](), name.startswith("floor"))
-                    for name in wanted}
-        started = {name: start(src, backend, args.steps, args.device, floor)
-                   for name, (src, backend, floor) in variants.items()}
+        variants = {name.replace("+compile", f"+compile({compile_backend})"):
+                    (*sources[name](), name.startswith("floor"), name.endswith("+chain")) for name in wanted}
+        started = {name: start(src, backend, args.steps, args.device, floor, chain)
+                   for name, (src, backend, floor, chain) in variants.items()}
         procs = {name: proc for name, (proc, _) in started.items()}
         machine = next(iter(started.values()))[1]
+        warmup = {name: round(ready["warmup_s"], 2) for name, (_, ready) in started.items() if "warmup_s" in ready}
         runs = {name: [] for name in procs}
         for _ in range(args.rounds):
             for name, proc in procs.items():
@@ -394,6 +404,7 @@ def main(argv=None) -> int:
         "varlen_index_ratio_before_over_after": (round(index["before"] / index["after"], 1)
                                                  if {"before", "after"} <= set(index) else None),
         **{f"{kind}_per_layer_chunk": counted[kind] for kind in COUNTS},
+        "warmup_s": warmup,
         "runs": runs,
     }
     out = Path(args.out)

@@ -5,8 +5,9 @@ host's dispatch count, for lengthwise's systems on one GPU (or, with --tiny, on 
     python benchmarks/gpu_step_breakdown.py --cases qwen2.5-1.5b:chunkflow@8192 --steps 3
     python benchmarks/gpu_step_breakdown.py --tiny --out /tmp/breakdown.json      # CPU, seconds
 
-A case is MODEL:SYSTEM[@CHUNKSIZE][:eager] (bench_gpu_finetune's systems `packing`, `chunkflow`;
-`@N` a fixed ChunkSize, `:eager` without torch.compile). Per case, on the same chunkflow-eval
+A case is MODEL:SYSTEM[@CHUNKSIZE][:eager|:chain] (bench_gpu_finetune's systems `packing`,
+`chunkflow`; `@N` a fixed ChunkSize, `:eager` without torch.compile, `:chain` compiled with one
+region between two attentions, `runtime/compile.py`). Per case, on the same chunkflow-eval
 batches as bench_gpu_finetune (`--batch-size` sequences, `--context`): a fresh model and fused
 AdamW, then **every batch run once untimed** (so each chunk length the timed steps meet has been
 compiled: a step that compiles is a one-time cost, not the step time), then `--steps` timed steps
@@ -72,15 +73,16 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def parse_case(text: str) -> tuple[str, str, int | None, bool]:
-    """(model, system, chunk size or None, eager) of MODEL:SYSTEM[@N][:eager]."""
+def parse_case(text: str) -> tuple[str, str, int | None, str]:
+    """(model, system, chunk size or None, variant: "", ":eager" or ":chain") of
+    MODEL:SYSTEM[@N][:eager|:chain]."""
     model, _, rest = text.partition(":")
-    eager = rest.endswith(":eager")
-    rest = rest.removesuffix(":eager")
+    variant = next((v for v in (":eager", ":chain") if rest.endswith(v)), "")
+    rest = rest.removesuffix(variant)
     system, _, size = rest.partition("@")
     if not model or system not in ("packing", "chunkflow") or (size and not size.isdigit()):
-        raise SystemExit(f"case {text!r}: use MODEL:packing or MODEL:chunkflow[@CHUNKSIZE], optionally :eager")
-    return model, system, int(size) if size else None, eager
+        raise SystemExit(f"case {text!r}: use MODEL:packing or MODEL:chunkflow[@CHUNKSIZE], optionally :eager or :chain")
+    return model, system, int(size) if size else None, variant
 
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
@@ -172,16 +174,17 @@ def sync_sites(step) -> dict[str, int] | None:
 
 
 def run_case(case: str, dev: Device, args, profiles: dict) -> dict:
-    model_name, system, chunk, eager = parse_case(case)
+    model_name, system, chunk, variant = parse_case(case)
     spec = model_preset(model_name)
     tiny = args.tiny
     s = Settings(models=[model_name], contexts=[args.context], systems=[system], batch_size=args.batch_size,
                  warmup=0, steps=args.steps, chunk_size=str(chunk) if chunk else "auto", scan_contexts=[],
-                 workload="tiny" if tiny else "chunkflow-eval", compile=False if eager else args.compile, tiny=tiny)
+                 workload="tiny" if tiny else "chunkflow-eval", compile=False if variant == ":eager" else args.compile,
+                 tiny=tiny)
     profile = profiles.get(model_name)
     batches = sample_batches(s.workload, args.context, args.batch_size, args.steps, args.seed)
     row: dict = {"case": case, "model": model_name, "system": system, "chunk_size": chunk, "context": args.context}
-    runner = Runner(system + (":eager" if eager else ""), spec, dev, s, profile, args.context)
+    runner = Runner(system + variant, spec, dev, s, profile, args.context)
     try:
         plans = [runner.prepare(lengths) for lengths in batches]
         tokens = [random_token_ids(lengths, spec.vocab, args.seed + i) for i, lengths in enumerate(batches)]
@@ -214,7 +217,7 @@ def run_case(case: str, dev: Device, args, profiles: dict) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", help=f"comma-separated MODEL:SYSTEM[@N][:eager] (default {DEFAULT_CASES})")
+    ap.add_argument("--cases", help=f"comma-separated MODEL:SYSTEM[@N][:eager|:chain] (default {DEFAULT_CASES})")
     ap.add_argument("--context", type=int, help="context length, tokens (default 32768; --tiny 256)")
     ap.add_argument("--batch-size", type=int, help="sequences a batch (default 64; --tiny 8)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (batches), each run once untimed first")

@@ -250,6 +250,8 @@ def test_step_breakdown_tiny_writes_every_case_with_its_kernel_and_host_counts(t
     assert breakdown.kind_of("nvjet_sm90_tst_128x256_64x4") == "gemm"
     assert breakdown.kind_of("void pytorch_flash::flash_bwd_dq_dk_dv_loop") == "attention"
     assert breakdown.kind_of("triton_poi_fused_mul_silu_0") == "triton"
+    assert breakdown.parse_case("qwen2.5-1.5b:chunkflow@8192:chain") == ("qwen2.5-1.5b", "chunkflow", 8192, ":chain")
+    assert breakdown.parse_case("tiny-qwen:packing:eager") == ("tiny-qwen", "packing", None, ":eager")
     out = tmp_path / "breakdown.json"
     assert breakdown.main(["--tiny", "--cases", "tiny-qwen:packing,tiny-qwen:chunkflow@64", "--steps", "2",
                            "--out", str(out)]) == 0

@@ -209,12 +209,77 @@ def test_compiled_layers_equal_eager_and_transformers(name):
     assert compare_grads(grads, ref_grads)[1] <= 1e-9
 
 
-def test_compiled_layers_compile_once_whatever_the_chunk_lengths():
+@pytest.mark.parametrize("name", ["split-k-all", "split-k1"])
+def test_chained_compiled_layers_equal_eager_and_transformers(name):
+    """Layers compiled with `chain` (one compiled region between two attentions, `model._run_chain`)
+    on a plan with a sequence split in three slices, with gradients kept for every slice or
+    some slices first run without them (K = 1): loss and gradients equal the eager
+    executor's and transformers' within 1e-9 (float64, aot_eager)."""
+    pytest.importorskip("transformers")
+    from lengthwise.runtime.compile import compile_layers
+
+    _, _, eager_loss, eager_grads = _run(QWEN, PLANS[name])
+    plan = hand_plan(QWEN, LENGTHS, PLANS[name])
+    model = build_model(QWEN, dtype=torch.float64, seed=0)
+    compile_layers(model, backend="aot_eager", chain=True)
+    ids = random_tokens(LENGTHS, QWEN.vocab, 1)
+    loss = float(run_step(model, plan, ids))
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    ref_loss, ref_grads = transformers_loss_and_grads(model, ids)
+    assert abs(loss - eager_loss) <= 1e-9 * abs(eager_loss) and abs(loss - ref_loss) <= 1e-9 * abs(ref_loss)
+    assert compare_grads(grads, eager_grads)[1] <= 1e-9
+    assert compare_grads(grads, ref_grads)[1] <= 1e-9
+
+
+def test_a_chain_runs_only_layers_without_hooks_and_keeps_no_more_than_its_layers_apart(monkeypatch):
+    """What two compiled layers keep for backward over one chunk (saved-tensor hooks, the
+    partitioner of aot_eager_decomp_partition), chained and apart: the same bytes (the same
+    tensors: inductor's partitioner alike, checked by hand). A layer with a forward hook of its
+    own (as FSDP2 registers) is called as a module: no chain."""
+    from lengthwise.plan.ir import Chunk
+    from lengthwise.runtime import model as model_module
+    from lengthwise.runtime.compile import compile_layers
+    from lengthwise.runtime.layout import ChunkLayout
+
+    chains = []
+    run_chain = model_module._run_chain
+    monkeypatch.setattr(model_module, "_run_chain", lambda *a: chains.append(1) or run_chain(*a))
+    tokens, kept = 24, {}
+    for chain, hooked in ((False, False), (True, False), (True, True)):
+        model = build_model(LLAMA, dtype=torch.float64, seed=0)
+        compile_layers(model, backend="aot_eager_decomp_partition", chain=chain)
+        calls = []
+        if hooked:
+            model.model.layers["0"].register_forward_pre_hook(lambda *a: calls.append(1))
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        h = torch.randn(tokens, LLAMA.hidden, dtype=torch.float64, requires_grad=True)
+        rope = model.rope(torch.arange(tokens), torch.float64)
+        layout = ChunkLayout.from_chunk(Chunk.parse(f"0[0:{tokens}]"))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, _ = model.run_layers(h, layers=range(2), rope=rope, layout=layout, contexts=[[[]], [[]]],
+                                      backend="cpu-flash")
+        out.sum().backward()
+        kept[chain, hooked] = sum(saved.values())
+        assert calls == ([1] if hooked else [])
+    assert chains == [1]  # only the chained model without a hook
+    assert kept[True, False] == kept[False, False]
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["apart", "chained"])
+def test_compiled_layers_compile_once_whatever_the_chunk_lengths(chain):
     """A first chunk exactly as long as the head dimension, then other lengths (a row of two
     documents, one of a single document): each of a layer's two compiled regions compiles one
     graph for every length, shared by both layers, and so does the head's (the loss blocks'
-    softmax gradient). With duck sizing on, the first length made a layer
-    graph specialised to it and a second compile followed (`compile.py`)."""
+    softmax gradient); chained, the region between the attentions one more. With duck sizing
+    on, the first length made a layer graph specialised to it and a second compile followed
+    (`compile.py`)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -223,11 +288,11 @@ def test_compiled_layers_compile_once_whatever_the_chunk_lengths():
     torch._dynamo.reset()
     counters.clear()
     model = build_model(LLAMA, dtype=torch.float64, seed=0)
-    compile_layers(model, backend="aot_eager")
+    compile_layers(model, backend="aot_eager", chain=chain)
     for lengths, chunks in (([LLAMA.head_dim], "0[0:8]"), ([5, 4], "0[0:5]+1[0:4]"), ([LLAMA.hidden + 3], "0[0:35]")):
         plan = hand_plan(LLAMA, lengths, [(chunks, ["F0 B0"])])
         run_step(model, plan, random_tokens(lengths, LLAMA.vocab, 1))
-    assert counters["stats"]["unique_graphs"] == 2 + 1
+    assert counters["stats"]["unique_graphs"] == 2 + chain + 1
     assert torch._dynamo.config.recompile_limit >= 64  # a region's several graphs never fall back to eager
 
 

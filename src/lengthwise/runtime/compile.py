@@ -33,6 +33,20 @@ parallelism hooks on the modules run as before): a layer with `compile_backend` 
 `attention_input` and `attention_output` through compiled functions that every layer shares
 (its `block`, as module calls, under tensor parallelism's hooks).
 
+Chained (`compile_layers(..., chain=True)`, off by default): `CausalLM.run_layers` runs a
+stage's plain layers with one compiled region between each two attentions, a layer's output
+projection, residuals and MLP together with the next layer's norm, projections and rotary
+embedding (`model._between`): per layer and chunk one compiled call forward and one backward
+instead of two each. On this CPU (inductor, benchmarks/results/host_overhead.json, the tiny
+step) a layer and chunk took 1,026 us chained against 1,260 (-19%), the warm-up with its
+compilation 6.6 s against 4.9 (one graph more: the chain's own, beside the first layer's input
+part and the last one's output part, which stay the regions above). Not yet measured on a GPU, where the host time of
+short chunks is what a ChunkFlow step waits on (benchmarks/results/gpu-2026-11-28-nvidia-h200/
+breakdown/); also left open: a 2-layer profile (`lengthwise profile`) holds both ends of a
+chain, a deep stage's layers are nearly all chain, so the profile's host floor per layer would
+read up to half a compiled call high. Layers with hooks (FSDP2, tensor parallelism) or
+recomputation run as before.
+
 Without duck sizing: by default the symbolic-shape engine gives two sizes that happen to be
 equal when first seen one symbol, so a first chunk of as many tokens as the head dimension (or
 a TP rank's rows equal to the hidden size) compiled a graph for that coincidence and compiled
@@ -90,10 +104,12 @@ def compile_wanted(choice: str | bool | None, device) -> bool:
     return choice == "on"
 
 
-def compile_layers(model, *, backend: str = "inductor") -> None:
-    """Compile the forward of every decoder layer `model` holds, in place."""
+def compile_layers(model, *, backend: str = "inductor", chain: bool = False) -> None:
+    """Compile the forward of every decoder layer `model` holds, in place. `chain`: between two
+    attentions one compiled region, not two (module docstring, "Chained")."""
     for layer in model.model.layers.values():
         layer.compile_backend = backend
+        layer.compile_chain = chain
     head = getattr(model, "lm_head", None)
     if head is not None:  # the loss blocks' elementwise work (runtime/loss.py)
         head.compile_backend = backend

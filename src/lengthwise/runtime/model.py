@@ -183,6 +183,9 @@ class DecoderLayer(nn.Module):
     compile_backend: str | None = None
     """The torch.compile backend this layer's forward runs under (`runtime/compile.py`); None:
     eager. A plain attribute, so a deep copy of the model is compiled alike."""
+    compile_chain: bool = False
+    """Compiled with `chain`: `run_layers` joins this layer's output part and the next layer's
+    input part into one compiled region (`_run_chain`)."""
 
     def forward(self, h_TD, rope, layout: ChunkLayout, context, backend: str, recompute_mlp: bool = False,
                 recomputed: bool = False):
@@ -276,6 +279,41 @@ class DecoderLayer(nn.Module):
         return h_TD + self.mlp_block(h_TD, recomputed), k_TGE, v_TGE
 
 
+def _chainable(layers: list[DecoderLayer]) -> bool:
+    """Whether `_run_chain` may run these layers: compiled with `chain` (`compile.compile_layers`),
+    all under one backend, plain (`_plain`) and without hooks of their own (FSDP2 unshards a
+    layer's weights in its forward's hooks, which the chain does not call)."""
+    return (len(layers) > 1 and all(layer.compile_chain for layer in layers)
+            and len({layer.compile_backend for layer in layers}) == 1
+            and all(_plain(layer) and not _hooked(layer) for layer in layers))
+
+
+def _between(layer: DecoderLayer, following: DecoderLayer, h_TD, out_THE, rope):
+    """What lies between two attentions: the output projection, residuals and MLP of `layer`
+    and the norm, projections and rotary embedding of `following`; (h, q, k, v)."""
+    h_TD = layer.attention_output(h_TD, out_THE)
+    return (h_TD, *following.attention_input(h_TD, rope))
+
+
+def _run_chain(layers: list[DecoderLayer], h_TD, rope, layout, contexts, backend: str):
+    """`run_layers` over compiled layers with one compiled region between each two attentions
+    (`_between`): a layer and chunk call one compiled region forward and one backward instead
+    of two each (`attention_input`, `attention_output`); the first layer's input part and the
+    last one's output part are the regions they always were. The arithmetic and the saved
+    tensors are the layers' (AOTAutograd's partitioner chooses over the larger region).
+    Returns h and the (k, v) per layer."""
+    backend_c = layers[0].compile_backend
+    between = compiled(_between, backend_c)
+    q_THE, k_TGE, v_TGE = compiled(DecoderLayer.attention_input, backend_c)(layers[0], h_TD, rope)
+    kv_per_layer = []
+    for j, layer in enumerate(layers):
+        out_THE = attend(q_THE, k_TGE, v_TGE, LayerContext(contexts[j]), layout, backend=backend)
+        kv_per_layer.append((k_TGE, v_TGE))
+        if j + 1 < len(layers):
+            h_TD, q_THE, k_TGE, v_TGE = between(layer, layers[j + 1], h_TD, out_THE, rope)
+    return compiled(DecoderLayer.attention_output, backend_c)(layers[-1], h_TD, out_THE), kv_per_layer
+
+
 def _plain(layer: DecoderLayer) -> bool:
     """No hooks on the layer's parts and plain-tensor weights (no tensor parallelism): the layer
     may run as `fused`, without its modules' calls. FSDP2's hooks sit on the layer itself and
@@ -358,6 +396,9 @@ class CausalLM(nn.Module):
         if not isinstance(layout, RowIndex):  # built once here for every layer (the stage passes its own)
             resolved = backend if callable(backend) else resolve_backend(backend, h_TD.device, h_TD.dtype)
             layout = RowIndex.build(layout, h_TD.device, varlen=wants_varlen_index(resolved))
+        modules = [self.model.layers[str(index)] for index in layers]
+        if not (recompute_layers or recompute_mlp) and _chainable(modules):
+            return _run_chain(modules, h_TD, rope, layout, contexts, backend)
         kv_per_layer = []
         for j, index in enumerate(layers):
             layer = self.model.layers[str(index)]
