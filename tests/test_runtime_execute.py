@@ -209,20 +209,26 @@ def test_compiled_layers_equal_eager_and_transformers(name):
     assert compare_grads(grads, ref_grads)[1] <= 1e-9
 
 
-@pytest.mark.parametrize("name", ["split-k-all", "split-k1"])
-def test_chained_compiled_layers_equal_eager_and_transformers(name):
+QWEN_4 = ModelSpec(name="qwen-4-layers", num_layers=4, hidden=32, num_heads=4, num_kv_heads=1, head_dim=8,
+                   ffn=48, vocab=64, qkv_bias=True, tied_embeddings=True, rope_theta=1e6)
+
+
+@pytest.mark.parametrize("spec,name", [(QWEN, "split-k-all"), (QWEN, "split-k1"), (QWEN_4, "pp2")],
+                         ids=["split-k-all", "split-k1", "pp2-4-layers"])
+def test_chained_compiled_layers_equal_eager_and_transformers(spec, name):
     """Layers compiled with `chain` (one compiled region between two attentions, `model._run_chain`)
     on a plan with a sequence split in three slices, with gradients kept for every slice or
-    some slices first run without them (K = 1): loss and gradients equal the eager
-    executor's and transformers' within 1e-9 (float64, aot_eager)."""
+    some slices first run without them (K = 1), and on two pipeline stages of two layers each:
+    loss and gradients equal the eager executor's and transformers' within 1e-9 (float64,
+    aot_eager)."""
     pytest.importorskip("transformers")
     from lengthwise.runtime.compile import compile_layers
 
-    _, _, eager_loss, eager_grads = _run(QWEN, PLANS[name])
-    plan = hand_plan(QWEN, LENGTHS, PLANS[name])
-    model = build_model(QWEN, dtype=torch.float64, seed=0)
+    _, _, eager_loss, eager_grads = _run(spec, PLANS[name])
+    plan = hand_plan(spec, LENGTHS, PLANS[name])
+    model = build_model(spec, dtype=torch.float64, seed=0)
     compile_layers(model, backend="aot_eager", chain=True)
-    ids = random_tokens(LENGTHS, QWEN.vocab, 1)
+    ids = random_tokens(LENGTHS, spec.vocab, 1)
     loss = float(run_step(model, plan, ids))
     grads = {n: p.grad for n, p in model.named_parameters()}
     ref_loss, ref_grads = transformers_loss_and_grads(model, ids)
