@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -28,18 +29,17 @@ IGNORE = -100
 """Label of a position that predicts nothing (cross_entropy's ignore_index)."""
 
 
-def on_device(token_ids: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """The step's token ids where the stage computes, for `chunk_tokens` and `chunk_labels` to
-    slice: on a GPU all of them in one copy through pinned memory, not waited for. A blocking
-    host-to-device copy synchronises the stream (the host waits until the device has run
-    everything queued): copied per chunk, a chunk's tokens and its labels each stopped the host
-    there, twice a chunk. Elsewhere, or already on a device, or under fake tensors (a dry run),
-    as given."""
-    if (device.type != "cuda" or not token_ids or any(t.device.type != "cpu" for t in token_ids)
-            or torch._guards.detect_fake_mode() is not None):
-        return token_ids
-    flat = torch.cat(token_ids).pin_memory().to(device, non_blocking=True)
-    return list(flat.split([t.numel() for t in token_ids]))
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A chunk's input made on the host (`chunk_tokens`, `chunk_labels`, `chunk_positions`) on
+    `device`: to a GPU through pinned memory, not waited for. A blocking host-to-device copy
+    synchronises the stream (the host waits until the device has run everything queued): a
+    chunk's tokens and its labels each stopped the host there, twice a chunk. Made on the host,
+    a row of many documents costs no kernel per document (a slice, a pad, a range each). Under
+    fake tensors (a dry run), or to any other device, a plain copy."""
+    device = torch.device(device)
+    if device.type == "cuda" and host.device.type == "cpu" and torch._guards.detect_fake_mode() is None:
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def chunk_tokens(chunk: Chunk, token_ids: list[torch.Tensor]) -> torch.Tensor:
@@ -49,8 +49,12 @@ def chunk_tokens(chunk: Chunk, token_ids: list[torch.Tensor]) -> torch.Tensor:
 
 def chunk_positions(chunk: Chunk, device) -> torch.Tensor:
     """Position of each token within its own sequence [T]: rotary angles restart per document
-    and continue across a cut."""
-    return torch.cat([torch.arange(s.start, s.stop, device=device) for s in chunk.segments])
+    and continue across a cut. Made on the host in one pass (each token's index in the row,
+    shifted by its segment's start less the segment's offset in the row), then `to_device`."""
+    starts = np.fromiter((s.start for s in chunk.segments), np.int64, len(chunk.segments))
+    lens = np.fromiter((s.num_tokens for s in chunk.segments), np.int64, len(chunk.segments))
+    shift = np.repeat(starts - (np.cumsum(lens) - lens), lens)
+    return to_device(torch.from_numpy(np.arange(len(shift), dtype=np.int64) + shift), device)
 
 
 def chunk_labels(chunk: Chunk, token_ids: list[torch.Tensor]) -> torch.Tensor:

@@ -53,7 +53,7 @@ from lengthwise.plan.messages import Exchange, pipeline_messages
 from lengthwise.runtime.attention import ChunkLayout, wants_varlen_index
 from lengthwise.runtime.layout import RowIndex
 from lengthwise.runtime.cells import CellMap, cell_last_uses, cell_map
-from lengthwise.runtime.loss import IGNORE, chunk_labels, chunk_positions, chunk_tokens, on_device
+from lengthwise.runtime.loss import IGNORE, chunk_labels, chunk_positions, chunk_tokens, to_device
 from lengthwise.runtime.model import CausalLM
 from lengthwise.runtime.state import KV, KVStore, SliceKey, slice_key, stored_prefix, stored_segments
 from lengthwise.runtime.transport import Message, Transport
@@ -147,6 +147,7 @@ class StageRunner:
         """Action index -> the exchanges posted before it (len(actions): after the last)."""
         for exchange in messages.exchanges[stage]:
             self.exchanges.setdefault(exchange.before, []).append(exchange)
+        self.token_ids = token_ids
         self.store = KVStore(stored_prefix(list(self.cells.cells), plan.lengths))
         self.pending: dict[int, _Pending] = {}
         """Per cell forwarded with grad and not yet backwarded: what its backward needs."""
@@ -156,7 +157,6 @@ class StageRunner:
         """Called with (action index, cell position, cells of the action) before each cell's
         backward (FSDP2 turns gradient reduction on for the step's last one)."""
         self._param = next(model.parameters())
-        self.token_ids = (on_device(token_ids, self._param.device) if self.is_first or self.is_last else token_ids)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self._param.device)
         """Detached sum of this stage's loss parts (last stage only); stays on the device so
         that no chunk waits for a host copy."""
@@ -215,7 +215,7 @@ class StageRunner:
         with torch.set_grad_enabled(grad):
             h_TD, input_leaf = self._cell_input(action, row.chunk, received)
             leaves = self._context_leaves(row.computed, grad)
-            rope = self.model.rope(_positions(row.chunk, h_TD.device), h_TD.dtype)
+            rope = self.model.rope(chunk_positions(row.chunk, h_TD.device), h_TD.dtype)
             # the row's attention index, once for every layer of the stage, forward and backward
             index = RowIndex.build(row.layout, h_TD.device, varlen=wants_varlen_index(row.attention))
             h_TD, kv = self.model.run_layers(
@@ -254,8 +254,8 @@ class StageRunner:
 
     def _cell_input(self, action: Action, chunk: Chunk, received: torch.Tensor | None):
         if self.is_first:
-            tokens = (chunk_tokens(chunk, self.token_ids) if chunk.segments
-                      else torch.zeros(0, dtype=torch.long, device=self._param.device)).to(self._param.device)
+            tokens = to_device(chunk_tokens(chunk, self.token_ids) if chunk.segments
+                               else torch.zeros(0, dtype=torch.long), self._param.device)
             return self.model.embed(tokens), None
         leaf = received.detach().requires_grad_(action.kind == FORWARD)
         return leaf, leaf
@@ -291,7 +291,7 @@ class StageRunner:
             # No token of this cell here (a CP rank without a share): a zero loss part that still
             # reaches the row's graph, so that backward runs this rank's part of any collective.
             return 0.0 * h_TD.sum()
-        labels = chunk_labels(chunk, self.token_ids).to(h_TD.device)
+        labels = to_device(chunk_labels(chunk, self.token_ids), h_TD.device)
         rows = h_TD.shape[0] * self.model.sequence_shards  # the head gathers the rows of every TP rank
         if rows > labels.shape[0]:  # sequence parallelism's padding rows predict nothing
             labels = torch.cat([labels, labels.new_full((rows - labels.shape[0],), IGNORE)])
@@ -341,10 +341,6 @@ def _context_from_store(chunk: Chunk) -> dict[int, int]:
     return stops
 
 
-def _positions(chunk: Chunk, device) -> torch.Tensor:
-    if not chunk.segments:
-        return torch.zeros(0, dtype=torch.long, device=device)
-    return chunk_positions(chunk, device)
 
 
 def _grad_of(leaf: torch.Tensor) -> torch.Tensor:
