@@ -4,6 +4,7 @@
     bash benchmarks/gpu_suite.sh --out /tmp/gpu         # the JSON files elsewhere ($OUT when set)
     bash benchmarks/gpu_suite.sh --tiny --out /tmp/t    # the same steps on CPU, tiny models and sizes
     bash benchmarks/gpu_suite.sh --list                 # print the steps and their limits, run nothing
+    bash benchmarks/gpu_suite.sh --experiments          # what waits for a GPU beyond the suite, 8 minutes
 
 Each step is one process with its own time limit (killed past it, rc 124), run in order; a
 failed step is recorded and the suite goes on, except that a step whose input (a profile) a
@@ -153,6 +154,29 @@ def suite_steps(out: Path, *, tiny: bool, cuda: bool, old_src: str | None = None
     ]
 
 
+def experiment_steps(out: Path, *, tiny: bool, cuda: bool) -> list[Step]:
+    """`--experiments`: what waits for a GPU beyond the suite (benchmarks/GPU_RUNS.md), for a
+    lease the suite has already had, within the same 8 minutes: a step of every kind checked for
+    synchronising calls (eager and compiled), the chained compilation against the default on the
+    step ChunkFlow waits on the host for (gpu_step_breakdown.py), the LM head's softmax gradient
+    in its variants (bench_softmax_grad.py)."""
+    cases = ("tiny-qwen:chunkflow@64,tiny-qwen:chunkflow@64:chain" if tiny else
+             "qwen2.5-1.5b:chunkflow@8192,qwen2.5-1.5b:chunkflow@8192:chain,qwen2.5-1.5b:packing:chain")
+    return [
+        Step(name="sync-check", limit_s=90,
+             argv=[PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_bench_cpu.py", "-k",
+                   "never_makes_the_host_wait"],
+             skip_reason=None if cuda and not tiny else "needs CUDA (sync debug mode): not run with --tiny"),
+        Step(name="chain-breakdown", limit_s=300, output="chain-breakdown.json",
+             argv=[PY, "benchmarks/gpu_step_breakdown.py", *(["--tiny"] if tiny else
+                   ["--profile-file", f"qwen2.5-1.5b={H200_PROFILE_15B}"]), "--cases", cases,
+                   "--out", str(out / "chain-breakdown.json")]),
+        Step(name="softmax-grad", limit_s=90, output="softmax-grad.json",
+             argv=[PY, "benchmarks/bench_softmax_grad.py", *(["--tiny"] if tiny else []),
+                   "--out", str(out / "softmax-grad.json")]),
+    ]
+
+
 # ---- running them --------------------------------------------------------------------------------
 
 def run_step(step: Step, out: Path, env: dict) -> dict:
@@ -251,11 +275,12 @@ def _commit() -> str | None:
     return head.stdout.strip() + (" (modified)" if dirty.stdout.strip() else "") if head.returncode == 0 else None
 
 
-def default_out(machine: dict, tiny: bool) -> Path:
+def default_out(machine: dict, tiny: bool, experiments: bool = False) -> Path:
     if os.environ.get("OUT"):
         return Path(os.environ["OUT"])
     name = "-".join("".join(c if c.isalnum() else " " for c in machine["device"].lower()).split())
-    return ROOT / "benchmarks" / "results" / f"gpu-{time.strftime('%Y-%m-%d')}-{'tiny-' if tiny else ''}{name}"
+    kind = ("tiny-" if tiny else "") + ("experiments-" if experiments else "")
+    return ROOT / "benchmarks" / "results" / f"gpu-{time.strftime('%Y-%m-%d')}-{kind}{name}"
 
 
 def write_summary(out: Path, summary: dict) -> None:
@@ -271,19 +296,23 @@ def parse_args(argv):
     ap.add_argument("--old-src", help="an older revision's src/ folder: the host-overhead step times it beside this "
                     "one (e.g. `git archive 1b723e1 src | tar -x -C old`, then --old-src old/src)")
     ap.add_argument("--list", action="store_true", help="print the steps and their limits; run nothing")
+    ap.add_argument("--experiments", action="store_true",
+                    help="the measurements waiting for a GPU beyond the suite (benchmarks/GPU_RUNS.md), not the suite")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     machine = describe_machine(args.tiny)
-    out = Path(args.out) if args.out else default_out(machine, args.tiny)
+    out = Path(args.out) if args.out else default_out(machine, args.tiny, args.experiments)
     old_src = str(Path(args.old_src).resolve()) if args.old_src else None
     if old_src and not (Path(old_src) / "lengthwise").is_dir():
         print(f"--old-src {args.old_src}: no lengthwise package there; give the src/ folder of an export",
               file=sys.stderr)
         return 2
-    steps = suite_steps(out.resolve(), tiny=args.tiny, cuda=machine["device_type"] != "cpu", old_src=old_src)
+    cuda = machine["device_type"] != "cpu"
+    steps = (experiment_steps(out.resolve(), tiny=args.tiny, cuda=cuda) if args.experiments else
+             suite_steps(out.resolve(), tiny=args.tiny, cuda=cuda, old_src=old_src))
     if args.tiny:  # the limits budget a GPU lease; on a shared CPU they only stop a hang
         steps = [dataclasses.replace(s, limit_s=TINY_LIMIT_S) for s in steps]
     if args.list:
@@ -292,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{sum(s.limit_s for s in steps):>4} s  in all")
         return 0
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    summary = {"format": "lengthwise.gpu_suite/1", "tiny": args.tiny, **machine,
+    summary = {"format": "lengthwise.gpu_suite/1", "tiny": args.tiny, "experiments": args.experiments, **machine,
                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": "bash benchmarks/gpu_suite.sh "
                + " ".join(sys.argv[1:] if argv is None else argv), "limit_total_s": sum(s.limit_s for s in steps),
                "steps": []}
