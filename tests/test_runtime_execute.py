@@ -186,48 +186,31 @@ def test_kv_state_is_freed_right_after_its_last_use():
     assert frees == {5: [(0, 4, 8)], 7: [(0, 0, 4)]}  # slice [4:8] after B1, slice [0:4] after B0
 
 
-@pytest.mark.parametrize("name", ["split-k-all", "mlp-recompute"])
-def test_compiled_layers_equal_eager_and_transformers(name):
-    """Each decoder layer under torch.compile (backend aot_eager: it traces and runs the
-    captured graphs, forward and backward, without inductor's C++ compile, too slow for 2
-    cores) on a plan with a sequence split in three slices and packed rows, and on one whose
-    layers recompute their MLP block (its checkpoint around a compiled region of its own): loss
-    and every gradient equal the eager executor's and transformers' within 1e-9."""
-    pytest.importorskip("transformers")
-    from lengthwise.runtime.compile import compile_layers
-
-    _, _, eager_loss, eager_grads = _run(LLAMA, PLANS[name])
-    plan = hand_plan(LLAMA, LENGTHS, PLANS[name])
-    model = build_model(LLAMA, dtype=torch.float64, seed=0)
-    compile_layers(model, backend="aot_eager")
-    ids = random_tokens(LENGTHS, LLAMA.vocab, 1)
-    loss = float(run_step(model, plan, ids))
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    ref_loss, ref_grads = transformers_loss_and_grads(model, ids)
-    assert abs(loss - eager_loss) <= 1e-9 * abs(eager_loss) and abs(loss - ref_loss) <= 1e-9 * abs(ref_loss)
-    assert compare_grads(grads, eager_grads)[1] <= 1e-9
-    assert compare_grads(grads, ref_grads)[1] <= 1e-9
-
-
 QWEN_4 = ModelSpec(name="qwen-4-layers", num_layers=4, hidden=32, num_heads=4, num_kv_heads=1, head_dim=8,
                    ffn=48, vocab=64, qkv_bias=True, tied_embeddings=True, rope_theta=1e6)
 
 
-@pytest.mark.parametrize("spec,name", [(QWEN, "split-k-all"), (QWEN, "split-k1"), (QWEN_4, "pp2")],
-                         ids=["split-k-all", "split-k1", "pp2-4-layers"])
-def test_chained_compiled_layers_equal_eager_and_transformers(spec, name):
-    """Layers compiled with `chain` (one compiled region between two attentions, `model._run_chain`)
-    on a plan with a sequence split in three slices, with gradients kept for every slice or
-    some slices first run without them (K = 1), and on two pipeline stages of two layers each:
-    loss and gradients equal the eager executor's and transformers' within 1e-9 (float64,
-    aot_eager)."""
+@pytest.mark.parametrize("spec,name,chain", [(LLAMA, "split-k-all", False), (LLAMA, "mlp-recompute", False),
+                                             (QWEN, "split-k-all", True), (QWEN, "split-k1", True),
+                                             (QWEN_4, "pp2", True)],
+                         ids=["split-k-all", "mlp-recompute", "chained-split-k-all", "chained-split-k1",
+                              "chained-pp2-4-layers"])
+def test_compiled_layers_equal_eager_and_transformers(spec, name, chain):
+    """Each decoder layer under torch.compile (backend aot_eager: it traces and runs the
+    captured graphs, forward and backward, without inductor's C++ compile, too slow for 2
+    cores) on a plan with a sequence split in three slices and packed rows, and on one whose
+    layers recompute their MLP block (its checkpoint around a compiled region of its own); and
+    compiled with `chain` (one compiled region between two attentions, `model._run_chain`) on
+    the split plan with gradients kept for every slice or some slices first run without them
+    (K = 1), and on two pipeline stages of two layers each: loss and every gradient equal the
+    eager executor's and transformers' within 1e-9."""
     pytest.importorskip("transformers")
     from lengthwise.runtime.compile import compile_layers
 
     _, _, eager_loss, eager_grads = _run(spec, PLANS[name])
     plan = hand_plan(spec, LENGTHS, PLANS[name])
     model = build_model(spec, dtype=torch.float64, seed=0)
-    compile_layers(model, backend="aot_eager", chain=True)
+    compile_layers(model, backend="aot_eager", chain=chain)
     ids = random_tokens(LENGTHS, spec.vocab, 1)
     loss = float(run_step(model, plan, ids))
     grads = {n: p.grad for n, p in model.named_parameters()}
