@@ -40,12 +40,12 @@ embedding (`model._between`): per layer and chunk one compiled call forward and 
 instead of two each. On this CPU (inductor, benchmarks/results/host_overhead.json, the tiny
 step) a layer and chunk took 1,026 us chained against 1,260 (-19%), the warm-up with its
 compilation 6.6 s against 4.9 (one graph more: the chain's own, beside the first layer's input
-part and the last one's output part, which stay the regions above). Not yet measured on a GPU, where the host time of
-short chunks is what a ChunkFlow step waits on (benchmarks/results/gpu-2026-11-28-nvidia-h200/
-breakdown/); also left open: a 2-layer profile (`lengthwise profile`) holds both ends of a
-chain, a deep stage's layers are nearly all chain, so the profile's host floor per layer would
-read up to half a compiled call high. Layers with hooks (FSDP2, tensor parallelism) or
-recomputation run as before.
+part and the last one's output part, which stay the regions above). Not yet measured on a
+GPU, where the host time of short chunks is what a ChunkFlow step waits on
+(benchmarks/results/gpu-2026-11-28-nvidia-h200/breakdown/); also left open: a 2-layer profile
+(`lengthwise profile`) holds both ends of a chain, a deep stage's layers are nearly all chain,
+so the profile's host floor per layer would read up to half a compiled call high. Layers with
+hooks (FSDP2, tensor parallelism) or recomputation run as before.
 
 Without duck sizing: by default the symbolic-shape engine gives two sizes that happen to be
 equal when first seen one symbol, so a first chunk of as many tokens as the head dimension (or

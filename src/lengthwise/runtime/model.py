@@ -302,16 +302,16 @@ def _run_chain(layers: list[DecoderLayer], h_TD, rope, layout, contexts, backend
     last one's output part are the regions they always were. The arithmetic and the saved
     tensors are the layers' (AOTAutograd's partitioner chooses over the larger region).
     Returns h and the (k, v) per layer."""
-    backend_c = layers[0].compile_backend
-    between = compiled(_between, backend_c)
-    q_THE, k_TGE, v_TGE = compiled(DecoderLayer.attention_input, backend_c)(layers[0], h_TD, rope)
+    compile_backend = layers[0].compile_backend
+    between = compiled(_between, compile_backend)
+    q_THE, k_TGE, v_TGE = compiled(DecoderLayer.attention_input, compile_backend)(layers[0], h_TD, rope)
     kv_per_layer = []
     for j, layer in enumerate(layers):
         out_THE = attend(q_THE, k_TGE, v_TGE, LayerContext(contexts[j]), layout, backend=backend)
         kv_per_layer.append((k_TGE, v_TGE))
         if j + 1 < len(layers):
             h_TD, q_THE, k_TGE, v_TGE = between(layer, layers[j + 1], h_TD, out_THE, rope)
-    return compiled(DecoderLayer.attention_output, backend_c)(layers[-1], h_TD, out_THE), kv_per_layer
+    return compiled(DecoderLayer.attention_output, compile_backend)(layers[-1], h_TD, out_THE), kv_per_layer
 
 
 def _plain(layer: DecoderLayer) -> bool:
@@ -400,8 +400,7 @@ class CausalLM(nn.Module):
         if not (recompute_layers or recompute_mlp) and _chainable(modules):
             return _run_chain(modules, h_TD, rope, layout, contexts, backend)
         kv_per_layer = []
-        for j, index in enumerate(layers):
-            layer = self.model.layers[str(index)]
+        for j, layer in enumerate(modules):
             args = (h_TD, rope, layout, LayerContext(contexts[j]), backend)
             if j < recompute_layers and torch.is_grad_enabled():
                 h_TD, k_TGE, v_TGE = checkpoint(layer, *args, recomputed=True, use_reentrant=False)
