@@ -160,7 +160,7 @@ def experiment_steps(out: Path, *, tiny: bool, cuda: bool) -> list[Step]:
     synchronising calls (eager and compiled), the chained compilation against the default on the
     step ChunkFlow waits on the host for (gpu_step_breakdown.py), the LM head's softmax gradient
     in its variants (bench_softmax_grad.py)."""
-    cases = ("tiny-qwen:chunkflow@64,tiny-qwen:chunkflow@64:chain" if tiny else
+    cases = ("tiny-qwen:chunkflow@64:chain" if tiny else
              "qwen2.5-1.5b:chunkflow@8192,qwen2.5-1.5b:chunkflow@8192:chain,qwen2.5-1.5b:packing:chain")
     return [
         Step(name="sync-check", limit_s=90,
@@ -168,7 +168,7 @@ def experiment_steps(out: Path, *, tiny: bool, cuda: bool) -> list[Step]:
                    "never_makes_the_host_wait"],
              skip_reason=None if cuda and not tiny else "needs CUDA (sync debug mode): not run with --tiny"),
         Step(name="chain-breakdown", limit_s=300, output="chain-breakdown.json",
-             argv=[PY, "benchmarks/gpu_step_breakdown.py", *(["--tiny"] if tiny else
+             argv=[PY, "benchmarks/gpu_step_breakdown.py", *(["--tiny", "--steps", "1"] if tiny else
                    ["--profile-file", f"qwen2.5-1.5b={H200_PROFILE_15B}"]), "--cases", cases,
                    "--out", str(out / "chain-breakdown.json")]),
         Step(name="softmax-grad", limit_s=90, output="softmax-grad.json",
