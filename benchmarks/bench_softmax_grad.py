@@ -107,6 +107,14 @@ def main(argv=None) -> int:
         width = block_rows(rows, torch.float32)
         widths = [width, QWEN_VOCAB % width or width]
     results = []
+
+    def save():  # after every variant: a run cut short keeps what it measured
+        write_results(args.out, {"what": "LM head backward: softmax gradient of one block of logits",
+                                 "device": device_name(device), "torch": torch.__version__, "dtype": str(dtype),
+                                 "backend": backend, "repeats": args.repeats, "results": results,
+                                 "complete": len(results) == len(widths) * len(VARIANTS)},
+                      __file__, argv if argv is not None else sys.argv[1:])
+
     for columns in widths:
         args_, wide = inputs(rows, columns, dtype, device)
         x_TC, *rest = args_
@@ -117,6 +125,7 @@ def main(argv=None) -> int:
             row = {"variant": name, "rows": rows, "columns": columns}
             if isinstance(fn, str):
                 results.append({**row, "skipped": fn})
+                save()
                 continue
             out = fn(*args_, wide)
             diff = (out.to(torch.float64) - reference.to(torch.float64)).abs().max().item()
@@ -126,10 +135,7 @@ def main(argv=None) -> int:
                             "max_abs_diff": diff, "agrees": diff <= tolerance})
             print(f"{columns:>6} {name:<13} {seconds * 1e6:9.1f} us {moved / seconds / 1e9:8.1f} GB/s diff {diff:.2e}",
                   file=sys.stderr)
-    write_results(args.out, {"what": "LM head backward: softmax gradient of one block of logits",
-                             "device": device_name(device), "torch": torch.__version__, "dtype": str(dtype),
-                             "backend": backend, "repeats": args.repeats, "results": results},
-                  __file__, argv if argv is not None else sys.argv[1:])
+            save()
     return 0
 
 
