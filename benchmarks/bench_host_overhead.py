@@ -103,7 +103,7 @@ def worker(compile_backend: str | None, steps: int, device: str = "cpu", chain: 
         if compile_backend:
             from lengthwise.runtime.compile import compile_layers
 
-            compile_layers(models[layers], backend=compile_backend, **({"chain": True} if chain else {}))
+            compile_layers(models[layers], backend=compile_backend, chain=chain)
         plans[layers] = StepPlan(planner="hand", model=spec, cluster=cluster_preset("cpu", 1), lengths=LENGTHS,
                                  pipelines=[PipelinePlan(chunks=[Chunk.parse(c) for c in CHUNKS.split()],
                                                          stages=[[Action.parse(a) for a in ACTIONS.split()]])])
