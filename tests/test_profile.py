@@ -213,6 +213,26 @@ def test_torch_measurer_on_cpu_writes_a_loadable_profile(tmp_path, capsys):
     assert cost.forward_time(Chunk.parse("0[0:64]"), layers=4) > 0
 
 
+def test_a_chunks_timed_runs_hold_only_its_layers(monkeypatch):
+    """The chunk's rotary tables and attention index are made once, before its timed runs (the
+    stage makes them once per chunk; the simulator charges them as the per-chunk host term):
+    within the warm-up and repeats only the layers run."""
+    torch = pytest.importorskip("torch")
+    from lengthwise.runtime import profile as profile_module
+    from lengthwise.runtime.layout import RowIndex
+
+    measurer = profile_module.TorchMeasurer(MODEL_PRESETS["tiny"], layers=2, device="cpu", repeats=3, warmup=1)
+    made, build, rope = [], RowIndex.build, measurer.model.rope
+    monkeypatch.setattr(RowIndex, "build", classmethod(lambda cls, *a, **k: made.append("index") or build(*a, **k)))
+    monkeypatch.setattr(measurer.model, "rope", lambda *a: made.append("rope") or rope(*a))
+    runs = []
+    run = measurer._chunk_run
+    monkeypatch.setattr(measurer, "_chunk_run", lambda *a: runs.append(len(made)) or run(*a))
+    timing = measurer.time_chunk(Chunk.parse("0[0:24]+1[0:8]"))
+    assert timing.fwd_s > 0 and timing.bwd_s > 0
+    assert sorted(made) == ["index", "rope"] and runs == [2] * 4  # made before the 4 runs, never inside
+
+
 def test_planning_side_of_profiles_imports_no_torch():
     code = ("import sys, lengthwise.cost.fit, lengthwise.commands.profile, lengthwise.commands.plan, "
             "lengthwise.commands.compare, lengthwise.commands.simulate; assert 'torch' not in sys.modules")

@@ -5,9 +5,14 @@
                              head_token_counts(512, 16384), model_name=spec.name)    # cost/fit.py
     check = check_backend("varlen", device="cuda", dtype=torch.bfloat16)             # check.passed
 
-What is timed is what a stage of the executor runs for one chunk (stage.py): rotary tables,
-`CausalLM.run_layers` over the chunk's ChunkLayout with each slice's context K/V as leaves that
-require grad, then the backward from the stage output (and into the context leaves). The model
+What is timed is what a stage of the executor runs in its layers for one chunk (stage.py):
+`CausalLM.run_layers` over the chunk's RowIndex with each slice's context K/V as leaves that
+require grad, then the backward from the stage output (and into the context leaves). The
+chunk's preparation, its rotary tables and its attention index, is made before the timing, as
+the stage makes it once per chunk for all its layers: it is timed apart (`time_chunk_overhead`,
+the simulator's per-chunk host term). Timed inside the layers' samples, as it was until
+2026-11-28, it stood in every layer's time (half of it in each of the two layers measured) and
+so was charged once per layer of a stage beside the per-chunk term. The model
 is cut to `layers` decoder layers: the fit is per layer, and two layers keep a 32K-token chunk
 with a 96K context well inside memory. The LM head (final norm, projection, cross-entropy in
 float32 as loss.py computes it) is timed apart. Each measurement is `warmup` untimed runs then
@@ -111,8 +116,10 @@ class HeldBytes:
 
 @dataclass(kw_only=True)
 class _ChunkInputs:
-    layout: ChunkLayout
-    positions: torch.Tensor
+    index: RowIndex
+    """The chunk's attention index, built once (as the stage builds it), outside the timing."""
+    rope: tuple[torch.Tensor, torch.Tensor]
+    """Its rotary tables, likewise."""
     contexts: list
     """Per layer, per segment: [(k, v)] context leaves."""
     leaves: list[torch.Tensor]
@@ -156,12 +163,12 @@ class TorchMeasurer:
                 leaves += [t for kv in pieces for t in kv]
                 per_segment.append(pieces)
             contexts.append(per_segment)
-        return _ChunkInputs(layout=layout, positions=chunk_positions(chunk, self.device), contexts=contexts,
-                            leaves=leaves)
+        index = RowIndex.build(layout, self.device, varlen=wants_varlen_index(self.backend))
+        rope = self.model.rope(chunk_positions(chunk, self.device), self.dtype)
+        return _ChunkInputs(index=index, rope=rope, contexts=contexts, leaves=leaves)
 
     def _forward(self, inputs: _ChunkInputs, h_TD: torch.Tensor) -> torch.Tensor:
-        rope = self.model.rope(inputs.positions, self.dtype)
-        out_TD, _ = self.model.run_layers(h_TD, layers=range(self.layers), rope=rope, layout=inputs.layout,
+        out_TD, _ = self.model.run_layers(h_TD, layers=range(self.layers), rope=inputs.rope, layout=inputs.index,
                                           contexts=inputs.contexts, backend=self.backend)
         return out_TD
 
@@ -242,9 +249,8 @@ class TorchMeasurer:
         """Bytes of the k and v one layer returns per token (what the K/V store keeps)."""
         chunk = Chunk.parse("0[0:16]")
         inputs = self._inputs(chunk)
-        rope = self.model.rope(inputs.positions, self.dtype)
-        _, kv = self.model.run_layers(self._randn(16, self.spec.hidden), layers=range(1), rope=rope,
-                                      layout=inputs.layout, contexts=inputs.contexts[:1], backend=self.backend)
+        _, kv = self.model.run_layers(self._randn(16, self.spec.hidden), layers=range(1), rope=inputs.rope,
+                                      layout=inputs.index, contexts=inputs.contexts[:1], backend=self.backend)
         k, v = kv[0]
         return (k.numel() * k.element_size() + v.numel() * v.element_size()) / 16
 
