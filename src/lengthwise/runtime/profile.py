@@ -10,9 +10,9 @@ What is timed is what a stage of the executor runs in its layers for one chunk (
 require grad, then the backward from the stage output (and into the context leaves). The
 chunk's preparation, its rotary tables and its attention index, is made before the timing, as
 the stage makes it once per chunk for all its layers: it is timed apart (`time_chunk_overhead`,
-the simulator's per-chunk host term). Timed inside the layers' samples, as it was until
-2026-11-28, it stood in every layer's time (half of it in each of the two layers measured) and
-so was charged once per layer of a stage beside the per-chunk term. The model
+the simulator's per-chunk host term). Timed inside the layers' forward samples, as it was until
+2026-11-28, half of it stood in each of the two layers measured, so a stage of L layers was
+charged L/2 times it beside the per-chunk term. The model
 is cut to `layers` decoder layers: the fit is per layer, and two layers keep a 32K-token chunk
 with a 96K context well inside memory. The LM head (final norm, projection, cross-entropy in
 float32 as loss.py computes it) is timed apart. Each measurement is `warmup` untimed runs then
