@@ -253,10 +253,10 @@ def test_step_breakdown_tiny_writes_every_case_with_its_kernel_and_host_counts(t
     assert breakdown.parse_case("qwen2.5-1.5b:chunkflow@8192:chain") == ("qwen2.5-1.5b", "chunkflow", 8192, ":chain")
     assert breakdown.parse_case("tiny-qwen:packing:eager") == ("tiny-qwen", "packing", None, ":eager")
     out = tmp_path / "breakdown.json"
-    assert breakdown.main(["--tiny", "--cases", "tiny-qwen:packing,tiny-qwen:chunkflow@64", "--steps", "2",
+    assert breakdown.main(["--tiny", "--cases", "tiny-qwen:packing,tiny-qwen:chunkflow@64:chain", "--steps", "2",
                            "--out", str(out)]) == 0
     cases = json.loads(out.read_text())["cases"]
-    assert [c["case"] for c in cases] == ["tiny-qwen:packing", "tiny-qwen:chunkflow@64"]
+    assert [c["case"] for c in cases] == ["tiny-qwen:packing", "tiny-qwen:chunkflow@64:chain"]
     for case in cases:
         assert len(case["step_times_s"]) == 2 and case["tokens_per_s"] > 0
         step = case["profiled_step"]

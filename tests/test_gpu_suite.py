@@ -97,25 +97,27 @@ def test_host_overhead_measures_pytorchs_floor_beside_the_executor(monkeypatch, 
         bench.main(["--variants", "floor,sideways", "--out", str(out)])
 
 
-def test_experiments_fit_eight_minutes_and_run_tiny_on_cpu(suite, tmp_path):
-    """`--experiments`: the GPU's waiting list as suite steps, limits within 8 minutes; --tiny runs
-    the breakdown (with a chained case) and the softmax gradient's variants on CPU, the sync
-    check skipped without CUDA."""
+def test_experiments_fit_eight_minutes_and_name_the_chained_cases(suite, tmp_path, capsys, monkeypatch):
+    """`--experiments`: the GPU's waiting list as suite steps, limits within 8 minutes, the
+    breakdown comparing chained and default compilation on the same case, in a folder of its
+    own (the steps' scripts run tiny in their own tests; the runner is the suite's, run end to
+    end by the tiny suite's test)."""
     steps = suite.experiment_steps(tmp_path, tiny=False, cuda=True)
     assert sum(s.limit_s for s in steps) <= suite.SUITE_LIMIT_S and not any(s.skip_reason for s in steps)
+    assert [s.name for s in steps] == ["sync-check", "chain-breakdown", "softmax-grad"]
     breakdown = next(s for s in steps if s.name == "chain-breakdown")
     cases = breakdown.argv[breakdown.argv.index("--cases") + 1].split(",")
     assert "qwen2.5-1.5b:chunkflow@8192" in cases and "qwen2.5-1.5b:chunkflow@8192:chain" in cases
-    out = tmp_path / "experiments"
-    proc = subprocess.run(["bash", str(BENCH / "gpu_suite.sh"), "--experiments", "--tiny", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = _load(out, "summary.json")
-    assert summary["experiments"] is True
-    status = {r["name"]: r["status"] for r in summary["steps"]}
-    assert status == {"sync-check": "skipped", "chain-breakdown": "ok", "softmax-grad": "ok"}
-    assert [c["case"] for c in _load(out, "chain-breakdown.json")["cases"]][-1].endswith(":chain")
-    assert _load(out, "softmax-grad.json")["results"]
+    assert all(a.startswith(str(tmp_path)) for a in breakdown.argv if a.endswith(".json") and "=" not in a)
+    tiny = suite.experiment_steps(tmp_path, tiny=True, cuda=False)
+    assert tiny[0].skip_reason and all("--tiny" in s.argv for s in tiny[1:])
+    monkeypatch.delenv("OUT", raising=False)
+    machine = {"device": "NVIDIA H200"}
+    assert suite.default_out(machine, False, experiments=True).name.endswith("-experiments-nvidia-h200")
+    assert suite.default_out(machine, False).name.endswith("-nvidia-h200") and "experiments" not in str(
+        suite.default_out(machine, False))
+    assert suite.main(["--experiments", "--list", "--out", str(tmp_path)]) == 0
+    assert "chain-breakdown" in capsys.readouterr().out
 
 
 def test_every_batch_gets_one_long_sequence_in_range(monkeypatch):
