@@ -3,6 +3,7 @@
     python benchmarks/verify_matrix.py                           # every planner x tp1, tp2, pp2, cp2
     python benchmarks/verify_matrix.py --planners chunkflow,skrull --schemes pp2,cp2
     python benchmarks/verify_matrix.py --compile-backend inductor --out /tmp/m.json
+    python benchmarks/verify_matrix.py --chain        # compiled with one region between attentions
 
 What `lengthwise verify --compile` does (tp1: one process, `runtime/verify.verify_plan`; tp2,
 pp2 and cp2: two gloo processes, `runtime/parallel/verify_dist.verify_worker`, the entry of
@@ -113,7 +114,7 @@ def cell(planner: str, scheme: str, plan, result: dict, graphs: list[int], secon
             "compiled_graphs_per_rank": graphs, "passed": bool(exact and all(graphs)), "seconds": round(seconds, 1)}
 
 
-def one_process_cells(planners: list[str], compile_backend: str, attention: str) -> list[dict]:
+def one_process_cells(planners: list[str], compile_backend: str, attention: str, chain: bool = False) -> list[dict]:
     """tp1: `lengthwise verify --compile` on this process."""
     out = []
     for planner in planners:
@@ -121,13 +122,15 @@ def one_process_cells(planners: list[str], compile_backend: str, attention: str)
         start = time.perf_counter()
         plan = make_plan(planner, "tp1")
         result = verify_plan(plan, dtype=torch.float64, backend=attention, seed=SEED, oracle="transformers",
-                             compile=True, compile_backend=compile_backend, head_block_bytes=HEAD_BLOCK_BYTES)
+                             compile=True, compile_backend=compile_backend, head_block_bytes=HEAD_BLOCK_BYTES,
+                             compile_chain=chain)
         out.append(cell(planner, "tp1", plan, result.to_dict(), [compiled_graphs()], time.perf_counter() - start))
         print(_line(out[-1]), flush=True)
     return out
 
 
-def two_rank_worker(rank: int, cells: list[tuple[str, str]], compile_backend: str, attention: str) -> list[dict] | None:
+def two_rank_worker(rank: int, cells: list[tuple[str, str]], compile_backend: str, attention: str,
+                    chain: bool = False) -> list[dict] | None:
     """Every (planner, scheme) cell in turn on one group of 2 ranks (`verify --nproc 2 --compile`)."""
     mesh = Mesh.from_default_group(timeout_s=TIMEOUT_S)
     out = []
@@ -136,7 +139,7 @@ def two_rank_worker(rank: int, cells: list[tuple[str, str]], compile_backend: st
         start = time.perf_counter()
         job = VerifyJob(make_plan=functools.partial(make_plan, planner, scheme), dtype=torch.float64,
                         backend=attention, seed=SEED, oracle="transformers", timeout_s=TIMEOUT_S,
-                        compile=compile_backend, head_block_bytes=HEAD_BLOCK_BYTES)
+                        compile=compile_backend, head_block_bytes=HEAD_BLOCK_BYTES, compile_chain=chain)
         result = verify_worker(rank, job, mesh)
         graphs = [None] * mesh.world_size if rank == 0 else None
         dist.gather_object(compiled_graphs(), graphs, dst=0)
@@ -158,9 +161,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma-separated of {', '.join(SCHEMES)}")
     parser.add_argument("--compile-backend", default="aot_eager", choices=("aot_eager", "inductor", "eager"),
                         help="torch.compile backend (default aot_eager)")
-    parser.add_argument("--out", default=str(RESULTS / "verify_matrix.json"))
+    parser.add_argument("--chain", action="store_true",
+                        help="compile with one region between two attentions (runtime/compile.py; plain layers: "
+                             "tp1, pp2, cp2; under tp2 the layers run as modules, unchained)")
+    parser.add_argument("--out", help="results JSON (default benchmarks/results/verify_matrix.json, "
+                                      "verify_matrix_chain.json with --chain)")
     args = parser.parse_args(argv)
     args.planners, args.schemes = args.planners.split(","), args.schemes.split(",")
+    args.out = args.out or str(RESULTS / ("verify_matrix_chain.json" if args.chain else "verify_matrix.json"))
     for name, given, known in (("--planners", args.planners, PLANNER_NAMES), ("--schemes", args.schemes, SCHEMES)):
         if unknown := [g for g in given if g not in known]:
             raise UserError(f"{name}: unknown {', '.join(unknown)}; use some of {', '.join(known)}")
@@ -175,17 +183,18 @@ def main(argv: list[str]) -> int:
         return 2
     attention = resolve_backend("auto", torch.device("cpu"), torch.float64)
     start = time.perf_counter()
-    cells = one_process_cells(args.planners, args.compile_backend, attention) if "tp1" in args.schemes else []
+    cells = one_process_cells(args.planners, args.compile_backend, attention, args.chain) if "tp1" in args.schemes else []
     pairs = [(p, s) for p in args.planners for s in args.schemes if s != "tp1"]
     if pairs:
-        cells += spawn(two_rank_worker, 2, pairs, args.compile_backend, attention, timeout_s=TIMEOUT_S)
+        cells += spawn(two_rank_worker, 2, pairs, args.compile_backend, attention, args.chain, timeout_s=TIMEOUT_S)
     order = {s: i for i, s in enumerate(SCHEMES)}
     cells.sort(key=lambda c: (PLANNER_NAMES.index(c["planner"]), order[c["scheme"]]))
     payload = {
         "what": "float64 loss and gradients of each planner's plan, every decoder layer compiled, LM head "
                 "loss in blocks, against Hugging Face transformers run on each sequence alone",
         "model": MODEL, "lengths": LENGTHS, "options": OPTIONS, "dtype": "float64", "attention": attention,
-        "compile_backend": args.compile_backend, "head_block_bytes": HEAD_BLOCK_BYTES, "tolerance": 1e-9,
+        "compile_backend": args.compile_backend, "compile_chain": args.chain, "head_block_bytes": HEAD_BLOCK_BYTES,
+        "tolerance": 1e-9,
         "torch": torch.__version__, "cells": cells, "passed": all(c["passed"] for c in cells),
         "max_rel_grad_diff": max(c["max_rel_grad_diff"] for c in cells),
         "max_loss_rel_diff": max(c["loss_rel_diff"] for c in cells),

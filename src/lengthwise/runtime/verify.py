@@ -85,13 +85,14 @@ def random_tokens(lengths: list[int], vocab: int, seed: int) -> list[torch.Tenso
 
 def verify_plan(plan: StepPlan, *, dtype: torch.dtype = torch.float64, backend: str = "auto",
                 seed: int = 0, oracle: str = "auto", device="cpu", compile: bool | None = None,
-                compile_backend: str = "inductor", head_block_bytes: int | None = None) -> VerifyResult:
+                compile_backend: str = "inductor", head_block_bytes: int | None = None,
+                compile_chain: bool = False) -> VerifyResult:
     """Random weights and tokens (seeded), the plan's loss and gradients against the oracle's
-    (`compile`: runtime/compile.compile_wanted, under `compile_backend`; `head_block_bytes`:
-    the LM head's block, `model.LMHead.block_bytes`)."""
+    (`compile`: runtime/compile.compile_wanted, under `compile_backend`, chained with
+    `compile_chain`; `head_block_bytes`: the LM head's block, `model.LMHead.block_bytes`)."""
     model = build_model(plan.model, dtype=dtype, device=device, seed=seed)
     if compile_wanted(compile, device):
-        compile_layers(model, backend=compile_backend)
+        compile_layers(model, backend=compile_backend, chain=compile_chain)
     model.lm_head.block_bytes = head_block_bytes
     token_ids = random_tokens(plan.lengths, plan.model.vocab, seed + 1)
     loss = run_step(model, plan, token_ids, backend=backend)

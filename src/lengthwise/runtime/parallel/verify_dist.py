@@ -63,6 +63,8 @@ class VerifyJob:
     compile: str | None = None
     """torch.compile backend of every decoder layer on every rank (`runtime/compile.py`:
     inductor, or aot_eager on a CPU, where inductor's C++ compile is slow); None: eager."""
+    compile_chain: bool = False
+    """Compiled with one region between two attentions (`compile_layers(..., chain=True)`)."""
     head_block_bytes: int | None = None
     """Bytes of the LM head's wide logits per block (`loss.head_loss_sum`); None: the default,
     `cost.memory.HEAD_BLOCK_BYTES`. A few rows' worth makes a tiny model's head run in several
@@ -78,7 +80,7 @@ def verify_worker(rank: int, job: VerifyJob, mesh: Mesh | None = None) -> dict |
     seed = None if job.weights else job.seed
     model = build_rank_model(plan, mesh, dtype=job.dtype, seed=seed, weights=job.weights, options=options)
     if job.compile:
-        compile_layers(model, backend=job.compile)
+        compile_layers(model, backend=job.compile, chain=job.compile_chain)
     if job.head_block_bytes and hasattr(model, "lm_head"):
         model.lm_head.block_bytes = job.head_block_bytes
     token_ids = random_tokens(plan.lengths, plan.model.vocab, job.seed + 1)
