@@ -218,7 +218,7 @@ def test_compiled_layers_equal_eager_and_transformers(spec, name, chain):
     assert compare_grads(grads, ref_grads)[1] <= 1e-9
 
 
-def test_a_chain_runs_only_layers_without_hooks_and_keeps_no_more_than_its_layers_apart(monkeypatch):
+def test_a_chain_runs_only_layers_without_hooks_and_keeps_what_its_layers_keep_apart(monkeypatch):
     """What two compiled layers keep for backward over one chunk (saved-tensor hooks, the
     partitioner of aot_eager_decomp_partition), chained and apart: the same bytes (the same
     tensors: inductor's partitioner alike, checked by hand). A layer with a forward hook of its
