@@ -8,8 +8,12 @@ arithmetic is nothing, before and after the hot-path work (issue 26).
 What is timed: one training step (forward and backward, `run_step`) of a plan with a split
 sequence and packed rows — sequence 0 cut into three slices, two of them sharing a row with a
 short document — on a tiny model (hidden 32, 4 query heads, 2 K/V heads), float32, one thread.
-The same step with 4 and with 2 decoder layers: the difference over (2 layers x 3 chunks) is
-the time one layer costs one chunk, forward and backward, without the embedding, head and loss.
+The same step with 8 and with 4 decoder layers (`FEW`, `MANY`): the difference over (4 layers x 3
+chunks) is the time one layer costs one chunk, forward and backward, without the embedding, head
+and loss. Four layers apart, because the chained variant runs up to four layers in one compiled
+region (`model.CHAIN_LAYERS`): 8 layers make one region more than 4, so the difference holds a
+region's call as a deep stage pays it, a quarter of it per layer (with 2 and 4 layers both would
+be one region, and the difference would leave the call out).
 
 Variants, each in its own process, all timed in turns in one run (the machine's load is shared
 alike):
@@ -33,7 +37,7 @@ Two more variants measure PyTorch's own floor, with nothing of lengthwise in it 
 the same layer shapes written as the plain expressions a model file has (RMSNorm, q/k/v with
 biases, rotary embedding, one causal `scaled_dot_product_attention` call over the chunk's own
 tokens, no earlier K/V, output projection, SwiGLU), each chunk through the layers forward and
-back (`.sum().backward()`), the same chunk lengths (8, 16, 16 tokens), the same 4-minus-2-layer
+back (`.sum().backward()`), the same chunk lengths (8, 16, 16 tokens), the same 8-minus-4-layer
 difference: `floor` eager, `floor+compile` with every layer compiled whole (one graph forward,
 one backward; the compile backend as above). What these cost is what any executor that calls
 PyTorch once per layer and chunk pays on this host, however little else it does: a per-layer
@@ -71,6 +75,10 @@ LENGTHS = [24, 8, 8]
 CHUNKS = "0[0:8] 0[8:16]+1[0:8] 0[16:24]+2[0:8]"
 ACTIONS = "F0 F1 F2 B2 B1 B0"
 NUM_CHUNKS = 3
+FEW, MANY = 4, 8
+"""The two depths whose steps are timed (module docstring)."""
+SAMPLES = (MANY - FEW) * NUM_CHUNKS
+"""Layer-chunks the deeper step runs more."""
 VARIANTS = ("before", "after", "after+compile", "after+compile+chain", "floor", "floor+compile")
 COUNTS = ("aten_ops", "dispatched_ops", "autograd_nodes", "compiled_graph_calls")
 """Per layer and chunk, counted once per variant (`dispatch_counts`)."""
@@ -96,7 +104,7 @@ def worker(compile_backend: str | None, steps: int, device: str = "cpu", chain: 
         return time.thread_time()
 
     models, plans = {}, {}
-    for layers in (2, 4):
+    for layers in (FEW, MANY):
         spec = ModelSpec(name=f"tiny-{layers}", num_layers=layers, hidden=32, num_heads=4, num_kv_heads=2,
                          head_dim=8, ffn=48, vocab=64)
         models[layers] = build_model(spec, dtype=dtype, device=device, seed=0)
@@ -119,28 +127,28 @@ def worker(compile_backend: str | None, steps: int, device: str = "cpu", chain: 
 
     warm = time.perf_counter()
     for _ in range(3):  # warm-up (and compilation)
-        step(2), step(4)
+        step(FEW), step(MANY)
     warm = time.perf_counter() - warm
-    counts = {layers: dispatch_counts(lambda: step(layers)) for layers in (2, 4)}
-    per_layer_counts = {kind: (counts[4][kind] - counts[2][kind]) / (2 * NUM_CHUNKS) for kind in counts[2]}
+    counts = {layers: dispatch_counts(lambda: step(layers)) for layers in (FEW, MANY)}
+    per_layer_counts = {kind: (counts[MANY][kind] - counts[FEW][kind]) / SAMPLES for kind in counts[FEW]}
     # eager only: a compiled graph's own kernels are no ATen calls, and a dispatch mode around
     # a compiled region changes what it runs
-    calls = None if compile_backend else {layers: recorded_calls(lambda: step(layers)) for layers in (2, 4)}
-    per_layer_counts["dispatched_ops"] = calls and (len(calls[4]) - len(calls[2])) / (2 * NUM_CHUNKS)
+    calls = None if compile_backend else {layers: recorded_calls(lambda: step(layers)) for layers in (FEW, MANY)}
+    per_layer_counts["dispatched_ops"] = calls and (len(calls[MANY]) - len(calls[FEW])) / SAMPLES
     varlen_index = varlen_index_work()
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print("ready " + json.dumps({"device": name, "torch": torch.__version__, "warmup_s": warm}), flush=True)
     for _ in sys.stdin:
-        times = {layers: [] for layers in (2, 4)}
+        times = {layers: [] for layers in (FEW, MANY)}
         for _ in range(steps):
-            for layers in (2, 4):
+            for layers in (FEW, MANY):
                 times[layers].append(step(layers))
-        two, four = statistics.median(times[2]), statistics.median(times[4])
+        few, many = statistics.median(times[FEW]), statistics.median(times[MANY])
         replays = calls and {layers: statistics.median(replay(calls[layers], clock) for _ in range(steps))
-                             for layers in (2, 4)}
-        print(json.dumps({"step_2_layers_s": two, "step_4_layers_s": four,
-                          "per_layer_chunk_s": (four - two) / (2 * NUM_CHUNKS),
-                          "replay_per_layer_chunk_s": replays and (replays[4] - replays[2]) / (2 * NUM_CHUNKS),
+                             for layers in (FEW, MANY)}
+        print(json.dumps({f"step_{FEW}_layers_s": few, f"step_{MANY}_layers_s": many,
+                          "per_layer_chunk_s": (many - few) / SAMPLES,
+                          "replay_per_layer_chunk_s": replays and (replays[MANY] - replays[FEW]) / SAMPLES,
                           "varlen_index_per_layer_chunk_s": varlen_index(), **per_layer_counts}), flush=True)
 
 
@@ -189,7 +197,7 @@ def floor_worker(compile_backend: str | None, steps: int) -> None:
             return h + self.down(F.silu(self.gate(x)) * self.up(x))
 
     torch.manual_seed(0)
-    stacks = {layers: [PlainLayer() for _ in range(layers)] for layers in (2, 4)}
+    stacks = {layers: [PlainLayer() for _ in range(layers)] for layers in (FEW, MANY)}
     if compile_backend:
         for stack in stacks.values():
             for layer in stack:
@@ -208,13 +216,13 @@ def floor_worker(compile_backend: str | None, steps: int) -> None:
         return time.thread_time() - started
 
     for _ in range(3):  # warm-up (and compilation)
-        step(2), step(4)
+        step(FEW), step(MANY)
     print("ready " + json.dumps({"device": "cpu", "torch": torch.__version__}), flush=True)
     for _ in sys.stdin:
-        times = {layers: [step(layers) for _ in range(steps)] for layers in (2, 4)}
-        two, four = statistics.median(times[2]), statistics.median(times[4])
-        print(json.dumps({"step_2_layers_s": two, "step_4_layers_s": four,
-                          "per_layer_chunk_s": (four - two) / (2 * NUM_CHUNKS)}), flush=True)
+        times = {layers: [step(layers) for _ in range(steps)] for layers in (FEW, MANY)}
+        few, many = statistics.median(times[FEW]), statistics.median(times[MANY])
+        print(json.dumps({f"step_{FEW}_layers_s": few, f"step_{MANY}_layers_s": many,
+                          "per_layer_chunk_s": (many - few) / SAMPLES}), flush=True)
 
 
 def dispatch_counts(run) -> dict[str, int]:

@@ -74,8 +74,12 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("path", ["function", "operator", "operator-compiled"])
 @pytest.mark.parametrize("spec", list(CASES))
-def test_varlen_indexing_matches_the_reference_backend(spec):
+def test_varlen_indexing_matches_the_reference_backend(spec, path):
+    """`path`: the autograd Function the eager layers call; the operator a chained region holds
+    (`row_op.flash_row`, its backward an operator too), called eagerly and inside a region
+    compiled with aot_eager (dynamic shapes, the handle a graph input)."""
     gen = torch.Generator().manual_seed(0)
     layout = ChunkLayout.from_chunk(Chunk.parse(CASES[spec]))
     T, H, G, E = sum(layout.q_lens), 4, 2, 8
@@ -101,7 +105,18 @@ def test_varlen_indexing_matches_the_reference_backend(spec):
     index = RowIndex.build(layout, "cpu", varlen=True)
     num_pieces = tuple(len(p) for p in context)
     flat = [t for pieces in context for kv in pieces for t in kv]
-    got, got_grads = run(lambda: flash_attend(REFERENCE_VARLEN, index, num_pieces, q, k, v, *flat))
+    if path == "function":
+        got, got_grads = run(lambda: flash_attend(REFERENCE_VARLEN, index, num_pieces, q, k, v, *flat))
+    else:
+        from lengthwise.runtime import row_op
+
+        call = row_op.register(REFERENCE_VARLEN, index, num_pieces)
+
+        def region(q, k, v, flat, handle):
+            return row_op.flash_row(q * 1, k, v, flat, handle)[0] * 1
+
+        fn = region if path == "operator" else torch.compile(region, backend="aot_eager", dynamic=True)
+        got, got_grads = run(lambda: fn(q, k, v, flat, call.handle))
     want, want_grads = run(lambda: attend(q, k, v, context, layout, backend="reference"))
     assert (got - want).abs().max() <= 1e-12
     for a, b in zip(got_grads, want_grads):

@@ -191,26 +191,33 @@ QWEN_4 = ModelSpec(name="qwen-4-layers", num_layers=4, hidden=32, num_heads=4, n
 
 
 @pytest.mark.parametrize("spec,name,chain", [(LLAMA, "split-k-all", False), (LLAMA, "mlp-recompute", False),
-                                             (QWEN, "split-k1", True), (QWEN_4, "pp2", True)],
-                         ids=["split-k-all", "mlp-recompute", "chained-split-k1", "chained-pp2-4-layers"])
-def test_compiled_layers_equal_eager_and_transformers(spec, name, chain):
+                                             (QWEN, "split-k1", True), (QWEN_4, "pp2", True), (QWEN_4, "split-k1", 3)],
+                         ids=["split-k-all", "mlp-recompute", "chained-split-k1", "chained-pp2-4-layers",
+                              "chained-3-and-1-layers"])
+def test_compiled_layers_equal_eager_and_transformers(spec, name, chain, monkeypatch):
     """Each decoder layer under torch.compile (backend aot_eager: it traces and runs the
     captured graphs, forward and backward, without inductor's C++ compile, too slow for 2
     cores) on a plan with a sequence split in three slices and packed rows, and on one whose
     layers recompute their MLP block (its checkpoint around a compiled region of its own); and
-    compiled with `chain` (one compiled region between two attentions, `model._run_chain`) on
+    compiled with `chain` (the layers in one compiled region, attention inside, `model._run_chain`) on
     the split plan whose first slices run without gradients before they run with them (K = 1),
-    and on two pipeline stages of two layers each: loss and every gradient equal the eager
-    executor's and transformers' within 1e-9."""
+    on two pipeline stages of two layers each, and on four layers in regions of three and one:
+    loss and every gradient equal the eager executor's and transformers' within 1e-9; after the
+    step no row is registered for a chained region's backward any more (`row_op`)."""
     pytest.importorskip("transformers")
+    from lengthwise.runtime import model as model_module, row_op
     from lengthwise.runtime.compile import compile_layers
+
+    if chain is not True and chain:
+        monkeypatch.setattr(model_module, "CHAIN_LAYERS", chain)
 
     _, _, eager_loss, eager_grads = _run(spec, PLANS[name])
     plan = hand_plan(spec, LENGTHS, PLANS[name])
     model = build_model(spec, dtype=torch.float64, seed=0)
-    compile_layers(model, backend="aot_eager", chain=chain)
+    compile_layers(model, backend="aot_eager", chain=bool(chain))
     ids = random_tokens(LENGTHS, spec.vocab, 1)
     loss = float(run_step(model, plan, ids))
+    assert not row_op._CALLS
     grads = {n: p.grad for n, p in model.named_parameters()}
     ref_loss, ref_grads = transformers_loss_and_grads(model, ids)
     assert abs(loss - eager_loss) <= 1e-9 * abs(eager_loss) and abs(loss - ref_loss) <= 1e-9 * abs(ref_loss)
@@ -264,7 +271,8 @@ def test_compiled_layers_compile_once_whatever_the_chunk_lengths(chain):
     """A first chunk exactly as long as the head dimension, then other lengths (a row of two
     documents, one of a single document): each of a layer's two compiled regions compiles one
     graph for every length, shared by both layers, and so does the head's (the loss blocks'
-    softmax gradient); chained, the region between the attentions one more. With duck sizing
+    softmax gradient); chained, the layers' one region (attention inside, a new row handle each
+    chunk) replaces the two. With duck sizing
     on, the first length made a layer graph specialised to it and a second compile followed
     (`compile.py`)."""
     import torch._dynamo
@@ -279,7 +287,7 @@ def test_compiled_layers_compile_once_whatever_the_chunk_lengths(chain):
     for lengths, chunks in (([LLAMA.head_dim], "0[0:8]"), ([5, 4], "0[0:5]+1[0:4]"), ([LLAMA.hidden + 3], "0[0:35]")):
         plan = hand_plan(LLAMA, lengths, [(chunks, ["F0 B0"])])
         run_step(model, plan, random_tokens(lengths, LLAMA.vocab, 1))
-    assert counters["stats"]["unique_graphs"] == 2 + chain + 1
+    assert counters["stats"]["unique_graphs"] == (1 if chain else 2) + 1
     assert torch._dynamo.config.recompile_limit >= 64  # a region's several graphs never fall back to eager
 
 

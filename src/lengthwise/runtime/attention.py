@@ -63,6 +63,17 @@ def attend(q_THE, k_TGE, v_TGE, context, layout: ChunkLayout | RowIndex, *, back
     return _RecomputedSDPA.apply(layout_of(layout), num_pieces, q_THE, k_TGE, v_TGE, *flat)
 
 
+def row_kernels(backend, device, dtype: torch.dtype) -> flash_row.Kernels | None:
+    """The flash-row kernels `backend` runs on (`cpu-flash`, `varlen`, or `auto` resolving to
+    one), or None: the reference backend, or a distributed attention."""
+    if callable(backend):
+        return None
+    backend = resolve_backend(backend, device, dtype)
+    if backend == "varlen":
+        return _varlen_kernels()
+    return flash_cpu.KERNELS if backend == "cpu-flash" else None
+
+
 def wants_varlen_index(attention) -> bool:
     """Whether a row attended by `attention` (a resolved backend name, or a distributed
     attention with a `backend`) needs the varlen index tensors in its RowIndex."""

@@ -80,17 +80,44 @@ def _context_keys(call: ContextCall, index: RowIndex, own_TGE, pieces) -> torch.
     return cat_tokens(key_parts(own_TGE, pieces, index.layout, call.segment)[:-1])
 
 
+def row_forward(kernels: Kernels, index: RowIndex, num_pieces: tuple[int, ...], q_THE, k_TGE, v_TGE, flat):
+    """Output [T, H, E] and log-sum-exp [H, T] of the row: the own call, each context call
+    merged into its rows."""
+    context = unflatten_context(flat, num_pieces)
+    out_THE, lse_HT = kernels.own(q_THE, k_TGE, v_TGE, index)  # fresh: the merge writes rows of them
+    for call in index.context_calls:
+        pieces = context[call.segment]
+        k = _context_keys(call, index, k_TGE, [kv[0] for kv in pieces])
+        v = _context_keys(call, index, v_TGE, [kv[1] for kv in pieces])
+        lo, hi = call.lo, call.hi
+        merge_into(out_THE[lo:hi], lse_HT[:, lo:hi], kernels.context(q_THE[lo:hi], k, v, call))
+    return out_THE, lse_HT
+
+
+def row_backward(kernels: Kernels, index: RowIndex, num_pieces: tuple[int, ...], g_THE, q_THE, k_TGE, v_TGE,
+                 out_THE, lse_HT, flat):
+    """dq, dk, dv and the context pieces' gradients (`flat`'s order) given the output's
+    gradient and the merged output and log-sum-exp."""
+    g_THE = g_THE if g_THE.is_contiguous() else g_THE.contiguous()
+    dq, dk, dv = kernels.own_backward(g_THE, q_THE, k_TGE, v_TGE, out_THE, lse_HT, index)
+    context = unflatten_context(flat, num_pieces)
+    first_piece = [2 * n for n in accumulate(num_pieces, initial=0)]
+    dflat: list[torch.Tensor | None] = [None] * len(flat)
+    for call in index.context_calls:
+        lo, hi, pieces = call.lo, call.hi, context[call.segment]
+        k = _context_keys(call, index, k_TGE, [kv[0] for kv in pieces])
+        v = _context_keys(call, index, v_TGE, [kv[1] for kv in pieces])
+        gq, gk, gv = kernels.context_backward(g_THE[lo:hi], q_THE[lo:hi], k, v, out_THE[lo:hi],
+                                              lse_HT[:, lo:hi], call, index)
+        dq[lo:hi] += gq
+        _context_grads(call, index, pieces, gk, gv, dk, dv, dflat, first_piece[call.segment])
+    return dq, dk, dv, dflat
+
+
 class _FlashRow(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernels, index, num_pieces, q_THE, k_TGE, v_TGE, *flat):
-        context = unflatten_context(flat, num_pieces)
-        out_THE, lse_HT = kernels.own(q_THE, k_TGE, v_TGE, index)  # fresh: the merge writes rows of them
-        for call in index.context_calls:
-            pieces = context[call.segment]
-            k = _context_keys(call, index, k_TGE, [kv[0] for kv in pieces])
-            v = _context_keys(call, index, v_TGE, [kv[1] for kv in pieces])
-            lo, hi = call.lo, call.hi
-            merge_into(out_THE[lo:hi], lse_HT[:, lo:hi], kernels.context(q_THE[lo:hi], k, v, call))
+        out_THE, lse_HT = row_forward(kernels, index, num_pieces, q_THE, k_TGE, v_TGE, flat)
         ctx.kernels, ctx.index, ctx.num_pieces = kernels, index, num_pieces
         ctx.save_for_backward(q_THE, k_TGE, v_TGE, out_THE, lse_HT, *flat)
         return out_THE
@@ -98,20 +125,8 @@ class _FlashRow(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_THE):
         q_THE, k_TGE, v_TGE, out_THE, lse_HT, *flat = ctx.saved_tensors
-        kernels, index, num_pieces = ctx.kernels, ctx.index, ctx.num_pieces
-        g_THE = g_THE if g_THE.is_contiguous() else g_THE.contiguous()
-        dq, dk, dv = kernels.own_backward(g_THE, q_THE, k_TGE, v_TGE, out_THE, lse_HT, index)
-        context = unflatten_context(flat, num_pieces)
-        first_piece = [2 * n for n in accumulate(num_pieces, initial=0)]
-        dflat: list[torch.Tensor | None] = [None] * len(flat)
-        for call in index.context_calls:
-            lo, hi, pieces = call.lo, call.hi, context[call.segment]
-            k = _context_keys(call, index, k_TGE, [kv[0] for kv in pieces])
-            v = _context_keys(call, index, v_TGE, [kv[1] for kv in pieces])
-            gq, gk, gv = kernels.context_backward(g_THE[lo:hi], q_THE[lo:hi], k, v, out_THE[lo:hi],
-                                                  lse_HT[:, lo:hi], call, index)
-            dq[lo:hi] += gq
-            _context_grads(call, index, pieces, gk, gv, dk, dv, dflat, first_piece[call.segment])
+        dq, dk, dv, dflat = row_backward(ctx.kernels, ctx.index, ctx.num_pieces, g_THE, q_THE, k_TGE, v_TGE,
+                                         out_THE, lse_HT, flat)
         return None, None, None, dq, dk, dv, *dflat
 
 

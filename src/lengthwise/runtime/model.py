@@ -46,11 +46,12 @@ from torch.utils.checkpoint import checkpoint
 
 from torch.distributed.tensor import DTensor
 
-from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend, wants_varlen_index
+from lengthwise.runtime import row_op
+from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend, row_kernels, wants_varlen_index
 from lengthwise.runtime.compile import compiled
 from lengthwise.runtime.layer_ops import (QKV, GateUp, LinearResidual, OutputNorm, SiluMul, SwiGLUDown, compute_dtype,
                                           heads, rms_norm, rms_norm_backward, rotate)
-from lengthwise.runtime.layout import LayerContext, RowIndex
+from lengthwise.runtime.layout import LayerContext, RowIndex, context_pieces
 from lengthwise.runtime.loss import VocabShard, head_loss_sum
 from lengthwise.specs import ModelSpec
 
@@ -279,6 +280,13 @@ class DecoderLayer(nn.Module):
         return h_TD + self.mlp_block(h_TD, recomputed), k_TGE, v_TGE
 
 
+CHAIN_LAYERS = 4
+"""Layers one chained region holds at most (`_run_chain`): a stage of L layers calls
+ceil(L / 4) regions per chunk, forward and backward. Larger regions call less often but compile
+longer (the graph unrolls its layers) and, with a stage's layer count no multiple of it, compile
+one more graph for the rest."""
+
+
 def _chainable(layers: list[DecoderLayer]) -> bool:
     """Whether `_run_chain` may run these layers: compiled with `chain` (`compile.compile_layers`),
     all under one backend, plain (`_plain`) and without hooks of their own (FSDP2 unshards a
@@ -288,30 +296,41 @@ def _chainable(layers: list[DecoderLayer]) -> bool:
             and all(_plain(layer) and not _hooked(layer) for layer in layers))
 
 
-def _between(layer: DecoderLayer, following: DecoderLayer, h_TD, out_THE, rope):
-    """What lies between two attentions: the output projection, residuals and MLP of `layer`
-    and the norm, projections and rotary embedding of `following`; (h, q, k, v)."""
-    h_TD = layer.attention_output(h_TD, out_THE)
-    return (h_TD, *following.attention_input(h_TD, rope))
-
-
-def _run_chain(layers: list[DecoderLayer], h_TD, rope, layout, contexts, backend: str):
-    """`run_layers` over compiled layers with one compiled region between each two attentions
-    (`_between`): a layer and chunk call one compiled region forward and one backward instead
-    of two each (`attention_input`, `attention_output`); the first layer's input part and the
-    last one's output part are the regions they always were. The arithmetic and the saved
-    tensors are the layers' (AOTAutograd's partitioner chooses over the larger region).
-    Returns h and the (k, v) per layer."""
-    compile_backend = layers[0].compile_backend
-    between = compiled(_between, compile_backend)
-    q_THE, k_TGE, v_TGE = compiled(DecoderLayer.attention_input, compile_backend)(layers[0], h_TD, rope)
+def _chain_region(layers: list[DecoderLayer], h_TD, rope, flats, handle: int):
+    """Layers over one chunk with the attention as an operator (`row_op.flash_row`): the
+    region `_run_chain` compiles. Returns h and the (k, v) per layer."""
     kv_per_layer = []
-    for j, layer in enumerate(layers):
-        out_THE = attend(q_THE, k_TGE, v_TGE, LayerContext(contexts[j]), layout, backend=backend)
+    for layer, flat in zip(layers, flats):
+        q_THE, k_TGE, v_TGE = layer.attention_input(h_TD, rope)
+        out_THE, _ = row_op.flash_row(q_THE, k_TGE, v_TGE, flat, handle)
+        h_TD = layer.attention_output(h_TD, out_THE)
         kv_per_layer.append((k_TGE, v_TGE))
-        if j + 1 < len(layers):
-            h_TD, q_THE, k_TGE, v_TGE = between(layer, layers[j + 1], h_TD, out_THE, rope)
-    return compiled(DecoderLayer.attention_output, compile_backend)(layers[-1], h_TD, out_THE), kv_per_layer
+    return h_TD, kv_per_layer
+
+
+def _run_chain(layers: list[DecoderLayer], h_TD, rope, index: RowIndex, contexts, kernels):
+    """`run_layers` over compiled layers, up to CHAIN_LAYERS of them in one compiled region,
+    attention included (`row_op`): per chunk one compiled call forward and one backward for
+    every CHAIN_LAYERS layers, instead of two each per layer (`attention_input`,
+    `attention_output` around an eager attention). The arithmetic is the layers'; what the
+    region keeps for backward is AOTAutograd's partitioner's choice over the larger graph.
+    Returns h and the (k, v) per layer; None when the layers' contexts differ in shape (not
+    from the stage: it hands every layer the same pieces)."""
+    contexts = [context_pieces(context) for context in contexts]
+    pieces = {tuple(len(p) for p in context) for context in contexts}
+    if len(pieces) != 1:
+        return None
+    call = row_op.register(kernels, index, pieces.pop())
+    region = compiled(_chain_region, layers[0].compile_backend)
+    kv_per_layer = []
+    for at in range(0, len(layers), CHAIN_LAYERS):
+        group = layers[at:at + CHAIN_LAYERS]
+        flats = [[t for piece in context for kv in piece for t in kv] for context in contexts[at:at + len(group)]]
+        h_TD, kv = region(group, h_TD, rope, flats, call.handle)
+        if h_TD.grad_fn is not None:  # the row stays registered until the region's backward has run
+            h_TD.grad_fn.metadata["row_call"] = call
+        kv_per_layer += kv
+    return h_TD, kv_per_layer
 
 
 def _plain(layer: DecoderLayer) -> bool:
@@ -398,7 +417,10 @@ class CausalLM(nn.Module):
             layout = RowIndex.build(layout, h_TD.device, varlen=wants_varlen_index(resolved))
         modules = [self.model.layers[str(index)] for index in layers]
         if not (recompute_layers or recompute_mlp) and _chainable(modules):
-            return _run_chain(modules, h_TD, rope, layout, contexts, backend)
+            kernels = row_kernels(backend, h_TD.device, h_TD.dtype)
+            chained = kernels and _run_chain(modules, h_TD, rope, layout, contexts, kernels)
+            if chained:
+                return chained
         kv_per_layer = []
         for j, layer in enumerate(modules):
             args = (h_TD, rope, layout, LayerContext(contexts[j]), backend)
