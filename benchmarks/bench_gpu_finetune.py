@@ -143,7 +143,7 @@ def parse_args(argv):
     ap.add_argument("--contexts", default="32768,131072", help="comma-separated context lengths")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help=f"some of {', '.join(SYSTEMS)}; packing:eager or chunkflow:eager: not compiled; "
-                         "packing:chain or chunkflow:chain: compiled, one region between two attentions")
+                         "packing:chain or chunkflow:chain: compiled, up to four layers in one region, attention included")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
@@ -186,7 +186,7 @@ def _length_range(text: str) -> tuple[int, int]:
 def _systems(text: str) -> list[str]:
     """The systems named; lengthwise's may carry ":eager" (its layers and head not compiled,
     whatever --compile says: compiled against eager in one process) or ":chain" (compiled with
-    one region between two attentions, `runtime/compile.py`)."""
+    up to four layers in one region, attention included, `runtime/compile.py`)."""
     names = [s for s in text.split(",") if s]
     unknown = [s for s in names if s not in SYSTEMS and not (
         s.endswith((":eager", ":chain")) and s.removesuffix(":eager").removesuffix(":chain") in ("packing", "chunkflow"))]

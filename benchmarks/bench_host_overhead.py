@@ -22,8 +22,8 @@ alike):
 - `after`: this checkout, eager;
 - `after+compile`: this checkout with each decoder layer compiled (`--compile-backend`,
   default inductor; `--no-inductor` uses aot_eager, which traces but does not fuse);
-- `after+compile+chain`: the same, compiled with `chain` (one compiled region between two
-  attentions, `runtime/compile.py`).
+- `after+compile+chain`: the same, compiled with `chain` (up to four layers in one compiled
+  region, attention included as an operator, `runtime/compile.py`).
 Reported: the median over rounds of each variant's per-layer-chunk time, and before / after;
 for the eager variants also the time of the ATen calls alone (`replay`: every operator call the
 step dispatched below autograd, recorded once and made again in a loop, no autograd, none of

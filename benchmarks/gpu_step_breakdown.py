@@ -6,8 +6,8 @@ host's dispatch count, for lengthwise's systems on one GPU (or, with --tiny, on 
     python benchmarks/gpu_step_breakdown.py --tiny --out /tmp/breakdown.json      # CPU, seconds
 
 A case is MODEL:SYSTEM[@CHUNKSIZE][:eager|:chain] (bench_gpu_finetune's systems `packing`,
-`chunkflow`; `@N` a fixed ChunkSize, `:eager` without torch.compile, `:chain` compiled with one
-region between two attentions, `runtime/compile.py`). Per case, on the same chunkflow-eval
+`chunkflow`; `@N` a fixed ChunkSize, `:eager` without torch.compile, `:chain` compiled with up to
+four layers in one region, attention included, `runtime/compile.py`). Per case, on the same chunkflow-eval
 batches as bench_gpu_finetune (`--batch-size` sequences, `--context`): a fresh model and fused
 AdamW, then **every batch run once untimed** (so each chunk length the timed steps meet has been
 compiled: a step that compiles is a one-time cost, not the step time), then `--steps` timed steps

@@ -162,7 +162,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--compile-backend", default="aot_eager", choices=("aot_eager", "inductor", "eager"),
                         help="torch.compile backend (default aot_eager)")
     parser.add_argument("--chain", action="store_true",
-                        help="compile with one region between two attentions (runtime/compile.py; plain layers: "
+                        help="compile up to four layers in one region, attention included (runtime/compile.py; plain layers: "
                              "tp1, pp2, cp2; under tp2 the layers run as modules, unchained)")
     parser.add_argument("--out", help="results JSON (default benchmarks/results/verify_matrix.json, "
                                       "verify_matrix_chain.json with --chain)")

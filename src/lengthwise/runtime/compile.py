@@ -34,18 +34,23 @@ parallelism hooks on the modules run as before): a layer with `compile_backend` 
 (its `block`, as module calls, under tensor parallelism's hooks).
 
 Chained (`compile_layers(..., chain=True)`, off by default): `CausalLM.run_layers` runs a
-stage's plain layers with one compiled region between each two attentions, a layer's output
-projection, residuals and MLP together with the next layer's norm, projections and rotary
-embedding (`model._between`): per layer and chunk one compiled call forward and one backward
-instead of two each. On this CPU (inductor, benchmarks/results/host_overhead.json, the tiny
-step) a layer and chunk took 1,026 us chained against 1,260 (-19%), the warm-up with its
-compilation 6.6 s against 4.9 (one graph more: the chain's own, beside the first layer's input
-part and the last one's output part, which stay the regions above). Not yet measured on a
-GPU, where the host time of short chunks is what a ChunkFlow step waits on
-(benchmarks/results/gpu-2026-11-28-nvidia-h200/breakdown/); also left open: a 2-layer profile
-(`lengthwise profile`) holds both ends of a chain, a deep stage's layers are nearly all chain,
-so the profile's host floor per layer would read up to half a compiled call high. Layers with
-hooks (FSDP2, tensor parallelism) or recomputation run as before.
+stage's plain layers up to four in one compiled region (`model.CHAIN_LAYERS`), the attention
+inside it as an operator (`row_op.flash_row`, whose backward is an operator too: opaque nodes
+that need no guard on the chunk's structure, found by a handle that is a graph input). A layer
+and chunk then cost a quarter of one compiled call forward and one backward instead of two
+each, and the region's inductor code calls the attention directly, without an eager autograd
+Function around it. For the flash backends (`cpu-flash`, `varlen`); the reference backend and
+context parallelism's attention run as before, as do layers with hooks (FSDP2, tensor
+parallelism) or recomputation. Measured on this CPU (inductor, the tiny step,
+benchmarks/results/host_overhead.json): RESULTS. Its costs: the region unrolls its layers, so
+its graph compiles longer, and a stage whose layer count is no multiple of four compiles one
+graph more for the rest; a chunk with another number of context pieces compiles another graph
+(0 or 1 split sequence a chunk in practice). Not yet measured on a GPU, where the host time of
+short chunks is what a ChunkFlow step waits on (benchmarks/results/gpu-2026-11-28-nvidia-h200/
+breakdown/: the device idle 23% of a 1.5B ChunkFlow step at ChunkSize 8192); `bash
+benchmarks/gpu_suite.sh --experiments` compares it there. Also left open: a 2-layer `lengthwise
+profile` runs one region of two layers, so its per-layer host floor holds half a region's call
+where a deep stage pays a quarter.
 
 Without duck sizing: by default the symbolic-shape engine gives two sizes that happen to be
 equal when first seen one symbol, so a first chunk of as many tokens as the head dimension (or
@@ -105,8 +110,8 @@ def compile_wanted(choice: str | bool | None, device) -> bool:
 
 
 def compile_layers(model, *, backend: str = "inductor", chain: bool = False) -> None:
-    """Compile the forward of every decoder layer `model` holds, in place. `chain`: between two
-    attentions one compiled region, not two (module docstring, "Chained")."""
+    """Compile the forward of every decoder layer `model` holds, in place. `chain`: up to four
+    layers in one compiled region, attention included (module docstring, "Chained")."""
     for layer in model.model.layers.values():
         layer.compile_backend = backend
         layer.compile_chain = chain

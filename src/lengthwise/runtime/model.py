@@ -185,8 +185,8 @@ class DecoderLayer(nn.Module):
     """The torch.compile backend this layer's forward runs under (`runtime/compile.py`); None:
     eager. A plain attribute, so a deep copy of the model is compiled alike."""
     compile_chain: bool = False
-    """Compiled with `chain`: `run_layers` joins this layer's output part and the next layer's
-    input part into one compiled region (`_run_chain`)."""
+    """Compiled with `chain`: `run_layers` runs this layer with its neighbours in one compiled
+    region, attention included (`_run_chain`)."""
 
     def forward(self, h_TD, rope, layout: ChunkLayout, context, backend: str, recompute_mlp: bool = False,
                 recomputed: bool = False):

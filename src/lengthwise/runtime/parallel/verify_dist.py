@@ -64,7 +64,7 @@ class VerifyJob:
     """torch.compile backend of every decoder layer on every rank (`runtime/compile.py`:
     inductor, or aot_eager on a CPU, where inductor's C++ compile is slow); None: eager."""
     compile_chain: bool = False
-    """Compiled with one region between two attentions (`compile_layers(..., chain=True)`)."""
+    """Compiled with up to four layers in one region, attention included (`compile_layers(..., chain=True)`)."""
     head_block_bytes: int | None = None
     """Bytes of the LM head's wide logits per block (`loss.head_loss_sum`); None: the default,
     `cost.memory.HEAD_BLOCK_BYTES`. A few rows' worth makes a tiny model's head run in several
