@@ -29,12 +29,13 @@ def one_thread():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen attention needs CUDA")
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", ["", "apart", "chain"], ids=["eager", "compiled", "chained"])
 def test_varlen_step_never_makes_the_host_wait_for_the_device(compiled):
     """One step (forward and backward) of packed rows and a sequence cut into three chunks, bf16,
     varlen: after a first step (compilation, the head's one probe), a second one under PyTorch's
     sync debug mode "error", which raises at any operation that makes the host wait for the
-    device (a blocking copy, a value read)."""
+    device (a blocking copy, a value read). Eager, compiled, and chained (the attention an
+    operator inside the layers' region, `row_op`)."""
     from lengthwise.plan.ir import Action, Chunk, PipelinePlan, StepPlan
     from lengthwise.runtime.compile import compile_layers
     from lengthwise.runtime.execute import run_step
@@ -44,7 +45,7 @@ def test_varlen_step_never_makes_the_host_wait_for_the_device(compiled):
     spec = ModelSpec(name="tiny", num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn=96, vocab=128)
     model = build_model(spec, dtype=torch.bfloat16, device="cuda", seed=0)
     if compiled:
-        compile_layers(model)
+        compile_layers(model, chain=compiled == "chain")
     chunks = [Chunk.parse(c) for c in ("0[0:40]", "0[40:80]+1[0:24]", "0[80:120]+2[0:16]")]
     actions = [Action.parse(a) for a in ("F0", "F1", "F2", "B2", "B1", "B0")]
     plan = StepPlan(planner="hand", model=spec, cluster=cluster_preset("cpu", 1), lengths=[120, 24, 16],
