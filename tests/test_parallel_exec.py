@@ -74,6 +74,7 @@ COMPILED = {
     "compiled-packing-tp2": ("packing", [201, 30, 17, 61, 5], {"tp": 2}, {}),
     "compiled-chunkflow-pp2": ("chunkflow", LENGTHS, {"pp": 2}, {"chunk_size": 64, "k": 1}),
     "compiled-skrull-cp2": ("skrull", SKRULL_LENGTHS, {"cp": 2}, {"bucket_size": 100}),
+    "chained-chunkflow-zero3-dp2": ("chunkflow", LENGTHS, {"dp": 2, "zero": 3}, {"chunk_size": 64, "k": 1}),
 }
 """Every decoder layer compiled (`runtime/compile.py`, backend aot_eager: AOT autograd's forward
 and backward graphs, run without inductor's C++ compile, too slow for 2 cores), the LM head's
@@ -81,7 +82,10 @@ loss in blocks of HEAD_BLOCK_ROWS rows (one block holds a tiny model's whole hea
 tp 2: packed rows of 253 and 61 tokens, padded for sequence parallelism (both odd, so the
 layers compile once: each branch of the padding is a graph of its own); pp 2: chunkflow's
 slices and their K/V state across stages; cp 2: skrull's sequence of 150 sharded over the CP
-ranks. benchmarks/verify_matrix.py checks every planner at tp 1, tp 2, pp 2 and cp 2 so."""
+ranks; chained under ZeRO-3 (`compile_layers(..., chain=True)`, the cpu-flash backend): FSDP2's
+hooks on every layer, so each layer runs a compiled region of its own with the attention inside
+(`model._run_chain`). benchmarks/verify_matrix.py checks every planner at tp 1, tp 2, pp 2 and
+cp 2 so."""
 HEAD_BLOCK_ROWS = 48
 
 
@@ -173,19 +177,25 @@ def two_rank_compiled_worker(rank: int) -> dict | None:
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
+    from lengthwise.runtime import row_op
+
     mesh = Mesh.from_default_group(timeout_s=120)
     head_block_bytes = HEAD_BLOCK_ROWS * model_preset("tiny").vocab * 8
     results = {}
     for name in COMPILED:
         torch._dynamo.reset()
         counters.clear()
-        job = VerifyJob(make_plan=functools.partial(make_plan, name), backend="reference", timeout_s=120,
-                        compile="aot_eager", head_block_bytes=head_block_bytes)
+        chained = name.startswith("chained")
+        job = VerifyJob(make_plan=functools.partial(make_plan, name), backend="cpu-flash" if chained else "reference",
+                        timeout_s=120, compile="aot_eager", head_block_bytes=head_block_bytes, compile_chain=chained)
+        first_handle = next(row_op._HANDLES)
         results[name] = verify_worker(rank, job, mesh)
+        rows = next(row_op._HANDLES) - first_handle - 1
         graphs = [None] * mesh.world_size if rank == 0 else None
         dist.gather_object(int(counters["stats"]["unique_graphs"]), graphs, dst=0)
         if rank == 0:
             results[name]["compiled_graphs"] = graphs
+            results[name]["rows_registered"] = rows
     return results if rank == 0 else None
 
 
@@ -206,6 +216,7 @@ def test_compiled_layers_and_blocked_head_equal_the_oracle(two_ranks_compiled, n
     assert result["max_rel_grad_diff"] <= 1e-9
     assert abs(result["loss"] - result["reference_loss"]) <= 1e-9 * abs(result["reference_loss"])
     assert all(n > 0 for n in result["compiled_graphs"]), result["compiled_graphs"]
+    assert (result["rows_registered"] > 0) == name.startswith("chained")  # the attention ran inside the regions
 
 
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n != BF16])

@@ -229,7 +229,8 @@ def test_a_chain_runs_only_layers_without_hooks_and_keeps_what_its_layers_keep_a
     """What two compiled layers keep for backward over one chunk (saved-tensor hooks, the
     partitioner of aot_eager_decomp_partition), chained and apart: the same bytes (the same
     tensors: inductor's partitioner alike, checked by hand). A layer with a forward hook of its
-    own (as FSDP2 registers) is called as a module: no chain."""
+    own (as FSDP2 registers) is called as a module, its hook runs, and each layer runs a region
+    of its own: the same bytes again."""
     from lengthwise.plan.ir import Chunk
     from lengthwise.runtime import model as model_module
     from lengthwise.runtime.compile import compile_layers
@@ -237,7 +238,7 @@ def test_a_chain_runs_only_layers_without_hooks_and_keeps_what_its_layers_keep_a
 
     chains = []
     run_chain = model_module._run_chain
-    monkeypatch.setattr(model_module, "_run_chain", lambda *a: chains.append(1) or run_chain(*a))
+    monkeypatch.setattr(model_module, "_run_chain", lambda *a: chains.append(len(a[0])) or run_chain(*a))
     tokens, kept = 24, {}
     for chain, hooked in ((False, False), (True, False), (True, True)):
         model = build_model(LLAMA, dtype=torch.float64, seed=0)
@@ -262,8 +263,8 @@ def test_a_chain_runs_only_layers_without_hooks_and_keeps_what_its_layers_keep_a
         out.sum().backward()
         kept[chain, hooked] = sum(saved.values())
         assert calls == ([1] if hooked else [])
-    assert chains == [1]  # only the chained model without a hook
-    assert kept[True, False] == kept[False, False]
+    assert chains == [2, 1, 1]  # both layers in one region; with a hook, a region each
+    assert kept[True, False] == kept[False, False] == kept[True, True]
 
 
 @pytest.mark.parametrize("chain", [False, True], ids=["apart", "chained"])

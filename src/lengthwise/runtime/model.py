@@ -206,6 +206,13 @@ class DecoderLayer(nn.Module):
                                                                        recomputed)
         if self.compile_backend is None:
             return self.fused(h_TD, rope, layout, context, backend, recomputed)
+        if self.compile_chain and not recomputed and isinstance(layout, RowIndex):
+            # a layer alone (FSDP2's hooks on it, a stage of one layer): one region, attention inside
+            kernels = row_kernels(backend, h_TD.device, h_TD.dtype)
+            chained = kernels and _run_chain([self], h_TD, rope, layout, [context], kernels)
+            if chained:
+                h_TD, ((k_TGE, v_TGE),) = chained
+                return h_TD, k_TGE, v_TGE
         # Two compiled regions around the attention, which stays eager (`compile.py`).
         q_THE, k_TGE, v_TGE = compiled(DecoderLayer.attention_input, self.compile_backend)(self, h_TD, rope)
         out_THE = attend(q_THE, k_TGE, v_TGE, context, layout, backend=backend)
@@ -288,9 +295,10 @@ one more graph for the rest."""
 
 
 def _chainable(layers: list[DecoderLayer]) -> bool:
-    """Whether `_run_chain` may run these layers: compiled with `chain` (`compile.compile_layers`),
-    all under one backend, plain (`_plain`) and without hooks of their own (FSDP2 unshards a
-    layer's weights in its forward's hooks, which the chain does not call)."""
+    """Whether `_run_chain` may run these layers together: compiled with `chain`
+    (`compile.compile_layers`), all under one backend, plain (`_plain`) and without hooks of
+    their own (FSDP2 unshards a layer's weights in its forward's hooks, which a region of
+    several layers would not call: such a layer runs a region of its own inside its forward)."""
     return (len(layers) > 1 and all(layer.compile_chain for layer in layers)
             and len({layer.compile_backend for layer in layers}) == 1
             and all(_plain(layer) and not _hooked(layer) for layer in layers))
