@@ -74,7 +74,7 @@ COMPILED = {
     "compiled-packing-tp2": ("packing", [201, 30, 17, 61, 5], {"tp": 2}, {}),
     "compiled-chunkflow-pp2": ("chunkflow", LENGTHS, {"pp": 2}, {"chunk_size": 64, "k": 1}),
     "compiled-skrull-cp2": ("skrull", SKRULL_LENGTHS, {"cp": 2}, {"bucket_size": 100}),
-    "chained-chunkflow-zero3-dp2": ("chunkflow", LENGTHS, {"dp": 2, "zero": 3}, {"chunk_size": 64, "k": 1}),
+    "chained-chunkflow-zero3-dp2": ("chunkflow", [150, 30, 17], {"dp": 2, "zero": 3}, {"chunk_size": 64, "k": 1}),
 }
 """Every decoder layer compiled (`runtime/compile.py`, backend aot_eager: AOT autograd's forward
 and backward graphs, run without inductor's C++ compile, too slow for 2 cores), the LM head's
