@@ -41,6 +41,17 @@ def add_compile_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile each decoder layer, attention left out (default: on CUDA, off on CPU, "
                              "where compiling costs more than a short run gains)")
+    parser.add_argument("--compile-chain", action="store_true", default=None,
+                        help="compile up to four layers in one region with the flash attention inside it: fewer "
+                             "compiled calls a layer, longer compilation (implies --compile; not yet measured on a "
+                             "GPU; runtime/compile.py)")
+
+
+def compile_choice(args: argparse.Namespace) -> tuple[bool | None, bool]:
+    """(compile, chain) from --compile/--no-compile and --compile-chain."""
+    if args.compile_chain and args.compile is False:
+        raise UserError("--compile-chain compiles the layers: drop --no-compile")
+    return (True if args.compile_chain else args.compile), bool(args.compile_chain)
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:

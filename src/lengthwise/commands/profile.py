@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 
 from lengthwise.files import json_text
-from lengthwise.commands.common import add_backend_arg, add_compile_arg
+from lengthwise.commands.common import add_backend_arg, add_compile_arg, compile_choice
 from lengthwise.errors import UserError
 from lengthwise.limits import CONTEXT_LENGTH, LAYERS, REPEATS, check_size
 from lengthwise.paths import check_writable
@@ -109,9 +109,10 @@ def build_measurer(args: argparse.Namespace, spec: ModelSpec):
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    compile, chain = compile_choice(args)
     return TorchMeasurer(spec, layers=args.layers, device=device, dtype=getattr(torch, dtype_name),
                          backend=args.backend, repeats=args.repeats, warmup=args.warmup, seed=args.seed,
-                         compile=args.compile)
+                         compile=compile, compile_chain=chain)
 
 
 def backend_check(measurer, spec: ModelSpec) -> dict | None:

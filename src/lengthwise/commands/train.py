@@ -185,7 +185,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     config = load_toml(args.config) if args.config else TrainConfig()
     flags = {name: getattr(args, name) for name in (
         "model", "planner", "batch_size", "tokens_per_batch", "steps", "lr", "weight_decay",
-        "grad_clip", "dtype", "device", "backend", "compile", "threads", "dp", "pp", "cp", "tp", "sequence_parallel", "zero", "nproc", "cluster",
+        "grad_clip", "dtype", "device", "backend", "compile", "compile_chain", "threads", "dp", "pp", "cp", "tp", "sequence_parallel", "zero", "nproc", "cluster",
         "metrics", "out",
         "save_every", "resume", "allow_pickle_checkpoint", "progress", "data", "tokenizer", "text_field", "context_length",
         "overlong", "seed", "lr_schedule", "warmup_steps", "min_lr", "eval_every", "eval_sequences",

@@ -27,7 +27,8 @@ import argparse
 import re
 
 from lengthwise.files import json_text
-from lengthwise.commands.common import add_backend_arg, add_compile_arg, add_workload_args, batch_lengths_from_args
+from lengthwise.commands.common import (add_backend_arg, add_compile_arg, add_workload_args, batch_lengths_from_args,
+                                         compile_choice)
 from lengthwise.commands.plan import default_context_length
 from lengthwise.commands.planner_flags import add_planner_option_args, planner_options
 from lengthwise.errors import UserError
@@ -100,8 +101,9 @@ def run(args: argparse.Namespace) -> int:
         return run_distributed(args, plan, backend)
     if args.tp > 1:
         raise UserError(f"--tp {args.tp} runs across processes: add --nproc {plan_world(plan)} (or launch with torchrun)")
+    compile, chain = compile_choice(args)
     result = verify_plan(plan, dtype=dtype, backend=backend, seed=args.seed, oracle=args.oracle,
-                         device=args.device, compile=args.compile)
+                         device=args.device, compile=compile, compile_chain=chain)
     if args.json:
         print(json_text({**result.to_dict(), "planner": plan.planner, "dtype": args.dtype,
                           "backend": backend, "lengths": plan.lengths}, indent=1))
@@ -172,7 +174,8 @@ def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
                     backend=backend, seed=args.seed, oracle=args.oracle, timeout_s=args.timeout,
                     data_parallel="replicate" if args.zero == 0 else "fsdp",
                     sequence_parallel=args.sequence_parallel,
-                    compile="inductor" if compile_wanted(args.compile, args.device) else None)
+                    compile="inductor" if compile_wanted(compile_choice(args)[0], args.device) else None,
+                    compile_chain=compile_choice(args)[1])
     if _under_torchrun():
         mesh = init_from_torchrun(device=args.device, timeout_s=args.timeout)
         out = verify_worker(mesh.rank, job, mesh)

@@ -130,7 +130,7 @@ class TorchMeasurer:
 
     def __init__(self, spec: ModelSpec, *, layers: int = 2, device="cpu", dtype=torch.float32,
                  backend: str = "auto", repeats: int = 3, warmup: int = 1, seed: int = 0,
-                 compile: bool | None = None):
+                 compile: bool | None = None, compile_chain: bool = False):
         self.full_spec = spec
         self.spec = dataclasses.replace(spec, num_layers=min(layers, spec.num_layers))
         self.layers = self.spec.num_layers
@@ -138,13 +138,14 @@ class TorchMeasurer:
         self.backend = resolve_backend(backend, self.device, dtype)
         self.model = build_model(self.spec, dtype=dtype, device=self.device, seed=seed)
         self.compiled = compile_wanted(compile, self.device)
+        self.chained = self.compiled and compile_chain
         if self.compiled:  # chunk times as training runs them (warm-up calls compile)
-            compile_layers(self.model)
+            compile_layers(self.model, chain=self.chained)
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
 
     def describe(self) -> dict:
         return {"device": device_name(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "backend": self.backend, "compiled": self.compiled, "torch": torch.__version__, "repeats": self.repeats,
+                "backend": self.backend, "compiled": self.compiled, "chained": self.chained, "torch": torch.__version__, "repeats": self.repeats,
                 "warmup": self.warmup}
 
     def _randn(self, *shape, scale: float = 1.0, grad: bool = False) -> torch.Tensor:

@@ -118,6 +118,9 @@ class TrainConfig:
     compile: bool | None = None
     """Compile each decoder layer with torch.compile (runtime/compile.py); None: on CUDA, not
     on a CPU."""
+    compile_chain: bool = False
+    """Compile up to four layers in one region, the attention inside (runtime/compile.py,
+    "Chained"); implies compile."""
     threads: int | None = None
     """CPU threads for torch (torch.set_num_threads). None: 1 on CPU, torch's default with
     CUDA. The tiny model's small matrices gain little from more threads and lose much when
@@ -162,6 +165,8 @@ class TrainConfig:
                             "tensor-parallel pipelines with sequence parallelism only; leave it on")
         if self.zero not in (0, 1, 2, 3):
             raise UserError(f"zero {self.zero}: use 0, 1, 2 or 3")
+        if self.compile_chain and self.compile is False:
+            raise UserError("compile_chain (--compile-chain) compiles the layers: drop compile = false (--no-compile)")
         if self.seed < 0:
             raise UserError(f"seed {self.seed} must be >= 0")
         _finite_numbers(self)

@@ -132,8 +132,8 @@ class RankExecutor:
         config, mesh = self.config, self.mesh
         self.status.note(f"building its part of the model for {config.model}")
         self.model = build_rank_model(self.first_plan, mesh, **rank_model_args(config, self.first_plan))
-        if compile_wanted(config.compile, mesh.device):
-            compile_layers(self.model)
+        if compile_wanted(True if config.compile_chain else config.compile, mesh.device):
+            compile_layers(self.model, chain=config.compile_chain)
         self.layout = mesh.layout(self.first_plan)
         self.held = dict(self.model.named_parameters())  # its stage's (shards of) parameters
         self.optimizer = make_optimizer(self.model, config)

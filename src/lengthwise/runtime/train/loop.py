@@ -126,8 +126,8 @@ class Setup:
         check_memory(need, self.device)
         self.model = load_model(config.model, self.spec, dtype=getattr(torch, config.dtype),
                                 device=self.device, seed=config.seed) if whole_model else None
-        if self.model is not None and compile_wanted(config.compile, self.device):
-            compile_layers(self.model)
+        if self.model is not None and compile_wanted(True if config.compile_chain else config.compile, self.device):
+            compile_layers(self.model, chain=config.compile_chain)
         self.source = corpus_source(config.data, config.tokenizer, config.context_length,
                                     config.overlong, text_field=config.text_field, cache_dir=config.token_cache)
         _check_vocab(self.source, self.spec)
