@@ -157,21 +157,28 @@ def suite_steps(out: Path, *, tiny: bool, cuda: bool, old_src: str | None = None
 def experiment_steps(out: Path, *, tiny: bool, cuda: bool) -> list[Step]:
     """`--experiments`: what waits for a GPU beyond the suite (benchmarks/GPU_RUNS.md), for a
     lease the suite has already had, within the same 8 minutes: a step of every kind checked for
-    synchronising calls (eager and compiled), the chained compilation against the default on the
-    step ChunkFlow waits on the host for (gpu_step_breakdown.py), the LM head's softmax gradient
-    in its variants (bench_softmax_grad.py)."""
+    synchronising calls (eager, compiled, chained), `verify` of the chained compilation (bf16,
+    varlen, a split sequence: the attention operator inside the region against transformers),
+    the chained compilation against the default on the step ChunkFlow waits on the host for
+    (gpu_step_breakdown.py), the LM head's softmax gradient in its variants
+    (bench_softmax_grad.py)."""
     cases = ("tiny-qwen:chunkflow@64:chain" if tiny else
              "qwen2.5-1.5b:chunkflow@8192,qwen2.5-1.5b:chunkflow@8192:chain,qwen2.5-1.5b:packing:chain")
     return [
-        Step(name="sync-check", limit_s=90,
+        Step(name="sync-check", limit_s=75,
              argv=[PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_bench_cpu.py", "-k",
                    "never_makes_the_host_wait"],
              skip_reason=None if cuda and not tiny else "needs CUDA (sync debug mode): not run with --tiny"),
-        Step(name="chain-breakdown", limit_s=300, output="chain-breakdown.json",
+        Step(name="verify-chain", limit_s=90, output="verify-chain.json", stdout_is_output=True,
+             argv=[PY, "-m", "lengthwise", "verify", "--model-config", "tiny-qwen",
+                   *(["--device", "cpu", "--lengths", "60,20,9", "--chunk-size", "16"] if tiny else
+                     ["--device", "cuda", "--dtype", "bfloat16", "--backend", "varlen", "--lengths", "200,30,17,60,5",
+                      "--chunk-size", "64"]), "--k", "1", "--compile-chain", "--json"]),
+        Step(name="chain-breakdown", limit_s=265, output="chain-breakdown.json",
              argv=[PY, "benchmarks/gpu_step_breakdown.py", *(["--tiny", "--steps", "1"] if tiny else
                    ["--profile-file", f"qwen2.5-1.5b={H200_PROFILE_15B}"]), "--cases", cases,
                    "--out", str(out / "chain-breakdown.json")]),
-        Step(name="softmax-grad", limit_s=90, output="softmax-grad.json",
+        Step(name="softmax-grad", limit_s=50, output="softmax-grad.json",
              argv=[PY, "benchmarks/bench_softmax_grad.py", *(["--tiny"] if tiny else []),
                    "--out", str(out / "softmax-grad.json")]),
     ]

@@ -104,13 +104,15 @@ def test_experiments_fit_eight_minutes_and_name_the_chained_cases(suite, tmp_pat
     end by the tiny suite's test)."""
     steps = suite.experiment_steps(tmp_path, tiny=False, cuda=True)
     assert sum(s.limit_s for s in steps) <= suite.SUITE_LIMIT_S and not any(s.skip_reason for s in steps)
-    assert [s.name for s in steps] == ["sync-check", "chain-breakdown", "softmax-grad"]
+    assert [s.name for s in steps] == ["sync-check", "verify-chain", "chain-breakdown", "softmax-grad"]
+    chained = next(s for s in steps if s.name == "verify-chain")
+    assert "--compile-chain" in chained.argv and chained.argv[chained.argv.index("--backend") + 1] == "varlen"
     breakdown = next(s for s in steps if s.name == "chain-breakdown")
     cases = breakdown.argv[breakdown.argv.index("--cases") + 1].split(",")
     assert "qwen2.5-1.5b:chunkflow@8192" in cases and "qwen2.5-1.5b:chunkflow@8192:chain" in cases
     assert all(a.startswith(str(tmp_path)) for a in breakdown.argv if a.endswith(".json") and "=" not in a)
     tiny = suite.experiment_steps(tmp_path, tiny=True, cuda=False)
-    assert tiny[0].skip_reason and all("--tiny" in s.argv for s in tiny[1:])
+    assert tiny[0].skip_reason and all("--tiny" in s.argv for s in tiny[2:]) and "cpu" in tiny[1].argv
     monkeypatch.delenv("OUT", raising=False)
     machine = {"device": "NVIDIA H200"}
     assert suite.default_out(machine, False, experiments=True).name.endswith("-experiments-nvidia-h200")
