@@ -22,7 +22,8 @@ Left out, by `torch.compiler.disable` on `attention.attend`: the attention itsel
 backends loop in Python over the row's calls (data from the plan, not tensors), call private
 kernels from custom autograd Functions, and read the state store's K/V buffers; tracing them
 would guard on every chunk's layout and recompile per plan. The layer's graph breaks there
-into the part before attention and the part after.
+into the part before attention and the part after (a chained region, below, holds the flash
+backends' attention as an operator instead, `row_op.py`).
 
 Under tensor parallelism the embedding hands its output on as a collective not yet waited for;
 `compile_layers` makes it a plain tensor before the first compiled layer sees it (`_settled`),
