@@ -233,6 +233,20 @@ def test_a_chunks_timed_runs_hold_only_its_layers(monkeypatch):
     assert sorted(made) == ["index", "rope"] and runs == [2] * 4  # made before the 4 runs, never inside
 
 
+def test_a_chained_profile_measures_one_whole_region():
+    """With --compile-chain the measurer times CHAIN_LAYERS layers however few --layers asks
+    for: one region's call shared by four layers, as in a deep stage, not by two."""
+    pytest.importorskip("torch")
+    from lengthwise.runtime import profile as profile_module
+    from lengthwise.runtime.model import CHAIN_LAYERS
+
+    spec = MODEL_PRESETS["tiny"]
+    chained = profile_module.TorchMeasurer(spec, layers=2, device="cpu", compile=True, compile_chain=True)
+    assert chained.layers == min(CHAIN_LAYERS, spec.num_layers) > 2 and chained.describe()["chained"]
+    plain = profile_module.TorchMeasurer(spec, layers=2, device="cpu", compile=True)
+    assert plain.layers == 2 and not plain.describe()["chained"]
+
+
 def test_planning_side_of_profiles_imports_no_torch():
     code = ("import sys, lengthwise.cost.fit, lengthwise.commands.profile, lengthwise.commands.plan, "
             "lengthwise.commands.compare, lengthwise.commands.simulate; assert 'torch' not in sys.modules")

@@ -52,9 +52,9 @@ graph more for the rest; a chunk with another number of context pieces compiles 
 (0 or 1 split sequence a chunk in practice). Not yet measured on a GPU, where the host time of
 short chunks is what a ChunkFlow step waits on (benchmarks/results/gpu-2026-11-28-nvidia-h200/
 breakdown/: the device idle 23% of a 1.5B ChunkFlow step at ChunkSize 8192); `bash
-benchmarks/gpu_suite.sh --experiments` compares it there. Also left open: a 2-layer `lengthwise
-profile` runs one region of two layers, so its per-layer host floor holds half a region's call
-where a deep stage pays a quarter.
+benchmarks/gpu_suite.sh --experiments` compares it there. `lengthwise profile --compile-chain`
+measures four layers (one whole region) however few `--layers` asks for, so a layer's host floor
+holds a quarter of a region's call, as in a deep stage, not half of it.
 
 Without duck sizing: by default the symbolic-shape engine gives two sizes that happen to be
 equal when first seen one symbol, so a first chunk of as many tokens as the head dimension (or

@@ -55,7 +55,7 @@ from lengthwise.runtime.layout import RowIndex
 from lengthwise.runtime.loss import chunk_positions
 from lengthwise.runtime.memory import SavedTensorMeter
 from lengthwise.runtime.compile import compile_layers, compile_wanted
-from lengthwise.runtime.model import build_model
+from lengthwise.runtime.model import CHAIN_LAYERS, build_model
 from lengthwise.specs import ModelSpec
 
 
@@ -132,13 +132,15 @@ class TorchMeasurer:
                  backend: str = "auto", repeats: int = 3, warmup: int = 1, seed: int = 0,
                  compile: bool | None = None, compile_chain: bool = False):
         self.full_spec = spec
+        self.compiled = compile_wanted(compile, device)
+        self.chained = self.compiled and compile_chain
+        if self.chained:  # one whole region, its call shared as a deep stage's regions share theirs
+            layers = max(layers, CHAIN_LAYERS)
         self.spec = dataclasses.replace(spec, num_layers=min(layers, spec.num_layers))
         self.layers = self.spec.num_layers
         self.device, self.dtype, self.repeats, self.warmup = torch.device(device), dtype, repeats, warmup
         self.backend = resolve_backend(backend, self.device, dtype)
         self.model = build_model(self.spec, dtype=dtype, device=self.device, seed=seed)
-        self.compiled = compile_wanted(compile, self.device)
-        self.chained = self.compiled and compile_chain
         if self.compiled:  # chunk times as training runs them (warm-up calls compile)
             compile_layers(self.model, chain=self.chained)
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
