@@ -42,8 +42,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="model dtype (default auto: bfloat16 on cuda, float32 on cpu)")
     add_backend_arg(parser)
     add_compile_arg(parser)
-    parser.add_argument("--layers", metavar="L", type=int, default=2, help="decoder layers measured (default 2; with --compile-chain at least 4, one "
-                        "chained region, so a layer carries a quarter of its call as in a deep stage)")
+    parser.add_argument("--layers", metavar="L", type=int, default=2,
+                        help="decoder layers measured (default 2; with --compile-chain at least 4, one chained region, "
+                             "so a layer carries a quarter of its call as in a deep stage)")
     parser.add_argument("--min-tokens", metavar="T", type=int, default=512, help="smallest chunk (default 512)")
     parser.add_argument("--max-tokens", metavar="T", type=int, default=32768, help="largest chunk (default 32768)")
     parser.add_argument("--max-context", metavar="T", type=int,

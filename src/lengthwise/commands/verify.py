@@ -170,12 +170,12 @@ def run_distributed(args: argparse.Namespace, plan, backend: str) -> int:
     from lengthwise.runtime.parallel.verify_dist import VerifyJob, verify_worker
     from lengthwise.runtime.verify import VerifyResult
 
+    compile, chain = compile_choice(args)
     job = VerifyJob(make_plan=functools.partial(build_plan, args), dtype=getattr(torch, args.dtype),
                     backend=backend, seed=args.seed, oracle=args.oracle, timeout_s=args.timeout,
                     data_parallel="replicate" if args.zero == 0 else "fsdp",
                     sequence_parallel=args.sequence_parallel,
-                    compile="inductor" if compile_wanted(compile_choice(args)[0], args.device) else None,
-                    compile_chain=compile_choice(args)[1])
+                    compile="inductor" if compile_wanted(compile, args.device) else None, compile_chain=chain)
     if _under_torchrun():
         mesh = init_from_torchrun(device=args.device, timeout_s=args.timeout)
         out = verify_worker(mesh.rank, job, mesh)
