@@ -268,6 +268,35 @@ def test_a_chain_runs_only_layers_without_hooks_and_keeps_what_its_layers_keep_a
     assert kept[True, False] == kept[False, False] == kept[True, True]
 
 
+def test_a_chain_without_a_flash_backend_runs_its_layers_as_before(monkeypatch):
+    """Chained layers under the reference backend (no flash kernels to hold as an operator):
+    no row is registered, each layer runs its own compiled regions around the eager attention,
+    and the output and input gradient equal the eager layers'."""
+    from lengthwise.plan.ir import Chunk
+    from lengthwise.runtime import row_op
+    from lengthwise.runtime.compile import compile_layers
+    from lengthwise.runtime.layout import ChunkLayout
+
+    registered = []
+    register = row_op.register
+    monkeypatch.setattr(row_op, "register", lambda *a: registered.append(1) or register(*a))
+    tokens, results = 12, []
+    for chain in (False, True):
+        model = build_model(LLAMA, dtype=torch.float64, seed=0)
+        if chain:
+            compile_layers(model, backend="aot_eager", chain=True)
+        h = torch.randn(tokens, LLAMA.hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
+                        requires_grad=True)
+        out, _ = model.run_layers(h, layers=range(2), rope=model.rope(torch.arange(tokens), torch.float64),
+                                  layout=ChunkLayout.from_chunk(Chunk.parse(f"0[0:{tokens}]")), contexts=[[[]], [[]]],
+                                  backend="reference")
+        out.sum().backward()
+        results.append((out.detach(), h.grad))
+    assert registered == []
+    for eager, chained in zip(*results):
+        assert (eager - chained).abs().max() <= 1e-12 * eager.abs().max()
+
+
 @pytest.mark.parametrize("chain", [False, True], ids=["apart", "chained"])
 def test_compiled_layers_compile_once_whatever_the_chunk_lengths(chain):
     """A first chunk exactly as long as the head dimension, then other lengths (a row of two

@@ -206,10 +206,9 @@ class DecoderLayer(nn.Module):
                                                                        recomputed)
         if self.compile_backend is None:
             return self.fused(h_TD, rope, layout, context, backend, recomputed)
-        if self.compile_chain and not recomputed and isinstance(layout, RowIndex):
+        if self.compile_chain and not recomputed:
             # a layer alone (FSDP2's hooks on it, a stage of one layer): one region, attention inside
-            kernels = row_kernels(backend, h_TD.device, h_TD.dtype)
-            chained = kernels and _run_chain([self], h_TD, rope, layout, [context], kernels)
+            chained = _run_chain([self], h_TD, rope, layout, [context], backend)
             if chained:
                 h_TD, ((k_TGE, v_TGE),) = chained
                 return h_TD, k_TGE, v_TGE
@@ -320,17 +319,20 @@ def _chain_region(layers: list[DecoderLayer], h_TD, rope, flats, handle: int):
     return h_TD, kv_per_layer
 
 
-def _run_chain(layers: list[DecoderLayer], h_TD, rope, index: RowIndex, contexts, kernels):
+def _run_chain(layers: list[DecoderLayer], h_TD, rope, index, contexts, backend):
     """`run_layers` over compiled layers, up to CHAIN_LAYERS of them in one compiled region,
     attention included (`row_op`): per chunk one compiled call forward and one backward for
     every CHAIN_LAYERS layers, instead of two each per layer (`attention_input`,
     `attention_output` around an eager attention). The arithmetic is the layers'; what the
     region keeps for backward is AOTAutograd's partitioner's choice over the larger graph.
-    Returns h and the (k, v) per layer; None when the layers' contexts differ in shape (not
-    from the stage: it hands every layer the same pieces)."""
+    Returns h and the (k, v) per layer; None where it cannot run, and the caller runs the layers
+    as before: no flash backend (the reference one, a distributed attention), no RowIndex, or
+    layers whose contexts differ in shape (not from the stage: it hands every layer the same
+    pieces)."""
+    kernels = row_kernels(backend, h_TD.device, h_TD.dtype)
     contexts = [context_pieces(context) for context in contexts]
     pieces = {tuple(len(p) for p in context) for context in contexts}
-    if len(pieces) != 1:
+    if kernels is None or not isinstance(index, RowIndex) or len(pieces) != 1:
         return None
     call = row_op.register(kernels, index, pieces.pop())
     region = compiled(_chain_region, layers[0].compile_backend)
@@ -429,8 +431,7 @@ class CausalLM(nn.Module):
             layout = RowIndex.build(layout, h_TD.device, varlen=wants_varlen_index(resolved))
         modules = [self.model.layers[str(index)] for index in layers]
         if not (recompute_layers or recompute_mlp) and _chainable(modules):
-            kernels = row_kernels(backend, h_TD.device, h_TD.dtype)
-            chained = kernels and _run_chain(modules, h_TD, rope, layout, contexts, kernels)
+            chained = _run_chain(modules, h_TD, rope, layout, contexts, backend)
             if chained:
                 return chained
         kv_per_layer = []

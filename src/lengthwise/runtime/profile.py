@@ -147,8 +147,8 @@ class TorchMeasurer:
 
     def describe(self) -> dict:
         return {"device": device_name(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "backend": self.backend, "compiled": self.compiled, "chained": self.chained, "torch": torch.__version__, "repeats": self.repeats,
-                "warmup": self.warmup}
+                "backend": self.backend, "compiled": self.compiled, "chained": self.chained, "torch": torch.__version__,
+                "repeats": self.repeats, "warmup": self.warmup}
 
     def _randn(self, *shape, scale: float = 1.0, grad: bool = False) -> torch.Tensor:
         t = torch.randn(*shape, generator=self.gen, device=self.device, dtype=self.dtype) * scale
