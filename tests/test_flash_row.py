@@ -74,12 +74,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("path", ["function", "operator", "operator-compiled"])
-@pytest.mark.parametrize("spec", list(CASES))
-def test_varlen_indexing_matches_the_reference_backend(spec, path):
-    """`path`: the autograd Function the eager layers call; the operator a chained region holds
-    (`row_op.flash_row`, its backward an operator too), called eagerly and inside a region
-    compiled with aot_eager (dynamic shapes, the handle a graph input)."""
+def _row(spec: str):
+    """A CASES row in float64: layout, q, k, v, per-segment store context, the leaves to
+    differentiate and an output gradient."""
     gen = torch.Generator().manual_seed(0)
     layout = ChunkLayout.from_chunk(Chunk.parse(CASES[spec]))
     T, H, G, E = sum(layout.q_lens), 4, 2, 8
@@ -96,11 +93,24 @@ def test_varlen_indexing_matches_the_reference_backend(spec, path):
             context[rows[0]] = context[i]  # the same store view for both slices
     leaves = [q, k, v, *{id(t): t for pieces in context for kv in pieces for t in kv}.values()]
     g = torch.randn(T, H, E, generator=gen, dtype=torch.float64)
+    return layout, q, k, v, context, leaves, g
+
+
+def _outputs_and_grads(fn, leaves, g):
+    out = fn()
+    return out.detach(), torch.autograd.grad(out, leaves, g)
+
+
+@pytest.mark.parametrize("path", ["function", "operator", "operator-compiled"])
+@pytest.mark.parametrize("spec", list(CASES))
+def test_varlen_indexing_matches_the_reference_backend(spec, path):
+    """`path`: the autograd Function the eager layers call; the operator a chained region holds
+    (`row_op.flash_row`, its backward an operator too), called eagerly and inside a region
+    compiled with aot_eager (dynamic shapes, the handle a graph input)."""
+    layout, q, k, v, context, leaves, g = _row(spec)
 
     def run(fn):
-        out = fn()
-        grads = torch.autograd.grad(out, leaves, g)
-        return out.detach(), grads
+        return _outputs_and_grads(fn, leaves, g)
 
     index = RowIndex.build(layout, "cpu", varlen=True)
     num_pieces = tuple(len(p) for p in context)
@@ -121,6 +131,31 @@ def test_varlen_indexing_matches_the_reference_backend(spec, path):
     assert (got - want).abs().max() <= 1e-12
     for a, b in zip(got_grads, want_grads):
         assert (a - b).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("spec", list(CASES))
+def test_a_dense_row_matches_the_reference_backend(spec, compiled, monkeypatch):
+    """`flash_cpu.dense_row`, a small row's attention in a chained region on a CPU: one masked
+    kernel call over the store context and the row's own keys under `ChunkLayout.dense_mask`,
+    eagerly and compiled with aot_eager (dynamic shapes): output and every gradient, the store
+    pieces' included, equal the reference backend's; a row above `DENSE_ENTRIES` gets no bias."""
+    from lengthwise.runtime import flash_cpu
+
+    layout, q, k, v, context, leaves, g = _row(spec)
+    flat = [t for pieces in context for kv in pieces for t in kv]
+    bias = flash_cpu.dense_bias(layout, "cpu", torch.float64)
+    fn = torch.compile(flash_cpu.dense_row, backend="aot_eager", dynamic=True) if compiled else flash_cpu.dense_row
+    got, got_grads = _outputs_and_grads(lambda: fn(q * 1, k, v, flat, bias), leaves, g)
+    want, want_grads = _outputs_and_grads(lambda: attend(q, k, v, context, layout, backend="reference"), leaves, g)
+    assert (got - want).abs().max() <= 1e-12
+    for a, b in zip(got_grads, want_grads):
+        assert (a - b).abs().max() <= 1e-12
+    tokens = sum(layout.q_lens)
+    entries = tokens * (sum(layout.store_lens) + tokens)
+    assert bias.shape[0] * bias.shape[1] == entries
+    monkeypatch.setattr(flash_cpu, "DENSE_ENTRIES", entries - 1)
+    assert flash_cpu.dense_bias(layout, "cpu", torch.float64) is None
 
 
 def test_row_index_is_built_from_the_plan_with_host_max_lengths():

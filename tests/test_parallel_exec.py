@@ -84,7 +84,8 @@ layers compile once: each branch of the padding is a graph of its own); pp 2: ch
 slices and their K/V state across stages; cp 2: skrull's sequence of 150 sharded over the CP
 ranks; chained under ZeRO-3 (`compile_layers(..., chain=True)`, the cpu-flash backend): FSDP2's
 hooks on every layer, so each layer runs a compiled region of its own with the attention inside
-(`model._run_chain`). benchmarks/verify_matrix.py checks every planner at tp 1, tp 2, pp 2 and
+(`model._run_chain`) as the operator a GPU's region holds (`flash_cpu.DENSE_ENTRIES` 0: these
+small rows would be traced whole on a CPU). benchmarks/verify_matrix.py checks every planner at tp 1, tp 2, pp 2 and
 cp 2 so."""
 HEAD_BLOCK_ROWS = 48
 
@@ -177,15 +178,16 @@ def two_rank_compiled_worker(rank: int) -> dict | None:
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    from lengthwise.runtime import row_op
+    from lengthwise.runtime import flash_cpu, row_op
 
     mesh = Mesh.from_default_group(timeout_s=120)
     head_block_bytes = HEAD_BLOCK_ROWS * model_preset("tiny").vocab * 8
-    results = {}
+    results, dense_entries = {}, flash_cpu.DENSE_ENTRIES
     for name in COMPILED:
         torch._dynamo.reset()
         counters.clear()
         chained = name.startswith("chained")
+        flash_cpu.DENSE_ENTRIES = 0 if chained else dense_entries
         job = VerifyJob(make_plan=functools.partial(make_plan, name), backend="cpu-flash" if chained else "reference",
                         timeout_s=120, compile="aot_eager", head_block_bytes=head_block_bytes, compile_chain=chained)
         first_handle = next(row_op._HANDLES)

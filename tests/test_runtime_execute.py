@@ -200,17 +200,23 @@ def test_compiled_layers_equal_eager_and_transformers(spec, name, chain, monkeyp
     layers recompute their MLP block (its checkpoint around a compiled region of its own); and
     compiled with `chain` (the layers in one compiled region, attention inside,
     `model._run_chain`) on the split plan whose first slices run without gradients before they
-    run with them (K = 1), and on two pipeline stages of two layers each, each layer a region
-    of its own (CHAIN_LAYERS 1: two regions a stage, each keeping the row registered for its own
-    backward): loss and every gradient equal the eager executor's and transformers' within
-    1e-9; after the step no row is registered for a chained region's backward any more
+    run with them (K = 1; its small rows traced whole, `flash_cpu.dense_row`), and on two
+    pipeline stages of two layers each, each layer a region of its own with the attention an
+    operator (CHAIN_LAYERS 1, no row dense: two regions a stage, each keeping the row registered
+    for its own backward): loss and every gradient equal the eager executor's and transformers'
+    within 1e-9; after the step no row is registered for a chained region's backward any more
     (`row_op`)."""
     pytest.importorskip("transformers")
-    from lengthwise.runtime import model as model_module, row_op
+    from lengthwise.runtime import flash_cpu, model as model_module, row_op
     from lengthwise.runtime.compile import compile_layers
 
-    if chain is not True and chain:
+    operator = chain is not True and bool(chain)
+    if operator:
         monkeypatch.setattr(model_module, "CHAIN_LAYERS", chain)
+        monkeypatch.setattr(flash_cpu, "DENSE_ENTRIES", 0)
+    registered = []
+    register = row_op.register
+    monkeypatch.setattr(row_op, "register", lambda *a: registered.append(1) or register(*a))
 
     _, _, eager_loss, eager_grads = _run(spec, PLANS[name])
     plan = hand_plan(spec, LENGTHS, PLANS[name])
@@ -218,7 +224,7 @@ def test_compiled_layers_equal_eager_and_transformers(spec, name, chain, monkeyp
     compile_layers(model, backend="aot_eager", chain=bool(chain))
     ids = random_tokens(LENGTHS, spec.vocab, 1)
     loss = float(run_step(model, plan, ids))
-    assert not row_op._CALLS
+    assert not row_op._CALLS and bool(registered) == operator
     grads = {n: p.grad for n, p in model.named_parameters()}
     ref_loss, ref_grads = transformers_loss_and_grads(model, ids)
     assert abs(loss - eager_loss) <= 1e-9 * abs(eager_loss) and abs(loss - ref_loss) <= 1e-9 * abs(ref_loss)
@@ -228,12 +234,14 @@ def test_compiled_layers_equal_eager_and_transformers(spec, name, chain, monkeyp
 
 def test_a_chain_runs_only_layers_without_hooks_and_keeps_what_its_layers_keep_apart(monkeypatch):
     """What two compiled layers keep for backward over one chunk (saved-tensor hooks, the
-    partitioner of aot_eager_decomp_partition), chained and apart: the same bytes (the same
-    tensors: inductor's partitioner alike, checked by hand). A layer with a forward hook of its
-    own (as FSDP2 registers) is called as a module, its hook runs, and each layer runs a region
-    of its own: the same bytes again."""
+    partitioner of aot_eager_decomp_partition), chained with the attention an operator and
+    apart: the same bytes (the same tensors: inductor's partitioner alike, checked by hand). A
+    layer with a forward hook of its own (as FSDP2 registers) is called as a module, its hook
+    runs, and each layer runs a region of its own: the same bytes again. The row traced whole
+    (`flash_cpu.dense_row`, a small row's default on a CPU) keeps its bias besides, once for
+    both layers."""
     from lengthwise.plan.ir import Chunk
-    from lengthwise.runtime import model as model_module
+    from lengthwise.runtime import flash_cpu, model as model_module
     from lengthwise.runtime.compile import compile_layers
     from lengthwise.runtime.layout import ChunkLayout
 
@@ -241,7 +249,10 @@ def test_a_chain_runs_only_layers_without_hooks_and_keeps_what_its_layers_keep_a
     run_chain = model_module._run_chain
     monkeypatch.setattr(model_module, "_run_chain", lambda *a: chains.append(len(a[0])) or run_chain(*a))
     tokens, kept = 24, {}
-    for chain, hooked in ((False, False), (True, False), (True, True)):
+    dense_entries = flash_cpu.DENSE_ENTRIES
+    for chain, hooked, dense in ((False, False, False), (True, False, False), (True, True, False),
+                                 (True, False, True)):
+        monkeypatch.setattr(flash_cpu, "DENSE_ENTRIES", dense_entries if dense else 0)
         model = build_model(LLAMA, dtype=torch.float64, seed=0)
         compile_layers(model, backend="aot_eager_decomp_partition", chain=chain)
         calls = []
@@ -262,10 +273,11 @@ def test_a_chain_runs_only_layers_without_hooks_and_keeps_what_its_layers_keep_a
             out, _ = model.run_layers(h, layers=range(2), rope=rope, layout=layout, contexts=[[[]], [[]]],
                                       backend="cpu-flash")
         out.sum().backward()
-        kept[chain, hooked] = sum(saved.values())
+        kept[chain, hooked, dense] = sum(saved.values())
         assert calls == ([1] if hooked else [])
-    assert chains == [2, 1, 1]  # both layers in one region; with a hook, a region each
-    assert kept[True, False] == kept[False, False] == kept[True, True]
+    assert chains == [2, 1, 1, 2]  # both layers in one region; with a hook, a region each
+    assert kept[True, False, False] == kept[False, False, False] == kept[True, True, False]
+    assert kept[True, False, True] == kept[False, False, False] + tokens * tokens * 8
 
 
 def test_a_chain_without_a_flash_backend_runs_its_layers_as_before(monkeypatch):

@@ -13,6 +13,12 @@ The own call of a row (every segment causal over its own keys) is cut into kerne
   own call covers only its own keys, and its context call (one kernel call without a mask) is
   merged with its rows afterwards.
 
+In a chained region (`model._run_chain`) a small row is traced instead: `dense_row`, one
+masked call over [every segment's store context, the row's own keys] (`ChunkLayout.dense_mask`,
+built once per chunk), which the compiler sees whole, so the region calls no operator and no
+Python runs between its layers; larger rows keep the calls above, inside the region's
+operator (`row_op`).
+
 The kernel is a private PyTorch operator: `unavailable_reason` checks it is there and takes
 grouped-query heads, and `auto` uses the reference backend where it does not.
 
@@ -32,6 +38,14 @@ from lengthwise.runtime.layout import ChunkLayout, ContextCall, RowIndex
 GROUP_TOKENS = 256
 """Consecutive segments without context share one masked call while they total at most this
 many tokens: a row of many short documents would otherwise be a call each."""
+
+
+DENSE_ENTRIES = 1 << 16
+"""Largest dense mask (queries x keys, store context included) a chained region attends in one
+masked call (`dense_row`): 256 queries over 256 keys. Below it one call, with no merge and no
+operator around it, beats the two or more calls a split row makes (as `GROUP_TOKENS` groups
+short documents), though masked blocks are computed rather than skipped; above it the mask's
+memory and the work above the diagonal grow with the row, and the calls above win."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +165,27 @@ def _kernel_backward(g_1HtE, q_1HtE, k_1GKE, v_1GKE, out_1HtE, lse_Ht, call: _Ca
     causal = call is not None and call.causal
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         g_1HtE, q_1HtE, k_1GKE, v_1GKE, out_1HtE, lse_Ht[None].contiguous(), 0.0, causal, attn_mask=bias)
+
+
+def dense_bias(layout: ChunkLayout, device, dtype: torch.dtype) -> torch.Tensor | None:
+    """The row's bias for `dense_row`, or None when the row is above `DENSE_ENTRIES`."""
+    tokens = sum(layout.q_lens)
+    if tokens * (sum(layout.store_lens) + tokens) > DENSE_ENTRIES:
+        return None
+    return layout.dense_bias(device, dtype)
+
+
+def dense_row(q_THE, k_TGE, v_TGE, flat, bias_TK):
+    """Output [T, H, E] of a row in one masked kernel call, from plain operations a compiler
+    traces (no structure of the row but the shapes: the bias carries it). `flat`: the store's
+    context pieces k0, v0, k1, v1, ... segment after segment (`layout.unflatten_context`),
+    joined before the row's own keys as `ChunkLayout.dense_mask` lays them out; `bias_TK` its
+    bias (`dense_bias`). The copy of the context is the dense path's price, small by its bound."""
+    k_KGE = torch.cat([*flat[0::2], k_TGE]) if flat else k_TGE
+    v_KGE = torch.cat([*flat[1::2], v_TGE]) if flat else v_TGE
+    out_1HTE, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _heads_first(q_THE), _heads_first(k_KGE), _heads_first(v_KGE), 0.0, False, attn_mask=bias_TK)
+    return out_1HTE[0].transpose(0, 1)
 
 
 def _heads_first(x_TNE: torch.Tensor) -> torch.Tensor:

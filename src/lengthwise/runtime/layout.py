@@ -77,6 +77,35 @@ class ChunkLayout:
         same_segment = seg_q[:, None] == seg_k[None, :]
         return same_segment & (k_index[None, :] <= (ctx + q_index)[:, None])
 
+    @property
+    def store_lens(self) -> tuple[int, ...]:
+        """Context tokens of each segment that come from the state store: its context less the
+        row's earlier slices of its sequence, which end it."""
+        q_lens = self.q_lens
+        return tuple(c - sum(q_lens[j] for j in rows) for c, rows in zip(self.ctx_lens, self.row_context))
+
+    def dense_mask(self, device) -> torch.Tensor:
+        """Boolean [T, C + T], True where a query may attend a key, over the keys laid out as
+        `flash_cpu.dense_row` joins them: every segment's store context (C tokens, segment
+        after segment), then the row's own keys as they are. A query sees its segment's store
+        context, the row's earlier slices of its sequence, and its own slice's keys up to itself.
+        Example, `7[4:6]+2[0:3]`: C = 4; query 0 of 7 sees keys 0..4, query 1 sees 0..5, query 0
+        of 2 sees key 6 only (as `mask`, whose columns are ordered [context_0, own_0, ...])."""
+        seg_q = _segment_ids(self.q_lens, device)
+        seg_store = _segment_ids(self.store_lens, device)
+        num = len(self.q_lens)
+        earlier = _ints([int(j in rows) for rows in self.row_context for j in range(num)], device).view(num, num)
+        rows = torch.arange(sum(self.q_lens), device=device)
+        own = ((seg_q[:, None] == seg_q[None, :]) & (rows[None, :] <= rows[:, None])) | earlier.bool()[seg_q][:, seg_q]
+        return torch.cat([seg_q[:, None] == seg_store[None, :], own], dim=1)
+
+    def dense_bias(self, device, dtype: torch.dtype) -> torch.Tensor:
+        """`dense_mask` as an additive bias, cached as `bias` is."""
+        device = torch.device(device)
+        if sum(self.q_lens) * (sum(self.store_lens) + sum(self.q_lens)) > _BIAS_CACHE_ENTRIES:
+            return self._build_bias(device, dtype, dense=True)
+        return _cached_bias(self, device, dtype, dense=True)
+
     def bias(self, device, dtype: torch.dtype) -> torch.Tensor:
         """The mask as SDPA's additive bias [T, K]: 0 where a query may attend, -inf elsewhere
         (what SDPA would turn a boolean mask into on every call).
@@ -91,9 +120,9 @@ class ChunkLayout:
             return self._build_bias(device, dtype)
         return _cached_bias(self, device, dtype)
 
-    def _build_bias(self, device, dtype: torch.dtype) -> torch.Tensor:
-        bias = torch.zeros(sum(self.q_lens), sum(self.k_lens), dtype=dtype, device=device)
-        return bias.masked_fill_(~self.mask(device), float("-inf"))
+    def _build_bias(self, device, dtype: torch.dtype, dense: bool = False) -> torch.Tensor:
+        mask = self.dense_mask(device) if dense else self.mask(device)
+        return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
 
 
 _BIAS_CACHE_SIZE = 64
@@ -104,8 +133,8 @@ _BIAS_CACHE_ENTRIES = 1 << 20
 
 
 @functools.lru_cache(maxsize=_BIAS_CACHE_SIZE)
-def _cached_bias(layout: ChunkLayout, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return layout._build_bias(device, dtype)
+def _cached_bias(layout: ChunkLayout, device: torch.device, dtype: torch.dtype, dense: bool = False) -> torch.Tensor:
+    return layout._build_bias(device, dtype, dense)
 
 
 def clear_bias_cache() -> None:

@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from torch.distributed.tensor import DTensor
 
-from lengthwise.runtime import row_op
+from lengthwise.runtime import flash_cpu, row_op
 from lengthwise.runtime.attention import ChunkLayout, attend, resolve_backend, row_kernels, wants_varlen_index
 from lengthwise.runtime.compile import compiled
 from lengthwise.runtime.layer_ops import (QKV, GateUp, LinearResidual, OutputNorm, SiluMul, SwiGLUDown, compute_dtype,
@@ -307,13 +307,18 @@ def _chainable(layers: list[DecoderLayer]) -> bool:
             and all(_plain(layer) and not _hooked(layer) for layer in layers))
 
 
-def _chain_region(layers: list[DecoderLayer], h_TD, rope, flats, handle: int):
-    """Layers over one chunk with the attention as an operator (`row_op.flash_row`): the
-    region `_run_chain` compiles. Returns h and the (k, v) per layer."""
+def _chain_region(layers: list[DecoderLayer], h_TD, rope, flats, handle: int | None, bias_TK):
+    """Layers over one chunk with the attention inside: the region `_run_chain` compiles.
+    `bias_TK` None: the attention is an operator (`row_op.flash_row`) that finds its row by
+    `handle`; else a small row on a CPU, traced (`flash_cpu.dense_row` under that bias, the
+    handle unused). Returns h and the (k, v) per layer."""
     kv_per_layer = []
     for layer, flat in zip(layers, flats):
         q_THE, k_TGE, v_TGE = layer.attention_input(h_TD, rope)
-        out_THE, _ = row_op.flash_row(q_THE, k_TGE, v_TGE, flat, handle)
+        if bias_TK is None:
+            out_THE, _ = row_op.flash_row(q_THE, k_TGE, v_TGE, flat, handle)
+        else:
+            out_THE = flash_cpu.dense_row(q_THE, k_TGE, v_TGE, flat, bias_TK)
         h_TD = layer.attention_output(h_TD, out_THE)
         kv_per_layer.append((k_TGE, v_TGE))
     return h_TD, kv_per_layer
@@ -325,6 +330,9 @@ def _run_chain(layers: list[DecoderLayer], h_TD, rope, index, contexts, backend)
     every CHAIN_LAYERS layers, instead of two each per layer (`attention_input`,
     `attention_output` around an eager attention). The arithmetic is the layers'; what the
     region keeps for backward is AOTAutograd's partitioner's choice over the larger graph.
+    A small row on a CPU is traced whole instead of held as an operator (`flash_cpu.dense_row`,
+    under a bias built once per chunk): the region then calls nothing opaque, and no Python of
+    the row's runs inside it.
     Returns h and the (k, v) per layer; None where it cannot run, and the caller runs the layers
     as before: no flash backend (the reference one, a distributed attention), no RowIndex, or
     layers whose contexts differ in shape (not from the stage: it hands every layer the same
@@ -334,17 +342,30 @@ def _run_chain(layers: list[DecoderLayer], h_TD, rope, index, contexts, backend)
     pieces = {tuple(len(p) for p in context) for context in contexts}
     if kernels is None or not isinstance(index, RowIndex) or len(pieces) != 1:
         return None
-    call = row_op.register(kernels, index, pieces.pop())
+    bias_TK = _dense_bias(kernels, index, contexts[0], h_TD)
+    call = None if bias_TK is not None else row_op.register(kernels, index, pieces.pop())
     region = compiled(_chain_region, layers[0].compile_backend)
     kv_per_layer = []
     for at in range(0, len(layers), CHAIN_LAYERS):
         group = layers[at:at + CHAIN_LAYERS]
         flats = [[t for piece in context for kv in piece for t in kv] for context in contexts[at:at + len(group)]]
-        h_TD, kv = region(group, h_TD, rope, flats, call.handle)
-        if h_TD.grad_fn is not None:  # the row stays registered until the region's backward has run
+        h_TD, kv = region(group, h_TD, rope, flats, call and call.handle, bias_TK)
+        if call is not None and h_TD.grad_fn is not None:  # registered until the region's backward has run
             h_TD.grad_fn.metadata["row_call"] = call
         kv_per_layer += kv
     return h_TD, kv_per_layer
+
+
+def _dense_bias(kernels, index: RowIndex, context, h_TD):
+    """The bias under which `_chain_region` traces the row's attention (`flash_cpu.dense_row`),
+    or None: not the CPU kernels, a row above `flash_cpu.DENSE_ENTRIES`, or store pieces other
+    than the layout's (their lengths are host ints: the check reads no tensor)."""
+    if kernels is not flash_cpu.KERNELS:
+        return None
+    layout = index.layout
+    if [sum(k.shape[0] for k, _ in segment) for segment in context] != list(layout.store_lens):
+        return None
+    return flash_cpu.dense_bias(layout, h_TD.device, h_TD.dtype)
 
 
 def _plain(layer: DecoderLayer) -> bool:
