@@ -23,7 +23,12 @@ alike):
 - `after+compile`: this checkout with each decoder layer compiled (`--compile-backend`,
   default inductor; `--no-inductor` uses aot_eager, which traces but does not fuse);
 - `after+compile+chain`: the same, compiled with `chain` (up to four layers in one compiled
-  region, attention included as an operator, `runtime/compile.py`).
+  region, attention included, `runtime/compile.py`): on a CPU this plan's rows are small, so
+  each row's attention is traced whole into the region (`flash_cpu.dense_row`, one masked
+  kernel call);
+- `after+compile+chain+operator`: chained with the attention held as an operator
+  (`row_op.flash_row`, `flash_cpu.DENSE_ENTRIES` 0), the path a GPU's regions take and a CPU's
+  larger rows: what the chain costs where the row's Python still runs inside it.
 Reported: the median over rounds of each variant's per-layer-chunk time, and before / after;
 for the eager variants also the time of the ATen calls alone (`replay`: every operator call the
 step dispatched below autograd, recorded once and made again in a loop, no autograd, none of
@@ -79,14 +84,21 @@ FEW, MANY = 4, 8
 """The two depths whose steps are timed (module docstring)."""
 SAMPLES = (MANY - FEW) * NUM_CHUNKS
 """Layer-chunks the deeper step runs more."""
-VARIANTS = ("before", "after", "after+compile", "after+compile+chain", "floor", "floor+compile")
+VARIANTS = ("before", "after", "after+compile", "after+compile+chain", "after+compile+chain+operator", "floor",
+            "floor+compile")
 COUNTS = ("aten_ops", "dispatched_ops", "autograd_nodes", "compiled_graph_calls")
 """Per layer and chunk, counted once per variant (`dispatch_counts`)."""
 
 
-def worker(compile_backend: str | None, steps: int, device: str = "cpu", chain: bool = False) -> None:
+def worker(compile_backend: str | None, steps: int, device: str = "cpu", chain: bool = False,
+           operator: bool = False) -> None:
     """Build the two models, warm up, then time `steps` steps of each whenever a line arrives."""
     import torch
+
+    if operator:
+        from lengthwise.runtime import flash_cpu
+
+        flash_cpu.DENSE_ENTRIES = 0
 
     from lengthwise.plan.ir import Action, Chunk, PipelinePlan, StepPlan
     from lengthwise.runtime.execute import run_step
@@ -317,7 +329,7 @@ def old_source(rev: str, into: Path) -> Path:
 
 
 def start(src: Path, compile_backend: str | None, steps: int, device: str,
-          floor: bool = False, chain: bool = False) -> tuple[subprocess.Popen, dict]:
+          floor: bool = False, chain: bool = False, operator: bool = False) -> tuple[subprocess.Popen, dict]:
     """A worker process on `src`'s package (or PyTorch's floor), ready, and what it runs on."""
     env = {**os.environ, "PYTHONPATH": str(src)}
     args = [sys.executable, __file__, "--floor-worker" if floor else "--worker", "--steps", str(steps),
@@ -326,6 +338,8 @@ def start(src: Path, compile_backend: str | None, steps: int, device: str,
         args += ["--compile-backend", compile_backend]
     if chain:
         args += ["--chain"]
+    if operator:
+        args += ["--operator"]
     proc = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line.startswith("ready "):
@@ -345,6 +359,7 @@ def main(argv=None) -> int:
     ap.add_argument("--floor-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile-backend", help=argparse.SUPPRESS)
     ap.add_argument("--chain", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--operator", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--old-rev", default=OLD_REV, help=f"git revision of `before` (default {OLD_REV})")
     ap.add_argument("--rounds", type=int, default=7, help="turns of every variant (default 7)")
     ap.add_argument("--steps", type=int, default=10, help="steps per turn, median kept (default 10)")
@@ -356,7 +371,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "host_overhead.json"))
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.compile_backend, args.steps, args.device, args.chain)
+        worker(args.compile_backend, args.steps, args.device, args.chain, args.operator)
         return 0
     if args.floor_worker:
         floor_worker(args.compile_backend, args.steps)
@@ -372,12 +387,14 @@ def main(argv=None) -> int:
                    "after": lambda: (ROOT / "src", None),
                    "after+compile": lambda: (ROOT / "src", compile_backend),
                    "after+compile+chain": lambda: (ROOT / "src", compile_backend),
+                   "after+compile+chain+operator": lambda: (ROOT / "src", compile_backend),
                    "floor": lambda: (ROOT / "src", None),
                    "floor+compile": lambda: (ROOT / "src", compile_backend)}
         variants = {name.replace("+compile", f"+compile({compile_backend})"):
-                    (*sources[name](), name.startswith("floor"), name.endswith("+chain")) for name in wanted}
-        started = {name: start(src, backend, args.steps, args.device, floor, chain)
-                   for name, (src, backend, floor, chain) in variants.items()}
+                    (*sources[name](), name.startswith("floor"), "+chain" in name, name.endswith("+operator"))
+                    for name in wanted}
+        started = {name: start(src, backend, args.steps, args.device, floor, chain, operator)
+                   for name, (src, backend, floor, chain, operator) in variants.items()}
         procs = {name: proc for name, (proc, _) in started.items()}
         machine = next(iter(started.values()))[1]
         warmup = {name: round(ready["warmup_s"], 2) for name, (_, ready) in started.items() if "warmup_s" in ready}
