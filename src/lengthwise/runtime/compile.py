@@ -40,13 +40,17 @@ inside it as an operator (`row_op.flash_row`, whose backward is an operator too:
 that need no guard on the chunk's structure, found by a handle that is a graph input). A layer
 and chunk then cost a quarter of a compiled call forward and a quarter of one backward instead
 of two each, and the region's inductor code calls the attention directly, without an eager autograd
-Function around it. For the flash backends (`cpu-flash`, `varlen`); the reference backend and
-context parallelism's attention run as before, as do layers with hooks (FSDP2, tensor
-parallelism) or recomputation. Measured on this CPU (inductor, the tiny step,
-benchmarks/results/host_overhead.json, 8-layer step minus 4-layer step): 921 us a layer and
-chunk chained against 1,356 compiled apart and 1,353 eager (1,738 before the hot-path work:
-1.89x); PyTorch's own floor, each plain layer compiled whole with SDPA inside, 645. The warm-up
-with compilation took 16.6 s against 6.2. Its costs: the region unrolls its layers, so
+Function around it. On a CPU a small row (`flash_cpu.DENSE_ENTRIES`) is not an operator but
+traced whole (`flash_cpu.dense_row`: one masked flash call over the store context and the
+row's own keys, its bias built once per chunk), so the region holds nothing opaque and no
+Python of the row runs between its layers. For the flash backends (`cpu-flash`, `varlen`); the
+reference backend and context parallelism's attention run as before, as do layers with hooks
+(FSDP2, tensor parallelism) or recomputation. Measured on this CPU (inductor, the tiny step,
+benchmarks/results/host_overhead.json, 8-layer step minus 4-layer step, one run): 529 us a
+layer and chunk chained, 944 with the attention as an operator (the GPU's path), against 1,427
+compiled apart and 1,410 eager (1,750 before the hot-path work: 3.31x, 1.85x with the
+operator); PyTorch's own floor, each plain layer compiled whole with SDPA inside, 655. The
+warm-up with compilation took 15.4 s against 5.2. Its costs: the region unrolls its layers, so
 its graph compiles longer, and a stage whose layer count is no multiple of four compiles one
 graph more for the rest; a chunk with another number of context pieces compiles another graph
 (0 or 1 split sequence a chunk in practice). Not yet measured on a GPU, where the host time of

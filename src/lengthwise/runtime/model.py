@@ -292,9 +292,9 @@ ceil(L / 4) regions per chunk, forward and backward. Larger regions call less of
 longer (the graph unrolls its layers) and, with a stage's layer count no multiple of it, compile
 one more graph for the rest. Measured on a CPU (inductor; `bench_host_overhead.py` host time a
 layer and chunk against the layers compiled apart in the same run, and the compile-bound
-`lengthwise verify --model-config tiny-qwen --k 1`): 2 layers 0.79 of the host time, verify
-29 s; 4 layers 0.68, 48 s; apart 17 s. Four, for the host time a ChunkFlow step waits on; the
-compilation is paid once a run."""
+`lengthwise verify --model-config tiny-qwen --k 1`), the attention an operator: 2 layers 0.79 of
+the host time, verify 29 s; 4 layers 0.68, 48 s; apart 17 s. Four, for the host time a ChunkFlow
+step waits on; the compilation is paid once a run."""
 
 
 def _chainable(layers: list[DecoderLayer]) -> bool:

@@ -6,7 +6,8 @@ chunk's structure. As an operator (`torch.library.custom_op`) it is one opaque n
 dynamo and AOTAutograd trace through without looking inside: the region runs from one layer's
 attention input to the next layer's and on, the operator's backward (another operator) sits in
 the region's backward graph, and a layer costs one compiled call per few layers instead of two
-each (`model._run_chain`).
+each (`model._run_chain`). It serves the varlen kernels and a CPU's larger rows; a CPU's small
+row is traced whole instead (`flash_cpu.dense_row`), which needs no operator at all.
 
 What the operator cannot take as an argument, the row's structure (its `RowIndex`, the
 kernels, the number of context pieces per segment), it finds by a *handle*, an int registered
