@@ -38,15 +38,17 @@ per-layer time needs fewer calls;
 and, apart, the varlen (CUDA) path's index and key-packing host work per layer and chunk
 (`varlen_index_work`), which the CPU step above does not run.
 
-Two more variants measure PyTorch's own floor, with nothing of lengthwise in it (`floor_worker`):
+Three more variants measure PyTorch's own floor, with nothing of lengthwise in it (`floor_worker`):
 the same layer shapes written as the plain expressions a model file has (RMSNorm, q/k/v with
 biases, rotary embedding, one causal `scaled_dot_product_attention` call over the chunk's own
 tokens, no earlier K/V, output projection, SwiGLU), each chunk through the layers forward and
 back (`.sum().backward()`), the same chunk lengths (8, 16, 16 tokens), the same 8-minus-4-layer
 difference: `floor` eager, `floor+compile` with every layer compiled whole (one graph forward,
-one backward; the compile backend as above). What these cost is what any executor that calls
-PyTorch once per layer and chunk pays on this host, however little else it does: a per-layer
-time below it needs a different execution (CUDA graphs on a GPU; nothing like them on a CPU).
+one backward; the compile backend as above), `floor+compile+chain` with four layers in one
+compiled function as the chained executor runs them. What `floor` and `floor+compile` cost is
+what any executor that calls PyTorch once per layer and chunk pays on this host, however little
+else it does; `floor+compile+chain` is the floor of calling it once per four layers (its
+attention still sees no earlier K/V, so its row is simpler than the executor's).
 Times are the CPU time of the process's main thread (`time.thread_time`, torch on one thread),
 not wall time: on a shared machine a process also waits for a core, which is not the host
 cost of the code. With `--device cuda` (bfloat16, the varlen backend: the GPU path) they are
@@ -85,7 +87,7 @@ FEW, MANY = 4, 8
 SAMPLES = (MANY - FEW) * NUM_CHUNKS
 """Layer-chunks the deeper step runs more."""
 VARIANTS = ("before", "after", "after+compile", "after+compile+chain", "after+compile+chain+operator", "floor",
-            "floor+compile")
+            "floor+compile", "floor+compile+chain")
 COUNTS = ("aten_ops", "dispatched_ops", "autograd_nodes", "compiled_graph_calls")
 """Per layer and chunk, counted once per variant (`dispatch_counts`)."""
 
@@ -168,7 +170,7 @@ FLOOR_CHUNK_TOKENS = (8, 16, 16)
 """Tokens of the plan's three chunks (`CHUNKS`), for `floor_worker`."""
 
 
-def floor_worker(compile_backend: str | None, steps: int) -> None:
+def floor_worker(compile_backend: str | None, steps: int, chain: bool = False) -> None:
     """`worker`'s protocol for PyTorch's floor (module docstring): plain-expression layers of the
     same shapes, each chunk forward and backward through 2 and through 4 of them."""
     import torch
@@ -210,10 +212,18 @@ def floor_worker(compile_backend: str | None, steps: int) -> None:
 
     torch.manual_seed(0)
     stacks = {layers: [PlainLayer() for _ in range(layers)] for layers in (FEW, MANY)}
-    if compile_backend:
+    if compile_backend and not chain:
         for stack in stacks.values():
             for layer in stack:
                 layer.compile(backend=compile_backend, dynamic=True)
+
+    def run(layers, h, cos, sin):
+        for layer in layers:
+            h = layer(h, cos, sin)
+        return h
+
+    region = torch.compile(run, backend=compile_backend, dynamic=True) if chain else run
+    group = 4 if chain else 1
     chunks = []
     for tokens in FLOOR_CHUNK_TOKENS:
         angles = torch.arange(tokens, dtype=torch.float32)[:, None, None] * torch.ones(head_dim)
@@ -222,8 +232,8 @@ def floor_worker(compile_backend: str | None, steps: int) -> None:
     def step(layers: int) -> float:
         started = time.thread_time()
         for h, cos, sin in chunks:
-            for layer in stacks[layers]:
-                h = layer(h, cos, sin)
+            for at in range(0, layers, group):
+                h = region(stacks[layers][at:at + group], h, cos, sin)
             h.sum().backward()
         return time.thread_time() - started
 
@@ -374,7 +384,7 @@ def main(argv=None) -> int:
         worker(args.compile_backend, args.steps, args.device, args.chain, args.operator)
         return 0
     if args.floor_worker:
-        floor_worker(args.compile_backend, args.steps)
+        floor_worker(args.compile_backend, args.steps, args.chain)
         return 0
     compile_backend = "aot_eager" if args.no_inductor else "inductor"
     wanted = args.variants.split(",")
@@ -389,7 +399,8 @@ def main(argv=None) -> int:
                    "after+compile+chain": lambda: (ROOT / "src", compile_backend),
                    "after+compile+chain+operator": lambda: (ROOT / "src", compile_backend),
                    "floor": lambda: (ROOT / "src", None),
-                   "floor+compile": lambda: (ROOT / "src", compile_backend)}
+                   "floor+compile": lambda: (ROOT / "src", compile_backend),
+                   "floor+compile+chain": lambda: (ROOT / "src", compile_backend)}
         variants = {name.replace("+compile", f"+compile({compile_backend})"):
                     (*sources[name](), name.startswith("floor"), "+chain" in name, name.endswith("+operator"))
                     for name in wanted}

@@ -46,11 +46,12 @@ row's own keys, its bias built once per chunk), so the region holds nothing opaq
 Python of the row runs between its layers. For the flash backends (`cpu-flash`, `varlen`); the
 reference backend and context parallelism's attention run as before, as do layers with hooks
 (FSDP2, tensor parallelism) or recomputation. Measured on this CPU (inductor, the tiny step,
-benchmarks/results/host_overhead.json, 8-layer step minus 4-layer step, one run): 529 us a
-layer and chunk chained, 944 with the attention as an operator (the GPU's path), against 1,427
-compiled apart and 1,410 eager (1,750 before the hot-path work: 3.31x, 1.85x with the
-operator); PyTorch's own floor, each plain layer compiled whole with SDPA inside, 655. The
-warm-up with compilation took 15.4 s against 5.2. Its costs: the region unrolls its layers, so
+benchmarks/results/host_overhead.json, 8-layer step minus 4-layer step, one run): 544 us a
+layer and chunk chained, 941 with the attention as an operator (the GPU's path), against 1,400
+compiled apart and 1,448 eager (1,759 before the hot-path work: 3.24x, 1.87x with the
+operator); PyTorch's own floor, each plain layer compiled whole with SDPA inside, 665, and four
+plain layers in one compiled function, 369. The warm-up with compilation took 15.8 s against
+5.4. Its costs: the region unrolls its layers, so
 its graph compiles longer, and a stage whose layer count is no multiple of four compiles one
 graph more for the rest; a chunk with another number of context pieces compiles another graph
 (0 or 1 split sequence a chunk in practice). Not yet measured on a GPU, where the host time of
