@@ -139,12 +139,13 @@ def test_a_dense_row_matches_the_reference_backend(spec, compiled, monkeypatch):
     """`flash_cpu.dense_row`, a small row's attention in a chained region on a CPU: one masked
     kernel call over the store context and the row's own keys under `ChunkLayout.dense_mask`,
     eagerly and compiled with aot_eager (dynamic shapes): output and every gradient, the store
-    pieces' included, equal the reference backend's; a row above `DENSE_ENTRIES` gets no bias."""
+    pieces' included, equal the reference backend's. No bias (the region holds the operator):
+    for the varlen kernels, a row above `DENSE_ENTRIES`, store pieces of other lengths."""
     from lengthwise.runtime import flash_cpu
 
     layout, q, k, v, context, leaves, g = _row(spec)
     flat = [t for pieces in context for kv in pieces for t in kv]
-    bias = flash_cpu.dense_bias(layout, "cpu", torch.float64)
+    bias = flash_cpu.dense_bias(flash_cpu.KERNELS, layout, context, "cpu", torch.float64)
     fn = torch.compile(flash_cpu.dense_row, backend="aot_eager", dynamic=True) if compiled else flash_cpu.dense_row
     got, got_grads = _outputs_and_grads(lambda: fn(q * 1, k, v, flat, bias), leaves, g)
     want, want_grads = _outputs_and_grads(lambda: attend(q, k, v, context, layout, backend="reference"), leaves, g)
@@ -152,10 +153,13 @@ def test_a_dense_row_matches_the_reference_backend(spec, compiled, monkeypatch):
     for a, b in zip(got_grads, want_grads):
         assert (a - b).abs().max() <= 1e-12
     tokens = sum(layout.q_lens)
-    entries = tokens * (sum(layout.store_lens) + tokens)
-    assert bias.shape[0] * bias.shape[1] == entries
-    monkeypatch.setattr(flash_cpu, "DENSE_ENTRIES", entries - 1)
-    assert flash_cpu.dense_bias(layout, "cpu", torch.float64) is None
+    assert bias.shape == (tokens, layout.dense_entries // tokens)
+    assert flash_cpu.dense_bias(REFERENCE_VARLEN, layout, context, "cpu", torch.float64) is None
+    if any(context):
+        short = [[(k_[1:], v_[1:]) for k_, v_ in pieces] for pieces in context]
+        assert flash_cpu.dense_bias(flash_cpu.KERNELS, layout, short, "cpu", torch.float64) is None
+    monkeypatch.setattr(flash_cpu, "DENSE_ENTRIES", layout.dense_entries - 1)
+    assert flash_cpu.dense_bias(flash_cpu.KERNELS, layout, context, "cpu", torch.float64) is None
 
 
 def test_row_index_is_built_from_the_plan_with_host_max_lengths():

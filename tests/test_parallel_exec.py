@@ -85,8 +85,8 @@ slices and their K/V state across stages; cp 2: skrull's sequence of 150 sharded
 ranks; chained under ZeRO-3 (`compile_layers(..., chain=True)`, the cpu-flash backend): FSDP2's
 hooks on every layer, so each layer runs a compiled region of its own with the attention inside
 (`model._run_chain`) as the operator a GPU's region holds (`flash_cpu.DENSE_ENTRIES` 0: these
-small rows would be traced whole on a CPU). benchmarks/verify_matrix.py checks every planner at tp 1, tp 2, pp 2 and
-cp 2 so."""
+small rows would be traced whole on a CPU). benchmarks/verify_matrix.py checks every planner at
+tp 1, tp 2, pp 2 and cp 2 so."""
 HEAD_BLOCK_ROWS = 48
 
 

@@ -167,10 +167,14 @@ def _kernel_backward(g_1HtE, q_1HtE, k_1GKE, v_1GKE, out_1HtE, lse_Ht, call: _Ca
         g_1HtE, q_1HtE, k_1GKE, v_1GKE, out_1HtE, lse_Ht[None].contiguous(), 0.0, causal, attn_mask=bias)
 
 
-def dense_bias(layout: ChunkLayout, device, dtype: torch.dtype) -> torch.Tensor | None:
-    """The row's bias for `dense_row`, or None when the row is above `DENSE_ENTRIES`."""
-    tokens = sum(layout.q_lens)
-    if tokens * (sum(layout.store_lens) + tokens) > DENSE_ENTRIES:
+def dense_bias(kernels, layout: ChunkLayout, context, device, dtype: torch.dtype) -> torch.Tensor | None:
+    """The bias under which a chained region traces the row's attention (`dense_row`), or None
+    and the region holds the operator: kernels other than these (the varlen ones), a row above
+    `DENSE_ENTRIES`, or store pieces (`context`: per segment, its (k, v) pieces) other than the
+    layout's (their lengths are host ints: the check reads no tensor)."""
+    if kernels is not KERNELS or layout.dense_entries > DENSE_ENTRIES:
+        return None
+    if [sum(k.shape[0] for k, _ in pieces) for pieces in context] != list(layout.store_lens):
         return None
     return layout.dense_bias(device, dtype)
 

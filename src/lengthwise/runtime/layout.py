@@ -99,10 +99,16 @@ class ChunkLayout:
         own = ((seg_q[:, None] == seg_q[None, :]) & (rows[None, :] <= rows[:, None])) | earlier.bool()[seg_q][:, seg_q]
         return torch.cat([seg_q[:, None] == seg_store[None, :], own], dim=1)
 
+    @property
+    def dense_entries(self) -> int:
+        """Entries of `dense_mask`: queries x (store context + queries)."""
+        tokens = sum(self.q_lens)
+        return tokens * (sum(self.store_lens) + tokens)
+
     def dense_bias(self, device, dtype: torch.dtype) -> torch.Tensor:
         """`dense_mask` as an additive bias, cached as `bias` is."""
         device = torch.device(device)
-        if sum(self.q_lens) * (sum(self.store_lens) + sum(self.q_lens)) > _BIAS_CACHE_ENTRIES:
+        if self.dense_entries > _BIAS_CACHE_ENTRIES:
             return self._build_bias(device, dtype, dense=True)
         return _cached_bias(self, device, dtype, dense=True)
 

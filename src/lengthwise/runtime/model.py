@@ -342,7 +342,7 @@ def _run_chain(layers: list[DecoderLayer], h_TD, rope, index, contexts, backend)
     pieces = {tuple(len(p) for p in context) for context in contexts}
     if kernels is None or not isinstance(index, RowIndex) or len(pieces) != 1:
         return None
-    bias_TK = _dense_bias(kernels, index, contexts[0], h_TD)
+    bias_TK = flash_cpu.dense_bias(kernels, index.layout, contexts[0], h_TD.device, h_TD.dtype)
     call = None if bias_TK is not None else row_op.register(kernels, index, pieces.pop())
     region = compiled(_chain_region, layers[0].compile_backend)
     kv_per_layer = []
@@ -354,18 +354,6 @@ def _run_chain(layers: list[DecoderLayer], h_TD, rope, index, contexts, backend)
             h_TD.grad_fn.metadata["row_call"] = call
         kv_per_layer += kv
     return h_TD, kv_per_layer
-
-
-def _dense_bias(kernels, index: RowIndex, context, h_TD):
-    """The bias under which `_chain_region` traces the row's attention (`flash_cpu.dense_row`),
-    or None: not the CPU kernels, a row above `flash_cpu.DENSE_ENTRIES`, or store pieces other
-    than the layout's (their lengths are host ints: the check reads no tensor)."""
-    if kernels is not flash_cpu.KERNELS:
-        return None
-    layout = index.layout
-    if [sum(k.shape[0] for k, _ in segment) for segment in context] != list(layout.store_lens):
-        return None
-    return flash_cpu.dense_bias(layout, h_TD.device, h_TD.dtype)
 
 
 def _plain(layer: DecoderLayer) -> bool:
